@@ -1,0 +1,302 @@
+//! Bit-exact MXFP8 and NVFP4 block quantization on CPU, with NVIDIA Transformer Engine (TE)
+//! semantics.
+//!
+//! # Purpose
+//! Every layer of lowbit above this one (primary weights, parameter gather, FSDP, checkpoints)
+//! stores tensors in block-scaled formats that GEMMs and other training stacks read. This crate is
+//! the definition of those bytes: scalar codecs ([`scalar`]), MXFP8 ([`mxfp8`]: E8M0 scale per
+//! 1x32, 32x1 or 32x32 block), NVFP4 ([`nvfp4`]: fp32 tensor scale, E4M3 scale per 1x16 or 16x16
+//! block, E2M1 elements, optional random Hadamard transform and stochastic rounding) and the scale
+//! layouts GEMMs expect ([`layout`]). It is also the oracle the CUDA kernels are tested against.
+//!
+//! # The key decision: TE's arithmetic, step by step
+//! Several stacks implement "MXFP8" and disagree on the bits (torchao's default FLOOR scale, OCP's
+//! emulator rounding ties away from zero, torchao's NVFP4 scale floor of 2^-6). We reproduce TE's
+//! operation order exactly, including its rounded reciprocals (`amax · fl32(1/448)`, never a
+//! division) and its edge behaviour (NaN ignored by the block amax, Inf blocks saturate, NVFP4
+//! blocks whose scale underflows encode ±6 with scale 0). `quant_formats.md` in the project's
+//! research notes has the source lines and the golden vectors the tests check.
+//!
+//! # Invariants
+//! - Quantization is a pure function of (input values, shape, config): the result does not depend
+//!   on the thread count, and stochastic rounding draws from a counter-based generator keyed by
+//!   the seed and each element's position, so the same seed gives the same bytes.
+//! - Elements outside a partial edge block do not exist: they neither enter the amax nor produce
+//!   output bytes (packed NVFP4 rows pad their last nibble with zero).
+//! - Every byte of every output buffer is written; padding in swizzled layouts is zero.
+//! - With [`NanPolicy::Error`], no output is produced for an input that holds NaN or ±Inf.
+//!
+//! # Non-goals
+//! Devices, ranks and buffers (those are `lowbit-device` and above); GEMMs; MXFP6/MXFP4;
+//! torchao's FLOOR scale mode; bit-exact reproduction of TE's Philox stream for stochastic rounding
+//! (tested statistically, as TE itself does).
+
+pub mod hadamard;
+pub mod layout;
+pub mod mxfp8;
+pub mod nvfp4;
+mod par;
+pub mod rng;
+pub mod scalar;
+
+pub use half::{bf16, f16};
+pub use layout::ScaleLayout;
+pub use mxfp8::{Mxfp8Config, Mxfp8Tensor, quantize_mxfp8};
+pub use nvfp4::{Nvfp4Config, Nvfp4Tensor, quantize_nvfp4};
+pub use scalar::Fp8Kind;
+
+/// Errors of this crate. Each names the tensor it is about.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum FormatError {
+    /// The data length does not match `rows × cols`.
+    #[error("tensor `{name}`: {len} elements do not fill a {rows}x{cols} matrix")]
+    ShapeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Rows requested.
+        rows: usize,
+        /// Columns requested.
+        cols: usize,
+        /// Elements supplied.
+        len: usize,
+    },
+    /// A non-finite input under [`NanPolicy::Error`].
+    #[error("tensor `{name}`: non-finite value {value} at index [{row}, {col}] (flat index {flat})")]
+    NonFinite {
+        /// Tensor name.
+        name: String,
+        /// Row of the first non-finite element.
+        row: usize,
+        /// Column of the first non-finite element.
+        col: usize,
+        /// Row-major flat index of that element.
+        flat: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// A configuration that this tensor or recipe cannot honour.
+    #[error("tensor `{name}`: {reason}")]
+    Unsupported {
+        /// Tensor name.
+        name: String,
+        /// What is not supported, and why.
+        reason: String,
+    },
+    /// A quantized buffer whose size does not match its declared shape.
+    #[error("tensor `{name}`: {what} has {got}, expected shape {expected}")]
+    BadBuffer {
+        /// Tensor name.
+        name: String,
+        /// Which buffer.
+        what: String,
+        /// What is present.
+        got: String,
+        /// The shape expected.
+        expected: String,
+    },
+}
+
+/// What to do with NaN and ±Inf inputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NanPolicy {
+    /// TE's behaviour (`quant_formats.md` §1.5): the block amax ignores NaN, a NaN element encodes
+    /// as NaN (E2M1: +6), an Inf amax saturates the scale.
+    #[default]
+    Te,
+    /// Reject any non-finite input with [`FormatError::NonFinite`].
+    Error,
+}
+
+/// Which quantized copies to produce.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Copies {
+    /// Blocks along the last dimension only.
+    Rowwise,
+    /// Blocks down the rows only.
+    Columnwise,
+    /// Both, from one pass over the input.
+    #[default]
+    Both,
+}
+
+impl Copies {
+    /// Whether the rowwise copy is produced.
+    pub fn rowwise(self) -> bool {
+        matches!(self, Copies::Rowwise | Copies::Both)
+    }
+    /// Whether the columnwise copy is produced.
+    pub fn columnwise(self) -> bool {
+        matches!(self, Copies::Columnwise | Copies::Both)
+    }
+}
+
+/// Borrowed high-precision elements.
+#[derive(Clone, Copy, Debug)]
+pub enum Source<'a> {
+    /// fp32 elements.
+    F32(&'a [f32]),
+    /// bf16 elements.
+    Bf16(&'a [bf16]),
+    /// fp16 elements.
+    F16(&'a [f16]),
+}
+
+impl Source<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Source::F32(s) => s.len(),
+            Source::Bf16(s) => s.len(),
+            Source::F16(s) => s.len(),
+        }
+    }
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A named row-major `rows × cols` matrix of high-precision values: the input of every quantizer.
+/// A tensor of shape `[d0, …, N]` is the matrix `[d0·…, N]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    name: &'a str,
+    rows: usize,
+    cols: usize,
+    data: Source<'a>,
+}
+
+impl<'a> Matrix<'a> {
+    /// Checks that `data` holds exactly `rows × cols` elements.
+    pub fn new(
+        name: &'a str,
+        rows: usize,
+        cols: usize,
+        data: Source<'a>,
+    ) -> Result<Self, FormatError> {
+        if rows.checked_mul(cols) != Some(data.len()) {
+            return Err(FormatError::ShapeMismatch {
+                name: name.to_owned(),
+                rows,
+                cols,
+                len: data.len(),
+            });
+        }
+        Ok(Matrix {
+            name,
+            rows,
+            cols,
+            data,
+        })
+    }
+    /// The tensor's name, used in errors.
+    pub fn name(&self) -> &'a str {
+        self.name
+    }
+    /// Rows (product of the leading dimensions).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Columns (the last dimension).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The elements.
+    pub fn data(&self) -> Source<'a> {
+        self.data
+    }
+
+    /// Element `flat` as f32 (exact for every source type).
+    pub fn get(&self, flat: usize) -> f32 {
+        match self.data {
+            Source::F32(s) => s[flat],
+            Source::Bf16(s) => s[flat].to_f32(),
+            Source::F16(s) => s[flat].to_f32(),
+        }
+    }
+
+    /// Under [`NanPolicy::Error`], the error for the first non-finite element, if any.
+    pub(crate) fn check_finite(&self, policy: NanPolicy) -> Result<(), FormatError> {
+        if policy == NanPolicy::Te {
+            return Ok(());
+        }
+        let first = match self.data {
+            Source::F32(s) => s.iter().position(|x| !x.is_finite()),
+            Source::Bf16(s) => s.iter().position(|x| !x.is_finite()),
+            Source::F16(s) => s.iter().position(|x| !x.is_finite()),
+        };
+        match first {
+            None => Ok(()),
+            Some(flat) => Err(FormatError::NonFinite {
+                name: self.name.to_owned(),
+                row: flat / self.cols,
+                col: flat % self.cols,
+                flat,
+                value: self.get(flat),
+            }),
+        }
+    }
+
+    pub(crate) fn unsupported(&self, reason: impl Into<String>) -> FormatError {
+        FormatError::Unsupported {
+            name: self.name.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// One quantized copy: element bytes and compact block scales, both row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantPlane {
+    /// Element bytes (fp8 codes, or two E2M1 nibbles per byte, element 2i in the low nibble).
+    pub data: Vec<u8>,
+    /// Shape of `data` as `[rows, bytes per row]`.
+    pub data_shape: [usize; 2],
+    /// Block scales (E8M0 for MXFP8, UE4M3 for NVFP4) in the compact layout.
+    pub scales: Vec<u8>,
+    /// Shape of `scales`.
+    pub scale_shape: [usize; 2],
+}
+
+/// An element type the quantizers read: f32, bf16 or f16.
+pub(crate) trait Element: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// |x| as fp32 bits, with NaN mapped to 0 so that an integer max over these equals TE's
+/// NaN-ignoring `fmaxf` amax (non-negative floats order like their bit patterns).
+#[inline(always)]
+pub(crate) fn abs_bits_nan_zero(x: f32) -> u32 {
+    let a = x.to_bits() & 0x7FFF_FFFF;
+    if a > 0x7F80_0000 { 0 } else { a }
+}
+
+/// The number of worker threads to use for `requested` (0 = all available cores).
+pub(crate) fn thread_count(requested: usize) -> usize {
+    if requested == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        requested
+    }
+}

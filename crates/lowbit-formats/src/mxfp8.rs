@@ -1,0 +1,379 @@
+//! MXFP8: fp8 elements (E4M3 or E5M2) with one E8M0 power-of-two scale per 32 elements.
+//!
+//! TE's rule (`quant_formats.md` §1.2), per block:
+//! `e = e8m0_round_up(fl32(amax · fl32(1/max)))`, `q = fp8_rne_satfinite(fl32(x · 2^(127−e)))`.
+//! The scale multiply is exact, so each element is rounded once.
+//!
+//! Copies, for a `rows × cols` matrix (both `rows × cols` bytes, neither transposed):
+//! - rowwise: 1x32 blocks along a row, scales `[rows, ceil(cols/32)]`;
+//! - columnwise: 32x1 blocks down a column, scales `[ceil(rows/32), cols]`;
+//! - 2D: one scale per 32x32 tile, written into both scale tensors, so both copies hold the same
+//!   bytes.
+//!
+//! Both copies come from one pass over the input: the quantizer walks bands of 32 rows, encodes
+//! the rowwise blocks while it folds the column amaxes, then encodes the columnwise copy of the
+//! band while the band is still in cache.
+
+use crate::scalar::{self, Fp8Kind, e8m0_from_f32, e8m0_rcp, e8m0_to_f32};
+use crate::{
+    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, abs_bits_nan_zero, par,
+    thread_count,
+};
+
+/// Elements per MXFP8 block (and rows/columns per 2D tile).
+pub const BLOCK: usize = 32;
+
+/// How to quantize to MXFP8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mxfp8Config {
+    /// Element type.
+    pub kind: Fp8Kind,
+    /// Which copies to produce.
+    pub copies: Copies,
+    /// One scale per 32x32 tile, shared by both copies (TE's weight recipe option).
+    pub two_d: bool,
+    /// Treatment of NaN and ±Inf inputs.
+    pub nan_policy: NanPolicy,
+    /// Worker threads; 0 means all available cores. The result does not depend on it.
+    pub threads: usize,
+}
+
+impl Default for Mxfp8Config {
+    fn default() -> Self {
+        Mxfp8Config {
+            kind: Fp8Kind::E4M3,
+            copies: Copies::Both,
+            two_d: false,
+            nan_policy: NanPolicy::Te,
+            threads: 1,
+        }
+    }
+}
+
+/// A quantized MXFP8 matrix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mxfp8Tensor {
+    /// Rows of the original matrix.
+    pub rows: usize,
+    /// Columns of the original matrix.
+    pub cols: usize,
+    /// Element type.
+    pub kind: Fp8Kind,
+    /// Whether scales are per 32x32 tile.
+    pub two_d: bool,
+    /// Rowwise copy: data `[rows, cols]`, scales `[rows, ceil(cols/32)]`.
+    pub rowwise: Option<QuantPlane>,
+    /// Columnwise copy: data `[rows, cols]` (not transposed), scales `[ceil(rows/32), cols]`.
+    pub columnwise: Option<QuantPlane>,
+}
+
+/// Quantizes `m` to MXFP8 with TE's scale rule.
+pub fn quantize_mxfp8(m: &Matrix<'_>, cfg: &Mxfp8Config) -> Result<Mxfp8Tensor, FormatError> {
+    m.check_finite(cfg.nan_policy)?;
+    let (rows, cols) = (m.rows(), m.cols());
+    let mut t = Mxfp8Tensor {
+        rows,
+        cols,
+        kind: cfg.kind,
+        two_d: cfg.two_d,
+        rowwise: cfg.copies.rowwise().then(|| rowwise_plane(rows, cols)),
+        columnwise: cfg.copies.columnwise().then(|| columnwise_plane(rows, cols)),
+    };
+    match (m.data(), cfg.kind) {
+        (Source::F32(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
+        (Source::F32(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
+        (Source::Bf16(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
+        (Source::Bf16(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
+        (Source::F16(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
+        (Source::F16(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
+    }
+    Ok(t)
+}
+
+fn rowwise_plane(rows: usize, cols: usize) -> QuantPlane {
+    let nb = cols.div_ceil(BLOCK);
+    QuantPlane {
+        data: vec![0; rows * cols],
+        data_shape: [rows, cols],
+        scales: vec![0; rows * nb],
+        scale_shape: [rows, nb],
+    }
+}
+
+fn columnwise_plane(rows: usize, cols: usize) -> QuantPlane {
+    let nb = rows.div_ceil(BLOCK);
+    QuantPlane {
+        data: vec![0; rows * cols],
+        data_shape: [rows, cols],
+        scales: vec![0; nb * cols],
+        scale_shape: [nb, cols],
+    }
+}
+
+/// The outputs of one band of up to 32 rows.
+struct Band<'a, E> {
+    x: &'a [E],
+    row_data: Option<&'a mut [u8]>,
+    row_scales: Option<&'a mut [u8]>,
+    col_data: Option<&'a mut [u8]>,
+    col_scales: Option<&'a mut [u8]>,
+}
+
+fn split<'a>(buf: Option<&'a mut QuantPlane>, data_chunk: usize, scale_chunk: usize) -> Chunks<'a> {
+    match buf {
+        None => Chunks(None),
+        Some(p) => Chunks(Some((
+            p.data.chunks_mut(data_chunk.max(1)),
+            p.scales.chunks_mut(scale_chunk.max(1)),
+        ))),
+    }
+}
+
+struct Chunks<'a>(Option<(std::slice::ChunksMut<'a, u8>, std::slice::ChunksMut<'a, u8>)>);
+
+impl<'a> Chunks<'a> {
+    fn next(&mut self) -> (Option<&'a mut [u8]>, Option<&'a mut [u8]>) {
+        match &mut self.0 {
+            None => (None, None),
+            Some((d, s)) => (d.next(), s.next()),
+        }
+    }
+}
+
+fn run<E: Element>(
+    x: &[E],
+    t: &mut Mxfp8Tensor,
+    cfg: &Mxfp8Config,
+    enc: impl Fn(f32) -> u8 + Copy + Sync,
+) {
+    let (rows, cols) = (t.rows, t.cols);
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let nb = cols.div_ceil(BLOCK);
+    let band_elems = BLOCK * cols;
+    let mut rw = split(t.rowwise.as_mut(), band_elems, BLOCK * nb);
+    let mut cw = split(t.columnwise.as_mut(), band_elems, cols);
+    let bands: Vec<Band<'_, E>> = x
+        .chunks(band_elems)
+        .map(|xb| {
+            let (row_data, row_scales) = rw.next();
+            let (col_data, col_scales) = cw.next();
+            Band {
+                x: xb,
+                row_data,
+                row_scales,
+                col_data,
+                col_scales,
+            }
+        })
+        .collect();
+    let rcp = cfg.kind.max_norm_rcp();
+    let two_d = cfg.two_d;
+    par::for_each(bands, thread_count(cfg.threads), |b| {
+        if two_d {
+            band_2d(b, cols, rcp, enc);
+        } else {
+            band_1d(b, cols, rcp, enc);
+        }
+    });
+}
+
+/// The E8M0 scale of a block with amax bits `amax` and its exact reciprocal.
+#[inline(always)]
+fn scale_of(amax: u32, rcp: f32) -> (u8, f32) {
+    let e = e8m0_from_f32(f32::from_bits(amax) * rcp);
+    (e, e8m0_rcp(e))
+}
+
+#[inline(always)]
+fn block_amax<E: Element>(x: &[E]) -> u32 {
+    x.iter()
+        .map(|v| abs_bits_nan_zero(v.to_f32()))
+        .fold(0, u32::max)
+}
+
+#[inline(always)]
+fn encode_block<E: Element>(x: &[E], s: f32, out: &mut [u8], enc: impl Fn(f32) -> u8) {
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = enc(v.to_f32() * s);
+    }
+}
+
+fn band_1d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) -> u8 + Copy) {
+    let nb = cols.div_ceil(BLOCK);
+    let mut col_amax = if b.col_data.is_some() {
+        vec![0u32; cols]
+    } else {
+        Vec::new()
+    };
+    let mut row_out = b.row_data.zip(b.row_scales);
+    for (r, xr) in b.x.chunks_exact(cols).enumerate() {
+        if let Some((data, scales)) = row_out.as_mut() {
+            let out_row = &mut data[r * cols..(r + 1) * cols];
+            let scale_row = &mut scales[r * nb..(r + 1) * nb];
+            for ((xc, oc), sc) in xr
+                .chunks(BLOCK)
+                .zip(out_row.chunks_mut(BLOCK))
+                .zip(scale_row.iter_mut())
+            {
+                let (e, s) = scale_of(block_amax(xc), rcp);
+                *sc = e;
+                encode_block(xc, s, oc, enc);
+            }
+        }
+        if !col_amax.is_empty() {
+            for (a, v) in col_amax.iter_mut().zip(xr) {
+                *a = (*a).max(abs_bits_nan_zero(v.to_f32()));
+            }
+        }
+    }
+    if let (Some(data), Some(scales)) = (b.col_data, b.col_scales) {
+        let mut col_rcp = vec![0f32; cols];
+        for ((a, sc), s) in col_amax.iter().zip(scales.iter_mut()).zip(&mut col_rcp) {
+            let (e, r) = scale_of(*a, rcp);
+            *sc = e;
+            *s = r;
+        }
+        for (xr, out_row) in b.x.chunks_exact(cols).zip(data.chunks_exact_mut(cols)) {
+            for ((o, v), s) in out_row.iter_mut().zip(xr).zip(&col_rcp) {
+                *o = enc(v.to_f32() * s);
+            }
+        }
+    }
+}
+
+fn band_2d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) -> u8 + Copy) {
+    let nb = cols.div_ceil(BLOCK);
+    let mut tile_amax = vec![0u32; nb];
+    for xr in b.x.chunks_exact(cols) {
+        for (a, xc) in tile_amax.iter_mut().zip(xr.chunks(BLOCK)) {
+            *a = (*a).max(block_amax(xc));
+        }
+    }
+    let tiles: Vec<(u8, f32)> = tile_amax.iter().map(|&a| scale_of(a, rcp)).collect();
+    // Both copies hold the same bytes; encode into whichever exists and copy to the other.
+    let (primary, secondary) = match (b.row_data, b.col_data) {
+        (Some(r), c) => (r, c),
+        (None, Some(c)) => (c, None),
+        (None, None) => return,
+    };
+    for (xr, out_row) in b.x.chunks_exact(cols).zip(primary.chunks_exact_mut(cols)) {
+        for ((xc, oc), &(_, s)) in xr.chunks(BLOCK).zip(out_row.chunks_mut(BLOCK)).zip(&tiles) {
+            encode_block(xc, s, oc, enc);
+        }
+    }
+    if let Some(c) = secondary {
+        c.copy_from_slice(primary);
+    }
+    if let Some(scales) = b.row_scales {
+        for scale_row in scales.chunks_exact_mut(nb) {
+            for (sc, &(e, _)) in scale_row.iter_mut().zip(&tiles) {
+                *sc = e;
+            }
+        }
+    }
+    if let Some(scales) = b.col_scales {
+        for (j, sc) in scales.iter_mut().enumerate() {
+            *sc = tiles[j / BLOCK].0;
+        }
+    }
+}
+
+impl Mxfp8Tensor {
+    /// Reassembles a tensor from stored buffers (compact scale layout), checking every size.
+    pub fn from_parts(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        two_d: bool,
+        rowwise: Option<QuantPlane>,
+        columnwise: Option<QuantPlane>,
+    ) -> Result<Self, FormatError> {
+        if let Some(p) = &rowwise {
+            check_plane(name, "rowwise", p, [rows, cols], [rows, cols.div_ceil(BLOCK)])?;
+        }
+        if let Some(p) = &columnwise {
+            check_plane(name, "columnwise", p, [rows, cols], [rows.div_ceil(BLOCK), cols])?;
+        }
+        Ok(Mxfp8Tensor {
+            rows,
+            cols,
+            kind,
+            two_d,
+            rowwise,
+            columnwise,
+        })
+    }
+
+    /// Dequantizes the rowwise copy to fp32 (`q · 2^(e−127)`, exact).
+    pub fn dequantize_rowwise(&self) -> Option<Vec<f32>> {
+        let p = self.rowwise.as_ref()?;
+        let nb = self.cols.div_ceil(BLOCK);
+        let mut out = vec![0f32; self.rows * self.cols];
+        if self.cols == 0 {
+            return Some(out);
+        }
+        for (r, (o, q)) in out
+            .chunks_exact_mut(self.cols)
+            .zip(p.data.chunks_exact(self.cols))
+            .enumerate()
+        {
+            for (j, (o, &q)) in o.iter_mut().zip(q).enumerate() {
+                *o = self.kind.decode(q) * e8m0_to_f32(p.scales[r * nb + j / BLOCK]);
+            }
+        }
+        Some(out)
+    }
+
+    /// Dequantizes the columnwise copy to fp32, in the original `[rows, cols]` order.
+    pub fn dequantize_columnwise(&self) -> Option<Vec<f32>> {
+        let p = self.columnwise.as_ref()?;
+        let mut out = vec![0f32; self.rows * self.cols];
+        if self.cols == 0 {
+            return Some(out);
+        }
+        for (r, (o, q)) in out
+            .chunks_exact_mut(self.cols)
+            .zip(p.data.chunks_exact(self.cols))
+            .enumerate()
+        {
+            let scales = &p.scales[(r / BLOCK) * self.cols..][..self.cols];
+            for ((o, &q), &e) in o.iter_mut().zip(q).zip(scales) {
+                *o = self.kind.decode(q) * e8m0_to_f32(e);
+            }
+        }
+        Some(out)
+    }
+
+    /// Dequantizes the rowwise copy if present, else the columnwise one.
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.dequantize_rowwise()
+            .or_else(|| self.dequantize_columnwise())
+            .unwrap_or_default()
+    }
+}
+
+pub(crate) fn check_plane(
+    name: &str,
+    which: &str,
+    p: &QuantPlane,
+    data_shape: [usize; 2],
+    scale_shape: [usize; 2],
+) -> Result<(), FormatError> {
+    let check = |what: &str, len: usize, shape: [usize; 2], expected: [usize; 2]| {
+        if len == expected[0] * expected[1] && shape == expected {
+            Ok(())
+        } else {
+            Err(FormatError::BadBuffer {
+                name: name.to_owned(),
+                what: format!("{which} {what}"),
+                got: format!("{len} bytes as {shape:?}"),
+                expected: format!("{expected:?}"),
+            })
+        }
+    };
+    check("data", p.data.len(), p.data_shape, data_shape)?;
+    check("scales", p.scales.len(), p.scale_shape, scale_shape)
+}

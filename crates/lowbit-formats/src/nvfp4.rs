@@ -1,0 +1,454 @@
+//! NVFP4: E2M1 elements, one UE4M3 scale per 16 elements, and one fp32 tensor scale derived from
+//! the global amax — TE's two-level recipe (`quant_formats.md` §3.2), in TE's operation order:
+//!
+//! ```text
+//! S_enc = min(448·6 / amax, FLT_MAX), or 1 when amax == 0 or S_enc == 0;  S_dec = 1 / S_enc
+//! sf    = e4m3_rn_satfinite(block_amax · fl32(S_enc · fl32(1/6)))
+//! rcp   = min(1 / (float(sf) · S_dec), FLT_MAX)
+//! q     = e2m1_rn_satfinite(fl32(x · rcp))          (or stochastic rounding)
+//! ```
+//!
+//! A block whose scale underflows to 0 gets `rcp = FLT_MAX`: its non-zero elements encode as ±6
+//! with scale 0 and dequantize to 0, exactly as TE.
+//!
+//! Copies of a `rows × cols` matrix:
+//! - rowwise: 1x16 blocks along a row; data `[rows, ceil(cols/2)]` packed (element 2i in the low
+//!   nibble), scales `[rows, ceil(cols/16)]`;
+//! - columnwise: 1x16 blocks of the transpose; data `[cols, ceil(rows/2)]` packed, scales
+//!   `[cols, ceil(rows/16)]`; optionally after the 16-point random Hadamard transform along the
+//!   rows, with its own (post-transform) global amax;
+//! - 2D: one scale per 16x16 tile, replicated into both scale tensors.
+
+use crate::hadamard::rht16;
+use crate::rng::RandomBytes;
+use crate::scalar::{e2m1_from_f32, e2m1_to_f32, e4m3_to_f32, ue4m3_from_f32};
+use crate::{
+    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, abs_bits_nan_zero, par,
+    thread_count,
+};
+
+/// Elements per NVFP4 block (and rows/columns per 2D tile).
+pub const BLOCK: usize = 16;
+
+/// How to quantize to NVFP4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nvfp4Config {
+    /// Which copies to produce.
+    pub copies: Copies,
+    /// One scale per 16x16 tile, shared by both copies (TE's weight recipe).
+    pub two_d: bool,
+    /// Apply the random Hadamard transform to the columnwise copy (TE's recipe for activations
+    /// and gradients). Needs `rows % 16 == 0`; incompatible with `two_d`.
+    pub rht: bool,
+    /// Stochastic rounding of the elements with this seed (TE's recipe for gradients).
+    pub stochastic_rounding: Option<u64>,
+    /// Treatment of NaN and ±Inf inputs.
+    pub nan_policy: NanPolicy,
+    /// Worker threads; 0 means all available cores. The result does not depend on it.
+    pub threads: usize,
+}
+
+impl Default for Nvfp4Config {
+    fn default() -> Self {
+        Nvfp4Config {
+            copies: Copies::Both,
+            two_d: false,
+            rht: false,
+            stochastic_rounding: None,
+            nan_policy: NanPolicy::Te,
+            threads: 1,
+        }
+    }
+}
+
+/// A quantized NVFP4 matrix.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Nvfp4Tensor {
+    /// Rows of the original matrix.
+    pub rows: usize,
+    /// Columns of the original matrix.
+    pub cols: usize,
+    /// Whether scales are per 16x16 tile.
+    pub two_d: bool,
+    /// Whether the columnwise copy holds the Hadamard-transformed values.
+    pub rht: bool,
+    /// Global amax the rowwise scales were derived from.
+    pub amax_rowwise: f32,
+    /// Global amax the columnwise scales were derived from (post-RHT when `rht`).
+    pub amax_columnwise: f32,
+    /// Rowwise copy: data `[rows, ceil(cols/2)]`, scales `[rows, ceil(cols/16)]`.
+    pub rowwise: Option<QuantPlane>,
+    /// Columnwise copy: data `[cols, ceil(rows/2)]`, scales `[cols, ceil(rows/16)]`.
+    pub columnwise: Option<QuantPlane>,
+}
+
+/// The tensor-level factors of one copy.
+#[derive(Clone, Copy, Debug)]
+struct Params {
+    /// `fl32(S_enc · fl32(1/6))`.
+    k: f32,
+    /// `S_dec = 1 / S_enc`.
+    s_dec: f32,
+}
+
+impl Params {
+    fn new(amax: f32) -> Self {
+        let s_enc = (448.0f32 * 6.0 / amax).min(f32::MAX);
+        let s_enc = if amax == 0.0 || s_enc == 0.0 {
+            1.0
+        } else {
+            s_enc
+        };
+        Params {
+            k: s_enc * (1.0f32 / 6.0),
+            s_dec: 1.0 / s_enc,
+        }
+    }
+
+    /// The block scale byte and the element multiplier for a block amax (fp32 bits).
+    #[inline(always)]
+    fn block(self, amax: u32) -> (u8, f32) {
+        let sf = ue4m3_from_f32(f32::from_bits(amax) * self.k);
+        let rcp = (1.0 / (e4m3_to_f32(sf) * self.s_dec)).min(f32::MAX);
+        (sf, rcp)
+    }
+}
+
+/// TE's stochastic rounding to E2M1 (`stochastic_round_fp4_e2m1`, software form): with
+/// `u = byte/256` and grid step 0.5/1/2 below 2/4/6, `t = |x| + u·step(|x|)`,
+/// `q = min(floor(t/step(t))·step(t), 6)`, sign copied; NaN → +6.
+#[inline]
+pub fn e2m1_stochastic(x: f32, rbyte: u8) -> u8 {
+    if x.is_nan() {
+        return 0x7;
+    }
+    let step = |v: f32| {
+        if v < 2.0 {
+            0.5
+        } else if v < 4.0 {
+            1.0
+        } else {
+            2.0
+        }
+    };
+    let a = x.abs();
+    let t = a + (f32::from(rbyte) / 256.0) * step(a);
+    let q = ((t / step(t)).floor() * step(t)).min(6.0);
+    e2m1_from_f32(q) | if x.is_sign_negative() { 0x8 } else { 0 }
+}
+
+/// Quantizes `m` to NVFP4 with TE's two-level recipe.
+pub fn quantize_nvfp4(m: &Matrix<'_>, cfg: &Nvfp4Config) -> Result<Nvfp4Tensor, FormatError> {
+    m.check_finite(cfg.nan_policy)?;
+    if cfg.rht && cfg.two_d {
+        return Err(m.unsupported(
+            "the Hadamard transform and 2D scaling cannot be combined (TE applies the RHT to \
+             1D columnwise copies only)",
+        ));
+    }
+    if cfg.rht && cfg.copies.columnwise() && m.rows() % BLOCK != 0 {
+        return Err(m.unsupported(format!(
+            "the Hadamard transform needs a row count divisible by 16, got {}",
+            m.rows()
+        )));
+    }
+    Ok(match m.data() {
+        Source::F32(x) => run(x, m.rows(), m.cols(), cfg),
+        Source::Bf16(x) => run(x, m.rows(), m.cols(), cfg),
+        Source::F16(x) => run(x, m.rows(), m.cols(), cfg),
+    })
+}
+
+/// Global amax with NaN ignored (TE's `nvte_compute_amax` uses `fmaxf`).
+fn global_amax<E: Element>(x: &[E], threads: usize) -> f32 {
+    let parts = par::map_ranges(x.len(), threads, |r| {
+        x[r].iter()
+            .map(|v| abs_bits_nan_zero(v.to_f32()))
+            .fold(0, u32::max)
+    });
+    f32::from_bits(parts.into_iter().max().unwrap_or(0))
+}
+
+fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp4Tensor {
+    let threads = thread_count(cfg.threads);
+    let amax = global_amax(x, threads);
+    let row_params = Params::new(amax);
+    // Tile scales for 2D: [ceil(rows/16), ceil(cols/16)].
+    let tiles = cfg.two_d.then(|| tile_scales(x, rows, cols, row_params, threads));
+    let mut t = Nvfp4Tensor {
+        rows,
+        cols,
+        two_d: cfg.two_d,
+        rht: cfg.rht && cfg.copies.columnwise(),
+        amax_rowwise: amax,
+        amax_columnwise: amax,
+        rowwise: None,
+        columnwise: None,
+    };
+    if cfg.copies.rowwise() {
+        let sr = cfg.stochastic_rounding.map(|s| RandomBytes::new(s, 0));
+        t.rowwise = Some(quantize_rows(x, rows, cols, row_params, tiles.as_ref(), sr, threads));
+    }
+    if cfg.copies.columnwise() {
+        let sr = cfg.stochastic_rounding.map(|s| RandomBytes::new(s, 1));
+        // The columnwise copy quantizes the rows of the transpose. Materialising Xᵀ (f32) keeps
+        // one block kernel for both copies; the transform, when asked for, runs on the way.
+        let xt = if t.rht {
+            rht_transposed(x, rows, cols)
+        } else {
+            transpose_f32(x, rows, cols)
+        };
+        let col_params = if t.rht {
+            t.amax_columnwise = global_amax(&xt, threads);
+            Params::new(t.amax_columnwise)
+        } else {
+            row_params
+        };
+        let tiles_t = tiles.as_ref().map(|tl| tl.transposed());
+        t.columnwise = Some(quantize_rows(
+            &xt,
+            cols,
+            rows,
+            col_params,
+            tiles_t.as_ref(),
+            sr,
+            threads,
+        ));
+    }
+    t
+}
+
+/// Per-tile `(sf, rcp)` of a 16x16-tiled matrix, row-major over tiles.
+struct Tiles {
+    tile_rows: usize,
+    tile_cols: usize,
+    scales: Vec<(u8, f32)>,
+}
+
+impl Tiles {
+    fn transposed(&self) -> Tiles {
+        let mut scales = Vec::with_capacity(self.scales.len());
+        for c in 0..self.tile_cols {
+            for r in 0..self.tile_rows {
+                scales.push(self.scales[r * self.tile_cols + c]);
+            }
+        }
+        Tiles {
+            tile_rows: self.tile_cols,
+            tile_cols: self.tile_rows,
+            scales,
+        }
+    }
+}
+
+fn tile_scales<E: Element>(
+    x: &[E],
+    rows: usize,
+    cols: usize,
+    p: Params,
+    threads: usize,
+) -> Tiles {
+    let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
+    let per_band = par::map_ranges(tr, threads, |bands| {
+        let mut out = Vec::with_capacity(bands.len() * tc);
+        for b in bands {
+            let mut amax = vec![0u32; tc];
+            for r in b * BLOCK..((b + 1) * BLOCK).min(rows) {
+                for (a, xc) in amax.iter_mut().zip(x[r * cols..(r + 1) * cols].chunks(BLOCK)) {
+                    *a = xc
+                        .iter()
+                        .map(|v| abs_bits_nan_zero(v.to_f32()))
+                        .fold(*a, u32::max);
+                }
+            }
+            out.extend(amax.into_iter().map(|a| p.block(a)));
+        }
+        out
+    });
+    Tiles {
+        tile_rows: tr,
+        tile_cols: tc,
+        scales: per_band.into_iter().flatten().collect(),
+    }
+}
+
+fn transpose_f32<E: Element>(x: &[E], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = x[r * cols + c].to_f32();
+        }
+    }
+    out
+}
+
+/// Xᵀ with every run of 16 consecutive elements of a row of Xᵀ (16 rows of a column of X)
+/// replaced by its Hadamard transform, rounded to bf16. Requires `rows % 16 == 0`.
+fn rht_transposed<E: Element>(x: &[E], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = transpose_f32(x, rows, cols);
+    for g in out.chunks_exact_mut(BLOCK) {
+        let v: &mut [f32; BLOCK] = g.try_into().expect("chunks_exact yields 16 elements");
+        *v = rht16(v);
+    }
+    out
+}
+
+/// Quantizes the rows of a `rows × cols` matrix in 1x16 blocks (or with tile scales), packing
+/// two E2M1 codes per byte.
+fn quantize_rows<E: Element>(
+    x: &[E],
+    rows: usize,
+    cols: usize,
+    p: Params,
+    tiles: Option<&Tiles>,
+    sr: Option<RandomBytes>,
+    threads: usize,
+) -> QuantPlane {
+    let (rb, nb) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
+    let mut plane = QuantPlane {
+        data: vec![0; rows * rb],
+        data_shape: [rows, rb],
+        scales: vec![0; rows * nb],
+        scale_shape: [rows, nb],
+    };
+    if rows == 0 || cols == 0 {
+        return plane;
+    }
+    // Work items of up to 64 rows, each owning its output rows.
+    const ROWS_PER_ITEM: usize = 64;
+    let items: Vec<_> = plane
+        .data
+        .chunks_mut(ROWS_PER_ITEM * rb)
+        .zip(plane.scales.chunks_mut(ROWS_PER_ITEM * nb))
+        .enumerate()
+        .collect();
+    par::for_each(items, threads, |(i, (data, scales))| {
+        let r0 = i * ROWS_PER_ITEM;
+        for (dr, (out, sc)) in data.chunks_mut(rb).zip(scales.chunks_mut(nb)).enumerate() {
+            let r = r0 + dr;
+            let xr = &x[r * cols..(r + 1) * cols];
+            for (k, (xb, (ob, s))) in xr
+                .chunks(BLOCK)
+                .zip(out.chunks_mut(BLOCK / 2).zip(sc.iter_mut()))
+                .enumerate()
+            {
+                let (sf, rcp) = match tiles {
+                    Some(t) => t.scales[(r / BLOCK) * t.tile_cols + k],
+                    None => p.block(
+                        xb.iter()
+                            .map(|v| abs_bits_nan_zero(v.to_f32()))
+                            .fold(0, u32::max),
+                    ),
+                };
+                *s = sf;
+                let mut codes = [0u8; BLOCK];
+                match sr {
+                    None => {
+                        for (c, v) in codes.iter_mut().zip(xb) {
+                            *c = e2m1_from_f32(v.to_f32() * rcp);
+                        }
+                    }
+                    Some(g) => {
+                        // Blocks start at multiples of 16 in the plane's flat index space
+                        // only when cols % 16 == 0, so address bytes per element.
+                        let base = (r * cols + k * BLOCK) as u64;
+                        for (j, (c, v)) in codes.iter_mut().zip(xb).enumerate() {
+                            *c = e2m1_stochastic(v.to_f32() * rcp, g.byte(base + j as u64));
+                        }
+                    }
+                }
+                for (o, pair) in ob.iter_mut().zip(codes[..xb.len()].chunks(2)) {
+                    *o = pair[0] | pair.get(1).map_or(0, |h| h << 4);
+                }
+            }
+        }
+    });
+    plane
+}
+
+impl Nvfp4Tensor {
+    /// Reassembles a tensor from stored buffers (compact scale layout), checking every size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        two_d: bool,
+        rht: bool,
+        amax_rowwise: f32,
+        amax_columnwise: f32,
+        rowwise: Option<QuantPlane>,
+        columnwise: Option<QuantPlane>,
+    ) -> Result<Self, FormatError> {
+        use crate::mxfp8::check_plane;
+        if let Some(p) = &rowwise {
+            check_plane(
+                name,
+                "rowwise",
+                p,
+                [rows, cols.div_ceil(2)],
+                [rows, cols.div_ceil(BLOCK)],
+            )?;
+        }
+        if let Some(p) = &columnwise {
+            check_plane(
+                name,
+                "columnwise",
+                p,
+                [cols, rows.div_ceil(2)],
+                [cols, rows.div_ceil(BLOCK)],
+            )?;
+        }
+        Ok(Nvfp4Tensor {
+            rows,
+            cols,
+            two_d,
+            rht,
+            amax_rowwise,
+            amax_columnwise,
+            rowwise,
+            columnwise,
+        })
+    }
+
+    /// Dequantizes the rowwise copy: `q · float(sf) · (amax · fl32(1/2688))`, TE's order.
+    pub fn dequantize_rowwise(&self) -> Option<Vec<f32>> {
+        let p = self.rowwise.as_ref()?;
+        Some(dequantize_plane(p, self.rows, self.cols, self.amax_rowwise))
+    }
+
+    /// Dequantizes the columnwise copy back to the original `[rows, cols]` order, undoing the
+    /// Hadamard transform (in fp32) when it was applied.
+    pub fn dequantize_columnwise(&self) -> Option<Vec<f32>> {
+        let p = self.columnwise.as_ref()?;
+        let mut xt = dequantize_plane(p, self.cols, self.rows, self.amax_columnwise);
+        if self.rht {
+            for g in xt.chunks_exact_mut(BLOCK) {
+                let v: &mut [f32; BLOCK] = g.try_into().expect("chunks_exact yields 16 elements");
+                *v = crate::hadamard::inverse_rht16(v);
+            }
+        }
+        Some(transpose_f32(&xt, self.cols, self.rows))
+    }
+
+    /// Dequantizes the rowwise copy if present, else the columnwise one.
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.dequantize_rowwise()
+            .or_else(|| self.dequantize_columnwise())
+            .unwrap_or_default()
+    }
+}
+
+fn dequantize_plane(p: &QuantPlane, rows: usize, cols: usize, amax: f32) -> Vec<f32> {
+    let global = amax * (1.0f32 / (6.0 * 448.0));
+    let (rb, nb) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
+    let mut out = vec![0f32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            let byte = p.data[r * rb + c / 2];
+            let q = e2m1_to_f32(if c % 2 == 0 { byte } else { byte >> 4 });
+            out[r * cols + c] = q * e4m3_to_f32(p.scales[r * nb + c / BLOCK]) * global;
+        }
+    }
+    out
+}
