@@ -30,7 +30,11 @@ pub const RHT_SIGN_MASK: u16 = {
 /// Entry `(i, j)` of `A = diag(s) · H16 / 4`.
 #[inline]
 pub fn rht_entry(i: usize, j: usize) -> f32 {
-    let h = if (i & j).count_ones() % 2 == 0 { 0.25 } else { -0.25 };
+    let h = if (i & j).count_ones().is_multiple_of(2) {
+        0.25
+    } else {
+        -0.25
+    };
     RHT_SIGNS[i] * h
 }
 

@@ -61,7 +61,9 @@ pub enum FormatError {
         len: usize,
     },
     /// A non-finite input under [`NanPolicy::Error`].
-    #[error("tensor `{name}`: non-finite value {value} at index [{row}, {col}] (flat index {flat})")]
+    #[error(
+        "tensor `{name}`: non-finite value {value} at index [{row}, {col}] (flat index {flat})"
+    )]
     NonFinite {
         /// Tensor name.
         name: String,

@@ -77,7 +77,10 @@ pub fn quantize_mxfp8(m: &Matrix<'_>, cfg: &Mxfp8Config) -> Result<Mxfp8Tensor, 
         kind: cfg.kind,
         two_d: cfg.two_d,
         rowwise: cfg.copies.rowwise().then(|| rowwise_plane(rows, cols)),
-        columnwise: cfg.copies.columnwise().then(|| columnwise_plane(rows, cols)),
+        columnwise: cfg
+            .copies
+            .columnwise()
+            .then(|| columnwise_plane(rows, cols)),
     };
     match (m.data(), cfg.kind) {
         (Source::F32(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
@@ -292,10 +295,22 @@ impl Mxfp8Tensor {
         columnwise: Option<QuantPlane>,
     ) -> Result<Self, FormatError> {
         if let Some(p) = &rowwise {
-            check_plane(name, "rowwise", p, [rows, cols], [rows, cols.div_ceil(BLOCK)])?;
+            check_plane(
+                name,
+                "rowwise",
+                p,
+                [rows, cols],
+                [rows, cols.div_ceil(BLOCK)],
+            )?;
         }
         if let Some(p) = &columnwise {
-            check_plane(name, "columnwise", p, [rows, cols], [rows.div_ceil(BLOCK), cols])?;
+            check_plane(
+                name,
+                "columnwise",
+                p,
+                [rows, cols],
+                [rows.div_ceil(BLOCK), cols],
+            )?;
         }
         Ok(Mxfp8Tensor {
             rows,

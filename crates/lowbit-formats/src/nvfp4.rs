@@ -146,7 +146,7 @@ pub fn quantize_nvfp4(m: &Matrix<'_>, cfg: &Nvfp4Config) -> Result<Nvfp4Tensor, 
              1D columnwise copies only)",
         ));
     }
-    if cfg.rht && cfg.copies.columnwise() && m.rows() % BLOCK != 0 {
+    if cfg.rht && cfg.copies.columnwise() && !m.rows().is_multiple_of(BLOCK) {
         return Err(m.unsupported(format!(
             "the Hadamard transform needs a row count divisible by 16, got {}",
             m.rows()
@@ -174,7 +174,9 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
     let amax = global_amax(x, threads);
     let row_params = Params::new(amax);
     // Tile scales for 2D: [ceil(rows/16), ceil(cols/16)].
-    let tiles = cfg.two_d.then(|| tile_scales(x, rows, cols, row_params, threads));
+    let tiles = cfg
+        .two_d
+        .then(|| tile_scales(x, rows, cols, row_params, threads));
     let mut t = Nvfp4Tensor {
         rows,
         cols,
@@ -187,7 +189,15 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
     };
     if cfg.copies.rowwise() {
         let sr = cfg.stochastic_rounding.map(|s| RandomBytes::new(s, 0));
-        t.rowwise = Some(quantize_rows(x, rows, cols, row_params, tiles.as_ref(), sr, threads));
+        t.rowwise = Some(quantize_rows(
+            x,
+            rows,
+            cols,
+            row_params,
+            tiles.as_ref(),
+            sr,
+            threads,
+        ));
     }
     if cfg.copies.columnwise() {
         let sr = cfg.stochastic_rounding.map(|s| RandomBytes::new(s, 1));
@@ -241,20 +251,17 @@ impl Tiles {
     }
 }
 
-fn tile_scales<E: Element>(
-    x: &[E],
-    rows: usize,
-    cols: usize,
-    p: Params,
-    threads: usize,
-) -> Tiles {
+fn tile_scales<E: Element>(x: &[E], rows: usize, cols: usize, p: Params, threads: usize) -> Tiles {
     let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
     let per_band = par::map_ranges(tr, threads, |bands| {
         let mut out = Vec::with_capacity(bands.len() * tc);
         for b in bands {
             let mut amax = vec![0u32; tc];
             for r in b * BLOCK..((b + 1) * BLOCK).min(rows) {
-                for (a, xc) in amax.iter_mut().zip(x[r * cols..(r + 1) * cols].chunks(BLOCK)) {
+                for (a, xc) in amax
+                    .iter_mut()
+                    .zip(x[r * cols..(r + 1) * cols].chunks(BLOCK))
+                {
                     *a = xc
                         .iter()
                         .map(|v| abs_bits_nan_zero(v.to_f32()))

@@ -42,10 +42,7 @@ pub(crate) fn map_ranges<R: Send>(
     }
     let f = &f;
     std::thread::scope(|s| {
-        let handles: Vec<_> = ranges
-            .into_iter()
-            .map(|r| s.spawn(move || f(r)))
-            .collect();
+        let handles: Vec<_> = ranges.into_iter().map(|r| s.spawn(move || f(r))).collect();
         handles
             .into_iter()
             .map(|h| h.join().expect("quantization worker panicked"))

@@ -44,7 +44,11 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
     let a = bits & 0x7FFF_FFFF;
     let sign = (bits >> 24) & 0x80;
     let code = rne_magnitude(a.min(0x4400_0000), 3, 7).min(0x7E);
-    if a > F32_INF_BITS { FP8_NAN } else { (code | sign) as u8 }
+    if a > F32_INF_BITS {
+        FP8_NAN
+    } else {
+        (code | sign) as u8
+    }
 }
 
 /// fp32 → E5M2: round to nearest even, saturating (overflow and ±Inf → ±57344), NaN → `0x7F`,
@@ -55,7 +59,11 @@ pub fn e5m2_from_f32(x: f32) -> u8 {
     let a = bits & 0x7FFF_FFFF;
     let sign = (bits >> 24) & 0x80;
     let code = rne_magnitude(a.min(0x4800_0000), 2, 15).min(0x7B);
-    if a > F32_INF_BITS { FP8_NAN } else { (code | sign) as u8 }
+    if a > F32_INF_BITS {
+        FP8_NAN
+    } else {
+        (code | sign) as u8
+    }
 }
 
 /// fp32 → E2M1 nibble: round to nearest even, saturating to ±6, NaN → `0x7` (+6, as CUDA's
@@ -66,7 +74,11 @@ pub fn e2m1_from_f32(x: f32) -> u8 {
     let a = bits & 0x7FFF_FFFF;
     let sign = (bits >> 28) & 0x8;
     let code = rne_magnitude(a.min(0x4100_0000), 1, 1).min(0x7);
-    if a > F32_INF_BITS { 0x7 } else { (code | sign) as u8 }
+    if a > F32_INF_BITS {
+        0x7
+    } else {
+        (code | sign) as u8
+    }
 }
 
 /// Non-negative fp32 → UE4M3 NVFP4 block scale: the E4M3 encoder (TE calls the same
