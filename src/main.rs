@@ -1,1 +1,32 @@
-fn main(){}
+//! `lowbit`: the command line of the lowbit project.
+//!
+//! Today it converts safetensors checkpoints to and from MXFP8 / NVFP4 with Transformer Engine's
+//! exact bits (`lowbit quantize`, `lowbit dequantize`; `lowbit quantize --demo` runs on generated
+//! data). Subcommands are variants of [`cli::Command`].
+//!
+//! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
+//! status 2.
+
+mod cli;
+mod demo;
+mod dequantize;
+mod error;
+mod files;
+mod quantize;
+mod report;
+mod schema;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -294,11 +294,13 @@ pub(crate) fn abs_bits_nan_zero(x: f32) -> u32 {
     if a > 0x7F80_0000 { 0 } else { a }
 }
 
-/// The number of worker threads to use for `requested` (0 = all available cores).
+/// The number of worker threads to use for `requested` (0 = all available cores), capped so a
+/// careless request cannot exhaust the process's threads (a failed spawn would panic).
 pub(crate) fn thread_count(requested: usize) -> usize {
+    const MAX_THREADS: usize = 256;
     if requested == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
-        requested
+        requested.min(MAX_THREADS)
     }
 }

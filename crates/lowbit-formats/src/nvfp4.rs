@@ -418,7 +418,7 @@ impl Nvfp4Tensor {
         })
     }
 
-    /// Dequantizes the rowwise copy: `q · float(sf) · (amax · fl32(1/2688))`, TE's order.
+    /// Dequantizes the rowwise copy: `q · ((float(sf) · amax) · fl32(1/2688))`, TE's order.
     pub fn dequantize_rowwise(&self) -> Option<Vec<f32>> {
         let p = self.rowwise.as_ref()?;
         Some(dequantize_plane(p, self.rows, self.cols, self.amax_rowwise))
@@ -447,14 +447,17 @@ impl Nvfp4Tensor {
 }
 
 fn dequantize_plane(p: &QuantPlane, rows: usize, cols: usize, amax: f32) -> Vec<f32> {
-    let global = amax * (1.0f32 / (6.0 * 448.0));
+    // TE's `dequantize_fp4_kernel`: `final_scale = float(sf) · amax · factor_inv` evaluated left
+    // to right, with `factor_inv = (float)(1.0 / (6.0 · 448.0))`, then `q · final_scale`.
+    let factor_inv = (1.0f64 / (6.0 * 448.0)) as f32;
     let (rb, nb) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
     let mut out = vec![0f32; rows * cols];
     for r in 0..rows {
         for c in 0..cols {
             let byte = p.data[r * rb + c / 2];
             let q = e2m1_to_f32(if c % 2 == 0 { byte } else { byte >> 4 });
-            out[r * cols + c] = q * e4m3_to_f32(p.scales[r * nb + c / BLOCK]) * global;
+            let final_scale = e4m3_to_f32(p.scales[r * nb + c / BLOCK]) * amax * factor_inv;
+            out[r * cols + c] = q * final_scale;
         }
     }
     out

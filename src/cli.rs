@@ -1,0 +1,188 @@
+//! Command-line arguments (clap derive) and dispatch. Each subcommand is a variant of
+//! [`Command`]; later ones (`train`, `ckpt`, `bench`) add a variant, an args struct and a match
+//! arm in [`run`].
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
+
+use crate::dequantize::{self, OutDtype};
+use crate::error::CliError;
+use crate::quantize::{self, Options};
+use crate::report;
+use crate::schema::{Recipe, Settings};
+
+/// lowbit: low-precision (MXFP8 / NVFP4) weights with Transformer Engine's exact bits.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lowbit",
+    version,
+    propagate_version = true,
+    after_help = "Examples:\n  \
+        lowbit quantize model.safetensors model.mxfp8.safetensors --recipe mxfp8\n  \
+        lowbit quantize model.safetensors w.nvfp4.safetensors --recipe nvfp4 --scale-layout swizzled\n  \
+        lowbit dequantize model.mxfp8.safetensors model.restored.safetensors --dtype f32\n  \
+        lowbit quantize --demo    (generates, quantizes and dequantizes an example file)"
+)]
+pub struct Cli {
+    /// The subcommand to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Quantize the BF16/F16/F32 tensors of a safetensors file to MXFP8 or NVFP4.
+    ///
+    /// Each float tensor W of shape [d0, …, N] is viewed as an M×N matrix (M = d0·…; 1D is one
+    /// row, a scalar is 1×1) and written as W.rowwise_data / W.rowwise_scale_inv /
+    /// W.columnwise_data / W.columnwise_scale_inv (NVFP4 adds W.amax), bit-identical to
+    /// Transformer Engine. Integer and bool tensors are copied unchanged; other float dtypes are
+    /// refused. The recipe and each tensor's original dtype and shape go into __metadata__
+    /// (lowbit.* keys), so `lowbit dequantize` can restore them. Prints a per-tensor table of
+    /// round-trip errors (SQNR, max |err|) and sizes.
+    Quantize(QuantizeArgs),
+    /// Rebuild high-precision tensors from a file written by `lowbit quantize`.
+    ///
+    /// Uses the rowwise copy of each tensor (the columnwise one if that is all there is),
+    /// restores the original shape and, unless --dtype says otherwise, the original dtype.
+    /// Tensors that were copied by quantize are copied again.
+    Dequantize(DequantizeArgs),
+}
+
+/// Arguments of `lowbit quantize`.
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// Input safetensors file.
+    #[arg(value_name = "IN", required_unless_present = "demo")]
+    pub input: Option<PathBuf>,
+    /// Output safetensors file (written to a temporary file, then renamed into place).
+    #[arg(value_name = "OUT", required_unless_present = "demo")]
+    pub output: Option<PathBuf>,
+    /// Quantization recipe.
+    #[arg(long, value_enum, default_value_t = Recipe::Mxfp8)]
+    pub recipe: Recipe,
+    /// Which quantized copies to write.
+    #[arg(long, value_enum, default_value_t = CopiesArg::Both)]
+    pub copies: CopiesArg,
+    /// One scale per 32x32 (MXFP8) or 16x16 (NVFP4) tile, shared by both copies (TE's weight
+    /// option).
+    #[arg(long = "2d")]
+    pub two_d: bool,
+    /// Memory layout of the scale tensors.
+    #[arg(long, value_enum, default_value_t = LayoutArg::Compact)]
+    pub scale_layout: LayoutArg,
+    /// What to do with NaN and ±Inf inputs.
+    #[arg(long, value_enum, default_value_t = NanPolicyArg::Te)]
+    pub nan_policy: NanPolicyArg,
+    /// Worker threads (0 = all cores, at most 1024). The output does not depend on it.
+    // Bounded because the library spawns up to this many OS threads per pass.
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u16).range(0..=1024))]
+    pub threads: u16,
+    /// Overwrite OUT if it exists.
+    #[arg(long)]
+    pub force: bool,
+    /// Instead of IN and OUT: write an example file under target/lowbit-demo/ (or
+    /// $CARGO_TARGET_DIR/lowbit-demo/), quantize it, print the report and dequantize the result.
+    /// Overwrites earlier demo files.
+    #[arg(long, conflicts_with_all = ["input", "output"])]
+    pub demo: bool,
+}
+
+/// Arguments of `lowbit dequantize`.
+#[derive(Debug, Args)]
+pub struct DequantizeArgs {
+    /// A file written by `lowbit quantize`.
+    #[arg(value_name = "IN")]
+    pub input: PathBuf,
+    /// Output safetensors file (written to a temporary file, then renamed into place).
+    #[arg(value_name = "OUT")]
+    pub output: PathBuf,
+    /// Element type of the dequantized tensors [default: each tensor's original dtype].
+    #[arg(long, value_enum)]
+    pub dtype: Option<OutDtype>,
+    /// Overwrite OUT if it exists.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `--copies`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CopiesArg {
+    /// 1x32 / 1x16 blocks along the last dimension (what a forward GEMM reads).
+    Rowwise,
+    /// Blocks down the columns (what the backward GEMMs read).
+    Columnwise,
+    /// Both copies.
+    Both,
+}
+
+/// `--scale-layout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// Row-major [rows, blocks], no padding.
+    Compact,
+    /// Padded to 128x4 tiles and swizzled as cuBLAS block-scaled GEMMs read them.
+    Swizzled,
+}
+
+/// `--nan-policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NanPolicyArg {
+    /// Transformer Engine's behaviour: NaN encodes as NaN, Inf saturates its block.
+    Te,
+    /// Fail on the first NaN or ±Inf, naming the tensor and index.
+    Error,
+}
+
+impl QuantizeArgs {
+    fn options(&self) -> Options {
+        Options {
+            settings: Settings {
+                recipe: self.recipe,
+                copies: match self.copies {
+                    CopiesArg::Rowwise => Copies::Rowwise,
+                    CopiesArg::Columnwise => Copies::Columnwise,
+                    CopiesArg::Both => Copies::Both,
+                },
+                two_d: self.two_d,
+                layout: match self.scale_layout {
+                    LayoutArg::Compact => ScaleLayout::Compact,
+                    LayoutArg::Swizzled => ScaleLayout::Swizzled,
+                },
+                nan_policy: match self.nan_policy {
+                    NanPolicyArg::Te => NanPolicy::Te,
+                    NanPolicyArg::Error => NanPolicy::Error,
+                },
+            },
+            threads: usize::from(self.threads),
+        }
+    }
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Quantize(args) => {
+            let opts = args.options();
+            if args.demo {
+                return crate::demo::run(&opts);
+            }
+            let (Some(input), Some(output)) = (&args.input, &args.output) else {
+                // clap enforces both unless --demo; kept as an error rather than a panic.
+                return Err(CliError::Msg(
+                    "quantize needs IN and OUT (or --demo)".into(),
+                ));
+            };
+            let table = quantize::run(input, output, &opts, args.force)?;
+            report::print(&table.render())
+        }
+        Command::Dequantize(args) => {
+            let table = dequantize::run(&args.input, &args.output, args.dtype, args.force)?;
+            report::print(&table.render())
+        }
+    }
+}

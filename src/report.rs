@@ -1,0 +1,289 @@
+//! What the subcommands print: round-trip error statistics, aligned text tables for stdout and a
+//! progress line on stderr for large files.
+
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write};
+
+use crate::error::CliError;
+
+/// Inputs larger than this get a progress line (when stderr is a terminal).
+const PROGRESS_THRESHOLD: usize = 64 << 20;
+
+/// Round-trip error of one tensor (or a sum of them).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Largest |x| with NaN ignored (as the quantizers' amax); +Inf counts.
+    pub amax: f32,
+    /// Σx² over finite x.
+    pub signal: f64,
+    /// Σ(x − x̂)² over finite x.
+    pub noise: f64,
+    /// max |x − x̂| over finite x.
+    pub max_err: f64,
+}
+
+impl Stats {
+    /// Compares the original elements `x` (given by index) with their reconstruction.
+    pub fn measure(len: usize, x: impl Fn(usize) -> f32, xhat: &[f32]) -> Stats {
+        let mut s = Stats::default();
+        for (i, &y) in xhat.iter().enumerate().take(len) {
+            let v = x(i);
+            if !v.is_nan() {
+                s.amax = s.amax.max(v.abs());
+            }
+            if v.is_finite() {
+                let d = f64::from(v) - f64::from(y);
+                s.signal += f64::from(v) * f64::from(v);
+                s.noise += d * d;
+                // `max` would drop a NaN error; keep it visible.
+                let a = d.abs();
+                if a.is_nan() || a > s.max_err {
+                    s.max_err = a;
+                }
+            }
+        }
+        s
+    }
+
+    /// Accumulates another tensor's statistics.
+    pub fn add(&mut self, o: &Stats) {
+        self.amax = self.amax.max(o.amax);
+        self.signal += o.signal;
+        self.noise += o.noise;
+        if o.max_err.is_nan() || o.max_err > self.max_err {
+            self.max_err = o.max_err;
+        }
+    }
+
+    /// SQNR in dB, `inf` for an exact reconstruction.
+    pub fn sqnr_db(&self) -> String {
+        if self.noise == 0.0 {
+            "inf".to_owned()
+        } else {
+            format!("{:.2}", 10.0 * (self.signal / self.noise).log10())
+        }
+    }
+}
+
+/// Column alignment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Align {
+    /// Text.
+    Left,
+    /// Numbers.
+    Right,
+}
+
+/// An aligned text table with an optional totals row.
+#[derive(Clone, Debug, Default)]
+pub struct Table {
+    /// Lines printed above the table.
+    pub title: Vec<String>,
+    headers: Vec<(String, Align)>,
+    rows: Vec<Vec<String>>,
+    totals: Option<Vec<String>>,
+    /// Lines printed below the table.
+    pub footer: Vec<String>,
+}
+
+impl Table {
+    /// A table with these columns.
+    pub fn new(headers: &[(&str, Align)]) -> Self {
+        Table {
+            headers: headers.iter().map(|(h, a)| ((*h).to_owned(), *a)).collect(),
+            ..Table::default()
+        }
+    }
+
+    /// Appends a row (one cell per column).
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// Sets the totals row, printed under a rule.
+    pub fn totals(&mut self, cells: Vec<String>) {
+        self.totals = Some(cells);
+    }
+
+    /// The table as text, ending in a newline.
+    pub fn render(&self) -> String {
+        let n = self.headers.len();
+        let mut widths: Vec<usize> = self
+            .headers
+            .iter()
+            .map(|(h, _)| h.chars().count())
+            .collect();
+        for r in self.rows.iter().chain(&self.totals) {
+            for (w, c) in widths.iter_mut().zip(r) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let line = |cells: &[String]| {
+            let mut s = String::new();
+            for (i, ((_, align), w)) in self.headers.iter().zip(&widths).enumerate() {
+                let c = cells.get(i).map_or("", String::as_str);
+                let sep = if i == 0 { "" } else { "  " };
+                match align {
+                    Align::Left if i + 1 == n => {
+                        let _ = write!(s, "{sep}{c}");
+                    }
+                    Align::Left => {
+                        let _ = write!(s, "{sep}{c:<w$}");
+                    }
+                    Align::Right => {
+                        let _ = write!(s, "{sep}{c:>w$}");
+                    }
+                }
+            }
+            s.truncate(s.trim_end().len());
+            s.push('\n');
+            s
+        };
+        let rule = "-".repeat(widths.iter().sum::<usize>() + 2 * n.saturating_sub(1)) + "\n";
+        let mut out = String::new();
+        for t in &self.title {
+            out += t;
+            out.push('\n');
+        }
+        let headers: Vec<String> = self.headers.iter().map(|(h, _)| h.clone()).collect();
+        out += &line(&headers);
+        out += &rule;
+        if self.rows.is_empty() {
+            out += "(no tensors)\n";
+        }
+        for r in &self.rows {
+            out += &line(r);
+        }
+        if let Some(t) = &self.totals {
+            out += &rule;
+            out += &line(t);
+        }
+        for f in &self.footer {
+            out += f;
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Writes to stdout; a closed pipe (`lowbit … | head`) is not an error worth reporting.
+pub fn print(text: &str) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::io("write", "standard output", e))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A one-line progress indicator on stderr, active only for large inputs on a terminal.
+pub struct Progress {
+    enabled: bool,
+    total: usize,
+}
+
+impl Progress {
+    /// Progress over `total` tensors of `bytes` input bytes in all.
+    pub fn new(total: usize, bytes: usize) -> Self {
+        Progress {
+            enabled: bytes > PROGRESS_THRESHOLD && std::io::stderr().is_terminal(),
+            total,
+        }
+    }
+
+    /// Announces tensor `i` (0-based).
+    pub fn tick(&self, verb: &str, i: usize, name: &str) {
+        if self.enabled {
+            // \x1b[K clears what a longer previous name left on the line.
+            eprint!("\r{verb} [{}/{}] {name}\x1b[K", i + 1, self.total);
+        }
+    }
+
+    /// Clears the progress line.
+    pub fn finish(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[K");
+        }
+    }
+}
+
+/// A byte count with thousands separators: `1,572,864`.
+pub fn bytes_str(n: usize) -> String {
+    let digits = n.to_string();
+    let mut grouped = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(ch);
+    }
+    grouped
+}
+
+/// `1 tensor`, `3 tensors`.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// Human-readable size: `1.50 MiB`.
+pub fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// A float in short scientific notation (`2.345e-2`), `inf`/`NaN` as such.
+pub fn sci(v: f64) -> String {
+    format!("{v:.3e}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_and_sqnr() {
+        let x = [1.0f32, -2.0, f32::NAN, f32::INFINITY];
+        let s = Stats::measure(4, |i| x[i], &[1.0, -2.0, 0.0, 0.0]);
+        assert_eq!(s.amax, f32::INFINITY);
+        assert_eq!(s.sqnr_db(), "inf");
+        let s = Stats::measure(2, |i| x[i], &[1.1, -2.0]);
+        assert!((s.max_err - 0.1).abs() < 1e-6);
+        assert_eq!(
+            s.sqnr_db(),
+            format!("{:.2}", 10.0 * (5.0f64 / 0.01).log10())
+        );
+    }
+
+    #[test]
+    fn table_aligns() {
+        let mut t = Table::new(&[("name", Align::Left), ("n", Align::Right)]);
+        t.row(vec!["a".into(), "100".into()]);
+        t.totals(vec!["total".into(), "1".into()]);
+        assert_eq!(
+            t.render(),
+            "name     n\n----------\na      100\n----------\ntotal    1\n"
+        );
+    }
+
+    #[test]
+    fn byte_formats() {
+        assert_eq!(bytes_str(0), "0");
+        assert_eq!(bytes_str(1234567), "1,234,567");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+    }
+}
