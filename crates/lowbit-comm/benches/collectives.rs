@@ -1,0 +1,334 @@
+//! Throughput of the in-process all-gather and reduce-scatter on 4 ranks, against a memory copy of
+//! the same bytes measured in the same run.
+//!
+//! # What is measured
+//! - `memcpy`: `Device::copy` of a 16 MiB buffer into another (already touched) one, on one
+//!   thread.
+//! - `all_gather_{f32,bf16}`: 4 ranks, each all-gathering its 4 MiB shard in place into its 16 MiB
+//!   bucket (Megatron's form: the input is the rank's slice of the output).
+//! - `reduce_scatter_{f32,bf16}`: 4 ranks, each reduce-scattering (sum) its 16 MiB bucket in place
+//!   into its 4 MiB shard.
+//! - `barrier`: a bare barrier of the 4 ranks, to show what the per-iteration barrier costs.
+//!
+//! The rank threads are spawned once (with `run_ranks`) and wait for commands; each criterion
+//! `iter_custom` call sends every rank an iteration count, the ranks pass a barrier, then each
+//! iteration runs the blocking collective followed by a barrier, and rank 0 reports the time from
+//! the first barrier to the end of the last one. Thread spawning is never timed.
+//!
+//! # Byte convention
+//! Bytes are counted once per payload byte, for both sides of the ratio: a collective moves its
+//! NCCL "algorithm bytes" per rank (all-gather: output bytes, reduce-scatter: input bytes, here
+//! 16 MiB), and `memcpy` moves the bytes it copies (16 MiB; reading and writing them is not
+//! counted twice). With median times `t`:
+//! - `GB/s per rank = 16 MiB / t`;
+//! - `GB/s all ranks = 4 · 16 MiB / t` (what the machine moved in total);
+//! - `x memcpy` = the all-ranks GB/s divided by the memcpy GB/s: 1.0 means the 4 ranks together
+//!   moved payload as fast as one thread copies memory. On a machine with fewer cores than ranks
+//!   the ranks share the cores, so the per-rank figure is bounded by cores / 4 of that.
+//!
+//! After the benchmarks the medians are read back from criterion's
+//! `<criterion dir>/comm/<id>/new/estimates.json` (files written by this run only; the directory
+//! is decided as criterion 0.7 decides it and handed to criterion) and a table is printed.
+//!
+//! Run with `cargo bench -p lowbit-comm --bench collectives` (well under a minute).
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use criterion::{Criterion, Throughput};
+use lowbit_comm::{Communicator, GroupConfig, LocalComm, ReduceOp, run_ranks};
+use lowbit_device::{DType, Device, View};
+
+const WORLD: usize = 4;
+/// Per-rank all-gather output and reduce-scatter input.
+const BYTES: usize = 16 << 20;
+const GROUP: &str = "comm";
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Memcpy,
+    AllGather(DType),
+    ReduceScatter(DType),
+    Barrier,
+}
+
+struct Case {
+    id: &'static str,
+    kind: Kind,
+}
+
+const CASES: [Case; 6] = [
+    Case {
+        id: "memcpy",
+        kind: Kind::Memcpy,
+    },
+    Case {
+        id: "all_gather_f32",
+        kind: Kind::AllGather(DType::F32),
+    },
+    Case {
+        id: "all_gather_bf16",
+        kind: Kind::AllGather(DType::Bf16),
+    },
+    Case {
+        id: "reduce_scatter_f32",
+        kind: Kind::ReduceScatter(DType::F32),
+    },
+    Case {
+        id: "reduce_scatter_bf16",
+        kind: Kind::ReduceScatter(DType::Bf16),
+    },
+    Case {
+        id: "barrier",
+        kind: Kind::Barrier,
+    },
+];
+
+enum Cmd {
+    Run { kind: Kind, iters: u64 },
+    Stop,
+}
+
+/// One rank: allocates a 16 MiB bucket per dtype once, then runs commands until `Stop`.
+fn rank_loop(
+    mut comm: LocalComm,
+    mut dev: Device,
+    cmds: &Mutex<Receiver<Cmd>>,
+    done: &Sender<Duration>,
+    ready: &Barrier,
+) {
+    let r = comm.rank();
+    let bucket = |dev: &mut Device, dtype: DType| -> View {
+        let n = BYTES / dtype.size();
+        let v = dev.alloc(dtype, n);
+        let vals: Vec<f32> = (0..n).map(|i| ((i + r) % 7) as f32 * 0.25).collect();
+        match dtype {
+            DType::F32 => dev.upload(v, &vals).unwrap(),
+            _ => {
+                let b: Vec<lowbit_device::bf16> = vals
+                    .iter()
+                    .map(|&x| lowbit_device::bf16::from_f32(x))
+                    .collect();
+                dev.upload(v, &b).unwrap();
+            }
+        }
+        v
+    };
+    let f32_bucket = bucket(&mut dev, DType::F32);
+    let bf16_bucket = bucket(&mut dev, DType::Bf16);
+    let shard = |b: View| {
+        let n = b.len() / WORLD;
+        b.slice(r * n..(r + 1) * n).unwrap()
+    };
+    ready.wait();
+    loop {
+        let cmd = cmds.lock().unwrap().recv().unwrap();
+        let Cmd::Run { kind, iters } = cmd else {
+            return;
+        };
+        comm.barrier().unwrap();
+        let start = Instant::now();
+        for _ in 0..iters {
+            match kind {
+                Kind::AllGather(dtype) | Kind::ReduceScatter(dtype) => {
+                    let b = if dtype == DType::F32 {
+                        f32_bucket
+                    } else {
+                        bf16_bucket
+                    };
+                    if matches!(kind, Kind::AllGather(_)) {
+                        comm.all_gather(&mut dev, shard(b), b).unwrap();
+                    } else {
+                        comm.reduce_scatter(&mut dev, b, shard(b), ReduceOp::Sum)
+                            .unwrap();
+                    }
+                }
+                Kind::Barrier | Kind::Memcpy => {}
+            }
+            comm.barrier().unwrap();
+        }
+        if r == 0 {
+            done.send(start.elapsed()).unwrap();
+        }
+    }
+}
+
+fn main() {
+    let start = SystemTime::now();
+    let dir = criterion_dir();
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .output_directory(&dir)
+        .configure_from_args();
+
+    {
+        let mut dev = Device::cpu();
+        let src = dev.alloc(DType::U8, BYTES);
+        let dst = dev.alloc(DType::U8, BYTES);
+        dev.copy(src, dst).unwrap();
+        let mut g = c.benchmark_group(GROUP);
+        g.throughput(Throughput::Bytes(BYTES as u64));
+        g.bench_function(CASES[0].id, |b| b.iter(|| dev.copy(src, dst).unwrap()));
+        g.finish();
+    }
+
+    let (txs, rxs): (Vec<Sender<Cmd>>, Vec<Mutex<Receiver<Cmd>>>) = (0..WORLD)
+        .map(|_| {
+            let (tx, rx) = channel();
+            (tx, Mutex::new(rx))
+        })
+        .unzip();
+    let (done_tx, done_rx) = channel::<Duration>();
+    // The ranks' setup (allocating and filling their buckets) finishes before any timing.
+    let ready = Barrier::new(WORLD + 1);
+    std::thread::scope(|s| {
+        let ranks = s.spawn(|| {
+            run_ranks(WORLD, GroupConfig::default(), |comm, dev| {
+                let r = comm.rank();
+                rank_loop(comm, dev, &rxs[r], &done_tx, &ready)
+            })
+        });
+        ready.wait();
+        let mut g = c.benchmark_group(GROUP);
+        for case in &CASES[1..] {
+            g.throughput(match case.kind {
+                Kind::Barrier => Throughput::Elements(1),
+                _ => Throughput::Bytes(BYTES as u64),
+            });
+            g.bench_function(case.id, |b| {
+                b.iter_custom(|iters| {
+                    for tx in &txs {
+                        tx.send(Cmd::Run {
+                            kind: case.kind,
+                            iters,
+                        })
+                        .expect("rank thread alive");
+                    }
+                    done_rx
+                        .recv_timeout(Duration::from_secs(120))
+                        .expect("rank 0 reports its time")
+                })
+            });
+        }
+        g.finish();
+        for tx in &txs {
+            let _ = tx.send(Cmd::Stop);
+        }
+        for r in ranks.join().expect("rank driver") {
+            r.expect("rank thread");
+        }
+    });
+    c.final_summary();
+    summary(&dir, start);
+}
+
+fn summary(dir: &Path, since: SystemTime) {
+    let median = |id: &str| median_ns(dir, id, since);
+    let Some(memcpy) = median("memcpy") else {
+        println!("(memcpy baseline not run: no summary)");
+        return;
+    };
+    let gbs = |ns: f64, bytes: f64| bytes / ns; // bytes per ns = GB/s
+    let memcpy_gbs = gbs(memcpy, BYTES as f64);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "\nlowbit-comm in-process collectives, {WORLD} ranks on {cores} core(s), 16 MiB per rank \
+         (all-gather output / reduce-scatter input), in place; criterion medians"
+    );
+    println!(
+        "{:<22} {:>10} {:>14} {:>15} {:>9}",
+        "benchmark", "time", "GB/s per rank", "GB/s all ranks", "x memcpy"
+    );
+    println!(
+        "{:<22} {:>10} {:>14} {:>15.2} {:>9}",
+        "memcpy (1 thread)",
+        fmt_time(memcpy),
+        "-",
+        memcpy_gbs,
+        "1.00"
+    );
+    for case in &CASES[1..] {
+        let Some(t) = median(case.id) else {
+            println!("{:<22} (not run)", case.id);
+            continue;
+        };
+        if case.kind == Kind::Barrier {
+            println!("{:<22} {:>10}", case.id, fmt_time(t));
+            continue;
+        }
+        let per_rank = gbs(t, BYTES as f64);
+        let all = per_rank * WORLD as f64;
+        println!(
+            "{:<22} {:>10} {:>14.2} {:>15.2} {:>9.2}",
+            case.id,
+            fmt_time(t),
+            per_rank,
+            all,
+            all / memcpy_gbs
+        );
+    }
+    println!(
+        "bytes: each payload byte counted once (collective: NCCL algorithm bytes per rank; memcpy: \
+         bytes copied); each collective iteration includes one barrier (see the barrier row)"
+    );
+}
+
+fn fmt_time(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.1} us", ns / 1e3)
+    }
+}
+
+/// The directory criterion writes to, decided as criterion 0.7 decides it.
+fn criterion_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return PathBuf::from(home);
+    }
+    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(target).join("criterion");
+    }
+    cargo_metadata_target_dir()
+        .map(|t| t.join("criterion"))
+        .unwrap_or_else(|| PathBuf::from("target/criterion"))
+}
+
+/// `target_directory` from `$CARGO metadata`, found with a string search.
+fn cargo_metadata_target_dir() -> Option<PathBuf> {
+    let cargo = std::env::var_os("CARGO")?;
+    let out = std::process::Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let key = "\"target_directory\":";
+    let rest = text[text.find(key)? + key.len()..].trim_start();
+    let mut chars = rest.strip_prefix('"')?.chars();
+    let mut value = String::new();
+    loop {
+        match chars.next()? {
+            '"' => return Some(PathBuf::from(value)),
+            '\\' => value.push(chars.next()?),
+            ch => value.push(ch),
+        }
+    }
+}
+
+/// Median time in ns of benchmark `id`, if this run wrote its estimates: the number after
+/// `"point_estimate":` inside the `"median"` object.
+fn median_ns(dir: &Path, id: &str, since: SystemTime) -> Option<f64> {
+    let path = dir.join(GROUP).join(id).join("new").join("estimates.json");
+    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
+        return None;
+    }
+    let json = std::fs::read_to_string(&path).ok()?;
+    let obj = &json[json.find("\"median\":{")?..];
+    let key = "\"point_estimate\":";
+    let rest = &obj[obj.find(key)? + key.len()..];
+    rest[..rest.find([',', '}'])?].trim().parse().ok()
+}

@@ -1,0 +1,235 @@
+//! The fused AdamW step against its memory-traffic bound, measured in the same run.
+//!
+//! # What is measured
+//! - `copy/64MiB`: [`Device::copy`] of a 64 MiB buffer into another, already touched one. Its
+//!   bandwidth counts bytes read plus bytes written (128 MiB per copy).
+//! - `adamw/4M_bf16_out`: [`Device::adamw`] over 4Mi parameters (f32 param, grad, m, v; bf16
+//!   out), the shard step of the distributed optimizer. It must read 16 bytes per parameter
+//!   (param, grad, m, v) and write 14 (param, m, v, bf16 copy): 30 bytes.
+//! - `adamw/4M_no_out`: the same without the bf16 copy (26 bytes per parameter).
+//! - `cast/4M_f32_bf16`: f32 → bf16 [`Device::cast`] (6 bytes per element), for scale.
+//!
+//! # The summary
+//! After criterion runs, the median time of each benchmark is read back from
+//! `<criterion dir>/<group>/<id>/new/estimates.json` (the `point_estimate` of `median`; only
+//! files this run wrote count). The criterion dir is `$CRITERION_HOME`, else
+//! `$CARGO_TARGET_DIR/criterion`, else the workspace's `target/criterion`, and is handed to
+//! criterion so that both agree. For each op: elements/s, GB/s of its ideal traffic, and that
+//! bandwidth as a fraction of the copy's (`x copy`). An op at its byte bound scores 1.0 minus
+//! what write-allocate traffic costs it (a streaming copy may avoid that; an element-wise kernel
+//! with ordinary stores reads each written line first).
+//!
+//! Run with `cargo bench -p lowbit-device --bench ops` (about 30 s).
+
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use criterion::{Criterion, Throughput};
+use lowbit_device::{AdamW, DType, Device, View};
+
+const COPY_BYTES: usize = 64 << 20;
+const PARAMS: usize = 4 << 20;
+
+/// One benchmark: where criterion writes it, how many elements and ideal bytes it moves.
+struct Case {
+    group: &'static str,
+    id: &'static str,
+    elems: usize,
+    bytes: usize,
+}
+
+const CASES: [Case; 4] = [
+    Case {
+        group: "copy",
+        id: "64MiB",
+        elems: COPY_BYTES,
+        bytes: 2 * COPY_BYTES,
+    },
+    Case {
+        group: "adamw",
+        id: "4M_bf16_out",
+        elems: PARAMS,
+        bytes: 30 * PARAMS,
+    },
+    Case {
+        group: "adamw",
+        id: "4M_no_out",
+        elems: PARAMS,
+        bytes: 26 * PARAMS,
+    },
+    Case {
+        group: "cast",
+        id: "4M_f32_bf16",
+        elems: PARAMS,
+        bytes: 6 * PARAMS,
+    },
+];
+
+fn criterion_dir() -> PathBuf {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return home.into();
+    }
+    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
+        return Path::new(&target).join("criterion");
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/criterion")
+}
+
+/// The number after `"point_estimate":` inside the `"<stat>"` object of an estimates file.
+fn point_estimate(json: &str, stat: &str) -> Option<f64> {
+    let obj = &json[json.find(&format!("\"{stat}\":{{"))?..];
+    let key = "\"point_estimate\":";
+    let rest = &obj[obj.find(key)? + key.len()..];
+    let end = rest.find([',', '}'])?;
+    rest[..end].trim().parse().ok()
+}
+
+/// Median time in ns of one benchmark, if this run wrote its estimates.
+fn median_ns(dir: &Path, case: &Case, since: SystemTime) -> Option<f64> {
+    let path = dir
+        .join(case.group)
+        .join(case.id)
+        .join("new")
+        .join("estimates.json");
+    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
+        return None;
+    }
+    point_estimate(&std::fs::read_to_string(&path).ok()?, "median")
+}
+
+/// A deterministic f32 view of `n` values in about ±`scale`.
+fn filled(dev: &mut Device, n: usize, seed: u32, scale: f32) -> View {
+    let mut s = seed | 1;
+    let vals: Vec<f32> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    let v = dev.alloc(DType::F32, n);
+    dev.upload(v, &vals).expect("upload");
+    v
+}
+
+fn main() {
+    let start = SystemTime::now();
+    let dir = criterion_dir();
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .output_directory(&dir)
+        .configure_from_args();
+    let mut dev = Device::cpu();
+
+    {
+        let src = dev.alloc(DType::U8, COPY_BYTES);
+        let dst = dev.alloc(DType::U8, COPY_BYTES);
+        dev.write_bytes(src, &vec![0x5A; COPY_BYTES])
+            .expect("write");
+        dev.copy(src, dst).expect("touch the destination");
+        let mut g = c.benchmark_group("copy");
+        g.throughput(Throughput::Bytes(2 * COPY_BYTES as u64));
+        g.bench_function("64MiB", |b| b.iter(|| dev.copy(src, dst).expect("copy")));
+        g.finish();
+        dev.free(src).expect("free");
+        dev.free(dst).expect("free");
+    }
+    {
+        let p = filled(&mut dev, PARAMS, 1, 1.0);
+        let g_ = filled(&mut dev, PARAMS, 2, 1e-2);
+        let m = filled(&mut dev, PARAMS, 3, 1e-3);
+        let v_sq = filled(&mut dev, PARAMS, 4, 1e-4);
+        // exp_avg_sq ≥ 0: fold the signs away (|x| = sqrt(x²) exactly for these magnitudes).
+        let abs: Vec<f32> = dev
+            .download::<f32>(v_sq)
+            .expect("download")
+            .iter()
+            .map(|x| x.abs())
+            .collect();
+        dev.upload(v_sq, &abs).expect("upload");
+        let out = dev.alloc(DType::Bf16, PARAMS);
+        let mut g = c.benchmark_group("adamw");
+        g.throughput(Throughput::Elements(PARAMS as u64));
+        g.bench_function("4M_bf16_out", |b| {
+            b.iter(|| {
+                dev.adamw(p, g_, m, v_sq, black_box(&hp()), Some(out))
+                    .expect("adamw")
+            })
+        });
+        g.bench_function("4M_no_out", |b| {
+            b.iter(|| {
+                dev.adamw(p, g_, m, v_sq, black_box(&hp()), None)
+                    .expect("adamw")
+            })
+        });
+        g.finish();
+        let mut g = c.benchmark_group("cast");
+        g.throughput(Throughput::Elements(PARAMS as u64));
+        g.bench_function("4M_f32_bf16", |b| {
+            b.iter(|| dev.cast(p, out).expect("cast"))
+        });
+        g.finish();
+    }
+    c.final_summary();
+    summary(&dir, start);
+}
+
+fn hp() -> AdamW {
+    AdamW {
+        lr: 1e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 100,
+    }
+}
+
+/// Prints elements/s, GB/s and the ratio to the copy bandwidth of every case this run measured.
+fn summary(dir: &Path, start: SystemTime) {
+    let times: Vec<Option<f64>> = CASES.iter().map(|k| median_ns(dir, k, start)).collect();
+    let Some(copy_ns) = times[0] else {
+        println!("\n(copy baseline not measured in this run: no summary)");
+        return;
+    };
+    let copy_gbs = CASES[0].bytes as f64 / copy_ns;
+    println!("\nlowbit-device ops, median times; bandwidth = ideal bytes read + written / time");
+    println!(
+        "{:<20} {:>10} {:>14} {:>9} {:>8}",
+        "benchmark", "time", "elements/s", "GB/s", "x copy"
+    );
+    for (case, t) in CASES.iter().zip(&times) {
+        let Some(t) = t else { continue };
+        let gbs = case.bytes as f64 / t;
+        println!(
+            "{:<20} {:>7.2} ms {:>14.3e} {:>9.2} {:>8.2}",
+            format!("{}/{}", case.group, case.id),
+            t / 1e6,
+            case.elems as f64 / (t * 1e-9),
+            gbs,
+            gbs / copy_gbs
+        );
+    }
+    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let one_minute = load.split_whitespace().next().unwrap_or("?");
+        println!(
+            "(load average {one_minute} on {cores} cores: well above 1, other processes share \
+             the memory bus and the numbers are noisy)"
+        );
+    }
+    if let Some(t) = times[1] {
+        println!(
+            "\nAdamW (4Mi params, bf16 out): {:.3e} params/s = {:.2} GB/s of its 30 B/param bound \
+             = {:.2}x the {:.2} GB/s memory-copy bandwidth of this run",
+            PARAMS as f64 / (t * 1e-9),
+            CASES[1].bytes as f64 / t,
+            CASES[1].bytes as f64 / t / copy_gbs,
+            copy_gbs
+        );
+    }
+}

@@ -1,0 +1,481 @@
+//! The storage and op surface the training layers use: typed buffers, views with byte-level
+//! aliasing, and the element-wise, reduction, quantization, optimizer, matmul and model ops.
+//!
+//! # Purpose
+//! Everything above this crate (collectives, param/grad buffers, optimizers, models) manipulates
+//! memory only through a [`Device`] and [`View`]s of it, so that the same code runs on the CPU
+//! reference backend and, behind the `cuda` feature, on a GPU.
+//!
+//! # The key decision: views are plain handles, like device pointers
+//! A [`View`] is `(buffer, byte offset, element count, dtype)`: `Copy`, comparable, and free of
+//! borrows. Ops take views and a `&mut Device`. This is how CUDA memory works (a pointer and a
+//! length) and it is what lets the layers above express the aliasing they need — a bf16 staging
+//! view over the first half of the bytes of an fp32 gradient buffer is
+//! `grads.reinterpret(DType::Bf16)?.slice(0..n)?` and truly shares memory — without fighting the
+//! borrow checker or copying. The price is that views are checked at run time: every op validates
+//! bounds, dtypes and lengths and returns a [`DeviceError`] instead of touching memory it should not.
+//!
+//! The op API is shaped so that a CUDA backend can sit behind it unchanged: ops take views and
+//! plain scalars (no closures over host memory, no references into device memory), results that
+//! come back to the host are values (`sum_squares`, `max_abs`, losses, NVFP4 amaxes), and every
+//! op — reductions included — takes `&mut self`, since on a GPU each launches work on the
+//! device's stream and may use its scratch memory.
+//!
+//! # Aliasing rule
+//! An op's outputs (including in/out operands such as `axpy`'s `y` or AdamW's moments) must be
+//! pairwise disjoint and must not share a byte with any of its inputs; inputs may overlap each
+//! other (`matmul(a, a, …)` is fine). A violation is [`DeviceError::Overlap`], never an
+//! order-dependent result. This is the `__restrict__` contract a GPU kernel needs, so results
+//! are identical on both backends. In-place updates are expressed by ops with one in/out view
+//! ([`Device::scale`], [`Device::fill`], [`Device::add_bias`], `axpy`'s `y`), so `axpy(a, x, x)`
+//! is rejected (use `scale(x, 1 + a)`). [`Device::copy`] alone allows overlap (`memmove`).
+//!
+//! # Arithmetic contract
+//! - Float ops read f32, bf16 and f16 exactly as f32, compute in f32 one IEEE operation at a
+//!   time in the order each op documents — never a fused multiply-add — and round the result
+//!   once to the destination dtype with round-to-nearest-even (bf16 and f16 exactly as
+//!   `half`'s `from_f32`).
+//! - Reductions run in index order (f64 accumulators where an op says so), so results are
+//!   bitwise reproducible run to run and independent of how the CPU backend chunks its loops.
+//! - Per-call scalars derived from hyper-parameters (AdamW's bias corrections, loss scales) are
+//!   computed once in f64 and rounded to f32, as PyTorch does with its Python-float scalars.
+//! - `tanh`, `exp` and `ln` are evaluated in f64 and rounded to f32 (correctly rounded but for
+//!   rare double-rounding cases), not with the platform's f32 libm.
+//! - Quantization and dequantization are `lowbit-formats`' functions applied to the views'
+//!   bytes: identical bits by construction.
+//!
+//! # Invariants
+//! - New buffers are zero-filled.
+//! - An op either fully succeeds or leaves memory untouched: dtypes, lengths, shapes,
+//!   hyper-parameters, bounds, liveness and overlap are all checked (and a quantizer's format
+//!   errors raised) before the first byte is written.
+//! - Bad views and bad arguments are errors, never panics.
+//! - A freed buffer's views are rejected ([`DeviceError::Freed`]), never reused silently: buffer
+//!   ids carry a generation, so a stale view stays invalid after its slot is reused; they also
+//!   carry the device, so a view of another [`Device`] is rejected too.
+//! - [`Device::allocated_bytes`] is exactly the sum of the live buffers' sizes.
+//!
+//! # The ops
+//! Memory: `alloc`, `free`, `upload`, `download`, `read_bytes`, `write_bytes`, `zero`, `copy`.
+//! Element-wise: [`Device::fill`], [`Device::cast`], [`Device::scale`], [`Device::axpy`],
+//! [`Device::add`]. Reductions: [`Device::sum_squares`], [`Device::has_non_finite`],
+//! [`Device::max_abs`]. Quantization: [`Device::quantize_mxfp8`],
+//! [`Device::dequantize_mxfp8_rowwise`], [`Device::dequantize_mxfp8_columnwise`],
+//! [`Device::quantize_nvfp4`], [`Device::dequantize_nvfp4_rowwise`],
+//! [`Device::dequantize_nvfp4_columnwise`]. Optimizers: [`Device::adamw`],
+//! [`Device::sgd_momentum`]. [`Device::matmul`]. Model ops (f32, row-major `[rows, cols]`):
+//! [`Device::add_bias`], [`Device::bias_grad`], [`Device::rms_norm`],
+//! [`Device::rms_norm_backward`], [`Device::gelu`], [`Device::gelu_backward`],
+//! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],
+//! [`Device::softmax_cross_entropy_backward`].
+//!
+//! # Non-goals
+//! Ranks and collectives (`lowbit-comm`), buffer layouts (`lowbit-buffers`), autograd, general
+//! tensor shapes, strides or broadcasting beyond what the ops state. The CPU backend is a
+//! reference: each op runs on the calling thread (parallelism comes from one device per rank
+//! thread), and `matmul` is a plain triple loop, not a tuned GEMM.
+
+mod cpu;
+mod ops;
+
+pub use half::{bf16, f16};
+pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
+pub use ops::{AdamW, MatmulSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SgdMomentum};
+
+use std::ops::Range;
+
+/// Element type of a buffer view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+    /// Raw bytes: fp8 and packed fp4 payloads, block scales.
+    U8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Whether arithmetic ops accept this dtype.
+    pub const fn is_float(self) -> bool {
+        !matches!(self, DType::U8)
+    }
+}
+
+/// Errors of device operations. Each names what was wrong.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DeviceError {
+    /// A view extends past its buffer, or a sub-range past its view.
+    #[error("{what}: range {start}..{end} is out of bounds (length {len})")]
+    OutOfBounds {
+        /// Which operation or view.
+        what: &'static str,
+        /// Start of the requested range.
+        start: usize,
+        /// End of the requested range.
+        end: usize,
+        /// Length available.
+        len: usize,
+    },
+    /// An op got a view of the wrong dtype.
+    #[error("{what}: expected {expected}, got {got:?}")]
+    DType {
+        /// Which operation.
+        what: &'static str,
+        /// What the op accepts.
+        expected: &'static str,
+        /// What it got.
+        got: DType,
+    },
+    /// Two views that must have the same length do not.
+    #[error("{what}: lengths differ ({a} vs {b})")]
+    Length {
+        /// Which operation.
+        what: &'static str,
+        /// First length.
+        a: usize,
+        /// Second length.
+        b: usize,
+    },
+    /// A reinterpretation whose byte length or offset does not fit the new dtype.
+    #[error("cannot view {bytes} bytes at offset {offset} as {dtype:?}")]
+    Reinterpret {
+        /// Byte length of the view.
+        bytes: usize,
+        /// Byte offset of the view.
+        offset: usize,
+        /// Requested dtype.
+        dtype: DType,
+    },
+    /// A view of a buffer that was freed (or never existed on this device).
+    #[error("view of buffer {0} which is freed or belongs to another device")]
+    Freed(u32),
+    /// Input views of an op overlap its output where that is not allowed.
+    #[error("{0}: input and output views overlap")]
+    Overlap(&'static str),
+    /// A quantization error from `lowbit-formats`.
+    #[error(transparent)]
+    Format(#[from] lowbit_formats::FormatError),
+    /// Arguments that describe no valid operation: a shape that does not match the views, a
+    /// hyper-parameter out of range, a class index out of range, a missing or unexpected view.
+    #[error("{what}: {reason}")]
+    Invalid {
+        /// Which operation.
+        what: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Something this backend cannot do.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Result of device operations.
+pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
+
+/// Identifies one allocation of a [`Device`]. The generation makes stale handles detectable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufferId {
+    /// The device that allocated the buffer.
+    device: u32,
+    index: u32,
+    generation: u32,
+}
+
+/// A typed window onto a buffer: a handle, not a borrow (see the crate docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct View {
+    buffer: BufferId,
+    /// Byte offset of element 0 within the buffer.
+    offset: usize,
+    /// Number of elements.
+    len: usize,
+    dtype: DType,
+}
+
+impl View {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Bytes covered.
+    pub fn byte_len(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+    /// Byte offset within the buffer.
+    pub fn byte_offset(&self) -> usize {
+        self.offset
+    }
+    /// Byte range within the buffer.
+    pub fn byte_range(&self) -> Range<usize> {
+        self.offset..self.offset + self.byte_len()
+    }
+    /// The buffer this view belongs to.
+    pub fn buffer(&self) -> BufferId {
+        self.buffer
+    }
+
+    /// The elements `range` of this view.
+    pub fn slice(&self, range: Range<usize>) -> Result<View> {
+        if range.start > range.end || range.end > self.len {
+            return Err(DeviceError::OutOfBounds {
+                what: "View::slice",
+                start: range.start,
+                end: range.end,
+                len: self.len,
+            });
+        }
+        Ok(View {
+            offset: self.offset + range.start * self.dtype.size(),
+            len: range.end - range.start,
+            ..*self
+        })
+    }
+
+    /// The same bytes seen as `dtype` (byte-level aliasing). The byte length must be a multiple
+    /// of the new element size and the offset aligned to it.
+    pub fn reinterpret(&self, dtype: DType) -> Result<View> {
+        let bytes = self.byte_len();
+        if !bytes.is_multiple_of(dtype.size()) || !self.offset.is_multiple_of(dtype.size()) {
+            return Err(DeviceError::Reinterpret {
+                bytes,
+                offset: self.offset,
+                dtype,
+            });
+        }
+        Ok(View {
+            len: bytes / dtype.size(),
+            dtype,
+            ..*self
+        })
+    }
+
+    /// Whether the two views share at least one byte.
+    pub fn overlaps(&self, other: &View) -> bool {
+        let (a, b) = (self.byte_range(), other.byte_range());
+        self.buffer == other.buffer && a.start < b.end && b.start < a.end
+    }
+
+    /// The sub-views `[0, mid)` and `[mid, len)`.
+    pub fn split_at(&self, mid: usize) -> Result<(View, View)> {
+        Ok((self.slice(0..mid)?, self.slice(mid..self.len)?))
+    }
+}
+
+/// A host element type that maps to a [`DType`], for uploads and downloads.
+pub trait HostElem: Copy + Default + Send + Sync + 'static {
+    /// The device dtype of this host type.
+    const DTYPE: DType;
+    /// Little-endian bytes of a slice.
+    fn to_bytes(src: &[Self]) -> Vec<u8>;
+    /// Decodes little-endian bytes (length a multiple of the element size).
+    fn from_bytes(bytes: &[u8]) -> Vec<Self>;
+}
+
+macro_rules! host_elem {
+    ($t:ty, $d:expr, $n:expr, $to:expr, $from:expr) => {
+        impl HostElem for $t {
+            const DTYPE: DType = $d;
+            fn to_bytes(src: &[Self]) -> Vec<u8> {
+                src.iter().flat_map(|v| $to(*v)).collect()
+            }
+            fn from_bytes(bytes: &[u8]) -> Vec<Self> {
+                bytes
+                    .chunks_exact($n)
+                    .map(|c| $from(c.try_into().expect("chunk size")))
+                    .collect()
+            }
+        }
+    };
+}
+
+host_elem!(f32, DType::F32, 4, f32::to_le_bytes, f32::from_le_bytes);
+host_elem!(
+    bf16,
+    DType::Bf16,
+    2,
+    |v: bf16| v.to_bits().to_le_bytes(),
+    |b: [u8; 2]| bf16::from_bits(u16::from_le_bytes(b))
+);
+host_elem!(
+    f16,
+    DType::F16,
+    2,
+    |v: f16| v.to_bits().to_le_bytes(),
+    |b: [u8; 2]| f16::from_bits(u16::from_le_bytes(b))
+);
+host_elem!(u8, DType::U8, 1, |v: u8| [v], |b: [u8; 1]| b[0]);
+
+/// Which implementation a [`Device`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The reference CPU backend.
+    Cpu,
+}
+
+/// One rank's memory and compute. `Send`, so a rank thread can own it; not shared between ranks.
+#[derive(Debug)]
+pub struct Device {
+    backend: Backend,
+}
+
+#[derive(Debug)]
+enum Backend {
+    Cpu(cpu::CpuDevice),
+}
+
+impl Device {
+    /// A CPU device.
+    pub fn cpu() -> Device {
+        Device {
+            backend: Backend::Cpu(cpu::CpuDevice::new()),
+        }
+    }
+
+    /// Which backend this is.
+    pub fn kind(&self) -> DeviceKind {
+        match self.backend {
+            Backend::Cpu(_) => DeviceKind::Cpu,
+        }
+    }
+
+    /// Allocates a zero-filled buffer of `len` elements and returns the view of all of it.
+    pub fn alloc(&mut self, dtype: DType, len: usize) -> View {
+        let Backend::Cpu(c) = &mut self.backend;
+        let buffer = c.alloc(len * dtype.size());
+        View {
+            buffer,
+            offset: 0,
+            len,
+            dtype,
+        }
+    }
+
+    /// Frees the buffer `view` belongs to; every view of it becomes invalid.
+    pub fn free(&mut self, view: View) -> Result<()> {
+        let Backend::Cpu(c) = &mut self.backend;
+        c.free(view.buffer)
+    }
+
+    /// Bytes currently allocated on this device.
+    pub fn allocated_bytes(&self) -> usize {
+        let Backend::Cpu(c) = &self.backend;
+        c.allocated_bytes()
+    }
+
+    /// Copies host elements into `dst` (dtype and length must match).
+    pub fn upload<T: HostElem>(&mut self, dst: View, src: &[T]) -> Result<()> {
+        check_dtype("upload", dst, T::DTYPE)?;
+        check_len("upload", dst.len(), src.len())?;
+        self.write_bytes(dst, &T::to_bytes(src))
+    }
+
+    /// Copies `src` to the host (its dtype must be `T`'s).
+    pub fn download<T: HostElem>(&self, src: View) -> Result<Vec<T>> {
+        check_dtype("download", src, T::DTYPE)?;
+        Ok(T::from_bytes(&self.read_bytes(src)?))
+    }
+
+    /// Writes raw bytes over `dst`'s bytes (any dtype).
+    pub fn write_bytes(&mut self, dst: View, src: &[u8]) -> Result<()> {
+        check_len("write_bytes", dst.byte_len(), src.len())?;
+        let Backend::Cpu(c) = &mut self.backend;
+        c.bytes_mut(dst)?.copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Reads `src`'s bytes (any dtype).
+    pub fn read_bytes(&self, src: View) -> Result<Vec<u8>> {
+        let Backend::Cpu(c) = &self.backend;
+        Ok(c.bytes(src)?.to_vec())
+    }
+
+    /// Sets every byte of `view` to zero.
+    pub fn zero(&mut self, view: View) -> Result<()> {
+        let Backend::Cpu(c) = &mut self.backend;
+        c.bytes_mut(view)?.fill(0);
+        Ok(())
+    }
+
+    /// Copies `src` into `dst` (same dtype and length). Overlapping views behave like `memmove`.
+    pub fn copy(&mut self, src: View, dst: View) -> Result<()> {
+        check_dtype_eq("copy", src, dst)?;
+        check_len("copy", src.len(), dst.len())?;
+        let Backend::Cpu(c) = &mut self.backend;
+        c.copy_within(src, dst)
+    }
+
+    pub(crate) fn cpu_mut(&mut self) -> &mut cpu::CpuDevice {
+        let Backend::Cpu(c) = &mut self.backend;
+        c
+    }
+
+    pub(crate) fn cpu_ref(&self) -> &cpu::CpuDevice {
+        let Backend::Cpu(c) = &self.backend;
+        c
+    }
+}
+
+pub(crate) fn check_dtype(what: &'static str, v: View, want: DType) -> Result<()> {
+    if v.dtype() == want {
+        Ok(())
+    } else {
+        Err(DeviceError::DType {
+            what,
+            expected: dtype_name(want),
+            got: v.dtype(),
+        })
+    }
+}
+
+pub(crate) fn check_float(what: &'static str, v: View) -> Result<()> {
+    if v.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(DeviceError::DType {
+            what,
+            expected: "a float dtype (f32, bf16, f16)",
+            got: v.dtype(),
+        })
+    }
+}
+
+pub(crate) fn check_dtype_eq(what: &'static str, a: View, b: View) -> Result<()> {
+    check_dtype(what, b, a.dtype())
+}
+
+pub(crate) fn check_len(what: &'static str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(DeviceError::Length { what, a, b })
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        DType::U8 => "u8",
+    }
+}

@@ -1,0 +1,116 @@
+//! Fill, cast, scale, axpy, add, and the reductions (sum of squares, non-finite check, amax).
+
+use super::{for_each_chunk, map_in_place, map_into, zip_in_place};
+use crate::cpu::{bf16_bits, encode_f32};
+use crate::{DType, Device, Result, View, check_float, check_len};
+
+impl Device {
+    /// Sets every element of the float view `view` to `value` rounded to its dtype (RNE).
+    pub fn fill(&mut self, view: View, value: f32) -> Result<()> {
+        check_float("fill", view)?;
+        let d = view.dtype();
+        let mut pattern = [0u8; 4];
+        encode_f32(d, &[value], &mut pattern[..d.size()]);
+        let ([], [bytes]) = self.cpu_mut().split_n("fill", [], [view])?;
+        for e in bytes.chunks_exact_mut(d.size()) {
+            e.copy_from_slice(&pattern[..d.size()]);
+        }
+        Ok(())
+    }
+
+    /// `dst ← src` converted between any float dtypes (f32, bf16, f16), same length, rounding to
+    /// nearest even: f32 → bf16 equals `half::bf16::from_f32`, f32 → f16 `half::f16::from_f32`,
+    /// and widening is exact. `src` and `dst` must not overlap.
+    pub fn cast(&mut self, src: View, dst: View) -> Result<()> {
+        check_float("cast", src)?;
+        check_float("cast", dst)?;
+        check_len("cast", src.len(), dst.len())?;
+        let ([s], [d]) = self.cpu_mut().split_n("cast", [src], [dst])?;
+        match (src.dtype(), dst.dtype()) {
+            (a, b) if a == b => d.copy_from_slice(s),
+            // The master → staging path, in one pass without staging.
+            (DType::F32, DType::Bf16) => {
+                let pairs = d
+                    .as_chunks_mut::<2>()
+                    .0
+                    .iter_mut()
+                    .zip(s.as_chunks::<4>().0);
+                for (o, x) in pairs {
+                    *o = bf16_bits(f32::from_le_bytes(*x)).to_le_bytes();
+                }
+            }
+            (sd, dd) => map_into((sd, s), (dd, d), |v| v),
+        }
+        Ok(())
+    }
+
+    /// `view ← alpha · view` in place: `fl(fl32(alpha · x))` for a float view.
+    pub fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
+        check_float("scale", view)?;
+        let ([], [y]) = self.cpu_mut().split_n("scale", [], [view])?;
+        map_in_place((view.dtype(), y), |v| alpha * v);
+        Ok(())
+    }
+
+    /// `y ← y + alpha · x`, for `x` and `y` of any float dtypes and the same length: computed in
+    /// f32 as `fl32(y + fl32(alpha · x))` (no fused multiply-add) and rounded once to `y`'s
+    /// dtype. `x` must not overlap `y` (for `y ← (1 + alpha)·y` use [`Device::scale`]).
+    pub fn axpy(&mut self, alpha: f32, x: View, y: View) -> Result<()> {
+        check_float("axpy", x)?;
+        check_float("axpy", y)?;
+        check_len("axpy", x.len(), y.len())?;
+        let ([xs], [ys]) = self.cpu_mut().split_n("axpy", [x], [y])?;
+        zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + alpha * x);
+        Ok(())
+    }
+
+    /// `y ← y + x` (the exact `alpha = 1` case of [`Device::axpy`]: `fl32(y + x)`, then rounded to
+    /// `y`'s dtype). Same rules as `axpy`.
+    pub fn add(&mut self, x: View, y: View) -> Result<()> {
+        check_float("add", x)?;
+        check_float("add", y)?;
+        check_len("add", x.len(), y.len())?;
+        let ([xs], [ys]) = self.cpu_mut().split_n("add", [x], [y])?;
+        zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + x);
+        Ok(())
+    }
+
+    /// `Σ xᵢ²` of a float view, accumulated in f64 in index order. Each square is exact in f64
+    /// (a 24-bit significand squared fits in 53 bits), so only the additions round. Non-finite
+    /// elements make the result non-finite. Takes `&mut self` because on a GPU a reduction
+    /// launches work and uses device scratch memory.
+    pub fn sum_squares(&mut self, view: View) -> Result<f64> {
+        let mut acc = 0f64;
+        for_each_chunk(self, view, |c| {
+            for &v in c {
+                acc += f64::from(v) * f64::from(v);
+            }
+        })?;
+        Ok(acc)
+    }
+
+    /// Whether any element of the float view is NaN or ±Inf.
+    pub fn has_non_finite(&mut self, view: View) -> Result<bool> {
+        let mut found = false;
+        for_each_chunk(self, view, |c| {
+            found |= c.iter().fold(false, |f, v| f | !v.is_finite());
+        })?;
+        Ok(found)
+    }
+
+    /// `max |xᵢ|` of a float view with NaN ignored (TE's `fmaxf` amax): 0 for an empty or
+    /// all-NaN view, +Inf if any element is infinite.
+    pub fn max_abs(&mut self, view: View) -> Result<f32> {
+        let mut amax = 0u32;
+        for_each_chunk(self, view, |c| {
+            // Non-negative floats order like their bit patterns; NaN maps to 0.
+            let chunk_max = c
+                .iter()
+                .map(|v| v.to_bits() & 0x7FFF_FFFF)
+                .map(|a| if a > 0x7F80_0000 { 0 } else { a })
+                .fold(0, u32::max);
+            amax = amax.max(chunk_max);
+        })?;
+        Ok(f32::from_bits(amax))
+    }
+}

@@ -1,0 +1,352 @@
+//! MXFP8 and NVFP4 quantization and dequantization over views, delegating the arithmetic to
+//! `lowbit-formats` so that the bytes are by construction the library's.
+
+use lowbit_formats::mxfp8::{self, Mxfp8Config, Mxfp8Tensor};
+use lowbit_formats::nvfp4::{self, Nvfp4Config, Nvfp4Tensor};
+use lowbit_formats::{Fp8Kind, Matrix, QuantPlane, Source};
+
+use super::{Mxfp8Views, Nvfp4Amax, Nvfp4Views, invalid, shape_len};
+use crate::{
+    DType, Device, HostElem, Result, View, bf16, check_dtype, check_float, check_len, f16,
+};
+
+/// The tensor name `lowbit-formats` errors carry for device views.
+const TENSOR_NAME: &str = "device view";
+
+/// A float view's elements on the host, in their own type (the quantizers read f32, bf16 and
+/// f16 natively).
+enum HostValues {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl HostValues {
+    fn read(dev: &Device, v: View) -> Result<Self> {
+        let bytes = dev.cpu_ref().bytes(v)?;
+        Ok(match v.dtype() {
+            DType::Bf16 => HostValues::Bf16(bf16::from_bytes(bytes)),
+            DType::F16 => HostValues::F16(f16::from_bytes(bytes)),
+            _ => HostValues::F32(f32::from_bytes(bytes)),
+        })
+    }
+
+    fn source(&self) -> Source<'_> {
+        match self {
+            HostValues::F32(x) => Source::F32(x),
+            HostValues::Bf16(x) => Source::Bf16(x),
+            HostValues::F16(x) => Source::F16(x),
+        }
+    }
+}
+
+/// Expected element counts of one copy's views.
+struct PlaneShape {
+    /// Names for errors: the data view and the scales view.
+    what: [&'static str; 2],
+    wanted: bool,
+    data_len: usize,
+    scales_len: usize,
+}
+
+/// Checks one copy's destination views: present exactly when the copy is requested, u8, and of
+/// the expected lengths.
+fn check_plane_views(
+    what: &'static str,
+    which: &str,
+    views: Option<(View, View)>,
+    shape: &PlaneShape,
+) -> Result<()> {
+    match (views, shape.wanted) {
+        (None, false) => Ok(()),
+        (None, true) => Err(invalid(
+            what,
+            format!("the config requests the {which} copy but no {which} views were given"),
+        )),
+        (Some(_), false) => Err(invalid(
+            what,
+            format!("{which} views were given but the config does not request that copy"),
+        )),
+        (Some((data, scales)), true) => {
+            check_dtype(shape.what[0], data, DType::U8)?;
+            check_dtype(shape.what[1], scales, DType::U8)?;
+            check_len(shape.what[0], data.len(), shape.data_len)?;
+            check_len(shape.what[1], scales.len(), shape.scales_len)
+        }
+    }
+}
+
+/// The destination views of both copies, flattened (data, scales, data, scales).
+fn out_views(rowwise: Option<(View, View)>, columnwise: Option<(View, View)>) -> Vec<View> {
+    [rowwise, columnwise]
+        .into_iter()
+        .flatten()
+        .flat_map(|(d, s)| [d, s])
+        .collect()
+}
+
+impl Device {
+    /// Writes one quantized plane into its (already validated) views.
+    fn write_plane(
+        &mut self,
+        views: Option<(View, View)>,
+        plane: Option<&QuantPlane>,
+    ) -> Result<()> {
+        if let (Some((data, scales)), Some(p)) = (views, plane) {
+            self.write_bytes(data, &p.data)?;
+            self.write_bytes(scales, &p.scales)?;
+        }
+        Ok(())
+    }
+
+    /// Quantizes the row-major `rows × cols` float view `src` to MXFP8 with
+    /// `lowbit_formats::quantize_mxfp8` and writes the copies `cfg.copies` asks for into `out`
+    /// (compact scale layout): rowwise data `rows·cols` and scales `rows·ceil(cols/32)`,
+    /// columnwise data `rows·cols` and scales `ceil(rows/32)·cols`, all u8 views that overlap
+    /// neither each other nor `src`. A requested copy without views, or views for a copy not
+    /// requested, is [`crate::DeviceError::Invalid`]. Format errors (e.g. a non-finite input
+    /// under `NanPolicy::Error`) are reported before anything is written.
+    pub fn quantize_mxfp8(
+        &mut self,
+        src: View,
+        rows: usize,
+        cols: usize,
+        cfg: &Mxfp8Config,
+        out: &Mxfp8Views,
+    ) -> Result<()> {
+        const WHAT: &str = "quantize_mxfp8";
+        check_float(WHAT, src)?;
+        let n = shape_len(WHAT, rows, cols)?;
+        check_len(WHAT, src.len(), n)?;
+        let row_shape = PlaneShape {
+            what: [
+                "quantize_mxfp8 rowwise data",
+                "quantize_mxfp8 rowwise scales",
+            ],
+            wanted: cfg.copies.rowwise(),
+            data_len: n,
+            scales_len: rows * cols.div_ceil(mxfp8::BLOCK),
+        };
+        let col_shape = PlaneShape {
+            what: [
+                "quantize_mxfp8 columnwise data",
+                "quantize_mxfp8 columnwise scales",
+            ],
+            wanted: cfg.copies.columnwise(),
+            data_len: n,
+            scales_len: rows.div_ceil(mxfp8::BLOCK) * cols,
+        };
+        check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
+        check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
+        self.cpu_ref()
+            .check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        let host = HostValues::read(self, src)?;
+        let t = lowbit_formats::quantize_mxfp8(
+            &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
+            cfg,
+        )?;
+        self.write_plane(out.rowwise, t.rowwise.as_ref())?;
+        self.write_plane(out.columnwise, t.columnwise.as_ref())
+    }
+
+    /// Dequantizes an MXFP8 rowwise copy (u8 `data` `rows·cols`, E8M0 `scales`
+    /// `rows·ceil(cols/32)`) into the float view `dst` (`rows·cols`): the values of
+    /// `Mxfp8Tensor::dequantize_rowwise` (exact in f32), rounded to `dst`'s dtype.
+    pub fn dequantize_mxfp8_rowwise(
+        &mut self,
+        data: View,
+        scales: View,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        dst: View,
+    ) -> Result<()> {
+        const WHAT: &str = "dequantize_mxfp8_rowwise";
+        let scales_shape = [rows, cols.div_ceil(mxfp8::BLOCK)];
+        let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, Some(plane), None)?;
+        let vals = t.dequantize_rowwise().unwrap_or_default();
+        self.cpu_mut().write_f32(dst, &vals)
+    }
+
+    /// Dequantizes an MXFP8 columnwise copy (u8 `data` `rows·cols`, E8M0 `scales`
+    /// `ceil(rows/32)·cols`) into the float view `dst` (`rows·cols`, original order), rounded to
+    /// `dst`'s dtype.
+    pub fn dequantize_mxfp8_columnwise(
+        &mut self,
+        data: View,
+        scales: View,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        dst: View,
+    ) -> Result<()> {
+        const WHAT: &str = "dequantize_mxfp8_columnwise";
+        let scales_shape = [rows.div_ceil(mxfp8::BLOCK), cols];
+        let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, None, Some(plane))?;
+        let vals = t.dequantize_columnwise().unwrap_or_default();
+        self.cpu_mut().write_f32(dst, &vals)
+    }
+
+    /// Quantizes the row-major `rows × cols` float view `src` to NVFP4 with
+    /// `lowbit_formats::quantize_nvfp4` (TE's two-level recipe, including the optional Hadamard
+    /// transform and stochastic rounding of `cfg`) and writes the requested copies into `out`:
+    /// rowwise packed data `rows·ceil(cols/2)` and scales `rows·ceil(cols/16)`, columnwise
+    /// (transposed) packed data `cols·ceil(rows/2)` and scales `cols·ceil(rows/16)`. Returns the
+    /// global amaxes the tensor scales came from (dequantization needs them). View rules as
+    /// [`Device::quantize_mxfp8`].
+    pub fn quantize_nvfp4(
+        &mut self,
+        src: View,
+        rows: usize,
+        cols: usize,
+        cfg: &Nvfp4Config,
+        out: &Nvfp4Views,
+    ) -> Result<Nvfp4Amax> {
+        const WHAT: &str = "quantize_nvfp4";
+        check_float(WHAT, src)?;
+        let n = shape_len(WHAT, rows, cols)?;
+        check_len(WHAT, src.len(), n)?;
+        let row_shape = PlaneShape {
+            what: [
+                "quantize_nvfp4 rowwise data",
+                "quantize_nvfp4 rowwise scales",
+            ],
+            wanted: cfg.copies.rowwise(),
+            data_len: rows * cols.div_ceil(2),
+            scales_len: rows * cols.div_ceil(nvfp4::BLOCK),
+        };
+        let col_shape = PlaneShape {
+            what: [
+                "quantize_nvfp4 columnwise data",
+                "quantize_nvfp4 columnwise scales",
+            ],
+            wanted: cfg.copies.columnwise(),
+            data_len: cols * rows.div_ceil(2),
+            scales_len: cols * rows.div_ceil(nvfp4::BLOCK),
+        };
+        check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
+        check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
+        self.cpu_ref()
+            .check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        let host = HostValues::read(self, src)?;
+        let t = lowbit_formats::quantize_nvfp4(
+            &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
+            cfg,
+        )?;
+        self.write_plane(out.rowwise, t.rowwise.as_ref())?;
+        self.write_plane(out.columnwise, t.columnwise.as_ref())?;
+        Ok(Nvfp4Amax {
+            rowwise: t.amax_rowwise,
+            columnwise: t.amax_columnwise,
+        })
+    }
+
+    /// Dequantizes an NVFP4 rowwise copy (packed `data` `rows·ceil(cols/2)`, E4M3 `scales`
+    /// `rows·ceil(cols/16)`, global `amax`) into the float view `dst` (`rows·cols`): the values
+    /// of `Nvfp4Tensor::dequantize_rowwise` (TE's order), rounded to `dst`'s dtype.
+    pub fn dequantize_nvfp4_rowwise(
+        &mut self,
+        data: View,
+        scales: View,
+        amax: f32,
+        rows: usize,
+        cols: usize,
+        dst: View,
+    ) -> Result<()> {
+        const WHAT: &str = "dequantize_nvfp4_rowwise";
+        let data_shape = [rows, cols.div_ceil(2)];
+        let scales_shape = [rows, cols.div_ceil(nvfp4::BLOCK)];
+        let plane = self.read_plane(
+            WHAT,
+            [data, scales, dst],
+            [[rows, cols], data_shape],
+            scales_shape,
+        )?;
+        let t = Nvfp4Tensor::from_parts(
+            TENSOR_NAME,
+            rows,
+            cols,
+            false,
+            false,
+            amax,
+            amax,
+            Some(plane),
+            None,
+        )?;
+        let vals = t.dequantize_rowwise().unwrap_or_default();
+        self.cpu_mut().write_f32(dst, &vals)
+    }
+
+    /// Dequantizes an NVFP4 columnwise copy (packed `data` `cols·ceil(rows/2)`, scales
+    /// `cols·ceil(rows/16)`, its `amax`, and whether it holds Hadamard-transformed values) into
+    /// the float view `dst` (`rows·cols`, original order; the transform is undone in f32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dequantize_nvfp4_columnwise(
+        &mut self,
+        data: View,
+        scales: View,
+        amax: f32,
+        rht: bool,
+        rows: usize,
+        cols: usize,
+        dst: View,
+    ) -> Result<()> {
+        const WHAT: &str = "dequantize_nvfp4_columnwise";
+        let data_shape = [cols, rows.div_ceil(2)];
+        let scales_shape = [cols, rows.div_ceil(nvfp4::BLOCK)];
+        let plane = self.read_plane(
+            WHAT,
+            [data, scales, dst],
+            [[rows, cols], data_shape],
+            scales_shape,
+        )?;
+        if rht && !rows.is_multiple_of(nvfp4::BLOCK) {
+            return Err(invalid(
+                WHAT,
+                format!("a Hadamard-transformed copy needs rows % 16 == 0, got {rows}"),
+            ));
+        }
+        let t = Nvfp4Tensor::from_parts(
+            TENSOR_NAME,
+            rows,
+            cols,
+            false,
+            rht,
+            amax,
+            amax,
+            None,
+            Some(plane),
+        )?;
+        let vals = t.dequantize_columnwise().unwrap_or_default();
+        self.cpu_mut().write_f32(dst, &vals)
+    }
+
+    /// Validates the views of a dequantization — u8 `data` and `scales` and a float `dst` of the
+    /// given shapes (`[dst, data]` and `scale_shape`), `dst` overlapping neither — and reads the
+    /// plane to the host.
+    fn read_plane(
+        &mut self,
+        what: &'static str,
+        [data, scales, dst]: [View; 3],
+        [dst_shape, data_shape]: [[usize; 2]; 2],
+        scale_shape: [usize; 2],
+    ) -> Result<QuantPlane> {
+        check_dtype(what, data, DType::U8)?;
+        check_dtype(what, scales, DType::U8)?;
+        check_float(what, dst)?;
+        let [dst_len, data_len, scales_len] =
+            [dst_shape, data_shape, scale_shape].map(|[r, c]| shape_len(what, r, c));
+        check_len(what, dst.len(), dst_len?)?;
+        check_len(what, data.len(), data_len?)?;
+        check_len(what, scales.len(), scales_len?)?;
+        self.cpu_ref().check_views(what, &[data, scales], &[dst])?;
+        Ok(QuantPlane {
+            data: self.read_bytes(data)?,
+            data_shape,
+            scales: self.read_bytes(scales)?,
+            scale_shape,
+        })
+    }
+}

@@ -1,0 +1,239 @@
+//! fill, cast, scale, axpy, add and the reductions against straightforward host computations.
+
+use lowbit_device::{DType, Device, DeviceError, View, bf16, f16};
+use proptest::prelude::*;
+
+const FLOATS: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
+
+/// Rounds an f32 to `d` and back (the host reference of "rounded to the dtype, RNE").
+fn round_to(d: DType, v: f32) -> f32 {
+    match d {
+        DType::F32 => v,
+        DType::Bf16 => bf16::from_f32(v).to_f32(),
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::U8 => unreachable!(),
+    }
+}
+
+/// Allocates a `d` view holding `vals` rounded to `d`.
+fn upload(dev: &mut Device, d: DType, vals: &[f32]) -> View {
+    let v = dev.alloc(d, vals.len());
+    match d {
+        DType::F32 => dev.upload(v, vals),
+        DType::Bf16 => dev.upload(
+            v,
+            &vals.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+        ),
+        DType::F16 => dev.upload(
+            v,
+            &vals.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+        ),
+        DType::U8 => unreachable!(),
+    }
+    .unwrap();
+    v
+}
+
+/// A float view's elements as f32.
+fn download(dev: &Device, v: View) -> Vec<f32> {
+    match v.dtype() {
+        DType::F32 => dev.download::<f32>(v).unwrap(),
+        DType::Bf16 => dev
+            .download::<bf16>(v)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        DType::F16 => dev
+            .download::<f16>(v)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        DType::U8 => unreachable!(),
+    }
+}
+
+/// Bit patterns, so that NaN payloads and signed zeros compare exactly.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Deterministic test values spanning many magnitudes, with specials.
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            match i % 97 {
+                7 => 0.0,
+                8 => -0.0,
+                _ => (s as i32 as f32 / i32::MAX as f32) * 2f32.powi((s % 24) as i32 - 12),
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    /// cast f32 → bf16/f16 equals half's RNE conversions bit for bit, for arbitrary bits
+    /// (NaN, Inf, subnormals, ties); widening is exact.
+    #[test]
+    fn cast_is_halfs_rne(raw in proptest::collection::vec(any::<u32>(), 0..300)) {
+        let mut dev = Device::cpu();
+        let x: Vec<f32> = raw.iter().map(|&b| f32::from_bits(b)).collect();
+        let src = upload(&mut dev, DType::F32, &x);
+        let b = dev.alloc(DType::Bf16, x.len());
+        let h = dev.alloc(DType::F16, x.len());
+        dev.cast(src, b).unwrap();
+        dev.cast(src, h).unwrap();
+        let want_b: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let want_h: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+        prop_assert_eq!(dev.download::<bf16>(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_b);
+        prop_assert_eq!(dev.download::<f16>(h).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_h);
+        // Widening back and narrowing between the half types.
+        let wide = dev.alloc(DType::F32, x.len());
+        dev.cast(b, wide).unwrap();
+        prop_assert_eq!(
+            bits(&download(&dev, wide)),
+            dev.download::<bf16>(b).unwrap().iter().map(|v| v.to_f32().to_bits()).collect::<Vec<_>>()
+        );
+        let h2 = dev.alloc(DType::F16, x.len());
+        dev.cast(b, h2).unwrap();
+        let want: Vec<u16> = dev.download::<bf16>(b).unwrap().iter().map(|v| f16::from_f32(v.to_f32()).to_bits()).collect();
+        prop_assert_eq!(dev.download::<f16>(h2).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+
+    /// axpy is `fl_y(fl32(y + fl32(alpha·x)))` for every dtype pair, across chunk boundaries.
+    #[test]
+    fn axpy_single_rounding(
+        xd in 0usize..3, yd in 0usize..3, n in 0usize..2100, seed in any::<u32>(),
+        alpha in -4.0f32..4.0,
+    ) {
+        let (xd, yd) = (FLOATS[xd], FLOATS[yd]);
+        let mut dev = Device::cpu();
+        let x = upload(&mut dev, xd, &values(n, seed));
+        let y = upload(&mut dev, yd, &values(n, seed ^ 0x55));
+        let (xs, ys) = (download(&dev, x), download(&dev, y));
+        dev.axpy(alpha, x, y).unwrap();
+        let want: Vec<f32> = xs.iter().zip(&ys).map(|(&x, &y)| round_to(yd, y + alpha * x)).collect();
+        prop_assert_eq!(bits(&download(&dev, y)), bits(&want));
+        dev.add(x, y).unwrap();
+        let want: Vec<f32> = xs.iter().zip(&want).map(|(&x, &y)| round_to(yd, y + x)).collect();
+        prop_assert_eq!(bits(&download(&dev, y)), bits(&want));
+    }
+}
+
+#[test]
+fn axpy_does_not_fuse_multiply_add() {
+    // With alpha = x = 1 + 2^-23, alpha·x = 1 + 2^-22 + 2^-46 exactly; rounded to f32 it is
+    // 1 + 2^-22, and adding y = −1 gives 2^-22. A fused multiply-add would give 2^-22 + 2^-46.
+    let mut dev = Device::cpu();
+    let v = 1.0f32 + f32::EPSILON;
+    let x = upload(&mut dev, DType::F32, &[v]);
+    let y = upload(&mut dev, DType::F32, &[-1.0]);
+    dev.axpy(v, x, y).unwrap();
+    assert_eq!(download(&dev, y)[0], (v * v) - 1.0);
+    assert_eq!(download(&dev, y)[0], 2.0 * f32::EPSILON);
+}
+
+#[test]
+fn fill_and_scale_round_to_the_dtype() {
+    let mut dev = Device::cpu();
+    for d in FLOATS {
+        let v = dev.alloc(d, 1500);
+        dev.fill(v, 1.0 / 3.0).unwrap();
+        assert!(
+            download(&dev, v)
+                .iter()
+                .all(|&x| x == round_to(d, 1.0 / 3.0))
+        );
+        dev.scale(v, 3.0).unwrap();
+        let want = round_to(d, round_to(d, 1.0 / 3.0) * 3.0);
+        assert!(
+            download(&dev, v)
+                .iter()
+                .all(|&x| x.to_bits() == want.to_bits())
+        );
+    }
+    let u = dev.alloc(DType::U8, 4);
+    assert!(matches!(
+        dev.fill(u, 1.0),
+        Err(DeviceError::DType { got: DType::U8, .. })
+    ));
+    assert!(matches!(dev.scale(u, 1.0), Err(DeviceError::DType { .. })));
+}
+
+#[test]
+fn sum_squares_matches_f64_in_index_order() {
+    let mut dev = Device::cpu();
+    for d in FLOATS {
+        let x = upload(&mut dev, d, &values(5000, 3));
+        let xs = download(&dev, x);
+        let want = xs
+            .iter()
+            .fold(0f64, |s, &v| s + f64::from(v) * f64::from(v));
+        assert_eq!(dev.sum_squares(x).unwrap().to_bits(), want.to_bits());
+    }
+    let big = 3.0e38f32;
+    let v = upload(&mut dev, DType::F32, &[big, big]);
+    let sq = f64::from(big) * f64::from(big);
+    assert_eq!(dev.sum_squares(v).unwrap(), sq + sq, "no f32 overflow");
+}
+
+#[test]
+fn has_non_finite_and_max_abs() {
+    let mut dev = Device::cpu();
+    for d in FLOATS {
+        let mut vals = values(3000, 9);
+        let x = upload(&mut dev, d, &vals);
+        assert!(!dev.has_non_finite(x).unwrap());
+        let want = download(&dev, x).iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(dev.max_abs(x).unwrap(), want);
+        // NaN is ignored by the amax but detected as non-finite.
+        vals[2500] = f32::NAN;
+        vals[10] = -f32::NAN;
+        let y = upload(&mut dev, d, &vals);
+        assert!(dev.has_non_finite(y).unwrap());
+        assert_eq!(dev.max_abs(y).unwrap(), want);
+        vals[1200] = f32::NEG_INFINITY;
+        let z = upload(&mut dev, d, &vals);
+        assert_eq!(dev.max_abs(z).unwrap(), f32::INFINITY);
+    }
+    let all_nan = upload(&mut dev, DType::F32, &[f32::NAN; 3]);
+    assert_eq!(dev.max_abs(all_nan).unwrap(), 0.0);
+    let u = dev.alloc(DType::U8, 3);
+    assert!(dev.max_abs(u).is_err());
+    assert!(dev.sum_squares(u).is_err());
+    assert!(dev.has_non_finite(u).is_err());
+}
+
+#[test]
+fn errors_leave_memory_untouched() {
+    let mut dev = Device::cpu();
+    let x = upload(&mut dev, DType::F32, &[1.0, 2.0, 3.0]);
+    let y = upload(&mut dev, DType::Bf16, &[5.0, 6.0]);
+    let before = dev.read_bytes(y).unwrap();
+    assert_eq!(
+        dev.axpy(1.0, x, y),
+        Err(DeviceError::Length {
+            what: "axpy",
+            a: 3,
+            b: 2
+        })
+    );
+    assert!(matches!(dev.add(x, y), Err(DeviceError::Length { .. })));
+    assert!(matches!(dev.cast(x, y), Err(DeviceError::Length { .. })));
+    let u = dev.alloc(DType::U8, 2);
+    assert!(matches!(
+        dev.cast(u, y),
+        Err(DeviceError::DType { what: "cast", .. })
+    ));
+    assert!(matches!(
+        dev.axpy(1.0, y, u),
+        Err(DeviceError::DType { .. })
+    ));
+    assert_eq!(dev.read_bytes(y).unwrap(), before);
+    assert_eq!(download(&dev, x), [1.0, 2.0, 3.0]);
+}

@@ -1,0 +1,397 @@
+//! Quantization over views is bit-equal to calling `lowbit-formats` directly.
+
+use lowbit_device::{
+    DType, Device, DeviceError, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, View,
+    bf16, f16,
+};
+use lowbit_formats::{Copies, Matrix, NanPolicy, Source, quantize_mxfp8, quantize_nvfp4};
+
+/// Pseudo-random values with a wide dynamic range, a few zeros.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            if i % 41 == 3 {
+                0.0
+            } else {
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((s % 16) as i32 - 8)
+            }
+        })
+        .collect()
+}
+
+fn u8_views(dev: &mut Device, data: usize, scales: usize) -> (View, View) {
+    (dev.alloc(DType::U8, data), dev.alloc(DType::U8, scales))
+}
+
+fn bytes(dev: &Device, v: Option<(View, View)>) -> Option<(Vec<u8>, Vec<u8>)> {
+    v.map(|(d, s)| (dev.read_bytes(d).unwrap(), dev.read_bytes(s).unwrap()))
+}
+
+/// Uploads `x` as dtype `d` and returns the view plus the host source values in that dtype.
+fn upload_as(dev: &mut Device, d: DType, x: &[f32]) -> View {
+    let v = dev.alloc(d, x.len());
+    match d {
+        DType::F32 => dev.upload(v, x),
+        DType::Bf16 => dev.upload(v, &x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>()),
+        DType::F16 => dev.upload(v, &x.iter().map(|&a| f16::from_f32(a)).collect::<Vec<_>>()),
+        DType::U8 => unreachable!(),
+    }
+    .unwrap();
+    v
+}
+
+fn mxfp8_views(dev: &mut Device, rows: usize, cols: usize, copies: Copies) -> Mxfp8Views {
+    Mxfp8Views {
+        rowwise: copies
+            .rowwise()
+            .then(|| u8_views(dev, rows * cols, rows * cols.div_ceil(32))),
+        columnwise: copies
+            .columnwise()
+            .then(|| u8_views(dev, rows * cols, rows.div_ceil(32) * cols)),
+    }
+}
+
+fn nvfp4_views(dev: &mut Device, rows: usize, cols: usize, copies: Copies) -> Nvfp4Views {
+    Nvfp4Views {
+        rowwise: copies
+            .rowwise()
+            .then(|| u8_views(dev, rows * cols.div_ceil(2), rows * cols.div_ceil(16))),
+        columnwise: copies
+            .columnwise()
+            .then(|| u8_views(dev, cols * rows.div_ceil(2), cols * rows.div_ceil(16))),
+    }
+}
+
+#[test]
+fn mxfp8_bit_equal_to_the_library() {
+    let shapes = [(1, 1), (3, 37), (64, 64), (33, 65), (0, 5)];
+    let cases = [
+        (Fp8Kind::E4M3, Copies::Both, false),
+        (Fp8Kind::E5M2, Copies::Rowwise, false),
+        (Fp8Kind::E4M3, Copies::Columnwise, false),
+        (Fp8Kind::E4M3, Copies::Both, true),
+    ];
+    for (rows, cols) in shapes {
+        let x = values(rows * cols, (rows * 1000 + cols) as u64);
+        for d in [DType::F32, DType::Bf16, DType::F16] {
+            for (kind, copies, two_d) in cases {
+                let cfg = Mxfp8Config {
+                    kind,
+                    copies,
+                    two_d,
+                    ..Mxfp8Config::default()
+                };
+                let mut dev = Device::cpu();
+                let src = upload_as(&mut dev, d, &x);
+                let out = mxfp8_views(&mut dev, rows, cols, copies);
+                dev.quantize_mxfp8(src, rows, cols, &cfg, &out).unwrap();
+
+                let (xb, xh): (Vec<bf16>, Vec<f16>) = (
+                    x.iter().map(|&v| bf16::from_f32(v)).collect(),
+                    x.iter().map(|&v| f16::from_f32(v)).collect(),
+                );
+                let source = match d {
+                    DType::F32 => Source::F32(&x),
+                    DType::Bf16 => Source::Bf16(&xb),
+                    _ => Source::F16(&xh),
+                };
+                let t =
+                    quantize_mxfp8(&Matrix::new("x", rows, cols, source).unwrap(), &cfg).unwrap();
+                let want = |p: &Option<lowbit_formats::QuantPlane>| {
+                    p.as_ref().map(|p| (p.data.clone(), p.scales.clone()))
+                };
+                assert_eq!(
+                    bytes(&dev, out.rowwise),
+                    want(&t.rowwise),
+                    "{rows}x{cols} {d:?}"
+                );
+                assert_eq!(bytes(&dev, out.columnwise), want(&t.columnwise));
+
+                // Dequantization into f32 and bf16 equals the library's values (rounded).
+                let n = rows * cols;
+                for dd in [DType::F32, DType::Bf16] {
+                    let dst = dev.alloc(dd, n);
+                    if let Some((qd, qs)) = out.rowwise {
+                        dev.dequantize_mxfp8_rowwise(qd, qs, rows, cols, kind, dst)
+                            .unwrap();
+                        assert_eq!(
+                            as_f32(&dev, dst),
+                            rounded(dd, &t.dequantize_rowwise().unwrap())
+                        );
+                    }
+                    if let Some((qd, qs)) = out.columnwise {
+                        dev.dequantize_mxfp8_columnwise(qd, qs, rows, cols, kind, dst)
+                            .unwrap();
+                        assert_eq!(
+                            as_f32(&dev, dst),
+                            rounded(dd, &t.dequantize_columnwise().unwrap())
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn as_f32(dev: &Device, v: View) -> Vec<u32> {
+    match v.dtype() {
+        DType::F32 => dev
+            .download::<f32>(v)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        _ => dev
+            .download::<bf16>(v)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32().to_bits())
+            .collect(),
+    }
+}
+
+fn rounded(d: DType, v: &[f32]) -> Vec<u32> {
+    v.iter()
+        .map(|&x| match d {
+            DType::F32 => x.to_bits(),
+            _ => bf16::from_f32(x).to_f32().to_bits(),
+        })
+        .collect()
+}
+
+#[test]
+fn nvfp4_bit_equal_to_the_library() {
+    let shapes = [(1, 1), (16, 16), (5, 33), (32, 48), (48, 17)];
+    let cfgs = [
+        Nvfp4Config::default(),
+        Nvfp4Config {
+            copies: Copies::Rowwise,
+            ..Nvfp4Config::default()
+        },
+        Nvfp4Config {
+            two_d: true,
+            ..Nvfp4Config::default()
+        },
+        Nvfp4Config {
+            rht: true,
+            stochastic_rounding: Some(7),
+            ..Nvfp4Config::default()
+        },
+    ];
+    for (rows, cols) in shapes {
+        let x = values(rows * cols, (rows * 77 + cols) as u64);
+        for cfg in cfgs {
+            if cfg.rht && rows % 16 != 0 {
+                continue;
+            }
+            let mut dev = Device::cpu();
+            let src = upload_as(&mut dev, DType::Bf16, &x);
+            let out = nvfp4_views(&mut dev, rows, cols, cfg.copies);
+            let amax = dev.quantize_nvfp4(src, rows, cols, &cfg, &out).unwrap();
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let t = quantize_nvfp4(
+                &Matrix::new("x", rows, cols, Source::Bf16(&xb)).unwrap(),
+                &cfg,
+            )
+            .unwrap();
+            assert_eq!(amax.rowwise.to_bits(), t.amax_rowwise.to_bits());
+            assert_eq!(amax.columnwise.to_bits(), t.amax_columnwise.to_bits());
+            let want = |p: &Option<lowbit_formats::QuantPlane>| {
+                p.as_ref().map(|p| (p.data.clone(), p.scales.clone()))
+            };
+            assert_eq!(bytes(&dev, out.rowwise), want(&t.rowwise));
+            assert_eq!(bytes(&dev, out.columnwise), want(&t.columnwise));
+
+            let dst = dev.alloc(DType::F32, rows * cols);
+            if let Some((qd, qs)) = out.rowwise {
+                dev.dequantize_nvfp4_rowwise(qd, qs, amax.rowwise, rows, cols, dst)
+                    .unwrap();
+                assert_eq!(
+                    as_f32(&dev, dst),
+                    rounded(DType::F32, &t.dequantize_rowwise().unwrap())
+                );
+            }
+            if let Some((qd, qs)) = out.columnwise {
+                dev.dequantize_nvfp4_columnwise(qd, qs, amax.columnwise, t.rht, rows, cols, dst)
+                    .unwrap();
+                assert_eq!(
+                    as_f32(&dev, dst),
+                    rounded(DType::F32, &t.dequantize_columnwise().unwrap())
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quantize_view_errors_write_nothing() {
+    let mut dev = Device::cpu();
+    let (rows, cols) = (4, 40);
+    let src = upload_as(&mut dev, DType::F32, &values(rows * cols, 1));
+    let cfg = Mxfp8Config::default(); // both copies
+    let good = mxfp8_views(&mut dev, rows, cols, Copies::Both);
+    let untouched = |dev: &Device, v: &Mxfp8Views| {
+        [v.rowwise, v.columnwise]
+            .into_iter()
+            .flatten()
+            .all(|(d, s)| {
+                dev.read_bytes(d)
+                    .unwrap()
+                    .iter()
+                    .chain(&dev.read_bytes(s).unwrap())
+                    .all(|&b| b == 0)
+            })
+    };
+
+    // A requested copy without views, and views for a copy not requested.
+    let missing = Mxfp8Views {
+        columnwise: None,
+        ..good
+    };
+    assert!(matches!(
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &missing),
+        Err(DeviceError::Invalid { .. })
+    ));
+    let rowwise_only = Mxfp8Config {
+        copies: Copies::Rowwise,
+        ..cfg
+    };
+    assert!(matches!(
+        dev.quantize_mxfp8(src, rows, cols, &rowwise_only, &good),
+        Err(DeviceError::Invalid { .. })
+    ));
+    // Wrong lengths and dtypes.
+    let (d, _) = good.rowwise.unwrap();
+    let short_scales = Mxfp8Views {
+        rowwise: Some((d, dev.alloc(DType::U8, rows))),
+        ..good
+    };
+    assert!(matches!(
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &short_scales),
+        Err(DeviceError::Length {
+            what: "quantize_mxfp8 rowwise scales",
+            a: 4,
+            b: 8
+        })
+    ));
+    let f32_data = Mxfp8Views {
+        rowwise: Some((dev.alloc(DType::F32, rows * cols), good.rowwise.unwrap().1)),
+        ..good
+    };
+    assert!(matches!(
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &f32_data),
+        Err(DeviceError::DType { .. })
+    ));
+    assert!(matches!(
+        dev.quantize_mxfp8(src, rows + 1, cols, &cfg, &good),
+        Err(DeviceError::Length { .. })
+    ));
+    assert!(matches!(
+        dev.quantize_mxfp8(src, usize::MAX, 2, &cfg, &good),
+        Err(DeviceError::Invalid { .. })
+    ));
+    // Outputs overlapping each other or the source.
+    let (_, cs) = good.columnwise.unwrap();
+    let shared = Mxfp8Views {
+        columnwise: Some((d, cs)),
+        ..good
+    };
+    assert_eq!(
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &shared),
+        Err(DeviceError::Overlap("quantize_mxfp8"))
+    );
+    let src_bytes = src.reinterpret(DType::U8).unwrap();
+    let into_src = Mxfp8Views {
+        columnwise: Some((src_bytes.slice(0..rows * cols).unwrap(), cs)),
+        ..good
+    };
+    assert_eq!(
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &into_src),
+        Err(DeviceError::Overlap("quantize_mxfp8"))
+    );
+    // A format error (non-finite input under NanPolicy::Error) names the element.
+    let mut bad = values(rows * cols, 1);
+    bad[45] = f32::INFINITY;
+    let bad_src = upload_as(&mut dev, DType::F32, &bad);
+    let strict = Mxfp8Config {
+        nan_policy: NanPolicy::Error,
+        ..cfg
+    };
+    assert!(matches!(
+        dev.quantize_mxfp8(bad_src, rows, cols, &strict, &good),
+        Err(DeviceError::Format(
+            lowbit_formats::FormatError::NonFinite { row: 1, col: 5, .. }
+        ))
+    ));
+    assert!(untouched(&dev, &good));
+    // A U8 source is not a float view.
+    let u = dev.alloc(DType::U8, rows * cols);
+    assert!(matches!(
+        dev.quantize_mxfp8(u, rows, cols, &cfg, &good),
+        Err(DeviceError::DType { .. })
+    ));
+}
+
+#[test]
+fn nvfp4_and_dequantize_errors() {
+    let mut dev = Device::cpu();
+    let (rows, cols) = (8, 32);
+    let src = upload_as(&mut dev, DType::F32, &values(rows * cols, 5));
+    // RHT needs rows % 16 == 0: the library's error, before any write.
+    let cfg = Nvfp4Config {
+        rht: true,
+        ..Nvfp4Config::default()
+    };
+    let out = nvfp4_views(&mut dev, rows, cols, Copies::Both);
+    assert!(matches!(
+        dev.quantize_nvfp4(src, rows, cols, &cfg, &out),
+        Err(DeviceError::Format(
+            lowbit_formats::FormatError::Unsupported { .. }
+        ))
+    ));
+    let (d, s) = out.rowwise.unwrap();
+    assert!(dev.read_bytes(d).unwrap().iter().all(|&b| b == 0));
+    // Columnwise data has the transposed shape: cols·ceil(rows/2).
+    let wrong = Nvfp4Views {
+        columnwise: Some((
+            dev.alloc(DType::U8, rows * cols.div_ceil(2) + 1),
+            out.columnwise.unwrap().1,
+        )),
+        ..out
+    };
+    assert!(matches!(
+        dev.quantize_nvfp4(src, rows, cols, &Nvfp4Config::default(), &wrong),
+        Err(DeviceError::Length {
+            what: "quantize_nvfp4 columnwise data",
+            ..
+        })
+    ));
+    // Dequantize: wrong scale length, u8 destination, destination overlapping the data.
+    let dst = dev.alloc(DType::F32, rows * cols);
+    assert!(matches!(
+        dev.dequantize_nvfp4_rowwise(d, d, 1.0, rows, cols, dst),
+        Err(DeviceError::Length { .. })
+    ));
+    assert!(matches!(
+        dev.dequantize_nvfp4_rowwise(d, s, 1.0, rows, cols, d),
+        Err(DeviceError::DType { .. })
+    ));
+    let big = dev.alloc(DType::U8, rows * cols * 4);
+    let inside = big.reinterpret(DType::F32).unwrap();
+    let scales = dev.alloc(DType::U8, rows * cols.div_ceil(32));
+    let data = big.slice(0..rows * cols).unwrap();
+    assert_eq!(
+        dev.dequantize_mxfp8_rowwise(data, scales, rows, cols, Fp8Kind::E4M3, inside),
+        Err(DeviceError::Overlap("dequantize_mxfp8_rowwise"))
+    );
+    // A Hadamard-transformed columnwise copy needs rows % 16 == 0.
+    let (cd, cs) = out.columnwise.unwrap();
+    assert!(matches!(
+        dev.dequantize_nvfp4_columnwise(cd, cs, 1.0, true, rows, cols, dst),
+        Err(DeviceError::Invalid { .. })
+    ));
+}

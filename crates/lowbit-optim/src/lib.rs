@@ -1,0 +1,425 @@
+//! Optimizers over fp32 master shards: AdamW and SGD with momentum, the distributed (ZeRO-1)
+//! optimizer that owns one shard of every bucket per rank, chaining, global gradient-norm
+//! clipping and the skipping of non-finite steps.
+//!
+//! # Purpose
+//! After [`DataParallelBuffers::finish_grad_sync`] each rank holds the reduced gradients of its
+//! shards. The optimizer copies them into fp32, computes the global gradient norm, clips, skips
+//! the step if the norm is not finite, updates its fp32 masters and writes the result back into
+//! the parameter buffer (rounded to the parameter dtype, fused into the update), from where the
+//! all-gather spreads it — now, or in the next forward when parameter gather is overlapped.
+//!
+//! # Invariants
+//! - **Masters come from the high-precision initial values** given to [`DistributedOptimizer::new`],
+//!   never from the (rounded or quantized) parameter buffer (Megatron bug class E).
+//! - **A skipped step changes nothing**: masters, moments, step count and parameter buffer are left
+//!   bitwise as they were, and the skip is counted.
+//! - **One sync per step, after every optimizer stepped**: a [`ChainedOptimizer`] steps all of its
+//!   parts before the (single) parameter gather, so no bucket group is gathered before its owner
+//!   updated it (Megatron bug class D).
+//! - **The gradient norm does not depend on the thread timing**: each rank's sum of squares is an
+//!   f64 computed in a fixed order; the ranks exchange those f64 values and add them in rank order.
+//!
+//! # Non-goals
+//! Muon and the layer-wise optimizer (later), loss scaling for fp16, optimizer-state offload,
+//! checkpoints (`lowbit-ckpt`).
+
+use lowbit_buffers::layout::OptimizerId;
+use lowbit_buffers::{BufferError, DataParallelBuffers};
+use lowbit_comm::{CommError, Communicator};
+use lowbit_device::{AdamW, DType, Device, DeviceError, SgdMomentum, View};
+
+/// Errors of the optimizers.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// A device operation failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A buffer operation failed.
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+    /// Bad input: initial values of the wrong size, invalid hyper-parameters.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Result of this crate.
+pub type Result<T, E = OptimError> = std::result::Result<T, E>;
+
+/// The update rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Algorithm {
+    /// AdamW with decoupled weight decay (PyTorch's formula order).
+    AdamW {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Denominator epsilon.
+        eps: f32,
+        /// Decoupled weight decay.
+        weight_decay: f32,
+    },
+    /// SGD with momentum (PyTorch's formula order).
+    Sgd {
+        /// Momentum factor.
+        momentum: f32,
+        /// L2 weight decay.
+        weight_decay: f32,
+    },
+}
+
+/// An optimizer's configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimConfig {
+    /// The update rule.
+    pub algorithm: Algorithm,
+    /// Learning rate.
+    pub lr: f32,
+    /// Clip the global gradient norm to this value (`None`: no clipping).
+    pub clip_grad: Option<f32>,
+}
+
+impl OptimConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(OptimError::Invalid(format!("optimizer: {what}")));
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("learning rate must be finite and non-negative");
+        }
+        if let Some(c) = self.clip_grad
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad("clip_grad must be finite and positive");
+        }
+        match self.algorithm {
+            Algorithm::AdamW {
+                beta1, beta2, eps, ..
+            } if !((0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps > 0.0) => {
+                bad("AdamW needs 0 ≤ beta1, beta2 < 1 and eps > 0")
+            }
+            Algorithm::Sgd { momentum, .. } if !(0.0..1.0).contains(&momentum) => {
+                bad("SGD needs 0 ≤ momentum < 1")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Whether the step was skipped because the norm was not finite.
+    pub skipped: bool,
+    /// The factor gradients were multiplied by (1 when not clipped).
+    pub clip_coef: f32,
+}
+
+/// A downloaded piece of the fp32 masters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MasterShard {
+    /// Global parameter id.
+    pub param: usize,
+    /// Range within the flattened parameter.
+    pub range: std::ops::Range<usize>,
+    /// The master values of that range.
+    pub values: Vec<f32>,
+}
+
+/// One owned piece of a parameter with its fp32 master and optimizer state.
+#[derive(Debug)]
+struct Shard {
+    param: usize,
+    param_range: std::ops::Range<usize>,
+    param_view: View,
+    grad_view: View,
+    master: View,
+    grad32: View,
+    state1: View,
+    state2: View,
+}
+
+/// The distributed optimizer of one owner: fp32 masters and state for this rank's shards of the
+/// owner's parameters (all of them without a distributed optimizer).
+#[derive(Debug)]
+pub struct DistributedOptimizer {
+    owner: OptimizerId,
+    cfg: OptimConfig,
+    shards: Vec<Shard>,
+    steps: u64,
+}
+
+impl DistributedOptimizer {
+    /// Builds masters for the shards of `owner`'s parameters from `init[p]`, the high-precision
+    /// initial values of every parameter (flattened, full size).
+    pub fn new(
+        dev: &mut Device,
+        bufs: &DataParallelBuffers,
+        owner: OptimizerId,
+        cfg: OptimConfig,
+        init: &[Vec<f32>],
+    ) -> Result<Self> {
+        cfg.validate()?;
+        check_init(bufs, init)?;
+        let mut shards = Vec::new();
+        for s in bufs.owned_shards()? {
+            if bufs.specs()[s.param].owner() != owner {
+                continue;
+            }
+            let n = s.param_range.len();
+            let master = dev.alloc(DType::F32, n);
+            dev.upload(master, &init[s.param][s.param_range.clone()])?;
+            shards.push(Shard {
+                param: s.param,
+                param_range: s.param_range,
+                param_view: s.param_view,
+                grad_view: s.grad_view,
+                master,
+                grad32: dev.alloc(DType::F32, n),
+                state1: dev.alloc(DType::F32, n),
+                state2: dev.alloc(DType::F32, n),
+            });
+        }
+        Ok(DistributedOptimizer {
+            owner,
+            cfg,
+            shards,
+            steps: 0,
+        })
+    }
+
+    /// The owner id of the parameters this optimizer updates.
+    pub fn owner(&self) -> OptimizerId {
+        self.owner
+    }
+
+    /// Steps taken (skipped steps not counted).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// This rank's fp32 masters, shard by shard.
+    pub fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
+        self.shards
+            .iter()
+            .map(|s| {
+                Ok(MasterShard {
+                    param: s.param,
+                    range: s.param_range.clone(),
+                    values: dev.download(s.master)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes of masters and optimizer state on this rank.
+    pub fn memory_bytes(&self) -> (usize, usize) {
+        self.shards.iter().fold((0, 0), |(m, st), s| {
+            (
+                m + s.master.byte_len(),
+                st + s.state1.byte_len() + s.state2.byte_len() + s.grad32.byte_len(),
+            )
+        })
+    }
+
+    /// Copies the reduced gradients into fp32 and returns this rank's sum of squares (f64, shards
+    /// in order, elements in index order).
+    fn prepare(&mut self, dev: &mut Device) -> Result<f64> {
+        let mut sum = 0.0;
+        for s in &self.shards {
+            dev.cast(s.grad_view, s.grad32)?;
+            sum += dev.sum_squares(s.grad32)?;
+        }
+        Ok(sum)
+    }
+
+    /// Clips and updates every shard, writing the new parameter values into the param buffer.
+    fn apply(&mut self, dev: &mut Device, clip_coef: f32) -> Result<()> {
+        self.steps += 1;
+        for s in &self.shards {
+            if clip_coef < 1.0 {
+                dev.scale(s.grad32, clip_coef)?;
+            }
+            match self.cfg.algorithm {
+                Algorithm::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                } => {
+                    let hp = AdamW {
+                        lr: self.cfg.lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        step: self.steps,
+                    };
+                    dev.adamw(
+                        s.master,
+                        s.grad32,
+                        s.state1,
+                        s.state2,
+                        &hp,
+                        Some(s.param_view),
+                    )?;
+                }
+                Algorithm::Sgd {
+                    momentum,
+                    weight_decay,
+                } => {
+                    let hp = SgdMomentum {
+                        lr: self.cfg.lr,
+                        momentum,
+                        weight_decay,
+                    };
+                    dev.sgd_momentum(s.master, s.grad32, s.state1, &hp, self.steps == 1)?;
+                    dev.cast(s.master, s.param_view)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_init(bufs: &DataParallelBuffers, init: &[Vec<f32>]) -> Result<()> {
+    if init.len() != bufs.specs().len() {
+        return Err(OptimError::Invalid(format!(
+            "{} initial values for {} parameters",
+            init.len(),
+            bufs.specs().len()
+        )));
+    }
+    for (spec, v) in bufs.specs().iter().zip(init) {
+        if v.len() != spec.numel {
+            return Err(OptimError::Invalid(format!(
+                "parameter `{}`: {} initial values for {} elements",
+                spec.name,
+                v.len(),
+                spec.numel
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes every parameter's initial value, rounded to its storage dtype, into the param buffer
+/// (every rank writes every parameter, so all ranks start identical).
+pub fn initialize_params(
+    dev: &mut Device,
+    bufs: &DataParallelBuffers,
+    init: &[Vec<f32>],
+) -> Result<()> {
+    check_init(bufs, init)?;
+    for (p, v) in init.iter().enumerate() {
+        let view = bufs.param_view(p)?;
+        let tmp = dev.alloc(DType::F32, v.len());
+        dev.upload(tmp, v)?;
+        dev.cast(tmp, view)?;
+        dev.free(tmp)?;
+    }
+    Ok(())
+}
+
+/// Several optimizers over one set of buffers (for example AdamW for matrices and another
+/// configuration for biases), stepped together: one global gradient norm, one clip factor, one
+/// skip decision, then one parameter sync.
+#[derive(Debug)]
+pub struct ChainedOptimizer {
+    parts: Vec<DistributedOptimizer>,
+    skipped: u64,
+}
+
+impl ChainedOptimizer {
+    /// Chains `parts` (their owners must differ).
+    pub fn new(parts: Vec<DistributedOptimizer>) -> Result<Self> {
+        for (i, a) in parts.iter().enumerate() {
+            if parts[..i].iter().any(|b| b.owner == a.owner) {
+                return Err(OptimError::Invalid(format!(
+                    "two chained optimizers own {:?}",
+                    a.owner
+                )));
+            }
+        }
+        Ok(ChainedOptimizer { parts, skipped: 0 })
+    }
+
+    /// The chained optimizers.
+    pub fn parts(&self) -> &[DistributedOptimizer] {
+        &self.parts
+    }
+
+    /// Steps skipped because the gradient norm was not finite.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// One optimizer step after `finish_grad_sync`: grad norm over all parts and ranks, clip,
+    /// skip if not finite, update, then gather parameters unless the gather is overlapped with
+    /// the next forward.
+    pub fn step(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+    ) -> Result<StepReport> {
+        let mut local = 0.0f64;
+        for p in &mut self.parts {
+            local += p.prepare(dev)?;
+        }
+        let total = if bufs.config().distributed_optimizer {
+            sum_across_ranks(dev, comm, local)?
+        } else {
+            local
+        };
+        let grad_norm = total.sqrt() as f32;
+        if !grad_norm.is_finite() {
+            self.skipped += 1;
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+                clip_coef: 1.0,
+            });
+        }
+        let clip = self
+            .parts
+            .iter()
+            .filter_map(|p| p.cfg.clip_grad)
+            .reduce(f32::min);
+        let clip_coef = clip.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
+        for p in &mut self.parts {
+            p.apply(dev, clip_coef)?;
+        }
+        if !bufs.config().overlap_param_gather {
+            bufs.sync_params(dev, comm)?;
+        }
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+            clip_coef,
+        })
+    }
+}
+
+/// Adds one f64 per rank in rank order: the values travel as bytes (an all-gather), so the sum
+/// is the same on every rank and independent of timing.
+fn sum_across_ranks(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Result<f64> {
+    let n = comm.size();
+    let buf = dev.alloc(DType::U8, 8 * n);
+    let mine = buf.slice(8 * comm.rank()..8 * (comm.rank() + 1))?;
+    dev.write_bytes(mine, &local.to_le_bytes())?;
+    let result = comm
+        .start_all_gather(dev, mine, buf)
+        .and_then(|w| w.wait(dev));
+    let bytes = dev.read_bytes(buf);
+    dev.free(buf)?;
+    result?;
+    Ok(bytes?
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .sum())
+}

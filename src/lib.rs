@@ -1,0 +1,10 @@
+//! The `lowbit` package: the command line (`src/main.rs`) and, as a library, the pieces the
+//! command line and the integration tests share — today the reference test model.
+
+pub mod model;
+
+pub use lowbit_buffers as buffers;
+pub use lowbit_comm as comm;
+pub use lowbit_device as device;
+pub use lowbit_formats as formats;
+pub use lowbit_optim as optim;
