@@ -25,10 +25,21 @@ pub struct MlpShape {
     pub output: usize,
 }
 
+/// Which computation a parameter is fetched for: low-precision weights use their rowwise copy
+/// in the forward (`X·Wᵀ` contracts along rows of W) and their columnwise copy in the backward
+/// (`dY·W` contracts down its columns), as block-scaled GEMMs do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Usage {
+    /// Forward GEMMs and norms.
+    Forward,
+    /// Backward (data-gradient) GEMMs and norms.
+    Backward,
+}
+
 /// Where the model gets parameters and puts gradients.
 pub trait Hooks {
-    /// The view of parameter `p` (any float dtype), valid for the coming forward computation.
-    fn param(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError>;
+    /// The values of parameter `p` to compute with (any float dtype), valid until the next call.
+    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError>;
     /// The view gradient `p` accumulates into (any float dtype).
     fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError>;
     /// Gradient `p` is complete for this microbatch.
@@ -175,8 +186,14 @@ impl Mlp {
     }
 
     /// Loads parameter `p` as f32 into the weight scratch.
-    fn load(&self, dev: &mut Device, hooks: &mut dyn Hooks, p: usize) -> Result<View, ModelError> {
-        let v = hooks.param(dev, p)?;
+    fn load(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        p: usize,
+        usage: Usage,
+    ) -> Result<View, ModelError> {
+        let v = hooks.param(dev, p, usage)?;
         let w = self.wbuf.slice(0..v.len())?;
         dev.cast(v, w)?;
         Ok(w)
@@ -192,7 +209,7 @@ impl Mlp {
         y: View,
         (k, n): (usize, usize),
     ) -> Result<(), ModelError> {
-        let w = self.load(dev, hooks, pw)?;
+        let w = self.load(dev, hooks, pw, Usage::Forward)?;
         let spec = MatmulSpec {
             m: self.batch,
             n,
@@ -202,7 +219,7 @@ impl Mlp {
             accumulate: false,
         };
         dev.matmul(a, w, y, &spec)?;
-        let b = self.load(dev, hooks, pb)?;
+        let b = self.load(dev, hooks, pb, Usage::Forward)?;
         dev.add_bias(y, b)?;
         Ok(())
     }
@@ -234,7 +251,7 @@ impl Mlp {
                 self.z[k],
                 (h, h),
             )?;
-            let g = self.load(dev, hooks, base + 2)?;
+            let g = self.load(dev, hooks, base + 2, Usage::Forward)?;
             dev.rms_norm(self.z[k], g, self.n[k], self.rstd[k], 1e-6)?;
             dev.gelu(self.n[k], self.acts[k + 2])?;
         }
@@ -277,7 +294,7 @@ impl Mlp {
             } else {
                 (self.dh[0], self.dh[1])
             };
-            let w = self.load(dev, hooks, pw)?;
+            let w = self.load(dev, hooks, pw, Usage::Backward)?;
             let spec = MatmulSpec {
                 m: self.batch,
                 n: in_width,
@@ -293,7 +310,7 @@ impl Mlp {
                 let k = layer - 2;
                 let pg = 2 + 3 * k + 2;
                 dev.gelu_backward(self.n[k], da, spare)?;
-                let g = self.load(dev, hooks, pg)?;
+                let g = self.load(dev, hooks, pg, Usage::Backward)?;
                 let dg = self.gbuf.slice(0..h)?;
                 dev.zero(dg)?;
                 dev.rms_norm_backward(self.z[k], g, self.rstd[k], spare, da, dg)?;

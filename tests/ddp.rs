@@ -1,279 +1,17 @@
 //! Data parallelism end to end on CPU: the test model trained by N rank threads through
-//! `lowbit-buffers` (buckets, grad sync, param sync) and `lowbit-optim` (distributed AdamW).
-//!
-//! Every comparison goes through one helper, [`train`], which returns each rank's losses, grad
-//! norms, fp32 masters and final parameter bytes.
+//! `lowbit-buffers` (buckets, grad sync, param sync) and `lowbit-optim` (distributed AdamW and
+//! SGD, chained), all through the harness in `common`.
+
+mod common;
 
 use std::time::{Duration, Instant};
 
-use lowbit::buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage};
-use lowbit::buffers::{DataParallelBuffers, DdpConfig};
+use common::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};
+use lowbit::buffers::DataParallelBuffers;
+use lowbit::buffers::DdpConfig;
+use lowbit::buffers::layout::GradDType;
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::{DType, Device};
-use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, sample};
-use lowbit::optim::{
-    Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
-};
-
-const SHAPE: MlpShape = MlpShape {
-    input: 12,
-    hidden: 24,
-    blocks: 2,
-    output: 5,
-};
-
-#[derive(Clone, Copy, Debug)]
-struct Run {
-    dp: usize,
-    ddp: DdpConfig,
-    grad: GradDType,
-    microbatches: usize,
-    /// Rows per rank per microbatch.
-    rows: usize,
-    steps: usize,
-    clip: Option<f32>,
-    /// Put biases and norms under a second optimizer (a chained optimizer of two owners).
-    chained: bool,
-    /// `(step, rank)` whose first input sample is made NaN.
-    poison: Option<(usize, usize)>,
-}
-
-impl Run {
-    fn new(dp: usize) -> Run {
-        Run {
-            dp,
-            ddp: ddp(true, true, true, Some(600)),
-            grad: GradDType::F32,
-            microbatches: 2,
-            rows: 4,
-            steps: 6,
-            clip: None,
-            chained: true,
-            poison: None,
-        }
-    }
-}
-
-fn ddp(distopt: bool, overlap_grad: bool, overlap_param: bool, bucket: Option<usize>) -> DdpConfig {
-    DdpConfig {
-        distributed_optimizer: distopt,
-        overlap_grad_reduce: overlap_grad,
-        overlap_param_gather: overlap_param,
-        average_in_collective: false,
-        bucket_size: bucket,
-        high_busbw_padding: false,
-    }
-}
-
-#[derive(Debug, PartialEq)]
-struct Outcome {
-    losses: Vec<f32>,
-    norms: Vec<f32>,
-    skipped: u64,
-    /// This rank's masters.
-    masters: Vec<MasterShard>,
-    /// The whole param buffer of every parameter, as bytes.
-    params: Vec<Vec<u8>>,
-}
-
-struct DpHooks<'a> {
-    bufs: &'a mut DataParallelBuffers,
-    comm: &'a mut dyn Communicator,
-}
-
-fn hook_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Hook(e.to_string())
-}
-
-impl Hooks for DpHooks<'_> {
-    fn param(&mut self, dev: &mut Device, p: usize) -> Result<lowbit::device::View, ModelError> {
-        let g = self.bufs.group_of(p);
-        self.bufs
-            .finish_param_sync(dev, self.comm, g)
-            .map_err(hook_err)?;
-        self.bufs.param_view(p).map_err(hook_err)
-    }
-    fn grad(&mut self, _dev: &mut Device, p: usize) -> Result<lowbit::device::View, ModelError> {
-        self.bufs.grad_view(p).map_err(hook_err)
-    }
-    fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<(), ModelError> {
-        if self.bufs.config().overlap_grad_reduce {
-            self.bufs
-                .register_grad_ready(dev, self.comm, p)
-                .map_err(hook_err)?;
-        }
-        Ok(())
-    }
-}
-
-fn specs(run: &Run) -> Vec<ParamSpec> {
-    SHAPE
-        .params()
-        .into_iter()
-        .map(|(name, shape)| {
-            let owner = if run.chained && !name.ends_with(".weight") {
-                1
-            } else {
-                0
-            };
-            let key = BufferKey {
-                param_storage: ParamStorage::Bf16,
-                grad_dtype: run.grad,
-                expert: false,
-                owner: OptimizerId(owner),
-            };
-            ParamSpec::new(name, shape, key)
-        })
-        .collect()
-}
-
-fn adamw(lr: f32, clip: Option<f32>) -> OptimConfig {
-    OptimConfig {
-        algorithm: Algorithm::AdamW {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        lr,
-        clip_grad: clip,
-    }
-}
-
-/// One rank's training loop.
-fn rank_main(run: &Run, comm: &mut dyn Communicator, dev: &mut Device) -> Result<Outcome, String> {
-    let e = |e: &dyn std::fmt::Display| e.to_string();
-    let rank = comm.rank();
-    let mut bufs =
-        DataParallelBuffers::new(dev, run.dp, rank, specs(run), run.ddp).map_err(|x| e(&x))?;
-    let init = SHAPE.init(7);
-    initialize_params(dev, &bufs, &init).map_err(|x| e(&x))?;
-    let mut parts = vec![
-        DistributedOptimizer::new(dev, &bufs, OptimizerId(0), adamw(3e-3, run.clip), &init)
-            .map_err(|x| e(&x))?,
-    ];
-    if run.chained {
-        let sgd = OptimConfig {
-            algorithm: Algorithm::Sgd {
-                momentum: 0.9,
-                weight_decay: 0.0,
-            },
-            lr: 1e-2,
-            clip_grad: run.clip,
-        };
-        parts.push(
-            DistributedOptimizer::new(dev, &bufs, OptimizerId(1), sgd, &init).map_err(|x| e(&x))?,
-        );
-    }
-    let mut opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
-    let mlp = Mlp::new(dev, SHAPE, run.rows);
-    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-    for step in 0..run.steps {
-        bufs.zero_grad_buffer(dev).map_err(|x| e(&x))?;
-        let mut loss = 0.0f32;
-        for m in 0..run.microbatches {
-            bufs.set_last_microbatch(m + 1 == run.microbatches);
-            let global_rows = run.rows * run.dp;
-            let base = ((step * run.microbatches + m) * global_rows + rank * run.rows) as u64;
-            let (mut x, mut y) = (Vec::new(), Vec::new());
-            for i in 0..run.rows as u64 {
-                let (xs, ys) = sample(&SHAPE, 11, base + i);
-                x.extend(xs);
-                y.extend(ys);
-            }
-            if run.poison == Some((step, rank)) && m == 0 {
-                x[0] = f32::NAN;
-            }
-            let mut hooks = DpHooks {
-                bufs: &mut bufs,
-                comm,
-            };
-            loss += mlp
-                .forward_backward(dev, &mut hooks, &x, &y, 1.0 / run.microbatches as f32)
-                .map_err(|x| e(&x))?;
-        }
-        losses.push(loss);
-        bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
-        let report = opt.step(dev, comm, &mut bufs).map_err(|x| e(&x))?;
-        norms.push(report.grad_norm);
-    }
-    // Complete any deferred gather so the param buffers are final.
-    bufs.sync_params(dev, comm).map_err(|x| e(&x))?;
-    let mut masters = Vec::new();
-    for p in opt.parts() {
-        masters.extend(p.masters(dev).map_err(|x| e(&x))?);
-    }
-    masters.sort_by_key(|m| (m.param, m.range.start));
-    let params = (0..SHAPE.params().len())
-        .map(|p| dev.read_bytes(bufs.param_view(p).unwrap()).unwrap())
-        .collect();
-    Ok(Outcome {
-        losses,
-        norms,
-        skipped: opt.skipped_steps(),
-        masters,
-        params,
-    })
-}
-
-/// Trains `run` and returns every rank's outcome.
-fn train(run: Run) -> Vec<Outcome> {
-    let results = run_ranks(
-        run.dp,
-        GroupConfig::default().with_timeout(Duration::from_secs(30)),
-        |mut comm, mut dev| rank_main(&run, &mut comm, &mut dev),
-    );
-    results
-        .into_iter()
-        .map(|r| {
-            r.expect("rank panicked")
-                .unwrap_or_else(|e| panic!("{run:?}: {e}"))
-        })
-        .collect()
-}
-
-/// Full fp32 masters, assembled from every rank's shards (each element exactly once).
-fn full_masters(outcomes: &[Outcome]) -> Vec<Vec<f32>> {
-    let sizes: Vec<usize> = SHAPE
-        .params()
-        .iter()
-        .map(|(_, s)| s.iter().product())
-        .collect();
-    let mut full: Vec<Vec<Option<f32>>> = sizes.iter().map(|&n| vec![None; n]).collect();
-    for o in outcomes {
-        for m in &o.masters {
-            let p = m.param;
-            for (i, v) in m.range.clone().zip(&m.values) {
-                assert!(full[p][i].is_none(), "param {p} element {i} owned twice");
-                full[p][i] = Some(*v);
-            }
-        }
-    }
-    full.into_iter()
-        .enumerate()
-        .map(|(p, v)| {
-            v.into_iter()
-                .enumerate()
-                .map(|(i, x)| x.unwrap_or_else(|| panic!("param {p} element {i} owned by nobody")))
-                .collect()
-        })
-        .collect()
-}
-
-fn assert_ranks_identical(outcomes: &[Outcome]) {
-    for o in &outcomes[1..] {
-        assert_eq!(
-            o.params, outcomes[0].params,
-            "param buffers differ across ranks"
-        );
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&o.norms),
-            bits(&outcomes[0].norms),
-            "grad norms differ across ranks"
-        );
-    }
-}
+use lowbit::device::Device;
 
 #[test]
 fn n_ranks_match_one_rank() {
@@ -323,11 +61,7 @@ fn overlap_and_bucketing_do_not_change_a_bit() {
                     });
                     let what = format!("dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}");
                     assert_ranks_identical(&outs);
-                    assert_eq!(outs[0].losses, base[0].losses, "{what}: losses");
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&outs[0].norms), bits(&base[0].norms), "{what}: norms");
-                    assert_eq!(full_masters(&outs), full_masters(&base), "{what}: masters");
-                    assert_eq!(outs[0].params, base[0].params, "{what}: params");
+                    common::assert_same_trajectory(&outs, &base, &what);
                 }
             }
         }
@@ -345,7 +79,7 @@ fn classic_ddp_matches_the_distributed_optimizer() {
     // Classic DDP all-reduces and every rank updates every parameter: same arithmetic per
     // element, so the same bits.
     assert_eq!(classic[0].losses, dist[0].losses);
-    assert_eq!(classic[0].params, dist[0].params);
+    assert_eq!(classic[0].weights, dist[0].weights);
     assert_eq!(classic[0].masters.len(), SHAPE.params().len());
 }
 
@@ -388,7 +122,7 @@ fn non_finite_gradients_skip_the_step_and_change_nothing() {
     }
     // The skipped third step left masters and parameters bitwise as after two clean steps.
     assert_eq!(full_masters(&outs), full_masters(&clean));
-    assert_eq!(outs[0].params, clean[0].params);
+    assert_eq!(outs[0].weights, clean[0].weights);
 }
 
 #[test]
@@ -531,5 +265,4 @@ fn invalid_configurations_are_refused_up_front() {
         let err = DataParallelBuffers::new(&mut dev, 1, 0, specs(&run), cfg).unwrap_err();
         assert!(err.to_string().contains(needle), "{err}");
     }
-    let _ = DType::F32;
 }

@@ -17,11 +17,11 @@
 use std::ops::Range;
 
 use lowbit_comm::{CommError, Communicator, Op, ReduceOp, Work};
-use lowbit_device::{DType, Device, DeviceError, View};
+use lowbit_device::{DType, Device, DeviceError, Fp8Kind, Mxfp8Config, Mxfp8Views, View};
 
 use crate::layout::{
-    self, BufferKey, BufferLayout, GradDType, LayoutConfig, LayoutError, ParamShardRange,
-    ParamSpec, ParamStorage,
+    self, BufferKey, BufferLayout, GradDType, LayoutConfig, LayoutError, OptimizerId,
+    ParamShardRange, ParamSpec, ParamStorage, QuantKind,
 };
 
 /// Errors of the stateful buffers.
@@ -97,14 +97,68 @@ pub enum ParamSyncState {
     Done,
 }
 
+/// Whether the low-precision weights of a bucket group reflect the fp32 masters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightState {
+    /// The weights are `Q(bf16(master))` of the latest masters (or of the initial values).
+    Current,
+    /// The masters moved; `bf16(master)` must be staged and gathered before the next forward.
+    Stale,
+    /// `bf16(master)` shards are staged; the gather (and re-quantization) is pending.
+    Staged,
+}
+
+/// The MXFP8 storage of one parameter (both copies, compact scales), outside every buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mxfp8Weights {
+    /// Rows (product of the leading dimensions).
+    pub rows: usize,
+    /// Columns (last dimension).
+    pub cols: usize,
+    /// Rowwise data and scales.
+    pub rowwise: (View, View),
+    /// Columnwise data and scales.
+    pub columnwise: (View, View),
+}
+
+impl Mxfp8Weights {
+    fn views(&self) -> Mxfp8Views {
+        Mxfp8Views {
+            rowwise: Some(self.rowwise),
+            columnwise: Some(self.columnwise),
+        }
+    }
+}
+
+/// The MXFP8 recipe of primary weights: E4M3, both copies, 1x32 blocks, TE's NaN policy.
+pub fn mxfp8_weight_config() -> Mxfp8Config {
+    Mxfp8Config {
+        kind: Fp8Kind::E4M3,
+        ..Mxfp8Config::default()
+    }
+}
+
+/// `(rows, cols)` of a parameter shape as the quantizer sees it (`[d0·…, last]`).
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        None => (1, 1),
+        Some((&last, lead)) => (lead.iter().product(), last),
+    }
+}
+
 /// One buffer: a contiguous parameter region and gradient region sharing a [`BufferLayout`].
 #[derive(Debug)]
 struct Buffer {
     layout: BufferLayout,
     /// Global parameter ids, indexed like `layout.params`.
     params: Vec<usize>,
+    /// Persistent parameter storage, or for quantized buffers the bf16 staging view that aliases
+    /// the gradient buffer (its first half of bytes with fp32 gradients).
     param_data: View,
     grad_data: View,
+    /// Whether `param_data` is a staging view (quantized parameters live outside the buffer).
+    staging: bool,
+    owner: OptimizerId,
 }
 
 /// A set of buckets synchronised together in one coalesced launch.
@@ -123,6 +177,10 @@ struct BucketGroup {
     ready_counts: Vec<u32>,
     /// Counts recorded in the first batch; later batches start the reduce when they match.
     golden_counts: Option<Vec<u32>>,
+    /// Low-precision weight state (always `Current` for persistent-storage groups).
+    weights: WeightState,
+    /// Gathers of this group since the last `zero_grad_buffer` (forced syncs excluded).
+    gathers: u32,
 }
 
 /// The data-parallel parameter and gradient buffers of one rank.
@@ -138,6 +196,10 @@ pub struct DataParallelBuffers {
     param_loc: Vec<(usize, usize, usize)>,
     first_batch: bool,
     last_microbatch: bool,
+    /// MXFP8 storage of each quantized parameter.
+    quantized: Vec<Option<Mxfp8Weights>>,
+    /// Whether the next gradient access is the first of the iteration (checked in debug builds).
+    check_before_backward: bool,
 }
 
 fn storage_dtype(s: ParamStorage) -> Result<DType> {
@@ -145,9 +207,9 @@ fn storage_dtype(s: ParamStorage) -> Result<DType> {
         ParamStorage::Bf16 => Ok(DType::Bf16),
         ParamStorage::F16 => Ok(DType::F16),
         ParamStorage::F32 => Ok(DType::F32),
+        ParamStorage::Quantized(QuantKind::Mxfp8) => Ok(DType::Bf16),
         ParamStorage::Quantized(k) => Err(BufferError::Config(format!(
-            "quantized parameter storage ({k:?}) is handled by the primary-weight path, not \
-             these buffers yet"
+            "{k:?} primary weights are not supported yet (MXFP8 is)"
         ))),
     }
 }
@@ -184,16 +246,49 @@ impl DataParallelBuffers {
             distributed_optimizer: cfg.distributed_optimizer,
             high_busbw_padding: cfg.high_busbw_padding,
         };
+        let any_quantized = specs.iter().any(|s| s.key.param_storage.is_quantized());
+        if any_quantized && !cfg.distributed_optimizer {
+            return Err(BufferError::Config(
+                "low-precision parameter gather requires the distributed optimizer".into(),
+            ));
+        }
         let mut buffers = Vec::new();
         let mut groups = Vec::new();
         let mut param_loc = vec![(0, 0, 0); specs.len()];
+        let mut quantized = vec![None; specs.len()];
         for (key, members) in layout::group_params(&specs) {
             let key: BufferKey = key;
             let group_specs: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
             let lay = layout::compute_layout(&group_specs, &lcfg)?;
             layout::check_shard_count(&lay, if cfg.distributed_optimizer { dp } else { 1 })?;
-            let param_data = dev.alloc(storage_dtype(key.param_storage)?, lay.numel);
+            let staging = key.param_storage.is_quantized();
             let grad_data = dev.alloc(grad_dtype(key.grad_dtype), lay.numel);
+            let param_data = if staging {
+                // The bf16 staging view aliases the gradient buffer: the same memory, reused
+                // between the optimizer step and the next backward.
+                grad_data.reinterpret(DType::Bf16)?.slice(0..lay.numel)?
+            } else {
+                dev.alloc(storage_dtype(key.param_storage)?, lay.numel)
+            };
+            if staging {
+                storage_dtype(key.param_storage)?;
+                for &m in &members {
+                    let (rows, cols) = matrix_dims(&specs[m].shape);
+                    let (rb, cb) = (cols.div_ceil(32), rows.div_ceil(32));
+                    quantized[m] = Some(Mxfp8Weights {
+                        rows,
+                        cols,
+                        rowwise: (
+                            dev.alloc(DType::U8, rows * cols),
+                            dev.alloc(DType::U8, rows * rb),
+                        ),
+                        columnwise: (
+                            dev.alloc(DType::U8, rows * cols),
+                            dev.alloc(DType::U8, cb * cols),
+                        ),
+                    });
+                }
+            }
             let b = buffers.len();
             for (bi, bucket) in lay.buckets.iter().enumerate() {
                 let g = groups.len();
@@ -210,8 +305,14 @@ impl DataParallelBuffers {
                     grad_reduce_started: false,
                     grad_reduce_finished: false,
                     param_work: None,
-                    param_state: ParamSyncState::Idle,
+                    param_state: if staging {
+                        ParamSyncState::Done
+                    } else {
+                        ParamSyncState::Idle
+                    },
                     golden_counts: None,
+                    weights: WeightState::Current,
+                    gathers: 0,
                 });
             }
             buffers.push(Buffer {
@@ -219,6 +320,8 @@ impl DataParallelBuffers {
                 params: members,
                 param_data,
                 grad_data,
+                staging,
+                owner: key.owner,
             });
         }
         Ok(DataParallelBuffers {
@@ -231,6 +334,8 @@ impl DataParallelBuffers {
             param_loc,
             first_batch: true,
             last_microbatch: true,
+            quantized,
+            check_before_backward: false,
         })
     }
 
@@ -310,6 +415,7 @@ impl DataParallelBuffers {
             };
             for r in ranges {
                 out.push(OwnedShard {
+                    staging: buf.staging,
                     param: buf.params[r.param],
                     param_range: r.param_range.clone(),
                     param_view: buf.param_data.slice(r.gbuf_world.clone())?,
@@ -329,11 +435,15 @@ impl DataParallelBuffers {
 
     /// Zeroes every gradient buffer and resets the per-iteration grad-sync state. The first call
     /// after the first batch freezes that batch's ready counts as the golden counts.
+    ///
+    /// Zeroing also zeroes the staging views that alias the gradients: a group whose staged
+    /// weights had not been gathered yet goes back to [`WeightState::Stale`] and must be staged
+    /// again before the next forward (gathering it now would ship zeros: Megatron bug A1/A3).
     pub fn zero_grad_buffer(&mut self, dev: &mut Device) -> Result<()> {
         for g in &self.groups {
-            if g.grad_work.is_some() {
+            if g.grad_work.is_some() || g.param_work.is_some() {
                 return Err(BufferError::Protocol(
-                    "zero_grad_buffer while a gradient reduction is in flight".into(),
+                    "zero_grad_buffer while a collective is in flight".into(),
                 ));
             }
         }
@@ -348,10 +458,15 @@ impl DataParallelBuffers {
             g.ready_counts.iter_mut().for_each(|c| *c = 0);
             g.grad_reduce_started = false;
             g.grad_reduce_finished = false;
+            g.gathers = 0;
+            if g.weights == WeightState::Staged {
+                g.weights = WeightState::Stale;
+            }
         }
         if record {
             self.first_batch = false;
         }
+        self.check_before_backward = true;
         Ok(())
     }
 
@@ -469,7 +584,8 @@ impl DataParallelBuffers {
     }
 
     /// Launches the parameter all-gather of group `g` (every bucket, coalesced): each rank's
-    /// shard of the param buffer goes to every rank. Asynchronous when `asynchronous`.
+    /// shard of the param buffer (or staging view) goes to every rank. Asynchronous when
+    /// `asynchronous`; otherwise completed here, including the re-quantization of staged groups.
     fn start_param_sync_group(
         &mut self,
         dev: &mut Device,
@@ -484,6 +600,20 @@ impl DataParallelBuffers {
         if self.groups[g].param_state == ParamSyncState::InFlight {
             return Err(BufferError::Protocol(format!(
                 "bucket group {g}: parameter gather dispatched twice"
+            )));
+        }
+        let staging = self.buffers[self.groups[g].buffer].staging;
+        if staging && self.groups[g].weights != WeightState::Staged {
+            return Err(BufferError::Protocol(format!(
+                "bucket group {g}: gather of low-precision weights that are not staged \
+                 ({:?}); stage bf16(master) after zeroing the gradients",
+                self.groups[g].weights
+            )));
+        }
+        self.groups[g].gathers += 1;
+        if cfg!(debug_assertions) && self.groups[g].gathers > 1 {
+            return Err(BufferError::Protocol(format!(
+                "bucket group {g} gathered twice in one iteration"
             )));
         }
         let group = &self.groups[g];
@@ -503,51 +633,108 @@ impl DataParallelBuffers {
             self.groups[g].param_state = ParamSyncState::InFlight;
         } else {
             work.wait(dev)?;
-            self.groups[g].param_state = ParamSyncState::Done;
+            self.after_gather(dev, g)?;
         }
         Ok(())
     }
 
-    /// Gathers every group's parameters now (the non-overlapped path after the optimizer step,
-    /// and forced syncs). A group whose gather is in flight is completed instead.
+    /// Completes a gather: for staging groups every rank re-quantizes each parameter from the
+    /// gathered bf16 values, then zeroes this group's staging view and nothing else (other
+    /// groups' staged values alias other gradient bytes).
+    fn after_gather(&mut self, dev: &mut Device, g: usize) -> Result<()> {
+        self.groups[g].param_state = ParamSyncState::Done;
+        let buf = &self.buffers[self.groups[g].buffer];
+        if !buf.staging {
+            return Ok(());
+        }
+        let cfg = mxfp8_weight_config();
+        for &p in &self.groups[g].params {
+            let w = self.quantized[p].expect("staging buffers hold quantized params");
+            let (_, i, _) = self.param_loc[p];
+            let src = buf.param_data.slice(buf.layout.params[i].range())?;
+            dev.quantize_mxfp8(src, w.rows, w.cols, &cfg, &w.views())?;
+        }
+        for &bi in &self.groups[g].buckets {
+            let view = buf.param_data.slice(buf.layout.buckets[bi].range())?;
+            dev.zero(view)?;
+            if cfg!(debug_assertions) && dev.read_bytes(view)?.iter().any(|&b| b != 0) {
+                return Err(BufferError::Protocol(format!(
+                    "bucket group {g}: staging view not zero after copy-back"
+                )));
+            }
+        }
+        self.groups[g].weights = WeightState::Current;
+        Ok(())
+    }
+
+    /// Whether group `g` needs a gather before its parameters can be used.
+    fn needs_gather(&self, g: usize) -> bool {
+        let group = &self.groups[g];
+        if self.buffers[group.buffer].staging {
+            group.weights == WeightState::Staged && group.param_state != ParamSyncState::InFlight
+        } else {
+            group.param_state == ParamSyncState::Idle
+        }
+    }
+
+    /// Gathers every group that needs it now and completes those in flight (the
+    /// non-overlapped path after the optimizer step, and forced syncs). Staging groups must be
+    /// `Current` or `Staged`; a `Stale` one is an error.
     pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+        self.complete_param_sync(dev)?;
         for g in 0..self.groups.len() {
-            match self.groups[g].param_state {
-                ParamSyncState::InFlight => {
-                    let w = self.groups[g]
-                        .param_work
-                        .take()
-                        .expect("in flight has work");
-                    w.wait(dev)?;
-                    self.groups[g].param_state = ParamSyncState::Done;
-                }
-                _ => self.start_param_sync_group(dev, comm, g, false)?,
+            if self.buffers[self.groups[g].buffer].staging
+                && self.groups[g].weights == WeightState::Stale
+            {
+                return Err(BufferError::Protocol(format!(
+                    "bucket group {g}: parameter sync of stale low-precision weights (nothing \
+                     staged since the optimizer stepped)"
+                )));
+            }
+            if self.needs_gather(g) {
+                self.start_param_sync_group(dev, comm, g, false)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every gather in flight and completes it.
+    pub fn complete_param_sync(&mut self, dev: &mut Device) -> Result<()> {
+        for g in 0..self.groups.len() {
+            if let Some(w) = self.groups[g].param_work.take() {
+                w.wait(dev)?;
+                self.after_gather(dev, g)?;
             }
         }
         Ok(())
     }
 
     /// The forward pre-hook of the layers whose parameters are in group `g` (overlapped param
-    /// gather): dispatches the gather if nobody has, waits for it, and prefetches the next
-    /// group's (groups run in reverse order of creation, i.e. forward order).
+    /// gather): dispatches the gather if nobody has, waits for it, completes it and prefetches
+    /// the next group's (groups were created in backward order, so forward order runs down).
     pub fn finish_param_sync(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
         g: usize,
     ) -> Result<()> {
+        let staging = self.buffers[self.groups[g].buffer].staging;
+        if staging && self.groups[g].weights == WeightState::Stale {
+            return Err(BufferError::Protocol(format!(
+                "bucket group {g}: forward with stale low-precision weights (the optimizer \
+                 stepped and nothing was staged)"
+            )));
+        }
         if !self.cfg.overlap_param_gather {
             return Ok(());
         }
-        if self.groups[g].param_state == ParamSyncState::Idle {
+        if self.needs_gather(g) {
             self.start_param_sync_group(dev, comm, g, true)?;
         }
         if let Some(w) = self.groups[g].param_work.take() {
             w.wait(dev)?;
-            self.groups[g].param_state = ParamSyncState::Done;
-            // Buckets are created in backward order, so the group the forward needs next is
-            // the previous one.
-            if g > 0 && self.groups[g - 1].param_state == ParamSyncState::Idle {
+            self.after_gather(dev, g)?;
+            if g > 0 && self.needs_gather(g - 1) {
                 self.start_param_sync_group(dev, comm, g - 1, true)?;
             }
         }
@@ -572,17 +759,207 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Bytes of each buffer kind on this rank: (params, grads).
-    pub fn memory_bytes(&self) -> (usize, usize) {
-        self.buffers.iter().fold((0, 0), |(p, g), b| {
-            (p + b.param_data.byte_len(), g + b.grad_data.byte_len())
+    /// The low-precision weight state of group `g`.
+    pub fn weight_state(&self, g: usize) -> WeightState {
+        self.groups[g].weights
+    }
+
+    /// The MXFP8 storage of parameter `p`, if it has low-precision primary weights.
+    pub fn mxfp8_weights(&self, p: usize) -> Option<Mxfp8Weights> {
+        self.quantized[p]
+    }
+
+    /// Writes the initial weights of quantized parameter `p` as `Q(bf16(values))` directly (no
+    /// staging: iteration 0 needs no gather).
+    pub fn initialize_quantized(
+        &mut self,
+        dev: &mut Device,
+        p: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        let Some(w) = self.quantized[p] else {
+            return Err(BufferError::Config(format!(
+                "parameter `{}` has no low-precision storage",
+                self.specs[p].name
+            )));
+        };
+        let tmp32 = dev.alloc(DType::F32, values.len());
+        let tmp16 = dev.alloc(DType::Bf16, values.len());
+        let r = dev
+            .upload(tmp32, values)
+            .and_then(|()| dev.cast(tmp32, tmp16))
+            .and_then(|()| {
+                dev.quantize_mxfp8(tmp16, w.rows, w.cols, &mxfp8_weight_config(), &w.views())
+            });
+        dev.free(tmp32)?;
+        dev.free(tmp16)?;
+        Ok(r?)
+    }
+
+    /// Marks the staging groups of `owner` stale: its masters moved.
+    pub fn mark_stale(&mut self, owner: OptimizerId) {
+        for g in &mut self.groups {
+            let b = &self.buffers[g.buffer];
+            if b.staging && b.owner == owner {
+                g.weights = WeightState::Stale;
+            }
+        }
+    }
+
+    /// Whether any staging group of `owner` is stale.
+    pub fn has_stale(&self, owner: OptimizerId) -> bool {
+        self.groups.iter().any(|g| {
+            let b = &self.buffers[g.buffer];
+            b.staging && b.owner == owner && g.weights == WeightState::Stale
         })
     }
+
+    /// Declares that `owner` wrote `bf16(master)` into every staging shard it owns: its staging
+    /// groups become `Staged` and their dispatch state is reset, so the next forward (or sync)
+    /// gathers them exactly once. Refuses while a gather is in flight.
+    pub fn mark_staged(&mut self, owner: OptimizerId) -> Result<()> {
+        for (gi, g) in self.groups.iter_mut().enumerate() {
+            let b = &self.buffers[g.buffer];
+            if !(b.staging && b.owner == owner) {
+                continue;
+            }
+            if g.param_state == ParamSyncState::InFlight {
+                return Err(BufferError::Protocol(format!(
+                    "bucket group {gi}: staging while its gather is in flight"
+                )));
+            }
+            g.weights = WeightState::Staged;
+            g.param_state = ParamSyncState::Idle;
+        }
+        Ok(())
+    }
+
+    /// The gradient view of `p` for accumulation in the backward. The first call after
+    /// `zero_grad_buffer` checks (in debug and test builds) that every low-precision group is
+    /// gathered and its staging zeroed and that the gradient buffers are zero — the state
+    /// Megatron's staging bugs (A1–A3, C) violate.
+    pub fn accumulation_view(&mut self, dev: &mut Device, p: usize) -> Result<View> {
+        if self.check_before_backward {
+            self.check_before_backward = false;
+            if cfg!(debug_assertions) {
+                for (gi, g) in self.groups.iter().enumerate() {
+                    if self.buffers[g.buffer].staging && g.weights != WeightState::Current {
+                        return Err(BufferError::Protocol(format!(
+                            "bucket group {gi}: backward starts while its weights are {:?}",
+                            g.weights
+                        )));
+                    }
+                }
+                for b in &self.buffers {
+                    if dev.read_bytes(b.grad_data)?.iter().any(|&x| x != 0) {
+                        return Err(BufferError::Protocol(
+                            "backward starts on a gradient buffer that is not zero".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        self.grad_view(p)
+    }
+
+    /// Bytes of each buffer kind on this rank: (persistent parameter storage, gradients).
+    /// Staging views alias the gradients and are not counted.
+    pub fn memory_bytes(&self) -> (usize, usize) {
+        self.memory().iter().fold((0, 0), |(p, g), b| {
+            (p + if b.staging > 0 { 0 } else { b.weights }, g + b.grads)
+        })
+    }
+
+    /// Memory of every buffer on this rank (allocated bytes; staging is aliased, not allocated).
+    pub fn memory(&self) -> Vec<BufferMemory> {
+        self.buffers
+            .iter()
+            .map(|b| {
+                buffer_memory(
+                    &b.layout,
+                    &b.params.iter().map(|&p| &self.specs[p]).collect::<Vec<_>>(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Bytes of one buffer on one rank, by category.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferMemory {
+    /// The buffer's key.
+    pub key: BufferKey,
+    /// Padded elements of the buffer.
+    pub numel: usize,
+    /// Weights: the persistent parameter buffer, or the low-precision storage (both MXFP8
+    /// copies and their scales) of its parameters.
+    pub weights: usize,
+    /// Bytes of the bf16 staging view; it aliases the gradient buffer, so it costs nothing.
+    pub staging: usize,
+    /// The gradient buffer.
+    pub grads: usize,
+}
+
+/// The memory of a buffer with `layout` holding `specs` (in the layout's order), from the closed
+/// form: what [`DataParallelBuffers::new`] allocates.
+pub fn buffer_memory(layout: &BufferLayout, specs: &[&ParamSpec]) -> BufferMemory {
+    let key = layout.key;
+    let grads = layout.numel * grad_dtype(key.grad_dtype).size();
+    let (weights, staging) = if key.param_storage.is_quantized() {
+        let w = specs
+            .iter()
+            .map(|s| {
+                let (r, c) = matrix_dims(&s.shape);
+                2 * r * c + r * c.div_ceil(32) + r.div_ceil(32) * c
+            })
+            .sum();
+        (w, layout.numel * 2)
+    } else {
+        let size = storage_dtype(key.param_storage).map_or(0, |d| d.size());
+        (layout.numel * size, 0)
+    };
+    BufferMemory {
+        key,
+        numel: layout.numel,
+        weights,
+        staging,
+        grads,
+    }
+}
+
+/// The buffer memory `DataParallelBuffers::new` would allocate for `specs`, computed from the
+/// layouts alone (no allocation), for models too large to instantiate.
+pub fn estimate_buffer_memory(
+    specs: &[ParamSpec],
+    dp: usize,
+    cfg: &DdpConfig,
+) -> Result<Vec<BufferMemory>> {
+    let lcfg = LayoutConfig {
+        dp,
+        bucket_size: if cfg.overlap_grad_reduce {
+            cfg.bucket_size
+        } else {
+            None
+        },
+        distributed_optimizer: cfg.distributed_optimizer,
+        high_busbw_padding: cfg.high_busbw_padding,
+    };
+    layout::group_params(specs)
+        .into_iter()
+        .map(|(_, members)| {
+            let group: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
+            let lay = layout::compute_layout(&group, &lcfg)?;
+            Ok(buffer_memory(&lay, &group))
+        })
+        .collect()
 }
 
 /// One rank's piece of one parameter: the optimizer's unit of work.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OwnedShard {
+    /// Whether `param_view` is a staging view (the parameter's weights are low-precision and
+    /// live outside the buffer; the optimizer stages into it instead of writing weights).
+    pub staging: bool,
     /// Global parameter id.
     pub param: usize,
     /// Sub-range of the flattened parameter.

@@ -56,4 +56,8 @@
 pub mod ddp;
 pub mod layout;
 
-pub use ddp::{BufferError, DataParallelBuffers, DdpConfig, OwnedShard, ParamSyncState};
+pub use ddp::{
+    BufferError, BufferMemory, DataParallelBuffers, DdpConfig, Mxfp8Weights, OwnedShard,
+    ParamSyncState, WeightState, buffer_memory, estimate_buffer_memory, matrix_dims,
+    mxfp8_weight_config,
+};

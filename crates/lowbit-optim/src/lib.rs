@@ -133,6 +133,8 @@ pub struct MasterShard {
 /// One owned piece of a parameter with its fp32 master and optimizer state.
 #[derive(Debug)]
 struct Shard {
+    /// `param_view` is a staging view: weights live in low precision outside the buffer.
+    staging: bool,
     param: usize,
     param_range: std::ops::Range<usize>,
     param_view: View,
@@ -174,6 +176,7 @@ impl DistributedOptimizer {
             let master = dev.alloc(DType::F32, n);
             dev.upload(master, &init[s.param][s.param_range.clone()])?;
             shards.push(Shard {
+                staging: s.staging,
                 param: s.param,
                 param_range: s.param_range,
                 param_view: s.param_view,
@@ -181,7 +184,11 @@ impl DistributedOptimizer {
                 master,
                 grad32: dev.alloc(DType::F32, n),
                 state1: dev.alloc(DType::F32, n),
-                state2: dev.alloc(DType::F32, n),
+                // SGD keeps one state tensor (momentum), AdamW two.
+                state2: dev.alloc(
+                    DType::F32,
+                    state_tensors(cfg.algorithm).saturating_sub(1) * n,
+                ),
             });
         }
         Ok(DistributedOptimizer {
@@ -216,12 +223,13 @@ impl DistributedOptimizer {
             .collect()
     }
 
-    /// Bytes of masters and optimizer state on this rank.
-    pub fn memory_bytes(&self) -> (usize, usize) {
-        self.shards.iter().fold((0, 0), |(m, st), s| {
+    /// Bytes on this rank: (fp32 masters, optimizer state, fp32 gradient scratch).
+    pub fn memory_bytes(&self) -> (usize, usize, usize) {
+        self.shards.iter().fold((0, 0, 0), |(m, st, g), s| {
             (
                 m + s.master.byte_len(),
-                st + s.state1.byte_len() + s.state2.byte_len() + s.grad32.byte_len(),
+                st + s.state1.byte_len() + s.state2.byte_len(),
+                g + s.grad32.byte_len(),
             )
         })
     }
@@ -278,12 +286,128 @@ impl DistributedOptimizer {
                         weight_decay,
                     };
                     dev.sgd_momentum(s.master, s.grad32, s.state1, &hp, self.steps == 1)?;
-                    dev.cast(s.master, s.param_view)?;
+                    if !s.staging {
+                        dev.cast(s.master, s.param_view)?;
+                    }
                 }
             }
         }
         Ok(())
     }
+}
+
+impl DistributedOptimizer {
+    /// Writes `bf16(master)` of every staging shard into its staging view and declares the
+    /// owner's groups staged (which resets their dispatch state).
+    fn stage(&self, dev: &mut Device, bufs: &mut DataParallelBuffers) -> Result<()> {
+        for s in self.shards.iter().filter(|s| s.staging) {
+            dev.cast(s.master, s.param_view)?;
+        }
+        bufs.mark_staged(self.owner)?;
+        Ok(())
+    }
+}
+
+/// fp32 state tensors per element of an update rule.
+fn state_tensors(a: Algorithm) -> usize {
+    match a {
+        Algorithm::AdamW { .. } => 2,
+        Algorithm::Sgd { .. } => 1,
+    }
+}
+
+/// Memory of one rank by category, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Every parameter/gradient buffer.
+    pub buffers: Vec<lowbit_buffers::BufferMemory>,
+    /// fp32 master shards.
+    pub masters: usize,
+    /// Optimizer state (AdamW moments, SGD momentum).
+    pub optimizer_state: usize,
+    /// fp32 copies of the reduced gradient shards the update reads.
+    pub grad_scratch: usize,
+}
+
+impl RankMemory {
+    /// Weight bytes (persistent parameter buffers and low-precision storage).
+    pub fn weights(&self) -> usize {
+        self.buffers.iter().map(|b| b.weights).sum()
+    }
+    /// Staging bytes (aliased with the gradients: not allocated).
+    pub fn staging(&self) -> usize {
+        self.buffers.iter().map(|b| b.staging).sum()
+    }
+    /// Gradient buffer bytes.
+    pub fn grads(&self) -> usize {
+        self.buffers.iter().map(|b| b.grads).sum()
+    }
+    /// Everything allocated (staging excluded: it is the gradient memory).
+    pub fn total(&self) -> usize {
+        self.weights() + self.grads() + self.masters + self.optimizer_state + self.grad_scratch
+    }
+}
+
+/// What this rank holds, measured from the live buffers and optimizer.
+pub fn memory_report(bufs: &DataParallelBuffers, opt: &ChainedOptimizer) -> RankMemory {
+    let (mut masters, mut optimizer_state, mut grad_scratch) = (0, 0, 0);
+    for p in opt.parts() {
+        let (m, s, g) = p.memory_bytes();
+        masters += m;
+        optimizer_state += s;
+        grad_scratch += g;
+    }
+    RankMemory {
+        buffers: bufs.memory(),
+        masters,
+        optimizer_state,
+        grad_scratch,
+    }
+}
+
+/// What rank `rank` of `dp` would hold for `specs`, from the layouts alone (closed form, no
+/// allocation), with `algorithm(owner)` the update rule of each owner.
+pub fn estimate_memory(
+    specs: &[lowbit_buffers::layout::ParamSpec],
+    dp: usize,
+    rank: usize,
+    cfg: &lowbit_buffers::DdpConfig,
+    algorithm: impl Fn(OptimizerId) -> Algorithm,
+) -> Result<RankMemory> {
+    use lowbit_buffers::layout;
+    let buffers = lowbit_buffers::estimate_buffer_memory(specs, dp, cfg)?;
+    let lcfg = layout::LayoutConfig {
+        dp,
+        bucket_size: if cfg.overlap_grad_reduce {
+            cfg.bucket_size
+        } else {
+            None
+        },
+        distributed_optimizer: cfg.distributed_optimizer,
+        high_busbw_padding: cfg.high_busbw_padding,
+    };
+    let (mut masters, mut optimizer_state) = (0, 0);
+    for (key, members) in layout::group_params(specs) {
+        let group: Vec<&layout::ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
+        let owned: usize = if cfg.distributed_optimizer {
+            let lay = layout::compute_layout(&group, &lcfg).map_err(BufferError::from)?;
+            layout::param_shard_ranges(&lay, rank)
+                .map_err(BufferError::from)?
+                .iter()
+                .map(|r| r.param_range.len())
+                .sum()
+        } else {
+            group.iter().map(|s| s.numel).sum()
+        };
+        masters += 4 * owned;
+        optimizer_state += 4 * owned * state_tensors(algorithm(key.owner));
+    }
+    Ok(RankMemory {
+        buffers,
+        masters,
+        optimizer_state,
+        grad_scratch: masters,
+    })
 }
 
 fn check_init(bufs: &DataParallelBuffers, init: &[Vec<f32>]) -> Result<()> {
@@ -307,15 +431,21 @@ fn check_init(bufs: &DataParallelBuffers, init: &[Vec<f32>]) -> Result<()> {
     Ok(())
 }
 
-/// Writes every parameter's initial value, rounded to its storage dtype, into the param buffer
-/// (every rank writes every parameter, so all ranks start identical).
+/// Writes every parameter's initial value, rounded to its storage dtype, into the param buffer,
+/// or as `Q(bf16(init))` into its low-precision storage (every rank writes every parameter, so
+/// all ranks start identical).
 pub fn initialize_params(
     dev: &mut Device,
-    bufs: &DataParallelBuffers,
+    bufs: &mut DataParallelBuffers,
     init: &[Vec<f32>],
 ) -> Result<()> {
     check_init(bufs, init)?;
     for (p, v) in init.iter().enumerate() {
+        if bufs.mxfp8_weights(p).is_some() {
+            // Low-precision primary weights start as Q(bf16(init)), written directly.
+            bufs.initialize_quantized(dev, p, v)?;
+            continue;
+        }
         let view = bufs.param_view(p)?;
         let tmp = dev.alloc(DType::F32, v.len());
         dev.upload(tmp, v)?;
@@ -393,8 +523,14 @@ impl ChainedOptimizer {
         let clip_coef = clip.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
         for p in &mut self.parts {
             p.apply(dev, clip_coef)?;
+            bufs.mark_stale(p.owner);
         }
         if !bufs.config().overlap_param_gather {
+            // Gradients are dead (copied to fp32 in `prepare`), so the staging views that alias
+            // them can be written now; every part stages before the one gather of each group.
+            for p in &self.parts {
+                p.stage(dev, bufs)?;
+            }
             bufs.sync_params(dev, comm)?;
         }
         Ok(StepReport {
@@ -402,6 +538,42 @@ impl ChainedOptimizer {
             skipped: false,
             clip_coef,
         })
+    }
+}
+
+impl ChainedOptimizer {
+    /// Starts an iteration: zeroes the gradient buffers (and with them the staging views), then
+    /// stages `bf16(master)` for every owner whose low-precision weights are stale, so that the
+    /// forward's lazy gathers ship the new values. This is the only order that works (zero →
+    /// stage → gather → re-quantize → zero the group's staging view → backward), so it is one
+    /// call.
+    pub fn begin_iteration(&self, dev: &mut Device, bufs: &mut DataParallelBuffers) -> Result<()> {
+        bufs.zero_grad_buffer(dev)?;
+        for p in &self.parts {
+            if bufs.has_stale(p.owner) {
+                p.stage(dev, bufs)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A forced parameter sync (eval, checkpoint save): completes gathers in flight, zeroes the
+    /// gradients, restages every owner's `bf16(master)` and gathers every group now. Right after
+    /// a normal step it leaves every weight bitwise unchanged. Gradients are destroyed, so call
+    /// it between steps.
+    pub fn force_param_sync(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+    ) -> Result<()> {
+        bufs.complete_param_sync(dev)?;
+        bufs.zero_grad_buffer(dev)?;
+        for p in &self.parts {
+            p.stage(dev, bufs)?;
+        }
+        bufs.sync_params(dev, comm)?;
+        Ok(())
     }
 }
 

@@ -1,0 +1,496 @@
+//! The one helper the data-parallel integration tests go through: [`train`] runs the test model
+//! on N rank threads with a given configuration and returns each rank's losses, gradient
+//! digests, grad norms, fp32 masters and final weight bytes.
+
+#![allow(dead_code)] // each test file uses part of the harness
+
+use std::time::Duration;
+
+use lowbit::buffers::layout::{
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+};
+use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config};
+use lowbit::comm::{Communicator, GroupConfig, run_ranks};
+use lowbit::device::{DType, Device, Fp8Kind, Mxfp8Views, View};
+use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, Usage, sample};
+use lowbit::optim::{
+    Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
+};
+
+pub const SHAPE: MlpShape = MlpShape {
+    input: 40,
+    hidden: 48,
+    blocks: 2,
+    output: 8,
+};
+
+/// How weight matrices are computed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 weights as stored.
+    Bf16,
+    /// `Q(bf16)` MXFP8 weights (dequantized rowwise for the forward, columnwise for the
+    /// backward).
+    Mxfp8,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    pub dp: usize,
+    pub ddp: DdpConfig,
+    pub grad: GradDType,
+    pub precision: Precision,
+    /// Low-precision primary weights gathered through the staging view (`Mxfp8` only); off
+    /// means bf16 parameters quantized on the fly for compute.
+    pub param_gather: bool,
+    pub microbatches: usize,
+    /// Rows per rank per microbatch.
+    pub rows: usize,
+    pub steps: usize,
+    pub clip: Option<f32>,
+    /// Put biases and norms under a second optimizer (a chained optimizer of two owners).
+    pub chained: bool,
+    /// `(step, rank)` whose first input sample is made NaN.
+    pub poison: Option<(usize, usize)>,
+    /// Run a forced sync plus an eval forward after these steps.
+    pub eval_after: &'static [usize],
+    /// Run a forced sync after every step.
+    pub force_sync_every_step: bool,
+}
+
+impl Run {
+    pub fn new(dp: usize) -> Run {
+        Run {
+            dp,
+            ddp: ddp(true, true, true, Some(600)),
+            grad: GradDType::F32,
+            precision: Precision::Bf16,
+            param_gather: false,
+            microbatches: 2,
+            rows: 4,
+            steps: 6,
+            clip: None,
+            chained: true,
+            poison: None,
+            eval_after: &[],
+            force_sync_every_step: false,
+        }
+    }
+}
+
+pub fn ddp(
+    distopt: bool,
+    overlap_grad: bool,
+    overlap_param: bool,
+    bucket: Option<usize>,
+) -> DdpConfig {
+    DdpConfig {
+        distributed_optimizer: distopt,
+        overlap_grad_reduce: overlap_grad,
+        overlap_param_gather: overlap_param,
+        average_in_collective: false,
+        bucket_size: bucket,
+        high_busbw_padding: false,
+    }
+}
+
+#[derive(Debug, PartialEq)]
+pub struct Outcome {
+    /// Whether masters and gradients are sharded across ranks (distributed optimizer); without
+    /// it every rank holds all of them.
+    pub sharded: bool,
+    pub losses: Vec<f32>,
+    pub eval_losses: Vec<f32>,
+    pub norms: Vec<f32>,
+    /// Per step, this rank's reduced gradient shards (as f32).
+    pub grads: Vec<Vec<MasterShard>>,
+    pub skipped: u64,
+    pub masters: Vec<MasterShard>,
+    /// Every parameter's final compute weights (f32 bits of what the forward uses).
+    pub weights: Vec<Vec<u32>>,
+}
+
+fn is_matrix(name: &str) -> bool {
+    name.ends_with(".weight")
+}
+
+pub fn specs(run: &Run) -> Vec<ParamSpec> {
+    SHAPE
+        .params()
+        .into_iter()
+        .map(|(name, shape)| {
+            let owner = if run.chained && !is_matrix(&name) {
+                1
+            } else {
+                0
+            };
+            let storage =
+                if run.param_gather && run.precision == Precision::Mxfp8 && is_matrix(&name) {
+                    ParamStorage::Quantized(QuantKind::Mxfp8)
+                } else {
+                    ParamStorage::Bf16
+                };
+            let key = BufferKey {
+                param_storage: storage,
+                grad_dtype: run.grad,
+                expert: false,
+                owner: OptimizerId(owner),
+            };
+            ParamSpec::new(name, shape, key)
+        })
+        .collect()
+}
+
+/// The model's view of the buffers: parameters through the forward pre-hook (lazy gathers) and
+/// the precision policy, gradients into the buffers with readiness reported.
+pub struct DpHooks<'a> {
+    pub bufs: &'a mut DataParallelBuffers,
+    pub comm: &'a mut dyn Communicator,
+    pub precision: Precision,
+    /// f32 scratch for dequantized weights, and u8 scratch for on-the-fly quantization.
+    pub scratch: View,
+    pub qscratch: [View; 4],
+}
+
+fn hook_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Hook(e.to_string())
+}
+
+impl DpHooks<'_> {
+    pub fn new<'a>(
+        dev: &mut Device,
+        bufs: &'a mut DataParallelBuffers,
+        comm: &'a mut dyn Communicator,
+        precision: Precision,
+    ) -> DpHooks<'a> {
+        let n = bufs.specs().iter().map(|s| s.numel).max().unwrap_or(1);
+        DpHooks {
+            bufs,
+            comm,
+            precision,
+            scratch: dev.alloc(DType::F32, n),
+            qscratch: [n, n, n, n].map(|k| dev.alloc(DType::U8, k)),
+        }
+    }
+
+    pub fn free(self, dev: &mut Device) {
+        dev.free(self.scratch).unwrap();
+        for v in self.qscratch {
+            dev.free(v).unwrap();
+        }
+    }
+}
+
+impl Hooks for DpHooks<'_> {
+    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError> {
+        let g = self.bufs.group_of(p);
+        self.bufs
+            .finish_param_sync(dev, self.comm, g)
+            .map_err(hook_err)?;
+        let spec = &self.bufs.specs()[p];
+        if self.precision == Precision::Bf16 || !is_matrix(&spec.name) {
+            return self.bufs.param_view(p).map_err(hook_err);
+        }
+        let (rows, cols) = lowbit::buffers::matrix_dims(&spec.shape);
+        let out = self.scratch.slice(0..rows * cols)?;
+        let w = match self.bufs.mxfp8_weights(p) {
+            // Low-precision primary weights: use the stored copies.
+            Some(w) => w,
+            // bf16 parameters: quantize on the fly, exactly as the primary weights were made.
+            None => {
+                let [rd, rs, cd, cs] = self.qscratch;
+                let (rb, cb) = (cols.div_ceil(32), rows.div_ceil(32));
+                let views = Mxfp8Views {
+                    rowwise: Some((rd.slice(0..rows * cols)?, rs.slice(0..rows * rb)?)),
+                    columnwise: Some((cd.slice(0..rows * cols)?, cs.slice(0..cb * cols)?)),
+                };
+                let src = self.bufs.param_view(p).map_err(hook_err)?;
+                dev.quantize_mxfp8(src, rows, cols, &mxfp8_weight_config(), &views)?;
+                lowbit::buffers::Mxfp8Weights {
+                    rows,
+                    cols,
+                    rowwise: views.rowwise.unwrap(),
+                    columnwise: views.columnwise.unwrap(),
+                }
+            }
+        };
+        match usage {
+            Usage::Forward => {
+                let (d, s) = w.rowwise;
+                dev.dequantize_mxfp8_rowwise(d, s, rows, cols, Fp8Kind::E4M3, out)?;
+            }
+            Usage::Backward => {
+                let (d, s) = w.columnwise;
+                dev.dequantize_mxfp8_columnwise(d, s, rows, cols, Fp8Kind::E4M3, out)?;
+            }
+        }
+        Ok(out)
+    }
+    fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError> {
+        self.bufs.accumulation_view(dev, p).map_err(hook_err)
+    }
+    fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<(), ModelError> {
+        if self.bufs.config().overlap_grad_reduce {
+            self.bufs
+                .register_grad_ready(dev, self.comm, p)
+                .map_err(hook_err)?;
+        }
+        Ok(())
+    }
+}
+
+pub fn adamw(lr: f32, clip: Option<f32>) -> OptimConfig {
+    OptimConfig {
+        algorithm: Algorithm::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        lr,
+        clip_grad: clip,
+    }
+}
+
+fn batch(run: &Run, rank: usize, step: usize, m: usize, eval: bool) -> (Vec<f32>, Vec<f32>) {
+    let global_rows = run.rows * run.dp;
+    let offset = if eval { 1 << 40 } else { 0 };
+    let base = offset + ((step * run.microbatches + m) * global_rows + rank * run.rows) as u64;
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for i in 0..run.rows as u64 {
+        let (xs, ys) = sample(&SHAPE, 11, base + i);
+        x.extend(xs);
+        y.extend(ys);
+    }
+    (x, y)
+}
+
+/// One rank's training loop.
+pub fn rank_main(
+    run: &Run,
+    comm: &mut dyn Communicator,
+    dev: &mut Device,
+) -> Result<Outcome, String> {
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let rank = comm.rank();
+    let mut bufs =
+        DataParallelBuffers::new(dev, run.dp, rank, specs(run), run.ddp).map_err(|x| e(&x))?;
+    let init = SHAPE.init(7);
+    initialize_params(dev, &mut bufs, &init).map_err(|x| e(&x))?;
+    let mut parts = vec![
+        DistributedOptimizer::new(dev, &bufs, OptimizerId(0), adamw(3e-3, run.clip), &init)
+            .map_err(|x| e(&x))?,
+    ];
+    if run.chained {
+        let sgd = OptimConfig {
+            algorithm: Algorithm::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            lr: 1e-2,
+            clip_grad: run.clip,
+        };
+        parts.push(
+            DistributedOptimizer::new(dev, &bufs, OptimizerId(1), sgd, &init).map_err(|x| e(&x))?,
+        );
+    }
+    let mut opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
+    let mlp = Mlp::new(dev, SHAPE, run.rows);
+    let mut out = Outcome {
+        sharded: run.ddp.distributed_optimizer,
+        losses: Vec::new(),
+        eval_losses: Vec::new(),
+        norms: Vec::new(),
+        grads: Vec::new(),
+        skipped: 0,
+        masters: Vec::new(),
+        weights: Vec::new(),
+    };
+    for step in 0..run.steps {
+        opt.begin_iteration(dev, &mut bufs).map_err(|x| e(&x))?;
+        let mut loss = 0.0f32;
+        for m in 0..run.microbatches {
+            bufs.set_last_microbatch(m + 1 == run.microbatches);
+            let (mut x, y) = batch(run, rank, step, m, false);
+            if run.poison == Some((step, rank)) && m == 0 {
+                x[0] = f32::NAN;
+            }
+            let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
+            let r = mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0 / run.microbatches as f32);
+            hooks.free(dev);
+            loss += r.map_err(|x| e(&x))?;
+        }
+        out.losses.push(loss);
+        bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+        let mut grads = Vec::new();
+        for s in bufs.owned_shards().map_err(|x| e(&x))? {
+            let tmp = dev.alloc(DType::F32, s.grad_view.len());
+            dev.cast(s.grad_view, tmp).map_err(|x| e(&x))?;
+            let values: Vec<f32> = dev.download(tmp).map_err(|x| e(&x))?;
+            dev.free(tmp).map_err(|x| e(&x))?;
+            grads.push(MasterShard {
+                param: s.param,
+                range: s.param_range,
+                values,
+            });
+        }
+        out.grads.push(grads);
+        let report = opt.step(dev, comm, &mut bufs).map_err(|x| e(&x))?;
+        out.norms.push(report.grad_norm);
+        if run.force_sync_every_step {
+            opt.force_param_sync(dev, comm, &mut bufs)
+                .map_err(|x| e(&x))?;
+        }
+        if run.eval_after.contains(&step) {
+            opt.force_param_sync(dev, comm, &mut bufs)
+                .map_err(|x| e(&x))?;
+            let (x, y) = batch(run, rank, step, 0, true);
+            let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
+            let r = mlp.forward_backward(dev, &mut EvalHooks(&mut hooks), &x, &y, 0.0);
+            hooks.free(dev);
+            out.eval_losses.push(r.map_err(|x| e(&x))?);
+        }
+    }
+    // A final forced sync makes the weights reflect the last step on every path.
+    opt.force_param_sync(dev, comm, &mut bufs)
+        .map_err(|x| e(&x))?;
+    for p in opt.parts() {
+        out.masters.extend(p.masters(dev).map_err(|x| e(&x))?);
+    }
+    out.masters.sort_by_key(|m| (m.param, m.range.start));
+    out.skipped = opt.skipped_steps();
+    let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
+    for p in 0..SHAPE.params().len() {
+        let v = hooks.param(dev, p, Usage::Forward).map_err(|x| e(&x))?;
+        let tmp = dev.alloc(DType::F32, v.len());
+        dev.cast(v, tmp).map_err(|x| e(&x))?;
+        let w: Vec<f32> = dev.download(tmp).map_err(|x| e(&x))?;
+        dev.free(tmp).map_err(|x| e(&x))?;
+        out.weights.push(w.iter().map(|f| f.to_bits()).collect());
+    }
+    hooks.free(dev);
+    Ok(out)
+}
+
+/// Eval: the forward reads parameters through the same hooks, the backward's gradients go to
+/// scratch (an eval must not touch the training gradients or report readiness).
+pub struct EvalHooks<'h, 'a>(pub &'h mut DpHooks<'a>);
+
+impl Hooks for EvalHooks<'_, '_> {
+    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError> {
+        self.0.param(dev, p, usage)
+    }
+    fn grad(&mut self, _dev: &mut Device, p: usize) -> Result<View, ModelError> {
+        let n = self.0.bufs.specs()[p].numel;
+        Ok(self.0.scratch.slice(0..n)?)
+    }
+    fn grad_ready(&mut self, _dev: &mut Device, _p: usize) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// Trains `run` and returns every rank's outcome.
+pub fn train(run: Run) -> Vec<Outcome> {
+    let config = GroupConfig::default().with_timeout(Duration::from_secs(30));
+    run_ranks(run.dp, config, |mut comm, mut dev| {
+        rank_main(&run, &mut comm, &mut dev)
+    })
+    .into_iter()
+    .map(|r| {
+        r.expect("rank panicked")
+            .unwrap_or_else(|e| panic!("{run:?}: {e}"))
+    })
+    .collect()
+}
+
+/// Full fp32 masters, assembled from every rank's shards (each element exactly once).
+pub fn full_masters(outcomes: &[Outcome]) -> Vec<Vec<f32>> {
+    assemble(owners(outcomes).iter().map(|o| &o.masters[..]))
+}
+
+/// The ranks whose shards together hold every element once.
+fn owners(outcomes: &[Outcome]) -> &[Outcome] {
+    if outcomes[0].sharded {
+        outcomes
+    } else {
+        &outcomes[..1]
+    }
+}
+
+/// The full reduced gradients of `step`, assembled from every rank's shards.
+pub fn full_grads(outcomes: &[Outcome], step: usize) -> Vec<Vec<f32>> {
+    assemble(owners(outcomes).iter().map(|o| &o.grads[step][..]))
+}
+
+fn assemble<'a>(pieces: impl Iterator<Item = &'a [MasterShard]>) -> Vec<Vec<f32>> {
+    let sizes: Vec<usize> = SHAPE
+        .params()
+        .iter()
+        .map(|(_, s)| s.iter().product())
+        .collect();
+    let mut full: Vec<Vec<Option<f32>>> = sizes.iter().map(|&n| vec![None; n]).collect();
+    for shards in pieces {
+        for m in shards {
+            let p = m.param;
+            for (i, v) in m.range.clone().zip(&m.values) {
+                assert!(full[p][i].is_none(), "param {p} element {i} owned twice");
+                full[p][i] = Some(*v);
+            }
+        }
+    }
+    full.into_iter()
+        .enumerate()
+        .map(|(p, v)| {
+            v.into_iter()
+                .enumerate()
+                .map(|(i, x)| x.unwrap_or_else(|| panic!("param {p} element {i} owned by nobody")))
+                .collect()
+        })
+        .collect()
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Every rank ends with the same weights and saw the same grad norms.
+pub fn assert_ranks_identical(outcomes: &[Outcome]) {
+    for o in &outcomes[1..] {
+        assert_eq!(
+            o.weights, outcomes[0].weights,
+            "weights differ across ranks"
+        );
+        assert_eq!(
+            bits(&o.norms),
+            bits(&outcomes[0].norms),
+            "grad norms differ across ranks"
+        );
+    }
+}
+
+/// Two runs are the same trajectory, bit for bit.
+pub fn assert_same_trajectory(a: &[Outcome], b: &[Outcome], what: &str) {
+    assert_eq!(a.len(), b.len());
+    assert_eq!(bits(&a[0].losses), bits(&b[0].losses), "{what}: losses");
+    assert_eq!(
+        bits(&a[0].eval_losses),
+        bits(&b[0].eval_losses),
+        "{what}: eval losses"
+    );
+    assert_eq!(bits(&a[0].norms), bits(&b[0].norms), "{what}: grad norms");
+    for step in 0..a[0].grads.len() {
+        let (ga, gb) = (full_grads(a, step), full_grads(b, step));
+        for (p, (x, y)) in ga.iter().zip(&gb).enumerate() {
+            assert_eq!(
+                bits(x),
+                bits(y),
+                "{what}: reduced gradient of param {p} at step {step}"
+            );
+        }
+    }
+    let (ma, mb) = (full_masters(a), full_masters(b));
+    for (p, (x, y)) in ma.iter().zip(&mb).enumerate() {
+        assert_eq!(bits(x), bits(y), "{what}: masters of param {p}");
+    }
+    assert_eq!(a[0].weights, b[0].weights, "{what}: weights");
+}

@@ -1,0 +1,436 @@
+//! Low-precision primary weights: MXFP8 weights kept only in MXFP8, `bf16(master)` staged into a
+//! view that aliases the gradient buffer, all-gathered, re-quantized on every rank, and the
+//! staging view zeroed — compared bit for bit with bf16 parameters quantized on the fly, which
+//! is what the model must compute with either way: `Q(bf16(master))`.
+//!
+//! `LOWBIT_FULL_MATRIX=1` widens the matrix (more steps, dp 3).
+
+mod common;
+
+use common::{
+    Outcome, Precision, Run, assert_ranks_identical, assert_same_trajectory, ddp, full_masters,
+    specs, train,
+};
+use lowbit::buffers::layout::{
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+};
+use lowbit::buffers::{DataParallelBuffers, WeightState};
+use lowbit::comm::{Communicator, GroupConfig, run_ranks};
+use lowbit::device::Device;
+use lowbit::optim::{ChainedOptimizer, DistributedOptimizer, initialize_params};
+
+fn full_matrix() -> bool {
+    std::env::var_os("LOWBIT_FULL_MATRIX").is_some()
+}
+
+/// The run with low-precision gather on or off, everything else equal. For bf16 "off" is
+/// classic DDP (all-reduce, every rank updates everything, nothing gathered).
+fn variant(base: Run, gather: bool) -> Run {
+    match (base.precision, gather) {
+        (Precision::Mxfp8, on) => Run {
+            param_gather: on,
+            ..base
+        },
+        (Precision::Bf16, true) => base,
+        (Precision::Bf16, false) => Run {
+            ddp: ddp(
+                false,
+                base.ddp.overlap_grad_reduce,
+                false,
+                base.ddp.bucket_size,
+            ),
+            ..base
+        },
+    }
+}
+
+/// Compares everything but the masters' sharding (classic DDP holds whole masters).
+fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
+    assert_same_trajectory(on, off, what);
+}
+
+#[test]
+fn parity_matrix_on_vs_off_is_bitwise() {
+    let start = std::time::Instant::now();
+    let dps: &[usize] = if full_matrix() {
+        &[1, 2, 3, 4]
+    } else {
+        &[1, 2, 4]
+    };
+    let steps = if full_matrix() { 12 } else { 5 };
+    let mut cases = 0;
+    for precision in [Precision::Bf16, Precision::Mxfp8] {
+        for (og, op) in [(false, false), (true, false), (true, true)] {
+            for grad in [GradDType::F32, GradDType::Bf16] {
+                for bucket in [None, Some(500)] {
+                    for &dp in dps {
+                        let base = Run {
+                            precision,
+                            grad,
+                            steps,
+                            microbatches: 3,
+                            rows: 8 / dp.min(4) + 1,
+                            ddp: ddp(true, og, op, bucket),
+                            ..Run::new(dp)
+                        };
+                        let what = format!(
+                            "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}"
+                        );
+                        let on = train(variant(base, true));
+                        let off = train(variant(base, false));
+                        assert_ranks_identical(&on);
+                        assert_ranks_identical(&off);
+                        if precision == Precision::Bf16 && !on[0].masters.is_empty() {
+                            // Classic DDP vs distributed optimizer: masters are sharded
+                            // differently but assemble to the same values.
+                            assert_eq!(full_masters(&on).len(), full_masters(&off).len());
+                        }
+                        assert_parity(&on, &off, &what);
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "parity matrix: {cases} ON/OFF pairs ({} training runs of {steps} steps) in {:.1?}",
+        2 * cases,
+        start.elapsed()
+    );
+}
+
+#[test]
+fn masters_at_step_zero_are_bitwise_equal() {
+    for dp in [1, 2, 4] {
+        let base = Run {
+            precision: Precision::Mxfp8,
+            steps: 0,
+            ..Run::new(dp)
+        };
+        let on = train(variant(base, true));
+        let off = train(variant(base, false));
+        assert_eq!(full_masters(&on), full_masters(&off));
+        // ... and they are the high-precision initial values, not dequantized weights.
+        let init = common::SHAPE.init(7);
+        assert_eq!(full_masters(&on), init);
+        assert_eq!(on[0].weights, off[0].weights);
+    }
+}
+
+#[test]
+fn train_eval_train_equals_train_only() {
+    for (og, op) in [(false, false), (true, false), (true, true)] {
+        for grad in [GradDType::F32, GradDType::Bf16] {
+            let base = Run {
+                precision: Precision::Mxfp8,
+                param_gather: true,
+                grad,
+                ddp: ddp(true, og, op, Some(500)),
+                ..Run::new(2)
+            };
+            let mut with_eval = train(Run {
+                eval_after: &[0, 2, 3],
+                ..base
+            });
+            let plain = train(base);
+            assert_eq!(with_eval[0].eval_losses.len(), 3);
+            // Evals use the weights of the step they follow: equal to the OFF path's evals.
+            let off_eval = train(Run {
+                eval_after: &[0, 2, 3],
+                param_gather: false,
+                ..base
+            });
+            assert_eq!(
+                common::bits(&with_eval[0].eval_losses),
+                common::bits(&off_eval[0].eval_losses)
+            );
+            for o in &mut with_eval {
+                o.eval_losses.clear();
+            }
+            assert_same_trajectory(&with_eval, &plain, &format!("eval ({og},{op}) {grad:?}"));
+        }
+    }
+}
+
+#[test]
+fn a_forced_sync_every_step_changes_nothing() {
+    for (og, op) in [(false, false), (true, true)] {
+        let base = Run {
+            precision: Precision::Mxfp8,
+            param_gather: true,
+            ddp: ddp(true, og, op, Some(500)),
+            ..Run::new(4)
+        };
+        let forced = train(Run {
+            force_sync_every_step: true,
+            ..base
+        });
+        let plain = train(base);
+        assert_same_trajectory(&forced, &plain, &format!("forced sync ({og},{op})"));
+    }
+}
+
+fn mxfp8_specs() -> Vec<ParamSpec> {
+    specs(&Run {
+        precision: Precision::Mxfp8,
+        param_gather: true,
+        ..Run::new(2)
+    })
+}
+
+/// The structural guarantees refuse the orders that Megatron's bugs took.
+#[test]
+fn wrong_orders_are_refused() {
+    let run = Run {
+        precision: Precision::Mxfp8,
+        param_gather: true,
+        ..Run::new(2)
+    };
+    let results = run_ranks(2, GroupConfig::default(), |mut comm, mut dev| {
+        let dev = &mut dev;
+        let mut bufs =
+            DataParallelBuffers::new(dev, 2, comm.rank(), mxfp8_specs(), run.ddp).unwrap();
+        let init = common::SHAPE.init(7);
+        initialize_params(dev, &mut bufs, &init).unwrap();
+        let opt = ChainedOptimizer::new(vec![
+            DistributedOptimizer::new(dev, &bufs, OptimizerId(0), common::adamw(1e-3, None), &init)
+                .unwrap(),
+        ])
+        .unwrap();
+        let g = bufs.group_of(0);
+        assert_eq!(
+            bufs.weight_state(g),
+            WeightState::Current,
+            "iteration 0 needs no gather"
+        );
+        // The masters moved (as after a step) and nothing was staged: a forward must not run
+        // on the old weights silently (bug class C: dispatched state, no gather, no zeroing).
+        bufs.mark_stale(OptimizerId(0));
+        let err = bufs
+            .finish_param_sync(dev, &mut comm, g)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("stale"), "{err}");
+        let err = bufs.sync_params(dev, &mut comm).unwrap_err().to_string();
+        assert!(err.contains("stale"), "{err}");
+        // Staged and then zeroed (bug A1/A3: the gather would ship zeros): back to stale.
+        opt.begin_iteration(dev, &mut bufs).unwrap();
+        assert_eq!(bufs.weight_state(g), WeightState::Staged);
+        bufs.zero_grad_buffer(dev).unwrap();
+        assert_eq!(bufs.weight_state(g), WeightState::Stale);
+        // Staged but never gathered, then backward (bug A2): the first gradient access refuses.
+        opt.begin_iteration(dev, &mut bufs).unwrap();
+        let err = bufs.accumulation_view(dev, 0).unwrap_err().to_string();
+        assert!(
+            err.contains("backward starts while its weights are Staged"),
+            "{err}"
+        );
+        // Gathering it once is fine; the staging view is zero afterwards and the weights current.
+        opt.force_param_sync(dev, &mut comm, &mut bufs).unwrap();
+        assert_eq!(bufs.weight_state(g), WeightState::Current);
+        let staging = bufs.param_view(0).unwrap();
+        assert!(dev.read_bytes(staging).unwrap().iter().all(|&b| b == 0));
+        // The forced sync zeroed the gradients; a non-zero gradient buffer at the first
+        // backward access is refused.
+        bufs.zero_grad_buffer(dev).unwrap();
+        let gv = bufs.grad_view(5).unwrap();
+        dev.fill(gv, 1.0).unwrap();
+        let err = bufs.accumulation_view(dev, 5).unwrap_err().to_string();
+        assert!(err.contains("not zero"), "{err}");
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn staging_aliases_the_gradient_buffer() {
+    let mut dev = Device::cpu();
+    for grad in [GradDType::F32, GradDType::Bf16] {
+        let specs: Vec<ParamSpec> = mxfp8_specs()
+            .into_iter()
+            .map(|mut s| {
+                s.key.grad_dtype = grad;
+                s
+            })
+            .collect();
+        let before = dev.allocated_bytes();
+        let bufs =
+            DataParallelBuffers::new(&mut dev, 2, 0, specs, common::ddp(true, true, true, None))
+                .unwrap();
+        let staging = bufs.param_view(0).unwrap();
+        let grads = bufs.grad_view(0).unwrap();
+        assert_eq!(
+            staging.buffer(),
+            grads.buffer(),
+            "{grad:?}: staging is not the grad memory"
+        );
+        // Writing through the staging view changes gradient bytes (with fp32 gradients, the
+        // bf16 element i lives in the bytes of fp32 element i/2: other parameters' gradients).
+        dev.fill(staging, 3.0).unwrap();
+        let nonzero = (0..bufs.specs().len())
+            .filter(|&p| bufs.mxfp8_weights(p).is_some())
+            .any(|p| {
+                dev.read_bytes(bufs.grad_view(p).unwrap())
+                    .unwrap()
+                    .iter()
+                    .any(|&b| b != 0)
+            });
+        assert!(
+            nonzero,
+            "{grad:?}: staging writes did not reach the gradient memory"
+        );
+        // No memory was allocated for staging: the MXFP8 weights and the gradients only.
+        let (rows_cols, scales): (usize, usize) = bufs
+            .specs()
+            .iter()
+            .enumerate()
+            .filter_map(|(p, s)| bufs.mxfp8_weights(p).map(|w| (s, w)))
+            .map(|(_, w)| {
+                (
+                    2 * w.rows * w.cols,
+                    w.rows * w.cols.div_ceil(32) + w.rows.div_ceil(32) * w.cols,
+                )
+            })
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let (params, grads) = bufs.memory_bytes();
+        assert_eq!(
+            dev.allocated_bytes() - before,
+            rows_cols + scales + params + grads
+        );
+        let staging: usize = bufs.memory().iter().map(|b| b.staging).sum();
+        assert!(staging > 0);
+    }
+}
+
+#[test]
+fn unsupported_configurations_are_refused() {
+    let mut dev = Device::cpu();
+    let quantized = mxfp8_specs();
+    let err = DataParallelBuffers::new(&mut dev, 2, 0, quantized, ddp(false, true, false, None))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("requires the distributed optimizer"),
+        "{err}"
+    );
+    let nvfp4 = vec![ParamSpec::new(
+        "w",
+        vec![32, 32],
+        BufferKey {
+            param_storage: ParamStorage::Quantized(QuantKind::Nvfp4),
+            grad_dtype: GradDType::F32,
+            expert: false,
+            owner: OptimizerId(0),
+        },
+    )];
+    let err =
+        DataParallelBuffers::new(&mut dev, 2, 0, nvfp4, ddp(true, true, true, None)).unwrap_err();
+    assert!(err.to_string().contains("Nvfp4"), "{err}");
+}
+
+/// Memory accounting: the live report equals the closed-form estimate and the device's own
+/// allocation count, for every rank of several configurations.
+#[test]
+fn memory_report_matches_the_closed_form() {
+    use lowbit::optim::{Algorithm, estimate_memory, memory_report};
+    for (gather, grad, dp) in [
+        (true, GradDType::F32, 1),
+        (true, GradDType::F32, 4),
+        (true, GradDType::Bf16, 2),
+        (false, GradDType::F32, 3),
+    ] {
+        let run = Run {
+            precision: Precision::Mxfp8,
+            param_gather: gather,
+            grad,
+            ..Run::new(dp)
+        };
+        let results = run_ranks(dp, GroupConfig::default(), |comm, mut dev| {
+            let dev = &mut dev;
+            let before = dev.allocated_bytes();
+            let mut bufs =
+                DataParallelBuffers::new(dev, dp, comm.rank(), specs(&run), run.ddp).unwrap();
+            let init = common::SHAPE.init(7);
+            initialize_params(dev, &mut bufs, &init).unwrap();
+            let sgd = lowbit::optim::OptimConfig {
+                algorithm: Algorithm::Sgd {
+                    momentum: 0.9,
+                    weight_decay: 0.0,
+                },
+                lr: 0.1,
+                clip_grad: None,
+            };
+            let opt = ChainedOptimizer::new(vec![
+                DistributedOptimizer::new(
+                    dev,
+                    &bufs,
+                    OptimizerId(0),
+                    common::adamw(1e-3, None),
+                    &init,
+                )
+                .unwrap(),
+                DistributedOptimizer::new(dev, &bufs, OptimizerId(1), sgd, &init).unwrap(),
+            ])
+            .unwrap();
+            let live = memory_report(&bufs, &opt);
+            let algo = |o: OptimizerId| {
+                if o == OptimizerId(0) {
+                    common::adamw(0.0, None).algorithm
+                } else {
+                    sgd.algorithm
+                }
+            };
+            let est = estimate_memory(&specs(&run), dp, comm.rank(), &run.ddp, algo).unwrap();
+            assert_eq!(live, est, "gather={gather} {grad:?} dp={dp}");
+            assert_eq!(dev.allocated_bytes() - before, live.total());
+        });
+        for r in results {
+            r.unwrap();
+        }
+    }
+}
+
+/// Per parameter, MXFP8 weights + fp32 gradients + AdamW across dp ranks cost
+/// `2 + 2/32` (both copies and scales) `+ 4` (gradients; the staging view is free)
+/// `+ (4 + 8 + 4)/dp` (master, moments, fp32 gradient scratch) bytes.
+#[test]
+fn memory_per_parameter_closed_form() {
+    use lowbit::optim::estimate_memory;
+    let spec = |name: &str, storage| {
+        ParamSpec::new(
+            name,
+            vec![4096, 4096],
+            BufferKey {
+                param_storage: storage,
+                grad_dtype: GradDType::F32,
+                expert: false,
+                owner: OptimizerId(0),
+            },
+        )
+    };
+    let n = 4096 * 4096;
+    for dp in [1, 2, 8] {
+        let cfg = ddp(true, true, true, None);
+        let m = estimate_memory(
+            &[spec("w", ParamStorage::Quantized(QuantKind::Mxfp8))],
+            dp,
+            0,
+            &cfg,
+            |_| common::adamw(0.0, None).algorithm,
+        )
+        .unwrap();
+        assert_eq!(m.weights(), 2 * n + 2 * n / 32);
+        assert_eq!(m.grads(), 4 * n);
+        assert_eq!(m.staging(), 2 * n);
+        assert_eq!(m.masters, 4 * n / dp);
+        assert_eq!(m.optimizer_state, 8 * n / dp);
+        assert_eq!(m.grad_scratch, 4 * n / dp);
+        let b = estimate_memory(&[spec("w", ParamStorage::Bf16)], dp, 0, &cfg, |_| {
+            common::adamw(0.0, None).algorithm
+        })
+        .unwrap();
+        assert_eq!(b.weights(), 2 * n);
+        assert_eq!(b.staging(), 0);
+    }
+}
