@@ -182,7 +182,13 @@ impl DistributedOptimizer {
                 param_view: s.param_view,
                 grad_view: s.grad_view,
                 master,
-                grad32: dev.alloc(DType::F32, n),
+                // fp32 gradients are used in place (they are dead after the step); others are
+                // widened into a scratch copy.
+                grad32: if s.grad_view.dtype() == DType::F32 {
+                    s.grad_view
+                } else {
+                    dev.alloc(DType::F32, n)
+                },
                 state1: dev.alloc(DType::F32, n),
                 // SGD keeps one state tensor (momentum), AdamW two.
                 state2: dev.alloc(
@@ -229,7 +235,11 @@ impl DistributedOptimizer {
             (
                 m + s.master.byte_len(),
                 st + s.state1.byte_len() + s.state2.byte_len(),
-                g + s.grad32.byte_len(),
+                g + if s.grad32 == s.grad_view {
+                    0
+                } else {
+                    s.grad32.byte_len()
+                },
             )
         })
     }
@@ -239,7 +249,9 @@ impl DistributedOptimizer {
     fn prepare(&mut self, dev: &mut Device) -> Result<f64> {
         let mut sum = 0.0;
         for s in &self.shards {
-            dev.cast(s.grad_view, s.grad32)?;
+            if s.grad32 != s.grad_view {
+                dev.cast(s.grad_view, s.grad32)?;
+            }
             sum += dev.sum_squares(s.grad32)?;
         }
         Ok(sum)
@@ -267,14 +279,9 @@ impl DistributedOptimizer {
                         weight_decay,
                         step: self.steps,
                     };
-                    dev.adamw(
-                        s.master,
-                        s.grad32,
-                        s.state1,
-                        s.state2,
-                        &hp,
-                        Some(s.param_view),
-                    )?;
+                    // Staging views alias the gradients and are written only by `stage`.
+                    let out = (!s.staging).then_some(s.param_view);
+                    dev.adamw(s.master, s.grad32, s.state1, s.state2, &hp, out)?;
                 }
                 Algorithm::Sgd {
                     momentum,
@@ -325,7 +332,8 @@ pub struct RankMemory {
     pub masters: usize,
     /// Optimizer state (AdamW moments, SGD momentum).
     pub optimizer_state: usize,
-    /// fp32 copies of the reduced gradient shards the update reads.
+    /// fp32 copies of the reduced gradient shards the update reads (zero with fp32 gradients,
+    /// which are used in place).
     pub grad_scratch: usize,
 }
 
@@ -386,7 +394,7 @@ pub fn estimate_memory(
         distributed_optimizer: cfg.distributed_optimizer,
         high_busbw_padding: cfg.high_busbw_padding,
     };
-    let (mut masters, mut optimizer_state) = (0, 0);
+    let (mut masters, mut optimizer_state, mut grad_scratch) = (0, 0, 0);
     for (key, members) in layout::group_params(specs) {
         let group: Vec<&layout::ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
         let owned: usize = if cfg.distributed_optimizer {
@@ -401,12 +409,15 @@ pub fn estimate_memory(
         };
         masters += 4 * owned;
         optimizer_state += 4 * owned * state_tensors(algorithm(key.owner));
+        if key.grad_dtype != layout::GradDType::F32 {
+            grad_scratch += 4 * owned;
+        }
     }
     Ok(RankMemory {
         buffers,
         masters,
         optimizer_state,
-        grad_scratch: masters,
+        grad_scratch,
     })
 }
 
