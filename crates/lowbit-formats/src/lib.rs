@@ -38,10 +38,11 @@ pub mod nvfp4;
 mod par;
 pub mod rng;
 pub mod scalar;
+mod simd;
 
 pub use half::{bf16, f16};
 pub use layout::ScaleLayout;
-pub use mxfp8::{Mxfp8Config, Mxfp8Tensor, quantize_mxfp8};
+pub use mxfp8::{Mxfp8Config, Mxfp8Tensor, quantize_mxfp8, quantize_mxfp8_into};
 pub use nvfp4::{Nvfp4Config, Nvfp4Tensor, quantize_nvfp4};
 pub use scalar::Fp8Kind;
 
@@ -263,6 +264,11 @@ pub struct QuantPlane {
 /// An element type the quantizers read: f32, bf16 or f16.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
+    /// See [`amax_bits`].
+    #[inline(always)]
+    fn amax_bits(x: &[Self]) -> u32 {
+        amax_bits_lanes(x)
+    }
 }
 
 impl Element for f32 {
@@ -276,6 +282,10 @@ impl Element for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[inline(always)]
+    fn amax_bits(x: &[Self]) -> u32 {
+        amax_bits_bf16(x)
     }
 }
 
@@ -294,6 +304,71 @@ pub(crate) fn abs_bits_nan_zero(x: f32) -> u32 {
     if a > 0x7F80_0000 { 0 } else { a }
 }
 
+/// Max of [`abs_bits_nan_zero`] over `x`: TE's NaN-ignoring amax, as fp32 bits.
+#[inline(always)]
+pub(crate) fn amax_bits<E: Element>(x: &[E]) -> u32 {
+    E::amax_bits(x)
+}
+
+/// Amax bits of a fixed-size block, as a tree of lane-wise maxima (vectorises into a few
+/// shuffles; a running fold over the block does not).
+#[inline(always)]
+pub(crate) fn block_amax_bits<E: Element, const N: usize>(x: &[E; N]) -> u32 {
+    let mut m: [u32; N] = std::array::from_fn(|i| abs_bits_nan_zero(x[i].to_f32()));
+    let mut half = N / 2;
+    while half > 0 {
+        for i in 0..half {
+            m[i] = m[i].max(m[i + half]);
+        }
+        half /= 2;
+    }
+    m[0]
+}
+
+/// The generic amax: eight independent lanes so that the loop vectorises (a single running
+/// max does not).
+#[inline(always)]
+fn amax_bits_lanes<E: Element>(x: &[E]) -> u32 {
+    let mut acc = [0u32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a = (*a).max(abs_bits_nan_zero(v.to_f32()));
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .map(|v| abs_bits_nan_zero(v.to_f32()))
+        .fold(0, u32::max);
+    acc.into_iter().fold(tail, u32::max)
+}
+
+/// bf16 amax on the 16-bit patterns directly (16 lanes per AVX2 register). Magnitudes order
+/// like `bits & 0x7FFF`, and `0x7F81..=0x7FFF` are NaN: adding `0x7F` moves exactly the NaNs
+/// to negative i16 values, so a signed max starting from `0x7F` (magnitude 0) ignores them.
+#[inline(always)]
+fn amax_bits_bf16(x: &[bf16]) -> u32 {
+    use half::slice::HalfFloatSliceExt;
+    let bits: &[u16] = x.reinterpret_cast();
+    let key = |b: u16| ((b & 0x7FFF).wrapping_add(0x7F)) as i16;
+    let mut acc = [0x7Fi16; 16];
+    let mut chunks = bits.chunks_exact(16);
+    for c in &mut chunks {
+        let c: &[u16; 16] = c.try_into().expect("chunks of 16");
+        for (a, &b) in acc.iter_mut().zip(c) {
+            *a = (*a).max(key(b));
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .map(|&b| key(b))
+        .fold(0x7F, i16::max);
+    let m = acc.into_iter().fold(tail, i16::max);
+    u32::from((m as u16).wrapping_sub(0x7F)) << 16
+}
+
 /// The number of worker threads to use for `requested` (0 = all available cores), capped so a
 /// careless request cannot exhaust the process's threads (a failed spawn would panic).
 pub(crate) fn thread_count(requested: usize) -> usize {
@@ -302,5 +377,39 @@ pub(crate) fn thread_count(requested: usize) -> usize {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
         requested.min(MAX_THREADS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bf16 fast path (signed 16-bit max after a bias) equals the generic NaN-ignoring
+    /// amax on every special pattern, at every position and length.
+    #[test]
+    fn bf16_amax_matches_the_generic_amax() {
+        let specials: Vec<u16> = vec![
+            0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F, 0x7F80,
+            0xFF80, 0x7F81, 0xFF81, 0x7FC0, 0xFFC0, 0x7FFF, 0xFFFF, 0x4000, 0xC2F0,
+        ];
+        let mut state = 0x1234_5678u32;
+        for len in [0, 1, 15, 16, 17, 33, 64, 100] {
+            for round in 0..200 {
+                let x: Vec<bf16> = (0..len)
+                    .map(|i| {
+                        state ^= state << 13;
+                        state ^= state >> 17;
+                        state ^= state << 5;
+                        let b = if round % 2 == 0 {
+                            specials[(state as usize + i) % specials.len()]
+                        } else {
+                            state as u16
+                        };
+                        bf16::from_bits(b)
+                    })
+                    .collect();
+                assert_eq!(amax_bits_bf16(&x), amax_bits_lanes(&x), "{x:?}");
+            }
+        }
     }
 }

@@ -69,48 +69,81 @@ pub struct Mxfp8Tensor {
 
 /// Quantizes `m` to MXFP8 with TE's scale rule.
 pub fn quantize_mxfp8(m: &Matrix<'_>, cfg: &Mxfp8Config) -> Result<Mxfp8Tensor, FormatError> {
-    m.check_finite(cfg.nan_policy)?;
-    let (rows, cols) = (m.rows(), m.cols());
     let mut t = Mxfp8Tensor {
-        rows,
-        cols,
+        rows: 0,
+        cols: 0,
         kind: cfg.kind,
         two_d: cfg.two_d,
-        rowwise: cfg.copies.rowwise().then(|| rowwise_plane(rows, cols)),
-        columnwise: cfg
-            .copies
-            .columnwise()
-            .then(|| columnwise_plane(rows, cols)),
+        rowwise: None,
+        columnwise: None,
     };
-    match (m.data(), cfg.kind) {
-        (Source::F32(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
-        (Source::F32(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
-        (Source::Bf16(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
-        (Source::Bf16(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
-        (Source::F16(x), Fp8Kind::E4M3) => run(x, &mut t, cfg, scalar::e4m3_from_f32),
-        (Source::F16(x), Fp8Kind::E5M2) => run(x, &mut t, cfg, scalar::e5m2_from_f32),
-    }
+    quantize_mxfp8_into(m, cfg, &mut t)?;
     Ok(t)
 }
 
-fn rowwise_plane(rows: usize, cols: usize) -> QuantPlane {
-    let nb = cols.div_ceil(BLOCK);
-    QuantPlane {
-        data: vec![0; rows * cols],
-        data_shape: [rows, cols],
-        scales: vec![0; rows * nb],
-        scale_shape: [rows, nb],
+/// [`quantize_mxfp8`] into an existing tensor, reusing its buffers when their shapes already
+/// fit (as a training step's weights do): every output byte is overwritten, so nothing needs
+/// zeroing and no fresh memory is faulted in. On error `out` is left unchanged.
+pub fn quantize_mxfp8_into(
+    m: &Matrix<'_>,
+    cfg: &Mxfp8Config,
+    out: &mut Mxfp8Tensor,
+) -> Result<(), FormatError> {
+    m.check_finite(cfg.nan_policy)?;
+    let (rows, cols) = (m.rows(), m.cols());
+    let t = out;
+    t.rows = rows;
+    t.cols = cols;
+    t.kind = cfg.kind;
+    t.two_d = cfg.two_d;
+    reuse_plane(
+        &mut t.rowwise,
+        cfg.copies.rowwise(),
+        rowwise_shapes(rows, cols),
+    );
+    reuse_plane(
+        &mut t.columnwise,
+        cfg.copies.columnwise(),
+        columnwise_shapes(rows, cols),
+    );
+    match (m.data(), cfg.kind) {
+        (Source::F32(x), Fp8Kind::E4M3) => run(x, t, cfg, scalar::e4m3_from_f32),
+        (Source::F32(x), Fp8Kind::E5M2) => run(x, t, cfg, scalar::e5m2_from_f32),
+        (Source::Bf16(x), Fp8Kind::E4M3) => run(x, t, cfg, scalar::e4m3_from_f32),
+        (Source::Bf16(x), Fp8Kind::E5M2) => run(x, t, cfg, scalar::e5m2_from_f32),
+        (Source::F16(x), Fp8Kind::E4M3) => run(x, t, cfg, scalar::e4m3_from_f32),
+        (Source::F16(x), Fp8Kind::E5M2) => run(x, t, cfg, scalar::e5m2_from_f32),
+    }
+    Ok(())
+}
+
+/// Keeps `slot`'s plane if it already has the shapes `shapes` gives, else allocates one (or
+/// clears the slot when the copy is not wanted).
+fn reuse_plane(slot: &mut Option<QuantPlane>, want: bool, shapes: [[usize; 2]; 2]) {
+    if !want {
+        *slot = None;
+    } else if !slot
+        .as_ref()
+        .is_some_and(|p| [p.data_shape, p.scale_shape] == shapes)
+    {
+        let [d, s] = shapes;
+        *slot = Some(QuantPlane {
+            data: vec![0; d[0] * d[1]],
+            data_shape: d,
+            scales: vec![0; s[0] * s[1]],
+            scale_shape: s,
+        });
     }
 }
 
-fn columnwise_plane(rows: usize, cols: usize) -> QuantPlane {
-    let nb = rows.div_ceil(BLOCK);
-    QuantPlane {
-        data: vec![0; rows * cols],
-        data_shape: [rows, cols],
-        scales: vec![0; nb * cols],
-        scale_shape: [nb, cols],
-    }
+/// `[data shape, scale shape]` of the rowwise copy.
+fn rowwise_shapes(rows: usize, cols: usize) -> [[usize; 2]; 2] {
+    [[rows, cols], [rows, cols.div_ceil(BLOCK)]]
+}
+
+/// `[data shape, scale shape]` of the columnwise copy.
+fn columnwise_shapes(rows: usize, cols: usize) -> [[usize; 2]; 2] {
+    [[rows, cols], [rows.div_ceil(BLOCK), cols]]
 }
 
 /// The outputs of one band of up to 32 rows.
@@ -174,11 +207,16 @@ fn run<E: Element>(
     let rcp = cfg.kind.max_norm_rcp();
     let two_d = cfg.two_d;
     par::for_each(bands, thread_count(cfg.threads), |b| {
-        if two_d {
-            band_2d(b, cols, rcp, enc);
-        } else {
-            band_1d(b, cols, rcp, enc);
-        }
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                if two_d {
+                    band_2d(b, cols, rcp, enc);
+                } else {
+                    band_1d(b, cols, rcp, enc);
+                }
+            },
+        )
     });
 }
 
@@ -191,9 +229,7 @@ fn scale_of(amax: u32, rcp: f32) -> (u8, f32) {
 
 #[inline(always)]
 fn block_amax<E: Element>(x: &[E]) -> u32 {
-    x.iter()
-        .map(|v| abs_bits_nan_zero(v.to_f32()))
-        .fold(0, u32::max)
+    crate::amax_bits(x)
 }
 
 #[inline(always)]
@@ -203,6 +239,64 @@ fn encode_block<E: Element>(x: &[E], s: f32, out: &mut [u8], enc: impl Fn(f32) -
     }
 }
 
+/// One rowwise 1x32 block of known size (the common case), so the loops fully unroll. With
+/// `col_amax` (both copies), the block's magnitudes also fold into the column amaxes, so the
+/// row is decoded once for both.
+#[inline(always)]
+fn full_block<E: Element>(
+    x: &[E; BLOCK],
+    out: &mut [u8; BLOCK],
+    col_amax: Option<&mut [u32; BLOCK]>,
+    rcp: f32,
+    enc: impl Fn(f32) -> u8,
+) -> u8 {
+    let amax = match col_amax {
+        None => crate::amax_bits(x),
+        Some(ca) => {
+            let mut mag = [0u32; BLOCK];
+            for (m, v) in mag.iter_mut().zip(x) {
+                *m = abs_bits_nan_zero(v.to_f32());
+            }
+            let mut t = *ca;
+            for (t, m) in t.iter_mut().zip(&mag) {
+                *t = (*t).max(*m);
+            }
+            *ca = t;
+            let mut lanes = [0u32; 8];
+            for m8 in mag.chunks_exact(8) {
+                for (l, m) in lanes.iter_mut().zip(m8) {
+                    *l = (*l).max(*m);
+                }
+            }
+            lanes.into_iter().fold(0, u32::max)
+        }
+    };
+    let (e, s) = scale_of(amax, rcp);
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = enc(v.to_f32() * s);
+    }
+    e
+}
+
+/// `col_amax[j] = max(col_amax[j], |x[j]|)` in fixed groups of eight: written as a plain
+/// element loop, LLVM turns the max into conditional (masked) stores, which are slow.
+#[inline(always)]
+fn fold_col_amax<E: Element>(col_amax: &mut [u32], x: &[E]) {
+    let mut a8 = col_amax.chunks_exact_mut(8);
+    let mut x8 = x.chunks_exact(8);
+    for (a, v) in (&mut a8).zip(&mut x8) {
+        let mut t: [u32; 8] = a.try_into().expect("chunks of 8");
+        for (t, v) in t.iter_mut().zip(v) {
+            *t = (*t).max(abs_bits_nan_zero(v.to_f32()));
+        }
+        a.copy_from_slice(&t);
+    }
+    for (a, v) in a8.into_remainder().iter_mut().zip(x8.remainder()) {
+        *a = (*a).max(abs_bits_nan_zero(v.to_f32()));
+    }
+}
+
+#[inline(always)]
 fn band_1d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) -> u8 + Copy) {
     let nb = cols.div_ceil(BLOCK);
     let mut col_amax = if b.col_data.is_some() {
@@ -212,23 +306,36 @@ fn band_1d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) 
     };
     let mut row_out = b.row_data.zip(b.row_scales);
     for (r, xr) in b.x.chunks_exact(cols).enumerate() {
-        if let Some((data, scales)) = row_out.as_mut() {
-            let out_row = &mut data[r * cols..(r + 1) * cols];
-            let scale_row = &mut scales[r * nb..(r + 1) * nb];
-            for ((xc, oc), sc) in xr
-                .chunks(BLOCK)
-                .zip(out_row.chunks_mut(BLOCK))
-                .zip(scale_row.iter_mut())
-            {
-                let (e, s) = scale_of(block_amax(xc), rcp);
-                *sc = e;
-                encode_block(xc, s, oc, enc);
-            }
-        }
-        if !col_amax.is_empty() {
-            for (a, v) in col_amax.iter_mut().zip(xr) {
-                *a = (*a).max(abs_bits_nan_zero(v.to_f32()));
-            }
+        let Some((data, scales)) = row_out.as_mut() else {
+            fold_col_amax(&mut col_amax, xr);
+            continue;
+        };
+        let out_row = &mut data[r * cols..(r + 1) * cols];
+        let scale_row = &mut scales[r * nb..(r + 1) * nb];
+        let mut ca = col_amax.chunks_mut(BLOCK);
+        for ((xc, oc), sc) in xr
+            .chunks(BLOCK)
+            .zip(out_row.chunks_mut(BLOCK))
+            .zip(scale_row.iter_mut())
+        {
+            let ca = ca.next();
+            *sc = match (
+                <&[E; BLOCK]>::try_from(xc),
+                <&mut [u8; BLOCK]>::try_from(&mut *oc),
+            ) {
+                (Ok(x), Ok(o)) if ca.as_ref().is_none_or(|c| c.len() == BLOCK) => {
+                    let ca = ca.map(|c| <&mut [u32; BLOCK]>::try_from(c).expect("checked"));
+                    full_block(x, o, ca, rcp, enc)
+                }
+                _ => {
+                    if let Some(ca) = ca {
+                        fold_col_amax(ca, xc);
+                    }
+                    let (e, s) = scale_of(block_amax(xc), rcp);
+                    encode_block(xc, s, oc, enc);
+                    e
+                }
+            };
         }
     }
     if let (Some(data), Some(scales)) = (b.col_data, b.col_scales) {
@@ -246,6 +353,7 @@ fn band_1d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) 
     }
 }
 
+#[inline(always)]
 fn band_2d<E: Element>(b: Band<'_, E>, cols: usize, rcp: f32, enc: impl Fn(f32) -> u8 + Copy) {
     let nb = cols.div_ceil(BLOCK);
     let mut tile_amax = vec![0u32; nb];

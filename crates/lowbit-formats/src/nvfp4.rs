@@ -23,8 +23,7 @@ use crate::hadamard::rht16;
 use crate::rng::RandomBytes;
 use crate::scalar::{e2m1_from_f32, e2m1_to_f32, e4m3_to_f32, ue4m3_from_f32};
 use crate::{
-    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, abs_bits_nan_zero, par,
-    thread_count,
+    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, par, thread_count,
 };
 
 /// Elements per NVFP4 block (and rows/columns per 2D tile).
@@ -87,8 +86,9 @@ pub struct Nvfp4Tensor {
 struct Params {
     /// `fl32(S_enc · fl32(1/6))`.
     k: f32,
-    /// `S_dec = 1 / S_enc`.
-    s_dec: f32,
+    /// `min(1 / (float(sf) · S_dec), FLT_MAX)` for every scale byte: the same divisions TE
+    /// does per block, done once per tensor.
+    rcp: [f32; 256],
 }
 
 impl Params {
@@ -99,18 +99,18 @@ impl Params {
         } else {
             s_enc
         };
+        let s_dec = 1.0 / s_enc;
         Params {
             k: s_enc * (1.0f32 / 6.0),
-            s_dec: 1.0 / s_enc,
+            rcp: std::array::from_fn(|sf| (1.0 / (e4m3_to_f32(sf as u8) * s_dec)).min(f32::MAX)),
         }
     }
 
     /// The block scale byte and the element multiplier for a block amax (fp32 bits).
     #[inline(always)]
-    fn block(self, amax: u32) -> (u8, f32) {
+    fn block(&self, amax: u32) -> (u8, f32) {
         let sf = ue4m3_from_f32(f32::from_bits(amax) * self.k);
-        let rcp = (1.0 / (e4m3_to_f32(sf) * self.s_dec)).min(f32::MAX);
-        (sf, rcp)
+        (sf, self.rcp[usize::from(sf)])
     }
 }
 
@@ -162,9 +162,10 @@ pub fn quantize_nvfp4(m: &Matrix<'_>, cfg: &Nvfp4Config) -> Result<Nvfp4Tensor, 
 /// Global amax with NaN ignored (TE's `nvte_compute_amax` uses `fmaxf`).
 fn global_amax<E: Element>(x: &[E], threads: usize) -> f32 {
     let parts = par::map_ranges(x.len(), threads, |r| {
-        x[r].iter()
-            .map(|v| abs_bits_nan_zero(v.to_f32()))
-            .fold(0, u32::max)
+        crate::simd::dispatch(
+            #[inline(always)]
+            || crate::amax_bits(&x[r]),
+        )
     });
     f32::from_bits(parts.into_iter().max().unwrap_or(0))
 }
@@ -176,7 +177,7 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
     // Tile scales for 2D: [ceil(rows/16), ceil(cols/16)].
     let tiles = cfg
         .two_d
-        .then(|| tile_scales(x, rows, cols, row_params, threads));
+        .then(|| tile_scales(x, rows, cols, &row_params, threads));
     let mut t = Nvfp4Tensor {
         rows,
         cols,
@@ -193,7 +194,7 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
             x,
             rows,
             cols,
-            row_params,
+            &row_params,
             tiles.as_ref(),
             sr,
             threads,
@@ -219,7 +220,7 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
             &xt,
             cols,
             rows,
-            col_params,
+            &col_params,
             tiles_t.as_ref(),
             sr,
             threads,
@@ -251,7 +252,7 @@ impl Tiles {
     }
 }
 
-fn tile_scales<E: Element>(x: &[E], rows: usize, cols: usize, p: Params, threads: usize) -> Tiles {
+fn tile_scales<E: Element>(x: &[E], rows: usize, cols: usize, p: &Params, threads: usize) -> Tiles {
     let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
     let per_band = par::map_ranges(tr, threads, |bands| {
         let mut out = Vec::with_capacity(bands.len() * tc);
@@ -262,10 +263,7 @@ fn tile_scales<E: Element>(x: &[E], rows: usize, cols: usize, p: Params, threads
                     .iter_mut()
                     .zip(x[r * cols..(r + 1) * cols].chunks(BLOCK))
                 {
-                    *a = xc
-                        .iter()
-                        .map(|v| abs_bits_nan_zero(v.to_f32()))
-                        .fold(*a, u32::max);
+                    *a = (*a).max(crate::amax_bits(xc));
                 }
             }
             out.extend(amax.into_iter().map(|a| p.block(a)));
@@ -306,7 +304,7 @@ fn quantize_rows<E: Element>(
     x: &[E],
     rows: usize,
     cols: usize,
-    p: Params,
+    p: &Params,
     tiles: Option<&Tiles>,
     sr: Option<RandomBytes>,
     threads: usize,
@@ -330,47 +328,74 @@ fn quantize_rows<E: Element>(
         .enumerate()
         .collect();
     par::for_each(items, threads, |(i, (data, scales))| {
-        let r0 = i * ROWS_PER_ITEM;
-        for (dr, (out, sc)) in data.chunks_mut(rb).zip(scales.chunks_mut(nb)).enumerate() {
-            let r = r0 + dr;
-            let xr = &x[r * cols..(r + 1) * cols];
-            for (k, (xb, (ob, s))) in xr
-                .chunks(BLOCK)
-                .zip(out.chunks_mut(BLOCK / 2).zip(sc.iter_mut()))
-                .enumerate()
-            {
-                let (sf, rcp) = match tiles {
-                    Some(t) => t.scales[(r / BLOCK) * t.tile_cols + k],
-                    None => p.block(
-                        xb.iter()
-                            .map(|v| abs_bits_nan_zero(v.to_f32()))
-                            .fold(0, u32::max),
-                    ),
-                };
-                *s = sf;
-                let mut codes = [0u8; BLOCK];
-                match sr {
-                    None => {
-                        for (c, v) in codes.iter_mut().zip(xb) {
-                            *c = e2m1_from_f32(v.to_f32() * rcp);
-                        }
-                    }
-                    Some(g) => {
-                        // Blocks start at multiples of 16 in the plane's flat index space
-                        // only when cols % 16 == 0, so address bytes per element.
-                        let base = (r * cols + k * BLOCK) as u64;
-                        for (j, (c, v)) in codes.iter_mut().zip(xb).enumerate() {
-                            *c = e2m1_stochastic(v.to_f32() * rcp, g.byte(base + j as u64));
-                        }
-                    }
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                let r0 = i * ROWS_PER_ITEM;
+                for (dr, (out, sc)) in data.chunks_mut(rb).zip(scales.chunks_mut(nb)).enumerate() {
+                    let r = r0 + dr;
+                    quantize_row(&x[r * cols..(r + 1) * cols], r, out, sc, p, tiles, sr);
                 }
-                for (o, pair) in ob.iter_mut().zip(codes[..xb.len()].chunks(2)) {
-                    *o = pair[0] | pair.get(1).map_or(0, |h| h << 4);
+            },
+        )
+    });
+    plane
+}
+
+/// One row of [`quantize_rows`]: block scales, E2M1 codes, packing.
+#[inline(always)]
+fn quantize_row<E: Element>(
+    xr: &[E],
+    r: usize,
+    out: &mut [u8],
+    sc: &mut [u8],
+    p: &Params,
+    tiles: Option<&Tiles>,
+    sr: Option<RandomBytes>,
+) {
+    let cols = xr.len();
+    for (k, (xb, (ob, s))) in xr
+        .chunks(BLOCK)
+        .zip(out.chunks_mut(BLOCK / 2).zip(sc.iter_mut()))
+        .enumerate()
+    {
+        let (sf, rcp) = match tiles {
+            Some(t) => t.scales[(r / BLOCK) * t.tile_cols + k],
+            None => p.block(match <&[E; BLOCK]>::try_from(xb) {
+                Ok(full) => crate::block_amax_bits(full),
+                Err(_) => crate::amax_bits(xb),
+            }),
+        };
+        *s = sf;
+        let mut codes = [0u8; BLOCK];
+        match sr {
+            None => {
+                for (c, v) in codes.iter_mut().zip(xb) {
+                    *c = e2m1_from_f32(v.to_f32() * rcp);
+                }
+            }
+            Some(g) => {
+                // Random bytes are addressed by the element's index in the plane.
+                let mut bytes = [0u8; BLOCK];
+                g.fill((r * cols + k * BLOCK) as u64, &mut bytes[..xb.len()]);
+                for ((c, v), b) in codes.iter_mut().zip(xb).zip(bytes) {
+                    *c = e2m1_stochastic(v.to_f32() * rcp, b);
                 }
             }
         }
-    });
-    plane
+        if let Ok(ob) = <&mut [u8; BLOCK / 2]>::try_from(&mut *ob) {
+            // Pairs as little-endian u16 lanes (element 2j low byte): one shift and mask each.
+            for (j, o) in ob.iter_mut().enumerate() {
+                let pair = u16::from_le_bytes([codes[2 * j], codes[2 * j + 1]]);
+                *o = ((pair & 0x0F) | ((pair >> 4) & 0xF0)) as u8;
+            }
+        } else {
+            // A partial block at the row's end: an odd count leaves the last high nibble 0.
+            for (o, pair) in ob.iter_mut().zip(codes[..xb.len()].chunks(2)) {
+                *o = pair[0] | pair.get(1).map_or(0, |h| h << 4);
+            }
+        }
+    }
 }
 
 impl Nvfp4Tensor {

@@ -59,6 +59,21 @@ impl RandomBytes {
         out
     }
 
+    /// The random bytes of elements `start .. start + out.len()`.
+    pub fn fill(&self, start: u64, out: &mut [u8]) {
+        let mut i = start;
+        let mut rest = out;
+        while !rest.is_empty() {
+            let group = self.group(i / 16);
+            let offset = (i % 16) as usize;
+            let n = (16 - offset).min(rest.len());
+            let (head, tail) = rest.split_at_mut(n);
+            head.copy_from_slice(&group[offset..offset + n]);
+            rest = tail;
+            i += n as u64;
+        }
+    }
+
     /// The random byte of element `i`.
     pub fn byte(&self, i: u64) -> u8 {
         self.group(i / 16)[(i % 16) as usize]
@@ -97,6 +112,11 @@ mod tests {
             assert_eq!(r.byte(48 + k), g[k as usize]);
         }
         assert_ne!(RandomBytes::new(42, 2).group(3), g);
+        let mut run = [0u8; 37];
+        r.fill(45, &mut run);
+        for (k, b) in run.iter().enumerate() {
+            assert_eq!(*b, r.byte(45 + k as u64));
+        }
         assert_ne!(RandomBytes::new(43, 1).group(3), g);
     }
 }
