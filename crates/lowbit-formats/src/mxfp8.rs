@@ -122,9 +122,9 @@ pub fn quantize_mxfp8_into(
 fn reuse_plane(slot: &mut Option<QuantPlane>, want: bool, shapes: [[usize; 2]; 2]) {
     if !want {
         *slot = None;
-    } else if !slot
+    } else if slot
         .as_ref()
-        .is_some_and(|p| [p.data_shape, p.scale_shape] == shapes)
+        .is_none_or(|p| [p.data_shape, p.scale_shape] != shapes)
     {
         let [d, s] = shapes;
         *slot = Some(QuantPlane {
