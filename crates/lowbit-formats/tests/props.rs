@@ -470,3 +470,23 @@ fn hadamard_columnwise_copy() {
     let both = Nvfp4Config { two_d: true, ..cfg };
     assert!(quantize_nvfp4(&Matrix::new("w", 32, 24, Source::F32(&x)).unwrap(), &both).is_err());
 }
+
+/// Quantizing into an existing tensor gives the same bytes as a fresh one, whether its buffers
+/// fit (reused, stale bytes all overwritten) or not (reallocated), and drops unwanted copies.
+#[test]
+fn quantize_into_matches_fresh_output() {
+    use lowbit_formats::quantize_mxfp8_into;
+    let x: Vec<f32> = (0..70 * 45).map(|i| ((i * 7919 % 1009) as f32 - 500.0) / 37.0).collect();
+    let y: Vec<f32> = x.iter().map(|v| v * -3.0).collect();
+    let both = Mxfp8Config::default();
+    let mut t = mx(70, 45, &y, both);
+    let fresh = mx(70, 45, &x, both);
+    let m = Matrix::new("t", 70, 45, Source::F32(&x)).unwrap();
+    quantize_mxfp8_into(&m, &both, &mut t).unwrap();
+    assert_eq!(t, fresh);
+    let m2 = Matrix::new("t", 45, 70, Source::F32(&x)).unwrap();
+    let row = Mxfp8Config { copies: Copies::Rowwise, ..both };
+    quantize_mxfp8_into(&m2, &row, &mut t).unwrap();
+    assert_eq!(t, mx(45, 70, &x, row));
+    assert!(t.columnwise.is_none());
+}
