@@ -7,15 +7,17 @@
 //! - `memcpy`: `copy_from_slice` of the 32 MiB bf16 buffer into a preallocated, already touched
 //!   one, on one thread and on two (the two halves copied concurrently in `std::thread::scope`);
 //! - `mxfp8`: E4M3 rowwise, rowwise+columnwise in one pass, 2D (32x32 tile scales, both copies),
-//!   and rowwise from f32 input;
+//!   rowwise from f32 input, and rowwise / both copies through `quantize_mxfp8_into` into a
+//!   tensor reused across calls (the same work without allocating the outputs);
 //! - `nvfp4`: rowwise (including its global amax pass), both copies, 2D (16x16 tile scales, both
 //!   copies);
 //! - `alloc`: allocating and first-touching (one write per 4 KiB page) zeroed buffers of the
 //!   output sizes of the three required quantizers, to show what page-faulting fresh outputs
 //!   costs.
 //!
-//! Each quantizer runs with `threads = 1` and `threads = 2`. Every call allocates its output
-//! vectors and drops them inside the timed region, because that is what callers pay.
+//! Each quantizer runs with `threads = 1` and `threads = 2`. Every `quantize_*` call allocates
+//! its output vectors and drops them inside the timed region, because that is what callers pay;
+//! the `quantize_mxfp8_into` rows and the `alloc` rows show how much of it that is.
 //!
 //! # How the summary is computed
 //! After the benchmarks, the median time of each benchmark is read back from criterion's
@@ -36,15 +38,16 @@
 //! - `busy` is how many cores other processes kept busy on average while the benchmark ran
 //!   (from `/proc/stat` less this process's own CPU time): anything well above 0 means the
 //!   numbers, above all the 2-thread ones, are depressed by competition for the cores;
-//! - the `alloc` rows are also given as a share of the matching quantizer's 1-thread time.
+//! - the `alloc` rows are also given as a share of the matching quantizer's 1-thread time, and
+//!   each `, into` row is compared with its fresh-output counterpart at the same thread count.
 //!
 //! The issue's targets (MXFP8 rowwise ≥ 1.0 Gelem/s per core, MXFP8 both copies ≥ 0.6,
 //! NVFP4 rowwise ≥ 0.6, each at `threads = 1`; 2 threads ≥ 1.7x one thread) are checked and
 //! printed as PASS/FAIL. The table is printed and written to
 //! `<criterion dir>/lowbit-formats-summary.txt`.
 //!
-//! Run with `cargo bench --bench formats` (about three minutes on two cores); criterion's usual
-//! arguments (a name filter, `--sample-size`, `--measurement-time`, …) apply.
+//! Run with `cargo bench --bench formats` (about two minutes on two cores, plus the build); the
+//! usual criterion arguments (a name filter, `--sample-size`, `--measurement-time`, …) apply.
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -54,7 +57,9 @@ use std::time::{Duration, SystemTime};
 use criterion::{Criterion, SamplingMode, Throughput};
 use lowbit_formats::mxfp8::Mxfp8Config;
 use lowbit_formats::nvfp4::Nvfp4Config;
-use lowbit_formats::{Copies, Fp8Kind, Matrix, Source, bf16, quantize_mxfp8, quantize_nvfp4};
+use lowbit_formats::{
+    Copies, Fp8Kind, Matrix, Source, bf16, quantize_mxfp8, quantize_mxfp8_into, quantize_nvfp4,
+};
 
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
@@ -70,8 +75,13 @@ const SUMMARY_FILE: &str = "lowbit-formats-summary.txt";
 enum Kernel {
     /// bf16 `copy_from_slice` into a preallocated buffer.
     Memcpy,
-    /// MXFP8 of the bf16 tensor (or of its f32 copy when `f32_input`).
-    Mxfp8 { cfg: Mxfp8Config, f32_input: bool },
+    /// MXFP8 of the bf16 tensor (or of its f32 copy when `f32_input`); with `reuse`, through
+    /// `quantize_mxfp8_into` into the same tensor every call (no allocation, no page faults).
+    Mxfp8 {
+        cfg: Mxfp8Config,
+        f32_input: bool,
+        reuse: bool,
+    },
     /// NVFP4 of the bf16 tensor.
     Nvfp4 { cfg: Nvfp4Config },
     /// Allocate zeroed buffers of these sizes (all live at once, as a quantizer's outputs are),
@@ -127,6 +137,10 @@ const NV_ROW_OUT: &[usize] = &[N / 2, N / 16];
 const MX_ROW: &str = "MXFP8 E4M3 rowwise";
 const MX_BOTH: &str = "MXFP8 E4M3 row+col";
 const NV_ROW: &str = "NVFP4 rowwise (+amax)";
+/// Labels of the `quantize_mxfp8_into` rows: the quantizer's label plus this suffix.
+const INTO: &str = ", into";
+const MX_ROW_INTO: &str = "MXFP8 E4M3 rowwise, into";
+const MX_BOTH_INTO: &str = "MXFP8 E4M3 row+col, into";
 
 fn cases() -> Vec<Case> {
     let mx_row = 2.0 + 1.0 + 1.0 / 32.0;
@@ -143,7 +157,7 @@ fn cases() -> Vec<Case> {
         f64,
         Option<f64>,
     );
-    let specs: [Spec; 8] = [
+    let specs: [Spec; 10] = [
         (
             "memcpy",
             "bf16",
@@ -159,6 +173,7 @@ fn cases() -> Vec<Case> {
             |t| Kernel::Mxfp8 {
                 cfg: mx(Copies::Rowwise, false, t),
                 f32_input: false,
+                reuse: false,
             },
             mx_row,
             Some(1.0),
@@ -170,6 +185,7 @@ fn cases() -> Vec<Case> {
             |t| Kernel::Mxfp8 {
                 cfg: mx(Copies::Both, false, t),
                 f32_input: false,
+                reuse: false,
             },
             mx_both,
             Some(0.6),
@@ -191,6 +207,7 @@ fn cases() -> Vec<Case> {
             |t| Kernel::Mxfp8 {
                 cfg: mx(Copies::Both, true, t),
                 f32_input: false,
+                reuse: false,
             },
             mx_both,
             None,
@@ -202,6 +219,7 @@ fn cases() -> Vec<Case> {
             |t| Kernel::Mxfp8 {
                 cfg: mx(Copies::Rowwise, false, t),
                 f32_input: true,
+                reuse: false,
             },
             mx_row_f32,
             None,
@@ -224,6 +242,30 @@ fn cases() -> Vec<Case> {
                 cfg: nv(Copies::Both, true, t),
             },
             nv_both,
+            None,
+        ),
+        (
+            "mxfp8",
+            "rowwise-e4m3-into",
+            MX_ROW_INTO,
+            |t| Kernel::Mxfp8 {
+                cfg: mx(Copies::Rowwise, false, t),
+                f32_input: false,
+                reuse: true,
+            },
+            mx_row,
+            None,
+        ),
+        (
+            "mxfp8",
+            "both-e4m3-into",
+            MX_BOTH_INTO,
+            |t| Kernel::Mxfp8 {
+                cfg: mx(Copies::Both, false, t),
+                f32_input: false,
+                reuse: true,
+            },
+            mx_both,
             None,
         ),
     ];
@@ -349,16 +391,27 @@ fn run_case(c: &mut Criterion, inp: &Inputs, case: &Case, dst: &mut [bf16]) {
                 b.iter(|| copy_split(black_box(&inp.bf16), black_box(&mut *dst), case.threads))
             });
         }
-        Kernel::Mxfp8 { cfg, f32_input } => {
+        Kernel::Mxfp8 {
+            cfg,
+            f32_input,
+            reuse,
+        } => {
             let src = if f32_input {
                 Source::F32(&inp.f32)
             } else {
                 Source::Bf16(&inp.bf16)
             };
             let m = Matrix::new("bench", ROWS, COLS, src).expect("shape");
-            g.bench_function(&case.id, |b| {
-                b.iter(|| quantize_mxfp8(black_box(&m), &cfg).expect("quantize"))
-            });
+            if reuse {
+                let mut out = quantize_mxfp8(&m, &cfg).expect("quantize");
+                g.bench_function(&case.id, |b| {
+                    b.iter(|| quantize_mxfp8_into(black_box(&m), &cfg, &mut out).expect("quantize"))
+                });
+            } else {
+                g.bench_function(&case.id, |b| {
+                    b.iter(|| quantize_mxfp8(black_box(&m), &cfg).expect("quantize"))
+                });
+            }
         }
         Kernel::Nvfp4 { cfg } => {
             let m = Matrix::new("bench", ROWS, COLS, Source::Bf16(&inp.bf16)).expect("shape");
@@ -615,6 +668,36 @@ fn summary(cases: &[Case], times: &[Option<f64>], load: &[Option<f64>]) -> Strin
             fmt_time(t),
             bytes / f64::from(1u32 << 20),
             bytes / t
+        );
+    }
+    let mut header = false;
+    for (i, case) in cases.iter().enumerate() {
+        let Some(base) = case.label.strip_suffix(INTO) else {
+            continue;
+        };
+        let Some(j) = find(&|c| c.label == base && c.threads == case.threads) else {
+            continue;
+        };
+        let (Some(t_into), Some(t_new)) = (times[i], times[j]) else {
+            continue;
+        };
+        if !header {
+            header = true;
+            let _ = writeln!(
+                s,
+                "\nOutputs reused (quantize_mxfp8_into) vs fresh (quantize_mxfp8): the difference is \
+                 what allocating, zeroing, faulting in and freeing the outputs costs"
+            );
+        }
+        let _ = writeln!(
+            s,
+            "{:<27} {:>3} {:>10} vs {:>10}: fresh outputs cost {:.1} ms ({:.0}% of the call)",
+            base,
+            case.threads,
+            fmt_time(t_into),
+            fmt_time(t_new),
+            (t_new - t_into) / 1e6,
+            100.0 * (t_new - t_into) / t_new
         );
     }
     let _ = writeln!(

@@ -27,7 +27,7 @@ fn full_matrix() -> bool {
 /// classic DDP (all-reduce, every rank updates everything, nothing gathered).
 fn variant(base: Run, gather: bool) -> Run {
     match (base.precision, gather) {
-        (Precision::Mxfp8, on) => Run {
+        (Precision::Mxfp8 | Precision::Nvfp4, on) => Run {
             param_gather: on,
             ..base
         },
@@ -59,7 +59,7 @@ fn parity_matrix_on_vs_off_is_bitwise() {
     };
     let steps = if full_matrix() { 12 } else { 5 };
     let mut cases = 0;
-    for precision in [Precision::Bf16, Precision::Mxfp8] {
+    for precision in [Precision::Bf16, Precision::Mxfp8, Precision::Nvfp4] {
         for (og, op) in [(false, false), (true, false), (true, true)] {
             for grad in [GradDType::F32, GradDType::Bf16] {
                 for bucket in [None, Some(500)] {
@@ -101,9 +101,14 @@ fn parity_matrix_on_vs_off_is_bitwise() {
 
 #[test]
 fn masters_at_step_zero_are_bitwise_equal() {
-    for dp in [1, 2, 4] {
+    for (dp, precision) in [
+        (1, Precision::Mxfp8),
+        (2, Precision::Nvfp4),
+        (4, Precision::Mxfp8),
+        (4, Precision::Nvfp4),
+    ] {
         let base = Run {
-            precision: Precision::Mxfp8,
+            precision,
             steps: 0,
             ..Run::new(dp)
         };
@@ -120,9 +125,13 @@ fn masters_at_step_zero_are_bitwise_equal() {
 #[test]
 fn train_eval_train_equals_train_only() {
     for (og, op) in [(false, false), (true, false), (true, true)] {
-        for grad in [GradDType::F32, GradDType::Bf16] {
+        for (grad, precision) in [
+            (GradDType::F32, Precision::Mxfp8),
+            (GradDType::Bf16, Precision::Mxfp8),
+            (GradDType::F32, Precision::Nvfp4),
+        ] {
             let base = Run {
-                precision: Precision::Mxfp8,
+                precision,
                 param_gather: true,
                 grad,
                 ddp: ddp(true, og, op, Some(500)),
@@ -147,16 +156,24 @@ fn train_eval_train_equals_train_only() {
             for o in &mut with_eval {
                 o.eval_losses.clear();
             }
-            assert_same_trajectory(&with_eval, &plain, &format!("eval ({og},{op}) {grad:?}"));
+            assert_same_trajectory(
+                &with_eval,
+                &plain,
+                &format!("eval ({og},{op}) {grad:?} {precision:?}"),
+            );
         }
     }
 }
 
 #[test]
 fn a_forced_sync_every_step_changes_nothing() {
-    for (og, op) in [(false, false), (true, true)] {
+    for ((og, op), precision) in [
+        ((false, false), Precision::Mxfp8),
+        ((true, true), Precision::Mxfp8),
+        ((true, true), Precision::Nvfp4),
+    ] {
         let base = Run {
-            precision: Precision::Mxfp8,
+            precision,
             param_gather: true,
             ddp: ddp(true, og, op, Some(500)),
             ..Run::new(4)
@@ -214,12 +231,12 @@ fn wrong_orders_are_refused() {
         let err = bufs.sync_params(dev, &mut comm).unwrap_err().to_string();
         assert!(err.contains("stale"), "{err}");
         // Staged and then zeroed (bug A1/A3: the gather would ship zeros): back to stale.
-        opt.begin_iteration(dev, &mut bufs).unwrap();
+        opt.begin_iteration(dev, &mut comm, &mut bufs).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Staged);
         bufs.zero_grad_buffer(dev).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Stale);
         // Staged but never gathered, then backward (bug A2): the first gradient access refuses.
-        opt.begin_iteration(dev, &mut bufs).unwrap();
+        opt.begin_iteration(dev, &mut comm, &mut bufs).unwrap();
         let err = bufs.accumulation_view(dev, 0).unwrap_err().to_string();
         assert!(
             err.contains("backward starts while its weights are Staged"),
@@ -314,9 +331,10 @@ fn unsupported_configurations_are_refused() {
             .contains("requires the distributed optimizer"),
         "{err}"
     );
+    // NVFP4 weights need shapes their 16x16 tiles cover.
     let nvfp4 = vec![ParamSpec::new(
         "w",
-        vec![32, 32],
+        vec![40, 32],
         BufferKey {
             param_storage: ParamStorage::Quantized(QuantKind::Nvfp4),
             grad_dtype: GradDType::F32,
@@ -326,7 +344,7 @@ fn unsupported_configurations_are_refused() {
     )];
     let err =
         DataParallelBuffers::new(&mut dev, 2, 0, nvfp4, ddp(true, true, true, None)).unwrap_err();
-    assert!(err.to_string().contains("Nvfp4"), "{err}");
+    assert!(err.to_string().contains("multiples of 16"), "{err}");
 }
 
 /// Memory accounting: the live report equals the closed-form estimate and the device's own
@@ -334,14 +352,15 @@ fn unsupported_configurations_are_refused() {
 #[test]
 fn memory_report_matches_the_closed_form() {
     use lowbit::optim::{Algorithm, estimate_memory, memory_report};
-    for (gather, grad, dp) in [
-        (true, GradDType::F32, 1),
-        (true, GradDType::F32, 4),
-        (true, GradDType::Bf16, 2),
-        (false, GradDType::F32, 3),
+    for (gather, grad, dp, precision) in [
+        (true, GradDType::F32, 1, Precision::Mxfp8),
+        (true, GradDType::F32, 4, Precision::Mxfp8),
+        (true, GradDType::Bf16, 2, Precision::Mxfp8),
+        (false, GradDType::F32, 3, Precision::Mxfp8),
+        (true, GradDType::F32, 2, Precision::Nvfp4),
     ] {
         let run = Run {
-            precision: Precision::Mxfp8,
+            precision,
             param_gather: gather,
             grad,
             ..Run::new(dp)

@@ -9,7 +9,7 @@ use std::time::Duration;
 use lowbit::buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config};
+use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config, nvfp4_weight_config};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::{DType, Device, Fp8Kind, Mxfp8Views, View};
 use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, Usage, sample};
@@ -17,11 +17,13 @@ use lowbit::optim::{
     Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
 };
 
+/// Matrix dimensions are multiples of 16 so that NVFP4's 16x16 tiles cover them; 40 columns
+/// would leave MXFP8 blocks partial, which `props.rs` in `lowbit-formats` covers.
 pub const SHAPE: MlpShape = MlpShape {
-    input: 40,
+    input: 32,
     hidden: 48,
     blocks: 2,
-    output: 8,
+    output: 16,
 };
 
 /// How weight matrices are computed with.
@@ -32,6 +34,8 @@ pub enum Precision {
     /// `Q(bf16)` MXFP8 weights (dequantized rowwise for the forward, columnwise for the
     /// backward).
     Mxfp8,
+    /// `Q(bf16)` 2D NVFP4 weights (likewise).
+    Nvfp4,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -193,6 +197,39 @@ impl Hooks for DpHooks<'_> {
         }
         let (rows, cols) = lowbit::buffers::matrix_dims(&spec.shape);
         let out = self.scratch.slice(0..rows * cols)?;
+        if self.precision == Precision::Nvfp4 {
+            let (w, amax) = match self.bufs.nvfp4_weights(p) {
+                // Low-precision primary weights: use the stored copies.
+                Some(w) => w,
+                // bf16 parameters: quantize on the fly with the weight recipe (2D).
+                None => {
+                    let [rd, rs, cd, cs] = self.qscratch;
+                    let n = rows * cols;
+                    let w = lowbit::buffers::Nvfp4Weights {
+                        rows,
+                        cols,
+                        rowwise: (rd.slice(0..n / 2)?, rs.slice(0..n / 16)?),
+                        columnwise: (cd.slice(0..n / 2)?, cs.slice(0..n / 16)?),
+                        tiles: self.scratch,
+                    };
+                    let src = self.bufs.param_view(p).map_err(hook_err)?;
+                    let amax =
+                        dev.quantize_nvfp4(src, rows, cols, &nvfp4_weight_config(), &w.views())?;
+                    (w, amax.rowwise)
+                }
+            };
+            match usage {
+                Usage::Forward => {
+                    let (d, s) = w.rowwise;
+                    dev.dequantize_nvfp4_rowwise(d, s, amax, rows, cols, out)?;
+                }
+                Usage::Backward => {
+                    let (d, s) = w.columnwise;
+                    dev.dequantize_nvfp4_columnwise(d, s, amax, false, rows, cols, out)?;
+                }
+            }
+            return Ok(out);
+        }
         let w = match self.bufs.mxfp8_weights(p) {
             // Low-precision primary weights: use the stored copies.
             Some(w) => w,
@@ -307,7 +344,8 @@ pub fn rank_main(
         weights: Vec::new(),
     };
     for step in 0..run.steps {
-        opt.begin_iteration(dev, &mut bufs).map_err(|x| e(&x))?;
+        opt.begin_iteration(dev, comm, &mut bufs)
+            .map_err(|x| e(&x))?;
         let mut loss = 0.0f32;
         for m in 0..run.microbatches {
             bufs.set_last_microbatch(m + 1 == run.microbatches);

@@ -130,6 +130,40 @@ impl Mxfp8Weights {
     }
 }
 
+/// The 2D NVFP4 storage of one parameter: its rowwise data is its slice of the packed param
+/// buffer; scales, the columnwise copy and the reduced tile amaxes live outside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nvfp4Weights {
+    /// Rows (product of the leading dimensions), a multiple of 16.
+    pub rows: usize,
+    /// Columns (last dimension), a multiple of 16.
+    pub cols: usize,
+    /// Rowwise packed data (in the param buffer) and E4M3 scales.
+    pub rowwise: (View, View),
+    /// Columnwise (transposed) packed data and scales.
+    pub columnwise: (View, View),
+    /// MAX-reduced 16x16 tile amaxes (f32); the global amax is their max.
+    pub tiles: View,
+}
+
+impl Nvfp4Weights {
+    /// The device views of both copies.
+    pub fn views(&self) -> lowbit_device::Nvfp4Views {
+        lowbit_device::Nvfp4Views {
+            rowwise: Some(self.rowwise),
+            columnwise: Some(self.columnwise),
+        }
+    }
+}
+
+/// The 2D NVFP4 recipe of primary weights (TE's weight recipe: 16x16 tiles, no RHT, no SR).
+pub fn nvfp4_weight_config() -> lowbit_device::Nvfp4Config {
+    lowbit_device::Nvfp4Config {
+        two_d: true,
+        ..Default::default()
+    }
+}
+
 /// The MXFP8 recipe of primary weights: E4M3, both copies, 1x32 blocks, TE's NaN policy.
 pub fn mxfp8_weight_config() -> Mxfp8Config {
     Mxfp8Config {
@@ -156,9 +190,29 @@ struct Buffer {
     /// the gradient buffer (its first half of bytes with fp32 gradients).
     param_data: View,
     grad_data: View,
-    /// Whether `param_data` is a staging view (quantized parameters live outside the buffer).
-    staging: bool,
+    kind: BufKind,
+    /// Packed byte map (NVFP4 buffers).
+    packed: Option<layout::PackedLayout>,
     owner: OptimizerId,
+}
+
+/// How a buffer's parameter region is used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufKind {
+    /// Persistent bf16/f16/f32 parameter storage, gathered as is.
+    Persistent,
+    /// A bf16 staging view aliasing the gradients; MXFP8 weights live outside the buffer.
+    Staging,
+    /// Packed NVFP4 bytes (element offset / 2), quantized shard by shard before the gather;
+    /// they are the rowwise data of the weights.
+    Packed,
+}
+
+impl BufKind {
+    /// Whether the buffer holds low-precision primary weights (with a weight state).
+    pub fn low_precision(self) -> bool {
+        self != BufKind::Persistent
+    }
 }
 
 /// A set of buckets synchronised together in one coalesced launch.
@@ -198,6 +252,8 @@ pub struct DataParallelBuffers {
     last_microbatch: bool,
     /// MXFP8 storage of each quantized parameter.
     quantized: Vec<Option<Mxfp8Weights>>,
+    /// NVFP4 storage of each NVFP4 parameter, and its global amax after the last gather.
+    nvfp4: Vec<Option<(Nvfp4Weights, f32)>>,
     /// Whether the next gradient access is the first of the iteration (checked in debug builds).
     check_before_backward: bool,
 }
@@ -208,9 +264,7 @@ fn storage_dtype(s: ParamStorage) -> Result<DType> {
         ParamStorage::F16 => Ok(DType::F16),
         ParamStorage::F32 => Ok(DType::F32),
         ParamStorage::Quantized(QuantKind::Mxfp8) => Ok(DType::Bf16),
-        ParamStorage::Quantized(k) => Err(BufferError::Config(format!(
-            "{k:?} primary weights are not supported yet (MXFP8 is)"
-        ))),
+        ParamStorage::Quantized(QuantKind::Nvfp4) => Ok(DType::U8),
     }
 }
 
@@ -256,39 +310,79 @@ impl DataParallelBuffers {
         let mut groups = Vec::new();
         let mut param_loc = vec![(0, 0, 0); specs.len()];
         let mut quantized = vec![None; specs.len()];
+        let mut nvfp4 = vec![None; specs.len()];
+        for spec in &specs {
+            if spec.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4) {
+                let (rows, cols) = matrix_dims(&spec.shape);
+                if rows % 16 != 0 || cols % 16 != 0 {
+                    return Err(BufferError::Config(format!(
+                        "NVFP4 parameter `{}` is {rows}x{cols}: its 16x16 tiles need both \
+                         dimensions to be multiples of 16",
+                        spec.name
+                    )));
+                }
+            }
+        }
         for (key, members) in layout::group_params(&specs) {
             let key: BufferKey = key;
             let group_specs: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
             let lay = layout::compute_layout(&group_specs, &lcfg)?;
             layout::check_shard_count(&lay, if cfg.distributed_optimizer { dp } else { 1 })?;
-            let staging = key.param_storage.is_quantized();
+            let kind = match key.param_storage {
+                ParamStorage::Quantized(QuantKind::Mxfp8) => BufKind::Staging,
+                ParamStorage::Quantized(QuantKind::Nvfp4) => BufKind::Packed,
+                _ => BufKind::Persistent,
+            };
             let grad_data = dev.alloc(grad_dtype(key.grad_dtype), lay.numel);
-            let param_data = if staging {
+            let packed = (kind == BufKind::Packed)
+                .then(|| layout::packed_layout(&lay))
+                .transpose()?;
+            let param_data = match (kind, &packed) {
                 // The bf16 staging view aliases the gradient buffer: the same memory, reused
                 // between the optimizer step and the next backward.
-                grad_data.reinterpret(DType::Bf16)?.slice(0..lay.numel)?
-            } else {
-                dev.alloc(storage_dtype(key.param_storage)?, lay.numel)
+                (BufKind::Staging, _) => grad_data.reinterpret(DType::Bf16)?.slice(0..lay.numel)?,
+                (BufKind::Packed, Some(pk)) => dev.alloc(DType::U8, pk.numel_bytes),
+                _ => dev.alloc(storage_dtype(key.param_storage)?, lay.numel),
             };
-            if staging {
-                storage_dtype(key.param_storage)?;
-                for &m in &members {
-                    let (rows, cols) = matrix_dims(&specs[m].shape);
-                    let (rb, cb) = (cols.div_ceil(32), rows.div_ceil(32));
-                    quantized[m] = Some(Mxfp8Weights {
-                        rows,
-                        cols,
-                        rowwise: (
-                            dev.alloc(DType::U8, rows * cols),
-                            dev.alloc(DType::U8, rows * rb),
-                        ),
-                        columnwise: (
-                            dev.alloc(DType::U8, rows * cols),
-                            dev.alloc(DType::U8, cb * cols),
-                        ),
-                    });
+            for (i, &m) in members.iter().enumerate() {
+                let (rows, cols) = matrix_dims(&specs[m].shape);
+                match (kind, &packed) {
+                    (BufKind::Staging, _) => {
+                        let (rb, cb) = (cols.div_ceil(32), rows.div_ceil(32));
+                        quantized[m] = Some(Mxfp8Weights {
+                            rows,
+                            cols,
+                            rowwise: (
+                                dev.alloc(DType::U8, rows * cols),
+                                dev.alloc(DType::U8, rows * rb),
+                            ),
+                            columnwise: (
+                                dev.alloc(DType::U8, rows * cols),
+                                dev.alloc(DType::U8, cb * cols),
+                            ),
+                        });
+                    }
+                    (BufKind::Packed, Some(pk)) => {
+                        let pr = &pk.params[i];
+                        let w = Nvfp4Weights {
+                            rows,
+                            cols,
+                            rowwise: (
+                                param_data.slice(pr.start..pr.end)?,
+                                dev.alloc(DType::U8, rows * cols / 16),
+                            ),
+                            columnwise: (
+                                dev.alloc(DType::U8, rows * cols / 2),
+                                dev.alloc(DType::U8, cols * rows / 16),
+                            ),
+                            tiles: dev.alloc(DType::F32, (rows / 16) * (cols / 16)),
+                        };
+                        nvfp4[m] = Some((w, 0.0));
+                    }
+                    _ => {}
                 }
             }
+            let staging = kind.low_precision();
             let b = buffers.len();
             for (bi, bucket) in lay.buckets.iter().enumerate() {
                 let g = groups.len();
@@ -320,7 +414,8 @@ impl DataParallelBuffers {
                 params: members,
                 param_data,
                 grad_data,
-                staging,
+                kind,
+                packed,
                 owner: key.owner,
             });
         }
@@ -335,6 +430,7 @@ impl DataParallelBuffers {
             first_batch: true,
             last_microbatch: true,
             quantized,
+            nvfp4,
             check_before_backward: false,
         })
     }
@@ -414,11 +510,17 @@ impl DataParallelBuffers {
                     .collect()
             };
             for r in ranges {
+                let param_view = if buf.kind == BufKind::Packed {
+                    buf.param_data
+                        .slice(r.gbuf_world.start / 2..r.gbuf_world.end / 2)?
+                } else {
+                    buf.param_data.slice(r.gbuf_world.clone())?
+                };
                 out.push(OwnedShard {
-                    staging: buf.staging,
+                    storage: buf.kind,
                     param: buf.params[r.param],
                     param_range: r.param_range.clone(),
-                    param_view: buf.param_data.slice(r.gbuf_world.clone())?,
+                    param_view,
                     grad_view: buf.grad_data.slice(r.gbuf_world.clone())?,
                 });
             }
@@ -451,7 +553,9 @@ impl DataParallelBuffers {
             dev.zero(b.grad_data)?;
         }
         let record = self.first_batch && self.groups.iter().any(|g| g.grad_reduce_finished);
+        let buffers = &self.buffers;
         for g in &mut self.groups {
+            let aliased = buffers[g.buffer].kind == BufKind::Staging;
             if record {
                 g.golden_counts = Some(g.ready_counts.clone());
             }
@@ -459,7 +563,7 @@ impl DataParallelBuffers {
             g.grad_reduce_started = false;
             g.grad_reduce_finished = false;
             g.gathers = 0;
-            if g.weights == WeightState::Staged {
+            if aliased && g.weights == WeightState::Staged {
                 g.weights = WeightState::Stale;
             }
         }
@@ -602,8 +706,8 @@ impl DataParallelBuffers {
                 "bucket group {g}: parameter gather dispatched twice"
             )));
         }
-        let staging = self.buffers[self.groups[g].buffer].staging;
-        if staging && self.groups[g].weights != WeightState::Staged {
+        let low = self.buffers[self.groups[g].buffer].kind.low_precision();
+        if low && self.groups[g].weights != WeightState::Staged {
             return Err(BufferError::Protocol(format!(
                 "bucket group {g}: gather of low-precision weights that are not staged \
                  ({:?}); stage bf16(master) after zeroing the gradients",
@@ -620,11 +724,22 @@ impl DataParallelBuffers {
         let buf = &self.buffers[group.buffer];
         let mut ops = Vec::with_capacity(group.buckets.len());
         for &bi in &group.buckets {
-            let bucket = &buf.layout.buckets[bi];
-            let shard = layout::shard_range(bucket, self.rank, self.dp)?;
+            let (shard, whole) = match &buf.packed {
+                Some(pk) => {
+                    let b = &pk.buckets[bi];
+                    (pk.shard_range(bi, self.rank)?, b.start..b.end)
+                }
+                None => {
+                    let bucket = &buf.layout.buckets[bi];
+                    (
+                        layout::shard_range(bucket, self.rank, self.dp)?,
+                        bucket.range(),
+                    )
+                }
+            };
             ops.push(Op::AllGather {
                 input: buf.param_data.slice(shard)?,
-                output: buf.param_data.slice(bucket.range())?,
+                output: buf.param_data.slice(whole)?,
             });
         }
         let work = comm.start_coalesced(dev, &ops)?;
@@ -644,8 +759,20 @@ impl DataParallelBuffers {
     fn after_gather(&mut self, dev: &mut Device, g: usize) -> Result<()> {
         self.groups[g].param_state = ParamSyncState::Done;
         let buf = &self.buffers[self.groups[g].buffer];
-        if !buf.staging {
-            return Ok(());
+        match buf.kind {
+            BufKind::Persistent => return Ok(()),
+            BufKind::Packed => {
+                // The gathered bytes are the rowwise data; every rank derives the scales and
+                // the columnwise copy from the same reduced tile amaxes.
+                for &p in &self.groups[g].params {
+                    let (w, _) = self.nvfp4[p].expect("packed buffers hold NVFP4 params");
+                    let amax = dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+                    self.nvfp4[p] = Some((w, amax));
+                }
+                self.groups[g].weights = WeightState::Current;
+                return Ok(());
+            }
+            BufKind::Staging => {}
         }
         let cfg = mxfp8_weight_config();
         for &p in &self.groups[g].params {
@@ -670,7 +797,7 @@ impl DataParallelBuffers {
     /// Whether group `g` needs a gather before its parameters can be used.
     fn needs_gather(&self, g: usize) -> bool {
         let group = &self.groups[g];
-        if self.buffers[group.buffer].staging {
+        if self.buffers[group.buffer].kind.low_precision() {
             group.weights == WeightState::Staged && group.param_state != ParamSyncState::InFlight
         } else {
             group.param_state == ParamSyncState::Idle
@@ -683,7 +810,7 @@ impl DataParallelBuffers {
     pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
         self.complete_param_sync(dev)?;
         for g in 0..self.groups.len() {
-            if self.buffers[self.groups[g].buffer].staging
+            if self.buffers[self.groups[g].buffer].kind.low_precision()
                 && self.groups[g].weights == WeightState::Stale
             {
                 return Err(BufferError::Protocol(format!(
@@ -718,8 +845,8 @@ impl DataParallelBuffers {
         comm: &mut dyn Communicator,
         g: usize,
     ) -> Result<()> {
-        let staging = self.buffers[self.groups[g].buffer].staging;
-        if staging && self.groups[g].weights == WeightState::Stale {
+        let low = self.buffers[self.groups[g].buffer].kind.low_precision();
+        if low && self.groups[g].weights == WeightState::Stale {
             return Err(BufferError::Protocol(format!(
                 "bucket group {g}: forward with stale low-precision weights (the optimizer \
                  stepped and nothing was staged)"
@@ -777,30 +904,105 @@ impl DataParallelBuffers {
         p: usize,
         values: &[f32],
     ) -> Result<()> {
-        let Some(w) = self.quantized[p] else {
-            return Err(BufferError::Config(format!(
-                "parameter `{}` has no low-precision storage",
-                self.specs[p].name
-            )));
-        };
         let tmp32 = dev.alloc(DType::F32, values.len());
         let tmp16 = dev.alloc(DType::Bf16, values.len());
         let r = dev
             .upload(tmp32, values)
             .and_then(|()| dev.cast(tmp32, tmp16))
-            .and_then(|()| {
-                dev.quantize_mxfp8(tmp16, w.rows, w.cols, &mxfp8_weight_config(), &w.views())
-            });
+            .map_err(BufferError::from)
+            .and_then(|()| self.quantize_whole(dev, p, tmp16));
         dev.free(tmp32)?;
         dev.free(tmp16)?;
-        Ok(r?)
+        r
+    }
+
+    /// Quantizes a whole parameter from `src` (its bf16 values) into its low-precision storage.
+    fn quantize_whole(&mut self, dev: &mut Device, p: usize, src: View) -> Result<()> {
+        if let Some(w) = self.quantized[p] {
+            dev.quantize_mxfp8(src, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?;
+            return Ok(());
+        }
+        if let Some((w, _)) = self.nvfp4[p] {
+            dev.zero(w.tiles)?;
+            dev.nvfp4_fold_tile_amax_2d(src, 0, w.cols, w.tiles)?;
+            dev.nvfp4_quantize_2d_range(src, 0, w.cols, w.tiles, w.rowwise.0)?;
+            let amax = dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+            self.nvfp4[p] = Some((w, amax));
+            return Ok(());
+        }
+        Err(BufferError::Config(format!(
+            "parameter `{}` has no low-precision storage",
+            self.specs[p].name
+        )))
+    }
+
+    /// The NVFP4 storage of parameter `p` and its current global amax, if it has NVFP4 primary
+    /// weights.
+    pub fn nvfp4_weights(&self, p: usize) -> Option<(Nvfp4Weights, f32)> {
+        self.nvfp4[p]
+    }
+
+    /// Quantizes `owner`'s NVFP4 shards into the packed param buffer: `pieces` are this rank's
+    /// owned pieces `(param, range within the flattened param, values)` of `bf16(master)` (any
+    /// float view). Partial 16x16 tile amaxes are reduced with MAX across ranks first, so every
+    /// rank derives the same scales; the groups become `Staged` (the bytes go out with the
+    /// next gather). Collective: every rank calls it for the same owner.
+    pub fn stage_packed(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        owner: OptimizerId,
+        pieces: &[(usize, Range<usize>, View)],
+    ) -> Result<()> {
+        let params: Vec<usize> = (0..self.specs.len())
+            .filter(|&p| self.specs[p].owner() == owner && self.nvfp4[p].is_some())
+            .collect();
+        if params.is_empty() {
+            return Ok(());
+        }
+        for &p in &params {
+            let (w, _) = self.nvfp4[p].expect("filtered");
+            dev.zero(w.tiles)?;
+        }
+        for (p, range, values) in pieces {
+            if let Some((w, _)) = self.nvfp4[*p].filter(|_| params.contains(p)) {
+                dev.nvfp4_fold_tile_amax_2d(*values, range.start, w.cols, w.tiles)?;
+            }
+        }
+        let ops: Vec<Op> = params
+            .iter()
+            .map(|&p| Op::AllReduce {
+                buf: self.nvfp4[p].expect("filtered").0.tiles,
+                reduce: ReduceOp::Max,
+            })
+            .collect();
+        comm.start_coalesced(dev, &ops)?.wait(dev)?;
+        for (p, range, values) in pieces {
+            if let Some((w, _)) = self.nvfp4[*p].filter(|_| params.contains(p)) {
+                let bytes = w.rowwise.0.slice(range.start / 2..range.end / 2)?;
+                dev.nvfp4_quantize_2d_range(*values, range.start, w.cols, w.tiles, bytes)?;
+            }
+        }
+        for (gi, g) in self.groups.iter_mut().enumerate() {
+            let b = &self.buffers[g.buffer];
+            if b.kind == BufKind::Packed && b.owner == owner {
+                if g.param_state == ParamSyncState::InFlight {
+                    return Err(BufferError::Protocol(format!(
+                        "bucket group {gi}: staging while its gather is in flight"
+                    )));
+                }
+                g.weights = WeightState::Staged;
+                g.param_state = ParamSyncState::Idle;
+            }
+        }
+        Ok(())
     }
 
     /// Marks the staging groups of `owner` stale: its masters moved.
     pub fn mark_stale(&mut self, owner: OptimizerId) {
         for g in &mut self.groups {
             let b = &self.buffers[g.buffer];
-            if b.staging && b.owner == owner {
+            if b.kind.low_precision() && b.owner == owner {
                 g.weights = WeightState::Stale;
             }
         }
@@ -810,7 +1012,7 @@ impl DataParallelBuffers {
     pub fn has_stale(&self, owner: OptimizerId) -> bool {
         self.groups.iter().any(|g| {
             let b = &self.buffers[g.buffer];
-            b.staging && b.owner == owner && g.weights == WeightState::Stale
+            b.kind.low_precision() && b.owner == owner && g.weights == WeightState::Stale
         })
     }
 
@@ -820,7 +1022,7 @@ impl DataParallelBuffers {
     pub fn mark_staged(&mut self, owner: OptimizerId) -> Result<()> {
         for (gi, g) in self.groups.iter_mut().enumerate() {
             let b = &self.buffers[g.buffer];
-            if !(b.staging && b.owner == owner) {
+            if !(b.kind == BufKind::Staging && b.owner == owner) {
                 continue;
             }
             if g.param_state == ParamSyncState::InFlight {
@@ -843,7 +1045,9 @@ impl DataParallelBuffers {
             self.check_before_backward = false;
             if cfg!(debug_assertions) {
                 for (gi, g) in self.groups.iter().enumerate() {
-                    if self.buffers[g.buffer].staging && g.weights != WeightState::Current {
+                    if self.buffers[g.buffer].kind.low_precision()
+                        && g.weights != WeightState::Current
+                    {
                         return Err(BufferError::Protocol(format!(
                             "bucket group {gi}: backward starts while its weights are {:?}",
                             g.weights
@@ -905,18 +1109,33 @@ pub struct BufferMemory {
 pub fn buffer_memory(layout: &BufferLayout, specs: &[&ParamSpec]) -> BufferMemory {
     let key = layout.key;
     let grads = layout.numel * grad_dtype(key.grad_dtype).size();
-    let (weights, staging) = if key.param_storage.is_quantized() {
-        let w = specs
-            .iter()
-            .map(|s| {
-                let (r, c) = matrix_dims(&s.shape);
-                2 * r * c + r * c.div_ceil(32) + r.div_ceil(32) * c
-            })
-            .sum();
-        (w, layout.numel * 2)
-    } else {
-        let size = storage_dtype(key.param_storage).map_or(0, |d| d.size());
-        (layout.numel * size, 0)
+    let (weights, staging) = match key.param_storage {
+        ParamStorage::Quantized(QuantKind::Mxfp8) => {
+            let w = specs
+                .iter()
+                .map(|s| {
+                    let (r, c) = matrix_dims(&s.shape);
+                    2 * r * c + r * c.div_ceil(32) + r.div_ceil(32) * c
+                })
+                .sum();
+            (w, layout.numel * 2)
+        }
+        ParamStorage::Quantized(QuantKind::Nvfp4) => {
+            // The packed buffer (rowwise data, padding included), rowwise scales, the
+            // columnwise copy and the f32 tile amaxes.
+            let outside: usize = specs
+                .iter()
+                .map(|s| {
+                    let (r, c) = matrix_dims(&s.shape);
+                    r * c / 16 + r * c / 2 + r * c / 16 + 4 * (r / 16) * (c / 16)
+                })
+                .sum();
+            (layout.numel / 2 + outside, 0)
+        }
+        _ => {
+            let size = storage_dtype(key.param_storage).map_or(0, |d| d.size());
+            (layout.numel * size, 0)
+        }
     };
     BufferMemory {
         key,
@@ -957,9 +1176,10 @@ pub fn estimate_buffer_memory(
 /// One rank's piece of one parameter: the optimizer's unit of work.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OwnedShard {
-    /// Whether `param_view` is a staging view (the parameter's weights are low-precision and
-    /// live outside the buffer; the optimizer stages into it instead of writing weights).
-    pub staging: bool,
+    /// What `param_view` is: persistent weights (the optimizer writes them), a bf16 staging
+    /// view (the optimizer stages `bf16(master)` into it) or packed NVFP4 bytes (staged by
+    /// [`DataParallelBuffers::stage_packed`]).
+    pub storage: BufKind,
     /// Global parameter id.
     pub param: usize,
     /// Sub-range of the flattened parameter.

@@ -57,7 +57,7 @@ pub mod ddp;
 pub mod layout;
 
 pub use ddp::{
-    BufferError, BufferMemory, DataParallelBuffers, DdpConfig, Mxfp8Weights, OwnedShard,
-    ParamSyncState, WeightState, buffer_memory, estimate_buffer_memory, matrix_dims,
-    mxfp8_weight_config,
+    BufKind, BufferError, BufferMemory, DataParallelBuffers, DdpConfig, Mxfp8Weights, Nvfp4Weights,
+    OwnedShard, ParamSyncState, WeightState, buffer_memory, estimate_buffer_memory, matrix_dims,
+    mxfp8_weight_config, nvfp4_weight_config,
 };

@@ -487,3 +487,136 @@ fn dequantize_plane(p: &QuantPlane, rows: usize, cols: usize, amax: f32) -> Vec<
     }
     out
 }
+
+/// 2D NVFP4 computed piecewise, for data-parallel primary weights: each rank holds a flat
+/// element range of a row-major `rows × cols` weight. The ranks fold partial tile amaxes
+/// ([`fold_tile_amax_2d`]), reduce them with MAX (the global amax is the max of the tiles),
+/// quantize their own ranges into packed bytes ([`quantize_2d_range`]) and gather the bytes;
+/// [`from_rowwise_2d`] then rebuilds both copies. The result is byte-identical to
+/// [`quantize_nvfp4`] with `two_d` on the whole matrix, because every code depends only on its
+/// element, its tile's amax and the global amax.
+pub mod sharded {
+    use super::{BLOCK, Nvfp4Tensor, Params};
+    use crate::scalar::e2m1_from_f32;
+    use crate::{FormatError, QuantPlane, abs_bits_nan_zero};
+
+    /// Tiles of a `rows × cols` matrix: `ceil(rows/16) · ceil(cols/16)`.
+    pub fn tile_count(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(BLOCK) * cols.div_ceil(BLOCK)
+    }
+
+    /// Folds the magnitudes of elements `start ..` (flat, row-major, `cols` columns) into the
+    /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
+    pub fn fold_tile_amax_2d(values: &[f32], start: usize, cols: usize, tiles: &mut [f32]) {
+        let tc = cols.div_ceil(BLOCK);
+        for (i, &v) in values.iter().enumerate() {
+            let flat = start + i;
+            let t = (flat / cols / BLOCK) * tc + (flat % cols) / BLOCK;
+            tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
+        }
+    }
+
+    /// Packed codes (element `2i` in the low nibble) of elements `start ..` given the reduced
+    /// tile amaxes. `start` and `values.len()` must be even; `out` has `values.len() / 2` bytes.
+    pub fn quantize_2d_range(
+        values: &[f32],
+        start: usize,
+        cols: usize,
+        tiles: &[f32],
+        out: &mut [u8],
+    ) -> Result<(), FormatError> {
+        if !start.is_multiple_of(2)
+            || !values.len().is_multiple_of(2)
+            || out.len() * 2 != values.len()
+        {
+            return Err(FormatError::Unsupported {
+                name: "nvfp4 shard".into(),
+                reason: format!(
+                    "a packed range must start and end on a byte: start {start}, {} values, {} bytes",
+                    values.len(),
+                    out.len()
+                ),
+            });
+        }
+        let p = Params::new(global_amax(tiles));
+        let tc = cols.div_ceil(BLOCK);
+        let code = |flat: usize, v: f32| {
+            let t = (flat / cols / BLOCK) * tc + (flat % cols) / BLOCK;
+            let (_, rcp) = p.block(tiles[t].to_bits());
+            e2m1_from_f32(v * rcp)
+        };
+        for (j, (o, pair)) in out.iter_mut().zip(values.chunks_exact(2)).enumerate() {
+            let flat = start + 2 * j;
+            *o = code(flat, pair[0]) | (code(flat + 1, pair[1]) << 4);
+        }
+        Ok(())
+    }
+
+    /// The global amax: the max of the tile amaxes.
+    pub fn global_amax(tiles: &[f32]) -> f32 {
+        f32::from_bits(tiles.iter().map(|t| t.to_bits()).max().unwrap_or(0))
+    }
+
+    /// Both copies of a 2D NVFP4 tensor from its gathered rowwise bytes (`rows · cols / 2`,
+    /// `cols` even) and the reduced tile amaxes.
+    pub fn from_rowwise_2d(
+        rows: usize,
+        cols: usize,
+        rowwise: Vec<u8>,
+        tiles: &[f32],
+    ) -> Result<Nvfp4Tensor, FormatError> {
+        let bad = |reason: String| FormatError::Unsupported {
+            name: "nvfp4 shard".into(),
+            reason,
+        };
+        if !cols.is_multiple_of(2)
+            || rowwise.len() * 2 != rows * cols
+            || tiles.len() != tile_count(rows, cols)
+        {
+            return Err(bad(format!(
+                "{} bytes and {} tiles for a {rows}x{cols} matrix",
+                rowwise.len(),
+                tiles.len()
+            )));
+        }
+        let amax = global_amax(tiles);
+        let p = Params::new(amax);
+        let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
+        let sf: Vec<u8> = tiles.iter().map(|t| p.block(t.to_bits()).0).collect();
+        let row_scales: Vec<u8> = (0..rows * tc)
+            .map(|i| sf[(i / tc / BLOCK) * tc + i % tc])
+            .collect();
+        let col_scales: Vec<u8> = (0..cols * tr)
+            .map(|i| sf[(i % tr) * tc + (i / tr) / BLOCK])
+            .collect();
+        let nib = |i: usize| (rowwise[i / 2] >> (4 * (i % 2))) & 0xF;
+        let cb = rows.div_ceil(2);
+        let mut col_data = vec![0u8; cols * cb];
+        for c in 0..cols {
+            for r in 0..rows {
+                col_data[c * cb + r / 2] |= nib(r * cols + c) << (4 * (r % 2));
+            }
+        }
+        Nvfp4Tensor::from_parts(
+            "nvfp4 shard",
+            rows,
+            cols,
+            true,
+            false,
+            amax,
+            amax,
+            Some(QuantPlane {
+                data: rowwise,
+                data_shape: [rows, cols / 2],
+                scales: row_scales,
+                scale_shape: [rows, tc],
+            }),
+            Some(QuantPlane {
+                data: col_data,
+                data_shape: [cols, cb],
+                scales: col_scales,
+                scale_shape: [cols, tr],
+            }),
+        )
+    }
+}

@@ -476,7 +476,9 @@ fn hadamard_columnwise_copy() {
 #[test]
 fn quantize_into_matches_fresh_output() {
     use lowbit_formats::quantize_mxfp8_into;
-    let x: Vec<f32> = (0..70 * 45).map(|i| ((i * 7919 % 1009) as f32 - 500.0) / 37.0).collect();
+    let x: Vec<f32> = (0..70 * 45)
+        .map(|i| ((i * 7919 % 1009) as f32 - 500.0) / 37.0)
+        .collect();
     let y: Vec<f32> = x.iter().map(|v| v * -3.0).collect();
     let both = Mxfp8Config::default();
     let mut t = mx(70, 45, &y, both);
@@ -485,8 +487,44 @@ fn quantize_into_matches_fresh_output() {
     quantize_mxfp8_into(&m, &both, &mut t).unwrap();
     assert_eq!(t, fresh);
     let m2 = Matrix::new("t", 45, 70, Source::F32(&x)).unwrap();
-    let row = Mxfp8Config { copies: Copies::Rowwise, ..both };
+    let row = Mxfp8Config {
+        copies: Copies::Rowwise,
+        ..both
+    };
     quantize_mxfp8_into(&m2, &row, &mut t).unwrap();
     assert_eq!(t, mx(45, 70, &x, row));
     assert!(t.columnwise.is_none());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// 2D NVFP4 computed from flat shards (partial tile amaxes reduced with MAX, ranges
+    /// quantized independently, bytes concatenated) equals the whole-matrix quantization.
+    #[test]
+    fn sharded_nvfp4_2d_equals_whole((rows, cols, x) in matrix(), cuts in proptest::collection::vec(any::<u16>(), 0..5)) {
+        use lowbit_formats::nvfp4::sharded::{fold_tile_amax_2d, from_rowwise_2d, quantize_2d_range, tile_count};
+        let cols = cols + cols % 2;
+        let x: Vec<f32> = (0..rows * cols).map(|i| x[i % x.len()] * if i % 7 == 0 { 1e-3 } else { 1.0 }).collect();
+        let n = rows * cols;
+        let mut bounds: Vec<usize> = cuts.iter().map(|&c| (usize::from(c) % (n + 1)) & !1).collect();
+        bounds.extend([0, n]);
+        bounds.sort_unstable();
+        bounds.dedup();
+        let mut tiles = vec![0f32; tile_count(rows, cols)];
+        for w in bounds.windows(2) {
+            let mut part = vec![0f32; tile_count(rows, cols)];
+            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut part);
+            for (t, p) in tiles.iter_mut().zip(&part) {
+                *t = t.max(*p);
+            }
+        }
+        let mut packed = vec![0u8; n / 2];
+        for w in bounds.windows(2) {
+            quantize_2d_range(&x[w[0]..w[1]], w[0], cols, &tiles, &mut packed[w[0] / 2..w[1] / 2]).unwrap();
+        }
+        let got = from_rowwise_2d(rows, cols, packed, &tiles).unwrap();
+        let want = nv(rows, cols, &x, Nvfp4Config { two_d: true, ..Default::default() });
+        prop_assert_eq!(got, want);
+    }
 }

@@ -25,7 +25,7 @@
 //! checkpoints (`lowbit-ckpt`).
 
 use lowbit_buffers::layout::OptimizerId;
-use lowbit_buffers::{BufferError, DataParallelBuffers};
+use lowbit_buffers::{BufKind, BufferError, DataParallelBuffers};
 use lowbit_comm::{CommError, Communicator};
 use lowbit_device::{AdamW, DType, Device, DeviceError, SgdMomentum, View};
 
@@ -133,8 +133,8 @@ pub struct MasterShard {
 /// One owned piece of a parameter with its fp32 master and optimizer state.
 #[derive(Debug)]
 struct Shard {
-    /// `param_view` is a staging view: weights live in low precision outside the buffer.
-    staging: bool,
+    /// What `param_view` is (persistent weights, staging view, packed NVFP4 bytes).
+    storage: BufKind,
     param: usize,
     param_range: std::ops::Range<usize>,
     param_view: View,
@@ -176,7 +176,7 @@ impl DistributedOptimizer {
             let master = dev.alloc(DType::F32, n);
             dev.upload(master, &init[s.param][s.param_range.clone()])?;
             shards.push(Shard {
-                staging: s.staging,
+                storage: s.storage,
                 param: s.param,
                 param_range: s.param_range,
                 param_view: s.param_view,
@@ -280,7 +280,7 @@ impl DistributedOptimizer {
                         step: self.steps,
                     };
                     // Staging views alias the gradients and are written only by `stage`.
-                    let out = (!s.staging).then_some(s.param_view);
+                    let out = (s.storage == BufKind::Persistent).then_some(s.param_view);
                     dev.adamw(s.master, s.grad32, s.state1, s.state2, &hp, out)?;
                 }
                 Algorithm::Sgd {
@@ -293,7 +293,7 @@ impl DistributedOptimizer {
                         weight_decay,
                     };
                     dev.sgd_momentum(s.master, s.grad32, s.state1, &hp, self.steps == 1)?;
-                    if !s.staging {
+                    if s.storage == BufKind::Persistent {
                         dev.cast(s.master, s.param_view)?;
                     }
                 }
@@ -304,14 +304,30 @@ impl DistributedOptimizer {
 }
 
 impl DistributedOptimizer {
-    /// Writes `bf16(master)` of every staging shard into its staging view and declares the
-    /// owner's groups staged (which resets their dispatch state).
-    fn stage(&self, dev: &mut Device, bufs: &mut DataParallelBuffers) -> Result<()> {
-        for s in self.shards.iter().filter(|s| s.staging) {
+    /// Stages the owner's low-precision weights from the masters: `bf16(master)` into every
+    /// staging view (MXFP8; the group then waits for its gather), and NVFP4 shards quantized
+    /// into the packed buffer after a MAX-reduction of their tile amaxes (collective).
+    fn stage(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+    ) -> Result<()> {
+        for s in self.shards.iter().filter(|s| s.storage == BufKind::Staging) {
             dev.cast(s.master, s.param_view)?;
         }
         bufs.mark_staged(self.owner)?;
-        Ok(())
+        let mut pieces = Vec::new();
+        for s in self.shards.iter().filter(|s| s.storage == BufKind::Packed) {
+            let tmp = dev.alloc(DType::Bf16, s.master.len());
+            dev.cast(s.master, tmp)?;
+            pieces.push((s.param, s.param_range.clone(), tmp));
+        }
+        let r = bufs.stage_packed(dev, comm, self.owner, &pieces);
+        for (_, _, tmp) in pieces {
+            dev.free(tmp)?;
+        }
+        Ok(r?)
     }
 }
 
@@ -540,7 +556,7 @@ impl ChainedOptimizer {
             // Gradients are dead (copied to fp32 in `prepare`), so the staging views that alias
             // them can be written now; every part stages before the one gather of each group.
             for p in &self.parts {
-                p.stage(dev, bufs)?;
+                p.stage(dev, comm, bufs)?;
             }
             bufs.sync_params(dev, comm)?;
         }
@@ -558,11 +574,16 @@ impl ChainedOptimizer {
     /// forward's lazy gathers ship the new values. This is the only order that works (zero →
     /// stage → gather → re-quantize → zero the group's staging view → backward), so it is one
     /// call.
-    pub fn begin_iteration(&self, dev: &mut Device, bufs: &mut DataParallelBuffers) -> Result<()> {
+    pub fn begin_iteration(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+    ) -> Result<()> {
         bufs.zero_grad_buffer(dev)?;
         for p in &self.parts {
             if bufs.has_stale(p.owner) {
-                p.stage(dev, bufs)?;
+                p.stage(dev, comm, bufs)?;
             }
         }
         Ok(())
@@ -581,7 +602,7 @@ impl ChainedOptimizer {
         bufs.complete_param_sync(dev)?;
         bufs.zero_grad_buffer(dev)?;
         for p in &self.parts {
-            p.stage(dev, bufs)?;
+            p.stage(dev, comm, bufs)?;
         }
         bufs.sync_params(dev, comm)?;
         Ok(())

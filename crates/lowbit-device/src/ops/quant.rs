@@ -350,3 +350,84 @@ impl Device {
         })
     }
 }
+
+/// 2D NVFP4 primary weights computed shard by shard (see `lowbit_formats::nvfp4::sharded`).
+impl Device {
+    /// Folds the magnitudes of `src` — elements `start ..` of a row-major matrix with `cols`
+    /// columns — into the per-16x16-tile amaxes `tiles` (f32, in place, NaN ignored).
+    pub fn nvfp4_fold_tile_amax_2d(
+        &mut self,
+        src: View,
+        start: usize,
+        cols: usize,
+        tiles: View,
+    ) -> Result<()> {
+        const WHAT: &str = "nvfp4_fold_tile_amax_2d";
+        check_float(WHAT, src)?;
+        check_dtype(WHAT, tiles, DType::F32)?;
+        self.cpu_ref().check_views(WHAT, &[src], &[tiles])?;
+        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
+        let needed = nvfp4::sharded::tile_count(rows_needed, cols);
+        if cols == 0 || tiles.len() < needed {
+            return Err(invalid(
+                WHAT,
+                format!("{} tiles cannot cover the range", tiles.len()),
+            ));
+        }
+        let values = self.cpu_ref().read_f32(src)?;
+        let mut t: Vec<f32> = self.download(tiles)?;
+        nvfp4::sharded::fold_tile_amax_2d(&values, start, cols, &mut t);
+        self.upload(tiles, &t)
+    }
+
+    /// Writes the packed codes of `src` (elements `start ..`, even start and length) into the
+    /// u8 view `out` (`src.len() / 2` bytes), with the MAX-reduced tile amaxes `tiles`.
+    pub fn nvfp4_quantize_2d_range(
+        &mut self,
+        src: View,
+        start: usize,
+        cols: usize,
+        tiles: View,
+        out: View,
+    ) -> Result<()> {
+        const WHAT: &str = "nvfp4_quantize_2d_range";
+        check_float(WHAT, src)?;
+        check_dtype(WHAT, tiles, DType::F32)?;
+        check_dtype(WHAT, out, DType::U8)?;
+        self.cpu_ref().check_views(WHAT, &[src, tiles], &[out])?;
+        let values = self.cpu_ref().read_f32(src)?;
+        let t: Vec<f32> = self.download(tiles)?;
+        let mut bytes = vec![0u8; out.len()];
+        nvfp4::sharded::quantize_2d_range(&values, start, cols, &t, &mut bytes)?;
+        self.write_bytes(out, &bytes)
+    }
+
+    /// Completes gathered 2D NVFP4 weights: from the rowwise bytes `out.rowwise.0` (already in
+    /// place) and the reduced tile amaxes, writes the rowwise scales and the whole columnwise
+    /// copy, and returns the global amax.
+    pub fn nvfp4_finish_2d(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        tiles: View,
+        out: &Nvfp4Views,
+    ) -> Result<f32> {
+        const WHAT: &str = "nvfp4_finish_2d";
+        let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
+            return Err(invalid(WHAT, "both copies are needed"));
+        };
+        let t: Vec<f32> = self.download(tiles)?;
+        let rowwise = self.read_bytes(rd)?;
+        let tensor = nvfp4::sharded::from_rowwise_2d(rows, cols, rowwise, &t)?;
+        let (Some(r), Some(c)) = (&tensor.rowwise, &tensor.columnwise) else {
+            unreachable!("from_rowwise_2d builds both copies");
+        };
+        check_len(WHAT, rs.len(), r.scales.len())?;
+        check_len(WHAT, cd.len(), c.data.len())?;
+        check_len(WHAT, cs.len(), c.scales.len())?;
+        self.write_bytes(rs, &r.scales)?;
+        self.write_bytes(cd, &c.data)?;
+        self.write_bytes(cs, &c.scales)?;
+        Ok(tensor.amax_rowwise)
+    }
+}
