@@ -689,15 +689,22 @@ fn summary(cases: &[Case], times: &[Option<f64>], load: &[Option<f64>]) -> Strin
                  what allocating, zeroing, faulting in and freeing the outputs costs"
             );
         }
+        let cost = if t_new > t_into {
+            format!(
+                "fresh outputs cost {:.1} ms ({:.0}% of the call)",
+                (t_new - t_into) / 1e6,
+                100.0 * (t_new - t_into) / t_new
+            )
+        } else {
+            "no cost measurable (the reused run was not faster: noise?)".to_owned()
+        };
         let _ = writeln!(
             s,
-            "{:<27} {:>3} {:>10} vs {:>10}: fresh outputs cost {:.1} ms ({:.0}% of the call)",
+            "{:<27} {:>3} {:>10} vs {:>10}: {cost}",
             base,
             case.threads,
             fmt_time(t_into),
             fmt_time(t_new),
-            (t_new - t_into) / 1e6,
-            100.0 * (t_new - t_into) / t_new
         );
     }
     let _ = writeln!(

@@ -77,6 +77,7 @@ fn main() {
         average_in_collective: false,
         bucket_size: Some(40_000_000),
         high_busbw_padding: false,
+        mxfp8_direct_2d: false,
     };
     let base_cfg = DdpConfig {
         distributed_optimizer: false,

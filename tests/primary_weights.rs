@@ -31,6 +31,14 @@ fn variant(base: Run, gather: bool) -> Run {
             param_gather: on,
             ..base
         },
+        (Precision::Mxfp8Direct, on) => Run {
+            param_gather: on,
+            ddp: lowbit::buffers::DdpConfig {
+                mxfp8_direct_2d: on,
+                ..base.ddp
+            },
+            ..base
+        },
         (Precision::Bf16, true) => base,
         (Precision::Bf16, false) => Run {
             ddp: ddp(
@@ -59,7 +67,12 @@ fn parity_matrix_on_vs_off_is_bitwise() {
     };
     let steps = if full_matrix() { 12 } else { 5 };
     let mut cases = 0;
-    for precision in [Precision::Bf16, Precision::Mxfp8, Precision::Nvfp4] {
+    for precision in [
+        Precision::Bf16,
+        Precision::Mxfp8,
+        Precision::Nvfp4,
+        Precision::Mxfp8Direct,
+    ] {
         for (og, op) in [(false, false), (true, false), (true, true)] {
             for grad in [GradDType::F32, GradDType::Bf16] {
                 for bucket in [None, Some(500)] {
@@ -85,6 +98,10 @@ fn parity_matrix_on_vs_off_is_bitwise() {
                             // differently but assemble to the same values.
                             assert_eq!(full_masters(&on).len(), full_masters(&off).len());
                         }
+                        // The ON run really has low-precision primary weights (all 4 matrices).
+                        let expect_low = if precision == Precision::Bf16 { 0 } else { 4 };
+                        assert_eq!(on[0].low_precision_params, expect_low, "{what}");
+                        assert_eq!(off[0].low_precision_params, 0, "{what}");
                         assert_parity(&on, &off, &what);
                         cases += 1;
                     }
@@ -452,4 +469,30 @@ fn memory_per_parameter_closed_form() {
         assert_eq!(b.weights(), 2 * n);
         assert_eq!(b.staging(), 0);
     }
+}
+
+/// The direct 2D path gathers fp8 bytes: about half the all-gather traffic of bf16 staging
+/// (biases and the grad-norm exchange are the same in both), for the same trajectory as bf16
+/// weights quantized on the fly with 2D scaling.
+#[test]
+fn direct_path_halves_the_gather_traffic() {
+    let base = Run {
+        precision: Precision::Mxfp8Direct,
+        param_gather: true,
+        ..Run::new(2)
+    };
+    let direct = train(Run {
+        ddp: lowbit::buffers::DdpConfig {
+            mxfp8_direct_2d: true,
+            ..base.ddp
+        },
+        ..base
+    });
+    let staged = train(Run {
+        precision: Precision::Mxfp8,
+        ..base
+    });
+    let (d, s) = (direct[0].gather_bytes as f64, staged[0].gather_bytes as f64);
+    assert!(d < 0.6 * s, "direct {d} bytes vs staged {s}");
+    assert!(d > 0.45 * s, "direct {d} bytes vs staged {s}");
 }

@@ -11,7 +11,7 @@ use lowbit::buffers::layout::{
 };
 use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config, nvfp4_weight_config};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::{DType, Device, Fp8Kind, Mxfp8Views, View};
+use lowbit::device::{DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, View};
 use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, Usage, sample};
 use lowbit::optim::{
     Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
@@ -36,6 +36,9 @@ pub enum Precision {
     Mxfp8,
     /// `Q(bf16)` 2D NVFP4 weights (likewise).
     Nvfp4,
+    /// `Q(bf16)` 2D (32x32) MXFP8 weights; with parameter gather on they travel as fp8 bytes
+    /// (the direct path) instead of bf16 staging.
+    Mxfp8Direct,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -95,6 +98,7 @@ pub fn ddp(
         average_in_collective: false,
         bucket_size: bucket,
         high_busbw_padding: false,
+        mxfp8_direct_2d: false,
     }
 }
 
@@ -112,6 +116,10 @@ pub struct Outcome {
     pub masters: Vec<MasterShard>,
     /// Every parameter's final compute weights (f32 bits of what the forward uses).
     pub weights: Vec<Vec<u32>>,
+    /// Bytes this rank all-gathered (parameters and the grad-norm exchange).
+    pub gather_bytes: u64,
+    /// Parameters with low-precision primary weights (so a test can tell the paths apart).
+    pub low_precision_params: usize,
 }
 
 fn is_matrix(name: &str) -> bool {
@@ -128,12 +136,17 @@ pub fn specs(run: &Run) -> Vec<ParamSpec> {
             } else {
                 0
             };
-            let storage =
-                if run.param_gather && run.precision == Precision::Mxfp8 && is_matrix(&name) {
+            let storage = match run.precision {
+                Precision::Mxfp8 | Precision::Mxfp8Direct
+                    if run.param_gather && is_matrix(&name) =>
+                {
                     ParamStorage::Quantized(QuantKind::Mxfp8)
-                } else {
-                    ParamStorage::Bf16
-                };
+                }
+                Precision::Nvfp4 if run.param_gather && is_matrix(&name) => {
+                    ParamStorage::Quantized(QuantKind::Nvfp4)
+                }
+                _ => ParamStorage::Bf16,
+            };
             let key = BufferKey {
                 param_storage: storage,
                 grad_dtype: run.grad,
@@ -242,7 +255,11 @@ impl Hooks for DpHooks<'_> {
                     columnwise: Some((cd.slice(0..rows * cols)?, cs.slice(0..cb * cols)?)),
                 };
                 let src = self.bufs.param_view(p).map_err(hook_err)?;
-                dev.quantize_mxfp8(src, rows, cols, &mxfp8_weight_config(), &views)?;
+                let cfg = Mxfp8Config {
+                    two_d: self.precision == Precision::Mxfp8Direct,
+                    ..mxfp8_weight_config()
+                };
+                dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
                 lowbit::buffers::Mxfp8Weights {
                     rows,
                     cols,
@@ -342,6 +359,8 @@ pub fn rank_main(
         skipped: 0,
         masters: Vec::new(),
         weights: Vec::new(),
+        gather_bytes: 0,
+        low_precision_params: 0,
     };
     for step in 0..run.steps {
         opt.begin_iteration(dev, comm, &mut bufs)
@@ -407,6 +426,13 @@ pub fn rank_main(
         out.weights.push(w.iter().map(|f| f.to_bits()).collect());
     }
     hooks.free(dev);
+    out.gather_bytes = comm.stats().all_gather.bytes;
+    out.low_precision_params = (0..SHAPE.params().len())
+        .filter(|&p| bufs.is_low_precision(p))
+        .count();
+    if std::env::var_os("LOWBIT_DEBUG_STATS").is_some() {
+        eprintln!("rank {rank}: {:?}", comm.stats());
+    }
     Ok(out)
 }
 

@@ -64,6 +64,11 @@ pub struct DdpConfig {
     pub bucket_size: Option<usize>,
     /// Pad bucket ends to `lcm(dp, 128, 2^16)` instead of `lcm(dp, 128)`.
     pub high_busbw_padding: bool,
+    /// Gather MXFP8 primary weights directly as fp8 bytes with 2D (32x32) scaling, tile amaxes
+    /// reduced with MAX across ranks first, instead of staging bf16 values: both copies are the
+    /// same bytes, so the gather moves half the bytes of bf16 staging. The weights then use
+    /// TE's 2D weight recipe.
+    pub mxfp8_direct_2d: bool,
 }
 
 impl DdpConfig {
@@ -206,6 +211,9 @@ pub enum BufKind {
     /// Packed NVFP4 bytes (element offset / 2), quantized shard by shard before the gather;
     /// they are the rowwise data of the weights.
     Packed,
+    /// 2D MXFP8 fp8 bytes (one per element), quantized shard by shard before the gather; they
+    /// are both copies' data.
+    Direct,
 }
 
 impl BufKind {
@@ -254,6 +262,8 @@ pub struct DataParallelBuffers {
     quantized: Vec<Option<Mxfp8Weights>>,
     /// NVFP4 storage of each NVFP4 parameter, and its global amax after the last gather.
     nvfp4: Vec<Option<(Nvfp4Weights, f32)>>,
+    /// Reduced 32x32 tile amaxes of each directly gathered MXFP8 parameter.
+    tiles: Vec<Option<View>>,
     /// Whether the next gradient access is the first of the iteration (checked in debug builds).
     check_before_backward: bool,
 }
@@ -311,6 +321,7 @@ impl DataParallelBuffers {
         let mut param_loc = vec![(0, 0, 0); specs.len()];
         let mut quantized = vec![None; specs.len()];
         let mut nvfp4 = vec![None; specs.len()];
+        let mut tiles = vec![None; specs.len()];
         for spec in &specs {
             if spec.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4) {
                 let (rows, cols) = matrix_dims(&spec.shape);
@@ -328,11 +339,7 @@ impl DataParallelBuffers {
             let group_specs: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
             let lay = layout::compute_layout(&group_specs, &lcfg)?;
             layout::check_shard_count(&lay, if cfg.distributed_optimizer { dp } else { 1 })?;
-            let kind = match key.param_storage {
-                ParamStorage::Quantized(QuantKind::Mxfp8) => BufKind::Staging,
-                ParamStorage::Quantized(QuantKind::Nvfp4) => BufKind::Packed,
-                _ => BufKind::Persistent,
-            };
+            let kind = buf_kind(&key, &cfg);
             let grad_data = dev.alloc(grad_dtype(key.grad_dtype), lay.numel);
             let packed = (kind == BufKind::Packed)
                 .then(|| layout::packed_layout(&lay))
@@ -342,6 +349,7 @@ impl DataParallelBuffers {
                 // between the optimizer step and the next backward.
                 (BufKind::Staging, _) => grad_data.reinterpret(DType::Bf16)?.slice(0..lay.numel)?,
                 (BufKind::Packed, Some(pk)) => dev.alloc(DType::U8, pk.numel_bytes),
+                (BufKind::Direct, _) => dev.alloc(DType::U8, lay.numel),
                 _ => dev.alloc(storage_dtype(key.param_storage)?, lay.numel),
             };
             for (i, &m) in members.iter().enumerate() {
@@ -361,6 +369,19 @@ impl DataParallelBuffers {
                                 dev.alloc(DType::U8, cb * cols),
                             ),
                         });
+                    }
+                    (BufKind::Direct, _) => {
+                        // Both copies of a 2D-scaled tensor hold the same bytes: one view.
+                        let data = param_data.slice(lay.params[i].range())?;
+                        quantized[m] = Some(Mxfp8Weights {
+                            rows,
+                            cols,
+                            rowwise: (data, dev.alloc(DType::U8, rows * cols.div_ceil(32))),
+                            columnwise: (data, dev.alloc(DType::U8, rows.div_ceil(32) * cols)),
+                        });
+                        tiles[m] = Some(
+                            dev.alloc(DType::F32, lowbit_device::mxfp8_tile_count(rows, cols)),
+                        );
                     }
                     (BufKind::Packed, Some(pk)) => {
                         let pr = &pk.params[i];
@@ -431,6 +452,7 @@ impl DataParallelBuffers {
             last_microbatch: true,
             quantized,
             nvfp4,
+            tiles,
             check_before_backward: false,
         })
     }
@@ -473,10 +495,21 @@ impl DataParallelBuffers {
         self.buffers[b].layout.params[i].range()
     }
 
-    /// The storage of parameter `p` (its slice of the param buffer).
+    /// The storage of parameter `p`: its slice of the param buffer (for low-precision
+    /// parameters the staging view, the packed NVFP4 bytes or the fp8 bytes).
     pub fn param_view(&self, p: usize) -> Result<View> {
-        let (b, _, _) = self.param_loc[p];
-        Ok(self.buffers[b].param_data.slice(self.param_range(p))?)
+        let (b, i, _) = self.param_loc[p];
+        let buf = &self.buffers[b];
+        let range = match &buf.packed {
+            Some(pk) => pk.params[i].start..pk.params[i].end,
+            None => self.param_range(p),
+        };
+        Ok(buf.param_data.slice(range)?)
+    }
+
+    /// Whether parameter `p` has low-precision primary weights (MXFP8 or NVFP4 storage).
+    pub fn is_low_precision(&self, p: usize) -> bool {
+        self.buffers[self.param_loc[p].0].kind.low_precision()
     }
 
     /// The main gradient of parameter `p` (its slice of the gradient buffer).
@@ -772,6 +805,22 @@ impl DataParallelBuffers {
                 self.groups[g].weights = WeightState::Current;
                 return Ok(());
             }
+            BufKind::Direct => {
+                for &p in &self.groups[g].params {
+                    let w = self.quantized[p].expect("direct buffers hold MXFP8 params");
+                    let t = self.tiles[p].expect("direct params have tiles");
+                    dev.mxfp8_scales_2d(
+                        w.rows,
+                        w.cols,
+                        Fp8Kind::E4M3,
+                        t,
+                        w.rowwise.1,
+                        w.columnwise.1,
+                    )?;
+                }
+                self.groups[g].weights = WeightState::Current;
+                return Ok(());
+            }
             BufKind::Staging => {}
         }
         let cfg = mxfp8_weight_config();
@@ -918,6 +967,20 @@ impl DataParallelBuffers {
 
     /// Quantizes a whole parameter from `src` (its bf16 values) into its low-precision storage.
     fn quantize_whole(&mut self, dev: &mut Device, p: usize, src: View) -> Result<()> {
+        if let (Some(w), Some(t)) = (self.quantized[p], self.tiles[p]) {
+            dev.zero(t)?;
+            dev.mxfp8_fold_tile_amax_2d(src, 0, w.cols, t)?;
+            dev.mxfp8_quantize_2d_range(src, 0, w.cols, Fp8Kind::E4M3, t, w.rowwise.0)?;
+            dev.mxfp8_scales_2d(
+                w.rows,
+                w.cols,
+                Fp8Kind::E4M3,
+                t,
+                w.rowwise.1,
+                w.columnwise.1,
+            )?;
+            return Ok(());
+        }
         if let Some(w) = self.quantized[p] {
             dev.quantize_mxfp8(src, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?;
             return Ok(());
@@ -955,37 +1018,58 @@ impl DataParallelBuffers {
         pieces: &[(usize, Range<usize>, View)],
     ) -> Result<()> {
         let params: Vec<usize> = (0..self.specs.len())
-            .filter(|&p| self.specs[p].owner() == owner && self.nvfp4[p].is_some())
+            .filter(|&p| {
+                self.specs[p].owner() == owner
+                    && (self.nvfp4[p].is_some() || self.tiles[p].is_some())
+            })
             .collect();
         if params.is_empty() {
             return Ok(());
         }
+        let tiles_of = |p: usize| {
+            self.nvfp4[p]
+                .map(|(w, _)| w.tiles)
+                .or(self.tiles[p])
+                .expect("filtered")
+        };
         for &p in &params {
-            let (w, _) = self.nvfp4[p].expect("filtered");
-            dev.zero(w.tiles)?;
+            dev.zero(tiles_of(p))?;
         }
-        for (p, range, values) in pieces {
-            if let Some((w, _)) = self.nvfp4[*p].filter(|_| params.contains(p)) {
-                dev.nvfp4_fold_tile_amax_2d(*values, range.start, w.cols, w.tiles)?;
+        let pieces: Vec<_> = pieces
+            .iter()
+            .filter(|(p, _, _)| params.contains(p))
+            .collect();
+        for (p, range, values) in &pieces {
+            let cols = matrix_dims(&self.specs[*p].shape).1;
+            if self.nvfp4[*p].is_some() {
+                dev.nvfp4_fold_tile_amax_2d(*values, range.start, cols, tiles_of(*p))?;
+            } else {
+                dev.mxfp8_fold_tile_amax_2d(*values, range.start, cols, tiles_of(*p))?;
             }
         }
         let ops: Vec<Op> = params
             .iter()
             .map(|&p| Op::AllReduce {
-                buf: self.nvfp4[p].expect("filtered").0.tiles,
+                buf: tiles_of(p),
                 reduce: ReduceOp::Max,
             })
             .collect();
         comm.start_coalesced(dev, &ops)?.wait(dev)?;
-        for (p, range, values) in pieces {
-            if let Some((w, _)) = self.nvfp4[*p].filter(|_| params.contains(p)) {
+        for (p, range, values) in &pieces {
+            let cols = matrix_dims(&self.specs[*p].shape).1;
+            if let Some((w, _)) = self.nvfp4[*p] {
                 let bytes = w.rowwise.0.slice(range.start / 2..range.end / 2)?;
-                dev.nvfp4_quantize_2d_range(*values, range.start, w.cols, w.tiles, bytes)?;
+                dev.nvfp4_quantize_2d_range(*values, range.start, cols, w.tiles, bytes)?;
+            } else {
+                let w = self.quantized[*p].expect("direct params are MXFP8");
+                let bytes = w.rowwise.0.slice(range.clone())?;
+                let t = tiles_of(*p);
+                dev.mxfp8_quantize_2d_range(*values, range.start, cols, Fp8Kind::E4M3, t, bytes)?;
             }
         }
         for (gi, g) in self.groups.iter_mut().enumerate() {
             let b = &self.buffers[g.buffer];
-            if b.kind == BufKind::Packed && b.owner == owner {
+            if matches!(b.kind, BufKind::Packed | BufKind::Direct) && b.owner == owner {
                 if g.param_state == ParamSyncState::InFlight {
                     return Err(BufferError::Protocol(format!(
                         "bucket group {gi}: staging while its gather is in flight"
@@ -1082,9 +1166,20 @@ impl DataParallelBuffers {
                 buffer_memory(
                     &b.layout,
                     &b.params.iter().map(|&p| &self.specs[p]).collect::<Vec<_>>(),
+                    b.kind,
                 )
             })
             .collect()
+    }
+}
+
+/// How a buffer with `key` uses its parameter region under `cfg`.
+pub fn buf_kind(key: &BufferKey, cfg: &DdpConfig) -> BufKind {
+    match key.param_storage {
+        ParamStorage::Quantized(QuantKind::Mxfp8) if cfg.mxfp8_direct_2d => BufKind::Direct,
+        ParamStorage::Quantized(QuantKind::Mxfp8) => BufKind::Staging,
+        ParamStorage::Quantized(QuantKind::Nvfp4) => BufKind::Packed,
+        _ => BufKind::Persistent,
     }
 }
 
@@ -1106,10 +1201,21 @@ pub struct BufferMemory {
 
 /// The memory of a buffer with `layout` holding `specs` (in the layout's order), from the closed
 /// form: what [`DataParallelBuffers::new`] allocates.
-pub fn buffer_memory(layout: &BufferLayout, specs: &[&ParamSpec]) -> BufferMemory {
+pub fn buffer_memory(layout: &BufferLayout, specs: &[&ParamSpec], kind: BufKind) -> BufferMemory {
     let key = layout.key;
     let grads = layout.numel * grad_dtype(key.grad_dtype).size();
     let (weights, staging) = match key.param_storage {
+        ParamStorage::Quantized(QuantKind::Mxfp8) if kind == BufKind::Direct => {
+            // The fp8 bytes (padding included; both copies), both scale tensors, tile amaxes.
+            let outside: usize = specs
+                .iter()
+                .map(|s| {
+                    let (r, c) = matrix_dims(&s.shape);
+                    r * c.div_ceil(32) + r.div_ceil(32) * c + 4 * r.div_ceil(32) * c.div_ceil(32)
+                })
+                .sum();
+            (layout.numel + outside, 0)
+        }
         ParamStorage::Quantized(QuantKind::Mxfp8) => {
             let w = specs
                 .iter()
@@ -1168,7 +1274,8 @@ pub fn estimate_buffer_memory(
         .map(|(_, members)| {
             let group: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
             let lay = layout::compute_layout(&group, &lcfg)?;
-            Ok(buffer_memory(&lay, &group))
+            let kind = buf_kind(&lay.key, cfg);
+            Ok(buffer_memory(&lay, &group, kind))
         })
         .collect()
 }

@@ -479,3 +479,8 @@ fn dtype_name(d: DType) -> &'static str {
         DType::U8 => "u8",
     }
 }
+
+/// Tiles of a `rows × cols` matrix under 2D MXFP8 scaling (32x32 tiles).
+pub fn mxfp8_tile_count(rows: usize, cols: usize) -> usize {
+    lowbit_formats::mxfp8::sharded::tile_count(rows, cols)
+}

@@ -500,3 +500,70 @@ pub(crate) fn check_plane(
     check("data", p.data.len(), p.data_shape, data_shape)?;
     check("scales", p.scales.len(), p.scale_shape, scale_shape)
 }
+
+/// 2D MXFP8 computed piecewise, for data-parallel primary weights gathered as fp8 bytes: each
+/// rank folds partial 32x32 tile amaxes of its flat element range ([`fold_tile_amax_2d`]), the
+/// ranks reduce them with MAX, each quantizes its own range ([`quantize_2d_range`]) and the
+/// bytes are gathered; [`scales_2d`] gives both scale tensors. Byte-identical to
+/// [`quantize_mxfp8`] with `two_d` on the whole matrix: each code depends only on its element
+/// and its tile's amax. Both copies are the same bytes, so half the traffic of bf16 staging.
+pub mod sharded {
+    use super::{BLOCK, scale_of};
+    use crate::{FormatError, Fp8Kind, abs_bits_nan_zero};
+
+    /// Tiles of a `rows × cols` matrix: `ceil(rows/32) · ceil(cols/32)`.
+    pub fn tile_count(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(BLOCK) * cols.div_ceil(BLOCK)
+    }
+
+    fn tile_of(flat: usize, cols: usize) -> usize {
+        (flat / cols / BLOCK) * cols.div_ceil(BLOCK) + (flat % cols) / BLOCK
+    }
+
+    /// Folds the magnitudes of elements `start ..` (flat, row-major, `cols` columns) into the
+    /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
+    pub fn fold_tile_amax_2d(values: &[f32], start: usize, cols: usize, tiles: &mut [f32]) {
+        for (i, &v) in values.iter().enumerate() {
+            let t = tile_of(start + i, cols);
+            tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
+        }
+    }
+
+    /// fp8 codes of elements `start ..` (one byte each) given the reduced tile amaxes.
+    pub fn quantize_2d_range(
+        values: &[f32],
+        start: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        tiles: &[f32],
+        out: &mut [u8],
+    ) -> Result<(), FormatError> {
+        if out.len() != values.len() {
+            return Err(FormatError::Unsupported {
+                name: "mxfp8 shard".into(),
+                reason: format!("{} values for {} bytes", values.len(), out.len()),
+            });
+        }
+        let rcp = kind.max_norm_rcp();
+        for (i, (o, &v)) in out.iter_mut().zip(values).enumerate() {
+            let (_, s) = scale_of(tiles[tile_of(start + i, cols)].to_bits(), rcp);
+            *o = kind.encode(v * s);
+        }
+        Ok(())
+    }
+
+    /// The rowwise (`[rows, ceil(cols/32)]`) and columnwise (`[ceil(rows/32), cols]`) E8M0
+    /// scales of a 2D-quantized matrix with the reduced tile amaxes `tiles`.
+    pub fn scales_2d(rows: usize, cols: usize, kind: Fp8Kind, tiles: &[f32]) -> (Vec<u8>, Vec<u8>) {
+        let rcp = kind.max_norm_rcp();
+        let tc = cols.div_ceil(BLOCK);
+        let e: Vec<u8> = tiles.iter().map(|t| scale_of(t.to_bits(), rcp).0).collect();
+        let row = (0..rows * tc)
+            .map(|i| e[(i / tc / BLOCK) * tc + i % tc])
+            .collect();
+        let col = (0..rows.div_ceil(BLOCK) * cols)
+            .map(|i| e[(i / cols) * tc + (i % cols) / BLOCK])
+            .collect();
+        (row, col)
+    }
+}

@@ -528,3 +528,33 @@ proptest! {
         prop_assert_eq!(got, want);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// 2D MXFP8 from flat shards equals the whole-matrix quantization (both copies).
+    #[test]
+    fn sharded_mxfp8_2d_equals_whole((rows, cols, x) in matrix(), cuts in proptest::collection::vec(any::<u16>(), 0..5)) {
+        use lowbit_formats::mxfp8::sharded::{fold_tile_amax_2d, quantize_2d_range, scales_2d, tile_count};
+        let n = rows * cols;
+        let mut bounds: Vec<usize> = cuts.iter().map(|&c| usize::from(c) % (n + 1)).collect();
+        bounds.extend([0, n]);
+        bounds.sort_unstable();
+        bounds.dedup();
+        let mut tiles = vec![0f32; tile_count(rows, cols)];
+        for w in bounds.windows(2) {
+            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut tiles);
+        }
+        let mut bytes = vec![0u8; n];
+        for w in bounds.windows(2) {
+            quantize_2d_range(&x[w[0]..w[1]], w[0], cols, Fp8Kind::E4M3, &tiles, &mut bytes[w[0]..w[1]]).unwrap();
+        }
+        let (rs, cs) = scales_2d(rows, cols, Fp8Kind::E4M3, &tiles);
+        let want = mx(rows, cols, &x, Mxfp8Config { two_d: true, ..Default::default() });
+        let (wr, wc) = (want.rowwise.unwrap(), want.columnwise.unwrap());
+        prop_assert_eq!(&bytes, &wr.data);
+        prop_assert_eq!(&bytes, &wc.data);
+        prop_assert_eq!(rs, wr.scales);
+        prop_assert_eq!(cs, wc.scales);
+    }
+}

@@ -305,8 +305,9 @@ impl DistributedOptimizer {
 
 impl DistributedOptimizer {
     /// Stages the owner's low-precision weights from the masters: `bf16(master)` into every
-    /// staging view (MXFP8; the group then waits for its gather), and NVFP4 shards quantized
-    /// into the packed buffer after a MAX-reduction of their tile amaxes (collective).
+    /// staging view (MXFP8; the group then waits for its gather), and NVFP4 or direct 2D MXFP8
+    /// shards quantized into the buffer after a MAX-reduction of their tile amaxes
+    /// (collective).
     fn stage(
         &self,
         dev: &mut Device,
@@ -318,7 +319,11 @@ impl DistributedOptimizer {
         }
         bufs.mark_staged(self.owner)?;
         let mut pieces = Vec::new();
-        for s in self.shards.iter().filter(|s| s.storage == BufKind::Packed) {
+        for s in self
+            .shards
+            .iter()
+            .filter(|s| matches!(s.storage, BufKind::Packed | BufKind::Direct))
+        {
             let tmp = dev.alloc(DType::Bf16, s.master.len());
             dev.cast(s.master, tmp)?;
             pieces.push((s.param, s.param_range.clone(), tmp));
@@ -468,7 +473,7 @@ pub fn initialize_params(
 ) -> Result<()> {
     check_init(bufs, init)?;
     for (p, v) in init.iter().enumerate() {
-        if bufs.mxfp8_weights(p).is_some() {
+        if bufs.is_low_precision(p) {
             // Low-precision primary weights start as Q(bf16(init)), written directly.
             bufs.initialize_quantized(dev, p, v)?;
             continue;

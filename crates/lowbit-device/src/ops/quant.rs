@@ -431,3 +431,81 @@ impl Device {
         Ok(tensor.amax_rowwise)
     }
 }
+
+/// 2D MXFP8 primary weights computed shard by shard (see `lowbit_formats::mxfp8::sharded`).
+impl Device {
+    /// Folds the magnitudes of `src` (elements `start ..` of a row-major matrix with `cols`
+    /// columns) into the per-32x32-tile amaxes `tiles` (f32, in place, NaN ignored).
+    pub fn mxfp8_fold_tile_amax_2d(
+        &mut self,
+        src: View,
+        start: usize,
+        cols: usize,
+        tiles: View,
+    ) -> Result<()> {
+        const WHAT: &str = "mxfp8_fold_tile_amax_2d";
+        check_float(WHAT, src)?;
+        check_dtype(WHAT, tiles, DType::F32)?;
+        self.cpu_ref().check_views(WHAT, &[src], &[tiles])?;
+        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
+        if cols == 0 || tiles.len() < mxfp8::sharded::tile_count(rows_needed, cols) {
+            return Err(invalid(
+                WHAT,
+                format!("{} tiles cannot cover the range", tiles.len()),
+            ));
+        }
+        let values = self.cpu_ref().read_f32(src)?;
+        let mut t: Vec<f32> = self.download(tiles)?;
+        mxfp8::sharded::fold_tile_amax_2d(&values, start, cols, &mut t);
+        self.upload(tiles, &t)
+    }
+
+    /// Writes the fp8 codes of `src` (elements `start ..`) into the u8 view `out` (one byte
+    /// each), with the MAX-reduced tile amaxes `tiles`.
+    pub fn mxfp8_quantize_2d_range(
+        &mut self,
+        src: View,
+        start: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        tiles: View,
+        out: View,
+    ) -> Result<()> {
+        const WHAT: &str = "mxfp8_quantize_2d_range";
+        check_float(WHAT, src)?;
+        check_dtype(WHAT, tiles, DType::F32)?;
+        check_dtype(WHAT, out, DType::U8)?;
+        self.cpu_ref().check_views(WHAT, &[src, tiles], &[out])?;
+        let values = self.cpu_ref().read_f32(src)?;
+        let t: Vec<f32> = self.download(tiles)?;
+        let mut bytes = vec![0u8; out.len()];
+        mxfp8::sharded::quantize_2d_range(&values, start, cols, kind, &t, &mut bytes)?;
+        self.write_bytes(out, &bytes)
+    }
+
+    /// Writes the rowwise and columnwise E8M0 scales of a 2D-quantized `rows × cols` matrix from
+    /// its reduced tile amaxes.
+    pub fn mxfp8_scales_2d(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        tiles: View,
+        row_scales: View,
+        col_scales: View,
+    ) -> Result<()> {
+        const WHAT: &str = "mxfp8_scales_2d";
+        let t: Vec<f32> = self.download(tiles)?;
+        if t.len() != mxfp8::sharded::tile_count(rows, cols) {
+            return Err(invalid(
+                WHAT,
+                format!("{} tiles for {rows}x{cols}", t.len()),
+            ));
+        }
+        let (r, c) = mxfp8::sharded::scales_2d(rows, cols, kind, &t);
+        check_len(WHAT, row_scales.len(), r.len())?;
+        check_len(WHAT, col_scales.len(), c.len())?;
+        self.write_bytes(row_scales, &r)?;
+        self.write_bytes(col_scales, &c)
+    }
+}
