@@ -146,14 +146,17 @@ fn train_eval_train_equals_train_only() {
             (GradDType::F32, Precision::Mxfp8),
             (GradDType::Bf16, Precision::Mxfp8),
             (GradDType::F32, Precision::Nvfp4),
+            (GradDType::F32, Precision::Mxfp8Direct),
         ] {
-            let base = Run {
-                precision,
-                param_gather: true,
-                grad,
-                ddp: ddp(true, og, op, Some(500)),
-                ..Run::new(2)
-            };
+            let base = variant(
+                Run {
+                    precision,
+                    grad,
+                    ddp: ddp(true, og, op, Some(500)),
+                    ..Run::new(2)
+                },
+                true,
+            );
             let mut with_eval = train(Run {
                 eval_after: &[0, 2, 3],
                 ..base
@@ -163,8 +166,7 @@ fn train_eval_train_equals_train_only() {
             // Evals use the weights of the step they follow: equal to the OFF path's evals.
             let off_eval = train(Run {
                 eval_after: &[0, 2, 3],
-                param_gather: false,
-                ..base
+                ..variant(base, false)
             });
             assert_eq!(
                 common::bits(&with_eval[0].eval_losses),
@@ -188,13 +190,16 @@ fn a_forced_sync_every_step_changes_nothing() {
         ((false, false), Precision::Mxfp8),
         ((true, true), Precision::Mxfp8),
         ((true, true), Precision::Nvfp4),
+        ((true, true), Precision::Mxfp8Direct),
     ] {
-        let base = Run {
-            precision,
-            param_gather: true,
-            ddp: ddp(true, og, op, Some(500)),
-            ..Run::new(4)
-        };
+        let base = variant(
+            Run {
+                precision,
+                ddp: ddp(true, og, op, Some(500)),
+                ..Run::new(4)
+            },
+            true,
+        );
         let forced = train(Run {
             force_sync_every_step: true,
             ..base
