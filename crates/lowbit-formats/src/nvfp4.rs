@@ -202,6 +202,18 @@ fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp
     }
     if cfg.copies.columnwise() {
         let sr = cfg.stochastic_rounding.map(|s| RandomBytes::new(s, 1));
+        if !t.rht && sr.is_none() && rows.is_multiple_of(BLOCK) {
+            // No transform, no random bytes: read the columns straight from X.
+            t.columnwise = Some(quantize_cols_direct(
+                x,
+                rows,
+                cols,
+                &row_params,
+                tiles.as_ref(),
+                threads,
+            ));
+            return t;
+        }
         // The columnwise copy quantizes the rows of the transpose. Materialising Xᵀ (f32) keeps
         // one block kernel for both copies; the transform, when asked for, runs on the way.
         let xt = if t.rht {
@@ -647,5 +659,102 @@ pub mod sharded {
                 scale_shape: [cols, tr],
             }),
         )
+    }
+}
+
+/// Columns per work item of [`quantize_cols_direct`].
+const STRIP: usize = 256;
+
+/// The columnwise copy straight from X, without materialising Xᵀ in f32: work items are strips
+/// of up to 256 columns (whole output rows of the plane); per band of 16 rows, the column
+/// amaxes, scales and packed codes are computed along the row (so they vectorise), then each
+/// column's 8 bytes are stored into its output row. Needs `rows % 16 == 0`, no RHT and no
+/// stochastic rounding.
+fn quantize_cols_direct<E: Element>(
+    x: &[E],
+    rows: usize,
+    cols: usize,
+    p: &Params,
+    tiles: Option<&Tiles>,
+    threads: usize,
+) -> QuantPlane {
+    let (rb, nbr) = (rows / 2, rows / BLOCK);
+    let mut plane = QuantPlane {
+        data: vec![0; cols * rb],
+        data_shape: [cols, rb],
+        scales: vec![0; cols * nbr],
+        scale_shape: [cols, nbr],
+    };
+    if rows == 0 || cols == 0 {
+        return plane;
+    }
+    let items: Vec<_> = plane
+        .data
+        .chunks_mut(STRIP * rb)
+        .zip(plane.scales.chunks_mut(STRIP * nbr))
+        .enumerate()
+        .collect();
+    par::for_each(items, threads, |(i, (data, scales))| {
+        crate::simd::dispatch(
+            #[inline(always)]
+            || column_strip(x, rows, cols, p, tiles, i * STRIP, data, scales),
+        )
+    });
+    plane
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn column_strip<E: Element>(
+    x: &[E],
+    rows: usize,
+    cols: usize,
+    p: &Params,
+    tiles: Option<&Tiles>,
+    c0: usize,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    let (rb, nbr) = (rows / 2, rows / BLOCK);
+    let cn = (cols - c0).min(STRIP);
+    let mut amax = [0u32; STRIP];
+    let mut mult = [0f32; STRIP];
+    let mut packed = [[0u8; STRIP]; BLOCK / 2];
+    let row = |r: usize| &x[r * cols + c0..][..cn];
+    for b in 0..nbr {
+        let (amax, mult) = (&mut amax[..cn], &mut mult[..cn]);
+        match tiles {
+            Some(t) => {
+                for (j, m) in mult.iter_mut().enumerate() {
+                    let (sf, rcp) = t.scales[b * t.tile_cols + (c0 + j) / BLOCK];
+                    scales[j * nbr + b] = sf;
+                    *m = rcp;
+                }
+            }
+            None => {
+                amax.fill(0);
+                for r in b * BLOCK..(b + 1) * BLOCK {
+                    for (a, v) in amax.iter_mut().zip(row(r)) {
+                        *a = (*a).max(crate::abs_bits_nan_zero(v.to_f32()));
+                    }
+                }
+                for (j, (a, m)) in amax.iter().zip(mult.iter_mut()).enumerate() {
+                    let (sf, rcp) = p.block(*a);
+                    scales[j * nbr + b] = sf;
+                    *m = rcp;
+                }
+            }
+        }
+        for (i, pk) in packed.iter_mut().enumerate() {
+            let r = b * BLOCK + 2 * i;
+            for (((o, lo), hi), m) in pk[..cn].iter_mut().zip(row(r)).zip(row(r + 1)).zip(&*mult) {
+                *o = e2m1_from_f32(lo.to_f32() * m) | (e2m1_from_f32(hi.to_f32() * m) << 4);
+            }
+        }
+        for (j, o) in data.chunks_mut(rb).take(cn).enumerate() {
+            for (ob, pk) in o[b * (BLOCK / 2)..][..BLOCK / 2].iter_mut().zip(&packed) {
+                *ob = pk[j];
+            }
+        }
     }
 }

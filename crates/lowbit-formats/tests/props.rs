@@ -558,3 +558,42 @@ proptest! {
         prop_assert_eq!(cs, wc.scales);
     }
 }
+
+/// The direct columnwise NVFP4 path (rows a multiple of 16, no transform, no stochastic
+/// rounding) equals the rowwise quantization of the transpose, 1D and 2D, at 1 and 3 threads.
+#[test]
+fn nvfp4_direct_columnwise_equals_rowwise_of_transpose() {
+    let (rows, cols) = (64, 300);
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            (((i * 2654435761usize) % 20011) as f32 - 10005.0)
+                * if i % 97 == 0 { 40.0 } else { 0.01 }
+        })
+        .collect();
+    let xt = transpose(&x, rows, cols);
+    for two_d in [false, true] {
+        for threads in [1, 3] {
+            let cfg = Nvfp4Config {
+                two_d,
+                threads,
+                ..Default::default()
+            };
+            let a = nv(rows, cols, &x, cfg);
+            if two_d {
+                let b = nv(
+                    rows,
+                    cols,
+                    &x,
+                    Nvfp4Config {
+                        copies: Copies::Columnwise,
+                        ..cfg
+                    },
+                );
+                assert_eq!(a.columnwise, b.columnwise);
+            } else {
+                let b = nv(cols, rows, &xt, cfg);
+                assert_eq!(a.columnwise.as_ref().unwrap(), b.rowwise.as_ref().unwrap());
+            }
+        }
+    }
+}
