@@ -362,22 +362,12 @@ impl Device {
         cols: usize,
         tiles: View,
     ) -> Result<()> {
-        const WHAT: &str = "nvfp4_fold_tile_amax_2d";
-        check_float(WHAT, src)?;
-        check_dtype(WHAT, tiles, DType::F32)?;
-        self.cpu_ref().check_views(WHAT, &[src], &[tiles])?;
-        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
-        let needed = nvfp4::sharded::tile_count(rows_needed, cols);
-        if cols == 0 || tiles.len() < needed {
-            return Err(invalid(
-                WHAT,
-                format!("{} tiles cannot cover the range", tiles.len()),
-            ));
-        }
-        let values = self.cpu_ref().read_f32(src)?;
-        let mut t: Vec<f32> = self.download(tiles)?;
-        nvfp4::sharded::fold_tile_amax_2d(&values, start, cols, &mut t);
-        self.upload(tiles, &t)
+        self.fold_tiles(
+            "nvfp4_fold_tile_amax_2d",
+            (src, start, cols, tiles),
+            nvfp4::sharded::tile_count,
+            nvfp4::sharded::fold_tile_amax_2d,
+        )
     }
 
     /// Writes the packed codes of `src` (elements `start ..`, even start and length) into the
@@ -390,16 +380,9 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
-        const WHAT: &str = "nvfp4_quantize_2d_range";
-        check_float(WHAT, src)?;
-        check_dtype(WHAT, tiles, DType::F32)?;
-        check_dtype(WHAT, out, DType::U8)?;
-        self.cpu_ref().check_views(WHAT, &[src, tiles], &[out])?;
-        let values = self.cpu_ref().read_f32(src)?;
-        let t: Vec<f32> = self.download(tiles)?;
-        let mut bytes = vec![0u8; out.len()];
-        nvfp4::sharded::quantize_2d_range(&values, start, cols, &t, &mut bytes)?;
-        self.write_bytes(out, &bytes)
+        self.quantize_range("nvfp4_quantize_2d_range", src, tiles, out, |v, t, b| {
+            nvfp4::sharded::quantize_2d_range(v, start, cols, t, b)
+        })
     }
 
     /// Completes gathered 2D NVFP4 weights: from the rowwise bytes `out.rowwise.0` (already in
@@ -443,21 +426,12 @@ impl Device {
         cols: usize,
         tiles: View,
     ) -> Result<()> {
-        const WHAT: &str = "mxfp8_fold_tile_amax_2d";
-        check_float(WHAT, src)?;
-        check_dtype(WHAT, tiles, DType::F32)?;
-        self.cpu_ref().check_views(WHAT, &[src], &[tiles])?;
-        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
-        if cols == 0 || tiles.len() < mxfp8::sharded::tile_count(rows_needed, cols) {
-            return Err(invalid(
-                WHAT,
-                format!("{} tiles cannot cover the range", tiles.len()),
-            ));
-        }
-        let values = self.cpu_ref().read_f32(src)?;
-        let mut t: Vec<f32> = self.download(tiles)?;
-        mxfp8::sharded::fold_tile_amax_2d(&values, start, cols, &mut t);
-        self.upload(tiles, &t)
+        self.fold_tiles(
+            "mxfp8_fold_tile_amax_2d",
+            (src, start, cols, tiles),
+            mxfp8::sharded::tile_count,
+            mxfp8::sharded::fold_tile_amax_2d,
+        )
     }
 
     /// Writes the fp8 codes of `src` (elements `start ..`) into the u8 view `out` (one byte
@@ -471,16 +445,9 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
-        const WHAT: &str = "mxfp8_quantize_2d_range";
-        check_float(WHAT, src)?;
-        check_dtype(WHAT, tiles, DType::F32)?;
-        check_dtype(WHAT, out, DType::U8)?;
-        self.cpu_ref().check_views(WHAT, &[src, tiles], &[out])?;
-        let values = self.cpu_ref().read_f32(src)?;
-        let t: Vec<f32> = self.download(tiles)?;
-        let mut bytes = vec![0u8; out.len()];
-        mxfp8::sharded::quantize_2d_range(&values, start, cols, kind, &t, &mut bytes)?;
-        self.write_bytes(out, &bytes)
+        self.quantize_range("mxfp8_quantize_2d_range", src, tiles, out, |v, t, b| {
+            mxfp8::sharded::quantize_2d_range(v, start, cols, kind, t, b)
+        })
     }
 
     /// Writes the rowwise and columnwise E8M0 scales of a 2D-quantized `rows × cols` matrix from
@@ -507,5 +474,50 @@ impl Device {
         check_len(WHAT, col_scales.len(), c.len())?;
         self.write_bytes(row_scales, &r)?;
         self.write_bytes(col_scales, &c)
+    }
+}
+
+/// The shared bodies of the sharded 2D ops: view checks, host round trip, the format's function.
+impl Device {
+    fn fold_tiles(
+        &mut self,
+        what: &'static str,
+        (src, start, cols, tiles): (View, usize, usize, View),
+        tile_count: fn(usize, usize) -> usize,
+        fold: fn(&[f32], usize, usize, &mut [f32]),
+    ) -> Result<()> {
+        check_float(what, src)?;
+        check_dtype(what, tiles, DType::F32)?;
+        self.cpu_ref().check_views(what, &[src], &[tiles])?;
+        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
+        if cols == 0 || tiles.len() < tile_count(rows_needed, cols) {
+            return Err(invalid(
+                what,
+                format!("{} tiles cannot cover the range", tiles.len()),
+            ));
+        }
+        let values = self.cpu_ref().read_f32(src)?;
+        let mut t: Vec<f32> = self.download(tiles)?;
+        fold(&values, start, cols, &mut t);
+        self.upload(tiles, &t)
+    }
+
+    fn quantize_range(
+        &mut self,
+        what: &'static str,
+        src: View,
+        tiles: View,
+        out: View,
+        quantize: impl FnOnce(&[f32], &[f32], &mut [u8]) -> Result<(), lowbit_formats::FormatError>,
+    ) -> Result<()> {
+        check_float(what, src)?;
+        check_dtype(what, tiles, DType::F32)?;
+        check_dtype(what, out, DType::U8)?;
+        self.cpu_ref().check_views(what, &[src, tiles], &[out])?;
+        let values = self.cpu_ref().read_f32(src)?;
+        let t: Vec<f32> = self.download(tiles)?;
+        let mut bytes = vec![0u8; out.len()];
+        quantize(&values, &t, &mut bytes)?;
+        self.write_bytes(out, &bytes)
     }
 }
