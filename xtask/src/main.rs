@@ -3,10 +3,24 @@
 //! Tasks:
 //! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the README's test
 //!   command), for running locally before a commit.
-//!
-//! The CUDA backend adds `ptx` (build `cuda/*.cu` with a pinned toolchain) and `gpu-bundle`.
+//! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by
+//!   `lowbit-device`), first installing the pinned CUDA 13.0 compiler from PyPI into a cache
+//!   folder (`$LOWBIT_CUDA_TOOLCHAIN`, default `target/cuda-toolchain-13.0`). Newer compilers
+//!   write PTX that the GPUs' CUDA 13.0 driver cannot load, hence the pins.
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+
+/// The CUDA 13.0 compiler packages, installed without dependencies.
+const CUDA_WHEELS: &[&str] = &[
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia-nvvm==13.0.88",
+    "nvidia-cuda-cccl==13.0.85",
+    "nvidia-cuda-runtime==13.0.96",
+];
+/// The architecture the PTX targets (Hopper; the driver JIT-compiles it for newer GPUs).
+const ARCH: &str = "sm_90";
 
 /// The README's test command; `.ci/run` runs the same one (checked by a test below).
 const TEST_COMMAND: &[&str] = &["test", "--workspace"];
@@ -15,6 +29,13 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => run_ci(),
+        Some("ptx") => match build_ptx() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
                 "usage: cargo xtask <task>\n\ntasks:\n  ci    format check, clippy -D warnings, tests"
@@ -58,6 +79,85 @@ fn run_ci() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `nvcc` of the pinned toolchain, installed into the cache folder first if needed.
+fn ensure_toolchain() -> Result<PathBuf, String> {
+    let dir = std::env::var_os("LOWBIT_CUDA_TOOLCHAIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target/cuda-toolchain-13.0"));
+    let nvcc = dir.join("nvidia/cu13/bin/nvcc");
+    if !nvcc.exists() {
+        eprintln!(
+            "installing the CUDA 13.0 compiler from PyPI into {}",
+            dir.display()
+        );
+        let status = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+            .arg(&dir)
+            .args(CUDA_WHEELS)
+            .status()
+            .map_err(|e| format!("cannot run python3 -m pip: {e}"))?;
+        if !status.success() || !nvcc.exists() {
+            return Err(format!("pip could not install {}", CUDA_WHEELS.join(" ")));
+        }
+    }
+    let version = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", nvcc.display()))?;
+    let text = String::from_utf8_lossy(&version.stdout);
+    if !text.contains("release 13.0") {
+        return Err(format!("{} is not CUDA 13.0:\n{text}", nvcc.display()));
+    }
+    Ok(nvcc)
+}
+
+/// Compiles every `cuda/*.cu` to `cuda/ptx/<stem>.<ARCH>.ptx`, prefixed with the source hash.
+fn build_ptx() -> Result<(), String> {
+    let nvcc = ensure_toolchain()?;
+    let cuda = repo_root().join("cuda");
+    let out_dir = cuda.join("ptx");
+    std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(&cuda)
+        .map_err(|e| format!("{}: {e}", cuda.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    sources.sort();
+    for src in sources {
+        let stem = src
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .ok_or("bad file name")?;
+        let bytes = std::fs::read(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+        let tmp = out_dir.join(format!(".{stem}.ptx.tmp"));
+        let status = Command::new(&nvcc)
+            .args(["-ptx", "-O3", &format!("-arch={ARCH}")])
+            .arg(&src)
+            .arg("-o")
+            .arg(&tmp)
+            .status()
+            .map_err(|e| format!("cannot run nvcc: {e}"))?;
+        if !status.success() {
+            return Err(format!("nvcc failed on {}", src.display()));
+        }
+        let ptx = std::fs::read_to_string(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        std::fs::remove_file(&tmp).ok();
+        let header = format!(
+            "{}{:016x}\n",
+            lowbit_device::ptx::HASH_HEADER,
+            lowbit_device::ptx::source_hash(&bytes)
+        );
+        let out = out_dir.join(format!("{stem}.{ARCH}.ptx"));
+        std::fs::write(&out, header + &ptx).map_err(|e| format!("{}: {e}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

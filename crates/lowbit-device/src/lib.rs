@@ -77,6 +77,7 @@
 
 mod cpu;
 mod ops;
+pub mod ptx;
 
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};

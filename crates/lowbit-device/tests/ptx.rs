@@ -1,0 +1,49 @@
+//! The committed PTX is fresh: every `cuda/*.cu` has an embedded module whose recorded source
+//! hash matches the file, and every embedded module has its source.
+
+use lowbit_device::ptx::{MODULES, recorded_hash, source_hash};
+
+#[test]
+fn every_kernel_source_has_fresh_ptx() {
+    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
+    let mut sources: Vec<_> = std::fs::read_dir(&cuda)
+        .expect("cuda/ exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    sources.sort();
+    assert!(
+        !sources.is_empty(),
+        "no kernel sources in {}",
+        cuda.display()
+    );
+    for src in &sources {
+        let stem = src.file_stem().unwrap().to_str().unwrap();
+        let module = MODULES
+            .iter()
+            .find(|m| m.name == stem)
+            .unwrap_or_else(|| panic!("cuda/{stem}.cu has no embedded PTX: run `cargo xtask ptx`"));
+        let want = source_hash(&std::fs::read(src).unwrap());
+        assert_eq!(
+            recorded_hash(module.ptx),
+            Some(want),
+            "cuda/{stem}.cu changed since its PTX was built: run `cargo xtask ptx`"
+        );
+        assert!(module.ptx.contains(&format!(".target {}", module.arch)));
+    }
+    for m in MODULES {
+        assert!(
+            sources.iter().any(|s| s.file_stem().unwrap() == m.name),
+            "embedded PTX `{}` has no source in cuda/",
+            m.name
+        );
+    }
+}
+
+#[test]
+fn source_hash_is_fnv1a64() {
+    // Published FNV-1a 64 test vectors.
+    assert_eq!(source_hash(b""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(source_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(source_hash(b"foobar"), 0x8594_4171_f739_67e8);
+}
