@@ -32,9 +32,10 @@ __device__ __forceinline__ float abs_nan_zero(float v) {
     return a != a ? 0.0f : a;
 }
 
-// Rowwise MXFP8 E4M3 of a row-major rows x cols bf16 matrix: one thread per 1x32 block.
-// data: rows*cols bytes; scales: rows*ceil(cols/32) bytes. Partial blocks at the row end use
-// the elements that exist.
+// Rowwise MXFP8 E4M3 of a row-major rows x cols bf16 matrix. One warp per 1x32 block: lane i
+// loads element i (coalesced), the block amax is a warp max reduction, lane 0 writes the scale
+// and every lane its byte. data: rows*cols bytes; scales: rows*ceil(cols/32) bytes. Lanes past
+// the row's end (a partial block) contribute 0 to the amax and write nothing.
 extern "C" __global__ void mxfp8_rowwise_e4m3_bf16(
     const __nv_bfloat16* __restrict__ x,
     uint8_t* __restrict__ data,
@@ -42,19 +43,61 @@ extern "C" __global__ void mxfp8_rowwise_e4m3_bf16(
     unsigned long long rows,
     unsigned long long cols) {
     unsigned long long nb = (cols + 31) / 32;
-    unsigned long long block = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long block =
+        ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    unsigned lane = threadIdx.x % 32;
     if (block >= rows * nb) return;
-    unsigned long long r = block / nb, b = block % nb;
-    unsigned long long c0 = b * 32, c1 = c0 + 32 < cols ? c0 + 32 : cols;
-    const __nv_bfloat16* row = x + r * cols;
-    float amax = 0.0f;
-    for (unsigned long long c = c0; c < c1; ++c) amax = fmaxf(amax, abs_nan_zero(__bfloat162float(row[c])));
+    unsigned long long r = block / nb;
+    unsigned long long c = (block % nb) * 32 + lane;
+    bool live = c < cols;
+    float v = live ? __bfloat162float(x[r * cols + c]) : 0.0f;
+    float amax = abs_nan_zero(v);
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     // fl32(1/448) = 0x3B124925, multiplied with round-to-nearest (no FMA contraction).
     uint8_t e = e8m0_round_up(__fmul_rn(amax, __uint_as_float(0x3B124925u)));
-    float s = e8m0_rcp(e);
-    scales[block] = e;
-    for (unsigned long long c = c0; c < c1; ++c) {
-        __nv_fp8_e4m3 q(__fmul_rn(__bfloat162float(row[c]), s));
+    if (lane == 0) scales[block] = e;
+    if (live) {
+        __nv_fp8_e4m3 q(__fmul_rn(v, e8m0_rcp(e)));
         data[r * cols + c] = *reinterpret_cast<uint8_t*>(&q);
+    }
+}
+
+// The same for cols % 32 == 0, 16-byte aligned rows: each thread quantizes 8 consecutive
+// elements (one 16-byte load, one 8-byte store), four threads share a 1x32 block and reduce its
+// amax with shuffles. grid.y walks rows (strided when rows exceed the grid), grid.x x blockDim.x
+// covers cols / 8 threads per row.
+extern "C" __global__ void mxfp8_rowwise_e4m3_bf16_x8(
+    const __nv_bfloat16* __restrict__ x,
+    uint8_t* __restrict__ data,
+    uint8_t* __restrict__ scales,
+    unsigned long long rows,
+    unsigned long long cols) {
+    unsigned t = blockIdx.x * blockDim.x + threadIdx.x;  // thread within the row
+    unsigned long long c = (unsigned long long)t * 8;
+    bool live = c < cols;
+    for (unsigned long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        uint4 raw = live ? *reinterpret_cast<const uint4*>(x + r * cols + c) : make_uint4(0, 0, 0, 0);
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+        float f[8];
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            f[i] = __bfloat162float(v[i]);
+            amax = fmaxf(amax, abs_nan_zero(f[i]));
+        }
+        // The four threads of a block are consecutive lanes (t % 4).
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        uint8_t e = e8m0_round_up(__fmul_rn(amax, __uint_as_float(0x3B124925u)));
+        float s = e8m0_rcp(e);
+        if (!live) continue;
+        if (t % 4 == 0) scales[r * (cols / 32) + t / 4] = e;
+        unsigned long long packed = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            __nv_fp8_e4m3 q(__fmul_rn(f[i], s));
+            packed |= (unsigned long long)(*reinterpret_cast<uint8_t*>(&q)) << (8 * i);
+        }
+        *reinterpret_cast<unsigned long long*>(data + r * cols + c) = packed;
     }
 }
