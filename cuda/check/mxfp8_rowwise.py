@@ -49,6 +49,9 @@ class Kernel:
         check(self.cuda.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, KERNEL), "cuModuleGetFunction")
         self.fn8 = ctypes.c_void_p()
         check(self.cuda.cuModuleGetFunction(ctypes.byref(self.fn8), self.mod, KERNEL + b"_x8"), "cuModuleGetFunction")
+        self.fn16 = ctypes.c_void_p()
+        check(self.cuda.cuModuleGetFunction(ctypes.byref(self.fn16), self.mod, KERNEL + b"_x16"), "cuModuleGetFunction")
+        self.per_thread = 8
 
     def __call__(self, x, data, scales, rows, cols):
         args = [
@@ -62,9 +65,11 @@ class Kernel:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if cols % 32 == 0:
             threads = 128
-            gx = (cols // 8 + threads - 1) // threads
+            per = self.per_thread
+            gx = (cols // per + threads - 1) // threads
             gy = min(rows, 65535)
-            check(self.cuda.cuLaunchKernel(self.fn8, gx, gy, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+            fn = self.fn8 if per == 8 else self.fn16
+            check(self.cuda.cuLaunchKernel(fn, gx, gy, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
             return
         blocks = rows * ((cols + 31) // 32)
         threads = 256  # 8 warps, one 1x32 block each
@@ -77,24 +82,26 @@ def main():
     inputs = read_safetensors(sys.argv[1])
     expected = read_safetensors(sys.argv[2])
     failures = 0
-    for name, (dtype, shape, raw) in sorted(inputs.items()):
-        if dtype != "BF16":
-            continue
-        cols = shape[-1] if shape else 1
-        rows = 1
-        for d in shape[:-1]:
-            rows *= d
-        x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).cuda()
-        data = torch.full((rows * cols,), 0xA5, dtype=torch.uint8, device="cuda")  # poisoned
-        scales = torch.full((rows * ((cols + 31) // 32),), 0xA5, dtype=torch.uint8, device="cuda")
-        k(x, data, scales, rows, cols)
-        torch.cuda.synchronize()
-        want_d = expected[name + ".rowwise_data"][2]
-        want_s = expected[name + ".rowwise_scale_inv"][2]
-        ok_d = bytes(data.cpu().numpy().tobytes()) == want_d
-        ok_s = bytes(scales.cpu().numpy().tobytes()) == want_s
-        failures += (not ok_d) + (not ok_s)
-        print(f"{name:32s} {rows}x{cols}: data {'EQUAL' if ok_d else 'DIFFER'}, scales {'EQUAL' if ok_s else 'DIFFER'}")
+    for per in (8, 16):
+        k.per_thread = per
+        for name, (dtype, shape, raw) in sorted(inputs.items()):
+            if dtype != "BF16":
+                continue
+            cols = shape[-1] if shape else 1
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).cuda()
+            data = torch.full((rows * cols,), 0xA5, dtype=torch.uint8, device="cuda")  # poisoned
+            scales = torch.full((rows * ((cols + 31) // 32),), 0xA5, dtype=torch.uint8, device="cuda")
+            k(x, data, scales, rows, cols)
+            torch.cuda.synchronize()
+            want_d = expected[name + ".rowwise_data"][2]
+            want_s = expected[name + ".rowwise_scale_inv"][2]
+            ok_d = bytes(data.cpu().numpy().tobytes()) == want_d
+            ok_s = bytes(scales.cpu().numpy().tobytes()) == want_s
+            failures += (not ok_d) + (not ok_s)
+            print(f"x{per} {name:28s} {rows}x{cols}: data {'EQUAL' if ok_d else 'DIFFER'}, scales {'EQUAL' if ok_s else 'DIFFER'}")
     # Timing: 16384x16384 bf16 against a device-to-device copy of the same input bytes.
     n = 16384
     x = torch.randn(n, n, device="cuda").to(torch.bfloat16)
@@ -118,12 +125,14 @@ def main():
         return times[len(times) // 2] * 1e-3
 
     t_copy = timed(lambda: dst.copy_(x))
-    t_q = timed(lambda: k(x, data, scales, n, n))
     copy_bw = 2 * x.numel() * 2 / t_copy
     q_bytes = x.numel() * (2 + 1 + 1 / 32)
     print(f"device {torch.cuda.get_device_name()}")
     print(f"copy bf16 {n}x{n}: {t_copy * 1e6:.1f} us, {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"mxfp8 rowwise (x8 kernel): {t_q * 1e6:.1f} us, {q_bytes / t_q / 1e9:.0f} GB/s = {q_bytes / t_q / copy_bw:.2f}x copy")
+    for per in (8, 16):
+        k.per_thread = per
+        t_q = timed(lambda: k(x, data, scales, n, n))
+        print(f"mxfp8 rowwise x{per}: {t_q * 1e6:.1f} us, {q_bytes / t_q / 1e9:.0f} GB/s = {q_bytes / t_q / copy_bw:.2f}x copy")
     print("RESULT", "PASS" if failures == 0 else f"FAIL ({failures})")
 
 
