@@ -143,3 +143,98 @@ extern "C" __global__ void mxfp8_rowwise_e4m3_bf16_x16(
         *reinterpret_cast<uint4*>(data + r * cols + c) = out;
     }
 }
+
+// Rowwise and columnwise MXFP8 E4M3 of a row-major rows x cols bf16 matrix in one pass over
+// the input. A CTA of 256 threads owns a 32-row x 256-column tile, staged in shared memory with
+// 16-byte loads (elements outside the matrix read as 0, which leaves every amax unchanged):
+// - columnwise: thread j quantizes column j of the tile (one 32x1 block), writing one byte per
+//   row; consecutive threads write consecutive bytes;
+// - rowwise: thread t quantizes the 1x32 block (row t % 32, block t / 32) of the tile.
+// Outputs as the CPU library lays them out: both data copies rows x cols (not transposed),
+// rowwise scales rows x ceil(cols/32), columnwise scales ceil(rows/32) x cols.
+extern "C" __global__ void __launch_bounds__(256) mxfp8_both_e4m3_bf16(
+    const __nv_bfloat16* __restrict__ x,
+    uint8_t* __restrict__ row_data,
+    uint8_t* __restrict__ row_scales,
+    uint8_t* __restrict__ col_data,
+    uint8_t* __restrict__ col_scales,
+    unsigned long long rows,
+    unsigned long long cols) {
+    __shared__ float tile[32][256 + 1];  // +1 breaks bank conflicts of the rowwise reads
+    unsigned long long r0 = (unsigned long long)blockIdx.y * 32;
+    unsigned long long c0 = (unsigned long long)blockIdx.x * 256;
+    unsigned tid = threadIdx.x;
+    // Stage: 32 rows x 256 columns = 1024 chunks of 8 elements, 4 per thread.
+    for (unsigned k = tid; k < 1024; k += 256) {
+        unsigned tr = k / 32, tc = (k % 32) * 8;
+        unsigned long long r = r0 + tr, c = c0 + tc;
+        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (r < rows) {
+            const __nv_bfloat16* src = x + r * cols + c;
+            if (c + 8 <= cols && (cols % 8) == 0) {
+                uint4 raw = *reinterpret_cast<const uint4*>(src);
+                const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(v[i]);
+            } else {
+                for (int i = 0; i < 8; ++i)
+                    if (c + i < cols) f[i] = __bfloat162float(src[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) tile[tr][tc + i] = f[i];
+    }
+    __syncthreads();
+    const float rcp448 = __uint_as_float(0x3B124925u);
+    // Columnwise: thread tid owns column c0 + tid.
+    {
+        unsigned long long c = c0 + tid;
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, abs_nan_zero(tile[i][tid]));
+        uint8_t e = e8m0_round_up(__fmul_rn(amax, rcp448));
+        float s = e8m0_rcp(e);
+        if (c < cols) {
+            col_scales[(r0 / 32) * cols + c] = e;
+            for (int i = 0; i < 32; ++i) {
+                unsigned long long r = r0 + i;
+                if (r < rows) {
+                    __nv_fp8_e4m3 q(__fmul_rn(tile[i][tid], s));
+                    col_data[r * cols + c] = *reinterpret_cast<uint8_t*>(&q);
+                }
+            }
+        }
+    }
+    // Rowwise: thread tid owns block (tid % 32, tid / 32) of the tile: a warp reads one block
+    // column of 32 rows, which the +1 padding spreads over all 32 banks.
+    {
+        unsigned tr = tid % 32, tb = tid / 32;
+        unsigned long long r = r0 + tr, c = c0 + tb * 32;
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, abs_nan_zero(tile[tr][tb * 32 + i]));
+        uint8_t e = e8m0_round_up(__fmul_rn(amax, rcp448));
+        float s = e8m0_rcp(e);
+        if (r < rows && c < cols) {
+            row_scales[r * ((cols + 31) / 32) + c / 32] = e;
+            if (c + 32 <= cols && cols % 16 == 0) {
+                // A whole, 16-byte aligned block: two 16-byte stores.
+                uint4 out[2];
+                uint8_t* o = reinterpret_cast<uint8_t*>(out);
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    __nv_fp8_e4m3 q(__fmul_rn(tile[tr][tb * 32 + i], s));
+                    o[i] = *reinterpret_cast<uint8_t*>(&q);
+                }
+                uint4* dst = reinterpret_cast<uint4*>(row_data + r * cols + c);
+                dst[0] = out[0];
+                dst[1] = out[1];
+            } else {
+                for (int i = 0; i < 32 && c + i < cols; ++i) {
+                    __nv_fp8_e4m3 q(__fmul_rn(tile[tr][tb * 32 + i], s));
+                    row_data[r * cols + c + i] = *reinterpret_cast<uint8_t*>(&q);
+                }
+            }
+        }
+    }
+}

@@ -2,7 +2,7 @@
 
 Runs on the device machine (PyTorch for memory and events, libcuda through ctypes for the PTX).
 Inputs and the CPU reference are safetensors files written by `lowbit quantize` on the CPU:
-  python3 cuda/check/mxfp8_rowwise.py IN.safetensors EXPECTED.safetensors
+  python3 cuda/check/mxfp8_rowwise.py IN.safetensors ROWWISE.safetensors BOTH.safetensors
 Prints one line per tensor (bytes equal or not) and a timing line for a 16384x16384 bf16 tensor
 against a device-to-device copy of the same bytes measured in the same run.
 """
@@ -52,6 +52,18 @@ class Kernel:
         self.fn16 = ctypes.c_void_p()
         check(self.cuda.cuModuleGetFunction(ctypes.byref(self.fn16), self.mod, KERNEL + b"_x16"), "cuModuleGetFunction")
         self.per_thread = 8
+        self.fnb = ctypes.c_void_p()
+        check(self.cuda.cuModuleGetFunction(ctypes.byref(self.fnb), self.mod, b"mxfp8_both_e4m3_bf16"), "cuModuleGetFunction")
+
+    def both(self, x, rd, rs, cd, cs, rows, cols):
+        args = [ctypes.c_void_p(t.data_ptr()) for t in (x, rd, rs, cd, cs)] + [
+            ctypes.c_ulonglong(rows),
+            ctypes.c_ulonglong(cols),
+        ]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        gx, gy = (cols + 255) // 256, (rows + 31) // 32
+        check(self.cuda.cuLaunchKernel(self.fnb, gx, gy, 1, 256, 1, 1, 0, stream, params, None), "cuLaunchKernel")
 
     def __call__(self, x, data, scales, rows, cols):
         args = [
@@ -102,6 +114,26 @@ def main():
             ok_s = bytes(scales.cpu().numpy().tobytes()) == want_s
             failures += (not ok_d) + (not ok_s)
             print(f"x{per} {name:28s} {rows}x{cols}: data {'EQUAL' if ok_d else 'DIFFER'}, scales {'EQUAL' if ok_s else 'DIFFER'}")
+    # Both copies in one pass, against `lowbit quantize --copies both` (argv[3]).
+    expected_both = read_safetensors(sys.argv[3])
+    for name, (dtype, shape, raw) in sorted(inputs.items()):
+        if dtype != "BF16":
+            continue
+        cols = shape[-1] if shape else 1
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).cuda()
+        poison = lambda n: torch.full((n,), 0xA5, dtype=torch.uint8, device="cuda")
+        rd, cd = poison(rows * cols), poison(rows * cols)
+        rs, cs = poison(rows * ((cols + 31) // 32)), poison(((rows + 31) // 32) * cols)
+        k.both(x, rd, rs, cd, cs, rows, cols)
+        torch.cuda.synchronize()
+        oks = []
+        for t, key in ((rd, "rowwise_data"), (rs, "rowwise_scale_inv"), (cd, "columnwise_data"), (cs, "columnwise_scale_inv")):
+            oks.append(bytes(t.cpu().numpy().tobytes()) == expected_both[name + "." + key][2])
+        failures += oks.count(False)
+        print(f"both {name:27s} {rows}x{cols}: " + ", ".join("EQUAL" if o else "DIFFER" for o in oks))
     # Timing: 16384x16384 bf16 against a device-to-device copy of the same input bytes.
     n = 16384
     x = torch.randn(n, n, device="cuda").to(torch.bfloat16)
@@ -133,6 +165,11 @@ def main():
         k.per_thread = per
         t_q = timed(lambda: k(x, data, scales, n, n))
         print(f"mxfp8 rowwise x{per}: {t_q * 1e6:.1f} us, {q_bytes / t_q / 1e9:.0f} GB/s = {q_bytes / t_q / copy_bw:.2f}x copy")
+    rd, cd = torch.empty(n * n, dtype=torch.uint8, device="cuda"), torch.empty(n * n, dtype=torch.uint8, device="cuda")
+    rs, cs = torch.empty(n * n // 32, dtype=torch.uint8, device="cuda"), torch.empty(n * n // 32, dtype=torch.uint8, device="cuda")
+    t_b = timed(lambda: k.both(x, rd, rs, cd, cs, n, n))
+    b_bytes = x.numel() * (2 + 2 + 2 / 32)
+    print(f"mxfp8 rowwise+columnwise one pass: {t_b * 1e6:.1f} us, {b_bytes / t_b / 1e9:.0f} GB/s = {b_bytes / t_b / copy_bw:.2f}x copy")
     print("RESULT", "PASS" if failures == 0 else f"FAIL ({failures})")
 
 
