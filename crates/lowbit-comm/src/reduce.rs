@@ -1,7 +1,8 @@
 //! The element-wise reduction: f32 accumulation in rank order, one rounding at the end.
 
-use half::{bf16, f16};
+use half::f16;
 use lowbit_device::DType;
+use lowbit_device::codec::{decode_into, encode_f32};
 
 use crate::ReduceOp;
 
@@ -49,7 +50,7 @@ pub(crate) fn reduce_blocks<E>(
                 *a /= d;
             }
         }
-        encode_into(dtype, acc, out);
+        encode_f32(dtype, acc, out);
         sink(start, out)?;
         start += len;
     }
@@ -93,27 +94,6 @@ fn f16_bits_to_f32(b: [u8; 2]) -> f32 {
     f16::from_bits(u16::from_le_bytes(b)).to_f32()
 }
 
-fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.as_chunks::<4>().0) {
-                *o = f32::from_le_bytes(*c);
-            }
-        }
-        DType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
-                *o = bf16_bits_to_f32(*c);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.as_chunks::<2>().0) {
-                *o = f16_bits_to_f32(*c);
-            }
-        }
-        DType::U8 => unreachable!("u8 reductions are rejected before launch"),
-    }
-}
-
 #[inline]
 fn combine(dtype: DType, bytes: &[u8], acc: &mut [f32], f: impl Fn(f32, f32) -> f32) {
     match dtype {
@@ -130,27 +110,6 @@ fn combine(dtype: DType, bytes: &[u8], acc: &mut [f32], f: impl Fn(f32, f32) -> 
         DType::F16 => {
             for (a, c) in acc.iter_mut().zip(bytes.as_chunks::<2>().0) {
                 *a = f(*a, f16_bits_to_f32(*c));
-            }
-        }
-        DType::U8 => unreachable!("u8 reductions are rejected before launch"),
-    }
-}
-
-fn encode_into(dtype: DType, vals: &[f32], out: &mut [u8]) {
-    match dtype {
-        DType::F32 => {
-            for (o, v) in out.as_chunks_mut::<4>().0.iter_mut().zip(vals) {
-                *o = v.to_le_bytes();
-            }
-        }
-        DType::Bf16 => {
-            for (o, v) in out.as_chunks_mut::<2>().0.iter_mut().zip(vals) {
-                *o = bf16::from_f32(*v).to_bits().to_le_bytes();
-            }
-        }
-        DType::F16 => {
-            for (o, v) in out.as_chunks_mut::<2>().0.iter_mut().zip(vals) {
-                *o = f16::from_f32(*v).to_bits().to_le_bytes();
             }
         }
         DType::U8 => unreachable!("u8 reductions are rejected before launch"),

@@ -269,7 +269,7 @@ pub(crate) fn decode_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
 
 /// Decodes little-endian float bytes of `dtype` into `out` (exact; `out.len()` elements).
 #[inline]
-pub(crate) fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     // `as_chunks` yields fixed-size arrays, which the compiler turns into plain (vector) loads.
     match dtype {
         DType::F32 => {
@@ -298,7 +298,7 @@ pub(crate) fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 /// Encodes f32 values as little-endian `dtype` bytes with round-to-nearest-even (bf16 and f16
 /// exactly as `half`'s `from_f32`). `dtype` must be a float dtype: callers check.
 #[inline]
-pub(crate) fn encode_f32(dtype: DType, vals: &[f32], out: &mut [u8]) {
+pub fn encode_f32(dtype: DType, vals: &[f32], out: &mut [u8]) {
     match dtype {
         DType::F32 => {
             for (o, v) in out.as_chunks_mut::<4>().0.iter_mut().zip(vals) {

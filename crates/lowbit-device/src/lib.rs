@@ -79,6 +79,12 @@ mod cpu;
 mod ops;
 pub mod ptx;
 
+/// Element codecs between little-endian device bytes and f32, shared with the layers that move
+/// raw payloads (the in-process collectives reduce with them).
+pub mod codec {
+    pub use crate::cpu::{decode_into, encode_f32};
+}
+
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{AdamW, MatmulSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SgdMomentum};
