@@ -49,9 +49,11 @@
 //! Run with `cargo bench --bench formats` (about two minutes on two cores, plus the build); the
 //! usual criterion arguments (a name filter, `--sample-size`, `--measurement-time`, …) apply.
 
+#[path = "support/criterion_estimates.rs"]
+mod estimates;
+
 use std::fmt::Write as _;
 use std::hint::black_box;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, SamplingMode, Throughput};
@@ -427,67 +429,6 @@ fn run_case(c: &mut Criterion, inp: &Inputs, case: &Case, dst: &mut [bf16]) {
     g.finish();
 }
 
-/// The directory criterion writes to, decided as criterion 0.7 decides it.
-fn criterion_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("CRITERION_HOME") {
-        return PathBuf::from(home);
-    }
-    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(target).join("criterion");
-    }
-    cargo_metadata_target_dir()
-        .map(|t| t.join("criterion"))
-        .unwrap_or_else(|| PathBuf::from("target/criterion"))
-}
-
-/// `target_directory` from `$CARGO metadata`, found with a string search.
-fn cargo_metadata_target_dir() -> Option<PathBuf> {
-    let cargo = std::env::var_os("CARGO")?;
-    let out = std::process::Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
-    json_string_after(&text, "\"target_directory\":").map(PathBuf::from)
-}
-
-/// The JSON string value that follows `key` in `text` (only `\\`, `\"` and `\/` unescaped).
-fn json_string_after(text: &str, key: &str) -> Option<String> {
-    let rest = text[text.find(key)? + key.len()..].trim_start();
-    let mut chars = rest.strip_prefix('"')?.chars();
-    let mut value = String::new();
-    loop {
-        match chars.next()? {
-            '"' => return Some(value),
-            '\\' => value.push(chars.next()?),
-            ch => value.push(ch),
-        }
-    }
-}
-
-/// The number after `"point_estimate":` inside the `"<stat>"` object of an estimates file.
-fn point_estimate(json: &str, stat: &str) -> Option<f64> {
-    let obj = &json[json.find(&format!("\"{stat}\":{{"))?..];
-    let key = "\"point_estimate\":";
-    let rest = &obj[obj.find(key)? + key.len()..];
-    let end = rest.find([',', '}'])?;
-    rest[..end].trim().parse().ok()
-}
-
-/// Median time in ns of one benchmark, if this run wrote its estimates.
-fn median_ns(dir: &Path, case: &Case, since: SystemTime) -> Option<f64> {
-    let path = dir
-        .join(case.group)
-        .join(&case.id)
-        .join("new")
-        .join("estimates.json");
-    let modified = std::fs::metadata(&path).ok()?.modified().ok()?;
-    if modified < since {
-        return None;
-    }
-    point_estimate(&std::fs::read_to_string(&path).ok()?, "median")
-}
-
 fn fmt_time(ns: f64) -> String {
     format!("{:.2} ms", ns / 1e6)
 }
@@ -721,7 +662,7 @@ fn summary(cases: &[Case], times: &[Option<f64>], load: &[Option<f64>]) -> Strin
 
 fn main() {
     let start = SystemTime::now();
-    let dir = criterion_dir();
+    let dir = estimates::criterion_dir();
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(800))
@@ -745,7 +686,10 @@ fn main() {
     }
     c.final_summary();
 
-    let times: Vec<Option<f64>> = cases.iter().map(|k| median_ns(&dir, k, start)).collect();
+    let times: Vec<Option<f64>> = cases
+        .iter()
+        .map(|k| estimates::median_ns(&dir, k.group, &k.id, start))
+        .collect();
     if times.iter().all(Option::is_none) {
         return;
     }

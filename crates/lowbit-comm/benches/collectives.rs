@@ -32,7 +32,10 @@
 //!
 //! Run with `cargo bench -p lowbit-comm --bench collectives` (well under a minute).
 
-use std::path::{Path, PathBuf};
+#[path = "../../../benches/support/criterion_estimates.rs"]
+mod estimates;
+
+use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -157,7 +160,7 @@ fn rank_loop(
 
 fn main() {
     let start = SystemTime::now();
-    let dir = criterion_dir();
+    let dir = estimates::criterion_dir();
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
@@ -227,7 +230,7 @@ fn main() {
 }
 
 fn summary(dir: &Path, since: SystemTime) {
-    let median = |id: &str| median_ns(dir, id, since);
+    let median = |id: &str| estimates::median_ns(dir, GROUP, id, since);
     let Some(memcpy) = median("memcpy") else {
         println!("(memcpy baseline not run: no summary)");
         return;
@@ -283,52 +286,4 @@ fn fmt_time(ns: f64) -> String {
     } else {
         format!("{:.1} us", ns / 1e3)
     }
-}
-
-/// The directory criterion writes to, decided as criterion 0.7 decides it.
-fn criterion_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("CRITERION_HOME") {
-        return PathBuf::from(home);
-    }
-    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(target).join("criterion");
-    }
-    cargo_metadata_target_dir()
-        .map(|t| t.join("criterion"))
-        .unwrap_or_else(|| PathBuf::from("target/criterion"))
-}
-
-/// `target_directory` from `$CARGO metadata`, found with a string search.
-fn cargo_metadata_target_dir() -> Option<PathBuf> {
-    let cargo = std::env::var_os("CARGO")?;
-    let out = std::process::Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
-    let key = "\"target_directory\":";
-    let rest = text[text.find(key)? + key.len()..].trim_start();
-    let mut chars = rest.strip_prefix('"')?.chars();
-    let mut value = String::new();
-    loop {
-        match chars.next()? {
-            '"' => return Some(PathBuf::from(value)),
-            '\\' => value.push(chars.next()?),
-            ch => value.push(ch),
-        }
-    }
-}
-
-/// Median time in ns of benchmark `id`, if this run wrote its estimates: the number after
-/// `"point_estimate":` inside the `"median"` object.
-fn median_ns(dir: &Path, id: &str, since: SystemTime) -> Option<f64> {
-    let path = dir.join(GROUP).join(id).join("new").join("estimates.json");
-    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
-        return None;
-    }
-    let json = std::fs::read_to_string(&path).ok()?;
-    let obj = &json[json.find("\"median\":{")?..];
-    let key = "\"point_estimate\":";
-    let rest = &obj[obj.find(key)? + key.len()..];
-    rest[..rest.find([',', '}'])?].trim().parse().ok()
 }

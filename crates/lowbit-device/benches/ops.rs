@@ -21,8 +21,11 @@
 //!
 //! Run with `cargo bench -p lowbit-device --bench ops` (about 30 s).
 
+#[path = "../../../benches/support/criterion_estimates.rs"]
+mod estimates;
+
 use std::hint::black_box;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, Throughput};
@@ -66,38 +69,6 @@ const CASES: [Case; 4] = [
     },
 ];
 
-fn criterion_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("CRITERION_HOME") {
-        return home.into();
-    }
-    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
-        return Path::new(&target).join("criterion");
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/criterion")
-}
-
-/// The number after `"point_estimate":` inside the `"<stat>"` object of an estimates file.
-fn point_estimate(json: &str, stat: &str) -> Option<f64> {
-    let obj = &json[json.find(&format!("\"{stat}\":{{"))?..];
-    let key = "\"point_estimate\":";
-    let rest = &obj[obj.find(key)? + key.len()..];
-    let end = rest.find([',', '}'])?;
-    rest[..end].trim().parse().ok()
-}
-
-/// Median time in ns of one benchmark, if this run wrote its estimates.
-fn median_ns(dir: &Path, case: &Case, since: SystemTime) -> Option<f64> {
-    let path = dir
-        .join(case.group)
-        .join(case.id)
-        .join("new")
-        .join("estimates.json");
-    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
-        return None;
-    }
-    point_estimate(&std::fs::read_to_string(&path).ok()?, "median")
-}
-
 /// A deterministic f32 view of `n` values in about ±`scale`.
 fn filled(dev: &mut Device, n: usize, seed: u32, scale: f32) -> View {
     let mut s = seed | 1;
@@ -116,7 +87,7 @@ fn filled(dev: &mut Device, n: usize, seed: u32, scale: f32) -> View {
 
 fn main() {
     let start = SystemTime::now();
-    let dir = criterion_dir();
+    let dir = estimates::criterion_dir();
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
@@ -191,7 +162,10 @@ fn hp() -> AdamW {
 
 /// Prints elements/s, GB/s and the ratio to the copy bandwidth of every case this run measured.
 fn summary(dir: &Path, start: SystemTime) {
-    let times: Vec<Option<f64>> = CASES.iter().map(|k| median_ns(dir, k, start)).collect();
+    let times: Vec<Option<f64>> = CASES
+        .iter()
+        .map(|k| estimates::median_ns(dir, k.group, k.id, start))
+        .collect();
     let Some(copy_ns) = times[0] else {
         println!("\n(copy baseline not measured in this run: no summary)");
         return;
