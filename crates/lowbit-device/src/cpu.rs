@@ -14,6 +14,21 @@ use crate::{BufferId, DType, DeviceError, Result, View};
 /// Source of device ids, so that a view of one device is rejected by another.
 static NEXT_DEVICE: AtomicU32 = AtomicU32::new(0);
 
+/// A fresh device id, unique among the devices of every backend in this process.
+pub(crate) fn next_device_id() -> u32 {
+    NEXT_DEVICE.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The overlap rule of an op's views: outputs pairwise disjoint and disjoint from every input.
+pub(crate) fn check_overlap(what: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
+    for (i, o) in outs.iter().enumerate() {
+        if outs[i + 1..].iter().chain(ins).any(|v| o.overlaps(v)) {
+            return Err(DeviceError::Overlap(what));
+        }
+    }
+    Ok(())
+}
+
 #[derive(Debug, Default)]
 struct Slot {
     generation: u32,
@@ -32,13 +47,10 @@ pub(crate) struct CpuDevice {
 /// order the views were given.
 pub(crate) type Split<'a> = (Vec<&'a [u8]>, Vec<&'a mut [u8]>);
 
-/// [`Split`] with fixed numbers of views, as arrays.
-pub(crate) type SplitN<'a, const I: usize, const O: usize> = ([&'a [u8]; I], [&'a mut [u8]; O]);
-
 impl CpuDevice {
     pub(crate) fn new() -> Self {
         CpuDevice {
-            id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            id: next_device_id(),
             slots: Vec::new(),
             free: Vec::new(),
         }
@@ -178,26 +190,7 @@ impl CpuDevice {
         for v in ins.iter().chain(outs) {
             self.bytes(*v)?;
         }
-        for (i, o) in outs.iter().enumerate() {
-            if outs[i + 1..].iter().chain(ins).any(|v| o.overlaps(v)) {
-                return Err(DeviceError::Overlap(what));
-            }
-        }
-        Ok(())
-    }
-
-    /// [`CpuDevice::split`] with fixed numbers of views, as arrays.
-    pub(crate) fn split_n<const I: usize, const O: usize>(
-        &mut self,
-        what: &'static str,
-        ins: [View; I],
-        outs: [View; O],
-    ) -> Result<SplitN<'_, I, O>> {
-        let (i, o) = self.split(what, &ins, &outs)?;
-        match (i.try_into(), o.try_into()) {
-            (Ok(i), Ok(o)) => Ok((i, o)),
-            _ => unreachable!("split returns one slice per view"),
-        }
+        check_overlap(what, ins, outs)
     }
 
     /// Simultaneous access to an op's views after [`CpuDevice::check_views`]: a shared slice per

@@ -69,6 +69,26 @@
 //! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],
 //! [`Device::softmax_cross_entropy_backward`].
 //!
+//! # The CUDA backend (feature `cuda`)
+//! [`Device::cuda`] opens GPU `ordinal` through `cudarc` (the driver library is loaded at run
+//! time, so every build compiles and links without CUDA; a missing driver or GPU is a
+//! [`DeviceError::Cuda`], never a panic). Decisions:
+//! - **Same handles, same checks.** Buffers are driver allocations (zero-filled) in the same
+//!   generation-checked slot table as the CPU backend; views are validated by the same rules
+//!   with the same errors before anything is enqueued.
+//! - **One stream per device.** Every op is enqueued on it in call order; host reads
+//!   (downloads, reductions, losses) synchronise it; [`Device::synchronize`] waits for
+//!   everything. Layers that drive the same memory from another stream (NCCL) get the stream,
+//!   the ordinal and validated raw addresses from [`Device::cuda_stream`],
+//!   [`Device::cuda_ordinal`] and [`Device::cuda_device_ptr`], and order themselves with events.
+//! - **Bit-exact with the CPU.** Kernels (`cuda/*.cu`, PTX embedded by [`ptx`]) follow the
+//!   arithmetic contract above operation for operation (`__fmul_rn`/`__fadd_rn`-style
+//!   intrinsics, so no FMA contraction; reductions in the CPU's order).
+//! - **Host fallback, never a gap.** An op without a kernel (or a variant its kernel does not
+//!   cover) runs the CPU implementation on downloaded bytes and uploads its outputs: every op
+//!   works on CUDA, with identical bits by construction. [`Device::host_fallback_ops`] lists
+//!   those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
+//!
 //! # Non-goals
 //! Ranks and collectives (`lowbit-comm`), buffer layouts (`lowbit-buffers`), autograd, general
 //! tensor shapes, strides or broadcasting beyond what the ops state. The CPU backend is a
@@ -76,8 +96,15 @@
 //! thread), and `matmul` is a plain triple loop, not a tuned GEMM.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod host;
 mod ops;
 pub mod ptx;
+
+/// The `cudarc` this crate was built with, for layers that drive the same CUDA context (NCCL).
+#[cfg(feature = "cuda")]
+pub use cudarc;
 
 /// Element codecs between little-endian device bytes and f32, shared with the layers that move
 /// raw payloads (the in-process collectives reduce with them).
@@ -186,6 +213,9 @@ pub enum DeviceError {
     /// Something this backend cannot do.
     #[error("{0}")]
     Unsupported(String),
+    /// A CUDA driver call failed, or no CUDA driver or GPU is available.
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 /// Result of device operations.
@@ -337,6 +367,8 @@ host_elem!(u8, DType::U8, 1, |v: u8| [v], |b: [u8; 1]| b[0]);
 pub enum DeviceKind {
     /// The reference CPU backend.
     Cpu,
+    /// An NVIDIA GPU through the CUDA driver (feature `cuda`).
+    Cuda,
 }
 
 /// One rank's memory and compute. `Send`, so a rank thread can own it; not shared between ranks.
@@ -348,6 +380,8 @@ pub struct Device {
 #[derive(Debug)]
 enum Backend {
     Cpu(cpu::CpuDevice),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaDevice),
 }
 
 impl Device {
@@ -358,35 +392,76 @@ impl Device {
         }
     }
 
+    /// A device on the CUDA GPU `ordinal`, with its own stream. Every op of this device is
+    /// enqueued on that stream in call order; results that come back to the host (downloads,
+    /// reductions, losses) synchronise it. Fails with [`DeviceError::Cuda`] — never a panic —
+    /// when the CUDA driver library is missing, no such GPU exists, or the kernels cannot be
+    /// loaded.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Ok(Device {
+            backend: Backend::Cuda(cuda::CudaDevice::new(ordinal)?),
+        })
+    }
+
     /// Which backend this is.
     pub fn kind(&self) -> DeviceKind {
         match self.backend {
             Backend::Cpu(_) => DeviceKind::Cpu,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => DeviceKind::Cuda,
         }
     }
 
     /// Allocates a zero-filled buffer of `len` elements and returns the view of all of it.
+    ///
+    /// # Panics
+    /// When the device cannot allocate (a GPU out of memory); [`Device::try_alloc`] returns that
+    /// as an error instead. The CPU backend aborts on allocation failure like any `Vec`.
     pub fn alloc(&mut self, dtype: DType, len: usize) -> View {
-        let Backend::Cpu(c) = &mut self.backend;
-        let buffer = c.alloc(len * dtype.size());
-        View {
+        match self.try_alloc(dtype, len) {
+            Ok(v) => v,
+            Err(e) => panic!("cannot allocate {len} {dtype:?} elements: {e}"),
+        }
+    }
+
+    /// [`Device::alloc`], with a failed allocation (or a size that overflows) as an error.
+    pub fn try_alloc(&mut self, dtype: DType, len: usize) -> Result<View> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| DeviceError::Invalid {
+                what: "alloc",
+                reason: format!("{len} {dtype:?} elements overflow usize"),
+            })?;
+        let buffer = match &mut self.backend {
+            Backend::Cpu(c) => c.alloc(bytes),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.alloc(bytes)?,
+        };
+        Ok(View {
             buffer,
             offset: 0,
             len,
             dtype,
-        }
+        })
     }
 
     /// Frees the buffer `view` belongs to; every view of it becomes invalid.
     pub fn free(&mut self, view: View) -> Result<()> {
-        let Backend::Cpu(c) = &mut self.backend;
-        c.free(view.buffer)
+        match &mut self.backend {
+            Backend::Cpu(c) => c.free(view.buffer),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.free(view.buffer),
+        }
     }
 
     /// Bytes currently allocated on this device.
     pub fn allocated_bytes(&self) -> usize {
-        let Backend::Cpu(c) = &self.backend;
-        c.allocated_bytes()
+        match &self.backend {
+            Backend::Cpu(c) => c.allocated_bytes(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.allocated_bytes(),
+        }
     }
 
     /// Copies host elements into `dst` (dtype and length must match).
@@ -405,21 +480,30 @@ impl Device {
     /// Writes raw bytes over `dst`'s bytes (any dtype).
     pub fn write_bytes(&mut self, dst: View, src: &[u8]) -> Result<()> {
         check_len("write_bytes", dst.byte_len(), src.len())?;
-        let Backend::Cpu(c) = &mut self.backend;
-        c.bytes_mut(dst)?.copy_from_slice(src);
+        match &mut self.backend {
+            Backend::Cpu(c) => c.bytes_mut(dst)?.copy_from_slice(src),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.write_bytes(dst, src)?,
+        }
         Ok(())
     }
 
-    /// Reads `src`'s bytes (any dtype).
+    /// Reads `src`'s bytes (any dtype). On a GPU this waits for the work queued before it.
     pub fn read_bytes(&self, src: View) -> Result<Vec<u8>> {
-        let Backend::Cpu(c) = &self.backend;
-        Ok(c.bytes(src)?.to_vec())
+        match &self.backend {
+            Backend::Cpu(c) => Ok(c.bytes(src)?.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.read_bytes(src),
+        }
     }
 
     /// Sets every byte of `view` to zero.
     pub fn zero(&mut self, view: View) -> Result<()> {
-        let Backend::Cpu(c) = &mut self.backend;
-        c.bytes_mut(view)?.fill(0);
+        match &mut self.backend {
+            Backend::Cpu(c) => c.bytes_mut(view)?.fill(0),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.zero(view)?,
+        }
         Ok(())
     }
 
@@ -427,18 +511,130 @@ impl Device {
     pub fn copy(&mut self, src: View, dst: View) -> Result<()> {
         check_dtype_eq("copy", src, dst)?;
         check_len("copy", src.len(), dst.len())?;
-        let Backend::Cpu(c) = &mut self.backend;
-        c.copy_within(src, dst)
+        match &mut self.backend {
+            Backend::Cpu(c) => c.copy_within(src, dst),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.copy(src, dst),
+        }
     }
 
-    pub(crate) fn cpu_mut(&mut self) -> &mut cpu::CpuDevice {
-        let Backend::Cpu(c) = &mut self.backend;
-        c
+    /// Waits until every op queued on this device has finished (a no-op on the CPU, whose ops
+    /// complete before they return). Errors of asynchronous GPU work surface here at the latest.
+    pub fn synchronize(&mut self) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cpu(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.synchronize(),
+        }
     }
 
-    pub(crate) fn cpu_ref(&self) -> &cpu::CpuDevice {
-        let Backend::Cpu(c) = &self.backend;
-        c
+    /// The ops (or op variants) that have no device kernel yet and run as a host fallback on a
+    /// GPU device: the views' bytes are downloaded, the CPU implementation runs on them, and the
+    /// outputs are uploaded. Correct and bit-identical by construction, but slow; each such call
+    /// is counted in [`Device::host_fallback_calls`].
+    pub fn host_fallback_ops() -> &'static [&'static str] {
+        host::FALLBACK_OPS
+    }
+
+    /// How many times each op took the host fallback on this device, by op name (empty on the
+    /// CPU backend, where every op is native).
+    pub fn host_fallback_calls(&self) -> Vec<(&'static str, u64)> {
+        match &self.backend {
+            Backend::Cpu(_) => Vec::new(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.fallback_calls(),
+        }
+    }
+
+    /// The stream every op of this CUDA device is enqueued on (`None` on the CPU). Work another
+    /// stream does on this device's memory must be ordered against it with events.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        match &self.backend {
+            Backend::Cuda(g) => Some(g.stream()),
+            Backend::Cpu(_) => None,
+        }
+    }
+
+    /// The GPU ordinal of a CUDA device (`None` on the CPU).
+    #[cfg(feature = "cuda")]
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        match &self.backend {
+            Backend::Cuda(g) => Some(g.ordinal()),
+            Backend::Cpu(_) => None,
+        }
+    }
+
+    /// The device address of `view`'s first byte, after checking that the view is a live,
+    /// in-bounds view of this CUDA device. [`DeviceError::Unsupported`] on the CPU backend.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_device_ptr(&self, view: View) -> Result<u64> {
+        match &self.backend {
+            Backend::Cuda(g) => g.device_ptr(view),
+            Backend::Cpu(_) => Err(DeviceError::Unsupported(
+                "cuda_device_ptr: this is a CPU device".into(),
+            )),
+        }
+    }
+
+    /// Checks an op's views (live, in bounds, the overlap rule) on whichever backend this is.
+    pub(crate) fn check_views(
+        &self,
+        what: &'static str,
+        ins: &[View],
+        outs: &[View],
+    ) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(c) => c.check_views(what, ins, outs),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.check_views(what, ins, outs),
+        }
+    }
+
+    /// Reads the float elements of `v` as f32 (exactly).
+    pub(crate) fn read_f32(&self, v: View) -> Result<Vec<f32>> {
+        match &self.backend {
+            Backend::Cpu(c) => c.read_f32(v),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => {
+                check_float("read", v)?;
+                Ok(cpu::decode_f32(v.dtype(), &self.read_bytes(v)?))
+            }
+        }
+    }
+
+    /// Writes f32 values into the float view `v`, rounding to its dtype (RNE).
+    pub(crate) fn write_f32(&mut self, v: View, vals: &[f32]) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cpu(c) => c.write_f32(v, vals),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => {
+                check_float("write", v)?;
+                check_len("write", v.len(), vals.len())?;
+                let mut bytes = vec![0u8; v.byte_len()];
+                cpu::encode_f32(v.dtype(), vals, &mut bytes);
+                self.write_bytes(v, &bytes)
+            }
+        }
+    }
+
+    /// The CUDA backend, when this is one.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_mut(&mut self) -> Option<&mut cuda::CudaDevice> {
+        match &mut self.backend {
+            Backend::Cuda(g) => Some(g),
+            Backend::Cpu(_) => None,
+        }
+    }
+
+    /// Counts one host-fallback call of `what` (a no-op on the CPU backend).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn note_fallback(&mut self, what: &'static str) {
+        match &mut self.backend {
+            Backend::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.note_fallback(what),
+        }
     }
 }
 

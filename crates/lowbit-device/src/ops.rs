@@ -2,10 +2,14 @@
 //!
 //! Every op follows the same three steps, so that it either fully succeeds or writes nothing:
 //! 1. check dtypes, lengths and shapes of its views and arguments;
-//! 2. borrow all its views at once through the CPU storage's `split`, which checks that each is a
+//! 2. borrow all its views at once through [`Device::host_op`], which checks that each is a
 //!    live, in-bounds view of this device and that outputs overlap neither each other nor any
-//!    input (see "Aliasing" in the crate docs);
+//!    input (see "Aliasing" in the crate docs) — on the CPU through the storage's `split`, on a
+//!    GPU as the host fallback (download, compute, upload) for ops without a kernel;
 //! 3. compute and write.
+//!
+//! Ops with a CUDA kernel dispatch to it between steps 1 and 2 (`Device::cuda_mut`); the kernel
+//! side validates the views with the same rules and errors before launching anything.
 //!
 //! Element-wise ops stream their views in chunks of [`CHUNK`] elements: decode to f32 into stack
 //! buffers, compute, encode to the destination dtype (AdamW updates its f32 state in place in
@@ -186,17 +190,23 @@ pub(crate) fn zip_into(
 }
 
 /// Calls `f` on every chunk of `view`'s elements decoded to f32, in index order.
-pub(crate) fn for_each_chunk(dev: &Device, view: View, mut f: impl FnMut(&[f32])) -> Result<()> {
+/// `what` names the op for the host-fallback count on a GPU device.
+pub(crate) fn for_each_chunk(
+    dev: &mut Device,
+    what: &'static str,
+    view: View,
+    mut f: impl FnMut(&[f32]),
+) -> Result<()> {
     crate::check_float("reduction", view)?;
-    let bytes = dev.cpu_ref().bytes(view)?;
-    let d = view.dtype();
-    let mut buf = [0f32; CHUNK];
-    for r in chunks(view.len()) {
-        let b = &mut buf[..r.len()];
-        decode_into(d, elems(bytes, d, &r), b);
-        f(b);
-    }
-    Ok(())
+    dev.host_read(what, view, |bytes| {
+        let d = view.dtype();
+        let mut buf = [0f32; CHUNK];
+        for r in chunks(view.len()) {
+            let b = &mut buf[..r.len()];
+            decode_into(d, elems(bytes, d, &r), b);
+            f(b);
+        }
+    })
 }
 
 /// `rows · cols`, or an error when it overflows.

@@ -11,11 +11,12 @@ impl Device {
         let d = view.dtype();
         let mut pattern = [0u8; 4];
         encode_f32(d, &[value], &mut pattern[..d.size()]);
-        let ([], [bytes]) = self.cpu_mut().split_n("fill", [], [view])?;
-        for e in bytes.chunks_exact_mut(d.size()) {
-            e.copy_from_slice(&pattern[..d.size()]);
-        }
-        Ok(())
+        self.host_op("fill", [], [view], |[], [bytes]| {
+            for e in bytes.chunks_exact_mut(d.size()) {
+                e.copy_from_slice(&pattern[..d.size()]);
+            }
+            Ok(())
+        })
     }
 
     /// `dst ← src` converted between any float dtypes (f32, bf16, f16), same length, rounding to
@@ -25,31 +26,33 @@ impl Device {
         check_float("cast", src)?;
         check_float("cast", dst)?;
         check_len("cast", src.len(), dst.len())?;
-        let ([s], [d]) = self.cpu_mut().split_n("cast", [src], [dst])?;
-        match (src.dtype(), dst.dtype()) {
-            (a, b) if a == b => d.copy_from_slice(s),
-            // The master → staging path, in one pass without staging.
-            (DType::F32, DType::Bf16) => {
-                let pairs = d
-                    .as_chunks_mut::<2>()
-                    .0
-                    .iter_mut()
-                    .zip(s.as_chunks::<4>().0);
-                for (o, x) in pairs {
-                    *o = bf16_bits(f32::from_le_bytes(*x)).to_le_bytes();
+        self.host_op("cast", [src], [dst], |[s], [d]| {
+            match (src.dtype(), dst.dtype()) {
+                (a, b) if a == b => d.copy_from_slice(s),
+                // The master → staging path, in one pass without staging.
+                (DType::F32, DType::Bf16) => {
+                    let pairs = d
+                        .as_chunks_mut::<2>()
+                        .0
+                        .iter_mut()
+                        .zip(s.as_chunks::<4>().0);
+                    for (o, x) in pairs {
+                        *o = bf16_bits(f32::from_le_bytes(*x)).to_le_bytes();
+                    }
                 }
+                (sd, dd) => map_into((sd, s), (dd, d), |v| v),
             }
-            (sd, dd) => map_into((sd, s), (dd, d), |v| v),
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// `view ← alpha · view` in place: `fl(fl32(alpha · x))` for a float view.
     pub fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
         check_float("scale", view)?;
-        let ([], [y]) = self.cpu_mut().split_n("scale", [], [view])?;
-        map_in_place((view.dtype(), y), |v| alpha * v);
-        Ok(())
+        self.host_op("scale", [], [view], |[], [y]| {
+            map_in_place((view.dtype(), y), |v| alpha * v);
+            Ok(())
+        })
     }
 
     /// `y ← y + alpha · x`, for `x` and `y` of any float dtypes and the same length: computed in
@@ -59,9 +62,10 @@ impl Device {
         check_float("axpy", x)?;
         check_float("axpy", y)?;
         check_len("axpy", x.len(), y.len())?;
-        let ([xs], [ys]) = self.cpu_mut().split_n("axpy", [x], [y])?;
-        zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + alpha * x);
-        Ok(())
+        self.host_op("axpy", [x], [y], |[xs], [ys]| {
+            zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + alpha * x);
+            Ok(())
+        })
     }
 
     /// `y ← y + x` (the exact `alpha = 1` case of [`Device::axpy`]: `fl32(y + x)`, then rounded to
@@ -70,9 +74,10 @@ impl Device {
         check_float("add", x)?;
         check_float("add", y)?;
         check_len("add", x.len(), y.len())?;
-        let ([xs], [ys]) = self.cpu_mut().split_n("add", [x], [y])?;
-        zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + x);
-        Ok(())
+        self.host_op("add", [x], [y], |[xs], [ys]| {
+            zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + x);
+            Ok(())
+        })
     }
 
     /// `Σ xᵢ²` of a float view, accumulated in f64 in index order. Each square is exact in f64
@@ -81,7 +86,7 @@ impl Device {
     /// launches work and uses device scratch memory.
     pub fn sum_squares(&mut self, view: View) -> Result<f64> {
         let mut acc = 0f64;
-        for_each_chunk(self, view, |c| {
+        for_each_chunk(self, "sum_squares", view, |c| {
             for &v in c {
                 acc += f64::from(v) * f64::from(v);
             }
@@ -92,7 +97,7 @@ impl Device {
     /// Whether any element of the float view is NaN or ±Inf.
     pub fn has_non_finite(&mut self, view: View) -> Result<bool> {
         let mut found = false;
-        for_each_chunk(self, view, |c| {
+        for_each_chunk(self, "has_non_finite", view, |c| {
             found |= c.iter().fold(false, |f, v| f | !v.is_finite());
         })?;
         Ok(found)
@@ -102,7 +107,7 @@ impl Device {
     /// all-NaN view, +Inf if any element is infinite.
     pub fn max_abs(&mut self, view: View) -> Result<f32> {
         let mut amax = 0u32;
-        for_each_chunk(self, view, |c| {
+        for_each_chunk(self, "max_abs", view, |c| {
             // Non-negative floats order like their bit patterns; NaN maps to 0.
             let chunk_max = c
                 .iter()

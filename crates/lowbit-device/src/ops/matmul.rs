@@ -37,27 +37,28 @@ impl Device {
         check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
         check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
         check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
-        let ([ab, bb], [cb]) = self.cpu_mut().split_n(WHAT, [a, b], [c])?;
-        let opa = op_matrix(decode_f32(a.dtype(), ab), m, k, spec.trans_a);
-        let opb = op_matrix(decode_f32(b.dtype(), bb), k, n, spec.trans_b);
-        let mut acc = vec![0f32; n];
-        let mut old = vec![0f32; n];
-        for (i, c_row) in cb.chunks_exact_mut(4 * n.max(1)).enumerate().take(m) {
-            acc.fill(0.0);
-            for (&aik, b_row) in opa[i * k..(i + 1) * k]
-                .iter()
-                .zip(opb.chunks_exact(n.max(1)))
-            {
-                for (s, &bkj) in acc.iter_mut().zip(b_row) {
-                    *s += aik * bkj;
+        self.host_op(WHAT, [a, b], [c], |[ab, bb], [cb]| {
+            let opa = op_matrix(decode_f32(a.dtype(), ab), m, k, spec.trans_a);
+            let opb = op_matrix(decode_f32(b.dtype(), bb), k, n, spec.trans_b);
+            let mut acc = vec![0f32; n];
+            let mut old = vec![0f32; n];
+            for (i, c_row) in cb.chunks_exact_mut(4 * n.max(1)).enumerate().take(m) {
+                acc.fill(0.0);
+                for (&aik, b_row) in opa[i * k..(i + 1) * k]
+                    .iter()
+                    .zip(opb.chunks_exact(n.max(1)))
+                {
+                    for (s, &bkj) in acc.iter_mut().zip(b_row) {
+                        *s += aik * bkj;
+                    }
                 }
+                if spec.accumulate {
+                    decode_into(DType::F32, c_row, &mut old);
+                    acc.iter_mut().zip(&old).for_each(|(s, c)| *s += *c);
+                }
+                encode_f32(DType::F32, &acc, c_row);
             }
-            if spec.accumulate {
-                decode_into(DType::F32, c_row, &mut old);
-                acc.iter_mut().zip(&old).for_each(|(s, c)| *s += *c);
-            }
-            encode_f32(DType::F32, &acc, c_row);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }

@@ -83,7 +83,7 @@ fn xent_shape(dev: &Device, what: &'static str, logits: View, targets: View) -> 
     } else {
         rows_of(what, logits.len(), rows)?
     };
-    let t = class_indices(what, &dev.cpu_ref().read_f32(targets)?, classes)?;
+    let t = class_indices(what, &dev.read_f32(targets)?, classes)?;
     Ok((rows, classes, t))
 }
 
@@ -107,15 +107,16 @@ impl Device {
         const WHAT: &str = "add_bias";
         all_f32(WHAT, &[x, bias])?;
         rows_of(WHAT, x.len(), bias.len())?;
-        let ([b], [xs]) = self.cpu_mut().split_n(WHAT, [bias], [x])?;
-        let b = decode_f32(DType::F32, b);
-        let mut row = vec![0f32; b.len()];
-        for xr in xs.chunks_exact_mut(4 * b.len().max(1)) {
-            crate::cpu::decode_into(DType::F32, xr, &mut row);
-            row.iter_mut().zip(&b).for_each(|(x, b)| *x += *b);
-            encode_f32(DType::F32, &row, xr);
-        }
-        Ok(())
+        self.host_op(WHAT, [bias], [x], |[b], [xs]| {
+            let b = decode_f32(DType::F32, b);
+            let mut row = vec![0f32; b.len()];
+            for xr in xs.chunks_exact_mut(4 * b.len().max(1)) {
+                crate::cpu::decode_into(DType::F32, xr, &mut row);
+                row.iter_mut().zip(&b).for_each(|(x, b)| *x += *b);
+                encode_f32(DType::F32, &row, xr);
+            }
+            Ok(())
+        })
     }
 
     /// Bias gradient: column sums `s[c] = Σ_r dy[r, c]` (f32, from 0, rows in order), then
@@ -126,17 +127,18 @@ impl Device {
         all_f32(WHAT, &[dy, dbias])?;
         let cols = dbias.len();
         rows_of(WHAT, dy.len(), cols)?;
-        let ([d], [db]) = self.cpu_mut().split_n(WHAT, [dy], [dbias])?;
-        let mut s = vec![0f32; cols];
-        for row in decode_f32(DType::F32, d).chunks_exact(cols.max(1)) {
-            s.iter_mut().zip(row).for_each(|(s, v)| *s += *v);
-        }
-        if accumulate {
-            let old = decode_f32(DType::F32, db);
-            s.iter_mut().zip(&old).for_each(|(s, o)| *s += *o);
-        }
-        encode_f32(DType::F32, &s, db);
-        Ok(())
+        self.host_op(WHAT, [dy], [dbias], |[d], [db]| {
+            let mut s = vec![0f32; cols];
+            for row in decode_f32(DType::F32, d).chunks_exact(cols.max(1)) {
+                s.iter_mut().zip(row).for_each(|(s, v)| *s += *v);
+            }
+            if accumulate {
+                let old = decode_f32(DType::F32, db);
+                s.iter_mut().zip(&old).for_each(|(s, o)| *s += *o);
+            }
+            encode_f32(DType::F32, &s, db);
+            Ok(())
+        })
     }
 
     /// RMSNorm over the rows of `x` (`rows·cols`, `cols` = `weight.len()`, `rows` =
@@ -152,24 +154,25 @@ impl Device {
         if cols == 0 && !rstd.is_empty() {
             return Err(invalid(WHAT, "rows of zero columns have no RMS"));
         }
-        let ([xb, wb], [yb, rb]) = self.cpu_mut().split_n(WHAT, [x, weight], [y, rstd])?;
-        let (xs, w) = (decode_f32(DType::F32, xb), decode_f32(DType::F32, wb));
-        let mut ys = vec![0f32; xs.len()];
-        let mut rs = vec![0f32; rstd.len()];
-        for ((xr, yr), r) in xs
-            .chunks_exact(cols.max(1))
-            .zip(ys.chunks_exact_mut(cols.max(1)))
-            .zip(&mut rs)
-        {
-            let ss = xr.iter().fold(0f32, |s, v| s + v * v);
-            *r = 1.0 / (ss / cols as f32 + eps).sqrt();
-            for ((y, x), w) in yr.iter_mut().zip(xr).zip(&w) {
-                *y = (x * *r) * w;
+        self.host_op(WHAT, [x, weight], [y, rstd], |[xb, wb], [yb, rb]| {
+            let (xs, w) = (decode_f32(DType::F32, xb), decode_f32(DType::F32, wb));
+            let mut ys = vec![0f32; xs.len()];
+            let mut rs = vec![0f32; rstd.len()];
+            for ((xr, yr), r) in xs
+                .chunks_exact(cols.max(1))
+                .zip(ys.chunks_exact_mut(cols.max(1)))
+                .zip(&mut rs)
+            {
+                let ss = xr.iter().fold(0f32, |s, v| s + v * v);
+                *r = 1.0 / (ss / cols as f32 + eps).sqrt();
+                for ((y, x), w) in yr.iter_mut().zip(xr).zip(&w) {
+                    *y = (x * *r) * w;
+                }
             }
-        }
-        encode_f32(DType::F32, &ys, yb);
-        encode_f32(DType::F32, &rs, rb);
-        Ok(())
+            encode_f32(DType::F32, &ys, yb);
+            encode_f32(DType::F32, &rs, rb);
+            Ok(())
+        })
     }
 
     /// RMSNorm backward from the saved `rstd`. Per row, in f32, with `x̂ = x·rstd` and
@@ -193,36 +196,40 @@ impl Device {
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
         check_len(WHAT, cols, dweight.len())?;
-        let ([xb, wb, rb, dyb], [dxb, dwb]) =
-            self.cpu_mut()
-                .split_n(WHAT, [x, weight, rstd, dy], [dx, dweight])?;
-        let [xs, w, rs, dys] = [xb, wb, rb, dyb].map(|b| decode_f32(DType::F32, b));
-        let mut dxs = vec![0f32; xs.len()];
-        let mut dw = vec![0f32; cols];
-        let (mut xhat, mut g) = (vec![0f32; cols], vec![0f32; cols]);
-        let c = cols.max(1);
-        for (((xr, dyr), dxr), &r) in xs
-            .chunks_exact(c)
-            .zip(dys.chunks_exact(c))
-            .zip(dxs.chunks_exact_mut(c))
-            .zip(&rs)
-        {
-            for j in 0..cols {
-                xhat[j] = xr[j] * r;
-                g[j] = dyr[j] * w[j];
-                dw[j] += dyr[j] * xhat[j];
-            }
-            let dot = g.iter().zip(&xhat).fold(0f32, |s, (g, xh)| s + g * xh);
-            let mean = dot / cols as f32;
-            for ((dx, g), xh) in dxr.iter_mut().zip(&g).zip(&xhat) {
-                *dx = r * (g - xh * mean);
-            }
-        }
-        let old = decode_f32(DType::F32, dwb);
-        dw.iter_mut().zip(&old).for_each(|(s, o)| *s += *o);
-        encode_f32(DType::F32, &dxs, dxb);
-        encode_f32(DType::F32, &dw, dwb);
-        Ok(())
+        self.host_op(
+            WHAT,
+            [x, weight, rstd, dy],
+            [dx, dweight],
+            |[xb, wb, rb, dyb], [dxb, dwb]| {
+                let [xs, w, rs, dys] = [xb, wb, rb, dyb].map(|b| decode_f32(DType::F32, b));
+                let mut dxs = vec![0f32; xs.len()];
+                let mut dw = vec![0f32; cols];
+                let (mut xhat, mut g) = (vec![0f32; cols], vec![0f32; cols]);
+                let c = cols.max(1);
+                for (((xr, dyr), dxr), &r) in xs
+                    .chunks_exact(c)
+                    .zip(dys.chunks_exact(c))
+                    .zip(dxs.chunks_exact_mut(c))
+                    .zip(&rs)
+                {
+                    for j in 0..cols {
+                        xhat[j] = xr[j] * r;
+                        g[j] = dyr[j] * w[j];
+                        dw[j] += dyr[j] * xhat[j];
+                    }
+                    let dot = g.iter().zip(&xhat).fold(0f32, |s, (g, xh)| s + g * xh);
+                    let mean = dot / cols as f32;
+                    for ((dx, g), xh) in dxr.iter_mut().zip(&g).zip(&xhat) {
+                        *dx = r * (g - xh * mean);
+                    }
+                }
+                let old = decode_f32(DType::F32, dwb);
+                dw.iter_mut().zip(&old).for_each(|(s, o)| *s += *o);
+                encode_f32(DType::F32, &dxs, dxb);
+                encode_f32(DType::F32, &dw, dwb);
+                Ok(())
+            },
+        )
     }
 
     /// `y = gelu(x)`, tanh approximation in PyTorch's order:
@@ -232,9 +239,10 @@ impl Device {
         const WHAT: &str = "gelu";
         all_f32(WHAT, &[x, y])?;
         check_len(WHAT, x.len(), y.len())?;
-        let ([xs], [ys]) = self.cpu_mut().split_n(WHAT, [x], [y])?;
-        map_into((DType::F32, xs), (DType::F32, ys), gelu32);
-        Ok(())
+        self.host_op(WHAT, [x], [y], |[xs], [ys]| {
+            map_into((DType::F32, xs), (DType::F32, ys), gelu32);
+            Ok(())
+        })
     }
 
     /// `dx = dy · gelu'(x)` (tanh approximation, PyTorch's `gelu_backward` order:
@@ -245,14 +253,15 @@ impl Device {
         all_f32(WHAT, &[x, dy, dx])?;
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
-        let ([xs, dys], [dxs]) = self.cpu_mut().split_n(WHAT, [x, dy], [dx])?;
-        zip_into(
-            (DType::F32, xs),
-            (DType::F32, dys),
-            (DType::F32, dxs),
-            gelu_grad32,
-        );
-        Ok(())
+        self.host_op(WHAT, [x, dy], [dx], |[xs, dys], [dxs]| {
+            zip_into(
+                (DType::F32, xs),
+                (DType::F32, dys),
+                (DType::F32, dxs),
+                gelu_grad32,
+            );
+            Ok(())
+        })
     }
 
     /// Mean squared error `Σ (pred − target)² / N`, with each difference and square in f64,
@@ -262,8 +271,9 @@ impl Device {
         const WHAT: &str = "mse_loss";
         all_f32(WHAT, &[pred, target])?;
         check_len(WHAT, pred.len(), target.len())?;
-        let c = self.cpu_ref();
-        let (p, t) = (c.read_f32(pred)?, c.read_f32(target)?);
+        self.check_views(WHAT, &[pred, target], &[])?;
+        let (p, t) = (self.read_f32(pred)?, self.read_f32(target)?);
+        self.note_fallback(WHAT);
         let sum = p.iter().zip(&t).fold(0f64, |s, (&p, &t)| {
             let d = f64::from(p) - f64::from(t);
             s + d * d
@@ -286,11 +296,12 @@ impl Device {
         check_len(WHAT, pred.len(), target.len())?;
         check_len(WHAT, pred.len(), dpred.len())?;
         let c = (2.0 * f64::from(scale) / pred.len() as f64) as f32;
-        let ([p, t], [d]) = self.cpu_mut().split_n(WHAT, [pred, target], [dpred])?;
-        zip_into((DType::F32, p), (DType::F32, t), (DType::F32, d), |p, t| {
-            c * (p - t)
-        });
-        Ok(())
+        self.host_op(WHAT, [pred, target], [dpred], |[p, t], [d]| {
+            zip_into((DType::F32, p), (DType::F32, t), (DType::F32, d), |p, t| {
+                c * (p - t)
+            });
+            Ok(())
+        })
     }
 
     /// Mean softmax cross-entropy of `logits` (`rows·classes`) against `targets`, an f32 view of
@@ -302,7 +313,8 @@ impl Device {
     pub fn softmax_cross_entropy(&mut self, logits: View, targets: View) -> Result<f32> {
         const WHAT: &str = "softmax_cross_entropy";
         let (rows, classes, t) = xent_shape(self, WHAT, logits, targets)?;
-        let x = self.cpu_ref().read_f32(logits)?;
+        let x = self.read_f32(logits)?;
+        self.note_fallback(WHAT);
         let mut e = vec![0f32; classes];
         let mut total = 0f64;
         for (xr, &t) in x.chunks_exact(classes.max(1)).zip(&t) {
@@ -327,22 +339,23 @@ impl Device {
         check_dtype(WHAT, dlogits, DType::F32)?;
         check_len(WHAT, logits.len(), dlogits.len())?;
         let c = (f64::from(scale) / rows as f64) as f32;
-        let ([xb, _], [db]) = self.cpu_mut().split_n(WHAT, [logits, targets], [dlogits])?;
-        let x = decode_f32(DType::F32, xb);
-        let mut d = vec![0f32; x.len()];
-        let mut e = vec![0f32; classes];
-        for ((xr, dr), &t) in x
-            .chunks_exact(classes.max(1))
-            .zip(d.chunks_exact_mut(classes.max(1)))
-            .zip(&t)
-        {
-            let (_, s) = softmax_row(xr, &mut e);
-            for (j, (d, e)) in dr.iter_mut().zip(&e).enumerate() {
-                let onehot = if j == t { 1.0 } else { 0.0 };
-                *d = c * (e / s - onehot);
+        self.host_op(WHAT, [logits, targets], [dlogits], |[xb, _], [db]| {
+            let x = decode_f32(DType::F32, xb);
+            let mut d = vec![0f32; x.len()];
+            let mut e = vec![0f32; classes];
+            for ((xr, dr), &t) in x
+                .chunks_exact(classes.max(1))
+                .zip(d.chunks_exact_mut(classes.max(1)))
+                .zip(&t)
+            {
+                let (_, s) = softmax_row(xr, &mut e);
+                for (j, (d, e)) in dr.iter_mut().zip(&e).enumerate() {
+                    let onehot = if j == t { 1.0 } else { 0.0 };
+                    *d = c * (e / s - onehot);
+                }
             }
-        }
-        encode_f32(DType::F32, &d, db);
-        Ok(())
+            encode_f32(DType::F32, &d, db);
+            Ok(())
+        })
     }
 }

@@ -134,27 +134,29 @@ impl Device {
             .into_iter()
             .chain(out)
             .collect();
-        let (ins, mut outs) = self.cpu_mut().split(WHAT, &[grad], &outs)?;
-        let ([g], [p, m, v, rest @ ..]) = (&ins[..], &mut outs[..]) else {
-            unreachable!("split returns one slice per view");
-        };
-        let mut out = out.map(|o| o.dtype()).zip(rest.first_mut());
-        let (f, gd) = (DType::F32, grad.dtype());
-        let (mut gb, mut pb) = ([0f32; CHUNK], [0f32; CHUNK]);
-        for r in chunks(grad.len()) {
-            let n = r.len();
-            decode_into(gd, elems(g, gd, &r), &mut gb[..n]);
-            let pmv = [&mut **p, &mut **m, &mut **v].map(|b| elems_mut(b, f, &r).as_chunks_mut().0);
-            if k.w.abs() < 0.5 {
-                adamw_chunk::<true>(&k, pmv, &gb[..n], &mut pb[..n]);
-            } else {
-                adamw_chunk::<false>(&k, pmv, &gb[..n], &mut pb[..n]);
+        self.host_op_dyn(WHAT, &[grad], &outs, |ins, mut outs| {
+            let ([g], [p, m, v, rest @ ..]) = (&ins[..], &mut outs[..]) else {
+                unreachable!("one slice per view");
+            };
+            let mut out = out.map(|o| o.dtype()).zip(rest.first_mut());
+            let (f, gd) = (DType::F32, grad.dtype());
+            let (mut gb, mut pb) = ([0f32; CHUNK], [0f32; CHUNK]);
+            for r in chunks(grad.len()) {
+                let n = r.len();
+                decode_into(gd, elems(g, gd, &r), &mut gb[..n]);
+                let pmv =
+                    [&mut **p, &mut **m, &mut **v].map(|b| elems_mut(b, f, &r).as_chunks_mut().0);
+                if k.w.abs() < 0.5 {
+                    adamw_chunk::<true>(&k, pmv, &gb[..n], &mut pb[..n]);
+                } else {
+                    adamw_chunk::<false>(&k, pmv, &gb[..n], &mut pb[..n]);
+                }
+                if let Some((od, o)) = &mut out {
+                    encode_f32(*od, &pb[..n], elems_mut(o, *od, &r));
+                }
             }
-            if let Some((od, o)) = &mut out {
-                encode_f32(*od, &pb[..n], elems_mut(o, *od, &r));
-            }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// One SGD-with-momentum step (PyTorch's `torch.optim.SGD`, no dampening, no Nesterov) over
@@ -183,38 +185,39 @@ impl Device {
         check_float(WHAT, grad)?;
         check_len(WHAT, param.len(), grad.len())?;
         check_len(WHAT, buf.len(), grad.len())?;
-        let ([g], [p, b]) = self.cpu_mut().split_n(WHAT, [grad], [param, buf])?;
-        let (f, gd) = (DType::F32, grad.dtype());
-        let (wd, mom, neg_lr) = (hp.weight_decay, hp.momentum, -hp.lr);
-        let (mut pb, mut gb, mut bb) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
-        for r in chunks(grad.len()) {
-            let n = r.len();
-            let (ps, gs, bs) = (&mut pb[..n], &mut gb[..n], &mut bb[..n]);
-            decode_into(f, elems(p, f, &r), ps);
-            decode_into(gd, elems(g, gd, &r), gs);
-            if wd != 0.0 {
-                gs.iter_mut()
-                    .zip(ps.iter())
-                    .for_each(|(g, p)| *g += wd * *p);
-            }
-            if mom == 0.0 {
-                bs.copy_from_slice(gs);
-            } else {
-                if first_step {
+        self.host_op(WHAT, [grad], [param, buf], |[g], [p, b]| {
+            let (f, gd) = (DType::F32, grad.dtype());
+            let (wd, mom, neg_lr) = (hp.weight_decay, hp.momentum, -hp.lr);
+            let (mut pb, mut gb, mut bb) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+            for r in chunks(grad.len()) {
+                let n = r.len();
+                let (ps, gs, bs) = (&mut pb[..n], &mut gb[..n], &mut bb[..n]);
+                decode_into(f, elems(p, f, &r), ps);
+                decode_into(gd, elems(g, gd, &r), gs);
+                if wd != 0.0 {
+                    gs.iter_mut()
+                        .zip(ps.iter())
+                        .for_each(|(g, p)| *g += wd * *p);
+                }
+                if mom == 0.0 {
                     bs.copy_from_slice(gs);
                 } else {
-                    decode_into(f, elems(b, f, &r), bs);
-                    bs.iter_mut()
-                        .zip(gs.iter())
-                        .for_each(|(b, g)| *b = *b * mom + *g);
+                    if first_step {
+                        bs.copy_from_slice(gs);
+                    } else {
+                        decode_into(f, elems(b, f, &r), bs);
+                        bs.iter_mut()
+                            .zip(gs.iter())
+                            .for_each(|(b, g)| *b = *b * mom + *g);
+                    }
+                    encode_f32(f, bs, elems_mut(b, f, &r));
                 }
-                encode_f32(f, bs, elems_mut(b, f, &r));
+                ps.iter_mut()
+                    .zip(bs.iter())
+                    .for_each(|(p, b)| *p += neg_lr * *b);
+                encode_f32(f, ps, elems_mut(p, f, &r));
             }
-            ps.iter_mut()
-                .zip(bs.iter())
-                .for_each(|(p, b)| *p += neg_lr * *b);
-            encode_f32(f, ps, elems_mut(p, f, &r));
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }

@@ -22,9 +22,9 @@ enum HostValues {
 }
 
 impl HostValues {
-    fn read(dev: &Device, v: View) -> Result<Self> {
-        let bytes = dev.cpu_ref().bytes(v)?;
-        Ok(match v.dtype() {
+    /// Reads `v` (a host fallback of `what` on a GPU).
+    fn read(dev: &mut Device, what: &'static str, v: View) -> Result<Self> {
+        dev.host_read(what, v, |bytes| match v.dtype() {
             DType::Bf16 => HostValues::Bf16(bf16::from_bytes(bytes)),
             DType::F16 => HostValues::F16(f16::from_bytes(bytes)),
             _ => HostValues::F32(f32::from_bytes(bytes)),
@@ -138,9 +138,14 @@ impl Device {
         };
         check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
         check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
-        self.cpu_ref()
-            .check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
-        let host = HostValues::read(self, src)?;
+        self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.quantize_mxfp8(src, rows, cols, cfg, out)?
+        {
+            return Ok(());
+        }
+        let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_mxfp8(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
             cfg,
@@ -166,7 +171,7 @@ impl Device {
         let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
         let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, Some(plane), None)?;
         let vals = t.dequantize_rowwise().unwrap_or_default();
-        self.cpu_mut().write_f32(dst, &vals)
+        self.write_f32(dst, &vals)
     }
 
     /// Dequantizes an MXFP8 columnwise copy (u8 `data` `rows·cols`, E8M0 `scales`
@@ -186,7 +191,7 @@ impl Device {
         let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
         let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, None, Some(plane))?;
         let vals = t.dequantize_columnwise().unwrap_or_default();
-        self.cpu_mut().write_f32(dst, &vals)
+        self.write_f32(dst, &vals)
     }
 
     /// Quantizes the row-major `rows × cols` float view `src` to NVFP4 with
@@ -228,9 +233,8 @@ impl Device {
         };
         check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
         check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
-        self.cpu_ref()
-            .check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
-        let host = HostValues::read(self, src)?;
+        self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_nvfp4(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
             cfg,
@@ -276,7 +280,7 @@ impl Device {
             None,
         )?;
         let vals = t.dequantize_rowwise().unwrap_or_default();
-        self.cpu_mut().write_f32(dst, &vals)
+        self.write_f32(dst, &vals)
     }
 
     /// Dequantizes an NVFP4 columnwise copy (packed `data` `cols·ceil(rows/2)`, scales
@@ -320,7 +324,7 @@ impl Device {
             Some(plane),
         )?;
         let vals = t.dequantize_columnwise().unwrap_or_default();
-        self.cpu_mut().write_f32(dst, &vals)
+        self.write_f32(dst, &vals)
     }
 
     /// Validates the views of a dequantization — u8 `data` and `scales` and a float `dst` of the
@@ -341,7 +345,8 @@ impl Device {
         check_len(what, dst.len(), dst_len?)?;
         check_len(what, data.len(), data_len?)?;
         check_len(what, scales.len(), scales_len?)?;
-        self.cpu_ref().check_views(what, &[data, scales], &[dst])?;
+        self.check_views(what, &[data, scales], &[dst])?;
+        self.note_fallback(what);
         Ok(QuantPlane {
             data: self.read_bytes(data)?,
             data_shape,
@@ -401,6 +406,7 @@ impl Device {
         };
         let t: Vec<f32> = self.download(tiles)?;
         let rowwise = self.read_bytes(rd)?;
+        self.note_fallback(WHAT);
         let tensor = nvfp4::sharded::from_rowwise_2d(rows, cols, rowwise, &t)?;
         let (Some(r), Some(c)) = (&tensor.rowwise, &tensor.columnwise) else {
             unreachable!("from_rowwise_2d builds both copies");
@@ -469,6 +475,7 @@ impl Device {
                 format!("{} tiles for {rows}x{cols}", t.len()),
             ));
         }
+        self.note_fallback(WHAT);
         let (r, c) = mxfp8::sharded::scales_2d(rows, cols, kind, &t);
         check_len(WHAT, row_scales.len(), r.len())?;
         check_len(WHAT, col_scales.len(), c.len())?;
@@ -488,7 +495,7 @@ impl Device {
     ) -> Result<()> {
         check_float(what, src)?;
         check_dtype(what, tiles, DType::F32)?;
-        self.cpu_ref().check_views(what, &[src], &[tiles])?;
+        self.check_views(what, &[src], &[tiles])?;
         let rows_needed = (start + src.len()).div_ceil(cols.max(1));
         if cols == 0 || tiles.len() < tile_count(rows_needed, cols) {
             return Err(invalid(
@@ -496,7 +503,8 @@ impl Device {
                 format!("{} tiles cannot cover the range", tiles.len()),
             ));
         }
-        let values = self.cpu_ref().read_f32(src)?;
+        let values = self.read_f32(src)?;
+        self.note_fallback(what);
         let mut t: Vec<f32> = self.download(tiles)?;
         fold(&values, start, cols, &mut t);
         self.upload(tiles, &t)
@@ -513,8 +521,9 @@ impl Device {
         check_float(what, src)?;
         check_dtype(what, tiles, DType::F32)?;
         check_dtype(what, out, DType::U8)?;
-        self.cpu_ref().check_views(what, &[src, tiles], &[out])?;
-        let values = self.cpu_ref().read_f32(src)?;
+        self.check_views(what, &[src, tiles], &[out])?;
+        let values = self.read_f32(src)?;
+        self.note_fallback(what);
         let t: Vec<f32> = self.download(tiles)?;
         let mut bytes = vec![0u8; out.len()];
         quantize(&values, &t, &mut bytes)?;

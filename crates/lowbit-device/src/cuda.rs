@@ -1,0 +1,391 @@
+//! The CUDA backend's storage and launch machinery (feature `cuda`).
+//!
+//! One [`CudaDevice`] owns one CUDA stream on one GPU (the primary context of its ordinal) and
+//! every allocation it made. Buffers are driver allocations (`cudarc` `CudaSlice<u8>`, freed in
+//! stream order) in the same generation-checked slot table as the CPU backend, so stale and
+//! foreign views are rejected with the same errors. Every op is enqueued on the one stream in
+//! call order, so ops need no further synchronisation among themselves; host reads
+//! (`read_bytes`, reductions) synchronise the stream before they return.
+//!
+//! Kernels come from the embedded PTX ([`crate::ptx::MODULES`]), loaded once when the device is
+//! created, and are launched with raw device addresses (`base + view offset`): the views were
+//! validated (live, in bounds, overlap rule) before, which is what makes the launches sound.
+
+use std::collections::BTreeMap;
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys};
+
+use crate::{BufferId, DeviceError, Result, View};
+
+mod kernels;
+
+/// A driver error as a [`DeviceError::Cuda`], with what was being done.
+pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {
+    move |e| DeviceError::Cuda(format!("{what}: {e}"))
+}
+
+#[derive(Debug)]
+struct Allocation {
+    /// The driver allocation (at least one byte, so that empty buffers have an address too),
+    /// held for its `Drop`, which frees it in stream order.
+    _mem: CudaSlice<u8>,
+    /// Its device address.
+    base: u64,
+    /// The buffer's size in bytes as requested.
+    len: usize,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    generation: u32,
+    data: Option<Allocation>,
+}
+
+/// A loaded PTX module and its kernels by name.
+#[derive(Debug)]
+struct Module {
+    handle: sys::CUmodule,
+}
+
+/// A kernel handle.
+#[derive(Clone, Copy, Debug)]
+struct Function(sys::CUfunction);
+
+/// One kernel argument, passed by value.
+#[derive(Clone, Copy, Debug)]
+#[allow(dead_code)] // The element-wise kernels take the scalar variants.
+pub(crate) enum Arg {
+    /// A device address or a 64-bit count.
+    U64(u64),
+    /// A 32-bit float.
+    F32(f32),
+    /// A 32-bit unsigned integer.
+    U32(u32),
+}
+
+#[derive(Debug)]
+pub(crate) struct CudaDevice {
+    /// This device's id; every [`BufferId`] it hands out carries it.
+    id: u32,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    modules: Vec<Module>,
+    functions: BTreeMap<&'static str, Function>,
+    fallbacks: BTreeMap<&'static str, u64>,
+}
+
+// SAFETY: the raw module and function handles are plain driver handles, valid in the context
+// they were loaded in from any thread; every driver call below binds that context to the
+// calling thread first. The device is used by one thread at a time (`&mut self`), it is not
+// `Sync`.
+unsafe impl Send for CudaDevice {}
+
+impl CudaDevice {
+    pub(crate) fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: probing loads the CUDA driver library with `dlopen`, which runs its
+        // initialisers; loading the system's libcuda is exactly what every CUDA program does.
+        // Without this check, cudarc panics on the first driver call when the library is
+        // missing.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(DeviceError::Cuda(
+                "the CUDA driver library (libcuda) was not found".into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(DeviceError::Cuda(format!(
+                "no GPU with ordinal {ordinal} ({count} visible)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating the context"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let mut dev = CudaDevice {
+            id: crate::cpu::next_device_id(),
+            ctx,
+            stream,
+            slots: Vec::new(),
+            free: Vec::new(),
+            modules: Vec::new(),
+            functions: BTreeMap::new(),
+            fallbacks: BTreeMap::new(),
+        };
+        for m in crate::ptx::MODULES {
+            dev.load_module(m)?;
+        }
+        Ok(dev)
+    }
+
+    fn load_module(&mut self, m: &crate::ptx::Module) -> Result<()> {
+        self.bind()?;
+        let src = CString::new(m.ptx)
+            .map_err(|_| DeviceError::Cuda(format!("PTX module {} holds a NUL byte", m.name)))?;
+        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call; the context is
+        // bound to this thread.
+        let handle = unsafe { result::module::load_data(src.as_ptr().cast()) }
+            .map_err(|e| DeviceError::Cuda(format!("loading PTX module {}: {e}", m.name)))?;
+        self.modules.push(Module { handle });
+        Ok(())
+    }
+
+    /// The kernel `name`, looked up in the loaded modules once and cached.
+    fn function(&mut self, name: &'static str) -> Result<Function> {
+        if let Some(f) = self.functions.get(name) {
+            return Ok(*f);
+        }
+        self.bind()?;
+        for m in &self.modules {
+            let cname = CString::new(name).map_err(|_| DeviceError::Cuda(name.into()))?;
+            // SAFETY: `m.handle` is a module loaded by this device and not yet unloaded.
+            if let Ok(f) = unsafe { result::module::get_function(m.handle, cname) } {
+                self.functions.insert(name, Function(f));
+                return Ok(Function(f));
+            }
+        }
+        Err(DeviceError::Cuda(format!(
+            "kernel {name} is in no loaded module"
+        )))
+    }
+
+    /// Binds this device's context to the calling thread (a device may move between threads).
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<BufferId> {
+        self.bind()?;
+        let mem = self
+            .stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(cuda_err("allocating device memory"))?;
+        let base = {
+            let (ptr, _sync) = mem.device_ptr(&self.stream);
+            ptr
+        };
+        let data = Some(Allocation {
+            _mem: mem,
+            base,
+            len: bytes,
+        });
+        if let Some(index) = self.free.pop() {
+            let slot = &mut self.slots[index as usize];
+            slot.generation = slot.generation.wrapping_add(1);
+            slot.data = data;
+            Ok(BufferId {
+                device: self.id,
+                index,
+                generation: slot.generation,
+            })
+        } else {
+            let index = u32::try_from(self.slots.len())
+                .map_err(|_| DeviceError::Cuda("more than 2^32 allocations".into()))?;
+            self.slots.push(Slot {
+                generation: 0,
+                data,
+            });
+            Ok(BufferId {
+                device: self.id,
+                index,
+                generation: 0,
+            })
+        }
+    }
+
+    pub(crate) fn free(&mut self, id: BufferId) -> Result<()> {
+        self.allocation(id)?;
+        self.bind()?;
+        // Dropping the allocation frees it in stream order, after the work queued before.
+        self.slots[id.index as usize].data = None;
+        self.free.push(id.index);
+        Ok(())
+    }
+
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .filter_map(|s| s.data.as_ref().map(|a| a.len))
+            .sum()
+    }
+
+    fn allocation(&self, id: BufferId) -> Result<&Allocation> {
+        if id.device != self.id {
+            return Err(DeviceError::Freed(id.index));
+        }
+        self.slots
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.data.as_ref())
+            .ok_or(DeviceError::Freed(id.index))
+    }
+
+    /// The device address of `v`'s first byte, after checking liveness and bounds.
+    pub(crate) fn device_ptr(&self, v: View) -> Result<u64> {
+        let a = self.allocation(v.buffer())?;
+        let r = v.byte_range();
+        if r.end > a.len {
+            return Err(DeviceError::OutOfBounds {
+                what: "view",
+                start: r.start,
+                end: r.end,
+                len: a.len,
+            });
+        }
+        Ok(a.base + r.start as u64)
+    }
+
+    /// The same checks as `CpuDevice::check_views`, with the same errors.
+    pub(crate) fn check_views(
+        &self,
+        what: &'static str,
+        ins: &[View],
+        outs: &[View],
+    ) -> Result<()> {
+        for v in ins.iter().chain(outs) {
+            self.device_ptr(*v)?;
+        }
+        crate::cpu::check_overlap(what, ins, outs)
+    }
+
+    pub(crate) fn write_bytes(&mut self, dst: View, src: &[u8]) -> Result<()> {
+        let ptr = self.device_ptr(dst)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `ptr .. ptr + src.len()` lies inside a live allocation of this device
+        // (checked above; `src.len()` equals the view's byte length). The source is pageable
+        // host memory, which the driver stages before the call returns, so `src` may be dropped
+        // right after.
+        unsafe { result::memcpy_htod_async(ptr, src, self.stream.cu_stream()) }
+            .map_err(cuda_err("copying to the device"))
+    }
+
+    pub(crate) fn read_bytes(&self, src: View) -> Result<Vec<u8>> {
+        let ptr = self.device_ptr(src)?;
+        let mut out = vec![0u8; src.byte_len()];
+        if out.is_empty() {
+            return Ok(out);
+        }
+        self.bind()?;
+        // SAFETY: the source range lies inside a live allocation (checked above) and `out` has
+        // exactly its length; the stream is synchronised before `out` is read.
+        unsafe { result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }
+            .map_err(cuda_err("copying to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("waiting for the stream"))?;
+        Ok(out)
+    }
+
+    pub(crate) fn zero(&mut self, view: View) -> Result<()> {
+        let ptr = self.device_ptr(view)?;
+        if view.byte_len() == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the range lies inside a live allocation of this device (checked above).
+        unsafe { result::memset_d8_async(ptr, 0, view.byte_len(), self.stream.cu_stream()) }
+            .map_err(cuda_err("zeroing"))
+    }
+
+    /// `memmove` semantics: overlapping views go through a temporary device buffer.
+    pub(crate) fn copy(&mut self, src: View, dst: View) -> Result<()> {
+        let (s, d) = (self.device_ptr(src)?, self.device_ptr(dst)?);
+        let n = src.byte_len();
+        if n == 0 || s == d {
+            return Ok(());
+        }
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        if src.overlaps(&dst) {
+            // SAFETY: the temporary has `n` bytes and lives until the copies are enqueued;
+            // it is freed in stream order after them. Both view ranges are in live
+            // allocations (checked above).
+            let tmp = unsafe { self.stream.alloc::<u8>(n) }.map_err(cuda_err("allocating"))?;
+            let (t, _sync) = tmp.device_ptr(&self.stream);
+            // SAFETY: as above.
+            unsafe {
+                result::memcpy_dtod_async(t, s, n, stream).map_err(cuda_err("copying"))?;
+                result::memcpy_dtod_async(d, t, n, stream).map_err(cuda_err("copying"))?;
+            }
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live allocations (checked above) and do not overlap.
+        unsafe { result::memcpy_dtod_async(d, s, n, stream) }.map_err(cuda_err("copying"))
+    }
+
+    pub(crate) fn synchronize(&mut self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("waiting for the stream"))
+    }
+
+    pub(crate) fn note_fallback(&mut self, what: &'static str) {
+        *self.fallbacks.entry(what).or_insert(0) += 1;
+    }
+
+    pub(crate) fn fallback_calls(&self) -> Vec<(&'static str, u64)> {
+        self.fallbacks.iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    /// Launches kernel `name` on this device's stream with `args` passed by value.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every device address among them must
+    /// point into a live allocation with room for everything the kernel touches under this
+    /// launch configuration (callers pass addresses from [`CudaDevice::device_ptr`] of views
+    /// validated for the op).
+    pub(crate) unsafe fn launch(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        self.bind()?;
+        let mut vals: Vec<Arg> = args.to_vec();
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|a| match a {
+                Arg::U64(v) => (v as *mut u64).cast(),
+                Arg::F32(v) => (v as *mut f32).cast(),
+                Arg::U32(v) => (v as *mut u32).cast(),
+            })
+            .collect();
+        // SAFETY: `params` points at `vals`, which outlive the call (the driver copies the
+        // arguments at launch); the caller guarantees the arguments match the kernel.
+        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), &mut params) }
+            .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Finish queued work before the allocations and modules go away; errors cannot be
+        // reported from here.
+        if self.bind().is_ok() {
+            let _ = self.stream.synchronize();
+        }
+        self.slots.clear();
+        for m in self.modules.drain(..) {
+            // SAFETY: the module was loaded by this device and is unloaded once; no kernel of
+            // it is queued any more (the stream was synchronised).
+            let _ = unsafe { result::module::unload(m.handle) };
+        }
+    }
+}
