@@ -23,7 +23,9 @@ use crate::schema::{Recipe, Settings};
         lowbit quantize model.safetensors model.mxfp8.safetensors --recipe mxfp8\n  \
         lowbit quantize model.safetensors w.nvfp4.safetensors --recipe nvfp4 --scale-layout swizzled\n  \
         lowbit dequantize model.mxfp8.safetensors model.restored.safetensors --dtype f32\n  \
-        lowbit quantize --demo    (generates, quantizes and dequantizes an example file)"
+        lowbit quantize --demo    (generates, quantizes and dequantizes an example file)\n  \
+        lowbit train              (the reference run: 4 CPU ranks, MXFP8 primary weights)\n  \
+        lowbit train --precision nvfp4 --ranks 2 --json"
 )]
 pub struct Cli {
     /// The subcommand to run.
@@ -50,6 +52,14 @@ pub enum Command {
     /// restores the original shape and, unless --dtype says otherwise, the original dtype.
     /// Tensors that were copied by quantize are copied again.
     Dequantize(DequantizeArgs),
+    /// Train the reference MoE language model across data-parallel ranks.
+    ///
+    /// A synthetic order-2 Markov source with a known entropy rate (the loss floor), or the
+    /// bytes of --data FILE. Prints a progress line on stderr and, at the end, the final loss
+    /// beside the floor, memory per rank beside a bf16 unsharded baseline, bytes per collective
+    /// and time per phase (or, with --json, one JSON object with every step's loss and grad norm
+    /// as decimals and f32 bit patterns, and a checksum of the final fp32 masters).
+    Train(crate::train_cmd::TrainArgs),
 }
 
 /// Arguments of `lowbit quantize`.
@@ -184,5 +194,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             let table = dequantize::run(&args.input, &args.output, args.dtype, args.force)?;
             report::print(&table.render())
         }
+        Command::Train(args) => crate::train_cmd::run(&args),
     }
 }

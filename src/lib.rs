@@ -2,6 +2,7 @@
 //! command line and the integration tests share — today the reference test model.
 
 pub mod model;
+pub mod train;
 
 pub use lowbit_buffers as buffers;
 pub use lowbit_comm as comm;

@@ -15,6 +15,7 @@ mod files;
 mod quantize;
 mod report;
 mod schema;
+mod train_cmd;
 
 use std::process::ExitCode;
 

@@ -210,6 +210,15 @@ impl DistributedOptimizer {
         self.owner
     }
 
+    /// Changes the learning rate for the following steps (a schedule). Rejected unless finite
+    /// and non-negative; the optimizer is unchanged then.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let cfg = OptimConfig { lr, ..self.cfg };
+        cfg.validate()?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
     /// Steps taken (skipped steps not counted).
     pub fn steps(&self) -> u64 {
         self.steps
@@ -513,6 +522,27 @@ impl ChainedOptimizer {
     /// The chained optimizers.
     pub fn parts(&self) -> &[DistributedOptimizer] {
         &self.parts
+    }
+
+    /// Sets every part's learning rate to `lr` (see [`DistributedOptimizer::set_lr`]); nothing
+    /// changes if it is invalid.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        OptimConfig {
+            lr,
+            ..self.parts.first().map_or(
+                OptimConfig {
+                    algorithm: Algorithm::Sgd {
+                        momentum: 0.0,
+                        weight_decay: 0.0,
+                    },
+                    lr,
+                    clip_grad: None,
+                },
+                |p| p.cfg,
+            )
+        }
+        .validate()?;
+        self.parts.iter_mut().try_for_each(|p| p.set_lr(lr))
     }
 
     /// Steps skipped because the gradient norm was not finite.

@@ -1,0 +1,818 @@
+//! The reference language model of `lowbit train`, on the device layer with a hand-written
+//! backward.
+//!
+//! ```text
+//! tokens [B, C] → embed (concat) → Linear(C·E → h) → blocks × [x + fc2(GELU(fc1(RMSNorm x)))]
+//!   → MoE: x + Σ_top-k gate · expert_e(RMSNorm x), expert_e = fc2_e(GELU(fc1_e(·)))
+//!   → RMSNorm → head Linear(h → V) → softmax cross-entropy
+//! ```
+//!
+//! Expert weights are either one grouped parameter per projection (`[experts, out, in]`,
+//! expert-major) or one parameter per expert ("discrete"); the model computes the same thing in
+//! the same order either way, so the two train to the same bits (the grouped tensor is quantized
+//! per expert, see [`super::hooks`]).
+//!
+//! Routing (top-k of the router logits, the softmax over the chosen logits and its backward)
+//! runs on the host over the downloaded `[B, experts]` logits: a few numbers per token, and
+//! host arithmetic is identical whatever the device. Ties go to the lower expert index. There is
+//! no load-balancing loss and no capacity limit (every routed token is computed).
+
+use lowbit_device::{DType, Device, MatmulSpec, View};
+
+use crate::model::{Hooks, ModelError, SplitMix64, Usage};
+
+/// The model's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmShape {
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Context tokens per sample.
+    pub context: usize,
+    /// Embedding width per token.
+    pub embed: usize,
+    /// Residual width.
+    pub hidden: usize,
+    /// Dense blocks.
+    pub blocks: usize,
+    /// Inner width of the dense blocks.
+    pub ffn: usize,
+    /// Experts of the MoE block.
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Inner width of each expert.
+    pub expert_ffn: usize,
+    /// Expert weights as one grouped parameter per projection (else one per expert).
+    pub grouped: bool,
+}
+
+/// One parameter of the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Name (`blocks.0.fc1.weight`, `moe.experts.fc1.weight`, …).
+    pub name: String,
+    /// Shape; grouped expert weights are `[experts, out, in]`.
+    pub shape: Vec<usize>,
+    /// A GEMM weight, computed with in low precision under MXFP8/NVFP4 (embedding and router
+    /// stay high precision, as low-precision recipes keep them).
+    pub matrix: bool,
+    /// Experts stored in this parameter (1 unless grouped).
+    pub experts: usize,
+    /// Decayed by AdamW (matrices, embedding); norms, biases and the router are not.
+    pub decay: bool,
+}
+
+/// A dense block's parameters: norm, fc1 (weight, bias), fc2 (weight, bias).
+type BlockIds = (usize, (usize, usize), (usize, usize));
+
+/// Parameter indices, in forward order.
+#[derive(Clone, Debug)]
+struct Ids {
+    embed: usize,
+    input: (usize, usize),
+    /// Per block: norm, fc1 (w, b), fc2 (w, b).
+    blocks: Vec<BlockIds>,
+    moe_norm: usize,
+    router: usize,
+    /// Grouped: one id each; discrete: one per expert.
+    fc1: Vec<usize>,
+    fc2: Vec<usize>,
+    final_norm: usize,
+    head: (usize, usize),
+}
+
+impl LmShape {
+    /// Every parameter, in forward order.
+    pub fn params(&self) -> Vec<ParamInfo> {
+        let (v, h, f) = (self.vocab, self.hidden, self.ffn);
+        let p = |name: String, shape: Vec<usize>, matrix: bool, decay: bool| ParamInfo {
+            experts: if shape.len() == 3 { shape[0] } else { 1 },
+            name,
+            shape,
+            matrix,
+            decay,
+        };
+        let mut out = vec![
+            p("embed.weight".into(), vec![v, self.embed], false, true),
+            p(
+                "in.weight".into(),
+                vec![h, self.context * self.embed],
+                true,
+                true,
+            ),
+            p("in.bias".into(), vec![h], false, false),
+        ];
+        for k in 0..self.blocks {
+            out.push(p(format!("blocks.{k}.norm"), vec![h], false, false));
+            out.push(p(format!("blocks.{k}.fc1.weight"), vec![f, h], true, true));
+            out.push(p(format!("blocks.{k}.fc1.bias"), vec![f], false, false));
+            out.push(p(format!("blocks.{k}.fc2.weight"), vec![h, f], true, true));
+            out.push(p(format!("blocks.{k}.fc2.bias"), vec![h], false, false));
+        }
+        out.push(p("moe.norm".into(), vec![h], false, false));
+        out.push(p(
+            "moe.router.weight".into(),
+            vec![self.experts, h],
+            false,
+            false,
+        ));
+        let (e, fe) = (self.experts, self.expert_ffn);
+        if self.grouped {
+            out.push(p(
+                "moe.experts.fc1.weight".into(),
+                vec![e, fe, h],
+                true,
+                true,
+            ));
+            out.push(p(
+                "moe.experts.fc2.weight".into(),
+                vec![e, h, fe],
+                true,
+                true,
+            ));
+        } else {
+            for i in 0..e {
+                out.push(p(
+                    format!("moe.experts.{i}.fc1.weight"),
+                    vec![fe, h],
+                    true,
+                    true,
+                ));
+            }
+            for i in 0..e {
+                out.push(p(
+                    format!("moe.experts.{i}.fc2.weight"),
+                    vec![h, fe],
+                    true,
+                    true,
+                ));
+            }
+        }
+        out.push(p("final.norm".into(), vec![h], false, false));
+        out.push(p("head.weight".into(), vec![v, h], true, true));
+        out.push(p("head.bias".into(), vec![v], false, false));
+        out
+    }
+
+    fn ids(&self) -> Ids {
+        let mut next = 0usize;
+        let mut take = || {
+            next += 1;
+            next - 1
+        };
+        let embed = take();
+        let input = (take(), take());
+        let blocks = (0..self.blocks)
+            .map(|_| (take(), (take(), take()), (take(), take())))
+            .collect();
+        let moe_norm = take();
+        let router = take();
+        let n = if self.grouped { 1 } else { self.experts };
+        let fc1 = (0..n).map(|_| take()).collect();
+        let fc2 = (0..n).map(|_| take()).collect();
+        Ids {
+            embed,
+            input,
+            blocks,
+            moe_norm,
+            router,
+            fc1,
+            fc2,
+            final_norm: take(),
+            head: (take(), take()),
+        }
+    }
+
+    /// Deterministic initial values: weights uniform in ±1/√fan_in (each expert's slice of a
+    /// grouped tensor drawn exactly as the discrete expert would be), output projections of
+    /// residual branches scaled by 1/√(2·layers), norms 1, biases 0, embeddings uniform ±1.
+    pub fn init(&self, seed: u64) -> Vec<Vec<f32>> {
+        let branch = 1.0 / ((2 * (self.blocks + 1)) as f32).sqrt();
+        self.params()
+            .into_iter()
+            .map(|p| {
+                let n: usize = p.shape.iter().product();
+                // Seed by name (per expert for grouped tensors), so grouped and discrete draw the
+                // same numbers.
+                let fan_in = *p.shape.last().unwrap_or(&1) as f32;
+                let scale = if p.name.contains("fc2") { branch } else { 1.0 };
+                if p.name.ends_with(".norm") {
+                    vec![1.0; n]
+                } else if p.name.ends_with(".bias") {
+                    vec![0.0; n]
+                } else {
+                    let per = n / p.experts;
+                    let mut v = Vec::with_capacity(n);
+                    for e in 0..p.experts {
+                        let name = if p.experts > 1 {
+                            p.name.replace("experts.", &format!("experts.{e}."))
+                        } else {
+                            p.name.clone()
+                        };
+                        let mut rng = SplitMix64(seed ^ fnv(name.as_bytes()));
+                        let bound = if name == "embed.weight" {
+                            1.0
+                        } else {
+                            scale / fan_in.sqrt()
+                        };
+                        v.extend((0..per).map(|_| bound * rng.uniform()));
+                    }
+                    v
+                }
+            })
+            .collect()
+    }
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    lowbit_device::ptx::source_hash(bytes)
+}
+
+/// Scratch memory of one forward/backward for batches of `batch` rows.
+#[derive(Debug)]
+pub struct Lm {
+    shape: LmShape,
+    batch: usize,
+    ids: Ids,
+    x0: View,
+    /// Residual stream: input of block k at index k; index `blocks` is the MoE input and
+    /// `blocks + 1` its output.
+    res: Vec<View>,
+    norm: Vec<View>,
+    rstd: Vec<View>,
+    h1: Vec<View>,
+    g1: Vec<View>,
+    router_logits: View,
+    /// Per expert: gathered inputs, pre-activation, activation, output.
+    xe: Vec<View>,
+    he: Vec<View>,
+    ae: Vec<View>,
+    ye: Vec<View>,
+    final_norm: View,
+    final_rstd: View,
+    logits: View,
+    dlogits: View,
+    targets: View,
+    dr: View,
+    dn: View,
+    dtmp: View,
+    df: [View; 2],
+    dye: View,
+    dae: [View; 2],
+    dxe: View,
+    wbuf: View,
+    gbuf: View,
+    /// All experts' fc1 / fc2 weights (f32) for the current pass.
+    w1: View,
+    w2: View,
+    gw1: View,
+    gw2: View,
+    /// Input-layer weight gradient and embedding gradient scratch.
+    dw_in: View,
+    g_embed: View,
+    /// Routing of the last forward: per row, `top_k` (expert, gate) pairs.
+    routes: Vec<(usize, f32)>,
+    /// Per expert, the rows routed to it (with their slot), in row order.
+    assigned: Vec<Vec<(usize, usize)>>,
+}
+
+fn mm(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, acc: bool) -> MatmulSpec {
+    MatmulSpec {
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+        accumulate: acc,
+    }
+}
+
+impl Lm {
+    /// Allocates scratch for batches of `batch` rows.
+    pub fn new(dev: &mut Device, shape: LmShape, batch: usize) -> Lm {
+        let b = batch;
+        let (h, f, fe, e) = (shape.hidden, shape.ffn, shape.expert_ffn, shape.experts);
+        let mut a = |n: usize| dev.alloc(DType::F32, n);
+        let nb = shape.blocks;
+        let largest = shape
+            .params()
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .max()
+            .unwrap_or(1);
+        Lm {
+            ids: shape.ids(),
+            x0: a(b * shape.context * shape.embed),
+            res: (0..nb + 2).map(|_| a(b * h)).collect(),
+            norm: (0..nb + 1).map(|_| a(b * h)).collect(),
+            rstd: (0..nb + 1).map(|_| a(b)).collect(),
+            h1: (0..nb).map(|_| a(b * f)).collect(),
+            g1: (0..nb).map(|_| a(b * f)).collect(),
+            router_logits: a(b * e),
+            xe: (0..e).map(|_| a(b * h)).collect(),
+            he: (0..e).map(|_| a(b * fe)).collect(),
+            ae: (0..e).map(|_| a(b * fe)).collect(),
+            ye: (0..e).map(|_| a(b * h)).collect(),
+            final_norm: a(b * h),
+            final_rstd: a(b),
+            logits: a(b * shape.vocab),
+            dlogits: a(b * shape.vocab),
+            targets: a(b),
+            dr: a(b * h),
+            dn: a(b * h),
+            dtmp: a(b * h),
+            df: [a(b * f), a(b * f)],
+            dye: a(b * h),
+            dae: [a(b * fe), a(b * fe)],
+            dxe: a(b * h),
+            wbuf: a(largest),
+            // Also dx0 of the input layer.
+            gbuf: a(largest.max(shape.context * shape.embed * b)),
+            w1: a(e * fe * h),
+            w2: a(e * h * fe),
+            gw1: a(e * fe * h),
+            gw2: a(e * h * fe),
+            dw_in: a(h * shape.context * shape.embed),
+            g_embed: a(shape.vocab * shape.embed),
+            routes: Vec::new(),
+            assigned: vec![Vec::new(); e],
+            shape,
+            batch,
+        }
+    }
+
+    /// Rows per batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Parameter `p` as f32, in the weight scratch.
+    fn load(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        p: usize,
+        usage: Usage,
+    ) -> Result<View, ModelError> {
+        let v = hooks.param(dev, p, usage)?;
+        let w = self.wbuf.slice(0..v.len())?;
+        dev.cast(v, w)?;
+        Ok(w)
+    }
+
+    /// Every expert's weights of one projection into `dst` (expert-major), from the grouped
+    /// parameter or the discrete ones.
+    fn load_experts(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        ids: &[usize],
+        dst: View,
+        usage: Usage,
+    ) -> Result<(), ModelError> {
+        let per = dst.len() / ids.len();
+        for (i, &p) in ids.iter().enumerate() {
+            let v = hooks.param(dev, p, usage)?;
+            dev.cast(v, dst.slice(i * per..(i + 1) * per)?)?;
+        }
+        Ok(())
+    }
+
+    /// Adds `g` (f32 scratch) into gradient `p` and reports it ready.
+    fn accumulate(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        p: usize,
+        g: View,
+    ) -> Result<(), ModelError> {
+        let dst = hooks.grad(dev, p)?;
+        dev.add(g, dst)?;
+        hooks.grad_ready(dev, p)
+    }
+
+    fn accumulate_experts(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        ids: &[usize],
+        g: View,
+    ) -> Result<(), ModelError> {
+        let per = g.len() / ids.len();
+        for (i, &p) in ids.iter().enumerate() {
+            self.accumulate(dev, hooks, p, g.slice(i * per..(i + 1) * per)?)?;
+        }
+        Ok(())
+    }
+
+    /// `y = a·Wᵀ + b`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        (pw, pb): (usize, usize),
+        a: View,
+        y: View,
+        (k, n): (usize, usize),
+    ) -> Result<(), ModelError> {
+        let w = self.load(dev, hooks, pw, Usage::Forward)?;
+        dev.matmul(a, w, y, &mm(self.batch, n, k, false, true, false))?;
+        let b = self.load(dev, hooks, pb, Usage::Forward)?;
+        dev.add_bias(y, b)?;
+        Ok(())
+    }
+
+    /// Backward of `y = a·Wᵀ + b` given `dy`: accumulates dW and db, and writes `da = dy·W`
+    /// unless `da` is `None`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        (pw, pb): (usize, usize),
+        a: View,
+        dy: View,
+        da: Option<View>,
+        (k, n): (usize, usize),
+    ) -> Result<(), ModelError> {
+        let db = self.gbuf.slice(0..n)?;
+        dev.bias_grad(dy, db, false)?;
+        self.accumulate(dev, hooks, pb, db)?;
+        let dw = self.gbuf.slice(0..n * k)?;
+        dev.matmul(dy, a, dw, &mm(n, k, self.batch, true, false, false))?;
+        self.accumulate(dev, hooks, pw, dw)?;
+        if let Some(da) = da {
+            let w = self.load(dev, hooks, pw, Usage::Backward)?;
+            dev.matmul(dy, w, da, &mm(self.batch, k, n, false, false, false))?;
+        }
+        Ok(())
+    }
+
+    /// Forward of one batch (`tokens`: `batch·context` ids, `targets`: `batch` ids). Returns the
+    /// mean cross-entropy. With `loss_scale = Some(s)`, runs the backward too and accumulates
+    /// `s ·` the gradients into the hooks' views.
+    pub fn step(
+        &mut self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+        targets: &[u32],
+        loss_scale: Option<f32>,
+    ) -> Result<f32, ModelError> {
+        let s = self.shape;
+        let (b, h, f) = (self.batch, s.hidden, s.ffn);
+        let (c, emb, v) = (s.context, s.embed, s.vocab);
+        if tokens.len() != b * c || targets.len() != b {
+            return Err(ModelError::Hook(format!(
+                "batch of {} tokens and {} targets for {b} rows of context {c}",
+                tokens.len(),
+                targets.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().chain(targets).find(|&&t| t as usize >= v) {
+            return Err(ModelError::Hook(format!(
+                "token {t} outside vocabulary {v}"
+            )));
+        }
+        let ids = self.ids.clone();
+        // Embedding: row `tok` of the table into its slot of x0.
+        let table = hooks.param(dev, ids.embed, Usage::Forward)?;
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            dev.cast(
+                table.slice(t * emb..(t + 1) * emb)?,
+                self.x0.slice(i * emb..(i + 1) * emb)?,
+            )?;
+        }
+        self.linear(dev, hooks, ids.input, self.x0, self.res[0], (c * emb, h))?;
+        for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate() {
+            let g = self.load(dev, hooks, pn, Usage::Forward)?;
+            dev.rms_norm(self.res[k], g, self.norm[k], self.rstd[k], 1e-6)?;
+            self.linear(dev, hooks, fc1, self.norm[k], self.h1[k], (h, f))?;
+            dev.gelu(self.h1[k], self.g1[k])?;
+            let y = self.dtmp;
+            self.linear(dev, hooks, fc2, self.g1[k], y, (f, h))?;
+            dev.copy(self.res[k], self.res[k + 1])?;
+            dev.add(y, self.res[k + 1])?;
+        }
+        self.moe_forward(dev, hooks)?;
+        let nb = s.blocks;
+        let g = self.load(dev, hooks, ids.final_norm, Usage::Forward)?;
+        dev.rms_norm(self.res[nb + 1], g, self.final_norm, self.final_rstd, 1e-6)?;
+        self.linear(dev, hooks, ids.head, self.final_norm, self.logits, (h, v))?;
+        let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
+        dev.upload(self.targets, &t)?;
+        let loss = dev.softmax_cross_entropy(self.logits, self.targets)?;
+        let Some(scale) = loss_scale else {
+            return Ok(loss);
+        };
+
+        // Backward.
+        dev.softmax_cross_entropy_backward(self.logits, self.targets, self.dlogits, scale)?;
+        self.linear_backward(
+            dev,
+            hooks,
+            ids.head,
+            self.final_norm,
+            self.dlogits,
+            Some(self.dn),
+            (h, v),
+        )?;
+        let g = self.load(dev, hooks, ids.final_norm, Usage::Backward)?;
+        let dg = self.gbuf.slice(0..h)?;
+        dev.zero(dg)?;
+        dev.rms_norm_backward(self.res[nb + 1], g, self.final_rstd, self.dn, self.dr, dg)?;
+        self.accumulate(dev, hooks, ids.final_norm, dg)?;
+        self.moe_backward(dev, hooks)?;
+        for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate().rev() {
+            self.linear_backward(
+                dev,
+                hooks,
+                fc2,
+                self.g1[k],
+                self.dr,
+                Some(self.df[0]),
+                (f, h),
+            )?;
+            dev.gelu_backward(self.h1[k], self.df[0], self.df[1])?;
+            self.linear_backward(
+                dev,
+                hooks,
+                fc1,
+                self.norm[k],
+                self.df[1],
+                Some(self.dn),
+                (h, f),
+            )?;
+            self.norm_backward(dev, hooks, pn, k)?;
+        }
+        let dx0 = self.gbuf.slice(0..b * c * emb)?;
+        // The input layer's weight gradient first; then dx0 reuses the gradient scratch.
+        let (pw, pb) = ids.input;
+        let db = self.dtmp.slice(0..h)?;
+        dev.bias_grad(self.dr, db, false)?;
+        self.accumulate(dev, hooks, pb, db)?;
+        let dw = self.dw_in;
+        dev.matmul(self.dr, self.x0, dw, &mm(h, c * emb, b, true, false, false))?;
+        self.accumulate(dev, hooks, pw, dw)?;
+        let w = self.load(dev, hooks, pw, Usage::Backward)?;
+        dev.matmul(self.dr, w, dx0, &mm(b, c * emb, h, false, false, false))?;
+        // Embedding gradient: rows summed in f32 in sample order, then added once.
+        let ge = self.g_embed;
+        dev.zero(ge)?;
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            dev.axpy(
+                1.0,
+                dx0.slice(i * emb..(i + 1) * emb)?,
+                ge.slice(t * emb..(t + 1) * emb)?,
+            )?;
+        }
+        self.accumulate(dev, hooks, ids.embed, ge)?;
+        Ok(loss)
+    }
+
+    /// `dr ← dr + RMSNorm_k backward(dn)` and the norm weight's gradient.
+    fn norm_backward(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        pn: usize,
+        k: usize,
+    ) -> Result<(), ModelError> {
+        let h = self.shape.hidden;
+        let g = self.load(dev, hooks, pn, Usage::Backward)?;
+        let dg = self.gbuf.slice(0..h)?;
+        dev.zero(dg)?;
+        dev.rms_norm_backward(self.res[k], g, self.rstd[k], self.dn, self.dtmp, dg)?;
+        self.accumulate(dev, hooks, pn, dg)?;
+        dev.add(self.dtmp, self.dr)?;
+        Ok(())
+    }
+
+    fn moe_forward(&mut self, dev: &mut Device, hooks: &mut dyn Hooks) -> Result<(), ModelError> {
+        let s = self.shape;
+        let (b, h, fe, e, k) = (self.batch, s.hidden, s.expert_ffn, s.experts, s.top_k);
+        let nb = s.blocks;
+        let (x, out) = (self.res[nb], self.res[nb + 1]);
+        let ids = self.ids.clone();
+        let g = self.load(dev, hooks, ids.moe_norm, Usage::Forward)?;
+        dev.rms_norm(x, g, self.norm[nb], self.rstd[nb], 1e-6)?;
+        let wr = self.load(dev, hooks, ids.router, Usage::Forward)?;
+        dev.matmul(
+            self.norm[nb],
+            wr,
+            self.router_logits,
+            &mm(b, e, h, false, true, false),
+        )?;
+        let logits: Vec<f32> = dev.download(self.router_logits)?;
+        self.routes.clear();
+        self.assigned.iter_mut().for_each(Vec::clear);
+        for (r, row) in logits.chunks_exact(e).enumerate() {
+            let chosen = top_k(row, k);
+            let gates = softmax(&chosen.iter().map(|&i| row[i]).collect::<Vec<_>>());
+            for (slot, (&i, &g)) in chosen.iter().zip(&gates).enumerate() {
+                self.routes.push((i, g));
+                self.assigned[i].push((r, slot));
+            }
+        }
+        self.load_experts(dev, hooks, &ids.fc1, self.w1, Usage::Forward)?;
+        self.load_experts(dev, hooks, &ids.fc2, self.w2, Usage::Forward)?;
+        for ex in 0..e {
+            let n = self.assigned[ex].len();
+            if n == 0 {
+                continue;
+            }
+            for (i, &(r, _)) in self.assigned[ex].iter().enumerate() {
+                dev.copy(
+                    self.norm[nb].slice(r * h..(r + 1) * h)?,
+                    self.xe[ex].slice(i * h..(i + 1) * h)?,
+                )?;
+            }
+            let xe = self.xe[ex].slice(0..n * h)?;
+            let he = self.he[ex].slice(0..n * fe)?;
+            let ae = self.ae[ex].slice(0..n * fe)?;
+            let ye = self.ye[ex].slice(0..n * h)?;
+            let w1 = self.w1.slice(ex * fe * h..(ex + 1) * fe * h)?;
+            let w2 = self.w2.slice(ex * h * fe..(ex + 1) * h * fe)?;
+            dev.matmul(xe, w1, he, &mm(n, fe, h, false, true, false))?;
+            dev.gelu(he, ae)?;
+            dev.matmul(ae, w2, ye, &mm(n, h, fe, false, true, false))?;
+        }
+        // Combine in row order, slots in order: out = x + Σ gate · y.
+        dev.copy(x, out)?;
+        // `assigned` was filled in this (row, slot) order, so the i-th visit of an expert is
+        // row i of its outputs.
+        let mut pos = vec![0usize; e];
+        for r in 0..b {
+            for slot in 0..k {
+                let (ex, g) = self.routes[r * k + slot];
+                let i = pos[ex];
+                pos[ex] += 1;
+                dev.axpy(
+                    g,
+                    self.ye[ex].slice(i * h..(i + 1) * h)?,
+                    out.slice(r * h..(r + 1) * h)?,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn moe_backward(&mut self, dev: &mut Device, hooks: &mut dyn Hooks) -> Result<(), ModelError> {
+        let s = self.shape;
+        let (b, h, fe, e, k) = (self.batch, s.hidden, s.expert_ffn, s.experts, s.top_k);
+        let nb = s.blocks;
+        let ids = self.ids.clone();
+        // Gate gradients on the host: dgate = dOut · y.
+        let dout: Vec<f32> = dev.download(self.dr)?;
+        let mut ys: Vec<Vec<f32>> = Vec::with_capacity(e);
+        for ex in 0..e {
+            let n = self.assigned[ex].len();
+            ys.push(dev.download(self.ye[ex].slice(0..n * h)?)?);
+        }
+        let mut dlogits = vec![0f32; b * e];
+        let mut index_in_expert = vec![0usize; b * k];
+        for list in &self.assigned {
+            for (i, &(r, slot)) in list.iter().enumerate() {
+                index_in_expert[r * k + slot] = i;
+            }
+        }
+        for r in 0..b {
+            let mut dg = vec![0f32; k];
+            for (slot, d) in dg.iter_mut().enumerate() {
+                let (ex, _) = self.routes[r * k + slot];
+                let i = index_in_expert[r * k + slot];
+                *d = dot(&dout[r * h..(r + 1) * h], &ys[ex][i * h..(i + 1) * h]);
+            }
+            let gates: Vec<f32> = (0..k).map(|slot| self.routes[r * k + slot].1).collect();
+            let inner = gates.iter().zip(&dg).fold(0f32, |acc, (g, d)| acc + g * d);
+            for (slot, d) in dg.iter().enumerate() {
+                let (ex, g) = self.routes[r * k + slot];
+                dlogits[r * e + ex] = g * (d - inner);
+            }
+        }
+        // Experts: dY = gate · dOut per routed row.
+        self.load_experts(dev, hooks, &ids.fc1, self.w1, Usage::Backward)?;
+        self.load_experts(dev, hooks, &ids.fc2, self.w2, Usage::Backward)?;
+        dev.zero(self.gw1)?;
+        dev.zero(self.gw2)?;
+        dev.zero(self.dn)?;
+        for ex in 0..e {
+            let n = self.assigned[ex].len();
+            if n == 0 {
+                continue;
+            }
+            let dye = self.dye.slice(0..n * h)?;
+            dev.zero(dye)?;
+            for (i, &(r, slot)) in self.assigned[ex].iter().enumerate() {
+                let g = self.routes[r * k + slot].1;
+                dev.axpy(
+                    g,
+                    self.dr.slice(r * h..(r + 1) * h)?,
+                    dye.slice(i * h..(i + 1) * h)?,
+                )?;
+            }
+            let xe = self.xe[ex].slice(0..n * h)?;
+            let he = self.he[ex].slice(0..n * fe)?;
+            let ae = self.ae[ex].slice(0..n * fe)?;
+            let w1 = self.w1.slice(ex * fe * h..(ex + 1) * fe * h)?;
+            let w2 = self.w2.slice(ex * h * fe..(ex + 1) * h * fe)?;
+            let gw1 = self.gw1.slice(ex * fe * h..(ex + 1) * fe * h)?;
+            let gw2 = self.gw2.slice(ex * h * fe..(ex + 1) * h * fe)?;
+            let dae = self.dae[0].slice(0..n * fe)?;
+            let dhe = self.dae[1].slice(0..n * fe)?;
+            let dxe = self.dxe.slice(0..n * h)?;
+            dev.matmul(dye, ae, gw2, &mm(h, fe, n, true, false, false))?;
+            dev.matmul(dye, w2, dae, &mm(n, fe, h, false, false, false))?;
+            dev.gelu_backward(he, dae, dhe)?;
+            dev.matmul(dhe, xe, gw1, &mm(fe, h, n, true, false, false))?;
+            dev.matmul(dhe, w1, dxe, &mm(n, h, fe, false, false, false))?;
+            for (i, &(r, _)) in self.assigned[ex].iter().enumerate() {
+                dev.axpy(
+                    1.0,
+                    dxe.slice(i * h..(i + 1) * h)?,
+                    self.dn.slice(r * h..(r + 1) * h)?,
+                )?;
+            }
+        }
+        self.accumulate_experts(dev, hooks, &ids.fc1, self.gw1)?;
+        self.accumulate_experts(dev, hooks, &ids.fc2, self.gw2)?;
+        // Router: dWr = dLogitsᵀ · n, dn += dLogits · Wr.
+        dev.upload(self.router_logits, &dlogits)?;
+        let dwr = self.gbuf.slice(0..e * h)?;
+        dev.matmul(
+            self.router_logits,
+            self.norm[nb],
+            dwr,
+            &mm(e, h, b, true, false, false),
+        )?;
+        self.accumulate(dev, hooks, ids.router, dwr)?;
+        let wr = self.load(dev, hooks, ids.router, Usage::Backward)?;
+        dev.matmul(
+            self.router_logits,
+            wr,
+            self.dn,
+            &mm(b, h, e, false, false, true),
+        )?;
+        self.norm_backward(dev, hooks, ids.moe_norm, nb)
+    }
+}
+
+/// Indices of the `k` largest values, largest first; ties go to the lower index; NaN never wins
+/// over a number.
+fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (row[a], row[b]);
+        y.partial_cmp(&x)
+            .unwrap_or_else(|| x.is_nan().cmp(&y.is_nan()))
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
+
+/// Softmax in f32 (`exp` evaluated in f64 and rounded, like the device ops).
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let mx = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = x.iter().map(|&v| f64::from(v - mx).exp() as f32).collect();
+    let s = e.iter().fold(0f32, |a, &v| a + v);
+    e.iter().map(|&v| v / s).collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |acc, (x, y)| acc + x * y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_breaks_ties_towards_lower_index() {
+        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
+        assert_eq!(top_k(&[f32::NAN, 0.5, -1.0], 2), vec![1, 2]);
+    }
+
+    #[test]
+    fn grouped_and_discrete_init_agree() {
+        let mut s = LmShape {
+            vocab: 8,
+            context: 2,
+            embed: 4,
+            hidden: 8,
+            blocks: 1,
+            ffn: 8,
+            experts: 3,
+            top_k: 2,
+            expert_ffn: 4,
+            grouped: true,
+        };
+        let g: Vec<f32> = s.init(1).concat();
+        s.grouped = false;
+        let d: Vec<f32> = s.init(1).concat();
+        assert_eq!(g, d);
+    }
+}

@@ -1,0 +1,674 @@
+//! `lowbit train`: the reference training job. A small MoE language model ([`lm`]) learns a
+//! synthetic Markov source with a known entropy rate ([`data`]) across data-parallel ranks, with
+//! low-precision primary weights, bucketed and overlapped gradient reduction, staged parameter
+//! gathers and a sharded AdamW — every layer of the library in one run.
+//!
+//! [`train`] is deterministic: the same configuration gives the same losses, grad norms and
+//! final fp32 masters, bit for bit (the report carries their f32 bit patterns and a checksum of
+//! the masters), so runs can be compared exactly — e.g. `--param-gather on` against `off`.
+//!
+//! Decisions:
+//! - The global batch is fixed and split over ranks × microbatches (both must divide it), so
+//!   changing `--ranks` or `--microbatches` changes the arithmetic order, not the problem.
+//! - Two AdamW groups: GEMM weights and the embedding decay, norms, biases and the router do
+//!   not (as Megatron's default no-decay group). No clipping: the grad norm is reported. The
+//!   learning rate warms up over 5% of the steps, then decays along a cosine to a tenth.
+//! - The loss reported per step is the mean over the global batch (an f32 all-reduce, counted
+//!   in the collective table); eval losses are over a fixed held-out sample set.
+
+pub mod data;
+pub mod hooks;
+pub mod json;
+pub mod lm;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use lowbit_buffers::layout::{
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+};
+use lowbit_buffers::{DataParallelBuffers, DdpConfig};
+use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
+use lowbit_device::{DType, Device};
+use lowbit_optim::{
+    Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, RankMemory,
+    estimate_memory, initialize_params, memory_report,
+};
+
+use data::{MarkovSource, Source, TextSource};
+use hooks::TrainHooks;
+use lm::{Lm, LmShape, ParamInfo};
+
+/// How GEMM weights are stored and computed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 weights.
+    Bf16,
+    /// MXFP8 (E4M3, 1x32 blocks) weights.
+    Mxfp8,
+    /// NVFP4 (2D 16x16 blocks, two-level scales) weights.
+    Nvfp4,
+}
+
+impl Precision {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::Mxfp8 => "mxfp8",
+            Precision::Nvfp4 => "nvfp4",
+        }
+    }
+}
+
+/// Which backend the ranks run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// Ranks are threads on the CPU reference backend.
+    Cpu,
+    /// One rank per GPU, NCCL between them.
+    Cuda,
+}
+
+/// Everything a run depends on.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Data-parallel ranks.
+    pub ranks: usize,
+    /// Weight precision.
+    pub precision: Precision,
+    /// Low-precision primary weights gathered as such (staged through the gradient buffer);
+    /// off: bf16 parameters, quantized on the fly for compute.
+    pub param_gather: bool,
+    /// Reduce gradient buckets as they become ready during the backward.
+    pub overlap_grad_reduce: bool,
+    /// Gather parameters bucket by bucket in the next forward.
+    pub overlap_param_gather: bool,
+    /// Gradient buffer dtype.
+    pub grad_dtype: GradDType,
+    /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
+    pub bucket_size: Option<usize>,
+    /// Microbatches per step (gradient accumulation).
+    pub microbatches: usize,
+    /// Samples per step over all ranks.
+    pub batch: usize,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Evaluate every this many steps (and after the last); 0: only after the last.
+    pub eval_every: usize,
+    /// Held-out samples per evaluation.
+    pub eval_samples: usize,
+    /// Seed of the data, the initial weights and the source.
+    pub seed: u64,
+    /// Backend.
+    pub device: DeviceChoice,
+    /// Train on the bytes of this file instead of the Markov source.
+    pub data: Option<PathBuf>,
+    /// AdamW learning rate.
+    pub lr: f32,
+    /// Model shape (`vocab` is set from the data source).
+    pub shape: LmShape,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            ranks: 4,
+            precision: Precision::Mxfp8,
+            param_gather: true,
+            overlap_grad_reduce: true,
+            overlap_param_gather: true,
+            grad_dtype: GradDType::F32,
+            bucket_size: Some(40_000),
+            microbatches: 2,
+            batch: 512,
+            steps: 200,
+            eval_every: 50,
+            eval_samples: 4096,
+            seed: 1,
+            device: DeviceChoice::Cpu,
+            data: None,
+            lr: 1e-2,
+            shape: LmShape {
+                vocab: 8,
+                context: 4,
+                embed: 16,
+                hidden: 64,
+                blocks: 2,
+                ffn: 128,
+                experts: 4,
+                top_k: 2,
+                expert_ffn: 64,
+                grouped: true,
+            },
+        }
+    }
+}
+
+/// Errors of a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration describes no valid run; refused before anything runs.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+    /// The data could not be read.
+    #[error("data: {0}")]
+    Data(String),
+    /// A rank failed.
+    #[error("rank {rank}: {message}")]
+    Rank {
+        /// Which rank.
+        rank: usize,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl TrainConfig {
+    /// Rows per rank per microbatch.
+    pub fn rows(&self) -> usize {
+        self.batch / (self.ranks * self.microbatches).max(1)
+    }
+
+    /// Refuses invalid combinations up front, each with the reason.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Invalid(m));
+        if self.ranks == 0 || self.ranks > 64 {
+            return bad(format!("--ranks {} must be in 1..=64", self.ranks));
+        }
+        if self.microbatches == 0 {
+            return bad("--microbatches must be at least 1".into());
+        }
+        if self.steps == 0 {
+            return bad("--steps must be at least 1".into());
+        }
+        let split = self.ranks * self.microbatches;
+        if self.batch == 0 || !self.batch.is_multiple_of(split) {
+            return bad(format!(
+                "the global batch of {} samples does not split into {} ranks x {} microbatches",
+                self.batch, self.ranks, self.microbatches
+            ));
+        }
+        if self.precision == Precision::Bf16 && self.param_gather {
+            return bad(
+                "--param-gather on needs --precision mxfp8 or nvfp4 (with bf16 weights there is \
+                 no low-precision copy to gather)"
+                    .into(),
+            );
+        }
+        if self.overlap_param_gather && !self.overlap_grad_reduce {
+            return bad(
+                "--overlap-param-gather on needs --overlap-grad-reduce on (the gathers are \
+                 launched per bucket, and buckets exist only with overlapped reduction)"
+                    .into(),
+            );
+        }
+        if let Some(b) = self.bucket_size {
+            if !self.overlap_grad_reduce {
+                return bad(
+                    "--bucket-size applies only with --overlap-grad-reduce on (without it each \
+                     buffer is reduced as one bucket)"
+                        .into(),
+                );
+            }
+            if b == 0 {
+                return bad("--bucket-size must be at least 1 element".into());
+            }
+        }
+        if self.eval_samples == 0 || !self.eval_samples.is_multiple_of(self.ranks * self.rows()) {
+            return bad(format!(
+                "{} eval samples do not split into {} ranks x batches of {} rows",
+                self.eval_samples,
+                self.ranks,
+                self.rows()
+            ));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("learning rate {} must be positive", self.lr));
+        }
+        let s = &self.shape;
+        if s.top_k == 0 || s.top_k > s.experts {
+            return bad(format!(
+                "top-{} routing over {} experts",
+                s.top_k, s.experts
+            ));
+        }
+        if self.precision != Precision::Bf16 {
+            let dims = [s.hidden, s.ffn, s.expert_ffn, s.context * s.embed];
+            if let Some(d) = dims.iter().find(|d| !d.is_multiple_of(32)) {
+                return bad(format!(
+                    "{} weights need model widths that are multiples of 32 (MXFP8 blocks and \
+                     NVFP4 tiles must not straddle experts); got {d}",
+                    self.precision.name()
+                ));
+            }
+        }
+        if self.device == DeviceChoice::Cuda && !cfg!(feature = "cuda") {
+            return bad(
+                "--device cuda needs a build with the CUDA backend: cargo build --release \
+                 --features cuda"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The learning rate of `step` (from 0): linear warmup over the first 5% of the steps,
+    /// then cosine decay to a tenth. Computed in f64, rounded once.
+    pub fn lr_at(&self, step: usize) -> f32 {
+        let warmup = (self.steps / 20).max(1) as f64;
+        let s = step as f64;
+        let ramp = ((s + 1.0) / warmup).min(1.0);
+        let progress = s / self.steps.max(1) as f64;
+        let cosine = 0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        (f64::from(self.lr) * ramp * cosine) as f32
+    }
+
+    fn ddp(&self) -> DdpConfig {
+        DdpConfig {
+            distributed_optimizer: true,
+            overlap_grad_reduce: self.overlap_grad_reduce,
+            overlap_param_gather: self.overlap_param_gather,
+            average_in_collective: false,
+            bucket_size: self.bucket_size,
+            high_busbw_padding: false,
+            mxfp8_direct_2d: false,
+        }
+    }
+
+    fn specs(&self, info: &[ParamInfo]) -> Vec<ParamSpec> {
+        info.iter()
+            .map(|p| {
+                let storage = match self.precision {
+                    Precision::Mxfp8 if self.param_gather && p.matrix => {
+                        ParamStorage::Quantized(QuantKind::Mxfp8)
+                    }
+                    // Grouped tensors need per-expert amaxes (see `hooks`).
+                    Precision::Nvfp4 if self.param_gather && p.matrix && p.experts == 1 => {
+                        ParamStorage::Quantized(QuantKind::Nvfp4)
+                    }
+                    _ => ParamStorage::Bf16,
+                };
+                let key = BufferKey {
+                    param_storage: storage,
+                    grad_dtype: self.grad_dtype,
+                    expert: false,
+                    owner: OptimizerId(if p.decay { 0 } else { 1 }),
+                };
+                ParamSpec::new(p.name.clone(), p.shape.clone(), key)
+            })
+            .collect()
+    }
+
+    fn adamw(&self, decay: f32) -> OptimConfig {
+        OptimConfig {
+            algorithm: Algorithm::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: decay,
+            },
+            lr: self.lr,
+            clip_grad: None,
+        }
+    }
+}
+
+/// Progress of one step, as rank 0 reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLog {
+    /// Step number, from 1.
+    pub step: usize,
+    /// Of how many.
+    pub steps: usize,
+    /// Mean training loss over the global batch.
+    pub loss: f32,
+    /// Eval loss, on steps that evaluated.
+    pub eval: Option<f32>,
+    /// Predicted tokens per second so far.
+    pub tokens_per_s: f64,
+}
+
+/// Wall time per phase on rank 0.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Phases {
+    /// Forward and backward (including waits on overlapped parameter gathers).
+    pub forward_backward: Duration,
+    /// Finishing the gradient reduction.
+    pub grad_sync: Duration,
+    /// Optimizer step (grad norm, AdamW, staging of the new weights).
+    pub optimizer: Duration,
+    /// Parameter gathers outside the forward (begin of iteration, forced syncs).
+    pub param_sync: Duration,
+    /// Evaluations.
+    pub eval: Duration,
+}
+
+/// What a run produced.
+#[derive(Clone, Debug)]
+pub struct TrainReport {
+    /// The configuration (with the vocabulary of the source).
+    pub config: TrainConfig,
+    /// Every step's mean training loss.
+    pub losses: Vec<f32>,
+    /// Every step's global gradient norm.
+    pub grad_norms: Vec<f32>,
+    /// `(step, eval loss)`.
+    pub evals: Vec<(usize, f32)>,
+    /// The loss floor (entropy rate, nats) where known.
+    pub floor: Option<f64>,
+    /// Parameters in the model.
+    pub params: usize,
+    /// FNV-1a 64 of the final fp32 masters (every parameter in order, little-endian).
+    pub master_checksum: u64,
+    /// Rank 0's memory.
+    pub memory: RankMemory,
+    /// The same model with bf16 weights, fp32 gradients, masters and AdamW state, unsharded.
+    pub baseline: RankMemory,
+    /// Rank 0's collectives.
+    pub comm: CommStats,
+    /// Rank 0's time per phase.
+    pub phases: Phases,
+    /// Wall time of the training loop.
+    pub wall: Duration,
+}
+
+/// What each rank returns.
+struct RankOutcome {
+    losses: Vec<f32>,
+    norms: Vec<f32>,
+    evals: Vec<(usize, f32)>,
+    masters: Vec<MasterShard>,
+    memory: RankMemory,
+    comm: CommStats,
+    phases: Phases,
+    wall: Duration,
+}
+
+/// Runs `cfg` and reports; `progress` is called by rank 0 after every step.
+pub fn train(
+    cfg: &TrainConfig,
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<TrainReport, TrainError> {
+    cfg.validate()?;
+    let source = match &cfg.data {
+        Some(path) => {
+            Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
+        }
+        None => Source::Markov(MarkovSource::new(cfg.shape.vocab, cfg.seed)),
+    };
+    let mut cfg = cfg.clone();
+    cfg.shape.vocab = source.vocab();
+    let info = cfg.shape.params();
+    let specs = cfg.specs(&info);
+    let outcomes = run(&cfg, &source, &info, progress)?;
+    let o0 = &outcomes[0];
+    let checksum = master_checksum(&info, outcomes.iter().map(|o| &o.masters[..]));
+    let baseline_specs: Vec<ParamSpec> = specs
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.key.param_storage = ParamStorage::Bf16;
+            s.key.grad_dtype = GradDType::F32;
+            s
+        })
+        .collect();
+    let base_ddp = DdpConfig {
+        distributed_optimizer: false,
+        overlap_param_gather: false,
+        ..cfg.ddp()
+    };
+    let baseline = estimate_memory(&baseline_specs, 1, 0, &base_ddp, |_| Algorithm::AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    })
+    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    Ok(TrainReport {
+        losses: o0.losses.clone(),
+        grad_norms: o0.norms.clone(),
+        evals: o0.evals.clone(),
+        floor: source.floor(),
+        params: info.iter().map(|p| p.shape.iter().product::<usize>()).sum(),
+        master_checksum: checksum,
+        memory: o0.memory.clone(),
+        baseline,
+        comm: o0.comm,
+        phases: o0.phases,
+        wall: o0.wall,
+        config: cfg,
+    })
+}
+
+fn run(
+    cfg: &TrainConfig,
+    source: &Source,
+    info: &[ParamInfo],
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<Vec<RankOutcome>, TrainError> {
+    let results: Vec<Result<RankOutcome, TrainError>> = match cfg.device {
+        DeviceChoice::Cpu => {
+            let config = GroupConfig::default().with_timeout(Duration::from_secs(120));
+            run_ranks(cfg.ranks, config, |mut comm, mut dev| {
+                rank_main(cfg, source, info, progress, &mut comm, &mut dev)
+            })
+            .into_iter()
+            .map(|r| {
+                r.map_err(|e| TrainError::Rank {
+                    rank: e.rank,
+                    message: format!("panicked: {}", e.message),
+                })
+                .and_then(|x| x)
+            })
+            .collect()
+        }
+        DeviceChoice::Cuda => cuda::run(cfg, source, info, progress),
+    };
+    // The first failing rank's error is the cause; the others usually report the abort.
+    let mut out = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for r in results {
+        match r {
+            Ok(o) => out.push(o),
+            Err(e) => {
+                let is_abort = e.to_string().contains("abort");
+                if first_err.as_ref().is_none_or(|(a, _)| *a && !is_abort) {
+                    first_err = Some((is_abort, e));
+                }
+            }
+        }
+    }
+    match first_err {
+        Some((_, e)) => Err(e),
+        None => Ok(out),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use super::*;
+    pub(super) fn run(
+        _cfg: &TrainConfig,
+        _source: &Source,
+        _info: &[ParamInfo],
+        _progress: &(dyn Fn(&StepLog) + Sync),
+    ) -> Vec<Result<RankOutcome, TrainError>> {
+        vec![Err(TrainError::Invalid(
+            "--device cuda needs a build with the CUDA backend (--features cuda)".into(),
+        ))]
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    pub(super) fn run(
+        cfg: &TrainConfig,
+        source: &Source,
+        info: &[ParamInfo],
+        progress: &(dyn Fn(&StepLog) + Sync),
+    ) -> Vec<Result<RankOutcome, TrainError>> {
+        match lowbit_comm::nccl::run_local_ranks(cfg.ranks, |comm, dev| {
+            rank_main(cfg, source, info, progress, comm, dev)
+        }) {
+            Ok(v) => v,
+            Err(e) => vec![Err(TrainError::Rank {
+                rank: 0,
+                message: e.to_string(),
+            })],
+        }
+    }
+}
+
+/// FNV-1a 64 over every parameter's fp32 master values in element order.
+fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [MasterShard]>) -> u64 {
+    let mut full: Vec<Vec<f32>> = info
+        .iter()
+        .map(|p| vec![f32::NAN; p.shape.iter().product()])
+        .collect();
+    for shards in ranks {
+        for m in shards {
+            full[m.param][m.range.clone()].copy_from_slice(&m.values);
+        }
+    }
+    let bytes: Vec<u8> = full
+        .iter()
+        .flatten()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    lowbit_device::ptx::source_hash(&bytes)
+}
+
+fn err(rank: usize) -> impl Fn(&dyn std::fmt::Display) -> TrainError {
+    move |e| TrainError::Rank {
+        rank,
+        message: e.to_string(),
+    }
+}
+
+/// One rank's run.
+fn rank_main(
+    cfg: &TrainConfig,
+    source: &Source,
+    info: &[ParamInfo],
+    progress: &(dyn Fn(&StepLog) + Sync),
+    comm: &mut dyn Communicator,
+    dev: &mut Device,
+) -> Result<RankOutcome, TrainError> {
+    let rank = comm.rank();
+    let e = err(rank);
+    let specs = cfg.specs(info);
+    let mut bufs =
+        DataParallelBuffers::new(dev, cfg.ranks, rank, specs, cfg.ddp()).map_err(|x| e(&x))?;
+    let init = cfg.shape.init(cfg.seed);
+    initialize_params(dev, &mut bufs, &init).map_err(|x| e(&x))?;
+    let parts = vec![
+        DistributedOptimizer::new(dev, &bufs, OptimizerId(0), cfg.adamw(0.1), &init)
+            .map_err(|x| e(&x))?,
+        DistributedOptimizer::new(dev, &bufs, OptimizerId(1), cfg.adamw(0.0), &init)
+            .map_err(|x| e(&x))?,
+    ];
+    let mut opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
+    let rows = cfg.rows();
+    let mut lm = Lm::new(dev, cfg.shape, rows);
+    let scalar = dev.alloc(DType::F32, 1);
+    let mut phases = Phases::default();
+    let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
+    let context = cfg.shape.context;
+    let batch_of = |first: u64, eval: bool| {
+        let (mut t, mut y) = (Vec::new(), Vec::new());
+        for i in 0..rows as u64 {
+            source.sample(cfg.seed, first + i, eval, context, &mut t, &mut y);
+        }
+        (t, y)
+    };
+    let all_reduce_mean = |dev: &mut Device, comm: &mut dyn Communicator, v: f32| {
+        dev.upload(scalar, &[v]).map_err(|x| e(&x))?;
+        comm.all_reduce(dev, scalar, ReduceOp::Avg)
+            .map_err(|x| e(&x))?;
+        Ok::<f32, TrainError>(dev.download::<f32>(scalar).map_err(|x| e(&x))?[0])
+    };
+    let start = Instant::now();
+    for step in 0..cfg.steps {
+        opt.set_lr(cfg.lr_at(step)).map_err(|x| e(&x))?;
+        let t = Instant::now();
+        opt.begin_iteration(dev, comm, &mut bufs)
+            .map_err(|x| e(&x))?;
+        phases.param_sync += t.elapsed();
+        let t = Instant::now();
+        let mut loss = 0f32;
+        let mut hooks = TrainHooks::new(dev, &mut bufs, comm, cfg.precision, info);
+        for m in 0..cfg.microbatches {
+            hooks.bufs.set_last_microbatch(m + 1 == cfg.microbatches);
+            let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
+            let (tokens, targets) = batch_of(first, false);
+            let scale = 1.0 / cfg.microbatches as f32;
+            loss += lm
+                .step(dev, &mut hooks, &tokens, &targets, Some(scale))
+                .map_err(|x| e(&x))?;
+        }
+        hooks.free(dev).map_err(|x| e(&x))?;
+        phases.forward_backward += t.elapsed();
+        let t = Instant::now();
+        bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+        phases.grad_sync += t.elapsed();
+        let t = Instant::now();
+        let report = opt.step(dev, comm, &mut bufs).map_err(|x| e(&x))?;
+        phases.optimizer += t.elapsed();
+        let loss = all_reduce_mean(dev, comm, loss / cfg.microbatches as f32)?;
+        losses.push(loss);
+        norms.push(report.grad_norm);
+        let last = step + 1 == cfg.steps;
+        let mut eval = None;
+        if last || (cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every)) {
+            let t = Instant::now();
+            opt.force_param_sync(dev, comm, &mut bufs)
+                .map_err(|x| e(&x))?;
+            phases.param_sync += t.elapsed();
+            let t = Instant::now();
+            let per_rank = cfg.eval_samples / cfg.ranks;
+            let chunks = per_rank / rows;
+            let mut hooks = TrainHooks::new(dev, &mut bufs, comm, cfg.precision, info).eval();
+            let mut total = 0f64;
+            for c in 0..chunks {
+                let first = (rank * per_rank + c * rows) as u64;
+                let (tokens, targets) = batch_of(first, true);
+                total += f64::from(
+                    lm.step(dev, &mut hooks, &tokens, &targets, None)
+                        .map_err(|x| e(&x))?,
+                );
+            }
+            hooks.free(dev).map_err(|x| e(&x))?;
+            let v = all_reduce_mean(dev, comm, (total / chunks as f64) as f32)?;
+            evals.push((step + 1, v));
+            eval = Some(v);
+            phases.eval += t.elapsed();
+        }
+        if rank == 0 {
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            progress(&StepLog {
+                step: step + 1,
+                steps: cfg.steps,
+                loss,
+                eval,
+                tokens_per_s: ((step + 1) * cfg.batch) as f64 / secs,
+            });
+        }
+    }
+    let wall = start.elapsed();
+    let mut masters = Vec::new();
+    for p in opt.parts() {
+        masters.extend(p.masters(dev).map_err(|x| e(&x))?);
+    }
+    Ok(RankOutcome {
+        losses,
+        norms,
+        evals,
+        masters,
+        memory: memory_report(&bufs, &opt),
+        comm: comm.stats(),
+        phases,
+        wall,
+    })
+}

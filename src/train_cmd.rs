@@ -1,0 +1,436 @@
+//! `lowbit train`: arguments, the progress line, the closing table and the `--json` object.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use clap::{Args, ValueEnum};
+use lowbit::buffers::layout::GradDType;
+use lowbit::comm::CommStats;
+use lowbit::optim::RankMemory;
+use lowbit::train::json::Json;
+use lowbit::train::{self, DeviceChoice, Precision, StepLog, TrainConfig, TrainReport};
+
+use crate::error::CliError;
+
+/// Arguments of `lowbit train`. Defaults: the embedded CPU run (4 ranks, MXFP8 primary weights
+/// with staged gathers, overlapped reduction and gathers, distributed AdamW, 200 steps).
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Data-parallel ranks (threads on the CPU, GPUs with --device cuda).
+    #[arg(long, default_value_t = TrainConfig::default().ranks)]
+    pub ranks: usize,
+    /// Weight precision of the GEMMs.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Mxfp8)]
+    pub precision: PrecisionArg,
+    /// Keep low-precision primary weights and gather them as such (staged in the gradient
+    /// buffer); off: bf16 weights quantized on the fly [default: on for mxfp8/nvfp4, off for
+    /// bf16].
+    #[arg(long, value_enum)]
+    pub param_gather: Option<OnOff>,
+    /// Reduce gradient buckets while the backward runs.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub overlap_grad_reduce: OnOff,
+    /// Gather parameter buckets lazily in the next forward [default: as
+    /// --overlap-grad-reduce].
+    #[arg(long, value_enum)]
+    pub overlap_param_gather: Option<OnOff>,
+    /// Gradient buffer dtype.
+    #[arg(long, value_enum, default_value_t = GradArg::Fp32)]
+    pub grad_dtype: GradArg,
+    /// Bucket size in elements, with --overlap-grad-reduce on [default: 40000].
+    #[arg(long)]
+    pub bucket_size: Option<usize>,
+    /// Microbatches per step (gradient accumulation).
+    #[arg(long, default_value_t = TrainConfig::default().microbatches)]
+    pub microbatches: usize,
+    /// Samples per step over all ranks (split over ranks x microbatches).
+    #[arg(long, default_value_t = TrainConfig::default().batch)]
+    pub batch: usize,
+    /// AdamW learning rate (constant).
+    #[arg(long, default_value_t = TrainConfig::default().lr)]
+    pub lr: f32,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = TrainConfig::default().steps)]
+    pub steps: usize,
+    /// Evaluate on held-out samples every N steps (0: only at the end).
+    #[arg(long, default_value_t = TrainConfig::default().eval_every)]
+    pub eval_every: usize,
+    /// Seed of the source, the data order and the initial weights.
+    #[arg(long, default_value_t = TrainConfig::default().seed)]
+    pub seed: u64,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the
+    /// Markov source.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Expert weights as one parameter per expert instead of one grouped tensor (same bits).
+    #[arg(long)]
+    pub discrete_experts: bool,
+    /// Print one JSON object on stdout instead of the table (the progress line stays on
+    /// stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `on` / `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
+}
+
+impl OnOff {
+    fn on(self) -> bool {
+        self == OnOff::On
+    }
+}
+
+/// `--precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionArg {
+    /// bf16 weights.
+    Bf16,
+    /// MXFP8 E4M3 weights, 1x32 block scales.
+    Mxfp8,
+    /// NVFP4 weights, 16x16 block scales and a per-tensor scale.
+    Nvfp4,
+}
+
+/// `--grad-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GradArg {
+    /// fp32 gradient buffers.
+    Fp32,
+    /// bf16 gradient buffers.
+    Bf16,
+}
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// Ranks are threads on the CPU reference backend.
+    Cpu,
+    /// One rank per GPU through NCCL (needs a build with --features cuda).
+    Cuda,
+}
+
+impl TrainArgs {
+    /// The run these arguments describe.
+    pub fn config(&self) -> TrainConfig {
+        let precision = match self.precision {
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Mxfp8 => Precision::Mxfp8,
+            PrecisionArg::Nvfp4 => Precision::Nvfp4,
+        };
+        let d = TrainConfig::default();
+        let mut shape = d.shape;
+        shape.grouped = !self.discrete_experts;
+        TrainConfig {
+            ranks: self.ranks,
+            precision,
+            param_gather: self
+                .param_gather
+                .map_or(precision != Precision::Bf16, OnOff::on),
+            overlap_grad_reduce: self.overlap_grad_reduce.on(),
+            overlap_param_gather: self
+                .overlap_param_gather
+                .unwrap_or(self.overlap_grad_reduce)
+                .on(),
+            grad_dtype: match self.grad_dtype {
+                GradArg::Fp32 => GradDType::F32,
+                GradArg::Bf16 => GradDType::Bf16,
+            },
+            bucket_size: match self.bucket_size {
+                Some(b) => Some(b),
+                None if self.overlap_grad_reduce.on() => d.bucket_size,
+                None => None,
+            },
+            microbatches: self.microbatches,
+            batch: self.batch,
+            steps: self.steps,
+            eval_every: self.eval_every,
+            seed: self.seed,
+            device: match self.device {
+                DeviceArg::Cpu => DeviceChoice::Cpu,
+                DeviceArg::Cuda => DeviceChoice::Cuda,
+            },
+            data: self.data.clone(),
+            lr: self.lr,
+            shape,
+            ..d
+        }
+    }
+}
+
+/// Runs `lowbit train`.
+pub fn run(args: &TrainArgs) -> Result<(), CliError> {
+    let cfg = args.config();
+    cfg.validate().map_err(|e| CliError::Msg(e.to_string()))?;
+    let tty = std::io::stderr().is_terminal();
+    let last_line = Mutex::new(0usize);
+    let progress = |s: &StepLog| {
+        let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
+        let line = format!(
+            "step {:>4}/{}  loss {:.4}{eval}  {:.0} tok/s",
+            s.step, s.steps, s.loss, s.tokens_per_s
+        );
+        let mut err = std::io::stderr().lock();
+        if tty {
+            let width = 30;
+            let done = width * s.step / s.steps.max(1);
+            let bar = format!("[{}{}]", "#".repeat(done), ".".repeat(width - done));
+            let _ = write!(err, "\r{bar} {line}\x1b[K");
+            if s.step == s.steps {
+                let _ = writeln!(err);
+            }
+        } else if s.eval.is_some() {
+            // Not a terminal: one line per evaluation.
+            let _ = writeln!(err, "{line}");
+        }
+        *last_line.lock().unwrap_or_else(|p| p.into_inner()) = s.step;
+    };
+    let report = train::train(&cfg, &progress).map_err(|e| CliError::Msg(e.to_string()))?;
+    let mut out = std::io::stdout().lock();
+    let text = if args.json {
+        format!("{}\n", to_json(&report))
+    } else {
+        render(&report)
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::Msg(format!("cannot write to stdout: {e}")))
+}
+
+fn mib(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
+}
+
+fn memory_rows(m: &RankMemory) -> [(&'static str, usize); 6] {
+    [
+        ("weights", m.weights()),
+        ("staging (aliases grads)", m.staging()),
+        ("grads", m.grads()),
+        ("fp32 masters", m.masters),
+        ("optimizer state", m.optimizer_state + m.grad_scratch),
+        ("total", m.total()),
+    ]
+}
+
+fn comm_rows(c: &CommStats) -> [(&'static str, u64, u64); 4] {
+    [
+        ("all-gather", c.all_gather.calls, c.all_gather.bytes),
+        (
+            "reduce-scatter",
+            c.reduce_scatter.calls,
+            c.reduce_scatter.bytes,
+        ),
+        ("all-reduce", c.all_reduce.calls, c.all_reduce.bytes),
+        ("broadcast", c.broadcast.calls, c.broadcast.bytes),
+    ]
+}
+
+fn describe(cfg: &TrainConfig) -> String {
+    let on = |b: bool| if b { "on" } else { "off" };
+    format!(
+        "{} ranks on {}, {} weights (primary low-precision gather {}), grads {}, overlap grad \
+         reduce {} / param gather {}, distributed AdamW",
+        cfg.ranks,
+        match cfg.device {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        },
+        cfg.precision.name(),
+        on(cfg.param_gather),
+        match cfg.grad_dtype {
+            GradDType::F32 => "fp32",
+            GradDType::Bf16 => "bf16",
+        },
+        on(cfg.overlap_grad_reduce),
+        on(cfg.overlap_param_gather),
+    )
+}
+
+/// The closing table.
+pub fn render(r: &TrainReport) -> String {
+    let c = &r.config;
+    let s = &c.shape;
+    let mut o = String::new();
+    o += &format!("lowbit train: {}\n", describe(c));
+    o += &format!(
+        "model: {} parameters; vocab {}, context {}, {} dense blocks, MoE {} experts top-{} \
+         ({}); batch {} x {} steps\n\n",
+        r.params,
+        s.vocab,
+        s.context,
+        s.blocks,
+        s.experts,
+        s.top_k,
+        if s.grouped {
+            "grouped weights"
+        } else {
+            "per-expert weights"
+        },
+        c.batch,
+        c.steps
+    );
+    let final_loss = r.losses.last().copied().unwrap_or(f32::NAN);
+    let final_eval = r.evals.last().map_or(f32::NAN, |e| e.1);
+    o += &format!(
+        "{:<28}{:>12}\n",
+        "final train loss",
+        format!("{final_loss:.4}")
+    );
+    o += &format!(
+        "{:<28}{:>12}\n",
+        "final eval loss",
+        format!("{final_eval:.4}")
+    );
+    match r.floor {
+        Some(f) => {
+            o += &format!("{:<28}{:>12}\n", "entropy floor", format!("{f:.4}"));
+            o += &format!(
+                "{:<28}{:>12}\n",
+                "eval - floor",
+                format!("{:+.4}", f64::from(final_eval) - f)
+            );
+        }
+        None => o += &format!("{:<28}{:>12}\n", "entropy floor", "unknown"),
+    }
+    o += &format!(
+        "{:<28}{:>12}\n\n",
+        "wall time",
+        format!("{:.1} s", r.wall.as_secs_f64())
+    );
+    o += &format!(
+        "{:<28}{:>14}{:>20}\n",
+        "memory per rank", "this run", "bf16, unsharded"
+    );
+    for ((name, a), (_, b)) in memory_rows(&r.memory).iter().zip(memory_rows(&r.baseline)) {
+        o += &format!("  {name:<26}{:>14}{:>20}\n", mib(*a), mib(b));
+    }
+    o += &format!(
+        "\n{:<28}{:>14}{:>14}\n",
+        "collectives (rank 0)", "calls", "bytes"
+    );
+    for (name, calls, bytes) in comm_rows(&r.comm) {
+        o += &format!("  {name:<26}{calls:>14}{:>14}\n", mib(bytes as usize));
+    }
+    let p = &r.phases;
+    o += &format!("\n{:<28}{:>14}\n", "time per phase (rank 0)", "seconds");
+    for (name, d) in [
+        ("forward + backward", p.forward_backward),
+        ("grad sync", p.grad_sync),
+        ("optimizer step", p.optimizer),
+        ("param sync", p.param_sync),
+        ("eval", p.eval),
+    ] {
+        o += &format!("  {name:<26}{:>14.2}\n", d.as_secs_f64());
+    }
+    o += &format!(
+        "\nfp32 master checksum (fnv1a64): {:016x}\n",
+        r.master_checksum
+    );
+    o
+}
+
+fn memory_json(m: &RankMemory) -> Json {
+    Json::obj([
+        ("weights", Json::uint(m.weights())),
+        ("staging", Json::uint(m.staging())),
+        ("grads", Json::uint(m.grads())),
+        ("masters", Json::uint(m.masters)),
+        ("optimizer_state", Json::uint(m.optimizer_state)),
+        ("grad_scratch", Json::uint(m.grad_scratch)),
+        ("total", Json::uint(m.total())),
+    ])
+}
+
+/// The `--json` object.
+pub fn to_json(r: &TrainReport) -> Json {
+    let c = &r.config;
+    let bits = |v: f32| Json::str(format!("0x{:08x}", v.to_bits()));
+    let steps = r
+        .losses
+        .iter()
+        .zip(&r.grad_norms)
+        .enumerate()
+        .map(|(i, (&l, &g))| {
+            Json::obj([
+                ("step", Json::uint(i + 1)),
+                ("loss", Json::F32(l)),
+                ("loss_bits", bits(l)),
+                ("grad_norm", Json::F32(g)),
+                ("grad_norm_bits", bits(g)),
+            ])
+        })
+        .collect();
+    let evals = r
+        .evals
+        .iter()
+        .map(|&(s, l)| {
+            Json::obj([
+                ("step", Json::uint(s)),
+                ("loss", Json::F32(l)),
+                ("loss_bits", bits(l)),
+            ])
+        })
+        .collect();
+    let comm = Json::Obj(
+        comm_rows(&r.comm)
+            .iter()
+            .map(|&(n, calls, bytes)| {
+                (
+                    n.replace('-', "_"),
+                    Json::obj([("calls", Json::uint(calls)), ("bytes", Json::uint(bytes))]),
+                )
+            })
+            .collect(),
+    );
+    let p = &r.phases;
+    Json::obj([
+        ("config", Json::str(describe(c))),
+        ("ranks", Json::uint(c.ranks)),
+        ("precision", Json::str(c.precision.name())),
+        ("param_gather", Json::Bool(c.param_gather)),
+        ("grouped_experts", Json::Bool(c.shape.grouped)),
+        ("params", Json::uint(r.params)),
+        ("seed", Json::uint(c.seed)),
+        ("floor", r.floor.map_or(Json::Null, Json::Num)),
+        ("steps", Json::Arr(steps)),
+        ("evals", Json::Arr(evals)),
+        (
+            "master_checksum",
+            Json::str(format!("{:016x}", r.master_checksum)),
+        ),
+        (
+            "memory",
+            Json::obj([
+                ("per_rank", memory_json(&r.memory)),
+                ("bf16_unsharded", memory_json(&r.baseline)),
+            ]),
+        ),
+        ("comm", comm),
+        (
+            "phases_s",
+            Json::obj([
+                (
+                    "forward_backward",
+                    Json::Num(p.forward_backward.as_secs_f64()),
+                ),
+                ("grad_sync", Json::Num(p.grad_sync.as_secs_f64())),
+                ("optimizer", Json::Num(p.optimizer.as_secs_f64())),
+                ("param_sync", Json::Num(p.param_sync.as_secs_f64())),
+                ("eval", Json::Num(p.eval.as_secs_f64())),
+            ]),
+        ),
+        ("wall_s", Json::Num(r.wall.as_secs_f64())),
+    ])
+}
