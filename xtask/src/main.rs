@@ -7,6 +7,13 @@
 //!   `lowbit-device`), first installing the pinned CUDA 13.0 compiler from PyPI into a cache
 //!   folder (`$LOWBIT_CUDA_TOOLCHAIN`, default `target/cuda-toolchain-13.0`). Newer compilers
 //!   write PTX that the GPUs' CUDA 13.0 driver cannot load, hence the pins.
+//! - `gpu-bundle`: release build (`--features cuda`) of every CUDA test, bench and example
+//!   executable and the `lowbit` binary into the git-ignored `gpu-bundle/`, with `run.sh`, which
+//!   runs the GPU matrix there and writes results to `$OUT` (see `gpu_bundle` and
+//!   `xtask/gpu/run.sh`, whose step list is the one place to add steps).
+
+mod gpu_bundle;
+mod json;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -36,9 +43,18 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Some("gpu-bundle") => match gpu_bundle::gpu_bundle(&repo_root()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
-                "usage: cargo xtask <task>\n\ntasks:\n  ci    format check, clippy -D warnings, tests"
+                "usage: cargo xtask <task>\n\ntasks:\n  ci          format check, clippy -D \
+                 warnings, tests\n  ptx         cuda/*.cu -> cuda/ptx/*.ptx (pinned CUDA 13.0)\n  \
+                 gpu-bundle  CUDA executables + run.sh into gpu-bundle/"
             );
             ExitCode::SUCCESS
         }
@@ -167,6 +183,32 @@ mod tests {
     fn repo_file(name: &str) -> String {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         std::fs::read_to_string(root.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// run.sh parses, lists its hand-written steps, and keeps NVLink multicast off.
+    #[test]
+    fn gpu_run_script_lists_its_steps() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = std::env::temp_dir().join(format!("lowbit-run-sh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(root.join("gpu/run.sh"), dir.join("run.sh")).unwrap();
+        std::fs::write(dir.join("tests.list"), "# comment\ntest-a||bin/test-a\n").unwrap();
+        let out = std::process::Command::new("bash")
+            .arg(dir.join("run.sh"))
+            .arg("--list")
+            .output()
+            .expect("bash");
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let names = String::from_utf8_lossy(&out.stdout);
+        let names: Vec<&str> = names.lines().collect();
+        assert_eq!(names[0], "test-a");
+        assert!(names.contains(&"bench-nccl") && names.contains(&"compare-collectives"));
+        assert!(repo_file("xtask/gpu/run.sh").contains("export NCCL_NVLS_ENABLE=0"));
     }
 
     /// CI must run exactly the test command the README documents.

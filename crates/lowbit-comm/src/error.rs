@@ -116,6 +116,25 @@ pub enum CommError {
         /// That rank's error.
         error: String,
     },
+    /// An NCCL or CUDA call failed (NCCL builds only): the library is missing or too old, too
+    /// few GPUs, a communicator could not be created, or NCCL reported an error. The
+    /// communicator is aborted; later operations fail with this error.
+    #[error("{op}: rank {rank}: NCCL: {detail}")]
+    Nccl {
+        /// The operation (`init` for setup).
+        op: String,
+        /// The rank.
+        rank: usize,
+        /// NCCL's or CUDA's message.
+        detail: String,
+    },
+    /// A rank thread of a multi-rank helper panicked or could not start its device or
+    /// communicator.
+    #[error(transparent)]
+    Rank(#[from] RankError),
+    /// The multi-process rendezvous failed (see [`crate::rendezvous`]).
+    #[error(transparent)]
+    Rendezvous(#[from] crate::rendezvous::RendezvousError),
     /// A device error while reading an input or writing an output.
     #[error("{op}: rank {rank}: {source}")]
     Device {

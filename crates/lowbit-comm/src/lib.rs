@@ -9,7 +9,9 @@
 //! returned [`Work`] handle waited on later (overlap). This crate provides the trait, the
 //! in-process implementation [`LocalComm`] (ranks are threads of one process, each with its own
 //! [`Device`]) with the [`run_ranks`] helper every upper-layer test uses, and, behind the `cuda`
-//! feature (later), NCCL.
+//! feature, `nccl::NcclComm` (one rank per GPU; a thread per GPU with `nccl::run_local_ranks`,
+//! or one process per GPU through [`rendezvous`], the TCP exchange of NCCL's unique id that
+//! reads the environment `torchrun` sets). The rendezvous needs no CUDA and is tested on CPU.
 //!
 //! ```
 //! use lowbit_comm::{Communicator, GroupConfig, ReduceOp, run_ranks};
@@ -61,6 +63,27 @@
 //! afterwards, and every one still waiting for a rank, errors; one that every rank had already
 //! joined completes.
 //!
+//! **NCCL (feature `cuda`).** Collectives run on the communicator's own CUDA stream, ordered
+//! after the device's stream by an event recorded at `start`; [`Work::wait`] makes the device's
+//! stream wait on the launch's completion event without blocking the host, so compute enqueued
+//! between `start` and `wait` overlaps the transfer. Views become device addresses only through
+//! `Device::cuda_device_ptr` (live, in bounds, this GPU) after the same argument checks as the
+//! in-process group; agreement between ranks is not checked (no per-launch exchange), so ranks
+//! that disagree time out. u8 payloads move as `ncclUint8`, bf16 as `ncclBfloat16`;
+//! [`ReduceOp::Avg`] is NCCL's `ncclAvg` (inputs pre-multiplied by `1/size` in the payload
+//! dtype, then summed): with two ranks, sum and average are bit-identical to the in-process
+//! group (one addition; halving is exact outside subnormals), larger groups differ in the last
+//! bits (NCCL's ring order and per-hop rounding) and NCCL's max does not propagate NaN.
+//! Communicators are non-blocking: initialisation, `ncclGroupEnd` and `ncclCommSplit` are polled
+//! with `ncclCommGetAsyncError` up to the timeout, and a watchdog thread per communicator aborts
+//! it (`ncclCommAbort`, which also unblocks device synchronisations waiting on it) when a launch
+//! outlives the timeout or NCCL reports an asynchronous error; the error is then returned by
+//! every later call. Ranks of one process abort together; ranks in other processes notice by
+//! their own timeout. The rendezvous: rank 0 listens on `MASTER_PORT` (`LOWBIT_RDZV_PORT`, or
+//! `MASTER_PORT + 1` under a torchrun agent that holds the port itself) and sends the 128-byte
+//! id, behind a magic and version header, to every rank that checks in with the right world
+//! size; bad, short or foreign messages are errors on both sides, every read has a deadline.
+//!
 //! # Invariants
 //! - All-gather output is exactly `size × input` elements and rank `r`'s input lands at
 //!   `[r·n, (r+1)·n)`; reduce-scatter input is exactly `size × output` elements and rank `r`
@@ -73,15 +96,23 @@
 //! # Non-goals
 //! Point-to-point send/receive, variable-size gathers, reduction orders other than rank order
 //! in-process, detecting overlaps between *separately started* outstanding operations (the
-//! caller's responsibility, as with NCCL), multi-process rendezvous (comes with NCCL).
+//! caller's responsibility, as with NCCL), checking argument agreement between NCCL ranks,
+//! NCCL's reduction order matching the in-process one beyond two ranks, elastic membership
+//! (a world is fixed at creation), NVLink SHARP (`NCCL_NVLS_ENABLE=0` where we run).
 
-#![forbid(unsafe_code)]
+// Only the NCCL module (behind `cuda`) calls foreign functions.
+#![cfg_attr(not(feature = "cuda"), forbid(unsafe_code))]
+#![cfg_attr(feature = "cuda", deny(unsafe_code))]
 
 mod error;
 mod local;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod nccl;
 mod op;
 mod pool;
 mod reduce;
+pub mod rendezvous;
 
 use std::fmt;
 
@@ -249,6 +280,8 @@ pub struct Work {
 enum WorkInner {
     Completed,
     Local(local::LocalWork),
+    #[cfg(feature = "cuda")]
+    Nccl(nccl::NcclWork),
 }
 
 impl Work {
@@ -260,8 +293,10 @@ impl Work {
         }
     }
 
-    /// Blocks until the launch is complete on this rank and its outputs are written to `dev`,
-    /// which must be the device the launch was started with.
+    /// Completes the launch on this rank: afterwards every op on `dev` (which must be the
+    /// device the launch was started with) sees the outputs. In-process, this blocks until the
+    /// outputs are written; with NCCL it makes the device's stream wait for the launch and
+    /// returns at once (the host blocks only where it reads results back).
     ///
     /// Errors: [`CommError::Mismatch`] or [`CommError::Peer`] if the ranks disagree,
     /// [`CommError::Timeout`], [`CommError::Aborted`], or [`CommError::Device`] if an output
@@ -270,6 +305,8 @@ impl Work {
         match self.inner {
             WorkInner::Completed => Ok(()),
             WorkInner::Local(w) => w.wait(dev),
+            #[cfg(feature = "cuda")]
+            WorkInner::Nccl(w) => w.wait(dev),
         }
     }
 }

@@ -1,0 +1,262 @@
+//! A small JSON reader for cargo's machine-readable output (`cargo metadata`,
+//! `--message-format=json`), so xtask needs no parser dependency.
+
+use std::collections::BTreeMap;
+
+/// A JSON value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Json {
+    /// `null`
+    Null,
+    /// `true` / `false`
+    Bool(bool),
+    /// A number (as f64).
+    Num(f64),
+    /// A string.
+    Str(String),
+    /// An array.
+    Arr(Vec<Json>),
+    /// An object.
+    Obj(BTreeMap<String, Json>),
+}
+
+impl Json {
+    /// Parses one JSON document.
+    pub fn parse(text: &str) -> Result<Json, String> {
+        let mut p = Parser {
+            s: text.as_bytes(),
+            i: 0,
+        };
+        let v = p.value()?;
+        p.ws();
+        if p.i != p.s.len() {
+            return Err(format!("trailing characters at byte {}", p.i));
+        }
+        Ok(v)
+    }
+
+    /// The member `key` of an object (`Null` if absent or not an object).
+    pub fn get(&self, key: &str) -> &Json {
+        match self {
+            Json::Obj(m) => m.get(key).unwrap_or(&Json::Null),
+            _ => &Json::Null,
+        }
+    }
+
+    /// The string, if this is one.
+    pub fn str(&self) -> Option<&str> {
+        match self {
+            Json::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The elements, if this is an array (else none).
+    pub fn arr(&self) -> &[Json] {
+        match self {
+            Json::Arr(a) => a,
+            _ => &[],
+        }
+    }
+
+    /// Whether this is `true`.
+    pub fn is_true(&self) -> bool {
+        matches!(self, Json::Bool(true))
+    }
+
+    /// The keys, if this is an object.
+    pub fn keys(&self) -> Vec<&str> {
+        match self {
+            Json::Obj(m) => m.keys().map(String::as_str).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether this array holds the string `s`.
+    pub fn contains_str(&self, s: &str) -> bool {
+        self.arr().iter().any(|v| v.str() == Some(s))
+    }
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl Parser<'_> {
+    fn ws(&mut self) {
+        while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
+            self.i += 1;
+        }
+    }
+
+    fn err<T>(&self, what: &str) -> Result<T, String> {
+        Err(format!("{what} at byte {}", self.i))
+    }
+
+    fn eat(&mut self, lit: &str) -> Result<(), String> {
+        if self.s[self.i..].starts_with(lit.as_bytes()) {
+            self.i += lit.len();
+            Ok(())
+        } else {
+            self.err(&format!("expected `{lit}`"))
+        }
+    }
+
+    fn value(&mut self) -> Result<Json, String> {
+        self.ws();
+        match self.s.get(self.i) {
+            None => self.err("unexpected end"),
+            Some(b'n') => self.eat("null").map(|()| Json::Null),
+            Some(b't') => self.eat("true").map(|()| Json::Bool(true)),
+            Some(b'f') => self.eat("false").map(|()| Json::Bool(false)),
+            Some(b'"') => self.string().map(Json::Str),
+            Some(b'[') => {
+                self.i += 1;
+                let mut a = Vec::new();
+                self.ws();
+                if self.s.get(self.i) == Some(&b']') {
+                    self.i += 1;
+                    return Ok(Json::Arr(a));
+                }
+                loop {
+                    a.push(self.value()?);
+                    self.ws();
+                    match self.s.get(self.i) {
+                        Some(b',') => self.i += 1,
+                        Some(b']') => {
+                            self.i += 1;
+                            return Ok(Json::Arr(a));
+                        }
+                        _ => return self.err("expected `,` or `]`"),
+                    }
+                }
+            }
+            Some(b'{') => {
+                self.i += 1;
+                let mut m = BTreeMap::new();
+                self.ws();
+                if self.s.get(self.i) == Some(&b'}') {
+                    self.i += 1;
+                    return Ok(Json::Obj(m));
+                }
+                loop {
+                    self.ws();
+                    if self.s.get(self.i) != Some(&b'"') {
+                        return self.err("expected a key");
+                    }
+                    let k = self.string()?;
+                    self.ws();
+                    self.eat(":")?;
+                    let v = self.value()?;
+                    m.insert(k, v);
+                    self.ws();
+                    match self.s.get(self.i) {
+                        Some(b',') => self.i += 1,
+                        Some(b'}') => {
+                            self.i += 1;
+                            return Ok(Json::Obj(m));
+                        }
+                        _ => return self.err("expected `,` or `}`"),
+                    }
+                }
+            }
+            Some(_) => {
+                let start = self.i;
+                while self.i < self.s.len()
+                    && matches!(
+                        self.s[self.i],
+                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
+                    )
+                {
+                    self.i += 1;
+                }
+                let t = std::str::from_utf8(&self.s[start..self.i]).unwrap_or("");
+                t.parse().map(Json::Num).or_else(|_| self.err("bad value"))
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Result<u32, String> {
+        let h = self.s.get(self.i..self.i + 4).ok_or("short \\u escape")?;
+        let h = std::str::from_utf8(h).map_err(|_| "bad \\u escape")?;
+        self.i += 4;
+        u32::from_str_radix(h, 16).map_err(|_| "bad \\u escape".to_string())
+    }
+
+    fn string(&mut self) -> Result<String, String> {
+        self.i += 1; // opening quote
+        let mut out = String::new();
+        loop {
+            let start = self.i;
+            while self.i < self.s.len() && !matches!(self.s[self.i], b'"' | b'\\') {
+                self.i += 1;
+            }
+            out.push_str(std::str::from_utf8(&self.s[start..self.i]).map_err(|e| e.to_string())?);
+            match self.s.get(self.i) {
+                None => return self.err("unterminated string"),
+                Some(b'"') => {
+                    self.i += 1;
+                    return Ok(out);
+                }
+                Some(_) => {
+                    self.i += 1;
+                    let c = *self.s.get(self.i).ok_or("unterminated escape")?;
+                    self.i += 1;
+                    match c {
+                        b'"' => out.push('"'),
+                        b'\\' => out.push('\\'),
+                        b'/' => out.push('/'),
+                        b'b' => out.push('\u{8}'),
+                        b'f' => out.push('\u{c}'),
+                        b'n' => out.push('\n'),
+                        b'r' => out.push('\r'),
+                        b't' => out.push('\t'),
+                        b'u' => {
+                            let mut cp = self.hex4()?;
+                            if (0xd800..0xdc00).contains(&cp)
+                                && self.s[self.i..].starts_with(b"\\u")
+                            {
+                                self.i += 2;
+                                let lo = self.hex4()?;
+                                cp = 0x10000
+                                    + ((cp - 0xd800) << 10)
+                                    + (lo.wrapping_sub(0xdc00) & 0x3ff);
+                            }
+                            out.push(char::from_u32(cp).unwrap_or('\u{fffd}'));
+                        }
+                        _ => return self.err("bad escape"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Json;
+
+    #[test]
+    fn parses_cargo_like_messages() {
+        let v = Json::parse(
+            r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"nccl",
+               "required-features":["cuda"]},"profile":{"test":true},"executable":"/t/x\u00e9\"y",
+               "n":-1.5e3,"none":null,"list":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(v.get("reason").str(), Some("compiler-artifact"));
+        assert!(v.get("target").get("kind").contains_str("test"));
+        assert!(
+            v.get("target")
+                .get("required-features")
+                .contains_str("cuda")
+        );
+        assert!(v.get("profile").get("test").is_true());
+        assert_eq!(v.get("executable").str(), Some("/t/xé\"y"));
+        assert_eq!(v.get("n"), &Json::Num(-1500.0));
+        assert_eq!(v.get("missing"), &Json::Null);
+        assert!(Json::parse("{\"a\":}").is_err());
+        assert!(Json::parse("[1,2] x").is_err());
+    }
+}
