@@ -289,10 +289,18 @@ pub fn render(r: &TrainReport) -> String {
         format!("{final_loss:.4}")
     );
     o += &format!(
-        "{:<28}{:>12}\n",
+        "{:<28}{:>12}",
         "final eval loss",
         format!("{final_eval:.4}")
     );
+    o += &if r.eval_set.1 {
+        format!(
+            "  (expected cross-entropy over all {} contexts)\n",
+            r.eval_set.0
+        )
+    } else {
+        format!("  ({} held-out samples)\n", r.eval_set.0)
+    };
     match r.floor {
         Some(f) => {
             o += &format!("{:<28}{:>12}\n", "entropy floor", format!("{f:.4}"));
@@ -404,6 +412,8 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("params", Json::uint(r.params)),
         ("seed", Json::uint(c.seed)),
         ("floor", r.floor.map_or(Json::Null, Json::Num)),
+        ("eval_items", Json::uint(r.eval_set.0)),
+        ("eval_exact", Json::Bool(r.eval_set.1)),
         ("steps", Json::Arr(steps)),
         ("evals", Json::Arr(evals)),
         (

@@ -25,6 +25,10 @@ pub enum Source {
 #[derive(Clone, Debug)]
 pub struct MarkovSource {
     vocab: usize,
+    /// `P(c | a, b)`, row `a·vocab + b`.
+    p: Vec<f64>,
+    /// Stationary distribution of the pair `(a, b)`.
+    pi: Vec<f64>,
     /// `P(c | a, b)` cumulative, row `a·vocab + b`, in f64.
     cdf: Vec<f64>,
     /// Stationary distribution of the pair `(a, b)`, cumulative.
@@ -94,6 +98,8 @@ impl MarkovSource {
             vocab,
             cdf,
             pair_cdf: cumulative(&pi),
+            p,
+            pi,
             entropy_rate,
         }
     }
@@ -110,6 +116,13 @@ impl MarkovSource {
             .unwrap_or(cdf.len() - 1)
     }
 
+    /// `P(· | last two tokens of t)`.
+    fn next_dist(&self, t: &[u32]) -> Vec<f64> {
+        let v = self.vocab;
+        let (a, b) = (t[t.len() - 2] as usize, t[t.len() - 1] as usize);
+        self.p[(a * v + b) * v..(a * v + b + 1) * v].to_vec()
+    }
+
     fn sample(&self, rng: &mut SplitMix64, context: usize, out: &mut Vec<u32>) {
         let v = self.vocab;
         let pair = Self::draw(&self.pair_cdf, unit(rng));
@@ -123,6 +136,30 @@ impl MarkovSource {
         }
     }
 }
+
+/// What an evaluation item is scored against.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Target {
+    /// The observed next token.
+    Token(u32),
+    /// The true next-token distribution (Markov source): the score is the expected
+    /// cross-entropy, with no sampling noise from the target.
+    Dist(Vec<f64>),
+}
+
+/// One evaluation context.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalItem {
+    /// `context` token ids.
+    pub tokens: Vec<u32>,
+    /// Weight in the eval loss (the weights sum to 1).
+    pub weight: f64,
+    /// What the prediction is scored against.
+    pub target: Target,
+}
+
+/// Largest number of contexts the Markov eval set enumerates exhaustively.
+const EXACT_EVAL_LIMIT: usize = 1 << 16;
 
 /// Windows of a byte string; the last tenth is held out for evaluation.
 #[derive(Clone, Debug)]
@@ -160,6 +197,62 @@ fn unit(rng: &mut SplitMix64) -> f64 {
 }
 
 impl Source {
+    /// The evaluation set. For the Markov source with few enough contexts (`vocab^context` ≤
+    /// 65536), every context with its stationary probability as weight and the true next-token
+    /// distribution as target: the eval loss is then the exact expected cross-entropy, which
+    /// is never below the entropy rate (Gibbs' inequality). Otherwise `samples` held-out
+    /// samples, equally weighted (Markov ones still scored against the true distribution).
+    /// Returns the items and whether the set is exhaustive.
+    pub fn eval_set(&self, seed: u64, context: usize, samples: usize) -> (Vec<EvalItem>, bool) {
+        if let Source::Markov(m) = self {
+            let v = m.vocab;
+            let total = u32::try_from(context)
+                .ok()
+                .and_then(|c| v.checked_pow(c))
+                .filter(|&n| n <= EXACT_EVAL_LIMIT && context >= 2);
+            if let Some(total) = total {
+                let items = (0..total)
+                    .map(|mut code| {
+                        let mut t = vec![0u32; context];
+                        for slot in t.iter_mut().rev() {
+                            *slot = (code % v) as u32;
+                            code /= v;
+                        }
+                        let (a, b) = (t[0] as usize, t[1] as usize);
+                        let mut w = m.pi[a * v + b];
+                        for j in 2..context {
+                            let (x, y, z) = (t[j - 2] as usize, t[j - 1] as usize, t[j] as usize);
+                            w *= m.p[(x * v + y) * v + z];
+                        }
+                        EvalItem {
+                            weight: w,
+                            target: Target::Dist(m.next_dist(&t)),
+                            tokens: t,
+                        }
+                    })
+                    .collect();
+                return (items, true);
+            }
+        }
+        let weight = 1.0 / samples as f64;
+        let items = (0..samples as u64)
+            .map(|i| {
+                let (mut t, mut y) = (Vec::new(), Vec::new());
+                self.sample(seed, i, true, context, &mut t, &mut y);
+                let target = match self {
+                    Source::Markov(m) if context >= 2 => Target::Dist(m.next_dist(&t)),
+                    _ => Target::Token(y[0]),
+                };
+                EvalItem {
+                    tokens: t,
+                    weight,
+                    target,
+                }
+            })
+            .collect();
+        (items, false)
+    }
+
     /// Vocabulary size.
     pub fn vocab(&self) -> usize {
         match self {
@@ -256,6 +349,25 @@ mod tests {
             "{h} vs {}",
             m.entropy_rate()
         );
+    }
+
+    #[test]
+    fn exhaustive_eval_set_weights_sum_to_one_and_its_floor_is_the_rate() {
+        let src = Source::Markov(MarkovSource::new(4, 9));
+        let (items, exact) = src.eval_set(1, 4, 100);
+        assert!(exact);
+        assert_eq!(items.len(), 256);
+        let total: f64 = items.iter().map(|i| i.weight).sum();
+        assert!((total - 1.0).abs() < 1e-12, "{total}");
+        // Scoring the true distribution against itself gives exactly the entropy rate.
+        let h: f64 = items
+            .iter()
+            .map(|i| match &i.target {
+                Target::Dist(p) => i.weight * p.iter().map(|q| -q * q.ln()).sum::<f64>(),
+                Target::Token(_) => unreachable!(),
+            })
+            .sum();
+        assert!((h - src.floor().unwrap()).abs() < 1e-9, "{h}");
     }
 
     #[test]

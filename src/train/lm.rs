@@ -53,8 +53,9 @@ pub struct ParamInfo {
     pub name: String,
     /// Shape; grouped expert weights are `[experts, out, in]`.
     pub shape: Vec<usize>,
-    /// A GEMM weight, computed with in low precision under MXFP8/NVFP4 (embedding and router
-    /// stay high precision, as low-precision recipes keep them).
+    /// A GEMM weight computed with in low precision under MXFP8/NVFP4. The embedding, the
+    /// router and the output head stay high precision, as low-precision recipes keep the
+    /// first and last layers and the routing (Megatron's `--first-last-layers-bf16`).
     pub matrix: bool,
     /// Experts stored in this parameter (1 unless grouped).
     pub experts: usize,
@@ -149,7 +150,7 @@ impl LmShape {
             }
         }
         out.push(p("final.norm".into(), vec![h], false, false));
-        out.push(p("head.weight".into(), vec![v, h], true, true));
+        out.push(p("head.weight".into(), vec![v, h], false, true));
         out.push(p("head.bias".into(), vec![v], false, false));
         out
     }
@@ -460,17 +461,56 @@ impl Lm {
         targets: &[u32],
         loss_scale: Option<f32>,
     ) -> Result<f32, ModelError> {
-        let s = self.shape;
-        let (b, h, f) = (self.batch, s.hidden, s.ffn);
-        let (c, emb, v) = (s.context, s.embed, s.vocab);
-        if tokens.len() != b * c || targets.len() != b {
+        let (b, v) = (self.batch, self.shape.vocab);
+        if targets.len() != b {
             return Err(ModelError::Hook(format!(
-                "batch of {} tokens and {} targets for {b} rows of context {c}",
-                tokens.len(),
+                "{} targets for a batch of {b} rows",
                 targets.len()
             )));
         }
-        if let Some(&t) = tokens.iter().chain(targets).find(|&&t| t as usize >= v) {
+        if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+            return Err(ModelError::Hook(format!(
+                "target {t} outside vocabulary {v}"
+            )));
+        }
+        self.forward(dev, hooks, tokens)?;
+        let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
+        dev.upload(self.targets, &t)?;
+        let loss = dev.softmax_cross_entropy(self.logits, self.targets)?;
+        let Some(scale) = loss_scale else {
+            return Ok(loss);
+        };
+        self.backward(dev, hooks, tokens, scale)?;
+        Ok(loss)
+    }
+
+    /// The forward of one batch, returning the logits (`batch·vocab`, row-major).
+    pub fn logits(
+        &mut self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ModelError> {
+        self.forward(dev, hooks, tokens)?;
+        Ok(dev.download(self.logits)?)
+    }
+
+    fn forward(
+        &mut self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
+        let s = self.shape;
+        let (b, h, f) = (self.batch, s.hidden, s.ffn);
+        let (c, emb, v) = (s.context, s.embed, s.vocab);
+        if tokens.len() != b * c {
+            return Err(ModelError::Hook(format!(
+                "{} tokens for {b} rows of context {c}",
+                tokens.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
             return Err(ModelError::Hook(format!(
                 "token {t} outside vocabulary {v}"
             )));
@@ -500,15 +540,22 @@ impl Lm {
         let nb = s.blocks;
         let g = self.load(dev, hooks, ids.final_norm, Usage::Forward)?;
         dev.rms_norm(self.res[nb + 1], g, self.final_norm, self.final_rstd, 1e-6)?;
-        self.linear(dev, hooks, ids.head, self.final_norm, self.logits, (h, v))?;
-        let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
-        dev.upload(self.targets, &t)?;
-        let loss = dev.softmax_cross_entropy(self.logits, self.targets)?;
-        let Some(scale) = loss_scale else {
-            return Ok(loss);
-        };
+        self.linear(dev, hooks, ids.head, self.final_norm, self.logits, (h, v))
+    }
 
-        // Backward.
+    /// The backward after [`Lm::forward`] and the loss, accumulating `scale ·` gradients.
+    fn backward(
+        &mut self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+        scale: f32,
+    ) -> Result<(), ModelError> {
+        let s = self.shape;
+        let (b, h, f) = (self.batch, s.hidden, s.ffn);
+        let (c, emb, v) = (s.context, s.embed, s.vocab);
+        let nb = s.blocks;
+        let ids = self.ids.clone();
         dev.softmax_cross_entropy_backward(self.logits, self.targets, self.dlogits, scale)?;
         self.linear_backward(
             dev,
@@ -569,8 +616,7 @@ impl Lm {
                 ge.slice(t * emb..(t + 1) * emb)?,
             )?;
         }
-        self.accumulate(dev, hooks, ids.embed, ge)?;
-        Ok(loss)
+        self.accumulate(dev, hooks, ids.embed, ge)
     }
 
     /// `dr ← dr + RMSNorm_k backward(dn)` and the norm weight's gradient.

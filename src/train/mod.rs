@@ -35,7 +35,7 @@ use lowbit_optim::{
     estimate_memory, initialize_params, memory_report,
 };
 
-use data::{MarkovSource, Source, TextSource};
+use data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use hooks::TrainHooks;
 use lm::{Lm, LmShape, ParamInfo};
 
@@ -215,12 +215,13 @@ impl TrainConfig {
                 return bad("--bucket-size must be at least 1 element".into());
             }
         }
-        if self.eval_samples == 0 || !self.eval_samples.is_multiple_of(self.ranks * self.rows()) {
+        if self.eval_samples == 0 {
+            return bad("the eval set needs at least one sample".into());
+        }
+        if self.shape.context < 2 {
             return bad(format!(
-                "{} eval samples do not split into {} ranks x batches of {} rows",
-                self.eval_samples,
-                self.ranks,
-                self.rows()
+                "a context of {} tokens cannot see the order-2 source's state",
+                self.shape.context
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
@@ -357,6 +358,8 @@ pub struct TrainReport {
     pub evals: Vec<(usize, f32)>,
     /// The loss floor (entropy rate, nats) where known.
     pub floor: Option<f64>,
+    /// Eval items in the eval set, and whether it enumerates every context exactly.
+    pub eval_set: (usize, bool),
     /// Parameters in the model.
     pub params: usize,
     /// FNV-1a 64 of the final fp32 masters (every parameter in order, little-endian).
@@ -430,6 +433,10 @@ pub fn train(
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
         floor: source.floor(),
+        eval_set: {
+            let (items, exact) = source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
+            (items.len(), exact)
+        },
         params: info.iter().map(|p| p.shape.iter().product::<usize>()).sum(),
         master_checksum: checksum,
         memory: o0.memory.clone(),
@@ -521,6 +528,28 @@ mod cuda {
     }
 }
 
+/// Cross-entropy of one row of logits against a target, in f64 (log-softmax with the max
+/// subtracted).
+fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
+    let mx = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+    let lse = mx
+        + logits
+            .iter()
+            .map(|&x| (f64::from(x) - mx).exp())
+            .sum::<f64>()
+            .ln();
+    match target {
+        Target::Token(t) => lse - f64::from(logits[*t as usize]),
+        Target::Dist(p) => p
+            .iter()
+            .zip(logits)
+            .map(|(q, &x)| q * (lse - f64::from(x)))
+            .sum(),
+    }
+}
+
 /// FNV-1a 64 over every parameter's fp32 master values in element order.
 fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [MasterShard]>) -> u64 {
     let mut full: Vec<Vec<f32>> = info
@@ -589,6 +618,15 @@ fn rank_main(
             .map_err(|x| e(&x))?;
         Ok::<f32, TrainError>(dev.download::<f32>(scalar).map_err(|x| e(&x))?[0])
     };
+    // The eval set, padded with weightless items to whole batches on every rank.
+    let (mut eval_items, _) = source.eval_set(cfg.seed, context, cfg.eval_samples);
+    let per_rank = eval_items.len().div_ceil(cfg.ranks * rows) * rows;
+    let pad = EvalItem {
+        weight: 0.0,
+        ..eval_items[0].clone()
+    };
+    eval_items.resize(per_rank * cfg.ranks, pad);
+    let vocab = cfg.shape.vocab;
     let start = Instant::now();
     for step in 0..cfg.steps {
         opt.set_lr(cfg.lr_at(step)).map_err(|x| e(&x))?;
@@ -627,20 +665,18 @@ fn rank_main(
                 .map_err(|x| e(&x))?;
             phases.param_sync += t.elapsed();
             let t = Instant::now();
-            let per_rank = cfg.eval_samples / cfg.ranks;
-            let chunks = per_rank / rows;
             let mut hooks = TrainHooks::new(dev, &mut bufs, comm, cfg.precision, info).eval();
             let mut total = 0f64;
-            for c in 0..chunks {
-                let first = (rank * per_rank + c * rows) as u64;
-                let (tokens, targets) = batch_of(first, true);
-                total += f64::from(
-                    lm.step(dev, &mut hooks, &tokens, &targets, None)
-                        .map_err(|x| e(&x))?,
-                );
+            for chunk in eval_items[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
+                let tokens: Vec<u32> = chunk.iter().flat_map(|i| i.tokens.clone()).collect();
+                let logits = lm.logits(dev, &mut hooks, &tokens).map_err(|x| e(&x))?;
+                for (item, row) in chunk.iter().zip(logits.chunks_exact(vocab)) {
+                    total += item.weight * cross_entropy(row, &item.target);
+                }
             }
             hooks.free(dev).map_err(|x| e(&x))?;
-            let v = all_reduce_mean(dev, comm, (total / chunks as f64) as f32)?;
+            // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
+            let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
             evals.push((step + 1, v));
             eval = Some(v);
             phases.eval += t.elapsed();
