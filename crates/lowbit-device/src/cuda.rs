@@ -21,6 +21,8 @@ use crate::{BufferId, DeviceError, Result, View};
 
 mod kernels;
 
+pub(crate) use kernels::AdamWArgs;
+
 /// A driver error as a [`DeviceError::Cuda`], with what was being done.
 pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {
     move |e| DeviceError::Cuda(format!("{what}: {e}"))
@@ -55,7 +57,6 @@ struct Function(sys::CUfunction);
 
 /// One kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
-#[allow(dead_code)] // The element-wise kernels take the scalar variants.
 pub(crate) enum Arg {
     /// A device address or a 64-bit count.
     U64(u64),

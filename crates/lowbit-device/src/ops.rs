@@ -25,6 +25,17 @@ use std::ops::Range;
 use crate::cpu::{decode_into, encode_f32};
 use crate::{DType, Device, DeviceError, Result, View};
 
+/// Returns the op's result from its CUDA kernel when `$dev` is a CUDA device:
+/// `on_cuda!(self, g => g.fill(view, bits));` (nothing in builds without the `cuda` feature).
+macro_rules! on_cuda {
+    ($dev:expr, $g:ident => $body:expr) => {
+        #[cfg(feature = "cuda")]
+        if let Some($g) = $dev.cuda_mut() {
+            return $body;
+        }
+    };
+}
+
 mod elementwise;
 mod matmul;
 mod model;

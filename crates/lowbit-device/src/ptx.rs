@@ -15,11 +15,18 @@ pub struct Module {
 }
 
 /// Every embedded module.
-pub const MODULES: &[Module] = &[Module {
-    name: "mxfp8",
-    arch: "sm_90",
-    ptx: include_str!("../../../cuda/ptx/mxfp8.sm_90.ptx"),
-}];
+pub const MODULES: &[Module] = &[
+    Module {
+        name: "mxfp8",
+        arch: "sm_90",
+        ptx: include_str!("../../../cuda/ptx/mxfp8.sm_90.ptx"),
+    },
+    Module {
+        name: "ops",
+        arch: "sm_90",
+        ptx: include_str!("../../../cuda/ptx/ops.sm_90.ptx"),
+    },
+];
 
 /// The prefix of the first PTX line, followed by the source hash in hex.
 pub const HASH_HEADER: &str = "// lowbit-source-fnv1a64: ";

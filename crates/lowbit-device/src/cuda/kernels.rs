@@ -5,7 +5,7 @@
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy};
 
 use super::{Arg, CudaDevice};
-use crate::{DType, Mxfp8Views, Result, View};
+use crate::{DType, DeviceError, MatmulSpec, Mxfp8Views, Result, View};
 
 /// The largest grid x dimension.
 const MAX_GRID_X: usize = (1 << 31) - 1;
@@ -129,5 +129,539 @@ impl CudaDevice {
             }
             _ => Ok(false),
         }
+    }
+}
+
+/// The kernels' dtype code of a float dtype (callers have checked it is one).
+fn dt(d: DType) -> u32 {
+    match d {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+        DType::F16 => 2,
+        DType::U8 => 3,
+    }
+}
+
+/// Threads per block of the grid-stride kernels.
+const THREADS: u32 = 256;
+
+/// Grid of a grid-stride kernel over `n` items (capped; the kernels loop).
+fn stride_grid(n: usize) -> (u32, u32, u32) {
+    let b = n.div_ceil(THREADS as usize).clamp(1, 1 << 16);
+    (b as u32, 1, 1)
+}
+
+/// The per-call scalars of one AdamW step (see `ops::optim`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWArgs {
+    pub(crate) decay: f32,
+    pub(crate) w: f32,
+    pub(crate) one_minus_w: f32,
+    pub(crate) beta2: f32,
+    pub(crate) c2: f32,
+    pub(crate) neg_step_size: f32,
+    pub(crate) bc2_sqrt: f32,
+    pub(crate) eps: f32,
+}
+
+impl CudaDevice {
+    /// Validates an op's views (as the CPU does) and returns their device addresses, inputs
+    /// then outputs.
+    fn ptrs<const I: usize, const O: usize>(
+        &self,
+        what: &'static str,
+        ins: [View; I],
+        outs: [View; O],
+    ) -> Result<([u64; I], [u64; O])> {
+        self.check_views(what, &ins, &outs)?;
+        let mut i = [0u64; I];
+        for (p, v) in i.iter_mut().zip(ins) {
+            *p = self.device_ptr(v)?;
+        }
+        let mut o = [0u64; O];
+        for (p, v) in o.iter_mut().zip(outs) {
+            *p = self.device_ptr(v)?;
+        }
+        Ok((i, o))
+    }
+
+    /// Launches a grid-stride kernel over `n` items (nothing for `n == 0`).
+    ///
+    /// # Safety
+    /// As [`CudaDevice::launch`].
+    unsafe fn launch_n(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.launch(name, stride_grid(n), (THREADS, 1, 1), args) }
+    }
+
+    /// A zeroed device scratch buffer of `n` u32 words, freed in stream order when dropped.
+    fn scratch(&self, n: usize) -> Result<(cudarc::driver::CudaSlice<u32>, u64)> {
+        use cudarc::driver::DevicePtr;
+        let s = self
+            .stream
+            .alloc_zeros::<u32>(n.max(1))
+            .map_err(super::cuda_err("allocating scratch"))?;
+        let p = {
+            let (p, _sync) = s.device_ptr(&self.stream);
+            p
+        };
+        Ok((s, p))
+    }
+
+    /// Copies a scratch buffer to the host (synchronising).
+    fn fetch(&self, s: &cudarc::driver::CudaSlice<u32>) -> Result<Vec<u32>> {
+        let v = self
+            .stream
+            .clone_dtoh(s)
+            .map_err(super::cuda_err("copying to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(super::cuda_err("waiting for the stream"))?;
+        Ok(v)
+    }
+
+    /// Every element of `view` set to the bit pattern `pattern` (its dtype's encoding).
+    pub(crate) fn fill(&mut self, view: View, pattern: u32) -> Result<()> {
+        let ([], [y]) = self.ptrs("fill", [], [view])?;
+        let name = if view.dtype().size() == 4 {
+            "fill_u32"
+        } else {
+            "fill_u16"
+        };
+        let n = view.len();
+        // SAFETY: `y` addresses `n` live elements of the view's size (validated above).
+        unsafe {
+            self.launch_n(
+                name,
+                n,
+                &[Arg::U64(y), Arg::U64(n as u64), Arg::U32(pattern)],
+            )
+        }
+    }
+
+    pub(crate) fn cast(&mut self, src: View, dst: View) -> Result<()> {
+        let ([x], [y]) = self.ptrs("cast", [src], [dst])?;
+        if src.dtype() == dst.dtype() {
+            return self.copy(src, dst);
+        }
+        let n = src.len();
+        let args = [
+            Arg::U64(x),
+            Arg::U32(dt(src.dtype())),
+            Arg::U64(y),
+            Arg::U32(dt(dst.dtype())),
+            Arg::U64(n as u64),
+        ];
+        // SAFETY: views validated above (same length, float dtypes, disjoint).
+        unsafe { self.launch_n("cast", n, &args) }
+    }
+
+    pub(crate) fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
+        let ([], [y]) = self.ptrs("scale", [], [view])?;
+        let n = view.len();
+        let args = [
+            Arg::U64(y),
+            Arg::U32(dt(view.dtype())),
+            Arg::U64(n as u64),
+            Arg::F32(alpha),
+        ];
+        // SAFETY: the view was validated above.
+        unsafe { self.launch_n("scale", n, &args) }
+    }
+
+    /// `y ← y + alpha·x`, or `y ← y + x` when `alpha` is `None` (`add`).
+    pub(crate) fn axpy(
+        &mut self,
+        what: &'static str,
+        alpha: Option<f32>,
+        x: View,
+        y: View,
+    ) -> Result<()> {
+        let ([xp], [yp]) = self.ptrs(what, [x], [y])?;
+        let n = y.len();
+        let args = [
+            Arg::U64(xp),
+            Arg::U32(dt(x.dtype())),
+            Arg::U64(yp),
+            Arg::U32(dt(y.dtype())),
+            Arg::U64(n as u64),
+            Arg::F32(alpha.unwrap_or(1.0)),
+            Arg::U32(u32::from(alpha.is_none())),
+        ];
+        // SAFETY: views validated above (same length, float dtypes, disjoint).
+        unsafe { self.launch_n("axpy", n, &args) }
+    }
+
+    pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {
+        let ([x], []) = self.ptrs("max_abs", [view], [])?;
+        let (s, sp) = self.scratch(1)?;
+        let n = view.len();
+        let args = [
+            Arg::U64(x),
+            Arg::U32(dt(view.dtype())),
+            Arg::U64(n as u64),
+            Arg::U64(sp),
+        ];
+        // SAFETY: the view was validated above; `sp` is a live one-word scratch buffer.
+        unsafe { self.launch_n("max_abs_bits", n, &args)? };
+        Ok(f32::from_bits(self.fetch(&s)?[0]))
+    }
+
+    pub(crate) fn has_non_finite(&mut self, view: View) -> Result<bool> {
+        let ([x], []) = self.ptrs("has_non_finite", [view], [])?;
+        let (s, sp) = self.scratch(1)?;
+        let n = view.len();
+        let args = [
+            Arg::U64(x),
+            Arg::U32(dt(view.dtype())),
+            Arg::U64(n as u64),
+            Arg::U64(sp),
+        ];
+        // SAFETY: the view was validated above; `sp` is a live one-word scratch buffer.
+        unsafe { self.launch_n("any_non_finite", n, &args)? };
+        Ok(self.fetch(&s)?[0] != 0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn adamw(
+        &mut self,
+        param: View,
+        grad: View,
+        exp_avg: View,
+        exp_avg_sq: View,
+        k: &AdamWArgs,
+        out: Option<View>,
+    ) -> Result<()> {
+        const WHAT: &str = "adamw";
+        let outs: Vec<View> = [param, exp_avg, exp_avg_sq]
+            .into_iter()
+            .chain(out)
+            .collect();
+        self.check_views(WHAT, &[grad], &outs)?;
+        let (p, g, m, v) = (
+            self.device_ptr(param)?,
+            self.device_ptr(grad)?,
+            self.device_ptr(exp_avg)?,
+            self.device_ptr(exp_avg_sq)?,
+        );
+        let (o, od) = match out {
+            Some(o) => (self.device_ptr(o)?, dt(o.dtype())),
+            None => (0, 3),
+        };
+        let n = grad.len();
+        let args = [
+            Arg::U64(p),
+            Arg::U64(g),
+            Arg::U32(dt(grad.dtype())),
+            Arg::U64(m),
+            Arg::U64(v),
+            Arg::U64(o),
+            Arg::U32(od),
+            Arg::U64(n as u64),
+            Arg::F32(k.decay),
+            Arg::F32(k.w),
+            Arg::F32(k.one_minus_w),
+            Arg::F32(k.beta2),
+            Arg::F32(k.c2),
+            Arg::F32(k.neg_step_size),
+            Arg::F32(k.bc2_sqrt),
+            Arg::F32(k.eps),
+            Arg::U32(u32::from(k.w.abs() < 0.5)),
+        ];
+        // SAFETY: views validated above (same lengths, f32 state, disjoint outputs).
+        unsafe { self.launch_n("adamw", n, &args) }
+    }
+
+    pub(crate) fn sgd_momentum(
+        &mut self,
+        param: View,
+        grad: View,
+        buf: View,
+        (wd, mom, neg_lr): (f32, f32, f32),
+        first_step: bool,
+    ) -> Result<()> {
+        let ([g], [p, b]) = self.ptrs("sgd_momentum", [grad], [param, buf])?;
+        let n = grad.len();
+        let args = [
+            Arg::U64(p),
+            Arg::U64(g),
+            Arg::U32(dt(grad.dtype())),
+            Arg::U64(b),
+            Arg::U64(n as u64),
+            Arg::F32(wd),
+            Arg::F32(mom),
+            Arg::F32(neg_lr),
+            Arg::U32(u32::from(first_step)),
+        ];
+        // SAFETY: views validated above (same lengths, f32 state, disjoint outputs).
+        unsafe { self.launch_n("sgd_momentum", n, &args) }
+    }
+
+    pub(crate) fn matmul(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
+        let ([ap, bp], [cp]) = self.ptrs("matmul", [a, b], [c])?;
+        let MatmulSpec { m, n, k, .. } = *spec;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let gx = u32::try_from(n.div_ceil(128))
+            .map_err(|_| DeviceError::Unsupported(format!("matmul: n = {n} is too large")))?;
+        let gy = u32::try_from(m.min(65535)).unwrap_or(65535);
+        let args = [
+            Arg::U64(ap),
+            Arg::U32(dt(a.dtype())),
+            Arg::U64(bp),
+            Arg::U32(dt(b.dtype())),
+            Arg::U64(cp),
+            Arg::U64(m as u64),
+            Arg::U64(n as u64),
+            Arg::U64(k as u64),
+            Arg::U32(u32::from(spec.trans_a)),
+            Arg::U32(u32::from(spec.trans_b)),
+            Arg::U32(u32::from(spec.accumulate)),
+        ];
+        // SAFETY: views validated above with the lengths m·k, k·n, m·n.
+        unsafe { self.launch("matmul", (gx, gy, 1), (128, 1, 1), &args) }
+    }
+
+    pub(crate) fn add_bias(&mut self, x: View, bias: View) -> Result<()> {
+        let ([b], [xp]) = self.ptrs("add_bias", [bias], [x])?;
+        let (n, cols) = (x.len(), bias.len());
+        if cols == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(b),
+            Arg::U64(n as u64),
+            Arg::U64(cols as u64),
+        ];
+        // SAFETY: views validated above (x holds whole rows of bias.len()).
+        unsafe { self.launch_n("add_bias", n, &args) }
+    }
+
+    pub(crate) fn bias_grad(&mut self, dy: View, dbias: View, accumulate: bool) -> Result<()> {
+        let ([d], [db]) = self.ptrs("bias_grad", [dy], [dbias])?;
+        let cols = dbias.len();
+        let rows = dy.len().checked_div(cols).unwrap_or(0);
+        let args = [
+            Arg::U64(d),
+            Arg::U64(db),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::U32(u32::from(accumulate)),
+        ];
+        // SAFETY: views validated above (dy holds whole rows of cols).
+        unsafe { self.launch_n("bias_grad", cols, &args) }
+    }
+
+    pub(crate) fn rms_norm(
+        &mut self,
+        x: View,
+        weight: View,
+        y: View,
+        rstd: View,
+        eps: f32,
+    ) -> Result<()> {
+        let ([xp, wp], [yp, rp]) = self.ptrs("rms_norm", [x, weight], [y, rstd])?;
+        let (rows, cols, n) = (rstd.len(), weight.len(), x.len());
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(rp),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::F32(eps),
+        ];
+        // SAFETY: views validated above (x and y rows·cols, rstd rows).
+        unsafe { self.launch_n("rms_norm_rstd", rows, &args)? };
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(wp),
+            Arg::U64(rp),
+            Arg::U64(yp),
+            Arg::U64(n as u64),
+            Arg::U64(cols as u64),
+        ];
+        // SAFETY: as above.
+        unsafe { self.launch_n("rms_norm_apply", n, &args) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rms_norm_backward(
+        &mut self,
+        x: View,
+        weight: View,
+        rstd: View,
+        dy: View,
+        dx: View,
+        dweight: View,
+    ) -> Result<()> {
+        let ([xp, wp, rp, dyp], [dxp, dwp]) =
+            self.ptrs("rms_norm_backward", [x, weight, rstd, dy], [dx, dweight])?;
+        let (rows, cols, n) = (rstd.len(), weight.len(), x.len());
+        let (mean, mp) = self.scratch(rows)?;
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(wp),
+            Arg::U64(rp),
+            Arg::U64(dyp),
+            Arg::U64(mp),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+        ];
+        // SAFETY: views validated above; `mp` holds `rows` words.
+        unsafe { self.launch_n("rms_norm_bwd_mean", rows, &args)? };
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(wp),
+            Arg::U64(rp),
+            Arg::U64(dyp),
+            Arg::U64(mp),
+            Arg::U64(dxp),
+            Arg::U64(n as u64),
+            Arg::U64(cols as u64),
+        ];
+        // SAFETY: as above.
+        unsafe { self.launch_n("rms_norm_bwd_dx", n, &args)? };
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(rp),
+            Arg::U64(dyp),
+            Arg::U64(dwp),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+        ];
+        // SAFETY: as above.
+        unsafe { self.launch_n("rms_norm_bwd_dw", cols, &args)? };
+        drop(mean);
+        Ok(())
+    }
+
+    /// `gelu` (`dy` = `None`) or `gelu_backward`.
+    pub(crate) fn gelu(
+        &mut self,
+        x: View,
+        dy: Option<View>,
+        out: View,
+        (beta, kappa): (f32, f32),
+    ) -> Result<()> {
+        let n = x.len();
+        match dy {
+            None => {
+                let ([xp], [yp]) = self.ptrs("gelu", [x], [out])?;
+                let args = [
+                    Arg::U64(xp),
+                    Arg::U64(yp),
+                    Arg::U64(n as u64),
+                    Arg::F32(beta),
+                    Arg::F32(kappa),
+                ];
+                // SAFETY: views validated above (same lengths, disjoint).
+                unsafe { self.launch_n("gelu", n, &args) }
+            }
+            Some(dy) => {
+                let ([xp, dyp], [dxp]) = self.ptrs("gelu_backward", [x, dy], [out])?;
+                let args = [
+                    Arg::U64(xp),
+                    Arg::U64(dyp),
+                    Arg::U64(dxp),
+                    Arg::U64(n as u64),
+                    Arg::F32(beta),
+                    Arg::F32(kappa),
+                ];
+                // SAFETY: as above.
+                unsafe { self.launch_n("gelu_backward", n, &args) }
+            }
+        }
+    }
+
+    pub(crate) fn mse_loss_backward(
+        &mut self,
+        pred: View,
+        target: View,
+        dpred: View,
+        c: f32,
+    ) -> Result<()> {
+        let ([p, t], [d]) = self.ptrs("mse_loss_backward", [pred, target], [dpred])?;
+        let n = pred.len();
+        let args = [
+            Arg::U64(p),
+            Arg::U64(t),
+            Arg::U64(d),
+            Arg::U64(n as u64),
+            Arg::F32(c),
+        ];
+        // SAFETY: views validated above (same lengths, disjoint).
+        unsafe { self.launch_n("mse_backward", n, &args) }
+    }
+
+    /// Row losses of a softmax cross-entropy (targets already checked to be class indices).
+    pub(crate) fn softmax_cross_entropy_rows(
+        &mut self,
+        logits: View,
+        targets: View,
+        classes: usize,
+    ) -> Result<Vec<f32>> {
+        let ([x, t], []) = self.ptrs("softmax_cross_entropy", [logits, targets], [])?;
+        let rows = targets.len();
+        let (stats, sp) = self.scratch(2 * rows)?;
+        let (loss, lp) = self.scratch(rows)?;
+        let args = [
+            Arg::U64(x),
+            Arg::U64(t),
+            Arg::U64(sp),
+            Arg::U64(lp),
+            Arg::U64(rows as u64),
+            Arg::U64(classes as u64),
+        ];
+        // SAFETY: views validated above (logits rows·classes, targets rows valid indices);
+        // scratch buffers of 2·rows and rows words.
+        unsafe { self.launch_n("softmax_row_stats", rows, &args)? };
+        let l = self.fetch(&loss)?;
+        drop(stats);
+        Ok(l[..rows].iter().map(|b| f32::from_bits(*b)).collect())
+    }
+
+    pub(crate) fn softmax_cross_entropy_backward(
+        &mut self,
+        logits: View,
+        targets: View,
+        dlogits: View,
+        classes: usize,
+        c: f32,
+    ) -> Result<()> {
+        let ([x, t], [d]) = self.ptrs(
+            "softmax_cross_entropy_backward",
+            [logits, targets],
+            [dlogits],
+        )?;
+        let rows = targets.len();
+        let n = logits.len();
+        let (stats, sp) = self.scratch(2 * rows)?;
+        let args = [
+            Arg::U64(x),
+            Arg::U64(t),
+            Arg::U64(sp),
+            Arg::U64(0),
+            Arg::U64(rows as u64),
+            Arg::U64(classes as u64),
+        ];
+        // SAFETY: as in the forward; the null loss pointer is never written.
+        unsafe { self.launch_n("softmax_row_stats", rows, &args)? };
+        let args = [
+            Arg::U64(x),
+            Arg::U64(t),
+            Arg::U64(sp),
+            Arg::U64(d),
+            Arg::U64(n as u64),
+            Arg::U64(classes as u64),
+            Arg::F32(c),
+        ];
+        // SAFETY: as above; dlogits has rows·classes elements.
+        unsafe { self.launch_n("softmax_xent_backward", n, &args)? };
+        drop(stats);
+        Ok(())
     }
 }

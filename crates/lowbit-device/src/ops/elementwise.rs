@@ -11,6 +11,7 @@ impl Device {
         let d = view.dtype();
         let mut pattern = [0u8; 4];
         encode_f32(d, &[value], &mut pattern[..d.size()]);
+        on_cuda!(self, g => g.fill(view, u32::from_le_bytes(pattern)));
         self.host_op("fill", [], [view], |[], [bytes]| {
             for e in bytes.chunks_exact_mut(d.size()) {
                 e.copy_from_slice(&pattern[..d.size()]);
@@ -26,6 +27,7 @@ impl Device {
         check_float("cast", src)?;
         check_float("cast", dst)?;
         check_len("cast", src.len(), dst.len())?;
+        on_cuda!(self, g => g.cast(src, dst));
         self.host_op("cast", [src], [dst], |[s], [d]| {
             match (src.dtype(), dst.dtype()) {
                 (a, b) if a == b => d.copy_from_slice(s),
@@ -49,6 +51,7 @@ impl Device {
     /// `view ← alpha · view` in place: `fl(fl32(alpha · x))` for a float view.
     pub fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
         check_float("scale", view)?;
+        on_cuda!(self, g => g.scale(view, alpha));
         self.host_op("scale", [], [view], |[], [y]| {
             map_in_place((view.dtype(), y), |v| alpha * v);
             Ok(())
@@ -62,6 +65,7 @@ impl Device {
         check_float("axpy", x)?;
         check_float("axpy", y)?;
         check_len("axpy", x.len(), y.len())?;
+        on_cuda!(self, g => g.axpy("axpy", Some(alpha), x, y));
         self.host_op("axpy", [x], [y], |[xs], [ys]| {
             zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + alpha * x);
             Ok(())
@@ -74,6 +78,7 @@ impl Device {
         check_float("add", x)?;
         check_float("add", y)?;
         check_len("add", x.len(), y.len())?;
+        on_cuda!(self, g => g.axpy("add", None, x, y));
         self.host_op("add", [x], [y], |[xs], [ys]| {
             zip_in_place((x.dtype(), xs), (y.dtype(), ys), |x, y| y + x);
             Ok(())
@@ -96,6 +101,8 @@ impl Device {
 
     /// Whether any element of the float view is NaN or ±Inf.
     pub fn has_non_finite(&mut self, view: View) -> Result<bool> {
+        crate::check_float("reduction", view)?;
+        on_cuda!(self, g => g.has_non_finite(view));
         let mut found = false;
         for_each_chunk(self, "has_non_finite", view, |c| {
             found |= c.iter().fold(false, |f, v| f | !v.is_finite());
@@ -106,6 +113,8 @@ impl Device {
     /// `max |xᵢ|` of a float view with NaN ignored (TE's `fmaxf` amax): 0 for an empty or
     /// all-NaN view, +Inf if any element is infinite.
     pub fn max_abs(&mut self, view: View) -> Result<f32> {
+        crate::check_float("reduction", view)?;
+        on_cuda!(self, g => g.max_abs(view));
         let mut amax = 0u32;
         for_each_chunk(self, "max_abs", view, |c| {
             // Non-negative floats order like their bit patterns; NaN maps to 0.

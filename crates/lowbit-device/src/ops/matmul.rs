@@ -37,6 +37,7 @@ impl Device {
         check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
         check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
         check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
+        on_cuda!(self, g => g.matmul(a, b, c, spec));
         self.host_op(WHAT, [a, b], [c], |[ab, bb], [cb]| {
             let opa = op_matrix(decode_f32(a.dtype(), ab), m, k, spec.trans_a);
             let opb = op_matrix(decode_f32(b.dtype(), bb), k, n, spec.trans_b);

@@ -107,6 +107,7 @@ impl Device {
         const WHAT: &str = "add_bias";
         all_f32(WHAT, &[x, bias])?;
         rows_of(WHAT, x.len(), bias.len())?;
+        on_cuda!(self, g => g.add_bias(x, bias));
         self.host_op(WHAT, [bias], [x], |[b], [xs]| {
             let b = decode_f32(DType::F32, b);
             let mut row = vec![0f32; b.len()];
@@ -127,6 +128,7 @@ impl Device {
         all_f32(WHAT, &[dy, dbias])?;
         let cols = dbias.len();
         rows_of(WHAT, dy.len(), cols)?;
+        on_cuda!(self, g => g.bias_grad(dy, dbias, accumulate));
         self.host_op(WHAT, [dy], [dbias], |[d], [db]| {
             let mut s = vec![0f32; cols];
             for row in decode_f32(DType::F32, d).chunks_exact(cols.max(1)) {
@@ -154,6 +156,7 @@ impl Device {
         if cols == 0 && !rstd.is_empty() {
             return Err(invalid(WHAT, "rows of zero columns have no RMS"));
         }
+        on_cuda!(self, g => g.rms_norm(x, weight, y, rstd, eps));
         self.host_op(WHAT, [x, weight], [y, rstd], |[xb, wb], [yb, rb]| {
             let (xs, w) = (decode_f32(DType::F32, xb), decode_f32(DType::F32, wb));
             let mut ys = vec![0f32; xs.len()];
@@ -196,6 +199,7 @@ impl Device {
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
         check_len(WHAT, cols, dweight.len())?;
+        on_cuda!(self, g => g.rms_norm_backward(x, weight, rstd, dy, dx, dweight));
         self.host_op(
             WHAT,
             [x, weight, rstd, dy],
@@ -239,6 +243,7 @@ impl Device {
         const WHAT: &str = "gelu";
         all_f32(WHAT, &[x, y])?;
         check_len(WHAT, x.len(), y.len())?;
+        on_cuda!(self, g => g.gelu(x, None, y, (GELU_BETA, GELU_KAPPA)));
         self.host_op(WHAT, [x], [y], |[xs], [ys]| {
             map_into((DType::F32, xs), (DType::F32, ys), gelu32);
             Ok(())
@@ -253,6 +258,7 @@ impl Device {
         all_f32(WHAT, &[x, dy, dx])?;
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
+        on_cuda!(self, g => g.gelu(x, Some(dy), dx, (GELU_BETA, GELU_KAPPA)));
         self.host_op(WHAT, [x, dy], [dx], |[xs, dys], [dxs]| {
             zip_into(
                 (DType::F32, xs),
@@ -296,6 +302,7 @@ impl Device {
         check_len(WHAT, pred.len(), target.len())?;
         check_len(WHAT, pred.len(), dpred.len())?;
         let c = (2.0 * f64::from(scale) / pred.len() as f64) as f32;
+        on_cuda!(self, g => g.mse_loss_backward(pred, target, dpred, c));
         self.host_op(WHAT, [pred, target], [dpred], |[p, t], [d]| {
             zip_into((DType::F32, p), (DType::F32, t), (DType::F32, d), |p, t| {
                 c * (p - t)
@@ -313,8 +320,13 @@ impl Device {
     pub fn softmax_cross_entropy(&mut self, logits: View, targets: View) -> Result<f32> {
         const WHAT: &str = "softmax_cross_entropy";
         let (rows, classes, t) = xent_shape(self, WHAT, logits, targets)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut() {
+            let losses = g.softmax_cross_entropy_rows(logits, targets, classes)?;
+            let total = losses.iter().fold(0f64, |s, &l| s + f64::from(l));
+            return Ok((total / rows as f64) as f32);
+        }
         let x = self.read_f32(logits)?;
-        self.note_fallback(WHAT);
         let mut e = vec![0f32; classes];
         let mut total = 0f64;
         for (xr, &t) in x.chunks_exact(classes.max(1)).zip(&t) {
@@ -339,6 +351,7 @@ impl Device {
         check_dtype(WHAT, dlogits, DType::F32)?;
         check_len(WHAT, logits.len(), dlogits.len())?;
         let c = (f64::from(scale) / rows as f64) as f32;
+        on_cuda!(self, g => g.softmax_cross_entropy_backward(logits, targets, dlogits, classes, c));
         self.host_op(WHAT, [logits, targets], [dlogits], |[xb, _], [db]| {
             let x = decode_f32(DType::F32, xb);
             let mut d = vec![0f32; x.len()];

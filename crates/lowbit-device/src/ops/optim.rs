@@ -33,6 +33,21 @@ struct AdamWScalars {
 }
 
 impl AdamWScalars {
+    /// The same scalars for the CUDA kernel.
+    #[cfg(feature = "cuda")]
+    fn kernel_args(&self) -> crate::cuda::AdamWArgs {
+        crate::cuda::AdamWArgs {
+            decay: self.decay,
+            w: self.w,
+            one_minus_w: self.one_minus_w,
+            beta2: self.beta2,
+            c2: self.c2,
+            neg_step_size: self.neg_step_size,
+            bc2_sqrt: self.bc2_sqrt,
+            eps: self.eps,
+        }
+    }
+
     fn new(hp: &AdamW) -> Self {
         let (lr, b1, b2) = (f64::from(hp.lr), f64::from(hp.beta1), f64::from(hp.beta2));
         // `step` is at least 1 and below 2^53 for any real run, so the conversion is exact.
@@ -134,6 +149,7 @@ impl Device {
             .into_iter()
             .chain(out)
             .collect();
+        on_cuda!(self, g => g.adamw(param, grad, exp_avg, exp_avg_sq, &k.kernel_args(), out));
         self.host_op_dyn(WHAT, &[grad], &outs, |ins, mut outs| {
             let ([g], [p, m, v, rest @ ..]) = (&ins[..], &mut outs[..]) else {
                 unreachable!("one slice per view");
@@ -185,6 +201,13 @@ impl Device {
         check_float(WHAT, grad)?;
         check_len(WHAT, param.len(), grad.len())?;
         check_len(WHAT, buf.len(), grad.len())?;
+        on_cuda!(self, g => g.sgd_momentum(
+            param,
+            grad,
+            buf,
+            (hp.weight_decay, hp.momentum, -hp.lr),
+            first_step,
+        ));
         self.host_op(WHAT, [grad], [param, buf], |[g], [p, b]| {
             let (f, gd) = (DType::F32, grad.dtype());
             let (wd, mom, neg_lr) = (hp.weight_decay, hp.momentum, -hp.lr);

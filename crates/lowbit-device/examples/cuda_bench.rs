@@ -1,0 +1,168 @@
+//! GPU timings of the hot CUDA kernels against a device-to-device copy measured in the same run
+//! (`cargo run --release -p lowbit-device --features cuda --example cuda_bench`).
+//!
+//! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
+//!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
+//!   bandwidth (a copy of the same bf16 matrix: read + write).
+//! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 grad, bf16 output: 30 bytes
+//!   per parameter) against the same bound.
+//!
+//! Times are medians of CUDA-event timings on the device's stream after warm-up. Prints one
+//! line per measurement and `JSON {...}` lines for machines.
+
+use lowbit_device::{AdamW, DType, Device, Mxfp8Config, Mxfp8Views, bf16};
+use lowbit_formats::Copies;
+
+/// Median seconds of `reps` runs of `f`, timed with events on the device's stream.
+fn timed(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
+    use lowbit_device::cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        f(dev);
+    }
+    dev.synchronize().expect("warm-up");
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let stream = dev.cuda_stream().expect("a CUDA device").clone();
+        let a = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        f(dev);
+        let b = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        b.synchronize().expect("event sync");
+        times.push(f64::from(a.elapsed_ms(&b).expect("elapsed")) * 1e-3);
+    }
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+fn report(name: &str, secs: f64, bytes: f64, copy_bw: f64) {
+    let bw = bytes / secs;
+    println!(
+        "{name}: {:.1} us, {:.0} GB/s = {:.2}x copy",
+        secs * 1e6,
+        bw / 1e9,
+        bw / copy_bw
+    );
+    println!(
+        "JSON {{\"name\":\"{name}\",\"us\":{:.1},\"gbps\":{:.1},\"x_copy\":{:.3}}}",
+        secs * 1e6,
+        bw / 1e9,
+        bw / copy_bw
+    );
+}
+
+fn main() {
+    let mut dev = Device::cuda(0).expect("a CUDA GPU");
+    let n = 16384usize;
+    let elems = n * n;
+    // Random-ish bf16 input (a cheap generator; the values only need a spread of exponents).
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let host: Vec<bf16> = (0..elems)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32(
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((s % 16) as i32 - 8),
+            )
+        })
+        .collect();
+    let x = dev.alloc(DType::Bf16, elems);
+    dev.upload(x, &host).expect("upload");
+    drop(host);
+    let copy_dst = dev.alloc(DType::Bf16, elems);
+    let t_copy = timed(&mut dev, 50, |d| d.copy(x, copy_dst).expect("copy"));
+    let copy_bw = (2 * elems * 2) as f64 / t_copy;
+    println!(
+        "copy bf16 {n}x{n}: {:.1} us, {:.0} GB/s (read + write)",
+        t_copy * 1e6,
+        copy_bw / 1e9
+    );
+    println!(
+        "JSON {{\"name\":\"copy\",\"us\":{:.1},\"gbps\":{:.1},\"x_copy\":1.0}}",
+        t_copy * 1e6,
+        copy_bw / 1e9
+    );
+    dev.free(copy_dst).expect("free");
+
+    let views = |dev: &mut Device, copies: Copies| Mxfp8Views {
+        rowwise: copies.rowwise().then(|| {
+            (
+                dev.alloc(DType::U8, elems),
+                dev.alloc(DType::U8, elems / 32),
+            )
+        }),
+        columnwise: copies.columnwise().then(|| {
+            (
+                dev.alloc(DType::U8, elems),
+                dev.alloc(DType::U8, elems / 32),
+            )
+        }),
+    };
+    for copies in [Copies::Rowwise, Copies::Both] {
+        let out = views(&mut dev, copies);
+        let cfg = Mxfp8Config {
+            copies,
+            ..Mxfp8Config::default()
+        };
+        let t = timed(&mut dev, 50, |d| {
+            d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
+        });
+        let per_copy = 1.0 + 1.0 / 32.0;
+        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+        let bytes = elems as f64 * (2.0 + copies_n * per_copy);
+        report(
+            if copies == Copies::Both {
+                "mxfp8 rowwise+columnwise 16384x16384"
+            } else {
+                "mxfp8 rowwise 16384x16384"
+            },
+            t,
+            bytes,
+            copy_bw,
+        );
+        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+            dev.free(a).expect("free");
+            dev.free(b).expect("free");
+        }
+    }
+    dev.free(x).expect("free");
+    assert!(
+        dev.host_fallback_calls().is_empty(),
+        "a timed op took the host fallback: {:?}",
+        dev.host_fallback_calls()
+    );
+
+    // AdamW over 256M parameters.
+    let p_n = 256usize << 20;
+    let [p, g, m, v] = [0; 4].map(|_| dev.alloc(DType::F32, p_n));
+    let out = dev.alloc(DType::Bf16, p_n);
+    dev.fill(p, 0.5).expect("fill");
+    dev.fill(g, 1e-3).expect("fill");
+    // Same-run copy baseline at this size: 1 GiB f32 device-to-device.
+    let t_copy2 = timed(&mut dev, 20, |d| d.copy(g, m).expect("copy"));
+    let copy_bw2 = (2 * p_n * 4) as f64 / t_copy2;
+    println!(
+        "copy f32 256M: {:.1} us, {:.0} GB/s (read + write)",
+        t_copy2 * 1e6,
+        copy_bw2 / 1e9
+    );
+    dev.zero(m).expect("zero");
+    let mut step = 0u64;
+    let t = timed(&mut dev, 20, |d| {
+        step += 1;
+        let hp = AdamW {
+            lr: 1e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step,
+        };
+        d.adamw(p, g, m, v, &hp, Some(out)).expect("adamw")
+    });
+    report("adamw 256M f32 + bf16 out", t, (p_n * 30) as f64, copy_bw2);
+    assert!(dev.host_fallback_calls().is_empty());
+}

@@ -1,0 +1,908 @@
+//! The CUDA backend against the CPU backend (the oracle): every op on random and edge-case
+//! inputs (NaN, ±Inf, ±0, subnormals, odd lengths, non-zero view offsets, bf16 views aliasing
+//! f32 buffers) runs on `Device::cpu()` and `Device::cuda(0)` and must leave identical bytes in
+//! every buffer and return identical values and errors.
+//!
+//! One relaxation, for outputs of float arithmetic only: a NaN result matches any NaN. Rust
+//! leaves NaN payloads unspecified and the hardware differs (x86 propagates an input NaN's
+//! payload, or makes a negative default NaN; CUDA makes `0x7FFFFFFF`), so only NaN-ness is part
+//! of the contract there. Data movement (fill, cast, copy, quantization) is compared strictly.
+//!
+//! These tests need a CUDA GPU: without one they fail (they never skip). Run them on the GPU
+//! machine, one test at a time (`--test-threads=1`) to keep the GPU memory use low.
+#![cfg(feature = "cuda")]
+
+use lowbit_device::{
+    AdamW, DType, Device, DeviceError, DeviceKind, Fp8Kind, MatmulSpec, Mxfp8Config, Mxfp8Views,
+    Nvfp4Config, Nvfp4Views, Result, SgdMomentum, View, bf16, f16,
+};
+use lowbit_formats::{Copies, NanPolicy};
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+/// Deterministic pseudo-random source (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// Values with a wide range; with `specials`, about one in eight is an edge case.
+fn values(n: usize, seed: u64, specials: bool) -> Vec<f32> {
+    const EDGE: [u32; 14] = [
+        0x7FC0_0000, // NaN
+        0xFFC0_1234, // negative NaN with a payload
+        0x7F80_0000, // +Inf
+        0xFF80_0000, // -Inf
+        0x0000_0000, // +0
+        0x8000_0000, // -0
+        0x0000_0001, // smallest subnormal
+        0x807F_FFFF, // largest negative subnormal
+        0x7F7F_FFFF, // f32 max
+        0x3F80_0001, // 1 + ulp
+        0x477F_F000, // 65520: rounds to f16 Inf
+        0x3380_0000, // 2^-24: smallest f16 subnormal
+        0x3F80_8000, // bf16 tie
+        0x3F81_8000, // bf16 tie, odd
+    ];
+    let mut r = Rng::new(seed);
+    (0..n)
+        .map(|_| {
+            let x = r.next();
+            if specials && x.is_multiple_of(8) {
+                f32::from_bits(EDGE[(x >> 8) as usize % EDGE.len()])
+            } else {
+                r.unit() * 2f32.powi((x % 24) as i32 - 12)
+            }
+        })
+        .collect()
+}
+
+/// Values without NaN or infinities (for ops whose validity needs finite inputs).
+fn finite(n: usize, seed: u64) -> Vec<f32> {
+    values(n, seed, true)
+        .into_iter()
+        .map(|v| {
+            if v.is_finite() {
+                v.clamp(-1e4, 1e4)
+            } else {
+                0.5
+            }
+        })
+        .collect()
+}
+
+/// The little-endian bytes of `vals` encoded as `d` (RNE, `half`'s conversions).
+fn encode(d: DType, vals: &[f32]) -> Vec<u8> {
+    match d {
+        DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::Bf16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        DType::U8 => vals.iter().map(|v| *v as u8).collect(),
+    }
+}
+
+/// A scenario's view of one device: allocations are recorded so that every buffer's final
+/// bytes can be compared.
+struct Ctx<'a> {
+    dev: &'a mut Device,
+    /// Each recorded buffer and the dtype its bytes are compared as.
+    buffers: Vec<(View, DType)>,
+}
+
+impl Ctx<'_> {
+    /// A buffer of `n` elements of `d` holding `vals` (encoded to `d`), recorded.
+    fn buf(&mut self, d: DType, vals: &[f32]) -> View {
+        let v = self.dev.alloc(d, vals.len());
+        self.dev.write_bytes(v, &encode(d, vals)).unwrap();
+        self.buffers.push((v, d));
+        v
+    }
+    /// Records an allocation made directly on the device.
+    fn record(&mut self, v: View) {
+        self.buffers.push((v, v.dtype()));
+    }
+    /// Compares the last recorded buffer as `d` elements (for a bf16 staging view written
+    /// into an f32 buffer: NaN-ness is then judged per bf16 element).
+    fn compare_last_as(&mut self, d: DType) {
+        if let Some(last) = self.buffers.last_mut() {
+            last.1 = d;
+        }
+    }
+    /// A random buffer (edge cases included).
+    fn rand(&mut self, d: DType, n: usize, seed: u64) -> View {
+        self.buf(d, &values(n, seed, true))
+    }
+    /// A random buffer of `pad + n + pad` elements and the view of its middle `n`: a non-zero
+    /// offset, and bytes around the view that must stay untouched.
+    fn rand_mid(&mut self, d: DType, n: usize, pad: usize, seed: u64) -> View {
+        let v = self.rand(d, n + 2 * pad, seed);
+        v.slice(pad..pad + n).unwrap()
+    }
+}
+
+/// What one scenario produced on one device.
+#[derive(Debug)]
+struct Outcome {
+    values: Result<Vec<f64>>,
+    buffers: Vec<(DType, Vec<u8>)>,
+    fallbacks: Vec<(&'static str, u64)>,
+}
+
+fn run_on(dev: &mut Device, f: &dyn Fn(&mut Ctx) -> Result<Vec<f64>>) -> Outcome {
+    let mut ctx = Ctx {
+        dev,
+        buffers: Vec::new(),
+    };
+    let values = f(&mut ctx);
+    let buffers = ctx.buffers.clone();
+    let bytes = buffers
+        .iter()
+        .map(|(v, d)| (*d, dev.read_bytes(*v).expect("buffers stay readable")))
+        .collect();
+    Outcome {
+        values,
+        buffers: bytes,
+        fallbacks: dev.host_fallback_calls(),
+    }
+}
+
+fn gpu() -> Device {
+    let d = Device::cuda(0).expect("these tests need a CUDA GPU (ordinal 0)");
+    assert_eq!(d.kind(), DeviceKind::Cuda);
+    d
+}
+
+/// Whether two elements of dtype `d` match: identical bits, or (with `nan_class`) both NaN.
+fn elem_eq(d: DType, a: &[u8], b: &[u8], nan_class: bool) -> bool {
+    if a == b {
+        return true;
+    }
+    if !nan_class {
+        return false;
+    }
+    match d {
+        DType::F32 => {
+            f32::from_le_bytes(a.try_into().unwrap()).is_nan()
+                && f32::from_le_bytes(b.try_into().unwrap()).is_nan()
+        }
+        DType::Bf16 => {
+            bf16::from_bits(u16::from_le_bytes(a.try_into().unwrap())).is_nan()
+                && bf16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).is_nan()
+        }
+        DType::F16 => {
+            f16::from_bits(u16::from_le_bytes(a.try_into().unwrap())).is_nan()
+                && f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).is_nan()
+        }
+        DType::U8 => false,
+    }
+}
+
+/// Runs `f` on a CPU and a CUDA device and asserts identical outcomes; returns the CUDA
+/// device's fallback counts.
+fn check(name: &str, nan_class: bool, f: impl Fn(&mut Ctx) -> Result<Vec<f64>>) -> Outcome {
+    let cpu = run_on(&mut Device::cpu(), &f);
+    let mut g = gpu();
+    let cuda = run_on(&mut g, &f);
+    match (&cpu.values, &cuda.values) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a.len(), b.len(), "{name}: result count");
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    x.to_bits() == y.to_bits() || (nan_class && x.is_nan() && y.is_nan()),
+                    "{name}: result {i}: cpu {x:e} ({:#x}) vs cuda {y:e} ({:#x})",
+                    x.to_bits(),
+                    y.to_bits()
+                );
+            }
+        }
+        (a, b) => assert_eq!(a, b, "{name}: results differ"),
+    }
+    assert_eq!(cpu.buffers.len(), cuda.buffers.len());
+    for (k, ((d, a), (_, b))) in cpu.buffers.iter().zip(&cuda.buffers).enumerate() {
+        assert_eq!(a.len(), b.len(), "{name}: buffer {k} size");
+        let s = d.size();
+        let bad: Vec<usize> = (0..a.len() / s)
+            .filter(|&i| {
+                !elem_eq(
+                    *d,
+                    &a[i * s..(i + 1) * s],
+                    &b[i * s..(i + 1) * s],
+                    nan_class,
+                )
+            })
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "{name}: buffer {k} ({d:?}, {} elements): {} elements differ, first at {}: cpu {:02x?} vs cuda {:02x?}",
+            a.len() / s,
+            bad.len(),
+            bad[0],
+            &a[bad[0] * s..(bad[0] + 1) * s],
+            &b[bad[0] * s..(bad[0] + 1) * s]
+        );
+    }
+    cuda
+}
+
+const FLOATS: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
+
+/// Asserts that the CUDA run took no host fallback.
+fn native(o: &Outcome, name: &str) {
+    assert!(
+        o.fallbacks.is_empty(),
+        "{name} took the host fallback: {:?}",
+        o.fallbacks
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device and memory
+
+#[test]
+fn cuda_device_reports_itself() {
+    let d = gpu();
+    assert_eq!(d.cuda_ordinal(), Some(0));
+    assert!(d.cuda_stream().is_some());
+    assert!(Device::cpu().cuda_stream().is_none());
+    assert!(Device::cuda(1 << 20).is_err(), "no such GPU is an error");
+}
+
+#[test]
+fn memory_ops_match() {
+    let o = check("memory", false, |c| {
+        let a = c.rand(DType::F32, 37, 1);
+        let z = c.dev.alloc(DType::F32, 19);
+        c.record(z);
+        let b = c.rand(DType::Bf16, 64, 2);
+        // zero-filled alloc, partial zero, offsets
+        c.dev.zero(a.slice(3..9)?)?;
+        c.dev.write_bytes(b.slice(5..8)?, &[1, 2, 3, 4, 5, 6])?;
+        // cross-buffer copy with offsets, then overlapping copies both ways (memmove)
+        let a16 = a.reinterpret(DType::Bf16)?;
+        c.dev.copy(b.slice(1..21)?, a16.slice(11..31)?)?;
+        c.dev.copy(b.slice(0..40)?, b.slice(7..47)?)?;
+        c.dev.copy(b.slice(20..60)?, b.slice(13..53)?)?;
+        c.dev.copy(a.slice(2..2)?, z.slice(0..0)?)?;
+        let got = c.dev.read_bytes(b.slice(3..11)?)?;
+        let d: Vec<f32> = c.dev.download(a.slice(30..37)?)?;
+        let mut out: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
+        out.extend(d.iter().map(|&x| f64::from(x.to_bits())));
+        out.push(c.dev.allocated_bytes() as f64);
+        Ok(out)
+    });
+    native(&o, "memory");
+}
+
+#[test]
+fn freed_stale_foreign_and_out_of_bounds_views_are_the_same_errors() {
+    check("errors", false, |c| {
+        let mut errs = Vec::new();
+        let a = c.dev.alloc(DType::F32, 8);
+        let b = c.rand(DType::F32, 8, 3);
+        c.dev.free(a)?;
+        errs.push(c.dev.read_bytes(a).unwrap_err());
+        errs.push(c.dev.fill(a, 1.0).unwrap_err());
+        errs.push(c.dev.free(a).unwrap_err());
+        // The slot is reused: the stale view stays invalid.
+        let a2 = c.dev.alloc(DType::F32, 8);
+        c.record(a2);
+        errs.push(c.dev.scale(a, 2.0).unwrap_err());
+        // Another device's view.
+        let mut other = Device::cpu();
+        let foreign = other.alloc(DType::F32, 8);
+        errs.push(c.dev.read_bytes(foreign).unwrap_err());
+        // A view past its buffer's end (a slice of a reinterpretation of a bigger buffer).
+        let big = c.dev.alloc(DType::F32, 16);
+        c.record(big);
+        c.dev.free(big)?;
+        c.buffers.pop();
+        let small = c.dev.alloc(DType::F32, 4);
+        c.record(small);
+        errs.push(c.dev.zero(big).unwrap_err());
+        // Overlap, dtype and length errors.
+        errs.push(c.dev.axpy(1.0, b, b).unwrap_err());
+        errs.push(c.dev.cast(b.slice(0..4)?, b.slice(2..6)?).unwrap_err());
+        errs.push(c.dev.add(b.slice(0..3)?, a2).unwrap_err());
+        let u = c.dev.alloc(DType::U8, 4);
+        c.record(u);
+        errs.push(c.dev.scale(u, 1.0).unwrap_err());
+        errs.push(c.dev.write_bytes(a2, &[0; 3]).unwrap_err());
+        errs.push(c.dev.max_abs(a).unwrap_err());
+        errs.push(
+            c.dev
+                .matmul(
+                    b,
+                    b,
+                    a2,
+                    &MatmulSpec {
+                        m: 2,
+                        n: 4,
+                        k: 4,
+                        trans_a: false,
+                        trans_b: false,
+                        accumulate: false,
+                    },
+                )
+                .unwrap_err(),
+        );
+        let t = c.buf(DType::F32, &[0.0, 9.0]);
+        errs.push(c.dev.softmax_cross_entropy(b, t).unwrap_err());
+        // Errors carry the same payload: fold them into the compared buffer list.
+        let msgs: Vec<f64> = errs
+            .iter()
+            .flat_map(|e| format!("{e}").into_bytes())
+            .map(f64::from)
+            .collect();
+        Ok(msgs)
+    });
+}
+
+#[test]
+fn views_of_other_buffers_are_rejected_without_a_panic() {
+    let mut g = gpu();
+    let mut cpu = Device::cpu();
+    let v = cpu.alloc(DType::F32, 4);
+    assert!(matches!(g.read_bytes(v), Err(DeviceError::Freed(_))));
+    assert!(g.cuda_device_ptr(v).is_err());
+    let w = g.alloc(DType::F32, 4);
+    let p = g.cuda_device_ptr(w).unwrap();
+    assert_eq!(g.cuda_device_ptr(w.slice(1..3).unwrap()).unwrap(), p + 4);
+    assert!(cpu.cuda_device_ptr(v).is_err());
+    g.synchronize().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise
+
+#[test]
+fn fill_matches() {
+    let o = check("fill", false, |c| {
+        for (i, d) in FLOATS.into_iter().enumerate() {
+            for (j, value) in [
+                1.5f32,
+                f32::NAN,
+                -0.0,
+                1e-40,
+                65520.0,
+                f32::from_bits(0xFFC0_1234),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let v = c.rand_mid(d, 33, 3, (i * 10 + j) as u64);
+                c.dev.fill(v, value)?;
+            }
+        }
+        Ok(vec![])
+    });
+    native(&o, "fill");
+}
+
+#[test]
+fn cast_matches_for_all_pairs() {
+    let o = check("cast", false, |c| {
+        for (i, s) in FLOATS.into_iter().enumerate() {
+            for (j, d) in FLOATS.into_iter().enumerate() {
+                let seed = (i * 3 + j) as u64;
+                let src = c.rand_mid(s, 1001, 1, seed);
+                let dst = c.rand_mid(d, 1001, 2, seed + 100);
+                c.dev.cast(src, dst)?;
+            }
+        }
+        // f32 masters -> bf16 staging over the first half of an f32 gradient buffer.
+        let m = c.rand(DType::F32, 130, 7);
+        let grads = c.rand(DType::F32, 130, 8);
+        let staging = grads.reinterpret(DType::Bf16)?.slice(0..130)?;
+        c.dev.cast(m, staging)?;
+        Ok(vec![])
+    });
+    native(&o, "cast");
+}
+
+#[test]
+fn scale_axpy_add_match() {
+    let o = check("scale/axpy/add", true, |c| {
+        for (i, d) in FLOATS.into_iter().enumerate() {
+            for (j, alpha) in [0.3f32, -2.5, 0.0, f32::INFINITY].into_iter().enumerate() {
+                let v = c.rand_mid(d, 515, 1, (i * 4 + j) as u64);
+                c.dev.scale(v, alpha)?;
+            }
+            for (j, x) in FLOATS.into_iter().enumerate() {
+                let seed = 50 + (i * 3 + j) as u64;
+                let xv = c.rand_mid(x, 777, 3, seed);
+                let yv = c.rand_mid(d, 777, 1, seed + 1);
+                c.dev.axpy(-0.7, xv, yv)?;
+                let xv = c.rand_mid(x, 777, 2, seed + 2);
+                let yv = c.rand_mid(d, 777, 0, seed + 3);
+                c.dev.add(xv, yv)?;
+            }
+        }
+        // The staging alias: y is a bf16 view inside an f32 buffer.
+        let g = c.rand(DType::F32, 64, 9);
+        c.compare_last_as(DType::Bf16);
+        let x = c.rand(DType::F32, 64, 10);
+        c.dev.add(x, g.reinterpret(DType::Bf16)?.slice(10..74)?)?;
+        Ok(vec![])
+    });
+    native(&o, "scale/axpy/add");
+}
+
+#[test]
+fn reductions_match() {
+    let o = check("reductions", false, |c| {
+        let mut out = Vec::new();
+        for (i, d) in FLOATS.into_iter().enumerate() {
+            let with_specials = c.rand_mid(d, 10_001, 3, i as u64);
+            let plain = c.buf(d, &finite(4099, 20 + i as u64));
+            let empty = plain.slice(5..5)?;
+            let nans = c.buf(d, &[f32::NAN; 5]);
+            for v in [with_specials, plain, empty, nans] {
+                out.push(f64::from(c.dev.max_abs(v)?));
+                out.push(f64::from(u8::from(c.dev.has_non_finite(v)?)));
+                out.push(c.dev.sum_squares(v)?);
+            }
+        }
+        Ok(out)
+    });
+    // sum_squares is a documented host fallback; max_abs and has_non_finite are native.
+    assert!(
+        o.fallbacks.iter().all(|(op, _)| *op == "sum_squares"),
+        "{:?}",
+        o.fallbacks
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizers
+
+#[test]
+fn adamw_matches() {
+    let o = check("adamw", true, |c| {
+        let n = 3001;
+        let mut k = 0;
+        for gd in FLOATS {
+            for od in [None, Some(DType::Bf16), Some(DType::F16), Some(DType::F32)] {
+                for (beta1, step, wd) in [(0.9f32, 1u64, 0.01f32), (0.3, 17, 0.0), (0.9, 1000, 0.1)]
+                {
+                    k += 1;
+                    let p = c.rand_mid(DType::F32, n, 1, k * 7);
+                    let g = c.rand_mid(gd, n, 2, k * 7 + 1);
+                    let m = c.buf(DType::F32, &finite(n, k * 7 + 2));
+                    let v = c.buf(
+                        DType::F32,
+                        &finite(n, k * 7 + 3)
+                            .iter()
+                            .map(|x| x.abs())
+                            .collect::<Vec<_>>(),
+                    );
+                    let out = od.map(|d| c.rand_mid(d, n, 1, k * 7 + 4));
+                    let hp = AdamW {
+                        lr: 1e-3,
+                        beta1,
+                        beta2: 0.999,
+                        eps: 1e-8,
+                        weight_decay: wd,
+                        step,
+                    };
+                    c.dev.adamw(p, g, m, v, &hp, out)?;
+                }
+            }
+        }
+        // The staging alias: the bf16 output is the first half of an f32 gradient buffer
+        // whose second half is the gradient.
+        let grads = c.rand(DType::F32, 512, 99);
+        c.compare_last_as(DType::Bf16);
+        let out = grads.reinterpret(DType::Bf16)?.slice(0..256)?;
+        let g = grads.slice(256..512)?;
+        let p = c.rand(DType::F32, 256, 98);
+        let m = c.buf(DType::F32, &[0.0; 256]);
+        let v = c.buf(DType::F32, &[0.0; 256]);
+        let hp = AdamW {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-6,
+            weight_decay: 0.1,
+            step: 3,
+        };
+        c.dev.adamw(p, g, m, v, &hp, Some(out))?;
+        Ok(vec![])
+    });
+    native(&o, "adamw");
+}
+
+#[test]
+fn sgd_momentum_matches() {
+    let o = check("sgd", true, |c| {
+        let mut k = 0;
+        for gd in FLOATS {
+            for (mom, wd, first) in [
+                (0.9f32, 0.0f32, true),
+                (0.9, 0.01, false),
+                (0.0, 0.01, false),
+                (0.5, 0.0, false),
+            ] {
+                k += 1;
+                let p = c.rand_mid(DType::F32, 2049, 1, k * 5);
+                let g = c.rand_mid(gd, 2049, 0, k * 5 + 1);
+                let b = c.rand_mid(DType::F32, 2049, 3, k * 5 + 2);
+                let hp = SgdMomentum {
+                    lr: 0.1,
+                    momentum: mom,
+                    weight_decay: wd,
+                };
+                c.dev.sgd_momentum(p, g, b, &hp, first)?;
+            }
+        }
+        Ok(vec![])
+    });
+    native(&o, "sgd");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matmul
+
+#[test]
+fn matmul_matches() {
+    let o = check("matmul", true, |c| {
+        let mut k = 0;
+        for (m, n, kk) in [(7, 13, 29), (64, 33, 128), (1, 1, 1), (5, 3, 0), (0, 4, 3)] {
+            for trans_a in [false, true] {
+                for trans_b in [false, true] {
+                    for accumulate in [false, true] {
+                        for (ad, bd) in [(DType::F32, DType::F32), (DType::Bf16, DType::F16)] {
+                            k += 1;
+                            let a = c.rand_mid(ad, m * kk, 1, k * 3);
+                            let b = c.rand_mid(bd, kk * n, 2, k * 3 + 1);
+                            let cc = c.rand_mid(DType::F32, m * n, 1, k * 3 + 2);
+                            let spec = MatmulSpec {
+                                m,
+                                n,
+                                k: kk,
+                                trans_a,
+                                trans_b,
+                                accumulate,
+                            };
+                            c.dev.matmul(a, b, cc, &spec)?;
+                        }
+                    }
+                }
+            }
+        }
+        // A · Aᵀ with overlapping inputs.
+        let a = c.buf(DType::F32, &finite(6 * 5, 77));
+        let cc = c.rand(DType::F32, 36, 78);
+        let spec = MatmulSpec {
+            m: 6,
+            n: 6,
+            k: 5,
+            trans_a: false,
+            trans_b: true,
+            accumulate: false,
+        };
+        c.dev.matmul(a, a, cc, &spec)?;
+        Ok(vec![])
+    });
+    native(&o, "matmul");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model ops
+
+#[test]
+fn model_ops_match() {
+    let o = check("model ops", true, |c| {
+        let f = DType::F32;
+        let mut out = Vec::new();
+        for (rows, cols, seed) in [(13usize, 37usize, 1u64), (1, 1, 2), (64, 256, 3), (0, 5, 4)] {
+            let x = c.rand_mid(f, rows * cols, 1, seed);
+            let bias = c.rand(f, cols, seed + 10);
+            c.dev.add_bias(x, bias)?;
+            let dy = c.rand_mid(f, rows * cols, 2, seed + 11);
+            let db = c.rand(f, cols, seed + 12);
+            c.dev.bias_grad(dy, db, false)?;
+            let db2 = c.rand(f, cols, seed + 13);
+            c.dev.bias_grad(dy, db2, true)?;
+            // RMSNorm forward and backward (finite inputs and plain ones with specials).
+            for (k, xs) in [
+                finite(rows * cols, seed + 14),
+                values(rows * cols, seed + 15, true),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let x = c.buf(f, &xs);
+                let w = c.rand(f, cols, seed + 16 + k as u64);
+                let y = c.rand(f, rows * cols, seed + 18);
+                let rstd = c.rand(f, rows, seed + 19);
+                if cols > 0 {
+                    c.dev.rms_norm(x, w, y, rstd, 1e-5)?;
+                }
+                let dy = c.buf(f, &finite(rows * cols, seed + 20));
+                let dx = c.rand(f, rows * cols, seed + 21);
+                let dw = c.buf(f, &finite(cols, seed + 22));
+                c.dev.rms_norm_backward(x, w, rstd, dy, dx, dw)?;
+            }
+            // GELU.
+            let x = c.rand_mid(f, rows * cols, 1, seed + 30);
+            let y = c.rand(f, rows * cols, seed + 31);
+            c.dev.gelu(x, y)?;
+            let dy = c.rand(f, rows * cols, seed + 32);
+            let dx = c.rand(f, rows * cols, seed + 33);
+            c.dev.gelu_backward(x, dy, dx)?;
+            // MSE.
+            let p = c.rand(f, rows * cols, seed + 40);
+            let t = c.buf(f, &finite(rows * cols, seed + 41));
+            out.push(f64::from(c.dev.mse_loss(p, t)?));
+            let dp = c.rand(f, rows * cols, seed + 42);
+            c.dev.mse_loss_backward(p, t, dp, 0.5)?;
+            // Softmax cross-entropy (classes = cols), finite and special logits.
+            let targets: Vec<f32> = (0..rows)
+                .map(|r| ((r * 7 + 3) % cols.max(1)) as f32)
+                .collect();
+            let t = c.buf(f, &targets);
+            for logits in [
+                finite(rows * cols, seed + 50),
+                values(rows * cols, seed + 51, true),
+            ] {
+                let l = c.buf(f, &logits);
+                out.push(f64::from(c.dev.softmax_cross_entropy(l, t)?));
+                let d = c.rand(f, rows * cols, seed + 52);
+                c.dev.softmax_cross_entropy_backward(l, t, d, 2.0)?;
+            }
+        }
+        // Large logits (the log-softmax path must not overflow) and an all -inf row.
+        let l = c.buf(
+            f,
+            &[1e30, -1e30, 88.0, 3.0, f32::NEG_INFINITY, f32::NEG_INFINITY],
+        );
+        let t = c.buf(f, &[0.0, 1.0]);
+        out.push(f64::from(c.dev.softmax_cross_entropy(l, t)?));
+        let d = c.rand(f, 6, 90);
+        c.dev.softmax_cross_entropy_backward(l, t, d, 1.0)?;
+        Ok(out)
+    });
+    assert!(
+        o.fallbacks.iter().all(|(op, _)| *op == "mse_loss"),
+        "{:?}",
+        o.fallbacks
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization
+
+fn mxfp8_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: u64) -> Mxfp8Views {
+    let mut pair = |data: usize, scales: usize, s: u64| {
+        (c.rand(DType::U8, data, s), c.rand(DType::U8, scales, s + 1))
+    };
+    Mxfp8Views {
+        rowwise: copies
+            .rowwise()
+            .then(|| pair(rows * cols, rows * cols.div_ceil(32), seed)),
+        columnwise: copies
+            .columnwise()
+            .then(|| pair(rows * cols, rows.div_ceil(32) * cols, seed + 2)),
+    }
+}
+
+#[test]
+fn mxfp8_kernels_match() {
+    let o = check("mxfp8 kernels", false, |c| {
+        let mut k = 0;
+        for (rows, cols) in [
+            (64, 64),
+            (37, 45),
+            (1, 1),
+            (96, 512),
+            (33, 32),
+            (40, 48),
+            (65, 264),
+        ] {
+            for copies in [Copies::Rowwise, Copies::Both] {
+                k += 10;
+                let src = c.rand(DType::Bf16, rows * cols, k);
+                let views = mxfp8_views(c, rows, cols, copies, k + 1);
+                let cfg = Mxfp8Config {
+                    copies,
+                    ..Mxfp8Config::default()
+                };
+                c.dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
+            }
+        }
+        Ok(vec![])
+    });
+    native(&o, "mxfp8 kernels");
+}
+
+#[test]
+fn mxfp8_fallback_variants_match_and_are_counted() {
+    let o = check("mxfp8 fallback", false, |c| {
+        let (rows, cols) = (40, 64);
+        let mut k = 0;
+        let mut cases: Vec<(DType, Mxfp8Config, usize)> = vec![
+            (DType::F32, Mxfp8Config::default(), 0),
+            (
+                DType::Bf16,
+                Mxfp8Config {
+                    kind: Fp8Kind::E5M2,
+                    ..Mxfp8Config::default()
+                },
+                0,
+            ),
+            (
+                DType::Bf16,
+                Mxfp8Config {
+                    copies: Copies::Columnwise,
+                    ..Mxfp8Config::default()
+                },
+                0,
+            ),
+            (
+                DType::Bf16,
+                Mxfp8Config {
+                    two_d: true,
+                    ..Mxfp8Config::default()
+                },
+                0,
+            ),
+            // A misaligned source (offset 2 bytes): the vector kernels cannot read it.
+            (DType::Bf16, Mxfp8Config::default(), 1),
+        ];
+        cases.push((
+            DType::Bf16,
+            Mxfp8Config {
+                copies: Copies::Rowwise,
+                ..Mxfp8Config::default()
+            },
+            1,
+        ));
+        for (d, cfg, offset) in cases {
+            k += 10;
+            let src = c.rand_mid(d, rows * cols, offset, k);
+            let views = mxfp8_views(c, rows, cols, cfg.copies, k + 1);
+            c.dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
+            // Dequantize what was written, both copies where present.
+            if let Some((data, scales)) = views.rowwise {
+                let dst = c.rand(DType::F32, rows * cols, k + 5);
+                c.dev
+                    .dequantize_mxfp8_rowwise(data, scales, rows, cols, cfg.kind, dst)?;
+            }
+            if let Some((data, scales)) = views.columnwise {
+                let dst = c.rand(DType::Bf16, rows * cols, k + 6);
+                c.dev
+                    .dequantize_mxfp8_columnwise(data, scales, rows, cols, cfg.kind, dst)?;
+            }
+        }
+        // NaN policy Error: the format error comes back identically, nothing written.
+        let src = c.rand(DType::Bf16, 64 * 32, 1234);
+        let views = mxfp8_views(c, 64, 32, Copies::Both, 1235);
+        let cfg = Mxfp8Config {
+            nan_policy: NanPolicy::Error,
+            ..Mxfp8Config::default()
+        };
+        let err = c.dev.quantize_mxfp8(src, 64, 32, &cfg, &views);
+        Ok(vec![f64::from(u8::from(err.is_err()))])
+    });
+    assert!(
+        o.fallbacks
+            .iter()
+            .any(|(op, n)| *op == "quantize_mxfp8" && *n >= 6),
+        "{:?}",
+        o.fallbacks
+    );
+}
+
+#[test]
+fn nvfp4_and_sharded_2d_fallbacks_match() {
+    let o = check("nvfp4", false, |c| {
+        let mut out = Vec::new();
+        let (rows, cols) = (48, 64);
+        for (k, cfg) in [
+            Nvfp4Config::default(),
+            Nvfp4Config {
+                rht: true,
+                ..Nvfp4Config::default()
+            },
+            Nvfp4Config {
+                stochastic_rounding: Some(7),
+                two_d: true,
+                ..Nvfp4Config::default()
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let src = c.buf(DType::Bf16, &finite(rows * cols, 300 + k as u64));
+            let mut pair = |data: usize, scales: usize, s: u64| {
+                (c.rand(DType::U8, data, s), c.rand(DType::U8, scales, s + 1))
+            };
+            let views = Nvfp4Views {
+                rowwise: Some(pair(rows * cols / 2, rows * cols / 16, 400 + k as u64)),
+                columnwise: Some(pair(cols * rows / 2, cols * rows / 16, 500 + k as u64)),
+            };
+            let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+            out.extend([f64::from(amax.rowwise), f64::from(amax.columnwise)]);
+            let (d, s) = views.rowwise.unwrap();
+            let dst = c.rand(DType::F32, rows * cols, 600 + k as u64);
+            c.dev
+                .dequantize_nvfp4_rowwise(d, s, amax.rowwise, rows, cols, dst)?;
+            let (d, s) = views.columnwise.unwrap();
+            let dst = c.rand(DType::F32, rows * cols, 700 + k as u64);
+            c.dev
+                .dequantize_nvfp4_columnwise(d, s, amax.columnwise, cfg.rht, rows, cols, dst)?;
+        }
+        // The sharded 2D MXFP8 path: fold tile amaxes over two shards, quantize the ranges,
+        // write the scales.
+        let (rows, cols) = (64, 96);
+        let x = c.buf(DType::F32, &finite(rows * cols, 800));
+        let tiles = c.buf(
+            DType::F32,
+            &vec![0.0; lowbit_device::mxfp8_tile_count(rows, cols)],
+        );
+        let half = rows * cols / 2;
+        let (s0, s1) = x.split_at(half)?;
+        c.dev.mxfp8_fold_tile_amax_2d(s0, 0, cols, tiles)?;
+        c.dev.mxfp8_fold_tile_amax_2d(s1, half, cols, tiles)?;
+        let q = c.rand(DType::U8, rows * cols, 801);
+        let (q0, q1) = q.split_at(half)?;
+        c.dev
+            .mxfp8_quantize_2d_range(s0, 0, cols, Fp8Kind::E4M3, tiles, q0)?;
+        c.dev
+            .mxfp8_quantize_2d_range(s1, half, cols, Fp8Kind::E4M3, tiles, q1)?;
+        let rs = c.rand(DType::U8, rows * cols / 32, 802);
+        let cs = c.rand(DType::U8, rows * cols / 32, 803);
+        c.dev
+            .mxfp8_scales_2d(rows, cols, Fp8Kind::E4M3, tiles, rs, cs)?;
+        Ok(out)
+    });
+    assert!(!o.fallbacks.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bookkeeping
+
+#[test]
+fn fallback_list_names_the_fallback_ops() {
+    let list = Device::host_fallback_ops();
+    for op in ["sum_squares", "mse_loss", "quantize_nvfp4"] {
+        assert!(list.iter().any(|l| l.starts_with(op)), "{op} not listed");
+    }
+    for op in ["adamw", "matmul", "cast", "fill", "gelu", "rms_norm"] {
+        assert!(!list.contains(&op), "{op} has a kernel but is listed");
+    }
+}
+
+#[test]
+fn allocated_bytes_and_synchronize() {
+    let mut g = gpu();
+    let base = g.allocated_bytes();
+    let a = g.alloc(DType::F32, 1000);
+    let b = g.alloc(DType::U8, 0);
+    assert_eq!(g.allocated_bytes(), base + 4000);
+    assert_eq!(g.download::<f32>(a).unwrap(), vec![0.0; 1000]);
+    g.free(a).unwrap();
+    g.free(b).unwrap();
+    assert_eq!(g.allocated_bytes(), base);
+    g.synchronize().unwrap();
+    Device::cpu().synchronize().unwrap();
+}

@@ -1,0 +1,384 @@
+// Element-wise, optimizer, matmul, reduction and model kernels of lowbit-device's CUDA backend,
+// bit-exact with its CPU backend (the oracle).
+//
+// Arithmetic contract (crates/lowbit-device/src/lib.rs, "Arithmetic contract"):
+// - f32 arithmetic one IEEE operation at a time through the _rn intrinsics (__fmul_rn,
+//   __fadd_rn, __fsub_rn, __fdiv_rn, __fsqrt_rn), which the compiler never contracts into FMA;
+// - conversions between f32, bf16 and f16 are integer code that reproduces the `half` crate
+//   (round to nearest even, NaN payloads kept with the quiet bit set), not cvt instructions,
+//   whose NaN results are canonical;
+// - tanh, exp and ln are evaluated in double and rounded to f32, as the CPU does;
+// - reductions whose order the CPU fixes (sums) run in that order in one thread; max-style
+//   reductions, which are order-independent, run in parallel.
+// Views are passed as raw byte addresses; element offsets are aligned to the element size
+// (the host checks). Dtype codes: 0 = f32, 1 = bf16, 2 = f16.
+
+#include <stdint.h>
+
+typedef unsigned long long u64;
+
+// ---- conversions (the `half` crate's, bit for bit) ----
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
+    uint32_t x = __float_as_uint(v);
+    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    uint32_t nan = (x >> 16) | 0x40u;
+    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t b) {
+    return __uint_as_float(((uint32_t)b) << 16);
+}
+
+// half::f16::from_f32 (software fallback; identical to F16C's vcvtps2ph with RNE).
+__device__ __forceinline__ uint16_t f32_to_f16_bits(float value) {
+    uint32_t x = __float_as_uint(value);
+    uint32_t sign = x & 0x80000000u;
+    uint32_t exp = x & 0x7F800000u;
+    uint32_t man = x & 0x007FFFFFu;
+    if (exp == 0x7F800000u) {
+        uint32_t nan_bit = man == 0 ? 0u : 0x0200u;
+        return (uint16_t)((sign >> 16) | 0x7C00u | nan_bit | (man >> 13));
+    }
+    uint32_t half_sign = sign >> 16;
+    int unbiased_exp = (int)(exp >> 23) - 127;
+    int half_exp = unbiased_exp + 15;
+    if (half_exp >= 0x1F) return (uint16_t)(half_sign | 0x7C00u);
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) return (uint16_t)half_sign;
+        uint32_t m = man | 0x00800000u;
+        uint32_t half_man = m >> (14 - half_exp);
+        uint32_t round_bit = 1u << (13 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3u * round_bit - 1u)) != 0) half_man += 1;
+        return (uint16_t)(half_sign | half_man);
+    }
+    uint32_t he = ((uint32_t)half_exp) << 10;
+    uint32_t half_man = man >> 13;
+    uint32_t round_bit = 0x00001000u;
+    if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0)
+        return (uint16_t)((half_sign | he | half_man) + 1u);
+    return (uint16_t)(half_sign | he | half_man);
+}
+
+// half::f16::to_f32 (exact; NaN keeps its payload with the quiet bit set).
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t i) {
+    if ((i & 0x7FFFu) == 0) return __uint_as_float(((uint32_t)i) << 16);
+    uint32_t half_sign = (uint32_t)(i & 0x8000u);
+    uint32_t half_exp = (uint32_t)(i & 0x7C00u);
+    uint32_t half_man = (uint32_t)(i & 0x03FFu);
+    if (half_exp == 0x7C00u) {
+        if (half_man == 0) return __uint_as_float((half_sign << 16) | 0x7F800000u);
+        return __uint_as_float((half_sign << 16) | 0x7FC00000u | (half_man << 13));
+    }
+    uint32_t sign = half_sign << 16;
+    int unbiased_exp = ((int)half_exp >> 10) - 15;
+    if (half_exp == 0) {
+        int e = __clz(half_man) - 16 - 6;
+        uint32_t ex = (uint32_t)(127 - 15 - e) << 23;
+        uint32_t m = (half_man << (14 + e)) & 0x7FFFFFu;
+        return __uint_as_float(sign | ex | m);
+    }
+    uint32_t ex = ((uint32_t)(unbiased_exp + 127)) << 23;
+    uint32_t m = half_man << 13;
+    return __uint_as_float(sign | ex | m);
+}
+
+__device__ __forceinline__ float load(const uint8_t* __restrict__ p, uint32_t dt, u64 i) {
+    if (dt == 0) return reinterpret_cast<const float*>(p)[i];
+    uint16_t b = reinterpret_cast<const uint16_t*>(p)[i];
+    return dt == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
+}
+
+__device__ __forceinline__ void store(uint8_t* __restrict__ p, uint32_t dt, u64 i, float v) {
+    if (dt == 0) {
+        reinterpret_cast<float*>(p)[i] = v;
+    } else {
+        reinterpret_cast<uint16_t*>(p)[i] = dt == 1 ? f32_to_bf16_bits(v) : f32_to_f16_bits(v);
+    }
+}
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// ---- element-wise ----
+
+extern "C" __global__ void fill_u16(uint16_t* __restrict__ y, u64 n, uint32_t pattern) {
+    GRID_STRIDE(i, n) y[i] = (uint16_t)pattern;
+}
+
+extern "C" __global__ void fill_u32(uint32_t* __restrict__ y, u64 n, uint32_t pattern) {
+    GRID_STRIDE(i, n) y[i] = pattern;
+}
+
+// dst <- src converted (exact widening, RNE narrowing).
+extern "C" __global__ void cast(const uint8_t* __restrict__ x, uint32_t xd, uint8_t* __restrict__ y,
+                                uint32_t yd, u64 n) {
+    GRID_STRIDE(i, n) store(y, yd, i, load(x, xd, i));
+}
+
+// y <- alpha * y.
+extern "C" __global__ void scale(uint8_t* __restrict__ y, uint32_t yd, u64 n, float alpha) {
+    GRID_STRIDE(i, n) store(y, yd, i, __fmul_rn(alpha, load(y, yd, i)));
+}
+
+// y <- y + alpha * x (alpha_is_one: y + x, the exact `add`).
+extern "C" __global__ void axpy(const uint8_t* __restrict__ x, uint32_t xd, uint8_t* __restrict__ y,
+                                uint32_t yd, u64 n, float alpha, uint32_t alpha_is_one) {
+    GRID_STRIDE(i, n) {
+        float xv = load(x, xd, i);
+        float t = alpha_is_one ? xv : __fmul_rn(alpha, xv);
+        store(y, yd, i, __fadd_rn(load(y, yd, i), t));
+    }
+}
+
+// ---- reductions ----
+
+// out[0] <- max over |x| bit patterns with NaN as 0 (order-independent, so parallel).
+extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
+                                        uint32_t* __restrict__ out) {
+    uint32_t m = 0;
+    GRID_STRIDE(i, n) {
+        uint32_t a = __float_as_uint(load(x, xd, i)) & 0x7FFFFFFFu;
+        a = a > 0x7F800000u ? 0u : a;
+        m = a > m ? a : m;
+    }
+    for (int off = 16; off > 0; off /= 2) {
+        uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, m, off);
+        m = o > m ? o : m;
+    }
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
+}
+
+// out[0] <- 1 if any element is NaN or infinite.
+extern "C" __global__ void any_non_finite(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
+                                          uint32_t* __restrict__ out) {
+    uint32_t f = 0;
+    GRID_STRIDE(i, n) {
+        uint32_t a = __float_as_uint(load(x, xd, i)) & 0x7FFFFFFFu;
+        f |= a >= 0x7F800000u ? 1u : 0u;
+    }
+    if (__any_sync(0xFFFFFFFFu, f) && (threadIdx.x & 31) == 0) atomicOr(out, 1u);
+}
+
+// ---- optimizers ----
+
+// One AdamW step per element (ops/optim.rs, operation for operation). out_dtype 3 = no output.
+extern "C" __global__ void adamw(float* __restrict__ p, const uint8_t* __restrict__ g, uint32_t gd,
+                                 float* __restrict__ m, float* __restrict__ v,
+                                 uint8_t* __restrict__ out, uint32_t od, u64 n, float decay,
+                                 float w, float one_minus_w, float beta2, float c2,
+                                 float neg_step_size, float bc2_sqrt, float eps, uint32_t small) {
+    GRID_STRIDE(i, n) {
+        float gi = load(g, gd, i);
+        float pi = __fmul_rn(p[i], decay);
+        float mi = m[i];
+        float d = __fsub_rn(gi, mi);
+        mi = small ? __fadd_rn(mi, __fmul_rn(w, d)) : __fsub_rn(gi, __fmul_rn(d, one_minus_w));
+        float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(c2, gi), gi));
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (od != 3) store(out, od, i, pi);
+    }
+}
+
+// One SGD-with-momentum step per element (ops/optim.rs).
+extern "C" __global__ void sgd_momentum(float* __restrict__ p, const uint8_t* __restrict__ g,
+                                        uint32_t gd, float* __restrict__ buf, u64 n, float wd,
+                                        float mom, float neg_lr, uint32_t first_step) {
+    GRID_STRIDE(i, n) {
+        float pi = p[i];
+        float gi = load(g, gd, i);
+        if (wd != 0.0f) gi = __fadd_rn(gi, __fmul_rn(wd, pi));
+        float b;
+        if (mom == 0.0f) {
+            b = gi;
+        } else {
+            b = first_step ? gi : __fadd_rn(__fmul_rn(buf[i], mom), gi);
+            buf[i] = b;
+        }
+        p[i] = __fadd_rn(pi, __fmul_rn(neg_lr, b));
+    }
+}
+
+// ---- matmul ----
+
+// C[m, n] (+)= op(A)[m, k] . op(B)[k, n]: one thread per element of C, k summed in index order
+// from +0 with every product rounded (the CPU's order). grid.x covers n, grid.y strides m.
+extern "C" __global__ void matmul(const uint8_t* __restrict__ a, uint32_t ad,
+                                  const uint8_t* __restrict__ b, uint32_t bd,
+                                  float* __restrict__ c, u64 m, u64 n, u64 k, uint32_t trans_a,
+                                  uint32_t trans_b, uint32_t accumulate) {
+    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    for (u64 i = blockIdx.y; i < m; i += gridDim.y) {
+        float s = 0.0f;
+        for (u64 kk = 0; kk < k; ++kk) {
+            float av = load(a, ad, trans_a ? kk * m + i : i * k + kk);
+            float bv = load(b, bd, trans_b ? j * k + kk : kk * n + j);
+            s = __fadd_rn(s, __fmul_rn(av, bv));
+        }
+        if (accumulate) s = __fadd_rn(s, c[i * n + j]);
+        c[i * n + j] = s;
+    }
+}
+
+// ---- model ops (f32, row-major [rows, cols]) ----
+
+// x[r, c] <- x[r, c] + bias[c].
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, u64 n,
+                                    u64 cols) {
+    GRID_STRIDE(i, n) x[i] = __fadd_rn(x[i], bias[i % cols]);
+}
+
+// s[c] = sum over rows in order from +0; dbias <- s (+ dbias when accumulating).
+extern "C" __global__ void bias_grad(const float* __restrict__ dy, float* __restrict__ dbias,
+                                     u64 rows, u64 cols, uint32_t accumulate) {
+    GRID_STRIDE(c, cols) {
+        float s = 0.0f;
+        for (u64 r = 0; r < rows; ++r) s = __fadd_rn(s, dy[r * cols + c]);
+        if (accumulate) s = __fadd_rn(s, dbias[c]);
+        dbias[c] = s;
+    }
+}
+
+// rstd[r] = 1 / sqrt(ss / cols + eps), ss = sum x^2 in index order (one thread per row).
+extern "C" __global__ void rms_norm_rstd(const float* __restrict__ x, float* __restrict__ rstd,
+                                         u64 rows, u64 cols, float eps) {
+    GRID_STRIDE(r, rows) {
+        const float* xr = x + r * cols;
+        float ss = 0.0f;
+        for (u64 j = 0; j < cols; ++j) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
+        rstd[r] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)cols), eps)));
+    }
+}
+
+// y = (x * rstd[row]) * weight[col].
+extern "C" __global__ void rms_norm_apply(const float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ rstd, float* __restrict__ y,
+                                          u64 n, u64 cols) {
+    GRID_STRIDE(i, n) y[i] = __fmul_rn(__fmul_rn(x[i], rstd[i / cols]), w[i % cols]);
+}
+
+// mean[r] = (sum_j g_j * xhat_j in index order) / cols, g = dy * w, xhat = x * rstd.
+extern "C" __global__ void rms_norm_bwd_mean(const float* __restrict__ x,
+                                             const float* __restrict__ w,
+                                             const float* __restrict__ rstd,
+                                             const float* __restrict__ dy,
+                                             float* __restrict__ mean, u64 rows, u64 cols) {
+    GRID_STRIDE(r, rows) {
+        float rs = rstd[r];
+        float dot = 0.0f;
+        for (u64 j = 0; j < cols; ++j) {
+            float xh = __fmul_rn(x[r * cols + j], rs);
+            float g = __fmul_rn(dy[r * cols + j], w[j]);
+            dot = __fadd_rn(dot, __fmul_rn(g, xh));
+        }
+        mean[r] = __fdiv_rn(dot, (float)cols);
+    }
+}
+
+// dx = rstd * (g - xhat * mean).
+extern "C" __global__ void rms_norm_bwd_dx(const float* __restrict__ x, const float* __restrict__ w,
+                                           const float* __restrict__ rstd,
+                                           const float* __restrict__ dy,
+                                           const float* __restrict__ mean, float* __restrict__ dx,
+                                           u64 n, u64 cols) {
+    GRID_STRIDE(i, n) {
+        u64 r = i / cols;
+        float rs = rstd[r];
+        float xh = __fmul_rn(x[i], rs);
+        float g = __fmul_rn(dy[i], w[i % cols]);
+        dx[i] = __fmul_rn(rs, __fsub_rn(g, __fmul_rn(xh, mean[r])));
+    }
+}
+
+// dweight[c] <- (sum over rows in order of dy * xhat, from +0) + dweight[c].
+extern "C" __global__ void rms_norm_bwd_dw(const float* __restrict__ x,
+                                           const float* __restrict__ rstd,
+                                           const float* __restrict__ dy, float* __restrict__ dw,
+                                           u64 rows, u64 cols) {
+    GRID_STRIDE(c, cols) {
+        float s = 0.0f;
+        for (u64 r = 0; r < rows; ++r) {
+            float xh = __fmul_rn(x[r * cols + c], rstd[r]);
+            s = __fadd_rn(s, __fmul_rn(dy[r * cols + c], xh));
+        }
+        dw[c] = __fadd_rn(s, dw[c]);
+    }
+}
+
+__device__ __forceinline__ float tanh32(float x) { return (float)tanh((double)x); }
+__device__ __forceinline__ float exp32(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float ln32(float x) { return (float)log((double)x); }
+
+// y = 0.5 x (1 + tanh(beta (x + kappa (x x) x))).
+extern "C" __global__ void gelu(const float* __restrict__ x, float* __restrict__ y, u64 n,
+                                float beta, float kappa) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float inner = __fmul_rn(beta, __fadd_rn(v, __fmul_rn(kappa, __fmul_rn(__fmul_rn(v, v), v))));
+        y[i] = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, tanh32(inner)));
+    }
+}
+
+// dx = dy (0.5 (1 + t) + (0.5 x)(1 - t t)(beta (1 + (3 kappa) x^2))).
+extern "C" __global__ void gelu_backward(const float* __restrict__ x, const float* __restrict__ dy,
+                                         float* __restrict__ dx, u64 n, float beta, float kappa) {
+    float three_kappa = __fmul_rn(3.0f, kappa);
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float x_sq = __fmul_rn(v, v);
+        float inner = __fmul_rn(beta, __fadd_rn(v, __fmul_rn(kappa, __fmul_rn(x_sq, v))));
+        float t = tanh32(inner);
+        float left = __fmul_rn(0.5f, v);
+        float right = __fadd_rn(1.0f, t);
+        float left_d = __fmul_rn(0.5f, right);
+        float right_d = __fmul_rn(__fmul_rn(left, __fsub_rn(1.0f, __fmul_rn(t, t))),
+                                  __fmul_rn(beta, __fadd_rn(1.0f, __fmul_rn(three_kappa, x_sq))));
+        dx[i] = __fmul_rn(dy[i], __fadd_rn(left_d, right_d));
+    }
+}
+
+// dpred = c (pred - target).
+extern "C" __global__ void mse_backward(const float* __restrict__ p, const float* __restrict__ t,
+                                        float* __restrict__ d, u64 n, float c) {
+    GRID_STRIDE(i, n) d[i] = __fmul_rn(c, __fsub_rn(p[i], t[i]));
+}
+
+// Per row: mx = max x (NaN ignored, from -inf), s = sum exp(x - mx) in index order; stats[2r] =
+// mx, stats[2r+1] = s; loss[r] = -((x_target - mx) - ln s) when loss is not null.
+extern "C" __global__ void softmax_row_stats(const float* __restrict__ x,
+                                             const float* __restrict__ targets,
+                                             float* __restrict__ stats, float* __restrict__ loss,
+                                             u64 rows, u64 classes) {
+    GRID_STRIDE(r, rows) {
+        const float* xr = x + r * classes;
+        float mx = __uint_as_float(0xFF800000u);
+        for (u64 j = 0; j < classes; ++j) mx = fmaxf(mx, xr[j]);
+        float s = 0.0f;
+        for (u64 j = 0; j < classes; ++j) s = __fadd_rn(s, exp32(__fsub_rn(xr[j], mx)));
+        stats[2 * r] = mx;
+        stats[2 * r + 1] = s;
+        if (loss != nullptr) {
+            u64 t = (u64)targets[r];
+            loss[r] = -__fsub_rn(__fsub_rn(xr[t], mx), ln32(s));
+        }
+    }
+}
+
+// dlogits = c (exp(x - mx) / s - [j == target]).
+extern "C" __global__ void softmax_xent_backward(const float* __restrict__ x,
+                                                 const float* __restrict__ targets,
+                                                 const float* __restrict__ stats,
+                                                 float* __restrict__ d, u64 n, u64 classes,
+                                                 float c) {
+    GRID_STRIDE(i, n) {
+        u64 r = i / classes, j = i % classes;
+        float e = exp32(__fsub_rn(x[i], stats[2 * r]));
+        float onehot = j == (u64)targets[r] ? 1.0f : 0.0f;
+        d[i] = __fmul_rn(c, __fsub_rn(__fdiv_rn(e, stats[2 * r + 1]), onehot));
+    }
+}
