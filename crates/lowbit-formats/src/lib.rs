@@ -31,6 +31,7 @@
 //! torchao's FLOOR scale mode; bit-exact reproduction of TE's Philox stream for stochastic rounding
 //! (tested statistically, as TE itself does).
 
+mod alloc;
 pub mod hadamard;
 pub mod layout;
 pub mod mxfp8;

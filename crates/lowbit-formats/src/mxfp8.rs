@@ -128,7 +128,7 @@ fn reuse_plane(slot: &mut Option<QuantPlane>, want: bool, shapes: [[usize; 2]; 2
     {
         let [d, s] = shapes;
         *slot = Some(QuantPlane {
-            data: vec![0; d[0] * d[1]],
+            data: crate::alloc::zeroed(d[0] * d[1]),
             data_shape: d,
             scales: vec![0; s[0] * s[1]],
             scale_shape: s,

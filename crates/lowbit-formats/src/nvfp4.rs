@@ -323,7 +323,7 @@ fn quantize_rows<E: Element>(
 ) -> QuantPlane {
     let (rb, nb) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
     let mut plane = QuantPlane {
-        data: vec![0; rows * rb],
+        data: crate::alloc::zeroed(rows * rb),
         data_shape: [rows, rb],
         scales: vec![0; rows * nb],
         scale_shape: [rows, nb],
@@ -680,7 +680,7 @@ fn quantize_cols_direct<E: Element>(
 ) -> QuantPlane {
     let (rb, nbr) = (rows / 2, rows / BLOCK);
     let mut plane = QuantPlane {
-        data: vec![0; cols * rb],
+        data: crate::alloc::zeroed(cols * rb),
         data_shape: [cols, rb],
         scales: vec![0; cols * nbr],
         scale_shape: [cols, nbr],
