@@ -97,6 +97,9 @@ __device__ __forceinline__ void store(uint8_t* __restrict__ p, uint32_t dt, u64 
     }
 }
 
+// Elements of a dtype in 16 bytes.
+__device__ __forceinline__ u64 dt_elems_per_16(uint32_t dt) { return dt == 0 ? 4 : 8; }
+
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
@@ -133,20 +136,47 @@ extern "C" __global__ void axpy(const uint8_t* __restrict__ x, uint32_t xd, uint
 
 // ---- reductions ----
 
-// out[0] <- max over |x| bit patterns with NaN as 0 (order-independent, so parallel).
+// out[0] <- max over |x| bit patterns with NaN as 0 (order-independent, so parallel). With `vec`
+// (a 16-byte aligned view), whole 16-byte chunks are read with vector loads and the tail element
+// by element. One atomic per block.
+__device__ __forceinline__ uint32_t amax_bits_of(float v) {
+    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return a > 0x7F800000u ? 0u : a;
+}
+
 extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
-                                        uint32_t* __restrict__ out) {
+                                        uint32_t* __restrict__ out, uint32_t vec) {
+    __shared__ uint32_t warp_max[32];
     uint32_t m = 0;
-    GRID_STRIDE(i, n) {
-        uint32_t a = __float_as_uint(load(x, xd, i)) & 0x7FFFFFFFu;
-        a = a > 0x7F800000u ? 0u : a;
-        m = a > m ? a : m;
+    u64 done = 0;
+    if (vec) {
+        u64 per = dt_elems_per_16(xd);
+        u64 chunks = n / per;
+        GRID_STRIDE(i, chunks) {
+            uint4 raw = reinterpret_cast<const uint4*>(x)[i];
+            if (xd == 0) {
+                const float* f = reinterpret_cast<const float*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) m = max(m, amax_bits_of(f[j]));
+            } else {
+                const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    m = max(m, amax_bits_of(xd == 1 ? bf16_bits_to_f32(h[j]) : f16_bits_to_f32(h[j])));
+            }
+        }
+        done = chunks * per;
     }
-    for (int off = 16; off > 0; off /= 2) {
-        uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, m, off);
-        m = o > m ? o : m;
+    for (u64 i = done + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        m = max(m, amax_bits_of(load(x, xd, i)));
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (unsigned w = 1; w < blockDim.x / 32; ++w) m = max(m, warp_max[w]);
+        if (m != 0) atomicMax(out, m);
     }
-    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
 }
 
 // out[0] <- 1 if any element is NaN or infinite.
@@ -380,5 +410,199 @@ extern "C" __global__ void softmax_xent_backward(const float* __restrict__ x,
         float e = exp32(__fsub_rn(x[i], stats[2 * r]));
         float onehot = j == (u64)targets[r] ? 1.0f : 0.0f;
         d[i] = __fmul_rn(c, __fsub_rn(__fdiv_rn(e, stats[2 * r + 1]), onehot));
+    }
+}
+
+// ---- quantization formats (lowbit_formats::scalar, bit for bit) ----
+
+// Round-to-nearest-even magnitude code of fp32 bits `a` in a format with `mbits` mantissa bits
+// and exponent bias `bias` (lowbit_formats::scalar::rne_magnitude): normal results by integer
+// rounding of the bits, subnormal results by letting the fp32 adder round.
+__device__ __forceinline__ uint32_t rne_magnitude(uint32_t a, uint32_t mbits, uint32_t bias) {
+    uint32_t shift = 23 - mbits;
+    uint32_t min_normal_bits = (127 - bias + 1) << 23;
+    uint32_t odd = (a >> shift) & 1u;
+    uint32_t normal = ((a + (1u << (shift - 1)) - 1u + odd) >> shift) - ((127 - bias) << mbits);
+    float magic = __uint_as_float((127 + 24 - bias - mbits) << 23);
+    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(a), magic)) - __float_as_uint(magic);
+    return a >= min_normal_bits ? normal : sub;
+}
+
+// fp32 -> E4M3 (saturating, NaN -> 0x7F): the NVFP4 block-scale encoder.
+__device__ __forceinline__ uint32_t e4m3_code(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t code = rne_magnitude(a < 0x44000000u ? a : 0x44000000u, 3, 7);
+    code = code < 0x7Eu ? code : 0x7Eu;
+    return a > 0x7F800000u ? 0x7Fu : (code | sign);
+}
+
+// fp32 -> E2M1 nibble (saturating to 6, NaN -> +6, -0 -> 0x8).
+__device__ __forceinline__ uint32_t e2m1_code(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 28) & 0x8u;
+    uint32_t code = rne_magnitude(a < 0x41000000u ? a : 0x41000000u, 1, 1);
+    code = code < 7u ? code : 7u;
+    return a > 0x7F800000u ? 7u : (code | sign);
+}
+
+__device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
+    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return a > 0x7F800000u ? 0u : a;
+}
+
+// NVFP4 rowwise copy, 1x16 blocks, round to nearest: one thread per block (r, kb). `rcp` is the
+// per-tensor table min(1 / (float(sf) * S_dec), FLT_MAX) and `k` = fl32(S_enc * fl32(1/6)),
+// both computed on the host from the global amax. data: rows x ceil(cols/2) bytes (element 2j
+// in the low nibble; an odd tail leaves the last high nibble 0); scales: rows x ceil(cols/16).
+// `vec` (host-checked): bf16 input, cols % 16 == 0, x 16-byte and data 8-byte aligned: each
+// block is two 16-byte loads and one 8-byte store.
+extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, uint32_t xd,
+                                               uint8_t* __restrict__ data,
+                                               uint8_t* __restrict__ scales,
+                                               const float* __restrict__ rcp, float k, u64 rows,
+                                               u64 cols, uint32_t vec) {
+    u64 nb = (cols + 15) / 16, rb = (cols + 1) / 2;
+    GRID_STRIDE(blk, rows * nb) {
+        u64 r = blk / nb, kb = blk % nb;
+        u64 c0 = kb * 16;
+        u64 len = cols - c0 < 16 ? cols - c0 : 16;
+        float f[16];
+        uint32_t amax = 0;
+        if (vec) {
+            const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + c0));
+            uint4 raw[2] = {src[0], src[1]};
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(raw);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) f[i] = bf16_bits_to_f32(h[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) f[i] = (u64)i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            uint32_t a = abs_bits_nan_zero(f[i]);
+            amax = a > amax ? a : amax;
+        }
+        uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+        float m = rcp[sf];
+        scales[r * nb + kb] = (uint8_t)sf;
+        uint8_t* out = data + r * rb + kb * 8;
+        if (vec) {
+            unsigned long long packed = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                uint32_t lo = e2m1_code(__fmul_rn(f[2 * j], m));
+                uint32_t hi = e2m1_code(__fmul_rn(f[2 * j + 1], m));
+                packed |= (unsigned long long)(lo | (hi << 4)) << (8 * j);
+            }
+            *reinterpret_cast<unsigned long long*>(out) = packed;
+            continue;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if ((u64)(2 * j) >= len) break;
+            uint32_t lo = e2m1_code(__fmul_rn(f[2 * j], m));
+            uint32_t hi = (u64)(2 * j + 1) < len ? e2m1_code(__fmul_rn(f[2 * j + 1], m)) : 0u;
+            out[j] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+}
+
+// NVFP4 columnwise copy straight from X (rows % 16 == 0): the 1x16 blocks of the transpose are
+// 16 consecutive rows of a column. One thread per (column, group of `per` row blocks);
+// consecutive threads take consecutive columns, so the loads coalesce, and each thread writes
+// `per` consecutive 8-byte codes of its column's output row (8-byte stores when `vec`: data
+// 8-byte aligned). data: cols x rows/2, scales: cols x rows/16.
+extern "C" __global__ void nvfp4_quantize_cols(const uint8_t* __restrict__ x, uint32_t xd,
+                                               uint8_t* __restrict__ data,
+                                               uint8_t* __restrict__ scales,
+                                               const float* __restrict__ rcp, float k, u64 rows,
+                                               u64 cols, uint32_t per, uint32_t vec) {
+    u64 nbr = rows / 16, rb = rows / 2;
+    u64 groups = nbr / per;
+    GRID_STRIDE(item, groups * cols) {
+        u64 g = item / cols, c = item % cols;
+        for (u64 b = g * per; b < (g + 1) * per; ++b) {
+            float f[16];
+            uint32_t amax = 0;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                f[i] = load(x, xd, (b * 16 + i) * cols + c);
+                uint32_t a = abs_bits_nan_zero(f[i]);
+                amax = a > amax ? a : amax;
+            }
+            uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+            float m = rcp[sf];
+            scales[c * nbr + b] = (uint8_t)sf;
+            unsigned long long packed = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                uint32_t lo = e2m1_code(__fmul_rn(f[2 * j], m));
+                uint32_t hi = e2m1_code(__fmul_rn(f[2 * j + 1], m));
+                packed |= (unsigned long long)(lo | (hi << 4)) << (8 * j);
+            }
+            uint8_t* out = data + c * rb + b * 8;
+            if (vec) {
+                *reinterpret_cast<unsigned long long*>(out) = packed;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(packed >> (8 * j));
+            }
+        }
+    }
+}
+
+// x86's product of two floats where NaN is involved (mulss returns its first operand's NaN,
+// else the second's, and makes the negative default NaN 0xFFC00000 for 0 * Inf), so that
+// dequantized NaNs keep the CPU's payloads on the x86 hosts the GPUs sit in. (The contract only
+// promises NaN-ness; this keeps the bytes equal where it is cheap.)
+__device__ __forceinline__ float mul_x86_nan(float a, float b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    float p = __fmul_rn(a, b);
+    return p != p ? __uint_as_float(0xFFC00000u) : p;
+}
+
+// MXFP8 dequantization: dst[r, c] = decode(q) * 2^(e - 127) rounded to dst's dtype. `table` is
+// the 256 fp32 values of the element kind (from the host). Rowwise scales: rows x ceil(cols/32);
+// columnwise: ceil(rows/32) x cols.
+extern "C" __global__ void mxfp8_dequantize(const uint8_t* __restrict__ q,
+                                            const uint8_t* __restrict__ scales,
+                                            const float* __restrict__ table,
+                                            uint8_t* __restrict__ dst, uint32_t dd, u64 rows,
+                                            u64 cols, uint32_t columnwise) {
+    u64 nb = (cols + 31) / 32;
+    GRID_STRIDE(i, rows * cols) {
+        u64 r = i / cols, c = i % cols;
+        uint8_t e = columnwise ? scales[(r / 32) * cols + c] : scales[r * nb + c / 32];
+        float s = e == 0 ? __uint_as_float(0x00400000u)
+                         : (e == 0xFF ? __uint_as_float(0x7FC00000u) : __uint_as_float((uint32_t)e << 23));
+        store(dst, dd, i, mul_x86_nan(table[q[i]], s));
+    }
+}
+
+// NVFP4 dequantization of one plane stored [prows, pcols] (rowwise: the matrix itself;
+// columnwise: its transpose): value = q * ((float(sf) * amax) * factor_inv), TE's order, written
+// to dst[r, c] of the original [rows, cols] matrix. `table` holds the 256 E4M3 values.
+extern "C" __global__ void nvfp4_dequantize(const uint8_t* __restrict__ q,
+                                            const uint8_t* __restrict__ scales,
+                                            const float* __restrict__ table,
+                                            uint8_t* __restrict__ dst, uint32_t dd, u64 rows,
+                                            u64 cols, float amax, float factor_inv,
+                                            uint32_t columnwise) {
+    const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    u64 pcols = columnwise ? rows : cols;
+    u64 rb = (pcols + 1) / 2, nb = (pcols + 15) / 16;
+    GRID_STRIDE(i, rows * cols) {
+        u64 r = i / cols, c = i % cols;
+        u64 pr = columnwise ? c : r, pc = columnwise ? r : c;
+        uint8_t byte = q[pr * rb + pc / 2];
+        float v = e2m1[(pc % 2 == 0 ? byte : byte >> 4) & 0xF];
+        float fs = mul_x86_nan(mul_x86_nan(table[scales[pr * nb + pc / 16]], amax), factor_inv);
+        store(dst, dd, i, mul_x86_nan(v, fs));
     }
 }

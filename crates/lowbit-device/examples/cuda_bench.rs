@@ -10,7 +10,7 @@
 //! Times are medians of CUDA-event timings on the device's stream after warm-up. Prints one
 //! line per measurement and `JSON {...}` lines for machines.
 
-use lowbit_device::{AdamW, DType, Device, Mxfp8Config, Mxfp8Views, bf16};
+use lowbit_device::{AdamW, DType, Device, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, bf16};
 use lowbit_formats::Copies;
 
 /// Median seconds of `reps` runs of `f`, timed with events on the device's stream.
@@ -101,7 +101,9 @@ fn main() {
             )
         }),
     };
-    for copies in [Copies::Rowwise, Copies::Both] {
+    for (copies, version) in [(Copies::Rowwise, 1), (Copies::Both, 1), (Copies::Both, 2)] {
+        dev.set_cuda_kernel_variant("mxfp8_both", version)
+            .expect("variant");
         let out = views(&mut dev, copies);
         let cfg = Mxfp8Config {
             copies,
@@ -114,8 +116,10 @@ fn main() {
         let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
         let bytes = elems as f64 * (2.0 + copies_n * per_copy);
         report(
-            if copies == Copies::Both {
-                "mxfp8 rowwise+columnwise 16384x16384"
+            if copies == Copies::Both && version == 2 {
+                "mxfp8 rowwise+columnwise 16384x16384 (kernel v2)"
+            } else if copies == Copies::Both {
+                "mxfp8 rowwise+columnwise 16384x16384 (kernel v1)"
             } else {
                 "mxfp8 rowwise 16384x16384"
             },
@@ -124,6 +128,48 @@ fn main() {
             copy_bw,
         );
         for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+            dev.free(a).expect("free");
+            dev.free(b).expect("free");
+        }
+    }
+    // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
+    // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
+    // and writes 0.5 + 1/16 B/element per copy.
+    for copies in [Copies::Rowwise, Copies::Both] {
+        let nv = Nvfp4Views {
+            rowwise: copies.rowwise().then(|| {
+                (
+                    dev.alloc(DType::U8, elems / 2),
+                    dev.alloc(DType::U8, elems / 16),
+                )
+            }),
+            columnwise: copies.columnwise().then(|| {
+                (
+                    dev.alloc(DType::U8, elems / 2),
+                    dev.alloc(DType::U8, elems / 16),
+                )
+            }),
+        };
+        let cfg = Nvfp4Config {
+            copies,
+            ..Nvfp4Config::default()
+        };
+        let t = timed(&mut dev, 30, |d| {
+            d.quantize_nvfp4(x, n, n, &cfg, &nv).expect("nvfp4");
+        });
+        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+        let bytes = elems as f64 * (4.0 + copies_n * (0.5 + 1.0 / 16.0));
+        report(
+            if copies == Copies::Both {
+                "nvfp4 rowwise+columnwise with amax 16384x16384"
+            } else {
+                "nvfp4 rowwise with amax 16384x16384"
+            },
+            t,
+            bytes,
+            copy_bw,
+        );
+        for (a, b) in [nv.rowwise, nv.columnwise].into_iter().flatten() {
             dev.free(a).expect("free");
             dev.free(b).expect("free");
         }

@@ -77,6 +77,9 @@ pub(crate) struct CudaDevice {
     modules: Vec<Module>,
     functions: BTreeMap<&'static str, Function>,
     fallbacks: BTreeMap<&'static str, u64>,
+    /// Which kernel runs MXFP8 rowwise + columnwise: version 2 (register tile, the default:
+    /// 0.57x copy bandwidth against version 1's 0.40x on an H200) or 1.
+    mxfp8_both_v2: bool,
 }
 
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
@@ -113,6 +116,7 @@ impl CudaDevice {
             modules: Vec::new(),
             functions: BTreeMap::new(),
             fallbacks: BTreeMap::new(),
+            mxfp8_both_v2: true,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -333,6 +337,19 @@ impl CudaDevice {
         self.stream
             .synchronize()
             .map_err(cuda_err("waiting for the stream"))
+    }
+
+    /// Selects a kernel version (for benchmarks and tests of alternatives).
+    pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
+        match (kernel, version) {
+            ("mxfp8_both", 1 | 2) => self.mxfp8_both_v2 = version == 2,
+            _ => {
+                return Err(DeviceError::Unsupported(format!(
+                    "no version {version} of kernel {kernel}"
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn note_fallback(&mut self, what: &'static str) {

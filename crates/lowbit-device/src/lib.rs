@@ -577,6 +577,18 @@ impl Device {
         }
     }
 
+    /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
+    /// them (`("mxfp8_both", 1 | 2)`: the rowwise + columnwise MXFP8 kernel). Every version
+    /// gives the same bytes.
+    #[cfg(feature = "cuda")]
+    #[doc(hidden)]
+    pub fn set_cuda_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cuda(g) => g.set_kernel_variant(kernel, version),
+            Backend::Cpu(_) => Ok(()),
+        }
+    }
+
     /// Checks an op's views (live, in bounds, the overlap rule) on whichever backend this is.
     pub(crate) fn check_views(
         &self,

@@ -709,7 +709,7 @@ fn mxfp8_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: u64)
 fn mxfp8_kernels_match() {
     let o = check("mxfp8 kernels", false, |c| {
         let mut k = 0;
-        for (rows, cols) in [
+        let shapes = [
             (64, 64),
             (37, 45),
             (1, 1),
@@ -717,18 +717,29 @@ fn mxfp8_kernels_match() {
             (33, 32),
             (40, 48),
             (65, 264),
-        ] {
-            for copies in [Copies::Rowwise, Copies::Both] {
-                k += 10;
-                let src = c.rand(DType::Bf16, rows * cols, k);
-                let views = mxfp8_views(c, rows, cols, copies, k + 1);
-                let cfg = Mxfp8Config {
-                    copies,
-                    ..Mxfp8Config::default()
-                };
-                c.dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
+            (70, 300),
+            (32, 1000),
+        ];
+        for version in [1, 2] {
+            c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
+            for (rows, cols) in shapes {
+                for copies in [Copies::Rowwise, Copies::Both] {
+                    k += 10;
+                    let src = c.rand(DType::Bf16, rows * cols, k);
+                    let views = mxfp8_views(c, rows, cols, copies, k + 1);
+                    let cfg = Mxfp8Config {
+                        copies,
+                        ..Mxfp8Config::default()
+                    };
+                    c.dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
+                }
             }
         }
+        // Version 2 with a misaligned source (element-wise loads and stores).
+        let src = c.rand_mid(DType::Bf16, 40 * 64, 1, 999);
+        let views = mxfp8_views(c, 40, 64, Copies::Both, 1000);
+        c.dev
+            .quantize_mxfp8(src, 40, 64, &Mxfp8Config::default(), &views)?;
         Ok(vec![])
     });
     native(&o, "mxfp8 kernels");
@@ -765,7 +776,7 @@ fn mxfp8_fallback_variants_match_and_are_counted() {
                 },
                 0,
             ),
-            // A misaligned source (offset 2 bytes): the vector kernels cannot read it.
+            // A misaligned source (offset 2 bytes): element-wise accesses (native since version 2).
             (DType::Bf16, Mxfp8Config::default(), 1),
         ];
         cases.push((
@@ -806,10 +817,132 @@ fn mxfp8_fallback_variants_match_and_are_counted() {
     assert!(
         o.fallbacks
             .iter()
-            .any(|(op, n)| *op == "quantize_mxfp8" && *n >= 6),
+            .any(|(op, n)| *op == "quantize_mxfp8" && *n >= 5),
         "{:?}",
         o.fallbacks
     );
+}
+
+fn nvfp4_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: u64) -> Nvfp4Views {
+    let mut pair = |data: usize, scales: usize, s: u64| {
+        (c.rand(DType::U8, data, s), c.rand(DType::U8, scales, s + 1))
+    };
+    Nvfp4Views {
+        rowwise: copies
+            .rowwise()
+            .then(|| pair(rows * cols.div_ceil(2), rows * cols.div_ceil(16), seed)),
+        columnwise: copies
+            .columnwise()
+            .then(|| pair(cols * rows.div_ceil(2), cols * rows.div_ceil(16), seed + 2)),
+    }
+}
+
+#[test]
+fn nvfp4_kernels_match() {
+    // Quantized bytes are compared strictly (u8 buffers); dequantized values with NaN as a class
+    // (an infinite global amax makes 0 · Inf products).
+    let o = check("nvfp4 kernels", true, |c| {
+        let mut out = Vec::new();
+        let mut k = 0;
+        for (rows, cols) in [(48usize, 64usize), (16, 45), (3, 17), (64, 256), (32, 1)] {
+            for d in FLOATS {
+                for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
+                    for specials in [false, true] {
+                        if copies.columnwise() && !rows.is_multiple_of(16) {
+                            continue;
+                        }
+                        k += 10;
+                        let vals = if specials {
+                            values(rows * cols, k, true)
+                        } else {
+                            finite(rows * cols, k)
+                        };
+                        let src = c.buf(d, &vals);
+                        let views = nvfp4_views(c, rows, cols, copies, k + 1);
+                        let cfg = Nvfp4Config {
+                            copies,
+                            ..Nvfp4Config::default()
+                        };
+                        let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+                        out.extend([f64::from(amax.rowwise), f64::from(amax.columnwise)]);
+                        if let Some((data, scales)) = views.rowwise {
+                            let dst = c.rand(d, rows * cols, k + 5);
+                            c.dev.dequantize_nvfp4_rowwise(
+                                data,
+                                scales,
+                                amax.rowwise,
+                                rows,
+                                cols,
+                                dst,
+                            )?;
+                        }
+                        if let Some((data, scales)) = views.columnwise {
+                            let dst = c.rand(DType::F32, rows * cols, k + 6);
+                            c.dev.dequantize_nvfp4_columnwise(
+                                data,
+                                scales,
+                                amax.columnwise,
+                                false,
+                                rows,
+                                cols,
+                                dst,
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+        // All zeros (amax 0) and an infinite amax.
+        for vals in [vec![0.0f32; 32 * 16], {
+            let mut v = finite(32 * 16, 5);
+            v[17] = f32::INFINITY;
+            v
+        }] {
+            let src = c.buf(DType::Bf16, &vals);
+            let views = nvfp4_views(c, 32, 16, Copies::Both, 77);
+            let amax = c
+                .dev
+                .quantize_nvfp4(src, 32, 16, &Nvfp4Config::default(), &views)?;
+            out.push(f64::from(amax.rowwise));
+        }
+        Ok(out)
+    });
+    native(&o, "nvfp4 kernels");
+}
+
+#[test]
+fn mxfp8_dequantize_kernels_match() {
+    // NaN codes and the NaN scale 0xFF included: random bytes for data and scales.
+    let o = check("mxfp8 dequantize", true, |c| {
+        let mut k = 0;
+        for (rows, cols) in [(40usize, 64usize), (37, 45), (1, 1)] {
+            for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+                for d in FLOATS {
+                    k += 10;
+                    let mut r = Rng::new(k);
+                    let bytes: Vec<f32> =
+                        (0..rows * cols).map(|_| (r.next() % 256) as f32).collect();
+                    let data = c.buf(DType::U8, &bytes);
+                    let rs: Vec<f32> = (0..rows * cols.div_ceil(32))
+                        .map(|_| (r.next() % 256) as f32)
+                        .collect();
+                    let cs: Vec<f32> = (0..rows.div_ceil(32) * cols)
+                        .map(|_| (r.next() % 256) as f32)
+                        .collect();
+                    let rsv = c.buf(DType::U8, &rs);
+                    let csv = c.buf(DType::U8, &cs);
+                    let dst = c.rand(d, rows * cols, k + 1);
+                    c.dev
+                        .dequantize_mxfp8_rowwise(data, rsv, rows, cols, kind, dst)?;
+                    let dst = c.rand(d, rows * cols, k + 2);
+                    c.dev
+                        .dequantize_mxfp8_columnwise(data, csv, rows, cols, kind, dst)?;
+                }
+            }
+        }
+        Ok(vec![])
+    });
+    native(&o, "mxfp8 dequantize");
 }
 
 #[test]
@@ -884,10 +1017,24 @@ fn nvfp4_and_sharded_2d_fallbacks_match() {
 #[test]
 fn fallback_list_names_the_fallback_ops() {
     let list = Device::host_fallback_ops();
-    for op in ["sum_squares", "mse_loss", "quantize_nvfp4"] {
+    for op in [
+        "sum_squares",
+        "mse_loss",
+        "quantize_nvfp4 (",
+        "mxfp8_scales_2d",
+    ] {
         assert!(list.iter().any(|l| l.starts_with(op)), "{op} not listed");
     }
-    for op in ["adamw", "matmul", "cast", "fill", "gelu", "rms_norm"] {
+    for op in [
+        "adamw",
+        "matmul",
+        "cast",
+        "fill",
+        "gelu",
+        "rms_norm",
+        "dequantize_mxfp8_rowwise",
+        "dequantize_nvfp4_rowwise",
+    ] {
         assert!(!list.contains(&op), "{op} has a kernel but is listed");
     }
 }

@@ -2,10 +2,11 @@
 //! launch configurations and the launches. Callers have validated dtypes, lengths and shapes;
 //! each method validates its views (liveness, bounds, overlap) before launching anything.
 
-use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy};
+use lowbit_formats::scalar::e4m3_to_f32;
+use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{Arg, CudaDevice};
-use crate::{DType, DeviceError, MatmulSpec, Mxfp8Views, Result, View};
+use crate::{DType, DeviceError, MatmulSpec, Mxfp8Views, Nvfp4Views, Result, View};
 
 /// The largest grid x dimension.
 const MAX_GRID_X: usize = (1 << 31) - 1;
@@ -95,6 +96,36 @@ impl CudaDevice {
             (Copies::Both, Some((rd, rs)), Some((cd, cs))) => {
                 let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
                 let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
+                if self.mxfp8_both_v2 {
+                    let vec = cols.is_multiple_of(8)
+                        && x.is_multiple_of(16)
+                        && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
+                    let (Some(gx), Ok(gy @ 1..=65535)) =
+                        (blocks(cols, 256), u32::try_from(rows.div_ceil(32)))
+                    else {
+                        return Ok(false);
+                    };
+                    // SAFETY: views validated by the caller (live, in bounds, disjoint); the
+                    // vector accesses only with `vec`, whose alignment is checked here.
+                    unsafe {
+                        self.launch(
+                            "mxfp8_both_e4m3_bf16_v2",
+                            (gx, gy, 1),
+                            (256, 1, 1),
+                            &[
+                                Arg::U64(x),
+                                Arg::U64(rd),
+                                Arg::U64(rs),
+                                Arg::U64(cd),
+                                Arg::U64(cs),
+                                Arg::U64(r),
+                                Arg::U64(c),
+                                Arg::U32(u32::from(vec)),
+                            ],
+                        )?;
+                    }
+                    return Ok(true);
+                }
                 // The kernel loads 16 bytes when cols % 8 == 0 and stores 16 when cols % 16 == 0.
                 if (cols.is_multiple_of(8) && !x.is_multiple_of(16))
                     || (cols.is_multiple_of(16) && !rd.is_multiple_of(16))
@@ -304,9 +335,15 @@ impl CudaDevice {
             Arg::U32(dt(view.dtype())),
             Arg::U64(n as u64),
             Arg::U64(sp),
+            Arg::U32(u32::from(x.is_multiple_of(16))),
         ];
-        // SAFETY: the view was validated above; `sp` is a live one-word scratch buffer.
-        unsafe { self.launch_n("max_abs_bits", n, &args)? };
+        if n > 0 {
+            // A few blocks per SM are enough for a streaming read, and keep the atomics few.
+            let grid = (n.div_ceil(THREADS as usize * 8).clamp(1, 4096) as u32, 1, 1);
+            // SAFETY: the view was validated above (16-byte chunks only when its address is
+            // 16-byte aligned); `sp` is a live one-word scratch buffer.
+            unsafe { self.launch("max_abs_bits", grid, (THREADS, 1, 1), &args)? };
+        }
         Ok(f32::from_bits(self.fetch(&s)?[0]))
     }
 
@@ -662,6 +699,176 @@ impl CudaDevice {
         // SAFETY: as above; dlogits has rows·classes elements.
         unsafe { self.launch_n("softmax_xent_backward", n, &args)? };
         drop(stats);
+        Ok(())
+    }
+}
+
+/// The tensor-level NVFP4 factors of `lowbit_formats::nvfp4` for a global amax, computed with
+/// the same f32 operations: `k = fl32(S_enc · fl32(1/6))` and the table
+/// `min(1 / (float(sf) · S_dec), FLT_MAX)` for every scale byte.
+fn nvfp4_params(amax: f32) -> (f32, Vec<f32>) {
+    let s_enc = (448.0f32 * 6.0 / amax).min(f32::MAX);
+    let s_enc = if amax == 0.0 || s_enc == 0.0 {
+        1.0
+    } else {
+        s_enc
+    };
+    let s_dec = 1.0 / s_enc;
+    let k = s_enc * (1.0f32 / 6.0);
+    let rcp = (0..=255u8)
+        .map(|sf| (1.0 / (e4m3_to_f32(sf) * s_dec)).min(f32::MAX))
+        .collect();
+    (k, rcp)
+}
+
+impl CudaDevice {
+    /// A device copy of a host f32 table (freed in stream order when dropped).
+    fn table(&self, vals: &[f32]) -> Result<(cudarc::driver::CudaSlice<u32>, u64)> {
+        let (mut s, p) = self.scratch(vals.len())?;
+        let bits: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
+        self.stream
+            .memcpy_htod(&bits, &mut s)
+            .map_err(super::cuda_err("copying a table to the device"))?;
+        Ok((s, p))
+    }
+
+    /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
+    /// no Hadamard transform, TE NaN policy; a columnwise copy needs `rows % 16 == 0`), else
+    /// `Ok(None)` for the host fallback. Returns the global amax (both copies share it).
+    pub(crate) fn quantize_nvfp4(
+        &mut self,
+        src: View,
+        rows: usize,
+        cols: usize,
+        cfg: &Nvfp4Config,
+        out: &Nvfp4Views,
+    ) -> Result<Option<f32>> {
+        if cfg.two_d
+            || cfg.rht
+            || cfg.stochastic_rounding.is_some()
+            || cfg.nan_policy != NanPolicy::Te
+            || rows == 0
+            || cols == 0
+            || (out.columnwise.is_some() && !rows.is_multiple_of(16))
+        {
+            return Ok(None);
+        }
+        let x = self.device_ptr(src)?;
+        let xd = dt(src.dtype());
+        let amax = self.max_abs(src)?;
+        let (k, rcp) = nvfp4_params(amax);
+        let (table, tp) = self.table(&rcp)?;
+        let (r, c) = (rows as u64, cols as u64);
+        if let Some((d, s)) = out.rowwise {
+            let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+            let vec = src.dtype() == DType::Bf16
+                && cols.is_multiple_of(16)
+                && x.is_multiple_of(16)
+                && d.is_multiple_of(8);
+            let args = [
+                Arg::U64(x),
+                Arg::U32(xd),
+                Arg::U64(d),
+                Arg::U64(s),
+                Arg::U64(tp),
+                Arg::F32(k),
+                Arg::U64(r),
+                Arg::U64(c),
+                Arg::U32(u32::from(vec)),
+            ];
+            // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data and
+            // rows·ceil(cols/16) scale bytes out); `tp` holds the 256-entry table.
+            unsafe { self.launch_n("nvfp4_quantize_rows", rows * cols.div_ceil(16), &args)? };
+        }
+        if let Some((d, s)) = out.columnwise {
+            let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+            let nbr = rows / 16;
+            let per = [4, 2, 1]
+                .into_iter()
+                .find(|p| nbr.is_multiple_of(*p))
+                .unwrap_or(1);
+            let args = [
+                Arg::U64(x),
+                Arg::U32(xd),
+                Arg::U64(d),
+                Arg::U64(s),
+                Arg::U64(tp),
+                Arg::F32(k),
+                Arg::U64(r),
+                Arg::U64(c),
+                Arg::U32(per as u32),
+                Arg::U32(u32::from(d.is_multiple_of(8))),
+            ];
+            // SAFETY: as above, with cols·rows/2 data and cols·rows/16 scale bytes; `per`
+            // divides the row-block count; 8-byte stores only when `d` is 8-byte aligned (the
+            // row pitch rows/2 is a multiple of 8).
+            unsafe { self.launch_n("nvfp4_quantize_cols", nbr / per * cols, &args)? };
+        }
+        drop(table);
+        Ok(Some(amax))
+    }
+
+    /// MXFP8 dequantization of one copy (views validated by the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dequantize_mxfp8(
+        &mut self,
+        data: View,
+        scales: View,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        dst: View,
+        columnwise: bool,
+    ) -> Result<()> {
+        let values: Vec<f32> = (0..=255u8).map(|b| kind.decode(b)).collect();
+        let (table, tp) = self.table(&values)?;
+        let args = [
+            Arg::U64(self.device_ptr(data)?),
+            Arg::U64(self.device_ptr(scales)?),
+            Arg::U64(tp),
+            Arg::U64(self.device_ptr(dst)?),
+            Arg::U32(dt(dst.dtype())),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::U32(u32::from(columnwise)),
+        ];
+        // SAFETY: views validated by the caller with the plane's shapes; 256-entry table.
+        unsafe { self.launch_n("mxfp8_dequantize", rows * cols, &args)? };
+        drop(table);
+        Ok(())
+    }
+
+    /// NVFP4 dequantization of one copy without the Hadamard transform (views validated by
+    /// the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dequantize_nvfp4(
+        &mut self,
+        data: View,
+        scales: View,
+        amax: f32,
+        rows: usize,
+        cols: usize,
+        dst: View,
+        columnwise: bool,
+    ) -> Result<()> {
+        let values: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+        let (table, tp) = self.table(&values)?;
+        let factor_inv = (1.0f64 / (6.0 * 448.0)) as f32;
+        let args = [
+            Arg::U64(self.device_ptr(data)?),
+            Arg::U64(self.device_ptr(scales)?),
+            Arg::U64(tp),
+            Arg::U64(self.device_ptr(dst)?),
+            Arg::U32(dt(dst.dtype())),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::F32(amax),
+            Arg::F32(factor_inv),
+            Arg::U32(u32::from(columnwise)),
+        ];
+        // SAFETY: views validated by the caller with the plane's shapes; 256-entry table.
+        unsafe { self.launch_n("nvfp4_dequantize", rows * cols, &args)? };
+        drop(table);
         Ok(())
     }
 }

@@ -168,7 +168,9 @@ impl Device {
     ) -> Result<()> {
         const WHAT: &str = "dequantize_mxfp8_rowwise";
         let scales_shape = [rows, cols.div_ceil(mxfp8::BLOCK)];
-        let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        self.check_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        on_cuda!(self, g => g.dequantize_mxfp8(data, scales, rows, cols, kind, dst, false));
+        let plane = self.read_plane(WHAT, [data, scales], [rows, cols], scales_shape)?;
         let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, Some(plane), None)?;
         let vals = t.dequantize_rowwise().unwrap_or_default();
         self.write_f32(dst, &vals)
@@ -188,7 +190,9 @@ impl Device {
     ) -> Result<()> {
         const WHAT: &str = "dequantize_mxfp8_columnwise";
         let scales_shape = [rows.div_ceil(mxfp8::BLOCK), cols];
-        let plane = self.read_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        self.check_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
+        on_cuda!(self, g => g.dequantize_mxfp8(data, scales, rows, cols, kind, dst, true));
+        let plane = self.read_plane(WHAT, [data, scales], [rows, cols], scales_shape)?;
         let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, None, Some(plane))?;
         let vals = t.dequantize_columnwise().unwrap_or_default();
         self.write_f32(dst, &vals)
@@ -234,6 +238,15 @@ impl Device {
         check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
         check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
         self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && let Some(amax) = g.quantize_nvfp4(src, rows, cols, cfg, out)?
+        {
+            return Ok(Nvfp4Amax {
+                rowwise: amax,
+                columnwise: amax,
+            });
+        }
         let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_nvfp4(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
@@ -262,12 +275,14 @@ impl Device {
         const WHAT: &str = "dequantize_nvfp4_rowwise";
         let data_shape = [rows, cols.div_ceil(2)];
         let scales_shape = [rows, cols.div_ceil(nvfp4::BLOCK)];
-        let plane = self.read_plane(
+        self.check_plane(
             WHAT,
             [data, scales, dst],
             [[rows, cols], data_shape],
             scales_shape,
         )?;
+        on_cuda!(self, g => g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, false));
+        let plane = self.read_plane(WHAT, [data, scales], data_shape, scales_shape)?;
         let t = Nvfp4Tensor::from_parts(
             TENSOR_NAME,
             rows,
@@ -300,7 +315,7 @@ impl Device {
         const WHAT: &str = "dequantize_nvfp4_columnwise";
         let data_shape = [cols, rows.div_ceil(2)];
         let scales_shape = [cols, rows.div_ceil(nvfp4::BLOCK)];
-        let plane = self.read_plane(
+        self.check_plane(
             WHAT,
             [data, scales, dst],
             [[rows, cols], data_shape],
@@ -312,6 +327,11 @@ impl Device {
                 format!("a Hadamard-transformed copy needs rows % 16 == 0, got {rows}"),
             ));
         }
+        #[cfg(feature = "cuda")]
+        if !rht && let Some(g) = self.cuda_mut() {
+            return g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, true);
+        }
+        let plane = self.read_plane(WHAT, [data, scales], data_shape, scales_shape)?;
         let t = Nvfp4Tensor::from_parts(
             TENSOR_NAME,
             rows,
@@ -327,16 +347,15 @@ impl Device {
         self.write_f32(dst, &vals)
     }
 
-    /// Validates the views of a dequantization — u8 `data` and `scales` and a float `dst` of the
-    /// given shapes (`[dst, data]` and `scale_shape`), `dst` overlapping neither — and reads the
-    /// plane to the host.
-    fn read_plane(
-        &mut self,
+    /// Validates the views of a dequantization: u8 `data` and `scales` and a float `dst` of the
+    /// given shapes (`[dst, data]` and `scale_shape`), `dst` overlapping neither.
+    fn check_plane(
+        &self,
         what: &'static str,
         [data, scales, dst]: [View; 3],
         [dst_shape, data_shape]: [[usize; 2]; 2],
         scale_shape: [usize; 2],
-    ) -> Result<QuantPlane> {
+    ) -> Result<()> {
         check_dtype(what, data, DType::U8)?;
         check_dtype(what, scales, DType::U8)?;
         check_float(what, dst)?;
@@ -345,7 +364,17 @@ impl Device {
         check_len(what, dst.len(), dst_len?)?;
         check_len(what, data.len(), data_len?)?;
         check_len(what, scales.len(), scales_len?)?;
-        self.check_views(what, &[data, scales], &[dst])?;
+        self.check_views(what, &[data, scales], &[dst])
+    }
+
+    /// Reads a validated plane to the host (a host fallback of `what` on a GPU).
+    fn read_plane(
+        &mut self,
+        what: &'static str,
+        [data, scales]: [View; 2],
+        data_shape: [usize; 2],
+        scale_shape: [usize; 2],
+    ) -> Result<QuantPlane> {
         self.note_fallback(what);
         Ok(QuantPlane {
             data: self.read_bytes(data)?,
