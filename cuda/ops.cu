@@ -453,17 +453,36 @@ __device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
     return a > 0x7F800000u ? 0u : a;
 }
 
-// NVFP4 rowwise copy, 1x16 blocks, round to nearest: one thread per block (r, kb). `rcp` is the
-// per-tensor table min(1 / (float(sf) * S_dec), FLT_MAX) and `k` = fl32(S_enc * fl32(1/6)),
-// both computed on the host from the global amax. data: rows x ceil(cols/2) bytes (element 2j
+// The tensor-level NVFP4 factors from the global amax bits `amax_bits[0]`, with
+// lowbit_formats::nvfp4's f32 operations: params[0] = k = fl32(S_enc * fl32(1/6)),
+// params[1 + sf] = min(1 / (float(sf) * S_dec), FLT_MAX) for every scale byte, where
+// S_enc = min(2688 / amax, FLT_MAX), or 1 when amax == 0 or S_enc == 0, S_dec = 1 / S_enc.
+// `e4m3` is the table of the 256 E4M3 values. Launch with one block of 256 threads.
+extern "C" __global__ void nvfp4_params(const uint32_t* __restrict__ amax_bits,
+                                        const float* __restrict__ e4m3,
+                                        float* __restrict__ params) {
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(amax_bits[0]);
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    float s_dec = __fdiv_rn(1.0f, s_enc);
+    unsigned sf = threadIdx.x;
+    if (sf == 0) params[0] = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    if (sf < 256) params[1 + sf] = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
+}
+
+// NVFP4 rowwise copy, 1x16 blocks, round to nearest: one thread per block (r, kb). `params`
+// holds k and the reciprocal table from nvfp4_params. data: rows x ceil(cols/2) bytes (element 2j
 // in the low nibble; an odd tail leaves the last high nibble 0); scales: rows x ceil(cols/16).
 // `vec` (host-checked): bf16 input, cols % 16 == 0, x 16-byte and data 8-byte aligned: each
 // block is two 16-byte loads and one 8-byte store.
 extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, uint32_t xd,
                                                uint8_t* __restrict__ data,
                                                uint8_t* __restrict__ scales,
-                                               const float* __restrict__ rcp, float k, u64 rows,
+                                               const float* __restrict__ params, u64 rows,
                                                u64 cols, uint32_t vec) {
+    const float k = params[0];
+    const float* rcp = params + 1;
     u64 nb = (cols + 15) / 16, rb = (cols + 1) / 2;
     GRID_STRIDE(blk, rows * nb) {
         u64 r = blk / nb, kb = blk % nb;
@@ -519,8 +538,10 @@ extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, ui
 extern "C" __global__ void nvfp4_quantize_cols(const uint8_t* __restrict__ x, uint32_t xd,
                                                uint8_t* __restrict__ data,
                                                uint8_t* __restrict__ scales,
-                                               const float* __restrict__ rcp, float k, u64 rows,
+                                               const float* __restrict__ params, u64 rows,
                                                u64 cols, uint32_t per, uint32_t vec) {
+    const float k = params[0];
+    const float* rcp = params + 1;
     u64 nbr = rows / 16, rb = rows / 2;
     u64 groups = nbr / per;
     GRID_STRIDE(item, groups * cols) {

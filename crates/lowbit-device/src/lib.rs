@@ -42,10 +42,12 @@
 //! - `tanh`, `exp` and `ln` are evaluated in f64 and rounded to f32 (correctly rounded but for
 //!   rare double-rounding cases), not with the platform's f32 libm.
 //! - Quantization and dequantization are `lowbit-formats`' functions applied to the views'
-//!   bytes: identical bits by construction.
+//!   bytes: identical bits by construction (the CUDA kernels port its encoders bit for bit).
+//! - NaN payloads produced by float arithmetic are unspecified (see the CUDA backend below);
+//!   whether a result is NaN is not.
 //!
 //! # Invariants
-//! - New buffers are zero-filled.
+//! - New buffers are zero-filled, on every backend.
 //! - An op either fully succeeds or leaves memory untouched: dtypes, lengths, shapes,
 //!   hyper-parameters, bounds, liveness and overlap are all checked (and a quantizer's format
 //!   errors raised) before the first byte is written.
@@ -74,26 +76,46 @@
 //! time, so every build compiles and links without CUDA; a missing driver or GPU is a
 //! [`DeviceError::Cuda`], never a panic). Decisions:
 //! - **Same handles, same checks.** Buffers are driver allocations (zero-filled) in the same
-//!   generation-checked slot table as the CPU backend; views are validated by the same rules
-//!   with the same errors before anything is enqueued.
+//!   generation-checked slot table as the CPU backend; every op validates its arguments and
+//!   views by the same rules, with the same errors, before anything is enqueued.
 //! - **One stream per device.** Every op is enqueued on it in call order; host reads
-//!   (downloads, reductions, losses) synchronise it; [`Device::synchronize`] waits for
-//!   everything. Layers that drive the same memory from another stream (NCCL) get the stream,
-//!   the ordinal and validated raw addresses from [`Device::cuda_stream`],
-//!   [`Device::cuda_ordinal`] and [`Device::cuda_device_ptr`], and order themselves with events.
-//! - **Bit-exact with the CPU.** Kernels (`cuda/*.cu`, PTX embedded by [`ptx`]) follow the
-//!   arithmetic contract above operation for operation (`__fmul_rn`/`__fadd_rn`-style
-//!   intrinsics, so no FMA contraction; reductions in the CPU's order).
+//!   (downloads, reductions, losses, NVFP4 amaxes) synchronise it; [`Device::synchronize`]
+//!   waits for everything. Layers that drive the same memory from another stream (NCCL) get the
+//!   stream, the ordinal and validated raw addresses from [`Device::cuda_stream`],
+//!   [`Device::cuda_ordinal`] and [`Device::cuda_device_ptr`], and order themselves with
+//!   events.
+//! - **Bit-exact with the CPU.** Kernels (`cuda/ops.cu`, `cuda/mxfp8.cu`, PTX embedded by
+//!   [`ptx`]) follow the arithmetic contract above operation for operation: `_rn` intrinsics
+//!   (never contracted into FMA), conversions as integer code reproducing `half` and
+//!   `lowbit-formats`, `tanh`/`exp`/`ln` in double, sums in the CPU's order (one thread per row
+//!   or column where the CPU sums sequentially), order-free maxima in parallel. One relaxation:
+//!   the *payload* of a NaN produced by float arithmetic is unspecified (Rust does not specify
+//!   it and x86 and CUDA differ); NaN-ness is exact, and data movement (fill, cast, copy,
+//!   quantization bytes) is bit-exact including NaN payloads.
 //! - **Host fallback, never a gap.** An op without a kernel (or a variant its kernel does not
-//!   cover) runs the CPU implementation on downloaded bytes and uploads its outputs: every op
-//!   works on CUDA, with identical bits by construction. [`Device::host_fallback_ops`] lists
-//!   those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
+//!   cover) validates its views, downloads their bytes, runs the CPU implementation on them and
+//!   uploads its outputs (only if it succeeded): every op works on CUDA, with the CPU's bits by
+//!   construction, and the CPU code path is the same function body. [`Device::host_fallback_ops`]
+//!   lists those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
+//!   Today: `sum_squares` and `mse_loss` (sequential f64 sums, which no parallel order
+//!   reproduces; a single GPU thread would be slower than the download), NVFP4 with 2D scales,
+//!   the Hadamard transform or stochastic rounding, MXFP8 other than bf16 → E4M3 1D rowwise or
+//!   both, and the sharded 2D primary-weight ops.
+//! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, fused AdamW, SGD with
+//!   momentum, matmul (one thread per output, not a tuned GEMM), the model ops, MXFP8
+//!   quantization (rowwise; rowwise + columnwise in one pass) and dequantization, NVFP4 1D
+//!   quantization (global amax and tensor scale on the device) and dequantization.
+//! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
+//!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
+//!   the hot kernels against a device-to-device copy of the same run.
 //!
 //! # Non-goals
 //! Ranks and collectives (`lowbit-comm`), buffer layouts (`lowbit-buffers`), autograd, general
 //! tensor shapes, strides or broadcasting beyond what the ops state. The CPU backend is a
 //! reference: each op runs on the calling thread (parallelism comes from one device per rank
-//! thread), and `matmul` is a plain triple loop, not a tuned GEMM.
+//! thread), and `matmul` is a plain triple loop, not a tuned GEMM; the CUDA `matmul` is its
+//! bit-exact counterpart (one thread per output, k in order), not cuBLAS. Multi-stream
+//! scheduling inside one device, and CUDA graphs, are not attempted.
 
 mod cpu;
 #[cfg(feature = "cuda")]

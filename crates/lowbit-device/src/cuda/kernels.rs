@@ -2,7 +2,6 @@
 //! launch configurations and the launches. Callers have validated dtypes, lengths and shapes;
 //! each method validates its views (liveness, bounds, overlap) before launching anything.
 
-use lowbit_formats::scalar::e4m3_to_f32;
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{Arg, CudaDevice};
@@ -329,22 +328,28 @@ impl CudaDevice {
     pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {
         let ([x], []) = self.ptrs("max_abs", [view], [])?;
         let (s, sp) = self.scratch(1)?;
-        let n = view.len();
+        self.launch_max_abs(x, view.dtype(), view.len(), sp)?;
+        Ok(f32::from_bits(self.fetch(&s)?[0]))
+    }
+
+    /// Enqueues the amax kernel: the max of |x| bits (NaN as 0) of `n` elements of dtype `d` at
+    /// `x` (a validated view) into the zeroed word at `out`.
+    fn launch_max_abs(&mut self, x: u64, d: DType, n: usize, out: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
         let args = [
             Arg::U64(x),
-            Arg::U32(dt(view.dtype())),
+            Arg::U32(dt(d)),
             Arg::U64(n as u64),
-            Arg::U64(sp),
+            Arg::U64(out),
             Arg::U32(u32::from(x.is_multiple_of(16))),
         ];
-        if n > 0 {
-            // A few blocks per SM are enough for a streaming read, and keep the atomics few.
-            let grid = (n.div_ceil(THREADS as usize * 8).clamp(1, 4096) as u32, 1, 1);
-            // SAFETY: the view was validated above (16-byte chunks only when its address is
-            // 16-byte aligned); `sp` is a live one-word scratch buffer.
-            unsafe { self.launch("max_abs_bits", grid, (THREADS, 1, 1), &args)? };
-        }
-        Ok(f32::from_bits(self.fetch(&s)?[0]))
+        // A few blocks per SM are enough for a streaming read, and keep the atomics few.
+        let grid = (n.div_ceil(THREADS as usize * 8).clamp(1, 4096) as u32, 1, 1);
+        // SAFETY: `x` addresses `n` elements of a validated view (16-byte chunks only when it is
+        // 16-byte aligned); `out` is a live zeroed word.
+        unsafe { self.launch("max_abs_bits", grid, (THREADS, 1, 1), &args) }
     }
 
     pub(crate) fn has_non_finite(&mut self, view: View) -> Result<bool> {
@@ -703,35 +708,7 @@ impl CudaDevice {
     }
 }
 
-/// The tensor-level NVFP4 factors of `lowbit_formats::nvfp4` for a global amax, computed with
-/// the same f32 operations: `k = fl32(S_enc · fl32(1/6))` and the table
-/// `min(1 / (float(sf) · S_dec), FLT_MAX)` for every scale byte.
-fn nvfp4_params(amax: f32) -> (f32, Vec<f32>) {
-    let s_enc = (448.0f32 * 6.0 / amax).min(f32::MAX);
-    let s_enc = if amax == 0.0 || s_enc == 0.0 {
-        1.0
-    } else {
-        s_enc
-    };
-    let s_dec = 1.0 / s_enc;
-    let k = s_enc * (1.0f32 / 6.0);
-    let rcp = (0..=255u8)
-        .map(|sf| (1.0 / (e4m3_to_f32(sf) * s_dec)).min(f32::MAX))
-        .collect();
-    (k, rcp)
-}
-
 impl CudaDevice {
-    /// A device copy of a host f32 table (freed in stream order when dropped).
-    fn table(&self, vals: &[f32]) -> Result<(cudarc::driver::CudaSlice<u32>, u64)> {
-        let (mut s, p) = self.scratch(vals.len())?;
-        let bits: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
-        self.stream
-            .memcpy_htod(&bits, &mut s)
-            .map_err(super::cuda_err("copying a table to the device"))?;
-        Ok((s, p))
-    }
-
     /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
     /// no Hadamard transform, TE NaN policy; a columnwise copy needs `rows % 16 == 0`), else
     /// `Ok(None)` for the host fallback. Returns the global amax (both copies share it).
@@ -755,9 +732,20 @@ impl CudaDevice {
         }
         let x = self.device_ptr(src)?;
         let xd = dt(src.dtype());
-        let amax = self.max_abs(src)?;
-        let (k, rcp) = nvfp4_params(amax);
-        let (table, tp) = self.table(&rcp)?;
+        // Global amax, then the tensor-level factors, both on the device: no host round trip
+        // before the quantization kernels; the amax comes back at the end.
+        let (amax_buf, ap) = self.scratch(1)?;
+        self.launch_max_abs(x, src.dtype(), src.len(), ap)?;
+        let (params, tp) = self.scratch(257)?;
+        // SAFETY: `ap` holds one word, `tp` 257, the tables 512 floats (E4M3 first).
+        unsafe {
+            self.launch(
+                "nvfp4_params",
+                (1, 1, 1),
+                (256, 1, 1),
+                &[Arg::U64(ap), Arg::U64(self.tables_ptr), Arg::U64(tp)],
+            )?;
+        }
         let (r, c) = (rows as u64, cols as u64);
         if let Some((d, s)) = out.rowwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
@@ -771,13 +759,12 @@ impl CudaDevice {
                 Arg::U64(d),
                 Arg::U64(s),
                 Arg::U64(tp),
-                Arg::F32(k),
                 Arg::U64(r),
                 Arg::U64(c),
                 Arg::U32(u32::from(vec)),
             ];
             // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data and
-            // rows·ceil(cols/16) scale bytes out); `tp` holds the 256-entry table.
+            // rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
             unsafe { self.launch_n("nvfp4_quantize_rows", rows * cols.div_ceil(16), &args)? };
         }
         if let Some((d, s)) = out.columnwise {
@@ -793,7 +780,6 @@ impl CudaDevice {
                 Arg::U64(d),
                 Arg::U64(s),
                 Arg::U64(tp),
-                Arg::F32(k),
                 Arg::U64(r),
                 Arg::U64(c),
                 Arg::U32(per as u32),
@@ -804,7 +790,8 @@ impl CudaDevice {
             // row pitch rows/2 is a multiple of 8).
             unsafe { self.launch_n("nvfp4_quantize_cols", nbr / per * cols, &args)? };
         }
-        drop(table);
+        let amax = f32::from_bits(self.fetch(&amax_buf)?[0]);
+        drop(params);
         Ok(Some(amax))
     }
 
@@ -820,8 +807,11 @@ impl CudaDevice {
         dst: View,
         columnwise: bool,
     ) -> Result<()> {
-        let values: Vec<f32> = (0..=255u8).map(|b| kind.decode(b)).collect();
-        let (table, tp) = self.table(&values)?;
+        let tp = self.tables_ptr
+            + match kind {
+                Fp8Kind::E4M3 => 0,
+                Fp8Kind::E5M2 => 256 * 4,
+            };
         let args = [
             Arg::U64(self.device_ptr(data)?),
             Arg::U64(self.device_ptr(scales)?),
@@ -832,10 +822,9 @@ impl CudaDevice {
             Arg::U64(cols as u64),
             Arg::U32(u32::from(columnwise)),
         ];
-        // SAFETY: views validated by the caller with the plane's shapes; 256-entry table.
-        unsafe { self.launch_n("mxfp8_dequantize", rows * cols, &args)? };
-        drop(table);
-        Ok(())
+        // SAFETY: views validated by the caller with the plane's shapes; `tp` addresses a
+        // 256-entry table of the device's constant tables.
+        unsafe { self.launch_n("mxfp8_dequantize", rows * cols, &args) }
     }
 
     /// NVFP4 dequantization of one copy without the Hadamard transform (views validated by
@@ -851,8 +840,7 @@ impl CudaDevice {
         dst: View,
         columnwise: bool,
     ) -> Result<()> {
-        let values: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
-        let (table, tp) = self.table(&values)?;
+        let tp = self.tables_ptr;
         let factor_inv = (1.0f64 / (6.0 * 448.0)) as f32;
         let args = [
             Arg::U64(self.device_ptr(data)?),
@@ -866,9 +854,8 @@ impl CudaDevice {
             Arg::F32(factor_inv),
             Arg::U32(u32::from(columnwise)),
         ];
-        // SAFETY: views validated by the caller with the plane's shapes; 256-entry table.
-        unsafe { self.launch_n("nvfp4_dequantize", rows * cols, &args)? };
-        drop(table);
-        Ok(())
+        // SAFETY: views validated by the caller with the plane's shapes; `tp` addresses a
+        // 256-entry table of the device's constant tables.
+        unsafe { self.launch_n("nvfp4_dequantize", rows * cols, &args) }
     }
 }
