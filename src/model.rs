@@ -193,10 +193,7 @@ impl Mlp {
         p: usize,
         usage: Usage,
     ) -> Result<View, ModelError> {
-        let v = hooks.param(dev, p, usage)?;
-        let w = self.wbuf.slice(0..v.len())?;
-        dev.cast(v, w)?;
-        Ok(w)
+        load_f32(dev, hooks, p, usage, self.wbuf)
     }
 
     /// `y = a·Wᵀ + b` for layer parameters `(pw, pb)`.
@@ -209,19 +206,7 @@ impl Mlp {
         y: View,
         (k, n): (usize, usize),
     ) -> Result<(), ModelError> {
-        let w = self.load(dev, hooks, pw, Usage::Forward)?;
-        let spec = MatmulSpec {
-            m: self.batch,
-            n,
-            k,
-            trans_a: false,
-            trans_b: true,
-            accumulate: false,
-        };
-        dev.matmul(a, w, y, &spec)?;
-        let b = self.load(dev, hooks, pb, Usage::Forward)?;
-        dev.add_bias(y, b)?;
-        Ok(())
+        linear(dev, hooks, (pw, pb), a, y, (self.batch, k, n), self.wbuf)
     }
 
     /// Forward and backward of one microbatch; gradients are accumulated (scaled by
@@ -354,8 +339,58 @@ impl Mlp {
         p: usize,
         g: View,
     ) -> Result<(), ModelError> {
-        let dst = hooks.grad(dev, p)?;
-        dev.add(g, dst)?;
-        hooks.grad_ready(dev, p)
+        accumulate(dev, hooks, p, g)
     }
+}
+
+/// Parameter `p` from the hooks, cast to f32 into the head of `scratch`.
+pub fn load_f32(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    usage: Usage,
+    scratch: View,
+) -> Result<View, ModelError> {
+    let v = hooks.param(dev, p, usage)?;
+    let w = scratch.slice(0..v.len())?;
+    dev.cast(v, w)?;
+    Ok(w)
+}
+
+/// Adds the f32 gradient `g` into the hooks' gradient `p` and reports `p` ready.
+pub fn accumulate(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    g: View,
+) -> Result<(), ModelError> {
+    let dst = hooks.grad(dev, p)?;
+    dev.add(g, dst)?;
+    hooks.grad_ready(dev, p)
+}
+
+/// `y[m, n] = a[m, k] · Wᵀ + b` for the layer parameters `(pw, pb)`, loading each through
+/// `scratch`.
+pub fn linear(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    (pw, pb): (usize, usize),
+    a: View,
+    y: View,
+    (m, k, n): (usize, usize, usize),
+    scratch: View,
+) -> Result<(), ModelError> {
+    let w = load_f32(dev, hooks, pw, Usage::Forward, scratch)?;
+    let spec = MatmulSpec {
+        m,
+        n,
+        k,
+        trans_a: false,
+        trans_b: true,
+        accumulate: false,
+    };
+    dev.matmul(a, w, y, &spec)?;
+    let b = load_f32(dev, hooks, pb, Usage::Forward, scratch)?;
+    dev.add_bias(y, b)?;
+    Ok(())
 }

@@ -2,10 +2,45 @@
 //! that must compute the same thing (low-precision gather on/off, grouped/discrete experts,
 //! train → eval → train), convergence to the known floor, and refusals of invalid runs.
 
-use std::collections::BTreeMap;
 use std::process::Command;
 
 use lowbit::train::{TrainConfig, train};
+
+// xtask's JSON reader (no parser dependency), with strict accessors for the assertions here.
+#[path = "../xtask/src/json.rs"]
+#[allow(dead_code)]
+mod json;
+use json::Json;
+
+trait Strict {
+    fn key(&self, k: &str) -> &Json;
+    fn num(&self) -> f64;
+    fn text(&self) -> &str;
+    fn flag(&self) -> bool;
+}
+
+impl Strict for Json {
+    fn key(&self, k: &str) -> &Json {
+        assert!(self.keys().contains(&k), "no key {k} in {:?}", self.keys());
+        self.get(k)
+    }
+    fn num(&self) -> f64 {
+        match self {
+            Json::Num(x) => *x,
+            other => panic!("not a number: {other:?}"),
+        }
+    }
+    fn text(&self) -> &str {
+        self.str()
+            .unwrap_or_else(|| panic!("not a string: {self:?}"))
+    }
+    fn flag(&self) -> bool {
+        match self {
+            Json::Bool(b) => *b,
+            other => panic!("not a bool: {other:?}"),
+        }
+    }
+}
 
 /// Runs `lowbit train ARGS --json` and parses its stdout.
 fn run_json(args: &[&str]) -> Json {
@@ -22,7 +57,7 @@ fn run_json(args: &[&str]) -> Json {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(stdout.lines().count(), 1, "one JSON object on one line");
-    parse(&stdout).unwrap_or_else(|e| panic!("invalid JSON ({e}): {stdout}"))
+    Json::parse(&stdout).unwrap_or_else(|e| panic!("invalid JSON ({e}): {stdout}"))
 }
 
 /// Runs `lowbit train ARGS` expecting a refusal; returns stderr.
@@ -49,52 +84,52 @@ fn trajectory(j: &Json) -> (Vec<String>, Vec<String>, Vec<String>, String) {
     let bits = |arr: &Json, key: &str| -> Vec<String> {
         arr.arr()
             .iter()
-            .map(|s| s.get(key).str().to_string())
+            .map(|s| s.key(key).text().to_string())
             .collect()
     };
     (
-        bits(j.get("steps"), "loss_bits"),
-        bits(j.get("steps"), "grad_norm_bits"),
-        bits(j.get("evals"), "loss_bits"),
-        j.get("master_checksum").str().to_string(),
+        bits(j.key("steps"), "loss_bits"),
+        bits(j.key("steps"), "grad_norm_bits"),
+        bits(j.key("evals"), "loss_bits"),
+        j.key("master_checksum").text().to_string(),
     )
 }
 
 #[test]
 fn cli_runs_end_to_end_and_its_json_is_complete() {
     let j = run_json(SMALL);
-    let steps = j.get("steps").arr();
+    let steps = j.key("steps").arr();
     assert_eq!(steps.len(), 5);
     for (i, s) in steps.iter().enumerate() {
-        assert_eq!(s.get("step").num(), (i + 1) as f64);
+        assert_eq!(s.key("step").num(), (i + 1) as f64);
         // The decimal and the bit pattern are the same f32.
-        let bits = u32::from_str_radix(&s.get("loss_bits").str()[2..], 16).unwrap();
-        assert_eq!(s.get("loss").num() as f32, f32::from_bits(bits));
+        let bits = u32::from_str_radix(&s.key("loss_bits").text()[2..], 16).unwrap();
+        assert_eq!(s.key("loss").num() as f32, f32::from_bits(bits));
         let loss = f32::from_bits(bits);
         assert!(loss.is_finite() && loss > 0.0, "loss {loss}");
-        assert!(s.get("grad_norm").num() > 0.0);
+        assert!(s.key("grad_norm").num() > 0.0);
     }
     let evals: Vec<f64> = j
-        .get("evals")
+        .key("evals")
         .arr()
         .iter()
-        .map(|e| e.get("step").num())
+        .map(|e| e.key("step").num())
         .collect();
     assert_eq!(evals, [2.0, 4.0, 5.0], "every 2 steps and after the last");
-    let floor = j.get("floor").num();
-    let eval = j.get("evals").arr()[2].get("loss").num();
+    let floor = j.key("floor").num();
+    let eval = j.key("evals").arr()[2].key("loss").num();
     assert!(
-        j.get("eval_exact").bool(),
+        j.key("eval_exact").flag(),
         "the Markov eval set is exhaustive"
     );
     assert!(
         eval >= floor,
         "an exact expected loss is never below the floor"
     );
-    assert_eq!(j.get("master_checksum").str().len(), 16);
+    assert_eq!(j.key("master_checksum").text().len(), 16);
     // Memory: categories add up, and sharding beats the bf16 unsharded baseline.
     let mem = |k: &str| {
-        let m = j.get("memory").get(k);
+        let m = j.key("memory").key(k);
         let parts: f64 = [
             "weights",
             "grads",
@@ -103,19 +138,19 @@ fn cli_runs_end_to_end_and_its_json_is_complete() {
             "grad_scratch",
         ]
         .iter()
-        .map(|c| m.get(c).num())
+        .map(|c| m.key(c).num())
         .sum();
-        assert_eq!(parts, m.get("total").num(), "{k} total");
-        m.get("total").num()
+        assert_eq!(parts, m.key("total").num(), "{k} total");
+        m.key("total").num()
     };
     assert!(mem("per_rank") < mem("bf16_unsharded"));
-    let master = j.get("memory").get("per_rank").get("masters").num();
-    let base = j.get("memory").get("bf16_unsharded").get("masters").num();
+    let master = j.key("memory").key("per_rank").key("masters").num();
+    let base = j.key("memory").key("bf16_unsharded").key("masters").num();
     assert!(master * 3.0 < base, "masters sharded over 4 ranks");
     // Collectives: gradients reduce-scattered, parameters all-gathered.
-    let comm = j.get("comm");
-    assert!(comm.get("reduce_scatter").get("bytes").num() > 0.0);
-    assert!(comm.get("all_gather").get("bytes").num() > 0.0);
+    let comm = j.key("comm");
+    assert!(comm.key("reduce_scatter").key("bytes").num() > 0.0);
+    assert!(comm.key("all_gather").key("bytes").num() > 0.0);
 }
 
 #[test]
@@ -126,8 +161,8 @@ fn low_precision_gather_on_and_off_give_identical_losses_and_masters() {
         assert_eq!(trajectory(&on), trajectory(&off), "{precision}");
         // And they are different paths: the gathers move different bytes.
         assert_ne!(
-            on.get("comm").get("all_gather").get("bytes").num(),
-            off.get("comm").get("all_gather").get("bytes").num(),
+            on.key("comm").key("all_gather").key("bytes").num(),
+            off.key("comm").key("all_gather").key("bytes").num(),
             "{precision}"
         );
     }
@@ -150,8 +185,8 @@ fn grouped_and_discrete_experts_train_to_the_same_bits() {
     ] {
         let grouped = run_json(&with(extra));
         let discrete = run_json(&with(&[extra, &["--discrete-experts"][..]].concat()));
-        assert!(grouped.get("grouped_experts").bool());
-        assert!(!discrete.get("grouped_experts").bool());
+        assert!(grouped.key("grouped_experts").flag());
+        assert!(!discrete.key("grouped_experts").flag());
         let (g, d) = (trajectory(&grouped), trajectory(&discrete));
         assert_eq!(g.0, d.0, "{extra:?}: losses");
         assert_eq!(g.1, d.1, "{extra:?}: grad norms");
@@ -167,8 +202,8 @@ fn train_eval_train_matches_train_only() {
     let base = ["--batch", "128", "--steps", "6", "--precision", "mxfp8"];
     let every = run_json(&[&base[..], &["--eval-every", "1"]].concat());
     let end = run_json(&[&base[..], &["--eval-every", "0"]].concat());
-    assert_eq!(every.get("evals").arr().len(), 6);
-    assert_eq!(end.get("evals").arr().len(), 1);
+    assert_eq!(every.key("evals").arr().len(), 6);
+    assert_eq!(end.key("evals").arr().len(), 1);
     let (a, b) = (trajectory(&every), trajectory(&end));
     assert_eq!(a.0, b.0, "losses");
     assert_eq!(a.1, b.1, "grad norms");
@@ -239,201 +274,14 @@ fn trains_on_the_bytes_of_a_text_file() {
     std::fs::write(&path, text).unwrap();
     let j = run_json(&with(&["--data", path.to_str().unwrap()]));
     std::fs::remove_dir_all(&dir).unwrap();
-    assert_eq!(j.get("floor"), &Json::Null, "no known floor for a file");
-    assert!(!j.get("eval_exact").bool());
+    assert_eq!(j.key("floor"), &Json::Null, "no known floor for a file");
+    assert!(!j.key("eval_exact").flag());
     let losses: Vec<f64> = j
-        .get("steps")
+        .key("steps")
         .arr()
         .iter()
-        .map(|s| s.get("loss").num())
+        .map(|s| s.key("loss").num())
         .collect();
     // Byte vocabulary: starts near ln 256 and learns the repetitive text.
     assert!(losses[0] > 4.0 && losses[4] < losses[0], "{losses:?}");
-}
-
-// A small JSON reader: enough to check that the output is valid JSON and to read it.
-
-#[derive(Debug, PartialEq)]
-enum Json {
-    Null,
-    Bool(bool),
-    Num(f64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(BTreeMap<String, Json>),
-}
-
-impl Json {
-    fn get(&self, key: &str) -> &Json {
-        match self {
-            Json::Obj(m) => m.get(key).unwrap_or_else(|| panic!("no key {key}")),
-            _ => panic!("not an object looking up {key}"),
-        }
-    }
-    fn arr(&self) -> &[Json] {
-        match self {
-            Json::Arr(v) => v,
-            other => panic!("not an array: {other:?}"),
-        }
-    }
-    fn num(&self) -> f64 {
-        match self {
-            Json::Num(x) => *x,
-            other => panic!("not a number: {other:?}"),
-        }
-    }
-    fn str(&self) -> &str {
-        match self {
-            Json::Str(s) => s,
-            other => panic!("not a string: {other:?}"),
-        }
-    }
-    fn bool(&self) -> bool {
-        match self {
-            Json::Bool(b) => *b,
-            other => panic!("not a bool: {other:?}"),
-        }
-    }
-}
-
-fn parse(s: &str) -> Result<Json, String> {
-    let b = s.trim_end().as_bytes();
-    let mut i = 0;
-    let v = value(b, &mut i)?;
-    if i != b.len() {
-        return Err(format!("trailing bytes at {i}"));
-    }
-    Ok(v)
-}
-
-fn ws(b: &[u8], i: &mut usize) {
-    while *i < b.len() && b[*i].is_ascii_whitespace() {
-        *i += 1;
-    }
-}
-
-fn value(b: &[u8], i: &mut usize) -> Result<Json, String> {
-    ws(b, i);
-    let lit = |i: &mut usize, word: &str, v: Json| {
-        if b[*i..].starts_with(word.as_bytes()) {
-            *i += word.len();
-            Ok(v)
-        } else {
-            Err(format!("bad literal at {i}"))
-        }
-    };
-    let v = match b.get(*i) {
-        Some(b'n') => lit(i, "null", Json::Null),
-        Some(b't') => lit(i, "true", Json::Bool(true)),
-        Some(b'f') => lit(i, "false", Json::Bool(false)),
-        Some(b'"') => string(b, i).map(Json::Str),
-        Some(b'[') => {
-            *i += 1;
-            let mut v = Vec::new();
-            ws(b, i);
-            if b.get(*i) == Some(&b']') {
-                *i += 1;
-                return Ok(Json::Arr(v));
-            }
-            loop {
-                v.push(value(b, i)?);
-                ws(b, i);
-                match b.get(*i) {
-                    Some(b',') => *i += 1,
-                    Some(b']') => {
-                        *i += 1;
-                        break Ok(Json::Arr(v));
-                    }
-                    _ => break Err(format!("expected , or ] at {i}")),
-                }
-            }
-        }
-        Some(b'{') => {
-            *i += 1;
-            let mut m = BTreeMap::new();
-            ws(b, i);
-            if b.get(*i) == Some(&b'}') {
-                *i += 1;
-                return Ok(Json::Obj(m));
-            }
-            loop {
-                ws(b, i);
-                let k = string(b, i)?;
-                ws(b, i);
-                if b.get(*i) != Some(&b':') {
-                    break Err(format!("expected : at {i}"));
-                }
-                *i += 1;
-                let v = value(b, i)?;
-                if m.insert(k.clone(), v).is_some() {
-                    break Err(format!("duplicate key {k}"));
-                }
-                ws(b, i);
-                match b.get(*i) {
-                    Some(b',') => *i += 1,
-                    Some(b'}') => {
-                        *i += 1;
-                        break Ok(Json::Obj(m));
-                    }
-                    _ => break Err(format!("expected , or }} at {i}")),
-                }
-            }
-        }
-        Some(c) if *c == b'-' || c.is_ascii_digit() => {
-            let start = *i;
-            while *i < b.len() && matches!(b[*i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
-                *i += 1;
-            }
-            let t = std::str::from_utf8(&b[start..*i]).unwrap();
-            t.parse::<f64>()
-                .map(Json::Num)
-                .map_err(|e| format!("bad number {t}: {e}"))
-        }
-        _ => Err(format!("unexpected byte at {i}")),
-    };
-    v
-}
-
-fn string(b: &[u8], i: &mut usize) -> Result<String, String> {
-    if b.get(*i) != Some(&b'"') {
-        return Err(format!("expected string at {i}"));
-    }
-    *i += 1;
-    let mut out = String::new();
-    loop {
-        match b.get(*i) {
-            None => return Err("unterminated string".into()),
-            Some(b'"') => {
-                *i += 1;
-                return Ok(out);
-            }
-            Some(b'\\') => {
-                let c = *b.get(*i + 1).ok_or("bad escape")?;
-                *i += 2;
-                match c {
-                    b'"' => out.push('"'),
-                    b'\\' => out.push('\\'),
-                    b'/' => out.push('/'),
-                    b'n' => out.push('\n'),
-                    b'r' => out.push('\r'),
-                    b't' => out.push('\t'),
-                    b'u' => {
-                        let hex = std::str::from_utf8(&b[*i..*i + 4]).map_err(|e| e.to_string())?;
-                        let code = u32::from_str_radix(hex, 16).map_err(|e| e.to_string())?;
-                        out.push(char::from_u32(code).ok_or("bad \\u escape")?);
-                        *i += 4;
-                    }
-                    _ => return Err(format!("bad escape at {i}")),
-                }
-            }
-            Some(&c) if c < 0x20 => return Err(format!("control byte in string at {i}")),
-            Some(_) => {
-                // Copy one UTF-8 character.
-                let rest = std::str::from_utf8(&b[*i..]).map_err(|e| e.to_string())?;
-                let ch = rest.chars().next().expect("non-empty");
-                out.push(ch);
-                *i += ch.len_utf8();
-            }
-        }
-    }
 }

@@ -158,7 +158,8 @@ impl<'a> TrainHooks<'a> {
     }
 }
 
-fn dequant_mxfp8(
+/// `out ← dequantize(w)`: the rowwise copy for the forward, the columnwise one for the backward.
+pub fn dequant_mxfp8(
     dev: &mut Device,
     w: &Mxfp8Weights,
     usage: Usage,
@@ -178,7 +179,9 @@ fn dequant_mxfp8(
     Ok(())
 }
 
-fn dequant_nvfp4(
+/// `out ← dequantize(w)` with global amax `amax`, rowwise for the forward, columnwise for the
+/// backward.
+pub fn dequant_nvfp4(
     dev: &mut Device,
     w: &Nvfp4Weights,
     amax: f32,

@@ -19,7 +19,7 @@
 
 use lowbit_device::{DType, Device, MatmulSpec, View};
 
-use crate::model::{Hooks, ModelError, SplitMix64, Usage};
+use crate::model::{self, Hooks, ModelError, SplitMix64, Usage};
 
 /// The model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,10 +355,7 @@ impl Lm {
         p: usize,
         usage: Usage,
     ) -> Result<View, ModelError> {
-        let v = hooks.param(dev, p, usage)?;
-        let w = self.wbuf.slice(0..v.len())?;
-        dev.cast(v, w)?;
-        Ok(w)
+        model::load_f32(dev, hooks, p, usage, self.wbuf)
     }
 
     /// Every expert's weights of one projection into `dst` (expert-major), from the grouped
@@ -387,9 +384,7 @@ impl Lm {
         p: usize,
         g: View,
     ) -> Result<(), ModelError> {
-        let dst = hooks.grad(dev, p)?;
-        dev.add(g, dst)?;
-        hooks.grad_ready(dev, p)
+        model::accumulate(dev, hooks, p, g)
     }
 
     fn accumulate_experts(
@@ -417,11 +412,7 @@ impl Lm {
         y: View,
         (k, n): (usize, usize),
     ) -> Result<(), ModelError> {
-        let w = self.load(dev, hooks, pw, Usage::Forward)?;
-        dev.matmul(a, w, y, &mm(self.batch, n, k, false, true, false))?;
-        let b = self.load(dev, hooks, pb, Usage::Forward)?;
-        dev.add_bias(y, b)?;
-        Ok(())
+        model::linear(dev, hooks, (pw, pb), a, y, (self.batch, k, n), self.wbuf)
     }
 
     /// Backward of `y = a·Wᵀ + b` given `dy`: accumulates dW and db, and writes `da = dy·W`

@@ -11,11 +11,12 @@ use lowbit::buffers::layout::{
 };
 use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config, nvfp4_weight_config};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::{DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, View};
+use lowbit::device::{DType, Device, Mxfp8Config, Mxfp8Views, View};
 use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, Usage, sample};
 use lowbit::optim::{
     Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
 };
+use lowbit::train::hooks::{dequant_mxfp8, dequant_nvfp4};
 
 /// Matrix dimensions are multiples of 16 so that NVFP4's 16x16 tiles cover them; 40 columns
 /// would leave MXFP8 blocks partial, which `props.rs` in `lowbit-formats` covers.
@@ -231,16 +232,7 @@ impl Hooks for DpHooks<'_> {
                     (w, amax.rowwise)
                 }
             };
-            match usage {
-                Usage::Forward => {
-                    let (d, s) = w.rowwise;
-                    dev.dequantize_nvfp4_rowwise(d, s, amax, rows, cols, out)?;
-                }
-                Usage::Backward => {
-                    let (d, s) = w.columnwise;
-                    dev.dequantize_nvfp4_columnwise(d, s, amax, false, rows, cols, out)?;
-                }
-            }
+            dequant_nvfp4(dev, &w, amax, usage, out)?;
             return Ok(out);
         }
         let w = match self.bufs.mxfp8_weights(p) {
@@ -268,16 +260,7 @@ impl Hooks for DpHooks<'_> {
                 }
             }
         };
-        match usage {
-            Usage::Forward => {
-                let (d, s) = w.rowwise;
-                dev.dequantize_mxfp8_rowwise(d, s, rows, cols, Fp8Kind::E4M3, out)?;
-            }
-            Usage::Backward => {
-                let (d, s) = w.columnwise;
-                dev.dequantize_mxfp8_columnwise(d, s, rows, cols, Fp8Kind::E4M3, out)?;
-            }
-        }
+        dequant_mxfp8(dev, &w, usage, out)?;
         Ok(out)
     }
     fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError> {
