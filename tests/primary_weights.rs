@@ -8,8 +8,8 @@
 mod common;
 
 use common::{
-    Outcome, Precision, Run, assert_ranks_identical, assert_same_trajectory, ddp, full_masters,
-    specs, train,
+    Precision, Run, TestDevice, assert_same_trajectory, ddp, full_masters, parity_matrix, specs,
+    train, variant,
 };
 use lowbit::buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
@@ -23,40 +23,6 @@ fn full_matrix() -> bool {
     std::env::var_os("LOWBIT_FULL_MATRIX").is_some()
 }
 
-/// The run with low-precision gather on or off, everything else equal. For bf16 "off" is
-/// classic DDP (all-reduce, every rank updates everything, nothing gathered).
-fn variant(base: Run, gather: bool) -> Run {
-    match (base.precision, gather) {
-        (Precision::Mxfp8 | Precision::Nvfp4, on) => Run {
-            param_gather: on,
-            ..base
-        },
-        (Precision::Mxfp8Direct, on) => Run {
-            param_gather: on,
-            ddp: lowbit::buffers::DdpConfig {
-                mxfp8_direct_2d: on,
-                ..base.ddp
-            },
-            ..base
-        },
-        (Precision::Bf16, true) => base,
-        (Precision::Bf16, false) => Run {
-            ddp: ddp(
-                false,
-                base.ddp.overlap_grad_reduce,
-                false,
-                base.ddp.bucket_size,
-            ),
-            ..base
-        },
-    }
-}
-
-/// Compares everything but the masters' sharding (classic DDP holds whole masters).
-fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
-    assert_same_trajectory(on, off, what);
-}
-
 #[test]
 fn parity_matrix_on_vs_off_is_bitwise() {
     let start = std::time::Instant::now();
@@ -66,49 +32,7 @@ fn parity_matrix_on_vs_off_is_bitwise() {
         &[1, 2, 4]
     };
     let steps = if full_matrix() { 12 } else { 5 };
-    let mut cases = 0;
-    for precision in [
-        Precision::Bf16,
-        Precision::Mxfp8,
-        Precision::Nvfp4,
-        Precision::Mxfp8Direct,
-    ] {
-        for (og, op) in [(false, false), (true, false), (true, true)] {
-            for grad in [GradDType::F32, GradDType::Bf16] {
-                for bucket in [None, Some(500)] {
-                    for &dp in dps {
-                        let base = Run {
-                            precision,
-                            grad,
-                            steps,
-                            microbatches: 3,
-                            rows: 8 / dp.min(4) + 1,
-                            ddp: ddp(true, og, op, bucket),
-                            ..Run::new(dp)
-                        };
-                        let what = format!(
-                            "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}"
-                        );
-                        let on = train(variant(base, true));
-                        let off = train(variant(base, false));
-                        assert_ranks_identical(&on);
-                        assert_ranks_identical(&off);
-                        if precision == Precision::Bf16 && !on[0].masters.is_empty() {
-                            // Classic DDP vs distributed optimizer: masters are sharded
-                            // differently but assemble to the same values.
-                            assert_eq!(full_masters(&on).len(), full_masters(&off).len());
-                        }
-                        // The ON run really has low-precision primary weights (all 4 matrices).
-                        let expect_low = if precision == Precision::Bf16 { 0 } else { 4 };
-                        assert_eq!(on[0].low_precision_params, expect_low, "{what}");
-                        assert_eq!(off[0].low_precision_params, 0, "{what}");
-                        assert_parity(&on, &off, &what);
-                        cases += 1;
-                    }
-                }
-            }
-        }
-    }
+    let cases = parity_matrix(dps, steps, TestDevice::Cpu);
     eprintln!(
         "parity matrix: {cases} ON/OFF pairs ({} training runs of {steps} steps) in {:.1?}",
         2 * cases,

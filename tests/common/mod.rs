@@ -42,9 +42,19 @@ pub enum Precision {
     Mxfp8Direct,
 }
 
+/// Where the ranks of a run live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestDevice {
+    /// Threads on the CPU backend, the in-process group between them.
+    Cpu,
+    /// One GPU per rank, NCCL between them (the `cuda` feature; the GPU matrix).
+    Cuda,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct Run {
     pub dp: usize,
+    pub device: TestDevice,
     pub ddp: DdpConfig,
     pub grad: GradDType,
     pub precision: Precision,
@@ -70,6 +80,7 @@ impl Run {
     pub fn new(dp: usize) -> Run {
         Run {
             dp,
+            device: TestDevice::Cpu,
             ddp: ddp(true, true, true, Some(600)),
             grad: GradDType::F32,
             precision: Precision::Bf16,
@@ -438,6 +449,9 @@ impl Hooks for EvalHooks<'_, '_> {
 
 /// Trains `run` and returns every rank's outcome.
 pub fn train(run: Run) -> Vec<Outcome> {
+    if run.device == TestDevice::Cuda {
+        return train_cuda(run);
+    }
     let config = GroupConfig::default().with_timeout(Duration::from_secs(30));
     run_ranks(run.dp, config, |mut comm, mut dev| {
         rank_main(&run, &mut comm, &mut dev)
@@ -540,4 +554,115 @@ pub fn assert_same_trajectory(a: &[Outcome], b: &[Outcome], what: &str) {
         assert_eq!(bits(x), bits(y), "{what}: masters of param {p}");
     }
     assert_eq!(a[0].weights, b[0].weights, "{what}: weights");
+}
+
+/// The run with low-precision gather on or off, everything else equal. For bf16 "off" is
+/// classic DDP (all-reduce, every rank updates everything, nothing gathered).
+pub fn variant(base: Run, gather: bool) -> Run {
+    match (base.precision, gather) {
+        (Precision::Mxfp8 | Precision::Nvfp4, on) => Run {
+            param_gather: on,
+            ..base
+        },
+        (Precision::Mxfp8Direct, on) => Run {
+            param_gather: on,
+            ddp: lowbit::buffers::DdpConfig {
+                mxfp8_direct_2d: on,
+                ..base.ddp
+            },
+            ..base
+        },
+        (Precision::Bf16, true) => base,
+        (Precision::Bf16, false) => Run {
+            ddp: ddp(
+                false,
+                base.ddp.overlap_grad_reduce,
+                false,
+                base.ddp.bucket_size,
+            ),
+            ..base
+        },
+    }
+}
+
+/// Compares everything but the masters' sharding (classic DDP holds whole masters).
+pub fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
+    assert_same_trajectory(on, off, what);
+}
+
+/// The ON/OFF parity matrix over precisions, overlap, gradient dtype, buckets and the data-parallel
+/// sizes `dps`: every pair must train to the same bits. Returns the number of pairs.
+pub fn parity_matrix(dps: &[usize], steps: usize, device: TestDevice) -> usize {
+    let mut cases = 0;
+    for precision in [
+        Precision::Bf16,
+        Precision::Mxfp8,
+        Precision::Nvfp4,
+        Precision::Mxfp8Direct,
+    ] {
+        for (og, op) in [(false, false), (true, false), (true, true)] {
+            for grad in [GradDType::F32, GradDType::Bf16] {
+                for bucket in [None, Some(500)] {
+                    for &dp in dps {
+                        let base = Run {
+                            precision,
+                            grad,
+                            steps,
+                            microbatches: 3,
+                            rows: 8 / dp.min(4) + 1,
+                            ddp: ddp(true, og, op, bucket),
+                            device,
+                            ..Run::new(dp)
+                        };
+                        let what = format!(
+                            "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}"
+                        );
+                        let on = train(variant(base, true));
+                        let off = train(variant(base, false));
+                        assert_ranks_identical(&on);
+                        assert_ranks_identical(&off);
+                        if precision == Precision::Bf16 && !on[0].masters.is_empty() {
+                            // Classic DDP vs distributed optimizer: masters are sharded
+                            // differently but assemble to the same values.
+                            assert_eq!(full_masters(&on).len(), full_masters(&off).len());
+                        }
+                        // The ON run really has low-precision primary weights (all 4 matrices).
+                        let expect_low = if precision == Precision::Bf16 { 0 } else { 4 };
+                        assert_eq!(on[0].low_precision_params, expect_low, "{what}");
+                        assert_eq!(off[0].low_precision_params, 0, "{what}");
+                        assert_parity(&on, &off, &what);
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    cases
+}
+
+#[cfg(feature = "cuda")]
+fn train_cuda(run: Run) -> Vec<Outcome> {
+    lowbit::comm::nccl::run_local_ranks(run.dp, |comm, dev| rank_main(&run, comm, dev))
+        .unwrap_or_else(|e| panic!("{run:?}: {e}"))
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{run:?}: {e}")))
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_cuda(run: Run) -> Vec<Outcome> {
+    panic!("{run:?}: CUDA runs need the cuda feature");
+}
+
+/// GPUs of this machine (0 without the cuda feature or a driver).
+pub fn gpu_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        lowbit::device::cudarc::driver::CudaContext::device_count()
+            .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
 }
