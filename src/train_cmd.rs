@@ -17,9 +17,10 @@ use crate::error::CliError;
 /// with staged gathers, overlapped reduction and gathers, distributed AdamW, 200 steps).
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// Data-parallel ranks (threads on the CPU, GPUs with --device cuda).
-    #[arg(long, default_value_t = TrainConfig::default().ranks)]
-    pub ranks: usize,
+    /// Data-parallel ranks: threads on the CPU [default: 4], GPUs with --device cuda [default:
+    /// every visible GPU].
+    #[arg(long)]
+    pub ranks: Option<usize>,
     /// Weight precision of the GEMMs.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Mxfp8)]
     pub precision: PrecisionArg,
@@ -131,7 +132,11 @@ impl TrainArgs {
         let mut shape = d.shape;
         shape.grouped = !self.discrete_experts;
         TrainConfig {
-            ranks: self.ranks,
+            ranks: self.ranks.unwrap_or(match self.device {
+                DeviceArg::Cpu => d.ranks,
+                // At least one, so that a machine without GPUs gets the device's own error.
+                DeviceArg::Cuda => train::gpu_count().max(1),
+            }),
             precision,
             param_gather: self
                 .param_gather

@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::{TestDevice, gpu_count, parity_matrix};
-use lowbit::train::{DeviceChoice, Precision, TrainConfig, train};
+use common::{TestDevice, parity_matrix};
+use lowbit::train::{DeviceChoice, Precision, TrainConfig, gpu_count, train};
 
 /// The data-parallel sizes this machine can run, one GPU per rank.
 fn dps() -> Vec<usize> {

@@ -145,6 +145,25 @@ impl Default for TrainConfig {
     }
 }
 
+/// GPUs the CUDA driver reports; 0 without the `cuda` feature, the driver library or a GPU.
+pub fn gpu_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use lowbit_device::cudarc::driver::{CudaContext, sys};
+        // SAFETY: probing loads the CUDA driver library with `dlopen`, which runs its
+        // initialisers, as every CUDA program does; without the probe cudarc panics on the
+        // first driver call when the library is missing.
+        if !unsafe { sys::is_culib_present() } {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {

@@ -653,16 +653,3 @@ fn train_cuda(run: Run) -> Vec<Outcome> {
 fn train_cuda(run: Run) -> Vec<Outcome> {
     panic!("{run:?}: CUDA runs need the cuda feature");
 }
-
-/// GPUs of this machine (0 without the cuda feature or a driver).
-pub fn gpu_count() -> usize {
-    #[cfg(feature = "cuda")]
-    {
-        lowbit::device::cudarc::driver::CudaContext::device_count()
-            .map_or(0, |n| usize::try_from(n).unwrap_or(0))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        0
-    }
-}
