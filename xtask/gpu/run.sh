@@ -35,6 +35,8 @@ STEPS+=(
   "bench-nccl|600|bin/nccl_bench --json \$STEP_JSON"
   "bench-torch-collectives|600|torchrun --nproc-per-node 2 gpu/torch_collectives.py --json \$STEP_JSON"
   "compare-collectives|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl.json \$WORK/bench-torch-collectives.json"
+  "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/nccl_bench --json \$STEP_JSON"
+  "compare-collectives-on-torch-nccl|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl-on-torch-nccl.json \$WORK/bench-torch-collectives.json"
 )
 # ---------------------------------------------------------------------------------------------
 
@@ -47,6 +49,23 @@ RESULTS=${OUT:-$PWD/gpu-results}
 mkdir -p "$RESULTS"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-gpu.XXXXXX")
 export WORK
+
+# cudarc loads NCCL by the unversioned name libnccl.so; where only libnccl.so.2 is installed
+# (the system's, else PyTorch's wheel), link it under that name for this run.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}')
+  if [[ -z "$nccl" ]]; then
+    nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+  fi
+  if [[ -n "$nccl" && -e "$nccl" ]]; then
+    mkdir -p "$WORK/lib"
+    ln -sf "$nccl" "$WORK/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "== NCCL: linked $nccl as libnccl.so"
+  else
+    echo "== NCCL: no libnccl.so or libnccl.so.2 found"
+  fi
+fi
 
 selected() {
   local name=$1

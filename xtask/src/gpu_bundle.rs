@@ -5,7 +5,8 @@
 //! What goes in:
 //! - the binaries of packages with a `cuda` feature (the `lowbit` command line);
 //! - their integration tests, benches and examples that need CUDA: the target requires the
-//!   `cuda` feature, or its source mentions `feature = "cuda"`;
+//!   `cuda` feature, or its source mentions `feature = "cuda"` (examples get a step without
+//!   arguments in `tests.list` unless run.sh's step list runs them itself);
 //! - their unit-test binaries, when a source file under `src/` with tests is about CUDA (its
 //!   path mentions `cuda` or `nccl`, or it mentions `feature = "cuda"`);
 //! - `xtask/gpu/*` (run.sh, helper scripts) and each package's `benches/*.py` (torch baselines)
@@ -107,18 +108,20 @@ fn packages(root: &Path, cargo: &str) -> Result<Vec<Package>, String> {
 }
 
 /// Builds and chooses the executables.
+/// Builds and chooses the executables; `Err` carries what did build when some targets failed.
 fn build(
     root: &Path,
     cargo: &str,
     pkgs: &[&Package],
     target_dir: &Path,
-) -> Result<Vec<Exe>, String> {
+) -> Result<Vec<Exe>, (String, Vec<Exe>)> {
     let mut cmd = Command::new(cargo);
     cmd.args([
         "build",
         "--release",
         "--all-targets",
         "--message-format=json-render-diagnostics",
+        "--keep-going",
     ]);
     for p in pkgs {
         cmd.args(["-p", &p.name]);
@@ -138,12 +141,20 @@ fn build(
         features.join(", "),
         target_dir.display()
     );
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run cargo: {e}"))?;
-    let stdout = child.stdout.take().ok_or("no cargo stdout")?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| (format!("cannot run cargo: {e}"), Vec::new()))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| ("no cargo stdout".to_string(), Vec::new()))?;
     let mut exes = Vec::new();
     let mut seen = BTreeSet::new();
+    let run_sh = read(&root.join("xtask/gpu/run.sh"));
     for line in BufReader::new(stdout).lines() {
-        let line = line.map_err(|e| format!("reading cargo's output: {e}"))?;
+        let Ok(line) = line else {
+            break;
+        };
         let Ok(msg) = Json::parse(&line) else {
             continue;
         };
@@ -173,8 +184,13 @@ fn build(
             text.contains("run_local_ranks") || text.contains("NcclComm")
         };
         let threads = if nccl_like { " --test-threads=1" } else { "" };
-        let chosen = if kind.contains_str("bin") || (kind.contains_str("example") && needs_cuda) {
+        let chosen = if kind.contains_str("bin") && !test {
             Some((tname.clone(), None))
+        } else if kind.contains_str("example") && needs_cuda {
+            // A step of its own, without arguments, unless run.sh's list runs it already.
+            let step = (!run_sh.contains(&format!("bin/{tname} ")))
+                .then(|| format!("example-{tname}||bin/{tname}"));
+            Some((tname.clone(), step))
         } else if kind.contains_str("test") && needs_cuda {
             let name = format!("test-{pkg_name}-{tname}");
             let step = format!("{name}||bin/{name}{threads}");
@@ -201,13 +217,11 @@ fn build(
             });
         }
     }
-    let status = child
-        .wait()
-        .map_err(|e| format!("waiting for cargo: {e}"))?;
-    if !status.success() {
-        return Err(format!("cargo build failed ({status})"));
+    match child.wait() {
+        Ok(status) if status.success() => Ok(exes),
+        Ok(status) => Err((format!("cargo build failed ({status})"), exes)),
+        Err(e) => Err((format!("waiting for cargo: {e}"), exes)),
     }
-    Ok(exes)
 }
 
 fn copy(from: &Path, to: &Path) -> Result<u64, String> {
@@ -237,8 +251,9 @@ fn commit(root: &Path) -> String {
     if dirty { format!("{head}-dirty") } else { head }
 }
 
-/// `cargo xtask gpu-bundle`.
-pub fn gpu_bundle(root: &Path) -> Result<(), String> {
+/// `cargo xtask gpu-bundle [--allow-partial]`: with `--allow-partial`, targets that fail to
+/// build are left out (and named by cargo above) instead of failing the bundle.
+pub fn gpu_bundle(root: &Path, allow_partial: bool) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let all = packages(root, &cargo)?;
     let pkgs: Vec<&Package> = all.iter().filter(|p| p.has_cuda).collect();
@@ -248,7 +263,17 @@ pub fn gpu_bundle(root: &Path) -> Result<(), String> {
     let target_dir = std::env::var_os("LOWBIT_BUNDLE_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target/gpu-bundle"));
-    let exes = build(root, &cargo, &pkgs, &target_dir)?;
+    let exes = match build(root, &cargo, &pkgs, &target_dir) {
+        Ok(exes) => exes,
+        Err((e, exes)) if allow_partial => {
+            eprintln!(
+                "warning: {e}; bundling the {} executables that built",
+                exes.len()
+            );
+            exes
+        }
+        Err((e, _)) => return Err(format!("{e} (--allow-partial bundles what built)")),
+    };
 
     let bundle = root.join("gpu-bundle");
     if bundle.exists() {

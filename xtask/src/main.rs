@@ -43,13 +43,16 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Some("gpu-bundle") => match gpu_bundle::gpu_bundle(&repo_root()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
+        Some("gpu-bundle") => {
+            match gpu_bundle::gpu_bundle(&repo_root(), args.iter().any(|a| a == "--allow-partial"))
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
                 "usage: cargo xtask <task>\n\ntasks:\n  ci          format check, clippy -D \

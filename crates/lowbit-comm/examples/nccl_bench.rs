@@ -122,9 +122,13 @@ fn main() {
             busbw
         ));
     }
+    let nccl = lowbit_comm::nccl::nccl_version()
+        .map_or_else(|_| "?".to_string(), |(a, b, c)| format!("{a}.{b}.{c}"));
+    println!("NCCL {nccl}");
     if let Some(path) = json {
         let text = format!(
-            "{{\"impl\":\"lowbit NcclComm\",\"card\":\"{}\",\"gpus\":{gpus},\"results\":[\n{}\n]}}\n",
+            "{{\"impl\":\"lowbit NcclComm (NCCL {})\",\"card\":\"{}\",\"gpus\":{gpus},\"results\":[\n{}\n]}}\n",
+            nccl,
             card.replace('"', "'"),
             rows.join(",\n")
         );

@@ -30,7 +30,11 @@ fn cfg() -> NcclConfig {
 
 /// Runs `f` on both GPUs; any setup failure or rank error fails the test.
 fn nccl<T: Send>(f: impl Fn(NcclComm, Device) -> T + Sync) -> Vec<T> {
-    run_local_ranks_with(GPUS, cfg(), f)
+    nccl_with(cfg(), f)
+}
+
+fn nccl_with<T: Send>(cfg: NcclConfig, f: impl Fn(NcclComm, Device) -> T + Sync) -> Vec<T> {
+    run_local_ranks_with(GPUS, cfg, f)
         .unwrap_or_else(|e| panic!("NCCL setup failed (these tests need {GPUS} GPUs): {e}"))
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
@@ -88,7 +92,14 @@ fn same_on_both<B>(what: &str, body: B)
 where
     B: Fn(&mut dyn Communicator, &mut Device) -> Vec<(String, Vec<u8>)> + Sync,
 {
-    let got = nccl(|mut c, mut d| {
+    same_on_both_with(cfg(), what, body)
+}
+
+fn same_on_both_with<B>(cfg: NcclConfig, what: &str, body: B)
+where
+    B: Fn(&mut dyn Communicator, &mut Device) -> Vec<(String, Vec<u8>)> + Sync,
+{
+    let got = nccl_with(cfg, |mut c, mut d| {
         let out = body(&mut c, &mut d);
         d.synchronize().unwrap();
         out
@@ -199,7 +210,14 @@ fn broadcast_matches_local() {
 /// in place where buckets are; plus statistics equal to the in-process group's.
 #[test]
 fn coalesced_launch_and_stats_match_local() {
-    same_on_both("coalesced", |c, d| {
+    for nonblocking in [false, true] {
+        coalesced(cfg().with_nonblocking(nonblocking));
+    }
+}
+
+fn coalesced(cfg: NcclConfig) {
+    let what = format!("coalesced (nonblocking: {})", cfg.nonblocking);
+    same_on_both_with(cfg, &what, |c, d| {
         let r = c.rank();
         let n = 70_001;
         let gathered = d.alloc(DType::Bf16, GPUS * n);
@@ -428,14 +446,24 @@ fn split_and_barrier() {
 /// synchronisation that waits on it returns instead of hanging.
 #[test]
 fn a_missing_rank_times_out_instead_of_hanging() {
+    for nonblocking in [true, false] {
+        missing_rank(nonblocking);
+    }
+}
+
+fn missing_rank(nonblocking: bool) {
     let done = Barrier::new(GPUS);
-    let cfg = NcclConfig::default().with_timeout(Duration::from_secs(5));
+    let cfg = NcclConfig::default()
+        .with_timeout(Duration::from_secs(5))
+        .with_nonblocking(nonblocking);
     let t0 = Instant::now();
     let got = run_local_ranks_with(GPUS, cfg, |mut c, mut d| {
-        // Connect first, so the timeout measures the missing rank, not setup.
+        // Connect first, so the timeout measures the missing rank, not setup. (A barrier is a
+        // one-element f32 all-reduce, so the launch below needs no new connections: with a
+        // blocking communicator, connecting would block the host on the missing peer.)
         c.barrier().unwrap();
         let result = if c.rank() == 0 {
-            let buf = put(&mut d, DType::F32, &encode(DType::F32, &[1.0; 1024]));
+            let buf = put(&mut d, DType::F32, &encode(DType::F32, &[1.0]));
             let work = c.start_all_reduce(&mut d, buf, ReduceOp::Sum).unwrap();
             let _ = work.wait(&mut d);
             let _ = d.synchronize();
@@ -456,7 +484,7 @@ fn a_missing_rank_times_out_instead_of_hanging() {
     let rank0 = got[0].as_ref().unwrap().as_ref().unwrap();
     match rank0 {
         Err(CommError::Timeout { .. }) | Err(CommError::Aborted { .. }) => {}
-        other => panic!("rank 0: expected a timeout, got {other:?}"),
+        other => panic!("rank 0 (nonblocking: {nonblocking}): expected a timeout, got {other:?}"),
     }
 }
 
@@ -473,7 +501,7 @@ fn abort_reaches_the_other_rank() {
             c.abort("test abort");
             return None;
         }
-        let buf = put(&mut d, DType::F32, &encode(DType::F32, &[1.0; 16]));
+        let buf = put(&mut d, DType::F32, &encode(DType::F32, &[1.0]));
         let work = c.start_all_reduce(&mut d, buf, ReduceOp::Sum).unwrap();
         started.wait();
         let _ = work.wait(&mut d);
