@@ -13,8 +13,10 @@
 //!   into `gpu/`, run.sh at the top.
 //!
 //! `tests.list` holds one step per test binary (`name|timeout|command`), read by run.sh ahead of
-//! its own hand-written steps. Tests of NCCL run with `--test-threads=1` (each opens a world on
-//! every GPU). Builds go to `$LOWBIT_BUNDLE_TARGET_DIR` (default `target/gpu-bundle`), release,
+//! its own hand-written steps, except for binaries that run.sh's list runs itself
+//! (`bin/<name> …`, to give arguments or a timeout). Tests whose source mentions NCCL,
+//! `run_local_ranks` or `--device` run with `--test-threads=1` (concurrent NCCL worlds on the
+//! same GPUs can deadlock). Builds go to `$LOWBIT_BUNDLE_TARGET_DIR` (default `target/gpu-bundle`), release,
 //! without debug info, so the bundle stays small.
 
 use std::collections::BTreeSet;
@@ -179,33 +181,38 @@ fn build(
             target.get("required-features").contains_str("cuda") || mentions_cuda(&read(&src));
         let test = msg.get("profile").get("test").is_true();
         let pkg_name = &pkg.name;
+        // Tests that open NCCL worlds (or drive the command line on CUDA, which may) run one at
+        // a time: concurrent worlds on the same GPUs can deadlock.
         let nccl_like = {
-            let text = read(&src);
-            text.contains("run_local_ranks") || text.contains("NcclComm")
+            let text = read(&src).to_lowercase();
+            text.contains("nccl") || text.contains("run_local_ranks") || text.contains("--device")
+        };
+        // run.sh's own list may run a binary with its own arguments; then no generated step.
+        let listed = |name: &str| {
+            run_sh.contains(&format!("bin/{name} ")) || run_sh.contains(&format!("bin/{name}\""))
         };
         let threads = if nccl_like { " --test-threads=1" } else { "" };
         let chosen = if kind.contains_str("bin") && !test {
             Some((tname.clone(), None))
         } else if kind.contains_str("example") && needs_cuda {
             // A step of its own, without arguments, unless run.sh's list runs it already.
-            let step = (!run_sh.contains(&format!("bin/{tname} ")))
-                .then(|| format!("example-{tname}||bin/{tname}"));
+            let step = (!listed(&tname)).then(|| format!("example-{tname}||bin/{tname}"));
             Some((tname.clone(), step))
         } else if kind.contains_str("test") && needs_cuda {
             let name = format!("test-{pkg_name}-{tname}");
-            let step = format!("{name}||bin/{name}{threads}");
-            Some((name, Some(step)))
+            let step = (!listed(&name)).then(|| format!("{name}||bin/{name}{threads}"));
+            Some((name, step))
         } else if kind.contains_str("bench") && needs_cuda {
             let name = format!("bench-{pkg_name}-{tname}");
-            let step = format!("{name}||bin/{name} --bench");
-            Some((name, Some(step)))
+            let step = (!listed(&name)).then(|| format!("{name}||bin/{name} --bench"));
+            Some((name, step))
         } else if test
             && (kind.contains_str("lib") || kind.contains_str("rlib"))
             && unit_tests_need_cuda(&pkg.manifest_dir.join("src"))
         {
             let name = format!("unit-{pkg_name}");
-            let step = format!("{name}||bin/{name}");
-            Some((name, Some(step)))
+            let step = (!listed(&name)).then(|| format!("{name}||bin/{name}{threads}"));
+            Some((name, step))
         } else {
             None
         };
