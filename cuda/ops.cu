@@ -13,6 +13,7 @@
 // Views are passed as raw byte addresses; element offsets are aligned to the element size
 // (the host checks). Dtype codes: 0 = f32, 1 = bf16, 2 = f16.
 
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 typedef unsigned long long u64;
@@ -475,7 +476,9 @@ extern "C" __global__ void nvfp4_params(const uint32_t* __restrict__ amax_bits,
 // holds k and the reciprocal table from nvfp4_params. data: rows x ceil(cols/2) bytes (element 2j
 // in the low nibble; an odd tail leaves the last high nibble 0); scales: rows x ceil(cols/16).
 // `vec` (host-checked): bf16 input, cols % 16 == 0, x 16-byte and data 8-byte aligned: each
-// block is two 16-byte loads and one 8-byte store.
+// block is two 16-byte loads and one 8-byte store, and its amax is taken on packed bf16 pairs
+// (__habs2/__hmax2 ignore NaN like the f32 amax; bf16 -> f32 is exact, so it is the same
+// number). Grid: x covers a row's blocks (one thread each), y walks the rows (strided).
 extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, uint32_t xd,
                                                uint8_t* __restrict__ data,
                                                uint8_t* __restrict__ scales,
@@ -484,26 +487,32 @@ extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, ui
     const float k = params[0];
     const float* rcp = params + 1;
     u64 nb = (cols + 15) / 16, rb = (cols + 1) / 2;
-    GRID_STRIDE(blk, rows * nb) {
-        u64 r = blk / nb, kb = blk % nb;
-        u64 c0 = kb * 16;
-        u64 len = cols - c0 < 16 ? cols - c0 : 16;
+    u64 kb = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (kb >= nb) return;
+    u64 c0 = kb * 16;
+    u64 len = cols - c0 < 16 ? cols - c0 : 16;
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
         float f[16];
         uint32_t amax = 0;
         if (vec) {
             const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + c0));
             uint4 raw[2] = {src[0], src[1]};
             const uint16_t* h = reinterpret_cast<const uint16_t*>(raw);
+            const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(raw);
+            // From +0, so that an all-NaN block has amax 0 (max.bf16x2 returns the non-NaN).
+            __nv_bfloat162 m2 = __floats2bfloat162_rn(0.0f, 0.0f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m2 = __hmax2(m2, __habs2(p2[i]));
+            amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
 #pragma unroll
             for (int i = 0; i < 16; ++i) f[i] = bf16_bits_to_f32(h[i]);
         } else {
 #pragma unroll
-            for (int i = 0; i < 16; ++i) f[i] = (u64)i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            uint32_t a = abs_bits_nan_zero(f[i]);
-            amax = a > amax ? a : amax;
+            for (int i = 0; i < 16; ++i) {
+                f[i] = (u64)i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
+                uint32_t a = abs_bits_nan_zero(f[i]);
+                amax = a > amax ? a : amax;
+            }
         }
         uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
         float m = rcp[sf];
@@ -625,5 +634,123 @@ extern "C" __global__ void nvfp4_dequantize(const uint8_t* __restrict__ q,
         float v = e2m1[(pc % 2 == 0 ? byte : byte >> 4) & 0xF];
         float fs = mul_x86_nan(mul_x86_nan(table[scales[pr * nb + pc / 16]], amax), factor_inv);
         store(dst, dd, i, mul_x86_nan(v, fs));
+    }
+}
+
+// ---- sharded 2D primary weights (lowbit_formats::{mxfp8, nvfp4}::sharded) ----
+
+// fp32 -> E5M2 (saturating to 57344, NaN -> 0x7F), lowbit_formats::scalar::e5m2_from_f32.
+__device__ __forceinline__ uint32_t e5m2_code(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t code = rne_magnitude(a < 0x48000000u ? a : 0x48000000u, 2, 15);
+    code = code < 0x7Bu ? code : 0x7Bu;
+    return a > 0x7F800000u ? 0x7Fu : (code | sign);
+}
+
+// Smallest power of two >= |x| as E8M0 (lowbit_formats::scalar::e8m0_from_f32).
+__device__ __forceinline__ uint32_t e8m0_code(float x) {
+    uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
+    uint32_t exp = a >> 23, mant = a & 0x7FFFFFu;
+    uint32_t up = (mant != 0u && exp != 0xFEu && !(exp == 0u && mant <= 0x400000u)) ? 1u : 0u;
+    uint32_t code = exp + up;
+    code = code < 0xFEu ? code : 0xFEu;
+    return a > 0x7F800000u ? 0xFFu : code;
+}
+
+// 2^(127 - e) (lowbit_formats::scalar::e8m0_rcp): 0xFE -> 2^-127, 0xFF -> NaN.
+__device__ __forceinline__ float e8m0_reciprocal(uint32_t e) {
+    if (e == 0xFEu) return __uint_as_float(0x00400000u);
+    if (e == 0xFFu) return __uint_as_float(0x7FC00000u);
+    return __uint_as_float((254u - e) << 23);
+}
+
+// tiles[t] <- max(tiles[t] bits, |x| bits with NaN as 0) over elements start.. of a row-major
+// matrix with `cols` columns, tiles of `tile` x `tile`. The max is on u32 bits (as the library
+// does), so atomics give the same result in any order. One thread per (row, tile column)
+// segment of the range, one atomic per segment.
+extern "C" __global__ void tile_amax_fold(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
+                                          u64 start, u64 cols, u64 tile,
+                                          uint32_t* __restrict__ tiles) {
+    u64 tc = (cols + tile - 1) / tile;
+    u64 end = start + n;
+    u64 s_first = (start / cols) * tc + (start % cols) / tile;
+    u64 s_last = ((end - 1) / cols) * tc + ((end - 1) % cols) / tile;
+    GRID_STRIDE(k, s_last - s_first + 1) {
+        u64 s = s_first + k;
+        u64 row = s / tc, cb = s % tc;
+        u64 a = row * cols + cb * tile;
+        u64 b = row * cols + (cb * tile + tile < cols ? cb * tile + tile : cols);
+        a = a > start ? a : start;
+        b = b < end ? b : end;
+        uint32_t m = 0;
+        for (u64 g = a; g < b; ++g) m = max(m, abs_bits_nan_zero(load(x, xd, g - start)));
+        if (m != 0) atomicMax(tiles + (row / tile) * tc + cb, m);
+    }
+}
+
+// MXFP8 codes of elements start.. given the reduced 32x32 tile amaxes: per element the tile's
+// scale e = E8M0(amax * rcp), code = encode(x * 2^(127 - e)). e5m2 selects the element kind.
+extern "C" __global__ void mxfp8_quantize_2d_range(const uint8_t* __restrict__ x, uint32_t xd,
+                                                   u64 n, u64 start, u64 cols, uint32_t e5m2,
+                                                   float rcp, const float* __restrict__ tiles,
+                                                   uint8_t* __restrict__ out) {
+    u64 tc = (cols + 31) / 32;
+    GRID_STRIDE(i, n) {
+        u64 g = start + i;
+        float amax = tiles[(g / cols / 32) * tc + (g % cols) / 32];
+        float s = e8m0_reciprocal(e8m0_code(__fmul_rn(amax, rcp)));
+        float v = __fmul_rn(load(x, xd, i), s);
+        out[i] = (uint8_t)(e5m2 ? e5m2_code(v) : e4m3_code(v));
+    }
+}
+
+// Rowwise ([rows, tc]) and columnwise ([ceil(rows/32), cols]) E8M0 scales from the tile
+// amaxes: every entry is its tile's scale.
+extern "C" __global__ void mxfp8_scales_2d(const float* __restrict__ tiles, u64 rows, u64 cols,
+                                           float rcp, uint8_t* __restrict__ row_scales,
+                                           uint8_t* __restrict__ col_scales) {
+    u64 tc = (cols + 31) / 32;
+    u64 nr = rows * tc, nc = ((rows + 31) / 32) * cols;
+    GRID_STRIDE(i, nr + nc) {
+        if (i < nr) {
+            row_scales[i] = (uint8_t)e8m0_code(__fmul_rn(tiles[(i / tc / 32) * tc + i % tc], rcp));
+        } else {
+            u64 j = i - nr;
+            col_scales[j] = (uint8_t)e8m0_code(__fmul_rn(tiles[(j / cols) * tc + (j % cols) / 32], rcp));
+        }
+    }
+}
+
+// out[0] <- max of the raw u32 bits of n words (the NVFP4 global amax of reduced tiles).
+extern "C" __global__ void u32_max(const uint32_t* __restrict__ x, u64 n, uint32_t* __restrict__ out) {
+    uint32_t m = 0;
+    GRID_STRIDE(i, n) m = max(m, x[i]);
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
+}
+
+// NVFP4 packed codes of elements start.. (start and n even) given the reduced 16x16 tile
+// amaxes and the tensor factors from nvfp4_params (k, reciprocal table): byte j holds elements
+// 2j (low nibble) and 2j + 1.
+extern "C" __global__ void nvfp4_quantize_2d_range(const uint8_t* __restrict__ x, uint32_t xd,
+                                                   u64 npairs, u64 start, u64 cols,
+                                                   const float* __restrict__ tiles,
+                                                   const float* __restrict__ params,
+                                                   uint8_t* __restrict__ out) {
+    const float k = params[0];
+    const float* rcp = params + 1;
+    u64 tc = (cols + 15) / 16;
+    GRID_STRIDE(j, npairs) {
+        uint32_t codes[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u64 g = start + 2 * j + h;
+            float amax = tiles[(g / cols / 16) * tc + (g % cols) / 16];
+            float m = rcp[e4m3_code(__fmul_rn(amax, k))];
+            codes[h] = e2m1_code(__fmul_rn(load(x, xd, 2 * j + h), m));
+        }
+        out[j] = (uint8_t)(codes[0] | (codes[1] << 4));
     }
 }

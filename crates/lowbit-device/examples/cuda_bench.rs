@@ -101,7 +101,12 @@ fn main() {
             )
         }),
     };
-    for (copies, version) in [(Copies::Rowwise, 1), (Copies::Both, 1), (Copies::Both, 2)] {
+    for (copies, version) in [
+        (Copies::Rowwise, 2),
+        (Copies::Both, 1),
+        (Copies::Both, 2),
+        (Copies::Both, 3),
+    ] {
         dev.set_cuda_kernel_variant("mxfp8_both", version)
             .expect("variant");
         let out = views(&mut dev, copies);
@@ -116,12 +121,10 @@ fn main() {
         let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
         let bytes = elems as f64 * (2.0 + copies_n * per_copy);
         report(
-            if copies == Copies::Both && version == 2 {
-                "mxfp8 rowwise+columnwise 16384x16384 (kernel v2)"
-            } else if copies == Copies::Both {
-                "mxfp8 rowwise+columnwise 16384x16384 (kernel v1)"
+            &if copies == Copies::Both {
+                format!("mxfp8 rowwise+columnwise 16384x16384 (kernel v{version})")
             } else {
-                "mxfp8 rowwise 16384x16384"
+                "mxfp8 rowwise 16384x16384".to_string()
             },
             t,
             bytes,

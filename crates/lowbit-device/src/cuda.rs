@@ -21,7 +21,7 @@ use crate::{BufferId, DeviceError, Result, View};
 
 mod kernels;
 
-pub(crate) use kernels::AdamWArgs;
+pub(crate) use kernels::{AdamWArgs, Range2d};
 
 /// A driver error as a [`DeviceError::Cuda`], with what was being done.
 pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {
@@ -82,9 +82,10 @@ pub(crate) struct CudaDevice {
     tables: Option<CudaSlice<u32>>,
     /// The address of `tables`.
     tables_ptr: u64,
-    /// Which kernel runs MXFP8 rowwise + columnwise: version 2 (register tile, the default:
-    /// 0.57x copy bandwidth against version 1's 0.40x on an H200) or 1.
-    mxfp8_both_v2: bool,
+    /// Which kernel version runs MXFP8 rowwise + columnwise: 3 (the default: register tile,
+    /// amaxes on packed bf16 pairs; 0.69x copy bandwidth on an H200), 2 (the same with f32
+    /// amaxes, 0.57x) or 1 (shared-memory tile, 0.40x). All give the same bytes.
+    mxfp8_both_version: u32,
 }
 
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
@@ -123,7 +124,7 @@ impl CudaDevice {
             fallbacks: BTreeMap::new(),
             tables: None,
             tables_ptr: 0,
-            mxfp8_both_v2: true,
+            mxfp8_both_version: 3,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -363,7 +364,7 @@ impl CudaDevice {
     /// Selects a kernel version (for benchmarks and tests of alternatives).
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
-            ("mxfp8_both", 1 | 2) => self.mxfp8_both_v2 = version == 2,
+            ("mxfp8_both", 1..=3) => self.mxfp8_both_version = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"

@@ -19,16 +19,13 @@ use crate::{Device, Result, View};
 pub(crate) const FALLBACK_OPS: &[&str] = &[
     "sum_squares",
     "mse_loss",
-    "quantize_mxfp8 (other than bf16 -> E4M3 1D, TE NaN policy, rowwise or both, aligned)",
+    "quantize_mxfp8 (other than bf16 -> E4M3 1D, TE NaN policy, rowwise or both)",
     "quantize_nvfp4 (with 2D scales, the Hadamard transform, stochastic rounding, the Error NaN \
      policy, or a columnwise copy of rows % 16 != 0)",
     "dequantize_nvfp4_columnwise (of a Hadamard-transformed copy)",
-    "nvfp4_fold_tile_amax_2d",
-    "nvfp4_quantize_2d_range",
     "nvfp4_finish_2d",
-    "mxfp8_fold_tile_amax_2d",
-    "mxfp8_quantize_2d_range",
-    "mxfp8_scales_2d",
+    "mxfp8_quantize_2d_range, nvfp4_quantize_2d_range, mxfp8_scales_2d (only arguments the \
+     library rejects, so that its error comes back)",
 ];
 
 impl Device {

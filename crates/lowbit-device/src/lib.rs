@@ -100,11 +100,14 @@
 //!   Today: `sum_squares` and `mse_loss` (sequential f64 sums, which no parallel order
 //!   reproduces; a single GPU thread would be slower than the download), NVFP4 with 2D scales,
 //!   the Hadamard transform or stochastic rounding, MXFP8 other than bf16 → E4M3 1D rowwise or
-//!   both, and the sharded 2D primary-weight ops.
+//!   both, `nvfp4_finish_2d`, and sharded 2D calls whose arguments the library rejects (so its
+//!   error comes back unchanged).
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, fused AdamW, SGD with
 //!   momentum, matmul (one thread per output, not a tuned GEMM), the model ops, MXFP8
 //!   quantization (rowwise; rowwise + columnwise in one pass) and dequantization, NVFP4 1D
-//!   quantization (global amax and tensor scale on the device) and dequantization.
+//!   quantization (global amax and tensor scale on the device) and dequantization, and the
+//!   sharded 2D primary-weight ops (tile-amax folds, MXFP8 and NVFP4 range codes, MXFP8 2D
+//!   scales).
 //! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
 //!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
 //!   the hot kernels against a device-to-device copy of the same run.
@@ -600,8 +603,8 @@ impl Device {
     }
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
-    /// them (`("mxfp8_both", 1 | 2)`: the rowwise + columnwise MXFP8 kernel). Every version
-    /// gives the same bytes.
+    /// them (`("mxfp8_both", 1..=3)`: the rowwise + columnwise MXFP8 kernel, 3 by default).
+    /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     pub fn set_cuda_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {

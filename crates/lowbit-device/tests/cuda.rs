@@ -84,6 +84,23 @@ fn finite(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// A 64x64 matrix with whole NaN blocks (row 0, column 5), a row of subnormals only, a row of
+/// ±Inf and zeros, and random values elsewhere: the amax edge cases of the block formats.
+fn nan_blocks(with_inf: bool) -> Vec<f32> {
+    let mut v = finite(64 * 64, 4242);
+    let big = if with_inf { f32::NEG_INFINITY } else { -3.0e4 };
+    for c in 0..64 {
+        v[c] = f32::NAN;
+        v[64 + c] =
+            f32::from_bits(0x0001_0000 * (c as u32 % 7 + 1)) * if c % 2 == 0 { 1.0 } else { -1.0 };
+        v[2 * 64 + c] = if c % 3 == 0 { big } else { 0.0 };
+    }
+    for r in 0..64 {
+        v[r * 64 + 5] = f32::from_bits(0xFFC0_0001);
+    }
+    v
+}
+
 /// The little-endian bytes of `vals` encoded as `d` (RNE, `half`'s conversions).
 fn encode(d: DType, vals: &[f32]) -> Vec<u8> {
     match d {
@@ -720,7 +737,7 @@ fn mxfp8_kernels_match() {
             (70, 300),
             (32, 1000),
         ];
-        for version in [1, 2] {
+        for version in [1, 2, 3] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             for (rows, cols) in shapes {
                 for copies in [Copies::Rowwise, Copies::Both] {
@@ -735,11 +752,27 @@ fn mxfp8_kernels_match() {
                 }
             }
         }
-        // Version 2 with a misaligned source (element-wise loads and stores).
-        let src = c.rand_mid(DType::Bf16, 40 * 64, 1, 999);
-        let views = mxfp8_views(c, 40, 64, Copies::Both, 1000);
-        c.dev
-            .quantize_mxfp8(src, 40, 64, &Mxfp8Config::default(), &views)?;
+        // NaN blocks, subnormal-only and infinite rows, with every version.
+        for version in [1, 2, 3] {
+            c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
+            for copies in [Copies::Rowwise, Copies::Both] {
+                let src = c.buf(DType::Bf16, &nan_blocks(true));
+                let views = mxfp8_views(c, 64, 64, copies, 2000 + u64::from(version));
+                let cfg = Mxfp8Config {
+                    copies,
+                    ..Mxfp8Config::default()
+                };
+                c.dev.quantize_mxfp8(src, 64, 64, &cfg, &views)?;
+            }
+        }
+        // Versions 2 and 3 with a misaligned source (element-wise loads and stores).
+        for version in [2, 3] {
+            c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
+            let src = c.rand_mid(DType::Bf16, 40 * 64, 1, 999 + u64::from(version));
+            let views = mxfp8_views(c, 40, 64, Copies::Both, 1000);
+            c.dev
+                .quantize_mxfp8(src, 40, 64, &Mxfp8Config::default(), &views)?;
+        }
         Ok(vec![])
     });
     native(&o, "mxfp8 kernels");
@@ -892,6 +925,15 @@ fn nvfp4_kernels_match() {
                 }
             }
         }
+        // NaN blocks, subnormal-only and infinite rows, every input dtype.
+        for d in FLOATS {
+            let src = c.buf(d, &nan_blocks(false));
+            let views = nvfp4_views(c, 64, 64, Copies::Both, 3000);
+            let amax = c
+                .dev
+                .quantize_nvfp4(src, 64, 64, &Nvfp4Config::default(), &views)?;
+            out.push(f64::from(amax.rowwise));
+        }
         // All zeros (amax 0) and an infinite amax.
         for vals in [vec![0.0f32; 32 * 16], {
             let mut v = finite(32 * 16, 5);
@@ -946,7 +988,7 @@ fn mxfp8_dequantize_kernels_match() {
 }
 
 #[test]
-fn nvfp4_and_sharded_2d_fallbacks_match() {
+fn nvfp4_fallback_variants_match() {
     let o = check("nvfp4", false, |c| {
         let mut out = Vec::new();
         let (rows, cols) = (48, 64);
@@ -984,31 +1026,116 @@ fn nvfp4_and_sharded_2d_fallbacks_match() {
             c.dev
                 .dequantize_nvfp4_columnwise(d, s, amax.columnwise, cfg.rht, rows, cols, dst)?;
         }
-        // The sharded 2D MXFP8 path: fold tile amaxes over two shards, quantize the ranges,
-        // write the scales.
-        let (rows, cols) = (64, 96);
-        let x = c.buf(DType::F32, &finite(rows * cols, 800));
-        let tiles = c.buf(
-            DType::F32,
-            &vec![0.0; lowbit_device::mxfp8_tile_count(rows, cols)],
-        );
-        let half = rows * cols / 2;
-        let (s0, s1) = x.split_at(half)?;
-        c.dev.mxfp8_fold_tile_amax_2d(s0, 0, cols, tiles)?;
-        c.dev.mxfp8_fold_tile_amax_2d(s1, half, cols, tiles)?;
-        let q = c.rand(DType::U8, rows * cols, 801);
-        let (q0, q1) = q.split_at(half)?;
-        c.dev
-            .mxfp8_quantize_2d_range(s0, 0, cols, Fp8Kind::E4M3, tiles, q0)?;
-        c.dev
-            .mxfp8_quantize_2d_range(s1, half, cols, Fp8Kind::E4M3, tiles, q1)?;
-        let rs = c.rand(DType::U8, rows * cols / 32, 802);
-        let cs = c.rand(DType::U8, rows * cols / 32, 803);
-        c.dev
-            .mxfp8_scales_2d(rows, cols, Fp8Kind::E4M3, tiles, rs, cs)?;
         Ok(out)
     });
-    assert!(!o.fallbacks.is_empty());
+    assert!(
+        o.fallbacks
+            .iter()
+            .any(|(op, n)| *op == "quantize_nvfp4" && *n == 2),
+        "{:?}",
+        o.fallbacks
+    );
+}
+
+/// The sharded 2D primary-weight ops: tile amaxes folded shard by shard (shard boundaries
+/// inside rows and tiles, tiles starting non-zero), the codes of each shard, the 2D scales.
+#[test]
+fn sharded_2d_ops_match() {
+    let o = check("sharded 2d", false, |c| {
+        let mut out = Vec::new();
+        for (rows, cols, d, seed) in [
+            (64usize, 96usize, DType::F32, 1u64),
+            (70, 50, DType::Bf16, 2),
+            (33, 34, DType::F16, 3),
+        ] {
+            let n = rows * cols;
+            let x = c.buf(d, &finite(n, 800 + seed));
+            // Three shards, boundaries at even offsets (NVFP4 packs pairs) inside rows.
+            let cuts = [0, (n / 3) & !1, (2 * n / 3) & !1, n];
+            for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+                let init: Vec<f32> = (0..lowbit_device::mxfp8_tile_count(rows, cols))
+                    .map(|i| if i % 5 == 0 { 1e-3 } else { 0.0 })
+                    .collect();
+                let tiles = c.buf(DType::F32, &init);
+                for w in cuts.windows(2) {
+                    let s = x.slice(w[0]..w[1])?;
+                    c.dev.mxfp8_fold_tile_amax_2d(s, w[0], cols, tiles)?;
+                }
+                let q = c.rand(DType::U8, n, 801 + seed);
+                for w in cuts.windows(2) {
+                    let (s, qs) = (x.slice(w[0]..w[1])?, q.slice(w[0]..w[1])?);
+                    c.dev
+                        .mxfp8_quantize_2d_range(s, w[0], cols, kind, tiles, qs)?;
+                }
+                let rs = c.rand(DType::U8, rows * cols.div_ceil(32), 802 + seed);
+                let cs = c.rand(DType::U8, rows.div_ceil(32) * cols, 803 + seed);
+                c.dev.mxfp8_scales_2d(rows, cols, kind, tiles, rs, cs)?;
+            }
+            // NVFP4: fold, quantize each shard, then rebuild both copies.
+            let tc = rows.div_ceil(16) * cols.div_ceil(16);
+            let tiles = c.buf(DType::F32, &vec![0.0; tc]);
+            for w in cuts.windows(2) {
+                let s = x.slice(w[0]..w[1])?;
+                c.dev.nvfp4_fold_tile_amax_2d(s, w[0], cols, tiles)?;
+            }
+            let packed = c.rand(DType::U8, n / 2, 804 + seed);
+            for w in cuts.windows(2) {
+                let (s, ps) = (x.slice(w[0]..w[1])?, packed.slice(w[0] / 2..w[1] / 2)?);
+                c.dev.nvfp4_quantize_2d_range(s, w[0], cols, tiles, ps)?;
+            }
+            if cols % 2 == 0 {
+                let rd = packed;
+                let rsc = c.rand(DType::U8, rows * cols.div_ceil(16), 805 + seed);
+                let cd = c.rand(DType::U8, cols * rows.div_ceil(2), 806 + seed);
+                let csc = c.rand(DType::U8, cols * rows.div_ceil(16), 807 + seed);
+                let views = Nvfp4Views {
+                    rowwise: Some((rd, rsc)),
+                    columnwise: Some((cd, csc)),
+                };
+                out.push(f64::from(c.dev.nvfp4_finish_2d(rows, cols, tiles, &views)?));
+            }
+        }
+        // Errors the library raises come back identically: an odd NVFP4 shard start, a
+        // length mismatch, too few tiles, wrong scale lengths.
+        let x = c.buf(DType::F32, &finite(64, 9));
+        let tiles = c.buf(DType::F32, &[0.5; 4]);
+        let q = c.rand(DType::U8, 64, 10);
+        let mut errs = vec![
+            c.dev
+                .nvfp4_quantize_2d_range(x.slice(1..33)?, 1, 8, tiles, q.slice(0..16)?)
+                .unwrap_err(),
+            c.dev
+                .mxfp8_quantize_2d_range(x, 0, 8, Fp8Kind::E4M3, tiles, q.slice(0..10)?)
+                .unwrap_err(),
+            c.dev.mxfp8_fold_tile_amax_2d(x, 0, 0, tiles).unwrap_err(),
+            c.dev
+                .mxfp8_scales_2d(64, 64, Fp8Kind::E4M3, tiles, q, q)
+                .unwrap_err(),
+        ];
+        errs.push(
+            c.dev
+                .mxfp8_scales_2d(32, 64, Fp8Kind::E4M3, tiles.slice(0..2)?, q.slice(0..5)?, q)
+                .unwrap_err(),
+        );
+        out.extend(
+            errs.iter()
+                .flat_map(|e| format!("{e}").into_bytes())
+                .map(f64::from),
+        );
+        Ok(out)
+    });
+    // Only the error cases and nvfp4_finish_2d take the host path.
+    assert!(
+        o.fallbacks.iter().all(|(op, _)| [
+            "nvfp4_finish_2d",
+            "nvfp4_quantize_2d_range",
+            "mxfp8_quantize_2d_range",
+            "mxfp8_scales_2d"
+        ]
+        .contains(op)),
+        "{:?}",
+        o.fallbacks
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1021,7 +1148,7 @@ fn fallback_list_names_the_fallback_ops() {
         "sum_squares",
         "mse_loss",
         "quantize_nvfp4 (",
-        "mxfp8_scales_2d",
+        "nvfp4_finish_2d",
     ] {
         assert!(list.iter().any(|l| l.starts_with(op)), "{op} not listed");
     }
@@ -1034,6 +1161,8 @@ fn fallback_list_names_the_fallback_ops() {
         "rms_norm",
         "dequantize_mxfp8_rowwise",
         "dequantize_nvfp4_rowwise",
+        "mxfp8_fold_tile_amax_2d",
+        "nvfp4_fold_tile_amax_2d",
     ] {
         assert!(!list.contains(&op), "{op} has a kernel but is listed");
     }
@@ -1052,4 +1181,37 @@ fn allocated_bytes_and_synchronize() {
     assert_eq!(g.allocated_bytes(), base);
     g.synchronize().unwrap();
     Device::cpu().synchronize().unwrap();
+}
+
+#[test]
+fn devices_move_between_threads_and_run_side_by_side() {
+    // A device created on one thread and used on another (the driver context is bound per
+    // call), and two devices of the same GPU used concurrently, as rank threads do.
+    let mut g = gpu();
+    let v = g.alloc(DType::F32, 1 << 16);
+    let handle = std::thread::spawn(move || {
+        g.fill(v, 2.5).unwrap();
+        g.scale(v, 2.0).unwrap();
+        let back: Vec<f32> = g.download(v).unwrap();
+        assert!(back.iter().all(|&x| x == 5.0));
+        g
+    });
+    let mut g = handle.join().unwrap();
+    let workers: Vec<_> = (0..2)
+        .map(|k| {
+            std::thread::spawn(move || {
+                let mut d = gpu();
+                let x = d.alloc(DType::F32, 4096);
+                d.fill(x, k as f32).unwrap();
+                (d.max_abs(x).unwrap(), d.sum_squares(x).unwrap())
+            })
+        })
+        .collect();
+    for (k, w) in workers.into_iter().enumerate() {
+        let (m, s) = w.join().unwrap();
+        assert_eq!(m, k as f32);
+        assert_eq!(s, 4096.0 * (k * k) as f64);
+    }
+    g.free(v).unwrap();
+    g.synchronize().unwrap();
 }

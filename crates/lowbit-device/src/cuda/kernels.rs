@@ -95,7 +95,7 @@ impl CudaDevice {
             (Copies::Both, Some((rd, rs)), Some((cd, cs))) => {
                 let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
                 let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
-                if self.mxfp8_both_v2 {
+                if self.mxfp8_both_version >= 2 {
                     let vec = cols.is_multiple_of(8)
                         && x.is_multiple_of(16)
                         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
@@ -108,7 +108,11 @@ impl CudaDevice {
                     // vector accesses only with `vec`, whose alignment is checked here.
                     unsafe {
                         self.launch(
-                            "mxfp8_both_e4m3_bf16_v2",
+                            if self.mxfp8_both_version == 3 {
+                                "mxfp8_both_e4m3_bf16_v3"
+                            } else {
+                                "mxfp8_both_e4m3_bf16_v2"
+                            },
                             (gx, gy, 1),
                             (256, 1, 1),
                             &[
@@ -730,6 +734,9 @@ impl CudaDevice {
         {
             return Ok(None);
         }
+        let Some(gx) = blocks(cols.div_ceil(16), 128) else {
+            return Ok(None);
+        };
         let x = self.device_ptr(src)?;
         let xd = dt(src.dtype());
         // Global amax, then the tensor-level factors, both on the device: no host round trip
@@ -763,9 +770,10 @@ impl CudaDevice {
                 Arg::U64(c),
                 Arg::U32(u32::from(vec)),
             ];
+            let gy = u32::try_from(rows.min(65535)).unwrap_or(65535);
             // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data and
             // rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
-            unsafe { self.launch_n("nvfp4_quantize_rows", rows * cols.div_ceil(16), &args)? };
+            unsafe { self.launch("nvfp4_quantize_rows", (gx, gy, 1), (128, 1, 1), &args)? };
         }
         if let Some((d, s)) = out.columnwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
@@ -857,5 +865,180 @@ impl CudaDevice {
         // SAFETY: views validated by the caller with the plane's shapes; `tp` addresses a
         // 256-entry table of the device's constant tables.
         unsafe { self.launch_n("nvfp4_dequantize", rows * cols, &args) }
+    }
+}
+
+/// The element format of a sharded 2D quantization range.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Range2d {
+    /// MXFP8 codes (one byte each) of this kind, 32x32 tiles.
+    Mxfp8(Fp8Kind),
+    /// NVFP4 packed codes (two per byte), 16x16 tiles.
+    Nvfp4,
+}
+
+impl CudaDevice {
+    /// Whether `tiles` (`tile` x `tile` tiles of a matrix with `cols` columns) covers the flat
+    /// range `start .. start + len`.
+    fn tiles_cover(tiles: View, start: usize, len: usize, cols: usize, tile: usize) -> bool {
+        cols > 0
+            && (start + len)
+                .div_ceil(cols)
+                .div_ceil(tile)
+                .checked_mul(cols.div_ceil(tile))
+                .is_some_and(|need| tiles.len() >= need)
+    }
+
+    /// Folds |src| into the tile amaxes (views validated by the caller, `cols > 0`, tiles
+    /// covering the range).
+    pub(crate) fn fold_tile_amax(
+        &mut self,
+        src: View,
+        start: usize,
+        cols: usize,
+        tile: usize,
+        tiles: View,
+    ) -> Result<()> {
+        let (x, t) = (self.device_ptr(src)?, self.device_ptr(tiles)?);
+        let n = src.len();
+        let segments = n.div_ceil(tile) + (n + start) / cols + 2;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::U64(x),
+            Arg::U32(dt(src.dtype())),
+            Arg::U64(n as u64),
+            Arg::U64(start as u64),
+            Arg::U64(cols as u64),
+            Arg::U64(tile as u64),
+            Arg::U64(t),
+        ];
+        // SAFETY: `src` and `tiles` validated by the caller; every tile index the range maps to
+        // is below the count the caller checked.
+        unsafe { self.launch_n("tile_amax_fold", segments, &args) }
+    }
+
+    /// The codes of a sharded 2D range with the kernels, or `Ok(false)` when the library would
+    /// report an error (or could not index its tiles) for these arguments, for the caller's
+    /// host path. Views validated by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn quantize_2d_range(
+        &mut self,
+        format: Range2d,
+        src: View,
+        start: usize,
+        cols: usize,
+        tiles: View,
+        out: View,
+    ) -> Result<bool> {
+        let n = src.len();
+        let (x, t, o) = (
+            self.device_ptr(src)?,
+            self.device_ptr(tiles)?,
+            self.device_ptr(out)?,
+        );
+        match format {
+            Range2d::Mxfp8(kind) => {
+                if out.len() != n || !Self::tiles_cover(tiles, start, n, cols, 32) {
+                    return Ok(false);
+                }
+                let args = [
+                    Arg::U64(x),
+                    Arg::U32(dt(src.dtype())),
+                    Arg::U64(n as u64),
+                    Arg::U64(start as u64),
+                    Arg::U64(cols as u64),
+                    Arg::U32(u32::from(kind == Fp8Kind::E5M2)),
+                    Arg::F32(kind.max_norm_rcp()),
+                    Arg::U64(t),
+                    Arg::U64(o),
+                ];
+                // SAFETY: views validated by the caller; `out` has one byte per element and
+                // the tiles cover the range (checked here).
+                unsafe { self.launch_n("mxfp8_quantize_2d_range", n, &args)? };
+            }
+            Range2d::Nvfp4 => {
+                if !start.is_multiple_of(2)
+                    || !n.is_multiple_of(2)
+                    || out.len() * 2 != n
+                    || !Self::tiles_cover(tiles, start, n, cols, 16)
+                {
+                    return Ok(false);
+                }
+                let (amax, ap) = self.scratch(1)?;
+                if !tiles.is_empty() {
+                    let args = [Arg::U64(t), Arg::U64(tiles.len() as u64), Arg::U64(ap)];
+                    // SAFETY: `tiles` is a validated f32 view; `ap` one zeroed word.
+                    unsafe { self.launch_n("u32_max", tiles.len(), &args)? };
+                }
+                let (params, pp) = self.scratch(257)?;
+                // SAFETY: `ap` holds one word, `pp` 257, the tables 512 floats (E4M3 first).
+                unsafe {
+                    self.launch(
+                        "nvfp4_params",
+                        (1, 1, 1),
+                        (256, 1, 1),
+                        &[Arg::U64(ap), Arg::U64(self.tables_ptr), Arg::U64(pp)],
+                    )?;
+                }
+                let args = [
+                    Arg::U64(x),
+                    Arg::U32(dt(src.dtype())),
+                    Arg::U64((n / 2) as u64),
+                    Arg::U64(start as u64),
+                    Arg::U64(cols as u64),
+                    Arg::U64(t),
+                    Arg::U64(pp),
+                    Arg::U64(o),
+                ];
+                // SAFETY: views validated by the caller; `out` has n/2 bytes and the tiles cover
+                // the range (checked here); `pp` holds the tensor factors.
+                unsafe { self.launch_n("nvfp4_quantize_2d_range", n / 2, &args)? };
+                drop((amax, params));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Rowwise and columnwise E8M0 scales of a 2D MXFP8 matrix from its tile amaxes, or
+    /// `Ok(false)` for the caller's host path whenever that path would fail or write piecewise
+    /// (wrong dtypes or lengths, dead or overlapping views), so errors stay the host's.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn mxfp8_scales_2d(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        tiles: View,
+        row_scales: View,
+        col_scales: View,
+    ) -> Result<bool> {
+        let tc = cols.div_ceil(32);
+        let (nr, nc) = (rows * tc, rows.div_ceil(32) * cols);
+        let ok = tiles.dtype() == DType::F32
+            && tiles.len() == rows.div_ceil(32) * tc
+            && row_scales.dtype() == DType::U8
+            && col_scales.dtype() == DType::U8
+            && row_scales.len() == nr
+            && col_scales.len() == nc
+            && self
+                .check_views("mxfp8_scales_2d", &[tiles], &[row_scales, col_scales])
+                .is_ok();
+        if !ok {
+            return Ok(false);
+        }
+        let args = [
+            Arg::U64(self.device_ptr(tiles)?),
+            Arg::U64(rows as u64),
+            Arg::U64(cols as u64),
+            Arg::F32(kind.max_norm_rcp()),
+            Arg::U64(self.device_ptr(row_scales)?),
+            Arg::U64(self.device_ptr(col_scales)?),
+        ];
+        // SAFETY: all three views checked above (live, in bounds, disjoint, the lengths the
+        // kernel writes).
+        unsafe { self.launch_n("mxfp8_scales_2d", nr + nc, &args)? };
+        Ok(true)
     }
 }

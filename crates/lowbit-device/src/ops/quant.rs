@@ -398,7 +398,7 @@ impl Device {
     ) -> Result<()> {
         self.fold_tiles(
             "nvfp4_fold_tile_amax_2d",
-            (src, start, cols, tiles),
+            (src, start, cols, tiles, nvfp4::BLOCK),
             nvfp4::sharded::tile_count,
             nvfp4::sharded::fold_tile_amax_2d,
         )
@@ -414,9 +414,13 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
-        self.quantize_range("nvfp4_quantize_2d_range", src, tiles, out, |v, t, b| {
-            nvfp4::sharded::quantize_2d_range(v, start, cols, t, b)
-        })
+        self.quantize_range(
+            "nvfp4_quantize_2d_range",
+            (src, start, cols, tiles, out),
+            #[cfg(feature = "cuda")]
+            crate::cuda::Range2d::Nvfp4,
+            |v, t, b| nvfp4::sharded::quantize_2d_range(v, start, cols, t, b),
+        )
     }
 
     /// Completes gathered 2D NVFP4 weights: from the rowwise bytes `out.rowwise.0` (already in
@@ -463,7 +467,7 @@ impl Device {
     ) -> Result<()> {
         self.fold_tiles(
             "mxfp8_fold_tile_amax_2d",
-            (src, start, cols, tiles),
+            (src, start, cols, tiles, mxfp8::BLOCK),
             mxfp8::sharded::tile_count,
             mxfp8::sharded::fold_tile_amax_2d,
         )
@@ -480,9 +484,13 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
-        self.quantize_range("mxfp8_quantize_2d_range", src, tiles, out, |v, t, b| {
-            mxfp8::sharded::quantize_2d_range(v, start, cols, kind, t, b)
-        })
+        self.quantize_range(
+            "mxfp8_quantize_2d_range",
+            (src, start, cols, tiles, out),
+            #[cfg(feature = "cuda")]
+            crate::cuda::Range2d::Mxfp8(kind),
+            |v, t, b| mxfp8::sharded::quantize_2d_range(v, start, cols, kind, t, b),
+        )
     }
 
     /// Writes the rowwise and columnwise E8M0 scales of a 2D-quantized `rows × cols` matrix from
@@ -497,6 +505,12 @@ impl Device {
         col_scales: View,
     ) -> Result<()> {
         const WHAT: &str = "mxfp8_scales_2d";
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.mxfp8_scales_2d(rows, cols, kind, tiles, row_scales, col_scales)?
+        {
+            return Ok(());
+        }
         let t: Vec<f32> = self.download(tiles)?;
         if t.len() != mxfp8::sharded::tile_count(rows, cols) {
             return Err(invalid(
@@ -518,7 +532,7 @@ impl Device {
     fn fold_tiles(
         &mut self,
         what: &'static str,
-        (src, start, cols, tiles): (View, usize, usize, View),
+        (src, start, cols, tiles, tile): (View, usize, usize, View, usize),
         tile_count: fn(usize, usize) -> usize,
         fold: fn(&[f32], usize, usize, &mut [f32]),
     ) -> Result<()> {
@@ -532,6 +546,9 @@ impl Device {
                 format!("{} tiles cannot cover the range", tiles.len()),
             ));
         }
+        on_cuda!(self, g => g.fold_tile_amax(src, start, cols, tile, tiles));
+        #[cfg(not(feature = "cuda"))]
+        let _ = tile;
         let values = self.read_f32(src)?;
         self.note_fallback(what);
         let mut t: Vec<f32> = self.download(tiles)?;
@@ -542,15 +559,22 @@ impl Device {
     fn quantize_range(
         &mut self,
         what: &'static str,
-        src: View,
-        tiles: View,
-        out: View,
+        (src, start, cols, tiles, out): (View, usize, usize, View, View),
+        #[cfg(feature = "cuda")] format: crate::cuda::Range2d,
         quantize: impl FnOnce(&[f32], &[f32], &mut [u8]) -> Result<(), lowbit_formats::FormatError>,
     ) -> Result<()> {
         check_float(what, src)?;
         check_dtype(what, tiles, DType::F32)?;
         check_dtype(what, out, DType::U8)?;
         self.check_views(what, &[src, tiles], &[out])?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.quantize_2d_range(format, src, start, cols, tiles, out)?
+        {
+            return Ok(());
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (start, cols);
         let values = self.read_f32(src)?;
         self.note_fallback(what);
         let t: Vec<f32> = self.download(tiles)?;
