@@ -72,7 +72,7 @@
 //! [`Device::softmax_cross_entropy_backward`].
 //!
 //! # The CUDA backend (feature `cuda`)
-//! [`Device::cuda`] opens GPU `ordinal` through `cudarc` (the driver library is loaded at run
+//! `Device::cuda` opens GPU `ordinal` through `cudarc` (the driver library is loaded at run
 //! time, so every build compiles and links without CUDA; a missing driver or GPU is a
 //! [`DeviceError::Cuda`], never a panic). Decisions:
 //! - **Same handles, same checks.** Buffers are driver allocations (zero-filled) in the same
@@ -81,8 +81,8 @@
 //! - **One stream per device.** Every op is enqueued on it in call order; host reads
 //!   (downloads, reductions, losses, NVFP4 amaxes) synchronise it; [`Device::synchronize`]
 //!   waits for everything. Layers that drive the same memory from another stream (NCCL) get the
-//!   stream, the ordinal and validated raw addresses from [`Device::cuda_stream`],
-//!   [`Device::cuda_ordinal`] and [`Device::cuda_device_ptr`], and order themselves with
+//!   stream, the ordinal and validated raw addresses from `Device::cuda_stream`,
+//!   `Device::cuda_ordinal` and `Device::cuda_device_ptr`, and order themselves with
 //!   events.
 //! - **Bit-exact with the CPU.** Kernels (`cuda/ops.cu`, `cuda/mxfp8.cu`, PTX embedded by
 //!   [`ptx`]) follow the arithmetic contract above operation for operation: `_rn` intrinsics
