@@ -395,3 +395,40 @@ fn nvfp4_and_dequantize_errors() {
         Err(DeviceError::Invalid { .. })
     ));
 }
+
+#[test]
+fn sharded_ranges_the_tiles_do_not_cover_are_errors_not_panics() {
+    let mut dev = Device::cpu();
+    let x = dev.alloc(DType::F32, 64);
+    let q = dev.alloc(DType::U8, 64);
+    let p = dev.alloc(DType::U8, 32);
+    // 64 elements of an 8-column matrix are 8 rows: one 32x32 tile, one 16x16 tile.
+    let none = dev.alloc(DType::F32, 0);
+    let one = dev.alloc(DType::F32, 1);
+    for (cols, tiles) in [(8, none), (0, one)] {
+        assert!(matches!(
+            dev.mxfp8_quantize_2d_range(x, 0, cols, Fp8Kind::E4M3, tiles, q),
+            Err(DeviceError::Invalid { .. })
+        ));
+        assert!(matches!(
+            dev.nvfp4_quantize_2d_range(x, 0, cols, tiles, p),
+            Err(DeviceError::Invalid { .. })
+        ));
+    }
+    // A range past the tiles (elements 64.. of a 64-row matrix need a second tile row).
+    assert!(matches!(
+        dev.mxfp8_quantize_2d_range(x, 64 * 8 * 4, 8, Fp8Kind::E4M3, one, q),
+        Err(DeviceError::Invalid { .. })
+    ));
+    assert!(matches!(
+        dev.mxfp8_quantize_2d_range(x, usize::MAX, 8, Fp8Kind::E4M3, one, q),
+        Err(DeviceError::Invalid { .. })
+    ));
+    // Covered: fine, and nothing panics for an empty range either.
+    dev.mxfp8_quantize_2d_range(x, 0, 8, Fp8Kind::E4M3, one, q)
+        .unwrap();
+    dev.nvfp4_quantize_2d_range(x, 0, 8, one, p).unwrap();
+    let empty = x.slice(0..0).unwrap();
+    dev.mxfp8_quantize_2d_range(empty, 0, 0, Fp8Kind::E4M3, none, q.slice(0..0).unwrap())
+        .unwrap();
+}

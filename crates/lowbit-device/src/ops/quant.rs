@@ -417,6 +417,7 @@ impl Device {
         self.quantize_range(
             "nvfp4_quantize_2d_range",
             (src, start, cols, tiles, out),
+            nvfp4::sharded::tile_count,
             #[cfg(feature = "cuda")]
             crate::cuda::Range2d::Nvfp4,
             |v, t, b| nvfp4::sharded::quantize_2d_range(v, start, cols, t, b),
@@ -487,6 +488,7 @@ impl Device {
         self.quantize_range(
             "mxfp8_quantize_2d_range",
             (src, start, cols, tiles, out),
+            mxfp8::sharded::tile_count,
             #[cfg(feature = "cuda")]
             crate::cuda::Range2d::Mxfp8(kind),
             |v, t, b| mxfp8::sharded::quantize_2d_range(v, start, cols, kind, t, b),
@@ -527,6 +529,26 @@ impl Device {
     }
 }
 
+/// Checks that `tiles` covers the flat range `start .. start + len` of a matrix with `cols`
+/// columns (and that `cols > 0`).
+fn check_tiles_cover(
+    what: &'static str,
+    (start, len, cols): (usize, usize, usize),
+    tiles: View,
+    tile_count: fn(usize, usize) -> usize,
+) -> Result<()> {
+    let end = start
+        .checked_add(len)
+        .ok_or_else(|| invalid(what, format!("range {start} + {len} overflows usize")))?;
+    if cols == 0 || tiles.len() < tile_count(end.div_ceil(cols), cols) {
+        return Err(invalid(
+            what,
+            format!("{} tiles cannot cover the range", tiles.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// The shared bodies of the sharded 2D ops: view checks, host round trip, the format's function.
 impl Device {
     fn fold_tiles(
@@ -539,13 +561,7 @@ impl Device {
         check_float(what, src)?;
         check_dtype(what, tiles, DType::F32)?;
         self.check_views(what, &[src], &[tiles])?;
-        let rows_needed = (start + src.len()).div_ceil(cols.max(1));
-        if cols == 0 || tiles.len() < tile_count(rows_needed, cols) {
-            return Err(invalid(
-                what,
-                format!("{} tiles cannot cover the range", tiles.len()),
-            ));
-        }
+        check_tiles_cover(what, (start, src.len(), cols), tiles, tile_count)?;
         on_cuda!(self, g => g.fold_tile_amax(src, start, cols, tile, tiles));
         #[cfg(not(feature = "cuda"))]
         let _ = tile;
@@ -560,6 +576,7 @@ impl Device {
         &mut self,
         what: &'static str,
         (src, start, cols, tiles, out): (View, usize, usize, View, View),
+        tile_count: fn(usize, usize) -> usize,
         #[cfg(feature = "cuda")] format: crate::cuda::Range2d,
         quantize: impl FnOnce(&[f32], &[f32], &mut [u8]) -> Result<(), lowbit_formats::FormatError>,
     ) -> Result<()> {
@@ -567,6 +584,11 @@ impl Device {
         check_dtype(what, tiles, DType::F32)?;
         check_dtype(what, out, DType::U8)?;
         self.check_views(what, &[src, tiles], &[out])?;
+        // The library indexes the tiles of every element (and divides by `cols`): a range they do
+        // not cover is an error here, not a panic there.
+        if !src.is_empty() {
+            check_tiles_cover(what, (start, src.len(), cols), tiles, tile_count)?;
+        }
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
             && g.quantize_2d_range(format, src, start, cols, tiles, out)?
