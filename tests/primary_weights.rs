@@ -32,7 +32,13 @@ fn parity_matrix_on_vs_off_is_bitwise() {
         &[1, 2, 4]
     };
     let steps = if full_matrix() { 12 } else { 5 };
-    let cases = parity_matrix(dps, steps, TestDevice::Cpu);
+    let cases = parity_matrix(
+        dps,
+        steps,
+        TestDevice::Cpu,
+        &[GradDType::F32, GradDType::Bf16],
+        &[None, Some(500)],
+    );
     eprintln!(
         "parity matrix: {cases} ON/OFF pairs ({} training runs of {steps} steps) in {:.1?}",
         2 * cases,

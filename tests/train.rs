@@ -259,7 +259,7 @@ fn invalid_combinations_are_refused_up_front_with_the_reason() {
         assert!(err.contains(reason), "{args:?}: {err}");
         assert!(err.starts_with("error: "), "{args:?}: {err}");
     }
-    if !cfg!(feature = "cuda") {
+    if !lowbit::train::HAS_CUDA {
         let err = run_refused(&["--device", "cuda"]);
         assert!(err.contains("--features cuda"), "{err}");
     }

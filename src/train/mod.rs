@@ -145,6 +145,9 @@ impl Default for TrainConfig {
     }
 }
 
+/// Whether this build has the CUDA backend (`--features cuda`).
+pub const HAS_CUDA: bool = cfg!(feature = "cuda");
+
 /// GPUs the CUDA driver reports; 0 without the `cuda` feature, the driver library or a GPU.
 pub fn gpu_count() -> usize {
     #[cfg(feature = "cuda")]

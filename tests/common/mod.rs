@@ -592,7 +592,13 @@ pub fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
 
 /// The ON/OFF parity matrix over precisions, overlap, gradient dtype, buckets and the data-parallel
 /// sizes `dps`: every pair must train to the same bits. Returns the number of pairs.
-pub fn parity_matrix(dps: &[usize], steps: usize, device: TestDevice) -> usize {
+pub fn parity_matrix(
+    dps: &[usize],
+    steps: usize,
+    device: TestDevice,
+    grads: &[GradDType],
+    buckets: &[Option<usize>],
+) -> usize {
     let mut cases = 0;
     for precision in [
         Precision::Bf16,
@@ -601,8 +607,8 @@ pub fn parity_matrix(dps: &[usize], steps: usize, device: TestDevice) -> usize {
         Precision::Mxfp8Direct,
     ] {
         for (og, op) in [(false, false), (true, false), (true, true)] {
-            for grad in [GradDType::F32, GradDType::Bf16] {
-                for bucket in [None, Some(500)] {
+            for &grad in grads {
+                for &bucket in buckets {
                     for &dp in dps {
                         let base = Run {
                             precision,
