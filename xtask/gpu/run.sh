@@ -39,6 +39,10 @@ STEPS+=(
   "compare-collectives|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl.json \$WORK/bench-torch-collectives.json"
   "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/nccl_bench --json \$STEP_JSON"
   "compare-collectives-on-torch-nccl|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl-on-torch-nccl.json \$WORK/bench-torch-collectives.json"
+  # Kernels against the device copy of the same run, then the PyTorch baselines (eager and
+  # torch.compile reference quantizers, fused AdamW + bf16 copy) on the same card.
+  "example-cuda_bench|300|set -o pipefail; bin/cuda_bench | tee \$STEP_SUMMARY"
+  "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # lowbit train: the default run on one and on two GPUs, the same runs on the CPU backend of
   # this host, and a bitwise comparison (losses, grad norms, evals, final masters).
   "train-cpu-1rank|600|bin/lowbit train --ranks 1 --json > \$STEP_JSON"
