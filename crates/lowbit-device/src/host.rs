@@ -14,16 +14,15 @@
 use crate::{Device, Result, View};
 
 /// Ops (or op variants) that run as a host fallback on a GPU device. Keep in sync with the
-/// kernels in `cuda/ops.cu` (a GPU test checks that the listed ops count fallbacks and the others
+/// kernels in `cuda/*.cu` (a GPU test checks that the listed ops count fallbacks and the others
 /// do not).
 pub(crate) const FALLBACK_OPS: &[&str] = &[
     "sum_squares",
     "mse_loss",
     "quantize_mxfp8 (other than bf16 -> E4M3 1D, TE NaN policy, rowwise or both)",
-    "quantize_nvfp4 (with 2D scales, the Hadamard transform, stochastic rounding, the Error NaN \
-     policy, or a columnwise copy of rows % 16 != 0)",
-    "dequantize_nvfp4_columnwise (of a Hadamard-transformed copy)",
-    "nvfp4_finish_2d",
+    "quantize_nvfp4 (with the Error NaN policy, or arguments the library rejects: the Hadamard \
+     transform with 2D scales or with rows % 16 != 0)",
+    "nvfp4_finish_2d (only arguments the library rejects, or overlapping views)",
     "mxfp8_quantize_2d_range, nvfp4_quantize_2d_range, mxfp8_scales_2d (only arguments the \
      library rejects, so that its error comes back)",
 ];

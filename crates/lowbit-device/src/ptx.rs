@@ -22,6 +22,11 @@ pub const MODULES: &[Module] = &[
         ptx: include_str!("../../../cuda/ptx/mxfp8.sm_90.ptx"),
     },
     Module {
+        name: "nvfp4",
+        arch: "sm_90",
+        ptx: include_str!("../../../cuda/ptx/nvfp4.sm_90.ptx"),
+    },
+    Module {
         name: "ops",
         arch: "sm_90",
         ptx: include_str!("../../../cuda/ptx/ops.sm_90.ptx"),

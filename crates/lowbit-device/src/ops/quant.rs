@@ -247,6 +247,12 @@ impl Device {
                 columnwise: amax,
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && let Some(amax) = g.nvfp4_quantize_variants(src, rows, cols, cfg, out)?
+        {
+            return Ok(amax);
+        }
         let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_nvfp4(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
@@ -328,8 +334,13 @@ impl Device {
             ));
         }
         #[cfg(feature = "cuda")]
-        if !rht && let Some(g) = self.cuda_mut() {
-            return g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, true);
+        if let Some(g) = self.cuda_mut() {
+            if !rht {
+                return g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, true);
+            }
+            if g.nvfp4_dequantize_rht(data, scales, amax, rows, cols, dst)? {
+                return Ok(());
+            }
         }
         let plane = self.read_plane(WHAT, [data, scales], data_shape, scales_shape)?;
         let t = Nvfp4Tensor::from_parts(
@@ -438,6 +449,12 @@ impl Device {
         let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
             return Err(invalid(WHAT, "both copies are needed"));
         };
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && let Some(amax) = g.nvfp4_finish_2d_kernel(rows, cols, tiles, [rd, rs, cd, cs])?
+        {
+            return Ok(amax);
+        }
         let t: Vec<f32> = self.download(tiles)?;
         let rowwise = self.read_bytes(rd)?;
         self.note_fallback(WHAT);

@@ -1,0 +1,481 @@
+// NVFP4 variants of lowbit-device's CUDA backend that cuda/ops.cu does not cover: 2D (16x16)
+// scaling with its tile-amax pass, the transposed columnwise copy of any row count, stochastic
+// rounding (Philox4x32-10, addressed by (seed, copy, element index)), the 16-point random
+// Hadamard transform of the columnwise copy and its dequantization, and the completion of
+// gathered 2D weights (`nvfp4_finish_2d`). Every kernel reproduces lowbit_formats::nvfp4 bit for
+// bit: f32 operations one at a time through the _rn intrinsics (never contracted into FMA),
+// conversions as the library's integer code, the Hadamard sums in the library's index order.
+//
+// Kernel names carry the prefix `nvfp4x_` (the backend looks kernels up by name across every
+// loaded module). Views are raw byte addresses; dtype codes: 0 = f32, 1 = bf16, 2 = f16.
+
+#include <stdint.h>
+
+typedef unsigned long long u64;
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// ---- conversions (the `half` crate's and lowbit_formats::scalar's, bit for bit) ----
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
+    uint32_t x = __float_as_uint(v);
+    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    uint32_t nan = (x >> 16) | 0x40u;
+    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t b) {
+    return __uint_as_float(((uint32_t)b) << 16);
+}
+
+__device__ __forceinline__ uint16_t f32_to_f16_bits(float value) {
+    uint32_t x = __float_as_uint(value);
+    uint32_t sign = x & 0x80000000u;
+    uint32_t exp = x & 0x7F800000u;
+    uint32_t man = x & 0x007FFFFFu;
+    if (exp == 0x7F800000u) {
+        uint32_t nan_bit = man == 0 ? 0u : 0x0200u;
+        return (uint16_t)((sign >> 16) | 0x7C00u | nan_bit | (man >> 13));
+    }
+    uint32_t half_sign = sign >> 16;
+    int unbiased_exp = (int)(exp >> 23) - 127;
+    int half_exp = unbiased_exp + 15;
+    if (half_exp >= 0x1F) return (uint16_t)(half_sign | 0x7C00u);
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) return (uint16_t)half_sign;
+        uint32_t m = man | 0x00800000u;
+        uint32_t half_man = m >> (14 - half_exp);
+        uint32_t round_bit = 1u << (13 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3u * round_bit - 1u)) != 0) half_man += 1;
+        return (uint16_t)(half_sign | half_man);
+    }
+    uint32_t he = ((uint32_t)half_exp) << 10;
+    uint32_t half_man = man >> 13;
+    uint32_t round_bit = 0x00001000u;
+    if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0)
+        return (uint16_t)((half_sign | he | half_man) + 1u);
+    return (uint16_t)(half_sign | he | half_man);
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t i) {
+    if ((i & 0x7FFFu) == 0) return __uint_as_float(((uint32_t)i) << 16);
+    uint32_t half_sign = (uint32_t)(i & 0x8000u);
+    uint32_t half_exp = (uint32_t)(i & 0x7C00u);
+    uint32_t half_man = (uint32_t)(i & 0x03FFu);
+    if (half_exp == 0x7C00u) {
+        if (half_man == 0) return __uint_as_float((half_sign << 16) | 0x7F800000u);
+        return __uint_as_float((half_sign << 16) | 0x7FC00000u | (half_man << 13));
+    }
+    uint32_t sign = half_sign << 16;
+    int unbiased_exp = ((int)half_exp >> 10) - 15;
+    if (half_exp == 0) {
+        int e = __clz(half_man) - 16 - 6;
+        uint32_t ex = (uint32_t)(127 - 15 - e) << 23;
+        uint32_t m = (half_man << (14 + e)) & 0x7FFFFFu;
+        return __uint_as_float(sign | ex | m);
+    }
+    uint32_t ex = ((uint32_t)(unbiased_exp + 127)) << 23;
+    uint32_t m = half_man << 13;
+    return __uint_as_float(sign | ex | m);
+}
+
+__device__ __forceinline__ float load(const uint8_t* __restrict__ p, uint32_t dt, u64 i) {
+    if (dt == 0) return reinterpret_cast<const float*>(p)[i];
+    uint16_t b = reinterpret_cast<const uint16_t*>(p)[i];
+    return dt == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
+}
+
+__device__ __forceinline__ void store(uint8_t* __restrict__ p, uint32_t dt, u64 i, float v) {
+    if (dt == 0) {
+        reinterpret_cast<float*>(p)[i] = v;
+    } else {
+        reinterpret_cast<uint16_t*>(p)[i] = dt == 1 ? f32_to_bf16_bits(v) : f32_to_f16_bits(v);
+    }
+}
+
+__device__ __forceinline__ uint32_t rne_magnitude(uint32_t a, uint32_t mbits, uint32_t bias) {
+    uint32_t shift = 23 - mbits;
+    uint32_t min_normal_bits = (127 - bias + 1) << 23;
+    uint32_t odd = (a >> shift) & 1u;
+    uint32_t normal = ((a + (1u << (shift - 1)) - 1u + odd) >> shift) - ((127 - bias) << mbits);
+    float magic = __uint_as_float((127 + 24 - bias - mbits) << 23);
+    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(a), magic)) - __float_as_uint(magic);
+    return a >= min_normal_bits ? normal : sub;
+}
+
+// fp32 -> E4M3 (saturating, NaN -> 0x7F): the block-scale encoder.
+__device__ __forceinline__ uint32_t e4m3_code(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t code = rne_magnitude(a < 0x44000000u ? a : 0x44000000u, 3, 7);
+    code = code < 0x7Eu ? code : 0x7Eu;
+    return a > 0x7F800000u ? 0x7Fu : (code | sign);
+}
+
+// fp32 -> E2M1 nibble (saturating to 6, NaN -> +6, -0 -> 0x8).
+__device__ __forceinline__ uint32_t e2m1_code(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 28) & 0x8u;
+    uint32_t code = rne_magnitude(a < 0x41000000u ? a : 0x41000000u, 1, 1);
+    code = code < 7u ? code : 7u;
+    return a > 0x7F800000u ? 7u : (code | sign);
+}
+
+__device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
+    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return a > 0x7F800000u ? 0u : a;
+}
+
+// The E2M1 grid step below |v| (0.5 below 2, 1 below 4, else 2).
+__device__ __forceinline__ float sr_step(float v) {
+    return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f);
+}
+
+// lowbit_formats::nvfp4::e2m1_stochastic: t = |x| + (byte/256)·step(|x|),
+// q = min(floor(t/step(t))·step(t), 6), sign copied; NaN -> +6.
+__device__ __forceinline__ uint32_t e2m1_stochastic(float x, uint32_t rbyte) {
+    if (x != x) return 7u;
+    float a = fabsf(x);
+    float t = __fadd_rn(a, __fmul_rn(__fdiv_rn((float)rbyte, 256.0f), sr_step(a)));
+    float st = sr_step(t);
+    float q = fminf(__fmul_rn(floorf(__fdiv_rn(t, st)), st), 6.0f);
+    return e2m1_code(q) | ((__float_as_uint(x) >> 28) & 0x8u);
+}
+
+// ---- Philox4x32-10 (lowbit_formats::rng) ----
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// The 16 random bytes of elements 16·g .. 16·g + 16 of `stream`: counter [g lo, g hi, stream, 0],
+// key = the seed's words, bytes little-endian in word order.
+__device__ __forceinline__ uint4 random_group(u64 g, uint32_t stream, uint32_t k0, uint32_t k1) {
+    return philox4x32_10(make_uint4((uint32_t)g, (uint32_t)(g >> 32), stream, 0u), k0, k1);
+}
+
+__device__ __forceinline__ uint32_t word_of(uint4 w, uint32_t k) {
+    return k == 0 ? w.x : (k == 1 ? w.y : (k == 2 ? w.z : w.w));
+}
+
+// The random bytes of the (up to) 16 elements first .. first + 16 of `stream`.
+__device__ __forceinline__ void random_bytes(u64 first, uint32_t stream, uint32_t k0, uint32_t k1,
+                                             uint32_t bytes[16]) {
+    u64 g0 = first / 16;
+    uint32_t off = (uint32_t)(first % 16);
+    uint4 w0 = random_group(g0, stream, k0, k1);
+    uint4 w1 = off != 0 ? random_group(g0 + 1, stream, k0, k1) : w0;
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i) {
+        uint32_t o = off + i;
+        uint4 w = o < 16 ? w0 : w1;
+        uint32_t b = o % 16;
+        bytes[i] = (word_of(w, b / 4) >> (8 * (b % 4))) & 0xFFu;
+    }
+}
+
+// ---- the 16-point random Hadamard transform (lowbit_formats::hadamard) ----
+
+// TE's sign vector as a mask: bit i set when s_i = -1.
+#define RHT_SIGN_MASK 0xD7E8u
+
+// A[i][j] = s_i · (-1)^popcount(i & j) / 4.
+__device__ __forceinline__ float rht_entry(uint32_t i, uint32_t j) {
+    uint32_t neg = ((RHT_SIGN_MASK >> i) & 1u) ^ (__popc(i & j) & 1u);
+    return neg ? -0.25f : 0.25f;
+}
+
+// y_j = bf16(sum_i x_i · A[i][j]), accumulated in f32 from +0 in index order.
+__device__ __forceinline__ void rht16(const float x[16], float y[16]) {
+#pragma unroll
+    for (uint32_t j = 0; j < 16; ++j) {
+        float acc = 0.0f;
+#pragma unroll
+        for (uint32_t i = 0; i < 16; ++i) acc = __fadd_rn(acc, __fmul_rn(x[i], rht_entry(i, j)));
+        y[j] = bf16_bits_to_f32(f32_to_bf16_bits(acc));
+    }
+}
+
+// x86's float product and sum where NaN is involved (the first NaN operand is returned quieted,
+// an invalid operation gives the negative default NaN), so dequantized NaNs keep the CPU's
+// payloads where cheap (the contract promises NaN-ness only).
+__device__ __forceinline__ float mul_x86_nan(float a, float b) {
+    if (a != a) return __uint_as_float(__float_as_uint(a) | 0x400000u);
+    if (b != b) return __uint_as_float(__float_as_uint(b) | 0x400000u);
+    float p = __fmul_rn(a, b);
+    return p != p ? __uint_as_float(0xFFC00000u) : p;
+}
+
+__device__ __forceinline__ float add_x86_nan(float a, float b) {
+    if (a != a) return __uint_as_float(__float_as_uint(a) | 0x400000u);
+    if (b != b) return __uint_as_float(__float_as_uint(b) | 0x400000u);
+    float s = __fadd_rn(a, b);
+    return s != s ? __uint_as_float(0xFFC00000u) : s;
+}
+
+// ---- amax passes and tensor factors ----
+
+__device__ __forceinline__ void block_max_atomic(uint32_t m, uint32_t* __restrict__ out) {
+    __shared__ uint32_t warp_max[32];
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (unsigned w = 1; w < blockDim.x / 32; ++w) m = max(m, warp_max[w]);
+        if (m != 0) atomicMax(out, m);
+    }
+}
+
+// out[0] <- max(out[0], max over the n elements of |x| bits, NaN as 0). Blocks of 256 threads.
+extern "C" __global__ void nvfp4x_amax(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
+                                       uint32_t* __restrict__ out) {
+    uint32_t m = 0;
+    GRID_STRIDE(i, n) m = max(m, abs_bits_nan_zero(load(x, xd, i)));
+    block_max_atomic(m, out);
+}
+
+// out[0] <- max of the raw u32 bits of n words (the global amax of reduced tile amaxes, as
+// lowbit_formats::nvfp4::sharded::global_amax takes it). Blocks of 256 threads.
+extern "C" __global__ void nvfp4x_u32_max(const uint32_t* __restrict__ x, u64 n,
+                                          uint32_t* __restrict__ out) {
+    uint32_t m = 0;
+    GRID_STRIDE(i, n) m = max(m, x[i]);
+    block_max_atomic(m, out);
+}
+
+// 16x16 tile amaxes of a row-major rows x cols matrix: tiles[tr, tc] (u32 bits of the f32
+// amax, NaN ignored) and their max into global[0]. Blocks of 256 threads, one column each; grid
+// x covers the columns (256 per block), grid y strides over the tile rows. Each half-warp holds
+// one tile column and reduces it with shuffles.
+extern "C" __global__ void nvfp4x_tile_amax(const uint8_t* __restrict__ x, uint32_t xd, u64 rows,
+                                            u64 cols, uint32_t* __restrict__ tiles,
+                                            uint32_t* __restrict__ global) {
+    u64 tr = (rows + 15) / 16, tc = (cols + 15) / 16;
+    u64 c = (u64)blockIdx.x * 256 + threadIdx.x;
+    uint32_t gm = 0;
+    for (u64 t = blockIdx.y; t < tr; t += gridDim.y) {
+        uint32_t m = 0;
+        if (c < cols) {
+            u64 r1 = t * 16 + 16 < rows ? t * 16 + 16 : rows;
+            for (u64 r = t * 16; r < r1; ++r) m = max(m, abs_bits_nan_zero(load(x, xd, r * cols + c)));
+        }
+        for (int off = 8; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+        if ((threadIdx.x & 15) == 0 && c < cols) tiles[t * tc + c / 16] = m;
+        gm = max(gm, m);
+    }
+    block_max_atomic(gm, global);
+}
+
+// The tensor-level factors from the global amax bits amax_bits[0] (lowbit_formats::nvfp4's
+// Params): params[0] = k = fl32(S_enc · fl32(1/6)), params[1 + sf] = min(1 / (float(sf) · S_dec),
+// FLT_MAX). `e4m3` is the table of the 256 E4M3 values. One block of 256 threads.
+extern "C" __global__ void nvfp4x_params(const uint32_t* __restrict__ amax_bits,
+                                         const float* __restrict__ e4m3,
+                                         float* __restrict__ params) {
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(amax_bits[0]);
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    float s_dec = __fdiv_rn(1.0f, s_enc);
+    unsigned sf = threadIdx.x;
+    if (sf == 0) params[0] = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    if (sf < 256) params[1 + sf] = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
+}
+
+// ---- quantization ----
+
+// Encodes `len` (<= 16) values with multiplier m (round to nearest, or stochastic with `rb`) and
+// stores them packed at out (element 2j in the low nibble; an odd tail leaves the high nibble 0).
+__device__ __forceinline__ void encode_block(const float f[16], uint32_t len, float m,
+                                             const uint32_t* rb, uint8_t* __restrict__ out) {
+#pragma unroll
+    for (uint32_t j = 0; j < 8; ++j) {
+        if (2 * j >= len) break;
+        float a = __fmul_rn(f[2 * j], m);
+        uint32_t lo = rb ? e2m1_stochastic(a, rb[2 * j]) : e2m1_code(a);
+        uint32_t hi = 0;
+        if (2 * j + 1 < len) {
+            float b = __fmul_rn(f[2 * j + 1], m);
+            hi = rb ? e2m1_stochastic(b, rb[2 * j + 1]) : e2m1_code(b);
+        }
+        out[j] = (uint8_t)(lo | (hi << 4));
+    }
+}
+
+// The rowwise copy: one thread per 1x16 block (r, kb); grid x covers a row's blocks, grid y
+// strides over the rows. Scales come from the 16x16 tile amaxes `tiles` when non-null, else from
+// the block amax; `params` holds k and the reciprocal table. With `sr`, stochastic rounding from
+// stream 0 of the seed (k0, k1) at element index r·cols + c. data: rows x ceil(cols/2), scales:
+// rows x ceil(cols/16).
+extern "C" __global__ void nvfp4x_rows(const uint8_t* __restrict__ x, uint32_t xd,
+                                       uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+                                       const float* __restrict__ params,
+                                       const uint32_t* __restrict__ tiles, u64 rows, u64 cols,
+                                       uint32_t sr, uint32_t k0, uint32_t k1) {
+    const float k = params[0];
+    const float* rcp = params + 1;
+    u64 nb = (cols + 15) / 16, rbytes = (cols + 1) / 2;
+    u64 kb = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (kb >= nb) return;
+    u64 c0 = kb * 16;
+    uint32_t len = (uint32_t)(cols - c0 < 16 ? cols - c0 : 16);
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        float f[16];
+        uint32_t amax = 0;
+#pragma unroll
+        for (uint32_t i = 0; i < 16; ++i) {
+            f[i] = i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
+            amax = max(amax, abs_bits_nan_zero(f[i]));
+        }
+        if (tiles) amax = tiles[(r / 16) * nb + kb];
+        uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+        scales[r * nb + kb] = (uint8_t)sf;
+        uint32_t rb[16];
+        if (sr) random_bytes(r * cols + c0, 0u, k0, k1, rb);
+        encode_block(f, len, rcp[sf], sr ? rb : nullptr, data + r * rbytes + kb * 8);
+    }
+}
+
+// The 16 values of block kb of row c of the columnwise copy (rows kb·16 .. of column c of X;
+// `len` of them, zeros after), Hadamard-transformed when `rht` (then len == 16).
+__device__ __forceinline__ void column_block(const uint8_t* __restrict__ x, uint32_t xd, u64 cols,
+                                             u64 c, u64 kb, uint32_t len, uint32_t rht,
+                                             float f[16]) {
+    float v[16];
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i) v[i] = i < len ? load(x, xd, (kb * 16 + i) * cols + c) : 0.0f;
+    if (rht) {
+        rht16(v, f);
+    } else {
+#pragma unroll
+        for (uint32_t i = 0; i < 16; ++i) f[i] = v[i];
+    }
+}
+
+// Global amax of the Hadamard-transformed columnwise copy (rows % 16 == 0) into out[0]: one
+// thread per 16-row group of a column (item = group · cols + c). Blocks of 256 threads.
+extern "C" __global__ void nvfp4x_rht_amax(const uint8_t* __restrict__ x, uint32_t xd, u64 rows,
+                                           u64 cols, uint32_t* __restrict__ out) {
+    uint32_t m = 0;
+    GRID_STRIDE(item, (rows / 16) * cols) {
+        float f[16];
+        column_block(x, xd, cols, item % cols, item / cols, 16, 1, f);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) m = max(m, abs_bits_nan_zero(f[i]));
+    }
+    block_max_atomic(m, out);
+}
+
+// The columnwise copy (the rowwise copy of Xᵀ, optionally Hadamard-transformed): one thread per
+// block (c, kb), item = kb · cols + c, so a warp's loads are consecutive columns. Scales from the
+// tiles (tile (kb, c / 16) of X) or the block amax; stochastic rounding from stream 1 at element
+// index c·rows + r. data: cols x ceil(rows/2), scales: cols x ceil(rows/16).
+extern "C" __global__ void nvfp4x_cols(const uint8_t* __restrict__ x, uint32_t xd,
+                                       uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+                                       const float* __restrict__ params,
+                                       const uint32_t* __restrict__ tiles, u64 rows, u64 cols,
+                                       uint32_t rht, uint32_t sr, uint32_t k0, uint32_t k1) {
+    const float k = params[0];
+    const float* rcp = params + 1;
+    u64 nbr = (rows + 15) / 16, rbytes = (rows + 1) / 2, tc = (cols + 15) / 16;
+    GRID_STRIDE(item, nbr * cols) {
+        u64 kb = item / cols, c = item % cols;
+        uint32_t len = (uint32_t)(rows - kb * 16 < 16 ? rows - kb * 16 : 16);
+        float f[16];
+        column_block(x, xd, cols, c, kb, len, rht, f);
+        uint32_t amax = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = max(amax, abs_bits_nan_zero(f[i]));
+        if (tiles) amax = tiles[kb * tc + c / 16];
+        uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+        scales[c * nbr + kb] = (uint8_t)sf;
+        uint32_t rb[16];
+        if (sr) random_bytes(c * rows + kb * 16, 1u, k0, k1, rb);
+        encode_block(f, len, rcp[sf], sr ? rb : nullptr, data + c * rbytes + kb * 8);
+    }
+}
+
+// ---- dequantization of a Hadamard-transformed columnwise copy ----
+
+// dst[r, c] (rows % 16 == 0) from the columnwise plane [cols, rows/2] with scales
+// [cols, rows/16]: y = q · ((float(sf) · amax) · factor_inv) (TE's order), then per 16-row group
+// x_i = sum_j y_j · A[i][j] in f32 from +0 in index order (no bf16 rounding), rounded to dst's
+// dtype. One thread per group (item = kb · cols + c). `table` holds the 256 E4M3 values.
+extern "C" __global__ void nvfp4x_dequantize_rht(const uint8_t* __restrict__ q,
+                                                 const uint8_t* __restrict__ scales,
+                                                 const float* __restrict__ table,
+                                                 uint8_t* __restrict__ dst, uint32_t dd, u64 rows,
+                                                 u64 cols, float amax, float factor_inv) {
+    const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    u64 nbr = rows / 16, rbytes = rows / 2;
+    GRID_STRIDE(item, nbr * cols) {
+        u64 kb = item / cols, c = item % cols;
+        float fs = mul_x86_nan(mul_x86_nan(table[scales[c * nbr + kb]], amax), factor_inv);
+        float y[16];
+#pragma unroll
+        for (uint32_t j = 0; j < 8; ++j) {
+            uint8_t byte = q[c * rbytes + kb * 8 + j];
+            y[2 * j] = mul_x86_nan(e2m1[byte & 0xF], fs);
+            y[2 * j + 1] = mul_x86_nan(e2m1[byte >> 4], fs);
+        }
+#pragma unroll
+        for (uint32_t i = 0; i < 16; ++i) {
+            float acc = 0.0f;
+#pragma unroll
+            for (uint32_t j = 0; j < 16; ++j) acc = add_x86_nan(acc, mul_x86_nan(y[j], rht_entry(i, j)));
+            store(dst, dd, (kb * 16 + i) * cols + c, acc);
+        }
+    }
+}
+
+// ---- completion of gathered 2D weights (lowbit_formats::nvfp4::sharded::from_rowwise_2d) ----
+
+// From the rowwise packed bytes (rows x cols/2, cols even) and the reduced tile amaxes (f32
+// [tr, tc]) with the tensor factors `params` (from their raw-bit max): the rowwise scales
+// [rows, tc], the columnwise data [cols, ceil(rows/2)] and scales [cols, tr]. One thread per
+// output byte, in that order.
+extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
+                                            const float* __restrict__ tiles,
+                                            const float* __restrict__ params, u64 rows, u64 cols,
+                                            uint8_t* __restrict__ row_scales,
+                                            uint8_t* __restrict__ col_data,
+                                            uint8_t* __restrict__ col_scales) {
+    const float k = params[0];
+    u64 tr = (rows + 15) / 16, tc = (cols + 15) / 16, cb = (rows + 1) / 2;
+    u64 nrs = rows * tc, ncd = cols * cb, ncs = cols * tr;
+    GRID_STRIDE(i, nrs + ncd + ncs) {
+        if (i < nrs) {
+            u64 r = i / tc, kb = i % tc;
+            row_scales[i] = (uint8_t)e4m3_code(__fmul_rn(tiles[(r / 16) * tc + kb], k));
+        } else if (i < nrs + ncd) {
+            u64 j = i - nrs;
+            u64 c = j / cb, r0 = 2 * (j % cb);
+            u64 e0 = r0 * cols + c;
+            uint32_t lo = (rowwise[e0 / 2] >> (4 * (e0 % 2))) & 0xFu;
+            uint32_t hi = 0;
+            if (r0 + 1 < rows) {
+                u64 e1 = e0 + cols;
+                hi = (rowwise[e1 / 2] >> (4 * (e1 % 2))) & 0xFu;
+            }
+            col_data[j] = (uint8_t)(lo | (hi << 4));
+        } else {
+            u64 j = i - nrs - ncd;
+            u64 c = j / tr, kb = j % tr;
+            col_scales[j] = (uint8_t)e4m3_code(__fmul_rn(tiles[kb * tc + c / 16], k));
+        }
+    }
+}
