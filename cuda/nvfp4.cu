@@ -129,6 +129,13 @@ __device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
     return a > 0x7F800000u ? 0u : a;
 }
 
+// The value of an E2M1 nibble (lowbit_formats::scalar::E2M1_VALUES) from its bits.
+__device__ __forceinline__ float e2m1_value(uint32_t n) {
+    uint32_t m = n & 7u;
+    uint32_t bits = m < 2u ? (m ? 0x3F000000u : 0u) : ((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
+    return __uint_as_float(bits | ((n & 8u) << 28));
+}
+
 // The E2M1 grid step below |v| (0.5 below 2, 1 below 4, else 2).
 __device__ __forceinline__ float sr_step(float v) {
     return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f);
@@ -192,38 +199,36 @@ __device__ __forceinline__ void random_bytes(u64 first, uint32_t stream, uint32_
 // TE's sign vector as a mask: bit i set when s_i = -1.
 #define RHT_SIGN_MASK 0xD7E8u
 
-// A[i][j] = s_i · (-1)^popcount(i & j) / 4.
-__device__ __forceinline__ float rht_entry(uint32_t i, uint32_t j) {
-    uint32_t neg = ((RHT_SIGN_MASK >> i) & 1u) ^ (__popc(i & j) & 1u);
-    return neg ? -0.25f : 0.25f;
+// Whether A[i][j] = s_i · (-1)^popcount(i & j) / 4 is negative (constant after unrolling).
+__device__ __forceinline__ bool rht_negative(uint32_t i, uint32_t j) {
+    return (((RHT_SIGN_MASK >> i) & 1u) ^ (__popc(i & j) & 1u)) != 0;
 }
 
-// y_j = bf16(sum_i x_i · A[i][j]), accumulated in f32 from +0 in index order.
+// y_j = bf16(sum_i x_i · A[i][j]), accumulated in f32 from +0 in index order. Each product is
+// formed as ±(x_i · 0.25): round to nearest even is symmetric in sign, so -(x · 0.25) is the
+// same number as x · (-0.25) (NaN payloads aside, which no output depends on), and the sign
+// folds into the addition.
 __device__ __forceinline__ void rht16(const float x[16], float y[16]) {
+    float q[16];
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i) q[i] = __fmul_rn(x[i], 0.25f);
 #pragma unroll
     for (uint32_t j = 0; j < 16; ++j) {
         float acc = 0.0f;
 #pragma unroll
-        for (uint32_t i = 0; i < 16; ++i) acc = __fadd_rn(acc, __fmul_rn(x[i], rht_entry(i, j)));
+        for (uint32_t i = 0; i < 16; ++i) acc = __fadd_rn(acc, rht_negative(i, j) ? -q[i] : q[i]);
         y[j] = bf16_bits_to_f32(f32_to_bf16_bits(acc));
     }
 }
 
-// x86's float product and sum where NaN is involved (the first NaN operand is returned quieted,
-// an invalid operation gives the negative default NaN), so dequantized NaNs keep the CPU's
-// payloads where cheap (the contract promises NaN-ness only).
+// x86's float product where NaN is involved (the first NaN operand is returned quieted, an
+// invalid operation gives the negative default NaN), so dequantized NaNs keep the CPU's payloads
+// where cheap (the contract promises NaN-ness only).
 __device__ __forceinline__ float mul_x86_nan(float a, float b) {
     if (a != a) return __uint_as_float(__float_as_uint(a) | 0x400000u);
     if (b != b) return __uint_as_float(__float_as_uint(b) | 0x400000u);
     float p = __fmul_rn(a, b);
     return p != p ? __uint_as_float(0xFFC00000u) : p;
-}
-
-__device__ __forceinline__ float add_x86_nan(float a, float b) {
-    if (a != a) return __uint_as_float(__float_as_uint(a) | 0x400000u);
-    if (b != b) return __uint_as_float(__float_as_uint(b) | 0x400000u);
-    float s = __fadd_rn(a, b);
-    return s != s ? __uint_as_float(0xFFC00000u) : s;
 }
 
 // ---- amax passes and tensor factors ----
@@ -297,22 +302,32 @@ extern "C" __global__ void nvfp4x_params(const uint32_t* __restrict__ amax_bits,
 
 // ---- quantization ----
 
-// Encodes `len` (<= 16) values with multiplier m (round to nearest, or stochastic with `rb`) and
-// stores them packed at out (element 2j in the low nibble; an odd tail leaves the high nibble 0).
-__device__ __forceinline__ void encode_block(const float f[16], uint32_t len, float m,
-                                             const uint32_t* rb, uint8_t* __restrict__ out) {
+// Encodes `len` (<= 16) values with multiplier m (round to nearest, or stochastic with the
+// bytes `rb` when `sr`) into packed bytes (element 2j in the low nibble of byte j; an odd tail
+// leaves the high nibble 0, bytes past the block's end are 0).
+__device__ __forceinline__ unsigned long long encode_block(const float f[16], uint32_t len, float m,
+                                                           bool sr, const uint32_t rb[16]) {
+    unsigned long long packed = 0;
 #pragma unroll
-    for (uint32_t j = 0; j < 8; ++j) {
-        if (2 * j >= len) break;
-        float a = __fmul_rn(f[2 * j], m);
-        uint32_t lo = rb ? e2m1_stochastic(a, rb[2 * j]) : e2m1_code(a);
-        uint32_t hi = 0;
-        if (2 * j + 1 < len) {
-            float b = __fmul_rn(f[2 * j + 1], m);
-            hi = rb ? e2m1_stochastic(b, rb[2 * j + 1]) : e2m1_code(b);
-        }
-        out[j] = (uint8_t)(lo | (hi << 4));
+    for (uint32_t i = 0; i < 16; ++i) {
+        float a = __fmul_rn(f[i], m);
+        uint32_t code = sr ? e2m1_stochastic(a, rb[i]) : e2m1_code(a);
+        if (i < len) packed |= (unsigned long long)code << (4 * i);
     }
+    return packed;
+}
+
+// Stores the ceil(len/2) bytes of a packed block: one 8-byte store when `vec` (a whole block at
+// an 8-byte aligned address), else byte by byte.
+__device__ __forceinline__ void store_block(uint8_t* __restrict__ out, unsigned long long packed,
+                                            uint32_t len, bool vec) {
+    if (vec) {
+        *reinterpret_cast<unsigned long long*>(out) = packed;
+        return;
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < 8; ++j)
+        if (2 * j < len) out[j] = (uint8_t)(packed >> (8 * j));
 }
 
 // The rowwise copy: one thread per 1x16 block (r, kb); grid x covers a row's blocks, grid y
@@ -324,7 +339,7 @@ extern "C" __global__ void nvfp4x_rows(const uint8_t* __restrict__ x, uint32_t x
                                        uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
                                        const float* __restrict__ params,
                                        const uint32_t* __restrict__ tiles, u64 rows, u64 cols,
-                                       uint32_t sr, uint32_t k0, uint32_t k1) {
+                                       uint32_t sr, uint32_t k0, uint32_t k1, uint32_t vec) {
     const float k = params[0];
     const float* rcp = params + 1;
     u64 nb = (cols + 15) / 16, rbytes = (cols + 1) / 2;
@@ -335,17 +350,31 @@ extern "C" __global__ void nvfp4x_rows(const uint8_t* __restrict__ x, uint32_t x
     for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
         float f[16];
         uint32_t amax = 0;
+        if (vec) {
+            // bf16, cols % 16 == 0, x 16-byte aligned (host-checked): two 16-byte loads.
+            const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + c0));
+            uint4 raw[2] = {src[0], src[1]};
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(raw);
 #pragma unroll
-        for (uint32_t i = 0; i < 16; ++i) {
-            f[i] = i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
-            amax = max(amax, abs_bits_nan_zero(f[i]));
+            for (uint32_t i = 0; i < 16; ++i) f[i] = bf16_bits_to_f32(h[i]);
+        } else {
+#pragma unroll
+            for (uint32_t i = 0; i < 16; ++i) f[i] = i < len ? load(x, xd, r * cols + c0 + i) : 0.0f;
         }
+#pragma unroll
+        for (uint32_t i = 0; i < 16; ++i) amax = max(amax, abs_bits_nan_zero(f[i]));
         if (tiles) amax = tiles[(r / 16) * nb + kb];
         uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
         scales[r * nb + kb] = (uint8_t)sf;
         uint32_t rb[16];
-        if (sr) random_bytes(r * cols + c0, 0u, k0, k1, rb);
-        encode_block(f, len, rcp[sf], sr ? rb : nullptr, data + r * rbytes + kb * 8);
+        if (sr) {
+            random_bytes(r * cols + c0, 0u, k0, k1, rb);
+        } else {
+#pragma unroll
+            for (uint32_t i = 0; i < 16; ++i) rb[i] = 0;
+        }
+        unsigned long long packed = encode_block(f, len, rcp[sf], sr != 0, rb);
+        store_block(data + r * rbytes + kb * 8, packed, len, vec != 0);
     }
 }
 
@@ -387,7 +416,8 @@ extern "C" __global__ void nvfp4x_cols(const uint8_t* __restrict__ x, uint32_t x
                                        uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
                                        const float* __restrict__ params,
                                        const uint32_t* __restrict__ tiles, u64 rows, u64 cols,
-                                       uint32_t rht, uint32_t sr, uint32_t k0, uint32_t k1) {
+                                       uint32_t rht, uint32_t sr, uint32_t k0, uint32_t k1,
+                                       uint32_t vec) {
     const float k = params[0];
     const float* rcp = params + 1;
     u64 nbr = (rows + 15) / 16, rbytes = (rows + 1) / 2, tc = (cols + 15) / 16;
@@ -403,8 +433,15 @@ extern "C" __global__ void nvfp4x_cols(const uint8_t* __restrict__ x, uint32_t x
         uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
         scales[c * nbr + kb] = (uint8_t)sf;
         uint32_t rb[16];
-        if (sr) random_bytes(c * rows + kb * 16, 1u, k0, k1, rb);
-        encode_block(f, len, rcp[sf], sr ? rb : nullptr, data + c * rbytes + kb * 8);
+        if (sr) {
+            random_bytes(c * rows + kb * 16, 1u, k0, k1, rb);
+        } else {
+#pragma unroll
+            for (uint32_t i = 0; i < 16; ++i) rb[i] = 0;
+        }
+        unsigned long long packed = encode_block(f, len, rcp[sf], sr != 0, rb);
+        // 8-byte stores when `vec` (host-checked: rows % 16 == 0, data 8-byte aligned).
+        store_block(data + c * rbytes + kb * 8, packed, len, vec != 0);
     }
 }
 
@@ -412,15 +449,14 @@ extern "C" __global__ void nvfp4x_cols(const uint8_t* __restrict__ x, uint32_t x
 
 // dst[r, c] (rows % 16 == 0) from the columnwise plane [cols, rows/2] with scales
 // [cols, rows/16]: y = q · ((float(sf) · amax) · factor_inv) (TE's order), then per 16-row group
-// x_i = sum_j y_j · A[i][j] in f32 from +0 in index order (no bf16 rounding), rounded to dst's
-// dtype. One thread per group (item = kb · cols + c). `table` holds the 256 E4M3 values.
+// x_i = sum_j y_j · A[i][j] in f32 from +0 in index order (no bf16 rounding; products formed as
+// in rht16), rounded to dst's
+// dtype. A NaN in the sums keeps its NaN-ness, not x86's payload (outside the contract). One thread per group (item = kb · cols + c). `table` holds the 256 E4M3 values.
 extern "C" __global__ void nvfp4x_dequantize_rht(const uint8_t* __restrict__ q,
                                                  const uint8_t* __restrict__ scales,
                                                  const float* __restrict__ table,
                                                  uint8_t* __restrict__ dst, uint32_t dd, u64 rows,
                                                  u64 cols, float amax, float factor_inv) {
-    const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     u64 nbr = rows / 16, rbytes = rows / 2;
     GRID_STRIDE(item, nbr * cols) {
         u64 kb = item / cols, c = item % cols;
@@ -429,14 +465,17 @@ extern "C" __global__ void nvfp4x_dequantize_rht(const uint8_t* __restrict__ q,
 #pragma unroll
         for (uint32_t j = 0; j < 8; ++j) {
             uint8_t byte = q[c * rbytes + kb * 8 + j];
-            y[2 * j] = mul_x86_nan(e2m1[byte & 0xF], fs);
-            y[2 * j + 1] = mul_x86_nan(e2m1[byte >> 4], fs);
+            y[2 * j] = mul_x86_nan(e2m1_value(byte & 0xFu), fs);
+            y[2 * j + 1] = mul_x86_nan(e2m1_value(byte >> 4), fs);
         }
+        float q[16];
+#pragma unroll
+        for (uint32_t j = 0; j < 16; ++j) q[j] = __fmul_rn(y[j], 0.25f);
 #pragma unroll
         for (uint32_t i = 0; i < 16; ++i) {
             float acc = 0.0f;
 #pragma unroll
-            for (uint32_t j = 0; j < 16; ++j) acc = add_x86_nan(acc, mul_x86_nan(y[j], rht_entry(i, j)));
+            for (uint32_t j = 0; j < 16; ++j) acc = __fadd_rn(acc, rht_negative(i, j) ? -q[j] : q[j]);
             store(dst, dd, (kb * 16 + i) * cols + c, acc);
         }
     }

@@ -84,24 +84,26 @@
 //!   stream, the ordinal and validated raw addresses from `Device::cuda_stream`,
 //!   `Device::cuda_ordinal` and `Device::cuda_device_ptr`, and order themselves with
 //!   events.
-//! - **Bit-exact with the CPU.** Kernels (`cuda/ops.cu`, `cuda/mxfp8.cu`, PTX embedded by
-//!   [`ptx`]) follow the arithmetic contract above operation for operation: `_rn` intrinsics
-//!   (never contracted into FMA), conversions as integer code reproducing `half` and
-//!   `lowbit-formats`, `tanh`/`exp`/`ln` in double, sums in the CPU's order (one thread per row
-//!   or column where the CPU sums sequentially), order-free maxima in parallel. One relaxation:
-//!   the *payload* of a NaN produced by float arithmetic is unspecified (Rust does not specify
-//!   it and x86 and CUDA differ); NaN-ness is exact, and data movement (fill, cast, copy,
-//!   quantization bytes) is bit-exact including NaN payloads.
+//! - **Bit-exact with the CPU.** Kernels (`cuda/ops.cu`, `cuda/mxfp8.cu`, and `cuda/nvfp4.cu` for
+//!   NVFP4 2D scales, stochastic rounding, the Hadamard transform and `nvfp4_finish_2d`; PTX
+//!   embedded by [`ptx`]) follow the arithmetic contract above operation for operation: `_rn`
+//!   intrinsics (never contracted into FMA), conversions as integer code reproducing `half` and
+//!   `lowbit-formats`, `tanh`/`exp`/`ln` in double, sums in the CPU's order (one thread per row or
+//!   column where the CPU sums sequentially), order-free maxima in parallel. One relaxation: the
+//!   *payload* of a NaN produced by float arithmetic is unspecified (Rust does not specify it and
+//!   x86 and CUDA differ); NaN-ness is exact, and data movement (fill, cast, copy, quantization
+//!   bytes) is bit-exact including NaN payloads.
 //! - **Host fallback, never a gap.** An op without a kernel (or a variant its kernel does not
 //!   cover) validates its views, downloads their bytes, runs the CPU implementation on them and
 //!   uploads its outputs (only if it succeeded): every op works on CUDA, with the CPU's bits by
 //!   construction, and the CPU code path is the same function body. [`Device::host_fallback_ops`]
 //!   lists those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
 //!   Today: `sum_squares` and `mse_loss` (sequential f64 sums, which no parallel order
-//!   reproduces; a single GPU thread would be slower than the download), NVFP4 with 2D scales,
-//!   the Hadamard transform or stochastic rounding, MXFP8 other than bf16 → E4M3 1D rowwise or
-//!   both, `nvfp4_finish_2d`, and sharded 2D calls whose arguments the library rejects (so its
-//!   error comes back unchanged).
+//!   reproduces; a single GPU thread would be slower than the download),
+//!   MXFP8 other than bf16 → E4M3 1D rowwise or both,
+//!   NVFP4 with the Error NaN policy, and calls whose arguments the library rejects (sharded
+//!   2D ops, `nvfp4_finish_2d`, the Hadamard transform with 2D scales or rows % 16 != 0), so
+//!   that its error comes back unchanged.
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, fused AdamW, SGD with
 //!   momentum, matmul (one thread per output, not a tuned GEMM), the model ops, MXFP8
 //!   quantization (rowwise; rowwise + columnwise in one pass) and dequantization, NVFP4 1D

@@ -448,6 +448,53 @@ fn nvfp4_columnwise_of_partial_blocks_matches() {
 }
 
 #[test]
+fn nvfp4_offset_views_match() {
+    // Views at odd offsets: the kernels' vector paths (16-byte loads, 8-byte stores) must step
+    // aside for unaligned addresses.
+    let o = check("nvfp4 offset views", true, |c| {
+        let mut out = Vec::new();
+        let (rows, cols) = (48usize, 64usize);
+        let n = rows * cols;
+        for (k, cfg) in [
+            Nvfp4Config {
+                two_d: true,
+                ..Nvfp4Config::default()
+            },
+            Nvfp4Config {
+                stochastic_rounding: Some(11),
+                ..Nvfp4Config::default()
+            },
+            Nvfp4Config {
+                rht: true,
+                ..Nvfp4Config::default()
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for d in FLOATS {
+                let seed = 1000 + 10 * k as u64;
+                let src = c.buf(d, &finite(n + 3, seed)).slice(3..3 + n)?;
+                let mut pair = |len: usize, scales: usize, s: u64| -> Result<(View, View)> {
+                    Ok((
+                        c.rand(DType::U8, len + 1, s).slice(1..1 + len)?,
+                        c.rand(DType::U8, scales, s + 1),
+                    ))
+                };
+                let views = Nvfp4Views {
+                    rowwise: Some(pair(n / 2, n / 16, seed + 1)?),
+                    columnwise: Some(pair(n / 2, n / 16, seed + 3)?),
+                };
+                let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+                out.extend([f64::from(amax.rowwise), f64::from(amax.columnwise)]);
+            }
+        }
+        Ok(out)
+    });
+    native_nvfp4(&o, "nvfp4 offset views");
+}
+
+#[test]
 fn nvfp4_library_refusals_stay_the_host_errors() {
     let o = check("nvfp4 refusals", false, |c| {
         let src = c.buf(DType::Bf16, &finite(37 * 32, 9));

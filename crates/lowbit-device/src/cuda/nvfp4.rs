@@ -185,6 +185,10 @@ impl CudaDevice {
         let tp = if cfg.two_d { tiles.ptr } else { 0 };
         if let Some((d, s)) = out.rowwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+            let vec = src.dtype() == DType::Bf16
+                && cols.is_multiple_of(16)
+                && x.is_multiple_of(16)
+                && d.is_multiple_of(8);
             let grid = (
                 capped(tc.div_ceil(128), u32::MAX >> 1),
                 capped(rows, 65535),
@@ -202,10 +206,12 @@ impl CudaDevice {
                 Arg::U32(u32::from(sr.is_some())),
                 Arg::U32(k0),
                 Arg::U32(k1),
+                Arg::U32(u32::from(vec)),
             ];
             // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data and
             // rows·ceil(cols/16) scale bytes out); `params` holds 257 words, `tp` is null or
-            // tr·tc tile words.
+            // tr·tc tile words; 16-byte loads and 8-byte stores only with `vec` (bf16, whole
+            // blocks, alignment checked here; the row pitch cols/2 is a multiple of 8).
             unsafe { self.launch("nvfp4x_rows", grid, (128, 1, 1), &args)? };
         }
         let mut col_amax = None;
@@ -242,9 +248,12 @@ impl CudaDevice {
                 Arg::U32(u32::from(sr.is_some())),
                 Arg::U32(k0),
                 Arg::U32(k1),
+                Arg::U32(u32::from(rows.is_multiple_of(16) && d.is_multiple_of(8))),
             ];
             // SAFETY: views validated by the caller (cols·ceil(rows/2) data and
-            // cols·ceil(rows/16) scale bytes out); the transform only with rows % 16 == 0.
+            // cols·ceil(rows/16) scale bytes out); the transform only with rows % 16 == 0;
+            // 8-byte stores only for whole blocks at 8-byte aligned addresses (rows % 16 == 0
+            // makes the row pitch rows/2 a multiple of 8, `d` is checked here).
             unsafe { self.nv_launch_n("nvfp4x_cols", tr * cols, &args)? };
             if let Some((a, _)) = &rht_amax {
                 col_amax = Some(f32::from_bits(self.nv_fetch_word(a)?));
