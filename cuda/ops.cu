@@ -180,6 +180,91 @@ extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t 
     }
 }
 
+// The blocked f64 sums of squares (lowbit_device::SUM_BLOCK = 4096; ops.rs, BlockedSum):
+// partials[b] = sum over i in block b, in index order from +0.0, of x_i^2 (sum_squares: x read
+// as f32, squared exactly in f64) or of (x_i - y_i)^2 (mse_loss: f32 views, difference and
+// square in f64), through __dadd_rn/__dmul_rn/__dsub_rn (never fused). The host adds the
+// partials in index order. One thread per block keeps the order. Each warp owns 32 consecutive
+// blocks and works on its own (no CTA barrier): it stages them through shared memory 32
+// elements at a time, lane l loading element k + l of each of the 32 blocks (coalesced, 32
+// independent loads in flight per lane, unconditional when all 32 blocks are whole), then each
+// lane reads its own row (pitch 33: no bank conflicts). Elements past n read as 0, and adding
+// +0.0 to a partial (never -0.0) leaves it unchanged, so a short last block is summed exactly
+// as on the CPU. DT: 0 = f32, 1 = bf16, 2 = f16; MSE: y present (f32).
+#define SUMSQ_BLOCK 4096u
+#define SUMSQ_WARPS 4u
+
+template <int DT>
+__device__ __forceinline__ float sumsq_load(const uint8_t* __restrict__ x, u64 i) {
+    if (DT == 0) return __ldcs(reinterpret_cast<const float*>(x) + i);
+    uint16_t b = __ldcs(reinterpret_cast<const unsigned short*>(x) + i);
+    return DT == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
+}
+
+template <int DT, bool MSE>
+__device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
+                                                 const float* __restrict__ y, u64 n,
+                                                 double* __restrict__ partials) {
+    __shared__ float tx[SUMSQ_WARPS][32][33];
+    __shared__ float ty[MSE ? SUMSQ_WARPS : 1][32][MSE ? 33 : 1];
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u64 b0 = ((u64)blockIdx.x * SUMSQ_WARPS + w) * 32;
+    const u64 nb = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
+    if (b0 >= nb) return;
+    const bool whole = (b0 + 32) * SUMSQ_BLOCK <= n;
+    double acc = 0.0;
+    for (unsigned k = 0; k < SUMSQ_BLOCK; k += 32) {
+        if (whole) {
+            float v[32], u[32];
+#pragma unroll
+            for (unsigned r = 0; r < 32; ++r) {
+                u64 i = (b0 + r) * SUMSQ_BLOCK + k + lane;
+                v[r] = sumsq_load<DT>(x, i);
+                if (MSE) u[r] = __ldcs(y + i);
+            }
+#pragma unroll
+            for (unsigned r = 0; r < 32; ++r) {
+                tx[w][r][lane] = v[r];
+                if (MSE) ty[w][r][lane] = u[r];
+            }
+        } else {
+            for (unsigned r = 0; r < 32; ++r) {
+                u64 i = (b0 + r) * SUMSQ_BLOCK + k + lane;
+                bool live = i < n;
+                tx[w][r][lane] = live ? sumsq_load<DT>(x, i) : 0.0f;
+                if (MSE) ty[w][r][lane] = live ? y[i] : 0.0f;
+            }
+        }
+        __syncwarp();
+#pragma unroll 8
+        for (unsigned j = 0; j < 32; ++j) {
+            double d = (double)tx[w][lane][j];
+            if (MSE) d = __dsub_rn(d, (double)ty[w][lane][j]);
+            acc = __dadd_rn(acc, __dmul_rn(d, d));
+        }
+        __syncwarp();
+    }
+    if (b0 + lane < nb) partials[b0 + lane] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_f32(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp<0, false>(x, nullptr, n, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_bf16(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp<1, false>(x, nullptr, n, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_f16(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp<2, false>(x, nullptr, n, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) mse_blocks_f32(
+    const uint8_t* __restrict__ x, const float* __restrict__ y, u64 n,
+    double* __restrict__ partials) {
+    sum_squares_warp<0, true>(x, y, n, partials);
+}
+
 // out[0] <- 1 if any element is NaN or infinite.
 extern "C" __global__ void any_non_finite(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
                                           uint32_t* __restrict__ out) {
@@ -536,6 +621,120 @@ extern "C" __global__ void nvfp4_quantize_rows(const uint8_t* __restrict__ x, ui
             uint32_t hi = (u64)(2 * j + 1) < len ? e2m1_code(__fmul_rn(f[2 * j + 1], m)) : 0u;
             out[j] = (uint8_t)(lo | (hi << 4));
         }
+    }
+}
+
+// e2m1_code with fewer operations (the same nibble for every f32 input, checked exhaustively
+// on the host against e2m1_code): clamping |x| at 6.0 instead of 8.0 makes the saturation of
+// the code implicit (6.0 encodes as 7, and every larger magnitude, Inf and NaN included,
+// clamps to it), and the normal-range bias is folded into the rounding addend.
+__device__ __forceinline__ uint32_t e2m1_code_v2(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t ac = a < 0x40C00000u ? a : 0x40C00000u;
+    uint32_t odd = (ac >> 22) & 1u;
+    // ((ac + 2^21 - 1 + odd) >> 22) - 252 for ac >= 1.0 (= 254 << 22, so no wrap there).
+    uint32_t normal = (ac + odd + (0x1FFFFFu - (252u << 22))) >> 22;
+    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(ac), 4194304.0f)) - 0x4A800000u;
+    uint32_t code = ac >= 0x3F800000u ? normal : sub;
+    uint32_t sign = a > 0x7F800000u ? 0u : (bits >> 28) & 0x8u;
+    return code | sign;
+}
+
+// max_abs_bits for bf16 with 16-byte loads, four in flight per thread and loop iteration
+// (streaming hint), amaxes on packed bf16 pairs (__habs2/__hmax2 from +0 ignore NaN exactly as
+// amax_bits_of does; bf16 -> f32 is exact, so the maximum's bits are bf16 bits << 16). `x`
+// 16-byte aligned; the last n % 8 elements element by element. One atomic per block.
+extern "C" __global__ void max_abs_bits_bf16_v2(const uint8_t* __restrict__ x, u64 n,
+                                                uint32_t* __restrict__ out) {
+    __shared__ uint32_t warp_max[32];
+    const uint4* v = reinterpret_cast<const uint4*>(x);
+    const u64 chunks = n / 8;
+    const u64 T = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    __nv_bfloat162 m0 = zero2, m1 = zero2;
+    for (; i + 3 * T < chunks; i += 4 * T) {
+        uint4 q[4] = {__ldcs(v + i), __ldcs(v + i + T), __ldcs(v + i + 2 * T), __ldcs(v + i + 3 * T)};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&q[k]);
+            m0 = __hmax2(m0, __habs2(p[0]));
+            m1 = __hmax2(m1, __habs2(p[1]));
+            m0 = __hmax2(m0, __habs2(p[2]));
+            m1 = __hmax2(m1, __habs2(p[3]));
+        }
+    }
+    for (; i < chunks; i += T) {
+        uint4 q = __ldcs(v + i);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&q);
+        m0 = __hmax2(m0, __habs2(p[0]));
+        m1 = __hmax2(m1, __habs2(p[1]));
+        m0 = __hmax2(m0, __habs2(p[2]));
+        m1 = __hmax2(m1, __habs2(p[3]));
+    }
+    m0 = __hmax2(m0, m1);
+    uint32_t mb = *reinterpret_cast<uint32_t*>(&m0);
+    uint32_t m = max(mb << 16, mb & 0xFFFF0000u);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
+    for (u64 j = chunks * 8 + (u64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += T)
+        m = max(m, amax_bits_of(bf16_bits_to_f32(h[j])));
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (unsigned w = 1; w < blockDim.x / 32; ++w) m = max(m, warp_max[w]);
+        if (m != 0) atomicMax(out, m);
+    }
+}
+
+// NVFP4 rowwise copy, version 2, for bf16 with cols % 32 == 0, x 16-byte and data 16-byte
+// aligned: one thread per two 1x16 blocks (four 16-byte streaming loads in flight, one 16-byte
+// store of codes, one 2-byte store of scales), amaxes on packed bf16 pairs, e2m1_code_v2. Same
+// bytes as nvfp4_quantize_rows. Grid: x covers a row's block pairs, y walks the rows (strided).
+extern "C" __global__ void nvfp4_quantize_rows_v2(const uint8_t* __restrict__ x,
+                                                  uint8_t* __restrict__ data,
+                                                  uint8_t* __restrict__ scales,
+                                                  const float* __restrict__ params, u64 rows,
+                                                  u64 cols) {
+    const float k = params[0];
+    const float* rcp = params + 1;
+    u64 nb = cols / 16, rb = cols / 2;
+    u64 kp = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // block pair
+    if (kp * 2 >= nb) return;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + kp * 32));
+        uint4 raw[4] = {__ldcs(src), __ldcs(src + 1), __ldcs(src + 2), __ldcs(src + 3)};
+        uint32_t words[4];
+        uint32_t sfs = 0;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&raw[2 * b]);
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw[2 * b]);
+            __nv_bfloat162 m2 = zero2;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m2 = __hmax2(m2, __habs2(p2[i]));
+            uint32_t amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
+            uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+            float m = rcp[sf];
+            sfs |= sf << (8 * b);
+#pragma unroll
+            for (int w = 0; w < 2; ++w) {
+                uint32_t word = 0;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    int e = 8 * w + 2 * j;
+                    uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e]), m));
+                    uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e + 1]), m));
+                    word |= (lo | (hi << 4)) << (8 * j);
+                }
+                words[2 * b + w] = word;
+            }
+        }
+        *reinterpret_cast<uint16_t*>(scales + r * nb + kp * 2) = (uint16_t)sfs;
+        *reinterpret_cast<uint4*>(data + r * rb + kp * 16) =
+            make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
 

@@ -4,6 +4,8 @@
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
+//! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version.
+//! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm).
 //! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 grad, bf16 output: 30 bytes
 //!   per parameter) against the same bound.
 //!
@@ -106,6 +108,8 @@ fn main() {
         (Copies::Both, 1),
         (Copies::Both, 2),
         (Copies::Both, 3),
+        (Copies::Both, 4),
+        (Copies::Both, 5),
     ] {
         dev.set_cuda_kernel_variant("mxfp8_both", version)
             .expect("variant");
@@ -138,7 +142,30 @@ fn main() {
     // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
     // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
     // and writes 0.5 + 1/16 B/element per copy.
-    for copies in [Copies::Rowwise, Copies::Both] {
+    dev.set_cuda_kernel_variant("mxfp8_both", 3)
+        .expect("variant");
+    // The amax pass alone (bf16 max_abs, read 2 B/element), per kernel version.
+    for version in [1, 2] {
+        dev.set_cuda_kernel_variant("nvfp4", version)
+            .expect("variant");
+        let t = timed(&mut dev, 30, |d| {
+            d.max_abs(x).expect("max_abs");
+        });
+        report(
+            &format!("max_abs bf16 16384x16384 (v{version})"),
+            t,
+            elems as f64 * 2.0,
+            copy_bw,
+        );
+    }
+    for (copies, version) in [
+        (Copies::Rowwise, 1),
+        (Copies::Rowwise, 2),
+        (Copies::Both, 1),
+        (Copies::Both, 2),
+    ] {
+        dev.set_cuda_kernel_variant("nvfp4", version)
+            .expect("variant");
         let nv = Nvfp4Views {
             rowwise: copies.rowwise().then(|| {
                 (
@@ -163,11 +190,14 @@ fn main() {
         let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
         let bytes = elems as f64 * (4.0 + copies_n * (0.5 + 1.0 / 16.0));
         report(
-            if copies == Copies::Both {
-                "nvfp4 rowwise+columnwise with amax 16384x16384"
-            } else {
-                "nvfp4 rowwise with amax 16384x16384"
-            },
+            &format!(
+                "nvfp4 {} with amax 16384x16384 (v{version})",
+                if copies == Copies::Both {
+                    "rowwise+columnwise"
+                } else {
+                    "rowwise"
+                }
+            ),
             t,
             bytes,
             copy_bw,
@@ -198,6 +228,12 @@ fn main() {
         t_copy2 * 1e6,
         copy_bw2 / 1e9
     );
+    // The grad-norm reduction (blocked f64 sum of squares) over the 1 GiB f32 gradient: reads
+    // 4 B/element, 8 B per 4096 elements of partials come back to the host.
+    let t = timed(&mut dev, 20, |d| {
+        d.sum_squares(g).expect("sum_squares");
+    });
+    report("sum_squares f32 256M", t, (p_n * 4) as f64, copy_bw2);
     dev.zero(m).expect("zero");
     let mut step = 0u64;
     let t = timed(&mut dev, 20, |d| {

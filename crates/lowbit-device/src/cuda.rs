@@ -83,10 +83,17 @@ pub(crate) struct CudaDevice {
     tables: Option<CudaSlice<u32>>,
     /// The address of `tables`.
     tables_ptr: u64,
-    /// Which kernel version runs MXFP8 rowwise + columnwise: 3 (the default: register tile,
-    /// amaxes on packed bf16 pairs; 0.69x copy bandwidth on an H200), 2 (the same with f32
-    /// amaxes, 0.57x) or 1 (shared-memory tile, 0.40x). All give the same bytes.
+    /// Which kernel version runs MXFP8 rowwise + columnwise: 4 (the default: v3 with an
+    /// interior tile's four loads issued together, streaming; 0.86x copy bandwidth on an H200),
+    /// 5 (two tiles per CTA, eight loads in flight, 0.82x), 3 (register tile, amaxes on packed
+    /// bf16 pairs, 0.69x), 2 (the same with f32 amaxes, 0.58x) or 1 (shared-memory tile,
+    /// 0.40x). All give the same bytes.
     mxfp8_both_version: u32,
+    /// Which kernels run the bf16 amax pass and the NVFP4 rowwise codes: 2 (the default:
+    /// `max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`: four 16-byte loads in flight per
+    /// thread, the shorter E2M1 encoder; NVFP4 rowwise with its amax pass 0.66x on an H200) or
+    /// 1 (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Same bytes.
+    nvfp4_version: u32,
 }
 
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
@@ -125,7 +132,8 @@ impl CudaDevice {
             fallbacks: BTreeMap::new(),
             tables: None,
             tables_ptr: 0,
-            mxfp8_both_version: 3,
+            mxfp8_both_version: 4,
+            nvfp4_version: 2,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -365,7 +373,8 @@ impl CudaDevice {
     /// Selects a kernel version (for benchmarks and tests of alternatives).
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
-            ("mxfp8_both", 1..=3) => self.mxfp8_both_version = version,
+            ("mxfp8_both", 1..=5) => self.mxfp8_both_version = version,
+            ("nvfp4", 1..=2) => self.nvfp4_version = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"

@@ -17,8 +17,6 @@ use crate::{Device, Result, View};
 /// kernels in `cuda/*.cu` (a GPU test checks that the listed ops count fallbacks and the others
 /// do not).
 pub(crate) const FALLBACK_OPS: &[&str] = &[
-    "sum_squares",
-    "mse_loss",
     "quantize_mxfp8 (other than bf16 -> E4M3 1D, TE NaN policy, rowwise or both)",
     "quantize_nvfp4 (with the Error NaN policy, or arguments the library rejects: the Hadamard \
      transform with 2D scales or with rows % 16 != 0)",

@@ -37,6 +37,12 @@
 //!   `half`'s `from_f32`).
 //! - Reductions run in index order (f64 accumulators where an op says so), so results are
 //!   bitwise reproducible run to run and independent of how the CPU backend chunks its loops.
+//! - The f64 sums of squares ([`Device::sum_squares`], [`Device::mse_loss`]) use one fixed
+//!   *blocked* order instead, which a GPU reproduces in parallel: the terms are cut into
+//!   consecutive blocks of [`SUM_BLOCK`] = 4096 elements of the view (the last block may be
+//!   shorter); each block is summed in index order from `+0.0`; the block sums are then added
+//!   in index order from `+0.0`. Each term (`x²`, or `(p − t)²` with the difference in f64) is
+//!   one f64 operation per step, never fused.
 //! - Per-call scalars derived from hyper-parameters (AdamW's bias corrections, loss scales) are
 //!   computed once in f64 and rounded to f32, as PyTorch does with its Python-float scalars.
 //! - `tanh`, `exp` and `ln` are evaluated in f64 and rounded to f32 (correctly rounded but for
@@ -98,18 +104,20 @@
 //!   uploads its outputs (only if it succeeded): every op works on CUDA, with the CPU's bits by
 //!   construction, and the CPU code path is the same function body. [`Device::host_fallback_ops`]
 //!   lists those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
-//!   Today: `sum_squares` and `mse_loss` (sequential f64 sums, which no parallel order
-//!   reproduces; a single GPU thread would be slower than the download),
-//!   MXFP8 other than bf16 → E4M3 1D rowwise or both,
+//!   Today: MXFP8 other than bf16 → E4M3 1D rowwise or both,
 //!   NVFP4 with the Error NaN policy, and calls whose arguments the library rejects (sharded
 //!   2D ops, `nvfp4_finish_2d`, the Hadamard transform with 2D scales or rows % 16 != 0), so
 //!   that its error comes back unchanged.
-//! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, fused AdamW, SGD with
-//!   momentum, matmul (one thread per output, not a tuned GEMM), the model ops, MXFP8
-//!   quantization (rowwise; rowwise + columnwise in one pass) and dequantization, NVFP4 1D
-//!   quantization (global amax and tensor scale on the device) and dequantization, and the
-//!   sharded 2D primary-weight ops (tile-amax folds, MXFP8 and NVFP4 range codes, MXFP8 2D
-//!   scales).
+//! - **Blocked sums.** `sum_squares` and `mse_loss` compute the per-block f64 sums on the
+//!   device (one thread per 4096-element block, staged through shared memory so the loads
+//!   coalesce) and add the partials on the host in index order, so no gradient is downloaded
+//!   for the grad norm: 8 bytes come back per 4096 elements.
+//! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, sum_squares,
+//!   mse_loss, fused AdamW, SGD with momentum, matmul (one thread per output, not a tuned
+//!   GEMM), the model ops, MXFP8 quantization (rowwise; rowwise + columnwise in one pass) and
+//!   dequantization, NVFP4 1D quantization (global amax and tensor scale on the device) and
+//!   dequantization, and the sharded 2D primary-weight ops (tile-amax folds, MXFP8 and NVFP4
+//!   range codes, MXFP8 2D scales).
 //! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
 //!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
 //!   the hot kernels against a device-to-device copy of the same run.
@@ -141,7 +149,7 @@ pub mod codec {
 
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
-pub use ops::{AdamW, MatmulSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SgdMomentum};
+pub use ops::{AdamW, MatmulSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SUM_BLOCK, SgdMomentum};
 
 use std::ops::Range;
 
@@ -605,7 +613,8 @@ impl Device {
     }
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
-    /// them (`("mxfp8_both", 1..=3)`: the rowwise + columnwise MXFP8 kernel, 3 by default).
+    /// them (`("mxfp8_both", 1..=5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
+    /// `("nvfp4", 1..=2)`: the bf16 amax pass and the NVFP4 rowwise kernel, 2 by default).
     /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -120,6 +120,61 @@ pub struct Nvfp4Amax {
 /// operand (at most three), so that the staging stays in L1.
 pub(crate) const CHUNK: usize = 1024;
 
+/// Elements per partial sum of the blocked f64 reductions ([`Device::sum_squares`],
+/// [`Device::mse_loss`]): each block of this many consecutive elements is summed in index order
+/// from `+0.0`, then the block sums are added in index order from `+0.0`.
+///
+/// [`Device::sum_squares`]: crate::Device::sum_squares
+/// [`Device::mse_loss`]: crate::Device::mse_loss
+pub const SUM_BLOCK: usize = 4096;
+
+// The streaming loops hand whole chunks to a `BlockedSum`; a chunk never straddles two blocks.
+const _: () = assert!(SUM_BLOCK.is_multiple_of(CHUNK));
+
+/// The blocked summation order of the f64 reductions, which a GPU reproduces in parallel: the
+/// terms are split into consecutive blocks of [`SUM_BLOCK`]; each block is summed in index
+/// order from `+0.0` (one partial per block, the last one possibly shorter), then the partials
+/// are added in index order from `+0.0` ([`sum_partials`]).
+#[derive(Default)]
+pub(crate) struct BlockedSum {
+    /// The partials of the completed blocks, added in order.
+    total: f64,
+    /// The running sum of the current block.
+    acc: f64,
+    /// Terms in the current block.
+    k: usize,
+}
+
+impl BlockedSum {
+    /// Adds the next term.
+    #[inline]
+    pub(crate) fn push(&mut self, t: f64) {
+        self.acc += t;
+        self.k += 1;
+        if self.k == SUM_BLOCK {
+            self.total += self.acc;
+            self.acc = 0.0;
+            self.k = 0;
+        }
+    }
+
+    /// The sum of all terms pushed.
+    pub(crate) fn finish(self) -> f64 {
+        if self.k > 0 {
+            self.total + self.acc
+        } else {
+            self.total
+        }
+    }
+}
+
+/// The per-block partials added in index order from `+0.0`: the second level of
+/// [`BlockedSum`] (the CUDA backend computes the partials on the device).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn sum_partials(partials: &[f64]) -> f64 {
+    partials.iter().fold(0.0, |s, p| s + p)
+}
+
 /// Chunks of at most [`CHUNK`] elements covering `0..n`, in order.
 pub(crate) fn chunks(n: usize) -> impl Iterator<Item = Range<usize>> {
     (0..n).step_by(CHUNK).map(move |s| s..(s + CHUNK).min(n))

@@ -465,7 +465,8 @@ fn scale_axpy_add_match() {
 
 #[test]
 fn reductions_match() {
-    let o = check("reductions", false, |c| {
+    // Values with NaN as a class: a NaN sum of squares has an unspecified payload.
+    let o = check("reductions", true, |c| {
         let mut out = Vec::new();
         for (i, d) in FLOATS.into_iter().enumerate() {
             let with_specials = c.rand_mid(d, 10_001, 3, i as u64);
@@ -478,14 +479,78 @@ fn reductions_match() {
                 out.push(c.dev.sum_squares(v)?);
             }
         }
+        // The bf16 amax kernels of both versions (v2, the default: 16-byte loads, four in
+        // flight, an element-wise tail).
+        for version in [1, 2] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for (n, pad) in [(100_003, 0), (70_001, 8), (7, 1)] {
+                let v = c.rand_mid(DType::Bf16, n, pad, n as u64 + u64::from(version));
+                out.push(f64::from(c.dev.max_abs(v)?));
+            }
+        }
         Ok(out)
     });
-    // sum_squares is a documented host fallback; max_abs and has_non_finite are native.
-    assert!(
-        o.fallbacks.iter().all(|(op, _)| *op == "sum_squares"),
-        "{:?}",
-        o.fallbacks
-    );
+    native(&o, "reductions");
+}
+
+/// `sum_squares` in its blocked order (4096-element f64 partials in index order, then the
+/// partials in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
+/// block edges, offsets, every float dtype, ±Inf, NaN, large and subnormal values, and a bf16
+/// view aliasing an f32 buffer.
+#[test]
+fn sum_squares_bits_match() {
+    let o = check("sum_squares", true, |c| {
+        let mut out = Vec::new();
+        let sizes = [
+            1,
+            31,
+            4095,
+            4096,
+            4097,
+            8192,
+            3 * 4096 + 5,
+            128 * 4096 + 1,
+            300_007,
+        ];
+        for (i, d) in FLOATS.into_iter().enumerate() {
+            for (j, n) in sizes.into_iter().enumerate() {
+                let seed = (i * 100 + j) as u64;
+                let plain = c.buf(d, &finite(n + 3, seed));
+                out.push(c.dev.sum_squares(plain.slice(3..n + 3)?)?);
+                out.push(c.dev.sum_squares(plain.slice(0..n)?)?);
+                let special = c.rand_mid(d, n, 2, seed + 1000);
+                out.push(c.dev.sum_squares(special)?);
+            }
+        }
+        // Infinite (no NaN), all-NaN, f32 extremes whose squares overflow f32 but not f64.
+        let inf = c.buf(DType::F32, &[1.0, f32::INFINITY, -2.0, f32::NEG_INFINITY]);
+        out.push(c.dev.sum_squares(inf)?);
+        let nan = c.buf(DType::F32, &[f32::NAN; 4099]);
+        out.push(c.dev.sum_squares(nan)?);
+        let big: Vec<f32> = (0..9000)
+            .map(|k| match k % 3 {
+                0 => 3.0e38,
+                1 => f32::from_bits(1 + k as u32),
+                _ => -1.0e-20,
+            })
+            .collect();
+        let b = c.buf(DType::F32, &big);
+        out.push(c.dev.sum_squares(b)?);
+        // The staging alias: a bf16 view over part of an f32 buffer.
+        let g = c.buf(DType::F32, &finite(10_000, 77));
+        out.push(
+            c.dev
+                .sum_squares(g.reinterpret(DType::Bf16)?.slice(1..12_345)?)?,
+        );
+        // mse_loss shares the kernel (f32 differences, squared in f64).
+        let p = c.buf(DType::F32, &values(300_008, 5, true));
+        let t = c.buf(DType::F32, &finite(300_007, 6));
+        out.push(f64::from(c.dev.mse_loss(p.slice(1..300_008)?, t)?));
+        let p = c.buf(DType::F32, &finite(4097, 7));
+        out.push(f64::from(c.dev.mse_loss(p, p)?));
+        Ok(out)
+    });
+    native(&o, "sum_squares");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -698,11 +763,7 @@ fn model_ops_match() {
         c.dev.softmax_cross_entropy_backward(l, t, d, 1.0)?;
         Ok(out)
     });
-    assert!(
-        o.fallbacks.iter().all(|(op, _)| *op == "mse_loss"),
-        "{:?}",
-        o.fallbacks
-    );
+    native(&o, "model ops");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -736,8 +797,10 @@ fn mxfp8_kernels_match() {
             (65, 264),
             (70, 300),
             (32, 1000),
+            // Whole interior tiles (v4, v5) next to partial ones.
+            (160, 768),
         ];
-        for version in [1, 2, 3] {
+        for version in [1, 2, 3, 4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             for (rows, cols) in shapes {
                 for copies in [Copies::Rowwise, Copies::Both] {
@@ -753,7 +816,7 @@ fn mxfp8_kernels_match() {
             }
         }
         // NaN blocks, subnormal-only and infinite rows, with every version.
-        for version in [1, 2, 3] {
+        for version in [1, 2, 3, 4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             for copies in [Copies::Rowwise, Copies::Both] {
                 let src = c.buf(DType::Bf16, &nan_blocks(true));
@@ -765,8 +828,8 @@ fn mxfp8_kernels_match() {
                 c.dev.quantize_mxfp8(src, 64, 64, &cfg, &views)?;
             }
         }
-        // Versions 2 and 3 with a misaligned source (element-wise loads and stores).
-        for version in [2, 3] {
+        // Versions 2-5 with a misaligned source (element-wise loads and stores).
+        for version in [2, 3, 4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             let src = c.rand_mid(DType::Bf16, 40 * 64, 1, 999 + u64::from(version));
             let views = mxfp8_views(c, 40, 64, Copies::Both, 1000);
@@ -877,7 +940,16 @@ fn nvfp4_kernels_match() {
     let o = check("nvfp4 kernels", true, |c| {
         let mut out = Vec::new();
         let mut k = 0;
-        for (rows, cols) in [(48usize, 64usize), (16, 45), (3, 17), (64, 256), (32, 1)] {
+        let shapes = [
+            (48usize, 64usize),
+            (16, 45),
+            (3, 17),
+            (64, 256),
+            (32, 1),
+            (128, 512),
+        ];
+        for (version, (rows, cols)) in [1, 2].into_iter().flat_map(|v| shapes.map(|s| (v, s))) {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for d in FLOATS {
                 for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
                     for specials in [false, true] {
@@ -925,8 +997,9 @@ fn nvfp4_kernels_match() {
                 }
             }
         }
-        // NaN blocks, subnormal-only and infinite rows, every input dtype.
-        for d in FLOATS {
+        // NaN blocks, subnormal-only and infinite rows, every input dtype and version.
+        for (version, d) in [1, 2].into_iter().flat_map(|v| FLOATS.map(|d| (v, d))) {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             let src = c.buf(d, &nan_blocks(false));
             let views = nvfp4_views(c, 64, 64, Copies::Both, 3000);
             let amax = c
@@ -934,18 +1007,21 @@ fn nvfp4_kernels_match() {
                 .quantize_nvfp4(src, 64, 64, &Nvfp4Config::default(), &views)?;
             out.push(f64::from(amax.rowwise));
         }
-        // All zeros (amax 0) and an infinite amax.
-        for vals in [vec![0.0f32; 32 * 16], {
-            let mut v = finite(32 * 16, 5);
-            v[17] = f32::INFINITY;
-            v
-        }] {
-            let src = c.buf(DType::Bf16, &vals);
-            let views = nvfp4_views(c, 32, 16, Copies::Both, 77);
-            let amax = c
-                .dev
-                .quantize_nvfp4(src, 32, 16, &Nvfp4Config::default(), &views)?;
-            out.push(f64::from(amax.rowwise));
+        // All zeros (amax 0) and an infinite amax, with both versions.
+        for version in [1, 2] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for vals in [vec![0.0f32; 32 * 32], {
+                let mut v = finite(32 * 32, 5);
+                v[17] = f32::INFINITY;
+                v
+            }] {
+                let src = c.buf(DType::Bf16, &vals);
+                let views = nvfp4_views(c, 32, 32, Copies::Both, 77);
+                let amax = c
+                    .dev
+                    .quantize_nvfp4(src, 32, 32, &Nvfp4Config::default(), &views)?;
+                out.push(f64::from(amax.rowwise));
+            }
         }
         Ok(out)
     });
@@ -1138,15 +1214,12 @@ fn sharded_2d_ops_match() {
 #[test]
 fn fallback_list_names_the_fallback_ops() {
     let list = Device::host_fallback_ops();
-    for op in [
-        "sum_squares",
-        "mse_loss",
-        "quantize_nvfp4 (",
-        "nvfp4_finish_2d",
-    ] {
+    for op in ["quantize_nvfp4 (", "nvfp4_finish_2d"] {
         assert!(list.iter().any(|l| l.starts_with(op)), "{op} not listed");
     }
     for op in [
+        "sum_squares",
+        "mse_loss",
         "adamw",
         "matmul",
         "cast",

@@ -165,17 +165,58 @@ fn fill_and_scale_round_to_the_dtype() {
     assert!(matches!(dev.scale(u, 1.0), Err(DeviceError::DType { .. })));
 }
 
+/// The documented order, written out independently: f64 partial sums of 4096 consecutive
+/// squares, each from +0 in index order, then the partials added from +0 in index order.
+fn blocked_reference(xs: &[f32]) -> f64 {
+    let partials: Vec<f64> = xs
+        .chunks(4096)
+        .map(|b| {
+            let mut p = 0f64;
+            for &v in b {
+                p += f64::from(v) * f64::from(v);
+            }
+            p
+        })
+        .collect();
+    let mut total = 0f64;
+    for p in partials {
+        total += p;
+    }
+    total
+}
+
 #[test]
-fn sum_squares_matches_f64_in_index_order() {
+fn sum_squares_is_blocked_f64_in_index_order() {
+    assert_eq!(lowbit_device::SUM_BLOCK, 4096);
     let mut dev = Device::cpu();
     for d in FLOATS {
-        let x = upload(&mut dev, d, &values(5000, 3));
-        let xs = download(&dev, x);
-        let want = xs
-            .iter()
-            .fold(0f64, |s, &v| s + f64::from(v) * f64::from(v));
-        assert_eq!(dev.sum_squares(x).unwrap().to_bits(), want.to_bits());
+        for n in [0, 1, 4095, 4096, 4097, 5000, 3 * 4096 + 17, 40_000] {
+            let x = upload(&mut dev, d, &values(n, 3 + n as u32));
+            let xs = download(&dev, x);
+            let want = blocked_reference(&xs);
+            assert_eq!(
+                dev.sum_squares(x).unwrap().to_bits(),
+                want.to_bits(),
+                "{d:?} {n}"
+            );
+            // An offset view starts its blocks at its own first element.
+            if n > 2 {
+                let v = x.slice(2..n).unwrap();
+                let want = blocked_reference(&xs[2..]);
+                assert_eq!(dev.sum_squares(v).unwrap().to_bits(), want.to_bits());
+            }
+        }
     }
+    // The order is observable: after 2^54 (ulp 4) a running sum absorbs every 1, but the ones
+    // of the later blocks are summed exactly before the partials meet.
+    let mut vals = vec![1f32; 3 * 4096];
+    vals[0] = 2f32.powi(27);
+    let x = upload(&mut dev, DType::F32, &vals);
+    let sequential = vals
+        .iter()
+        .fold(0f64, |s, &v| s + f64::from(v) * f64::from(v));
+    assert_eq!(sequential, 2f64.powi(54));
+    assert_eq!(dev.sum_squares(x).unwrap(), 2f64.powi(54) + 8192.0);
     let big = 3.0e38f32;
     let v = upload(&mut dev, DType::F32, &[big, big]);
     let sq = f64::from(big) * f64::from(big);

@@ -241,6 +241,25 @@ fn mse_loss_and_backward() {
     assert_eq!(get(&dev, dp), exact);
     let fd: Vec<f64> = numeric_grad(&p64, |p| 3.0 * mse(p));
     assert_close(&get(&dev, dp), &fd, 1e-5, 1e-7, "dmse");
+    // More than one block: the blocked order of `sum_squares` (4096-element f64 partials in
+    // index order, then the partials in index order).
+    let n2 = 3 * 4096 + 5;
+    let (pv2, tv2) = (values(n2, 10, 2.0), values(n2, 11, 2.0));
+    let (p2, t2) = (upload(&mut dev, &pv2), upload(&mut dev, &tv2));
+    let diffs: Vec<f64> = pv2
+        .iter()
+        .zip(&tv2)
+        .map(|(a, b)| f64::from(*a) - f64::from(*b))
+        .collect();
+    let mut total = 0f64;
+    for block in diffs.chunks(4096) {
+        let mut partial = 0f64;
+        for d in block {
+            partial += d * d;
+        }
+        total += partial;
+    }
+    assert_eq!(dev.mse_loss(p2, t2).unwrap(), (total / n2 as f64) as f32);
     let empty = dev.alloc(DType::F32, 0);
     assert!(dev.mse_loss(empty, empty).unwrap().is_nan());
     assert!(matches!(

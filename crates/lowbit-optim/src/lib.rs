@@ -254,7 +254,8 @@ impl DistributedOptimizer {
     }
 
     /// Copies the reduced gradients into fp32 and returns this rank's sum of squares (f64, shards
-    /// in order, elements in index order).
+    /// in order; within a shard, `Device::sum_squares`'s blocked order: 4096-element partials in
+    /// index order, then the partials in index order, the same bits on every backend).
     fn prepare(&mut self, dev: &mut Device) -> Result<f64> {
         let mut sum = 0.0;
         for s in &self.shards {

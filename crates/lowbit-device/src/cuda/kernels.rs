@@ -99,8 +99,10 @@ impl CudaDevice {
                     let vec = cols.is_multiple_of(8)
                         && x.is_multiple_of(16)
                         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
+                    // v5 owns 64 rows per CTA, the others 32.
+                    let tile_rows = if self.mxfp8_both_version == 5 { 64 } else { 32 };
                     let (Some(gx), Ok(gy @ 1..=65535)) =
-                        (blocks(cols, 256), u32::try_from(rows.div_ceil(32)))
+                        (blocks(cols, 256), u32::try_from(rows.div_ceil(tile_rows)))
                     else {
                         return Ok(false);
                     };
@@ -108,10 +110,11 @@ impl CudaDevice {
                     // vector accesses only with `vec`, whose alignment is checked here.
                     unsafe {
                         self.launch(
-                            if self.mxfp8_both_version == 3 {
-                                "mxfp8_both_e4m3_bf16_v3"
-                            } else {
-                                "mxfp8_both_e4m3_bf16_v2"
+                            match self.mxfp8_both_version {
+                                5 => "mxfp8_both_e4m3_bf16_v5",
+                                4 => "mxfp8_both_e4m3_bf16_v4",
+                                3 => "mxfp8_both_e4m3_bf16_v3",
+                                _ => "mxfp8_both_e4m3_bf16_v2",
                             },
                             (gx, gy, 1),
                             (256, 1, 1),
@@ -329,6 +332,62 @@ impl CudaDevice {
         unsafe { self.launch_n("axpy", n, &args) }
     }
 
+    /// [`crate::Device::sum_squares`]: the blocked order of [`crate::SUM_BLOCK`], block sums on
+    /// the device, added in order on the host.
+    pub(crate) fn sum_squares(&mut self, view: View) -> Result<f64> {
+        let ([x], []) = self.ptrs("sum_squares", [view], [])?;
+        self.blocked_sum_squares(x, view.dtype(), None, view.len())
+    }
+
+    /// The f64 sum of `(pred − target)²` of [`crate::Device::mse_loss`] (f32 views, checked by
+    /// the caller), in the same blocked order.
+    pub(crate) fn mse_loss(&mut self, pred: View, target: View) -> Result<f64> {
+        let ([p, t], []) = self.ptrs("mse_loss", [pred, target], [])?;
+        self.blocked_sum_squares(p, DType::F32, Some(t), pred.len())
+    }
+
+    /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus the f32
+    /// elements at `y`), downloads the per-block partials and adds them in index order.
+    fn blocked_sum_squares(&mut self, x: u64, d: DType, y: Option<u64>, n: usize) -> Result<f64> {
+        let nb = n.div_ceil(crate::SUM_BLOCK);
+        if nb == 0 {
+            return Ok(0.0);
+        }
+        // A warp per 32 blocks, four warps per CTA.
+        let Some(grid) = blocks(nb, 128) else {
+            return Err(DeviceError::Unsupported(format!(
+                "a sum of squares over {n} elements exceeds the grid"
+            )));
+        };
+        let (s, sp) = self.scratch(2 * nb)?;
+        let (name, args) = match (d, y) {
+            (DType::F32, Some(y)) => (
+                "mse_blocks_f32",
+                vec![Arg::U64(x), Arg::U64(y), Arg::U64(n as u64), Arg::U64(sp)],
+            ),
+            (d, _) => (
+                match d {
+                    DType::Bf16 => "sum_squares_blocks_bf16",
+                    DType::F16 => "sum_squares_blocks_f16",
+                    _ => "sum_squares_blocks_f32",
+                },
+                vec![Arg::U64(x), Arg::U64(n as u64), Arg::U64(sp)],
+            ),
+        };
+        // SAFETY: `x` (and `y`) address `n` elements of validated views of dtype `d` (float:
+        // checked by the callers; `y` only with f32); `sp` holds `nb` f64 partials (2·nb words)
+        // and the kernel writes partials[b] only for b < nb.
+        unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args)? };
+        let words = self.fetch(&s)?;
+        let partials: Vec<f64> = words
+            .as_chunks::<2>()
+            .0
+            .iter()
+            .map(|[lo, hi]| f64::from_bits(u64::from(*lo) | (u64::from(*hi) << 32)))
+            .collect();
+        Ok(crate::ops::sum_partials(&partials))
+    }
+
     pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {
         let ([x], []) = self.ptrs("max_abs", [view], [])?;
         let (s, sp) = self.scratch(1)?;
@@ -341,6 +400,14 @@ impl CudaDevice {
     fn launch_max_abs(&mut self, x: u64, d: DType, n: usize, out: u64) -> Result<()> {
         if n == 0 {
             return Ok(());
+        }
+        if self.nvfp4_version == 2 && d == DType::Bf16 && x.is_multiple_of(16) {
+            // Four 16-byte loads per thread and iteration: a few blocks per SM suffice.
+            let grid = (n.div_ceil(8 * 256 * 4).clamp(1, 2048) as u32, 1, 1);
+            let args = [Arg::U64(x), Arg::U64(n as u64), Arg::U64(out)];
+            // SAFETY: `x` addresses `n` bf16 elements of a validated, 16-byte aligned view
+            // (16-byte chunks, then the tail element by element); `out` is a live zeroed word.
+            return unsafe { self.launch("max_abs_bits_bf16_v2", grid, (256, 1, 1), &args) };
         }
         let args = [
             Arg::U64(x),
@@ -771,9 +838,34 @@ impl CudaDevice {
                 Arg::U32(u32::from(vec)),
             ];
             let gy = u32::try_from(rows.min(65535)).unwrap_or(65535);
-            // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data and
-            // rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
-            unsafe { self.launch("nvfp4_quantize_rows", (gx, gy, 1), (128, 1, 1), &args)? };
+            let v2 = self.nvfp4_version == 2
+                && vec
+                && cols.is_multiple_of(32)
+                && d.is_multiple_of(16)
+                && s.is_multiple_of(2);
+            match blocks(cols / 32, 128) {
+                Some(gx2) if v2 => {
+                    let args = [
+                        Arg::U64(x),
+                        Arg::U64(d),
+                        Arg::U64(s),
+                        Arg::U64(tp),
+                        Arg::U64(r),
+                        Arg::U64(c),
+                    ];
+                    // SAFETY: as below, with 16-byte loads and code stores and 2-byte scale
+                    // stores, whose alignment is checked above (row pitches cols·2, cols/2 and
+                    // cols/16 keep it: cols % 32 == 0).
+                    unsafe {
+                        self.launch("nvfp4_quantize_rows_v2", (gx2, gy, 1), (128, 1, 1), &args)?
+                    };
+                }
+                // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data
+                // and rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
+                _ => unsafe {
+                    self.launch("nvfp4_quantize_rows", (gx, gy, 1), (128, 1, 1), &args)?
+                },
+            }
         }
         if let Some((d, s)) = out.columnwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);

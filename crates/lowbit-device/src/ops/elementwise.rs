@@ -1,6 +1,6 @@
 //! Fill, cast, scale, axpy, add, and the reductions (sum of squares, non-finite check, amax).
 
-use super::{for_each_chunk, map_in_place, map_into, zip_in_place};
+use super::{BlockedSum, for_each_chunk, map_in_place, map_into, zip_in_place};
 use crate::cpu::{bf16_bits, encode_f32};
 use crate::{DType, Device, Result, View, check_float, check_len};
 
@@ -85,18 +85,23 @@ impl Device {
         })
     }
 
-    /// `Σ xᵢ²` of a float view, accumulated in f64 in index order. Each square is exact in f64
-    /// (a 24-bit significand squared fits in 53 bits), so only the additions round. Non-finite
-    /// elements make the result non-finite. Takes `&mut self` because on a GPU a reduction
-    /// launches work and uses device scratch memory.
+    /// `Σ xᵢ²` of a float view in f64, in the blocked order of [`crate::SUM_BLOCK`]: each block
+    /// of 4096 consecutive elements is summed in index order from `+0.0`, then the block sums
+    /// are added in index order from `+0.0`. Each square is exact in f64 (a 24-bit significand
+    /// squared fits in 53 bits), so only the additions round, and both backends add in this
+    /// order (a GPU computes the block sums in parallel). Non-finite elements make the result
+    /// non-finite. Takes `&mut self` because on a GPU a reduction launches work and uses device
+    /// scratch memory.
     pub fn sum_squares(&mut self, view: View) -> Result<f64> {
-        let mut acc = 0f64;
+        crate::check_float("reduction", view)?;
+        on_cuda!(self, g => g.sum_squares(view));
+        let mut sum = BlockedSum::default();
         for_each_chunk(self, "sum_squares", view, |c| {
             for &v in c {
-                acc += f64::from(v) * f64::from(v);
+                sum.push(f64::from(v) * f64::from(v));
             }
         })?;
-        Ok(acc)
+        Ok(sum.finish())
     }
 
     /// Whether any element of the float view is NaN or ±Inf.

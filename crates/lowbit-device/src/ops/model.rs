@@ -5,7 +5,7 @@
 //! multiply-add). `tanh`, `exp` and `ln` are evaluated in f64 and rounded to f32, which makes
 //! them (all but always) the correctly rounded f32 values, whatever the platform's f32 libm.
 
-use super::{invalid, map_into, rows_of, zip_into};
+use super::{BlockedSum, invalid, map_into, rows_of, zip_into};
 use crate::cpu::{decode_f32, encode_f32};
 use crate::{DType, Device, Result, View, check_dtype, check_len};
 
@@ -271,20 +271,27 @@ impl Device {
     }
 
     /// Mean squared error `Σ (pred − target)² / N`, with each difference and square in f64,
-    /// summed in f64 in index order, divided by N in f64 and rounded to f32. NaN for N = 0 (as
-    /// PyTorch).
+    /// summed in f64 in the blocked order of [`crate::SUM_BLOCK`] (as [`Device::sum_squares`]:
+    /// blocks of 4096 in index order, then the block sums in index order), divided by N in f64
+    /// and rounded to f32. NaN for N = 0 (as PyTorch).
     pub fn mse_loss(&mut self, pred: View, target: View) -> Result<f32> {
         const WHAT: &str = "mse_loss";
         all_f32(WHAT, &[pred, target])?;
         check_len(WHAT, pred.len(), target.len())?;
-        self.check_views(WHAT, &[pred, target], &[])?;
-        let (p, t) = (self.read_f32(pred)?, self.read_f32(target)?);
-        self.note_fallback(WHAT);
-        let sum = p.iter().zip(&t).fold(0f64, |s, (&p, &t)| {
-            let d = f64::from(p) - f64::from(t);
-            s + d * d
-        });
-        Ok((sum / p.len() as f64) as f32)
+        let n = pred.len() as f64;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut() {
+            return Ok((g.mse_loss(pred, target)? / n) as f32);
+        }
+        let sum = self.host_op(WHAT, [pred, target], [], |[p, t], []| {
+            let mut sum = BlockedSum::default();
+            for (p, t) in p.as_chunks::<4>().0.iter().zip(t.as_chunks::<4>().0) {
+                let d = f64::from(f32::from_le_bytes(*p)) - f64::from(f32::from_le_bytes(*t));
+                sum.push(d * d);
+            }
+            Ok(sum.finish())
+        })?;
+        Ok((sum / n) as f32)
     }
 
     /// `dpred = c · (pred − target)` with `c = fl32(2·scale / N)` (computed in f64) and the
