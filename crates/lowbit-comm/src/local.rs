@@ -896,25 +896,33 @@ where
                             }
                         })
                     })
-                    .map_err(|e| RankError {
-                        rank,
-                        message: format!("could not spawn the rank thread: {e}"),
-                    })
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h?.join().unwrap_or_else(|p| {
-                    Err(RankError {
-                        rank,
-                        message: panic_message(&*p),
-                    })
+        join_ranks(handles)
+    })
+}
+
+/// Joins rank threads in rank order: a thread that could not be spawned, or that panicked
+/// outside its own `catch_unwind`, becomes that rank's [`RankError`].
+pub(crate) fn join_ranks<T>(
+    handles: Vec<std::io::Result<std::thread::ScopedJoinHandle<'_, Result<T, RankError>>>>,
+) -> Vec<Result<T, RankError>> {
+    handles
+        .into_iter()
+        .enumerate()
+        .map(|(rank, h)| {
+            let h = h.map_err(|e| RankError {
+                rank,
+                message: format!("could not spawn the rank thread: {e}"),
+            })?;
+            h.join().unwrap_or_else(|p| {
+                Err(RankError {
+                    rank,
+                    message: panic_message(&*p),
                 })
             })
-            .collect()
-    })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1439,23 +1439,8 @@ where
                         catch_unwind(AssertUnwindSafe(|| f(comm, dev)))
                             .map_err(|p| fail(crate::local::panic_message(&*p)))
                     })
-                    .map_err(|e| RankError {
-                        rank,
-                        message: format!("could not spawn the rank thread: {e}"),
-                    })
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h?.join().unwrap_or_else(|p| {
-                    Err(RankError {
-                        rank,
-                        message: crate::local::panic_message(&*p),
-                    })
-                })
-            })
-            .collect()
+        crate::local::join_ranks(handles)
     }))
 }
