@@ -20,6 +20,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError,
 use crate::{BufferId, DeviceError, Result, View};
 
 mod kernels;
+mod mxfp8x;
 mod nvfp4;
 
 pub(crate) use kernels::{AdamWArgs, Range2d};

@@ -17,7 +17,7 @@ use crate::{Device, Result, View};
 /// kernels in `cuda/*.cu` (a GPU test checks that the listed ops count fallbacks and the others
 /// do not).
 pub(crate) const FALLBACK_OPS: &[&str] = &[
-    "quantize_mxfp8 (other than bf16 -> E4M3 1D, TE NaN policy, rowwise or both)",
+    "quantize_mxfp8 (with the Error NaN policy, or more than 65535 x 32 rows)",
     "quantize_nvfp4 (with the Error NaN policy, or arguments the library rejects: the Hadamard \
      transform with 2D scales or with rows % 16 != 0)",
     "nvfp4_finish_2d (only arguments the library rejects, or overlapping views)",

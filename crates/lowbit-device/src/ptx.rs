@@ -22,6 +22,11 @@ pub const MODULES: &[Module] = &[
         ptx: include_str!("../../../cuda/ptx/mxfp8.sm_90.ptx"),
     },
     Module {
+        name: "mxfp8x",
+        arch: "sm_90",
+        ptx: include_str!("../../../cuda/ptx/mxfp8x.sm_90.ptx"),
+    },
+    Module {
         name: "nvfp4",
         arch: "sm_90",
         ptx: include_str!("../../../cuda/ptx/nvfp4.sm_90.ptx"),

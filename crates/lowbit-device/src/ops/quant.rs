@@ -141,7 +141,8 @@ impl Device {
         self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
-            && g.quantize_mxfp8(src, rows, cols, cfg, out)?
+            && (g.quantize_mxfp8(src, rows, cols, cfg, out)?
+                || g.mxfp8x_quantize(src, rows, cols, cfg, out)?)
         {
             return Ok(());
         }

@@ -1,0 +1,369 @@
+//! The MXFP8 kernels of `cuda/mxfp8x.cu` (columnwise-only copies, 2D 32x32 scales, E5M2
+//! elements, f32 / f16 / bf16 inputs) against the CPU backend (the oracle): every byte of every
+//! output buffer, guard bytes around the views included, must match, and no MXFP8 call may take
+//! the host fallback.
+//!
+//! These tests need a CUDA GPU: without one they fail (they never skip). Run them one at a
+//! time (`--test-threads=1`). `mxfp8x_timings` (ignored) prints kernel times on a large tensor.
+#![cfg(feature = "cuda")]
+
+use lowbit_device::{
+    DType, Device, DeviceKind, Fp8Kind, Mxfp8Config, Mxfp8Views, Result, View, bf16, f16,
+};
+use lowbit_formats::Copies;
+
+/// Deterministic pseudo-random source (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// Edge values (about one element in eight).
+const EDGE: [u32; 16] = [
+    0x7FC0_0000, // NaN
+    0xFFC0_1234, // negative NaN with a payload
+    0x7F80_0000, // +Inf
+    0xFF80_0000, // -Inf
+    0x0000_0000, // +0
+    0x8000_0000, // -0
+    0x0000_0001, // smallest subnormal
+    0x807F_FFFF, // largest negative subnormal
+    0x7F7F_FFFF, // f32 max
+    0x3F80_0001, // 1 + ulp
+    0x477F_F000, // 65520: rounds to f16 Inf
+    0x3380_0000, // 2^-24: smallest f16 subnormal
+    0x43E0_0000, // 448
+    0x43F0_0000, // 480: an E4M3 tie past the maximum
+    0x4760_0000, // 57344
+    0xC768_0000, // -59392
+];
+
+/// Inputs of a `rows × cols` matrix: wide-range values with edge cases, 32x32 tiles scaled by
+/// extreme powers of two (E8M0 clamping at both ends, subnormal codes), whole NaN, Inf and zero
+/// blocks along rows and down a column.
+fn inputs(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    const TILE_EXP: [i32; 8] = [0, 0, 0, -133, -100, 20, 100, 125];
+    let mut r = Rng::new(seed);
+    let mut v: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            let x = r.next();
+            if x.is_multiple_of(8) {
+                f32::from_bits(EDGE[(x >> 8) as usize % EDGE.len()])
+            } else {
+                r.unit() * 2f32.powi((x % 24) as i32 - 12)
+            }
+        })
+        .collect();
+    for (i, x) in v.iter_mut().enumerate() {
+        let (row, col) = (i / cols, i % cols);
+        let t = (row / 32 * 7 + col / 32 * 3 + seed as usize) % TILE_EXP.len();
+        let e = TILE_EXP[t];
+        // Two steps, so that 2^-133 and 2^125 are not themselves out of range.
+        *x = *x * 2f32.powi(e / 2) * 2f32.powi(e - e / 2);
+    }
+    for row in 0..rows {
+        for col in 0..cols.min(64) {
+            let i = row * cols + col;
+            match (row % 7, col / 32) {
+                (3, 0) => v[i] = f32::NAN,
+                (5, 1) => v[i] = if col % 2 == 0 { f32::INFINITY } else { -1.0 },
+                (6, 0) => v[i] = if col % 3 == 0 { -0.0 } else { 0.0 },
+                _ => {}
+            }
+        }
+        if cols > 5 {
+            v[row * cols + 5] = f32::from_bits(0xFFC0_0001);
+        }
+    }
+    v
+}
+
+fn encode(d: DType, vals: &[f32]) -> Vec<u8> {
+    match d {
+        DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::Bf16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        DType::U8 => vals.iter().map(|v| *v as u8).collect(),
+    }
+}
+
+fn gpu() -> Device {
+    let d = Device::cuda(0).expect("these tests need a CUDA GPU (ordinal 0)");
+    assert_eq!(d.kind(), DeviceKind::Cuda);
+    d
+}
+
+/// A buffer of `pad + n + pad` elements filled with `bytes` (repeated) and its middle view.
+fn padded(dev: &mut Device, d: DType, n: usize, pad: usize, fill: &[u8]) -> (View, View) {
+    let buf = dev.alloc(d, n + 2 * pad);
+    let len = (n + 2 * pad) * d.size();
+    let bytes: Vec<u8> = fill.iter().copied().cycle().take(len).collect();
+    dev.write_bytes(buf, &bytes).unwrap();
+    (buf, buf.slice(pad..pad + n).unwrap())
+}
+
+/// One quantization on `dev`: the source at element offset `src_pad`, every output view at
+/// byte offset `out_pad` inside a buffer of garbage. Returns the bytes of every buffer (guards
+/// included) and the call's result.
+#[allow(clippy::too_many_arguments)]
+fn quantize_on(
+    dev: &mut Device,
+    d: DType,
+    vals: &[f32],
+    rows: usize,
+    cols: usize,
+    cfg: &Mxfp8Config,
+    src_pad: usize,
+    out_pad: usize,
+) -> (Result<()>, Vec<Vec<u8>>) {
+    let n = rows * cols;
+    let x = encode(d, vals);
+    let pad_bytes: Vec<u8> = encode(d, &[1.5f32]);
+    let (sbuf, src) = padded(dev, d, n, src_pad, &pad_bytes);
+    dev.write_bytes(src, &x).unwrap();
+    let mut bufs = vec![sbuf];
+    let mut pair = |dev: &mut Device, data: usize, scales: usize, k: u8| {
+        let (b0, v0) = padded(dev, DType::U8, data, out_pad, &[0xA5, k]);
+        let (b1, v1) = padded(dev, DType::U8, scales, out_pad, &[0x5A, k]);
+        bufs.push(b0);
+        bufs.push(b1);
+        (v0, v1)
+    };
+    let views = Mxfp8Views {
+        rowwise: cfg
+            .copies
+            .rowwise()
+            .then(|| pair(dev, n, rows * cols.div_ceil(32), 1)),
+        columnwise: cfg
+            .copies
+            .columnwise()
+            .then(|| pair(dev, n, rows.div_ceil(32) * cols, 2)),
+    };
+    let r = dev.quantize_mxfp8(src, rows, cols, cfg, &views);
+    let bytes = bufs.iter().map(|b| dev.read_bytes(*b).unwrap()).collect();
+    for b in bufs {
+        dev.free(b).unwrap();
+    }
+    (r, bytes)
+}
+
+const SHAPES: [(usize, usize); 13] = [
+    (1, 1),
+    (1, 33),
+    (3, 17),
+    (31, 40),
+    (32, 32),
+    (33, 257),
+    (40, 64),
+    (64, 256),
+    (65, 264),
+    (96, 520),
+    (128, 512),
+    (70, 1000),
+    (256, 1024),
+];
+
+/// (copies, two_d) of every MXFP8 mode.
+const MODES: [(Copies, bool); 6] = [
+    (Copies::Rowwise, false),
+    (Copies::Columnwise, false),
+    (Copies::Both, false),
+    (Copies::Rowwise, true),
+    (Copies::Columnwise, true),
+    (Copies::Both, true),
+];
+
+/// Every shape, mode, element kind and offset for inputs of dtype `d`, CPU vs CUDA.
+fn check_dtype(d: DType) {
+    let mut cpu = Device::cpu();
+    let mut g = gpu();
+    let mut seed = 0;
+    let mut cases = 0;
+    let mut failures = Vec::new();
+    for (rows, cols) in SHAPES {
+        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+            for (copies, two_d) in MODES {
+                // Aligned, misaligned (element offset 1, output byte offset 3), and offset but
+                // 16-byte aligned.
+                for (src_pad, out_pad) in [(0, 0), (1, 3), (16 / d.size(), 8)] {
+                    seed += 1;
+                    let cfg = Mxfp8Config {
+                        kind,
+                        copies,
+                        two_d,
+                        ..Mxfp8Config::default()
+                    };
+                    let vals = inputs(rows, cols, seed);
+                    let (ra, a) =
+                        quantize_on(&mut cpu, d, &vals, rows, cols, &cfg, src_pad, out_pad);
+                    let (rb, b) = quantize_on(&mut g, d, &vals, rows, cols, &cfg, src_pad, out_pad);
+                    let name = format!(
+                        "{d:?} {rows}x{cols} {kind:?} {copies:?} 2d={two_d} pads=({src_pad},{out_pad})"
+                    );
+                    assert!(ra.is_ok() && rb.is_ok(), "{name}: {ra:?} vs {rb:?}");
+                    for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+                        if x != y {
+                            let i = x.iter().zip(y).position(|(p, q)| p != q).unwrap_or(0);
+                            let bad = x.iter().zip(y).filter(|(p, q)| p != q).count();
+                            failures.push(format!(
+                                "{name}: buffer {k} ({} bytes): {bad} differ, first at {i}: cpu {:#04x} vs cuda {:#04x}",
+                                x.len(),
+                                x[i],
+                                y[i]
+                            ));
+                        }
+                    }
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} cases differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let fb = g.host_fallback_calls();
+    assert!(
+        fb.iter().all(|(op, _)| *op != "quantize_mxfp8"),
+        "MXFP8 took the host fallback: {fb:?}"
+    );
+    assert_eq!(cases, SHAPES.len() * 2 * MODES.len() * 3);
+}
+
+#[test]
+fn mxfp8x_bf16_matches_cpu() {
+    check_dtype(DType::Bf16);
+}
+
+#[test]
+fn mxfp8x_f32_matches_cpu() {
+    check_dtype(DType::F32);
+}
+
+#[test]
+fn mxfp8x_f16_matches_cpu() {
+    check_dtype(DType::F16);
+}
+
+/// An empty matrix writes nothing and takes no fallback.
+#[test]
+fn mxfp8x_empty_is_native() {
+    let mut g = gpu();
+    for (rows, cols) in [(0, 5), (7, 0)] {
+        let cfg = Mxfp8Config {
+            kind: Fp8Kind::E5M2,
+            copies: Copies::Columnwise,
+            ..Mxfp8Config::default()
+        };
+        let (r, _) = quantize_on(&mut g, DType::F32, &[], rows, cols, &cfg, 0, 0);
+        r.unwrap();
+    }
+    assert!(g.host_fallback_calls().is_empty());
+}
+
+fn time(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
+    for _ in 0..2 {
+        f(dev);
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = std::time::Instant::now();
+            f(dev);
+            dev.synchronize().unwrap();
+            s.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[reps / 2]
+}
+
+/// Kernel times on a 16384x16384 tensor against a device copy of the bf16 tensor (same run).
+#[test]
+#[ignore = "timing: run explicitly on a GPU"]
+fn mxfp8x_timings() {
+    let (rows, cols) = (16384usize, 16384usize);
+    let n = rows * cols;
+    let mut g = gpu();
+    let chunk_vals: Vec<f32> = inputs(1024, 1024, 7)
+        .into_iter()
+        .map(|v| if v.is_finite() { v } else { 0.5 })
+        .collect();
+    let mut srcs = Vec::new();
+    for d in [DType::Bf16, DType::F32, DType::F16] {
+        let src = g.alloc(d, n);
+        let chunk = encode(d, &chunk_vals);
+        for k in 0..n / (1 << 20) {
+            g.write_bytes(src.slice(k << 20..(k + 1) << 20).unwrap(), &chunk)
+                .unwrap();
+        }
+        srcs.push((d, src));
+    }
+    let copy_dst = g.alloc(DType::Bf16, n);
+    let copy = time(&mut g, 10, |g| g.copy(srcs[0].1, copy_dst).unwrap());
+    println!("copy bf16 {rows}x{cols}: {copy:.1} us");
+    let views = |g: &mut Device, copies: Copies| Mxfp8Views {
+        rowwise: copies
+            .rowwise()
+            .then(|| (g.alloc(DType::U8, n), g.alloc(DType::U8, n / 32))),
+        columnwise: copies
+            .columnwise()
+            .then(|| (g.alloc(DType::U8, n), g.alloc(DType::U8, n / 32))),
+    };
+    let v = [Copies::Rowwise, Copies::Columnwise, Copies::Both].map(|c| views(&mut g, c));
+    let cases: [(DType, Fp8Kind, usize, bool); 14] = [
+        (DType::Bf16, Fp8Kind::E4M3, 0, false),
+        (DType::Bf16, Fp8Kind::E4M3, 2, false),
+        (DType::Bf16, Fp8Kind::E4M3, 1, false),
+        (DType::Bf16, Fp8Kind::E4M3, 0, true),
+        (DType::Bf16, Fp8Kind::E4M3, 2, true),
+        (DType::Bf16, Fp8Kind::E5M2, 0, false),
+        (DType::Bf16, Fp8Kind::E5M2, 1, false),
+        (DType::Bf16, Fp8Kind::E5M2, 2, false),
+        (DType::Bf16, Fp8Kind::E5M2, 2, true),
+        (DType::F32, Fp8Kind::E4M3, 0, false),
+        (DType::F32, Fp8Kind::E4M3, 2, false),
+        (DType::F32, Fp8Kind::E4M3, 2, true),
+        (DType::F16, Fp8Kind::E4M3, 2, false),
+        (DType::F16, Fp8Kind::E5M2, 2, false),
+    ];
+    for (d, kind, copies, two_d) in cases {
+        let src = srcs.iter().find(|(e, _)| *e == d).unwrap().1;
+        let cfg = Mxfp8Config {
+            kind,
+            copies: [Copies::Rowwise, Copies::Columnwise, Copies::Both][copies],
+            two_d,
+            ..Mxfp8Config::default()
+        };
+        let t = time(&mut g, 10, |g| {
+            g.quantize_mxfp8(src, rows, cols, &cfg, &v[copies]).unwrap();
+        });
+        println!(
+            "{d:?} -> {kind:?} {:?} 2d={two_d}: {t:.1} us = {:.2}x copy time",
+            cfg.copies,
+            copy / t
+        );
+    }
+    let fb = g.host_fallback_calls();
+    assert!(fb.is_empty(), "{fb:?}");
+}

@@ -1,0 +1,242 @@
+// MXFP8 quantization variants not covered by mxfp8.cu: columnwise-only copies, 2D (32x32 tile)
+// scales shared by both copies, E5M2 elements, and f32 / f16 / bf16 inputs, each bit-exact with
+// lowbit_formats::mxfp8 on the CPU (TE's rule and NaN/Inf behaviour).
+//
+// Per block (1x32 rowwise, 32x1 columnwise, or 32x32 tile): amax = max |x| as fp32 bits with NaN
+// as 0 (TE's NaN-ignoring fmaxf), e = E8M0 round-up of fl32(amax * rcp) (rcp = fl32(1/448) for
+// E4M3, fl32(1/57344) for E5M2; an Inf amax saturates e to 0xFE), q = fp8_rne_satfinite(fl32(x *
+// 2^(127-e))) (exact multiply, one rounding; NaN -> 0x7F, +-Inf -> +-max). E4M3 codes come from
+// the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, as mxfp8.cu), E5M2 codes from the
+// integer encoder of lowbit_formats::scalar::e5m2_from_f32 (as ops.cu's sharded 2D kernel).
+//
+// One kernel per (input dtype, element kind); the copies, 2D scaling and the vector path are
+// CTA-uniform flags. A CTA of 256 threads (at most 128 registers: two CTAs per SM, no spills)
+// owns a 32-row x 256-column tile: lane l of warp w holds columns 8l..8l+7 of rows w, w+8,
+// w+16, w+24 in registers as f32 (exact for every input dtype). Row amaxes are reduced over
+// the 4 lanes of a 1x32 block with shuffles, column amaxes over the 8 warps through shared
+// memory, and a 32x32 tile amax is the max of its 32 column amaxes (4 lanes x 8 columns).
+// Outputs as the CPU library lays them out: both data copies rows x cols (not transposed),
+// rowwise scales rows x ceil(cols/32), columnwise scales ceil(rows/32) x cols; 2D writes each
+// tile's scale into every entry of both scale tensors and the same codes into both copies.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+typedef unsigned long long u64;
+
+// Flags (CTA-uniform).
+#define MX_ROW 1u    // write the rowwise copy
+#define MX_COL 2u    // write the columnwise copy
+#define MX_2D 4u     // one scale per 32x32 tile
+#define MX_VEC 8u    // cols % 8 == 0 and aligned pointers: 16-byte loads, 8-byte stores
+
+// Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF
+// (lowbit_formats::scalar::e8m0_from_f32).
+__device__ __forceinline__ uint32_t mx_e8m0(float x) {
+    uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
+    uint32_t exp = a >> 23, mant = a & 0x7FFFFFu;
+    uint32_t up = (mant != 0u && exp != 0xFEu && !(exp == 0u && mant <= 0x400000u)) ? 1u : 0u;
+    uint32_t code = exp + up;
+    code = code < 0xFEu ? code : 0xFEu;
+    return a > 0x7F800000u ? 0xFFu : code;
+}
+
+// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN.
+__device__ __forceinline__ float mx_rcp(uint32_t e) {
+    if (e == 0xFEu) return __uint_as_float(0x00400000u);
+    if (e == 0xFFu) return __uint_as_float(0x7FC00000u);
+    return __uint_as_float((254u - e) << 23);
+}
+
+__device__ __forceinline__ uint32_t mx_abs_bits(float v) {
+    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return a > 0x7F800000u ? 0u : a;
+}
+
+// Round-to-nearest-even magnitude code (lowbit_formats::scalar::rne_magnitude).
+__device__ __forceinline__ uint32_t mx_rne_magnitude(uint32_t a, uint32_t mbits, uint32_t bias) {
+    uint32_t shift = 23 - mbits;
+    uint32_t min_normal_bits = (127 - bias + 1) << 23;
+    uint32_t odd = (a >> shift) & 1u;
+    uint32_t normal = ((a + (1u << (shift - 1)) - 1u + odd) >> shift) - ((127 - bias) << mbits);
+    float magic = __uint_as_float((127 + 24 - bias - mbits) << 23);
+    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(a), magic)) - __float_as_uint(magic);
+    return a >= min_normal_bits ? normal : sub;
+}
+
+// fp32 -> E5M2 (saturating to 57344, NaN -> 0x7F).
+__device__ __forceinline__ uint32_t mx_e5m2(float x) {
+    uint32_t bits = __float_as_uint(x);
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t code = mx_rne_magnitude(a < 0x48000000u ? a : 0x48000000u, 2, 15);
+    code = code < 0x7Bu ? code : 0x7Bu;
+    return a > 0x7F800000u ? 0x7Fu : (code | sign);
+}
+
+// Codes of fl32(x[j] * s[j]) for 8 elements, packed little-endian.
+template <bool E5>
+__device__ __forceinline__ u64 mx_encode8(const float x[8], const float s[8]) {
+    u64 q = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+        float a = __fmul_rn(x[j], s[j]), b = __fmul_rn(x[j + 1], s[j + 1]);
+        if (E5) {
+            q |= (u64)(mx_e5m2(a) | (mx_e5m2(b) << 8)) << (8 * j);
+        } else {
+            __nv_fp8x2_storage_t p =
+                __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+            q |= (u64)p << (8 * j);
+        }
+    }
+    return q;
+}
+
+__device__ __forceinline__ float mx_f32(float v) { return v; }
+__device__ __forceinline__ float mx_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float mx_f32(__half v) { return __half2float(v); }
+
+// Elements c..c+7 of row r as f32 (0 outside the matrix, which leaves every amax unchanged).
+template <typename T>
+__device__ __forceinline__ void mx_load8(const T* __restrict__ x, u64 rows, u64 cols, u64 r, u64 c,
+                                         bool vec, float f[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+    if (r >= rows || c >= cols) return;
+    const T* src = x + r * cols + c;
+    if (vec) {
+        constexpr int N = (int)sizeof(T) / 2;  // 16-byte loads per 8 elements
+        uint4 raw[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) raw[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+        const T* v = reinterpret_cast<const T*>(raw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = mx_f32(v[j]);
+    } else {
+        for (int j = 0; j < 8; ++j)
+            if (c + j < cols) f[j] = mx_f32(src[j]);
+    }
+}
+
+// Stores the 8 packed bytes q at dst (only those before column `cols` when not `vec`).
+__device__ __forceinline__ void mx_store8(uint8_t* dst, u64 q, u64 c, u64 cols, bool vec) {
+    if (vec) {
+        *reinterpret_cast<u64*>(dst) = q;
+    } else {
+        for (int j = 0; j < 8; ++j)
+            if (c + j < cols) dst[j] = (uint8_t)(q >> (8 * j));
+    }
+}
+
+template <typename T, bool E5>
+__device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __restrict__ row_data,
+                                            uint8_t* __restrict__ row_scales,
+                                            uint8_t* __restrict__ col_data,
+                                            uint8_t* __restrict__ col_scales, u64 rows, u64 cols,
+                                            float rcp, uint32_t flags) {
+    __shared__ uint32_t camax[8][256];
+    const bool row = flags & MX_ROW, col = flags & MX_COL, two_d = flags & MX_2D,
+               vec = flags & MX_VEC;
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u64 r0 = (u64)blockIdx.y * 32;
+    const u64 c = (u64)blockIdx.x * 256 + lane * 8;
+    const u64 nb = (cols + 31) / 32;
+    float f[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mx_load8<T>(x, rows, cols, r0 + w + 8 * i, c, vec, f[i]);
+    uint32_t ra[4] = {0, 0, 0, 0};
+    uint32_t cm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t a = mx_abs_bits(f[i][j]);
+            ra[i] = a > ra[i] ? a : ra[i];
+            cm[j] = a > cm[j] ? a : cm[j];
+        }
+    }
+    if (col || two_d) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) camax[j][w * 32 + lane] = cm[j];
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t m = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                uint32_t a = camax[j][k * 32 + lane];
+                m = a > m ? a : m;
+            }
+            cm[j] = m;
+        }
+    }
+    float s[8];
+    if (two_d) {
+        uint32_t t = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) t = cm[j] > t ? cm[j] : t;
+        t = max(t, __shfl_xor_sync(0xFFFFFFFFu, t, 1));
+        t = max(t, __shfl_xor_sync(0xFFFFFFFFu, t, 2));
+        const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(t), rcp));
+        const float sc = mx_rcp(e);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[j] = sc;
+        if (col && w == 0 && c < cols)
+            mx_store8(col_scales + (r0 / 32) * cols + c, 0x0101010101010101ull * e, c, cols, vec);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u64 r = r0 + w + 8 * i;
+            if (r >= rows || c >= cols) continue;
+            if (row && lane % 4 == 0) row_scales[r * nb + c / 32] = (uint8_t)e;
+            const u64 q = mx_encode8<E5>(f[i], s);
+            if (row) mx_store8(row_data + r * cols + c, q, c, cols, vec);
+            if (col) mx_store8(col_data + r * cols + c, q, c, cols, vec);
+        }
+        return;
+    }
+    if (col) {
+        u64 cscale = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(cm[j]), rcp));
+            s[j] = mx_rcp(e);
+            cscale |= (u64)e << (8 * j);
+        }
+        if (w == 0 && c < cols) mx_store8(col_scales + (r0 / 32) * cols + c, cscale, c, cols, vec);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u64 r = r0 + w + 8 * i;
+        uint32_t a = ra[i];
+        a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+        if (r >= rows || c >= cols) continue;
+        if (row) {
+            const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(a), rcp));
+            const float sr = mx_rcp(e);
+            float rs[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) rs[j] = sr;
+            if (lane % 4 == 0) row_scales[r * nb + c / 32] = (uint8_t)e;
+            mx_store8(row_data + r * cols + c, mx_encode8<E5>(f[i], rs), c, cols, vec);
+        }
+        if (col) mx_store8(col_data + r * cols + c, mx_encode8<E5>(f[i], s), c, cols, vec);
+    }
+}
+
+#define MXFP8X_KERNEL(NAME, T, E5)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                     \
+        const T* __restrict__ x, uint8_t* __restrict__ row_data, uint8_t* __restrict__ row_scales, \
+        uint8_t* __restrict__ col_data, uint8_t* __restrict__ col_scales, u64 rows, u64 cols,   \
+        float rcp, uint32_t flags) {                                                            \
+        mxfp8x_body<T, E5>(x, row_data, row_scales, col_data, col_scales, rows, cols, rcp, flags); \
+    }
+
+MXFP8X_KERNEL(mxfp8x_f32_e4m3, float, false)
+MXFP8X_KERNEL(mxfp8x_f32_e5m2, float, true)
+MXFP8X_KERNEL(mxfp8x_bf16_e4m3, __nv_bfloat16, false)
+MXFP8X_KERNEL(mxfp8x_bf16_e5m2, __nv_bfloat16, true)
+MXFP8X_KERNEL(mxfp8x_f16_e4m3, __half, false)
+MXFP8X_KERNEL(mxfp8x_f16_e5m2, __half, true)
