@@ -738,6 +738,169 @@ extern "C" __global__ void nvfp4_quantize_rows_v2(const uint8_t* __restrict__ x,
     }
 }
 
+// ---- NVFP4 rowwise, version 3: E2M1 codes by comparing the bf16 inputs with per-scale
+// thresholds (no f32 product per element) ----
+//
+// The CPU code of element x in a block with scale byte sf is e2m1(fl32(x * rcp[sf])). For
+// x >= 0 the product fl32(x * m) (m = rcp[sf] > 0, finite) and the E2M1 rounding are both
+// monotone, so the magnitude code is the number of thresholds t_1..t_7 that |x| exceeds,
+// where t_i is the largest bf16 magnitude whose product does not pass step i of RNE E2M1:
+// v > 0.25, v >= 0.75, v > 1.25, v >= 1.75, v > 2.5, v >= 3.5, v > 5 (ties to the even code;
+// above 5 the code saturates at 7 = 6.0). RNE is sign-symmetric, so a negative x gets the
+// same magnitude code and the sign nibble bit (-0 included); +-Inf exceed every threshold
+// (Inf * m = Inf), and NaN (code 7, sign 0) is handled by the per-element path.
+__constant__ float NVFP4_STEPS[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+
+// nvfp4_params plus the threshold table: params[0] = k, params[1 + sf] = rcp[sf] as
+// nvfp4_params; from word 260 (16-byte aligned when params is), 8 words per scale byte sf:
+// t_1..t_7 as bf16 magnitudes duplicated in both halves of a word, then 0x7F7F7F7F. Launch
+// with 8 blocks of 256 threads: thread (sf, i) = (global id / 8, global id % 8) finds t_{i+1}
+// by bisection over the bf16 magnitudes 0..0x7F80 (cond(0) false; cond(Inf) true).
+extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bits,
+                                           const float* __restrict__ e4m3,
+                                           float* __restrict__ params) {
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(amax_bits[0]);
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    float s_dec = __fdiv_rn(1.0f, s_enc);
+    unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned sf = g / 8, i = g % 8;
+    if (sf >= 256) return;
+    float m = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
+    if (g == 0) params[0] = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    if (i == 0) params[1 + sf] = m;
+    uint32_t* thr = reinterpret_cast<uint32_t*>(params) + 260 + 8 * sf;
+    if (i == 7) {
+        thr[7] = 0x7F7F7F7Fu;
+        return;
+    }
+    float step = NVFP4_STEPS[i];
+    bool strict = (i % 2) == 0;
+    uint32_t lo = 0, hi = 0x7F80u;
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        float v = __fmul_rn(__uint_as_float(mid << 16), m);
+        bool pass = strict ? v > step : v >= step;
+        if (pass) hi = mid; else lo = mid;
+    }
+    thr[i] = lo | (lo << 16);
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t hgt2_mask(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// (m & a) | (~m & b) per bit.
+__device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32_t b) {
+    return (m & a) | (~m & b);
+}
+
+// The 8 nibbles of elements 0..7 (bf16 pairs in words a[0..3], no NaN among them) as one
+// word, element e at bits 4e..4e+3. Elements e and e + 4 are compared as one bf16x2 pair (their
+// nibbles lie 16 bits apart); each comparison gives a full 16-bit mask per element. A binary
+// search over the thresholds t (t[0..6] = t_1..t_7, duplicated per half): bit 2 = |x| > t_4,
+// bit 1 = |x| > (bit 2 ? t_6 : t_2), bit 0 = |x| > the odd threshold between.
+__device__ __forceinline__ uint32_t nvfp4_word_v3(const uint32_t* a, const uint32_t* t) {
+    uint32_t acc = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        uint32_t lo = a[e / 2], hi = a[e / 2 + 2];
+        uint32_t sel = (e % 2) ? 0x7632u : 0x5410u;
+        uint32_t ssel = (e % 2) ? 0xFFBBu : 0xDD99u;
+        // |x| through __habs2 (an HFMA2 with an |a| operand: the FMA pipe, not the ALU).
+        uint32_t kr = prmt(lo, hi, sel);
+        __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
+        uint32_t k = *reinterpret_cast<uint32_t*>(&kb);
+        uint32_t s = prmt(lo, hi, ssel);
+        uint32_t m2 = hgt2_mask(k, t[3]);
+        uint32_t m1 = hgt2_mask(k, bsel(m2, t[5], t[1]));
+        uint32_t tq = bsel(m2, bsel(m1, t[6], t[4]), bsel(m1, t[2], t[0]));
+        uint32_t m0 = hgt2_mask(k, tq);
+        uint32_t c = 0x00010001u << (4 * e);
+        acc |= m0 & c;
+        acc |= m1 & (c << 1);
+        acc |= m2 & (c << 2);
+        acc |= s & (c << 3);
+    }
+    return acc;
+}
+
+// NVFP4 rowwise copy, version 3: nvfp4_quantize_rows_v2's layout and loads (bf16, cols % 32
+// == 0, x and data 16-byte aligned, scales 2-byte aligned; a thread per two 1x16 blocks), the
+// codes from the threshold table of nvfp4_params_v3 (`params`). The block amax is a
+// NaN-propagating max, so a block holding a NaN is seen at once: it takes the per-element
+// path of version 2 (NaN-ignoring amax, f32 product, e2m1_code_v2).
+extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
+                                                  uint8_t* __restrict__ data,
+                                                  uint8_t* __restrict__ scales,
+                                                  const float* __restrict__ params, u64 rows,
+                                                  u64 cols) {
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
+    u64 nb = cols / 16, rb = cols / 2;
+    u64 kp = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // block pair
+    if (kp * 2 >= nb) return;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + kp * 32));
+        uint4 raw[4] = {__ldcs(src), __ldcs(src + 1), __ldcs(src + 2), __ldcs(src + 3)};
+        uint32_t words[4];
+        uint32_t sfs = 0;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&raw[2 * b]);
+            const uint32_t* a = reinterpret_cast<const uint32_t*>(&raw[2 * b]);
+            __nv_bfloat162 m2 = zero2;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m2 = __hmax2_nan(m2, __habs2(p2[i]));
+            uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+            bool has_nan = (mb & 0x7FFFu) > 0x7F80u || (mb >> 16) > 0x7F80u;
+            if (has_nan) {
+                m2 = zero2;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) m2 = __hmax2(m2, __habs2(p2[i]));
+            }
+            uint32_t amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
+            uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+            sfs |= sf << (8 * b);
+            if (!has_nan) {
+                uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
+                const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
+                words[2 * b] = nvfp4_word_v3(a, t);
+                words[2 * b + 1] = nvfp4_word_v3(a + 4, t);
+            } else {
+                float m = rcp[sf];
+                const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw[2 * b]);
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    uint32_t word = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        int e = 8 * w + 2 * j;
+                        uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e]), m));
+                        uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e + 1]), m));
+                        word |= (lo | (hi << 4)) << (8 * j);
+                    }
+                    words[2 * b + w] = word;
+                }
+            }
+        }
+        *reinterpret_cast<uint16_t*>(scales + r * nb + kp * 2) = (uint16_t)sfs;
+        *reinterpret_cast<uint4*>(data + r * rb + kp * 16) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+    }
+}
+
 // NVFP4 columnwise copy straight from X (rows % 16 == 0): the 1x16 blocks of the transpose are
 // 16 consecutive rows of a column. One thread per (column, group of `per` row blocks);
 // consecutive threads take consecutive columns, so the loads coalesce, and each thread writes

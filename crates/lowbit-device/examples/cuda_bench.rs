@@ -161,8 +161,12 @@ fn main() {
     for (copies, version) in [
         (Copies::Rowwise, 1),
         (Copies::Rowwise, 2),
+        (Copies::Rowwise, 3),
+        (Copies::Rowwise, 2),
+        (Copies::Rowwise, 3),
         (Copies::Both, 1),
         (Copies::Both, 2),
+        (Copies::Both, 3),
     ] {
         dev.set_cuda_kernel_variant("nvfp4", version)
             .expect("variant");

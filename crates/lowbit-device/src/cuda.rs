@@ -90,10 +90,12 @@ pub(crate) struct CudaDevice {
     /// bf16 pairs, 0.69x), 2 (the same with f32 amaxes, 0.58x) or 1 (shared-memory tile,
     /// 0.40x). All give the same bytes.
     mxfp8_both_version: u32,
-    /// Which kernels run the bf16 amax pass and the NVFP4 rowwise codes: 2 (the default:
-    /// `max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`: four 16-byte loads in flight per
-    /// thread, the shorter E2M1 encoder; NVFP4 rowwise with its amax pass 0.66x on an H200) or
-    /// 1 (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Same bytes.
+    /// Which kernels run the bf16 amax pass and the NVFP4 rowwise codes: 3 (the default:
+    /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
+    /// threshold table from `nvfp4_params_v3`, `nvfp4_quantize_rows_v3`; NVFP4 rowwise with
+    /// its amax pass 0.85x on an H200), 2 (`max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`:
+    /// four 16-byte loads in flight per thread, the shorter E2M1 encoder; 0.66x) or 1
+    /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Same bytes.
     nvfp4_version: u32,
 }
 
@@ -134,7 +136,7 @@ impl CudaDevice {
             tables: None,
             tables_ptr: 0,
             mxfp8_both_version: 4,
-            nvfp4_version: 2,
+            nvfp4_version: 3,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -375,7 +377,7 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1..=5) => self.mxfp8_both_version = version,
-            ("nvfp4", 1..=2) => self.nvfp4_version = version,
+            ("nvfp4", 1..=3) => self.nvfp4_version = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"

@@ -479,9 +479,9 @@ fn reductions_match() {
                 out.push(c.dev.sum_squares(v)?);
             }
         }
-        // The bf16 amax kernels of both versions (v2, the default: 16-byte loads, four in
-        // flight, an element-wise tail).
-        for version in [1, 2] {
+        // The bf16 amax kernels of every version (v2 and v3 share max_abs_bits_bf16_v2:
+        // 16-byte loads, four in flight, an element-wise tail).
+        for version in [1, 2, 3] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (n, pad) in [(100_003, 0), (70_001, 8), (7, 1)] {
                 let v = c.rand_mid(DType::Bf16, n, pad, n as u64 + u64::from(version));
@@ -948,7 +948,7 @@ fn nvfp4_kernels_match() {
             (32, 1),
             (128, 512),
         ];
-        for (version, (rows, cols)) in [1, 2].into_iter().flat_map(|v| shapes.map(|s| (v, s))) {
+        for (version, (rows, cols)) in [1, 2, 3].into_iter().flat_map(|v| shapes.map(|s| (v, s))) {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for d in FLOATS {
                 for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
@@ -998,7 +998,7 @@ fn nvfp4_kernels_match() {
             }
         }
         // NaN blocks, subnormal-only and infinite rows, every input dtype and version.
-        for (version, d) in [1, 2].into_iter().flat_map(|v| FLOATS.map(|d| (v, d))) {
+        for (version, d) in [1, 2, 3].into_iter().flat_map(|v| FLOATS.map(|d| (v, d))) {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             let src = c.buf(d, &nan_blocks(false));
             let views = nvfp4_views(c, 64, 64, Copies::Both, 3000);
@@ -1007,8 +1007,8 @@ fn nvfp4_kernels_match() {
                 .quantize_nvfp4(src, 64, 64, &Nvfp4Config::default(), &views)?;
             out.push(f64::from(amax.rowwise));
         }
-        // All zeros (amax 0) and an infinite amax, with both versions.
-        for version in [1, 2] {
+        // All zeros (amax 0) and an infinite amax, with every version.
+        for version in [1, 2, 3] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for vals in [vec![0.0f32; 32 * 32], {
                 let mut v = finite(32 * 32, 5);
@@ -1061,6 +1061,74 @@ fn mxfp8_dequantize_kernels_match() {
         Ok(vec![])
     });
     native(&o, "mxfp8 dequantize");
+}
+
+/// bf16 blocks whose magnitudes span seven binades under a per-block scale that moves over
+/// the E4M3 scale range (so every scale byte and every E2M1 step is met), the tensor amax
+/// 2.625 · 2^off (a power-of-two S_enc: exact E2M1 ties are common), and with `raw_bits` a
+/// third of the blocks raw random bf16 bit patterns (NaN payloads, subnormals, ±Inf, ±0).
+fn nvfp4_stress(rows: usize, cols: usize, seed: u64, raw_bits: bool) -> Vec<f32> {
+    let mut r = Rng::new(seed);
+    let off = (seed % 40) as i32 - 20;
+    let mut v = Vec::with_capacity(rows * cols);
+    for _ in 0..(rows * cols).div_ceil(16) {
+        let base = off + (r.next() % 18) as i32 - 17;
+        let raw = raw_bits && r.next().is_multiple_of(3);
+        for _ in 0..16 {
+            let x = r.next();
+            let bits = if raw {
+                (x as u32) & 0xFFFF_0000
+            } else {
+                // Exactly representable in bf16: 8 significant bits.
+                let m = 128 + (x >> 8) as u32 % 128;
+                let e = (base - (x >> 20) as i32 % 7).clamp(-126, 120);
+                let sign = if (x >> 40).is_multiple_of(2) {
+                    0
+                } else {
+                    0x8000_0000
+                };
+                sign | (((e + 127) as u32) << 23) | ((m - 128) << 16)
+            };
+            v.push(f32::from_bits(bits));
+        }
+    }
+    v.truncate(rows * cols);
+    if !raw_bits {
+        v[0] = 2.625 * 2f32.powi(off);
+    }
+    v
+}
+
+#[test]
+fn nvfp4_rowwise_versions_match_on_stress_inputs() {
+    // Rowwise bf16 (the vector kernels of versions 2 and 3) against the CPU, strictly.
+    let o = check("nvfp4 rowwise stress", true, |c| {
+        let mut out = Vec::new();
+        for version in [2, 3] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for (k, (rows, cols, raw)) in [
+                (256usize, 512usize, false),
+                (128, 1024, true),
+                (64, 96, false),
+                (33, 32, true),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let seed = 7000 + 10 * k as u64 + u64::from(version);
+                let src = c.buf(DType::Bf16, &nvfp4_stress(rows, cols, seed, raw));
+                let views = nvfp4_views(c, rows, cols, Copies::Rowwise, seed + 1);
+                let cfg = Nvfp4Config {
+                    copies: Copies::Rowwise,
+                    ..Nvfp4Config::default()
+                };
+                let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+                out.push(f64::from(amax.rowwise));
+            }
+        }
+        Ok(out)
+    });
+    native(&o, "nvfp4 rowwise stress");
 }
 
 #[test]

@@ -401,7 +401,7 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        if self.nvfp4_version == 2 && d == DType::Bf16 && x.is_multiple_of(16) {
+        if self.nvfp4_version >= 2 && d == DType::Bf16 && x.is_multiple_of(16) {
             // Four 16-byte loads per thread and iteration: a few blocks per SM suffice.
             let grid = (n.div_ceil(8 * 256 * 4).clamp(1, 2048) as u32, 1, 1);
             let args = [Arg::U64(x), Arg::U64(n as u64), Arg::U64(out)];
@@ -810,12 +810,26 @@ impl CudaDevice {
         // before the quantization kernels; the amax comes back at the end.
         let (amax_buf, ap) = self.scratch(1)?;
         self.launch_max_abs(x, src.dtype(), src.len(), ap)?;
-        let (params, tp) = self.scratch(257)?;
-        // SAFETY: `ap` holds one word, `tp` 257, the tables 512 floats (E4M3 first).
+        // Version 3 also builds the E2M1 threshold table (8 words per scale byte from word
+        // 260, which the 16-byte loads of nvfp4_quantize_rows_v3 need 16-byte aligned).
+        let (params, tp) = self.scratch(if self.nvfp4_version == 3 {
+            260 + 8 * 256
+        } else {
+            257
+        })?;
+        let thresholds = self.nvfp4_version == 3 && tp.is_multiple_of(16);
+        let (name, grid) = if thresholds {
+            ("nvfp4_params_v3", (8, 1, 1))
+        } else {
+            ("nvfp4_params", (1, 1, 1))
+        };
+        // SAFETY: `ap` holds one word, `tp` 257 (260 + 2048 for the table of the v3 kernel,
+        // whose 8 x 256 threads write words 0..=256 and 260..2308), the tables 512 floats
+        // (E4M3 first).
         unsafe {
             self.launch(
-                "nvfp4_params",
-                (1, 1, 1),
+                name,
+                grid,
                 (256, 1, 1),
                 &[Arg::U64(ap), Arg::U64(self.tables_ptr), Arg::U64(tp)],
             )?;
@@ -838,7 +852,7 @@ impl CudaDevice {
                 Arg::U32(u32::from(vec)),
             ];
             let gy = u32::try_from(rows.min(65535)).unwrap_or(65535);
-            let v2 = self.nvfp4_version == 2
+            let v2 = self.nvfp4_version >= 2
                 && vec
                 && cols.is_multiple_of(32)
                 && d.is_multiple_of(16)
@@ -853,12 +867,16 @@ impl CudaDevice {
                         Arg::U64(r),
                         Arg::U64(c),
                     ];
+                    let name = if thresholds {
+                        "nvfp4_quantize_rows_v3"
+                    } else {
+                        "nvfp4_quantize_rows_v2"
+                    };
                     // SAFETY: as below, with 16-byte loads and code stores and 2-byte scale
                     // stores, whose alignment is checked above (row pitches cols·2, cols/2 and
-                    // cols/16 keep it: cols % 32 == 0).
-                    unsafe {
-                        self.launch("nvfp4_quantize_rows_v2", (gx2, gy, 1), (128, 1, 1), &args)?
-                    };
+                    // cols/16 keep it: cols % 32 == 0); the v3 kernel reads the threshold table
+                    // that nvfp4_params_v3 wrote into `tp` (16-byte aligned, checked above).
+                    unsafe { self.launch(name, (gx2, gy, 1), (128, 1, 1), &args)? };
                 }
                 // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data
                 // and rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
