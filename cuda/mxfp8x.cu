@@ -5,19 +5,20 @@
 // Per block (1x32 rowwise, 32x1 columnwise, or 32x32 tile): amax = max |x| as fp32 bits with NaN
 // as 0 (TE's NaN-ignoring fmaxf), e = E8M0 round-up of fl32(amax * rcp) (rcp = fl32(1/448) for
 // E4M3, fl32(1/57344) for E5M2; an Inf amax saturates e to 0xFE), q = fp8_rne_satfinite(fl32(x *
-// 2^(127-e))) (exact multiply, one rounding; NaN -> 0x7F, +-Inf -> +-max). E4M3 codes come from
-// the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, as mxfp8.cu), E5M2 codes from the
-// integer encoder of lowbit_formats::scalar::e5m2_from_f32 (as ops.cu's sharded 2D kernel).
+// 2^(127-e))) (exact multiply, one rounding; NaN -> 0x7F, +-Inf -> +-max), by the hardware
+// conversion (cvt.rn.satfinite.{e4m3,e5m2}x2.f32) with E5M2 NaN codes forced to 0x7F.
 //
 // One kernel per (input dtype, element kind); the copies, 2D scaling and the vector path are
-// CTA-uniform flags. A CTA of 256 threads (at most 128 registers: two CTAs per SM, no spills)
-// owns a 32-row x 256-column tile: lane l of warp w holds columns 8l..8l+7 of rows w, w+8,
-// w+16, w+24 in registers as f32 (exact for every input dtype). Row amaxes are reduced over
-// the 4 lanes of a 1x32 block with shuffles, column amaxes over the 8 warps through shared
-// memory, and a 32x32 tile amax is the max of its 32 column amaxes (4 lanes x 8 columns).
-// Outputs as the CPU library lays them out: both data copies rows x cols (not transposed),
-// rowwise scales rows x ceil(cols/32), columnwise scales ceil(rows/32) x cols; 2D writes each
-// tile's scale into every entry of both scale tensors and the same codes into both copies.
+// CTA-uniform flags. A CTA of 256 threads owns a 32-row x 256-column tile: lane l of warp w
+// holds columns 8l..8l+7 of rows w, w+8, w+16, w+24 in registers, raw (one or two 16-byte
+// words per row; each element converted to f32, exactly, where it is used). Row amaxes are
+// reduced over the 4 lanes of a 1x32 block with shuffles, column amaxes over the 8 warps
+// through shared memory, and a 32x32 tile amax is the max of its 32 column amaxes (4 lanes x 8
+// columns). Registers are capped for two CTAs per SM with f32 inputs (128) and three with
+// 16-bit ones (80), with no spills. Outputs as the CPU library lays them out: both data copies
+// rows x cols (not transposed), rowwise scales rows x ceil(cols/32), columnwise scales
+// ceil(rows/32) x cols; 2D writes each tile's scale into every entry of both scale tensors and
+// the same codes into both copies.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,68 +56,62 @@ __device__ __forceinline__ uint32_t mx_abs_bits(float v) {
     return a > 0x7F800000u ? 0u : a;
 }
 
-// Round-to-nearest-even magnitude code (lowbit_formats::scalar::rne_magnitude).
-__device__ __forceinline__ uint32_t mx_rne_magnitude(uint32_t a, uint32_t mbits, uint32_t bias) {
-    uint32_t shift = 23 - mbits;
-    uint32_t min_normal_bits = (127 - bias + 1) << 23;
-    uint32_t odd = (a >> shift) & 1u;
-    uint32_t normal = ((a + (1u << (shift - 1)) - 1u + odd) >> shift) - ((127 - bias) << mbits);
-    float magic = __uint_as_float((127 + 24 - bias - mbits) << 23);
-    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(a), magic)) - __float_as_uint(magic);
-    return a >= min_normal_bits ? normal : sub;
-}
-
-// fp32 -> E5M2 (saturating to 57344, NaN -> 0x7F).
-__device__ __forceinline__ uint32_t mx_e5m2(float x) {
-    uint32_t bits = __float_as_uint(x);
-    uint32_t a = bits & 0x7FFFFFFFu;
-    uint32_t sign = (bits >> 24) & 0x80u;
-    uint32_t code = mx_rne_magnitude(a < 0x48000000u ? a : 0x48000000u, 2, 15);
-    code = code < 0x7Bu ? code : 0x7Bu;
-    return a > 0x7F800000u ? 0x7Fu : (code | sign);
-}
-
-// Codes of fl32(x[j] * s[j]) for 8 elements, packed little-endian.
-template <bool E5>
-__device__ __forceinline__ u64 mx_encode8(const float x[8], const float s[8]) {
-    u64 q = 0;
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-        float a = __fmul_rn(x[j], s[j]), b = __fmul_rn(x[j + 1], s[j + 1]);
-        if (E5) {
-            q |= (u64)(mx_e5m2(a) | (mx_e5m2(b) << 8)) << (8 * j);
-        } else {
-            __nv_fp8x2_storage_t p =
-                __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-            q |= (u64)p << (8 * j);
-        }
-    }
-    return q;
-}
-
 __device__ __forceinline__ float mx_f32(float v) { return v; }
 __device__ __forceinline__ float mx_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float mx_f32(__half v) { return __half2float(v); }
 
-// Elements c..c+7 of row r as f32 (0 outside the matrix, which leaves every amax unchanged).
+// 16-byte words holding 8 elements of T.
+template <typename T>
+struct Words {
+    static constexpr int N = (int)sizeof(T) / 2;
+};
+
+// Element j (0..7) of the 8 elements of T held raw in w, as f32 (exact).
+template <typename T>
+__device__ __forceinline__ float mx_get(const uint4* w, int j) {
+    return mx_f32(reinterpret_cast<const T*>(w)[j]);
+}
+
+// Codes of fl32(x[j] * s[j]) for the 8 elements held raw in w, packed little-endian: the
+// hardware conversion (cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, +-Inf and overflow to +-max),
+// with every NaN input mapped to 0x7F for E5M2 as the CPU does (E4M3's hardware NaN is already
+// 0x7F, checked on the GPU with mxfp8.cu).
+template <typename T, bool E5>
+__device__ __forceinline__ u64 mx_encode8(const uint4* w, const float s[8]) {
+    u64 q = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+        float x0 = mx_get<T>(w, j), x1 = mx_get<T>(w, j + 1);
+        float a = __fmul_rn(x0, s[j]), b = __fmul_rn(x1, s[j + 1]);
+        uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
+                                              E5 ? __NV_E5M2 : __NV_E4M3);
+        if (E5) {
+            if (a != a) p = (p & 0xFF00u) | 0x7Fu;
+            if (b != b) p = (p & 0x00FFu) | 0x7F00u;
+        }
+        q |= (u64)p << (8 * j);
+    }
+    return q;
+}
+
+
+// Elements c..c+7 of row r, raw (0 outside the matrix, which leaves every amax unchanged).
 template <typename T>
 __device__ __forceinline__ void mx_load8(const T* __restrict__ x, u64 rows, u64 cols, u64 r, u64 c,
-                                         bool vec, float f[8]) {
+                                         bool vec, uint4 w[Words<T>::N]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+    for (int k = 0; k < Words<T>::N; ++k) w[k] = make_uint4(0, 0, 0, 0);
     if (r >= rows || c >= cols) return;
     const T* src = x + r * cols + c;
     if (vec) {
-        constexpr int N = (int)sizeof(T) / 2;  // 16-byte loads per 8 elements
-        uint4 raw[N];
 #pragma unroll
-        for (int k = 0; k < N; ++k) raw[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
-        const T* v = reinterpret_cast<const T*>(raw);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = mx_f32(v[j]);
+        for (int k = 0; k < Words<T>::N; ++k)
+            w[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
     } else {
+        T* v = reinterpret_cast<T*>(w);
+#pragma unroll
         for (int j = 0; j < 8; ++j)
-            if (c + j < cols) f[j] = mx_f32(src[j]);
+            if (c + j < cols) v[j] = src[j];
     }
 }
 
@@ -143,16 +138,17 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
     const u64 r0 = (u64)blockIdx.y * 32;
     const u64 c = (u64)blockIdx.x * 256 + lane * 8;
     const u64 nb = (cols + 31) / 32;
-    float f[4][8];
+    constexpr int N = Words<T>::N;
+    uint4 raw[4][N];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mx_load8<T>(x, rows, cols, r0 + w + 8 * i, c, vec, f[i]);
+    for (int i = 0; i < 4; ++i) mx_load8<T>(x, rows, cols, r0 + w + 8 * i, c, vec, raw[i]);
     uint32_t ra[4] = {0, 0, 0, 0};
     uint32_t cm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            uint32_t a = mx_abs_bits(f[i][j]);
+            uint32_t a = mx_abs_bits(mx_get<T>(raw[i], j));
             ra[i] = a > ra[i] ? a : ra[i];
             cm[j] = a > cm[j] ? a : cm[j];
         }
@@ -190,7 +186,7 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
             const u64 r = r0 + w + 8 * i;
             if (r >= rows || c >= cols) continue;
             if (row && lane % 4 == 0) row_scales[r * nb + c / 32] = (uint8_t)e;
-            const u64 q = mx_encode8<E5>(f[i], s);
+            const u64 q = mx_encode8<T, E5>(raw[i], s);
             if (row) mx_store8(row_data + r * cols + c, q, c, cols, vec);
             if (col) mx_store8(col_data + r * cols + c, q, c, cols, vec);
         }
@@ -220,23 +216,25 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
 #pragma unroll
             for (int j = 0; j < 8; ++j) rs[j] = sr;
             if (lane % 4 == 0) row_scales[r * nb + c / 32] = (uint8_t)e;
-            mx_store8(row_data + r * cols + c, mx_encode8<E5>(f[i], rs), c, cols, vec);
+            mx_store8(row_data + r * cols + c, mx_encode8<T, E5>(raw[i], rs), c, cols, vec);
         }
-        if (col) mx_store8(col_data + r * cols + c, mx_encode8<E5>(f[i], s), c, cols, vec);
+        if (col) mx_store8(col_data + r * cols + c, mx_encode8<T, E5>(raw[i], s), c, cols, vec);
     }
 }
 
-#define MXFP8X_KERNEL(NAME, T, E5)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                     \
-        const T* __restrict__ x, uint8_t* __restrict__ row_data, uint8_t* __restrict__ row_scales, \
-        uint8_t* __restrict__ col_data, uint8_t* __restrict__ col_scales, u64 rows, u64 cols,   \
-        float rcp, uint32_t flags) {                                                            \
-        mxfp8x_body<T, E5>(x, row_data, row_scales, col_data, col_scales, rows, cols, rcp, flags); \
+#define MXFP8X_KERNEL(NAME, T, E5, MINB)                                                  \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                 \
+        NAME(const T* __restrict__ x, uint8_t* __restrict__ row_data,                       \
+             uint8_t* __restrict__ row_scales, uint8_t* __restrict__ col_data,              \
+             uint8_t* __restrict__ col_scales, u64 rows, u64 cols, float rcp, uint32_t flags) { \
+        mxfp8x_body<T, E5>(x, row_data, row_scales, col_data, col_scales, rows, cols, rcp,  \
+                           flags);                                                          \
     }
 
-MXFP8X_KERNEL(mxfp8x_f32_e4m3, float, false)
-MXFP8X_KERNEL(mxfp8x_f32_e5m2, float, true)
-MXFP8X_KERNEL(mxfp8x_bf16_e4m3, __nv_bfloat16, false)
-MXFP8X_KERNEL(mxfp8x_bf16_e5m2, __nv_bfloat16, true)
-MXFP8X_KERNEL(mxfp8x_f16_e4m3, __half, false)
-MXFP8X_KERNEL(mxfp8x_f16_e5m2, __half, true)
+// f32 inputs: two CTAs per SM; bf16 and f16: three.
+MXFP8X_KERNEL(mxfp8x_f32_e4m3, float, false, 2)
+MXFP8X_KERNEL(mxfp8x_f32_e5m2, float, true, 2)
+MXFP8X_KERNEL(mxfp8x_bf16_e4m3, __nv_bfloat16, false, 3)
+MXFP8X_KERNEL(mxfp8x_bf16_e5m2, __nv_bfloat16, true, 3)
+MXFP8X_KERNEL(mxfp8x_f16_e4m3, __half, false, 3)
+MXFP8X_KERNEL(mxfp8x_f16_e5m2, __half, true, 3)
