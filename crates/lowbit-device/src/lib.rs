@@ -104,8 +104,8 @@
 //!   uploads its outputs (only if it succeeded): every op works on CUDA, with the CPU's bits by
 //!   construction, and the CPU code path is the same function body. [`Device::host_fallback_ops`]
 //!   lists those ops and [`Device::host_fallback_calls`] counts the calls that took the fallback.
-//!   Today: MXFP8 other than bf16 → E4M3 1D rowwise or both,
-//!   NVFP4 with the Error NaN policy, and calls whose arguments the library rejects (sharded
+//!   Today: MXFP8 and NVFP4 with the Error NaN policy, MXFP8 with more than 65535·32 rows (a
+//!   grid limit), and calls whose arguments the library rejects (sharded
 //!   2D ops, `nvfp4_finish_2d`, the Hadamard transform with 2D scales or rows % 16 != 0), so
 //!   that its error comes back unchanged.
 //! - **Blocked sums.** `sum_squares` and `mse_loss` compute the per-block f64 sums on the
