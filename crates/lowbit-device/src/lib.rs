@@ -114,10 +114,11 @@
 //!   for the grad norm: 8 bytes come back per 4096 elements.
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, sum_squares,
 //!   mse_loss, fused AdamW, SGD with momentum, matmul (one thread per output, not a tuned
-//!   GEMM), the model ops, MXFP8 quantization (rowwise; rowwise + columnwise in one pass) and
-//!   dequantization, NVFP4 1D quantization (global amax and tensor scale on the device) and
-//!   dequantization, and the sharded 2D primary-weight ops (tile-amax folds, MXFP8 and NVFP4
-//!   range codes, MXFP8 2D scales).
+//!   GEMM), the model ops, MXFP8 quantization (every mode: rowwise, columnwise, both in one
+//!   pass, 2D; E4M3 and E5M2; bf16, f16 and f32 inputs) and dequantization, NVFP4
+//!   quantization (1D and 2D with the amax pass on the device, transposed columnwise copy,
+//!   stochastic rounding, the Hadamard transform) and dequantization, and the sharded 2D
+//!   primary-weight ops (tile-amax folds, MXFP8 and NVFP4 range codes, MXFP8 2D scales).
 //! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
 //!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
 //!   the hot kernels against a device-to-device copy of the same run.
