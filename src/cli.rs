@@ -1,6 +1,6 @@
 //! Command-line arguments (clap derive) and dispatch. Each subcommand is a variant of
-//! [`Command`]; later ones (`train`, `ckpt`, `bench`) add a variant, an args struct and a match
-//! arm in [`run`].
+//! [`Command`] (`quantize`, `dequantize`, `train`); a new one (`ckpt`, `bench`) adds a variant,
+//! an args struct and a match arm in [`run`].
 
 use std::path::PathBuf;
 

@@ -1,5 +1,6 @@
 //! The `lowbit` package: the command line (`src/main.rs`) and, as a library, the pieces the
-//! command line and the integration tests share — today the reference test model.
+//! command line and the integration tests share: the test model (`model`) and `lowbit train`'s
+//! model, data and training loop (`train`).
 
 pub mod model;
 pub mod train;

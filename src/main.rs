@@ -1,8 +1,11 @@
 //! `lowbit`: the command line of the lowbit project.
 //!
-//! Today it converts safetensors checkpoints to and from MXFP8 / NVFP4 with Transformer Engine's
-//! exact bits (`lowbit quantize`, `lowbit dequantize`; `lowbit quantize --demo` runs on generated
-//! data). Subcommands are variants of [`cli::Command`].
+//! `lowbit train` runs the reference training job (a MoE language model across data-parallel
+//! ranks with low-precision primary weights, on the CPU or, built with `--features cuda`, on
+//! GPUs; `src/train_cmd.rs`). `lowbit quantize` and `lowbit dequantize` convert safetensors
+//! checkpoints to and from MXFP8 / NVFP4 with Transformer Engine's exact bits
+//! (`lowbit quantize --demo` runs on generated data). Subcommands are variants of
+//! [`cli::Command`].
 //!
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
 //! status 2.
