@@ -7,28 +7,11 @@
 //! time (`--test-threads=1`). `mxfp8x_timings` (ignored) prints kernel times on a large tensor.
 #![cfg(feature = "cuda")]
 
-use lowbit_device::{
-    DType, Device, DeviceKind, Fp8Kind, Mxfp8Config, Mxfp8Views, Result, View, bf16, f16,
-};
+use lowbit_device::{DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Result, View};
 use lowbit_formats::Copies;
 
-/// Deterministic pseudo-random source (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
+mod support;
+use support::{Rng, encode, gpu, time};
 
 /// Edge values (about one element in eight).
 const EDGE: [u32; 16] = [
@@ -88,27 +71,6 @@ fn inputs(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
         }
     }
     v
-}
-
-fn encode(d: DType, vals: &[f32]) -> Vec<u8> {
-    match d {
-        DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::Bf16 => vals
-            .iter()
-            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => vals
-            .iter()
-            .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-        DType::U8 => vals.iter().map(|v| *v as u8).collect(),
-    }
-}
-
-fn gpu() -> Device {
-    let d = Device::cuda(0).expect("these tests need a CUDA GPU (ordinal 0)");
-    assert_eq!(d.kind(), DeviceKind::Cuda);
-    d
 }
 
 /// A buffer of `pad + n + pad` elements filled with `bytes` (repeated) and its middle view.
@@ -279,23 +241,6 @@ fn mxfp8x_empty_is_native() {
         r.unwrap();
     }
     assert!(g.host_fallback_calls().is_empty());
-}
-
-fn time(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
-    for _ in 0..2 {
-        f(dev);
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = std::time::Instant::now();
-            f(dev);
-            dev.synchronize().unwrap();
-            s.elapsed().as_secs_f64() * 1e6
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[reps / 2]
 }
 
 /// Kernel times on a 16384x16384 tensor against a device copy of the bf16 tensor (same run).
