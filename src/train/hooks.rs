@@ -20,17 +20,42 @@ use super::Precision;
 use super::lm::ParamInfo;
 use crate::model::{Hooks, ModelError, Usage};
 
+/// Device scratch of the hooks, allocated once per rank and reused by every step: f32 for
+/// dequantized weights, u8 for the copies of on-the-fly quantization.
+#[derive(Clone, Copy, Debug)]
+pub struct HookScratch {
+    scratch: View,
+    qscratch: [View; 4],
+}
+
+impl HookScratch {
+    /// Scratch for the largest parameter of `bufs`.
+    pub fn new(dev: &mut Device, bufs: &DataParallelBuffers) -> HookScratch {
+        let n = bufs.specs().iter().map(|s| s.numel).max().unwrap_or(1);
+        HookScratch {
+            scratch: dev.alloc(DType::F32, n),
+            qscratch: [n, n, n, n].map(|k| dev.alloc(DType::U8, k)),
+        }
+    }
+
+    /// Frees the scratch.
+    pub fn free(self, dev: &mut Device) -> Result<(), ModelError> {
+        dev.free(self.scratch)?;
+        for v in self.qscratch {
+            dev.free(v)?;
+        }
+        Ok(())
+    }
+}
+
 /// See the module docs.
 pub struct TrainHooks<'a> {
     pub(crate) bufs: &'a mut DataParallelBuffers,
     pub(crate) comm: &'a mut dyn Communicator,
     precision: Precision,
     info: &'a [ParamInfo],
-    /// f32 scratch for dequantized weights, u8 scratch for on-the-fly quantization.
     scratch: View,
     qscratch: [View; 4],
-    /// f32 scratch for NVFP4 tile amaxes.
-    tiles: View,
     /// Eval: gradients go to scratch and readiness is not reported.
     eval: bool,
 }
@@ -40,23 +65,22 @@ fn hook_err(e: impl std::fmt::Display) -> ModelError {
 }
 
 impl<'a> TrainHooks<'a> {
-    /// Hooks over `bufs` (whose parameters are described by `info`, same order).
+    /// Hooks over `bufs` (whose parameters are described by `info`, same order), computing
+    /// in `scratch` (made by [`HookScratch::new`] for these buffers).
     pub fn new(
-        dev: &mut Device,
+        scratch: HookScratch,
         bufs: &'a mut DataParallelBuffers,
         comm: &'a mut dyn Communicator,
         precision: Precision,
         info: &'a [ParamInfo],
     ) -> TrainHooks<'a> {
-        let n = bufs.specs().iter().map(|s| s.numel).max().unwrap_or(1);
         TrainHooks {
             bufs,
             comm,
             precision,
             info,
-            scratch: dev.alloc(DType::F32, n),
-            qscratch: [n, n, n, n].map(|k| dev.alloc(DType::U8, k)),
-            tiles: dev.alloc(DType::F32, n),
+            scratch: scratch.scratch,
+            qscratch: scratch.qscratch,
             eval: false,
         }
     }
@@ -65,16 +89,6 @@ impl<'a> TrainHooks<'a> {
     pub fn eval(mut self) -> Self {
         self.eval = true;
         self
-    }
-
-    /// Frees the scratch.
-    pub fn free(self, dev: &mut Device) -> Result<(), ModelError> {
-        dev.free(self.scratch)?;
-        dev.free(self.tiles)?;
-        for v in self.qscratch {
-            dev.free(v)?;
-        }
-        Ok(())
     }
 
     fn mxfp8(
@@ -135,7 +149,6 @@ impl<'a> TrainHooks<'a> {
         let src = self.bufs.param_view(p).map_err(hook_err)?;
         let er = rows / experts;
         let n = er * cols;
-        let tiles = self.tiles;
         for e in 0..experts {
             let [rd, rs, cd, cs] = self.qscratch;
             let w = Nvfp4Weights {
@@ -143,7 +156,8 @@ impl<'a> TrainHooks<'a> {
                 cols,
                 rowwise: (rd.slice(0..n / 2)?, rs.slice(0..n / 16)?),
                 columnwise: (cd.slice(0..n / 2)?, cs.slice(0..n / 16)?),
-                tiles,
+                // Only the gathered-weights path reads tile amaxes; dequantization does not.
+                tiles: self.scratch,
             };
             let amax = dev.quantize_nvfp4(
                 src.slice(e * n..(e + 1) * n)?,

@@ -36,7 +36,7 @@ use lowbit_optim::{
 };
 
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
-use hooks::TrainHooks;
+use hooks::{HookScratch, TrainHooks};
 use lm::{Lm, LmShape, ParamInfo};
 
 /// How GEMM weights are stored and computed with.
@@ -426,7 +426,24 @@ pub fn train(
     cfg.shape.vocab = source.vocab();
     let info = cfg.shape.params();
     let specs = cfg.specs(&info);
-    let outcomes = run(&cfg, &source, &info, progress)?;
+    // The eval set, padded with weightless items to whole batches on every rank.
+    let (mut eval_items, eval_exact) =
+        source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
+    let eval_len = eval_items.len();
+    let split = cfg.ranks * cfg.rows();
+    let pad = EvalItem {
+        weight: 0.0,
+        ..eval_items[0].clone()
+    };
+    eval_items.resize(eval_len.div_ceil(split) * split, pad);
+    let job = Job {
+        cfg: &cfg,
+        source: &source,
+        info: &info,
+        eval: &eval_items,
+        progress,
+    };
+    let outcomes = run(&job)?;
     let o0 = &outcomes[0];
     let checksum = master_checksum(&info, outcomes.iter().map(|o| &o.masters[..]));
     let baseline_specs: Vec<ParamSpec> = specs
@@ -455,10 +472,7 @@ pub fn train(
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
         floor: source.floor(),
-        eval_set: {
-            let (items, exact) = source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
-            (items.len(), exact)
-        },
+        eval_set: (eval_len, eval_exact),
         params: info.iter().map(|p| p.shape.iter().product::<usize>()).sum(),
         master_checksum: checksum,
         memory: o0.memory.clone(),
@@ -470,17 +484,24 @@ pub fn train(
     })
 }
 
-fn run(
-    cfg: &TrainConfig,
-    source: &Source,
-    info: &[ParamInfo],
-    progress: &(dyn Fn(&StepLog) + Sync),
-) -> Result<Vec<RankOutcome>, TrainError> {
+/// What every rank of a run shares.
+struct Job<'a> {
+    cfg: &'a TrainConfig,
+    source: &'a Source,
+    info: &'a [ParamInfo],
+    /// The eval set, a whole number of batches per rank.
+    eval: &'a [EvalItem],
+    /// Called by rank 0 after every step.
+    progress: &'a (dyn Fn(&StepLog) + Sync),
+}
+
+fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
+    let cfg = job.cfg;
     let results: Vec<Result<RankOutcome, TrainError>> = match cfg.device {
         DeviceChoice::Cpu => {
             let config = GroupConfig::default().with_timeout(Duration::from_secs(120));
             run_ranks(cfg.ranks, config, |mut comm, mut dev| {
-                rank_main(cfg, source, info, progress, &mut comm, &mut dev)
+                rank_main(job, &mut comm, &mut dev)
             })
             .into_iter()
             .map(|r| {
@@ -492,7 +513,7 @@ fn run(
             })
             .collect()
         }
-        DeviceChoice::Cuda => cuda::run(cfg, source, info, progress),
+        DeviceChoice::Cuda => cuda::run(job),
     };
     // The first failing rank's error is the cause; the others usually report the abort.
     let mut out = Vec::with_capacity(results.len());
@@ -517,12 +538,7 @@ fn run(
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::*;
-    pub(super) fn run(
-        _cfg: &TrainConfig,
-        _source: &Source,
-        _info: &[ParamInfo],
-        _progress: &(dyn Fn(&StepLog) + Sync),
-    ) -> Vec<Result<RankOutcome, TrainError>> {
+    pub(super) fn run(_job: &Job) -> Vec<Result<RankOutcome, TrainError>> {
         vec![Err(TrainError::Invalid(
             "--device cuda needs a build with the CUDA backend (--features cuda)".into(),
         ))]
@@ -532,14 +548,9 @@ mod cuda {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    pub(super) fn run(
-        cfg: &TrainConfig,
-        source: &Source,
-        info: &[ParamInfo],
-        progress: &(dyn Fn(&StepLog) + Sync),
-    ) -> Vec<Result<RankOutcome, TrainError>> {
-        match lowbit_comm::nccl::run_local_ranks(cfg.ranks, |comm, dev| {
-            rank_main(cfg, source, info, progress, comm, dev)
+    pub(super) fn run(job: &Job) -> Vec<Result<RankOutcome, TrainError>> {
+        match lowbit_comm::nccl::run_local_ranks(job.cfg.ranks, |comm, dev| {
+            rank_main(job, comm, dev)
         }) {
             Ok(v) => v,
             Err(e) => vec![Err(TrainError::Rank {
@@ -600,13 +611,17 @@ fn err(rank: usize) -> impl Fn(&dyn std::fmt::Display) -> TrainError {
 
 /// One rank's run.
 fn rank_main(
-    cfg: &TrainConfig,
-    source: &Source,
-    info: &[ParamInfo],
-    progress: &(dyn Fn(&StepLog) + Sync),
+    job: &Job,
     comm: &mut dyn Communicator,
     dev: &mut Device,
 ) -> Result<RankOutcome, TrainError> {
+    let Job {
+        cfg,
+        source,
+        info,
+        progress,
+        ..
+    } = *job;
     let rank = comm.rank();
     let e = err(rank);
     let specs = cfg.specs(info);
@@ -627,10 +642,10 @@ fn rank_main(
     let mut phases = Phases::default();
     let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
     let context = cfg.shape.context;
-    let batch_of = |first: u64, eval: bool| {
+    let batch_of = |first: u64| {
         let (mut t, mut y) = (Vec::new(), Vec::new());
         for i in 0..rows as u64 {
-            source.sample(cfg.seed, first + i, eval, context, &mut t, &mut y);
+            source.sample(cfg.seed, first + i, false, context, &mut t, &mut y);
         }
         (t, y)
     };
@@ -640,14 +655,8 @@ fn rank_main(
             .map_err(|x| e(&x))?;
         Ok::<f32, TrainError>(dev.download::<f32>(scalar).map_err(|x| e(&x))?[0])
     };
-    // The eval set, padded with weightless items to whole batches on every rank.
-    let (mut eval_items, _) = source.eval_set(cfg.seed, context, cfg.eval_samples);
-    let per_rank = eval_items.len().div_ceil(cfg.ranks * rows) * rows;
-    let pad = EvalItem {
-        weight: 0.0,
-        ..eval_items[0].clone()
-    };
-    eval_items.resize(per_rank * cfg.ranks, pad);
+    let per_rank = job.eval.len() / cfg.ranks;
+    let scratch = HookScratch::new(dev, &bufs);
     let vocab = cfg.shape.vocab;
     let start = Instant::now();
     for step in 0..cfg.steps {
@@ -658,17 +667,16 @@ fn rank_main(
         phases.param_sync += t.elapsed();
         let t = Instant::now();
         let mut loss = 0f32;
-        let mut hooks = TrainHooks::new(dev, &mut bufs, comm, cfg.precision, info);
+        let mut hooks = TrainHooks::new(scratch, &mut bufs, comm, cfg.precision, info);
         for m in 0..cfg.microbatches {
             hooks.bufs.set_last_microbatch(m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
-            let (tokens, targets) = batch_of(first, false);
+            let (tokens, targets) = batch_of(first);
             let scale = 1.0 / cfg.microbatches as f32;
             loss += lm
                 .step(dev, &mut hooks, &tokens, &targets, Some(scale))
                 .map_err(|x| e(&x))?;
         }
-        hooks.free(dev).map_err(|x| e(&x))?;
         phases.forward_backward += t.elapsed();
         let t = Instant::now();
         bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
@@ -687,16 +695,15 @@ fn rank_main(
                 .map_err(|x| e(&x))?;
             phases.param_sync += t.elapsed();
             let t = Instant::now();
-            let mut hooks = TrainHooks::new(dev, &mut bufs, comm, cfg.precision, info).eval();
+            let mut hooks = TrainHooks::new(scratch, &mut bufs, comm, cfg.precision, info).eval();
             let mut total = 0f64;
-            for chunk in eval_items[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
+            for chunk in job.eval[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
                 let tokens: Vec<u32> = chunk.iter().flat_map(|i| i.tokens.clone()).collect();
                 let logits = lm.logits(dev, &mut hooks, &tokens).map_err(|x| e(&x))?;
                 for (item, row) in chunk.iter().zip(logits.chunks_exact(vocab)) {
                     total += item.weight * cross_entropy(row, &item.target);
                 }
             }
-            hooks.free(dev).map_err(|x| e(&x))?;
             // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
             let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
             evals.push((step + 1, v));
@@ -715,6 +722,7 @@ fn rank_main(
         }
     }
     let wall = start.elapsed();
+    scratch.free(dev).map_err(|x| e(&x))?;
     let mut masters = Vec::new();
     for p in opt.parts() {
         masters.extend(p.masters(dev).map_err(|x| e(&x))?);
