@@ -2,7 +2,6 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use clap::{Args, ValueEnum};
 use lowbit::buffers::layout::GradDType;
@@ -175,9 +174,7 @@ impl TrainArgs {
 /// Runs `lowbit train`.
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let cfg = args.config();
-    cfg.validate().map_err(|e| CliError::Msg(e.to_string()))?;
     let tty = std::io::stderr().is_terminal();
-    let last_line = Mutex::new(0usize);
     let progress = |s: &StepLog| {
         let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
         let line = format!(
@@ -197,7 +194,6 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             // Not a terminal: one line per evaluation.
             let _ = writeln!(err, "{line}");
         }
-        *last_line.lock().unwrap_or_else(|p| p.into_inner()) = s.step;
     };
     let report = train::train(&cfg, &progress).map_err(|e| CliError::Msg(e.to_string()))?;
     let mut out = std::io::stdout().lock();
