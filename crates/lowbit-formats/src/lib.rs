@@ -270,6 +270,11 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn amax_bits(x: &[Self]) -> u32 {
         amax_bits_lanes(x)
     }
+    /// The bit patterns of a bf16 slice (for kernels specialised to them); `None` otherwise.
+    #[inline(always)]
+    fn bf16_bits(_: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl Element for f32 {
@@ -287,6 +292,11 @@ impl Element for bf16 {
     #[inline(always)]
     fn amax_bits(x: &[Self]) -> u32 {
         amax_bits_bf16(x)
+    }
+    #[inline(always)]
+    fn bf16_bits(x: &[Self]) -> Option<&[u16]> {
+        use half::slice::HalfFloatSliceExt;
+        Some(x.reinterpret_cast())
     }
 }
 

@@ -20,6 +20,8 @@ use crate::{
     thread_count,
 };
 
+mod tile16;
+
 /// Elements per MXFP8 block (and rows/columns per 2D tile).
 pub const BLOCK: usize = 32;
 
@@ -206,11 +208,21 @@ fn run<E: Element>(
         .collect();
     let rcp = cfg.kind.max_norm_rcp();
     let two_d = cfg.two_d;
+    let rule = tile16::Rule::of(cfg.kind);
     par::for_each(bands, thread_count(cfg.threads), |b| {
         crate::simd::dispatch(
             #[inline(always)]
             || {
-                if two_d {
+                if let Some(bits) = E::bf16_bits(b.x)
+                    && bits.len() == BLOCK * cols
+                    && cols.is_multiple_of(BLOCK)
+                {
+                    let out = tile16::BandOut {
+                        row: b.row_data.zip(b.row_scales),
+                        col: b.col_data.zip(b.col_scales),
+                    };
+                    tile16::band(bits, cols, two_d, rule, out);
+                } else if two_d {
                     band_2d(b, cols, rcp, enc);
                 } else {
                     band_1d(b, cols, rcp, enc);

@@ -11,7 +11,7 @@ use lowbit_formats::scalar::{
 };
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane,
-    Source, quantize_mxfp8, quantize_nvfp4,
+    Source, bf16, quantize_mxfp8, quantize_nvfp4,
 };
 use proptest::prelude::*;
 
@@ -593,6 +593,62 @@ fn nvfp4_direct_columnwise_equals_rowwise_of_transpose() {
             } else {
                 let b = nv(cols, rows, &xt, cfg);
                 assert_eq!(a.columnwise.as_ref().unwrap(), b.rowwise.as_ref().unwrap());
+            }
+        }
+    }
+}
+
+/// A bf16 matrix as bit patterns, shaped to reach the 32x32-tile kernel (32-multiple columns,
+/// at least one full band of 32 rows) as well as the general path, with special patterns at a
+/// per-matrix density: none, rare (most tiles clean, a few not) or dense (every tile touched).
+fn bf16_matrix() -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
+    let rows = prop_oneof![32usize..=33, 64usize..=96, 1usize..40];
+    let cols = prop_oneof![(1usize..=4).prop_map(|c| 32 * c), 1usize..80];
+    (rows, cols, prop_oneof![Just(0u32), Just(3), Just(200)]).prop_flat_map(|(r, c, per_mille)| {
+        let special = prop_oneof![
+            Just(0x0000u16),
+            Just(0x8000),
+            1u16..0x80,        // bf16 subnormals
+            0x0080u16..0x0A00, // tiny normals: fp8 subnormal or zero after scaling
+            Just(0x7F80),
+            Just(0xFF80),
+            0x7F81u16..=0x7FFF, // NaNs
+            Just(0x7F7F),
+            Just(0xFF7F),
+        ];
+        // Mostly a span a block's fp8 range covers, sometimes far below the block's amax.
+        let exp = prop_oneof![4 => 120u16..136, 1 => 100u16..150];
+        let normal = (any::<bool>(), exp, 0u16..0x80)
+            .prop_map(|(s, e, m)| (u16::from(s) << 15) | (e << 7) | m);
+        let elem = (0u32..1000, special, normal)
+            .prop_map(move |(roll, sp, n)| if roll < per_mille { sp } else { n });
+        (Just(r), Just(c), proptest::collection::vec(elem, r * c))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// bf16 input gives the same bytes as the same values in f32, for every copy set, 1D and
+    /// 2D, E4M3 and E5M2, and any thread count: the bf16 tile kernel's integer encoding and its
+    /// hand-backs (fp8 subnormals, bf16 subnormals, tiles with NaN or Inf) agree with the
+    /// general fp32 path byte for byte.
+    #[test]
+    fn bf16_input_equals_its_f32_values((rows, cols, bits) in bf16_matrix(), threads in 1usize..3) {
+        let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b)).collect();
+        let f: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        let mh = Matrix::new("t", rows, cols, Source::Bf16(&h)).unwrap();
+        let mf = Matrix::new("t", rows, cols, Source::F32(&f)).unwrap();
+        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+            for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
+                for two_d in [false, true] {
+                    let cfg = Mxfp8Config { kind, copies, two_d, threads, ..Mxfp8Config::default() };
+                    prop_assert_eq!(
+                        quantize_mxfp8(&mh, &cfg).unwrap(),
+                        quantize_mxfp8(&mf, &cfg).unwrap(),
+                        "{:?} {:?} 2d={}", kind, copies, two_d
+                    );
+                }
             }
         }
     }
