@@ -208,7 +208,7 @@ fn run<E: Element>(
         .collect();
     let rcp = cfg.kind.max_norm_rcp();
     let two_d = cfg.two_d;
-    let rule = tile16::Rule::of(cfg.kind);
+    let kind = cfg.kind;
     par::for_each(bands, thread_count(cfg.threads), |b| {
         crate::simd::dispatch(
             #[inline(always)]
@@ -221,7 +221,7 @@ fn run<E: Element>(
                         row: b.row_data.zip(b.row_scales),
                         col: b.col_data.zip(b.col_scales),
                     };
-                    tile16::band(bits, cols, two_d, rule, out);
+                    tile16::band(bits, cols, two_d, kind, out);
                 } else if two_d {
                     band_2d(b, cols, rcp, enc);
                 } else {

@@ -1,29 +1,34 @@
 //! Minimal fork-join over disjoint work items, with scoped threads.
 
-/// Runs `f` on every item, spreading contiguous runs of items over `threads` scoped threads.
-/// Items own disjoint output slices, so the result does not depend on the thread count.
+/// Runs `f` on every item over `threads` scoped threads, each taking the next item in order
+/// when it is free. Items own disjoint output slices, so the result does not depend on the
+/// thread count or on which thread ran what.
+///
+/// Items are handed out one at a time rather than split up front because a spawned thread can
+/// start late (waking an idle virtual CPU takes a while): with a fixed split the whole call
+/// waits for it, with a shared queue the calling thread does its share.
 pub(crate) fn for_each<T: Send>(items: Vec<T>, threads: usize, f: impl Fn(T) + Sync) {
     if threads <= 1 || items.len() <= 1 {
         items.into_iter().for_each(f);
         return;
     }
-    let per = items.len().div_ceil(threads);
-    let mut groups: Vec<Vec<T>> = Vec::with_capacity(threads);
-    let mut it = items.into_iter().peekable();
-    while it.peek().is_some() {
-        groups.push(it.by_ref().take(per).collect());
-    }
-    let f = &f;
+    let queue = std::sync::Mutex::new(items.into_iter());
+    let work = || {
+        loop {
+            // A poisoned lock means another worker panicked; the scope re-raises that panic.
+            let Some(item) = queue.lock().ok().and_then(|mut q| q.next()) else {
+                break;
+            };
+            f(item);
+        }
+    };
+    let helpers = threads.min(queue.lock().map_or(1, |q| q.len())) - 1;
     std::thread::scope(|s| {
-        let mut groups = groups.into_iter();
-        // The calling thread works on the first group instead of idling.
-        let first = groups.next();
-        for g in groups {
-            s.spawn(move || g.into_iter().for_each(f));
+        for _ in 0..helpers {
+            s.spawn(work);
         }
-        if let Some(g) = first {
-            g.into_iter().for_each(f);
-        }
+        // The calling thread works too instead of idling.
+        work();
     });
 }
 

@@ -36,7 +36,8 @@ pub(super) struct Rule {
 }
 
 impl Rule {
-    pub(super) fn of(kind: Fp8Kind) -> Rule {
+    #[inline(always)]
+    fn of(kind: Fp8Kind) -> Rule {
         let (shift, max_code, min_normal_exp, half_min_sub_exp) = match kind {
             Fp8Kind::E4M3 => (4, 0x7E, -6, -10),
             Fp8Kind::E5M2 => (5, 0x7B, -14, -17),
@@ -102,13 +103,18 @@ fn parts(b: u16, r: Rule) -> Parts {
 }
 
 /// The fp8 code of a bf16 pattern (not NaN or ±Inf) scaled by the power of two behind
-/// `(add, nf, zu)`, and 1 when the code must come from the fp32 encoder instead (an fp8
+/// `(add, nf, zu)`, and a nonzero flag when the code must come from the fp32 encoder instead (an fp8
 /// subnormal, or a bf16 subnormal input).
 #[inline(always)]
 fn code(p: Parts, add: u16, nf: i16, zu: i16, r: Rule) -> (u8, u16) {
     let normal = (p.rounded.wrapping_add(add) >> r.shift).min(r.max_code);
-    let c = if p.m >= nf { normal } else { 0 };
-    ((c | p.sign) as u8, u16::from(p.m > zu && p.m < nf))
+    // All-ones masks, as the vector compares give them (no conversion to 0/1).
+    let below_normal = (-i16::from(p.m < nf)) as u16;
+    let above_zero = (-i16::from(p.m > zu)) as u16;
+    (
+        ((normal & !below_normal) | p.sign) as u8,
+        below_normal & above_zero,
+    )
 }
 
 /// Max of a row's magnitudes, as a tree of lane-wise maxima.
@@ -151,7 +157,17 @@ pub(super) struct BandOut<'a> {
 /// Quantizes a band of exactly 32 rows of `cols` bf16 elements (`cols` a multiple of 32), tile
 /// by tile; with `two_d`, one scale per tile, shared by both copies.
 #[inline(always)]
-pub(super) fn band(x: &[u16], cols: usize, two_d: bool, r: Rule, mut out: BandOut<'_>) {
+pub(super) fn band(x: &[u16], cols: usize, two_d: bool, kind: Fp8Kind, out: BandOut<'_>) {
+    // One copy of the kernel per kind, so the shifts and clamps are immediates.
+    match kind {
+        Fp8Kind::E4M3 => band_of::<false>(x, cols, two_d, out),
+        Fp8Kind::E5M2 => band_of::<true>(x, cols, two_d, out),
+    }
+}
+
+#[inline(always)]
+fn band_of<const E5M2: bool>(x: &[u16], cols: usize, two_d: bool, mut out: BandOut<'_>) {
+    let r = Rule::of(if E5M2 { Fp8Kind::E5M2 } else { Fp8Kind::E4M3 });
     debug_assert!(cols.is_multiple_of(BLOCK) && x.len() == BLOCK * cols);
     let nb = cols / BLOCK;
     for t in 0..nb {
@@ -306,11 +322,11 @@ fn encode_tile<const ROW: bool, const COL: bool>(
         for (i, &e) in re.iter().enumerate() {
             let at = i * cols + c0;
             let row = row_at(x, at);
-            let flagged = row.iter().any(|&b| {
-                let m = (b & 0x7FFF) as i16;
-                m > rl.zu[i] && m < rl.nf[i]
-            });
-            if flagged {
+            let mut flags = [0u16; BLOCK];
+            for (f, &b) in flags.iter_mut().zip(row) {
+                *f = code(parts(b, r), rl.add[i], rl.nf[i], rl.zu[i], r).1;
+            }
+            if row_max(&flags) != 0 {
                 let s = e8m0_rcp(e);
                 for (o, &b) in out_at(rd, at).iter_mut().zip(row) {
                     *o = r.kind.encode(bf16_to_f32(b) * s);
