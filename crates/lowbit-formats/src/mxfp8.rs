@@ -15,10 +15,12 @@
 //! band while the band is still in cache. Full bands of bf16 input with whole 32-column blocks
 //! take the faster integer kernel of `tile16` instead, which gives the same bytes.
 
+use std::sync::atomic::AtomicUsize;
+
 use crate::scalar::{self, Fp8Kind, e8m0_from_f32, e8m0_rcp, e8m0_to_f32};
 use crate::{
-    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, abs_bits_nan_zero, par,
-    thread_count,
+    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, abs_bits_nan_zero, alloc,
+    par, thread_count,
 };
 
 mod tile16;
@@ -131,7 +133,7 @@ fn reuse_plane(slot: &mut Option<QuantPlane>, want: bool, shapes: [[usize; 2]; 2
     {
         let [d, s] = shapes;
         *slot = Some(QuantPlane {
-            data: crate::alloc::zeroed(d[0] * d[1]),
+            data: crate::alloc::uninit(d[0] * d[1]),
             data_shape: d,
             scales: vec![0; s[0] * s[1]],
             scale_shape: s,
@@ -158,24 +160,31 @@ struct Band<'a, E> {
     col_scales: Option<&'a mut [u8]>,
 }
 
-fn split<'a>(buf: Option<&'a mut QuantPlane>, data_chunk: usize, scale_chunk: usize) -> Chunks<'a> {
-    match buf {
-        None => Chunks(None),
-        Some(p) => Chunks(Some((
-            p.data.chunks_mut(data_chunk.max(1)),
+/// Data chunks and scale chunks of one copy, a band each.
+type CopyChunks<'a> = (
+    std::vec::IntoIter<alloc::Chunk<'a>>,
+    std::slice::ChunksMut<'a, u8>,
+);
+
+fn split<'a>(
+    buf: Option<&'a mut QuantPlane>,
+    data_chunk: usize,
+    scale_chunk: usize,
+    done: &'a AtomicUsize,
+) -> Option<CopyChunks<'a>> {
+    buf.map(|p| {
+        let n = p.data_shape[0] * p.data_shape[1];
+        (
+            alloc::chunks(&mut p.data, n, data_chunk, done).into_iter(),
             p.scales.chunks_mut(scale_chunk.max(1)),
-        ))),
-    }
+        )
+    })
 }
 
-struct Chunks<'a>(Option<(std::slice::ChunksMut<'a, u8>, std::slice::ChunksMut<'a, u8>)>);
-
-impl<'a> Chunks<'a> {
-    fn next(&mut self) -> (Option<&'a mut [u8]>, Option<&'a mut [u8]>) {
-        match &mut self.0 {
-            None => (None, None),
-            Some((d, s)) => (d.next(), s.next()),
-        }
+fn next<'a>(c: &mut Option<CopyChunks<'a>>) -> (Option<alloc::Chunk<'a>>, Option<&'a mut [u8]>) {
+    match c {
+        None => (None, None),
+        Some((d, s)) => (d.next(), s.next()),
     }
 }
 
@@ -186,51 +195,59 @@ fn run<E: Element>(
     enc: impl Fn(f32) -> u8 + Copy + Sync,
 ) {
     let (rows, cols) = (t.rows, t.cols);
-    if rows == 0 || cols == 0 {
-        return;
-    }
-    let nb = cols.div_ceil(BLOCK);
-    let band_elems = BLOCK * cols;
-    let mut rw = split(t.rowwise.as_mut(), band_elems, BLOCK * nb);
-    let mut cw = split(t.columnwise.as_mut(), band_elems, cols);
-    let bands: Vec<Band<'_, E>> = x
-        .chunks(band_elems)
-        .map(|xb| {
-            let (row_data, row_scales) = rw.next();
-            let (col_data, col_scales) = cw.next();
-            Band {
-                x: xb,
-                row_data,
-                row_scales,
-                col_data,
-                col_scales,
-            }
-        })
-        .collect();
-    let rcp = cfg.kind.max_norm_rcp();
-    let two_d = cfg.two_d;
-    let kind = cfg.kind;
-    par::for_each(bands, thread_count(cfg.threads), |b| {
-        crate::simd::dispatch(
-            #[inline(always)]
-            || {
-                if let Some(bits) = E::bf16_bits(b.x)
-                    && bits.len() == BLOCK * cols
-                    && cols.is_multiple_of(BLOCK)
-                {
-                    let out = tile16::BandOut {
-                        row: b.row_data.zip(b.row_scales),
-                        col: b.col_data.zip(b.col_scales),
-                    };
-                    tile16::band(bits, cols, two_d, kind, out);
-                } else if two_d {
-                    band_2d(b, cols, rcp, enc);
-                } else {
-                    band_1d(b, cols, rcp, enc);
-                }
+    let (row_done, col_done) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    if rows > 0 && cols > 0 {
+        let nb = cols.div_ceil(BLOCK);
+        let band_elems = BLOCK * cols;
+        let mut rw = split(t.rowwise.as_mut(), band_elems, BLOCK * nb, &row_done);
+        let mut cw = split(t.columnwise.as_mut(), band_elems, cols, &col_done);
+        let bands: Vec<_> = x
+            .chunks(band_elems)
+            .map(|xb| (xb, next(&mut rw), next(&mut cw)))
+            .collect();
+        let rcp = cfg.kind.max_norm_rcp();
+        let two_d = cfg.two_d;
+        let kind = cfg.kind;
+        par::for_each(
+            bands,
+            thread_count(cfg.threads),
+            |(xb, (rd, rs), (cd, cs))| {
+                let b = Band {
+                    x: xb,
+                    row_data: rd.map(alloc::Chunk::bytes),
+                    row_scales: rs,
+                    col_data: cd.map(alloc::Chunk::bytes),
+                    col_scales: cs,
+                };
+                crate::simd::dispatch(
+                    #[inline(always)]
+                    || {
+                        if let Some(bits) = E::bf16_bits(b.x)
+                            && bits.len() == BLOCK * cols
+                            && cols.is_multiple_of(BLOCK)
+                        {
+                            let out = tile16::BandOut {
+                                row: b.row_data.zip(b.row_scales),
+                                col: b.col_data.zip(b.col_scales),
+                            };
+                            tile16::band(bits, cols, two_d, kind, out);
+                        } else if two_d {
+                            band_2d(b, cols, rcp, enc);
+                        } else {
+                            band_1d(b, cols, rcp, enc);
+                        }
+                    },
+                )
             },
-        )
-    });
+        );
+    }
+    let n = rows * cols;
+    if let Some(p) = t.rowwise.as_mut() {
+        alloc::finish(&mut p.data, n, &row_done);
+    }
+    if let Some(p) = t.columnwise.as_mut() {
+        alloc::finish(&mut p.data, n, &col_done);
+    }
 }
 
 /// The E8M0 scale of a block with amax bits `amax` and its exact reciprocal.

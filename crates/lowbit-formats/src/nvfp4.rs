@@ -161,11 +161,16 @@ pub fn quantize_nvfp4(m: &Matrix<'_>, cfg: &Nvfp4Config) -> Result<Nvfp4Tensor, 
 
 /// Global amax with NaN ignored (TE's `nvte_compute_amax` uses `fmaxf`).
 fn global_amax<E: Element>(x: &[E], threads: usize) -> f32 {
-    let parts = par::map_ranges(x.len(), threads, |r| {
-        crate::simd::dispatch(
+    // Chunks from the shared queue (as the quantization bands are), each folding into its own
+    // slot; the max of the slots does not depend on who ran what.
+    const CHUNK: usize = 1 << 17;
+    let mut parts = vec![0u32; x.len().div_ceil(CHUNK)];
+    let items: Vec<_> = x.chunks(CHUNK).zip(parts.iter_mut()).collect();
+    par::for_each(items, threads, |(c, slot)| {
+        *slot = crate::simd::dispatch(
             #[inline(always)]
-            || crate::amax_bits(&x[r]),
-        )
+            || crate::amax_bits(c),
+        );
     });
     f32::from_bits(parts.into_iter().max().unwrap_or(0))
 }
