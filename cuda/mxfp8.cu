@@ -239,249 +239,22 @@ extern "C" __global__ void __launch_bounds__(256) mxfp8_both_e4m3_bf16(
     }
 }
 
-// Version 2 of mxfp8_both_e4m3_bf16, register-resident: same 32-row x 256-column tile per
-// 256-thread CTA, but each thread keeps its 4 rows x 8 columns in registers (lane l owns
-// columns 8l..8l+7, warp w rows w, w+8, w+16, w+24). Column amaxes are reduced across the 8
-// warps through 8 KB of shared memory (conflict-free: word [j][w*32 + lane]); row amaxes across
-// the 4 lanes of a 1x32 block with shuffles. Every load is 16 bytes and every data store 8
-// bytes, coalesced for both copies (a warp writes 256 contiguous bytes of a row), and the E4M3
-// conversions go two at a time (cvt...e4m3x2, .x in the low byte). The tile is kept as raw bf16
-// (16 registers) and registers are capped at 64 (no spills) for four CTAs per SM. Same outputs
-// as version 1.
+// ---- versions 4 and 5 of the one-pass rowwise + columnwise kernel ----
+// (Versions 2 and 3, register-resident predecessors, are described in cuda/NOTES.md; v4
+// superseded them and they were removed.) One 256-thread CTA per 32-row x 256-column tile; each
+// thread keeps 4 rows x 8 columns as raw bf16 in registers (lane l owns columns 8l..8l+7, warp w
+// rows w, w+8, w+16, w+24). Column amaxes are reduced across the 8 warps in shared memory, row
+// amaxes across the 4 lanes of a 1x32 block with shuffles, both on packed bf16 pairs (__habs2,
+// then __hmax2, which ignores a NaN operand exactly as the f32 fmaxf amax does; bf16 -> f32 is
+// exact, so the maxima are the same numbers). Loads are 16 bytes, data stores 8 bytes,
+// coalesced for both copies, and the E4M3 conversions go two at a time (cvt...e4m3x2).
+// v4: a CTA whose tile lies wholly inside the matrix (the CTA-uniform `interior` case) issues its
+// four loads back-to-back with the streaming hint (ld.global.cs: read once) before any use. v5:
+// a CTA owns two vertically adjacent tiles and issues all eight loads (128 bytes per thread)
+// before quantizing the first, so the second tile's loads overlap the first tile's work.
+// Same bytes as version 1.
 // `vec` (host-checked): cols % 8 == 0 and x, row_data, col_data, col_scales aligned, so the
 // 16-byte loads and 8-byte stores are legal; otherwise element-wise accesses.
-extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v2(
-    const __nv_bfloat16* __restrict__ x,
-    uint8_t* __restrict__ row_data,
-    uint8_t* __restrict__ row_scales,
-    uint8_t* __restrict__ col_data,
-    uint8_t* __restrict__ col_scales,
-    unsigned long long rows,
-    unsigned long long cols,
-    unsigned vec) {
-    __shared__ uint32_t camax[8][256];
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    const unsigned long long r0 = (unsigned long long)blockIdx.y * 32;
-    const unsigned long long c = (unsigned long long)blockIdx.x * 256 + lane * 8;
-    const float rcp448 = __uint_as_float(0x3B124925u);
-    // The tile stays in registers as raw bf16 (4 rows x 8 columns = 4 x 16 bytes).
-    uint4 raw[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        unsigned long long r = r0 + w + 8 * i;
-        raw[i] = make_uint4(0, 0, 0, 0);
-        if (r < rows) {
-            const __nv_bfloat16* src = x + r * cols + c;
-            if (vec && c + 8 <= cols) {
-                raw[i] = *reinterpret_cast<const uint4*>(src);
-            } else {
-                uint16_t* h = reinterpret_cast<uint16_t*>(&raw[i]);
-                for (int j = 0; j < 8; ++j)
-                    if (c + j < cols) h[j] = reinterpret_cast<const uint16_t*>(src)[j];
-            }
-        }
-    }
-    uint32_t cm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t a = __float_as_uint(abs_nan_zero(__bfloat162float(v[j])));
-            cm[j] = a > cm[j] ? a : cm[j];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) camax[j][w * 32 + lane] = cm[j];
-    __syncthreads();
-    unsigned long long cscale = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            uint32_t a = camax[j][k * 32 + lane];
-            m = a > m ? a : m;
-        }
-        uint8_t e = e8m0_round_up(__fmul_rn(__uint_as_float(m), rcp448));
-        cscale |= (unsigned long long)e << (8 * j);
-    }
-    if (w == 0 && c < cols) {
-        uint8_t* dst = col_scales + (r0 / 32) * cols + c;
-        if (vec && c + 8 <= cols) {
-            *reinterpret_cast<unsigned long long*>(dst) = cscale;
-        } else {
-            for (int j = 0; j < 8; ++j)
-                if (c + j < cols) dst[j] = (uint8_t)(cscale >> (8 * j));
-        }
-    }
-    const unsigned long long nb = (cols + 31) / 32;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        unsigned long long r = r0 + w + 8 * i;
-        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[i]);
-        float f[8];
-        uint32_t a = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            f[j] = __bfloat162float(v[j]);
-            uint32_t b = __float_as_uint(abs_nan_zero(f[j]));
-            a = b > a ? b : a;
-        }
-        a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
-        uint8_t e = e8m0_round_up(__fmul_rn(__uint_as_float(a), rcp448));
-        float s = e8m0_rcp(e);
-        if (r >= rows || c >= cols) continue;
-        if (lane % 4 == 0) row_scales[r * nb + c / 32] = e;
-        unsigned long long rq = 0, cq = 0;
-#pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-            __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(f[j], s), __fmul_rn(f[j + 1], s)), __NV_SATFINITE, __NV_E4M3);
-            rq |= (unsigned long long)q << (8 * j);
-            float s0 = e8m0_rcp((uint8_t)(cscale >> (8 * j)));
-            float s1 = e8m0_rcp((uint8_t)(cscale >> (8 * (j + 1))));
-            __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(f[j], s0), __fmul_rn(f[j + 1], s1)), __NV_SATFINITE, __NV_E4M3);
-            cq |= (unsigned long long)p << (8 * j);
-        }
-        uint8_t* rdst = row_data + r * cols + c;
-        uint8_t* cdst = col_data + r * cols + c;
-        if (vec && c + 8 <= cols) {
-            *reinterpret_cast<unsigned long long*>(rdst) = rq;
-            *reinterpret_cast<unsigned long long*>(cdst) = cq;
-        } else {
-            for (int j = 0; j < 8; ++j) {
-                if (c + j < cols) {
-                    rdst[j] = (uint8_t)(rq >> (8 * j));
-                    cdst[j] = (uint8_t)(cq >> (8 * j));
-                }
-            }
-        }
-    }
-}
-
-// Version 3 of the one-pass rowwise + columnwise kernel: v2's layout with fewer instructions
-// per element (v2 is instruction-bound): the column and row amaxes are taken once, on packed
-// bf16 pairs (__habs2, then __hmax2, which ignores a NaN operand exactly as the f32 fmaxf amax
-// does; bf16 -> f32 is exact, so the maxima are the same numbers), the row amaxes in the loading
-// loop, and the eight column-scale reciprocals once per thread instead of once per row.
-extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v3(
-    const __nv_bfloat16* __restrict__ x,
-    uint8_t* __restrict__ row_data,
-    uint8_t* __restrict__ row_scales,
-    uint8_t* __restrict__ col_data,
-    uint8_t* __restrict__ col_scales,
-    unsigned long long rows,
-    unsigned long long cols,
-    unsigned vec) {
-    __shared__ __nv_bfloat162 camax[4][256];
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    const unsigned long long r0 = (unsigned long long)blockIdx.y * 32;
-    const unsigned long long c = (unsigned long long)blockIdx.x * 256 + lane * 8;
-    const float rcp448 = __uint_as_float(0x3B124925u);
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
-    uint4 raw[4];
-    float ramax[4];
-    __nv_bfloat162 cm[4] = {zero2, zero2, zero2, zero2};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        unsigned long long r = r0 + w + 8 * i;
-        raw[i] = make_uint4(0, 0, 0, 0);
-        if (r < rows) {
-            const __nv_bfloat16* src = x + r * cols + c;
-            if (vec && c + 8 <= cols) {
-                raw[i] = *reinterpret_cast<const uint4*>(src);
-            } else {
-                uint16_t* h = reinterpret_cast<uint16_t*>(&raw[i]);
-                for (int j = 0; j < 8; ++j)
-                    if (c + j < cols) h[j] = reinterpret_cast<const uint16_t*>(src)[j];
-            }
-        }
-        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-        __nv_bfloat162 rm = zero2;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            __nv_bfloat162 a = __habs2(v[p]);
-            cm[p] = __hmax2(cm[p], a);
-            rm = __hmax2(rm, a);
-        }
-        ramax[i] = fmaxf(__low2float(rm), __high2float(rm));
-    }
-#pragma unroll
-    for (int p = 0; p < 4; ++p) camax[p][w * 32 + lane] = cm[p];
-    __syncthreads();
-    float cs[8];
-    unsigned long long cscale = 0;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        __nv_bfloat162 m = camax[p][lane];
-#pragma unroll
-        for (int k = 1; k < 8; ++k) m = __hmax2(m, camax[p][k * 32 + lane]);
-        uint8_t e0 = e8m0_round_up(__fmul_rn(__low2float(m), rcp448));
-        uint8_t e1 = e8m0_round_up(__fmul_rn(__high2float(m), rcp448));
-        cs[2 * p] = e8m0_rcp(e0);
-        cs[2 * p + 1] = e8m0_rcp(e1);
-        cscale |= ((unsigned long long)e0 | ((unsigned long long)e1 << 8)) << (16 * p);
-    }
-    if (w == 0 && c < cols) {
-        uint8_t* dst = col_scales + (r0 / 32) * cols + c;
-        if (vec && c + 8 <= cols) {
-            *reinterpret_cast<unsigned long long*>(dst) = cscale;
-        } else {
-            for (int j = 0; j < 8; ++j)
-                if (c + j < cols) dst[j] = (uint8_t)(cscale >> (8 * j));
-        }
-    }
-    const unsigned long long nb = (cols + 31) / 32;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        unsigned long long r = r0 + w + 8 * i;
-        float a = ramax[i];
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
-        uint8_t e = e8m0_round_up(__fmul_rn(a, rcp448));
-        float s = e8m0_rcp(e);
-        if (r >= rows || c >= cols) continue;
-        if (lane % 4 == 0) row_scales[r * nb + c / 32] = e;
-        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-        unsigned long long rq = 0, cq = 0;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            float2 f = __bfloat1622float2(v[p]);
-            __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(f.x, s), __fmul_rn(f.y, s)), __NV_SATFINITE, __NV_E4M3);
-            rq |= (unsigned long long)q << (16 * p);
-            __nv_fp8x2_storage_t t = __nv_cvt_float2_to_fp8x2(
-                make_float2(__fmul_rn(f.x, cs[2 * p]), __fmul_rn(f.y, cs[2 * p + 1])),
-                __NV_SATFINITE, __NV_E4M3);
-            cq |= (unsigned long long)t << (16 * p);
-        }
-        uint8_t* rdst = row_data + r * cols + c;
-        uint8_t* cdst = col_data + r * cols + c;
-        if (vec && c + 8 <= cols) {
-            *reinterpret_cast<unsigned long long*>(rdst) = rq;
-            *reinterpret_cast<unsigned long long*>(cdst) = cq;
-        } else {
-            for (int j = 0; j < 8; ++j) {
-                if (c + j < cols) {
-                    rdst[j] = (uint8_t)(rq >> (8 * j));
-                    cdst[j] = (uint8_t)(cq >> (8 * j));
-                }
-            }
-        }
-    }
-}
-
-// ---- version 4 and 5 of the one-pass rowwise + columnwise kernel ----
-// v3 issues its four 16-byte loads inside a guarded loop that also computes the amaxes, so a
-// thread may wait for each load in turn. v4: the same tile and arithmetic, but a CTA whose tile
-// lies wholly inside the matrix (the CTA-uniform `interior` case) issues its four loads
-// back-to-back with the streaming hint (ld.global.cs: read once) before any use. v5: a CTA
-// owns two vertically adjacent 32x256 tiles and issues all eight loads (128 bytes per thread)
-// before quantizing the first tile, so the second tile's loads overlap the first tile's work.
-// Same bytes as v1-v3 (the amaxes, scales and conversions are v3's, operation for operation).
 
 // Loads the four rows (w, w+8, w+16, w+24) of the tile at r0 that this thread owns, raw bf16.
 __device__ __forceinline__ void both_load(const __nv_bfloat16* __restrict__ x,
@@ -511,7 +284,7 @@ __device__ __forceinline__ void both_load(const __nv_bfloat16* __restrict__ x,
     }
 }
 
-// v3's amaxes, scales, codes and stores for one 32x256 tile held in `raw`; `camax` is this
+// The amaxes, scales, codes and stores of one 32x256 tile held in `raw`; `camax` is this
 // tile's 4 KB of shared memory (its readers and writers are separated by the barrier inside).
 __device__ __forceinline__ void both_tile(const uint4 raw[4], __nv_bfloat162 (*camax)[256],
                                           uint8_t* __restrict__ row_data,
@@ -602,7 +375,7 @@ __device__ __forceinline__ void both_tile(const uint4 raw[4], __nv_bfloat162 (*c
     }
 }
 
-// Version 4: v3 with the interior tile's loads issued together, streaming (grid as v3).
+// Version 4: one tile per CTA, grid (ceil(cols / 256), ceil(rows / 32)); the default.
 extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4(
     const __nv_bfloat16* __restrict__ x,
     uint8_t* __restrict__ row_data,

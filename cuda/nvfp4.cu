@@ -7,7 +7,9 @@
 // conversions as the library's integer code, the Hadamard sums in the library's index order.
 //
 // Kernel names carry the prefix `nvfp4x_` (the backend looks kernels up by name across every
-// loaded module). Views are raw byte addresses; dtype codes: 0 = f32, 1 = bf16, 2 = f16.
+// loaded module). The whole-tensor amax (`max_abs_bits`), the max of reduced tile amaxes
+// (`u32_max`) and the tensor factors (`nvfp4_params`) are cuda/ops.cu's, launched from the same
+// backend. Views are raw byte addresses; dtype codes: 0 = f32, 1 = bf16, 2 = f16.
 
 #include <stdint.h>
 
@@ -231,7 +233,7 @@ __device__ __forceinline__ float mul_x86_nan(float a, float b) {
     return p != p ? __uint_as_float(0xFFC00000u) : p;
 }
 
-// ---- amax passes and tensor factors ----
+// ---- the 16x16 tile amax pass (2D scales) ----
 
 __device__ __forceinline__ void block_max_atomic(uint32_t m, uint32_t* __restrict__ out) {
     __shared__ uint32_t warp_max[32];
@@ -242,23 +244,6 @@ __device__ __forceinline__ void block_max_atomic(uint32_t m, uint32_t* __restric
         for (unsigned w = 1; w < blockDim.x / 32; ++w) m = max(m, warp_max[w]);
         if (m != 0) atomicMax(out, m);
     }
-}
-
-// out[0] <- max(out[0], max over the n elements of |x| bits, NaN as 0). Blocks of 256 threads.
-extern "C" __global__ void nvfp4x_amax(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
-                                       uint32_t* __restrict__ out) {
-    uint32_t m = 0;
-    GRID_STRIDE(i, n) m = max(m, abs_bits_nan_zero(load(x, xd, i)));
-    block_max_atomic(m, out);
-}
-
-// out[0] <- max of the raw u32 bits of n words (the global amax of reduced tile amaxes, as
-// lowbit_formats::nvfp4::sharded::global_amax takes it). Blocks of 256 threads.
-extern "C" __global__ void nvfp4x_u32_max(const uint32_t* __restrict__ x, u64 n,
-                                          uint32_t* __restrict__ out) {
-    uint32_t m = 0;
-    GRID_STRIDE(i, n) m = max(m, x[i]);
-    block_max_atomic(m, out);
 }
 
 // 16x16 tile amaxes of a row-major rows x cols matrix: tiles[tr, tc] (u32 bits of the f32
@@ -282,22 +267,6 @@ extern "C" __global__ void nvfp4x_tile_amax(const uint8_t* __restrict__ x, uint3
         gm = max(gm, m);
     }
     block_max_atomic(gm, global);
-}
-
-// The tensor-level factors from the global amax bits amax_bits[0] (lowbit_formats::nvfp4's
-// Params): params[0] = k = fl32(S_enc · fl32(1/6)), params[1 + sf] = min(1 / (float(sf) · S_dec),
-// FLT_MAX). `e4m3` is the table of the 256 E4M3 values. One block of 256 threads.
-extern "C" __global__ void nvfp4x_params(const uint32_t* __restrict__ amax_bits,
-                                         const float* __restrict__ e4m3,
-                                         float* __restrict__ params) {
-    const float flt_max = __uint_as_float(0x7F7FFFFFu);
-    float amax = __uint_as_float(amax_bits[0]);
-    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
-    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    float s_dec = __fdiv_rn(1.0f, s_enc);
-    unsigned sf = threadIdx.x;
-    if (sf == 0) params[0] = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
-    if (sf < 256) params[1 + sf] = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
 }
 
 // ---- quantization ----

@@ -84,11 +84,11 @@ pub(crate) struct CudaDevice {
     tables: Option<CudaSlice<u32>>,
     /// The address of `tables`.
     tables_ptr: u64,
-    /// Which kernel version runs MXFP8 rowwise + columnwise: 4 (the default: v3 with an
-    /// interior tile's four loads issued together, streaming; 0.86x copy bandwidth on an H200),
-    /// 5 (two tiles per CTA, eight loads in flight, 0.82x), 3 (register tile, amaxes on packed
-    /// bf16 pairs, 0.69x), 2 (the same with f32 amaxes, 0.58x) or 1 (shared-memory tile,
-    /// 0.40x). All give the same bytes.
+    /// Which kernel version runs MXFP8 rowwise + columnwise: 4 (the default: register tile,
+    /// amaxes on packed bf16 pairs, an interior tile's four loads issued together, streaming;
+    /// 0.86x copy bandwidth on an H200), 5 (two tiles per CTA, eight loads in flight, 0.82x) or
+    /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
+    /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
     mxfp8_both_version: u32,
     /// Which kernels run the bf16 amax pass and the NVFP4 rowwise codes: 3 (the default:
     /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
@@ -376,7 +376,7 @@ impl CudaDevice {
     /// Selects a kernel version (for benchmarks and tests of alternatives).
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
-            ("mxfp8_both", 1..=5) => self.mxfp8_both_version = version,
+            ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("nvfp4", 1..=3) => self.nvfp4_version = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(

@@ -614,8 +614,8 @@ impl Device {
     }
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
-    /// them (`("mxfp8_both", 1..=5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("nvfp4", 1..=2)`: the bf16 amax pass and the NVFP4 rowwise kernel, 2 by default).
+    /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
+    /// `("nvfp4", 1..=3)`: the bf16 amax pass and the NVFP4 rowwise kernel, 3 by default).
     /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

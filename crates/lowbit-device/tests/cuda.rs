@@ -550,7 +550,7 @@ fn mxfp8_kernels_match() {
             // Whole interior tiles (v4, v5) next to partial ones.
             (160, 768),
         ];
-        for version in [1, 2, 3, 4, 5] {
+        for version in [1, 4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             for (rows, cols) in shapes {
                 for copies in [Copies::Rowwise, Copies::Both] {
@@ -566,7 +566,7 @@ fn mxfp8_kernels_match() {
             }
         }
         // NaN blocks, subnormal-only and infinite rows, with every version.
-        for version in [1, 2, 3, 4, 5] {
+        for version in [1, 4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             for copies in [Copies::Rowwise, Copies::Both] {
                 let src = c.buf(DType::Bf16, &nan_blocks(true));
@@ -578,8 +578,8 @@ fn mxfp8_kernels_match() {
                 c.dev.quantize_mxfp8(src, 64, 64, &cfg, &views)?;
             }
         }
-        // Versions 2-5 with a misaligned source (element-wise loads and stores).
-        for version in [2, 3, 4, 5] {
+        // Versions 4 and 5 with a misaligned source (element-wise loads and stores).
+        for version in [4, 5] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             let src = c.rand_mid(DType::Bf16, 40 * 64, 1, 999 + u64::from(version));
             let views = mxfp8_views(c, 40, 64, Copies::Both, 1000);

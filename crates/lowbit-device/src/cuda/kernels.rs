@@ -95,7 +95,7 @@ impl CudaDevice {
             (Copies::Both, Some((rd, rs)), Some((cd, cs))) => {
                 let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
                 let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
-                if self.mxfp8_both_version >= 2 {
+                if self.mxfp8_both_version != 1 {
                     let vec = cols.is_multiple_of(8)
                         && x.is_multiple_of(16)
                         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
@@ -110,11 +110,10 @@ impl CudaDevice {
                     // vector accesses only with `vec`, whose alignment is checked here.
                     unsafe {
                         self.launch(
-                            match self.mxfp8_both_version {
-                                5 => "mxfp8_both_e4m3_bf16_v5",
-                                4 => "mxfp8_both_e4m3_bf16_v4",
-                                3 => "mxfp8_both_e4m3_bf16_v3",
-                                _ => "mxfp8_both_e4m3_bf16_v2",
+                            if self.mxfp8_both_version == 5 {
+                                "mxfp8_both_e4m3_bf16_v5"
+                            } else {
+                                "mxfp8_both_e4m3_bf16_v4"
                             },
                             (gx, gy, 1),
                             (256, 1, 1),
@@ -226,7 +225,12 @@ impl CudaDevice {
     ///
     /// # Safety
     /// As [`CudaDevice::launch`].
-    unsafe fn launch_n(&mut self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+    pub(super) unsafe fn launch_n(
+        &mut self,
+        name: &'static str,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -397,7 +401,7 @@ impl CudaDevice {
 
     /// Enqueues the amax kernel: the max of |x| bits (NaN as 0) of `n` elements of dtype `d` at
     /// `x` (a validated view) into the zeroed word at `out`.
-    fn launch_max_abs(&mut self, x: u64, d: DType, n: usize, out: u64) -> Result<()> {
+    pub(super) fn launch_max_abs(&mut self, x: u64, d: DType, n: usize, out: u64) -> Result<()> {
         if n == 0 {
             return Ok(());
         }

@@ -109,7 +109,7 @@ impl CudaDevice {
         // (the E4M3 values first).
         unsafe {
             self.launch(
-                "nvfp4x_params",
+                "nvfp4_params",
                 (1, 1, 1),
                 (256, 1, 1),
                 &[Arg::U64(amax), Arg::U64(self.tables_ptr), Arg::U64(p.ptr)],
@@ -170,16 +170,7 @@ impl CudaDevice {
             // `amax` one.
             unsafe { self.launch("nvfp4x_tile_amax", grid, (256, 1, 1), &args)? };
         } else {
-            let args = [
-                Arg::U64(x),
-                Arg::U32(xd),
-                Arg::U64(src.len() as u64),
-                Arg::U64(amax.ptr),
-            ];
-            let n = src.len();
-            let grid = (n.div_ceil(THREADS as usize * 8).clamp(1, 4096) as u32, 1, 1);
-            // SAFETY: `x` addresses `n` validated elements; `amax` is one live word.
-            unsafe { self.launch("nvfp4x_amax", grid, (THREADS, 1, 1), &args)? };
+            self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
         }
         let params = self.nv_params(amax.ptr)?;
         let tp = if cfg.two_d { tiles.ptr } else { 0 };
@@ -337,13 +328,8 @@ impl CudaDevice {
             Arg::U64(tiles.len() as u64),
             Arg::U64(amax.ptr),
         ];
-        let grid = (
-            tiles.len().div_ceil(THREADS as usize).clamp(1, 4096) as u32,
-            1,
-            1,
-        );
-        // SAFETY: `tiles` is a validated f32 view of tr·tc words; `amax` one live word.
-        unsafe { self.launch("nvfp4x_u32_max", grid, (THREADS, 1, 1), &args)? };
+        // SAFETY: `tiles` is a validated f32 view of tr·tc words; `amax` one live zeroed word.
+        unsafe { self.launch_n("u32_max", tiles.len(), &args)? };
         let params = self.nv_params(amax.ptr)?;
         let n = rs.len() + cd.len() + cs.len();
         let args = [
