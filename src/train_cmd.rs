@@ -17,7 +17,8 @@ use crate::error::CliError;
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     /// Data-parallel ranks: threads on the CPU [default: 4], GPUs with --device cuda [default:
-    /// every visible GPU].
+    /// every visible GPU; under a launcher such as torchrun, its WORLD_SIZE, one rank per
+    /// process].
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Weight precision of the GEMMs.
@@ -133,8 +134,11 @@ impl TrainArgs {
         TrainConfig {
             ranks: self.ranks.unwrap_or(match self.device {
                 DeviceArg::Cpu => d.ranks,
-                // At least one, so that a machine without GPUs gets the device's own error.
-                DeviceArg::Cuda => train::gpu_count().max(1),
+                // Under a launcher, its world; else every local GPU, at least one, so that a
+                // machine without GPUs gets the device's own error.
+                DeviceArg::Cuda => {
+                    train::launched_world_size().unwrap_or_else(|| train::gpu_count().max(1))
+                }
             }),
             precision,
             param_gather: self
@@ -196,6 +200,10 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let report = train::train(&cfg, &progress).map_err(|e| CliError::Msg(e.to_string()))?;
+    if cfg.device == train::DeviceChoice::Cuda && train::launched_rank() != 0 {
+        // One process per rank under a launcher: rank 0 reports for the world.
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
     let text = if args.json {
         format!("{}\n", to_json(&report))

@@ -535,6 +535,21 @@ fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
     }
 }
 
+/// The world size a process launcher (torchrun, or anything that sets its variables) gave this
+/// process, if any: `WORLD_SIZE`. With `--device cuda`, the process then runs one rank of that
+/// world on GPU `LOCAL_RANK` instead of one thread per local GPU.
+pub fn launched_world_size() -> Option<usize> {
+    std::env::var("WORLD_SIZE").ok()?.trim().parse().ok()
+}
+
+/// This process's rank under a launcher (`RANK`), 0 otherwise: only rank 0 prints.
+pub fn launched_rank() -> usize {
+    std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::*;
@@ -548,7 +563,13 @@ mod cuda {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+    use lowbit_comm::nccl::{NcclComm, NcclConfig};
+    use lowbit_comm::rendezvous::RendezvousEnv;
+
     pub(super) fn run(job: &Job) -> Vec<Result<RankOutcome, TrainError>> {
+        if super::launched_world_size().is_some() {
+            return vec![run_process(job)];
+        }
         match lowbit_comm::nccl::run_local_ranks(job.cfg.ranks, |comm, dev| {
             rank_main(job, comm, dev)
         }) {
@@ -558,6 +579,61 @@ mod cuda {
                 message: e.to_string(),
             })],
         }
+    }
+
+    /// This process's rank of a world started by a launcher (torchrun's variables): GPU
+    /// `LOCAL_RANK`, the NCCL id through the TCP rendezvous. The outcome is this rank's, with the
+    /// masters of every rank (gathered after the run, so the collective counts are the run's
+    /// own), so that the report and its checksum are the same as a one-process run's.
+    fn run_process(job: &Job) -> Result<RankOutcome, TrainError> {
+        let env = RendezvousEnv::from_env().map_err(|x| err(0)(&x))?;
+        let e = err(env.rank);
+        if env.world_size != job.cfg.ranks {
+            return Err(TrainError::Invalid(format!(
+                "--ranks {} does not match the launcher's WORLD_SIZE {}",
+                job.cfg.ranks, env.world_size
+            )));
+        }
+        let mut dev = Device::cuda(env.local_rank).map_err(|x| e(&x))?;
+        let mut comm = NcclComm::from_env(&dev, &env, NcclConfig::default()).map_err(|x| e(&x))?;
+        let mut own = rank_main(job, &mut comm, &mut dev)?;
+        own.masters = gather_masters(&mut comm, &mut dev, &own.masters).map_err(|x| e(&x))?;
+        Ok(own)
+    }
+
+    /// Every rank's master shards, in rank order: each rank serializes its own, the lengths are
+    /// all-gathered to agree on the longest, and the padded byte strings are all-gathered.
+    fn gather_masters(
+        comm: &mut NcclComm,
+        dev: &mut Device,
+        own: &[MasterShard],
+    ) -> Result<Vec<MasterShard>, Box<dyn std::error::Error>> {
+        let mut bytes = super::encode_shards(own);
+        let ranks = comm.size();
+        let (len, lens) = (dev.alloc(DType::U8, 8), dev.alloc(DType::U8, 8 * ranks));
+        dev.upload(len, &(bytes.len() as u64).to_le_bytes())?;
+        comm.all_gather(dev, len, lens)?;
+        let max = dev
+            .download::<u8>(lens)?
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+            .max()
+            .unwrap_or(0);
+        dev.free(len)?;
+        dev.free(lens)?;
+        bytes.resize(max, 0);
+        let input = dev.alloc(DType::U8, max);
+        let output = dev.alloc(DType::U8, max * ranks);
+        dev.upload(input, &bytes)?;
+        comm.all_gather(dev, input, output)?;
+        let all = dev.download::<u8>(output)?;
+        dev.free(input)?;
+        dev.free(output)?;
+        let shards = all
+            .chunks(max.max(1))
+            .flat_map(super::decode_shards)
+            .collect();
+        Ok(shards)
     }
 }
 
@@ -581,6 +657,48 @@ fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
             .map(|(q, &x)| q * (lse - f64::from(x)))
             .sum(),
     }
+}
+
+/// Master shards as bytes for a gather between processes: per shard, its parameter id, range
+/// start and end as u64, then its values as f32, all little-endian.
+fn encode_shards(shards: &[MasterShard]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for m in shards {
+        for v in [m.param, m.range.start, m.range.end] {
+            bytes.extend((v as u64).to_le_bytes());
+        }
+        bytes.extend(m.values.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    bytes
+}
+
+/// The shards of [`encode_shards`]' bytes, which may carry zero padding after the last shard.
+fn decode_shards(bytes: &[u8]) -> Vec<MasterShard> {
+    let mut shards = Vec::new();
+    let mut at = 0;
+    let word = |at: &mut usize| {
+        let w = u64::from_le_bytes(bytes[*at..*at + 8].try_into().expect("8 bytes"));
+        *at += 8;
+        w as usize
+    };
+    while at + 24 <= bytes.len() {
+        let (param, start, end) = (word(&mut at), word(&mut at), word(&mut at));
+        // Padding reads as an empty range; a real shard is never empty.
+        if end <= start || at + 4 * (end - start) > bytes.len() {
+            break;
+        }
+        let values = bytes[at..at + 4 * (end - start)]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        at += 4 * (end - start);
+        shards.push(MasterShard {
+            param,
+            range: start..end,
+            values,
+        });
+    }
+    shards
 }
 
 /// FNV-1a 64 over every parameter's fp32 master values in element order.
@@ -737,4 +855,38 @@ fn rank_main(
         phases,
         wall,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shards survive the byte form a multi-process run gathers, zero padding included, with
+    /// their exact bits (negative zero and NaN payloads too).
+    #[test]
+    fn master_shards_round_trip_through_bytes() {
+        let shards = vec![
+            MasterShard {
+                param: 3,
+                range: 10..13,
+                values: vec![-0.0, f32::from_bits(0x7FC0_1234), 1.5],
+            },
+            MasterShard {
+                param: 0,
+                range: 0..1,
+                values: vec![f32::MIN_POSITIVE],
+            },
+        ];
+        let mut bytes = encode_shards(&shards);
+        assert_eq!(bytes.len(), 2 * 24 + 4 * 4);
+        bytes.resize(bytes.len() + 40, 0);
+        let back = decode_shards(&bytes);
+        assert_eq!(back.len(), 2);
+        for (a, b) in shards.iter().zip(&back) {
+            assert_eq!((a.param, a.range.clone()), (b.param, b.range.clone()));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a.values), bits(&b.values));
+        }
+        assert!(decode_shards(&[0; 64]).is_empty());
+    }
 }

@@ -51,6 +51,10 @@ STEPS+=(
   "train-cuda-2gpu|600|bin/lowbit train --device cuda --ranks 2 --json > \$STEP_JSON"
   "compare-train-1|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-1rank.json \$WORK/train-cuda-1gpu.json | tee \$STEP_SUMMARY"
   "compare-train-2|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-2rank.json \$WORK/train-cuda-2gpu.json | tee \$STEP_SUMMARY"
+  # The same two-GPU run as one process per GPU under torchrun (NCCL id over lowbit's TCP
+  # rendezvous; rank 0 prints), against the CPU run.
+  "train-cuda-torchrun|600|torchrun --no-python --nproc-per-node 2 bin/lowbit train --device cuda --json > \$STEP_JSON"
+  "compare-train-torchrun|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-2rank.json \$WORK/train-cuda-torchrun.json | tee \$STEP_SUMMARY"
   "train-cuda-table|600|set -o pipefail; bin/lowbit train --device cuda | tee \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------
