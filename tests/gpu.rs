@@ -21,9 +21,17 @@ fn dps() -> Vec<usize> {
 fn parity_matrix_on_cuda_is_bitwise() {
     let start = std::time::Instant::now();
     let dps = dps();
-    // Every precision and overlap mode; one gradient dtype and bucketing (each run opens an
-    // NCCL world, which costs about a second).
-    let cases = parity_matrix(&dps, 4, TestDevice::Cuda, &[GradDType::F32], &[Some(500)]);
+    // Every precision and overlap mode; by default one gradient dtype and bucketing (each run
+    // opens an NCCL world, which costs about a second). LOWBIT_FULL_MATRIX=1 (the bundle's
+    // `test-lowbit-gpu-full-matrix` step) runs every gradient dtype and bucketing, as the CPU
+    // matrix of tests/primary_weights.rs does.
+    let full = std::env::var_os("LOWBIT_FULL_MATRIX").is_some();
+    let (grads, buckets): (&[GradDType], &[Option<usize>]) = if full {
+        (&[GradDType::F32, GradDType::Bf16], &[None, Some(500)])
+    } else {
+        (&[GradDType::F32], &[Some(500)])
+    };
+    let cases = parity_matrix(&dps, 4, TestDevice::Cuda, grads, buckets);
     eprintln!(
         "CUDA parity matrix: {cases} ON/OFF pairs over dp {dps:?} in {:.1?}",
         start.elapsed()

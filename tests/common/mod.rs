@@ -590,8 +590,29 @@ pub fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
     assert_same_trajectory(on, off, what);
 }
 
+/// Two runs whose gradient reductions differ in order only (NCCL all-reduce against
+/// reduce-scatter across 3+ ranks): the same trajectory up to rounding, losses and grad norms
+/// within a relative 1e-4.
+pub fn assert_close_trajectory(a: &[Outcome], b: &[Outcome], what: &str) {
+    let close = |x: f32, y: f32| (x - y).abs() <= 1e-4 * x.abs().max(y.abs()).max(1e-6);
+    for (name, xs, ys) in [
+        ("losses", &a[0].losses, &b[0].losses),
+        ("grad norms", &a[0].norms, &b[0].norms),
+    ] {
+        assert_eq!(xs.len(), ys.len(), "{what}: {name}");
+        for (i, (&x, &y)) in xs.iter().zip(ys.iter()).enumerate() {
+            assert!(close(x, y), "{what}: {name}[{i}] {x} vs {y} beyond 1e-4");
+        }
+    }
+}
+
 /// The ON/OFF parity matrix over precisions, overlap, gradient dtype, buckets and the data-parallel
 /// sizes `dps`: every pair must train to the same bits. Returns the number of pairs.
+///
+/// One exception, on CUDA only: bf16 "OFF" is classic DDP (all-reduce over an unpadded bucket)
+/// and "ON" the distributed optimizer (reduce-scatter over a padded one). With 3 or more ranks
+/// NCCL sums those in different orders, so that pair is held to [`assert_close_trajectory`];
+/// every low-precision pair (reduce-scatter on both sides) stays bitwise at any size.
 pub fn parity_matrix(
     dps: &[usize],
     steps: usize,
@@ -636,7 +657,14 @@ pub fn parity_matrix(
                         let expect_low = if precision == Precision::Bf16 { 0 } else { 4 };
                         assert_eq!(on[0].low_precision_params, expect_low, "{what}");
                         assert_eq!(off[0].low_precision_params, 0, "{what}");
-                        assert_parity(&on, &off, &what);
+                        if device == TestDevice::Cuda && precision == Precision::Bf16 && dp >= 3 {
+                            assert_close_trajectory(&on, &off, &what);
+                            eprintln!(
+                                "{what}: within 1e-4, not bitwise (NCCL all-reduce vs reduce-scatter)"
+                            );
+                        } else {
+                            assert_parity(&on, &off, &what);
+                        }
                         cases += 1;
                     }
                 }

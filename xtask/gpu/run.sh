@@ -3,7 +3,8 @@
 # benchmarks and their torch baselines, one step after another. A failing step does not stop the
 # others; the exit status is non-zero if any step failed.
 #
-#   ./run.sh [--list] [FILTER...]    run the steps whose name contains any FILTER (all if none)
+#   ./run.sh [--list] [FILTER...]    run the steps whose name contains any FILTER (all if none;
+#                                    an `opt-` step only when a FILTER is its whole name)
 #
 # Results go to $OUT if set, else ./gpu-results: results.json (every step: status, exit code,
 # seconds, test counts, the JSON it wrote, the end of its log), summary.txt (card, a table of
@@ -34,6 +35,10 @@ while IFS= read -r line; do
   [[ -n "$line" && "$line" != \#* ]] && STEPS+=("$line")
 done < "$HERE/tests.list"
 STEPS+=(
+  # The primary-weight parity matrix on CUDA in full (every gradient dtype and bucketing; the
+  # test-lowbit-gpu step runs one of each). Opt-in (the `opt-` prefix): runs only when a FILTER
+  # is its whole name.
+  "opt-full-parity-matrix|900|LOWBIT_FULL_MATRIX=1 bin/test-lowbit-gpu --test-threads=1 parity_matrix"
   "bench-nccl|600|bin/nccl_bench --json \$STEP_JSON"
   "bench-torch-collectives|600|torchrun --nproc-per-node 2 gpu/torch_collectives.py --json \$STEP_JSON"
   "compare-collectives|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl.json \$WORK/bench-torch-collectives.json"
@@ -89,6 +94,10 @@ fi
 selected() {
   local name=$1
   shift
+  if [[ "$name" == opt-* ]]; then
+    for f in "$@"; do [[ "$name" == "$f" ]] && return 0; done
+    return 1
+  fi
   [[ $# -eq 0 ]] && return 0
   for f in "$@"; do [[ "$name" == *"$f"* ]] && return 0; done
   return 1
