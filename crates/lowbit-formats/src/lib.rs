@@ -262,6 +262,13 @@ pub struct QuantPlane {
     pub scale_shape: [usize; 2],
 }
 
+/// A 16-bit float input format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Half {
+    Bf16,
+    F16,
+}
+
 /// An element type the quantizers read: f32, bf16 or f16.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
@@ -270,9 +277,10 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn amax_bits(x: &[Self]) -> u32 {
         amax_bits_lanes(x)
     }
-    /// The bit patterns of a bf16 slice (for kernels specialised to them); `None` otherwise.
+    /// The bit patterns of a bf16 or f16 slice and which format they are (for kernels
+    /// specialised to 16-bit inputs); `None` for f32.
     #[inline(always)]
-    fn bf16_bits(_: &[Self]) -> Option<&[u16]> {
+    fn half_bits(_: &[Self]) -> Option<(&[u16], Half)> {
         None
     }
 }
@@ -294,9 +302,9 @@ impl Element for bf16 {
         amax_bits_bf16(x)
     }
     #[inline(always)]
-    fn bf16_bits(x: &[Self]) -> Option<&[u16]> {
+    fn half_bits(x: &[Self]) -> Option<(&[u16], Half)> {
         use half::slice::HalfFloatSliceExt;
-        Some(x.reinterpret_cast())
+        Some((x.reinterpret_cast(), Half::Bf16))
     }
 }
 
@@ -304,6 +312,11 @@ impl Element for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn half_bits(x: &[Self]) -> Option<(&[u16], Half)> {
+        use half::slice::HalfFloatSliceExt;
+        Some((x.reinterpret_cast(), Half::F16))
     }
 }
 

@@ -12,8 +12,8 @@
 //!
 //! Both copies come from one pass over the input: the quantizer walks bands of 32 rows, encodes
 //! the rowwise blocks while it folds the column amaxes, then encodes the columnwise copy of the
-//! band while the band is still in cache. Full bands of bf16 input with whole 32-column blocks
-//! take the faster integer kernel of `tile16` instead, which gives the same bytes.
+//! band while the band is still in cache. Full bands of bf16 or f16 input with whole 32-column
+//! blocks take the faster integer kernel of `tile16` instead, which gives the same bytes.
 
 use std::sync::atomic::AtomicUsize;
 
@@ -222,7 +222,7 @@ fn run<E: Element>(
                 crate::simd::dispatch(
                     #[inline(always)]
                     || {
-                        if let Some(bits) = E::bf16_bits(b.x)
+                        if let Some((bits, input)) = E::half_bits(b.x)
                             && bits.len() == BLOCK * cols
                             && cols.is_multiple_of(BLOCK)
                         {
@@ -230,7 +230,7 @@ fn run<E: Element>(
                                 row: b.row_data.zip(b.row_scales),
                                 col: b.col_data.zip(b.col_scales),
                             };
-                            tile16::band(bits, cols, two_d, kind, out);
+                            tile16::band(bits, input, cols, two_d, kind, out);
                         } else if two_d {
                             band_2d(b, cols, rcp, enc);
                         } else {

@@ -11,7 +11,7 @@ use lowbit_formats::scalar::{
 };
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane,
-    Source, bf16, quantize_mxfp8, quantize_nvfp4,
+    Source, bf16, f16, quantize_mxfp8, quantize_nvfp4,
 };
 use proptest::prelude::*;
 
@@ -626,30 +626,85 @@ fn bf16_matrix() -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
     })
 }
 
+/// The f16 counterpart of [`bf16_matrix`].
+fn f16_matrix() -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
+    let rows = prop_oneof![32usize..=33, 64usize..=96, 1usize..40];
+    let cols = prop_oneof![(1usize..=4).prop_map(|c| 32 * c), 1usize..80];
+    (rows, cols, prop_oneof![Just(0u32), Just(3), Just(200)]).prop_flat_map(|(r, c, per_mille)| {
+        let special = prop_oneof![
+            Just(0x0000u16),
+            Just(0x8000),
+            1u16..0x400,       // f16 subnormals
+            0x0400u16..0x1400, // tiny normals: fp8 subnormal or zero after scaling
+            Just(0x7C00),
+            Just(0xFC00),
+            0x7C01u16..=0x7FFF, // NaNs
+            Just(0x7BFF),
+            Just(0xFBFF),
+        ];
+        let exp = prop_oneof![4 => 8u16..24, 1 => 1u16..31];
+        let normal = (any::<bool>(), exp, 0u16..0x400)
+            .prop_map(|(s, e, m)| (u16::from(s) << 15) | (e << 10) | m);
+        let elem = (0u32..1000, special, normal)
+            .prop_map(move |(roll, sp, n)| if roll < per_mille { sp } else { n });
+        (Just(r), Just(c), proptest::collection::vec(elem, r * c))
+    })
+}
+
+/// Quantizing `half` (bf16 or f16 input) gives the same bytes as its values `f` given as f32,
+/// for every copy set, 1D and 2D, E4M3 and E5M2.
+fn assert_half_input_is_its_f32_values(
+    rows: usize,
+    cols: usize,
+    half: Source<'_>,
+    f: &[f32],
+    threads: usize,
+) -> Result<(), TestCaseError> {
+    let mh = Matrix::new("t", rows, cols, half).unwrap();
+    let mf = Matrix::new("t", rows, cols, Source::F32(f)).unwrap();
+    for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+        for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
+            for two_d in [false, true] {
+                let cfg = Mxfp8Config {
+                    kind,
+                    copies,
+                    two_d,
+                    threads,
+                    ..Mxfp8Config::default()
+                };
+                prop_assert_eq!(
+                    quantize_mxfp8(&mh, &cfg).unwrap(),
+                    quantize_mxfp8(&mf, &cfg).unwrap(),
+                    "{:?} {:?} 2d={}",
+                    kind,
+                    copies,
+                    two_d
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
     /// bf16 input gives the same bytes as the same values in f32, for every copy set, 1D and
-    /// 2D, E4M3 and E5M2, and any thread count: the bf16 tile kernel's integer encoding and its
-    /// hand-backs (fp8 subnormals, bf16 subnormals, tiles with NaN or Inf) agree with the
+    /// 2D, E4M3 and E5M2, and any thread count: the 16-bit tile kernel's integer encoding and
+    /// its hand-backs (fp8 subnormals, bf16 subnormals, tiles with NaN or Inf) agree with the
     /// general fp32 path byte for byte.
     #[test]
     fn bf16_input_equals_its_f32_values((rows, cols, bits) in bf16_matrix(), threads in 1usize..3) {
         let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b)).collect();
         let f: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
-        let mh = Matrix::new("t", rows, cols, Source::Bf16(&h)).unwrap();
-        let mf = Matrix::new("t", rows, cols, Source::F32(&f)).unwrap();
-        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
-            for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
-                for two_d in [false, true] {
-                    let cfg = Mxfp8Config { kind, copies, two_d, threads, ..Mxfp8Config::default() };
-                    prop_assert_eq!(
-                        quantize_mxfp8(&mh, &cfg).unwrap(),
-                        quantize_mxfp8(&mf, &cfg).unwrap(),
-                        "{:?} {:?} 2d={}", kind, copies, two_d
-                    );
-                }
-            }
-        }
+        assert_half_input_is_its_f32_values(rows, cols, Source::Bf16(&h), &f, threads)?;
+    }
+
+    /// The same for f16 input (f16 subnormals, infinities and NaNs included).
+    #[test]
+    fn f16_input_equals_its_f32_values((rows, cols, bits) in f16_matrix(), threads in 1usize..3) {
+        let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b)).collect();
+        let f: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        assert_half_input_is_its_f32_values(rows, cols, Source::F16(&h), &f, threads)?;
     }
 }

@@ -1,7 +1,8 @@
-//! MXFP8 of bf16 input, one 32x32 tile at a time, in 16-bit integer lanes.
+//! MXFP8 of bf16 or f16 input, one 32x32 tile at a time, in 16-bit integer lanes.
 //!
 //! The key fact: a block's scale is an exact power of two `2^k`, so for a bf16 element `x` the
-//! scaled value `x · 2^k` has x's 7 mantissa bits and x's exponent plus `k`. Its fp8 code (round
+//! scaled value `x · 2^k` has x's 7 mantissa bits and x's exponent plus `k` (f16 alike, with 10
+//! mantissa bits). Its fp8 code (round
 //! to nearest even, saturating) is then an integer function of x's 16 bits and `k`: add the
 //! exponent change and the rounding increment to the bits, shift, clamp. That runs 16 lanes per
 //! AVX2 instruction, against the 8 fp32 lanes of the general encoder, and needs about a third of
@@ -17,19 +18,25 @@
 //! pass over the tile (2 KiB, in L1) gives both copies' amaxes, and a second both encodings.
 
 use super::{BLOCK, scale_of};
+use crate::Half;
 use crate::scalar::{Fp8Kind, e8m0_rcp};
 
-/// The integer encoding rule of one fp8 kind.
+/// The integer encoding rule of one fp8 kind for one 16-bit input format.
 #[derive(Clone, Copy)]
 pub(super) struct Rule {
     kind: Fp8Kind,
-    /// Mantissa bits dropped from bf16's 7: 4 for E4M3, 5 for E5M2.
+    input: Half,
+    /// Mantissa bits of the input: 7 (bf16) or 10 (f16).
+    mant: u32,
+    /// Input mantissa bits dropped: bf16 4 (E4M3) or 5 (E5M2), f16 7 or 8.
     shift: u32,
     /// Largest finite code.
     max_code: u16,
-    /// Biased fp32 exponent of the smallest normal fp8 value.
+    /// Smallest magnitude bits of an infinity; above are NaNs.
+    inf: u16,
+    /// Biased input exponent of the smallest normal fp8 value.
     e_min: i32,
-    /// Biased fp32 exponent of half the smallest subnormal: magnitudes up to it round to zero.
+    /// Biased input exponent of half the smallest subnormal: magnitudes up to it round to zero.
     e_zero: i32,
     /// `fl32(1 / max)`, TE's scale factor.
     rcp: f32,
@@ -37,18 +44,34 @@ pub(super) struct Rule {
 
 impl Rule {
     #[inline(always)]
-    fn of(kind: Fp8Kind) -> Rule {
-        let (shift, max_code, min_normal_exp, half_min_sub_exp) = match kind {
-            Fp8Kind::E4M3 => (4, 0x7E, -6, -10),
-            Fp8Kind::E5M2 => (5, 0x7B, -14, -17),
+    fn of(kind: Fp8Kind, input: Half) -> Rule {
+        let (mbits, max_code, min_normal_exp, half_min_sub_exp) = match kind {
+            Fp8Kind::E4M3 => (3, 0x7E, -6, -10),
+            Fp8Kind::E5M2 => (2, 0x7B, -14, -17),
+        };
+        let (mant, bias, inf) = match input {
+            Half::Bf16 => (7, 127, 0x7F80),
+            Half::F16 => (10, 15, 0x7C00),
         };
         Rule {
             kind,
-            shift,
+            input,
+            mant,
+            shift: mant - mbits,
             max_code,
-            e_min: 127 + min_normal_exp,
-            e_zero: 127 + half_min_sub_exp,
+            inf,
+            e_min: bias + min_normal_exp,
+            e_zero: bias + half_min_sub_exp,
             rcp: kind.max_norm_rcp(),
+        }
+    }
+
+    /// The value of an input bit pattern (exact).
+    #[inline(always)]
+    fn to_f32(self, b: u16) -> f32 {
+        match self.input {
+            Half::Bf16 => f32::from_bits(u32::from(b) << 16),
+            Half::F16 => half::f16::from_bits(b).to_f32(),
         }
     }
 
@@ -59,14 +82,15 @@ impl Rule {
         let k = 127 - i32::from(e);
         // `bits + add` moves the exponent from fp32's bias to the fp8 code's (normal lanes only)
         // and adds the round-to-nearest increment below the kept bits.
-        let add = ((k - (self.e_min - 1)) << 7) + (1 << (self.shift - 1)) - 1;
+        let add = ((k - (self.e_min - 1)) << self.mant) + (1 << (self.shift - 1)) - 1;
         Lane {
-            // Wraps for large negative k; only lanes at or above `normal_from` use it, and for
-            // them the true sum is in 0..0x10000.
+            // Wraps for large |k|; only lanes at or above `normal_from` use it, and for them the
+            // true sum is in 0..0x10000.
             add: add as u16,
-            // bf16 subnormals (below 0x80) never count as normal: they lack the implicit bit.
-            normal_from: ((self.e_min - k) << 7).clamp(0x80, 0x7FFF) as i16,
-            zero_upto: ((self.e_zero - k) << 7).clamp(0, 0x7FFF) as i16,
+            // Input subnormals (below `1 << mant`) never count as normal: they lack the
+            // implicit bit.
+            normal_from: ((self.e_min - k) << self.mant).clamp(1 << self.mant, 0x7FFF) as i16,
+            zero_upto: ((self.e_zero - k) << self.mant).clamp(0, 0x7FFF) as i16,
         }
     }
 }
@@ -134,7 +158,7 @@ fn row_max(a: &[u16; BLOCK]) -> u16 {
 /// The E8M0 scale of a block whose largest bf16 magnitude is `amax` (finite).
 #[inline(always)]
 fn scale(amax: u16, r: Rule) -> u8 {
-    scale_of(u32::from(amax) << 16, r.rcp).0
+    scale_of(r.to_f32(amax).to_bits(), r.rcp).0
 }
 
 /// [`scale`] of each amax (a plain loop: `array::from_fn` is not always inlined).
@@ -157,17 +181,34 @@ pub(super) struct BandOut<'a> {
 /// Quantizes a band of exactly 32 rows of `cols` bf16 elements (`cols` a multiple of 32), tile
 /// by tile; with `two_d`, one scale per tile, shared by both copies.
 #[inline(always)]
-pub(super) fn band(x: &[u16], cols: usize, two_d: bool, kind: Fp8Kind, out: BandOut<'_>) {
-    // One copy of the kernel per kind, so the shifts and clamps are immediates.
-    match kind {
-        Fp8Kind::E4M3 => band_of::<false>(x, cols, two_d, out),
-        Fp8Kind::E5M2 => band_of::<true>(x, cols, two_d, out),
+pub(super) fn band(
+    x: &[u16],
+    input: Half,
+    cols: usize,
+    two_d: bool,
+    kind: Fp8Kind,
+    out: BandOut<'_>,
+) {
+    // One copy of the kernel per kind and input, so the shifts and clamps are immediates.
+    match (kind, input) {
+        (Fp8Kind::E4M3, Half::Bf16) => band_of::<false, false>(x, cols, two_d, out),
+        (Fp8Kind::E5M2, Half::Bf16) => band_of::<true, false>(x, cols, two_d, out),
+        (Fp8Kind::E4M3, Half::F16) => band_of::<false, true>(x, cols, two_d, out),
+        (Fp8Kind::E5M2, Half::F16) => band_of::<true, true>(x, cols, two_d, out),
     }
 }
 
 #[inline(always)]
-fn band_of<const E5M2: bool>(x: &[u16], cols: usize, two_d: bool, mut out: BandOut<'_>) {
-    let r = Rule::of(if E5M2 { Fp8Kind::E5M2 } else { Fp8Kind::E4M3 });
+fn band_of<const E5M2: bool, const F16: bool>(
+    x: &[u16],
+    cols: usize,
+    two_d: bool,
+    mut out: BandOut<'_>,
+) {
+    let r = Rule::of(
+        if E5M2 { Fp8Kind::E5M2 } else { Fp8Kind::E4M3 },
+        if F16 { Half::F16 } else { Half::Bf16 },
+    );
     debug_assert!(cols.is_multiple_of(BLOCK) && x.len() == BLOCK * cols);
     let nb = cols / BLOCK;
     for t in 0..nb {
@@ -184,7 +225,7 @@ fn band_of<const E5M2: bool>(x: &[u16], cols: usize, two_d: bool, mut out: BandO
             *rm = row_max(&a);
         }
         let tile_max = row_max(&cmax);
-        if tile_max >= 0x7F80 {
+        if tile_max >= r.inf {
             // A NaN or an infinity: the fp32 path's amax ignores NaN, and the integer form
             // assumes finite inputs.
             tile_fp32(x, cols, c0, two_d, r, &mut out);
@@ -329,7 +370,7 @@ fn encode_tile<const ROW: bool, const COL: bool>(
             if row_max(&flags) != 0 {
                 let s = e8m0_rcp(e);
                 for (o, &b) in out_at(rd, at).iter_mut().zip(row) {
-                    *o = r.kind.encode(bf16_to_f32(b) * s);
+                    *o = r.kind.encode(r.to_f32(b) * s);
                 }
             }
         }
@@ -339,7 +380,7 @@ fn encode_tile<const ROW: bool, const COL: bool>(
             let s = e8m0_rcp(ce[j]);
             for i in 0..BLOCK {
                 let at = i * cols + c0 + j;
-                cd[at] = r.kind.encode(bf16_to_f32(x[at]) * s);
+                cd[at] = r.kind.encode(r.to_f32(x[at]) * s);
             }
         }
     }
@@ -357,18 +398,13 @@ fn out_at(data: &mut [u8], at: usize) -> &mut [u8; BLOCK] {
     (&mut data[at..at + BLOCK]).try_into().expect("32 wide")
 }
 
-#[inline(always)]
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
-
 /// A tile with a NaN or an infinity, through the fp32 encoder with TE's NaN-ignoring amax.
 #[cold]
 fn tile_fp32(x: &[u16], cols: usize, c0: usize, two_d: bool, r: Rule, out: &mut BandOut<'_>) {
     let nb = cols / BLOCK;
     let t = c0 / BLOCK;
     let at = |i: usize, j: usize| i * cols + c0 + j;
-    let mag = |i: usize, j: usize| crate::abs_bits_nan_zero(bf16_to_f32(x[at(i, j)]));
+    let mag = |i: usize, j: usize| crate::abs_bits_nan_zero(r.to_f32(x[at(i, j)]));
     let rmax: Vec<u32> = (0..BLOCK)
         .map(|i| (0..BLOCK).map(|j| mag(i, j)).fold(0, u32::max))
         .collect();
@@ -376,7 +412,7 @@ fn tile_fp32(x: &[u16], cols: usize, c0: usize, two_d: bool, r: Rule, out: &mut 
         .map(|j| (0..BLOCK).map(|i| mag(i, j)).fold(0, u32::max))
         .collect();
     let tile = rmax.iter().copied().fold(0, u32::max);
-    let enc = |v: u16, s: f32| r.kind.encode(bf16_to_f32(v) * s);
+    let enc = |v: u16, s: f32| r.kind.encode(r.to_f32(v) * s);
     if let Some((data, scales)) = out.row.as_mut() {
         for i in 0..BLOCK {
             let (e, s) = scale_of(if two_d { tile } else { rmax[i] }, r.rcp);
@@ -401,36 +437,50 @@ fn tile_fp32(x: &[u16], cols: usize, c0: usize, two_d: bool, r: Rule, out: &mut 
 mod tests {
     use super::*;
 
-    /// The integer form equals the fp32 encoder on every finite bf16 pattern at every scale
-    /// wherever it does not hand the lane back, and hands back only lanes below the smallest
-    /// normal fp8 value or with a bf16 subnormal input (never a normal code of a normal input).
+    /// The integer form equals the fp32 encoder on every finite bf16 and f16 pattern at every
+    /// scale its block can have wherever it does not hand the lane back, and hands back only lanes below the
+    /// smallest normal fp8 value or with a subnormal input (never a normal code of a normal
+    /// input).
     #[test]
     fn integer_form_matches_the_fp32_encoder_everywhere() {
-        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
-            let r = Rule::of(kind);
-            let min_normal = f32::from_bits((r.e_min as u32) << 23);
-            for e in 0..=0xFEu8 {
-                let l = r.lane(e);
-                let s = e8m0_rcp(e);
-                for b in 0..=u16::MAX {
-                    if b & 0x7FFF >= 0x7F80 {
-                        continue;
-                    }
-                    let (c, slow) = code(parts(b, r), l.add, l.normal_from, l.zero_upto, r);
-                    let slow = slow != 0;
-                    let y = bf16_to_f32(b) * s;
-                    let want = kind.encode(y);
-                    let sub_in = b & 0x7F80 == 0 && b & 0x7F != 0;
-                    if slow {
-                        assert!(
-                            sub_in || y.abs() < min_normal,
-                            "{kind:?} e={e:#x} b={b:#06x}"
-                        );
-                    } else {
-                        assert_eq!(c, want, "{kind:?} e={e:#x} b={b:#06x} y={y:e}");
+        for input in [Half::Bf16, Half::F16] {
+            for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+                let r = Rule::of(kind, input);
+                let min_normal = f32::from_bits(((r.e_min - bias(input) + 127) as u32) << 23);
+                let sub_max = (1u16 << r.mant) - 1;
+                for e in 0..=0xFEu8 {
+                    let l = r.lane(e);
+                    let s = e8m0_rcp(e);
+                    for b in 0..=u16::MAX {
+                        // Finite inputs, at every scale a block holding them can have: one
+                        // whose amax is at least |x| (so the scaled value is at most ~max).
+                        if b & 0x7FFF >= r.inf || e < scale(b & 0x7FFF, r) {
+                            continue;
+                        }
+                        let (c, slow) = code(parts(b, r), l.add, l.normal_from, l.zero_upto, r);
+                        let slow = slow != 0;
+                        let y = r.to_f32(b) * s;
+                        let want = kind.encode(y);
+                        let a = b & 0x7FFF;
+                        let sub_in = a != 0 && a <= sub_max;
+                        if slow {
+                            assert!(
+                                sub_in || y.abs() < min_normal,
+                                "{input:?} {kind:?} e={e:#x} b={b:#06x} y={y:e}"
+                            );
+                        } else {
+                            assert_eq!(c, want, "{input:?} {kind:?} e={e:#x} b={b:#06x} y={y:e}");
+                        }
                     }
                 }
             }
+        }
+    }
+
+    fn bias(input: Half) -> i32 {
+        match input {
+            Half::Bf16 => 127,
+            Half::F16 => 15,
         }
     }
 }
