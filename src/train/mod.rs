@@ -659,6 +659,7 @@ fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
     }
 }
 
+#[cfg(any(feature = "cuda", test))]
 /// Master shards as bytes for a gather between processes: per shard, its parameter id, range
 /// start and end as u64, then its values as f32, all little-endian.
 fn encode_shards(shards: &[MasterShard]) -> Vec<u8> {
@@ -672,6 +673,7 @@ fn encode_shards(shards: &[MasterShard]) -> Vec<u8> {
     bytes
 }
 
+#[cfg(any(feature = "cuda", test))]
 /// The shards of [`encode_shards`]' bytes, which may carry zero padding after the last shard.
 fn decode_shards(bytes: &[u8]) -> Vec<MasterShard> {
     let mut shards = Vec::new();
