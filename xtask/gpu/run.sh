@@ -35,6 +35,9 @@ while IFS= read -r line; do
   [[ -n "$line" && "$line" != \#* ]] && STEPS+=("$line")
 done < "$HERE/tests.list"
 STEPS+=(
+  # The GPU integration tests (the reduced parity matrix, train on CUDA vs CPU). Listed here
+  # because the opt- step below runs the same binary, which stops the bundle generating it.
+  "test-lowbit-gpu|900|bin/test-lowbit-gpu --test-threads=1"
   # The primary-weight parity matrix on CUDA in full (every gradient dtype and bucketing; the
   # test-lowbit-gpu step runs one of each). Opt-in (the `opt-` prefix): runs only when a FILTER
   # is its whole name.
