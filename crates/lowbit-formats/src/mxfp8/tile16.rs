@@ -2,17 +2,17 @@
 //!
 //! The key fact: a block's scale is an exact power of two `2^k`, so for a bf16 element `x` the
 //! scaled value `x · 2^k` has x's 7 mantissa bits and x's exponent plus `k` (f16 alike, with 10
-//! mantissa bits). Its fp8 code (round
-//! to nearest even, saturating) is then an integer function of x's 16 bits and `k`: add the
-//! exponent change and the rounding increment to the bits, shift, clamp. That runs 16 lanes per
-//! AVX2 instruction, against the 8 fp32 lanes of the general encoder, and needs about a third of
-//! its instructions per element.
+//! mantissa bits). Its fp8 code (round to nearest even, saturating) is then an integer function
+//! of x's 16 bits and `k`: add the exponent change and the rounding increment to the bits,
+//! shift, clamp. That runs 16 lanes per AVX2 instruction, against the 8 fp32 lanes of the
+//! general encoder, and needs about a third of its instructions per element.
 //!
 //! The integer form covers every lane whose code is a normal fp8 number or zero. A block with a
-//! lane that would be an fp8 subnormal, or with a bf16 subnormal input, is re-encoded through the
+//! lane that would be an fp8 subnormal, or with a subnormal input, is re-encoded through the
 //! fp32 encoder, as is every block of a tile that holds a NaN or an infinity. So every byte is the
 //! general path's byte; the tests check the integer form against the fp32 encoder on every bf16
-//! pattern and every scale, and whole matrices against the f32-input path.
+//! and f16 pattern at every scale its block can have, and whole matrices against the f32-input
+//! path.
 //!
 //! A 32x32 tile is 32 rowwise blocks (its rows) and 32 columnwise blocks (its columns), so one
 //! pass over the tile (2 KiB, in L1) gives both copies' amaxes, and a second both encodings.
