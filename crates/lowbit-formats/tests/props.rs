@@ -598,57 +598,61 @@ fn nvfp4_direct_columnwise_equals_rowwise_of_transpose() {
     }
 }
 
-/// A bf16 matrix as bit patterns, shaped to reach the 32x32-tile kernel (32-multiple columns,
-/// at least one full band of 32 rows) as well as the general path, with special patterns at a
-/// per-matrix density: none, rare (most tiles clean, a few not) or dense (every tile touched).
-fn bf16_matrix() -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
-    let rows = prop_oneof![32usize..=33, 64usize..=96, 1usize..40];
-    let cols = prop_oneof![(1usize..=4).prop_map(|c| 32 * c), 1usize..80];
-    (rows, cols, prop_oneof![Just(0u32), Just(3), Just(200)]).prop_flat_map(|(r, c, per_mille)| {
-        let special = prop_oneof![
-            Just(0x0000u16),
-            Just(0x8000),
-            1u16..0x80,        // bf16 subnormals
-            0x0080u16..0x0A00, // tiny normals: fp8 subnormal or zero after scaling
-            Just(0x7F80),
-            Just(0xFF80),
-            0x7F81u16..=0x7FFF, // NaNs
-            Just(0x7F7F),
-            Just(0xFF7F),
-        ];
-        // Mostly a span a block's fp8 range covers, sometimes far below the block's amax.
-        let exp = prop_oneof![4 => 120u16..136, 1 => 100u16..150];
-        let normal = (any::<bool>(), exp, 0u16..0x80)
-            .prop_map(|(s, e, m)| (u16::from(s) << 15) | (e << 7) | m);
-        let elem = (0u32..1000, special, normal)
-            .prop_map(move |(roll, sp, n)| if roll < per_mille { sp } else { n });
-        (Just(r), Just(c), proptest::collection::vec(elem, r * c))
-    })
+/// A 16-bit float format for the tile-kernel proptests.
+#[derive(Clone, Copy)]
+struct HalfFormat {
+    /// Mantissa bits (the exponent takes the other 15 − `mant` below the sign).
+    mant: u16,
+    bias: u16,
+    /// Exponents of values far below a block's amax (sampled one time in five).
+    wide: (u16, u16),
+    /// Normals with an exponent below this are tiny: fp8 subnormal or zero after scaling.
+    tiny_below: u16,
 }
 
-/// The f16 counterpart of [`bf16_matrix`].
-fn f16_matrix() -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
+const BF16: HalfFormat = HalfFormat {
+    mant: 7,
+    bias: 127,
+    wide: (100, 150),
+    tiny_below: 20,
+};
+const F16: HalfFormat = HalfFormat {
+    mant: 10,
+    bias: 15,
+    wide: (1, 31),
+    tiny_below: 5,
+};
+
+/// A matrix of `f`'s bit patterns, shaped to reach the 32x32-tile kernel (32-multiple columns,
+/// at least one full band of 32 rows) as well as the general path, with special patterns at a
+/// per-matrix density: none, rare (most tiles clean, a few not) or dense (every tile touched).
+fn half_matrix(f: HalfFormat) -> impl Strategy<Value = (usize, usize, Vec<u16>)> {
     let rows = prop_oneof![32usize..=33, 64usize..=96, 1usize..40];
     let cols = prop_oneof![(1usize..=4).prop_map(|c| 32 * c), 1usize..80];
-    (rows, cols, prop_oneof![Just(0u32), Just(3), Just(200)]).prop_flat_map(|(r, c, per_mille)| {
-        let special = prop_oneof![
-            Just(0x0000u16),
-            Just(0x8000),
-            1u16..0x400,       // f16 subnormals
-            0x0400u16..0x1400, // tiny normals: fp8 subnormal or zero after scaling
-            Just(0x7C00),
-            Just(0xFC00),
-            0x7C01u16..=0x7FFF, // NaNs
-            Just(0x7BFF),
-            Just(0xFBFF),
-        ];
-        let exp = prop_oneof![4 => 8u16..24, 1 => 1u16..31];
-        let normal = (any::<bool>(), exp, 0u16..0x400)
-            .prop_map(|(s, e, m)| (u16::from(s) << 15) | (e << 10) | m);
-        let elem = (0u32..1000, special, normal)
-            .prop_map(move |(roll, sp, n)| if roll < per_mille { sp } else { n });
-        (Just(r), Just(c), proptest::collection::vec(elem, r * c))
-    })
+    let min_normal = 1u16 << f.mant;
+    let inf = ((1u16 << (15 - f.mant)) - 1) << f.mant;
+    (rows, cols, prop_oneof![Just(0u32), Just(3), Just(200)]).prop_flat_map(
+        move |(r, c, per_mille)| {
+            let special = prop_oneof![
+                Just(0x0000u16),
+                Just(0x8000),
+                1u16..min_normal,                   // subnormals
+                min_normal..f.tiny_below << f.mant, // tiny normals
+                Just(inf),
+                Just(0x8000 | inf),
+                inf + 1..=0x7FFF, // NaNs
+                Just(inf - 1),
+                Just(0x8000 | (inf - 1)),
+            ];
+            // Mostly a span a block's fp8 range covers, sometimes far below the block's amax.
+            let exp = prop_oneof![4 => f.bias - 7..f.bias + 9, 1 => f.wide.0..f.wide.1];
+            let normal = (any::<bool>(), exp, 0u16..min_normal)
+                .prop_map(move |(s, e, m)| (u16::from(s) << 15) | (e << f.mant) | m);
+            let elem = (0u32..1000, special, normal)
+                .prop_map(move |(roll, sp, n)| if roll < per_mille { sp } else { n });
+            (Just(r), Just(c), proptest::collection::vec(elem, r * c))
+        },
+    )
 }
 
 /// Quantizing `half` (bf16 or f16 input) gives the same bytes as its values `f` given as f32,
@@ -694,7 +698,7 @@ proptest! {
     /// its hand-backs (fp8 subnormals, bf16 subnormals, tiles with NaN or Inf) agree with the
     /// general fp32 path byte for byte.
     #[test]
-    fn bf16_input_equals_its_f32_values((rows, cols, bits) in bf16_matrix(), threads in 1usize..3) {
+    fn bf16_input_equals_its_f32_values((rows, cols, bits) in half_matrix(BF16), threads in 1usize..3) {
         let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b)).collect();
         let f: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
         assert_half_input_is_its_f32_values(rows, cols, Source::Bf16(&h), &f, threads)?;
@@ -702,7 +706,7 @@ proptest! {
 
     /// The same for f16 input (f16 subnormals, infinities and NaNs included).
     #[test]
-    fn f16_input_equals_its_f32_values((rows, cols, bits) in f16_matrix(), threads in 1usize..3) {
+    fn f16_input_equals_its_f32_values((rows, cols, bits) in half_matrix(F16), threads in 1usize..3) {
         let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b)).collect();
         let f: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
         assert_half_input_is_its_f32_values(rows, cols, Source::F16(&h), &f, threads)?;
