@@ -264,8 +264,17 @@ fn band_of<const E5M2: bool, const F16: bool>(
             }
             continue;
         }
-        let re = scales_of(&rmax, r);
-        let ce = scales_of(&cmax, r);
+        // Scales only for the copies wanted (the column amaxes still served the NaN/Inf check).
+        let re = if out.row.is_some() {
+            scales_of(&rmax, r)
+        } else {
+            [0; BLOCK]
+        };
+        let ce = if out.col.is_some() {
+            scales_of(&cmax, r)
+        } else {
+            [0; BLOCK]
+        };
         match (out.row.as_mut(), out.col.as_mut()) {
             (Some((rd, _)), Some((cd, _))) => {
                 encode_tile::<true, true>(x, cols, c0, &re, &ce, r, rd, cd)
@@ -290,7 +299,7 @@ fn band_of<const E5M2: bool, const F16: bool>(
 }
 
 /// Lane constants of 32 scales, as three arrays (the layout the encoder loads).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Lanes {
     add: [u16; BLOCK],
     nf: [i16; BLOCK],
@@ -328,8 +337,16 @@ fn encode_tile<const ROW: bool, const COL: bool>(
     rd: &mut [u8],
     cd: &mut [u8],
 ) {
-    let rl = Lanes::of(re, r);
-    let cl = Lanes::of(ce, r);
+    let rl = if ROW {
+        Lanes::of(re, r)
+    } else {
+        Lanes::default()
+    };
+    let cl = if COL {
+        Lanes::of(ce, r)
+    } else {
+        Lanes::default()
+    };
     let mut rslow = [0u16; BLOCK];
     let mut cslow = [0u16; BLOCK];
     for i in 0..BLOCK {
