@@ -271,26 +271,27 @@ impl Tiles {
 
 fn tile_scales<E: Element>(x: &[E], rows: usize, cols: usize, p: &Params, threads: usize) -> Tiles {
     let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
-    let per_band = par::map_ranges(tr, threads, |bands| {
-        let mut out = Vec::with_capacity(bands.len() * tc);
-        for b in bands {
-            let mut amax = vec![0u32; tc];
-            for r in b * BLOCK..((b + 1) * BLOCK).min(rows) {
-                for (a, xc) in amax
-                    .iter_mut()
-                    .zip(x[r * cols..(r + 1) * cols].chunks(BLOCK))
-                {
-                    *a = (*a).max(crate::amax_bits(xc));
-                }
+    let mut scales = vec![(0u8, 0f32); tr * tc];
+    // One item per band of 16 rows, writing that band's row of tile scales.
+    let bands: Vec<_> = scales.chunks_mut(tc.max(1)).enumerate().collect();
+    par::for_each(bands, threads, |(b, out)| {
+        let mut amax = vec![0u32; tc];
+        for r in b * BLOCK..((b + 1) * BLOCK).min(rows) {
+            for (a, xc) in amax
+                .iter_mut()
+                .zip(x[r * cols..(r + 1) * cols].chunks(BLOCK))
+            {
+                *a = (*a).max(crate::amax_bits(xc));
             }
-            out.extend(amax.into_iter().map(|a| p.block(a)));
         }
-        out
+        for (o, a) in out.iter_mut().zip(amax) {
+            *o = p.block(a);
+        }
     });
     Tiles {
         tile_rows: tr,
         tile_cols: tc,
-        scales: per_band.into_iter().flatten().collect(),
+        scales,
     }
 }
 

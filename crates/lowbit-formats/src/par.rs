@@ -38,26 +38,3 @@ pub(crate) fn for_each<T: Send>(items: Vec<T>, threads: usize, f: impl Fn(T) + S
         work(false);
     });
 }
-
-/// Runs `f` over contiguous index ranges covering `0..n` (at most `threads` of them) and returns
-/// the per-range results in order.
-pub(crate) fn map_ranges<R: Send>(
-    n: usize,
-    threads: usize,
-    f: impl Fn(std::ops::Range<usize>) -> R + Sync,
-) -> Vec<R> {
-    let parts = threads.clamp(1, n.max(1));
-    let per = n.div_ceil(parts).max(1);
-    let ranges: Vec<_> = (0..n).step_by(per).map(|s| s..(s + per).min(n)).collect();
-    if ranges.len() <= 1 {
-        return vec![f(0..n)];
-    }
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ranges.into_iter().map(|r| s.spawn(move || f(r))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("quantization worker panicked"))
-            .collect()
-    })
-}
