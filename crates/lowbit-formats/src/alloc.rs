@@ -14,15 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Below this, huge pages cannot cover a whole 2 MiB page of the buffer often enough to matter.
 const THRESHOLD: usize = 4 << 20;
 
-/// `n` zero bytes, advised for huge pages when large (Linux).
-pub(crate) fn zeroed(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    if n >= THRESHOLD {
-        advise_huge(v.as_mut_ptr() as usize, n);
-    }
-    v
-}
-
 /// Room for `n` output bytes, not yet initialized (length 0): [`chunks`] hands it out and
 /// [`finish`] sets the length. Advised for huge pages when large (Linux).
 ///
@@ -126,15 +117,6 @@ fn advise_huge(_: usize, _: usize) {}
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
-
-    #[test]
-    fn large_and_small_buffers_are_zero() {
-        for n in [0, 1, 4095, super::THRESHOLD, super::THRESHOLD + 12345] {
-            let v = super::zeroed(n);
-            assert_eq!(v.len(), n);
-            assert!(v.iter().all(|&b| b == 0));
-        }
-    }
 
     /// Fresh room becomes a buffer of length `n` only when every chunk was used, and reads as
     /// what was written; a reused buffer hands out its own bytes.

@@ -19,11 +19,13 @@
 //!   rows, with its own (post-transform) global amax;
 //! - 2D: one scale per 16x16 tile, replicated into both scale tensors.
 
+use std::sync::atomic::AtomicUsize;
+
 use crate::hadamard::rht16;
 use crate::rng::RandomBytes;
 use crate::scalar::{e2m1_from_f32, e2m1_to_f32, e4m3_to_f32, ue4m3_from_f32};
 use crate::{
-    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, par, thread_count,
+    Copies, Element, FormatError, Matrix, NanPolicy, QuantPlane, Source, alloc, par, thread_count,
 };
 
 /// Elements per NVFP4 block (and rows/columns per 2D tile).
@@ -329,7 +331,7 @@ fn quantize_rows<E: Element>(
 ) -> QuantPlane {
     let (rb, nb) = (cols.div_ceil(2), cols.div_ceil(BLOCK));
     let mut plane = QuantPlane {
-        data: crate::alloc::zeroed(rows * rb),
+        data: crate::alloc::uninit(rows * rb),
         data_shape: [rows, rb],
         scales: vec![0; rows * nb],
         scale_shape: [rows, nb],
@@ -339,13 +341,14 @@ fn quantize_rows<E: Element>(
     }
     // Work items of up to 64 rows, each owning its output rows.
     const ROWS_PER_ITEM: usize = 64;
-    let items: Vec<_> = plane
-        .data
-        .chunks_mut(ROWS_PER_ITEM * rb)
+    let done = AtomicUsize::new(0);
+    let items: Vec<_> = alloc::chunks(&mut plane.data, rows * rb, ROWS_PER_ITEM * rb, &done)
+        .into_iter()
         .zip(plane.scales.chunks_mut(ROWS_PER_ITEM * nb))
         .enumerate()
         .collect();
     par::for_each(items, threads, |(i, (data, scales))| {
+        let data = data.bytes();
         crate::simd::dispatch(
             #[inline(always)]
             || {
@@ -357,6 +360,7 @@ fn quantize_rows<E: Element>(
             },
         )
     });
+    alloc::finish(&mut plane.data, rows * rb, &done);
     plane
 }
 
@@ -686,7 +690,7 @@ fn quantize_cols_direct<E: Element>(
 ) -> QuantPlane {
     let (rb, nbr) = (rows / 2, rows / BLOCK);
     let mut plane = QuantPlane {
-        data: crate::alloc::zeroed(cols * rb),
+        data: crate::alloc::uninit(cols * rb),
         data_shape: [cols, rb],
         scales: vec![0; cols * nbr],
         scale_shape: [cols, nbr],
@@ -694,18 +698,20 @@ fn quantize_cols_direct<E: Element>(
     if rows == 0 || cols == 0 {
         return plane;
     }
-    let items: Vec<_> = plane
-        .data
-        .chunks_mut(STRIP * rb)
+    let done = AtomicUsize::new(0);
+    let items: Vec<_> = alloc::chunks(&mut plane.data, cols * rb, STRIP * rb, &done)
+        .into_iter()
         .zip(plane.scales.chunks_mut(STRIP * nbr))
         .enumerate()
         .collect();
     par::for_each(items, threads, |(i, (data, scales))| {
+        let data = data.bytes();
         crate::simd::dispatch(
             #[inline(always)]
             || column_strip(x, rows, cols, p, tiles, i * STRIP, data, scales),
         )
     });
+    alloc::finish(&mut plane.data, cols * rb, &done);
     plane
 }
 
