@@ -542,12 +542,10 @@ pub fn launched_world_size() -> Option<usize> {
     std::env::var("WORLD_SIZE").ok()?.trim().parse().ok()
 }
 
-/// This process's rank under a launcher (`RANK`), 0 otherwise: only rank 0 prints.
+/// This process's rank under a launcher (`RANK`, read as the rendezvous reads it), 0
+/// otherwise: only rank 0 prints.
 pub fn launched_rank() -> usize {
-    std::env::var("RANK")
-        .ok()
-        .and_then(|r| r.trim().parse().ok())
-        .unwrap_or(0)
+    lowbit_comm::rendezvous::RendezvousEnv::from_env().map_or(0, |e| e.rank)
 }
 
 #[cfg(not(feature = "cuda"))]
