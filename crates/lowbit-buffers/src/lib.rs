@@ -54,7 +54,7 @@
 //! - The layer-wise (Muon) shard-aligned layout is not part of [`layout`].
 
 pub mod ddp;
-pub mod layout;
+pub use lowbit_layout as layout;
 
 pub use ddp::{
     BufKind, BufferError, BufferMemory, DataParallelBuffers, DdpConfig, Mxfp8Weights, Nvfp4Weights,

@@ -1,7 +1,7 @@
 //! Layout tests. The golden values are derived by hand from the formulas in the research notes
 //! (`megatron_ddp_distopt.md` §1.2, §1.6, §2.1, §5), never from this implementation's output.
 
-use lowbit_buffers::layout::{
+use lowbit_layout::{
     BufferKey, GradDType, LayoutConfig, LayoutError, OptimizerId, ParamSpec, ParamStorage,
     QuantKind, bucket_end_divisor, check_shard_count, compute_layout, default_bucket_size,
     expert_slices, group_params, packed_layout, packed_shard_range, pad_bucket_end,
@@ -35,7 +35,7 @@ fn shared(name: &str, numel: usize) -> ParamSpec {
 }
 
 /// `(start, end, bucket)` of every parameter, indexed like the input.
-fn ranges(layout: &lowbit_buffers::layout::BufferLayout) -> Vec<(usize, usize, usize)> {
+fn ranges(layout: &lowbit_layout::BufferLayout) -> Vec<(usize, usize, usize)> {
     layout
         .params
         .iter()
@@ -44,7 +44,7 @@ fn ranges(layout: &lowbit_buffers::layout::BufferLayout) -> Vec<(usize, usize, u
 }
 
 /// `(start, end, numel_unpadded)` of every bucket.
-fn buckets(layout: &lowbit_buffers::layout::BufferLayout) -> Vec<(usize, usize, usize)> {
+fn buckets(layout: &lowbit_layout::BufferLayout) -> Vec<(usize, usize, usize)> {
     layout
         .buckets
         .iter()
@@ -861,7 +861,7 @@ fn build(sizes: &[(usize, bool)], key: BufferKey) -> Vec<ParamSpec> {
 }
 
 /// Structural invariants every layout must satisfy.
-fn check_structure(layout: &lowbit_buffers::layout::BufferLayout, cfg: &LayoutConfig) {
+fn check_structure(layout: &lowbit_layout::BufferLayout, cfg: &LayoutConfig) {
     let mut start = 0;
     for (b, bucket) in layout.buckets.iter().enumerate() {
         assert_eq!(bucket.start, start);

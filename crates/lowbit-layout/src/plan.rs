@@ -1,0 +1,445 @@
+//! The sharding plan: the one place that decides, for every buffer, its layout, which elements
+//! each rank owns, which collective reduces its gradients and which gathers its parameters, and
+//! over which process group. Buffers and optimizers both read the plan; nobody re-derives it.
+
+use std::ops::Range;
+
+use crate::{
+    BufferKey, BufferLayout, LayoutConfig, LayoutError, OptimizerId, PackedLayout, ParamSpec,
+    ParamStorage, QuantKind, compute_layerwise_layout, compute_layout, group_params,
+    packed_layout, param_shard_ranges, shard_range,
+};
+
+/// How a buffer's elements are distributed over the ranks of its group.
+///
+/// Room is left (the enum is non-exhaustive) for FSDP's `optim_grads` / `optim_grads_params`,
+/// which shard gradients and parameters as well; they will be new variants here, read by the
+/// same [`BufferPlan`] fields, not new flags elsewhere.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ShardingStrategy {
+    /// Classic DDP: every rank holds and updates every element; gradients are all-reduced and
+    /// nothing is gathered.
+    Replicated,
+    /// The distributed optimizer (ZeRO-1): rank `r` owns the `r`-th of `dp` equal pieces of
+    /// every bucket (pieces ignore parameter boundaries); gradients are reduce-scattered and
+    /// parameters all-gathered.
+    #[default]
+    Distributed,
+    /// Layer-wise: every parameter is owned whole by one rank ([`compute_layerwise_layout`]:
+    /// deterministic LPT bin packing, buckets of `dp` equal shards aligned to ownership), so an
+    /// optimizer that needs the whole matrix (Muon) can run on it; gradients are
+    /// reduce-scattered and parameters all-gathered, as under [`Self::Distributed`].
+    LayerWise,
+}
+
+impl ShardingStrategy {
+    /// Whether ranks own disjoint pieces (and parameters are gathered after the step).
+    pub fn is_sharded(self) -> bool {
+        !matches!(self, ShardingStrategy::Replicated)
+    }
+}
+
+/// The collective that reduces a buffer's gradients.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradReduce {
+    /// Every rank receives the whole reduced bucket.
+    AllReduce,
+    /// Every rank receives the reduced values of its own shard of the bucket.
+    ReduceScatter,
+}
+
+/// The collective that brings updated parameters to every rank.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParamGather {
+    /// Nothing to gather: every rank updated every element.
+    None,
+    /// Each rank's shard of each bucket goes to every rank.
+    AllGather,
+}
+
+/// A process group a collective runs on.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GroupId {
+    /// The data-parallel group.
+    Data,
+}
+
+/// The knobs of [`ShardingPlan::new`].
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanConfig {
+    /// Size of the data-parallel group. At least 1.
+    pub dp: usize,
+    /// Minimum elements per bucket; `None`: one bucket per buffer (plus one per shared
+    /// embedding when sharded).
+    pub bucket_size: Option<usize>,
+    /// Pad sharded bucket ends to `lcm(dp, 128, 2^16)` instead of `lcm(dp, 128)`.
+    pub high_busbw_padding: bool,
+    /// The strategy of every owner not named in `owner_strategies`.
+    pub strategy: ShardingStrategy,
+    /// Per-owner strategies (e.g. layer-wise for the Muon owner, distributed for AdamW).
+    pub owner_strategies: Vec<(OptimizerId, ShardingStrategy)>,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        PlanConfig {
+            dp: 1,
+            bucket_size: None,
+            high_busbw_padding: false,
+            strategy: ShardingStrategy::Distributed,
+            owner_strategies: Vec::new(),
+        }
+    }
+}
+
+impl PlanConfig {
+    /// A plan for `dp` ranks with `strategy` for every owner, one bucket per buffer.
+    pub fn new(dp: usize, strategy: ShardingStrategy) -> Self {
+        PlanConfig {
+            dp,
+            strategy,
+            ..PlanConfig::default()
+        }
+    }
+
+    /// Sets the bucket size.
+    pub fn with_bucket_size(mut self, bucket_size: Option<usize>) -> Self {
+        self.bucket_size = bucket_size;
+        self
+    }
+
+    /// Sets high-bus-bandwidth padding.
+    pub fn with_high_busbw_padding(mut self, on: bool) -> Self {
+        self.high_busbw_padding = on;
+        self
+    }
+
+    /// Gives `owner` its own strategy.
+    pub fn with_owner_strategy(mut self, owner: OptimizerId, strategy: ShardingStrategy) -> Self {
+        self.owner_strategies.retain(|(o, _)| *o != owner);
+        self.owner_strategies.push((owner, strategy));
+        self
+    }
+
+    /// The strategy of `owner`.
+    pub fn strategy_of(&self, owner: OptimizerId) -> ShardingStrategy {
+        self.owner_strategies
+            .iter()
+            .find(|(o, _)| *o == owner)
+            .map_or(self.strategy, |&(_, s)| s)
+    }
+}
+
+/// One rank's piece of one parameter under a plan: the optimizer's unit of work.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct OwnedPiece {
+    /// Global parameter id (index into the plan's parameter list).
+    pub param: usize,
+    /// Index of the buffer in [`ShardingPlan::buffers`].
+    pub buffer: usize,
+    /// Bucket index within the buffer.
+    pub bucket: usize,
+    /// The piece as a sub-range of the flattened parameter (`0..numel`).
+    pub param_range: Range<usize>,
+    /// The piece in the buffer (global element indices).
+    pub buffer_range: Range<usize>,
+}
+
+/// The plan of one buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferPlan {
+    /// The key shared by the buffer's parameters.
+    pub key: BufferKey,
+    /// The owner's strategy.
+    pub strategy: ShardingStrategy,
+    /// Where every parameter sits, the buckets and the shard count.
+    pub layout: BufferLayout,
+    /// Global parameter ids, indexed like `layout.params`.
+    pub params: Vec<usize>,
+    /// The packed byte map of an NVFP4 buffer.
+    pub packed: Option<PackedLayout>,
+    /// How gradients are reduced.
+    pub grad_reduce: GradReduce,
+    /// How parameters are gathered after the step.
+    pub param_gather: ParamGather,
+    /// The group both collectives run on.
+    pub group: GroupId,
+    /// The size that group must have: the shard count of a sharded layout.
+    pub group_size: usize,
+}
+
+impl BufferPlan {
+    /// Rank `rank`'s shard of bucket `bucket` in elements (the whole bucket when replicated).
+    ///
+    /// # Errors
+    /// [`LayoutError::NoSuchBucket`], [`LayoutError::RankOutOfRange`].
+    pub fn shard(&self, bucket: usize, rank: usize) -> Result<Range<usize>, LayoutError> {
+        let b = self
+            .layout
+            .buckets
+            .get(bucket)
+            .ok_or(LayoutError::NoSuchBucket {
+                bucket,
+                buckets: self.layout.buckets.len(),
+            })?;
+        if rank >= self.group_size {
+            return Err(LayoutError::RankOutOfRange {
+                rank,
+                dp: self.group_size,
+            });
+        }
+        shard_range(b, rank, self.layout.num_shards)
+    }
+
+    /// The bytes rank `rank` contributes to the gather of bucket `bucket` and the bucket's
+    /// bytes: packed byte ranges for NVFP4, element ranges otherwise.
+    ///
+    /// # Errors
+    /// As [`Self::shard`].
+    pub fn gather_ranges(
+        &self,
+        bucket: usize,
+        rank: usize,
+    ) -> Result<(Range<usize>, Range<usize>), LayoutError> {
+        match &self.packed {
+            Some(pk) => {
+                let shard = pk.shard_range(bucket, rank)?;
+                let b = &pk.buckets[bucket];
+                Ok((shard, b.start..b.end))
+            }
+            None => {
+                let shard = self.shard(bucket, rank)?;
+                Ok((shard, self.layout.buckets[bucket].range()))
+            }
+        }
+    }
+
+    /// The element range of the buffer's parameter at layout index `index`.
+    pub fn param_range(&self, index: usize) -> Range<usize> {
+        self.layout.params[index].range()
+    }
+
+    /// The bytes of the parameter region the parameter at `index` occupies: packed bytes for
+    /// NVFP4 (element offsets / 2), its element range otherwise.
+    pub fn param_storage_range(&self, index: usize) -> Range<usize> {
+        match &self.packed {
+            Some(pk) => pk.params[index].start..pk.params[index].end,
+            None => self.param_range(index),
+        }
+    }
+
+    /// Every piece of a parameter rank `rank` owns, in buffer order.
+    ///
+    /// # Errors
+    /// [`LayoutError::RankOutOfRange`] and the errors of [`param_shard_ranges`].
+    pub fn owned(&self, buffer: usize, rank: usize) -> Result<Vec<OwnedPiece>, LayoutError> {
+        if rank >= self.group_size {
+            return Err(LayoutError::RankOutOfRange {
+                rank,
+                dp: self.group_size,
+            });
+        }
+        if !self.strategy.is_sharded() {
+            return Ok(self
+                .layout
+                .params
+                .iter()
+                .map(|pr| OwnedPiece {
+                    param: self.params[pr.param],
+                    buffer,
+                    bucket: pr.bucket,
+                    param_range: 0..pr.numel(),
+                    buffer_range: pr.range(),
+                })
+                .collect());
+        }
+        Ok(param_shard_ranges(&self.layout, rank)?
+            .into_iter()
+            .map(|r| OwnedPiece {
+                param: self.params[r.param],
+                buffer,
+                bucket: r.bucket,
+                param_range: r.param_range,
+                buffer_range: r.gbuf_world,
+            })
+            .collect())
+    }
+}
+
+/// The whole plan: one [`BufferPlan`] per buffer key, in first-appearance order of the keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardingPlan {
+    config: PlanConfig,
+    buffers: Vec<BufferPlan>,
+    /// For every global parameter: (buffer, index in that buffer's layout).
+    location: Vec<(usize, usize)>,
+}
+
+impl ShardingPlan {
+    /// Plans `specs` (forward order) under `cfg`.
+    ///
+    /// # Errors
+    /// [`LayoutError::ZeroDataParallel`], [`LayoutError::ZeroBucketSize`],
+    /// [`LayoutError::NoParams`], [`LayoutError::MixedStrategies`] (replicated and sharded
+    /// owners in one plan: the gradient norm would mix local and rank-summed parts),
+    /// [`LayoutError::QuantizedNeedsGather`] (low-precision storage under a replicated
+    /// strategy), [`LayoutError::Nvfp4Tiles`], and those of the layout rules.
+    pub fn new(specs: &[ParamSpec], cfg: &PlanConfig) -> Result<Self, LayoutError> {
+        if cfg.dp == 0 {
+            return Err(LayoutError::ZeroDataParallel);
+        }
+        if cfg.bucket_size == Some(0) {
+            return Err(LayoutError::ZeroBucketSize);
+        }
+        if specs.is_empty() {
+            return Err(LayoutError::NoParams);
+        }
+        let mut sharded = None;
+        for spec in specs {
+            let strategy = cfg.strategy_of(spec.owner());
+            match sharded {
+                None => sharded = Some(strategy.is_sharded()),
+                Some(s) if s != strategy.is_sharded() => {
+                    return Err(LayoutError::MixedStrategies);
+                }
+                Some(_) => {}
+            }
+            if spec.key.param_storage.is_quantized() && !strategy.is_sharded() {
+                return Err(LayoutError::QuantizedNeedsGather {
+                    name: spec.name.clone(),
+                });
+            }
+            if spec.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4) {
+                let (rows, cols) = matrix_dims(&spec.shape);
+                if !rows.is_multiple_of(16) || !cols.is_multiple_of(16) {
+                    return Err(LayoutError::Nvfp4Tiles {
+                        name: spec.name.clone(),
+                        rows,
+                        cols,
+                    });
+                }
+            }
+        }
+        let mut buffers = Vec::new();
+        let mut location = vec![(0, 0); specs.len()];
+        for (key, members) in group_params(specs) {
+            let strategy = cfg.strategy_of(key.owner);
+            let lcfg = LayoutConfig {
+                dp: cfg.dp,
+                bucket_size: cfg.bucket_size,
+                distributed_optimizer: strategy.is_sharded(),
+                high_busbw_padding: cfg.high_busbw_padding,
+            };
+            let group: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
+            let layout = match strategy {
+                ShardingStrategy::LayerWise => compute_layerwise_layout(&group, &lcfg)?,
+                _ => compute_layout(&group, &lcfg)?,
+            };
+            let packed = (key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4))
+                .then(|| packed_layout(&layout))
+                .transpose()?;
+            for (i, &m) in members.iter().enumerate() {
+                location[m] = (buffers.len(), i);
+            }
+            let (grad_reduce, param_gather) = if strategy.is_sharded() {
+                (GradReduce::ReduceScatter, ParamGather::AllGather)
+            } else {
+                (GradReduce::AllReduce, ParamGather::None)
+            };
+            buffers.push(BufferPlan {
+                key,
+                strategy,
+                group_size: cfg.dp,
+                layout,
+                params: members,
+                packed,
+                grad_reduce,
+                param_gather,
+                group: GroupId::Data,
+            });
+        }
+        Ok(ShardingPlan {
+            config: cfg.clone(),
+            buffers,
+            location,
+        })
+    }
+
+    /// The configuration the plan was made from.
+    pub fn config(&self) -> &PlanConfig {
+        &self.config
+    }
+
+    /// Data-parallel group size.
+    pub fn dp(&self) -> usize {
+        self.config.dp
+    }
+
+    /// Whether ranks own disjoint pieces (every strategy of the plan is sharded).
+    pub fn is_sharded(&self) -> bool {
+        self.buffers.iter().all(|b| b.strategy.is_sharded())
+    }
+
+    /// The buffers, in order.
+    pub fn buffers(&self) -> &[BufferPlan] {
+        &self.buffers
+    }
+
+    /// Number of parameters planned.
+    pub fn num_params(&self) -> usize {
+        self.location.len()
+    }
+
+    /// `(buffer, index in the buffer's layout)` of global parameter `p`.
+    ///
+    /// # Panics
+    /// If `p` is not a planned parameter.
+    pub fn location(&self, p: usize) -> (usize, usize) {
+        self.location[p]
+    }
+
+    /// Every piece rank `rank` owns, across buffers, sorted by (parameter, offset).
+    ///
+    /// # Errors
+    /// Those of [`BufferPlan::owned`].
+    pub fn owned(&self, rank: usize) -> Result<Vec<OwnedPiece>, LayoutError> {
+        let mut out = Vec::new();
+        for (b, buf) in self.buffers.iter().enumerate() {
+            out.extend(buf.owned(b, rank)?);
+        }
+        out.sort_by_key(|s| (s.param, s.param_range.start));
+        Ok(out)
+    }
+
+    /// Checks that a communicator of `size` ranks, this one being `rank`, is the group the plan
+    /// was made for (the "shard count equals group size" invariant, Megatron bug F3).
+    ///
+    /// # Errors
+    /// [`LayoutError::ShardCountMismatch`] or [`LayoutError::RankOutOfRange`].
+    pub fn check_group(&self, size: usize, rank: usize) -> Result<(), LayoutError> {
+        if size != self.config.dp {
+            return Err(LayoutError::ShardCountMismatch {
+                layout: self.config.dp,
+                group: size,
+            });
+        }
+        if rank >= size {
+            return Err(LayoutError::RankOutOfRange { rank, dp: size });
+        }
+        Ok(())
+    }
+}
+
+/// `(rows, cols)` of a parameter shape as a matrix quantizer sees it: leading dimensions folded
+/// into rows (`[d0·…·dn-2, dn-1]`); a scalar is `1x1`.
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        None => (1, 1),
+        Some((&last, lead)) => (lead.iter().product(), last),
+    }
+}
