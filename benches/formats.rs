@@ -49,8 +49,7 @@
 //! Run with `cargo bench --bench formats` (about two minutes on two cores, plus the build); the
 //! usual criterion arguments (a name filter, `--sample-size`, `--measurement-time`, …) apply.
 
-#[path = "support/criterion_estimates.rs"]
-mod estimates;
+use lowbit_dev_support::criterion_estimates as estimates;
 
 use std::fmt::Write as _;
 use std::hint::black_box;

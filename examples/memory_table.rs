@@ -5,11 +5,11 @@
 //!
 //! `cargo run --release --example memory_table [-- DP]`
 
-use lowbit::buffers::DdpConfig;
 use lowbit::buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
 };
-use lowbit::optim::{Algorithm, RankMemory, estimate_memory};
+use lowbit::buffers::{DdpConfig, Overlap};
+use lowbit::optim::{RankMemory, estimate_memory};
 
 /// A 1.04B-parameter decoder: 18 layers of hidden 2048 with a 4x MLP (bf16 norms), and a
 /// 32768-entry embedding and output head kept in bf16 (as low-precision recipes do).
@@ -64,26 +64,14 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(8);
-    let adamw = |_| Algorithm::AdamW {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
-    let ours_cfg = DdpConfig {
-        distributed_optimizer: true,
-        overlap_grad_reduce: true,
-        overlap_param_gather: true,
-        average_in_collective: false,
-        bucket_size: Some(40_000_000),
-        high_busbw_padding: false,
-        mxfp8_direct_2d: false,
-    };
-    let base_cfg = DdpConfig {
-        distributed_optimizer: false,
-        overlap_param_gather: false,
-        ..ours_cfg
-    };
+    // AdamW keeps two fp32 state tensors per element.
+    let adamw = |_| 2;
+    let ours_cfg = DdpConfig::default()
+        .with_overlap(Overlap::GradReduceAndParamGather)
+        .with_bucket_size(Some(40_000_000));
+    let base_cfg = ours_cfg
+        .with_sharding(ShardingStrategy::Replicated)
+        .with_overlap(Overlap::GradReduce);
     let ours_specs = layout(ParamStorage::Quantized(QuantKind::Mxfp8));
     let params: usize = ours_specs.iter().map(|s| s.numel).sum();
     let ours: RankMemory = estimate_memory(&ours_specs, dp, 0, &ours_cfg, adamw).expect("layout");

@@ -9,4 +9,5 @@ pub use lowbit_buffers as buffers;
 pub use lowbit_comm as comm;
 pub use lowbit_device as device;
 pub use lowbit_formats as formats;
+pub use lowbit_layout as layout;
 pub use lowbit_optim as optim;

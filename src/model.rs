@@ -1,5 +1,7 @@
 //! A small regression model on the device layer, with a hand-written backward, used by the
-//! integration tests of the data-parallel machinery (and, later, by `lowbit train`).
+//! integration tests of the data-parallel machinery (`lowbit train` uses the MoE language model
+//! in `train::lm`). It is written against `lowbit-buffers`' public [`Hooks`] only, as any
+//! outside model would be.
 //!
 //! `x [B, d] → Linear(d→h)+bias → K × [Linear(h→h)+bias → RMSNorm → GELU] → Linear(h→o)+bias`,
 //! loss = MSE against a target. Parameters in forward order: `in.weight [h, d]`, `in.bias [h]`,
@@ -10,6 +12,7 @@
 //! for), accumulates each gradient into the view the hooks give, and reports the parameter as
 //! ready right after (the backward hook, where a bucket's reduction may start).
 
+use lowbit_buffers::BufferError;
 use lowbit_device::{DType, Device, DeviceError, MatmulSpec, View};
 
 /// The model's shape.
@@ -25,36 +28,20 @@ pub struct MlpShape {
     pub output: usize,
 }
 
-/// Which computation a parameter is fetched for: low-precision weights use their rowwise copy
-/// in the forward (`X·Wᵀ` contracts along rows of W) and their columnwise copy in the backward
-/// (`dY·W` contracts down its columns), as block-scaled GEMMs do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Usage {
-    /// Forward GEMMs and norms.
-    Forward,
-    /// Backward (data-gradient) GEMMs and norms.
-    Backward,
-}
+pub use lowbit_buffers::{Hooks, Usage};
 
-/// Where the model gets parameters and puts gradients.
-pub trait Hooks {
-    /// The values of parameter `p` to compute with (any float dtype), valid until the next call.
-    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError>;
-    /// The view gradient `p` accumulates into (any float dtype).
-    fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError>;
-    /// Gradient `p` is complete for this microbatch.
-    fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<(), ModelError>;
-}
-
-/// Errors of the model and its hooks.
+/// Errors of the models.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// A device operation failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
-    /// A hook failed (buffers, collectives).
+    /// A hook failed (buffers, collectives, protocol violations), with its typed source.
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+    /// Bad input to a model (token ids, batch shapes).
     #[error("{0}")]
-    Hook(String),
+    Input(String),
 }
 
 impl MlpShape {
@@ -366,7 +353,7 @@ pub fn accumulate(
 ) -> Result<(), ModelError> {
     let dst = hooks.grad(dev, p)?;
     dev.add(g, dst)?;
-    hooks.grad_ready(dev, p)
+    Ok(hooks.grad_ready(dev, p)?)
 }
 
 /// `y[m, n] = a[m, k] · Wᵀ + b` for the layer parameters `(pw, pb)`, loading each through

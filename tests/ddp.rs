@@ -7,9 +7,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};
-use lowbit::buffers::DataParallelBuffers;
-use lowbit::buffers::DdpConfig;
 use lowbit::buffers::layout::GradDType;
+use lowbit::buffers::{
+    BufferError, ConfigError, DataParallelBuffers, GradScaling, Overlap, ProtocolError,
+};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::Device;
 
@@ -149,10 +150,11 @@ fn grad_sync_of_ones() {
         for average in [false, true] {
             let run = Run::new(dp);
             let results = run_ranks(dp, GroupConfig::default(), |mut comm, mut dev| {
-                let cfg = DdpConfig {
-                    average_in_collective: average,
-                    ..ddp(true, false, false, None)
-                };
+                let cfg = ddp(true, false, false, None).with_scaling(if average {
+                    GradScaling::AverageInCollective
+                } else {
+                    GradScaling::PreDivide
+                });
                 let mut bufs =
                     DataParallelBuffers::new(&mut dev, dp, comm.rank(), specs(&run), cfg).unwrap();
                 for p in 0..bufs.specs().len() {
@@ -219,12 +221,17 @@ fn a_missing_grad_ready_is_an_error_not_a_hang() {
                 bufs.register_grad_ready(&mut dev, &mut comm, p).unwrap();
             }
             bufs.finish_grad_sync(&mut dev, &mut comm)
-                .map_err(|e| e.to_string())
         },
     );
     for r in results {
         let err = r.unwrap().unwrap_err();
-        assert!(err.contains("never started"), "{err}");
+        assert!(
+            matches!(
+                err,
+                BufferError::Protocol(ProtocolError::GradReduceNotStarted { .. })
+            ),
+            "{err}"
+        );
     }
 }
 
@@ -257,12 +264,29 @@ fn a_rank_that_dies_fails_the_others_quickly() {
 fn invalid_configurations_are_refused_up_front() {
     let mut dev = Device::cpu();
     let run = Run::new(1);
-    for (cfg, needle) in [
-        (ddp(false, true, true, None), "distributed optimizer"),
-        (ddp(true, false, true, None), "overlapped grad reduce"),
-        (ddp(true, true, false, Some(0)), "bucket size"),
+    // Overlapped gathers without overlapped reduction cannot even be built.
+    assert!(matches!(
+        Overlap::from_flags(false, true),
+        Err(BufferError::Config(
+            ConfigError::ParamGatherOverlapNeedsGradOverlap
+        ))
+    ));
+    for (cfg, want) in [
+        (
+            ddp(false, true, true, None),
+            ConfigError::ParamGatherOverlapNeedsSharding,
+        ),
+        (ddp(true, true, false, Some(0)), ConfigError::ZeroBucketSize),
     ] {
         let err = DataParallelBuffers::new(&mut dev, 1, 0, specs(&run), cfg).unwrap_err();
-        assert!(err.to_string().contains(needle), "{err}");
+        match err {
+            BufferError::Config(c) => assert_eq!(c, want),
+            other => panic!("expected {want:?}, got {other}"),
+        }
     }
+    let err = DataParallelBuffers::new(&mut dev, 2, 2, specs(&run), run.ddp).unwrap_err();
+    assert!(matches!(
+        err,
+        BufferError::Config(ConfigError::RankOutOfRange { rank: 2, dp: 2 })
+    ));
 }

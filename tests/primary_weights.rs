@@ -14,10 +14,28 @@ use common::{
 use lowbit::buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit::buffers::{DataParallelBuffers, WeightState};
+use lowbit::buffers::{
+    BufferError, ConfigError, DataParallelBuffers, Mxfp8Gather, ProtocolError, WeightState,
+};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::Device;
-use lowbit::optim::{ChainedOptimizer, DistributedOptimizer, initialize_params};
+use lowbit::layout::LayoutError;
+use lowbit::optim::{OptimError, Optimizer, protocol};
+
+/// The protocol violation inside an error, or a panic naming what came instead.
+fn protocol_err(e: BufferError) -> ProtocolError {
+    match e {
+        BufferError::Protocol(p) => p,
+        other => panic!("expected a protocol violation, got {other}"),
+    }
+}
+
+fn optim_protocol_err(e: OptimError) -> ProtocolError {
+    match e {
+        OptimError::Buffer(b) => protocol_err(b),
+        other => panic!("expected a protocol violation, got {other}"),
+    }
+}
 
 fn full_matrix() -> bool {
     std::env::var_os("LOWBIT_FULL_MATRIX").is_some()
@@ -147,12 +165,14 @@ fn mxfp8_specs() -> Vec<ParamSpec> {
     })
 }
 
-/// The structural guarantees refuse the orders that Megatron's bugs took.
+/// The structural guarantees refuse the orders that Megatron's bugs took, each with its typed
+/// variant, in every build profile (the harness turns full verification on explicitly).
 #[test]
 fn wrong_orders_are_refused() {
     let run = Run {
         precision: Precision::Mxfp8,
         param_gather: true,
+        chained: false,
         ..Run::new(2)
     };
     let results = run_ranks(2, GroupConfig::default(), |mut comm, mut dev| {
@@ -160,12 +180,8 @@ fn wrong_orders_are_refused() {
         let mut bufs =
             DataParallelBuffers::new(dev, 2, comm.rank(), mxfp8_specs(), run.ddp).unwrap();
         let init = common::SHAPE.init(7);
-        initialize_params(dev, &mut bufs, &init).unwrap();
-        let opt = ChainedOptimizer::new(vec![
-            DistributedOptimizer::new(dev, &bufs, OptimizerId(0), common::adamw(1e-3, None), &init)
-                .unwrap(),
-        ])
-        .unwrap();
+        bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+        let opt = common::optimizers(&run, dev, &bufs, &init).unwrap();
         let g = bufs.group_of(0);
         assert_eq!(
             bufs.weight_state(g),
@@ -175,37 +191,69 @@ fn wrong_orders_are_refused() {
         // The masters moved (as after a step) and nothing was staged: a forward must not run
         // on the old weights silently (bug class C: dispatched state, no gather, no zeroing).
         bufs.mark_stale(OptimizerId(0));
-        let err = bufs
-            .finish_param_sync(dev, &mut comm, g)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("stale"), "{err}");
-        let err = bufs.sync_params(dev, &mut comm).unwrap_err().to_string();
-        assert!(err.contains("stale"), "{err}");
+        let err = bufs.finish_param_sync(dev, &mut comm, g).unwrap_err();
+        assert!(matches!(
+            protocol_err(err),
+            ProtocolError::StaleWeights { .. }
+        ));
+        let err = bufs.sync_params(dev, &mut comm).unwrap_err();
+        assert!(matches!(
+            protocol_err(err),
+            ProtocolError::StaleWeights { .. }
+        ));
         // Staged and then zeroed (bug A1/A3: the gather would ship zeros): back to stale.
-        opt.begin_iteration(dev, &mut comm, &mut bufs).unwrap();
+        protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Staged);
         bufs.zero_grad_buffer(dev).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Stale);
         // Staged but never gathered, then backward (bug A2): the first gradient access refuses.
-        opt.begin_iteration(dev, &mut comm, &mut bufs).unwrap();
-        let err = bufs.accumulation_view(dev, 0).unwrap_err().to_string();
-        assert!(
-            err.contains("backward starts while its weights are Staged"),
-            "{err}"
-        );
+        protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
+        let err = bufs.accumulation_view(dev, 0).unwrap_err();
+        assert!(matches!(
+            protocol_err(err),
+            ProtocolError::BackwardBeforeGather {
+                state: WeightState::Staged,
+                ..
+            }
+        ));
         // Gathering it once is fine; the staging view is zero afterwards and the weights current.
-        opt.force_param_sync(dev, &mut comm, &mut bufs).unwrap();
+        protocol::force_param_sync(dev, &mut comm, &mut bufs, &opt).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Current);
         let staging = bufs.param_view(0).unwrap();
         assert!(dev.read_bytes(staging).unwrap().iter().all(|&b| b == 0));
-        // The forced sync zeroed the gradients; a non-zero gradient buffer at the first
-        // backward access is refused.
+        // A second gather in the same iteration is refused (bug D's double sync).
+        bufs.mark_stale(OptimizerId(0));
+        let err = protocol::force_param_sync(dev, &mut comm, &mut bufs, &opt);
+        assert!(err.is_ok(), "a forced sync restages and regathers: {err:?}");
+        let err = {
+            // Staged again without zeroing: its gather count is still 1 this iteration.
+            opt.stage(dev, &mut comm, &mut bufs, false).unwrap();
+            bufs.sync_params(dev, &mut comm).unwrap_err()
+        };
+        assert!(matches!(
+            protocol_err(err),
+            ProtocolError::GatheredTwice { .. }
+        ));
+        // A forced sync brings every group back to current; then a non-zero gradient buffer at
+        // the first backward access is refused.
+        protocol::force_param_sync(dev, &mut comm, &mut bufs, &opt).unwrap();
         bufs.zero_grad_buffer(dev).unwrap();
         let gv = bufs.grad_view(5).unwrap();
         dev.fill(gv, 1.0).unwrap();
-        let err = bufs.accumulation_view(dev, 5).unwrap_err().to_string();
-        assert!(err.contains("not zero"), "{err}");
+        let err = bufs.accumulation_view(dev, 5).unwrap_err();
+        assert_eq!(protocol_err(err), ProtocolError::GradsNotZero);
+        // A communicator of another size than the plan's is refused at the first launch (F3).
+        let mut solo = comm.split(comm.rank() as u32, 0).unwrap();
+        bufs.zero_grad_buffer(dev).unwrap();
+        let err = protocol::force_param_sync(dev, solo.as_mut(), &mut bufs, &opt).unwrap_err();
+        assert!(matches!(
+            optim_protocol_err(err),
+            ProtocolError::WrongGroup {
+                size: 1,
+                plan_size: 2,
+                ..
+            }
+        ),);
     });
     for r in results {
         r.unwrap();
@@ -279,8 +327,10 @@ fn unsupported_configurations_are_refused() {
     let err = DataParallelBuffers::new(&mut dev, 2, 0, quantized, ddp(false, true, false, None))
         .unwrap_err();
     assert!(
-        err.to_string()
-            .contains("requires the distributed optimizer"),
+        matches!(
+            err,
+            BufferError::Layout(LayoutError::QuantizedNeedsGather { .. })
+        ),
         "{err}"
     );
     // NVFP4 weights need shapes their 16x16 tiles cover.
@@ -296,14 +346,26 @@ fn unsupported_configurations_are_refused() {
     )];
     let err =
         DataParallelBuffers::new(&mut dev, 2, 0, nvfp4, ddp(true, true, true, None)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BufferError::Layout(LayoutError::Nvfp4Tiles {
+                rows: 40,
+                cols: 32,
+                ..
+            })
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("multiples of 16"), "{err}");
+    let _ = ConfigError::ZeroBucketSize; // the config variants are matched in tests/ddp.rs
 }
 
 /// Memory accounting: the live report equals the closed-form estimate and the device's own
 /// allocation count, for every rank of several configurations.
 #[test]
 fn memory_report_matches_the_closed_form() {
-    use lowbit::optim::{Algorithm, estimate_memory, memory_report};
+    use lowbit::optim::{estimate_memory, memory_report};
     for (gather, grad, dp, precision) in [
         (true, GradDType::F32, 1, Precision::Mxfp8),
         (true, GradDType::F32, 4, Precision::Mxfp8),
@@ -323,36 +385,12 @@ fn memory_report_matches_the_closed_form() {
             let mut bufs =
                 DataParallelBuffers::new(dev, dp, comm.rank(), specs(&run), run.ddp).unwrap();
             let init = common::SHAPE.init(7);
-            initialize_params(dev, &mut bufs, &init).unwrap();
-            let sgd = lowbit::optim::OptimConfig {
-                algorithm: Algorithm::Sgd {
-                    momentum: 0.9,
-                    weight_decay: 0.0,
-                },
-                lr: 0.1,
-                clip_grad: None,
-            };
-            let opt = ChainedOptimizer::new(vec![
-                DistributedOptimizer::new(
-                    dev,
-                    &bufs,
-                    OptimizerId(0),
-                    common::adamw(1e-3, None),
-                    &init,
-                )
-                .unwrap(),
-                DistributedOptimizer::new(dev, &bufs, OptimizerId(1), sgd, &init).unwrap(),
-            ])
-            .unwrap();
+            bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+            // AdamW for owner 0 (two state tensors), SGD with momentum for owner 1 (one).
+            let opt = common::optimizers(&run, dev, &bufs, &init).unwrap();
             let live = memory_report(&bufs, &opt);
-            let algo = |o: OptimizerId| {
-                if o == OptimizerId(0) {
-                    common::adamw(0.0, None).algorithm
-                } else {
-                    sgd.algorithm
-                }
-            };
-            let est = estimate_memory(&specs(&run), dp, comm.rank(), &run.ddp, algo).unwrap();
+            let states = |o: OptimizerId| if o == OptimizerId(0) { 2 } else { 1 };
+            let est = estimate_memory(&specs(&run), dp, comm.rank(), &run.ddp, states).unwrap();
             assert_eq!(live, est, "gather={gather} {grad:?} dp={dp}");
             assert_eq!(dev.allocated_bytes() - before, live.total());
         });
@@ -388,7 +426,7 @@ fn memory_per_parameter_closed_form() {
             dp,
             0,
             &cfg,
-            |_| common::adamw(0.0, None).algorithm,
+            |_| 2,
         )
         .unwrap();
         assert_eq!(m.weights(), 2 * n + 2 * n / 32);
@@ -397,10 +435,7 @@ fn memory_per_parameter_closed_form() {
         assert_eq!(m.masters, 4 * n / dp);
         assert_eq!(m.optimizer_state, 8 * n / dp);
         assert_eq!(m.grad_scratch, 0);
-        let b = estimate_memory(&[spec("w", ParamStorage::Bf16)], dp, 0, &cfg, |_| {
-            common::adamw(0.0, None).algorithm
-        })
-        .unwrap();
+        let b = estimate_memory(&[spec("w", ParamStorage::Bf16)], dp, 0, &cfg, |_| 2).unwrap();
         assert_eq!(b.weights(), 2 * n);
         assert_eq!(b.staging(), 0);
     }
@@ -417,10 +452,7 @@ fn direct_path_halves_the_gather_traffic() {
         ..Run::new(2)
     };
     let direct = train(Run {
-        ddp: lowbit::buffers::DdpConfig {
-            mxfp8_direct_2d: true,
-            ..base.ddp
-        },
+        ddp: base.ddp.with_mxfp8_gather(Mxfp8Gather::Direct2d),
         ..base
     });
     let staged = train(Run {

@@ -6,11 +6,9 @@ use std::process::Command;
 
 use lowbit::train::{TrainConfig, train};
 
-// xtask's JSON reader (no parser dependency), with strict accessors for the assertions here.
-#[path = "../xtask/src/json.rs"]
-#[allow(dead_code)]
-mod json;
-use json::Json;
+// The workspace's small JSON reader (no parser dependency), with strict accessors for the
+// assertions here.
+use lowbit_dev_support::json::Json;
 
 trait Strict {
     fn key(&self, k: &str) -> &Json;

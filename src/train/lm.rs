@@ -454,13 +454,13 @@ impl Lm {
     ) -> Result<f32, ModelError> {
         let (b, v) = (self.batch, self.shape.vocab);
         if targets.len() != b {
-            return Err(ModelError::Hook(format!(
+            return Err(ModelError::Input(format!(
                 "{} targets for a batch of {b} rows",
                 targets.len()
             )));
         }
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
-            return Err(ModelError::Hook(format!(
+            return Err(ModelError::Input(format!(
                 "target {t} outside vocabulary {v}"
             )));
         }
@@ -496,13 +496,13 @@ impl Lm {
         let (b, h, f) = (self.batch, s.hidden, s.ffn);
         let (c, emb, v) = (s.context, s.embed, s.vocab);
         if tokens.len() != b * c {
-            return Err(ModelError::Hook(format!(
+            return Err(ModelError::Input(format!(
                 "{} tokens for {b} rows of context {c}",
                 tokens.len()
             )));
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(ModelError::Hook(format!(
+            return Err(ModelError::Input(format!(
                 "token {t} outside vocabulary {v}"
             )));
         }

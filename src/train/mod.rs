@@ -17,7 +17,6 @@
 //!   in the collective table); eval losses are over a fixed held-out sample set.
 
 pub mod data;
-pub mod hooks;
 pub mod json;
 pub mod lm;
 
@@ -27,16 +26,17 @@ use std::time::{Duration, Instant};
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit_buffers::{DataParallelBuffers, DdpConfig};
+use lowbit_buffers::{
+    ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute, PrecisionPolicy,
+};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
-    Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, RankMemory,
-    estimate_memory, initialize_params, memory_report,
+    AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, Optimizer, RankMemory,
+    Trainer, estimate_memory, init_from_full, memory_report,
 };
 
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
-use hooks::{HookScratch, TrainHooks};
 use lm::{Lm, LmShape, ParamInfo};
 
 /// How GEMM weights are stored and computed with.
@@ -288,15 +288,37 @@ impl TrainConfig {
     }
 
     fn ddp(&self) -> DdpConfig {
-        DdpConfig {
-            distributed_optimizer: true,
-            overlap_grad_reduce: self.overlap_grad_reduce,
-            overlap_param_gather: self.overlap_param_gather,
-            average_in_collective: false,
-            bucket_size: self.bucket_size,
-            high_busbw_padding: false,
-            mxfp8_direct_2d: false,
-        }
+        // `validate` refused overlapped gathers without overlapped reduction.
+        let overlap = match (self.overlap_grad_reduce, self.overlap_param_gather) {
+            (true, true) => Overlap::GradReduceAndParamGather,
+            (true, false) => Overlap::GradReduce,
+            _ => Overlap::None,
+        };
+        DdpConfig::default()
+            .with_overlap(overlap)
+            .with_bucket_size(self.bucket_size)
+    }
+
+    /// GEMM weights computed with as `Q(bf16 weight)` (the stored copies with low-precision
+    /// primary weights, quantized on the fly otherwise), grouped experts one by one; everything
+    /// else as stored.
+    fn policy(&self, info: &[ParamInfo]) -> PrecisionPolicy {
+        let format = match self.precision {
+            Precision::Bf16 => ComputeFormat::AsStored,
+            Precision::Mxfp8 => ComputeFormat::Mxfp8 { two_d: false },
+            Precision::Nvfp4 => ComputeFormat::Nvfp4,
+        };
+        PrecisionPolicy::new(
+            info.iter()
+                .map(|p| {
+                    if p.matrix {
+                        ParamCompute::new(format).with_experts(p.experts)
+                    } else {
+                        ParamCompute::AS_STORED
+                    }
+                })
+                .collect(),
+        )
     }
 
     fn specs(&self, info: &[ParamInfo]) -> Vec<ParamSpec> {
@@ -306,7 +328,8 @@ impl TrainConfig {
                     Precision::Mxfp8 if self.param_gather && p.matrix => {
                         ParamStorage::Quantized(QuantKind::Mxfp8)
                     }
-                    // Grouped tensors need per-expert amaxes (see `hooks`).
+                    // Grouped tensors need per-expert global amaxes, which NVFP4 primary storage
+                    // does not have yet: they stay bf16 and are quantized per expert on the fly.
                     Precision::Nvfp4 if self.param_gather && p.matrix && p.experts == 1 => {
                         ParamStorage::Quantized(QuantKind::Nvfp4)
                     }
@@ -323,16 +346,12 @@ impl TrainConfig {
             .collect()
     }
 
-    fn adamw(&self, decay: f32) -> OptimConfig {
-        OptimConfig {
-            algorithm: Algorithm::AdamW {
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: decay,
-            },
-            lr: self.lr,
-            clip_grad: None,
+    fn adamw(decay: f32) -> AdamW {
+        AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: decay,
         }
     }
 }
@@ -455,18 +474,17 @@ pub fn train(
             s
         })
         .collect();
-    let base_ddp = DdpConfig {
-        distributed_optimizer: false,
-        overlap_param_gather: false,
-        ..cfg.ddp()
-    };
-    let baseline = estimate_memory(&baseline_specs, 1, 0, &base_ddp, |_| Algorithm::AdamW {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.0,
-    })
-    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let base_ddp = cfg
+        .ddp()
+        .with_sharding(lowbit_buffers::layout::ShardingStrategy::Replicated)
+        .with_overlap(if cfg.overlap_grad_reduce {
+            Overlap::GradReduce
+        } else {
+            Overlap::None
+        });
+    // AdamW: two fp32 state tensors per element.
+    let baseline = estimate_memory(&baseline_specs, 1, 0, &base_ddp, |_| 2)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
     Ok(TrainReport {
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
@@ -746,14 +764,21 @@ fn rank_main(
     let mut bufs =
         DataParallelBuffers::new(dev, cfg.ranks, rank, specs, cfg.ddp()).map_err(|x| e(&x))?;
     let init = cfg.shape.init(cfg.seed);
-    initialize_params(dev, &mut bufs, &init).map_err(|x| e(&x))?;
-    let parts = vec![
-        DistributedOptimizer::new(dev, &bufs, OptimizerId(0), cfg.adamw(0.1), &init)
-            .map_err(|x| e(&x))?,
-        DistributedOptimizer::new(dev, &bufs, OptimizerId(1), cfg.adamw(0.0), &init)
-            .map_err(|x| e(&x))?,
-    ];
-    let mut opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
+    bufs.initialize_all(dev, |p| init[p].clone())
+        .map_err(|x| e(&x))?;
+    let optim = OptimConfig::new(cfg.lr);
+    let mut parts: Vec<Box<dyn Optimizer>> = Vec::new();
+    for (owner, decay) in [(0, 0.1), (1, 0.0)] {
+        let rule = TrainConfig::adamw(decay);
+        let mut pieces = init_from_full(&init);
+        parts.push(Box::new(
+            DistributedOptimizer::new(dev, &bufs, OptimizerId(owner), rule, optim, &mut pieces)
+                .map_err(|x| e(&x))?,
+        ));
+    }
+    let opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
+    let mut trainer =
+        Trainer::new(dev, bufs, Box::new(opt), cfg.policy(info)).map_err(|x| e(&x))?;
     let rows = cfg.rows();
     let mut lm = Lm::new(dev, cfg.shape, rows);
     let scalar = dev.alloc(DType::F32, 1);
@@ -774,20 +799,20 @@ fn rank_main(
         Ok::<f32, TrainError>(dev.download::<f32>(scalar).map_err(|x| e(&x))?[0])
     };
     let per_rank = job.eval.len() / cfg.ranks;
-    let scratch = HookScratch::new(dev, &bufs);
     let vocab = cfg.shape.vocab;
     let start = Instant::now();
     for step in 0..cfg.steps {
-        opt.set_lr(cfg.lr_at(step)).map_err(|x| e(&x))?;
-        let t = Instant::now();
-        opt.begin_iteration(dev, comm, &mut bufs)
+        trainer
+            .optimizer_mut()
+            .set_lr(cfg.lr_at(step))
             .map_err(|x| e(&x))?;
+        let t = Instant::now();
+        let mut iteration = trainer.begin(dev, comm).map_err(|x| e(&x))?;
         phases.param_sync += t.elapsed();
         let t = Instant::now();
         let mut loss = 0f32;
-        let mut hooks = TrainHooks::new(scratch, &mut bufs, comm, cfg.precision, info);
         for m in 0..cfg.microbatches {
-            hooks.bufs.set_last_microbatch(m + 1 == cfg.microbatches);
+            let mut hooks = iteration.microbatch(comm, m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
             let (tokens, targets) = batch_of(first);
             let scale = 1.0 / cfg.microbatches as f32;
@@ -797,10 +822,10 @@ fn rank_main(
         }
         phases.forward_backward += t.elapsed();
         let t = Instant::now();
-        bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+        let grads = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
         phases.grad_sync += t.elapsed();
         let t = Instant::now();
-        let report = opt.step(dev, comm, &mut bufs).map_err(|x| e(&x))?;
+        let report = grads.step(dev, comm).map_err(|x| e(&x))?;
         phases.optimizer += t.elapsed();
         let loss = all_reduce_mean(dev, comm, loss / cfg.microbatches as f32)?;
         losses.push(loss);
@@ -808,12 +833,12 @@ fn rank_main(
         let last = step + 1 == cfg.steps;
         let mut eval = None;
         if last || (cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every)) {
+            // `eval` forces a parameter sync first (timed as such), so the forward reads the
+            // weights of the step just taken.
             let t = Instant::now();
-            opt.force_param_sync(dev, comm, &mut bufs)
-                .map_err(|x| e(&x))?;
+            let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
             phases.param_sync += t.elapsed();
             let t = Instant::now();
-            let mut hooks = TrainHooks::new(scratch, &mut bufs, comm, cfg.precision, info).eval();
             let mut total = 0f64;
             for chunk in job.eval[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
                 let tokens: Vec<u32> = chunk.iter().flat_map(|i| i.tokens.clone()).collect();
@@ -840,17 +865,15 @@ fn rank_main(
         }
     }
     let wall = start.elapsed();
-    scratch.free(dev).map_err(|x| e(&x))?;
-    let mut masters = Vec::new();
-    for p in opt.parts() {
-        masters.extend(p.masters(dev).map_err(|x| e(&x))?);
-    }
+    let masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
+    let memory = memory_report(trainer.buffers(), trainer.optimizer());
+    trainer.into_parts(dev).map_err(|x| e(&x))?;
     Ok(RankOutcome {
         losses,
         norms,
         evals,
         masters,
-        memory: memory_report(&bufs, &opt),
+        memory,
         comm: comm.stats(),
         phases,
         wall,

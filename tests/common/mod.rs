@@ -7,16 +7,19 @@
 use std::time::Duration;
 
 use lowbit::buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
 };
-use lowbit::buffers::{DataParallelBuffers, DdpConfig, mxfp8_weight_config, nvfp4_weight_config};
+use lowbit::buffers::{
+    ComputeFormat, DataParallelBuffers, DdpConfig, Hooks, Mxfp8Gather, Overlap, ParamCompute,
+    PrecisionPolicy, Usage, Verify,
+};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::{DType, Device, Mxfp8Config, Mxfp8Views, View};
-use lowbit::model::{Hooks, Mlp, MlpShape, ModelError, Usage, sample};
+use lowbit::device::{DType, Device};
+use lowbit::model::{Mlp, MlpShape, sample};
 use lowbit::optim::{
-    Algorithm, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, initialize_params,
+    AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, Optimizer, Sgd,
+    Trainer, init_from_full,
 };
-use lowbit::train::hooks::{dequant_mxfp8, dequant_nvfp4};
 
 /// Matrix dimensions are multiples of 16 so that NVFP4's 16x16 tiles cover them; 40 columns
 /// would leave MXFP8 blocks partial, which `props.rs` in `lowbit-formats` covers.
@@ -97,21 +100,25 @@ impl Run {
     }
 }
 
+/// The buffers' configuration from Megatron's four knobs; every check runs (also in release).
+///
+/// # Panics
+/// For overlapped param gather without overlapped grad reduce (not expressible).
 pub fn ddp(
     distopt: bool,
     overlap_grad: bool,
     overlap_param: bool,
     bucket: Option<usize>,
 ) -> DdpConfig {
-    DdpConfig {
-        distributed_optimizer: distopt,
-        overlap_grad_reduce: overlap_grad,
-        overlap_param_gather: overlap_param,
-        average_in_collective: false,
-        bucket_size: bucket,
-        high_busbw_padding: false,
-        mxfp8_direct_2d: false,
-    }
+    DdpConfig::default()
+        .with_sharding(if distopt {
+            ShardingStrategy::Distributed
+        } else {
+            ShardingStrategy::Replicated
+        })
+        .with_overlap(Overlap::from_flags(overlap_grad, overlap_param).unwrap())
+        .with_bucket_size(bucket)
+        .with_verify(Verify::Full)
 }
 
 #[derive(Debug, PartialEq)]
@@ -170,134 +177,75 @@ pub fn specs(run: &Run) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// The model's view of the buffers: parameters through the forward pre-hook (lazy gathers) and
-/// the precision policy, gradients into the buffers with readiness reported.
-pub struct DpHooks<'a> {
-    pub bufs: &'a mut DataParallelBuffers,
-    pub comm: &'a mut dyn Communicator,
-    pub precision: Precision,
-    /// f32 scratch for dequantized weights, and u8 scratch for on-the-fly quantization.
-    pub scratch: View,
-    pub qscratch: [View; 4],
+/// What the forward and backward compute with: matrices as `Q(bf16)` under the run's
+/// precision (stored copies or on the fly), everything else as stored.
+pub fn policy(run: &Run) -> PrecisionPolicy {
+    let format = match run.precision {
+        Precision::Bf16 => ComputeFormat::AsStored,
+        Precision::Mxfp8 => ComputeFormat::Mxfp8 { two_d: false },
+        Precision::Mxfp8Direct => ComputeFormat::Mxfp8 { two_d: true },
+        Precision::Nvfp4 => ComputeFormat::Nvfp4,
+    };
+    PrecisionPolicy::new(
+        SHAPE
+            .params()
+            .iter()
+            .map(|(name, _)| {
+                if is_matrix(name) {
+                    ParamCompute::new(format)
+                } else {
+                    ParamCompute::AS_STORED
+                }
+            })
+            .collect(),
+    )
 }
 
-fn hook_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Hook(e.to_string())
-}
-
-impl DpHooks<'_> {
-    pub fn new<'a>(
-        dev: &mut Device,
-        bufs: &'a mut DataParallelBuffers,
-        comm: &'a mut dyn Communicator,
-        precision: Precision,
-    ) -> DpHooks<'a> {
-        let n = bufs.specs().iter().map(|s| s.numel).max().unwrap_or(1);
-        DpHooks {
-            bufs,
-            comm,
-            precision,
-            scratch: dev.alloc(DType::F32, n),
-            qscratch: [n, n, n, n].map(|k| dev.alloc(DType::U8, k)),
-        }
-    }
-
-    pub fn free(self, dev: &mut Device) {
-        dev.free(self.scratch).unwrap();
-        for v in self.qscratch {
-            dev.free(v).unwrap();
-        }
+/// The harness's AdamW.
+pub fn adamw() -> AdamW {
+    AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
     }
 }
 
-impl Hooks for DpHooks<'_> {
-    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError> {
-        let g = self.bufs.group_of(p);
-        self.bufs
-            .finish_param_sync(dev, self.comm, g)
-            .map_err(hook_err)?;
-        let spec = &self.bufs.specs()[p];
-        if self.precision == Precision::Bf16 || !is_matrix(&spec.name) {
-            return self.bufs.param_view(p).map_err(hook_err);
-        }
-        let (rows, cols) = lowbit::buffers::matrix_dims(&spec.shape);
-        let out = self.scratch.slice(0..rows * cols)?;
-        if self.precision == Precision::Nvfp4 {
-            let (w, amax) = match self.bufs.nvfp4_weights(p) {
-                // Low-precision primary weights: use the stored copies.
-                Some(w) => w,
-                // bf16 parameters: quantize on the fly with the weight recipe (2D).
-                None => {
-                    let [rd, rs, cd, cs] = self.qscratch;
-                    let n = rows * cols;
-                    let w = lowbit::buffers::Nvfp4Weights {
-                        rows,
-                        cols,
-                        rowwise: (rd.slice(0..n / 2)?, rs.slice(0..n / 16)?),
-                        columnwise: (cd.slice(0..n / 2)?, cs.slice(0..n / 16)?),
-                        tiles: self.scratch,
-                    };
-                    let src = self.bufs.param_view(p).map_err(hook_err)?;
-                    let amax =
-                        dev.quantize_nvfp4(src, rows, cols, &nvfp4_weight_config(), &w.views())?;
-                    (w, amax.rowwise)
-                }
-            };
-            dequant_nvfp4(dev, &w, amax, usage, out)?;
-            return Ok(out);
-        }
-        let w = match self.bufs.mxfp8_weights(p) {
-            // Low-precision primary weights: use the stored copies.
-            Some(w) => w,
-            // bf16 parameters: quantize on the fly, exactly as the primary weights were made.
-            None => {
-                let [rd, rs, cd, cs] = self.qscratch;
-                let (rb, cb) = (cols.div_ceil(32), rows.div_ceil(32));
-                let views = Mxfp8Views {
-                    rowwise: Some((rd.slice(0..rows * cols)?, rs.slice(0..rows * rb)?)),
-                    columnwise: Some((cd.slice(0..rows * cols)?, cs.slice(0..cb * cols)?)),
-                };
-                let src = self.bufs.param_view(p).map_err(hook_err)?;
-                let cfg = Mxfp8Config {
-                    two_d: self.precision == Precision::Mxfp8Direct,
-                    ..mxfp8_weight_config()
-                };
-                dev.quantize_mxfp8(src, rows, cols, &cfg, &views)?;
-                lowbit::buffers::Mxfp8Weights {
-                    rows,
-                    cols,
-                    rowwise: views.rowwise.unwrap(),
-                    columnwise: views.columnwise.unwrap(),
-                }
-            }
+/// Learning rate and clipping.
+pub fn optim(lr: f32, clip: Option<f32>) -> OptimConfig {
+    OptimConfig::new(lr).with_clip_grad(clip)
+}
+
+/// The optimizers of a run: AdamW for owner 0, SGD for owner 1 when chained.
+pub fn optimizers(
+    run: &Run,
+    dev: &mut Device,
+    bufs: &DataParallelBuffers,
+    init: &[Vec<f32>],
+) -> Result<ChainedOptimizer, lowbit::optim::OptimError> {
+    let mut parts: Vec<Box<dyn Optimizer>> = vec![Box::new(DistributedOptimizer::new(
+        dev,
+        bufs,
+        OptimizerId(0),
+        adamw(),
+        optim(3e-3, run.clip),
+        &mut init_from_full(init),
+    )?)];
+    if run.chained {
+        let sgd = Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
         };
-        dequant_mxfp8(dev, &w, usage, out)?;
-        Ok(out)
+        parts.push(Box::new(DistributedOptimizer::new(
+            dev,
+            bufs,
+            OptimizerId(1),
+            sgd,
+            optim(1e-2, run.clip),
+            &mut init_from_full(init),
+        )?));
     }
-    fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View, ModelError> {
-        self.bufs.accumulation_view(dev, p).map_err(hook_err)
-    }
-    fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<(), ModelError> {
-        if self.bufs.config().overlap_grad_reduce {
-            self.bufs
-                .register_grad_ready(dev, self.comm, p)
-                .map_err(hook_err)?;
-        }
-        Ok(())
-    }
-}
-
-pub fn adamw(lr: f32, clip: Option<f32>) -> OptimConfig {
-    OptimConfig {
-        algorithm: Algorithm::AdamW {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        lr,
-        clip_grad: clip,
-    }
+    ChainedOptimizer::new(parts)
 }
 
 fn batch(run: &Run, rank: usize, step: usize, m: usize, eval: bool) -> (Vec<f32>, Vec<f32>) {
@@ -313,7 +261,7 @@ fn batch(run: &Run, rank: usize, step: usize, m: usize, eval: bool) -> (Vec<f32>
     (x, y)
 }
 
-/// One rank's training loop.
+/// One rank's training loop, through the public step driver only.
 pub fn rank_main(
     run: &Run,
     comm: &mut dyn Communicator,
@@ -324,28 +272,13 @@ pub fn rank_main(
     let mut bufs =
         DataParallelBuffers::new(dev, run.dp, rank, specs(run), run.ddp).map_err(|x| e(&x))?;
     let init = SHAPE.init(7);
-    initialize_params(dev, &mut bufs, &init).map_err(|x| e(&x))?;
-    let mut parts = vec![
-        DistributedOptimizer::new(dev, &bufs, OptimizerId(0), adamw(3e-3, run.clip), &init)
-            .map_err(|x| e(&x))?,
-    ];
-    if run.chained {
-        let sgd = OptimConfig {
-            algorithm: Algorithm::Sgd {
-                momentum: 0.9,
-                weight_decay: 0.0,
-            },
-            lr: 1e-2,
-            clip_grad: run.clip,
-        };
-        parts.push(
-            DistributedOptimizer::new(dev, &bufs, OptimizerId(1), sgd, &init).map_err(|x| e(&x))?,
-        );
-    }
-    let mut opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
+    bufs.initialize_all(dev, |p| init[p].clone())
+        .map_err(|x| e(&x))?;
+    let opt = optimizers(run, dev, &bufs, &init).map_err(|x| e(&x))?;
+    let mut trainer = Trainer::new(dev, bufs, Box::new(opt), policy(run)).map_err(|x| e(&x))?;
     let mlp = Mlp::new(dev, SHAPE, run.rows);
     let mut out = Outcome {
-        sharded: run.ddp.distributed_optimizer,
+        sharded: run.ddp.sharding.is_sharded(),
         losses: Vec::new(),
         eval_losses: Vec::new(),
         norms: Vec::new(),
@@ -357,24 +290,21 @@ pub fn rank_main(
         low_precision_params: 0,
     };
     for step in 0..run.steps {
-        opt.begin_iteration(dev, comm, &mut bufs)
-            .map_err(|x| e(&x))?;
+        let mut iteration = trainer.begin(dev, comm).map_err(|x| e(&x))?;
         let mut loss = 0.0f32;
         for m in 0..run.microbatches {
-            bufs.set_last_microbatch(m + 1 == run.microbatches);
             let (mut x, y) = batch(run, rank, step, m, false);
             if run.poison == Some((step, rank)) && m == 0 {
                 x[0] = f32::NAN;
             }
-            let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
+            let mut hooks = iteration.microbatch(comm, m + 1 == run.microbatches);
             let r = mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0 / run.microbatches as f32);
-            hooks.free(dev);
             loss += r.map_err(|x| e(&x))?;
         }
         out.losses.push(loss);
-        bufs.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+        let ready = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
         let mut grads = Vec::new();
-        for s in bufs.owned_shards().map_err(|x| e(&x))? {
+        for s in ready.buffers().owned_shards().map_err(|x| e(&x))? {
             let tmp = dev.alloc(DType::F32, s.grad_view.len());
             dev.cast(s.grad_view, tmp).map_err(|x| e(&x))?;
             let values: Vec<f32> = dev.download(tmp).map_err(|x| e(&x))?;
@@ -386,31 +316,20 @@ pub fn rank_main(
             });
         }
         out.grads.push(grads);
-        let report = opt.step(dev, comm, &mut bufs).map_err(|x| e(&x))?;
+        let report = ready.step(dev, comm).map_err(|x| e(&x))?;
         out.norms.push(report.grad_norm);
         if run.force_sync_every_step {
-            opt.force_param_sync(dev, comm, &mut bufs)
-                .map_err(|x| e(&x))?;
+            trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
         }
         if run.eval_after.contains(&step) {
-            opt.force_param_sync(dev, comm, &mut bufs)
-                .map_err(|x| e(&x))?;
             let (x, y) = batch(run, rank, step, 0, true);
-            let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
-            let r = mlp.forward_backward(dev, &mut EvalHooks(&mut hooks), &x, &y, 0.0);
-            hooks.free(dev);
+            let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
+            let r = mlp.forward_backward(dev, &mut hooks, &x, &y, 0.0);
             out.eval_losses.push(r.map_err(|x| e(&x))?);
         }
     }
-    // A final forced sync makes the weights reflect the last step on every path.
-    opt.force_param_sync(dev, comm, &mut bufs)
-        .map_err(|x| e(&x))?;
-    for p in opt.parts() {
-        out.masters.extend(p.masters(dev).map_err(|x| e(&x))?);
-    }
-    out.masters.sort_by_key(|m| (m.param, m.range.start));
-    out.skipped = opt.skipped_steps();
-    let mut hooks = DpHooks::new(dev, &mut bufs, comm, run.precision);
+    // The final forced sync (in `eval`) makes the weights reflect the last step on every path.
+    let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
     for p in 0..SHAPE.params().len() {
         let v = hooks.param(dev, p, Usage::Forward).map_err(|x| e(&x))?;
         let tmp = dev.alloc(DType::F32, v.len());
@@ -419,32 +338,18 @@ pub fn rank_main(
         dev.free(tmp).map_err(|x| e(&x))?;
         out.weights.push(w.iter().map(|f| f.to_bits()).collect());
     }
-    hooks.free(dev);
+    out.masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
+    out.masters.sort_by_key(|m| (m.param, m.range.start));
+    out.skipped = trainer.skipped_steps();
     out.gather_bytes = comm.stats().all_gather.bytes;
     out.low_precision_params = (0..SHAPE.params().len())
-        .filter(|&p| bufs.is_low_precision(p))
+        .filter(|&p| trainer.buffers().is_low_precision(p))
         .count();
     if std::env::var_os("LOWBIT_DEBUG_STATS").is_some() {
         eprintln!("rank {rank}: {:?}", comm.stats());
     }
+    trainer.into_parts(dev).map_err(|x| e(&x))?;
     Ok(out)
-}
-
-/// Eval: the forward reads parameters through the same hooks, the backward's gradients go to
-/// scratch (an eval must not touch the training gradients or report readiness).
-pub struct EvalHooks<'h, 'a>(pub &'h mut DpHooks<'a>);
-
-impl Hooks for EvalHooks<'_, '_> {
-    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View, ModelError> {
-        self.0.param(dev, p, usage)
-    }
-    fn grad(&mut self, _dev: &mut Device, p: usize) -> Result<View, ModelError> {
-        let n = self.0.bufs.specs()[p].numel;
-        Ok(self.0.scratch.slice(0..n)?)
-    }
-    fn grad_ready(&mut self, _dev: &mut Device, _p: usize) -> Result<(), ModelError> {
-        Ok(())
-    }
 }
 
 /// Trains `run` and returns every rank's outcome.
@@ -566,17 +471,18 @@ pub fn variant(base: Run, gather: bool) -> Run {
         },
         (Precision::Mxfp8Direct, on) => Run {
             param_gather: on,
-            ddp: lowbit::buffers::DdpConfig {
-                mxfp8_direct_2d: on,
-                ..base.ddp
-            },
+            ddp: base.ddp.with_mxfp8_gather(if on {
+                Mxfp8Gather::Direct2d
+            } else {
+                Mxfp8Gather::Bf16Staging
+            }),
             ..base
         },
         (Precision::Bf16, true) => base,
         (Precision::Bf16, false) => Run {
             ddp: ddp(
                 false,
-                base.ddp.overlap_grad_reduce,
+                base.ddp.overlap.grad_reduce(),
                 false,
                 base.ddp.bucket_size,
             ),

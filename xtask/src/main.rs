@@ -13,7 +13,9 @@
 //!   `xtask/gpu/run.sh`, whose step list is the one place to add steps).
 
 mod gpu_bundle;
-mod json;
+
+/// cargo's JSON messages are read with the workspace's small reader (no parser dependency).
+use lowbit_dev_support::json;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};

@@ -32,8 +32,7 @@
 //!
 //! Run with `cargo bench -p lowbit-comm --bench collectives` (well under a minute).
 
-#[path = "../../../benches/support/criterion_estimates.rs"]
-mod estimates;
+use lowbit_dev_support::criterion_estimates as estimates;
 
 use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender, channel};

@@ -12,6 +12,9 @@
 //! feature, `nccl::NcclComm` (one rank per GPU; a thread per GPU with `nccl::run_local_ranks`,
 //! or one process per GPU through [`rendezvous`], the TCP exchange of NCCL's unique id that
 //! reads the environment `torchrun` sets). The rendezvous needs no CUDA and is tested on CPU.
+//! A downstream transport (MPI, gloo, a test double) implements [`Communicator`] itself and
+//! returns asynchronous launches as [`Work::pending`] (a [`PendingWork`] value) or
+//! [`Work::from_fn`] (a closure), completed by the caller's [`Work::wait`] like the crate's own.
 //!
 //! ```
 //! use lowbit_comm::{Communicator, GroupConfig, ReduceOp, run_ranks};
@@ -273,6 +276,13 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
 ///
 /// Dropping a `Work` without waiting does not block or fail the peers (they complete the
 /// operation), but this rank's outputs are then never written.
+///
+/// The crate's own communicators make their handles internally; a [`Communicator`] implemented
+/// outside this crate (MPI, gloo, a test double) returns [`Work::completed`] for a launch that
+/// finished in `start_*`, and [`Work::pending`] or [`Work::from_fn`] for one that completes
+/// later, in [`Work::wait`].
+///
+/// `Work` is `Send` and `Sync` whatever it holds (a pending operation needs only `Send`).
 #[must_use = "the outputs are written only by Work::wait"]
 #[derive(Debug)]
 pub struct Work {
@@ -285,6 +295,78 @@ enum WorkInner {
     Local(local::LocalWork),
     #[cfg(feature = "cuda")]
     Nccl(nccl::NcclWork),
+    Pending(Pending),
+}
+
+/// The completion of an operation started by a [`Communicator`] implemented outside this crate:
+/// what [`Work::wait`] runs for a handle made by [`Work::pending`].
+///
+/// Implement it on the type that holds what the transport needs to finish the operation (a
+/// request handle, a channel, the output views). Its [`Drop`] is the place to release resources
+/// of a handle dropped without waiting; the [`Work`] contract asks that dropping neither blocks
+/// nor fails the peers.
+///
+/// ```
+/// use lowbit_comm::{Device, PendingWork, Result, View, Work};
+///
+/// /// Writes `value` into `out` when waited on.
+/// #[derive(Debug)]
+/// struct Fill { out: View, value: f32 }
+///
+/// impl PendingWork for Fill {
+///     fn wait(self: Box<Self>, dev: &mut Device) -> Result<()> {
+///         let vals = vec![self.value; self.out.len()];
+///         dev.upload(self.out, &vals).map_err(|e| lowbit_comm::CommError::Device {
+///             op: "fill".into(),
+///             rank: 0,
+///             source: Box::new(e),
+///         })
+///     }
+/// }
+///
+/// let mut dev = Device::cpu();
+/// let out = dev.alloc(lowbit_comm::DType::F32, 2);
+/// let work = Work::pending(Fill { out, value: 3.0 });
+/// work.wait(&mut dev).unwrap();
+/// assert_eq!(dev.download::<f32>(out).unwrap(), vec![3.0, 3.0]);
+/// ```
+pub trait PendingWork: Send + fmt::Debug {
+    /// Completes the operation on this rank; the contract of [`Work::wait`] (same device as the
+    /// launch, outputs visible to every later op on `dev` afterwards, errors as
+    /// [`CommError`]s) is this method's contract. Called at most once.
+    fn wait(self: Box<Self>, dev: &mut Device) -> Result<()>;
+}
+
+/// A [`PendingWork`] made of a closure ([`Work::from_fn`]).
+struct FnWork<F>(F);
+
+impl<F> fmt::Debug for FnWork<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnWork")
+    }
+}
+
+impl<F> PendingWork for FnWork<F>
+where
+    F: FnOnce(&mut Device) -> Result<()> + Send,
+{
+    fn wait(self: Box<Self>, dev: &mut Device) -> Result<()> {
+        (self.0)(dev)
+    }
+}
+
+/// An outside pending operation. The mutex is never contended (only `Debug` borrows it; `wait`
+/// consumes it); it is there so that `Work` stays `Sync` while implementations need only be
+/// `Send` (a channel receiver, for one, is not `Sync`).
+struct Pending(std::sync::Mutex<Box<dyn PendingWork>>);
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.try_lock() {
+            Ok(w) => fmt::Debug::fmt(&**w, f),
+            Err(_) => f.write_str("PendingWork(<locked>)"),
+        }
+    }
 }
 
 impl Work {
@@ -296,10 +378,39 @@ impl Work {
         }
     }
 
+    /// A handle whose operation completes in [`Work::wait`], which calls
+    /// [`PendingWork::wait`] on `work`: how a [`Communicator`] implemented outside this crate
+    /// returns an asynchronous launch. Dropping the handle drops `work` without waiting.
+    ///
+    /// Use this when the pending state has a name worth showing in `Debug` output or needs a
+    /// `Drop` of its own; [`Work::from_fn`] is the shorthand for a closure.
+    pub fn pending(work: impl PendingWork + 'static) -> Work {
+        Work::pending_boxed(Box::new(work))
+    }
+
+    /// [`Work::pending`] for an already boxed (e.g. type-erased) operation.
+    pub fn pending_boxed(work: Box<dyn PendingWork>) -> Work {
+        Work {
+            inner: WorkInner::Pending(Pending(std::sync::Mutex::new(work))),
+        }
+    }
+
+    /// A handle whose operation is `complete`, run once by [`Work::wait`] with the waiting
+    /// rank's device; dropping the handle drops the closure without running it. The shorthand
+    /// of [`Work::pending`] for transports whose completion is one call (e.g. waiting on a
+    /// request, then copying a received buffer into the output view).
+    pub fn from_fn<F>(complete: F) -> Work
+    where
+        F: FnOnce(&mut Device) -> Result<()> + Send + 'static,
+    {
+        Work::pending(FnWork(complete))
+    }
+
     /// Completes the launch on this rank: afterwards every op on `dev` (which must be the
     /// device the launch was started with) sees the outputs. In-process, this blocks until the
     /// outputs are written; with NCCL it makes the device's stream wait for the launch and
-    /// returns at once (the host blocks only where it reads results back).
+    /// returns at once (the host blocks only where it reads results back). A handle from
+    /// [`Work::pending`] or [`Work::from_fn`] runs its completion and returns its result.
     ///
     /// Errors: [`CommError::Mismatch`] or [`CommError::Peer`] if the ranks disagree,
     /// [`CommError::Timeout`], [`CommError::Aborted`], or [`CommError::Device`] if an output
@@ -310,6 +421,10 @@ impl Work {
             WorkInner::Local(w) => w.wait(dev),
             #[cfg(feature = "cuda")]
             WorkInner::Nccl(w) => w.wait(dev),
+            WorkInner::Pending(Pending(w)) => w
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .wait(dev),
         }
     }
 }

@@ -21,8 +21,7 @@
 //!
 //! Run with `cargo bench -p lowbit-device --bench ops` (about 30 s).
 
-#[path = "../../../benches/support/criterion_estimates.rs"]
-mod estimates;
+use lowbit_dev_support::criterion_estimates as estimates;
 
 use std::hint::black_box;
 use std::path::Path;

@@ -1,5 +1,6 @@
-//! The 16-point random Hadamard transform (RHT) TE applies to NVFP4 columnwise copies
-//! (`quant_formats.md` §3.6).
+//! The 16-point random Hadamard transform (RHT) TE applies to NVFP4 columnwise copies (TE's
+//! `transformer_engine/pytorch/tensor/nvfp4_tensor.py`: `get_wgrad_sign_vector`, `get_rht_matrix`;
+//! the CUDA side in `transformer_engine/common/hadamard_transform/hadamard_transform.cu`).
 //!
 //! `A = diag(s) · H16 · 1/4`, with H16 the Sylvester Hadamard matrix (`H[i][j] = (−1)^popcount(i&j)`)
 //! and `s` TE's fixed sign vector. A is orthogonal, so its inverse is its transpose. TE computes
@@ -63,7 +64,7 @@ mod tests {
                 assert_eq!(dot, if i == k { 1.0 } else { 0.0 });
             }
         }
-        // Row 0 of H/4 is all 0.25 and s_0 = +1 (probe output); row 3 carries s_3 = −1.
+        // Row 0 of H/4 is all 0.25 and s_0 = +1 (TE's `get_rht_matrix`); row 3 carries s_3 = −1.
         assert!((0..16).all(|j| rht_entry(0, j) == 0.25));
         assert_eq!(rht_entry(3, 0), -0.25);
         assert_eq!(RHT_SIGN_MASK, 0b1101_0111_1110_1000);

@@ -1,5 +1,6 @@
 //! Scale layouts: compact (`rows × blocks`, row-major) and the padded, swizzled layout cuBLAS
-//! block-scaled GEMMs read (`quant_formats.md` §2.3).
+//! block-scaled GEMMs read (the cuBLAS documentation, "1D Block Scaling Factors Layout"; TE
+//! writes it in `transformer_engine/common/swizzle/swizzle.cu`).
 //!
 //! The swizzled layout pads the scale matrix `S[R][C]` (R rows of the operand in its K-major
 //! orientation, C scale blocks along K) to multiples of 128x4, cuts it into 512-byte tiles stored

@@ -1,6 +1,8 @@
 //! MXFP8: fp8 elements (E4M3 or E5M2) with one E8M0 power-of-two scale per 32 elements.
 //!
-//! TE's rule (`quant_formats.md` §1.2), per block:
+//! TE's rule (`quantize_mxfp8_kernel` in TE's `transformer_engine/common/cast/mxfp8/
+//! quantize_mxfp8.cuh`: `ptx::float_to_e8m0(amax * Quantized_Limits<OType>::max_norm_rcp)`, then
+//! the elements times `ptx::exp2f_rcp(e)`), per block:
 //! `e = e8m0_round_up(fl32(amax · fl32(1/max)))`, `q = fp8_rne_satfinite(fl32(x · 2^(127−e)))`.
 //! The scale multiply is exact, so each element is rounded once.
 //!

@@ -1,5 +1,8 @@
 //! NVFP4: E2M1 elements, one UE4M3 scale per 16 elements, and one fp32 tensor scale derived from
-//! the global amax — TE's two-level recipe (`quant_formats.md` §3.2), in TE's operation order:
+//! the global amax — TE's two-level recipe, in TE's operation order (TE's
+//! `transformer_engine/common/cast/nvfp4/core_nvfp4.cuh`:
+//! `compute_global_encode_scaling_factor_FP4` for `S_enc`, `compute_decoding_scaling_factor` for
+//! `sf`, `compute_scaling_coefficient` for `rcp`):
 //!
 //! ```text
 //! S_enc = min(448·6 / amax, FLT_MAX), or 1 when amax == 0 or S_enc == 0;  S_dec = 1 / S_enc

@@ -2,8 +2,10 @@
 //!
 //! Every encoder is a branch-free bit manipulation of the fp32 input so the block loops above it
 //! vectorise; each one reproduces the CUDA conversion that Transformer Engine uses
-//! (`cvt.rn.satfinite.*` for the element types, `cvt.rp.satfinite.ue8m0` for E8M0), as pinned by
-//! the probe tables in `quant_formats.md` §1.6, §3.1 and §4.2.
+//! (`cvt.rn.satfinite.*` for the element types — `__nv_cvt_float_to_fp8` in `cuda_fp8.h`,
+//! `__nv_cvt_float_to_fp4` in `cuda_fp4.h` —, `cvt.rp.satfinite.ue8m0` for E8M0, TE's
+//! `ptx::float_to_e8m0`), as pinned by the probe tables in `tests/golden.rs` (printed by those
+//! conversions on an H100, reproduced there).
 
 /// Largest finite E4M3 value (`0x7E`).
 pub const E4M3_MAX: f32 = 448.0;

@@ -1,6 +1,10 @@
-//! Golden vectors from `quant_formats.md` (§1.5, §1.6, §3.1, §4.2–§4.4): probes of CUDA's own
-//! conversion routines, TE's kernels and TE's NVFP4 reference. Each table is checked through one
-//! helper so a new vector is one line.
+//! Golden vectors: outputs of probe programs run on an NVIDIA H100 against CUDA's own conversion
+//! routines (`__nv_cvt_float_to_fp8` in `cuda_fp8.h`, `__nv_cvt_float_to_fp4` in `cuda_fp4.h`),
+//! Transformer Engine's MXFP8 kernels (`transformer_engine/common/cast/mxfp8/`) and TE's NVFP4
+//! reference quantizer (`NVFP4QuantizerRef` in
+//! `transformer_engine/pytorch/custom_recipes/quantization_nvfp4.py`), with the values reproduced
+//! here — never our own output. Each table is checked through one helper so a new vector is one
+//! line.
 
 use lowbit_formats::scalar::{
     E2M1_VALUES, e2m1_from_f32, e2m1_to_f32, e4m3_from_f32, e4m3_to_f32, e5m2_from_f32,
@@ -15,7 +19,8 @@ fn p2(k: i32) -> f32 {
     2f32.powi(k)
 }
 
-/// §1.6: fp32 → (e4m3, e5m2), SATFINITE; `None` where the table has no entry.
+/// fp32 → (e4m3, e5m2) through CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, …)`; `None`
+/// where the probe printed no entry.
 #[test]
 fn fp8_element_cast_edge_table() {
     let nan = f32::NAN;
@@ -51,7 +56,7 @@ fn fp8_element_cast_edge_table() {
     }
 }
 
-/// §3.1: CUDA's `__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)`.
+/// CUDA's `__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)`.
 #[test]
 #[allow(clippy::excessive_precision)] // literals exactly as the probe printed them
 fn e2m1_cast_table() {
@@ -79,7 +84,8 @@ fn e2m1_cast_table() {
     }
 }
 
-/// §4.2, column RP/SAT (= TE's `float_to_e8m0`).
+/// fp32 → E8M0 rounding up, saturating (`cvt.rp.satfinite.ue8m0x2.f32`, which is what TE's
+/// `ptx::float_to_e8m0` computes).
 #[test]
 fn e8m0_round_up_saturating_table() {
     let table: &[(f32, u8)] = &[
@@ -223,7 +229,8 @@ fn check_mxfp8_block(elems: &[f32], kind: Fp8Kind, scale: u8, data: &[u8]) {
     }
 }
 
-/// §4.3 (TE columns) and §1.5 (TE's NaN/Inf behaviour).
+/// TE's MXFP8 kernels on 32-element blocks, including its NaN/Inf behaviour (NaN ignored by the
+/// block amax and encoded as NaN, an Inf amax saturating the scale).
 #[test]
 fn mxfp8_block_vectors() {
     use Fp8Kind::{E4M3, E5M2};
@@ -358,7 +365,7 @@ fn shape_mismatch_is_an_error() {
     ));
 }
 
-/// §4.4: one 6×16 fp32 tensor, global amax 2688 → S_enc = 1 (TE column).
+/// TE's NVFP4 on one 6×16 fp32 tensor: global amax 2688 → S_enc = 448·6 / 2688 = 1.
 #[test]
 fn nvfp4_two_level_vectors() {
     let rows: [(&[f32], u8, [u8; 16]); 6] = [
@@ -405,7 +412,8 @@ fn nvfp4_two_level_vectors() {
     assert_eq!(tt.columnwise.as_ref().unwrap(), rw);
 }
 
-/// §2.3: rows 0, 32, 64, 96 interleave in 4-byte groups; tiles of 128x4 are 512 bytes.
+/// The cuBLAS block-scale layout ("1D Block Scaling Factors Layout"): rows 0, 32, 64, 96
+/// interleave in 4-byte groups; tiles of 128x4 are 512 bytes.
 #[test]
 fn swizzle_offsets() {
     use lowbit_formats::layout::{swizzle, swizzle_offset, swizzled_dims};

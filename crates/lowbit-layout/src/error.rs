@@ -157,4 +157,23 @@ pub enum LayoutError {
         /// Columns.
         cols: usize,
     },
+    /// A parameter index that does not exist.
+    #[error("parameter {param} does not exist (the layout has {params})")]
+    NoSuchParam {
+        /// The parameter index asked for.
+        param: usize,
+        /// Number of parameters.
+        params: usize,
+    },
+    /// A parameter that does not lie inside one shard of its bucket, so no single rank owns it
+    /// whole (a distributed-optimizer layout, or a hand-built one).
+    #[error("parameter {param} at [{start}, {end}) does not lie inside one shard of its bucket")]
+    ParamNotInOneShard {
+        /// Parameter index.
+        param: usize,
+        /// Its first element.
+        start: usize,
+        /// One past its last element.
+        end: usize,
+    },
 }

@@ -1,5 +1,5 @@
 //! A small JSON reader for cargo's machine-readable output (`cargo metadata`,
-//! `--message-format=json`), so xtask needs no parser dependency.
+//! `--message-format=json`) and `lowbit train --json`, so its users need no parser dependency.
 
 use std::collections::BTreeMap;
 

@@ -1,13 +1,13 @@
-//! The committed PTX is fresh: every `cuda/*.cu` has an embedded module whose recorded source
-//! hash matches the file, and every embedded module has its source.
+//! The committed PTX is fresh: every `*.cu` of this package has an embedded module whose recorded
+//! source hash matches the file, and every embedded module has its source.
 
-use lowbit_device::ptx::{MODULES, recorded_hash, source_hash};
+use lowbit_kernels::{HASH_HEADER, MODULES, recorded_hash, source_hash};
 
 #[test]
 fn every_kernel_source_has_fresh_ptx() {
-    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
-    let mut sources: Vec<_> = std::fs::read_dir(&cuda)
-        .expect("cuda/ exists")
+    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut sources: Vec<_> = std::fs::read_dir(cuda)
+        .expect("the package directory is readable")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
         .collect();
@@ -41,9 +41,23 @@ fn every_kernel_source_has_fresh_ptx() {
 }
 
 #[test]
+fn modules_are_sorted_and_unique() {
+    assert!(MODULES.windows(2).all(|w| w[0].name < w[1].name));
+}
+
+#[test]
 fn source_hash_is_fnv1a64() {
     // Published FNV-1a 64 test vectors.
     assert_eq!(source_hash(b""), 0xcbf2_9ce4_8422_2325);
     assert_eq!(source_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
     assert_eq!(source_hash(b"foobar"), 0x8594_4171_f739_67e8);
+}
+
+#[test]
+fn recorded_hash_reads_the_header_line_only() {
+    let ptx = format!("{HASH_HEADER}00000000000000ff\n.version 9.0\n");
+    assert_eq!(recorded_hash(&ptx), Some(0xff));
+    assert_eq!(recorded_hash(".version 9.0\n"), None);
+    assert_eq!(recorded_hash(""), None);
+    assert_eq!(recorded_hash(&format!("{HASH_HEADER}xyz\n")), None);
 }

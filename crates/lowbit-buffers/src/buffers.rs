@@ -1,0 +1,419 @@
+//! [`DataParallelBuffers`]: one rank's parameter and gradient buffers laid out by a
+//! [`ShardingPlan`], their bucket groups and per-group state. The protocol operations live in
+//! `grad_sync.rs`, `param_sync.rs` and `stage.rs`; memory accounting in `memory.rs`.
+
+use std::ops::Range;
+
+use lowbit_comm::{Communicator, Op, Work};
+use lowbit_device::{DType, Device, View};
+use lowbit_layout::{BufferPlan, OptimizerId, ParamSpec, PlanConfig, ShardingPlan};
+
+use crate::config::DdpConfig;
+use crate::error::{BufferError, ConfigError, ProtocolError, Result};
+use crate::storage::{self, LowPrecisionWeights, Storage, StorageKind};
+
+/// Param-gather dispatch state of one bucket group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamSyncState {
+    /// Nothing dispatched this iteration: the next forward must gather.
+    Idle,
+    /// An asynchronous gather is in flight.
+    InFlight,
+    /// Gathered this iteration.
+    Done,
+}
+
+/// Whether the low-precision weights of a bucket group reflect the fp32 masters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightState {
+    /// The weights are `Q(bf16(master))` of the latest masters (or of the initial values).
+    Current,
+    /// The masters moved; `bf16(master)` must be staged and gathered before the next forward.
+    Stale,
+    /// `bf16(master)` shards are staged; the gather (and re-quantization) is pending.
+    Staged,
+}
+
+/// One buffer: its plan, gradient memory and weight storage.
+#[derive(Debug)]
+pub(crate) struct Buffer {
+    pub(crate) plan: BufferPlan,
+    pub(crate) grads: View,
+    pub(crate) storage: Box<dyn Storage>,
+}
+
+impl Buffer {
+    pub(crate) fn owner(&self) -> OptimizerId {
+        self.plan.key.owner
+    }
+}
+
+/// A set of buckets synchronised together in one coalesced launch.
+#[derive(Debug)]
+pub(crate) struct BucketGroup {
+    pub(crate) buffer: usize,
+    pub(crate) buckets: Vec<usize>,
+    /// Global parameter ids in this group.
+    pub(crate) params: Vec<usize>,
+    /// Their indices in the buffer's layout.
+    pub(crate) indices: Vec<usize>,
+    pub(crate) grad_work: Option<Work>,
+    pub(crate) grad_reduce_started: bool,
+    pub(crate) grad_reduce_finished: bool,
+    pub(crate) param_work: Option<Work>,
+    pub(crate) param_state: ParamSyncState,
+    /// Number of times each param (indexed like `params`) reported ready this iteration.
+    pub(crate) ready_counts: Vec<u32>,
+    /// Counts recorded in the first batch; later batches start the reduce when they match.
+    pub(crate) golden_counts: Option<Vec<u32>>,
+    /// Low-precision weight state (always `Current` for persistent storage).
+    pub(crate) weights: WeightState,
+    /// Gathers of this group since the last `zero_grad_buffer` (forced syncs excluded).
+    pub(crate) gathers: u32,
+}
+
+/// The data-parallel parameter and gradient buffers of one rank.
+///
+/// A "rank" here is one `DataParallelBuffers` with its own [`Device`] and [`Communicator`]; all
+/// ranks must make the same calls in the same order, as with any collective code. Most callers
+/// drive it through `lowbit-optim`'s step driver rather than call the protocol methods directly.
+#[derive(Debug)]
+pub struct DataParallelBuffers {
+    pub(crate) cfg: DdpConfig,
+    pub(crate) plan: ShardingPlan,
+    pub(crate) rank: usize,
+    pub(crate) specs: Vec<ParamSpec>,
+    pub(crate) buffers: Vec<Buffer>,
+    pub(crate) groups: Vec<BucketGroup>,
+    /// The bucket group of each global parameter.
+    pub(crate) group_of: Vec<usize>,
+    pub(crate) first_batch: bool,
+    pub(crate) last_microbatch: bool,
+    /// Whether the next gradient access is the first of the iteration.
+    pub(crate) check_before_backward: bool,
+}
+
+/// One rank's piece of one parameter with its views: the optimizer's unit of work.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedShard {
+    /// Global parameter id.
+    pub param: usize,
+    /// Sub-range of the flattened parameter.
+    pub param_range: Range<usize>,
+    /// Those elements in the gradient buffer (reduced after `finish_grad_sync`).
+    pub grad_view: View,
+    /// Where the optimizer writes the rounded new values fused into its update (persistent
+    /// storage); `None` when the weights are low precision and go through
+    /// [`DataParallelBuffers::stage`] instead.
+    pub fused_output: Option<View>,
+}
+
+impl DataParallelBuffers {
+    /// Plans `specs` (forward order) for a group of `dp` ranks with `cfg`'s strategy and
+    /// allocates zeroed buffers on `dev`. Parameter values are then written with
+    /// [`Self::initialize`].
+    ///
+    /// # Errors
+    /// Invalid configurations ([`ConfigError`]), plans ([`lowbit_layout::LayoutError`]).
+    pub fn new(
+        dev: &mut Device,
+        dp: usize,
+        rank: usize,
+        specs: Vec<ParamSpec>,
+        cfg: DdpConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let plan = ShardingPlan::new(&specs, &cfg.plan_config(dp))?;
+        Self::with_plan(dev, rank, specs, plan, cfg)
+    }
+
+    /// As [`Self::new`] with a plan made by the caller (per-owner strategies, e.g. layer-wise
+    /// for a Muon owner). `plan` must have been made from `specs`.
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    pub fn with_plan(
+        dev: &mut Device,
+        rank: usize,
+        specs: Vec<ParamSpec>,
+        plan: ShardingPlan,
+        cfg: DdpConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let dp = plan.dp();
+        if rank >= dp {
+            return Err(ConfigError::RankOutOfRange { rank, dp }.into());
+        }
+        if plan.num_params() != specs.len() {
+            return Err(ConfigError::NoSuchParam {
+                param: plan.num_params(),
+                params: specs.len(),
+            }
+            .into());
+        }
+        if cfg.overlap.param_gather() && !plan.is_sharded() {
+            return Err(ConfigError::ParamGatherOverlapNeedsSharding.into());
+        }
+        let mut buffers = Vec::new();
+        let mut groups = Vec::new();
+        let mut group_of = vec![0; specs.len()];
+        for (b, bp) in plan.buffers().iter().enumerate() {
+            let layout = &bp.layout;
+            let grads = dev.alloc(storage::grad_dtype(bp.key.grad_dtype), layout.numel);
+            let members: Vec<&ParamSpec> = bp.params.iter().map(|&p| &specs[p]).collect();
+            let storage = storage::allocate(dev, bp, &members, grads, cfg.mxfp8_gather)?;
+            let low = storage.is_low_precision();
+            for (bi, bucket) in layout.buckets.iter().enumerate() {
+                let g = groups.len();
+                let params: Vec<usize> = bucket.params.iter().map(|&i| bp.params[i]).collect();
+                for &p in &params {
+                    group_of[p] = g;
+                }
+                groups.push(BucketGroup {
+                    buffer: b,
+                    buckets: vec![bi],
+                    ready_counts: vec![0; params.len()],
+                    indices: bucket.params.clone(),
+                    params,
+                    grad_work: None,
+                    grad_reduce_started: false,
+                    grad_reduce_finished: false,
+                    param_work: None,
+                    // Low-precision weights start current (written by `initialize`), so
+                    // iteration 0 needs no gather.
+                    param_state: if low {
+                        ParamSyncState::Done
+                    } else {
+                        ParamSyncState::Idle
+                    },
+                    golden_counts: None,
+                    weights: WeightState::Current,
+                    gathers: 0,
+                });
+            }
+            buffers.push(Buffer {
+                plan: bp.clone(),
+                grads,
+                storage,
+            });
+        }
+        Ok(DataParallelBuffers {
+            cfg,
+            plan,
+            rank,
+            specs,
+            buffers,
+            groups,
+            group_of,
+            first_batch: true,
+            last_microbatch: true,
+            check_before_backward: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.cfg
+    }
+    /// The sharding plan.
+    pub fn plan(&self) -> &ShardingPlan {
+        &self.plan
+    }
+    /// Data-parallel group size.
+    pub fn dp(&self) -> usize {
+        self.plan.dp()
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// The parameters, in forward order.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+    /// Number of bucket groups (gradient collectives per step).
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+    /// The bucket group holding parameter `p`.
+    pub fn group_of(&self, p: usize) -> usize {
+        self.group_of[p]
+    }
+    /// The parameters of bucket group `g`.
+    pub fn group_params(&self, g: usize) -> &[usize] {
+        &self.groups[g].params
+    }
+    /// The param-gather state of bucket group `g`.
+    pub fn param_sync_state(&self, g: usize) -> ParamSyncState {
+        self.groups[g].param_state
+    }
+    /// The low-precision weight state of group `g`.
+    pub fn weight_state(&self, g: usize) -> WeightState {
+        self.groups[g].weights
+    }
+    /// The storage kind of parameter `p`'s buffer.
+    pub fn storage_kind(&self, p: usize) -> StorageKind {
+        self.buffer_of(p).storage.kind()
+    }
+
+    pub(crate) fn buffer_of(&self, p: usize) -> &Buffer {
+        &self.buffers[self.plan.location(p).0]
+    }
+
+    fn check_param(&self, p: usize) -> Result<()> {
+        if p < self.specs.len() {
+            Ok(())
+        } else {
+            Err(ConfigError::NoSuchParam {
+                param: p,
+                params: self.specs.len(),
+            }
+            .into())
+        }
+    }
+
+    /// The storage of parameter `p`: its slice of the parameter region (for low-precision
+    /// parameters the staging view, the packed NVFP4 bytes or the fp8 bytes).
+    pub fn param_view(&self, p: usize) -> Result<View> {
+        self.check_param(p)?;
+        let (b, i) = self.plan.location(p);
+        let buf = &self.buffers[b];
+        Ok(buf
+            .storage
+            .region()
+            .slice(buf.plan.param_storage_range(i))?)
+    }
+
+    /// Whether parameter `p` has low-precision primary weights (MXFP8 or NVFP4 storage).
+    pub fn is_low_precision(&self, p: usize) -> bool {
+        self.buffer_of(p).storage.is_low_precision()
+    }
+
+    /// The low-precision weights of parameter `p`, if it has them.
+    pub fn low_precision_weights(&self, p: usize) -> Option<LowPrecisionWeights> {
+        let (b, i) = self.plan.location(p);
+        self.buffers[b].storage.weights(i)
+    }
+
+    /// The MXFP8 storage of parameter `p`, if it has MXFP8 primary weights.
+    pub fn mxfp8_weights(&self, p: usize) -> Option<storage::Mxfp8Weights> {
+        match self.low_precision_weights(p) {
+            Some(LowPrecisionWeights::Mxfp8(w)) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// The NVFP4 storage of parameter `p` and its global amax, if it has NVFP4 primary weights.
+    pub fn nvfp4_weights(&self, p: usize) -> Option<(storage::Nvfp4Weights, f32)> {
+        match self.low_precision_weights(p) {
+            Some(LowPrecisionWeights::Nvfp4 { weights, amax }) => Some((weights, amax)),
+            _ => None,
+        }
+    }
+
+    /// The main gradient of parameter `p` (its slice of the gradient buffer).
+    pub fn grad_view(&self, p: usize) -> Result<View> {
+        self.check_param(p)?;
+        let (b, i) = self.plan.location(p);
+        let buf = &self.buffers[b];
+        Ok(buf.grads.slice(buf.plan.param_range(i))?)
+    }
+
+    /// Every piece of a parameter this rank owns under the plan, with its gradient view and
+    /// fused output, sorted by (parameter, offset).
+    pub fn owned_shards(&self) -> Result<Vec<OwnedShard>> {
+        let mut out = Vec::new();
+        for piece in self.plan.owned(self.rank)? {
+            let buf = &self.buffers[piece.buffer];
+            out.push(OwnedShard {
+                param: piece.param,
+                param_range: piece.param_range,
+                grad_view: buf.grads.slice(piece.buffer_range.clone())?,
+                fused_output: buf.storage.fused_output(piece.buffer_range)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The owned shards of `owner`'s parameters.
+    pub fn owned_shards_of(&self, owner: OptimizerId) -> Result<Vec<OwnedShard>> {
+        Ok(self
+            .owned_shards()?
+            .into_iter()
+            .filter(|s| self.specs[s.param].owner() == owner)
+            .collect())
+    }
+
+    /// Writes parameter `p`'s initial values: rounded to its storage dtype into the parameter
+    /// region, or as `Q(bf16(values))` into its low-precision storage (no staging: iteration 0
+    /// needs no gather). Every rank writes every parameter, so all ranks start identical.
+    pub fn initialize(&mut self, dev: &mut Device, p: usize, values: &[f32]) -> Result<()> {
+        self.check_param(p)?;
+        let spec = &self.specs[p];
+        if values.len() != spec.numel {
+            return Err(ConfigError::InitLength {
+                name: spec.name.clone(),
+                got: values.len(),
+                numel: spec.numel,
+            }
+            .into());
+        }
+        let tmp32 = dev.alloc(DType::F32, values.len());
+        let r = dev.upload(tmp32, values).map_err(BufferError::from);
+        let r = r.and_then(|()| {
+            if self.is_low_precision(p) {
+                let tmp16 = dev.alloc(DType::Bf16, values.len());
+                let (b, i) = self.plan.location(p);
+                let r = dev
+                    .cast(tmp32, tmp16)
+                    .map_err(BufferError::from)
+                    .and_then(|()| self.buffers[b].storage.initialize(dev, i, tmp16));
+                dev.free(tmp16)?;
+                r
+            } else {
+                let view = self.param_view(p)?;
+                Ok(dev.cast(tmp32, view)?)
+            }
+        });
+        dev.free(tmp32)?;
+        r
+    }
+
+    /// Initializes every parameter from `init(p)`, its high-precision initial values.
+    pub fn initialize_all(
+        &mut self,
+        dev: &mut Device,
+        mut init: impl FnMut(usize) -> Vec<f32>,
+    ) -> Result<()> {
+        for p in 0..self.specs.len() {
+            let values = init(p);
+            self.initialize(dev, p, &values)?;
+        }
+        Ok(())
+    }
+
+    /// Launches `ops` after checking the communicator is the plan's group (bug F3 for real:
+    /// a layout sharded for one group size can never be reduced over another).
+    pub(crate) fn launch(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        ops: &[Op],
+    ) -> Result<Work> {
+        if comm.size() != self.plan.dp() || comm.rank() != self.rank {
+            return Err(ProtocolError::WrongGroup {
+                rank: comm.rank(),
+                size: comm.size(),
+                plan_rank: self.rank,
+                plan_size: self.plan.dp(),
+            }
+            .into());
+        }
+        Ok(comm.start_coalesced(dev, ops)?)
+    }
+
+    /// A plan config for these buffers' settings (for estimates of other sizes).
+    pub fn plan_config(&self) -> &PlanConfig {
+        self.plan.config()
+    }
+}

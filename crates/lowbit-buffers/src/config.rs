@@ -1,0 +1,209 @@
+//! The configuration of the data-parallel buffers: how gradients and parameters are
+//! synchronised. Every choice is an enum, so combinations that cannot work (a parameter gather
+//! overlapped with the forward while the gradient reduction is not) are not expressible, and the
+//! one rule left (overlapped gathers need a sharded strategy) is checked in one place,
+//! [`DdpConfig::validate`]. The translation into the layout layer's [`PlanConfig`] is written
+//! once, [`DdpConfig::plan_config`].
+
+use lowbit_layout::{PlanConfig, ShardingStrategy};
+
+use crate::error::{ConfigError, Result};
+
+/// What overlaps the computation.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Overlap {
+    /// Gradients are reduced after the backward, parameters gathered right after the step.
+    #[default]
+    None,
+    /// Each bucket group's gradient reduction starts as soon as its gradients are ready.
+    GradReduce,
+    /// As [`Self::GradReduce`], and parameters are gathered lazily in the next forward, bucket
+    /// group by bucket group, the next group prefetched.
+    GradReduceAndParamGather,
+}
+
+impl Overlap {
+    /// Whether gradient reduction overlaps the backward.
+    pub fn grad_reduce(self) -> bool {
+        !matches!(self, Overlap::None)
+    }
+
+    /// Whether the parameter gather overlaps the forward.
+    pub fn param_gather(self) -> bool {
+        matches!(self, Overlap::GradReduceAndParamGather)
+    }
+
+    /// The overlap of the two booleans Megatron-LM's `DistributedDataParallelConfig` uses.
+    ///
+    /// # Errors
+    /// [`ConfigError::ParamGatherOverlapNeedsGradOverlap`] for `(false, true)`.
+    pub fn from_flags(grad_reduce: bool, param_gather: bool) -> Result<Self> {
+        match (grad_reduce, param_gather) {
+            (false, false) => Ok(Overlap::None),
+            (true, false) => Ok(Overlap::GradReduce),
+            (true, true) => Ok(Overlap::GradReduceAndParamGather),
+            (false, true) => Err(ConfigError::ParamGatherOverlapNeedsGradOverlap.into()),
+        }
+    }
+}
+
+/// Where the `1/dp` of the gradient mean is applied.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GradScaling {
+    /// Scale each bucket by `1/dp` before a `Sum` reduction (Megatron's default).
+    #[default]
+    PreDivide,
+    /// Reduce with `Avg` (`average_in_collective`).
+    AverageInCollective,
+}
+
+/// How MXFP8 primary weights travel in the parameter gather.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Mxfp8Gather {
+    /// `bf16(master)` is staged in a view aliasing the gradient buffer, gathered, and every
+    /// rank re-quantizes (1x32 blocks, both copies).
+    #[default]
+    Bf16Staging,
+    /// Fp8 bytes with 2D (32x32) scaling, quantized shard by shard after a MAX-reduction of the
+    /// tile amaxes and gathered as bytes: both copies are the same bytes, so half the traffic.
+    /// The weights then follow TE's 2D weight recipe.
+    Direct2d,
+}
+
+/// Where the backward accumulates each parameter's gradient (seed 004's test axis).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GradAccumulation {
+    /// Straight into the parameter's slice of the gradient buffer (`gradient_accumulation_fusion`).
+    #[default]
+    Fused,
+    /// Into a per-parameter f32 gradient first, added into the buffer when the parameter is
+    /// reported ready. The same bits as fused: the buffer's element gets one rounding of
+    /// `old + g` either way.
+    Unfused,
+}
+
+/// How much the buffers verify at protocol boundaries.
+///
+/// The cheap checks (weight states, gathers in flight, a group gathered twice, the communicator
+/// against the plan) run in every build. [`Verify::Full`] adds checks that read device memory:
+/// the gradient buffers are zero when a backward starts and a staging view is zero after its
+/// copy-back.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verify {
+    /// The cheap checks only.
+    Cheap,
+    /// The cheap checks and the memory-reading ones.
+    Full,
+}
+
+impl Default for Verify {
+    /// [`Verify::Full`] in debug builds, [`Verify::Cheap`] otherwise; tests set it explicitly.
+    fn default() -> Self {
+        if cfg!(debug_assertions) {
+            Verify::Full
+        } else {
+            Verify::Cheap
+        }
+    }
+}
+
+/// How gradients and parameters are synchronised across data-parallel ranks.
+///
+/// Build it with [`DdpConfig::default`] and the `with_*` methods; the struct is non-exhaustive
+/// so that new knobs do not break callers.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DdpConfig {
+    /// The default sharding strategy of every owner (per-owner strategies go into a
+    /// [`PlanConfig`] passed to [`crate::DataParallelBuffers::with_plan`]).
+    pub sharding: ShardingStrategy,
+    /// What overlaps the computation.
+    pub overlap: Overlap,
+    /// Where the `1/dp` is applied.
+    pub scaling: GradScaling,
+    /// Elements per bucket; `None`: one bucket per buffer. Only read with overlapped gradient
+    /// reduction (without it there is one bucket, as in Megatron-LM).
+    pub bucket_size: Option<usize>,
+    /// Pad sharded bucket ends to `lcm(dp, 128, 2^16)` instead of `lcm(dp, 128)`.
+    pub high_busbw_padding: bool,
+    /// How MXFP8 primary weights are gathered.
+    pub mxfp8_gather: Mxfp8Gather,
+    /// Where gradients accumulate.
+    pub grad_accumulation: GradAccumulation,
+    /// How much is verified at protocol boundaries.
+    pub verify: Verify,
+}
+
+impl DdpConfig {
+    /// Sets the sharding strategy.
+    pub fn with_sharding(mut self, sharding: ShardingStrategy) -> Self {
+        self.sharding = sharding;
+        self
+    }
+    /// Sets the overlap.
+    pub fn with_overlap(mut self, overlap: Overlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+    /// Sets the gradient scaling.
+    pub fn with_scaling(mut self, scaling: GradScaling) -> Self {
+        self.scaling = scaling;
+        self
+    }
+    /// Sets the bucket size.
+    pub fn with_bucket_size(mut self, bucket_size: Option<usize>) -> Self {
+        self.bucket_size = bucket_size;
+        self
+    }
+    /// Sets high-bus-bandwidth padding.
+    pub fn with_high_busbw_padding(mut self, on: bool) -> Self {
+        self.high_busbw_padding = on;
+        self
+    }
+    /// Sets how MXFP8 weights are gathered.
+    pub fn with_mxfp8_gather(mut self, gather: Mxfp8Gather) -> Self {
+        self.mxfp8_gather = gather;
+        self
+    }
+    /// Sets where gradients accumulate.
+    pub fn with_grad_accumulation(mut self, acc: GradAccumulation) -> Self {
+        self.grad_accumulation = acc;
+        self
+    }
+    /// Sets the verification level.
+    pub fn with_verify(mut self, verify: Verify) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// The rules of Megatron-LM's configuration that the types do not already enforce.
+    ///
+    /// # Errors
+    /// [`ConfigError::ParamGatherOverlapNeedsSharding`], [`ConfigError::ZeroBucketSize`].
+    pub fn validate(&self) -> Result<()> {
+        if self.overlap.param_gather() && !self.sharding.is_sharded() {
+            return Err(ConfigError::ParamGatherOverlapNeedsSharding.into());
+        }
+        if self.bucket_size == Some(0) {
+            return Err(ConfigError::ZeroBucketSize.into());
+        }
+        Ok(())
+    }
+
+    /// The layout layer's configuration for `dp` ranks: the one place the buffer settings turn
+    /// into plan settings (bucket size only with overlapped reduction).
+    pub fn plan_config(&self, dp: usize) -> PlanConfig {
+        PlanConfig::new(dp, self.sharding)
+            .with_bucket_size(if self.overlap.grad_reduce() {
+                self.bucket_size
+            } else {
+                None
+            })
+            .with_high_busbw_padding(self.high_busbw_padding)
+    }
+}

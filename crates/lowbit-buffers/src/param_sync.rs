@@ -1,0 +1,182 @@
+//! Parameter side of the protocol: the all-gathers of the plan, their completion (re-quantization
+//! of low-precision groups), the forward pre-hook's lazy gather with prefetch, forced syncs.
+
+use lowbit_comm::{Communicator, Op};
+use lowbit_device::Device;
+use lowbit_layout::ParamGather;
+
+use crate::error::{ProtocolError, Result};
+use crate::storage::AfterGather;
+use crate::{DataParallelBuffers, ParamSyncState, WeightState};
+
+impl DataParallelBuffers {
+    /// Launches the parameter all-gather of group `g` (every bucket, coalesced): each rank's
+    /// shard of the parameter region goes to every rank. Asynchronous when `asynchronous`;
+    /// otherwise completed here, including the re-quantization of low-precision groups.
+    fn start_param_sync_group(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        g: usize,
+        asynchronous: bool,
+    ) -> Result<()> {
+        let buf = &self.buffers[self.groups[g].buffer];
+        if buf.plan.param_gather == ParamGather::None {
+            self.groups[g].param_state = ParamSyncState::Done;
+            return Ok(());
+        }
+        if self.groups[g].param_state == ParamSyncState::InFlight {
+            return Err(ProtocolError::GatheredTwice { group: g }.into());
+        }
+        if buf.storage.is_low_precision() && self.groups[g].weights != WeightState::Staged {
+            return Err(ProtocolError::NotStaged {
+                group: g,
+                state: self.groups[g].weights,
+            }
+            .into());
+        }
+        self.groups[g].gathers += 1;
+        if self.groups[g].gathers > 1 {
+            return Err(ProtocolError::GatheredTwice { group: g }.into());
+        }
+        let region = buf.storage.region();
+        let mut ops = Vec::with_capacity(self.groups[g].buckets.len());
+        for &bi in &self.groups[g].buckets {
+            let (shard, whole) = buf.plan.gather_ranges(bi, self.rank)?;
+            ops.push(Op::AllGather {
+                input: region.slice(shard)?,
+                output: region.slice(whole)?,
+            });
+        }
+        let work = self.launch(dev, comm, &ops)?;
+        if asynchronous {
+            self.groups[g].param_work = Some(work);
+            self.groups[g].param_state = ParamSyncState::InFlight;
+        } else {
+            work.wait(dev)?;
+            self.after_gather(dev, g)?;
+        }
+        Ok(())
+    }
+
+    /// Completes a gather: the storage rebuilds the group's weights (re-quantization, scales);
+    /// low-precision weights are current again.
+    fn after_gather(&mut self, dev: &mut Device, g: usize) -> Result<()> {
+        self.groups[g].param_state = ParamSyncState::Done;
+        let group = &self.groups[g];
+        let buf = &mut self.buffers[group.buffer];
+        let found = buf.storage.after_gather(
+            dev,
+            &buf.plan,
+            &group.indices,
+            &group.buckets,
+            self.cfg.verify,
+        )?;
+        if found == AfterGather::StagingNotZero {
+            return Err(ProtocolError::StagingNotZero { group: g }.into());
+        }
+        self.groups[g].weights = WeightState::Current;
+        Ok(())
+    }
+
+    /// Whether group `g` needs a gather before its parameters can be used.
+    fn needs_gather(&self, g: usize) -> bool {
+        let group = &self.groups[g];
+        if self.buffers[group.buffer].storage.is_low_precision() {
+            group.weights == WeightState::Staged && group.param_state != ParamSyncState::InFlight
+        } else {
+            group.param_state == ParamSyncState::Idle
+        }
+    }
+
+    fn check_not_stale(&self, g: usize) -> Result<()> {
+        if self.buffers[self.groups[g].buffer]
+            .storage
+            .is_low_precision()
+            && self.groups[g].weights == WeightState::Stale
+        {
+            return Err(ProtocolError::StaleWeights { group: g }.into());
+        }
+        Ok(())
+    }
+
+    /// Gathers every group that needs it now and completes those in flight (the
+    /// non-overlapped path after the optimizer step, and forced syncs). Low-precision groups
+    /// must be `Current` or `Staged`; a `Stale` one is an error.
+    pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+        self.complete_param_sync(dev)?;
+        for g in 0..self.groups.len() {
+            self.check_not_stale(g)?;
+            if self.needs_gather(g) {
+                self.start_param_sync_group(dev, comm, g, false)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every gather in flight and completes it.
+    pub fn complete_param_sync(&mut self, dev: &mut Device) -> Result<()> {
+        for g in 0..self.groups.len() {
+            if let Some(w) = self.groups[g].param_work.take() {
+                w.wait(dev)?;
+                self.after_gather(dev, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The forward pre-hook of the layers whose parameters are in group `g`: refuses stale
+    /// weights; with overlapped gather, dispatches the group's gather if nobody has, waits for
+    /// it, completes it and prefetches the next group's (groups were created in backward order,
+    /// so forward order runs down).
+    pub fn finish_param_sync(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        g: usize,
+    ) -> Result<()> {
+        self.check_not_stale(g)?;
+        if !self.cfg.overlap.param_gather() {
+            return Ok(());
+        }
+        if self.needs_gather(g) {
+            self.start_param_sync_group(dev, comm, g, true)?;
+        }
+        if let Some(w) = self.groups[g].param_work.take() {
+            w.wait(dev)?;
+            self.after_gather(dev, g)?;
+            if g > 0 && self.needs_gather(g - 1) {
+                self.start_param_sync_group(dev, comm, g - 1, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bucket groups whose parameter gather is in flight (for tests and diagnostics: after
+    /// the pre-forward hook of group `g`, the prefetch is group `g - 1`).
+    pub fn param_gathers_in_flight(&self) -> Vec<usize> {
+        (0..self.groups.len())
+            .filter(|&g| self.groups[g].param_state == ParamSyncState::InFlight)
+            .collect()
+    }
+
+    /// Resets every group's gather state to idle (after staging new values); refuses while a
+    /// gather is in flight.
+    pub fn reset_param_sync(&mut self) -> Result<()> {
+        if let Some(g) = self
+            .groups
+            .iter()
+            .position(|g| g.param_state == ParamSyncState::InFlight)
+        {
+            return Err(ProtocolError::GatherInFlight {
+                group: g,
+                operation: "reset_param_sync",
+            }
+            .into());
+        }
+        self.groups
+            .iter_mut()
+            .for_each(|g| g.param_state = ParamSyncState::Idle);
+        Ok(())
+    }
+}

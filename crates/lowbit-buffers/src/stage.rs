@@ -1,0 +1,176 @@
+//! Staging: how an optimizer hands new master values to low-precision storage. One entry point,
+//! [`DataParallelBuffers::stage`], whatever the storage: a bf16 cast into the staging view, or a
+//! shard-by-shard quantization after a MAX-reduction of tile amaxes (collective).
+
+use std::ops::Range;
+
+use lowbit_comm::{Communicator, Op, ReduceOp};
+use lowbit_device::{DType, Device, View};
+use lowbit_layout::OptimizerId;
+
+use crate::error::{ProtocolError, Result};
+use crate::{DataParallelBuffers, ParamSyncState, WeightState};
+
+/// One owned piece of new master values to stage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagePiece {
+    /// Global parameter id.
+    pub param: usize,
+    /// The piece within the flattened parameter (one of this rank's owned pieces).
+    pub param_range: Range<usize>,
+    /// The new fp32 master values of the piece.
+    pub master: View,
+}
+
+impl DataParallelBuffers {
+    /// Stages `owner`'s new weights from its masters: `pieces` are this rank's owned pieces of
+    /// `owner`'s low-precision parameters (others are ignored). Afterwards every low-precision
+    /// group of `owner` is [`WeightState::Staged`] with its gather re-armed, so the next
+    /// forward (or sync) gathers it exactly once. Collective (tile amaxes are MAX-reduced
+    /// across ranks): every rank calls it for the same owner. Refuses while a gather of such a
+    /// group is in flight.
+    pub fn stage(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        owner: OptimizerId,
+        pieces: &[StagePiece],
+    ) -> Result<()> {
+        self.check_no_gather_in_flight(owner, "staging")?;
+        // Casts into staging views need no collective.
+        let mut tiled = Vec::new();
+        for piece in pieces {
+            let (b, i) = self.plan.location(piece.param);
+            let buf = &self.buffers[b];
+            if buf.owner() != owner || !buf.storage.is_low_precision() {
+                continue;
+            }
+            let start = buf.plan.param_range(i).start;
+            let range = start + piece.param_range.start..start + piece.param_range.end;
+            if !buf.storage.stage_cast(dev, range, piece.master)? {
+                tiled.push(piece);
+            }
+        }
+        self.stage_tiled(dev, comm, owner, &tiled)?;
+        for g in &mut self.groups {
+            let buf = &self.buffers[g.buffer];
+            if buf.owner() == owner && buf.storage.is_low_precision() {
+                g.weights = WeightState::Staged;
+                g.param_state = ParamSyncState::Idle;
+            }
+        }
+        Ok(())
+    }
+
+    /// The tile-scaled part of [`Self::stage`]: zero every tile-scaled parameter's amaxes of
+    /// `owner`, fold this rank's pieces (as bf16) into them, MAX-reduce them across ranks in one
+    /// launch (parameters in id order), then quantize the pieces.
+    fn stage_tiled(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        owner: OptimizerId,
+        pieces: &[&StagePiece],
+    ) -> Result<()> {
+        let params: Vec<usize> = (0..self.specs.len())
+            .filter(|&p| {
+                let b = self.buffer_of(p);
+                b.owner() == owner && b.storage.tile_scaled().is_some()
+            })
+            .collect();
+        if params.is_empty() {
+            return Ok(());
+        }
+        let mut values = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            let tmp = dev.alloc(DType::Bf16, piece.master.len());
+            values.push(tmp);
+            if let Err(e) = dev.cast(piece.master, tmp) {
+                free_all(dev, &values)?;
+                return Err(e.into());
+            }
+        }
+        let r = self.fold_reduce_quantize(dev, comm, &params, pieces, &values);
+        free_all(dev, &values)?;
+        r
+    }
+
+    fn fold_reduce_quantize(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        params: &[usize],
+        pieces: &[&StagePiece],
+        values: &[View],
+    ) -> Result<()> {
+        let tiles_of = |p: usize| {
+            let (b, i) = self.plan.location(p);
+            let ts = self.buffers[b].storage.tile_scaled().expect("filtered");
+            ts.tiles(i)
+        };
+        for &p in params {
+            dev.zero(tiles_of(p))?;
+        }
+        for (piece, &v) in pieces.iter().zip(values) {
+            let (b, i) = self.plan.location(piece.param);
+            let ts = self.buffers[b].storage.tile_scaled().expect("tiled pieces");
+            ts.fold(dev, i, v, piece.param_range.start)?;
+        }
+        let ops: Vec<Op> = params
+            .iter()
+            .map(|&p| Op::AllReduce {
+                buf: tiles_of(p),
+                reduce: ReduceOp::Max,
+            })
+            .collect();
+        self.launch(dev, comm, &ops)?.wait(dev)?;
+        for (piece, &v) in pieces.iter().zip(values) {
+            let (b, i) = self.plan.location(piece.param);
+            let ts = self.buffers[b].storage.tile_scaled().expect("tiled pieces");
+            ts.quantize(dev, i, v, piece.param_range.clone())?;
+        }
+        Ok(())
+    }
+
+    fn check_no_gather_in_flight(&self, owner: OptimizerId, operation: &'static str) -> Result<()> {
+        for (gi, g) in self.groups.iter().enumerate() {
+            let buf = &self.buffers[g.buffer];
+            if buf.owner() == owner
+                && buf.storage.is_low_precision()
+                && g.param_state == ParamSyncState::InFlight
+            {
+                return Err(ProtocolError::GatherInFlight {
+                    group: gi,
+                    operation,
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the low-precision groups of `owner` stale: its masters moved.
+    pub fn mark_stale(&mut self, owner: OptimizerId) {
+        for g in &mut self.groups {
+            let b = &self.buffers[g.buffer];
+            if b.storage.is_low_precision() && b.owner() == owner {
+                g.weights = WeightState::Stale;
+            }
+        }
+    }
+
+    /// Whether any low-precision group of `owner` is stale.
+    pub fn has_stale(&self, owner: OptimizerId) -> bool {
+        self.groups.iter().any(|g| {
+            let b = &self.buffers[g.buffer];
+            b.storage.is_low_precision() && b.owner() == owner && g.weights == WeightState::Stale
+        })
+    }
+}
+
+fn free_all(dev: &mut Device, views: &[View]) -> Result<()> {
+    for &v in views {
+        dev.free(v)?;
+    }
+    Ok(())
+}

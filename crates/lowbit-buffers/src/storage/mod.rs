@@ -1,0 +1,291 @@
+//! How a buffer's parameter region holds the primary weights. One type per storage kind, behind
+//! one interface ([`Storage`]): allocate, the fused optimizer output, stage, after-gather,
+//! initial quantization, the weights for compute, memory. Nothing outside this module asks
+//! which kind a buffer is.
+//!
+//! | kind | parameter region | gathered | after the gather |
+//! |---|---|---|---|
+//! | [`StorageKind::Persistent`] | bf16/f16/f32 values | the values | nothing |
+//! | [`StorageKind::Mxfp8Staged`] | bf16 staging view aliasing the gradients | `bf16(master)` | every rank re-quantizes (1x32, both copies), the group's staging view is zeroed |
+//! | [`StorageKind::Mxfp8Direct`] | fp8 bytes (one per element) | the bytes | scales from the MAX-reduced 32x32 tile amaxes |
+//! | [`StorageKind::Nvfp4Packed`] | packed E2M1 bytes (element offset / 2) | the bytes | scales and the columnwise copy from the MAX-reduced 16x16 tile amaxes |
+
+mod mxfp8_direct;
+mod mxfp8_staged;
+mod nvfp4_packed;
+mod persistent;
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use lowbit_device::{
+    DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, View,
+};
+use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind};
+
+use crate::config::{Mxfp8Gather, Verify};
+use crate::error::Result;
+
+/// Which storage a buffer uses (for reports; behaviour lives in the storage types).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StorageKind {
+    /// Persistent bf16/f16/f32 parameter storage, gathered as is.
+    Persistent,
+    /// MXFP8 weights outside the buffer; a bf16 staging view aliasing the gradients.
+    Mxfp8Staged,
+    /// 2D MXFP8 fp8 bytes in the buffer, gathered as bytes.
+    Mxfp8Direct,
+    /// 2D NVFP4 packed bytes in the buffer, gathered as bytes.
+    Nvfp4Packed,
+}
+
+/// The MXFP8 storage of one parameter (both copies, compact scales).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mxfp8Weights {
+    /// Rows (product of the leading dimensions).
+    pub rows: usize,
+    /// Columns (last dimension).
+    pub cols: usize,
+    /// Rowwise data and scales.
+    pub rowwise: (View, View),
+    /// Columnwise data and scales.
+    pub columnwise: (View, View),
+}
+
+impl Mxfp8Weights {
+    /// The device views of both copies.
+    pub fn views(&self) -> Mxfp8Views {
+        Mxfp8Views {
+            rowwise: Some(self.rowwise),
+            columnwise: Some(self.columnwise),
+        }
+    }
+}
+
+/// The 2D NVFP4 storage of one parameter: its rowwise data is its slice of the packed param
+/// buffer; scales, the columnwise copy and the reduced tile amaxes live outside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nvfp4Weights {
+    /// Rows (product of the leading dimensions), a multiple of 16.
+    pub rows: usize,
+    /// Columns (last dimension), a multiple of 16.
+    pub cols: usize,
+    /// Rowwise packed data and E4M3 scales.
+    pub rowwise: (View, View),
+    /// Columnwise (transposed) packed data and scales.
+    pub columnwise: (View, View),
+    /// MAX-reduced 16x16 tile amaxes (f32); the global amax is their max.
+    pub tiles: View,
+}
+
+impl Nvfp4Weights {
+    /// The device views of both copies.
+    pub fn views(&self) -> Nvfp4Views {
+        Nvfp4Views {
+            rowwise: Some(self.rowwise),
+            columnwise: Some(self.columnwise),
+        }
+    }
+}
+
+/// A parameter's low-precision primary weights, as compute reads them.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LowPrecisionWeights {
+    /// MXFP8 (1D blocks, or 2D with the direct gather).
+    Mxfp8(Mxfp8Weights),
+    /// 2D NVFP4 and its global amax after the last gather.
+    Nvfp4 {
+        /// The copies.
+        weights: Nvfp4Weights,
+        /// The global amax the tensor scale derives from.
+        amax: f32,
+    },
+}
+
+/// The 2D NVFP4 recipe of primary weights (TE's weight recipe: 16x16 tiles, no RHT, no SR).
+pub fn nvfp4_weight_config() -> Nvfp4Config {
+    Nvfp4Config {
+        two_d: true,
+        ..Default::default()
+    }
+}
+
+/// The MXFP8 recipe of primary weights: E4M3, both copies, 1x32 blocks, TE's NaN policy.
+pub fn mxfp8_weight_config() -> Mxfp8Config {
+    Mxfp8Config {
+        kind: Fp8Kind::E4M3,
+        ..Mxfp8Config::default()
+    }
+}
+
+pub use lowbit_layout::matrix_dims;
+
+/// Bytes of one buffer's weights on one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StorageBytes {
+    /// Allocated weight bytes (parameter region unless aliased, copies, scales, tile amaxes).
+    pub weights: usize,
+    /// Bytes of a staging view that aliases the gradients (not allocated).
+    pub staging: usize,
+}
+
+/// What a storage type does; see the module table.
+pub(crate) trait Storage: Debug + Send {
+    /// The kind, for reports.
+    fn kind(&self) -> StorageKind;
+
+    /// The parameter region: what the gather moves and parameter views slice.
+    fn region(&self) -> View;
+
+    /// Whether the weights are low precision (rebuilt from staged masters, with a weight state).
+    fn is_low_precision(&self) -> bool {
+        true
+    }
+
+    /// Whether the parameter region aliases the gradients, so zeroing the gradients destroys
+    /// staged values.
+    fn aliases_grads(&self) -> bool {
+        false
+    }
+
+    /// Where the optimizer writes the rounded new values of an owned piece (`range` in buffer
+    /// elements) fused into its update, if the storage takes them that way.
+    fn fused_output(&self, range: Range<usize>) -> Result<Option<View>> {
+        let _ = range;
+        Ok(None)
+    }
+
+    /// Writes `bf16(master)` of an owned piece straight into the region, if this storage
+    /// stages that way (no collective needed). Returns whether it did.
+    fn stage_cast(&self, dev: &mut Device, range: Range<usize>, master: View) -> Result<bool> {
+        let _ = (dev, range, master);
+        Ok(false)
+    }
+
+    /// The tile-scaled interface, for storages quantized shard by shard after a MAX-reduction
+    /// of tile amaxes.
+    fn tile_scaled(&self) -> Option<&dyn TileScaled> {
+        None
+    }
+
+    /// Completes a gather of the parameters at layout `indices` (one bucket group's, whose
+    /// buckets are `buckets`).
+    fn after_gather(
+        &mut self,
+        dev: &mut Device,
+        plan: &BufferPlan,
+        indices: &[usize],
+        buckets: &[usize],
+        verify: Verify,
+    ) -> Result<AfterGather>;
+
+    /// Writes the initial low-precision weights of layout index `index` from `src`, its bf16
+    /// values (every rank writes every parameter; no gather needed at iteration 0).
+    fn initialize(&mut self, dev: &mut Device, index: usize, src: View) -> Result<()>;
+
+    /// The low-precision weights of layout index `index`.
+    fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
+        let _ = index;
+        None
+    }
+
+    /// Bytes held (allocations counted once; an aliased staging view reported apart).
+    fn memory(&self) -> StorageBytes;
+}
+
+/// What [`Storage::after_gather`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterGather {
+    /// Done.
+    Ok,
+    /// The staging view of a bucket was not zero after the copy-back ([`Verify::Full`]).
+    StagingNotZero,
+}
+
+/// Storages quantized shard by shard: each rank folds its pieces' values into partial tile
+/// amaxes, the amaxes are MAX-reduced across ranks, then each rank quantizes its pieces.
+pub(crate) trait TileScaled {
+    /// The tile-amax view of layout index `index`.
+    fn tiles(&self, index: usize) -> View;
+    /// Folds a piece's values (starting at element `offset` of the parameter) into its tiles.
+    fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()>;
+    /// Quantizes a piece (`param_range` of the parameter) with the reduced tiles into the
+    /// region.
+    fn quantize(
+        &self,
+        dev: &mut Device,
+        index: usize,
+        values: View,
+        param_range: Range<usize>,
+    ) -> Result<()>;
+}
+
+/// Allocates the storage of one buffer. `specs` are the buffer's parameters in layout order;
+/// `grads` is its gradient buffer (which a staging view aliases).
+pub(crate) fn allocate(
+    dev: &mut Device,
+    plan: &BufferPlan,
+    specs: &[&ParamSpec],
+    grads: View,
+    gather: Mxfp8Gather,
+) -> Result<Box<dyn Storage>> {
+    Ok(match (plan.key.param_storage, gather) {
+        (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
+            Box::new(mxfp8_direct::Mxfp8Direct::allocate(dev, plan, specs)?)
+        }
+        (ParamStorage::Quantized(QuantKind::Mxfp8), _) => Box::new(
+            mxfp8_staged::Mxfp8Staged::allocate(dev, plan, specs, grads)?,
+        ),
+        (ParamStorage::Quantized(QuantKind::Nvfp4), _) => {
+            Box::new(nvfp4_packed::Nvfp4Packed::allocate(dev, plan, specs)?)
+        }
+        (s, _) => Box::new(persistent::Persistent::allocate(
+            dev,
+            plan,
+            storage_dtype(s),
+        )),
+    })
+}
+
+/// The bytes [`allocate`] would hold, in closed form (no allocation).
+pub(crate) fn closed_form(
+    plan: &BufferPlan,
+    specs: &[&ParamSpec],
+    gather: Mxfp8Gather,
+) -> StorageBytes {
+    let dims = || specs.iter().map(|s| matrix_dims(&s.shape));
+    match (plan.key.param_storage, gather) {
+        (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
+            mxfp8_direct::Mxfp8Direct::closed_form(plan.layout.numel, dims())
+        }
+        (ParamStorage::Quantized(QuantKind::Mxfp8), _) => {
+            mxfp8_staged::Mxfp8Staged::closed_form(plan.layout.numel, dims())
+        }
+        (ParamStorage::Quantized(QuantKind::Nvfp4), _) => {
+            nvfp4_packed::Nvfp4Packed::closed_form(plan.layout.numel, dims())
+        }
+        (s, _) => StorageBytes {
+            weights: plan.layout.numel * storage_dtype(s).size(),
+            staging: 0,
+        },
+    }
+}
+
+/// The dtype of persistent storage.
+fn storage_dtype(s: ParamStorage) -> DType {
+    match s {
+        ParamStorage::F16 => DType::F16,
+        ParamStorage::F32 => DType::F32,
+        _ => DType::Bf16,
+    }
+}
+
+/// The dtype of a gradient buffer.
+pub(crate) fn grad_dtype(g: GradDType) -> DType {
+    match g {
+        GradDType::F32 => DType::F32,
+        GradDType::Bf16 => DType::Bf16,
+    }
+}

@@ -1,0 +1,61 @@
+//! Persistent bf16/f16/f32 parameter storage: the values live in the buffer and are gathered as
+//! they are; the optimizer writes them fused into its update.
+
+use std::ops::Range;
+
+use lowbit_device::{DType, Device, View};
+use lowbit_layout::BufferPlan;
+
+use super::{AfterGather, Storage, StorageBytes, StorageKind};
+use crate::config::Verify;
+use crate::error::{ProtocolError, Result};
+
+#[derive(Debug)]
+pub(super) struct Persistent {
+    region: View,
+}
+
+impl Persistent {
+    pub(super) fn allocate(dev: &mut Device, plan: &BufferPlan, dtype: DType) -> Persistent {
+        Persistent {
+            region: dev.alloc(dtype, plan.layout.numel),
+        }
+    }
+}
+
+impl Storage for Persistent {
+    fn kind(&self) -> StorageKind {
+        StorageKind::Persistent
+    }
+    fn region(&self) -> View {
+        self.region
+    }
+    fn is_low_precision(&self) -> bool {
+        false
+    }
+    fn fused_output(&self, range: Range<usize>) -> Result<Option<View>> {
+        Ok(Some(self.region.slice(range)?))
+    }
+    fn after_gather(
+        &mut self,
+        _dev: &mut Device,
+        _plan: &BufferPlan,
+        _indices: &[usize],
+        _buckets: &[usize],
+        _verify: Verify,
+    ) -> Result<AfterGather> {
+        Ok(AfterGather::Ok)
+    }
+    fn initialize(&mut self, _dev: &mut Device, _index: usize, _src: View) -> Result<()> {
+        Err(ProtocolError::NotLowPrecision {
+            name: "(persistent storage)".into(),
+        }
+        .into())
+    }
+    fn memory(&self) -> StorageBytes {
+        StorageBytes {
+            weights: self.region.byte_len(),
+            staging: 0,
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Development helpers shared by lowbit's benchmarks, tests and `xtask`.
+//!
+//! # Purpose
+//! Benchmarks and tests of different packages cannot share a module except through a crate, and
+//! `#[path]` includes across package boundaries break `cargo package` and make crates depend on
+//! the repository layout. This crate holds what they share:
+//! - [`criterion_estimates`]: where criterion writes its results and the median time of a
+//!   benchmark this run measured, for the benchmark mains that print a ratio to a baseline of the
+//!   same run (`lowbit-formats`, `lowbit-device`, `lowbit-comm` and the root `formats` bench);
+//! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
+//!   `lowbit train --json` (the root package's `tests/train.rs`).
+//!
+//! # Invariants
+//! - No dependencies, so adding it as a dev-dependency costs nothing in build time.
+//! - It is a dev-dependency of every library that uses it (`xtask`, never packaged, is the one
+//!   normal user), and its workspace entry has no version, so `cargo package` drops it from the
+//!   packaged manifests.
+//!
+//! # Non-goals
+//! A general JSON library (no serialisation, numbers are `f64`, no streaming); anything a
+//! library crate needs at run time; publication (`publish = false`).
+
+pub mod criterion_estimates;
+pub mod json;

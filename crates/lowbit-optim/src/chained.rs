@@ -1,0 +1,123 @@
+//! [`ChainedOptimizer`]: several optimizers over one set of buffers (AdamW for matrices and
+//! another configuration for biases; later Muon layer-wise plus AdamW), stepped together: one
+//! global gradient norm, one clip factor, one skip decision, then one parameter sync after every
+//! part stepped (so no bucket group is gathered before its owner updated it: bug class D).
+
+use lowbit_buffers::DataParallelBuffers;
+use lowbit_comm::Communicator;
+use lowbit_device::Device;
+use lowbit_layout::OptimizerId;
+
+use crate::error::{InvalidInput, Result};
+use crate::optimizer::{MasterShard, Optimizer, OptimizerMemory, OptimizerState};
+
+/// See the module docs. A chain is an [`Optimizer`] itself, so chains nest.
+#[derive(Debug)]
+pub struct ChainedOptimizer {
+    parts: Vec<Box<dyn Optimizer>>,
+}
+
+impl ChainedOptimizer {
+    /// Chains `parts`; no owner may appear twice.
+    ///
+    /// # Errors
+    /// [`InvalidInput::DuplicateOwner`].
+    pub fn new(parts: Vec<Box<dyn Optimizer>>) -> Result<Self> {
+        let mut seen = Vec::new();
+        for p in &parts {
+            for o in p.owners() {
+                if seen.contains(&o) {
+                    return Err(InvalidInput::DuplicateOwner(o).into());
+                }
+                seen.push(o);
+            }
+        }
+        Ok(ChainedOptimizer { parts })
+    }
+
+    /// The chained optimizers.
+    pub fn parts(&self) -> &[Box<dyn Optimizer>] {
+        &self.parts
+    }
+}
+
+impl Optimizer for ChainedOptimizer {
+    fn owners(&self) -> Vec<OptimizerId> {
+        self.parts.iter().flat_map(|p| p.owners()).collect()
+    }
+    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
+        let mut sum = 0.0;
+        for p in &mut self.parts {
+            sum += p.local_sum_squares(dev)?;
+        }
+        Ok(sum)
+    }
+    fn clip_grad(&self) -> Option<f32> {
+        self.parts
+            .iter()
+            .filter_map(|p| p.clip_grad())
+            .reduce(f32::min)
+    }
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip_coef: f32,
+    ) -> Result<()> {
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.apply(dev, bufs, clip_coef))
+    }
+    fn stage(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        only_stale: bool,
+    ) -> Result<()> {
+        self.parts
+            .iter()
+            .try_for_each(|p| p.stage(dev, comm, bufs, only_stale))
+    }
+    fn set_lr(&mut self, lr: f32) -> Result<()> {
+        // Validate once so that nothing changes if it is invalid.
+        crate::OptimConfig::new(lr).validate()?;
+        self.parts.iter_mut().try_for_each(|p| p.set_lr(lr))
+    }
+    fn steps(&self) -> u64 {
+        self.parts.first().map_or(0, |p| p.steps())
+    }
+    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.extend(p.masters(dev)?);
+        }
+        Ok(out)
+    }
+    fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.extend(p.export_state(dev)?);
+        }
+        Ok(out)
+    }
+    fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
+        let owners = self.owners();
+        if let Some(s) = state.iter().find(|s| !owners.contains(&s.owner)) {
+            return Err(InvalidInput::StateMismatch(format!(
+                "state for {:?}, which this chain does not hold",
+                s.owner
+            ))
+            .into());
+        }
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.import_state(dev, state))
+    }
+    fn memory(&self) -> OptimizerMemory {
+        self.parts
+            .iter()
+            .map(|p| p.memory())
+            .fold(OptimizerMemory::default(), |a, b| a + b)
+    }
+}

@@ -1,0 +1,297 @@
+//! [`DistributedOptimizer`]: an element-wise [`UpdateRule`] over the fp32 master shards this
+//! rank owns under the plan (a piece of every bucket under the distributed strategy, whole
+//! parameters under layer-wise, everything when replicated).
+
+use std::ops::Range;
+
+use lowbit_buffers::{DataParallelBuffers, StagePiece};
+use lowbit_comm::Communicator;
+use lowbit_device::{DType, Device, View};
+use lowbit_layout::OptimizerId;
+
+use crate::error::{InvalidInput, Result};
+use crate::optimizer::{
+    MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
+};
+use crate::rule::{ShardViews, UpdateRule};
+
+/// One owned piece of a parameter with its fp32 master and optimizer state.
+#[derive(Debug)]
+struct Shard {
+    param: usize,
+    param_range: Range<usize>,
+    grad_view: View,
+    fused_output: Option<View>,
+    master: View,
+    /// The fp32 gradient: the reduced gradient itself when it is fp32 (it is dead after the
+    /// step), otherwise a scratch copy.
+    grad32: View,
+    state: Vec<View>,
+}
+
+/// The optimizer of one owner over this rank's owned shards.
+#[derive(Debug)]
+pub struct DistributedOptimizer {
+    owner: OptimizerId,
+    rule: Box<dyn UpdateRule>,
+    cfg: OptimConfig,
+    shards: Vec<Shard>,
+    steps: u64,
+}
+
+impl DistributedOptimizer {
+    /// Builds fp32 masters and zeroed state for this rank's owned pieces of `owner`'s
+    /// parameters. `init(p, range)` returns the high-precision initial values of piece `range`
+    /// of parameter `p` — only the owned pieces are asked for, so no rank needs a full model
+    /// copy.
+    ///
+    /// # Errors
+    /// Invalid hyper-parameters or initial values, buffer and device errors.
+    pub fn new(
+        dev: &mut Device,
+        bufs: &DataParallelBuffers,
+        owner: OptimizerId,
+        rule: impl UpdateRule + 'static,
+        cfg: OptimConfig,
+        init: &mut dyn FnMut(usize, Range<usize>) -> Vec<f32>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        rule.validate()?;
+        let mut shards = Vec::new();
+        for s in bufs.owned_shards_of(owner)? {
+            let n = s.param_range.len();
+            let values = init(s.param, s.param_range.clone());
+            if values.len() != n {
+                return Err(InvalidInput::InitLength {
+                    param: s.param,
+                    got: values.len(),
+                    expected: n,
+                }
+                .into());
+            }
+            let master = dev.alloc(DType::F32, n);
+            dev.upload(master, &values)?;
+            let grad32 = if s.grad_view.dtype() == DType::F32 {
+                s.grad_view
+            } else {
+                dev.alloc(DType::F32, n)
+            };
+            let state = rule
+                .state_names()
+                .iter()
+                .map(|_| dev.alloc(DType::F32, n))
+                .collect();
+            shards.push(Shard {
+                param: s.param,
+                param_range: s.param_range,
+                grad_view: s.grad_view,
+                fused_output: s.fused_output,
+                master,
+                grad32,
+                state,
+            });
+        }
+        Ok(DistributedOptimizer {
+            owner,
+            rule: Box::new(rule),
+            cfg,
+            shards,
+            steps: 0,
+        })
+    }
+
+    /// The owner id of the parameters this optimizer updates.
+    pub fn owner(&self) -> OptimizerId {
+        self.owner
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> OptimConfig {
+        self.cfg
+    }
+
+    fn tensors(&self, dev: &Device) -> Result<Vec<StateTensor>> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
+            for (name, &view) in names.zip(std::iter::once(&s.master).chain(&s.state)) {
+                out.push(StateTensor {
+                    name: name.to_string(),
+                    param: s.param,
+                    range: s.param_range.clone(),
+                    values: dev.download(view)?,
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Optimizer for DistributedOptimizer {
+    fn owners(&self) -> Vec<OptimizerId> {
+        vec![self.owner]
+    }
+
+    /// Shards in order; within a shard, `Device::sum_squares`'s blocked order (4096-element
+    /// partials in index order, then the partials in index order), the same bits on every
+    /// backend.
+    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
+        let mut sum = 0.0;
+        for s in &self.shards {
+            if s.grad32 != s.grad_view {
+                dev.cast(s.grad_view, s.grad32)?;
+            }
+            sum += dev.sum_squares(s.grad32)?;
+        }
+        Ok(sum)
+    }
+
+    fn clip_grad(&self) -> Option<f32> {
+        self.cfg.clip_grad
+    }
+
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip_coef: f32,
+    ) -> Result<()> {
+        self.steps += 1;
+        for s in &self.shards {
+            if clip_coef < 1.0 {
+                dev.scale(s.grad32, clip_coef)?;
+            }
+            let views = ShardViews {
+                master: s.master,
+                grad: s.grad32,
+                state: &s.state,
+                fused_output: s.fused_output,
+            };
+            self.rule.update(dev, views, self.cfg.lr, self.steps)?;
+        }
+        bufs.mark_stale(self.owner);
+        Ok(())
+    }
+
+    fn stage(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        only_stale: bool,
+    ) -> Result<()> {
+        if only_stale && !bufs.has_stale(self.owner) {
+            return Ok(());
+        }
+        let pieces: Vec<StagePiece> = self
+            .shards
+            .iter()
+            .filter(|s| s.fused_output.is_none())
+            .map(|s| StagePiece {
+                param: s.param,
+                param_range: s.param_range.clone(),
+                master: s.master,
+            })
+            .collect();
+        bufs.stage(dev, comm, self.owner, &pieces)?;
+        Ok(())
+    }
+
+    fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let cfg = OptimConfig { lr, ..self.cfg };
+        cfg.validate()?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
+    fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
+        self.shards
+            .iter()
+            .map(|s| {
+                Ok(MasterShard {
+                    param: s.param,
+                    range: s.param_range.clone(),
+                    values: dev.download(s.master)?,
+                })
+            })
+            .collect()
+    }
+
+    fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
+        Ok(vec![OptimizerState {
+            owner: self.owner,
+            rule: self.rule.name().to_string(),
+            steps: self.steps,
+            tensors: self.tensors(dev)?,
+        }])
+    }
+
+    fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
+        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
+        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
+            return mismatch(format!("no state for {:?}", self.owner));
+        };
+        if mine.rule != self.rule.name() {
+            return mismatch(format!(
+                "rule `{}` for a `{}` optimizer",
+                mine.rule,
+                self.rule.name()
+            ));
+        }
+        let per_shard = 1 + self.rule.state_names().len();
+        if mine.tensors.len() != per_shard * self.shards.len() {
+            return mismatch(format!(
+                "{} tensors for {} shards of {per_shard}",
+                mine.tensors.len(),
+                self.shards.len()
+            ));
+        }
+        // Check everything before writing anything.
+        let mut writes = Vec::with_capacity(mine.tensors.len());
+        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(per_shard)) {
+            let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
+            for ((t, name), &view) in chunk
+                .iter()
+                .zip(names)
+                .zip(std::iter::once(&s.master).chain(&s.state))
+            {
+                if t.name != name
+                    || t.param != s.param
+                    || t.range != s.param_range
+                    || t.values.len() != s.param_range.len()
+                {
+                    return mismatch(format!(
+                        "tensor `{}` of parameter {} {:?} where `{name}` of parameter {} {:?} was \
+                         expected",
+                        t.name, t.param, t.range, s.param, s.param_range
+                    ));
+                }
+                writes.push((view, &t.values));
+            }
+        }
+        for (view, values) in writes {
+            dev.upload(view, values)?;
+        }
+        self.steps = mine.steps;
+        Ok(())
+    }
+
+    fn memory(&self) -> OptimizerMemory {
+        self.shards
+            .iter()
+            .fold(OptimizerMemory::default(), |m, s| OptimizerMemory {
+                masters: m.masters + s.master.byte_len(),
+                state: m.state + s.state.iter().map(|v| v.byte_len()).sum::<usize>(),
+                grad_scratch: m.grad_scratch
+                    + if s.grad32 == s.grad_view {
+                        0
+                    } else {
+                        s.grad32.byte_len()
+                    },
+            })
+    }
+}

@@ -1,0 +1,226 @@
+//! [`Trainer`]: the training-step protocol as types. An [`Iteration`] exists only between
+//! `begin` and the gradient sync; only a completed sync ([`GradsReady`]) can step; evals and
+//! forced syncs need the trainer back, i.e. no iteration open. So the orders behind Megatron's
+//! staging bugs (stage before zeroing, step before the reduction finished, a forward on weights
+//! the optimizer moved) do not compile, and what the types cannot say is checked at run time
+//! in every build ([`lowbit_buffers::ProtocolError`]).
+//!
+//! ```text
+//! let mut it = trainer.begin(dev, comm)?;            // zero grads, stage stale owners
+//! for m in 0..microbatches {
+//!     let mut hooks = it.microbatch(comm, m + 1 == microbatches);
+//!     model.forward_backward(dev, &mut hooks, …)?;   // lazy gathers, grad-ready reductions
+//! }
+//! let report = it.finish_grad_sync(dev, comm)?.step(dev, comm)?;
+//! ```
+
+use lowbit_buffers::{
+    DataParallelBuffers, DpHooks, HookMode, HookScratch, PrecisionPolicy, ProtocolError,
+};
+use lowbit_comm::Communicator;
+use lowbit_device::Device;
+
+use crate::error::{InvalidInput, Result};
+use crate::optimizer::{Optimizer, StepReport};
+use crate::protocol;
+
+/// The buffers, the optimizer and the precision policy of one rank, driven in protocol order.
+#[derive(Debug)]
+pub struct Trainer {
+    bufs: DataParallelBuffers,
+    opt: Box<dyn Optimizer>,
+    policy: PrecisionPolicy,
+    scratch: HookScratch,
+    skipped: u64,
+}
+
+impl Trainer {
+    /// A trainer over `bufs` (initialized) with `opt` (covering every parameter's owner) and
+    /// `policy` (one entry per parameter; low-precision parameters are not used as stored).
+    ///
+    /// # Errors
+    /// [`InvalidInput::Unowned`] for a parameter no optimizer updates; an invalid policy.
+    pub fn new(
+        dev: &mut Device,
+        bufs: DataParallelBuffers,
+        opt: Box<dyn Optimizer>,
+        policy: PrecisionPolicy,
+    ) -> Result<Self> {
+        let owners = opt.owners();
+        if let Some(s) = bufs.specs().iter().find(|s| !owners.contains(&s.owner())) {
+            return Err(InvalidInput::Unowned {
+                name: s.name.clone(),
+                owner: s.owner(),
+            }
+            .into());
+        }
+        policy.validate(bufs.specs())?;
+        for p in 0..bufs.specs().len() {
+            if bufs.is_low_precision(p)
+                && policy.get(p).format == lowbit_buffers::ComputeFormat::AsStored
+            {
+                return Err(lowbit_buffers::BufferError::from(
+                    lowbit_buffers::ConfigError::Policy(format!(
+                        "`{}` has low-precision storage and cannot be computed with as stored",
+                        bufs.specs()[p].name
+                    )),
+                )
+                .into());
+            }
+        }
+        let scratch = HookScratch::new(dev, &bufs);
+        Ok(Trainer {
+            bufs,
+            opt,
+            policy,
+            scratch,
+            skipped: 0,
+        })
+    }
+
+    /// Starts an iteration: zeroes the gradients, stages the owners whose weights are stale.
+    ///
+    /// # Errors
+    /// As [`protocol::begin_iteration`].
+    pub fn begin<'t>(
+        &'t mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<Iteration<'t>> {
+        protocol::begin_iteration(dev, comm, &mut self.bufs, self.opt.as_ref())?;
+        Ok(Iteration {
+            trainer: self,
+            last_seen: false,
+        })
+    }
+
+    /// A forced parameter sync between steps (see [`protocol::force_param_sync`]).
+    ///
+    /// # Errors
+    /// As [`protocol::force_param_sync`].
+    pub fn force_param_sync(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<()> {
+        protocol::force_param_sync(dev, comm, &mut self.bufs, self.opt.as_ref())
+    }
+
+    /// Hooks for an evaluation after a forced sync: the forward reads the weights of the last
+    /// step; gradients go to scratch and nothing is reported.
+    ///
+    /// # Errors
+    /// As [`protocol::force_param_sync`].
+    pub fn eval<'a>(
+        &'a mut self,
+        dev: &mut Device,
+        comm: &'a mut dyn Communicator,
+    ) -> Result<DpHooks<'a>> {
+        self.force_param_sync(dev, comm)?;
+        Ok(DpHooks::new(
+            &mut self.bufs,
+            comm,
+            &self.policy,
+            &self.scratch,
+            HookMode::Eval,
+        ))
+    }
+
+    /// The buffers.
+    pub fn buffers(&self) -> &DataParallelBuffers {
+        &self.bufs
+    }
+    /// The optimizer.
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.opt.as_ref()
+    }
+    /// The optimizer, mutably (learning-rate schedules, state import).
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        self.opt.as_mut()
+    }
+    /// Steps skipped because the gradient norm was not finite.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+    /// The precision policy.
+    pub fn policy(&self) -> &PrecisionPolicy {
+        &self.policy
+    }
+
+    /// Frees the hooks' scratch and returns the parts.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn into_parts(self, dev: &mut Device) -> Result<(DataParallelBuffers, Box<dyn Optimizer>)> {
+        self.scratch.free(dev)?;
+        Ok((self.bufs, self.opt))
+    }
+}
+
+/// An open iteration: gradients zeroed, stale owners staged; microbatches run through it.
+#[derive(Debug)]
+pub struct Iteration<'t> {
+    trainer: &'t mut Trainer,
+    last_seen: bool,
+}
+
+impl<'t> Iteration<'t> {
+    /// Hooks for one microbatch; `last` marks the last microbatch of the step (only then do
+    /// gradients become ready for reduction).
+    pub fn microbatch<'s>(&'s mut self, comm: &'s mut dyn Communicator, last: bool) -> DpHooks<'s> {
+        self.last_seen |= last;
+        let t = &mut *self.trainer;
+        t.bufs.set_last_microbatch(last);
+        DpHooks::new(&mut t.bufs, comm, &t.policy, &t.scratch, HookMode::Train)
+    }
+
+    /// The buffers (read-only).
+    pub fn buffers(&self) -> &DataParallelBuffers {
+        &self.trainer.bufs
+    }
+
+    /// Completes every gradient reduction.
+    ///
+    /// # Errors
+    /// [`ProtocolError::NoLastMicrobatch`] if no microbatch was marked last (overlapped
+    /// reductions wait for the last microbatch's readiness); buffer errors.
+    pub fn finish_grad_sync(
+        self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<GradsReady<'t>> {
+        if !self.last_seen {
+            return Err(lowbit_buffers::BufferError::from(ProtocolError::NoLastMicrobatch).into());
+        }
+        self.trainer.bufs.finish_grad_sync(dev, comm)?;
+        Ok(GradsReady {
+            trainer: self.trainer,
+        })
+    }
+}
+
+/// Gradients reduced: the only state from which the optimizer can step.
+#[derive(Debug)]
+pub struct GradsReady<'t> {
+    trainer: &'t mut Trainer,
+}
+
+impl GradsReady<'_> {
+    /// The buffers, with the reduced gradients of this rank's shards.
+    pub fn buffers(&self) -> &DataParallelBuffers {
+        &self.trainer.bufs
+    }
+
+    /// One optimizer step (see [`protocol::step`]).
+    ///
+    /// # Errors
+    /// As [`protocol::step`].
+    pub fn step(self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<StepReport> {
+        let t = self.trainer;
+        let report = protocol::step(dev, comm, &mut t.bufs, t.opt.as_mut())?;
+        if report.skipped {
+            t.skipped += 1;
+        }
+        Ok(report)
+    }
+}

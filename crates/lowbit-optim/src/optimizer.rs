@@ -1,0 +1,216 @@
+//! The optimizer interface the step driver uses: per-shard work (local sum of squares, apply,
+//! stage through the buffers' API), state export/import and memory. [`crate::ChainedOptimizer`]
+//! holds trait objects and is one itself, so chains nest.
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use lowbit_buffers::DataParallelBuffers;
+use lowbit_comm::Communicator;
+use lowbit_device::Device;
+use lowbit_layout::OptimizerId;
+
+use crate::error::{InvalidInput, Result};
+
+/// Learning rate and clipping of one optimizer.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// Clip the global gradient norm to this value (`None`: no clipping). A chain clips to the
+    /// smallest value of its parts.
+    pub clip_grad: Option<f32>,
+}
+
+impl OptimConfig {
+    /// Learning rate `lr`, no clipping.
+    pub fn new(lr: f32) -> Self {
+        OptimConfig {
+            lr,
+            clip_grad: None,
+        }
+    }
+
+    /// Sets the clip value.
+    pub fn with_clip_grad(mut self, clip: Option<f32>) -> Self {
+        self.clip_grad = clip;
+        self
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`InvalidInput::LearningRate`], [`InvalidInput::ClipGrad`].
+    pub fn validate(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return Err(InvalidInput::LearningRate(self.lr).into());
+        }
+        if let Some(c) = self.clip_grad
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(InvalidInput::ClipGrad(c).into());
+        }
+        Ok(())
+    }
+}
+
+/// A downloaded piece of the fp32 masters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MasterShard {
+    /// Global parameter id.
+    pub param: usize,
+    /// Range within the flattened parameter.
+    pub range: Range<usize>,
+    /// The master values of that range.
+    pub values: Vec<f32>,
+}
+
+/// One named fp32 tensor of optimizer state over one owned piece.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateTensor {
+    /// `"master"` or the rule's state name (`"exp_avg"`, …).
+    pub name: String,
+    /// Global parameter id.
+    pub param: usize,
+    /// Range within the flattened parameter.
+    pub range: Range<usize>,
+    /// The values.
+    pub values: Vec<f32>,
+}
+
+/// The exportable state of one leaf optimizer: everything a resume needs to continue bit for
+/// bit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerState {
+    /// The owner whose parameters the optimizer updates.
+    pub owner: OptimizerId,
+    /// The update rule's name.
+    pub rule: String,
+    /// Steps taken (skipped steps not counted).
+    pub steps: u64,
+    /// Masters and state tensors, piece by piece.
+    pub tensors: Vec<StateTensor>,
+}
+
+/// Bytes an optimizer holds on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OptimizerMemory {
+    /// fp32 master shards.
+    pub masters: usize,
+    /// State tensors (AdamW moments, SGD momentum).
+    pub state: usize,
+    /// fp32 copies of non-fp32 reduced gradients.
+    pub grad_scratch: usize,
+}
+
+impl std::ops::Add for OptimizerMemory {
+    type Output = OptimizerMemory;
+    fn add(self, o: OptimizerMemory) -> OptimizerMemory {
+        OptimizerMemory {
+            masters: self.masters + o.masters,
+            state: self.state + o.state,
+            grad_scratch: self.grad_scratch + o.grad_scratch,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Whether the step was skipped because the norm was not finite.
+    pub skipped: bool,
+    /// The factor gradients were multiplied by (1 when not clipped).
+    pub clip_coef: f32,
+}
+
+/// An optimizer over this rank's owned shards of some owners' parameters.
+///
+/// The step driver ([`crate::Trainer`], or [`crate::protocol`] for callers that drive the
+/// buffers themselves) calls, per step: [`Optimizer::local_sum_squares`] on every rank, then
+/// (unless the global norm is not finite) [`Optimizer::apply`], then [`Optimizer::stage`] before
+/// the parameter gather. Masters always come from the high-precision initial values, never from
+/// the (rounded or quantized) parameter storage.
+pub trait Optimizer: Debug + Send {
+    /// The owners whose parameters this optimizer updates.
+    fn owners(&self) -> Vec<OptimizerId>;
+
+    /// Copies the reduced gradients into fp32 and returns this rank's sum of their squares (f64,
+    /// in a fixed order).
+    ///
+    /// # Errors
+    /// Device errors.
+    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64>;
+
+    /// The clip value (a chain: the smallest of its parts).
+    fn clip_grad(&self) -> Option<f32>;
+
+    /// Clips by `clip_coef`, updates the masters (and fused parameter outputs), counts the step
+    /// and marks the owners' low-precision weights stale in `bufs`.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip_coef: f32,
+    ) -> Result<()>;
+
+    /// Stages the owners' low-precision weights from the masters through
+    /// [`DataParallelBuffers::stage`] (collective); with `only_stale`, only owners whose weights
+    /// are stale.
+    ///
+    /// # Errors
+    /// Buffer errors (protocol violations included).
+    fn stage(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        only_stale: bool,
+    ) -> Result<()>;
+
+    /// Sets the learning rate of every part; nothing changes if it is invalid.
+    ///
+    /// # Errors
+    /// [`InvalidInput::LearningRate`].
+    fn set_lr(&mut self, lr: f32) -> Result<()>;
+
+    /// Steps taken (a chain: its first part's count).
+    fn steps(&self) -> u64;
+
+    /// This rank's fp32 masters.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>>;
+
+    /// This rank's state, one entry per leaf optimizer.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>>;
+
+    /// Restores state exported by an optimizer with the same owners and shards.
+    ///
+    /// # Errors
+    /// [`InvalidInput::StateMismatch`] (nothing is changed then), device errors.
+    fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()>;
+
+    /// Bytes held on this rank.
+    fn memory(&self) -> OptimizerMemory;
+}
+
+/// An init callback over full initial values (`init[p]` is parameter `p`, flattened): the
+/// piece `range` of parameter `p`. For tests and small models; large models produce pieces.
+pub fn init_from_full(init: &[Vec<f32>]) -> impl FnMut(usize, Range<usize>) -> Vec<f32> + '_ {
+    move |p, range| {
+        init.get(p)
+            .and_then(|v| v.get(range))
+            .map(<[f32]>::to_vec)
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,118 @@
+//! The training-step protocol as three functions, in the only order that works:
+//!
+//! ```text
+//! begin_iteration   zero the gradients (and the staging views aliasing them), stage stale owners
+//! microbatches      forward/backward through the hooks (lazy gathers, grad-ready reductions)
+//! finish_grad_sync  (DataParallelBuffers) complete every reduction
+//! step              grad norm, clip, skip, update, stage + gather unless overlapped
+//! force_param_sync  (between steps: eval, checkpoint) complete, zero, stage all, gather all
+//! ```
+//!
+//! [`crate::Trainer`] encodes the order as types; these functions are for callers that drive
+//! the buffers themselves (tests that probe wrong orders, custom loops).
+
+use lowbit_buffers::DataParallelBuffers;
+use lowbit_comm::Communicator;
+use lowbit_device::{DType, Device};
+
+use crate::error::Result;
+use crate::optimizer::{Optimizer, StepReport};
+
+/// Starts an iteration: zeroes the gradient buffers (and with them the staging views), then
+/// stages `bf16(master)` for every owner whose low-precision weights are stale, so that the
+/// forward's gathers ship the new values (zero → stage → gather → re-quantize → zero the
+/// group's staging view → backward).
+///
+/// # Errors
+/// Protocol violations (a collective in flight), buffer and device errors.
+pub fn begin_iteration(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &dyn Optimizer,
+) -> Result<()> {
+    bufs.zero_grad_buffer(dev)?;
+    opt.stage(dev, comm, bufs, true)
+}
+
+/// One optimizer step after `finish_grad_sync`: the global gradient norm over every part and
+/// rank, clip, skip if not finite (nothing changes then, not even step counts), update, then
+/// gather parameters unless the gather is overlapped with the next forward.
+///
+/// # Errors
+/// Buffer, collective and device errors.
+pub fn step(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+) -> Result<StepReport> {
+    let local = opt.local_sum_squares(dev)?;
+    let total = if bufs.plan().is_sharded() {
+        sum_across_ranks(dev, comm, local)?
+    } else {
+        local
+    };
+    let grad_norm = total.sqrt() as f32;
+    if !grad_norm.is_finite() {
+        return Ok(StepReport {
+            grad_norm,
+            skipped: true,
+            clip_coef: 1.0,
+        });
+    }
+    let clip_coef = opt
+        .clip_grad()
+        .map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
+    opt.apply(dev, bufs, clip_coef)?;
+    if !bufs.config().overlap.param_gather() {
+        // Gradients are dead (copied to fp32 or used in place), so the staging views that alias
+        // them can be written now; every part stages before the one gather of each group.
+        opt.stage(dev, comm, bufs, false)?;
+        bufs.sync_params(dev, comm)?;
+    }
+    Ok(StepReport {
+        grad_norm,
+        skipped: false,
+        clip_coef,
+    })
+}
+
+/// A forced parameter sync (eval, checkpoint save): completes gathers in flight, zeroes the
+/// gradients, restages every owner's `bf16(master)` and gathers every group now. Right after a
+/// normal step it leaves every weight bitwise unchanged. Gradients are destroyed, so call it
+/// between steps.
+///
+/// # Errors
+/// Buffer, collective and device errors.
+pub fn force_param_sync(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &dyn Optimizer,
+) -> Result<()> {
+    bufs.complete_param_sync(dev)?;
+    bufs.zero_grad_buffer(dev)?;
+    opt.stage(dev, comm, bufs, false)?;
+    bufs.sync_params(dev, comm)?;
+    Ok(())
+}
+
+/// Adds one f64 per rank in rank order: the values travel as bytes (an all-gather), so the sum
+/// is the same on every rank and independent of timing.
+fn sum_across_ranks(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Result<f64> {
+    let n = comm.size();
+    let buf = dev.alloc(DType::U8, 8 * n);
+    let mine = buf.slice(8 * comm.rank()..8 * (comm.rank() + 1))?;
+    dev.write_bytes(mine, &local.to_le_bytes())?;
+    let result = comm
+        .start_all_gather(dev, mine, buf)
+        .and_then(|w| w.wait(dev));
+    let bytes = dev.read_bytes(buf);
+    dev.free(buf)?;
+    result?;
+    Ok(bytes?
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .sum())
+}

@@ -1,0 +1,144 @@
+//! Element-wise update rules: what one optimizer step does to one fp32 master shard. A rule is a
+//! small trait object, so a downstream project can add its own without touching this crate.
+
+use std::fmt::Debug;
+
+use lowbit_device::{Device, View};
+
+use crate::error::{InvalidInput, Result};
+
+/// The views one update of one shard works on.
+#[derive(Clone, Copy, Debug)]
+pub struct ShardViews<'a> {
+    /// The fp32 master values, updated in place.
+    pub master: View,
+    /// The fp32 gradient (clipped already).
+    pub grad: View,
+    /// The rule's fp32 state tensors ([`UpdateRule::state_names`] of them), updated in place.
+    pub state: &'a [View],
+    /// Where the rounded new parameter values go, fused into the update, if the storage takes
+    /// them that way.
+    pub fused_output: Option<View>,
+}
+
+/// An element-wise optimizer update over fp32 masters.
+pub trait UpdateRule: Debug + Send + Sync {
+    /// A short name for messages and state export.
+    fn name(&self) -> &'static str;
+    /// Names of the fp32 state tensors, one element each per master element.
+    fn state_names(&self) -> &'static [&'static str];
+    /// Checks the hyper-parameters.
+    ///
+    /// # Errors
+    /// [`InvalidInput::Hyper`].
+    fn validate(&self) -> Result<()>;
+    /// One update of one shard at learning rate `lr`; `step` counts from 1.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn update(&self, dev: &mut Device, views: ShardViews<'_>, lr: f32, step: u64) -> Result<()>;
+}
+
+/// AdamW with decoupled weight decay, in PyTorch's formula order (the device's fused kernel).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamW {
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamW {
+    /// PyTorch's defaults.
+    fn default() -> Self {
+        AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+impl UpdateRule for AdamW {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg", "exp_avg_sq"]
+    }
+    fn validate(&self) -> Result<()> {
+        if !((0.0..1.0).contains(&self.beta1) && (0.0..1.0).contains(&self.beta2) && self.eps > 0.0)
+        {
+            return Err(InvalidInput::Hyper {
+                rule: "AdamW",
+                what: "needs 0 ≤ beta1, beta2 < 1 and eps > 0",
+            }
+            .into());
+        }
+        Ok(())
+    }
+    fn update(&self, dev: &mut Device, v: ShardViews<'_>, lr: f32, step: u64) -> Result<()> {
+        let hp = lowbit_device::AdamW {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            step,
+        };
+        dev.adamw(
+            v.master,
+            v.grad,
+            v.state[0],
+            v.state[1],
+            &hp,
+            v.fused_output,
+        )?;
+        Ok(())
+    }
+}
+
+/// SGD with momentum and L2 weight decay, in PyTorch's formula order.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sgd {
+    /// Momentum factor.
+    pub momentum: f32,
+    /// L2 weight decay.
+    pub weight_decay: f32,
+}
+
+impl UpdateRule for Sgd {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+    fn state_names(&self) -> &'static [&'static str] {
+        &["momentum_buffer"]
+    }
+    fn validate(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.momentum) {
+            return Err(InvalidInput::Hyper {
+                rule: "SGD",
+                what: "needs 0 ≤ momentum < 1",
+            }
+            .into());
+        }
+        Ok(())
+    }
+    fn update(&self, dev: &mut Device, v: ShardViews<'_>, lr: f32, step: u64) -> Result<()> {
+        let hp = lowbit_device::SgdMomentum {
+            lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+        };
+        dev.sgd_momentum(v.master, v.grad, v.state[0], &hp, step == 1)?;
+        if let Some(out) = v.fused_output {
+            dev.cast(v.master, out)?;
+        }
+        Ok(())
+    }
+}

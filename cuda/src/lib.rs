@@ -1,0 +1,74 @@
+//! The CUDA kernels of lowbit: the `.cu` sources in this package's root, and their PTX for
+//! sm_90 in `ptx/`, embedded here as strings.
+//!
+//! # Purpose
+//! `lowbit-device`'s CUDA backend loads these modules through the driver at device creation
+//! (`lowbit_device::ptx` re-exports this crate), so a build needs no CUDA compiler and no CUDA
+//! install: the PTX is built once by `cargo xtask ptx` (a pinned CUDA 13.0 `nvcc` from PyPI) and
+//! committed. See `README.md` for what each source holds and `NOTES.md` for every kernel
+//! version with its timings.
+//!
+//! # Invariants
+//! - Every `<name>.cu` in the package root has exactly one [`Module`] in [`MODULES`] with the
+//!   same `name`, and every module has its source.
+//! - Each PTX file starts with [`HASH_HEADER`] followed by the FNV-1a hash ([`source_hash`]) of
+//!   the source it was compiled from; `tests/ptx.rs` fails when a `.cu` changed without its PTX
+//!   being rebuilt (`cargo xtask ptx`), so the embedded code is always the code in the sources.
+//! - The package is self-contained: sources, PTX and the freshness test all live inside it, so
+//!   `cargo package` ships (and can verify) all of them.
+//!
+//! # Non-goals
+//! Compiling CUDA at build time (no `build.rs`, no `nvcc` on the build machine); loading or
+//! launching anything (that is `lowbit-device`, behind its `cuda` feature); architectures other
+//! than sm_90 (the driver JIT-compiles sm_90 PTX for newer GPUs).
+
+/// One embedded PTX module.
+#[derive(Clone, Copy, Debug)]
+pub struct Module {
+    /// The kernel file's stem (`<name>.cu` in this package, `cuda/` in the repository).
+    pub name: &'static str,
+    /// The target architecture the PTX was built for.
+    pub arch: &'static str,
+    /// The PTX text.
+    pub ptx: &'static str,
+}
+
+/// Every embedded module, in file-name order. A new `.cu` file needs an entry here.
+pub const MODULES: &[Module] = &[
+    Module {
+        name: "mxfp8",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/mxfp8.sm_90.ptx"),
+    },
+    Module {
+        name: "mxfp8x",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/mxfp8x.sm_90.ptx"),
+    },
+    Module {
+        name: "nvfp4",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/nvfp4.sm_90.ptx"),
+    },
+    Module {
+        name: "ops",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/ops.sm_90.ptx"),
+    },
+];
+
+/// The prefix of the first PTX line, followed by the source hash in hex.
+pub const HASH_HEADER: &str = "// lowbit-source-fnv1a64: ";
+
+/// FNV-1a (64-bit) of a kernel source: small, dependency-free and stable across platforms.
+pub fn source_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The source hash recorded in a PTX module's first line, if any.
+pub fn recorded_hash(ptx: &str) -> Option<u64> {
+    let line = ptx.lines().next()?;
+    u64::from_str_radix(line.strip_prefix(HASH_HEADER)?.trim(), 16).ok()
+}
