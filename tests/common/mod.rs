@@ -7,11 +7,12 @@
 use std::time::Duration;
 
 use lowbit::buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
+    ShardingStrategy,
 };
 use lowbit::buffers::{
-    ComputeFormat, DataParallelBuffers, DdpConfig, Hooks, Mxfp8Gather, Overlap, ParamCompute,
-    PrecisionPolicy, Usage, Verify,
+    ComputeFormat, DataParallelBuffers, DdpConfig, GradAccumulation, Hooks, Mxfp8Gather, Overlap,
+    ParamCompute, PrecisionPolicy, Usage, Verify,
 };
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::{DType, Device};
@@ -77,6 +78,8 @@ pub struct Run {
     pub eval_after: &'static [usize],
     /// Run a forced sync after every step.
     pub force_sync_every_step: bool,
+    /// Owner 0 (the matrices' AdamW) owns whole parameters (the layer-wise plan rule).
+    pub layerwise: bool,
 }
 
 impl Run {
@@ -96,6 +99,7 @@ impl Run {
             poison: None,
             eval_after: &[],
             force_sync_every_step: false,
+            layerwise: false,
         }
     }
 }
@@ -269,8 +273,13 @@ pub fn rank_main(
 ) -> Result<Outcome, String> {
     let e = |x: &dyn std::fmt::Display| x.to_string();
     let rank = comm.rank();
+    let mut plan = run.ddp.plan_config(run.dp);
+    if run.layerwise {
+        plan = plan.with_owner_strategy(OptimizerId(0), ShardingStrategy::LayerWise);
+    }
+    let plan = ShardingPlan::new(&specs(run), &plan).map_err(|x| e(&x))?;
     let mut bufs =
-        DataParallelBuffers::new(dev, run.dp, rank, specs(run), run.ddp).map_err(|x| e(&x))?;
+        DataParallelBuffers::with_plan(dev, rank, specs(run), plan, run.ddp).map_err(|x| e(&x))?;
     let init = SHAPE.init(7);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
@@ -548,9 +557,20 @@ pub fn parity_matrix(
                             ..Run::new(dp)
                         };
                         let what = format!(
-                            "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}"
+                            "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?} \
+                             case={cases}"
                         );
-                        let on = train(variant(base, true));
+                        // Gradient-accumulation fusion is an axis of the ON side: fused and
+                        // unfused accumulation must give the OFF run's bits alike.
+                        let fusion = if cases % 2 == 0 {
+                            GradAccumulation::Fused
+                        } else {
+                            GradAccumulation::Unfused
+                        };
+                        let on = train(Run {
+                            ddp: base.ddp.with_grad_accumulation(fusion),
+                            ..variant(base, true)
+                        });
                         let off = train(variant(base, false));
                         assert_ranks_identical(&on);
                         assert_ranks_identical(&off);
