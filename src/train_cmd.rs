@@ -48,7 +48,8 @@ pub struct TrainArgs {
     /// Samples per step over all ranks (split over ranks x microbatches).
     #[arg(long, default_value_t = TrainConfig::default().batch)]
     pub batch: usize,
-    /// AdamW learning rate (constant).
+    /// Peak AdamW learning rate: linear warmup over the first 5% of the steps, then cosine
+    /// decay to a tenth of it.
     #[arg(long, default_value_t = TrainConfig::default().lr)]
     pub lr: f32,
     /// Optimizer steps.

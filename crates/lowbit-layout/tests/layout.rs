@@ -1,5 +1,7 @@
-//! Layout tests. The golden values are derived by hand from the formulas in the research notes
-//! (`megatron_ddp_distopt.md` §1.2, §1.6, §2.1, §5), never from this implementation's output.
+//! Layout tests. The golden values are derived by hand from Megatron-LM's rules as the crate
+//! documentation states them (`param_and_grad_buffer.py`: `_compute_default_per_buffer_param_layout`,
+//! `shard_buffer`; `distrib_optimizer.py`: `_compute_per_buffer_param_layout`,
+//! `_build_model_gbuf_param_range_map`), never from this implementation's output.
 
 use lowbit_layout::{
     BufferKey, GradDType, LayoutConfig, LayoutError, OptimizerId, ParamSpec, ParamStorage,
@@ -591,7 +593,7 @@ fn bucket_sizes_hand_golden() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shards (§1.6, §2.1)
+// Shards (`shard_buffer`, `_build_model_gbuf_param_range_map`)
 // ---------------------------------------------------------------------------------------------
 
 #[test]
@@ -687,7 +689,7 @@ fn shard_range_rejects_bad_requests() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed NVFP4 (§1.2(d))
+// Packed NVFP4 (the packed map: element offsets / 2)
 // ---------------------------------------------------------------------------------------------
 
 fn fp4(name: &str, shape: Vec<usize>) -> ParamSpec {
@@ -721,7 +723,7 @@ fn packed_layout_halves_the_element_layout() {
 }
 
 #[test]
-fn packed_shards_are_half_of_grad_shards_in_the_research_counterexample() {
+fn packed_shards_are_half_of_grad_shards_where_independent_padding_would_not_be() {
     // dp = 2, one NVFP4 param of 384 elements: grad bucket 384, shard 192. Padding packed ends
     // independently would give 256 bytes and a 128-byte (256-element) shard; derived by
     // construction, each rank ships exactly the 96 bytes of its 192 elements.
