@@ -26,9 +26,7 @@ use std::time::{Duration, Instant};
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit_buffers::{
-    ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute, PrecisionPolicy,
-};
+use lowbit_buffers::{ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, PrecisionPolicy};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
@@ -308,17 +306,7 @@ impl TrainConfig {
             Precision::Mxfp8 => ComputeFormat::Mxfp8 { two_d: false },
             Precision::Nvfp4 => ComputeFormat::Nvfp4,
         };
-        PrecisionPolicy::new(
-            info.iter()
-                .map(|p| {
-                    if p.matrix {
-                        ParamCompute::new(format).with_experts(p.experts)
-                    } else {
-                        ParamCompute::AS_STORED
-                    }
-                })
-                .collect(),
-        )
+        PrecisionPolicy::matrices(format, info.iter().map(|p| p.matrix.then_some(p.experts)))
     }
 
     fn specs(&self, info: &[ParamInfo]) -> Vec<ParamSpec> {

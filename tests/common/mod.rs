@@ -12,7 +12,7 @@ use lowbit::buffers::layout::{
 };
 use lowbit::buffers::{
     ComputeFormat, DataParallelBuffers, DdpConfig, GradAccumulation, Hooks, Mxfp8Gather, Overlap,
-    ParamCompute, PrecisionPolicy, Usage, Verify,
+    PrecisionPolicy, Usage, Verify,
 };
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::{DType, Device};
@@ -190,18 +190,12 @@ pub fn policy(run: &Run) -> PrecisionPolicy {
         Precision::Mxfp8Direct => ComputeFormat::Mxfp8 { two_d: true },
         Precision::Nvfp4 => ComputeFormat::Nvfp4,
     };
-    PrecisionPolicy::new(
+    PrecisionPolicy::matrices(
+        format,
         SHAPE
             .params()
             .iter()
-            .map(|(name, _)| {
-                if is_matrix(name) {
-                    ParamCompute::new(format)
-                } else {
-                    ParamCompute::AS_STORED
-                }
-            })
-            .collect(),
+            .map(|(name, _)| is_matrix(name).then_some(1)),
     )
 }
 

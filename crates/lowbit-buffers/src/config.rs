@@ -140,45 +140,23 @@ pub struct DdpConfig {
 }
 
 impl DdpConfig {
-    /// Sets the sharding strategy.
-    pub fn with_sharding(mut self, sharding: ShardingStrategy) -> Self {
-        self.sharding = sharding;
-        self
-    }
-    /// Sets the overlap.
-    pub fn with_overlap(mut self, overlap: Overlap) -> Self {
-        self.overlap = overlap;
-        self
-    }
-    /// Sets the gradient scaling.
-    pub fn with_scaling(mut self, scaling: GradScaling) -> Self {
-        self.scaling = scaling;
-        self
-    }
-    /// Sets the bucket size.
-    pub fn with_bucket_size(mut self, bucket_size: Option<usize>) -> Self {
-        self.bucket_size = bucket_size;
-        self
-    }
-    /// Sets high-bus-bandwidth padding.
-    pub fn with_high_busbw_padding(mut self, on: bool) -> Self {
-        self.high_busbw_padding = on;
-        self
-    }
-    /// Sets how MXFP8 weights are gathered.
-    pub fn with_mxfp8_gather(mut self, gather: Mxfp8Gather) -> Self {
-        self.mxfp8_gather = gather;
-        self
-    }
-    /// Sets where gradients accumulate.
-    pub fn with_grad_accumulation(mut self, acc: GradAccumulation) -> Self {
-        self.grad_accumulation = acc;
-        self
-    }
-    /// Sets the verification level.
-    pub fn with_verify(mut self, verify: Verify) -> Self {
-        self.verify = verify;
-        self
+    lowbit_layout::setters! {
+        /// Sets the sharding strategy.
+        with_sharding => sharding: ShardingStrategy;
+        /// Sets the overlap.
+        with_overlap => overlap: Overlap;
+        /// Sets the gradient scaling.
+        with_scaling => scaling: GradScaling;
+        /// Sets the bucket size.
+        with_bucket_size => bucket_size: Option<usize>;
+        /// Sets high-bus-bandwidth padding.
+        with_high_busbw_padding => high_busbw_padding: bool;
+        /// Sets how MXFP8 weights are gathered.
+        with_mxfp8_gather => mxfp8_gather: Mxfp8Gather;
+        /// Sets where gradients accumulate.
+        with_grad_accumulation => grad_accumulation: GradAccumulation;
+        /// Sets the verification level.
+        with_verify => verify: Verify;
     }
 
     /// The rules of Megatron-LM's configuration that the types do not already enforce.

@@ -67,6 +67,24 @@ impl PrecisionPolicy {
         PrecisionPolicy { params }
     }
 
+    /// The common policy: the parameters given `Some(experts)` (GEMM weights; `experts` is 1
+    /// unless grouped) computed with `format`, the others (`None`: norms, biases, embeddings)
+    /// as stored.
+    pub fn matrices(
+        format: ComputeFormat,
+        params: impl IntoIterator<Item = Option<usize>>,
+    ) -> Self {
+        PrecisionPolicy::new(
+            params
+                .into_iter()
+                .map(|experts| match experts {
+                    Some(e) => ParamCompute::new(format).with_experts(e),
+                    None => ParamCompute::AS_STORED,
+                })
+                .collect(),
+        )
+    }
+
     /// A policy computing every parameter as stored.
     pub fn as_stored(params: usize) -> Self {
         PrecisionPolicy::new(vec![ParamCompute::AS_STORED; params])

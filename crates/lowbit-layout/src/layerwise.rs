@@ -112,7 +112,7 @@ pub fn compute_layerwise_layout<P: Borrow<ParamSpec>>(
     params: &[P],
     cfg: &LayoutConfig,
 ) -> Result<BufferLayout, LayoutError> {
-    validate(params, cfg)?;
+    crate::rules::validate_params(params, cfg)?;
     let key = params[0].borrow().key;
     let dp = cfg.dp;
     let divisor = shard_divisor(dp, cfg.high_busbw_padding).ok_or(LayoutError::Overflow)?;
@@ -239,25 +239,16 @@ pub fn owner_of_param(layout: &BufferLayout, param: usize) -> Result<usize, Layo
             buckets: layout.buckets.len(),
         })?;
     let dp = layout.num_shards;
-    if dp == 0 {
-        return Err(LayoutError::ZeroDataParallel);
-    }
     let outside = || LayoutError::ParamNotInOneShard {
         param,
         start: range.start,
         end: range.end,
     };
-    // Checked, not `BucketRange::numel`: a hand-built bucket may be inverted.
-    let numel = bucket.end.checked_sub(bucket.start).ok_or_else(outside)?;
-    if !numel.is_multiple_of(dp) {
-        return Err(LayoutError::BucketNotDivisible {
-            start: bucket.start,
-            end: bucket.end,
-            numel,
-            dp,
-        });
+    // A hand-built bucket may be inverted.
+    if bucket.end < bucket.start && dp > 0 {
+        return Err(outside());
     }
-    let shard = numel / dp;
+    let shard = crate::rules::shard_size(bucket.start, bucket.end, dp)?;
     let offset = range.start.checked_sub(bucket.start).ok_or_else(outside)?;
     if shard == 0 || range.end < range.start {
         return Err(outside());
@@ -268,48 +259,6 @@ pub fn owner_of_param(layout: &BufferLayout, param: usize) -> Result<usize, Layo
         return Err(outside());
     }
     Ok(owner)
-}
-
-/// The checks of [`compute_layout`](crate::compute_layout), in the same order, so both layouts
-/// reject the same inputs with the same errors.
-fn validate<P: Borrow<ParamSpec>>(params: &[P], cfg: &LayoutConfig) -> Result<(), LayoutError> {
-    if cfg.dp == 0 {
-        return Err(LayoutError::ZeroDataParallel);
-    }
-    if cfg.bucket_size == Some(0) {
-        return Err(LayoutError::ZeroBucketSize);
-    }
-    let key = params.first().ok_or(LayoutError::NoParams)?.borrow().key;
-    for (index, param) in params.iter().enumerate() {
-        let param = param.borrow();
-        if param.key != key {
-            return Err(LayoutError::MixedKeys {
-                index,
-                name: param.name.clone(),
-                expected: key,
-                found: param.key,
-            });
-        }
-        let product = param
-            .shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        if product != Some(param.numel) {
-            return Err(LayoutError::ShapeMismatch {
-                index,
-                name: param.name.clone(),
-                numel: param.numel,
-                shape: param.shape.clone(),
-            });
-        }
-        if param.numel == 0 {
-            return Err(LayoutError::EmptyParam {
-                index,
-                name: param.name.clone(),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// `lcm(64, bucket_end_divisor(dp, high_busbw) / dp)`, or `None` on overflow. Computed here

@@ -91,6 +91,22 @@
 
 #![forbid(unsafe_code)]
 
+/// Generates `with_*` builder methods on a configuration struct: `$(#[doc] name => field: Type;)*`.
+/// Used by this crate's and `lowbit-buffers`' `#[non_exhaustive]` configurations.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident => $field:ident: $ty:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $field: $ty) -> Self {
+                self.$field = $field;
+                self
+            }
+        )*
+    };
+}
+
 mod error;
 mod layerwise;
 mod packed;

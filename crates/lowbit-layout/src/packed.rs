@@ -140,16 +140,7 @@ pub fn packed_layout(layout: &BufferLayout) -> Result<PackedLayout, LayoutError>
     }
     let mut buckets = Vec::with_capacity(layout.buckets.len());
     for bucket in &layout.buckets {
-        let numel = bucket.numel();
-        if !numel.is_multiple_of(dp) {
-            return Err(LayoutError::BucketNotDivisible {
-                start: bucket.start,
-                end: bucket.end,
-                numel,
-                dp,
-            });
-        }
-        let shard_numel = numel / dp;
+        let shard_numel = crate::rules::shard_size(bucket.start, bucket.end, dp)?;
         if !shard_numel.is_multiple_of(2) {
             return Err(LayoutError::OddPackedShard {
                 bucket_start: bucket.start,

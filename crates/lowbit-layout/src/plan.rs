@@ -6,8 +6,8 @@ use std::ops::Range;
 
 use crate::{
     BufferKey, BufferLayout, LayoutConfig, LayoutError, OptimizerId, PackedLayout, ParamSpec,
-    ParamStorage, QuantKind, compute_layerwise_layout, compute_layout, group_params,
-    packed_layout, param_shard_ranges, shard_range,
+    ParamStorage, QuantKind, compute_layerwise_layout, compute_layout, group_params, packed_layout,
+    param_shard_ranges, shard_range,
 };
 
 /// How a buffer's elements are distributed over the ranks of its group.
@@ -107,16 +107,11 @@ impl PlanConfig {
         }
     }
 
-    /// Sets the bucket size.
-    pub fn with_bucket_size(mut self, bucket_size: Option<usize>) -> Self {
-        self.bucket_size = bucket_size;
-        self
-    }
-
-    /// Sets high-bus-bandwidth padding.
-    pub fn with_high_busbw_padding(mut self, on: bool) -> Self {
-        self.high_busbw_padding = on;
-        self
+    crate::setters! {
+        /// Sets the bucket size.
+        with_bucket_size => bucket_size: Option<usize>;
+        /// Sets high-bus-bandwidth padding.
+        with_high_busbw_padding => high_busbw_padding: bool;
     }
 
     /// Gives `owner` its own strategy.

@@ -206,31 +206,19 @@ fn checked_bucket_end_divisor(dp: usize, high_busbw: bool) -> Option<usize> {
     }
 }
 
-/// Computes the layout of one buffer.
-///
-/// `params` are the buffer's parameters in **forward** order, all with the same [`BufferKey`]
-/// (one entry of [`group_params`]). The indices in the result ([`ParamRange::param`],
-/// [`BucketRange::params`]) refer to positions in `params`. The rules are described in the
-/// [module documentation](self).
-///
-/// # Errors
-/// - [`LayoutError::ZeroDataParallel`] or [`LayoutError::ZeroBucketSize`] for a bad config.
-/// - [`LayoutError::NoParams`] for an empty list.
-/// - [`LayoutError::MixedKeys`] if the keys differ.
-/// - [`LayoutError::EmptyParam`] or [`LayoutError::ShapeMismatch`] for a bad parameter.
-/// - [`LayoutError::Overflow`] if offsets overflow.
-pub fn compute_layout<P: Borrow<ParamSpec>>(
+/// The checks every layout rule runs first, in one order, so that all rules reject the same
+/// inputs with the same errors; returns the buffer's key.
+pub(crate) fn validate_params<P: Borrow<ParamSpec>>(
     params: &[P],
     cfg: &LayoutConfig,
-) -> Result<BufferLayout, LayoutError> {
+) -> Result<BufferKey, LayoutError> {
     if cfg.dp == 0 {
         return Err(LayoutError::ZeroDataParallel);
     }
     if cfg.bucket_size == Some(0) {
         return Err(LayoutError::ZeroBucketSize);
     }
-    let first = params.first().ok_or(LayoutError::NoParams)?.borrow();
-    let key = first.key;
+    let key = params.first().ok_or(LayoutError::NoParams)?.borrow().key;
     for (index, param) in params.iter().enumerate() {
         let param = param.borrow();
         if param.key != key {
@@ -261,6 +249,44 @@ pub fn compute_layout<P: Borrow<ParamSpec>>(
         }
     }
 
+    Ok(key)
+}
+
+/// The per-rank shard size of a bucket `[start, end)` split into `dp` equal pieces.
+pub(crate) fn shard_size(start: usize, end: usize, dp: usize) -> Result<usize, LayoutError> {
+    if dp == 0 {
+        return Err(LayoutError::ZeroDataParallel);
+    }
+    let numel = end.saturating_sub(start);
+    if !numel.is_multiple_of(dp) {
+        return Err(LayoutError::BucketNotDivisible {
+            start,
+            end,
+            numel,
+            dp,
+        });
+    }
+    Ok(numel / dp)
+}
+
+/// Computes the layout of one buffer.
+///
+/// `params` are the buffer's parameters in **forward** order, all with the same [`BufferKey`]
+/// (one entry of [`group_params`]). The indices in the result ([`ParamRange::param`],
+/// [`BucketRange::params`]) refer to positions in `params`. The rules are described in the
+/// [module documentation](self).
+///
+/// # Errors
+/// - [`LayoutError::ZeroDataParallel`] or [`LayoutError::ZeroBucketSize`] for a bad config.
+/// - [`LayoutError::NoParams`] for an empty list.
+/// - [`LayoutError::MixedKeys`] if the keys differ.
+/// - [`LayoutError::EmptyParam`] or [`LayoutError::ShapeMismatch`] for a bad parameter.
+/// - [`LayoutError::Overflow`] if offsets overflow.
+pub fn compute_layout<P: Borrow<ParamSpec>>(
+    params: &[P],
+    cfg: &LayoutConfig,
+) -> Result<BufferLayout, LayoutError> {
+    let key = validate_params(params, cfg)?;
     let distopt = cfg.distributed_optimizer;
     let divisor = if distopt {
         checked_bucket_end_divisor(cfg.dp, cfg.high_busbw_padding).ok_or(LayoutError::Overflow)?
@@ -358,22 +384,10 @@ pub fn shard_range(
     rank: usize,
     dp: usize,
 ) -> Result<Range<usize>, LayoutError> {
-    if dp == 0 {
-        return Err(LayoutError::ZeroDataParallel);
-    }
-    if rank >= dp {
+    if dp > 0 && rank >= dp {
         return Err(LayoutError::RankOutOfRange { rank, dp });
     }
-    let numel = bucket.numel();
-    if !numel.is_multiple_of(dp) {
-        return Err(LayoutError::BucketNotDivisible {
-            start: bucket.start,
-            end: bucket.end,
-            numel,
-            dp,
-        });
-    }
-    let shard = numel / dp;
+    let shard = shard_size(bucket.start, bucket.end, dp)?;
     let start = bucket.start + rank * shard;
     Ok(start..start + shard)
 }
@@ -460,4 +474,3 @@ pub fn check_shard_count(layout: &BufferLayout, group_size: usize) -> Result<(),
         })
     }
 }
-

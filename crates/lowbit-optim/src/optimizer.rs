@@ -32,10 +32,9 @@ impl OptimConfig {
         }
     }
 
-    /// Sets the clip value.
-    pub fn with_clip_grad(mut self, clip: Option<f32>) -> Self {
-        self.clip_grad = clip;
-        self
+    lowbit_layout::setters! {
+        /// Sets the clip value.
+        with_clip_grad => clip_grad: Option<f32>;
     }
 
     /// Checks the values.

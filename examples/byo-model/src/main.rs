@@ -7,9 +7,7 @@
 
 mod model;
 
-use lowbit_buffers::{
-    ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute, PrecisionPolicy,
-};
+use lowbit_buffers::{ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, PrecisionPolicy};
 use lowbit_comm::{Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind};
@@ -108,15 +106,11 @@ fn rank_main(comm: &mut dyn Communicator, dev: &mut Device) -> Result<Vec<f32>, 
         )?));
     }
     // Weights computed with as dequantized MXFP8 (rowwise forward, columnwise backward).
-    let policy = PrecisionPolicy::new(
-        specs()
-            .iter()
-            .map(|s| match s.shape.len() {
-                2 => ParamCompute::new(ComputeFormat::Mxfp8 { two_d: false }),
-                _ => ParamCompute::AS_STORED,
-            })
-            .collect(),
-    );
+    let matrices = specs()
+        .iter()
+        .map(|s| (s.shape.len() == 2).then_some(1))
+        .collect::<Vec<_>>();
+    let policy = PrecisionPolicy::matrices(ComputeFormat::Mxfp8 { two_d: false }, matrices);
     let chain = Box::new(ChainedOptimizer::new(parts)?);
     let mut trainer = Trainer::new(dev, bufs, chain, policy)?;
     let mlp = model::Mlp::new(dev, ROWS);

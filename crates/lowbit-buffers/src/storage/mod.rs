@@ -10,10 +10,11 @@
 //! | [`StorageKind::Mxfp8Direct`] | fp8 bytes (one per element) | the bytes | scales from the MAX-reduced 32x32 tile amaxes |
 //! | [`StorageKind::Nvfp4Packed`] | packed E2M1 bytes (element offset / 2) | the bytes | scales and the columnwise copy from the MAX-reduced 16x16 tile amaxes |
 
-mod mxfp8_direct;
 mod mxfp8_staged;
-mod nvfp4_packed;
 mod persistent;
+mod tiled;
+
+use tiled::{Mxfp8Tiles, Nvfp4Tiles, Tiled};
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -233,13 +234,13 @@ pub(crate) fn allocate(
 ) -> Result<Box<dyn Storage>> {
     Ok(match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
-            Box::new(mxfp8_direct::Mxfp8Direct::allocate(dev, plan, specs)?)
+            Box::new(Tiled::<Mxfp8Tiles>::allocate(dev, plan, specs)?)
         }
         (ParamStorage::Quantized(QuantKind::Mxfp8), _) => Box::new(
             mxfp8_staged::Mxfp8Staged::allocate(dev, plan, specs, grads)?,
         ),
         (ParamStorage::Quantized(QuantKind::Nvfp4), _) => {
-            Box::new(nvfp4_packed::Nvfp4Packed::allocate(dev, plan, specs)?)
+            Box::new(Tiled::<Nvfp4Tiles>::allocate(dev, plan, specs)?)
         }
         (s, _) => Box::new(persistent::Persistent::allocate(
             dev,
@@ -258,13 +259,13 @@ pub(crate) fn closed_form(
     let dims = || specs.iter().map(|s| matrix_dims(&s.shape));
     match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
-            mxfp8_direct::Mxfp8Direct::closed_form(plan.layout.numel, dims())
+            Tiled::<Mxfp8Tiles>::closed_form(plan.layout.numel, dims())
         }
         (ParamStorage::Quantized(QuantKind::Mxfp8), _) => {
             mxfp8_staged::Mxfp8Staged::closed_form(plan.layout.numel, dims())
         }
         (ParamStorage::Quantized(QuantKind::Nvfp4), _) => {
-            nvfp4_packed::Nvfp4Packed::closed_form(plan.layout.numel, dims())
+            Tiled::<Nvfp4Tiles>::closed_form(plan.layout.numel, dims())
         }
         (s, _) => StorageBytes {
             weights: plan.layout.numel * storage_dtype(s).size(),

@@ -1,0 +1,259 @@
+//! Tile-scaled primary weights gathered as bytes: 2D MXFP8 (fp8 bytes, one per element, which
+//! are both copies' data: a 32x32 block has one scale, so the transpose reads the same bytes)
+//! and 2D NVFP4 (packed E2M1 rowwise data at element offset / 2). Each rank folds its shard into
+//! partial tile amaxes, the amaxes are MAX-reduced across ranks, each rank quantizes its shard,
+//! and after the gather every rank derives the scales (and NVFP4's global amax and columnwise
+//! copy) from the same reduced amaxes. One generic storage, one [`TileFormat`] per format.
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use lowbit_device::{DType, Device, Fp8Kind, View};
+use lowbit_layout::{BufferPlan, ParamSpec, matrix_dims};
+
+use super::{
+    AfterGather, LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, Storage, StorageBytes,
+    StorageKind, TileScaled,
+};
+use crate::config::Verify;
+use crate::error::Result;
+
+/// What differs between the tile-scaled formats.
+pub(super) trait TileFormat: Debug + Send + 'static {
+    /// The weights of one parameter (copies, scales, tile amaxes, global state).
+    type Weights: Copy + Debug + Send;
+    /// The storage kind.
+    const KIND: StorageKind;
+    /// Bytes of the parameter region for a buffer of `numel` elements.
+    fn region_bytes(numel: usize) -> usize;
+    /// Bytes outside the region of a `rows x cols` parameter.
+    fn outside_bytes(rows: usize, cols: usize) -> usize;
+    /// Allocates a parameter's weights around `data`, its slice of the region.
+    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights;
+    /// The tile amaxes.
+    fn tiles(w: &Self::Weights) -> View;
+    /// The allocated views outside the region.
+    fn outside(w: &Self::Weights) -> Vec<View>;
+    /// Folds values starting at element `offset` of the parameter into the tile amaxes.
+    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()>;
+    /// Quantizes `param_range` of the parameter with the reduced amaxes into the region.
+    fn quantize(
+        dev: &mut Device,
+        w: &Self::Weights,
+        values: View,
+        range: Range<usize>,
+    ) -> Result<()>;
+    /// Derives everything else from the gathered bytes and the reduced amaxes.
+    fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()>;
+    /// The weights as compute reads them.
+    fn compute(w: &Self::Weights) -> LowPrecisionWeights;
+}
+
+/// 2D MXFP8 (E4M3, 32x32 tiles).
+#[derive(Debug)]
+pub(super) struct Mxfp8Tiles;
+
+impl TileFormat for Mxfp8Tiles {
+    type Weights = (Mxfp8Weights, View);
+    const KIND: StorageKind = StorageKind::Mxfp8Direct;
+    fn region_bytes(numel: usize) -> usize {
+        numel
+    }
+    fn outside_bytes(r: usize, c: usize) -> usize {
+        r * c.div_ceil(32) + r.div_ceil(32) * c + 4 * r.div_ceil(32) * c.div_ceil(32)
+    }
+    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights {
+        let w = Mxfp8Weights {
+            rows,
+            cols,
+            rowwise: (data, dev.alloc(DType::U8, rows * cols.div_ceil(32))),
+            columnwise: (data, dev.alloc(DType::U8, rows.div_ceil(32) * cols)),
+        };
+        let tiles = dev.alloc(DType::F32, lowbit_device::mxfp8_tile_count(rows, cols));
+        (w, tiles)
+    }
+    fn tiles(w: &Self::Weights) -> View {
+        w.1
+    }
+    fn outside(w: &Self::Weights) -> Vec<View> {
+        vec![w.0.rowwise.1, w.0.columnwise.1, w.1]
+    }
+    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()> {
+        Ok(dev.mxfp8_fold_tile_amax_2d(values, offset, w.0.cols, w.1)?)
+    }
+    fn quantize(
+        dev: &mut Device,
+        (w, t): &Self::Weights,
+        values: View,
+        range: Range<usize>,
+    ) -> Result<()> {
+        let start = range.start;
+        let bytes = w.rowwise.0.slice(range)?;
+        Ok(dev.mxfp8_quantize_2d_range(values, start, w.cols, Fp8Kind::E4M3, *t, bytes)?)
+    }
+    fn finish(dev: &mut Device, (w, t): &mut Self::Weights) -> Result<()> {
+        let (rows, cols, kind) = (w.rows, w.cols, Fp8Kind::E4M3);
+        Ok(dev.mxfp8_scales_2d(rows, cols, kind, *t, w.rowwise.1, w.columnwise.1)?)
+    }
+    fn compute(w: &Self::Weights) -> LowPrecisionWeights {
+        LowPrecisionWeights::Mxfp8(w.0)
+    }
+}
+
+/// 2D NVFP4 (16x16 tiles, two-level scale).
+#[derive(Debug)]
+pub(super) struct Nvfp4Tiles;
+
+impl TileFormat for Nvfp4Tiles {
+    /// The weights and the global amax after the last gather.
+    type Weights = (Nvfp4Weights, f32);
+    const KIND: StorageKind = StorageKind::Nvfp4Packed;
+    fn region_bytes(numel: usize) -> usize {
+        numel / 2
+    }
+    fn outside_bytes(r: usize, c: usize) -> usize {
+        // Rowwise scales, the columnwise copy (data, scales) and the f32 tile amaxes.
+        r * c / 16 + r * c / 2 + r * c / 16 + 4 * (r / 16) * (c / 16)
+    }
+    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights {
+        let w = Nvfp4Weights {
+            rows,
+            cols,
+            rowwise: (data, dev.alloc(DType::U8, rows * cols / 16)),
+            columnwise: (
+                dev.alloc(DType::U8, rows * cols / 2),
+                dev.alloc(DType::U8, cols * rows / 16),
+            ),
+            tiles: dev.alloc(DType::F32, (rows / 16) * (cols / 16)),
+        };
+        (w, 0.0)
+    }
+    fn tiles(w: &Self::Weights) -> View {
+        w.0.tiles
+    }
+    fn outside(w: &Self::Weights) -> Vec<View> {
+        let w = &w.0;
+        vec![w.rowwise.1, w.columnwise.0, w.columnwise.1, w.tiles]
+    }
+    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()> {
+        Ok(dev.nvfp4_fold_tile_amax_2d(values, offset, w.0.cols, w.0.tiles)?)
+    }
+    fn quantize(
+        dev: &mut Device,
+        (w, _): &Self::Weights,
+        values: View,
+        range: Range<usize>,
+    ) -> Result<()> {
+        let bytes = w.rowwise.0.slice(range.start / 2..range.end / 2)?;
+        Ok(dev.nvfp4_quantize_2d_range(values, range.start, w.cols, w.tiles, bytes)?)
+    }
+    fn finish(dev: &mut Device, (w, amax): &mut Self::Weights) -> Result<()> {
+        *amax = dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+        Ok(())
+    }
+    fn compute(&(weights, amax): &Self::Weights) -> LowPrecisionWeights {
+        LowPrecisionWeights::Nvfp4 { weights, amax }
+    }
+}
+
+/// A tile-scaled storage of format `F`.
+#[derive(Debug)]
+pub(super) struct Tiled<F: TileFormat> {
+    region: View,
+    /// Per layout index.
+    weights: Vec<F::Weights>,
+}
+
+impl<F: TileFormat> Tiled<F> {
+    pub(super) fn allocate(
+        dev: &mut Device,
+        plan: &BufferPlan,
+        specs: &[&ParamSpec],
+    ) -> Result<Self> {
+        let region = dev.alloc(DType::U8, F::region_bytes(plan.layout.numel));
+        let mut weights = Vec::with_capacity(specs.len());
+        for (i, s) in specs.iter().enumerate() {
+            let (rows, cols) = matrix_dims(&s.shape);
+            let data = region.slice(plan.param_storage_range(i))?;
+            weights.push(F::allocate(dev, data, rows, cols));
+        }
+        Ok(Tiled { region, weights })
+    }
+
+    pub(super) fn closed_form(
+        numel: usize,
+        dims: impl Iterator<Item = (usize, usize)>,
+    ) -> StorageBytes {
+        StorageBytes {
+            weights: F::region_bytes(numel)
+                + dims.map(|(r, c)| F::outside_bytes(r, c)).sum::<usize>(),
+            staging: 0,
+        }
+    }
+}
+
+impl<F: TileFormat> Storage for Tiled<F> {
+    fn kind(&self) -> StorageKind {
+        F::KIND
+    }
+    fn region(&self) -> View {
+        self.region
+    }
+    fn tile_scaled(&self) -> Option<&dyn TileScaled> {
+        Some(self)
+    }
+    fn after_gather(
+        &mut self,
+        dev: &mut Device,
+        _plan: &BufferPlan,
+        indices: &[usize],
+        _buckets: &[usize],
+        _verify: Verify,
+    ) -> Result<AfterGather> {
+        for &i in indices {
+            F::finish(dev, &mut self.weights[i])?;
+        }
+        Ok(AfterGather::Ok)
+    }
+    fn initialize(&mut self, dev: &mut Device, index: usize, src: View) -> Result<()> {
+        let n = src.len();
+        let w = &mut self.weights[index];
+        dev.zero(F::tiles(w))?;
+        F::fold(dev, w, src, 0)?;
+        F::quantize(dev, w, src, 0..n)?;
+        F::finish(dev, w)
+    }
+    fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
+        self.weights.get(index).map(F::compute)
+    }
+    fn memory(&self) -> StorageBytes {
+        let outside: usize = self
+            .weights
+            .iter()
+            .flat_map(F::outside)
+            .map(|v| v.byte_len())
+            .sum();
+        StorageBytes {
+            weights: self.region.byte_len() + outside,
+            staging: 0,
+        }
+    }
+}
+
+impl<F: TileFormat> TileScaled for Tiled<F> {
+    fn tiles(&self, index: usize) -> View {
+        F::tiles(&self.weights[index])
+    }
+    fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()> {
+        F::fold(dev, &self.weights[index], values, offset)
+    }
+    fn quantize(
+        &self,
+        dev: &mut Device,
+        index: usize,
+        values: View,
+        param_range: Range<usize>,
+    ) -> Result<()> {
+        F::quantize(dev, &self.weights[index], values, param_range)
+    }
+}
