@@ -49,13 +49,13 @@
 //! Run with `cargo bench --bench formats` (about two minutes on two cores, plus the build); the
 //! usual criterion arguments (a name filter, `--sample-size`, `--measurement-time`, …) apply.
 
-use lowbit_dev_support::criterion_estimates as estimates;
-
 use std::fmt::Write as _;
 use std::hint::black_box;
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, SamplingMode, Throughput};
+use lowbit_dev_support::cpu_load::CpuTimes;
+use lowbit_dev_support::criterion_estimates as estimates;
 use lowbit_formats::mxfp8::Mxfp8Config;
 use lowbit_formats::nvfp4::Nvfp4Config;
 use lowbit_formats::{
@@ -430,52 +430,6 @@ fn run_case(c: &mut Criterion, inp: &Inputs, case: &Case, dst: &mut [bf16]) {
 
 fn fmt_time(ns: f64) -> String {
     format!("{:.2} ms", ns / 1e6)
-}
-
-/// CPU time counters, to tell how busy other processes kept the machine during a benchmark.
-#[derive(Clone, Copy)]
-struct CpuTimes {
-    /// Jiffies of all CPUs, busy or idle.
-    total: u64,
-    /// Busy jiffies of all CPUs.
-    busy: u64,
-    /// Jiffies this process used (all its threads).
-    own: u64,
-}
-
-impl CpuTimes {
-    /// Reads `/proc/stat` and `/proc/self/stat`; `None` where they do not exist.
-    fn now() -> Option<CpuTimes> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let fields: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .take(8)
-            .map(|f| f.parse().ok())
-            .collect::<Option<_>>()?;
-        let total: u64 = fields.iter().sum();
-        let idle = fields.get(3)? + fields.get(4)?;
-        let own_stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-        // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-        let mut after = own_stat[own_stat.rfind(')')? + 1..]
-            .split_whitespace()
-            .skip(11);
-        let own = after.next()?.parse::<u64>().ok()? + after.next()?.parse::<u64>().ok()?;
-        Some(CpuTimes {
-            total,
-            busy: total - idle,
-            own,
-        })
-    }
-
-    /// Average number of cores that other processes kept busy between `self` and `later`.
-    fn others_cores(self, later: CpuTimes, cores: f64) -> Option<f64> {
-        let total = later.total.checked_sub(self.total)?;
-        let others = (later.busy.checked_sub(self.busy)?).saturating_sub(later.own - self.own);
-        (total > 0).then(|| others as f64 / total as f64 * cores)
-    }
 }
 
 fn summary(cases: &[Case], times: &[Option<f64>], load: &[Option<f64>]) -> String {

@@ -3,10 +3,11 @@
 //! Tasks:
 //! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the README's test
 //!   command), for running locally before a commit.
-//! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by
-//!   `lowbit-device`), first installing the pinned CUDA 13.0 compiler from PyPI into a cache
-//!   folder (`$LOWBIT_CUDA_TOOLCHAIN`, default `target/cuda-toolchain-13.0`). Newer compilers
-//!   write PTX that the GPUs' CUDA 13.0 driver cannot load, hence the pins.
+//! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by the
+//!   `lowbit-kernels` package in `cuda/`, re-exported as `lowbit_device::ptx`), first installing
+//!   the pinned CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`,
+//!   default `target/cuda-toolchain-13.0`). Newer compilers write PTX that the GPUs' CUDA 13.0
+//!   driver cannot load, hence the pins.
 //! - `gpu-bundle`: release build (`--features cuda`) of every CUDA test, bench and example
 //!   executable and the `lowbit` binary into the git-ignored `gpu-bundle/`, with `run.sh`, which
 //!   runs the GPU matrix there and writes results to `$OUT` (see `gpu_bundle` and
@@ -14,11 +15,11 @@
 
 mod gpu_bundle;
 
-/// cargo's JSON messages are read with the workspace's small reader (no parser dependency).
-use lowbit_dev_support::json;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+
+/// cargo's JSON messages are read with the workspace's small reader (no parser dependency).
+use lowbit_dev_support::json;
 
 /// The CUDA 13.0 compiler packages, installed without dependencies.
 const CUDA_WHEELS: &[&str] = &[

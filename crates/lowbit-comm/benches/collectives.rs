@@ -32,8 +32,6 @@
 //!
 //! Run with `cargo bench -p lowbit-comm --bench collectives` (well under a minute).
 
-use lowbit_dev_support::criterion_estimates as estimates;
-
 use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Barrier, Mutex};
@@ -41,6 +39,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{Criterion, Throughput};
 use lowbit_comm::{Communicator, GroupConfig, LocalComm, ReduceOp, run_ranks};
+use lowbit_dev_support::criterion_estimates as estimates;
 use lowbit_device::{DType, Device, View};
 
 const WORLD: usize = 4;

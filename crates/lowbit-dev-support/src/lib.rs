@@ -7,6 +7,8 @@
 //! - [`criterion_estimates`]: where criterion writes its results and the median time of a
 //!   benchmark this run measured, for the benchmark mains that print a ratio to a baseline of the
 //!   same run (`lowbit-formats`, `lowbit-device`, `lowbit-comm` and the root `formats` bench);
+//! - [`cpu_load`]: how many cores other processes kept busy while a benchmark ran (Linux), so
+//!   a table says when its figures were taken on a loaded machine;
 //! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
 //!   `lowbit train --json` (the root package's `tests/train.rs`).
 //!
@@ -20,5 +22,6 @@
 //! A general JSON library (no serialisation, numbers are `f64`, no streaming); anything a
 //! library crate needs at run time; publication (`publish = false`).
 
+pub mod cpu_load;
 pub mod criterion_estimates;
 pub mod json;

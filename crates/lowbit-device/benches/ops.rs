@@ -21,13 +21,12 @@
 //!
 //! Run with `cargo bench -p lowbit-device --bench ops` (about 30 s).
 
-use lowbit_dev_support::criterion_estimates as estimates;
-
 use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, Throughput};
+use lowbit_dev_support::criterion_estimates as estimates;
 use lowbit_device::{AdamW, DType, Device, View};
 
 const COPY_BYTES: usize = 64 << 20;

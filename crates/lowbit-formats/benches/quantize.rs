@@ -25,15 +25,20 @@
 //!   rowwise 2 (amax pass) + 2 + 1/2 + 1/16; NVFP4 both copies (1D or 2D) 2 (amax pass) + 2 +
 //!   2·(1/2 + 1/16);
 //! - `bound GB/s` = the memcpy GB/s (bytes read + written) at the same thread count;
-//! - `ratio = GB/s / bound GB/s`: 1.0 means the quantizer moves its bytes as fast as a copy.
+//! - `ratio = GB/s / bound GB/s`: 1.0 means the quantizer moves its bytes as fast as a copy;
+//! - `busy`: how many cores other processes kept busy on average while the benchmark ran
+//!   (Linux `/proc/stat` less this process's own CPU time): well above 0 means the figures, the
+//!   multi-threaded ones above all, are depressed by competition for the cores.
 //!
 //! The usual criterion arguments (a name filter, `--sample-size`, `--measurement-time`, …)
 //! apply; `cargo test --benches` runs every benchmark once, untimed, and prints no table.
 
+use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, Throughput};
+use lowbit_dev_support::cpu_load::CpuTimes;
 use lowbit_dev_support::criterion_estimates as estimates;
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Source, bf16, quantize_mxfp8,
@@ -172,9 +177,12 @@ fn main() {
 
     let mut g = c.benchmark_group(GROUP);
     g.throughput(Throughput::Elements(N as u64));
+    // Cores other processes kept busy during each benchmark, by id.
+    let mut busy = BTreeMap::new();
     for &threads in &thread_counts {
         for (op, _, stem, _) in ops() {
             let id = format!("{stem}-t{threads}");
+            let before = CpuTimes::now();
             match op {
                 Op::Memcpy => {
                     g.bench_function(&id, |b| b.iter(|| copy(black_box(&x), &mut dst, threads)));
@@ -210,6 +218,10 @@ fn main() {
                     g.bench_function(&id, |b| b.iter(|| quantize_nvfp4(black_box(&m), &cfg)));
                 }
             }
+            let load = before
+                .zip(CpuTimes::now())
+                .and_then(|(b, a)| b.others_cores(a, cores as f64));
+            busy.insert(id, load);
         }
     }
     g.finish();
@@ -218,13 +230,17 @@ fn main() {
     let median = |stem: &str, threads: usize| {
         estimates::median_ns(&dir, GROUP, &format!("{stem}-t{threads}"), start)
     };
+    let measured = |threads: usize| ops().iter().any(|o| median(o.2, threads).is_some());
+    if !thread_counts.iter().any(|&t| measured(t)) {
+        return; // test mode (`cargo test --benches`) or everything filtered out
+    }
     println!(
         "\nlowbit-formats quantizers, {ROWS}x{COLS} bf16 in; GB/s = ideal bytes read + written / \
          median time; bound = memcpy of the input in this run, same thread count"
     );
     println!(
-        "{:<32} {:>8} {:>11} {:>6} {:>10}",
-        "op", "GB/s", "bound GB/s", "ratio", "time"
+        "{:<32} {:>8} {:>11} {:>6} {:>10} {:>5}",
+        "op", "GB/s", "bound GB/s", "ratio", "time", "busy"
     );
     for &threads in &thread_counts {
         let gbs = |stem: &str, bytes: f64| median(stem, threads).map(|t| bytes * N as f64 / t);
@@ -236,13 +252,19 @@ fn main() {
             let (Some(t), Some(rate)) = (median(stem, threads), gbs(stem, bytes)) else {
                 continue;
             };
+            let load = busy
+                .get(&format!("{stem}-t{threads}"))
+                .copied()
+                .flatten()
+                .map_or("?".to_owned(), |l| format!("{l:.2}"));
             println!(
-                "{:<32} {:>8.2} {:>11.2} {:>6.2} {:>7.3} ms",
+                "{:<32} {:>8.2} {:>11.2} {:>6.2} {:>7.3} ms {:>5}",
                 format!("{label}, {threads} thr"),
                 rate,
                 bound,
                 rate / bound,
-                t / 1e6
+                t / 1e6,
+                load
             );
         }
     }

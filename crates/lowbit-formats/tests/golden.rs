@@ -15,8 +15,19 @@ use lowbit_formats::{
     quantize_mxfp8, quantize_nvfp4,
 };
 
+/// 2^k exactly, for -149 <= k <= 127, built from its bits: `2f32.powi(k)` is exact only when
+/// the compiler folds it; unoptimised builds call the runtime, which computes 1 / 2^-k and gives
+/// 0 for k < -127.
 fn p2(k: i32) -> f32 {
-    2f32.powi(k)
+    assert!(
+        (-149..=127).contains(&k),
+        "2^{k} is not a finite non-zero f32"
+    );
+    if k >= -126 {
+        f32::from_bits(((k + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1u32 << (k + 149))
+    }
 }
 
 /// fp32 → (e4m3, e5m2) through CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, …)`; `None`
