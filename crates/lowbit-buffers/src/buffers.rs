@@ -358,24 +358,13 @@ impl DataParallelBuffers {
             }
             .into());
         }
-        let tmp32 = dev.alloc(DType::F32, values.len());
-        let r = dev.upload(tmp32, values).map_err(BufferError::from);
-        let r = r.and_then(|()| {
-            if self.is_low_precision(p) {
-                let tmp16 = dev.alloc(DType::Bf16, values.len());
-                let (b, i) = self.plan.location(p);
-                let r = dev
-                    .cast(tmp32, tmp16)
-                    .map_err(BufferError::from)
-                    .and_then(|()| self.buffers[b].storage.initialize(dev, i, tmp16));
-                dev.free(tmp16)?;
-                r
-            } else {
-                let view = self.param_view(p)?;
-                Ok(dev.cast(tmp32, view)?)
-            }
-        });
-        dev.free(tmp32)?;
+        let tmp = dev.alloc(DType::F32, values.len());
+        let (b, i) = self.plan.location(p);
+        let r = dev
+            .upload(tmp, values)
+            .map_err(BufferError::from)
+            .and_then(|()| self.buffers[b].storage.initialize(dev, i, tmp));
+        dev.free(tmp)?;
         r
     }
 

@@ -65,6 +65,8 @@ pub struct DpHooks<'a> {
     policy: &'a PrecisionPolicy,
     scratch: &'a HookScratch,
     mode: HookMode,
+    /// Unfused accumulation: the parameter whose gradient the scratch holds, not yet added.
+    pending: Option<usize>,
 }
 
 impl<'a> DpHooks<'a> {
@@ -83,6 +85,7 @@ impl<'a> DpHooks<'a> {
             policy,
             scratch,
             mode,
+            pending: None,
         }
     }
 
@@ -165,6 +168,27 @@ impl<'a> DpHooks<'a> {
     }
 }
 
+impl DpHooks<'_> {
+    /// The per-parameter gradient scratch, with unfused accumulation.
+    fn unfused_scratch(&self) -> Option<View> {
+        self.scratch
+            .grad
+            .filter(|_| self.bufs.config().grad_accumulation == GradAccumulation::Unfused)
+    }
+
+    /// Adds the pending per-parameter gradient of `p` into the buffer: one rounding of
+    /// `old + g`, as the fused path does.
+    fn flush(&mut self, dev: &mut Device, p: usize) -> Result<()> {
+        self.pending = None;
+        if let Some(tmp) = self.unfused_scratch() {
+            let n = self.bufs.specs()[p].numel;
+            let main = self.bufs.grad_view(p)?;
+            dev.add(tmp.slice(0..n)?, main)?;
+        }
+        Ok(())
+    }
+}
+
 impl Hooks for DpHooks<'_> {
     fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View> {
         let g = self.bufs.group_of(p);
@@ -192,28 +216,27 @@ impl Hooks for DpHooks<'_> {
             return Ok(self.scratch.values.slice(0..n)?);
         }
         let main = self.bufs.accumulation_view(dev, p)?;
-        match self.scratch.grad {
-            Some(tmp) if self.bufs.config().grad_accumulation == GradAccumulation::Unfused => {
-                let tmp = tmp.slice(0..n)?;
-                dev.zero(tmp)?;
-                Ok(tmp)
-            }
-            _ => Ok(main),
+        let Some(tmp) = self.unfused_scratch() else {
+            return Ok(main);
+        };
+        // A contribution still in the scratch (this parameter's or another's) is added first:
+        // every contribution then reaches the buffer as its own `old + g`, exactly the fused
+        // path's sequence of roundings, however the model interleaves its calls.
+        if let Some(q) = self.pending {
+            self.flush(dev, q)?;
         }
+        let tmp_p = tmp.slice(0..n)?;
+        dev.zero(tmp_p)?;
+        self.pending = Some(p);
+        Ok(tmp_p)
     }
 
     fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<()> {
         if self.mode == HookMode::Eval {
             return Ok(());
         }
-        if let Some(tmp) = self.scratch.grad
-            && self.bufs.config().grad_accumulation == GradAccumulation::Unfused
-        {
-            // Unfused: the per-parameter gradient is added into the buffer now, one rounding
-            // of `old + g` as the fused path does.
-            let n = self.bufs.specs()[p].numel;
-            let main = self.bufs.grad_view(p)?;
-            dev.add(tmp.slice(0..n)?, main)?;
+        if self.pending == Some(p) {
+            self.flush(dev, p)?;
         }
         if self.bufs.config().overlap.grad_reduce() {
             self.bufs.register_grad_ready(dev, self.comm, p)?;

@@ -90,8 +90,8 @@ pub enum ConfigError {
 #[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {
-    /// A forward or a parameter sync on low-precision weights the optimizer moved and nothing
-    /// staged since (bug class C).
+    /// A forward, a parameter sync or a gather of low-precision weights the optimizer moved and
+    /// nothing staged since (bug class C; a gather would ship zeros or old values: A1/A3).
     #[error(
         "bucket group {group}: stale low-precision weights (the optimizer stepped and nothing was \
          staged)"
@@ -99,14 +99,6 @@ pub enum ProtocolError {
     StaleWeights {
         /// The bucket group.
         group: usize,
-    },
-    /// A gather of low-precision weights that are not staged (bugs A1/A3: it would ship zeros).
-    #[error("bucket group {group}: gather of low-precision weights that are {state:?}, not staged")]
-    NotStaged {
-        /// The bucket group.
-        group: usize,
-        /// Its weight state.
-        state: WeightState,
     },
     /// An operation that needs no gather in flight found one (bug F4).
     #[error("bucket group {group}: {operation} while its parameter gather is in flight")]
@@ -169,11 +161,5 @@ pub enum ProtocolError {
         plan_rank: usize,
         /// The plan's group size.
         plan_size: usize,
-    },
-    /// A parameter without low-precision storage was asked for it.
-    #[error("parameter `{name}` has no low-precision storage")]
-    NotLowPrecision {
-        /// Parameter name.
-        name: String,
     },
 }

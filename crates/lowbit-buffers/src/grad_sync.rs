@@ -163,14 +163,20 @@ impl DataParallelBuffers {
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<()> {
-        for g in 0..self.groups.len() {
-            if self.groups[g].param_state == ParamSyncState::InFlight {
-                return Err(ProtocolError::GatherInFlight {
-                    group: g,
-                    operation: "finish_grad_sync",
-                }
-                .into());
+        // Refuse before touching anything: reducing some groups and then refusing would leave
+        // gradients (and the staging views aliasing them) half reduced.
+        if let Some(g) = self
+            .groups
+            .iter()
+            .position(|g| g.param_state == ParamSyncState::InFlight)
+        {
+            return Err(ProtocolError::GatherInFlight {
+                group: g,
+                operation: "finish_grad_sync",
             }
+            .into());
+        }
+        for g in 0..self.groups.len() {
             self.groups[g].param_state = ParamSyncState::Idle;
             if self.groups[g].grad_reduce_finished {
                 continue;

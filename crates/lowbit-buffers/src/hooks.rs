@@ -23,7 +23,9 @@ pub enum Usage {
 /// forward pre-hook: a lazily gathered bucket is awaited there); accumulate each gradient into
 /// the view [`Hooks::grad`] returns (add, never overwrite: microbatches accumulate); call
 /// [`Hooks::grad_ready`] once the parameter's gradient is complete for the microbatch (the
-/// backward hook: a bucket's reduction may start there).
+/// backward hook: a bucket's reduction may start there). With unfused accumulation
+/// ([`crate::GradAccumulation::Unfused`]) a contribution reaches the buffer at the next `grad`
+/// call or at `grad_ready`, so report every parameter ready before the microbatch ends.
 pub trait Hooks {
     /// The values of parameter `p` to compute with (any float dtype), valid until the next call.
     fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View>;

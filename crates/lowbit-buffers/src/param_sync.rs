@@ -28,12 +28,9 @@ impl DataParallelBuffers {
         if self.groups[g].param_state == ParamSyncState::InFlight {
             return Err(ProtocolError::GatheredTwice { group: g }.into());
         }
+        // Defence in depth: callers only gather staged groups (`needs_gather`).
         if buf.storage.is_low_precision() && self.groups[g].weights != WeightState::Staged {
-            return Err(ProtocolError::NotStaged {
-                group: g,
-                state: self.groups[g].weights,
-            }
-            .into());
+            return Err(ProtocolError::StaleWeights { group: g }.into());
         }
         self.groups[g].gathers += 1;
         if self.groups[g].gathers > 1 {
@@ -104,9 +101,10 @@ impl DataParallelBuffers {
     /// non-overlapped path after the optimizer step, and forced syncs). Low-precision groups
     /// must be `Current` or `Staged`; a `Stale` one is an error.
     pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+        // Refuse before gathering anything.
+        (0..self.groups.len()).try_for_each(|g| self.check_not_stale(g))?;
         self.complete_param_sync(dev)?;
         for g in 0..self.groups.len() {
-            self.check_not_stale(g)?;
             if self.needs_gather(g) {
                 self.start_param_sync_group(dev, comm, g, false)?;
             }

@@ -7,17 +7,8 @@
 //! and disjoint from every input; inputs may overlap each other) and then carves the buffers into
 //! one `&mut` slice per output and shared slices for the inputs, with `split_at_mut` only.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
+use crate::slots::{Slot, Slots, check_bounds};
 use crate::{BufferId, DType, DeviceError, Result, View};
-
-/// Source of device ids, so that a view of one device is rejected by another.
-static NEXT_DEVICE: AtomicU32 = AtomicU32::new(0);
-
-/// A fresh device id, unique among the devices of every backend in this process.
-pub(crate) fn next_device_id() -> u32 {
-    NEXT_DEVICE.fetch_add(1, Ordering::Relaxed)
-}
 
 /// The overlap rule of an op's views: outputs pairwise disjoint and disjoint from every input.
 pub(crate) fn check_overlap(what: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
@@ -29,18 +20,10 @@ pub(crate) fn check_overlap(what: &'static str, ins: &[View], outs: &[View]) -> 
     Ok(())
 }
 
-#[derive(Debug, Default)]
-struct Slot {
-    generation: u32,
-    data: Option<Vec<u8>>,
-}
-
 #[derive(Debug)]
 pub(crate) struct CpuDevice {
-    /// This device's id; every [`BufferId`] it hands out carries it.
-    id: u32,
-    slots: Vec<Slot>,
-    free: Vec<u32>,
+    /// One byte vector per live buffer.
+    slots: Slots<Vec<u8>>,
 }
 
 /// The validated bytes of an op's views: shared input slices and exclusive output slices, in the
@@ -50,97 +33,35 @@ pub(crate) type Split<'a> = (Vec<&'a [u8]>, Vec<&'a mut [u8]>);
 impl CpuDevice {
     pub(crate) fn new() -> Self {
         CpuDevice {
-            id: next_device_id(),
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Slots::new(),
         }
     }
 
     pub(crate) fn alloc(&mut self, bytes: usize) -> BufferId {
-        let data = Some(vec![0u8; bytes]);
-        if let Some(index) = self.free.pop() {
-            let slot = &mut self.slots[index as usize];
-            slot.generation = slot.generation.wrapping_add(1);
-            slot.data = data;
-            BufferId {
-                device: self.id,
-                index,
-                generation: slot.generation,
-            }
-        } else {
-            let index = u32::try_from(self.slots.len()).expect("fewer than 2^32 allocations");
-            self.slots.push(Slot {
-                generation: 0,
-                data,
-            });
-            BufferId {
-                device: self.id,
-                index,
-                generation: 0,
-            }
-        }
+        self.slots
+            .insert(vec![0u8; bytes])
+            .expect("fewer than 2^32 allocations")
     }
 
     pub(crate) fn free(&mut self, id: BufferId) -> Result<()> {
-        self.slot_data(id)?;
-        self.slots[id.index as usize].data = None;
-        self.free.push(id.index);
-        Ok(())
+        self.slots.remove(id)
     }
 
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .filter_map(|s| s.data.as_ref().map(Vec::len))
-            .sum()
-    }
-
-    fn slot_data(&self, id: BufferId) -> Result<&Vec<u8>> {
-        if id.device != self.id {
-            return Err(DeviceError::Freed(id.index));
-        }
-        self.slots
-            .get(id.index as usize)
-            .filter(|s| s.generation == id.generation)
-            .and_then(|s| s.data.as_ref())
-            .ok_or(DeviceError::Freed(id.index))
-    }
-
-    fn slot_data_mut(&mut self, id: BufferId) -> Result<&mut Vec<u8>> {
-        if id.device != self.id {
-            return Err(DeviceError::Freed(id.index));
-        }
-        self.slots
-            .get_mut(id.index as usize)
-            .filter(|s| s.generation == id.generation)
-            .and_then(|s| s.data.as_mut())
-            .ok_or(DeviceError::Freed(id.index))
-    }
-
-    fn check_bounds(v: View, buf_len: usize) -> Result<()> {
-        let r = v.byte_range();
-        if r.end > buf_len {
-            return Err(DeviceError::OutOfBounds {
-                what: "view",
-                start: r.start,
-                end: r.end,
-                len: buf_len,
-            });
-        }
-        Ok(())
+        self.slots.values().map(Vec::len).sum()
     }
 
     /// The bytes of `v`.
     pub(crate) fn bytes(&self, v: View) -> Result<&[u8]> {
-        let data = self.slot_data(v.buffer())?;
-        Self::check_bounds(v, data.len())?;
+        let data = self.slots.get(v.buffer())?;
+        check_bounds(v, data.len())?;
         Ok(&data[v.byte_range()])
     }
 
     /// The bytes of `v`, mutably.
     pub(crate) fn bytes_mut(&mut self, v: View) -> Result<&mut [u8]> {
-        let data = self.slot_data_mut(v.buffer())?;
-        Self::check_bounds(v, data.len())?;
+        let data = self.slots.get_mut(v.buffer())?;
+        check_bounds(v, data.len())?;
         Ok(&mut data[v.byte_range()])
     }
 
@@ -149,11 +70,12 @@ impl CpuDevice {
         self.bytes(src)?;
         self.bytes(dst)?;
         if src.buffer() == dst.buffer() {
-            let data = self.slot_data_mut(src.buffer())?;
+            let data = self.slots.get_mut(src.buffer())?;
             data.copy_within(src.byte_range(), dst.byte_offset());
         } else {
             let [s, d] = self
                 .slots
+                .slots_mut()
                 .get_disjoint_mut([src.buffer().index as usize, dst.buffer().index as usize])
                 .map_err(|_| DeviceError::Freed(src.buffer().index))?;
             let (s, d) = (s.data.as_ref(), d.data.as_mut());
@@ -215,7 +137,7 @@ impl CpuDevice {
             .collect();
         buffers.sort_unstable();
         buffers.dedup();
-        let mut rest: &mut [Slot] = &mut self.slots;
+        let mut rest: &mut [Slot<Vec<u8>>] = self.slots.slots_mut();
         let mut base = 0usize;
         for index in buffers {
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(index as usize + 1 - base);

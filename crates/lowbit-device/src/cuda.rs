@@ -15,15 +15,28 @@ use std::collections::BTreeMap;
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, ValidAsZeroBits,
+    result, sys,
+};
 
+use crate::slots::{Slots, check_bounds};
 use crate::{BufferId, DeviceError, Result, View};
+
+/// Kernel arguments from plain values, each by its type: `u64` (device addresses) and `usize`
+/// (counts, widened to 64 bits) as [`Arg::U64`], `u32` (flags, dtype codes) as [`Arg::U32`],
+/// `f32` as [`Arg::F32`]: `args![x, n, dt(d), alpha]`.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        [$($crate::cuda::Arg::from($a)),*]
+    };
+}
 
 mod kernels;
 mod mxfp8x;
 mod nvfp4;
 
-pub(crate) use kernels::{AdamWArgs, Range2d};
+pub(crate) use kernels::{Quantize, Range2d};
 
 /// A driver error as a [`DeviceError::Cuda`], with what was being done.
 pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {
@@ -39,12 +52,6 @@ struct Allocation {
     base: u64,
     /// The buffer's size in bytes as requested.
     len: usize,
-}
-
-#[derive(Debug, Default)]
-struct Slot {
-    generation: u32,
-    data: Option<Allocation>,
 }
 
 /// A loaded PTX module and its kernels by name.
@@ -68,14 +75,37 @@ pub(crate) enum Arg {
     U32(u32),
 }
 
+impl From<u64> for Arg {
+    fn from(v: u64) -> Self {
+        Arg::U64(v)
+    }
+}
+
+/// A count, passed as 64 bits.
+impl From<usize> for Arg {
+    fn from(v: usize) -> Self {
+        Arg::U64(v as u64)
+    }
+}
+
+impl From<u32> for Arg {
+    fn from(v: u32) -> Self {
+        Arg::U32(v)
+    }
+}
+
+impl From<f32> for Arg {
+    fn from(v: f32) -> Self {
+        Arg::F32(v)
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct CudaDevice {
-    /// This device's id; every [`BufferId`] it hands out carries it.
-    id: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    slots: Vec<Slot>,
-    free: Vec<u32>,
+    /// The driver allocations, by buffer.
+    slots: Slots<Allocation>,
     modules: Vec<Module>,
     functions: BTreeMap<&'static str, Function>,
     fallbacks: BTreeMap<&'static str, u64>,
@@ -125,11 +155,9 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating the context"))?;
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let mut dev = CudaDevice {
-            id: crate::cpu::next_device_id(),
             ctx,
             stream,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Slots::new(),
             modules: Vec::new(),
             functions: BTreeMap::new(),
             fallbacks: BTreeMap::new(),
@@ -204,85 +232,52 @@ impl CudaDevice {
         self.ctx.ordinal()
     }
 
-    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<BufferId> {
-        self.bind()?;
+    /// A zeroed allocation of `n` elements (at least one, so that it has an address) on this
+    /// device's stream, and its address; dropping it frees it in stream order.
+    fn zeroed<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<(CudaSlice<T>, u64)> {
         let mem = self
             .stream
-            .alloc_zeros::<u8>(bytes.max(1))
-            .map_err(cuda_err("allocating device memory"))?;
-        let base = {
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(cuda_err(what))?;
+        let ptr = {
             let (ptr, _sync) = mem.device_ptr(&self.stream);
             ptr
         };
-        let data = Some(Allocation {
-            _mem: mem,
-            base,
-            len: bytes,
-        });
-        if let Some(index) = self.free.pop() {
-            let slot = &mut self.slots[index as usize];
-            slot.generation = slot.generation.wrapping_add(1);
-            slot.data = data;
-            Ok(BufferId {
-                device: self.id,
-                index,
-                generation: slot.generation,
+        Ok((mem, ptr))
+    }
+
+    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<BufferId> {
+        self.bind()?;
+        let (mem, base) = self.zeroed::<u8>(bytes, "allocating device memory")?;
+        self.slots
+            .insert(Allocation {
+                _mem: mem,
+                base,
+                len: bytes,
             })
-        } else {
-            let index = u32::try_from(self.slots.len())
-                .map_err(|_| DeviceError::Cuda("more than 2^32 allocations".into()))?;
-            self.slots.push(Slot {
-                generation: 0,
-                data,
-            });
-            Ok(BufferId {
-                device: self.id,
-                index,
-                generation: 0,
-            })
-        }
+            .ok_or_else(|| DeviceError::Cuda("more than 2^32 allocations".into()))
     }
 
     pub(crate) fn free(&mut self, id: BufferId) -> Result<()> {
-        self.allocation(id)?;
+        self.slots.get(id)?;
         self.bind()?;
         // Dropping the allocation frees it in stream order, after the work queued before.
-        self.slots[id.index as usize].data = None;
-        self.free.push(id.index);
-        Ok(())
+        self.slots.remove(id)
     }
 
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .filter_map(|s| s.data.as_ref().map(|a| a.len))
-            .sum()
-    }
-
-    fn allocation(&self, id: BufferId) -> Result<&Allocation> {
-        if id.device != self.id {
-            return Err(DeviceError::Freed(id.index));
-        }
-        self.slots
-            .get(id.index as usize)
-            .filter(|s| s.generation == id.generation)
-            .and_then(|s| s.data.as_ref())
-            .ok_or(DeviceError::Freed(id.index))
+        self.slots.values().map(|a| a.len).sum()
     }
 
     /// The device address of `v`'s first byte, after checking liveness and bounds.
     pub(crate) fn device_ptr(&self, v: View) -> Result<u64> {
-        let a = self.allocation(v.buffer())?;
-        let r = v.byte_range();
-        if r.end > a.len {
-            return Err(DeviceError::OutOfBounds {
-                what: "view",
-                start: r.start,
-                end: r.end,
-                len: a.len,
-            });
-        }
-        Ok(a.base + r.start as u64)
+        let a = self.slots.get(v.buffer())?;
+        check_bounds(v, a.len)?;
+        Ok(a.base + v.byte_offset() as u64)
     }
 
     /// The same checks as `CpuDevice::check_views`, with the same errors.

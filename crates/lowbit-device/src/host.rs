@@ -56,38 +56,29 @@ impl Device {
                 let (i, o) = c.split(what, ins, outs)?;
                 body(i, o)
             }
+            // The host fallback on a GPU device.
             #[cfg(feature = "cuda")]
-            crate::Backend::Cuda(_) => self.host_fallback(what, ins, outs, body),
+            crate::Backend::Cuda(_) => {
+                self.check_views(what, ins, outs)?;
+                let in_bytes = ins
+                    .iter()
+                    .map(|v| self.read_bytes(*v))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut out_bytes = outs
+                    .iter()
+                    .map(|v| self.read_bytes(*v))
+                    .collect::<Result<Vec<_>>>()?;
+                let r = body(
+                    in_bytes.iter().map(Vec::as_slice).collect(),
+                    out_bytes.iter_mut().map(Vec::as_mut_slice).collect(),
+                )?;
+                for (v, b) in outs.iter().zip(&out_bytes) {
+                    self.write_bytes(*v, b)?;
+                }
+                self.note_fallback(what);
+                Ok(r)
+            }
         }
-    }
-
-    /// The host fallback of [`Device::host_op_dyn`] on a GPU device.
-    #[cfg(feature = "cuda")]
-    fn host_fallback<R>(
-        &mut self,
-        what: &'static str,
-        ins: &[View],
-        outs: &[View],
-        body: impl FnOnce(Vec<&[u8]>, Vec<&mut [u8]>) -> Result<R>,
-    ) -> Result<R> {
-        self.check_views(what, ins, outs)?;
-        let in_bytes = ins
-            .iter()
-            .map(|v| self.read_bytes(*v))
-            .collect::<Result<Vec<_>>>()?;
-        let mut out_bytes = outs
-            .iter()
-            .map(|v| self.read_bytes(*v))
-            .collect::<Result<Vec<_>>>()?;
-        let r = body(
-            in_bytes.iter().map(Vec::as_slice).collect(),
-            out_bytes.iter_mut().map(Vec::as_mut_slice).collect(),
-        )?;
-        for (v, b) in outs.iter().zip(&out_bytes) {
-            self.write_bytes(*v, b)?;
-        }
-        self.note_fallback(what);
-        Ok(r)
     }
 
     /// The bytes of one input view on the host: borrowed on the CPU, downloaded (and counted as

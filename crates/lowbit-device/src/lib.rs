@@ -137,6 +137,7 @@ mod cuda;
 mod host;
 mod ops;
 pub mod ptx;
+mod slots;
 
 /// The `cudarc` this crate was built with, for layers that drive the same CUDA context (NCCL).
 #[cfg(feature = "cuda")]

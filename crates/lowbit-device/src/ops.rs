@@ -42,6 +42,11 @@ mod model;
 mod optim;
 mod quant;
 
+#[cfg(feature = "cuda")]
+pub(crate) use optim::AdamWScalars;
+#[cfg(feature = "cuda")]
+pub(crate) use quant::Dequant;
+
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {

@@ -101,7 +101,7 @@ impl Optimizer for ChainedOptimizer {
         }
         Ok(out)
     }
-    fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
+    fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
         let owners = self.owners();
         if let Some(s) = state.iter().find(|s| !owners.contains(&s.owner)) {
             return Err(InvalidInput::StateMismatch(format!(
@@ -110,6 +110,11 @@ impl Optimizer for ChainedOptimizer {
             ))
             .into());
         }
+        self.parts.iter().try_for_each(|p| p.check_import(state))
+    }
+    fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
+        // Every part checks before any part writes: a refusal changes no part.
+        self.check_import(state)?;
         self.parts
             .iter_mut()
             .try_for_each(|p| p.import_state(dev, state))

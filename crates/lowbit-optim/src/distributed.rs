@@ -15,6 +15,11 @@ use crate::optimizer::{
 };
 use crate::rule::{ShardViews, UpdateRule};
 
+/// State tensors per element of `rule`.
+fn s_len(rule: &dyn UpdateRule) -> usize {
+    rule.state_names().len()
+}
+
 /// One owned piece of a parameter with its fp32 master and optimizer state.
 #[derive(Debug)]
 struct Shard {
@@ -57,18 +62,25 @@ impl DistributedOptimizer {
     ) -> Result<Self> {
         cfg.validate()?;
         rule.validate()?;
-        let mut shards = Vec::new();
-        for s in bufs.owned_shards_of(owner)? {
-            let n = s.param_range.len();
-            let values = init(s.param, s.param_range.clone());
-            if values.len() != n {
+        // Every piece's values are asked for and checked before anything is allocated, so a
+        // refusal leaks nothing.
+        let owned = bufs.owned_shards_of(owner)?;
+        let mut values = Vec::with_capacity(owned.len());
+        for s in &owned {
+            let v = init(s.param, s.param_range.clone());
+            if v.len() != s.param_range.len() {
                 return Err(InvalidInput::InitLength {
                     param: s.param,
-                    got: values.len(),
-                    expected: n,
+                    got: v.len(),
+                    expected: s.param_range.len(),
                 }
                 .into());
             }
+            values.push(v);
+        }
+        let mut shards = Vec::new();
+        for (s, values) in owned.into_iter().zip(values) {
+            let n = s.param_range.len();
             let master = dev.alloc(DType::F32, n);
             dev.upload(master, &values)?;
             let grad32 = if s.grad_view.dtype() == DType::F32 {
@@ -108,6 +120,46 @@ impl DistributedOptimizer {
     /// The configuration.
     pub fn config(&self) -> OptimConfig {
         self.cfg
+    }
+
+    /// This optimizer's entry of `state`, checked tensor by tensor against the shards.
+    fn matched<'s>(&self, state: &'s [OptimizerState]) -> Result<&'s OptimizerState> {
+        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
+        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
+            return mismatch(format!("no state for {:?}", self.owner));
+        };
+        if mine.rule != self.rule.name() {
+            return mismatch(format!(
+                "rule `{}` for a `{}` optimizer",
+                mine.rule,
+                self.rule.name()
+            ));
+        }
+        let per_shard = 1 + s_len(&*self.rule);
+        if mine.tensors.len() != per_shard * self.shards.len() {
+            return mismatch(format!(
+                "{} tensors for {} shards of {per_shard}",
+                mine.tensors.len(),
+                self.shards.len()
+            ));
+        }
+        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(per_shard)) {
+            let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
+            for (t, name) in chunk.iter().zip(names) {
+                if t.name != name
+                    || t.param != s.param
+                    || t.range != s.param_range
+                    || t.values.len() != s.param_range.len()
+                {
+                    return mismatch(format!(
+                        "tensor `{}` of parameter {} {:?} where `{name}` of parameter {} {:?} was \
+                         expected",
+                        t.name, t.param, t.range, s.param, s.param_range
+                    ));
+                }
+            }
+        }
+        Ok(mine)
     }
 
     fn tensors(&self, dev: &Device) -> Result<Vec<StateTensor>> {
@@ -183,6 +235,15 @@ impl Optimizer for DistributedOptimizer {
         if only_stale && !bufs.has_stale(self.owner) {
             return Ok(());
         }
+        if !only_stale {
+            // The same rounding the fused update wrote, so after a normal step this is a no-op
+            // on the bits; after an import it brings persistent weights to the masters.
+            for s in &self.shards {
+                if let Some(out) = s.fused_output {
+                    dev.cast(s.master, out)?;
+                }
+            }
+        }
         let pieces: Vec<StagePiece> = self
             .shards
             .iter()
@@ -230,51 +291,16 @@ impl Optimizer for DistributedOptimizer {
         }])
     }
 
+    fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
+        self.matched(state).map(|_| ())
+    }
+
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
-        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
-        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
-            return mismatch(format!("no state for {:?}", self.owner));
-        };
-        if mine.rule != self.rule.name() {
-            return mismatch(format!(
-                "rule `{}` for a `{}` optimizer",
-                mine.rule,
-                self.rule.name()
-            ));
-        }
-        let per_shard = 1 + self.rule.state_names().len();
-        if mine.tensors.len() != per_shard * self.shards.len() {
-            return mismatch(format!(
-                "{} tensors for {} shards of {per_shard}",
-                mine.tensors.len(),
-                self.shards.len()
-            ));
-        }
-        // Check everything before writing anything.
-        let mut writes = Vec::with_capacity(mine.tensors.len());
-        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(per_shard)) {
-            let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
-            for ((t, name), &view) in chunk
-                .iter()
-                .zip(names)
-                .zip(std::iter::once(&s.master).chain(&s.state))
-            {
-                if t.name != name
-                    || t.param != s.param
-                    || t.range != s.param_range
-                    || t.values.len() != s.param_range.len()
-                {
-                    return mismatch(format!(
-                        "tensor `{}` of parameter {} {:?} where `{name}` of parameter {} {:?} was \
-                         expected",
-                        t.name, t.param, t.range, s.param, s.param_range
-                    ));
-                }
-                writes.push((view, &t.values));
+        let mine = self.matched(state)?;
+        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(1 + s_len(&*self.rule))) {
+            for (&view, t) in std::iter::once(&s.master).chain(&s.state).zip(chunk) {
+                dev.upload(view, &t.values)?;
             }
-        }
-        for (view, values) in writes {
-            dev.upload(view, values)?;
         }
         self.steps = mine.steps;
         Ok(())

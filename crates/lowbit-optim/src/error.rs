@@ -74,4 +74,31 @@ pub enum InvalidInput {
     /// Imported state that does not match this optimizer's shards.
     #[error("state to import does not match: {0}")]
     StateMismatch(String),
+    /// A parameter of a whole-matrix optimizer (Muon) that the plan splits across ranks.
+    #[error(
+        "parameter `{name}`: rank {rank} owns elements {range:?} of {numel}; Muon updates whole \
+         matrices, so its owner needs a plan that keeps parameters whole \
+         (ShardingStrategy::LayerWise)"
+    )]
+    PartialParameter {
+        /// Parameter name.
+        name: String,
+        /// The rank that owns a piece of it.
+        rank: usize,
+        /// That piece within the flattened parameter.
+        range: std::ops::Range<usize>,
+        /// Elements of the parameter.
+        numel: usize,
+    },
+    /// A parameter a matrix optimizer (Muon) cannot update.
+    #[error(
+        "parameter `{name}` has shape {shape:?}; Muon updates matrices [out, in] and grouped \
+         expert weights [experts, out, in]"
+    )]
+    NotAMatrix {
+        /// Parameter name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
 }

@@ -158,9 +158,10 @@ pub trait Optimizer: Debug + Send {
         clip_coef: f32,
     ) -> Result<()>;
 
-    /// Stages the owners' low-precision weights from the masters through
-    /// [`DataParallelBuffers::stage`] (collective); with `only_stale`, only owners whose weights
-    /// are stale.
+    /// Stages the owners' weights from the masters (collective): low-precision weights through
+    /// [`DataParallelBuffers::stage`]; with `only_stale`, only owners whose weights are stale.
+    /// Without `only_stale` (forced syncs) persistent weights are rewritten from the masters too,
+    /// so that a forced sync after an import makes every weight reflect the masters.
     ///
     /// # Errors
     /// Buffer errors (protocol violations included).
@@ -193,7 +194,19 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>>;
 
-    /// Restores state exported by an optimizer with the same owners and shards.
+    /// Checks that `state` matches this optimizer's owners and shards, writing nothing. A chain
+    /// runs every part's check before any part imports, so an optimizer whose `import_state`
+    /// can refuse must override this (the default accepts everything).
+    ///
+    /// # Errors
+    /// [`InvalidInput::StateMismatch`] naming the first mismatch.
+    fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
+
+    /// Restores state exported by an optimizer with the same owners and shards; everything is
+    /// checked ([`Optimizer::check_import`]) before anything is written.
     ///
     /// # Errors
     /// [`InvalidInput::StateMismatch`] (nothing is changed then), device errors.

@@ -78,8 +78,9 @@ pub fn step(
     })
 }
 
-/// A forced parameter sync (eval, checkpoint save): completes gathers in flight, zeroes the
-/// gradients, restages every owner's `bf16(master)` and gathers every group now. Right after a
+/// A forced parameter sync (eval, checkpoint save, after a state import): completes gathers in
+/// flight, zeroes the gradients, rewrites every owner's weights from its masters (staged
+/// `bf16(master)`, or the rounded masters for persistent storage) and gathers every group now. Right after a
 /// normal step it leaves every weight bitwise unchanged. Gradients are destroyed, so call it
 /// between steps.
 ///
@@ -93,6 +94,9 @@ pub fn force_param_sync(
 ) -> Result<()> {
     bufs.complete_param_sync(dev)?;
     bufs.zero_grad_buffer(dev)?;
+    // Every group is gathered again, persistent ones included (they were rewritten from the
+    // masters by `stage`).
+    bufs.reset_param_sync()?;
     opt.stage(dev, comm, bufs, false)?;
     bufs.sync_params(dev, comm)?;
     Ok(())

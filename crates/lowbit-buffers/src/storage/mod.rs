@@ -182,9 +182,10 @@ pub(crate) trait Storage: Debug + Send {
         verify: Verify,
     ) -> Result<AfterGather>;
 
-    /// Writes the initial low-precision weights of layout index `index` from `src`, its bf16
-    /// values (every rank writes every parameter; no gather needed at iteration 0).
-    fn initialize(&mut self, dev: &mut Device, index: usize, src: View) -> Result<()>;
+    /// Writes the initial weights of layout index `index` from `values`, its f32 values:
+    /// rounded to the storage dtype, or `Q(bf16(values))` (every rank writes every parameter;
+    /// no gather needed at iteration 0).
+    fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()>;
 
     /// The low-precision weights of layout index `index`.
     fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
@@ -194,6 +195,18 @@ pub(crate) trait Storage: Debug + Send {
 
     /// Bytes held (allocations counted once; an aliased staging view reported apart).
     fn memory(&self) -> StorageBytes;
+}
+
+/// Runs `f` on a bf16 copy of the f32 `values` (low-precision weights are `Q(bf16(values))`).
+fn with_bf16(
+    dev: &mut Device,
+    values: View,
+    f: impl FnOnce(&mut Device, View) -> Result<()>,
+) -> Result<()> {
+    let tmp = dev.alloc(DType::Bf16, values.len());
+    let r = dev.cast(values, tmp).map_err(Into::into).and_then(|()| f(dev, tmp));
+    dev.free(tmp)?;
+    r
 }
 
 /// What [`Storage::after_gather`] found.

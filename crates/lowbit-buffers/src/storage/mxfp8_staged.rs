@@ -108,10 +108,11 @@ impl Storage for Mxfp8Staged {
         }
         Ok(AfterGather::Ok)
     }
-    fn initialize(&mut self, dev: &mut Device, index: usize, src: View) -> Result<()> {
-        let w = &self.weights[index];
-        dev.quantize_mxfp8(src, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?;
-        Ok(())
+    fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
+        let w = self.weights[index];
+        super::with_bf16(dev, values, |dev, src| {
+            Ok(dev.quantize_mxfp8(src, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?)
+        })
     }
     fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
         self.weights

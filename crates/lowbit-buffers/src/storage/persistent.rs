@@ -8,17 +8,22 @@ use lowbit_layout::BufferPlan;
 
 use super::{AfterGather, Storage, StorageBytes, StorageKind};
 use crate::config::Verify;
-use crate::error::{ProtocolError, Result};
+use crate::error::Result;
 
 #[derive(Debug)]
 pub(super) struct Persistent {
     region: View,
+    /// Each parameter's element range in the region, by layout index.
+    ranges: Vec<std::ops::Range<usize>>,
 }
 
 impl Persistent {
     pub(super) fn allocate(dev: &mut Device, plan: &BufferPlan, dtype: DType) -> Persistent {
         Persistent {
             region: dev.alloc(dtype, plan.layout.numel),
+            ranges: (0..plan.layout.params.len())
+                .map(|i| plan.param_range(i))
+                .collect(),
         }
     }
 }
@@ -46,11 +51,9 @@ impl Storage for Persistent {
     ) -> Result<AfterGather> {
         Ok(AfterGather::Ok)
     }
-    fn initialize(&mut self, _dev: &mut Device, _index: usize, _src: View) -> Result<()> {
-        Err(ProtocolError::NotLowPrecision {
-            name: "(persistent storage)".into(),
-        }
-        .into())
+    fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
+        let range = self.ranges[index].clone();
+        Ok(dev.cast(values, self.region.slice(range)?)?)
     }
     fn memory(&self) -> StorageBytes {
         StorageBytes {

@@ -215,13 +215,14 @@ impl<F: TileFormat> Storage for Tiled<F> {
         }
         Ok(AfterGather::Ok)
     }
-    fn initialize(&mut self, dev: &mut Device, index: usize, src: View) -> Result<()> {
-        let n = src.len();
+    fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
         let w = &mut self.weights[index];
-        dev.zero(F::tiles(w))?;
-        F::fold(dev, w, src, 0)?;
-        F::quantize(dev, w, src, 0..n)?;
-        F::finish(dev, w)
+        super::with_bf16(dev, values, |dev, src| {
+            dev.zero(F::tiles(w))?;
+            F::fold(dev, w, src, 0)?;
+            F::quantize(dev, w, src, 0..src.len())?;
+            F::finish(dev, w)
+        })
     }
     fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
         self.weights.get(index).map(F::compute)

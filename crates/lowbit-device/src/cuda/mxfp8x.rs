@@ -7,28 +7,21 @@
 
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy};
 
-use super::{Arg, CudaDevice};
-use crate::{DType, Mxfp8Views, Result, View};
+use super::CudaDevice;
+use super::kernels::Mxfp8Quantize;
+use crate::{DType, Result};
 
 /// Which variants dispatch to the kernels (each only once bit-exact on a GPU).
-pub(crate) struct Enabled {
+mod enabled {
     /// A columnwise-only 1D copy.
-    pub(crate) columnwise: bool,
+    pub(super) const COLUMNWISE: bool = true;
     /// 2D (32x32 tile) scales, any copies.
-    pub(crate) two_d: bool,
+    pub(super) const TWO_D: bool = true;
     /// E5M2 elements.
-    pub(crate) e5m2: bool,
+    pub(super) const E5M2: bool = true;
     /// f32 and f16 inputs.
-    pub(crate) wide_inputs: bool,
+    pub(super) const WIDE_INPUTS: bool = true;
 }
-
-/// The variants with kernels.
-pub(crate) const ENABLED: Enabled = Enabled {
-    columnwise: true,
-    two_d: true,
-    e5m2: true,
-    wide_inputs: true,
-};
 
 /// Flags of the kernels (`MX_*` in `mxfp8x.cu`).
 const ROW: u32 = 1;
@@ -36,12 +29,12 @@ const COL: u32 = 2;
 const TWO_D: u32 = 4;
 const VEC: u32 = 8;
 
-/// Whether [`ENABLED`] covers this configuration.
-fn enabled(dtype: DType, cfg: &Mxfp8Config) -> bool {
-    (dtype == DType::Bf16 || ENABLED.wide_inputs)
-        && (cfg.kind == Fp8Kind::E4M3 || ENABLED.e5m2)
-        && (!cfg.two_d || ENABLED.two_d)
-        && (cfg.two_d || cfg.copies != Copies::Columnwise || ENABLED.columnwise)
+/// Whether this configuration is among the [`enabled`] variants.
+fn covered(dtype: DType, cfg: &Mxfp8Config) -> bool {
+    (dtype == DType::Bf16 || enabled::WIDE_INPUTS)
+        && (cfg.kind == Fp8Kind::E4M3 || enabled::E5M2)
+        && (!cfg.two_d || enabled::TWO_D)
+        && (cfg.two_d || cfg.copies != Copies::Columnwise || enabled::COLUMNWISE)
 }
 
 /// The kernel for an input dtype and element kind.
@@ -58,22 +51,16 @@ fn kernel(dtype: DType, kind: Fp8Kind) -> Option<&'static str> {
 }
 
 impl CudaDevice {
-    /// MXFP8 quantization by the kernels of `cuda/mxfp8x.cu` for the variants of [`ENABLED`]
+    /// MXFP8 quantization by the kernels of `cuda/mxfp8x.cu` for the variants of [`enabled`]
     /// (TE NaN policy; the grid's limits: `ceil(rows/32) <= 65535`), else `Ok(false)`. An empty
     /// matrix writes nothing (every output view is empty). Views validated by the caller,
     /// present exactly for the copies `cfg.copies` asks for.
-    pub(crate) fn mxfp8x_quantize(
-        &mut self,
-        src: View,
-        rows: usize,
-        cols: usize,
-        cfg: &Mxfp8Config,
-        out: &Mxfp8Views,
-    ) -> Result<bool> {
+    pub(crate) fn mxfp8x_quantize(&mut self, q: &Mxfp8Quantize<'_>) -> Result<bool> {
+        let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
         let Some(name) = kernel(src.dtype(), cfg.kind) else {
             return Ok(false);
         };
-        if cfg.nan_policy != NanPolicy::Te || !enabled(src.dtype(), cfg) {
+        if cfg.nan_policy != NanPolicy::Te || !covered(src.dtype(), cfg) {
             return Ok(false);
         }
         if rows == 0 || cols == 0 {
@@ -106,28 +93,22 @@ impl CudaDevice {
         {
             flags |= VEC;
         }
+        let args = args![
+            x,
+            rd,
+            rs,
+            cd,
+            cs,
+            rows,
+            cols,
+            cfg.kind.max_norm_rcp(),
+            flags
+        ];
         // SAFETY: the views were validated by the caller (live, in bounds, disjoint; rows·cols
         // input elements, rows·cols data bytes and the compact scale counts for each requested
         // copy; absent copies are never addressed since their flag is clear); the vector
         // accesses only with VEC, whose alignment is checked here; the grid is within limits.
-        unsafe {
-            self.launch(
-                name,
-                (gx, gy, 1),
-                (256, 1, 1),
-                &[
-                    Arg::U64(x),
-                    Arg::U64(rd),
-                    Arg::U64(rs),
-                    Arg::U64(cd),
-                    Arg::U64(cs),
-                    Arg::U64(rows as u64),
-                    Arg::U64(cols as u64),
-                    Arg::F32(cfg.kind.max_norm_rcp()),
-                    Arg::U32(flags),
-                ],
-            )?;
-        }
+        unsafe { self.launch(name, (gx, gy, 1), (256, 1, 1), &args)? };
         Ok(true)
     }
 }

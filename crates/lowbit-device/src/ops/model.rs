@@ -156,7 +156,7 @@ impl Device {
         if cols == 0 && !rstd.is_empty() {
             return Err(invalid(WHAT, "rows of zero columns have no RMS"));
         }
-        on_cuda!(self, g => g.rms_norm(x, weight, y, rstd, eps));
+        on_cuda!(self, g => g.rms_norm([x, weight], [y, rstd], eps));
         self.host_op(WHAT, [x, weight], [y, rstd], |[xb, wb], [yb, rb]| {
             let (xs, w) = (decode_f32(DType::F32, xb), decode_f32(DType::F32, wb));
             let mut ys = vec![0f32; xs.len()];
@@ -199,7 +199,7 @@ impl Device {
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
         check_len(WHAT, cols, dweight.len())?;
-        on_cuda!(self, g => g.rms_norm_backward(x, weight, rstd, dy, dx, dweight));
+        on_cuda!(self, g => g.rms_norm_backward([x, weight, rstd, dy], [dx, dweight]));
         self.host_op(
             WHAT,
             [x, weight, rstd, dy],
@@ -309,7 +309,7 @@ impl Device {
         check_len(WHAT, pred.len(), target.len())?;
         check_len(WHAT, pred.len(), dpred.len())?;
         let c = (2.0 * f64::from(scale) / pred.len() as f64) as f32;
-        on_cuda!(self, g => g.mse_loss_backward(pred, target, dpred, c));
+        on_cuda!(self, g => g.mse_loss_backward([pred, target], dpred, c));
         self.host_op(WHAT, [pred, target], [dpred], |[p, t], [d]| {
             zip_into((DType::F32, p), (DType::F32, t), (DType::F32, d), |p, t| {
                 c * (p - t)
@@ -358,7 +358,7 @@ impl Device {
         check_dtype(WHAT, dlogits, DType::F32)?;
         check_len(WHAT, logits.len(), dlogits.len())?;
         let c = (f64::from(scale) / rows as f64) as f32;
-        on_cuda!(self, g => g.softmax_cross_entropy_backward(logits, targets, dlogits, classes, c));
+        on_cuda!(self, g => g.softmax_cross_entropy_backward([logits, targets, dlogits], classes, c));
         self.host_op(WHAT, [logits, targets], [dlogits], |[xb, _], [db]| {
             let x = decode_f32(DType::F32, xb);
             let mut d = vec![0f32; x.len()];

@@ -11,43 +11,28 @@ use super::{CHUNK, chunks, elems, elems_mut, invalid};
 use crate::cpu::{decode_into, encode_f32};
 use crate::{AdamW, DType, Device, Result, SgdMomentum, View, check_dtype, check_float, check_len};
 
-/// The per-call f32 scalars of one AdamW step.
+/// The per-call f32 scalars of one AdamW step (the CUDA kernel takes them as they are).
 #[derive(Clone, Copy, Debug)]
-struct AdamWScalars {
+pub(crate) struct AdamWScalars {
     /// `fl32(1 − lr·wd)`.
-    decay: f32,
+    pub(crate) decay: f32,
     /// Lerp weight `w = fl32(1 − β1)`.
-    w: f32,
+    pub(crate) w: f32,
     /// `fl32(1 − w)`, computed in f32 as PyTorch's lerp does per element.
-    one_minus_w: f32,
+    pub(crate) one_minus_w: f32,
     /// `β2`.
-    beta2: f32,
+    pub(crate) beta2: f32,
     /// `fl32(1 − β2)`.
-    c2: f32,
+    pub(crate) c2: f32,
     /// `fl32(−lr / (1 − β1^step))`.
-    neg_step_size: f32,
+    pub(crate) neg_step_size: f32,
     /// `fl32(sqrt(1 − β2^step))`.
-    bc2_sqrt: f32,
+    pub(crate) bc2_sqrt: f32,
     /// `ε`.
-    eps: f32,
+    pub(crate) eps: f32,
 }
 
 impl AdamWScalars {
-    /// The same scalars for the CUDA kernel.
-    #[cfg(feature = "cuda")]
-    fn kernel_args(&self) -> crate::cuda::AdamWArgs {
-        crate::cuda::AdamWArgs {
-            decay: self.decay,
-            w: self.w,
-            one_minus_w: self.one_minus_w,
-            beta2: self.beta2,
-            c2: self.c2,
-            neg_step_size: self.neg_step_size,
-            bc2_sqrt: self.bc2_sqrt,
-            eps: self.eps,
-        }
-    }
-
     fn new(hp: &AdamW) -> Self {
         let (lr, b1, b2) = (f64::from(hp.lr), f64::from(hp.beta1), f64::from(hp.beta2));
         // `step` is at least 1 and below 2^53 for any real run, so the conversion is exact.
@@ -149,7 +134,7 @@ impl Device {
             .into_iter()
             .chain(out)
             .collect();
-        on_cuda!(self, g => g.adamw(param, grad, exp_avg, exp_avg_sq, &k.kernel_args(), out));
+        on_cuda!(self, g => g.adamw([param, grad, exp_avg, exp_avg_sq], &k, out));
         self.host_op_dyn(WHAT, &[grad], &outs, |ins, mut outs| {
             let ([g], [p, m, v, rest @ ..]) = (&ins[..], &mut outs[..]) else {
                 unreachable!("one slice per view");
@@ -201,13 +186,10 @@ impl Device {
         check_float(WHAT, grad)?;
         check_len(WHAT, param.len(), grad.len())?;
         check_len(WHAT, buf.len(), grad.len())?;
-        on_cuda!(self, g => g.sgd_momentum(
-            param,
-            grad,
-            buf,
-            (hp.weight_decay, hp.momentum, -hp.lr),
-            first_step,
-        ));
+        on_cuda!(self, g => {
+            let step = (hp.weight_decay, hp.momentum, -hp.lr);
+            g.sgd_momentum([param, grad, buf], step, first_step)
+        });
         self.host_op(WHAT, [grad], [param, buf], |[g], [p, b]| {
             let (f, gd) = (DType::F32, grad.dtype());
             let (wd, mom, neg_lr) = (hp.weight_decay, hp.momentum, -hp.lr);

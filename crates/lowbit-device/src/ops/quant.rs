@@ -3,7 +3,7 @@
 
 use lowbit_formats::mxfp8::{self, Mxfp8Config, Mxfp8Tensor};
 use lowbit_formats::nvfp4::{self, Nvfp4Config, Nvfp4Tensor};
-use lowbit_formats::{Fp8Kind, Matrix, QuantPlane, Source};
+use lowbit_formats::{Copies, Fp8Kind, Matrix, QuantPlane, Source};
 
 use super::{Mxfp8Views, Nvfp4Amax, Nvfp4Views, invalid, shape_len};
 use crate::{
@@ -49,6 +49,56 @@ struct PlaneShape {
     scales_len: usize,
 }
 
+/// What a format's quantization writes, for checking the destination views: the names of each
+/// copy's data and scales views (rowwise, then columnwise) and their lengths for a
+/// `rows × cols` matrix.
+struct Planes {
+    names: [[&'static str; 2]; 2],
+    lens: fn(usize, usize) -> [[usize; 2]; 2],
+}
+
+/// The views MXFP8 quantization writes (one byte per element, a scale per 32).
+const MXFP8_PLANES: Planes = Planes {
+    names: [
+        [
+            "quantize_mxfp8 rowwise data",
+            "quantize_mxfp8 rowwise scales",
+        ],
+        [
+            "quantize_mxfp8 columnwise data",
+            "quantize_mxfp8 columnwise scales",
+        ],
+    ],
+    lens: |rows, cols| {
+        let n = rows * cols;
+        [
+            [n, rows * cols.div_ceil(mxfp8::BLOCK)],
+            [n, rows.div_ceil(mxfp8::BLOCK) * cols],
+        ]
+    },
+};
+
+/// The views NVFP4 quantization writes (two codes per byte, a scale per 16; the columnwise copy
+/// transposed).
+const NVFP4_PLANES: Planes = Planes {
+    names: [
+        [
+            "quantize_nvfp4 rowwise data",
+            "quantize_nvfp4 rowwise scales",
+        ],
+        [
+            "quantize_nvfp4 columnwise data",
+            "quantize_nvfp4 columnwise scales",
+        ],
+    ],
+    lens: |rows, cols| {
+        [
+            [rows * cols.div_ceil(2), rows * cols.div_ceil(nvfp4::BLOCK)],
+            [cols * rows.div_ceil(2), cols * rows.div_ceil(nvfp4::BLOCK)],
+        ]
+    },
+};
+
 /// Checks one copy's destination views: present exactly when the copy is requested, u8, and of
 /// the expected lengths.
 fn check_plane_views(
@@ -76,13 +126,18 @@ fn check_plane_views(
     }
 }
 
-/// The destination views of both copies, flattened (data, scales, data, scales).
-fn out_views(rowwise: Option<(View, View)>, columnwise: Option<(View, View)>) -> Vec<View> {
-    [rowwise, columnwise]
-        .into_iter()
-        .flatten()
-        .flat_map(|(d, s)| [d, s])
-        .collect()
+/// A quantized copy's format, as its dequantization needs it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Dequant {
+    /// MXFP8 with elements of this kind.
+    Mxfp8(Fp8Kind),
+    /// NVFP4 with this global amax.
+    Nvfp4 {
+        /// The copy's global amax.
+        amax: f32,
+        /// Whether the copy holds Hadamard-transformed values (columnwise copies only).
+        rht: bool,
+    },
 }
 
 impl Device {
@@ -97,6 +152,40 @@ impl Device {
             self.write_bytes(scales, &p.scales)?;
         }
         Ok(())
+    }
+
+    /// Validates a quantization before anything is written: `src` is a float view of
+    /// `rows·cols` elements; each copy's views (`[rowwise, columnwise]`) are given exactly when
+    /// `copies` asks for that copy, u8, of the lengths `planes` gives; nothing overlaps.
+    fn check_quantize(
+        &self,
+        what: &'static str,
+        src: View,
+        [rows, cols]: [usize; 2],
+        copies: Copies,
+        out: [Option<(View, View)>; 2],
+        planes: &Planes,
+    ) -> Result<()> {
+        check_float(what, src)?;
+        let n = shape_len(what, rows, cols)?;
+        check_len(what, src.len(), n)?;
+        let lens = (planes.lens)(rows, cols);
+        let wanted = [copies.rowwise(), copies.columnwise()];
+        for (i, which) in ["rowwise", "columnwise"].into_iter().enumerate() {
+            let shape = PlaneShape {
+                what: planes.names[i],
+                wanted: wanted[i],
+                data_len: lens[i][0],
+                scales_len: lens[i][1],
+            };
+            check_plane_views(what, which, out[i], &shape)?;
+        }
+        let outs: Vec<View> = out
+            .into_iter()
+            .flatten()
+            .flat_map(|(d, s)| [d, s])
+            .collect();
+        self.check_views(what, &[src], &outs)
     }
 
     /// Quantizes the row-major `rows × cols` float view `src` to MXFP8 with
@@ -115,36 +204,19 @@ impl Device {
         out: &Mxfp8Views,
     ) -> Result<()> {
         const WHAT: &str = "quantize_mxfp8";
-        check_float(WHAT, src)?;
-        let n = shape_len(WHAT, rows, cols)?;
-        check_len(WHAT, src.len(), n)?;
-        let row_shape = PlaneShape {
-            what: [
-                "quantize_mxfp8 rowwise data",
-                "quantize_mxfp8 rowwise scales",
-            ],
-            wanted: cfg.copies.rowwise(),
-            data_len: n,
-            scales_len: rows * cols.div_ceil(mxfp8::BLOCK),
-        };
-        let col_shape = PlaneShape {
-            what: [
-                "quantize_mxfp8 columnwise data",
-                "quantize_mxfp8 columnwise scales",
-            ],
-            wanted: cfg.copies.columnwise(),
-            data_len: n,
-            scales_len: rows.div_ceil(mxfp8::BLOCK) * cols,
-        };
-        check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
-        check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
-        self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        let copies = [out.rowwise, out.columnwise];
+        self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &MXFP8_PLANES)?;
         #[cfg(feature = "cuda")]
-        if let Some(g) = self.cuda_mut()
-            && (g.quantize_mxfp8(src, rows, cols, cfg, out)?
-                || g.mxfp8x_quantize(src, rows, cols, cfg, out)?)
-        {
-            return Ok(());
+        if let Some(g) = self.cuda_mut() {
+            let q = crate::cuda::Quantize {
+                src,
+                shape: [rows, cols],
+                cfg,
+                out,
+            };
+            if g.quantize_mxfp8(&q)? || g.mxfp8x_quantize(&q)? {
+                return Ok(());
+            }
         }
         let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_mxfp8(
@@ -167,14 +239,9 @@ impl Device {
         kind: Fp8Kind,
         dst: View,
     ) -> Result<()> {
-        const WHAT: &str = "dequantize_mxfp8_rowwise";
-        let scales_shape = [rows, cols.div_ceil(mxfp8::BLOCK)];
-        self.check_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
-        on_cuda!(self, g => g.dequantize_mxfp8(data, scales, rows, cols, kind, dst, false));
-        let plane = self.read_plane(WHAT, [data, scales], [rows, cols], scales_shape)?;
-        let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, Some(plane), None)?;
-        let vals = t.dequantize_rowwise().unwrap_or_default();
-        self.write_f32(dst, &vals)
+        let format = Dequant::Mxfp8(kind);
+        let what = "dequantize_mxfp8_rowwise";
+        self.dequantize_copy(what, format, [data, scales, dst], [rows, cols], false)
     }
 
     /// Dequantizes an MXFP8 columnwise copy (u8 `data` `rows·cols`, E8M0 `scales`
@@ -189,14 +256,9 @@ impl Device {
         kind: Fp8Kind,
         dst: View,
     ) -> Result<()> {
-        const WHAT: &str = "dequantize_mxfp8_columnwise";
-        let scales_shape = [rows.div_ceil(mxfp8::BLOCK), cols];
-        self.check_plane(WHAT, [data, scales, dst], [[rows, cols]; 2], scales_shape)?;
-        on_cuda!(self, g => g.dequantize_mxfp8(data, scales, rows, cols, kind, dst, true));
-        let plane = self.read_plane(WHAT, [data, scales], [rows, cols], scales_shape)?;
-        let t = Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, None, Some(plane))?;
-        let vals = t.dequantize_columnwise().unwrap_or_default();
-        self.write_f32(dst, &vals)
+        let format = Dequant::Mxfp8(kind);
+        let what = "dequantize_mxfp8_columnwise";
+        self.dequantize_copy(what, format, [data, scales, dst], [rows, cols], true)
     }
 
     /// Quantizes the row-major `rows × cols` float view `src` to NVFP4 with
@@ -215,44 +277,25 @@ impl Device {
         out: &Nvfp4Views,
     ) -> Result<Nvfp4Amax> {
         const WHAT: &str = "quantize_nvfp4";
-        check_float(WHAT, src)?;
-        let n = shape_len(WHAT, rows, cols)?;
-        check_len(WHAT, src.len(), n)?;
-        let row_shape = PlaneShape {
-            what: [
-                "quantize_nvfp4 rowwise data",
-                "quantize_nvfp4 rowwise scales",
-            ],
-            wanted: cfg.copies.rowwise(),
-            data_len: rows * cols.div_ceil(2),
-            scales_len: rows * cols.div_ceil(nvfp4::BLOCK),
-        };
-        let col_shape = PlaneShape {
-            what: [
-                "quantize_nvfp4 columnwise data",
-                "quantize_nvfp4 columnwise scales",
-            ],
-            wanted: cfg.copies.columnwise(),
-            data_len: cols * rows.div_ceil(2),
-            scales_len: cols * rows.div_ceil(nvfp4::BLOCK),
-        };
-        check_plane_views(WHAT, "rowwise", out.rowwise, &row_shape)?;
-        check_plane_views(WHAT, "columnwise", out.columnwise, &col_shape)?;
-        self.check_views(WHAT, &[src], &out_views(out.rowwise, out.columnwise))?;
+        let copies = [out.rowwise, out.columnwise];
+        self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &NVFP4_PLANES)?;
         #[cfg(feature = "cuda")]
-        if let Some(g) = self.cuda_mut()
-            && let Some(amax) = g.quantize_nvfp4(src, rows, cols, cfg, out)?
-        {
-            return Ok(Nvfp4Amax {
-                rowwise: amax,
-                columnwise: amax,
-            });
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(g) = self.cuda_mut()
-            && let Some(amax) = g.nvfp4_quantize_variants(src, rows, cols, cfg, out)?
-        {
-            return Ok(amax);
+        if let Some(g) = self.cuda_mut() {
+            let q = crate::cuda::Quantize {
+                src,
+                shape: [rows, cols],
+                cfg,
+                out,
+            };
+            if let Some(amax) = g.quantize_nvfp4(&q)? {
+                return Ok(Nvfp4Amax {
+                    rowwise: amax,
+                    columnwise: amax,
+                });
+            }
+            if let Some(amax) = g.nvfp4_quantize_variants(&q)? {
+                return Ok(amax);
+            }
         }
         let host = HostValues::read(self, WHAT, src)?;
         let t = lowbit_formats::quantize_nvfp4(
@@ -279,30 +322,9 @@ impl Device {
         cols: usize,
         dst: View,
     ) -> Result<()> {
-        const WHAT: &str = "dequantize_nvfp4_rowwise";
-        let data_shape = [rows, cols.div_ceil(2)];
-        let scales_shape = [rows, cols.div_ceil(nvfp4::BLOCK)];
-        self.check_plane(
-            WHAT,
-            [data, scales, dst],
-            [[rows, cols], data_shape],
-            scales_shape,
-        )?;
-        on_cuda!(self, g => g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, false));
-        let plane = self.read_plane(WHAT, [data, scales], data_shape, scales_shape)?;
-        let t = Nvfp4Tensor::from_parts(
-            TENSOR_NAME,
-            rows,
-            cols,
-            false,
-            false,
-            amax,
-            amax,
-            Some(plane),
-            None,
-        )?;
-        let vals = t.dequantize_rowwise().unwrap_or_default();
-        self.write_f32(dst, &vals)
+        let format = Dequant::Nvfp4 { amax, rht: false };
+        let what = "dequantize_nvfp4_rowwise";
+        self.dequantize_copy(what, format, [data, scales, dst], [rows, cols], false)
     }
 
     /// Dequantizes an NVFP4 columnwise copy (packed `data` `cols·ceil(rows/2)`, scales
@@ -319,44 +341,85 @@ impl Device {
         cols: usize,
         dst: View,
     ) -> Result<()> {
-        const WHAT: &str = "dequantize_nvfp4_columnwise";
-        let data_shape = [cols, rows.div_ceil(2)];
-        let scales_shape = [cols, rows.div_ceil(nvfp4::BLOCK)];
-        self.check_plane(
-            WHAT,
-            [data, scales, dst],
-            [[rows, cols], data_shape],
-            scales_shape,
-        )?;
-        if rht && !rows.is_multiple_of(nvfp4::BLOCK) {
+        let format = Dequant::Nvfp4 { amax, rht };
+        let what = "dequantize_nvfp4_columnwise";
+        self.dequantize_copy(what, format, [data, scales, dst], [rows, cols], true)
+    }
+
+    /// The body of the dequantizations: the rowwise or (`columnwise`) the columnwise copy
+    /// `[data, scales]` of a `rows × cols` matrix in `format`, into the float view `dst`.
+    fn dequantize_copy(
+        &mut self,
+        what: &'static str,
+        format: Dequant,
+        views: [View; 3],
+        [rows, cols]: [usize; 2],
+        columnwise: bool,
+    ) -> Result<()> {
+        let [data, scales, dst] = views;
+        let (data_shape, scales_shape) = match (format, columnwise) {
+            (Dequant::Mxfp8(_), false) => ([rows, cols], [rows, cols.div_ceil(mxfp8::BLOCK)]),
+            (Dequant::Mxfp8(_), true) => ([rows, cols], [rows.div_ceil(mxfp8::BLOCK), cols]),
+            (Dequant::Nvfp4 { .. }, false) => (
+                [rows, cols.div_ceil(2)],
+                [rows, cols.div_ceil(nvfp4::BLOCK)],
+            ),
+            (Dequant::Nvfp4 { .. }, true) => (
+                [cols, rows.div_ceil(2)],
+                [cols, rows.div_ceil(nvfp4::BLOCK)],
+            ),
+        };
+        self.check_plane(what, views, [[rows, cols], data_shape], scales_shape)?;
+        if let Dequant::Nvfp4 { rht: true, .. } = format
+            && !rows.is_multiple_of(nvfp4::BLOCK)
+        {
             return Err(invalid(
-                WHAT,
+                what,
                 format!("a Hadamard-transformed copy needs rows % 16 == 0, got {rows}"),
             ));
         }
         #[cfg(feature = "cuda")]
-        if let Some(g) = self.cuda_mut() {
-            if !rht {
-                return g.dequantize_nvfp4(data, scales, amax, rows, cols, dst, true);
-            }
-            if g.nvfp4_dequantize_rht(data, scales, amax, rows, cols, dst)? {
-                return Ok(());
-            }
+        if let Some(g) = self.cuda_mut()
+            && g.dequantize(format, views, [rows, cols], columnwise)?
+        {
+            return Ok(());
         }
-        let plane = self.read_plane(WHAT, [data, scales], data_shape, scales_shape)?;
-        let t = Nvfp4Tensor::from_parts(
-            TENSOR_NAME,
-            rows,
-            cols,
-            false,
-            rht,
-            amax,
-            amax,
-            None,
-            Some(plane),
-        )?;
-        let vals = t.dequantize_columnwise().unwrap_or_default();
-        self.write_f32(dst, &vals)
+        let plane = self.read_plane(what, [data, scales], data_shape, scales_shape)?;
+        let (rowwise, col) = if columnwise {
+            (None, Some(plane))
+        } else {
+            (Some(plane), None)
+        };
+        let vals = match format {
+            Dequant::Mxfp8(kind) => {
+                let t =
+                    Mxfp8Tensor::from_parts(TENSOR_NAME, rows, cols, kind, false, rowwise, col)?;
+                if columnwise {
+                    t.dequantize_columnwise()
+                } else {
+                    t.dequantize_rowwise()
+                }
+            }
+            Dequant::Nvfp4 { amax, rht } => {
+                let t = Nvfp4Tensor::from_parts(
+                    TENSOR_NAME,
+                    rows,
+                    cols,
+                    false,
+                    rht,
+                    amax,
+                    amax,
+                    rowwise,
+                    col,
+                )?;
+                if columnwise {
+                    t.dequantize_columnwise()
+                } else {
+                    t.dequantize_rowwise()
+                }
+            }
+        };
+        self.write_f32(dst, &vals.unwrap_or_default())
     }
 
     /// Validates the views of a dequantization: u8 `data` and `scales` and a float `dst` of the
@@ -527,7 +590,7 @@ impl Device {
         const WHAT: &str = "mxfp8_scales_2d";
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
-            && g.mxfp8_scales_2d(rows, cols, kind, tiles, row_scales, col_scales)?
+            && g.mxfp8_scales_2d([rows, cols], kind, tiles, [row_scales, col_scales])?
         {
             return Ok(());
         }
@@ -580,7 +643,7 @@ impl Device {
         check_dtype(what, tiles, DType::F32)?;
         self.check_views(what, &[src], &[tiles])?;
         check_tiles_cover(what, (start, src.len(), cols), tiles, tile_count)?;
-        on_cuda!(self, g => g.fold_tile_amax(src, start, cols, tile, tiles));
+        on_cuda!(self, g => g.fold_tile_amax((src, start, cols, tiles, tile)));
         #[cfg(not(feature = "cuda"))]
         let _ = tile;
         let values = self.read_f32(src)?;
@@ -609,7 +672,7 @@ impl Device {
         }
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
-            && g.quantize_2d_range(format, src, start, cols, tiles, out)?
+            && g.quantize_2d_range(format, (src, start, cols, tiles, out))?
         {
             return Ok(());
         }

@@ -1,0 +1,153 @@
+//! Launches of the element-wise ops (fill, cast, scale, axpy/add) and the reductions (sum of
+//! squares in the blocked order, max-abs, the non-finite check).
+
+use super::{THREADS, blocks, dt};
+use crate::cuda::CudaDevice;
+use crate::{DType, DeviceError, Result, View};
+
+impl CudaDevice {
+    /// Every element of `view` set to the bit pattern `pattern` (its dtype's encoding).
+    pub(crate) fn fill(&mut self, view: View, pattern: u32) -> Result<()> {
+        let ([], [y]) = self.ptrs("fill", [], [view])?;
+        let name = if view.dtype().size() == 4 {
+            "fill_u32"
+        } else {
+            "fill_u16"
+        };
+        let n = view.len();
+        // SAFETY: `y` addresses `n` live elements of the view's size (validated above).
+        unsafe { self.launch_n(name, n, &args![y, n, pattern]) }
+    }
+
+    pub(crate) fn cast(&mut self, src: View, dst: View) -> Result<()> {
+        let ([x], [y]) = self.ptrs("cast", [src], [dst])?;
+        if src.dtype() == dst.dtype() {
+            return self.copy(src, dst);
+        }
+        let n = src.len();
+        let args = args![x, dt(src.dtype()), y, dt(dst.dtype()), n];
+        // SAFETY: views validated above (same length, float dtypes, disjoint).
+        unsafe { self.launch_n("cast", n, &args) }
+    }
+
+    pub(crate) fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
+        let ([], [y]) = self.ptrs("scale", [], [view])?;
+        let n = view.len();
+        // SAFETY: the view was validated above.
+        unsafe { self.launch_n("scale", n, &args![y, dt(view.dtype()), n, alpha]) }
+    }
+
+    /// `y ← y + alpha·x`, or `y ← y + x` when `alpha` is `None` (`add`).
+    pub(crate) fn axpy(
+        &mut self,
+        what: &'static str,
+        alpha: Option<f32>,
+        x: View,
+        y: View,
+    ) -> Result<()> {
+        let ([xp], [yp]) = self.ptrs(what, [x], [y])?;
+        let n = y.len();
+        let (a, add) = (alpha.unwrap_or(1.0), u32::from(alpha.is_none()));
+        let args = args![xp, dt(x.dtype()), yp, dt(y.dtype()), n, a, add];
+        // SAFETY: views validated above (same length, float dtypes, disjoint).
+        unsafe { self.launch_n("axpy", n, &args) }
+    }
+
+    /// [`crate::Device::sum_squares`]: the blocked order of [`crate::SUM_BLOCK`], block sums on
+    /// the device, added in order on the host.
+    pub(crate) fn sum_squares(&mut self, view: View) -> Result<f64> {
+        let ([x], []) = self.ptrs("sum_squares", [view], [])?;
+        self.blocked_sum_squares(x, view.dtype(), None, view.len())
+    }
+
+    /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
+    /// the f32 elements at `y`), downloads the per-block partials and adds them in index order.
+    pub(super) fn blocked_sum_squares(
+        &mut self,
+        x: u64,
+        d: DType,
+        y: Option<u64>,
+        n: usize,
+    ) -> Result<f64> {
+        let nb = n.div_ceil(crate::SUM_BLOCK);
+        if nb == 0 {
+            return Ok(0.0);
+        }
+        // A warp per 32 blocks, four warps per CTA.
+        let Some(grid) = blocks(nb, 128) else {
+            return Err(DeviceError::Unsupported(format!(
+                "a sum of squares over {n} elements exceeds the grid"
+            )));
+        };
+        let s = self.scratch(2 * nb)?;
+        let (name, args) = match (d, y) {
+            (DType::F32, Some(y)) => ("mse_blocks_f32", args![x, y, n, s.ptr].to_vec()),
+            (d, _) => (
+                match d {
+                    DType::Bf16 => "sum_squares_blocks_bf16",
+                    DType::F16 => "sum_squares_blocks_f16",
+                    _ => "sum_squares_blocks_f32",
+                },
+                args![x, n, s.ptr].to_vec(),
+            ),
+        };
+        // SAFETY: `x` (and `y`) address `n` elements of validated views of dtype `d` (float:
+        // checked by the callers; `y` only with f32); `s` holds `nb` f64 partials (2·nb words)
+        // and the kernel writes partials[b] only for b < nb.
+        unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args)? };
+        let words = self.fetch(&s)?;
+        let partials: Vec<f64> = words
+            .as_chunks::<2>()
+            .0
+            .iter()
+            .map(|[lo, hi]| f64::from_bits(u64::from(*lo) | (u64::from(*hi) << 32)))
+            .collect();
+        Ok(crate::ops::sum_partials(&partials))
+    }
+
+    pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {
+        let ([x], []) = self.ptrs("max_abs", [view], [])?;
+        let s = self.scratch(1)?;
+        self.launch_max_abs(x, view.dtype(), view.len(), s.ptr)?;
+        Ok(f32::from_bits(self.fetch_word(&s)?))
+    }
+
+    /// Enqueues the amax kernel: the max of |x| bits (NaN as 0) of `n` elements of dtype `d` at
+    /// `x` (a validated view) into the zeroed word at `out`.
+    pub(in crate::cuda) fn launch_max_abs(
+        &mut self,
+        x: u64,
+        d: DType,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if self.nvfp4_version >= 2 && d == DType::Bf16 && x.is_multiple_of(16) {
+            // Four 16-byte loads per thread and iteration: a few blocks per SM suffice.
+            let grid = (n.div_ceil(8 * 256 * 4).clamp(1, 2048) as u32, 1, 1);
+            // SAFETY: `x` addresses `n` bf16 elements of a validated, 16-byte aligned view
+            // (16-byte chunks, then the tail element by element); `out` is a live zeroed word.
+            return unsafe {
+                self.launch("max_abs_bits_bf16_v2", grid, (256, 1, 1), &args![x, n, out])
+            };
+        }
+        let args = args![x, dt(d), n, out, u32::from(x.is_multiple_of(16))];
+        // A few blocks per SM are enough for a streaming read, and keep the atomics few.
+        let grid = (n.div_ceil(THREADS as usize * 8).clamp(1, 4096) as u32, 1, 1);
+        // SAFETY: `x` addresses `n` elements of a validated view (16-byte chunks only when it is
+        // 16-byte aligned); `out` is a live zeroed word.
+        unsafe { self.launch("max_abs_bits", grid, (THREADS, 1, 1), &args) }
+    }
+
+    pub(crate) fn has_non_finite(&mut self, view: View) -> Result<bool> {
+        let ([x], []) = self.ptrs("has_non_finite", [view], [])?;
+        let s = self.scratch(1)?;
+        let n = view.len();
+        let args = args![x, dt(view.dtype()), n, s.ptr];
+        // SAFETY: the view was validated above; `s` is a live one-word scratch buffer.
+        unsafe { self.launch_n("any_non_finite", n, &args)? };
+        Ok(self.fetch_word(&s)? != 0)
+    }
+}

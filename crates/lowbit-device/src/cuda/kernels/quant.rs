@@ -1,0 +1,400 @@
+//! Launches of the quantization kernels of `cuda/mxfp8.cu` and `cuda/ops.cu`: MXFP8 (bf16 →
+//! E4M3, 1D) and NVFP4 (1D, round to nearest) quantization, dequantization of one copy, and the
+//! sharded 2D ranges (tile-amax folds, codes of a range, 2D MXFP8 scales).
+
+use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
+
+use super::{blocks, dt, nvfp4_rows_vec};
+use crate::cuda::{Arg, CudaDevice};
+use crate::ops::Dequant;
+use crate::{DType, Mxfp8Views, Nvfp4Views, Result, View};
+
+/// A quantization's arguments as the op received them (validated by it): the row-major
+/// `[rows, cols]` source, the configuration and the destination views.
+pub(crate) struct Quantize<'a, C, V> {
+    pub(crate) src: View,
+    pub(crate) shape: [usize; 2],
+    pub(crate) cfg: &'a C,
+    pub(crate) out: &'a V,
+}
+
+/// The arguments of an MXFP8 quantization.
+pub(crate) type Mxfp8Quantize<'a> = Quantize<'a, Mxfp8Config, Mxfp8Views>;
+
+/// The arguments of an NVFP4 quantization.
+pub(crate) type Nvfp4Quantize<'a> = Quantize<'a, Nvfp4Config, Nvfp4Views>;
+
+/// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
+pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
+
+impl CudaDevice {
+    /// MXFP8 with the kernels of `cuda/mxfp8.cu` when the configuration is theirs (bf16 input,
+    /// E4M3, 1D blocks, TE NaN policy, rowwise or both copies, the vector paths' alignment);
+    /// `Ok(false)` when it is not, for the caller's host fallback. Views are validated first.
+    pub(crate) fn quantize_mxfp8(&mut self, q: &Mxfp8Quantize<'_>) -> Result<bool> {
+        let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
+        if src.dtype() != DType::Bf16
+            || cfg.kind != Fp8Kind::E4M3
+            || cfg.two_d
+            || cfg.nan_policy != NanPolicy::Te
+            || rows == 0
+            || cols == 0
+        {
+            return Ok(false);
+        }
+        let x = self.device_ptr(src)?;
+        let (r, c) = (rows as u64, cols as u64);
+        match (cfg.copies, out.rowwise, out.columnwise) {
+            (Copies::Rowwise, Some((d, s)), None) => {
+                let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+                let args = args![x, d, s, r, c];
+                let rows_grid = u32::try_from(rows.min(65535)).unwrap_or(65535);
+                let (Some(g16), Some(g8), Some(g1)) = (
+                    blocks(cols / 16, 128),
+                    blocks(cols / 8, 128),
+                    blocks(rows * cols.div_ceil(32) * 32, 256),
+                ) else {
+                    return Ok(false);
+                };
+                let aligned = cols.is_multiple_of(32) && x.is_multiple_of(16);
+                let (name, grid, threads) = if aligned && d.is_multiple_of(16) {
+                    ("mxfp8_rowwise_e4m3_bf16_x16", (g16, rows_grid, 1), 128)
+                } else if aligned && d.is_multiple_of(8) {
+                    ("mxfp8_rowwise_e4m3_bf16_x8", (g8, rows_grid, 1), 128)
+                } else {
+                    ("mxfp8_rowwise_e4m3_bf16", (g1, 1, 1), 256)
+                };
+                // SAFETY: the views were validated by the caller's `check_views` (live, in
+                // bounds: rows·cols bf16 in, rows·cols data bytes and rows·cols/32 scales out);
+                // the vector accesses of the x16 (16-byte stores) and x8 (8-byte stores)
+                // kernels are aligned (checked here), the third kernel makes only element-sized
+                // accesses.
+                unsafe { self.launch(name, grid, (threads, 1, 1), &args)? };
+                Ok(true)
+            }
+            (Copies::Both, Some((rd, rs)), Some((cd, cs))) => {
+                let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
+                let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
+                if self.mxfp8_both_version != 1 {
+                    let vec = cols.is_multiple_of(8)
+                        && x.is_multiple_of(16)
+                        && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
+                    // v5 owns 64 rows per CTA, the others 32.
+                    let tile_rows = if self.mxfp8_both_version == 5 { 64 } else { 32 };
+                    let (Some(gx), Ok(gy @ 1..=65535)) =
+                        (blocks(cols, 256), u32::try_from(rows.div_ceil(tile_rows)))
+                    else {
+                        return Ok(false);
+                    };
+                    let name = if self.mxfp8_both_version == 5 {
+                        "mxfp8_both_e4m3_bf16_v5"
+                    } else {
+                        "mxfp8_both_e4m3_bf16_v4"
+                    };
+                    let args = args![x, rd, rs, cd, cs, r, c, u32::from(vec)];
+                    // SAFETY: views validated by the caller (live, in bounds, disjoint); the
+                    // vector accesses only with `vec`, whose alignment is checked here.
+                    unsafe { self.launch(name, (gx, gy, 1), (256, 1, 1), &args)? };
+                    return Ok(true);
+                }
+                // The kernel loads 16 bytes when cols % 8 == 0 and stores 16 when cols % 16 == 0.
+                if (cols.is_multiple_of(8) && !x.is_multiple_of(16))
+                    || (cols.is_multiple_of(16) && !rd.is_multiple_of(16))
+                {
+                    return Ok(false);
+                }
+                let (Some(gx), Ok(gy @ 1..=65535)) =
+                    (blocks(cols, 256), u32::try_from(rows.div_ceil(32)))
+                else {
+                    return Ok(false);
+                };
+                let grid = (gx, gy, 1);
+                let args = args![x, rd, rs, cd, cs, r, c];
+                // SAFETY: views validated by the caller (live, in bounds, disjoint), vector
+                // accesses aligned (checked above), grid within limits.
+                unsafe { self.launch("mxfp8_both_e4m3_bf16", grid, (256, 1, 1), &args)? };
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
+    /// no Hadamard transform, TE NaN policy; a columnwise copy needs `rows % 16 == 0`), else
+    /// `Ok(None)` for the host fallback. Returns the global amax (both copies share it).
+    pub(crate) fn quantize_nvfp4(&mut self, q: &Nvfp4Quantize<'_>) -> Result<Option<f32>> {
+        let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
+        if cfg.two_d
+            || cfg.rht
+            || cfg.stochastic_rounding.is_some()
+            || cfg.nan_policy != NanPolicy::Te
+            || rows == 0
+            || cols == 0
+            || (out.columnwise.is_some() && !rows.is_multiple_of(16))
+        {
+            return Ok(None);
+        }
+        let Some(gx) = blocks(cols.div_ceil(16), 128) else {
+            return Ok(None);
+        };
+        let x = self.device_ptr(src)?;
+        let xd = dt(src.dtype());
+        // Global amax, then the tensor-level factors, both on the device: no host round trip
+        // before the quantization kernels; the amax comes back at the end.
+        let amax = self.scratch(1)?;
+        self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
+        // Version 3 also builds the E2M1 threshold table (8 words per scale byte from word
+        // 260, which the 16-byte loads of nvfp4_quantize_rows_v3 need 16-byte aligned).
+        let params = self.scratch(if self.nvfp4_version == 3 {
+            260 + 8 * 256
+        } else {
+            257
+        })?;
+        let tp = params.ptr;
+        let thresholds = self.nvfp4_version == 3 && tp.is_multiple_of(16);
+        let (name, grid) = if thresholds {
+            ("nvfp4_params_v3", (8, 1, 1))
+        } else {
+            ("nvfp4_params", (1, 1, 1))
+        };
+        // SAFETY: `amax` holds one word, `tp` 257 (260 + 2048 for the table of the v3 kernel,
+        // whose 8 x 256 threads write words 0..=256 and 260..2308), the tables 512 floats
+        // (E4M3 first).
+        unsafe {
+            self.launch(
+                name,
+                grid,
+                (256, 1, 1),
+                &args![amax.ptr, self.tables_ptr, tp],
+            )?;
+        }
+        let (r, c) = (rows as u64, cols as u64);
+        if let Some((d, s)) = out.rowwise {
+            let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+            let vec = nvfp4_rows_vec(src.dtype(), cols, x, d);
+            let args = args![x, xd, d, s, tp, r, c, u32::from(vec)];
+            let gy = u32::try_from(rows.min(65535)).unwrap_or(65535);
+            let v2 = self.nvfp4_version >= 2
+                && vec
+                && cols.is_multiple_of(32)
+                && d.is_multiple_of(16)
+                && s.is_multiple_of(2);
+            match blocks(cols / 32, 128) {
+                Some(gx2) if v2 => {
+                    let name = if thresholds {
+                        "nvfp4_quantize_rows_v3"
+                    } else {
+                        "nvfp4_quantize_rows_v2"
+                    };
+                    let args = args![x, d, s, tp, r, c];
+                    // SAFETY: as below, with 16-byte loads and code stores and 2-byte scale
+                    // stores, whose alignment is checked above (row pitches cols·2, cols/2 and
+                    // cols/16 keep it: cols % 32 == 0); the v3 kernel reads the threshold table
+                    // that nvfp4_params_v3 wrote into `tp` (16-byte aligned, checked above).
+                    unsafe { self.launch(name, (gx2, gy, 1), (128, 1, 1), &args)? };
+                }
+                // SAFETY: views validated by the caller (rows·cols in; rows·ceil(cols/2) data
+                // and rows·ceil(cols/16) scale bytes out); `tp` holds k and the 256-entry table.
+                _ => unsafe {
+                    self.launch("nvfp4_quantize_rows", (gx, gy, 1), (128, 1, 1), &args)?
+                },
+            }
+        }
+        if let Some((d, s)) = out.columnwise {
+            let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
+            let nbr = rows / 16;
+            let per = [4, 2, 1]
+                .into_iter()
+                .find(|p| nbr.is_multiple_of(*p))
+                .unwrap_or(1);
+            let vec = u32::from(d.is_multiple_of(8));
+            let args = args![x, xd, d, s, tp, r, c, per as u32, vec];
+            // SAFETY: as above, with cols·rows/2 data and cols·rows/16 scale bytes; `per`
+            // divides the row-block count; 8-byte stores only when `d` is 8-byte aligned (the
+            // row pitch rows/2 is a multiple of 8).
+            unsafe { self.launch_n("nvfp4_quantize_cols", nbr / per * cols, &args)? };
+        }
+        let a = f32::from_bits(self.fetch_word(&amax)?);
+        drop(params);
+        Ok(Some(a))
+    }
+
+    /// Dequantizes one copy of a `[rows, cols]` matrix, its rowwise or (`columnwise`) its
+    /// columnwise `data` and `scales`, into `dst` (views validated by the caller with the
+    /// plane's shapes), or `Ok(false)` when the variant has no kernel (see
+    /// [`CudaDevice::nvfp4_dequantize_rht`] for a Hadamard-transformed copy, always columnwise).
+    pub(crate) fn dequantize(
+        &mut self,
+        format: Dequant,
+        views: [View; 3],
+        shape: [usize; 2],
+        columnwise: bool,
+    ) -> Result<bool> {
+        let (name, table, extra) = match format {
+            Dequant::Nvfp4 { amax, rht: true } => {
+                return self.nvfp4_dequantize_rht(views, amax, shape);
+            }
+            Dequant::Nvfp4 { amax, rht: false } => (
+                "nvfp4_dequantize",
+                self.tables_ptr,
+                vec![Arg::from(amax), Arg::from(NVFP4_FACTOR_INV)],
+            ),
+            Dequant::Mxfp8(kind) => (
+                "mxfp8_dequantize",
+                self.tables_ptr
+                    + match kind {
+                        Fp8Kind::E4M3 => 0,
+                        Fp8Kind::E5M2 => 256 * 4,
+                    },
+                Vec::new(),
+            ),
+        };
+        let mut args = self.dequantize_args(views, table, shape)?;
+        args.extend(extra);
+        args.push(Arg::from(u32::from(columnwise)));
+        let [rows, cols] = shape;
+        // SAFETY: views validated by the caller with the plane's shapes; `table` addresses a
+        // 256-entry table of the device's constant tables.
+        unsafe { self.launch_n(name, rows * cols, &args)? };
+        Ok(true)
+    }
+
+    /// The leading arguments of every dequantization kernel: the addresses of `data`, `scales`
+    /// and the decode table, the address and dtype code of `dst`, rows and cols.
+    pub(in crate::cuda) fn dequantize_args(
+        &self,
+        [data, scales, dst]: [View; 3],
+        table: u64,
+        [rows, cols]: [usize; 2],
+    ) -> Result<Vec<Arg>> {
+        let (d, s, y) = (
+            self.device_ptr(data)?,
+            self.device_ptr(scales)?,
+            self.device_ptr(dst)?,
+        );
+        Ok(args![d, s, table, y, dt(dst.dtype()), rows, cols].to_vec())
+    }
+}
+
+/// The element format of a sharded 2D quantization range.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Range2d {
+    /// MXFP8 codes (one byte each) of this kind, 32x32 tiles.
+    Mxfp8(Fp8Kind),
+    /// NVFP4 packed codes (two per byte), 16x16 tiles.
+    Nvfp4,
+}
+
+impl CudaDevice {
+    /// Whether `tiles` (`tile` x `tile` tiles of a matrix with `cols` columns) covers the flat
+    /// range `start .. start + len`.
+    fn tiles_cover(tiles: View, start: usize, len: usize, cols: usize, tile: usize) -> bool {
+        cols > 0
+            && (start + len)
+                .div_ceil(cols)
+                .div_ceil(tile)
+                .checked_mul(cols.div_ceil(tile))
+                .is_some_and(|need| tiles.len() >= need)
+    }
+
+    /// Folds |src| into the tile amaxes (views validated by the caller, `cols > 0`, tiles
+    /// covering the range).
+    pub(crate) fn fold_tile_amax(
+        &mut self,
+        (src, start, cols, tiles, tile): (View, usize, usize, View, usize),
+    ) -> Result<()> {
+        let (x, t) = (self.device_ptr(src)?, self.device_ptr(tiles)?);
+        let n = src.len();
+        let segments = n.div_ceil(tile) + (n + start) / cols + 2;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = args![x, dt(src.dtype()), n, start, cols, tile, t];
+        // SAFETY: `src` and `tiles` validated by the caller; every tile index the range maps to
+        // is below the count the caller checked.
+        unsafe { self.launch_n("tile_amax_fold", segments, &args) }
+    }
+
+    /// The codes of a sharded 2D range with the kernels, or `Ok(false)` when the library would
+    /// report an error (or could not index its tiles) for these arguments, for the caller's
+    /// host path. Views validated by the caller.
+    pub(crate) fn quantize_2d_range(
+        &mut self,
+        format: Range2d,
+        (src, start, cols, tiles, out): (View, usize, usize, View, View),
+    ) -> Result<bool> {
+        let n = src.len();
+        let (x, t, o) = (
+            self.device_ptr(src)?,
+            self.device_ptr(tiles)?,
+            self.device_ptr(out)?,
+        );
+        let xd = dt(src.dtype());
+        match format {
+            Range2d::Mxfp8(kind) => {
+                if out.len() != n || !Self::tiles_cover(tiles, start, n, cols, 32) {
+                    return Ok(false);
+                }
+                let e5m2 = u32::from(kind == Fp8Kind::E5M2);
+                let args = args![x, xd, n, start, cols, e5m2, kind.max_norm_rcp(), t, o];
+                // SAFETY: views validated by the caller; `out` has one byte per element and
+                // the tiles cover the range (checked here).
+                unsafe { self.launch_n("mxfp8_quantize_2d_range", n, &args)? };
+            }
+            Range2d::Nvfp4 => {
+                if !start.is_multiple_of(2)
+                    || !n.is_multiple_of(2)
+                    || out.len() * 2 != n
+                    || !Self::tiles_cover(tiles, start, n, cols, 16)
+                {
+                    return Ok(false);
+                }
+                let [amax, params] = self.nvfp4_tile_params(t, tiles.len())?;
+                let args = args![x, xd, n / 2, start, cols, t, params.ptr, o];
+                // SAFETY: views validated by the caller; `out` has n/2 bytes and the tiles cover
+                // the range (checked here); `params` holds the tensor factors.
+                unsafe { self.launch_n("nvfp4_quantize_2d_range", n / 2, &args)? };
+                drop((amax, params));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Rowwise and columnwise E8M0 scales of a 2D MXFP8 matrix from its tile amaxes, or
+    /// `Ok(false)` for the caller's host path whenever that path would fail or write piecewise
+    /// (wrong dtypes or lengths, dead or overlapping views), so errors stay the host's.
+    pub(crate) fn mxfp8_scales_2d(
+        &mut self,
+        [rows, cols]: [usize; 2],
+        kind: Fp8Kind,
+        tiles: View,
+        [row_scales, col_scales]: [View; 2],
+    ) -> Result<bool> {
+        let tc = cols.div_ceil(32);
+        let (nr, nc) = (rows * tc, rows.div_ceil(32) * cols);
+        let ok = tiles.dtype() == DType::F32
+            && tiles.len() == rows.div_ceil(32) * tc
+            && row_scales.dtype() == DType::U8
+            && col_scales.dtype() == DType::U8
+            && row_scales.len() == nr
+            && col_scales.len() == nc
+            && self
+                .check_views("mxfp8_scales_2d", &[tiles], &[row_scales, col_scales])
+                .is_ok();
+        if !ok {
+            return Ok(false);
+        }
+        let args = args![
+            self.device_ptr(tiles)?,
+            rows,
+            cols,
+            kind.max_norm_rcp(),
+            self.device_ptr(row_scales)?,
+            self.device_ptr(col_scales)?
+        ];
+        // SAFETY: all three views checked above (live, in bounds, disjoint, the lengths the
+        // kernel writes).
+        unsafe { self.launch_n("mxfp8_scales_2d", nr + nc, &args)? };
+        Ok(true)
+    }
+}

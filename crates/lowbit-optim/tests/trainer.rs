@@ -1,0 +1,218 @@
+//! The typestate driver (`Trainer → Iteration → GradsReady`) is the `protocol::` functions in
+//! the only order that works: at dp 2 with MXFP8 weights staged through bf16 and overlapped
+//! reduction and gathers, it gives bit for bit the masters, state, reports and weights of the
+//! same steps driven by hand. What the types cannot say is refused at run time: an iteration
+//! without a last microbatch, low-precision weights computed with as stored. An eval between
+//! steps changes nothing.
+
+mod common;
+
+use common::model::Mlp;
+use common::{
+    BATCH, DIMS, MXFP8, batch, ddp, init_values, master_bits, optimizer, policy, protocol_err, run,
+    specs, train_step, weight_bytes,
+};
+use lowbit_buffers::layout::GradDType;
+use lowbit_buffers::{
+    BufferError, ConfigError, DataParallelBuffers, DpHooks, HookMode, HookScratch, Hooks, Overlap,
+    PrecisionPolicy, ProtocolError, Usage,
+};
+use lowbit_comm::{Communicator, LocalComm};
+use lowbit_device::Device;
+use lowbit_optim::{OptimError, Optimizer, OptimizerState, Trainer, protocol};
+
+const DP: usize = 2;
+const STEPS: usize = 4;
+const MICRO: usize = 2;
+
+/// Per step: (grad norm bits, skipped, clip coef bits), masters, state; then the final weights
+/// after a forced sync.
+type Trace = (
+    Vec<(
+        (u32, bool, u32),
+        Vec<(usize, usize, Vec<u32>)>,
+        Vec<OptimizerState>,
+    )>,
+    Vec<Vec<u8>>,
+);
+
+fn new_bufs(dev: &mut Device, comm: &LocalComm) -> DataParallelBuffers {
+    let specs = specs(MXFP8, GradDType::F32, true);
+    let init = init_values(&specs);
+    let mut b = DataParallelBuffers::new(
+        dev,
+        DP,
+        comm.rank(),
+        specs,
+        ddp(Overlap::GradReduceAndParamGather),
+    )
+    .unwrap();
+    b.initialize_all(dev, |p| init[p].clone()).unwrap();
+    assert!((0..b.specs().len()).any(|p| b.is_low_precision(p)));
+    b
+}
+
+fn with_trainer() -> Vec<Trace> {
+    run(DP, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let bufs = new_bufs(dev, &comm);
+        let init = init_values(bufs.specs());
+        let opt = optimizer(dev, &bufs, &init, true);
+        let pol = policy(bufs.specs(), true);
+        let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
+        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let mut steps = Vec::new();
+        for s in 0..STEPS {
+            let r = train_step(dev, &mut comm, &mut trainer, &mlp, s, MICRO, None);
+            let o = trainer.optimizer();
+            steps.push((
+                (r.grad_norm.to_bits(), r.skipped, r.clip_coef.to_bits()),
+                master_bits(dev, o),
+                o.export_state(dev).unwrap(),
+            ));
+        }
+        trainer.force_param_sync(dev, &mut comm).unwrap();
+        (steps, weight_bytes(dev, trainer.buffers()))
+    })
+}
+
+fn by_hand() -> Vec<Trace> {
+    run(DP, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let mut bufs = new_bufs(dev, &comm);
+        let init = init_values(bufs.specs());
+        let mut opt = optimizer(dev, &bufs, &init, true);
+        let pol = policy(bufs.specs(), true);
+        let scratch = HookScratch::new(dev, &bufs);
+        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let rank = comm.rank();
+        let mut steps = Vec::new();
+        for s in 0..STEPS {
+            protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
+            for m in 0..MICRO {
+                bufs.set_last_microbatch(m + 1 == MICRO);
+                let (x, y) = batch(&mlp, rank, s, m, false);
+                let mut hooks = DpHooks::new(&mut bufs, &mut comm, &pol, &scratch, HookMode::Train);
+                mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0 / MICRO as f32)
+                    .unwrap();
+            }
+            bufs.finish_grad_sync(dev, &mut comm).unwrap();
+            let r = protocol::step(dev, &mut comm, &mut bufs, &mut opt).unwrap();
+            steps.push((
+                (r.grad_norm.to_bits(), r.skipped, r.clip_coef.to_bits()),
+                master_bits(dev, &opt),
+                opt.export_state(dev).unwrap(),
+            ));
+        }
+        protocol::force_param_sync(dev, &mut comm, &mut bufs, &opt).unwrap();
+        scratch.free(dev).unwrap();
+        (steps, weight_bytes(dev, &bufs))
+    })
+}
+
+#[test]
+fn the_trainer_is_the_protocol_functions() {
+    let (t, h) = (with_trainer(), by_hand());
+    for (rank, (a, b)) in t.iter().zip(&h).enumerate() {
+        for s in 0..STEPS {
+            assert!(!a.0[s].0.1, "rank {rank}: step {s} skipped");
+            assert!(a.0[s].0 == b.0[s].0, "rank {rank}: report of step {s}");
+            assert!(a.0[s].1 == b.0[s].1, "rank {rank}: masters after step {s}");
+            assert!(a.0[s].2 == b.0[s].2, "rank {rank}: state after step {s}");
+        }
+        assert!(
+            a.0[0].1 != a.0[STEPS - 1].1,
+            "rank {rank}: the masters never moved"
+        );
+        assert!(a.1 == b.1, "rank {rank}: final weights");
+    }
+    // Ranks hold the same weights after the forced sync.
+    assert!(t[0].1 == t[1].1, "weights differ across ranks");
+}
+
+/// An iteration in which no microbatch was marked last is refused at the gradient sync (its
+/// overlapped reductions would never start), on every rank; the next iteration is fine.
+#[test]
+fn an_iteration_without_a_last_microbatch_is_refused() {
+    run(DP, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let bufs = new_bufs(dev, &comm);
+        let init = init_values(bufs.specs());
+        let opt = optimizer(dev, &bufs, &init, true);
+        let pol = policy(bufs.specs(), true);
+        let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
+        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let mut it = trainer.begin(dev, &mut comm).unwrap();
+        for m in 0..MICRO {
+            let (x, y) = batch(&mlp, comm.rank(), 0, m, false);
+            let mut hooks = it.microbatch(&mut comm, false);
+            mlp.forward_backward(dev, &mut hooks, &x, &y, 0.5).unwrap();
+        }
+        let e = it.finish_grad_sync(dev, &mut comm).unwrap_err();
+        assert_eq!(protocol_err(e), ProtocolError::NoLastMicrobatch);
+        assert_eq!(trainer.optimizer().steps(), 0);
+        let r = train_step(dev, &mut comm, &mut trainer, &mlp, 1, MICRO, None);
+        assert!(!r.skipped);
+        assert_eq!(trainer.optimizer().steps(), 1);
+    });
+}
+
+#[test]
+fn low_precision_weights_computed_as_stored_are_refused() {
+    let mut dev = Device::cpu();
+    let specs = specs(MXFP8, GradDType::F32, true);
+    let init = init_values(&specs);
+    let mut bufs =
+        DataParallelBuffers::new(&mut dev, 1, 0, specs.clone(), ddp(Overlap::None)).unwrap();
+    bufs.initialize_all(&mut dev, |p| init[p].clone()).unwrap();
+    let opt = optimizer(&mut dev, &bufs, &init, true);
+    let e = Trainer::new(
+        &mut dev,
+        bufs,
+        Box::new(opt),
+        PrecisionPolicy::as_stored(specs.len()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            OptimError::Buffer(BufferError::Config(ConfigError::Policy(_)))
+        ),
+        "{e}"
+    );
+}
+
+/// An eval between steps (a forced sync, then a forward whose gradients go to scratch) changes
+/// neither the optimizer nor the next steps; in eval mode nothing is reported ready.
+#[test]
+fn an_eval_between_steps_changes_nothing() {
+    let trace = |eval: bool| {
+        run(DP, |mut comm, mut dev| {
+            let dev = &mut dev;
+            let bufs = new_bufs(dev, &comm);
+            let init = init_values(bufs.specs());
+            let opt = optimizer(dev, &bufs, &init, true);
+            let pol = policy(bufs.specs(), true);
+            let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
+            let mlp = Mlp::new(dev, &DIMS, BATCH);
+            let mut out = Vec::new();
+            for s in 0..3 {
+                train_step(dev, &mut comm, &mut trainer, &mlp, s, MICRO, None);
+                if eval && s == 1 {
+                    let before = master_bits(dev, trainer.optimizer());
+                    let (x, y) = batch(&mlp, comm.rank(), 99, 0, false);
+                    let mut hooks = trainer.eval(dev, &mut comm).unwrap();
+                    mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0).unwrap();
+                    // Weights are readable for both usages after the forced sync.
+                    hooks.param(dev, 0, Usage::Backward).unwrap();
+                    assert!(hooks.buffers().grad_reduce_in_flight().is_empty());
+                    assert!(before == master_bits(dev, trainer.optimizer()));
+                }
+                out.push(master_bits(dev, trainer.optimizer()));
+            }
+            out
+        })
+    };
+    let (with, without) = (trace(true), trace(false));
+    assert!(with == without, "an eval changed the training run");
+}
