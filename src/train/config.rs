@@ -298,12 +298,8 @@ impl TrainConfig {
                     }
                     _ => ParamStorage::Bf16,
                 };
-                let key = BufferKey {
-                    param_storage: storage,
-                    grad_dtype: self.grad_dtype,
-                    expert: false,
-                    owner: OptimizerId(if p.decay { 0 } else { 1 }),
-                };
+                let owner = OptimizerId(if p.decay { 0 } else { 1 });
+                let key = BufferKey::new(storage, self.grad_dtype, owner);
                 ParamSpec::new(p.name.clone(), p.shape.clone(), key)
             })
             .collect()

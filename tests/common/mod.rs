@@ -170,13 +170,11 @@ pub fn specs(run: &Run) -> Vec<ParamSpec> {
                 }
                 _ => ParamStorage::Bf16,
             };
-            let key = BufferKey {
-                param_storage: storage,
-                grad_dtype: run.grad,
-                expert: false,
-                owner: OptimizerId(owner),
-            };
-            ParamSpec::new(name, shape, key)
+            ParamSpec::new(
+                name,
+                shape,
+                BufferKey::new(storage, run.grad, OptimizerId(owner)),
+            )
         })
         .collect()
 }

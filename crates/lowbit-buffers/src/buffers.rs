@@ -256,6 +256,13 @@ impl DataParallelBuffers {
         self.buffer_of(p).storage.kind()
     }
 
+    /// The bucket groups satisfying `f`, in order.
+    pub(crate) fn groups_where(&self, f: impl Fn(&BucketGroup) -> bool) -> Vec<usize> {
+        (0..self.groups.len())
+            .filter(|&g| f(&self.groups[g]))
+            .collect()
+    }
+
     pub(crate) fn buffer_of(&self, p: usize) -> &Buffer {
         &self.buffers[self.plan.location(p).0]
     }

@@ -198,8 +198,6 @@ impl DataParallelBuffers {
     /// The bucket group whose gradient reduction is in flight, in launch order (for tests and
     /// diagnostics of the overlap).
     pub fn grad_reduce_in_flight(&self) -> Vec<usize> {
-        (0..self.groups.len())
-            .filter(|&g| self.groups[g].grad_work.is_some())
-            .collect()
+        self.groups_where(|g| g.grad_work.is_some())
     }
 }

@@ -6,7 +6,7 @@ use lowbit_device::Device;
 use lowbit_layout::ParamGather;
 
 use crate::error::{ProtocolError, Result};
-use crate::storage::AfterGather;
+use crate::storage::{AfterGather, Gathered};
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
 impl DataParallelBuffers {
@@ -64,10 +64,12 @@ impl DataParallelBuffers {
         let buf = &mut self.buffers[group.buffer];
         let found = buf.storage.after_gather(
             dev,
-            &buf.plan,
-            &group.indices,
-            &group.buckets,
-            self.cfg.verify,
+            Gathered {
+                plan: &buf.plan,
+                indices: &group.indices,
+                buckets: &group.buckets,
+                verify: self.cfg.verify,
+            },
         )?;
         if found == AfterGather::StagingNotZero {
             return Err(ProtocolError::StagingNotZero { group: g }.into());
@@ -153,9 +155,7 @@ impl DataParallelBuffers {
     /// The bucket groups whose parameter gather is in flight (for tests and diagnostics: after
     /// the pre-forward hook of group `g`, the prefetch is group `g - 1`).
     pub fn param_gathers_in_flight(&self) -> Vec<usize> {
-        (0..self.groups.len())
-            .filter(|&g| self.groups[g].param_state == ParamSyncState::InFlight)
-            .collect()
+        self.groups_where(|g| g.param_state == ParamSyncState::InFlight)
     }
 
     /// Resets every group's gather state to idle (after staging new values); refuses while a

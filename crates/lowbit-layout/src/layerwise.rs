@@ -75,8 +75,7 @@
 use std::borrow::Borrow;
 
 use crate::{
-    BUCKET_END_ALIGN, BucketRange, BufferLayout, HIGH_BUSBW_ALIGN, LayoutConfig, LayoutError,
-    PARAM_START_ALIGN, ParamRange, ParamSpec,
+    BucketRange, BufferLayout, LayoutConfig, LayoutError, PARAM_START_ALIGN, ParamRange, ParamSpec,
 };
 
 /// The layer-wise layout of one buffer: buckets of `dp` equal shards, each parameter entirely
@@ -265,25 +264,8 @@ pub fn owner_of_param(layout: &BufferLayout, param: usize) -> Result<usize, Layo
 /// (not with the panicking [`bucket_end_divisor`](crate::bucket_end_divisor)) so that a huge
 /// `dp` is an error, never a panic.
 fn shard_divisor(dp: usize, high_busbw: bool) -> Option<usize> {
-    let mut bucket = lcm(dp, BUCKET_END_ALIGN)?;
-    if high_busbw {
-        bucket = lcm(bucket, HIGH_BUSBW_ALIGN)?;
-    }
-    lcm(PARAM_START_ALIGN, bucket / dp)
-}
-
-fn gcd(mut a: usize, mut b: usize) -> usize {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
-}
-
-fn lcm(a: usize, b: usize) -> Option<usize> {
-    if a == 0 || b == 0 {
-        return None;
-    }
-    (a / gcd(a, b)).checked_mul(b)
+    let bucket = crate::rules::checked_bucket_end_divisor(dp, high_busbw)?;
+    crate::rules::checked_lcm(PARAM_START_ALIGN, bucket / dp)
 }
 
 fn pad64(value: usize) -> Result<usize, LayoutError> {

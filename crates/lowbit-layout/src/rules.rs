@@ -190,14 +190,14 @@ fn gcd(mut a: usize, mut b: usize) -> usize {
     a
 }
 
-fn checked_lcm(a: usize, b: usize) -> Option<usize> {
+pub(crate) fn checked_lcm(a: usize, b: usize) -> Option<usize> {
     if a == 0 || b == 0 {
         return None;
     }
     (a / gcd(a, b)).checked_mul(b)
 }
 
-fn checked_bucket_end_divisor(dp: usize, high_busbw: bool) -> Option<usize> {
+pub(crate) fn checked_bucket_end_divisor(dp: usize, high_busbw: bool) -> Option<usize> {
     let base = checked_lcm(dp, BUCKET_END_ALIGN)?;
     if high_busbw {
         checked_lcm(base, HIGH_BUSBW_ALIGN)

@@ -67,6 +67,18 @@ pub struct BufferKey {
     pub owner: OptimizerId,
 }
 
+impl BufferKey {
+    /// A dense (not expert-parallel) parameter's key.
+    pub fn new(param_storage: ParamStorage, grad_dtype: GradDType, owner: OptimizerId) -> Self {
+        BufferKey {
+            param_storage,
+            grad_dtype,
+            expert: false,
+            owner,
+        }
+    }
+}
+
 /// One parameter, as the layout functions see it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ParamSpec {

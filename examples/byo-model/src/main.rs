@@ -25,16 +25,12 @@ fn specs() -> Vec<ParamSpec> {
         .into_iter()
         .map(|(name, shape)| {
             let matrix = shape.len() == 2;
-            let key = BufferKey {
-                param_storage: if matrix {
-                    ParamStorage::Quantized(QuantKind::Mxfp8)
-                } else {
-                    ParamStorage::Bf16
-                },
-                grad_dtype: GradDType::F32,
-                expert: false,
-                owner: OptimizerId(if matrix { 0 } else { 1 }),
+            let storage = if matrix {
+                ParamStorage::Quantized(QuantKind::Mxfp8)
+            } else {
+                ParamStorage::Bf16
             };
+            let key = BufferKey::new(storage, GradDType::F32, OptimizerId(u32::from(!matrix)));
             ParamSpec::new(name, shape, key)
         })
         .collect()

@@ -171,16 +171,11 @@ pub(crate) trait Storage: Debug + Send {
         None
     }
 
-    /// Completes a gather of the parameters at layout `indices` (one bucket group's, whose
-    /// buckets are `buckets`).
-    fn after_gather(
-        &mut self,
-        dev: &mut Device,
-        plan: &BufferPlan,
-        indices: &[usize],
-        buckets: &[usize],
-        verify: Verify,
-    ) -> Result<AfterGather>;
+    /// Completes the gather of one bucket group (nothing to do for persistent storage).
+    fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
+        let _ = (dev, group);
+        Ok(AfterGather::Ok)
+    }
 
     /// Writes the initial weights of layout index `index` from `values`, its f32 values:
     /// rounded to the storage dtype, or `Q(bf16(values))` (every rank writes every parameter;
@@ -204,9 +199,25 @@ fn with_bf16(
     f: impl FnOnce(&mut Device, View) -> Result<()>,
 ) -> Result<()> {
     let tmp = dev.alloc(DType::Bf16, values.len());
-    let r = dev.cast(values, tmp).map_err(Into::into).and_then(|()| f(dev, tmp));
+    let r = dev
+        .cast(values, tmp)
+        .map_err(Into::into)
+        .and_then(|()| f(dev, tmp));
     dev.free(tmp)?;
     r
+}
+
+/// The bucket group whose gather [`Storage::after_gather`] completes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gathered<'a> {
+    /// The buffer's plan.
+    pub plan: &'a BufferPlan,
+    /// The group's parameters, as layout indices.
+    pub indices: &'a [usize],
+    /// The group's buckets.
+    pub buckets: &'a [usize],
+    /// How much to verify.
+    pub verify: Verify,
 }
 
 /// What [`Storage::after_gather`] found.

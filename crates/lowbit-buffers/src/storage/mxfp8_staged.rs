@@ -10,7 +10,7 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::{BufferPlan, ParamSpec, matrix_dims};
 
 use super::mxfp8_weight_config;
-use super::{AfterGather, LowPrecisionWeights, Mxfp8Weights, Storage, StorageBytes, StorageKind};
+use super::{AfterGather, Gathered, LowPrecisionWeights, Mxfp8Weights, Storage, StorageBytes, StorageKind};
 use crate::config::Verify;
 use crate::error::Result;
 
@@ -83,14 +83,13 @@ impl Storage for Mxfp8Staged {
         dev.cast(master, self.staging.slice(range)?)?;
         Ok(true)
     }
-    fn after_gather(
-        &mut self,
-        dev: &mut Device,
-        plan: &BufferPlan,
-        indices: &[usize],
-        buckets: &[usize],
-        verify: Verify,
-    ) -> Result<AfterGather> {
+    fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
+        let Gathered {
+            plan,
+            indices,
+            buckets,
+            verify,
+        } = group;
         let cfg = mxfp8_weight_config();
         for &i in indices {
             let w = &self.weights[i];

@@ -6,8 +6,7 @@ use std::ops::Range;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::BufferPlan;
 
-use super::{AfterGather, Storage, StorageBytes, StorageKind};
-use crate::config::Verify;
+use super::{Storage, StorageBytes, StorageKind};
 use crate::error::Result;
 
 #[derive(Debug)]
@@ -40,16 +39,6 @@ impl Storage for Persistent {
     }
     fn fused_output(&self, range: Range<usize>) -> Result<Option<View>> {
         Ok(Some(self.region.slice(range)?))
-    }
-    fn after_gather(
-        &mut self,
-        _dev: &mut Device,
-        _plan: &BufferPlan,
-        _indices: &[usize],
-        _buckets: &[usize],
-        _verify: Verify,
-    ) -> Result<AfterGather> {
-        Ok(AfterGather::Ok)
     }
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
         let range = self.ranges[index].clone();

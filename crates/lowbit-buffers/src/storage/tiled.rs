@@ -12,10 +12,9 @@ use lowbit_device::{DType, Device, Fp8Kind, View};
 use lowbit_layout::{BufferPlan, ParamSpec, matrix_dims};
 
 use super::{
-    AfterGather, LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, Storage, StorageBytes,
+    AfterGather, Gathered, LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, Storage, StorageBytes,
     StorageKind, TileScaled,
 };
-use crate::config::Verify;
 use crate::error::Result;
 
 /// What differs between the tile-scaled formats.
@@ -202,15 +201,8 @@ impl<F: TileFormat> Storage for Tiled<F> {
     fn tile_scaled(&self) -> Option<&dyn TileScaled> {
         Some(self)
     }
-    fn after_gather(
-        &mut self,
-        dev: &mut Device,
-        _plan: &BufferPlan,
-        indices: &[usize],
-        _buckets: &[usize],
-        _verify: Verify,
-    ) -> Result<AfterGather> {
-        for &i in indices {
+    fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
+        for &i in group.indices {
             F::finish(dev, &mut self.weights[i])?;
         }
         Ok(AfterGather::Ok)
