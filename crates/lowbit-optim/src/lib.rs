@@ -31,6 +31,7 @@ mod distributed;
 mod driver;
 mod error;
 mod memory;
+mod muon;
 mod optimizer;
 pub mod protocol;
 mod rule;
@@ -40,6 +41,7 @@ pub use distributed::DistributedOptimizer;
 pub use driver::{GradsReady, Iteration, Trainer};
 pub use error::{InvalidInput, OptimError, Result};
 pub use memory::{RankMemory, estimate_memory, memory_report};
+pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype};
 pub use optimizer::{
     MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor, StepReport,
     init_from_full,
