@@ -25,7 +25,8 @@ use crate::schema::{Recipe, Settings};
         lowbit dequantize model.mxfp8.safetensors model.restored.safetensors --dtype f32\n  \
         lowbit quantize --demo    (generates, quantizes and dequantizes an example file)\n  \
         lowbit train              (the reference run: 4 CPU ranks, MXFP8 primary weights)\n  \
-        lowbit train --precision nvfp4 --ranks 2 --json"
+        lowbit train --precision nvfp4 --ranks 2 --json\n  \
+        lowbit train --optimizer muon   (Muon layer-wise on the matrices, AdamW on the rest)"
 )]
 pub struct Cli {
     /// The subcommand to run.

@@ -6,14 +6,20 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use lowbit::buffers::layout::GradDType;
 use lowbit::comm::CommStats;
-use lowbit::optim::RankMemory;
+use lowbit::optim::{MuonLrScale, NsDtype, RankMemory};
 use lowbit::train::json::Json;
-use lowbit::train::{self, DeviceChoice, Precision, StepLog, TrainConfig, TrainReport};
+use lowbit::train::{
+    self, DeviceChoice, MuonSettings, OptimizerChoice, ParamOwner, Precision, StepLog, TrainConfig,
+    TrainReport, lr_scale_name, ns_dtype_name,
+};
 
 use crate::error::CliError;
 
 /// Arguments of `lowbit train`. Defaults: the embedded CPU run (4 ranks, MXFP8 primary weights
 /// with staged gathers, overlapped reduction and gathers, distributed AdamW, 200 steps).
+///
+/// The `--muon-*` flags apply only with `--optimizer muon` and are refused otherwise; their
+/// defaults are [`MuonSettings::default`], the values tuned on the reference task.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     /// Data-parallel ranks: threads on the CPU [default: 4], GPUs with --device cuda [default:
@@ -71,6 +77,34 @@ pub struct TrainArgs {
     /// Expert weights as one parameter per expert instead of one grouped tensor (same bits).
     #[arg(long)]
     pub discrete_experts: bool,
+    /// Optimizer of the GEMM weights. adamw: distributed AdamW on every parameter. muon: Muon
+    /// on the hidden matrices and the expert weights (each matrix owned whole by one rank, the
+    /// plan's layer-wise rule; grouped experts orthogonalized per expert), chained with
+    /// distributed AdamW on the embedding, head, norms, biases and router.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub optimizer: OptimizerArg,
+    /// Muon's peak learning rate, on --lr's schedule (warmup, cosine to a tenth) [default:
+    /// 0.03].
+    #[arg(long, value_name = "X")]
+    pub muon_lr: Option<f32>,
+    /// Muon's momentum, in [0, 1) (Nesterov) [default: 0.85].
+    #[arg(long, value_name = "X")]
+    pub muon_momentum: Option<f32>,
+    /// Newton-Schulz iterations per step, 1 to 99 [default: 5].
+    #[arg(long, value_name = "N")]
+    pub muon_ns_steps: Option<u32>,
+    /// How Muon scales the learning rate of an out x in matrix: original = max(1, out/in)^0.5,
+    /// match_rms_adamw = 0.2 max(out, in)^0.5, spectral = max(out, in)^0.5 (Megatron)
+    /// [default: original].
+    #[arg(long, value_enum, value_name = "RULE")]
+    pub muon_lr_scale: Option<LrScaleArg>,
+    /// dtype of the Newton-Schulz iterate: f32 (bit-identical on CPU and CUDA) or bf16
+    /// (torch.optim.Muon's roundings) [default: f32].
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub muon_ns_dtype: Option<NsDtypeArg>,
+    /// Muon's decoupled weight decay, finite and >= 0 [default: 0].
+    #[arg(long, value_name = "X")]
+    pub muon_weight_decay: Option<f32>,
     /// Print one JSON object on stdout instead of the table (the progress line stays on
     /// stderr).
     #[arg(long)]
@@ -112,6 +146,38 @@ pub enum GradArg {
     Bf16,
 }
 
+/// `--optimizer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerArg {
+    /// Distributed AdamW on every parameter.
+    Adamw,
+    /// Muon (layer-wise) on the hidden matrices and experts, distributed AdamW on the rest.
+    Muon,
+}
+
+/// `--muon-lr-scale`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LrScaleArg {
+    /// max(1, out/in)^0.5 (Keller Jordan; torch.optim.Muon's default).
+    #[value(name = "original")]
+    Original,
+    /// 0.2 max(out, in)^0.5 (Moonshot: AdamW's update RMS).
+    #[value(name = "match_rms_adamw")]
+    MatchRmsAdamw,
+    /// max(out, in)^0.5 (Megatron-LM's default).
+    #[value(name = "spectral")]
+    Spectral,
+}
+
+/// `--muon-ns-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NsDtypeArg {
+    /// f32 throughout.
+    F32,
+    /// bf16 iterate and GEMM results, f32 sums (torch.optim.Muon).
+    Bf16,
+}
+
 /// `--device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
@@ -122,8 +188,49 @@ pub enum DeviceArg {
 }
 
 impl TrainArgs {
+    /// Muon's settings from the flags, or the refusal of `--muon-*` flags without `--optimizer
+    /// muon` (they would silently do nothing). Values are checked by [`TrainConfig::validate`].
+    fn optimizer(&self) -> Result<OptimizerChoice, CliError> {
+        let given = [
+            ("--muon-lr", self.muon_lr.is_some()),
+            ("--muon-momentum", self.muon_momentum.is_some()),
+            ("--muon-ns-steps", self.muon_ns_steps.is_some()),
+            ("--muon-lr-scale", self.muon_lr_scale.is_some()),
+            ("--muon-ns-dtype", self.muon_ns_dtype.is_some()),
+            ("--muon-weight-decay", self.muon_weight_decay.is_some()),
+        ];
+        if self.optimizer == OptimizerArg::Adamw {
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                return Err(CliError::Msg(format!(
+                    "invalid configuration: {flag} applies only with --optimizer muon (the \
+                     optimizer is adamw)"
+                )));
+            }
+            return Ok(OptimizerChoice::AdamW);
+        }
+        let d = MuonSettings::default();
+        Ok(OptimizerChoice::Muon(MuonSettings {
+            lr: self.muon_lr.unwrap_or(d.lr),
+            momentum: self.muon_momentum.unwrap_or(d.momentum),
+            ns_steps: self.muon_ns_steps.unwrap_or(d.ns_steps),
+            lr_scale: self.muon_lr_scale.map_or(d.lr_scale, |s| match s {
+                LrScaleArg::Original => MuonLrScale::Original,
+                LrScaleArg::MatchRmsAdamw => MuonLrScale::MatchRmsAdamW,
+                LrScaleArg::Spectral => MuonLrScale::Spectral,
+            }),
+            ns_dtype: self.muon_ns_dtype.map_or(d.ns_dtype, |t| match t {
+                NsDtypeArg::F32 => NsDtype::F32,
+                NsDtypeArg::Bf16 => NsDtype::Bf16,
+            }),
+            weight_decay: self.muon_weight_decay.unwrap_or(d.weight_decay),
+        }))
+    }
+
     /// The run these arguments describe.
-    pub fn config(&self) -> TrainConfig {
+    ///
+    /// # Errors
+    /// `--muon-*` flags without `--optimizer muon`.
+    pub fn config(&self) -> Result<TrainConfig, CliError> {
         let precision = match self.precision {
             PrecisionArg::Bf16 => Precision::Bf16,
             PrecisionArg::Mxfp8 => Precision::Mxfp8,
@@ -132,7 +239,7 @@ impl TrainArgs {
         let d = TrainConfig::default();
         let mut shape = d.shape;
         shape.grouped = !self.discrete_experts;
-        TrainConfig {
+        Ok(TrainConfig {
             ranks: self.ranks.unwrap_or(match self.device {
                 DeviceArg::Cpu => d.ranks,
                 // Under a launcher, its world; else every local GPU, at least one, so that a
@@ -170,15 +277,16 @@ impl TrainArgs {
             },
             data: self.data.clone(),
             lr: self.lr,
+            optimizer: self.optimizer()?,
             shape,
             ..d
-        }
+        })
     }
 }
 
 /// Runs `lowbit train`.
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
-    let cfg = args.config();
+    let cfg = args.config()?;
     let tty = std::io::stderr().is_terminal();
     let progress = |s: &StepLog| {
         let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
@@ -247,11 +355,28 @@ fn comm_rows(c: &CommStats) -> [(&'static str, u64, u64); 4] {
     ]
 }
 
+/// The optimizers in words.
+fn describe_optimizer(cfg: &TrainConfig) -> String {
+    match &cfg.optimizer {
+        OptimizerChoice::AdamW => "distributed AdamW".into(),
+        OptimizerChoice::Muon(m) => format!(
+            "Muon layer-wise (lr {}, {} scale, momentum {} Nesterov, {} NS steps {}, weight \
+             decay {}) + distributed AdamW",
+            m.lr,
+            lr_scale_name(m.lr_scale),
+            m.momentum,
+            m.ns_steps,
+            ns_dtype_name(m.ns_dtype),
+            m.weight_decay
+        ),
+    }
+}
+
 fn describe(cfg: &TrainConfig) -> String {
     let on = |b: bool| if b { "on" } else { "off" };
     format!(
         "{} ranks on {}, {} weights (primary low-precision gather {}), grads {}, overlap grad \
-         reduce {} / param gather {}, distributed AdamW",
+         reduce {} / param gather {}, {}",
         cfg.ranks,
         match cfg.device {
             DeviceChoice::Cpu => "cpu",
@@ -265,7 +390,70 @@ fn describe(cfg: &TrainConfig) -> String {
         },
         on(cfg.overlap_grad_reduce),
         on(cfg.overlap_param_gather),
+        describe_optimizer(cfg),
     )
+}
+
+/// Ranks as text: `0-3`, `0,2`, `2`.
+fn ranks_text(ranks: &[usize]) -> String {
+    match ranks {
+        [] => "-".into(),
+        [r] => r.to_string(),
+        [first, .., last] if last - first + 1 == ranks.len() => format!("{first}-{last}"),
+        _ => ranks
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    }
+}
+
+fn shape_text(shape: &[usize]) -> String {
+    shape
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("x")
+}
+
+/// Who updates which parameter: one line each, then Muon's work per rank.
+fn render_owners(r: &TrainReport) -> String {
+    let mut o = format!(
+        "{:<28}{:>10}  {:<10}{:>7}  {}\n",
+        "optimizer per parameter", "shape", "optimizer", "decay", "ranks (fp32 master and state)"
+    );
+    for p in &r.owners {
+        let ranks = if p.optimizer == "muon" {
+            format!("{} (layer-wise: whole)", ranks_text(&p.ranks))
+        } else {
+            format!("{} (distributed)", ranks_text(&p.ranks))
+        };
+        o += &format!(
+            "  {:<26}{:>10}  {:<10}{:>7}  {ranks}\n",
+            p.name,
+            shape_text(&p.shape),
+            p.optimizer,
+            p.weight_decay
+        );
+    }
+    if !r.muon_ranks.is_empty() {
+        o += &format!(
+            "\n{:<28}{:>10}{:>10}{:>10}\n",
+            "muon work per rank", "params", "matrices", "elements"
+        );
+        for l in &r.muon_ranks {
+            let name = format!("rank {}", l.rank);
+            if l.params == 0 {
+                o += &format!("  {name:<26}  idle: owns no Muon matrix\n");
+            } else {
+                o += &format!(
+                    "  {name:<26}{:>10}{:>10}{:>10}\n",
+                    l.params, l.matrices, l.elements
+                );
+            }
+        }
+    }
+    o
 }
 
 /// The closing table.
@@ -327,6 +515,8 @@ pub fn render(r: &TrainReport) -> String {
         "wall time",
         format!("{:.1} s", r.wall.as_secs_f64())
     );
+    o += &render_owners(r);
+    o += "\n";
     o += &format!(
         "{:<28}{:>14}{:>20}\n",
         "memory per rank", "this run", "bf16, unsharded"
@@ -368,6 +558,40 @@ fn memory_json(m: &RankMemory) -> Json {
         ("optimizer_state", Json::uint(m.optimizer_state)),
         ("grad_scratch", Json::uint(m.grad_scratch)),
         ("total", Json::uint(m.total())),
+    ])
+}
+
+/// One entry of `param_owners`.
+fn owner_json(p: &ParamOwner) -> Json {
+    let whole = p.optimizer == "muon";
+    Json::obj([
+        ("name", Json::str(p.name.clone())),
+        (
+            "shape",
+            Json::Arr(p.shape.iter().map(|&d| Json::uint(d)).collect()),
+        ),
+        ("optimizer", Json::str(p.optimizer)),
+        ("owner_id", Json::uint(p.owner.0)),
+        ("weight_decay", Json::F32(p.weight_decay)),
+        (
+            "sharding",
+            Json::str(if whole { "layer_wise" } else { "distributed" }),
+        ),
+        (
+            "ranks",
+            Json::Arr(p.ranks.iter().map(|&r| Json::uint(r)).collect()),
+        ),
+        (
+            "owner_rank",
+            match (whole, &p.ranks[..]) {
+                (true, [r]) => Json::uint(*r),
+                _ => Json::Null,
+            },
+        ),
+        (
+            "muon_lr_factor",
+            p.muon_lr_factor.map_or(Json::Null, Json::Num),
+        ),
     ])
 }
 
@@ -413,8 +637,39 @@ pub fn to_json(r: &TrainReport) -> Json {
             .collect(),
     );
     let p = &r.phases;
+    let owners = r.owners.iter().map(owner_json).collect();
+    let muon_ranks = r
+        .muon_ranks
+        .iter()
+        .map(|l| {
+            Json::obj([
+                ("rank", Json::uint(l.rank)),
+                ("params", Json::uint(l.params)),
+                ("matrices", Json::uint(l.matrices)),
+                ("elements", Json::uint(l.elements)),
+            ])
+        })
+        .collect();
+    let muon = match c.optimizer.muon() {
+        None => Json::Null,
+        Some(m) => Json::obj([
+            ("lr", Json::F32(m.lr)),
+            ("momentum", Json::F32(m.momentum)),
+            ("nesterov", Json::Bool(true)),
+            ("ns_steps", Json::uint(m.ns_steps)),
+            ("ns_dtype", Json::str(ns_dtype_name(m.ns_dtype))),
+            ("lr_scale", Json::str(lr_scale_name(m.lr_scale))),
+            ("weight_decay", Json::F32(m.weight_decay)),
+            ("sharding", Json::str("layer_wise")),
+        ]),
+    };
     Json::obj([
         ("config", Json::str(describe(c))),
+        ("optimizer", Json::str(c.optimizer.name())),
+        ("lr", Json::F32(c.lr)),
+        ("muon", muon),
+        ("param_owners", Json::Arr(owners)),
+        ("muon_ranks", Json::Arr(muon_ranks)),
         ("ranks", Json::uint(c.ranks)),
         ("precision", Json::str(c.precision.name())),
         ("param_gather", Json::Bool(c.param_gather)),

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use lowbit_dev_support::rng::{XorShift64, unit24};
 use lowbit_formats::layout;
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, Source, bf16, f16,
@@ -24,6 +25,14 @@ const BIN: &str = env!("CARGO_BIN_EXE_lowbit");
 struct TempDir(PathBuf);
 
 impl TempDir {
+    /// A fresh directory holding `in.safetensors` with `tensors` (no metadata), and that path.
+    fn with_input(tag: &str, tensors: &[(&str, T)]) -> (Self, PathBuf) {
+        let dir = Self::new(tag);
+        let input = dir.path("in.safetensors");
+        write_st(&input, tensors, None);
+        (dir, input)
+    }
+
     fn new(tag: &str) -> Self {
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -83,6 +92,16 @@ fn run_ok(sub: &str, input: &Path, output: &Path, flags: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// [`run_err`] of a run that must be refused without writing `output`; its error line must
+/// contain every one of `needles`.
+fn refused(sub: &str, input: &Path, output: &Path, flags: &[&str], needles: &[&str]) {
+    let err = run_err(sub, input, output, flags);
+    for n in needles {
+        assert!(err.contains(n), "expected `{n}` in: {err}");
+    }
+    assert!(!output.exists(), "a refused run wrote {}", output.display());
 }
 
 /// Runs `lowbit SUB IN OUT FLAGS…`, asserting exit status 1 with a single `error: ` line on stderr
@@ -161,13 +180,10 @@ fn set(items: &[String]) -> BTreeSet<String> {
 /// Deterministic values whose magnitude changes every 7 elements (so blocks get different
 /// scales), with some exact zeros.
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut r = XorShift64::new(seed);
     (0..n)
         .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            let u = unit24(r.next_u64()) * 2.0 - 1.0;
             if i % 23 == 5 {
                 0.0
             } else {
@@ -423,10 +439,8 @@ fn mixed_inputs() -> Vec<(&'static str, T)> {
 
 #[test]
 fn mxfp8_output_matches_library_bit_for_bit() {
-    let dir = TempDir::new("mxfp8");
     let inputs = mixed_inputs();
-    let input = dir.path("in.safetensors");
-    write_st(&input, &inputs, None);
+    let (dir, input) = TempDir::with_input("mxfp8", &inputs);
     for recipe in ["mxfp8", "mxfp8-e5m2"] {
         let out = dir.path(&format!("out.{recipe}.safetensors"));
         let stdout = run_ok("quantize", &input, &out, &["--recipe", recipe]);
@@ -478,10 +492,8 @@ fn mxfp8_output_matches_library_bit_for_bit() {
 
 #[test]
 fn nvfp4_output_matches_library_bit_for_bit() {
-    let dir = TempDir::new("nvfp4");
     let inputs = mixed_inputs();
-    let input = dir.path("in.safetensors");
-    write_st(&input, &inputs, None);
+    let (dir, input) = TempDir::with_input("nvfp4", &inputs);
     let out = dir.path("out.safetensors");
     run_ok("quantize", &input, &out, &["--recipe", "nvfp4"]);
     let (got, meta) = read_st(&out);
@@ -519,9 +531,7 @@ fn two_d_scaling_matches_library() {
 
 #[test]
 fn thread_count_does_not_change_the_bytes() {
-    let dir = TempDir::new("threads");
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", f32_tensor(&[200, 64], 11))], None);
+    let (dir, input) = TempDir::with_input("threads", &[("w", f32_tensor(&[200, 64], 11))]);
     for recipe in ["mxfp8", "nvfp4"] {
         let (a, b) = (dir.path("a"), dir.path("b"));
         run_ok(
@@ -580,10 +590,8 @@ fn rowwise_only_omits_columnwise_tensors() {
 
 #[test]
 fn columnwise_only_round_trips_through_the_columnwise_copy() {
-    let dir = TempDir::new("colwise");
     let w = f32_tensor(&[3, 37, 45], 14);
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", w.clone())], None);
+    let (dir, input) = TempDir::with_input("colwise", &[("w", w.clone())]);
     for recipe in ["mxfp8", "nvfp4"] {
         let q = dir.path(&format!("{recipe}.q"));
         let d = dir.path(&format!("{recipe}.d"));
@@ -864,15 +872,8 @@ fn corrupt_and_truncated_inputs_are_clean_errors() {
     let dir = TempDir::new("corrupt");
     let out = dir.path("out.safetensors");
     let random = dir.path("random.safetensors");
-    let mut s = 0x1234_5678_9ABC_DEF0u64;
-    let bytes: Vec<u8> = (0..4096)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
+    let mut r = XorShift64::from_state(0x1234_5678_9ABC_DEF0);
+    let bytes: Vec<u8> = (0..4096).map(|_| r.next_u64() as u8).collect();
     std::fs::write(&random, bytes).unwrap();
     let good = dir.path("good.safetensors");
     write_st(&good, &[("w", f32_tensor(&[8, 64], 19))], None);
@@ -885,11 +886,9 @@ fn corrupt_and_truncated_inputs_are_clean_errors() {
     std::fs::write(&empty, b"").unwrap();
     for bad in [&random, &truncated, &header_cut, &empty] {
         for sub in ["quantize", "dequantize"] {
-            let err = run_err(sub, bad, &out, &[]);
-            assert!(err.contains("not a valid safetensors file"), "{err}");
+            refused(sub, bad, &out, &[], &["not a valid safetensors file"]);
         }
     }
-    assert!(!out.exists());
     assert!(
         dir.entries().iter().all(|e| !e.contains(".tmp-")),
         "{:?}",
@@ -914,19 +913,13 @@ fn f64_tensor_is_refused_with_the_tensor_named() {
         None,
     );
     let out = dir.path("out.safetensors");
-    let err = run_err("quantize", &input, &out, &[]);
-    assert!(
-        err.contains("tensor x: unsupported dtype F64 (quantize accepts BF16, F16, F32)"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    let why = "tensor x: unsupported dtype F64 (quantize accepts BF16, F16, F32)";
+    refused("quantize", &input, &out, &[], &[why]);
 }
 
 #[test]
 fn existing_output_needs_force_and_stays_untouched_without_it() {
-    let dir = TempDir::new("force");
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", f32_tensor(&[4, 40], 21))], None);
+    let (dir, input) = TempDir::with_input("force", &[("w", f32_tensor(&[4, 40], 21))]);
     let out = dir.path("out.safetensors");
     std::fs::write(&out, b"keep me").unwrap();
     let err = run_err("quantize", &input, &out, &[]);
@@ -951,9 +944,7 @@ fn existing_output_needs_force_and_stays_untouched_without_it() {
 
 #[test]
 fn output_equal_to_input_is_refused_even_with_force() {
-    let dir = TempDir::new("same");
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", f32_tensor(&[4, 40], 22))], None);
+    let (dir, input) = TempDir::with_input("same", &[("w", f32_tensor(&[4, 40], 22))]);
     let before = std::fs::read(&input).unwrap();
     // Spelled differently, still the same file.
     let alias = dir.0.join(".").join("in.safetensors");
@@ -1009,19 +1000,19 @@ fn nan_with_error_policy_names_tensor_and_index_and_leaves_no_file() {
     let input3 = dir.path("in3.safetensors");
     write_st(&input3, &[("blk.x", x)], None);
     let out3 = dir.path("out3.safetensors");
-    let err = run_err("quantize", &input3, &out3, &["--nan-policy", "error"]);
-    assert!(
-        err.contains("`blk.x`") && err.contains("[1, 1, 7]") && err.contains("inf"),
-        "{err}"
+    let flags = ["--nan-policy", "error"];
+    refused(
+        "quantize",
+        &input3,
+        &out3,
+        &flags,
+        &["`blk.x`", "[1, 1, 7]", "inf"],
     );
-    assert!(!out3.exists());
 }
 
 #[test]
 fn failed_rename_removes_the_temporary_file() {
-    let dir = TempDir::new("rename");
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", f32_tensor(&[4, 40], 28))], None);
+    let (dir, input) = TempDir::with_input("rename", &[("w", f32_tensor(&[4, 40], 28))]);
     // A non-empty directory cannot be replaced by a file, so the final rename fails.
     let out = dir.path("out.safetensors");
     std::fs::create_dir(&out).unwrap();
@@ -1037,16 +1028,18 @@ fn dequantize_rejects_files_without_lowbit_metadata() {
     let input = dir.path("plain.safetensors");
     write_st(&input, &[("w", f32_tensor(&[4, 4], 25))], None);
     let out = dir.path("out.safetensors");
-    let err = run_err("dequantize", &input, &out, &[]);
-    assert!(err.contains("not a lowbit-quantized file"), "{err}");
-    assert!(!out.exists());
+    refused(
+        "dequantize",
+        &input,
+        &out,
+        &[],
+        &["not a lowbit-quantized file"],
+    );
 }
 
 #[test]
 fn dequantize_reports_a_missing_component() {
-    let dir = TempDir::new("missing-part");
-    let input = dir.path("in.safetensors");
-    write_st(&input, &[("w", f32_tensor(&[4, 40], 26))], None);
+    let (dir, input) = TempDir::with_input("missing-part", &[("w", f32_tensor(&[4, 40], 26))]);
     let q = dir.path("q.safetensors");
     run_ok("quantize", &input, &q, &[]);
     let (tensors, meta) = read_st(&q);
@@ -1058,12 +1051,13 @@ fn dequantize_reports_a_missing_component() {
     let broken = dir.path("broken.safetensors");
     write_st(&broken, &kept, Some(meta));
     let out = dir.path("out.safetensors");
-    let err = run_err("dequantize", &broken, &out, &[]);
-    assert!(
-        err.contains("w.rowwise_scale_inv") && err.contains("missing"),
-        "{err}"
+    refused(
+        "dequantize",
+        &broken,
+        &out,
+        &[],
+        &["w.rowwise_scale_inv", "missing"],
     );
-    assert!(!out.exists());
 }
 
 // ---------------------------------------------------------------------------------------------

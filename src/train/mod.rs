@@ -13,6 +13,12 @@
 //! - Two AdamW groups: GEMM weights and the embedding decay, norms, biases and the router do
 //!   not (as Megatron's default no-decay group). No clipping: the grad norm is reported. The
 //!   learning rate warms up over 5% of the steps, then decays along a cosine to a tenth.
+//! - With `--optimizer muon` the GEMM weights (the input projection, the dense blocks' fc1/fc2
+//!   and the expert weights) move to a third owner updated by Muon, whose parameters the plan
+//!   places whole on one rank each (`ShardingStrategy::LayerWise`; the AdamW owners keep the
+//!   distributed rule), chained after the two AdamW groups: one gradient norm, one stage and
+//!   gather per step. Muon's learning rate follows the same schedule at its own peak. The
+//!   Newton–Schulz iterate is f32 by default, so runs are reproducible on every backend.
 //! - The loss reported per step is the mean over the global batch (an f32 all-reduce, counted
 //!   in the collective table); eval losses are over a fixed held-out sample set.
 
@@ -23,16 +29,20 @@ pub mod lm;
 
 use std::time::{Duration, Instant};
 
-use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage};
+use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingPlan};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
-    ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, Optimizer, RankMemory,
-    Trainer, estimate_memory, init_from_full, memory_report,
+    ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, OptimConfig, Optimizer,
+    OptimizerMemory, OptimizerState, RankMemory, Trainer, estimate_memory, init_from_full,
+    memory_report,
 };
 
-pub use config::{DeviceChoice, HAS_CUDA, Precision, TrainConfig, TrainError, gpu_count};
+pub use config::{
+    DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
+    gpu_count, lr_scale_name, ns_dtype_name, owners,
+};
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use lm::{Lm, ParamInfo};
 
@@ -87,14 +97,53 @@ pub struct TrainReport {
     pub master_checksum: u64,
     /// Rank 0's memory.
     pub memory: RankMemory,
-    /// The same model with bf16 weights, fp32 gradients, masters and AdamW state, unsharded.
+    /// The same model with bf16 weights, fp32 gradients, masters and the same optimizers'
+    /// state (AdamW two tensors, Muon one), unsharded.
     pub baseline: RankMemory,
+    /// Who updates each parameter, in model order (from the sharding plan).
+    pub owners: Vec<ParamOwner>,
+    /// Muon's work per rank (empty without Muon), in rank order.
+    pub muon_ranks: Vec<MuonRankLoad>,
     /// Rank 0's collectives.
     pub comm: CommStats,
     /// Rank 0's time per phase.
     pub phases: Phases,
     /// Wall time of the training loop.
     pub wall: Duration,
+}
+
+/// Which optimizer updates one parameter, and where.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamOwner {
+    /// Parameter name.
+    pub name: String,
+    /// Shape (grouped expert weights `[experts, out, in]`).
+    pub shape: Vec<usize>,
+    /// `"adamw"` or `"muon"`.
+    pub optimizer: &'static str,
+    /// The owner id in the plan (see [`owners`]).
+    pub owner: OptimizerId,
+    /// Decoupled weight decay applied to it.
+    pub weight_decay: f32,
+    /// The ranks holding a piece of its fp32 master and optimizer state, ascending. A Muon
+    /// matrix has exactly one (the layer-wise rule places it whole); an AdamW parameter has the
+    /// ranks whose shards of its bucket it overlaps.
+    pub ranks: Vec<usize>,
+    /// Muon's learning-rate factor for each of its matrices (`None` for AdamW).
+    pub muon_lr_factor: Option<f64>,
+}
+
+/// One rank's share of the Muon matrices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MuonRankLoad {
+    /// The rank.
+    pub rank: usize,
+    /// Parameters it owns whole.
+    pub params: usize,
+    /// Matrices it orthogonalizes per step (a grouped expert tensor counts each expert).
+    pub matrices: usize,
+    /// Elements of those parameters.
+    pub elements: usize,
 }
 
 /// What each rank returns.
@@ -125,6 +174,12 @@ pub fn train(
     cfg.shape.vocab = source.vocab();
     let info = cfg.shape.params();
     let specs = cfg.specs(&info);
+    // The plan is pure: make it once here for the report (and to refuse a bad one up front);
+    // every rank makes the same one.
+    let plan = cfg
+        .plan(&specs)
+        .map_err(|e| TrainError::Invalid(format!("sharding plan: {e}")))?;
+    let (owners, muon_ranks) = ownership(&cfg, &info, &specs, &plan)?;
     // The eval set, padded with weightless items to whole batches on every rank.
     let (mut eval_items, eval_exact) =
         source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
@@ -162,9 +217,11 @@ pub fn train(
         } else {
             Overlap::None
         });
-    // AdamW: two fp32 state tensors per element.
-    let baseline = estimate_memory(&baseline_specs, 1, 0, &base_ddp, |_| 2)
-        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    // AdamW: two fp32 state tensors per element; Muon: one (the momentum).
+    let baseline = estimate_memory(&baseline_specs, 1, 0, &base_ddp, |o| {
+        if o == owners::MUON { 1 } else { 2 }
+    })
+    .map_err(|e| TrainError::Invalid(e.to_string()))?;
     Ok(TrainReport {
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
@@ -175,11 +232,147 @@ pub fn train(
         master_checksum: checksum,
         memory: o0.memory.clone(),
         baseline,
+        owners,
+        muon_ranks,
         comm: o0.comm,
         phases: o0.phases,
         wall: o0.wall,
         config: cfg,
     })
+}
+
+/// Who updates each parameter and, for Muon, each rank's share, read off the plan.
+fn ownership(
+    cfg: &TrainConfig,
+    info: &[ParamInfo],
+    specs: &[ParamSpec],
+    plan: &ShardingPlan,
+) -> Result<(Vec<ParamOwner>, Vec<MuonRankLoad>), TrainError> {
+    let muon = cfg.optimizer.muon();
+    let mut out: Vec<ParamOwner> = info
+        .iter()
+        .zip(specs)
+        .map(|(p, s)| {
+            let owner = s.owner();
+            let is_muon = owner == owners::MUON;
+            ParamOwner {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                optimizer: if is_muon { "muon" } else { "adamw" },
+                owner,
+                weight_decay: match muon {
+                    Some(m) if is_muon => m.weight_decay,
+                    _ if owner == owners::ADAMW_DECAY => ADAMW_DECAY,
+                    _ => 0.0,
+                },
+                ranks: Vec::new(),
+                // Muon's parameters are `[out, in]` or `[experts, out, in]` (its constructor
+                // refuses anything else).
+                muon_lr_factor: match (muon, &p.shape[..]) {
+                    (Some(m), [.., rows, cols]) if is_muon => Some(m.lr_scale.factor(*rows, *cols)),
+                    _ => None,
+                },
+            }
+        })
+        .collect();
+    let mut loads = Vec::new();
+    for rank in 0..plan.dp() {
+        let mut load = MuonRankLoad {
+            rank,
+            params: 0,
+            matrices: 0,
+            elements: 0,
+        };
+        let pieces = plan
+            .owned(rank)
+            .map_err(|e| TrainError::Invalid(format!("sharding plan: {e}")))?;
+        for piece in pieces {
+            let o = &mut out[piece.param];
+            if o.ranks.last() != Some(&rank) {
+                o.ranks.push(rank);
+            }
+            if o.owner == owners::MUON {
+                load.params += 1;
+                load.matrices += info[piece.param].experts;
+                load.elements += piece.param_range.len();
+            }
+        }
+        if muon.is_some() {
+            loads.push(load);
+        }
+    }
+    Ok((out, loads))
+}
+
+/// The weight decay of AdamW's decayed group.
+const ADAMW_DECAY: f32 = 0.1;
+
+/// An optimizer whose learning rate follows the chain's schedule at another peak: `set_lr(lr)`
+/// gives it `lr · ratio` (computed in f64, rounded once), so Muon's rate warms up and decays
+/// with AdamW's. Everything else is the inner optimizer's.
+#[derive(Debug)]
+struct RescaledLr {
+    inner: Box<dyn Optimizer>,
+    ratio: f64,
+}
+
+impl Optimizer for RescaledLr {
+    fn owners(&self) -> Vec<OptimizerId> {
+        self.inner.owners()
+    }
+    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
+        self.inner.local_sum_squares(dev)
+    }
+    fn clip_grad(&self) -> Option<f32> {
+        self.inner.clip_grad()
+    }
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip_coef: f32,
+    ) -> lowbit_optim::Result<()> {
+        self.inner.apply(dev, bufs, clip_coef)
+    }
+    fn stage(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        only_stale: bool,
+    ) -> lowbit_optim::Result<()> {
+        self.inner.stage(dev, comm, bufs, only_stale)
+    }
+    fn set_lr(&mut self, lr: f32) -> lowbit_optim::Result<()> {
+        let scaled = if self.ratio == 1.0 {
+            lr
+        } else {
+            (f64::from(lr) * self.ratio) as f32
+        };
+        self.inner.set_lr(scaled)
+    }
+    fn steps(&self) -> u64 {
+        self.inner.steps()
+    }
+    fn masters(&self, dev: &Device) -> lowbit_optim::Result<Vec<MasterShard>> {
+        self.inner.masters(dev)
+    }
+    fn export_state(&self, dev: &Device) -> lowbit_optim::Result<Vec<OptimizerState>> {
+        self.inner.export_state(dev)
+    }
+    fn check_import(&self, state: &[OptimizerState]) -> lowbit_optim::Result<()> {
+        self.inner.check_import(state)
+    }
+    fn import_state(
+        &mut self,
+        dev: &mut Device,
+        state: &[OptimizerState],
+    ) -> lowbit_optim::Result<()> {
+        self.inner.import_state(dev, state)
+    }
+    fn memory(&self) -> OptimizerMemory {
+        self.inner.memory()
+    }
 }
 
 /// What every rank of a run shares.
@@ -441,20 +634,40 @@ fn rank_main(
     let rank = comm.rank();
     let e = err(rank);
     let specs = cfg.specs(info);
+    let plan = cfg.plan(&specs).map_err(|x| e(&x))?;
     let mut bufs =
-        DataParallelBuffers::new(dev, cfg.ranks, rank, specs, cfg.ddp()).map_err(|x| e(&x))?;
+        DataParallelBuffers::with_plan(dev, rank, specs, plan, cfg.ddp()).map_err(|x| e(&x))?;
     let init = cfg.shape.init(cfg.seed);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
     let optim = OptimConfig::new(cfg.lr);
     let mut parts: Vec<Box<dyn Optimizer>> = Vec::new();
-    for (owner, decay) in [(0, 0.1), (1, 0.0)] {
+    for (owner, decay) in [
+        (owners::ADAMW_DECAY, ADAMW_DECAY),
+        (owners::ADAMW_NO_DECAY, 0.0),
+    ] {
         let rule = TrainConfig::adamw(decay);
         let mut pieces = init_from_full(&init);
         parts.push(Box::new(
-            DistributedOptimizer::new(dev, &bufs, OptimizerId(owner), rule, optim, &mut pieces)
+            DistributedOptimizer::new(dev, &bufs, owner, rule, optim, &mut pieces)
                 .map_err(|x| e(&x))?,
         ));
+    }
+    if let Some(m) = cfg.optimizer.muon() {
+        let mut pieces = init_from_full(&init);
+        let muon = Muon::new(
+            dev,
+            &bufs,
+            owners::MUON,
+            m.config(),
+            OptimConfig::new(m.lr),
+            &mut pieces,
+        )
+        .map_err(|x| e(&x))?;
+        parts.push(Box::new(RescaledLr {
+            inner: Box::new(muon),
+            ratio: f64::from(m.lr) / f64::from(cfg.lr),
+        }));
     }
     let opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
     let mut trainer =

@@ -1,6 +1,8 @@
 //! The one helper the data-parallel integration tests go through: [`train`] runs the test model
 //! on N rank threads with a given configuration and returns each rank's losses, gradient
-//! digests, grad norms, fp32 masters and final weight bytes.
+//! digests, grad norms, fp32 masters and final weight bytes, and, with [`Run::probe`], per step
+//! and phase the quantization calls, parameter all-gathers, bucket-group states and the staging
+//! views' contents before their gather.
 
 #![allow(dead_code)] // each test file uses part of the harness
 
@@ -11,15 +13,16 @@ use lowbit::buffers::layout::{
     ShardingStrategy,
 };
 use lowbit::buffers::{
-    ComputeFormat, DataParallelBuffers, DdpConfig, GradAccumulation, Hooks, Mxfp8Gather, Overlap,
-    PrecisionPolicy, Usage, Verify,
+    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, GradAccumulation, Hooks,
+    Mxfp8Gather, Overlap, ParamSyncState, PrecisionPolicy, StorageKind, Usage, Verify, WeightState,
 };
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::{DType, Device};
+use lowbit::device::{CountedOp, DType, Device, bf16};
+use lowbit::layout::LayoutError;
 use lowbit::model::{Mlp, MlpShape, sample};
 use lowbit::optim::{
-    AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, Optimizer, Sgd,
-    Trainer, init_from_full,
+    AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, MuonConfig, NsDtype,
+    OptimConfig, Optimizer, Sgd, Trainer, init_from_full,
 };
 
 /// Matrix dimensions are multiples of 16 so that NVFP4's 16x16 tiles cover them; 40 columns
@@ -55,6 +58,36 @@ pub enum TestDevice {
     Cuda,
 }
 
+/// Which optimizers own the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimChoice {
+    /// AdamW for owner 0 (the matrices, or everything when not chained), SGD for owner 1 (biases
+    /// and norms) when chained.
+    AdamW,
+    /// Muon for owner 0 (matrices, whole, planned layer-wise), chained with a nested chain of
+    /// distributed AdamW (owner 1: biases and the matrices Muon does not own) and SGD (owner 2:
+    /// norms). Without [`Run::chained`] Muon owns everything (and refuses the vectors).
+    Muon(MuonRun),
+}
+
+/// Muon's part of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MuonRun {
+    /// The Newton–Schulz dtype (f32: exact on every backend; bf16: `torch.optim.Muon`'s).
+    pub ns: NsDtype,
+    /// Muon on the hidden matrices only (`blocks.*.weight`); the input and output matrices (the
+    /// embedding and head of a language model) go to AdamW, in low precision too.
+    pub hidden_only: bool,
+}
+
+impl MuonRun {
+    /// f32 Newton–Schulz on every matrix.
+    pub const F32: MuonRun = MuonRun {
+        ns: NsDtype::F32,
+        hidden_only: false,
+    };
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct Run {
     pub dp: usize,
@@ -78,8 +111,13 @@ pub struct Run {
     pub eval_after: &'static [usize],
     /// Run a forced sync after every step.
     pub force_sync_every_step: bool,
-    /// Owner 0 (the matrices' AdamW) owns whole parameters (the layer-wise plan rule).
+    /// Owner 0 (the matrices' AdamW) owns whole parameters (the layer-wise plan rule). Always
+    /// so under Muon.
     pub layerwise: bool,
+    /// Which optimizers own the parameters.
+    pub optimizer: OptimChoice,
+    /// Record [`StepProbe`]s (read-only: the trajectory is the same either way).
+    pub probe: bool,
 }
 
 impl Run {
@@ -100,7 +138,24 @@ impl Run {
             eval_after: &[],
             force_sync_every_step: false,
             layerwise: false,
+            optimizer: OptimChoice::AdamW,
+            probe: false,
         }
+    }
+
+    /// [`Run::new`] with Muon (f32 Newton–Schulz, every matrix) layer-wise, chained with AdamW
+    /// and SGD on the rest.
+    pub fn muon(dp: usize) -> Run {
+        Run {
+            optimizer: OptimChoice::Muon(MuonRun::F32),
+            layerwise: true,
+            ..Run::new(dp)
+        }
+    }
+
+    /// Whether owner 0 is planned layer-wise.
+    pub fn owner0_layerwise(&self) -> bool {
+        self.layerwise || matches!(self.optimizer, OptimChoice::Muon(_))
     }
 }
 
@@ -143,10 +198,126 @@ pub struct Outcome {
     pub gather_bytes: u64,
     /// Parameters with low-precision primary weights (so a test can tell the paths apart).
     pub low_precision_params: usize,
+    /// Per step, with [`Run::probe`].
+    pub probes: Vec<StepProbe>,
+    /// This rank's owned pieces of low-precision parameters (every owner).
+    pub owned_low_precision_pieces: usize,
+    /// Per bucket group: its owner and whether its weights are low precision.
+    pub groups: Vec<(u32, bool)>,
 }
 
-fn is_matrix(name: &str) -> bool {
+/// Calls of each [`CountedOp`], in [`CountedOp::ALL`]'s order.
+pub type OpCounts = [u64; CountedOp::ALL.len()];
+
+/// The phases of one step in [`rank_main`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// `Trainer::begin`: zero the gradients, stage stale owners.
+    Begin = 0,
+    /// Every microbatch's forward and backward (lazy gathers under overlapped param gather).
+    Microbatches = 1,
+    /// `finish_grad_sync` and `step`: norm, clip, apply, stage + gather unless overlapped.
+    Step = 2,
+    /// The forced sync and eval after the step, if any.
+    After = 3,
+}
+
+/// The state of one bucket group: its low-precision weights and its param-gather dispatch.
+pub type GroupState = (WeightState, ParamSyncState);
+
+/// What one rank saw during one step (with [`Run::probe`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepProbe {
+    /// Counted quantization calls per [`Phase`].
+    pub quant: [OpCounts; 4],
+    /// All-gather calls per [`Phase`] (each bucket of a group gathered is one; the grad-norm
+    /// exchange of a sharded plan is one more in [`Phase::Step`]).
+    pub all_gathers: [u64; 4],
+    /// Every group's state after `begin`, after the microbatches and after the step.
+    pub after_begin: Vec<GroupState>,
+    pub after_microbatches: Vec<GroupState>,
+    pub after_step: Vec<GroupState>,
+    /// Owned pieces of MXFP8-staged parameters whose staging bytes were checked after `begin`
+    /// (before any gather of the step) against `bf16(master)` of the last update.
+    pub staged_pieces_checked: usize,
+    /// Pieces whose staging bytes were wrong (staged: not `bf16(master)`; otherwise not zero).
+    pub staging_mismatches: Vec<String>,
+}
+
+impl StepProbe {
+    /// Calls of `op` in `phase`.
+    pub fn calls(&self, phase: Phase, op: CountedOp) -> u64 {
+        self.quant[phase as usize][op_index(op)]
+    }
+}
+
+fn op_index(op: CountedOp) -> usize {
+    CountedOp::ALL
+        .iter()
+        .position(|&o| o == op)
+        .expect("in ALL")
+}
+
+/// The device's counted calls now.
+pub fn op_counts(dev: &Device) -> OpCounts {
+    CountedOp::ALL.map(|op| dev.op_calls(op))
+}
+
+/// Counted quantization calls and all-gather calls at the start of a phase.
+struct PhaseClock {
+    quant: OpCounts,
+    all_gathers: u64,
+}
+
+impl PhaseClock {
+    fn start(dev: &Device, comm: &dyn Communicator) -> PhaseClock {
+        PhaseClock {
+            quant: op_counts(dev),
+            all_gathers: comm.stats().all_gather.calls,
+        }
+    }
+
+    /// Records the calls since the start into `probe` as `phase`'s and starts the next phase.
+    fn close(
+        &mut self,
+        phase: Phase,
+        dev: &Device,
+        comm: &dyn Communicator,
+        probe: &mut StepProbe,
+    ) {
+        let now = PhaseClock::start(dev, comm);
+        probe.quant[phase as usize] = std::array::from_fn(|i| now.quant[i] - self.quant[i]);
+        probe.all_gathers[phase as usize] = now.all_gathers - self.all_gathers;
+        *self = now;
+    }
+}
+
+fn group_states(bufs: &DataParallelBuffers) -> Vec<GroupState> {
+    (0..bufs.num_groups())
+        .map(|g| (bufs.weight_state(g), bufs.param_sync_state(g)))
+        .collect()
+}
+
+pub fn is_matrix(name: &str) -> bool {
     name.ends_with(".weight")
+}
+
+/// The owner of parameter `name` in `run` (see [`OptimChoice`]).
+pub fn owner_of(run: &Run, name: &str) -> usize {
+    match run.optimizer {
+        OptimChoice::AdamW => usize::from(run.chained && !is_matrix(name)),
+        OptimChoice::Muon(_) if !run.chained => 0,
+        OptimChoice::Muon(m) => {
+            let muon = is_matrix(name) && (!m.hidden_only || name.starts_with("blocks."));
+            if muon {
+                0
+            } else if name.ends_with(".norm") {
+                2
+            } else {
+                1
+            }
+        }
+    }
 }
 
 pub fn specs(run: &Run) -> Vec<ParamSpec> {
@@ -154,11 +325,7 @@ pub fn specs(run: &Run) -> Vec<ParamSpec> {
         .params()
         .into_iter()
         .map(|(name, shape)| {
-            let owner = if run.chained && !is_matrix(&name) {
-                1
-            } else {
-                0
-            };
+            let owner = owner_of(run, &name) as u32;
             let storage = match run.precision {
                 Precision::Mxfp8 | Precision::Mxfp8Direct
                     if run.param_gather && is_matrix(&name) =>
@@ -212,13 +379,60 @@ pub fn optim(lr: f32, clip: Option<f32>) -> OptimConfig {
     OptimConfig::new(lr).with_clip_grad(clip)
 }
 
-/// The optimizers of a run: AdamW for owner 0, SGD for owner 1 when chained.
+/// The harness's Muon: `torch.optim.Muon`'s defaults (momentum 0.95, Nesterov, 5 quintic
+/// Newton–Schulz steps, the original lr scale) with weight decay 0.01 and the run's NS dtype.
+pub fn muon_config(m: MuonRun) -> MuonConfig {
+    MuonConfig::default()
+        .with_weight_decay(0.01)
+        .with_ns_dtype(m.ns)
+}
+
+/// Muon's learning rate.
+pub const MUON_LR: f32 = 2e-2;
+
+/// The optimizers of a run: AdamW for owner 0, SGD for owner 1 when chained; or Muon for owner
+/// 0 chained with (AdamW for owner 1, SGD for owner 2).
 pub fn optimizers(
     run: &Run,
     dev: &mut Device,
     bufs: &DataParallelBuffers,
     init: &[Vec<f32>],
 ) -> Result<ChainedOptimizer, lowbit::optim::OptimError> {
+    if let OptimChoice::Muon(m) = run.optimizer {
+        let muon = Muon::new(
+            dev,
+            bufs,
+            OptimizerId(0),
+            muon_config(m),
+            optim(MUON_LR, run.clip),
+            &mut init_from_full(init),
+        )?;
+        if !run.chained {
+            return ChainedOptimizer::new(vec![Box::new(muon)]);
+        }
+        let adamw = DistributedOptimizer::new(
+            dev,
+            bufs,
+            OptimizerId(1),
+            adamw(),
+            optim(3e-3, run.clip),
+            &mut init_from_full(init),
+        )?;
+        let sgd = DistributedOptimizer::new(
+            dev,
+            bufs,
+            OptimizerId(2),
+            Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            optim(1e-2, run.clip),
+            &mut init_from_full(init),
+        )?;
+        // Nested: the rest is one chain of its own.
+        let rest = ChainedOptimizer::new(vec![Box::new(adamw), Box::new(sgd)])?;
+        return ChainedOptimizer::new(vec![Box::new(muon), Box::new(rest)]);
+    }
     let mut parts: Vec<Box<dyn Optimizer>> = vec![Box::new(DistributedOptimizer::new(
         dev,
         bufs,
@@ -257,6 +471,82 @@ fn batch(run: &Run, rank: usize, step: usize, m: usize, eval: bool) -> (Vec<f32>
     (x, y)
 }
 
+/// The plan of a run: the buffers' strategy, owner 0 layer-wise where [`Run::owner0_layerwise`].
+pub fn plan(run: &Run) -> Result<ShardingPlan, LayoutError> {
+    let mut plan = run.ddp.plan_config(run.dp);
+    if run.owner0_layerwise() {
+        plan = plan.with_owner_strategy(OptimizerId(0), ShardingStrategy::LayerWise);
+    }
+    ShardingPlan::new(&specs(run), &plan)
+}
+
+/// Rank `rank`'s buffers of a run, initialized from [`MlpShape::init`] (seed 7).
+pub fn buffers(
+    run: &Run,
+    dev: &mut Device,
+    rank: usize,
+) -> Result<DataParallelBuffers, BufferError> {
+    let plan = plan(run)?;
+    let mut bufs = DataParallelBuffers::with_plan(dev, rank, specs(run), plan, run.ddp)?;
+    let init = SHAPE.init(7);
+    bufs.initialize_all(dev, |p| init[p].clone())?;
+    Ok(bufs)
+}
+
+/// Compares the staging bytes of this rank's owned pieces of MXFP8-staged parameters with what
+/// must be there after `begin` and before any gather: `bf16(master)` of the last update for a
+/// staged group, zeros otherwise (zeroed with the gradients, nothing staged).
+fn check_staging(
+    dev: &Device,
+    bufs: &DataParallelBuffers,
+    masters: &[MasterShard],
+    probe: &mut StepProbe,
+) -> Result<(), String> {
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    for s in bufs.owned_shards().map_err(|x| e(&x))? {
+        if bufs.storage_kind(s.param) != StorageKind::Mxfp8Staged {
+            continue;
+        }
+        let view = bufs
+            .param_view(s.param)
+            .and_then(|v| Ok(v.slice(s.param_range.clone())?))
+            .map_err(|x| e(&x))?;
+        let got: Vec<u16> = dev
+            .download::<bf16>(view)
+            .map_err(|x| e(&x))?
+            .iter()
+            .map(|b| b.to_bits())
+            .collect();
+        let staged = bufs.weight_state(bufs.group_of(s.param)) == WeightState::Staged;
+        let want: Vec<u16> = if staged {
+            let m = masters
+                .iter()
+                .find(|m| m.param == s.param && m.range == s.param_range)
+                .ok_or_else(|| format!("no master for param {} {:?}", s.param, s.param_range))?;
+            m.values
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_bits())
+                .collect()
+        } else {
+            vec![0; got.len()]
+        };
+        if staged {
+            probe.staged_pieces_checked += 1;
+        }
+        if got != want {
+            let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            probe.staging_mismatches.push(format!(
+                "param {} {:?} ({}): {bad} of {} staging elements differ",
+                s.param,
+                s.param_range,
+                if staged { "staged" } else { "not staged" },
+                got.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// One rank's training loop, through the public step driver only.
 pub fn rank_main(
     run: &Run,
@@ -265,17 +555,21 @@ pub fn rank_main(
 ) -> Result<Outcome, String> {
     let e = |x: &dyn std::fmt::Display| x.to_string();
     let rank = comm.rank();
-    let mut plan = run.ddp.plan_config(run.dp);
-    if run.layerwise {
-        plan = plan.with_owner_strategy(OptimizerId(0), ShardingStrategy::LayerWise);
-    }
-    let plan = ShardingPlan::new(&specs(run), &plan).map_err(|x| e(&x))?;
-    let mut bufs =
-        DataParallelBuffers::with_plan(dev, rank, specs(run), plan, run.ddp).map_err(|x| e(&x))?;
+    let bufs = buffers(run, dev, rank).map_err(|x| e(&x))?;
     let init = SHAPE.init(7);
-    bufs.initialize_all(dev, |p| init[p].clone())
-        .map_err(|x| e(&x))?;
     let opt = optimizers(run, dev, &bufs, &init).map_err(|x| e(&x))?;
+    let owned_low_precision_pieces = bufs
+        .owned_shards()
+        .map_err(|x| e(&x))?
+        .iter()
+        .filter(|s| bufs.is_low_precision(s.param))
+        .count();
+    let groups = (0..bufs.num_groups())
+        .map(|g| {
+            let p = bufs.group_params(g)[0];
+            (bufs.specs()[p].owner().0, bufs.is_low_precision(p))
+        })
+        .collect();
     let mut trainer = Trainer::new(dev, bufs, Box::new(opt), policy(run)).map_err(|x| e(&x))?;
     let mlp = Mlp::new(dev, SHAPE, run.rows);
     let mut out = Outcome {
@@ -289,9 +583,27 @@ pub fn rank_main(
         weights: Vec::new(),
         gather_bytes: 0,
         low_precision_params: 0,
+        probes: Vec::new(),
+        owned_low_precision_pieces,
+        groups,
+    };
+    // The masters of the last update (for the staging check), and the counters at the start of
+    // the current phase.
+    let mut masters = if run.probe {
+        trainer.optimizer().masters(dev).map_err(|x| e(&x))?
+    } else {
+        Vec::new()
     };
     for step in 0..run.steps {
+        let mut probe = StepProbe::default();
+        let mut clock = PhaseClock::start(dev, comm);
         let mut iteration = trainer.begin(dev, comm).map_err(|x| e(&x))?;
+        if run.probe {
+            clock.close(Phase::Begin, dev, comm, &mut probe);
+            probe.after_begin = group_states(iteration.buffers());
+            check_staging(dev, iteration.buffers(), &masters, &mut probe)?;
+            clock = PhaseClock::start(dev, comm);
+        }
         let mut loss = 0.0f32;
         for m in 0..run.microbatches {
             let (mut x, y) = batch(run, rank, step, m, false);
@@ -303,6 +615,10 @@ pub fn rank_main(
             loss += r.map_err(|x| e(&x))?;
         }
         out.losses.push(loss);
+        if run.probe {
+            clock.close(Phase::Microbatches, dev, comm, &mut probe);
+            probe.after_microbatches = group_states(iteration.buffers());
+        }
         let ready = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
         let mut grads = Vec::new();
         for s in ready.buffers().owned_shards().map_err(|x| e(&x))? {
@@ -317,8 +633,18 @@ pub fn rank_main(
             });
         }
         out.grads.push(grads);
+        if run.probe {
+            // Downloading the reduced gradients above is not a quantization or a gather.
+            clock = PhaseClock::start(dev, comm);
+        }
         let report = ready.step(dev, comm).map_err(|x| e(&x))?;
         out.norms.push(report.grad_norm);
+        if run.probe {
+            clock.close(Phase::Step, dev, comm, &mut probe);
+            probe.after_step = group_states(trainer.buffers());
+            masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
+            clock = PhaseClock::start(dev, comm);
+        }
         if run.force_sync_every_step {
             trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
         }
@@ -327,6 +653,10 @@ pub fn rank_main(
             let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
             let r = mlp.forward_backward(dev, &mut hooks, &x, &y, 0.0);
             out.eval_losses.push(r.map_err(|x| e(&x))?);
+        }
+        if run.probe {
+            clock.close(Phase::After, dev, comm, &mut probe);
+            out.probes.push(probe);
         }
     }
     // The final forced sync (in `eval`) makes the weights reflect the last step on every path.
@@ -559,9 +889,10 @@ pub fn parity_matrix(
                         } else {
                             GradAccumulation::Unfused
                         };
+                        let on_run = variant(base, true);
                         let on = train(Run {
-                            ddp: base.ddp.with_grad_accumulation(fusion),
-                            ..variant(base, true)
+                            ddp: on_run.ddp.with_grad_accumulation(fusion),
+                            ..on_run
                         });
                         let off = train(variant(base, false));
                         assert_ranks_identical(&on);
@@ -585,6 +916,78 @@ pub fn parity_matrix(
                         }
                         cases += 1;
                     }
+                }
+            }
+        }
+    }
+    cases
+}
+
+/// The low-precision precisions Muon's parity runs over.
+pub const LOW_PRECISIONS: [Precision; 3] =
+    [Precision::Mxfp8, Precision::Mxfp8Direct, Precision::Nvfp4];
+
+/// Muon's ON/OFF parity matrix: Muon (layer-wise, f32 Newton–Schulz) chained with distributed
+/// AdamW and SGD, low-precision parameter gather on against bf16 parameters quantized on the fly,
+/// over the low-precision formats, every overlap mode, `buckets` and the data-parallel sizes
+/// `dps`. Rotating through the cases: fused and unfused gradient accumulation on the ON side,
+/// f32 and bf16 gradients, Muon on every matrix or on the hidden ones only (then the input and
+/// output matrices are AdamW's, in low precision too, and at dp 4 two ranks own no Muon matrix).
+/// Every pair must train to the same bits. Returns the number of pairs.
+pub fn muon_parity_matrix(
+    dps: &[usize],
+    steps: usize,
+    device: TestDevice,
+    buckets: &[Option<usize>],
+) -> usize {
+    let mut cases = 0;
+    for precision in LOW_PRECISIONS {
+        for (og, op) in [(false, false), (true, false), (true, true)] {
+            for &bucket in buckets {
+                for &dp in dps {
+                    // A rotation that does not tie an axis to a dp.
+                    let k = cases + cases / dps.len().max(1);
+                    let fusion = if k.is_multiple_of(2) {
+                        GradAccumulation::Fused
+                    } else {
+                        GradAccumulation::Unfused
+                    };
+                    let hidden_only = (k / 2) % 2 == 1;
+                    let grad = if (k / 3).is_multiple_of(2) {
+                        GradDType::F32
+                    } else {
+                        GradDType::Bf16
+                    };
+                    let base = Run {
+                        precision,
+                        grad,
+                        steps,
+                        microbatches: 3,
+                        rows: 8 / dp.min(4) + 1,
+                        ddp: ddp(true, og, op, bucket),
+                        device,
+                        optimizer: OptimChoice::Muon(MuonRun {
+                            hidden_only,
+                            ..MuonRun::F32
+                        }),
+                        ..Run::muon(dp)
+                    };
+                    let what = format!(
+                        "Muon {precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?} \
+                         {fusion:?} hidden_only={hidden_only} case={cases}"
+                    );
+                    let on_run = variant(base, true);
+                    let on = train(Run {
+                        ddp: on_run.ddp.with_grad_accumulation(fusion),
+                        ..on_run
+                    });
+                    let off = train(variant(base, false));
+                    assert_ranks_identical(&on);
+                    assert_ranks_identical(&off);
+                    assert_eq!(on[0].low_precision_params, 4, "{what}");
+                    assert_eq!(off[0].low_precision_params, 0, "{what}");
+                    assert_parity(&on, &off, &what);
+                    cases += 1;
                 }
             }
         }

@@ -51,6 +51,12 @@ STEPS+=(
   # torch.compile reference quantizers, fused AdamW + bf16 copy) on the same card.
   "example-cuda_bench|300|set -o pipefail; bin/cuda_bench | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  # Muon on the GPU (issue 12 item 7): matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
+  # library path) against the CPU, then the muon_bench example: fast vs exact Newton-Schulz,
+  # one Llama-3-8B layer (exact extrapolated, fast, torch.optim.Muon on the same card in the
+  # same run) and layer-wise over 1 and 2 GPUs.
+  "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
+  "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # lowbit train: the default run on one and on two GPUs, the same runs on the CPU backend of
   # this host, and a bitwise comparison (losses, grad norms, evals, final masters).
   "train-cpu-1rank|600|bin/lowbit train --ranks 1 --json > \$STEP_JSON"

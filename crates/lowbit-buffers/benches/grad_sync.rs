@@ -36,21 +36,19 @@
 //! Run with `cargo bench -p lowbit-buffers --bench grad_sync` (well under a minute plus the
 //! build on two cores).
 
-use lowbit_dev_support::criterion_estimates as estimates;
-
 use std::hint::black_box;
-use std::path::Path;
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Barrier, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use criterion::{Criterion, SamplingMode, Throughput};
+use criterion::{SamplingMode, Throughput};
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy,
 };
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
-use lowbit_comm::{Communicator, GroupConfig, LocalComm, run_ranks};
+use lowbit_comm::{Communicator, GroupConfig, LocalComm};
 use lowbit_device::{DType, Device, View};
+use lowbit_testkit::bench::{
+    BenchRun, cores, print_bound_table, print_load_average, with_rank_pool,
+};
 
 const WORLD: usize = 4;
 const PARAMS: usize = 8;
@@ -75,18 +73,8 @@ const RANK_CASES: [(&str, Kind); 3] = [
 ];
 const MEMCPY_1: &str = "memcpy_1_thread";
 
-enum Cmd {
-    Run { kind: Kind, iters: u64 },
-    Stop,
-}
-
 fn specs() -> Vec<ParamSpec> {
-    let key = BufferKey {
-        param_storage: ParamStorage::Bf16,
-        grad_dtype: GradDType::F32,
-        expert: false,
-        owner: OptimizerId(0),
-    };
+    let key = BufferKey::new(ParamStorage::Bf16, GradDType::F32, OptimizerId(0));
     (0..PARAMS)
         .map(|i| ParamSpec::new(format!("w{i}"), vec![ROWS, COLS], key))
         .collect()
@@ -115,15 +103,18 @@ fn sync(dev: &mut Device, comm: &mut LocalComm, bufs: &mut DataParallelBuffers, 
     bufs.finish_grad_sync(dev, comm).expect("finish");
 }
 
-fn rank_loop(
-    mut comm: LocalComm,
-    mut dev: Device,
-    cmds: &Mutex<Receiver<Cmd>>,
-    done: &Sender<Duration>,
-    ready: &Barrier,
-) {
+/// One rank's state: buffers with and without overlap, the "backward"'s prepared gradients,
+/// and the memcpy bound's host buffers.
+struct Rank {
+    overlapped: DataParallelBuffers,
+    plain: DataParallelBuffers,
+    src: Vec<View>,
+    from: Vec<u8>,
+    to: Vec<u8>,
+}
+
+fn setup(comm: &mut LocalComm, dev: &mut Device) -> Rank {
     let rank = comm.rank();
-    let dev = &mut dev;
     let mut overlapped = buffers(dev, rank, Overlap::GradReduce);
     let mut plain = buffers(dev, rank, Overlap::None);
     assert!(
@@ -143,44 +134,34 @@ fn rank_loop(
         .collect();
     // The first batch records the golden grad-ready counts; the second runs as timed ones do.
     for _ in 0..2 {
-        sync(dev, &mut comm, &mut overlapped, &src);
-        sync(dev, &mut comm, &mut plain, &src);
+        sync(dev, comm, &mut overlapped, &src);
+        sync(dev, comm, &mut plain, &src);
     }
     let from = vec![0x5Au8; GRAD_BYTES];
     let mut to = vec![0u8; GRAD_BYTES];
     to.copy_from_slice(&from);
-    ready.wait();
-    loop {
-        let cmd = cmds.lock().expect("commands").recv().expect("driver alive");
-        let Cmd::Run { kind, iters } = cmd else {
-            return;
-        };
-        comm.barrier().expect("barrier");
-        let start = Instant::now();
-        for _ in 0..iters {
-            match kind {
-                Kind::SyncOverlap => sync(dev, &mut comm, &mut overlapped, &src),
-                Kind::SyncNoOverlap => sync(dev, &mut comm, &mut plain, &src),
-                Kind::Memcpy => to.copy_from_slice(black_box(&from)),
-            }
-        }
-        comm.barrier().expect("barrier");
-        black_box(&to);
-        if rank == 0 {
-            done.send(start.elapsed()).expect("driver alive");
+    Rank {
+        overlapped,
+        plain,
+        src,
+        from,
+        to,
+    }
+}
+
+fn step(r: &mut Rank, comm: &mut LocalComm, dev: &mut Device, kind: Kind) {
+    match kind {
+        Kind::SyncOverlap => sync(dev, comm, &mut r.overlapped, &r.src),
+        Kind::SyncNoOverlap => sync(dev, comm, &mut r.plain, &r.src),
+        Kind::Memcpy => {
+            r.to.copy_from_slice(black_box(&r.from));
+            black_box(&r.to);
         }
     }
 }
 
 fn main() {
-    let start = SystemTime::now();
-    let dir = estimates::criterion_dir();
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .output_directory(&dir)
-        .configure_from_args();
+    let (run, mut c) = BenchRun::start(Duration::from_millis(500), Duration::from_secs(3));
     {
         let from = vec![0x5Au8; GRAD_BYTES];
         let mut to = vec![0u8; GRAD_BYTES];
@@ -192,98 +173,42 @@ fn main() {
         });
         g.finish();
     }
-    let (txs, rxs): (Vec<Sender<Cmd>>, Vec<Mutex<Receiver<Cmd>>>) = (0..WORLD)
-        .map(|_| {
-            let (tx, rx) = channel();
-            (tx, Mutex::new(rx))
-        })
-        .unzip();
-    let (done_tx, done_rx) = channel::<Duration>();
-    let ready = Barrier::new(WORLD + 1);
-    std::thread::scope(|s| {
-        let ranks = s.spawn(|| {
-            run_ranks(
-                WORLD,
-                GroupConfig::default().with_timeout(Duration::from_secs(300)),
-                |comm, dev| {
-                    let r = comm.rank();
-                    rank_loop(comm, dev, &rxs[r], &done_tx, &ready)
-                },
-            )
-        });
-        ready.wait();
+    let timeout = Duration::from_secs(300);
+    let config = GroupConfig::default().with_timeout(timeout);
+    with_rank_pool(WORLD, config, timeout, setup, step, |pool| {
         let mut g = c.benchmark_group(GROUP);
         g.throughput(Throughput::Bytes(GRAD_BYTES as u64));
         // Tens of milliseconds per iteration: equal iteration counts per sample.
         g.sampling_mode(SamplingMode::Flat);
         for (id, kind) in RANK_CASES {
-            g.bench_function(id, |b| {
-                b.iter_custom(|iters| {
-                    for tx in &txs {
-                        tx.send(Cmd::Run { kind, iters })
-                            .expect("rank thread alive");
-                    }
-                    done_rx
-                        .recv_timeout(Duration::from_secs(300))
-                        .expect("rank 0 reports its time")
-                })
-            });
+            pool.bench(&mut g, id, kind);
         }
         g.finish();
-        for tx in &txs {
-            let _ = tx.send(Cmd::Stop);
-        }
-        for r in ranks.join().expect("rank driver") {
-            r.expect("rank thread");
-        }
     });
     c.final_summary();
-    summary(&dir, start);
+    summary(&run);
 }
 
-fn summary(dir: &Path, since: SystemTime) {
-    let median = |id: &str| estimates::median_ns(dir, GROUP, id, since);
-    let Some(bound) = median("memcpy_4_ranks") else {
-        println!("\n(memcpy_4_ranks, the bound, was not measured in this run: no summary)");
-        return;
-    };
-    let gbs = |ns: f64| GRAD_BYTES as f64 / ns;
-    let bound_gbs = gbs(bound);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "\nlowbit-buffers gradient sync, {WORLD} ranks on {cores} core(s), {} MiB of f32 \
-         gradients per rank in {PARAMS} params, buckets of {BUCKET} elements; criterion medians",
+fn summary(run: &BenchRun) {
+    let title = format!(
+        "lowbit-buffers gradient sync, {WORLD} ranks on {} core(s), {} MiB of f32 gradients per \
+         rank in {PARAMS} params, buckets of {BUCKET} elements; criterion medians",
+        cores(),
         GRAD_BYTES >> 20
     );
-    println!(
-        "{:<18} {:>10} {:>9} {:>12} {:>7}",
-        "op", "time", "GB/s", "bound GB/s", "ratio"
-    );
-    for id in [
+    let ids = [
         "sync_overlap",
         "sync_no_overlap",
         "memcpy_4_ranks",
         MEMCPY_1,
-    ] {
-        let Some(t) = median(id) else {
-            println!("{id:<18} (not run)");
-            continue;
-        };
-        println!(
-            "{:<18} {:>7.2} ms {:>9.2} {:>12.2} {:>7.3}",
-            id,
-            t / 1e6,
-            gbs(t),
-            bound_gbs,
-            gbs(t) / bound_gbs
-        );
+    ];
+    let bytes = GRAD_BYTES as f64;
+    if !print_bound_table(run, GROUP, (&ids, "memcpy_4_ranks"), bytes, &title) {
+        return;
     }
     println!(
         "GB/s: gradient bytes per rank / time; bound: every rank copying its gradient bytes once \
          with copy_from_slice, concurrently (memcpy_4_ranks)"
     );
-    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
-        let one_minute = load.split_whitespace().next().unwrap_or("?");
-        println!("(load average {one_minute} on {cores} cores: other processes skew the numbers)");
-    }
+    print_load_average("other processes skew the numbers");
 }

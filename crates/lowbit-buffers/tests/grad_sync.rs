@@ -159,52 +159,20 @@ fn check(
     }
 }
 
-#[test]
-fn pre_divided_sum_is_exact_with_and_without_overlap() {
-    for dp in 1..=4 {
-        for overlap in [Overlap::None, Overlap::GradReduce] {
-            for grad in [GradDType::F32, GradDType::Bf16] {
-                check(
-                    dp,
-                    ShardingStrategy::Distributed,
-                    overlap,
-                    GradScaling::PreDivide,
-                    grad,
-                );
-            }
-        }
-    }
-}
+const GRADS: [GradDType; 2] = [GradDType::F32, GradDType::Bf16];
 
+/// Both scalings, with and without overlap: the distributed layout at dp 1 to 4 with f32 and
+/// bf16 gradients, and the replicated one (an all-reduce, exact on every rank) at dp 2 and 3
+/// with f32 gradients.
 #[test]
-fn average_in_collective_is_exact_with_and_without_overlap() {
-    for dp in 1..=4 {
-        for overlap in [Overlap::None, Overlap::GradReduce] {
-            for grad in [GradDType::F32, GradDType::Bf16] {
-                check(
-                    dp,
-                    ShardingStrategy::Distributed,
-                    overlap,
-                    GradScaling::AverageInCollective,
-                    grad,
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn replicated_all_reduce_is_exact_on_every_rank() {
-    for dp in [2, 3] {
+fn reductions_are_exact_with_and_without_overlap() {
+    let distributed =
+        (1..=4).flat_map(|dp| GRADS.map(|grad| (dp, ShardingStrategy::Distributed, grad)));
+    let replicated = [2, 3].map(|dp| (dp, ShardingStrategy::Replicated, GradDType::F32));
+    for (dp, sharding, grad) in distributed.chain(replicated) {
         for overlap in [Overlap::None, Overlap::GradReduce] {
             for scaling in [GradScaling::PreDivide, GradScaling::AverageInCollective] {
-                check(
-                    dp,
-                    ShardingStrategy::Replicated,
-                    overlap,
-                    scaling,
-                    GradDType::F32,
-                );
+                check(dp, sharding, overlap, scaling, grad);
             }
         }
     }
@@ -215,7 +183,7 @@ fn replicated_all_reduce_is_exact_on_every_rank() {
 #[test]
 fn the_reference_distinguishes_the_orders() {
     let n = 2000;
-    for grad in [GradDType::F32, GradDType::Bf16] {
+    for grad in GRADS {
         let pre = expected(3, 0, 0, n, grad, GradScaling::PreDivide);
         let avg = expected(3, 0, 0, n, grad, GradScaling::AverageInCollective);
         assert_ne!(bits(&pre), bits(&avg), "{grad:?}");

@@ -54,6 +54,22 @@ fn stage(dev: &mut Device, comm: &mut LocalComm, bufs: &mut DataParallelBuffers)
     r.unwrap();
 }
 
+/// Buffers with overlapped gathers (full verification) and `n` bucket groups, `n ≥ 3`, whose
+/// weights were staged and whose forward's first pre-hook gathered group `n − 1` and started
+/// the prefetch of `n − 2` (in flight); and `n`.
+fn gather_in_flight(dev: &mut Device, comm: &mut LocalComm) -> (DataParallelBuffers, usize) {
+    let overlap = Overlap::GradReduceAndParamGather;
+    let mut bufs = new_bufs(dev, comm, cfg(overlap, Verify::Full));
+    let n = bufs.num_groups();
+    assert!(n >= 3, "{n} groups");
+    bufs.zero_grad_buffer(dev).unwrap();
+    bufs.mark_stale(OptimizerId(0));
+    stage(dev, comm, &mut bufs);
+    bufs.finish_param_sync(dev, comm, n - 1).unwrap();
+    assert_eq!(bufs.param_gathers_in_flight(), vec![n - 2]);
+    (bufs, n)
+}
+
 fn err(r: Result<(), BufferError>) -> ProtocolError {
     protocol_err(r.expect_err("the call must be refused"))
 }
@@ -123,19 +139,7 @@ fn staging_order_violations_are_refused() {
 fn operations_during_a_gather_in_flight_are_refused() {
     run(2, |mut comm, mut dev| {
         let dev = &mut dev;
-        let mut bufs = new_bufs(
-            dev,
-            &comm,
-            cfg(Overlap::GradReduceAndParamGather, Verify::Full),
-        );
-        let n = bufs.num_groups();
-        assert!(n >= 3, "{n} groups");
-        bufs.zero_grad_buffer(dev).unwrap();
-        bufs.mark_stale(OptimizerId(0));
-        stage(dev, &mut comm, &mut bufs);
-        // The forward's first pre-hook gathers group n - 1 and prefetches n - 2.
-        bufs.finish_param_sync(dev, &mut comm, n - 1).unwrap();
-        assert_eq!(bufs.param_gathers_in_flight(), vec![n - 2]);
+        let (mut bufs, n) = gather_in_flight(dev, &mut comm);
         let in_flight = |operation| ProtocolError::GatherInFlight {
             group: n - 2,
             operation,
@@ -339,17 +343,7 @@ fn impossible_configurations_are_refused() {
 fn a_refused_finish_grad_sync_reduces_nothing() {
     run(2, |mut comm, mut dev| {
         let dev = &mut dev;
-        let mut bufs = new_bufs(
-            dev,
-            &comm,
-            cfg(Overlap::GradReduceAndParamGather, Verify::Full),
-        );
-        let n = bufs.num_groups();
-        bufs.zero_grad_buffer(dev).unwrap();
-        bufs.mark_stale(OptimizerId(0));
-        stage(dev, &mut comm, &mut bufs);
-        bufs.finish_param_sync(dev, &mut comm, n - 1).unwrap();
-        assert_eq!(bufs.param_gathers_in_flight(), vec![n - 2]);
+        let (mut bufs, n) = gather_in_flight(dev, &mut comm);
         // Gradients of the groups below the one in flight (written without the backward's
         // checks, which would refuse the staged groups).
         let low: Vec<usize> = (0..bufs.specs().len())

@@ -10,12 +10,12 @@ mod common;
 
 use common::{
     MXFP8, NVFP4, bf16_round, bits, download_f32, free_pieces, run, seed, spec, stage_pieces,
-    upload_f32, values, write_fused_outputs,
+    upload_f32, values, weight_parts, write_fused_outputs,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
-    DataParallelBuffers, DdpConfig, LowPrecisionWeights, Mxfp8Gather, Overlap, StorageKind, Verify,
-    WeightState, mxfp8_weight_config, nvfp4_weight_config,
+    DataParallelBuffers, DdpConfig, Mxfp8Gather, Overlap, StorageKind, Verify, WeightState,
+    mxfp8_weight_config, nvfp4_weight_config,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, Mxfp8Config, Mxfp8Views, Nvfp4Views, View};
@@ -95,29 +95,6 @@ fn weights(specs: &[ParamSpec], version: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// Every byte a compute path reads for parameter `p`: the persistent values, or the copies,
-/// scales and (NVFP4) global amax of its low-precision weights.
-fn weight_bytes(dev: &mut Device, bufs: &DataParallelBuffers, p: usize) -> Vec<Vec<u8>> {
-    match bufs.low_precision_weights(p) {
-        None => vec![dev.read_bytes(bufs.param_view(p).unwrap()).unwrap()],
-        Some(LowPrecisionWeights::Mxfp8(w)) => {
-            [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-                .iter()
-                .map(|&v| dev.read_bytes(v).unwrap())
-                .collect()
-        }
-        Some(LowPrecisionWeights::Nvfp4 { weights: w, amax }) => {
-            let mut out: Vec<Vec<u8>> = [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-                .iter()
-                .map(|&v| dev.read_bytes(v).unwrap())
-                .collect();
-            out.push(amax.to_le_bytes().to_vec());
-            out
-        }
-        Some(other) => panic!("unknown weights {other:?}"),
-    }
-}
-
 /// The same bytes computed directly from `bf16(values)` of the whole tensor.
 fn reference_bytes(dev: &mut Device, kind: Kind, s: &ParamSpec, vals: &[f32]) -> Vec<Vec<u8>> {
     let (rows, cols) = (s.shape[0], s.shape[1]);
@@ -189,7 +166,7 @@ fn check(kind: Kind, dp: usize, grad_overlap: bool) {
         }
         bufs.initialize_all(dev, |p| v0[p].clone()).unwrap();
         let after_init: Vec<_> = (0..specs.len())
-            .map(|p| weight_bytes(dev, &bufs, p))
+            .map(|p| weight_parts(dev, &bufs, p))
             .collect();
         // The optimizer's side: zero the gradients (the staging view with them), then stage the
         // owned pieces' new masters, then gather.
@@ -235,7 +212,7 @@ fn check(kind: Kind, dp: usize, grad_overlap: bool) {
             }
         }
         let after_gather: Vec<_> = (0..specs.len())
-            .map(|p| weight_bytes(dev, &bufs, p))
+            .map(|p| weight_parts(dev, &bufs, p))
             .collect();
         (after_init, after_gather)
     });
@@ -257,31 +234,20 @@ fn check(kind: Kind, dp: usize, grad_overlap: bool) {
     }
 }
 
+/// Every kind at dp 1 to 3 (with overlapped gradient reduction at dp 2): bf16 persistent
+/// weights are `bf16(values)`, MXFP8 staged weights `Q(bf16(master))` in 1x32 blocks, MXFP8
+/// direct and NVFP4 packed weights the 2D-quantized `bf16(master)`.
 #[test]
-fn bf16_persistent_weights_are_bf16_of_the_values() {
-    for dp in 1..=3 {
-        check(Kind::Bf16, dp, dp == 2);
-    }
-}
-
-#[test]
-fn mxfp8_staged_weights_are_quantized_bf16_masters() {
-    for dp in 1..=3 {
-        check(Kind::Mxfp8Staged, dp, dp == 2);
-    }
-}
-
-#[test]
-fn mxfp8_direct_weights_are_2d_quantized_bf16_masters() {
-    for dp in 1..=3 {
-        check(Kind::Mxfp8Direct, dp, dp == 2);
-    }
-}
-
-#[test]
-fn nvfp4_packed_weights_are_2d_quantized_bf16_masters() {
-    for dp in 1..=3 {
-        check(Kind::Nvfp4, dp, dp == 2);
+fn every_storage_kind_holds_quantized_bf16_masters() {
+    for kind in [
+        Kind::Bf16,
+        Kind::Mxfp8Staged,
+        Kind::Mxfp8Direct,
+        Kind::Nvfp4,
+    ] {
+        for dp in 1..=3 {
+            check(kind, dp, dp == 2);
+        }
     }
 }
 

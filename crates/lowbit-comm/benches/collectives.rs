@@ -10,10 +10,11 @@
 //!   into its 4 MiB shard.
 //! - `barrier`: a bare barrier of the 4 ranks, to show what the per-iteration barrier costs.
 //!
-//! The rank threads are spawned once (with `run_ranks`) and wait for commands; each criterion
-//! `iter_custom` call sends every rank an iteration count, the ranks pass a barrier, then each
-//! iteration runs the blocking collective followed by a barrier, and rank 0 reports the time from
-//! the first barrier to the end of the last one. Thread spawning is never timed.
+//! The rank threads are spawned once (with `run_ranks`, through `lowbit_testkit::bench`'s rank
+//! pool) and wait for commands; each criterion `iter_custom` call sends every rank an iteration
+//! count, the ranks pass a barrier, then each iteration runs the blocking collective followed by
+//! a barrier, a closing barrier follows the last, and rank 0 reports the time from the first
+//! barrier to the end of the closing one. Thread spawning is never timed.
 //!
 //! # Byte convention
 //! Bytes are counted once per payload byte, for both sides of the ratio: a collective moves its
@@ -32,15 +33,12 @@
 //!
 //! Run with `cargo bench -p lowbit-comm --bench collectives` (well under a minute).
 
-use std::path::Path;
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Barrier, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use criterion::{Criterion, Throughput};
-use lowbit_comm::{Communicator, GroupConfig, LocalComm, ReduceOp, run_ranks};
-use lowbit_dev_support::criterion_estimates as estimates;
+use criterion::Throughput;
+use lowbit_comm::{Communicator, GroupConfig, LocalComm, ReduceOp};
 use lowbit_device::{DType, Device, View};
+use lowbit_testkit::bench::{BenchRun, cores, with_rank_pool};
 
 const WORLD: usize = 4;
 /// Per-rank all-gather output and reduce-scatter input.
@@ -87,21 +85,16 @@ const CASES: [Case; 6] = [
     },
 ];
 
-enum Cmd {
-    Run { kind: Kind, iters: u64 },
-    Stop,
+/// One rank's 16 MiB buckets, one per dtype.
+struct Buckets {
+    f32: View,
+    bf16: View,
 }
 
-/// One rank: allocates a 16 MiB bucket per dtype once, then runs commands until `Stop`.
-fn rank_loop(
-    mut comm: LocalComm,
-    mut dev: Device,
-    cmds: &Mutex<Receiver<Cmd>>,
-    done: &Sender<Duration>,
-    ready: &Barrier,
-) {
+/// One rank's setup: allocates and fills its buckets.
+fn setup(comm: &mut LocalComm, dev: &mut Device) -> Buckets {
     let r = comm.rank();
-    let bucket = |dev: &mut Device, dtype: DType| -> View {
+    let mut bucket = |dtype: DType| -> View {
         let n = BYTES / dtype.size();
         let v = dev.alloc(dtype, n);
         let vals: Vec<f32> = (0..n).map(|i| ((i + r) % 7) as f32 * 0.25).collect();
@@ -117,54 +110,40 @@ fn rank_loop(
         }
         v
     };
-    let f32_bucket = bucket(&mut dev, DType::F32);
-    let bf16_bucket = bucket(&mut dev, DType::Bf16);
+    Buckets {
+        f32: bucket(DType::F32),
+        bf16: bucket(DType::Bf16),
+    }
+}
+
+/// One timed iteration: the blocking collective, then a barrier.
+fn step(buckets: &mut Buckets, comm: &mut LocalComm, dev: &mut Device, kind: Kind) {
+    let r = comm.rank();
     let shard = |b: View| {
         let n = b.len() / WORLD;
         b.slice(r * n..(r + 1) * n).unwrap()
     };
-    ready.wait();
-    loop {
-        let cmd = cmds.lock().unwrap().recv().unwrap();
-        let Cmd::Run { kind, iters } = cmd else {
-            return;
-        };
-        comm.barrier().unwrap();
-        let start = Instant::now();
-        for _ in 0..iters {
-            match kind {
-                Kind::AllGather(dtype) | Kind::ReduceScatter(dtype) => {
-                    let b = if dtype == DType::F32 {
-                        f32_bucket
-                    } else {
-                        bf16_bucket
-                    };
-                    if matches!(kind, Kind::AllGather(_)) {
-                        comm.all_gather(&mut dev, shard(b), b).unwrap();
-                    } else {
-                        comm.reduce_scatter(&mut dev, b, shard(b), ReduceOp::Sum)
-                            .unwrap();
-                    }
-                }
-                Kind::Barrier | Kind::Memcpy => {}
+    match kind {
+        Kind::AllGather(dtype) | Kind::ReduceScatter(dtype) => {
+            let b = if dtype == DType::F32 {
+                buckets.f32
+            } else {
+                buckets.bf16
+            };
+            if matches!(kind, Kind::AllGather(_)) {
+                comm.all_gather(dev, shard(b), b).unwrap();
+            } else {
+                comm.reduce_scatter(dev, b, shard(b), ReduceOp::Sum)
+                    .unwrap();
             }
-            comm.barrier().unwrap();
         }
-        if r == 0 {
-            done.send(start.elapsed()).unwrap();
-        }
+        Kind::Barrier | Kind::Memcpy => {}
     }
+    comm.barrier().unwrap();
 }
 
 fn main() {
-    let start = SystemTime::now();
-    let dir = estimates::criterion_dir();
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2))
-        .output_directory(&dir)
-        .configure_from_args();
+    let (run, mut c) = BenchRun::start(Duration::from_millis(500), Duration::from_secs(2));
 
     {
         let mut dev = Device::cpu();
@@ -177,68 +156,42 @@ fn main() {
         g.finish();
     }
 
-    let (txs, rxs): (Vec<Sender<Cmd>>, Vec<Mutex<Receiver<Cmd>>>) = (0..WORLD)
-        .map(|_| {
-            let (tx, rx) = channel();
-            (tx, Mutex::new(rx))
-        })
-        .unzip();
-    let (done_tx, done_rx) = channel::<Duration>();
     // The ranks' setup (allocating and filling their buckets) finishes before any timing.
-    let ready = Barrier::new(WORLD + 1);
-    std::thread::scope(|s| {
-        let ranks = s.spawn(|| {
-            run_ranks(WORLD, GroupConfig::default(), |comm, dev| {
-                let r = comm.rank();
-                rank_loop(comm, dev, &rxs[r], &done_tx, &ready)
-            })
-        });
-        ready.wait();
-        let mut g = c.benchmark_group(GROUP);
-        for case in &CASES[1..] {
-            g.throughput(match case.kind {
-                Kind::Barrier => Throughput::Elements(1),
-                _ => Throughput::Bytes(BYTES as u64),
-            });
-            g.bench_function(case.id, |b| {
-                b.iter_custom(|iters| {
-                    for tx in &txs {
-                        tx.send(Cmd::Run {
-                            kind: case.kind,
-                            iters,
-                        })
-                        .expect("rank thread alive");
-                    }
-                    done_rx
-                        .recv_timeout(Duration::from_secs(120))
-                        .expect("rank 0 reports its time")
-                })
-            });
-        }
-        g.finish();
-        for tx in &txs {
-            let _ = tx.send(Cmd::Stop);
-        }
-        for r in ranks.join().expect("rank driver") {
-            r.expect("rank thread");
-        }
-    });
+    let timeout = Duration::from_secs(120);
+    with_rank_pool(
+        WORLD,
+        GroupConfig::default(),
+        timeout,
+        setup,
+        step,
+        |pool| {
+            let mut g = c.benchmark_group(GROUP);
+            for case in &CASES[1..] {
+                g.throughput(match case.kind {
+                    Kind::Barrier => Throughput::Elements(1),
+                    _ => Throughput::Bytes(BYTES as u64),
+                });
+                pool.bench(&mut g, case.id, case.kind);
+            }
+            g.finish();
+        },
+    );
     c.final_summary();
-    summary(&dir, start);
+    summary(&run);
 }
 
-fn summary(dir: &Path, since: SystemTime) {
-    let median = |id: &str| estimates::median_ns(dir, GROUP, id, since);
+fn summary(run: &BenchRun) {
+    let median = |id: &str| run.median_ns(GROUP, id);
     let Some(memcpy) = median("memcpy") else {
         println!("(memcpy baseline not run: no summary)");
         return;
     };
     let gbs = |ns: f64, bytes: f64| bytes / ns; // bytes per ns = GB/s
     let memcpy_gbs = gbs(memcpy, BYTES as f64);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "\nlowbit-comm in-process collectives, {WORLD} ranks on {cores} core(s), 16 MiB per rank \
-         (all-gather output / reduce-scatter input), in place; criterion medians"
+        "\nlowbit-comm in-process collectives, {WORLD} ranks on {} core(s), 16 MiB per rank \
+         (all-gather output / reduce-scatter input), in place; criterion medians",
+        cores()
     );
     println!(
         "{:<22} {:>10} {:>14} {:>15} {:>9}",

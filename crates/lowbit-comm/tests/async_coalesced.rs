@@ -44,9 +44,9 @@ fn outstanding_ops_waited_in_any_order() {
         let ag: Vec<u8> = (0..world)
             .flat_map(|q| encode(DType::Bf16, &vals(DType::Bf16, q, n)))
             .collect();
-        let rs_inputs: Vec<Vec<f32>> = (0..world).map(|q| vals(DType::F32, q, world * n)).collect();
+        let rs_inputs = all_vals(DType::F32, world, world * n);
         let rs = host_reduce(DType::F32, ReduceOp::Sum, &rs_inputs);
-        let ar_inputs: Vec<Vec<f32>> = (0..world).map(|q| vals(DType::F16, q, n)).collect();
+        let ar_inputs = all_vals(DType::F16, world, n);
         let ar = encode(
             DType::F16,
             &host_reduce(DType::F16, ReduceOp::Avg, &ar_inputs),

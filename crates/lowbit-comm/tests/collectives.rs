@@ -4,91 +4,85 @@
 mod common;
 
 use common::*;
-use lowbit_comm::{CommStats, Communicator, Op, OpStats, ReduceOp, run_ranks};
-use lowbit_device::DType;
+use lowbit_comm::{CommStats, Communicator, LocalComm, Op, OpStats, ReduceOp, run_ranks};
+use lowbit_device::{DType, Device};
 
+/// Out of place, and in Megatron's in-place form: each rank all-gathers from its own shard of
+/// the bucket into the bucket.
 #[test]
 fn all_gather_every_world_and_dtype() {
-    for world in WORLDS {
-        for dtype in ALL_DTYPES {
-            let n = 5;
-            let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                let input = put(&mut dev, dtype, &vals(dtype, comm.rank(), n));
+    for (world, dtype) in worlds_and(&ALL_DTYPES) {
+        for in_place in [false, true] {
+            let n = if in_place { 4 } else { 5 };
+            let want = encode(dtype, &all_vals(dtype, world, n).concat());
+            let what = format!("world {world} {dtype:?} in place {in_place}");
+            let gather = |mut comm: LocalComm, mut dev: Device| {
+                let r = comm.rank();
                 let output = dev.alloc(dtype, world * n);
+                let input = if in_place {
+                    let shard = output.slice(r * n..(r + 1) * n).unwrap();
+                    dev.write_bytes(shard, &encode(dtype, &vals(dtype, r, n)))
+                        .unwrap();
+                    shard
+                } else {
+                    put(&mut dev, dtype, &vals(dtype, r, n))
+                };
                 comm.all_gather(&mut dev, input, output).unwrap();
                 dev.read_bytes(output).unwrap()
-            }));
-            let want: Vec<u8> = (0..world)
-                .flat_map(|q| encode(dtype, &vals(dtype, q, n)))
-                .collect();
-            for (r, g) in got.iter().enumerate() {
-                assert_eq!(g, &want, "world {world} {dtype:?} rank {r}");
-            }
+            };
+            assert_ranks(world, &what, gather, |_| want.clone());
         }
     }
 }
 
 #[test]
 fn reduce_scatter_every_world_dtype_and_op() {
-    for world in WORLDS {
-        for dtype in FLOATS {
-            for op in OPS {
-                let n = 6;
-                let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                    let input = put(&mut dev, dtype, &vals(dtype, comm.rank(), world * n));
-                    let output = dev.alloc(dtype, n);
-                    comm.reduce_scatter(&mut dev, input, output, op).unwrap();
-                    dev.read_bytes(output).unwrap()
-                }));
-                let inputs: Vec<Vec<f32>> = (0..world).map(|q| vals(dtype, q, world * n)).collect();
-                let full = host_reduce(dtype, op, &inputs);
-                for (r, g) in got.iter().enumerate() {
-                    let want = encode(dtype, &full[r * n..(r + 1) * n]);
-                    assert_eq!(g, &want, "world {world} {dtype:?} {op} rank {r}");
-                }
-            }
-        }
+    for (world, dtype, op) in reduction_cases() {
+        let n = 6;
+        let inputs = all_vals(dtype, world, world * n);
+        let full = host_reduce(dtype, op, &inputs);
+        let what = format!("world {world} {dtype:?} {op}");
+        let reduce = |mut comm: LocalComm, mut dev: Device| {
+            let input = put(&mut dev, dtype, &inputs[comm.rank()]);
+            let output = dev.alloc(dtype, n);
+            comm.reduce_scatter(&mut dev, input, output, op).unwrap();
+            dev.read_bytes(output).unwrap()
+        };
+        assert_ranks(world, &what, reduce, |r| {
+            encode(dtype, &full[r * n..(r + 1) * n])
+        });
     }
 }
 
 #[test]
 fn all_reduce_every_world_dtype_and_op() {
-    for world in WORLDS {
-        for dtype in FLOATS {
-            for op in OPS {
-                // 7 elements: not a multiple of the world size, so the shared chunks are uneven.
-                let n = 7;
-                let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                    let buf = put(&mut dev, dtype, &vals(dtype, comm.rank(), n));
-                    comm.all_reduce(&mut dev, buf, op).unwrap();
-                    dev.read_bytes(buf).unwrap()
-                }));
-                let inputs: Vec<Vec<f32>> = (0..world).map(|q| vals(dtype, q, n)).collect();
-                let want = encode(dtype, &host_reduce(dtype, op, &inputs));
-                for (r, g) in got.iter().enumerate() {
-                    assert_eq!(g, &want, "world {world} {dtype:?} {op} rank {r}");
-                }
-            }
-        }
+    for (world, dtype, op) in reduction_cases() {
+        // 7 elements: not a multiple of the world size, so the shared chunks are uneven.
+        let inputs = all_vals(dtype, world, 7);
+        let want = encode(dtype, &host_reduce(dtype, op, &inputs));
+        let what = format!("world {world} {dtype:?} {op}");
+        let reduce = |mut comm: LocalComm, mut dev: Device| {
+            let buf = put(&mut dev, dtype, &inputs[comm.rank()]);
+            comm.all_reduce(&mut dev, buf, op).unwrap();
+            dev.read_bytes(buf).unwrap()
+        };
+        assert_ranks(world, &what, reduce, |_| want.clone());
     }
 }
 
 #[test]
 fn broadcast_from_every_root_every_dtype() {
-    for world in WORLDS {
-        for dtype in ALL_DTYPES {
-            for root in 0..world {
-                let n = 9;
-                let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                    let buf = put(&mut dev, dtype, &vals(dtype, comm.rank(), n));
-                    comm.broadcast(&mut dev, buf, root).unwrap();
-                    dev.read_bytes(buf).unwrap()
-                }));
-                let want = encode(dtype, &vals(dtype, root, n));
-                for (r, g) in got.iter().enumerate() {
-                    assert_eq!(g, &want, "world {world} {dtype:?} root {root} rank {r}");
-                }
-            }
+    for (world, dtype) in worlds_and(&ALL_DTYPES) {
+        for root in 0..world {
+            let n = 9;
+            let want = encode(dtype, &vals(dtype, root, n));
+            let what = format!("world {world} {dtype:?} root {root}");
+            let broadcast = |mut comm: LocalComm, mut dev: Device| {
+                let buf = put(&mut dev, dtype, &vals(dtype, comm.rank(), n));
+                comm.broadcast(&mut dev, buf, root).unwrap();
+                dev.read_bytes(buf).unwrap()
+            };
+            assert_ranks(world, &what, broadcast, |_| want.clone());
         }
     }
 }
@@ -194,58 +188,33 @@ fn max_propagates_nan_and_handles_signs() {
     }
 }
 
-/// Megatron's form: each rank all-gathers from its own shard of the bucket into the bucket.
-#[test]
-fn in_place_all_gather() {
-    for world in WORLDS {
-        for dtype in ALL_DTYPES {
-            let n = 4;
-            let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                let r = comm.rank();
-                let bucket = dev.alloc(dtype, world * n);
-                let shard = bucket.slice(r * n..(r + 1) * n).unwrap();
-                dev.write_bytes(shard, &encode(dtype, &vals(dtype, r, n)))
-                    .unwrap();
-                comm.all_gather(&mut dev, shard, bucket).unwrap();
-                dev.read_bytes(bucket).unwrap()
-            }));
-            let want: Vec<u8> = (0..world)
-                .flat_map(|q| encode(dtype, &vals(dtype, q, n)))
-                .collect();
-            assert!(got.iter().all(|g| g == &want), "world {world} {dtype:?}");
-        }
-    }
-}
-
 /// Megatron's form: each rank reduce-scatters the bucket into its own shard of it.
 #[test]
 fn in_place_reduce_scatter() {
-    for world in WORLDS {
-        for dtype in FLOATS {
-            let n = 3;
-            let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
-                let r = comm.rank();
-                let bucket = put(&mut dev, dtype, &vals(dtype, r, world * n));
-                let shard = bucket.slice(r * n..(r + 1) * n).unwrap();
-                comm.reduce_scatter(&mut dev, bucket, shard, ReduceOp::Sum)
-                    .unwrap();
-                get(&dev, bucket)
-            }));
-            let inputs: Vec<Vec<f32>> = (0..world).map(|q| vals(dtype, q, world * n)).collect();
-            let full = host_reduce(dtype, ReduceOp::Sum, &inputs);
-            for (r, g) in got.iter().enumerate() {
-                assert_eq!(
-                    encode(dtype, &g[r * n..(r + 1) * n]),
-                    encode(dtype, &full[r * n..(r + 1) * n]),
-                    "world {world} {dtype:?} rank {r}"
-                );
-                // The in-process group leaves the other chunks of the input as they were.
-                let mut rest = g.clone();
-                let mut orig = inputs[r].clone();
-                rest.drain(r * n..(r + 1) * n);
-                orig.drain(r * n..(r + 1) * n);
-                assert_eq!(encode(dtype, &rest), encode(dtype, &orig));
-            }
+    for (world, dtype) in worlds_and(&FLOATS) {
+        let n = 3;
+        let got = ok(run_ranks(world, cfg(), |mut comm, mut dev| {
+            let r = comm.rank();
+            let bucket = put(&mut dev, dtype, &vals(dtype, r, world * n));
+            let shard = bucket.slice(r * n..(r + 1) * n).unwrap();
+            comm.reduce_scatter(&mut dev, bucket, shard, ReduceOp::Sum)
+                .unwrap();
+            get(&dev, bucket)
+        }));
+        let inputs = all_vals(dtype, world, world * n);
+        let full = host_reduce(dtype, ReduceOp::Sum, &inputs);
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(
+                encode(dtype, &g[r * n..(r + 1) * n]),
+                encode(dtype, &full[r * n..(r + 1) * n]),
+                "world {world} {dtype:?} rank {r}"
+            );
+            // The in-process group leaves the other chunks of the input as they were.
+            let mut rest = g.clone();
+            let mut orig = inputs[r].clone();
+            rest.drain(r * n..(r + 1) * n);
+            orig.drain(r * n..(r + 1) * n);
+            assert_eq!(encode(dtype, &rest), encode(dtype, &orig));
         }
     }
 }

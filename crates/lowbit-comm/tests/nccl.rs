@@ -121,89 +121,88 @@ where
     }
 }
 
+/// [`same_on_both`] of `run` on every case of `cases`, each named by its `Debug` form.
+fn each_on_both<C: Copy + std::fmt::Debug + Sync>(
+    what: &str,
+    cases: &[C],
+    run: impl Fn(&mut dyn Communicator, &mut Device, C) -> Vec<u8> + Sync,
+) {
+    same_on_both(what, |c, d| {
+        let named = cases
+            .iter()
+            .map(|&case| (format!("{case:?}"), run(c, d, case)));
+        named.collect()
+    });
+}
+
+/// Every pair of an element of `a` and one of `b`, `b` varying fastest.
+fn pairs<A: Copy, B: Copy>(a: &[A], b: &[B]) -> Vec<(A, B)> {
+    a.iter()
+        .flat_map(|&x| b.iter().map(move |&y| (x, y)))
+        .collect()
+}
+
 #[test]
 fn all_gather_matches_local() {
-    same_on_both("all_gather", |c, d| {
-        let mut out = Vec::new();
-        for dtype in DTYPES {
-            for n in SIZES {
-                for in_place in [false, true] {
-                    let r = c.rank();
-                    let bytes = random(dtype, r, n, 1);
-                    let gathered = d.alloc(dtype, GPUS * n);
-                    let input = if in_place {
-                        let v = gathered.slice(r * n..(r + 1) * n).unwrap();
-                        d.write_bytes(v, &bytes).unwrap();
-                        v
-                    } else {
-                        put(d, dtype, &bytes)
-                    };
-                    c.all_gather(d, input, gathered).unwrap();
-                    let case = format!("{dtype:?} n={n} in_place={in_place}");
-                    out.push((case, d.read_bytes(gathered).unwrap()));
-                }
-            }
-        }
-        out
+    let cases = pairs(&pairs(&DTYPES, &SIZES), &[false, true]);
+    each_on_both("all_gather", &cases, |c, d, ((dtype, n), in_place)| {
+        let r = c.rank();
+        let bytes = random(dtype, r, n, 1);
+        let gathered = d.alloc(dtype, GPUS * n);
+        let input = if in_place {
+            let v = gathered.slice(r * n..(r + 1) * n).unwrap();
+            d.write_bytes(v, &bytes).unwrap();
+            v
+        } else {
+            put(d, dtype, &bytes)
+        };
+        c.all_gather(d, input, gathered).unwrap();
+        d.read_bytes(gathered).unwrap()
     });
 }
 
 #[test]
 fn reduce_scatter_matches_local() {
-    same_on_both("reduce_scatter", |c, d| {
-        let mut out = Vec::new();
-        for dtype in FLOATS {
-            for op in OPS {
-                for n in SIZES {
-                    for in_place in [false, true] {
-                        let r = c.rank();
-                        let input = put(d, dtype, &random(dtype, r, GPUS * n, 2));
-                        let shard = if in_place {
-                            input.slice(r * n..(r + 1) * n).unwrap()
-                        } else {
-                            d.alloc(dtype, n)
-                        };
-                        c.reduce_scatter(d, input, shard, op).unwrap();
-                        let case = format!("{dtype:?} {op} n={n} in_place={in_place}");
-                        out.push((case, d.read_bytes(shard).unwrap()));
-                    }
-                }
-            }
-        }
-        out
-    });
+    let cases = pairs(&pairs(&pairs(&FLOATS, &OPS), &SIZES), &[false, true]);
+    each_on_both(
+        "reduce_scatter",
+        &cases,
+        |c, d, (((dtype, op), n), in_place)| {
+            let r = c.rank();
+            let input = put(d, dtype, &random(dtype, r, GPUS * n, 2));
+            let shard = if in_place {
+                input.slice(r * n..(r + 1) * n).unwrap()
+            } else {
+                d.alloc(dtype, n)
+            };
+            c.reduce_scatter(d, input, shard, op).unwrap();
+            d.read_bytes(shard).unwrap()
+        },
+    );
 }
 
 #[test]
 fn all_reduce_matches_local() {
-    same_on_both("all_reduce", |c, d| {
-        let mut out = Vec::new();
-        for dtype in FLOATS {
-            for op in OPS {
-                for n in SIZES {
-                    let buf = put(d, dtype, &random(dtype, c.rank(), n, 3));
-                    c.all_reduce(d, buf, op).unwrap();
-                    out.push((format!("{dtype:?} {op} n={n}"), d.read_bytes(buf).unwrap()));
-                }
-            }
-        }
-        out
+    let cases = pairs(&pairs(&FLOATS, &OPS), &SIZES);
+    each_on_both("all_reduce", &cases, |c, d, ((dtype, op), n)| {
+        let buf = put(d, dtype, &random(dtype, c.rank(), n, 3));
+        c.all_reduce(d, buf, op).unwrap();
+        d.read_bytes(buf).unwrap()
     });
 }
 
 #[test]
 fn broadcast_matches_local() {
-    same_on_both("broadcast", |c, d| {
-        let mut out = Vec::new();
-        for dtype in DTYPES {
-            for root in 0..GPUS {
-                let buf = put(d, dtype, &random(dtype, c.rank(), 4099, 4));
-                c.broadcast(d, buf, root).unwrap();
-                out.push((format!("{dtype:?} root {root}"), d.read_bytes(buf).unwrap()));
-            }
-        }
-        out
-    });
+    let roots: Vec<usize> = (0..GPUS).collect();
+    each_on_both(
+        "broadcast",
+        &pairs(&DTYPES, &roots),
+        |c, d, (dtype, root)| {
+            let buf = put(d, dtype, &random(dtype, c.rank(), 4099, 4));
+            c.broadcast(d, buf, root).unwrap();
+            d.read_bytes(buf).unwrap()
+        },
+    );
 }
 
 /// The launch a bucket group makes: gathers, reductions and a broadcast in one group call,
@@ -355,50 +354,31 @@ fn bad_arguments_are_rejected_before_nccl_and_leave_the_communicator_usable() {
         let sum = decode(DType::F32, &d.read_bytes(ok).unwrap());
         (errors, sum)
     });
-    for (errors, sum) in results {
-        assert_eq!(sum, vec![2.0, 4.0]);
-        assert!(
+    // What each refused call must have returned, in order.
+    let expected: [fn(&CommError) -> bool; 7] = [
+        |e| {
             matches!(
-                errors[0],
+                e,
                 CommError::Size {
                     expected: 20,
                     got: 19,
                     ..
                 }
-            ),
-            "{}",
-            errors[0]
-        );
-        assert!(
-            matches!(errors[1], CommError::DType { .. }),
-            "{}",
-            errors[1]
-        );
-        assert!(
-            matches!(errors[2], CommError::DType { .. }),
-            "{}",
-            errors[2]
-        );
-        assert!(
-            matches!(errors[3], CommError::Overlap { .. }),
-            "{}",
-            errors[3]
-        );
-        assert!(
-            matches!(errors[4], CommError::Root { root: 2, .. }),
-            "{}",
-            errors[4]
-        );
-        assert!(
-            matches!(errors[5], CommError::Device { .. }),
-            "{}",
-            errors[5]
-        );
-        assert!(
-            matches!(errors[6], CommError::Device { .. }),
-            "{}",
-            errors[6]
-        );
+            )
+        },
+        |e| matches!(e, CommError::DType { .. }),
+        |e| matches!(e, CommError::DType { .. }),
+        |e| matches!(e, CommError::Overlap { .. }),
+        |e| matches!(e, CommError::Root { root: 2, .. }),
+        |e| matches!(e, CommError::Device { .. }),
+        |e| matches!(e, CommError::Device { .. }),
+    ];
+    for (errors, sum) in results {
+        assert_eq!(sum, vec![2.0, 4.0]);
+        assert_eq!(errors.len(), expected.len());
+        for (i, (e, expected)) in errors.iter().zip(expected).enumerate() {
+            assert!(expected(e), "error {i}: {e}");
+        }
     }
 }
 

@@ -112,54 +112,27 @@ impl Parser<'_> {
             Some(b'f') => self.eat("false").map(|()| Json::Bool(false)),
             Some(b'"') => self.string().map(Json::Str),
             Some(b'[') => {
-                self.i += 1;
                 let mut a = Vec::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b']') {
-                    self.i += 1;
-                    return Ok(Json::Arr(a));
-                }
-                loop {
-                    a.push(self.value()?);
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b']') => {
-                            self.i += 1;
-                            return Ok(Json::Arr(a));
-                        }
-                        _ => return self.err("expected `,` or `]`"),
-                    }
-                }
+                self.seq(b']', |p| {
+                    a.push(p.value()?);
+                    Ok(())
+                })?;
+                Ok(Json::Arr(a))
             }
             Some(b'{') => {
-                self.i += 1;
                 let mut m = BTreeMap::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b'}') {
-                    self.i += 1;
-                    return Ok(Json::Obj(m));
-                }
-                loop {
-                    self.ws();
-                    if self.s.get(self.i) != Some(&b'"') {
-                        return self.err("expected a key");
+                self.seq(b'}', |p| {
+                    p.ws();
+                    if p.s.get(p.i) != Some(&b'"') {
+                        return p.err("expected a key");
                     }
-                    let k = self.string()?;
-                    self.ws();
-                    self.eat(":")?;
-                    let v = self.value()?;
-                    m.insert(k, v);
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b'}') => {
-                            self.i += 1;
-                            return Ok(Json::Obj(m));
-                        }
-                        _ => return self.err("expected `,` or `}`"),
-                    }
-                }
+                    let k = p.string()?;
+                    p.ws();
+                    p.eat(":")?;
+                    m.insert(k, p.value()?);
+                    Ok(())
+                })?;
+                Ok(Json::Obj(m))
             }
             Some(_) => {
                 let start = self.i;
@@ -173,6 +146,33 @@ impl Parser<'_> {
                 }
                 let t = std::str::from_utf8(&self.s[start..self.i]).unwrap_or("");
                 t.parse().map(Json::Num).or_else(|_| self.err("bad value"))
+            }
+        }
+    }
+
+    /// The elements of an array or the members of an object: from its opening bracket (the
+    /// current byte) through `close`, `item` parsing each element between the commas.
+    fn seq(
+        &mut self,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.i += 1;
+        self.ws();
+        if self.s.get(self.i) == Some(&close) {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            item(self)?;
+            self.ws();
+            match self.s.get(self.i) {
+                Some(b',') => self.i += 1,
+                Some(&c) if c == close => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return self.err(&format!("expected `,` or `{}`", close as char)),
             }
         }
     }
@@ -258,5 +258,30 @@ mod tests {
         assert_eq!(v.get("missing"), &Json::Null);
         assert!(Json::parse("{\"a\":}").is_err());
         assert!(Json::parse("[1,2] x").is_err());
+    }
+
+    #[test]
+    fn parses_nested_and_empty_containers() {
+        let v = Json::parse(r#"[ 1 , [2, {}], {"k": [true, null], "e": []} ]"#).unwrap();
+        let a = v.arr();
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[0], Json::Num(1.0));
+        assert_eq!(a[1].arr()[0], Json::Num(2.0));
+        assert_eq!(a[1].arr()[1].keys(), Vec::<&str>::new());
+        assert!(a[2].get("k").arr()[0].is_true());
+        assert_eq!(a[2].get("k").arr()[1], Json::Null);
+        assert_eq!(a[2].get("e"), &Json::Arr(Vec::new()));
+        assert_eq!(Json::parse("{}").unwrap(), Json::Obj(Default::default()));
+        for bad in [
+            "[1 2]",
+            "[1,]",
+            "{\"a\":1,}",
+            "{1:2}",
+            "{\"a\" 1}",
+            "[",
+            "{",
+        ] {
+            assert!(Json::parse(bad).is_err(), "{bad}");
+        }
     }
 }

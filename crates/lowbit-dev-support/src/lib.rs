@@ -10,7 +10,9 @@
 //! - [`cpu_load`]: how many cores other processes kept busy while a benchmark ran (Linux), so
 //!   a table says when its figures were taken on a loaded machine;
 //! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
-//!   `lowbit train --json` (the root package's `tests/train.rs`).
+//!   `lowbit train --json` (the root package's `tests/train.rs`);
+//! - [`rng`]: the deterministic generators (splitmix64, xorshift) behind test inputs and
+//!   benchmark data.
 //!
 //! # Invariants
 //! - No dependencies, so adding it as a dev-dependency costs nothing in build time.
@@ -25,3 +27,4 @@
 pub mod cpu_load;
 pub mod criterion_estimates;
 pub mod json;
+pub mod rng;

@@ -22,12 +22,12 @@
 //! Run with `cargo bench -p lowbit-device --bench ops` (about 30 s).
 
 use std::hint::black_box;
-use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use criterion::{Criterion, Throughput};
-use lowbit_dev_support::criterion_estimates as estimates;
+use criterion::Throughput;
+use lowbit_dev_support::rng::xorshift32_signed;
 use lowbit_device::{AdamW, DType, Device, View};
+use lowbit_testkit::bench::{BenchRun, print_load_average};
 
 const COPY_BYTES: usize = 64 << 20;
 const PARAMS: usize = 4 << 20;
@@ -69,29 +69,14 @@ const CASES: [Case; 4] = [
 
 /// A deterministic f32 view of `n` values in about ±`scale`.
 fn filled(dev: &mut Device, n: usize, seed: u32, scale: f32) -> View {
-    let mut s = seed | 1;
-    let vals: Vec<f32> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
-        })
-        .collect();
+    let vals = xorshift32_signed(seed | 1, n, scale);
     let v = dev.alloc(DType::F32, n);
     dev.upload(v, &vals).expect("upload");
     v
 }
 
 fn main() {
-    let start = SystemTime::now();
-    let dir = estimates::criterion_dir();
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .output_directory(&dir)
-        .configure_from_args();
+    let (run, mut c) = BenchRun::start(Duration::from_millis(500), Duration::from_secs(3));
     let mut dev = Device::cpu();
 
     {
@@ -144,7 +129,7 @@ fn main() {
         g.finish();
     }
     c.final_summary();
-    summary(&dir, start);
+    summary(&run);
 }
 
 fn hp() -> AdamW {
@@ -159,11 +144,8 @@ fn hp() -> AdamW {
 }
 
 /// Prints elements/s, GB/s and the ratio to the copy bandwidth of every case this run measured.
-fn summary(dir: &Path, start: SystemTime) {
-    let times: Vec<Option<f64>> = CASES
-        .iter()
-        .map(|k| estimates::median_ns(dir, k.group, k.id, start))
-        .collect();
+fn summary(run: &BenchRun) {
+    let times: Vec<Option<f64>> = CASES.iter().map(|k| run.median_ns(k.group, k.id)).collect();
     let Some(copy_ns) = times[0] else {
         println!("\n(copy baseline not measured in this run: no summary)");
         return;
@@ -186,14 +168,9 @@ fn summary(dir: &Path, start: SystemTime) {
             gbs / copy_gbs
         );
     }
-    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let one_minute = load.split_whitespace().next().unwrap_or("?");
-        println!(
-            "(load average {one_minute} on {cores} cores: well above 1, other processes share \
-             the memory bus and the numbers are noisy)"
-        );
-    }
+    print_load_average(
+        "well above 1, other processes share the memory bus and the numbers are noisy",
+    );
     if let Some(t) = times[1] {
         println!(
             "\nAdamW (4Mi params, bf16 out): {:.3e} params/s = {:.2} GB/s of its 30 B/param bound \

@@ -32,6 +32,7 @@ macro_rules! args {
     };
 }
 
+mod gemm;
 mod kernels;
 mod mxfp8x;
 mod nvfp4;
@@ -127,6 +128,11 @@ pub(crate) struct CudaDevice {
     /// four 16-byte loads in flight per thread, the shorter E2M1 encoder; 0.66x) or 1
     /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Same bytes.
     nvfp4_version: u32,
+    /// cuBLASLt for `matmul_tc`, opened on its first call.
+    gemm: Option<Box<gemm::Gemm>>,
+    /// Whether symmetric `matmul_tc` products are computed by blocks (3/4 of the work; the
+    /// default) or as one full GEMM: `set_cuda_kernel_variant("matmul_tc_symmetric", 1 | 0)`.
+    tc_symmetric: bool,
 }
 
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
@@ -165,6 +171,8 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             nvfp4_version: 3,
+            gemm: None,
+            tc_symmetric: true,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -373,6 +381,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("nvfp4", 1..=3) => self.nvfp4_version = version,
+            ("matmul_tc_symmetric", 0 | 1) => self.tc_symmetric = version == 1,
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"

@@ -76,6 +76,8 @@
 //! [`Device::rms_norm_backward`], [`Device::gelu`], [`Device::gelu_backward`],
 //! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],
 //! [`Device::softmax_cross_entropy_backward`].
+//! Counters: [`Device::op_calls`] counts the calls of every quantization entry point
+//! ([`CountedOp`]) on every backend, so tests can state how often a step quantizes.
 //!
 //! # The CUDA backend (feature `cuda`)
 //! `Device::cuda` opens GPU `ordinal` through `cudarc` (the driver library is loaded at run
@@ -131,6 +133,7 @@
 //! bit-exact counterpart (one thread per output, k in order), not cuBLAS. Multi-stream
 //! scheduling inside one device, and CUDA graphs, are not attempted.
 
+mod counters;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -149,9 +152,12 @@ pub mod codec {
     pub use crate::cpu::{decode_into, encode_f32};
 }
 
+pub use counters::CountedOp;
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
-pub use ops::{AdamW, MatmulSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SUM_BLOCK, SgdMomentum};
+pub use ops::{
+    AdamW, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SUM_BLOCK, SgdMomentum,
+};
 
 use std::ops::Range;
 
@@ -412,6 +418,8 @@ pub enum DeviceKind {
 #[derive(Debug)]
 pub struct Device {
     backend: Backend,
+    /// Calls of the quantization entry points ([`Device::op_calls`]).
+    calls: counters::OpCalls,
 }
 
 #[derive(Debug)]
@@ -426,6 +434,7 @@ impl Device {
     pub fn cpu() -> Device {
         Device {
             backend: Backend::Cpu(cpu::CpuDevice::new()),
+            calls: counters::OpCalls::default(),
         }
     }
 
@@ -438,6 +447,7 @@ impl Device {
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Ok(Device {
             backend: Backend::Cuda(cuda::CudaDevice::new(ordinal)?),
+            calls: counters::OpCalls::default(),
         })
     }
 

@@ -35,7 +35,7 @@ fn cuda_device_reports_itself() {
 
 #[test]
 fn memory_ops_match() {
-    let o = check("memory", false, |c| {
+    check_native("memory", false, |c| {
         let a = c.rand(DType::F32, 37, 1);
         let z = c.dev.alloc(DType::F32, 19);
         c.record(z);
@@ -56,7 +56,6 @@ fn memory_ops_match() {
         out.push(c.dev.allocated_bytes() as f64);
         Ok(out)
     });
-    native(&o, "memory");
 }
 
 #[test]
@@ -114,12 +113,7 @@ fn freed_stale_foreign_and_out_of_bounds_views_are_the_same_errors() {
         let t = c.buf(DType::F32, &[0.0, 9.0]);
         errs.push(c.dev.softmax_cross_entropy(b, t).unwrap_err());
         // Errors carry the same payload: fold them into the compared buffer list.
-        let msgs: Vec<f64> = errs
-            .iter()
-            .flat_map(|e| format!("{e}").into_bytes())
-            .map(f64::from)
-            .collect();
-        Ok(msgs)
+        Ok(messages(&errs))
     });
 }
 
@@ -142,7 +136,7 @@ fn views_of_other_buffers_are_rejected_without_a_panic() {
 
 #[test]
 fn fill_matches() {
-    let o = check("fill", false, |c| {
+    check_native("fill", false, |c| {
         for (i, d) in FLOATS.into_iter().enumerate() {
             for (j, value) in [
                 1.5f32,
@@ -161,12 +155,11 @@ fn fill_matches() {
         }
         Ok(vec![])
     });
-    native(&o, "fill");
 }
 
 #[test]
 fn cast_matches_for_all_pairs() {
-    let o = check("cast", false, |c| {
+    check_native("cast", false, |c| {
         for (i, s) in FLOATS.into_iter().enumerate() {
             for (j, d) in FLOATS.into_iter().enumerate() {
                 let seed = (i * 3 + j) as u64;
@@ -182,12 +175,11 @@ fn cast_matches_for_all_pairs() {
         c.dev.cast(m, staging)?;
         Ok(vec![])
     });
-    native(&o, "cast");
 }
 
 #[test]
 fn scale_axpy_add_match() {
-    let o = check("scale/axpy/add", true, |c| {
+    check_native("scale/axpy/add", true, |c| {
         for (i, d) in FLOATS.into_iter().enumerate() {
             for (j, alpha) in [0.3f32, -2.5, 0.0, f32::INFINITY].into_iter().enumerate() {
                 let v = c.rand_mid(d, 515, 1, (i * 4 + j) as u64);
@@ -210,13 +202,12 @@ fn scale_axpy_add_match() {
         c.dev.add(x, g.reinterpret(DType::Bf16)?.slice(10..74)?)?;
         Ok(vec![])
     });
-    native(&o, "scale/axpy/add");
 }
 
 #[test]
 fn reductions_match() {
     // Values with NaN as a class: a NaN sum of squares has an unspecified payload.
-    let o = check("reductions", true, |c| {
+    check_native("reductions", true, |c| {
         let mut out = Vec::new();
         for (i, d) in FLOATS.into_iter().enumerate() {
             let with_specials = c.rand_mid(d, 10_001, 3, i as u64);
@@ -240,7 +231,6 @@ fn reductions_match() {
         }
         Ok(out)
     });
-    native(&o, "reductions");
 }
 
 /// `sum_squares` in its blocked order (4096-element f64 partials in index order, then the
@@ -249,7 +239,7 @@ fn reductions_match() {
 /// view aliasing an f32 buffer.
 #[test]
 fn sum_squares_bits_match() {
-    let o = check("sum_squares", true, |c| {
+    check_native("sum_squares", true, |c| {
         let mut out = Vec::new();
         let sizes = [
             1,
@@ -300,7 +290,6 @@ fn sum_squares_bits_match() {
         out.push(f64::from(c.dev.mse_loss(p, p)?));
         Ok(out)
     });
-    native(&o, "sum_squares");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,7 +297,7 @@ fn sum_squares_bits_match() {
 
 #[test]
 fn adamw_matches() {
-    let o = check("adamw", true, |c| {
+    check_native("adamw", true, |c| {
         let n = 3001;
         let mut k = 0;
         for gd in FLOATS {
@@ -359,12 +348,11 @@ fn adamw_matches() {
         c.dev.adamw(p, g, m, v, &hp, Some(out))?;
         Ok(vec![])
     });
-    native(&o, "adamw");
 }
 
 #[test]
 fn sgd_momentum_matches() {
-    let o = check("sgd", true, |c| {
+    check_native("sgd", true, |c| {
         let mut k = 0;
         for gd in FLOATS {
             for (mom, wd, first) in [
@@ -387,7 +375,6 @@ fn sgd_momentum_matches() {
         }
         Ok(vec![])
     });
-    native(&o, "sgd");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,7 +382,7 @@ fn sgd_momentum_matches() {
 
 #[test]
 fn matmul_matches() {
-    let o = check("matmul", true, |c| {
+    check_native("matmul", true, |c| {
         let mut k = 0;
         for (m, n, kk) in [(7, 13, 29), (64, 33, 128), (1, 1, 1), (5, 3, 0), (0, 4, 3)] {
             for trans_a in [false, true] {
@@ -434,7 +421,6 @@ fn matmul_matches() {
         c.dev.matmul(a, a, cc, &spec)?;
         Ok(vec![])
     });
-    native(&o, "matmul");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -442,7 +428,7 @@ fn matmul_matches() {
 
 #[test]
 fn model_ops_match() {
-    let o = check("model ops", true, |c| {
+    check_native("model ops", true, |c| {
         let f = DType::F32;
         let mut out = Vec::new();
         for (rows, cols, seed) in [(13usize, 37usize, 1u64), (1, 1, 2), (64, 256, 3), (0, 5, 4)] {
@@ -513,7 +499,6 @@ fn model_ops_match() {
         c.dev.softmax_cross_entropy_backward(l, t, d, 1.0)?;
         Ok(out)
     });
-    native(&o, "model ops");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,7 +520,7 @@ fn mxfp8_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: u64)
 
 #[test]
 fn mxfp8_kernels_match() {
-    let o = check("mxfp8 kernels", false, |c| {
+    check_native("mxfp8 kernels", false, |c| {
         let mut k = 0;
         let shapes = [
             (64, 64),
@@ -588,7 +573,6 @@ fn mxfp8_kernels_match() {
         }
         Ok(vec![])
     });
-    native(&o, "mxfp8 kernels");
 }
 
 #[test]
@@ -673,7 +657,7 @@ fn mxfp8_fallback_variants_match_and_are_counted() {
 fn nvfp4_kernels_match() {
     // Quantized bytes are compared strictly (u8 buffers); dequantized values with NaN as a class
     // (an infinite global amax makes 0 · Inf products).
-    let o = check("nvfp4 kernels", true, |c| {
+    check_native("nvfp4 kernels", true, |c| {
         let mut out = Vec::new();
         let mut k = 0;
         let shapes = [
@@ -761,13 +745,12 @@ fn nvfp4_kernels_match() {
         }
         Ok(out)
     });
-    native(&o, "nvfp4 kernels");
 }
 
 #[test]
 fn mxfp8_dequantize_kernels_match() {
     // NaN codes and the NaN scale 0xFF included: random bytes for data and scales.
-    let o = check("mxfp8 dequantize", true, |c| {
+    check_native("mxfp8 dequantize", true, |c| {
         let mut k = 0;
         for (rows, cols) in [(40usize, 64usize), (37, 45), (1, 1)] {
             for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
@@ -796,7 +779,6 @@ fn mxfp8_dequantize_kernels_match() {
         }
         Ok(vec![])
     });
-    native(&o, "mxfp8 dequantize");
 }
 
 /// bf16 blocks whose magnitudes span seven binades under a per-block scale that moves over
@@ -838,7 +820,7 @@ fn nvfp4_stress(rows: usize, cols: usize, seed: u64, raw_bits: bool) -> Vec<f32>
 #[test]
 fn nvfp4_rowwise_versions_match_on_stress_inputs() {
     // Rowwise bf16 (the vector kernels of versions 2 and 3) against the CPU, strictly.
-    let o = check("nvfp4 rowwise stress", true, |c| {
+    check_native("nvfp4 rowwise stress", true, |c| {
         let mut out = Vec::new();
         for version in [2, 3] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
@@ -864,12 +846,11 @@ fn nvfp4_rowwise_versions_match_on_stress_inputs() {
         }
         Ok(out)
     });
-    native(&o, "nvfp4 rowwise stress");
 }
 
 #[test]
 fn nvfp4_fallback_variants_match() {
-    let o = check("nvfp4", false, |c| {
+    check_native("nvfp4", false, |c| {
         let mut out = Vec::new();
         let (rows, cols) = (48, 64);
         for (k, cfg) in [
@@ -909,7 +890,6 @@ fn nvfp4_fallback_variants_match() {
         Ok(out)
     });
     // 2D, the Hadamard transform and stochastic rounding have kernels (cuda/nvfp4.cu).
-    native(&o, "nvfp4");
 }
 
 /// The sharded 2D primary-weight ops: tile amaxes folded shard by shard (shard boundaries
@@ -918,11 +898,7 @@ fn nvfp4_fallback_variants_match() {
 fn sharded_2d_ops_match() {
     let o = check("sharded 2d", false, |c| {
         let mut out = Vec::new();
-        for (rows, cols, d, seed) in [
-            (64usize, 96usize, DType::F32, 1u64),
-            (70, 50, DType::Bf16, 2),
-            (33, 34, DType::F16, 3),
-        ] {
+        for (rows, cols, d, seed) in SHARDED_2D_CASES {
             let n = rows * cols;
             let x = c.buf(d, &finite(n, 800 + seed));
             // Three shards, boundaries at even offsets (NVFP4 packs pairs) inside rows.
@@ -947,27 +923,9 @@ fn sharded_2d_ops_match() {
                 c.dev.mxfp8_scales_2d(rows, cols, kind, tiles, rs, cs)?;
             }
             // NVFP4: fold, quantize each shard, then rebuild both copies.
-            let tc = rows.div_ceil(16) * cols.div_ceil(16);
-            let tiles = c.buf(DType::F32, &vec![0.0; tc]);
-            for w in cuts.windows(2) {
-                let s = x.slice(w[0]..w[1])?;
-                c.dev.nvfp4_fold_tile_amax_2d(s, w[0], cols, tiles)?;
-            }
-            let packed = c.rand(DType::U8, n / 2, 804 + seed);
-            for w in cuts.windows(2) {
-                let (s, ps) = (x.slice(w[0]..w[1])?, packed.slice(w[0] / 2..w[1] / 2)?);
-                c.dev.nvfp4_quantize_2d_range(s, w[0], cols, tiles, ps)?;
-            }
+            let shards = nvfp4_shards_2d(c, x, (rows, cols), &cuts, 804 + seed)?;
             if cols % 2 == 0 {
-                let rd = packed;
-                let rsc = c.rand(DType::U8, rows * cols.div_ceil(16), 805 + seed);
-                let cd = c.rand(DType::U8, cols * rows.div_ceil(2), 806 + seed);
-                let csc = c.rand(DType::U8, cols * rows.div_ceil(16), 807 + seed);
-                let views = Nvfp4Views {
-                    rowwise: Some((rd, rsc)),
-                    columnwise: Some((cd, csc)),
-                };
-                out.push(f64::from(c.dev.nvfp4_finish_2d(rows, cols, tiles, &views)?));
+                out.push(nvfp4_finish_shards_2d(c, (rows, cols), shards, 804 + seed)?);
             }
         }
         // Errors the library raises come back identically: an odd NVFP4 shard start, a
@@ -992,24 +950,16 @@ fn sharded_2d_ops_match() {
                 .mxfp8_scales_2d(32, 64, Fp8Kind::E4M3, tiles.slice(0..2)?, q.slice(0..5)?, q)
                 .unwrap_err(),
         );
-        out.extend(
-            errs.iter()
-                .flat_map(|e| format!("{e}").into_bytes())
-                .map(f64::from),
-        );
+        out.extend(messages(&errs));
         Ok(out)
     });
     // Only the error cases take the host path.
-    assert!(
-        o.fallbacks.iter().all(|(op, _)| [
-            "nvfp4_quantize_2d_range",
-            "mxfp8_quantize_2d_range",
-            "mxfp8_scales_2d"
-        ]
-        .contains(op)),
-        "{:?}",
-        o.fallbacks
-    );
+    let error_paths = [
+        "nvfp4_quantize_2d_range",
+        "mxfp8_quantize_2d_range",
+        "mxfp8_scales_2d",
+    ];
+    fallbacks_only(&o, &error_paths);
 }
 
 // ---------------------------------------------------------------------------------------------

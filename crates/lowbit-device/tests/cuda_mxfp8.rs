@@ -11,22 +11,10 @@ use lowbit_device::{DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Result, Vie
 use lowbit_formats::Copies;
 
 mod support;
-use support::{Rng, encode, gpu, time};
+use support::{EDGES, encode, gpu, tiled, time, timing_setup, values_with_edges};
 
-/// Edge values (about one element in eight).
-const EDGE: [u32; 16] = [
-    0x7FC0_0000, // NaN
-    0xFFC0_1234, // negative NaN with a payload
-    0x7F80_0000, // +Inf
-    0xFF80_0000, // -Inf
-    0x0000_0000, // +0
-    0x8000_0000, // -0
-    0x0000_0001, // smallest subnormal
-    0x807F_FFFF, // largest negative subnormal
-    0x7F7F_FFFF, // f32 max
-    0x3F80_0001, // 1 + ulp
-    0x477F_F000, // 65520: rounds to f16 Inf
-    0x3380_0000, // 2^-24: smallest f16 subnormal
+/// Edge values of the fp8 formats (about one element in eight is one of these or [`EDGES`]).
+const FP8_EDGES: [u32; 4] = [
     0x43E0_0000, // 448
     0x43F0_0000, // 480: an E4M3 tie past the maximum
     0x4760_0000, // 57344
@@ -38,17 +26,7 @@ const EDGE: [u32; 16] = [
 /// blocks along rows and down a column.
 fn inputs(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
     const TILE_EXP: [i32; 8] = [0, 0, 0, -133, -100, 20, 100, 125];
-    let mut r = Rng::new(seed);
-    let mut v: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            let x = r.next();
-            if x.is_multiple_of(8) {
-                f32::from_bits(EDGE[(x >> 8) as usize % EDGE.len()])
-            } else {
-                r.unit() * 2f32.powi((x % 24) as i32 - 12)
-            }
-        })
-        .collect();
+    let mut v = values_with_edges(rows * cols, seed, &[&EDGES[..], &FP8_EDGES].concat());
     for (i, x) in v.iter_mut().enumerate() {
         let (row, col) = (i / cols, i % cols);
         let t = (row / 32 * 7 + col / 32 * 3 + seed as usize) % TILE_EXP.len();
@@ -213,18 +191,10 @@ fn check_dtype(d: DType) {
 }
 
 #[test]
-fn mxfp8x_bf16_matches_cpu() {
-    check_dtype(DType::Bf16);
-}
-
-#[test]
-fn mxfp8x_f32_matches_cpu() {
-    check_dtype(DType::F32);
-}
-
-#[test]
-fn mxfp8x_f16_matches_cpu() {
-    check_dtype(DType::F16);
+fn mxfp8x_matches_cpu_for_every_input_dtype() {
+    for d in [DType::Bf16, DType::F32, DType::F16] {
+        check_dtype(d);
+    }
 }
 
 /// An empty matrix writes nothing and takes no fallback.
@@ -249,24 +219,16 @@ fn mxfp8x_empty_is_native() {
 fn mxfp8x_timings() {
     let (rows, cols) = (16384usize, 16384usize);
     let n = rows * cols;
-    let mut g = gpu();
     let chunk_vals: Vec<f32> = inputs(1024, 1024, 7)
         .into_iter()
         .map(|v| if v.is_finite() { v } else { 0.5 })
         .collect();
-    let mut srcs = Vec::new();
-    for d in [DType::Bf16, DType::F32, DType::F16] {
-        let src = g.alloc(d, n);
-        let chunk = encode(d, &chunk_vals);
-        for k in 0..n / (1 << 20) {
-            g.write_bytes(src.slice(k << 20..(k + 1) << 20).unwrap(), &chunk)
-                .unwrap();
-        }
-        srcs.push((d, src));
-    }
-    let copy_dst = g.alloc(DType::Bf16, n);
-    let copy = time(&mut g, 10, |g| g.copy(srcs[0].1, copy_dst).unwrap());
-    println!("copy bf16 {rows}x{cols}: {copy:.1} us");
+    let (mut g, bf16_src, copy) = timing_setup(rows, cols, &chunk_vals);
+    let srcs = [
+        (DType::Bf16, bf16_src),
+        (DType::F32, tiled(&mut g, DType::F32, n, &chunk_vals)),
+        (DType::F16, tiled(&mut g, DType::F16, n, &chunk_vals)),
+    ];
     let views = |g: &mut Device, copies: Copies| Mxfp8Views {
         rowwise: copies
             .rowwise()

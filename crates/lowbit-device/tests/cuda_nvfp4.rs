@@ -113,59 +113,46 @@ fn native_nvfp4(o: &Outcome, name: &str) {
     );
 }
 
+/// [`check`] of [`sweep`] over `shapes` under each of `cfgs`, with no NVFP4 host fallback.
+fn check_sweeps(name: &str, shapes: &[(usize, usize)], cfgs: &[Nvfp4Config]) {
+    let o = check(name, true, |c| {
+        let mut out = Vec::new();
+        for &cfg in cfgs {
+            out.extend(sweep(c, shapes, cfg)?);
+        }
+        Ok(out)
+    });
+    native_nvfp4(&o, name);
+}
+
 #[test]
 fn nvfp4_2d_matches() {
-    let o = check("nvfp4 2d", true, |c| {
-        sweep(
-            c,
-            &SHAPES,
-            Nvfp4Config {
-                two_d: true,
-                ..Nvfp4Config::default()
-            },
-        )
-    });
-    native_nvfp4(&o, "nvfp4 2d");
+    let two_d = Nvfp4Config {
+        two_d: true,
+        ..Nvfp4Config::default()
+    };
+    check_sweeps("nvfp4 2d", &SHAPES, &[two_d]);
 }
 
 #[test]
 fn nvfp4_stochastic_rounding_matches() {
-    let o = check("nvfp4 sr", true, |c| {
-        let mut out = Vec::new();
-        for (seed, two_d) in [(7u64, false), (0xDEAD_BEEF_1234_5678, false), (42, true)] {
-            out.extend(sweep(
-                c,
-                &SHAPES,
-                Nvfp4Config {
-                    two_d,
-                    stochastic_rounding: Some(seed),
-                    ..Nvfp4Config::default()
-                },
-            )?);
-        }
-        Ok(out)
+    let seeds = [(7u64, false), (0xDEAD_BEEF_1234_5678, false), (42, true)];
+    let cfgs = seeds.map(|(seed, two_d)| Nvfp4Config {
+        two_d,
+        stochastic_rounding: Some(seed),
+        ..Nvfp4Config::default()
     });
-    native_nvfp4(&o, "nvfp4 sr");
+    check_sweeps("nvfp4 sr", &SHAPES, &cfgs);
 }
 
 #[test]
 fn nvfp4_hadamard_matches() {
-    let o = check("nvfp4 rht", true, |c| {
-        let mut out = Vec::new();
-        for sr in [None, Some(0x1234_5678_9ABC_DEF0u64)] {
-            out.extend(sweep(
-                c,
-                &RHT_SHAPES,
-                Nvfp4Config {
-                    rht: true,
-                    stochastic_rounding: sr,
-                    ..Nvfp4Config::default()
-                },
-            )?);
-        }
-        Ok(out)
+    let cfgs = [None, Some(0x1234_5678_9ABC_DEF0u64)].map(|sr| Nvfp4Config {
+        rht: true,
+        stochastic_rounding: sr,
+        ..Nvfp4Config::default()
     });
-    native_nvfp4(&o, "nvfp4 rht");
+    check_sweeps("nvfp4 rht", &RHT_SHAPES, &cfgs);
 }
 
 #[test]
@@ -295,55 +282,23 @@ fn nvfp4_library_refusals_stay_the_host_errors() {
             ..Nvfp4Config::default()
         };
         errs.push(c.dev.quantize_nvfp4(nan, 4, 16, &cfg, &views).unwrap_err());
-        Ok(errs
-            .iter()
-            .flat_map(|e| format!("{e}").into_bytes())
-            .map(f64::from)
-            .collect())
+        Ok(messages(&errs))
     });
-    assert!(
-        o.fallbacks.iter().all(|(op, _)| *op == "quantize_nvfp4"),
-        "{:?}",
-        o.fallbacks
-    );
+    fallbacks_only(&o, &["quantize_nvfp4"]);
 }
 
 #[test]
 fn nvfp4_finish_2d_matches() {
     let o = check("nvfp4 finish 2d", false, |c| {
         let mut out = Vec::new();
-        for (rows, cols, d, seed) in [
-            (64usize, 96usize, DType::F32, 1u64),
-            (70, 50, DType::Bf16, 2),
-            (33, 34, DType::F16, 3),
-            (16, 2, DType::Bf16, 4),
-            (1, 40, DType::F32, 5),
-        ] {
+        // Also a single row of tiles and a single row.
+        let thin = [(16, 2, DType::Bf16, 4), (1, 40, DType::F32, 5)];
+        for (rows, cols, d, seed) in SHARDED_2D_CASES.into_iter().chain(thin) {
             let n = rows * cols;
             let x = c.buf(d, &values(n, 900 + seed, seed % 2 == 0));
             let cuts = [0, (n / 3) & !1, (2 * n / 3) & !1, n];
-            let tc = rows.div_ceil(16) * cols.div_ceil(16);
-            let tiles = c.buf(DType::F32, &vec![0.0; tc]);
-            for w in cuts.windows(2) {
-                let s = x.slice(w[0]..w[1])?;
-                c.dev.nvfp4_fold_tile_amax_2d(s, w[0], cols, tiles)?;
-            }
-            let packed = c.rand(DType::U8, n / 2, 904 + seed);
-            for w in cuts.windows(2) {
-                let (s, ps) = (x.slice(w[0]..w[1])?, packed.slice(w[0] / 2..w[1] / 2)?);
-                c.dev.nvfp4_quantize_2d_range(s, w[0], cols, tiles, ps)?;
-            }
-            let views = Nvfp4Views {
-                rowwise: Some((
-                    packed,
-                    c.rand(DType::U8, rows * cols.div_ceil(16), 905 + seed),
-                )),
-                columnwise: Some((
-                    c.rand(DType::U8, cols * rows.div_ceil(2), 906 + seed),
-                    c.rand(DType::U8, cols * rows.div_ceil(16), 907 + seed),
-                )),
-            };
-            out.push(f64::from(c.dev.nvfp4_finish_2d(rows, cols, tiles, &views)?));
+            let shards = nvfp4_shards_2d(c, x, (rows, cols), &cuts, 904 + seed)?;
+            out.push(nvfp4_finish_shards_2d(c, (rows, cols), shards, 904 + seed)?);
             // The same bytes as a whole-tensor 2D quantization.
             let whole = nvfp4_views(c, rows, cols, Copies::Both, 908 + seed);
             let cfg = Nvfp4Config {
@@ -396,17 +351,9 @@ fn nvfp4_finish_2d_matches() {
                     .unwrap_err(),
             );
         }
-        Ok(errs
-            .iter()
-            .flat_map(|e| format!("{e}").into_bytes())
-            .map(f64::from)
-            .collect())
+        Ok(messages(&errs))
     });
-    assert!(
-        o.fallbacks.iter().all(|(op, _)| *op == "nvfp4_finish_2d"),
-        "{:?}",
-        o.fallbacks
-    );
+    fallbacks_only(&o, &["nvfp4_finish_2d"]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -418,22 +365,12 @@ fn nvfp4_finish_2d_matches() {
 fn nvfp4_timings() {
     let (rows, cols) = (16384usize, 16384usize);
     let n = rows * cols;
-    let mut g = gpu();
-    let src = g.alloc(DType::Bf16, n);
-    let vals: Vec<f32> = finite(1 << 20, 1);
-    let chunk = encode(DType::Bf16, &vals);
-    for k in 0..n / (1 << 20) {
-        g.write_bytes(src.slice(k << 20..(k + 1) << 20).unwrap(), &chunk)
-            .unwrap();
-    }
-    let copy_dst = g.alloc(DType::Bf16, n);
+    let (mut g, src, copy) = timing_setup(rows, cols, &finite(1 << 20, 1));
     let views = |g: &mut Device| Nvfp4Views {
         rowwise: Some((g.alloc(DType::U8, n / 2), g.alloc(DType::U8, n / 16))),
         columnwise: Some((g.alloc(DType::U8, n / 2), g.alloc(DType::U8, n / 16))),
     };
     let v = views(&mut g);
-    let copy = time(&mut g, 10, |g| g.copy(src, copy_dst).unwrap());
-    println!("copy bf16 {rows}x{cols}: {copy:.1} us");
     let cases: [(&str, Nvfp4Config); 5] = [
         ("1D both (ops.cu)", Nvfp4Config::default()),
         (

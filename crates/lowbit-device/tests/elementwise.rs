@@ -1,72 +1,20 @@
 //! fill, cast, scale, axpy, add and the reductions against straightforward host computations.
 
-use lowbit_device::{DType, Device, DeviceError, View, bf16, f16};
+mod common;
+
+use common::{bits, download, round_to, upload_as};
+use lowbit_dev_support::rng::xorshift32;
+use lowbit_device::{DType, Device, DeviceError, bf16, f16};
 use proptest::prelude::*;
 
 const FLOATS: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
-
-/// Rounds an f32 to `d` and back (the host reference of "rounded to the dtype, RNE").
-fn round_to(d: DType, v: f32) -> f32 {
-    match d {
-        DType::F32 => v,
-        DType::Bf16 => bf16::from_f32(v).to_f32(),
-        DType::F16 => f16::from_f32(v).to_f32(),
-        DType::U8 => unreachable!(),
-    }
-}
-
-/// Allocates a `d` view holding `vals` rounded to `d`.
-fn upload(dev: &mut Device, d: DType, vals: &[f32]) -> View {
-    let v = dev.alloc(d, vals.len());
-    match d {
-        DType::F32 => dev.upload(v, vals),
-        DType::Bf16 => dev.upload(
-            v,
-            &vals.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-        ),
-        DType::F16 => dev.upload(
-            v,
-            &vals.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-        ),
-        DType::U8 => unreachable!(),
-    }
-    .unwrap();
-    v
-}
-
-/// A float view's elements as f32.
-fn download(dev: &Device, v: View) -> Vec<f32> {
-    match v.dtype() {
-        DType::F32 => dev.download::<f32>(v).unwrap(),
-        DType::Bf16 => dev
-            .download::<bf16>(v)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_f32())
-            .collect(),
-        DType::F16 => dev
-            .download::<f16>(v)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_f32())
-            .collect(),
-        DType::U8 => unreachable!(),
-    }
-}
-
-/// Bit patterns, so that NaN payloads and signed zeros compare exactly.
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 /// Deterministic test values spanning many magnitudes, with specials.
 fn values(n: usize, seed: u32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
     (0..n)
         .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
+            s = xorshift32(s);
             match i % 97 {
                 7 => 0.0,
                 8 => -0.0,
@@ -83,7 +31,7 @@ proptest! {
     fn cast_is_halfs_rne(raw in proptest::collection::vec(any::<u32>(), 0..300)) {
         let mut dev = Device::cpu();
         let x: Vec<f32> = raw.iter().map(|&b| f32::from_bits(b)).collect();
-        let src = upload(&mut dev, DType::F32, &x);
+        let src = upload_as(&mut dev, DType::F32, &x);
         let b = dev.alloc(DType::Bf16, x.len());
         let h = dev.alloc(DType::F16, x.len());
         dev.cast(src, b).unwrap();
@@ -113,8 +61,8 @@ proptest! {
     ) {
         let (xd, yd) = (FLOATS[xd], FLOATS[yd]);
         let mut dev = Device::cpu();
-        let x = upload(&mut dev, xd, &values(n, seed));
-        let y = upload(&mut dev, yd, &values(n, seed ^ 0x55));
+        let x = upload_as(&mut dev, xd, &values(n, seed));
+        let y = upload_as(&mut dev, yd, &values(n, seed ^ 0x55));
         let (xs, ys) = (download(&dev, x), download(&dev, y));
         dev.axpy(alpha, x, y).unwrap();
         let want: Vec<f32> = xs.iter().zip(&ys).map(|(&x, &y)| round_to(yd, y + alpha * x)).collect();
@@ -131,8 +79,8 @@ fn axpy_does_not_fuse_multiply_add() {
     // 1 + 2^-22, and adding y = −1 gives 2^-22. A fused multiply-add would give 2^-22 + 2^-46.
     let mut dev = Device::cpu();
     let v = 1.0f32 + f32::EPSILON;
-    let x = upload(&mut dev, DType::F32, &[v]);
-    let y = upload(&mut dev, DType::F32, &[-1.0]);
+    let x = upload_as(&mut dev, DType::F32, &[v]);
+    let y = upload_as(&mut dev, DType::F32, &[-1.0]);
     dev.axpy(v, x, y).unwrap();
     assert_eq!(download(&dev, y)[0], (v * v) - 1.0);
     assert_eq!(download(&dev, y)[0], 2.0 * f32::EPSILON);
@@ -191,7 +139,7 @@ fn sum_squares_is_blocked_f64_in_index_order() {
     let mut dev = Device::cpu();
     for d in FLOATS {
         for n in [0, 1, 4095, 4096, 4097, 5000, 3 * 4096 + 17, 40_000] {
-            let x = upload(&mut dev, d, &values(n, 3 + n as u32));
+            let x = upload_as(&mut dev, d, &values(n, 3 + n as u32));
             let xs = download(&dev, x);
             let want = blocked_reference(&xs);
             assert_eq!(
@@ -211,14 +159,14 @@ fn sum_squares_is_blocked_f64_in_index_order() {
     // of the later blocks are summed exactly before the partials meet.
     let mut vals = vec![1f32; 3 * 4096];
     vals[0] = 2f32.powi(27);
-    let x = upload(&mut dev, DType::F32, &vals);
+    let x = upload_as(&mut dev, DType::F32, &vals);
     let sequential = vals
         .iter()
         .fold(0f64, |s, &v| s + f64::from(v) * f64::from(v));
     assert_eq!(sequential, 2f64.powi(54));
     assert_eq!(dev.sum_squares(x).unwrap(), 2f64.powi(54) + 8192.0);
     let big = 3.0e38f32;
-    let v = upload(&mut dev, DType::F32, &[big, big]);
+    let v = upload_as(&mut dev, DType::F32, &[big, big]);
     let sq = f64::from(big) * f64::from(big);
     assert_eq!(dev.sum_squares(v).unwrap(), sq + sq, "no f32 overflow");
 }
@@ -228,21 +176,21 @@ fn has_non_finite_and_max_abs() {
     let mut dev = Device::cpu();
     for d in FLOATS {
         let mut vals = values(3000, 9);
-        let x = upload(&mut dev, d, &vals);
+        let x = upload_as(&mut dev, d, &vals);
         assert!(!dev.has_non_finite(x).unwrap());
         let want = download(&dev, x).iter().fold(0f32, |m, v| m.max(v.abs()));
         assert_eq!(dev.max_abs(x).unwrap(), want);
         // NaN is ignored by the amax but detected as non-finite.
         vals[2500] = f32::NAN;
         vals[10] = -f32::NAN;
-        let y = upload(&mut dev, d, &vals);
+        let y = upload_as(&mut dev, d, &vals);
         assert!(dev.has_non_finite(y).unwrap());
         assert_eq!(dev.max_abs(y).unwrap(), want);
         vals[1200] = f32::NEG_INFINITY;
-        let z = upload(&mut dev, d, &vals);
+        let z = upload_as(&mut dev, d, &vals);
         assert_eq!(dev.max_abs(z).unwrap(), f32::INFINITY);
     }
-    let all_nan = upload(&mut dev, DType::F32, &[f32::NAN; 3]);
+    let all_nan = upload_as(&mut dev, DType::F32, &[f32::NAN; 3]);
     assert_eq!(dev.max_abs(all_nan).unwrap(), 0.0);
     let u = dev.alloc(DType::U8, 3);
     assert!(dev.max_abs(u).is_err());
@@ -253,8 +201,8 @@ fn has_non_finite_and_max_abs() {
 #[test]
 fn errors_leave_memory_untouched() {
     let mut dev = Device::cpu();
-    let x = upload(&mut dev, DType::F32, &[1.0, 2.0, 3.0]);
-    let y = upload(&mut dev, DType::Bf16, &[5.0, 6.0]);
+    let x = upload_as(&mut dev, DType::F32, &[1.0, 2.0, 3.0]);
+    let y = upload_as(&mut dev, DType::Bf16, &[5.0, 6.0]);
     let before = dev.read_bytes(y).unwrap();
     assert_eq!(
         dev.axpy(1.0, x, y),

@@ -1,6 +1,9 @@
 //! matmul against a naive k-ordered f32 product (bitwise) and an f64 product (tolerance).
 
-use lowbit_device::{DType, Device, DeviceError, MatmulSpec, View, bf16};
+mod common;
+
+use common::{round_to, upload_as};
+use lowbit_device::{DType, Device, DeviceError, MatmulSpec, View};
 use proptest::prelude::*;
 
 /// Element (i, j) of op(X) for X stored row-major `[r, c]` of op(X) or its transpose.
@@ -12,16 +15,10 @@ fn at(x: &[f32], rows: usize, cols: usize, trans: bool, i: usize, j: usize) -> f
     }
 }
 
+/// A `d` view holding `vals` rounded to `d`, and those rounded values.
 fn upload(dev: &mut Device, d: DType, vals: &[f32]) -> (View, Vec<f32>) {
-    let v = dev.alloc(d, vals.len());
-    if d == DType::Bf16 {
-        let b: Vec<bf16> = vals.iter().map(|&x| bf16::from_f32(x)).collect();
-        dev.upload(v, &b).unwrap();
-        (v, b.iter().map(|x| x.to_f32()).collect())
-    } else {
-        dev.upload(v, vals).unwrap();
-        (v, vals.to_vec())
-    }
+    let rounded = vals.iter().map(|&x| round_to(d, x)).collect();
+    (upload_as(dev, d, vals), rounded)
 }
 
 proptest! {

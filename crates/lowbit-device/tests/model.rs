@@ -1,28 +1,18 @@
 //! Model ops: forwards against f32/f64 host references, backwards against f64 central
 //! differences of the f64 forward.
 
-use lowbit_device::{DType, Device, DeviceError, View};
+mod common;
+
+use common::{download, upload};
+use lowbit_dev_support::rng::xorshift32_signed;
+use lowbit_device::{DType, Device, DeviceError};
 
 fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(2_246_822_519).wrapping_add(374_761_393) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn upload(dev: &mut Device, vals: &[f32]) -> View {
-    let v = dev.alloc(DType::F32, vals.len());
-    dev.upload(v, vals).unwrap();
-    v
-}
-
-fn get(dev: &Device, v: View) -> Vec<f32> {
-    dev.download::<f32>(v).unwrap()
+    xorshift32_signed(
+        seed.wrapping_mul(2_246_822_519).wrapping_add(374_761_393) | 1,
+        n,
+        scale,
+    )
 }
 
 fn f64s(v: &[f32]) -> Vec<f64> {
@@ -64,7 +54,7 @@ fn add_bias_and_bias_grad() {
         .enumerate()
         .map(|(i, v)| v + bv[i % cols])
         .collect();
-    assert_eq!(get(&dev, x), want);
+    assert_eq!(download(&dev, x), want);
 
     let db = upload(&mut dev, &bv);
     dev.bias_grad(x, db, false).unwrap();
@@ -72,10 +62,10 @@ fn add_bias_and_bias_grad() {
     for (i, v) in want.iter().enumerate() {
         sums[i % cols] += v;
     }
-    assert_eq!(get(&dev, db), sums);
+    assert_eq!(download(&dev, db), sums);
     dev.bias_grad(x, db, true).unwrap();
     let twice: Vec<f32> = sums.iter().map(|s| s + s).collect();
-    assert_eq!(get(&dev, db), twice);
+    assert_eq!(download(&dev, db), twice);
 
     let bad = upload(&mut dev, &[0.0; 6]);
     assert!(matches!(
@@ -127,13 +117,13 @@ fn rms_norm_forward_and_backward() {
         let xr = &xv[r * cols..(r + 1) * cols];
         let ss = xr.iter().fold(0f32, |s, v| s + v * v);
         let rs = 1.0 / (ss / cols as f32 + eps).sqrt();
-        assert_eq!(get(&dev, rstd)[r].to_bits(), rs.to_bits());
+        assert_eq!(download(&dev, rstd)[r].to_bits(), rs.to_bits());
         let yr: Vec<f32> = xr.iter().zip(&wv).map(|(x, w)| (x * rs) * w).collect();
-        assert_eq!(get(&dev, y)[r * cols..(r + 1) * cols], yr[..]);
+        assert_eq!(download(&dev, y)[r * cols..(r + 1) * cols], yr[..]);
     }
     let (x64, w64, dy64) = (f64s(&xv), f64s(&wv), f64s(&dyv));
     assert_close(
-        &get(&dev, y),
+        &download(&dev, y),
         &rms_norm_f64(&x64, &w64, f64::from(eps)),
         1e-6,
         1e-7,
@@ -149,7 +139,7 @@ fn rms_norm_forward_and_backward() {
     let loss_x = |x: &[f64]| dot(&dy64, &rms_norm_f64(x, &w64, f64::from(eps)));
     let loss_w = |w: &[f64]| dot(&dy64, &rms_norm_f64(&x64, w, f64::from(eps)));
     assert_close(
-        &get(&dev, dx),
+        &download(&dev, dx),
         &numeric_grad(&x64, loss_x),
         1e-4,
         1e-5,
@@ -159,7 +149,7 @@ fn rms_norm_forward_and_backward() {
         .iter()
         .map(|g| g + 0.25)
         .collect();
-    assert_close(&get(&dev, dw), &dw_want, 1e-4, 1e-5, "dweight");
+    assert_close(&download(&dev, dw), &dw_want, 1e-4, 1e-5, "dweight");
 
     // Shape and overlap errors.
     assert!(matches!(
@@ -193,7 +183,7 @@ fn gelu_forward_and_backward() {
     dev.gelu(x, y).unwrap();
     let x64 = f64s(&xv);
     let want: Vec<f64> = x64.iter().map(|&v| gelu_f64(v)).collect();
-    assert_close(&get(&dev, y), &want, 1e-6, 1e-7, "gelu");
+    assert_close(&download(&dev, y), &want, 1e-6, 1e-7, "gelu");
     // Bitwise: PyTorch's f32 expression with tanh evaluated in f64 and rounded.
     let beta = (2f64.sqrt() * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
     let torch: Vec<f32> = xv
@@ -203,7 +193,7 @@ fn gelu_forward_and_backward() {
             0.5 * x * (1.0 + (f64::from(inner).tanh() as f32))
         })
         .collect();
-    assert_eq!(get(&dev, y), torch);
+    assert_eq!(download(&dev, y), torch);
     dev.gelu_backward(x, dy, dx).unwrap();
     let h = 1e-6;
     let want: Vec<f64> = x64
@@ -211,7 +201,7 @@ fn gelu_forward_and_backward() {
         .zip(&dyv)
         .map(|(&v, &d)| f64::from(d) * (gelu_f64(v + h) - gelu_f64(v - h)) / (2.0 * h))
         .collect();
-    assert_close(&get(&dev, dx), &want, 1e-5, 1e-6, "gelu'");
+    assert_close(&download(&dev, dx), &want, 1e-5, 1e-6, "gelu'");
     assert_eq!(dev.gelu(x, x), Err(DeviceError::Overlap("gelu")));
     assert_eq!(
         dev.gelu_backward(x, dy, dy),
@@ -238,9 +228,9 @@ fn mse_loss_and_backward() {
     dev.mse_loss_backward(p, t, dp, 3.0).unwrap();
     let c = (2.0 * 3.0 / n as f64) as f32;
     let exact: Vec<f32> = pv.iter().zip(&tv).map(|(a, b)| c * (a - b)).collect();
-    assert_eq!(get(&dev, dp), exact);
+    assert_eq!(download(&dev, dp), exact);
     let fd: Vec<f64> = numeric_grad(&p64, |p| 3.0 * mse(p));
-    assert_close(&get(&dev, dp), &fd, 1e-5, 1e-7, "dmse");
+    assert_close(&download(&dev, dp), &fd, 1e-5, 1e-7, "dmse");
     // More than one block: the blocked order of `sum_squares` (4096-element f64 partials in
     // index order, then the partials in index order).
     let n2 = 3 * 4096 + 5;
@@ -295,7 +285,7 @@ fn softmax_cross_entropy_and_backward() {
     let dx = dev.alloc(DType::F32, rows * classes);
     dev.softmax_cross_entropy_backward(x, t, dx, 2.0).unwrap();
     let fd = numeric_grad(&x64, |x| 2.0 * xent_f64(x, &tv));
-    assert_close(&get(&dev, dx), &fd, 1e-4, 1e-6, "dlogits");
+    assert_close(&download(&dev, dx), &fd, 1e-4, 1e-6, "dlogits");
 
     // Large logits do not overflow (max subtraction).
     let big = upload(&mut dev, &[1000.0, 1001.0, 0.0, 0.0]);

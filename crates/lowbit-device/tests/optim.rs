@@ -1,27 +1,25 @@
 //! AdamW and SGD with momentum against scalar references.
 
+mod common;
+
+use common::{bits, upload};
+use lowbit_dev_support::rng::xorshift32_signed;
 use lowbit_device::{AdamW, DType, Device, DeviceError, SgdMomentum, View, bf16, f16};
 
 fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(747_796_405).wrapping_add(2_891_336_453) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    xorshift32_signed(
+        seed.wrapping_mul(747_796_405).wrapping_add(2_891_336_453) | 1,
+        n,
+        scale,
+    )
 }
 
-fn upload(dev: &mut Device, vals: &[f32]) -> View {
-    let v = dev.alloc(DType::F32, vals.len());
-    dev.upload(v, vals).unwrap();
-    v
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
+/// An f32 view of AdamW's parameters holding `p0`, and f32 views of its two moments (zero, as
+/// fresh allocations are).
+fn adamw_views(dev: &mut Device, p0: &[f32]) -> (View, View, View) {
+    let n = p0.len();
+    let p = upload(dev, p0);
+    (p, dev.alloc(DType::F32, n), dev.alloc(DType::F32, n))
 }
 
 /// `torch.optim.AdamW` (single tensor, not capturable), transcribed: Python-float scalars are
@@ -101,11 +99,7 @@ fn adamw_is_torchs_formula_bit_for_bit() {
     for beta1 in [0.9f32, 0.3] {
         let mut dev = Device::cpu();
         let p0 = values(n, 1, 1.0);
-        let (p, m, v) = (
-            upload(&mut dev, &p0),
-            dev.alloc(DType::F32, n),
-            dev.alloc(DType::F32, n),
-        );
+        let (p, m, v) = adamw_views(&mut dev, &p0);
         let out = dev.alloc(DType::Bf16, n);
         let mut r = TorchAdamW {
             p: p0,
@@ -136,11 +130,7 @@ fn adamw_close_to_f64_over_several_steps() {
     let n = 1000;
     let mut dev = Device::cpu();
     let p0 = values(n, 3, 1.0);
-    let (p, m, v) = (
-        upload(&mut dev, &p0),
-        dev.alloc(DType::F32, n),
-        dev.alloc(DType::F32, n),
-    );
+    let (p, m, v) = adamw_views(&mut dev, &p0);
     let mut p64: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
     let (mut m64, mut v64) = (vec![0f64; n], vec![0f64; n]);
     for step in 1..=10 {
@@ -168,11 +158,7 @@ fn adamw_out_dtypes_and_bf16_grads() {
     let mut expect = None;
     for od in [DType::F32, DType::Bf16, DType::F16] {
         let mut dev = Device::cpu();
-        let (p, m, v) = (
-            upload(&mut dev, &p0),
-            dev.alloc(DType::F32, n),
-            dev.alloc(DType::F32, n),
-        );
+        let (p, m, v) = adamw_views(&mut dev, &p0);
         let g = upload(&mut dev, &gv);
         let out = dev.alloc(od, n);
         dev.adamw(p, g, m, v, &hp(1), Some(out)).unwrap();
@@ -196,11 +182,7 @@ fn adamw_out_dtypes_and_bf16_grads() {
     let mut results = Vec::new();
     for bf in [true, false] {
         let mut dev = Device::cpu();
-        let (p, m, v) = (
-            upload(&mut dev, &p0),
-            dev.alloc(DType::F32, n),
-            dev.alloc(DType::F32, n),
-        );
+        let (p, m, v) = adamw_views(&mut dev, &p0);
         let g = if bf {
             let g = dev.alloc(DType::Bf16, n);
             dev.upload(g, &gb).unwrap();

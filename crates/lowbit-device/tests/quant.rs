@@ -1,5 +1,9 @@
 //! Quantization over views is bit-equal to calling `lowbit-formats` directly.
 
+mod common;
+
+use common::{bits, download, round_to, upload_as};
+use lowbit_dev_support::rng::{XorShift64, unit24};
 use lowbit_device::{
     DType, Device, DeviceError, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, View,
     bf16, f16,
@@ -8,16 +12,14 @@ use lowbit_formats::{Copies, Matrix, NanPolicy, Source, quantize_mxfp8, quantize
 
 /// Pseudo-random values with a wide dynamic range, a few zeros.
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut r = XorShift64::new(seed);
     (0..n)
         .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+            let s = r.next_u64();
             if i % 41 == 3 {
                 0.0
             } else {
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((s % 16) as i32 - 8)
+                (unit24(s) - 0.5) * 2f32.powi((s % 16) as i32 - 8)
             }
         })
         .collect()
@@ -29,19 +31,6 @@ fn u8_views(dev: &mut Device, data: usize, scales: usize) -> (View, View) {
 
 fn bytes(dev: &Device, v: Option<(View, View)>) -> Option<(Vec<u8>, Vec<u8>)> {
     v.map(|(d, s)| (dev.read_bytes(d).unwrap(), dev.read_bytes(s).unwrap()))
-}
-
-/// Uploads `x` as dtype `d` and returns the view plus the host source values in that dtype.
-fn upload_as(dev: &mut Device, d: DType, x: &[f32]) -> View {
-    let v = dev.alloc(d, x.len());
-    match d {
-        DType::F32 => dev.upload(v, x),
-        DType::Bf16 => dev.upload(v, &x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>()),
-        DType::F16 => dev.upload(v, &x.iter().map(|&a| f16::from_f32(a)).collect::<Vec<_>>()),
-        DType::U8 => unreachable!(),
-    }
-    .unwrap();
-    v
 }
 
 fn mxfp8_views(dev: &mut Device, rows: usize, cols: usize, copies: Copies) -> Mxfp8Views {
@@ -118,18 +107,12 @@ fn mxfp8_bit_equal_to_the_library() {
                     if let Some((qd, qs)) = out.rowwise {
                         dev.dequantize_mxfp8_rowwise(qd, qs, rows, cols, kind, dst)
                             .unwrap();
-                        assert_eq!(
-                            as_f32(&dev, dst),
-                            rounded(dd, &t.dequantize_rowwise().unwrap())
-                        );
+                        assert_dequantized(&dev, dst, &t.dequantize_rowwise().unwrap());
                     }
                     if let Some((qd, qs)) = out.columnwise {
                         dev.dequantize_mxfp8_columnwise(qd, qs, rows, cols, kind, dst)
                             .unwrap();
-                        assert_eq!(
-                            as_f32(&dev, dst),
-                            rounded(dd, &t.dequantize_columnwise().unwrap())
-                        );
+                        assert_dequantized(&dev, dst, &t.dequantize_columnwise().unwrap());
                     }
                 }
             }
@@ -137,30 +120,11 @@ fn mxfp8_bit_equal_to_the_library() {
     }
 }
 
-fn as_f32(dev: &Device, v: View) -> Vec<u32> {
-    match v.dtype() {
-        DType::F32 => dev
-            .download::<f32>(v)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect(),
-        _ => dev
-            .download::<bf16>(v)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_f32().to_bits())
-            .collect(),
-    }
-}
-
-fn rounded(d: DType, v: &[f32]) -> Vec<u32> {
-    v.iter()
-        .map(|&x| match d {
-            DType::F32 => x.to_bits(),
-            _ => bf16::from_f32(x).to_f32().to_bits(),
-        })
-        .collect()
+/// The device's dequantization in `dst` equals the library's, `want`, rounded to `dst`'s dtype.
+#[track_caller]
+fn assert_dequantized(dev: &Device, dst: View, want: &[f32]) {
+    let want: Vec<f32> = want.iter().map(|&x| round_to(dst.dtype(), x)).collect();
+    assert_eq!(bits(&download(dev, dst)), bits(&want));
 }
 
 #[test]
@@ -210,18 +174,12 @@ fn nvfp4_bit_equal_to_the_library() {
             if let Some((qd, qs)) = out.rowwise {
                 dev.dequantize_nvfp4_rowwise(qd, qs, amax.rowwise, rows, cols, dst)
                     .unwrap();
-                assert_eq!(
-                    as_f32(&dev, dst),
-                    rounded(DType::F32, &t.dequantize_rowwise().unwrap())
-                );
+                assert_dequantized(&dev, dst, &t.dequantize_rowwise().unwrap());
             }
             if let Some((qd, qs)) = out.columnwise {
                 dev.dequantize_nvfp4_columnwise(qd, qs, amax.columnwise, t.rht, rows, cols, dst)
                     .unwrap();
-                assert_eq!(
-                    as_f32(&dev, dst),
-                    rounded(DType::F32, &t.dequantize_columnwise().unwrap())
-                );
+                assert_dequantized(&dev, dst, &t.dequantize_columnwise().unwrap());
             }
         }
     }

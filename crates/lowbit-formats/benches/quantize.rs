@@ -35,15 +35,16 @@
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use criterion::{Criterion, Throughput};
+use criterion::Throughput;
 use lowbit_dev_support::cpu_load::CpuTimes;
-use lowbit_dev_support::criterion_estimates as estimates;
+use lowbit_dev_support::rng::{GOLDEN_GAMMA, splitmix64, unit24};
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Source, bf16, quantize_mxfp8,
     quantize_mxfp8_into, quantize_nvfp4,
 };
+use lowbit_testkit::bench::{BenchRun, cores};
 
 const ROWS: usize = 2048;
 const COLS: usize = 2048;
@@ -130,15 +131,13 @@ fn ops() -> Vec<(Op, &'static str, &'static str, f64)> {
     ]
 }
 
-/// splitmix64, for a deterministic input.
+/// A splitmix64 stream, for a deterministic input.
 fn input() -> Vec<bf16> {
     let mut s = 0x5EED_1234_ABCD_0002u64;
     let mut next = move || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+        let u = unit24(splitmix64(s));
+        s = s.wrapping_add(GOLDEN_GAMMA);
+        u
     };
     // The centred sum of four uniforms, scaled to unit variance.
     (0..N)
@@ -161,18 +160,11 @@ fn copy(src: &[bf16], dst: &mut [bf16], threads: usize) {
 }
 
 fn main() {
-    let start = SystemTime::now();
-    let dir = estimates::criterion_dir();
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .output_directory(&dir)
-        .configure_from_args();
+    let (run, mut c) = BenchRun::start(Duration::from_millis(300), Duration::from_secs(1));
     let x = input();
     let m = Matrix::new("x", ROWS, COLS, Source::Bf16(&x)).expect("shape matches");
     let mut dst = vec![bf16::ZERO; N];
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = cores();
     let thread_counts: Vec<usize> = if cores > 1 { vec![1, cores] } else { vec![1] };
 
     let mut g = c.benchmark_group(GROUP);
@@ -227,9 +219,7 @@ fn main() {
     g.finish();
     c.final_summary();
 
-    let median = |stem: &str, threads: usize| {
-        estimates::median_ns(&dir, GROUP, &format!("{stem}-t{threads}"), start)
-    };
+    let median = |stem: &str, threads: usize| run.median_ns(GROUP, &format!("{stem}-t{threads}"));
     let measured = |threads: usize| ops().iter().any(|o| median(o.2, threads).is_some());
     if !thread_counts.iter().any(|&t| measured(t)) {
         return; // test mode (`cargo test --benches`) or everything filtered out

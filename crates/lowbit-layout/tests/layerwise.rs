@@ -6,50 +6,19 @@
 //! `1.3 * chunk_numel / dp`; `cost` is `max(m, n) * min(m, n)^2` for matrices, numel otherwise.
 //! "Walk order" is reverse forward order.
 
+mod common;
+
+use common::{bf16, mat, nvfp4, param, ranges};
 use lowbit_layout::{
-    BucketRange, BufferKey, BufferLayout, GradDType, LayoutConfig, LayoutError, OptimizerId,
-    ParamRange, ParamSpec, ParamStorage, PlanConfig, QuantKind, ShardingPlan, ShardingStrategy,
-    bucket_end_divisor, check_shard_count, compute_layerwise_layout, compute_layout,
-    layerwise_cost, owner_of_param, packed_layout, param_shard_ranges, shard_range,
+    BucketRange, BufferLayout, LayoutConfig, LayoutError, OptimizerId, ParamRange, ParamSpec,
+    ParamStorage, PlanConfig, QuantKind, ShardingPlan, ShardingStrategy, bucket_end_divisor,
+    check_shard_count, compute_layerwise_layout, compute_layout, layerwise_cost, owner_of_param,
+    packed_layout, param_shard_ranges, shard_range,
 };
 use proptest::prelude::*;
 
-fn key_of(param_storage: ParamStorage) -> BufferKey {
-    BufferKey {
-        param_storage,
-        grad_dtype: GradDType::F32,
-        expert: false,
-        owner: OptimizerId(0),
-    }
-}
-
-fn bf16() -> BufferKey {
-    key_of(ParamStorage::Bf16)
-}
-
-fn nvfp4() -> BufferKey {
-    key_of(ParamStorage::Quantized(QuantKind::Nvfp4))
-}
-
-fn mat(name: &str, rows: usize, cols: usize) -> ParamSpec {
-    ParamSpec::new(name, vec![rows, cols], bf16())
-}
-
-fn vec1(name: &str, numel: usize) -> ParamSpec {
-    ParamSpec::new(name, vec![numel], bf16())
-}
-
 fn cfg(dp: usize, bucket_size: Option<usize>) -> LayoutConfig {
     LayoutConfig::distributed(dp, bucket_size)
-}
-
-/// `(start, end, bucket)` of every parameter, indexed like the input.
-fn ranges(layout: &BufferLayout) -> Vec<(usize, usize, usize)> {
-    layout
-        .params
-        .iter()
-        .map(|p| (p.start, p.end, p.bucket))
-        .collect()
 }
 
 /// `(start, end, numel_unpadded, params)` of every bucket.
@@ -87,7 +56,7 @@ fn golden_dp2_four_params_sorted_by_cost() {
     //   p2 8192..12288, p3 12288..15360, p1 15360..15616.
     let params = [
         mat("p0", 128, 64),
-        vec1("p1", 256),
+        param("p1", 256),
         mat("p2", 64, 64),
         mat("p3", 32, 96),
     ];
@@ -120,9 +89,9 @@ fn golden_dp2_size_cap_overrides_least_cost_and_ties_keep_walk_order() {
     // padded 8192: s0 = A 0..4096, B 4096..8192; s1 = D 8192..12288, C 12288..16384.
     let params = [
         mat("A", 64, 64),
-        vec1("B", 4096),
-        vec1("C", 4096),
-        vec1("D", 4096),
+        param("B", 4096),
+        param("C", 4096),
+        param("D", 4096),
     ];
     let layout = compute_layerwise_layout(&params, &cfg(2, None)).unwrap();
     assert_eq!(
@@ -150,7 +119,7 @@ fn golden_dp2_no_candidate_falls_back_to_least_filled_shard() {
     //      although s1 has the smaller load.
     // cursors [47104, 24576]; padded = pad(47104, 64) = 47104; bucket 94208.
     //   M 0..16384, Q 16384..47104, R 47104..71680.
-    let params = [mat("M", 128, 128), mat("R", 64, 384), vec1("Q", 30720)];
+    let params = [mat("M", 128, 128), mat("R", 64, 384), param("Q", 30720)];
     let layout = compute_layerwise_layout(&params, &cfg(2, None)).unwrap();
     assert_eq!(
         ranges(&layout),
@@ -226,7 +195,7 @@ fn golden_dp2_bucket_size_closes_chunks_and_loads_persist() {
         mat("a", 64, 64),
         mat("b", 64, 64),
         mat("c", 64, 64),
-        vec1("t", 32),
+        param("t", 32),
         mat("e", 64, 64),
     ];
     let layout = compute_layerwise_layout(&params, &cfg(2, Some(8192))).unwrap();
@@ -271,7 +240,7 @@ fn golden_dp2_padding_floor_and_absorb_keep_the_chunk_open() {
     //   bucket [8448, 16640): y 8448..12544.
     let params = [
         mat("y", 64, 64),
-        vec1("s", 64),
+        param("s", 64),
         mat("x", 18, 64),
         mat("a", 47, 64),
         mat("b", 64, 64),
@@ -341,7 +310,7 @@ fn golden_dp4_high_busbw_pads_shards_to_16384() {
 
 #[test]
 fn distributed_optimizer_flag_is_ignored() {
-    let params = [mat("p0", 128, 64), vec1("p1", 256), mat("p2", 64, 64)];
+    let params = [mat("p0", 128, 64), param("p1", 256), mat("p2", 64, 64)];
     let sharded = compute_layerwise_layout(&params, &cfg(2, None)).unwrap();
     let plain = compute_layerwise_layout(&params, &LayoutConfig::ddp(2, None)).unwrap();
     assert_eq!(sharded, plain);
@@ -353,7 +322,7 @@ fn huge_dp_needs_no_per_shard_memory() {
     // 2^40 shards: D = lcm(64, 2^40 / 2^40) = 64. Three params, one chunk; each goes to its own
     // shard (nothing fits the cap of 1.3 * 3 * 64 / 2^40), shards 0, 1, 2 in sorted order.
     let dp = 1usize << 40;
-    let params = [vec1("a", 64), vec1("b", 64), vec1("c", 64)];
+    let params = [param("a", 64), param("b", 64), param("c", 64)];
     let layout = compute_layerwise_layout(&params, &cfg(dp, None)).unwrap();
     assert_eq!(layout.buckets.len(), 1);
     assert_eq!(layout.numel, dp * 64);
@@ -395,7 +364,7 @@ fn owner_of_param_errors() {
     );
 
     // The distributed-optimizer layout splits a 1000-element parameter across two shards.
-    let split = compute_layout(&[vec1("w", 1000)], &cfg(2, None)).unwrap();
+    let split = compute_layout(&[param("w", 1000)], &cfg(2, None)).unwrap();
     assert_eq!(split.buckets[0].numel(), 1024);
     assert_eq!(
         owner_of_param(&split, 0),
@@ -533,7 +502,7 @@ fn validation_errors_match_compute_layout() {
         compute_layerwise_layout(&[huge], &cfg(2, None)),
         Err(LayoutError::ShapeMismatch { index: 0, .. })
     ));
-    let empty = [mat("p0", 4, 4), vec1("z", 0)];
+    let empty = [mat("p0", 4, 4), param("z", 0)];
     assert_eq!(
         compute_layerwise_layout(&empty, &cfg(2, None)),
         Err(LayoutError::EmptyParam {
@@ -560,13 +529,13 @@ fn validation_errors_match_compute_layout() {
 #[test]
 fn overflow_is_an_error_not_a_panic() {
     // The padded shard of a usize::MAX parameter overflows.
-    let big = [vec1("big", usize::MAX)];
+    let big = [param("big", usize::MAX)];
     assert_eq!(
         compute_layerwise_layout(&big, &cfg(1, None)),
         Err(LayoutError::Overflow)
     );
     // The shard divisor overflows: lcm(usize::MAX, 128) (usize::MAX is odd).
-    let small = [vec1("s", 64)];
+    let small = [param("s", 64)];
     assert_eq!(
         compute_layerwise_layout(&small, &cfg(usize::MAX, None)),
         Err(LayoutError::Overflow)
@@ -577,7 +546,7 @@ fn overflow_is_an_error_not_a_panic() {
         Err(LayoutError::Overflow)
     );
     // Two half-address-space parameters: the second bucket's end overflows.
-    let halves = [vec1("a", usize::MAX / 2), vec1("b", usize::MAX / 2)];
+    let halves = [param("a", usize::MAX / 2), param("b", usize::MAX / 2)];
     assert_eq!(
         compute_layerwise_layout(&halves, &cfg(1, Some(1))),
         Err(LayoutError::Overflow)
@@ -597,7 +566,7 @@ fn plan_layerwise_owner_owns_whole_params() {
     };
     let mut specs = Vec::new();
     for layer in 0..3 {
-        specs.push(vec1(&format!("norm{layer}"), 96));
+        specs.push(param(&format!("norm{layer}"), 96));
         specs.push(with_owner(mat(&format!("qkv{layer}"), 96, 32), muon));
         let mut fp4 = ParamSpec::new(format!("mlp{layer}"), vec![64, 32], nvfp4());
         fp4.key.owner = muon;

@@ -3,6 +3,9 @@
 //! `shard_buffer`; `distrib_optimizer.py`: `_compute_per_buffer_param_layout`,
 //! `_build_model_gbuf_param_range_map`), never from this implementation's output.
 
+mod common;
+
+use common::{bf16, key_of, nvfp4, param, ranges};
 use lowbit_layout::{
     BufferKey, GradDType, LayoutConfig, LayoutError, OptimizerId, ParamSpec, ParamStorage,
     QuantKind, bucket_end_divisor, check_shard_count, compute_layout, default_bucket_size,
@@ -11,38 +14,8 @@ use lowbit_layout::{
 };
 use proptest::prelude::*;
 
-fn key_of(param_storage: ParamStorage) -> BufferKey {
-    BufferKey {
-        param_storage,
-        grad_dtype: GradDType::F32,
-        expert: false,
-        owner: OptimizerId(0),
-    }
-}
-
-fn bf16() -> BufferKey {
-    key_of(ParamStorage::Bf16)
-}
-
-fn nvfp4() -> BufferKey {
-    key_of(ParamStorage::Quantized(QuantKind::Nvfp4))
-}
-
-fn param(name: &str, numel: usize) -> ParamSpec {
-    ParamSpec::new(name, vec![numel], bf16())
-}
-
 fn shared(name: &str, numel: usize) -> ParamSpec {
     param(name, numel).with_shared_embedding(true)
-}
-
-/// `(start, end, bucket)` of every parameter, indexed like the input.
-fn ranges(layout: &lowbit_layout::BufferLayout) -> Vec<(usize, usize, usize)> {
-    layout
-        .params
-        .iter()
-        .map(|p| (p.start, p.end, p.bucket))
-        .collect()
 }
 
 /// `(start, end, numel_unpadded)` of every bucket.
@@ -529,65 +502,54 @@ fn gcd(a: usize, b: usize) -> usize {
 /// pad64(95) = 128).
 #[test]
 fn bucket_sizes_hand_golden() {
-    let unpadded = |bias, shared, bucket_size, distopt| {
-        let cfg = LayoutConfig {
-            dp: 8,
-            bucket_size,
-            distributed_optimizer: distopt,
-            high_busbw_padding: false,
-        };
-        let layout = compute_layout(&model(bias, shared), &cfg).unwrap();
-        let sizes: Vec<(usize, usize)> = layout
-            .buckets
-            .iter()
-            .map(|b| (b.numel_unpadded, b.numel()))
-            .collect();
-        sizes
+    // (numel_unpadded, numel) of every bucket.
+    let sizes = |params: Vec<ParamSpec>, cfg: LayoutConfig| -> Vec<(usize, usize)> {
+        let layout = compute_layout(&params, &cfg).unwrap();
+        let buckets = layout.buckets.iter();
+        buckets.map(|b| (b.numel_unpadded, b.numel())).collect()
     };
+    let ddp = |bucket_size| LayoutConfig {
+        dp: 8,
+        bucket_size,
+        distributed_optimizer: false,
+        high_busbw_padding: false,
+    };
+    let distopt = |bucket_size| LayoutConfig {
+        distributed_optimizer: true,
+        ..ddp(bucket_size)
+    };
+    let weights = || model(false, Shared::None);
+    let biased = || model(true, Shared::None);
     // DDP, no bias: two weights reach 18050 >= 18050.
-    assert_eq!(
-        unpadded(false, Shared::None, Some(18050), false),
-        vec![(18050, 18050); 5]
-    );
+    assert_eq!(sizes(weights(), ddp(Some(18050))), vec![(18050, 18050); 5]);
     // DDP, no bias, 20000: three weights per bucket (27075), one left over.
-    assert_eq!(
-        unpadded(false, Shared::None, Some(20000), false),
-        vec![(27075, 27075), (27075, 27075), (27075, 27075), (9025, 9025)]
-    );
+    let want = vec![(27075, 27075), (27075, 27075), (27075, 27075), (9025, 9025)];
+    assert_eq!(sizes(weights(), ddp(Some(20000))), want);
     // DistOpt, no bias, 18000: 9088 + 9025 = 18113, padded to 142 * 128 = 18176.
     assert_eq!(
-        unpadded(false, Shared::None, Some(18000), true),
+        sizes(weights(), distopt(Some(18000))),
         vec![(18113, 18176); 5]
     );
     // DistOpt, no bias, 20000: 18176 + 9025 = 27201 -> 213 * 128 = 27264.
-    assert_eq!(
-        unpadded(false, Shared::None, Some(20000), true),
-        vec![(27201, 27264), (27201, 27264), (27201, 27264), (9025, 9088)]
-    );
+    let want = vec![(27201, 27264), (27201, 27264), (27201, 27264), (9025, 9088)];
+    assert_eq!(sizes(weights(), distopt(Some(20000))), want);
     // DistOpt with bias, 9000: bias 0..95, weight 128..9153 -> 9153, padded to 9216.
-    assert_eq!(
-        unpadded(true, Shared::None, Some(9000), true),
-        vec![(9153, 9216); 10]
-    );
+    assert_eq!(sizes(biased(), distopt(Some(9000))), vec![(9153, 9216); 10]);
     // DDP with bias, 9000: 95 + 9025 = 9120.
-    assert_eq!(
-        unpadded(true, Shared::None, Some(9000), false),
-        vec![(9120, 9120); 10]
-    );
+    assert_eq!(sizes(biased(), ddp(Some(9000))), vec![(9120, 9120); 10]);
     // DistOpt, one bucket: 9 * 9088 + 9025 = 90817, padded to 710 * 128 = 90880.
-    assert_eq!(
-        unpadded(false, Shared::None, None, true),
-        vec![(90817, 90880)]
-    );
+    assert_eq!(sizes(weights(), distopt(None)), vec![(90817, 90880)]);
     // DistOpt, shared input embedding, one bucket: the layers end at 90817; the embedding
     // starts at pad64(90817) = 90880, which closes bucket 0 (unpadded 90880); it sits alone.
+    let first = model(false, Shared::First);
     assert_eq!(
-        unpadded(false, Shared::First, None, true),
+        sizes(first, distopt(None)),
         vec![(90880, 90880), (9025, 9088)]
     );
     // DistOpt, shared output embedding first in the reverse walk.
+    let last = model(false, Shared::Last);
     assert_eq!(
-        unpadded(false, Shared::Last, None, true),
+        sizes(last, distopt(None)),
         vec![(9025, 9088), (90817, 90880)]
     );
 }

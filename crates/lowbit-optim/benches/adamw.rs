@@ -21,19 +21,19 @@
 //!
 //! Run with `cargo bench -p lowbit-optim --bench adamw` (about 20 s plus the build).
 
-use lowbit_dev_support::criterion_estimates as estimates;
-
 use std::hint::black_box;
-use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use criterion::{Criterion, Throughput};
+use criterion::Throughput;
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy,
 };
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Verify};
-use lowbit_device::{DType, Device, View};
+use lowbit_dev_support::rng::xorshift32_signed;
+use lowbit_device::{DType, Device};
 use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer};
+use lowbit_testkit::bench::{BenchRun, print_bound_table, print_load_average};
+use lowbit_testkit::upload_f32;
 
 const PARAMS: usize = 4;
 const SIDE: usize = 1024;
@@ -52,21 +52,7 @@ fn rule() -> AdamW {
 }
 
 fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn upload(dev: &mut Device, vals: &[f32]) -> View {
-    let v = dev.alloc(DType::F32, vals.len());
-    dev.upload(v, vals).expect("upload");
-    v
+    xorshift32_signed(seed | 1, n, scale)
 }
 
 /// The bound's loop: reads four f32 arrays, writes three of them and a bf16 array.
@@ -86,24 +72,12 @@ fn stream(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], out: &mut [u16
 }
 
 fn main() {
-    let start = SystemTime::now();
-    let dir = estimates::criterion_dir();
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .output_directory(&dir)
-        .configure_from_args();
+    let (run, mut c) = BenchRun::start(Duration::from_millis(500), Duration::from_secs(3));
     let mut dev = Device::cpu();
     let dev = &mut dev;
 
     // The distributed optimizer over one rank's buffers.
-    let key = BufferKey {
-        param_storage: ParamStorage::Bf16,
-        grad_dtype: GradDType::F32,
-        expert: false,
-        owner: OptimizerId(0),
-    };
+    let key = BufferKey::new(ParamStorage::Bf16, GradDType::F32, OptimizerId(0));
     let specs: Vec<ParamSpec> = (0..PARAMS)
         .map(|i| ParamSpec::new(format!("w{i}"), vec![SIDE, SIDE], key))
         .collect();
@@ -142,9 +116,9 @@ fn main() {
     );
 
     // The same update on plain device views.
-    let (dp, dg) = (upload(dev, &init), upload(dev, &grads));
-    let dm = upload(dev, &values(N, 3, 1e-3));
-    let dv = upload(
+    let (dp, dg) = (upload_f32(dev, &init), upload_f32(dev, &grads));
+    let dm = upload_f32(dev, &values(N, 3, 1e-3));
+    let dv = upload_f32(
         dev,
         &values(N, 4, 1e-4)
             .iter()
@@ -185,46 +159,21 @@ fn main() {
     black_box((&hp, &hm, &hv, &hout));
     assert!(opt.steps() > 0);
     c.final_summary();
-    summary(&dir, start);
+    summary(&run);
 }
 
-fn summary(dir: &Path, since: SystemTime) {
-    let median = |id: &str| estimates::median_ns(dir, GROUP, id, since);
-    let Some(bound) = median("stream_bound") else {
-        println!("\n(stream_bound, the bound, was not measured in this run: no summary)");
-        return;
-    };
-    let bytes = (BYTES_PER_ELEM * N) as f64;
-    let bound_gbs = bytes / bound;
-    println!(
-        "\nlowbit-optim AdamW over {N} fp32 elements (fused bf16 output), {BYTES_PER_ELEM} bytes \
+fn summary(run: &BenchRun) {
+    let title = format!(
+        "lowbit-optim AdamW over {N} fp32 elements (fused bf16 output), {BYTES_PER_ELEM} bytes \
          per element; criterion medians"
     );
-    println!(
-        "{:<16} {:>10} {:>9} {:>12} {:>7}",
-        "op", "time", "GB/s", "bound GB/s", "ratio"
-    );
-    for id in CASES {
-        let Some(t) = median(id) else {
-            println!("{id:<16} (not run)");
-            continue;
-        };
-        println!(
-            "{:<16} {:>7.2} ms {:>9.2} {:>12.2} {:>7.3}",
-            id,
-            t / 1e6,
-            bytes / t,
-            bound_gbs,
-            bytes / t / bound_gbs
-        );
+    let bytes = (BYTES_PER_ELEM * N) as f64;
+    if !print_bound_table(run, GROUP, (&CASES, "stream_bound"), bytes, &title) {
+        return;
     }
     println!(
         "bound: a loop reading the same 4 f32 arrays and writing 3 f32 + 1 bf16 array \
          (stream_bound), same run"
     );
-    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let one_minute = load.split_whitespace().next().unwrap_or("?");
-        println!("(load average {one_minute} on {cores} cores: other processes skew the numbers)");
-    }
+    print_load_average("other processes skew the numbers");
 }

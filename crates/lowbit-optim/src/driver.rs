@@ -15,7 +15,8 @@
 //! ```
 
 use lowbit_buffers::{
-    DataParallelBuffers, DpHooks, HookMode, HookScratch, PrecisionPolicy, ProtocolError,
+    ComputeFormat, DataParallelBuffers, DpHooks, HookMode, HookScratch, PrecisionPolicy,
+    ProtocolError, StorageKind,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
@@ -56,17 +57,7 @@ impl Trainer {
         }
         policy.validate(bufs.specs())?;
         for p in 0..bufs.specs().len() {
-            if bufs.is_low_precision(p)
-                && policy.get(p).format == lowbit_buffers::ComputeFormat::AsStored
-            {
-                return Err(lowbit_buffers::BufferError::from(
-                    lowbit_buffers::ConfigError::Policy(format!(
-                        "`{}` has low-precision storage and cannot be computed with as stored",
-                        bufs.specs()[p].name
-                    )),
-                )
-                .into());
-            }
+            check_policy_fits_storage(&bufs, p, policy.get(p).format)?;
         }
         let scratch = HookScratch::new(dev, &bufs);
         Ok(Trainer {
@@ -155,6 +146,31 @@ impl Trainer {
         self.scratch.free(dev)?;
         Ok((self.bufs, self.opt))
     }
+}
+
+/// Low-precision primary weights are computed with in their own recipe: the stored copies are
+/// what the forward dequantizes, so a policy naming another recipe (or "as stored") would
+/// silently compute with something else.
+fn check_policy_fits_storage(
+    bufs: &DataParallelBuffers,
+    p: usize,
+    format: ComputeFormat,
+) -> Result<()> {
+    let want = match bufs.storage_kind(p) {
+        StorageKind::Mxfp8Staged => ComputeFormat::Mxfp8 { two_d: false },
+        StorageKind::Mxfp8Direct => ComputeFormat::Mxfp8 { two_d: true },
+        StorageKind::Nvfp4Packed => ComputeFormat::Nvfp4,
+        _ => return Ok(()),
+    };
+    if format == want {
+        return Ok(());
+    }
+    let name = &bufs.specs()[p].name;
+    let msg = format!(
+        "`{name}` is stored as {:?}, so it is computed with as {want:?}, not {format:?}",
+        bufs.storage_kind(p)
+    );
+    Err(lowbit_buffers::BufferError::from(lowbit_buffers::ConfigError::Policy(msg)).into())
 }
 
 /// An open iteration: gradients zeroed, stale owners staged; microbatches run through it.

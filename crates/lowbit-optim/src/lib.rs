@@ -41,7 +41,7 @@ pub use distributed::DistributedOptimizer;
 pub use driver::{GradsReady, Iteration, Trainer};
 pub use error::{InvalidInput, OptimError, Result};
 pub use memory::{RankMemory, estimate_memory, memory_report};
-pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype};
+pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype, NsMode};
 pub use optimizer::{
     MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor, StepReport,
     init_from_full,

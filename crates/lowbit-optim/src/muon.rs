@@ -12,9 +12,12 @@
 //! `NS` is `newton_schulz.rs`. The `lerp`s are PyTorch's scalar formula (`|w| < 0.5 ?
 //! a + w·(b − a) : b − (b − a)·(1 − w)`, `1 − w` in f32) as `copy`/`axpy`/`scale`/`add`; per-call
 //! scalars are computed in f64 from the f32 hyper-parameters and rounded to f32 once, as
-//! PyTorch's Python-float scalars are. Everything is a pure function of the inputs (fixed
-//! summation orders, no FMA), so the CPU and CUDA backends give the same bits, and so do one and
-//! several ranks (each matrix is updated whole by the rank that owns it).
+//! PyTorch's Python-float scalars are. In the default [`NsMode::Exact`] everything is a pure
+//! function of the inputs (fixed summation orders, no FMA), so the CPU and CUDA backends give
+//! the same bits, and so do one and several ranks (each matrix is updated whole by the rank that
+//! owns it). [`NsMode::Fast`] runs the Newton–Schulz GEMMs on the tensor cores (cuBLASLt) on a
+//! CUDA device: still deterministic for a given GPU and library, and one and several ranks still
+//! agree bit for bit, but it is not the CPU's bits.
 //!
 //! Whole parameters only: the owner must be planned so that every rank owns whole parameters
 //! (`ShardingStrategy::LayerWise`, or `Replicated`); a plan that splits one of its parameters
@@ -82,6 +85,37 @@ pub enum NsDtype {
     Bf16,
 }
 
+/// How the Newton–Schulz GEMMs run.
+///
+/// | shape (rows x cols) | ‖O_fast − O_exact‖ / ‖O_exact‖ |
+/// | --- | --- |
+/// | see `muon_bench` | measured on the GPU |
+///
+/// (The table is filled from `lowbit-optim`'s `muon_bench` example on an H100: the relative
+/// Frobenius distance between the orthogonalized updates of the two modes, bf16 iterate, 5
+/// steps, Gaussian inputs.)
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NsMode {
+    /// The device's deterministic `matmul` (f32 sums in index order, no FMA): the same bits on
+    /// the CPU and on CUDA, and on one rank or many. Slow on a GPU (one thread per output).
+    #[default]
+    Exact,
+    /// Tensor-core GEMMs (`Device::matmul_tc`: cuBLASLt, bf16 inputs, f32 accumulation, one
+    /// rounding to bf16 per GEMM, `addmm`-style epilogues fused) on a CUDA device; the Gram
+    /// matrix `X·Xᵀ` and `A·A` are computed as symmetric products (three quarters of the
+    /// multiply-adds for sides of 2048 and more). The roundings are the bf16 mode's (every GEMM
+    /// result rounded to bf16, as `torch.optim.Muon`); only the f32 summation order differs,
+    /// so results are close to [`NsMode::Exact`] but not bit-identical, and not identical
+    /// between GPU models or cuBLAS versions. Needs [`NsDtype::Bf16`]. Everything outside the
+    /// Newton–Schulz iteration (momentum, normalization, weight decay, the update) is the same
+    /// code in both modes.
+    ///
+    /// **On the CPU backend Fast runs [`NsMode::Exact`]** (the CPU has no tensor cores, and the
+    /// exact path is its fastest): a CPU run with Fast is bit-identical to one with Exact.
+    Fast,
+}
+
 /// Muon's hyper-parameters (the learning rate is in [`OptimConfig`], as for every optimizer).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -102,11 +136,14 @@ pub struct MuonConfig {
     pub lr_scale: MuonLrScale,
     /// The dtype of the Newton–Schulz iterate.
     pub ns_dtype: NsDtype,
+    /// How the Newton–Schulz GEMMs run (exact by default).
+    pub ns_mode: NsMode,
 }
 
 impl Default for MuonConfig {
     /// `torch.optim.Muon`'s defaults: momentum 0.95, Nesterov, 5 steps of
-    /// (3.4445, −4.7750, 2.0315), eps 1e-7, weight decay 0.1, the original lr scale, bf16.
+    /// (3.4445, −4.7750, 2.0315), eps 1e-7, weight decay 0.1, the original lr scale, bf16;
+    /// the exact Newton–Schulz mode.
     fn default() -> Self {
         MuonConfig {
             momentum: 0.95,
@@ -117,6 +154,7 @@ impl Default for MuonConfig {
             weight_decay: 0.1,
             lr_scale: MuonLrScale::Original,
             ns_dtype: NsDtype::Bf16,
+            ns_mode: NsMode::Exact,
         }
     }
 }
@@ -139,6 +177,8 @@ impl MuonConfig {
         with_lr_scale => lr_scale: MuonLrScale;
         /// Sets the dtype of the Newton–Schulz iterate.
         with_ns_dtype => ns_dtype: NsDtype;
+        /// Sets how the Newton–Schulz GEMMs run.
+        with_ns_mode => ns_mode: NsMode;
     }
 
     /// Checks the values.
@@ -161,6 +201,9 @@ impl MuonConfig {
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return hyper("needs a finite weight_decay ≥ 0");
+        }
+        if self.ns_mode == NsMode::Fast && self.ns_dtype != NsDtype::Bf16 {
+            return hyper("needs ns_dtype Bf16 with ns_mode Fast (tensor-core inputs are bf16)");
         }
         Ok(())
     }
@@ -319,7 +362,7 @@ impl Muon {
             Scratch {
                 update: muon.nesterov.then(|| dev.alloc(DType::F32, max_numel)),
                 diff: dev.alloc(DType::F32, max_numel),
-                ns: NsScratch::new(dev, muon.ns_dtype, max_len, max_side),
+                ns: NsScratch::new(dev, muon.ns_dtype, muon.ns_mode, max_len, max_side),
             }
         });
         Ok(Muon {

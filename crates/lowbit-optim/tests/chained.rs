@@ -7,23 +7,21 @@ mod common;
 
 use common::model::Mlp;
 use common::{
-    BATCH, DIMS, assemble, bits, ddp, init_values, leaf, master_bits, policy, run, specs,
-    train_step,
+    BATCH, DIMS, assemble, bits, buffers, init_values, leaf, master_bits, policy, run, specs,
+    train_step, trainer,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamStorage};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
-    ChainedOptimizer, InvalidInput, MasterShard, OptimConfig, OptimError, Optimizer, Trainer,
+    ChainedOptimizer, InvalidInput, MasterShard, OptimConfig, OptimError, Optimizer,
+    OptimizerMemory, OptimizerState, Trainer,
 };
 
 fn bufs(dev: &mut Device, dp: usize, rank: usize, overlap: Overlap) -> DataParallelBuffers {
     let specs = specs(ParamStorage::Bf16, GradDType::F32, true);
-    let init = init_values(&specs);
-    let mut b = DataParallelBuffers::new(dev, dp, rank, specs, ddp(overlap)).unwrap();
-    b.initialize_all(dev, |p| init[p].clone()).unwrap();
-    b
+    buffers(dev, dp, rank, &specs, overlap, &init_values(&specs))
 }
 
 fn boxed(o: impl Optimizer + 'static) -> Box<dyn Optimizer> {
@@ -54,21 +52,33 @@ fn chain(dev: &mut Device, b: &DataParallelBuffers, shape: usize) -> ChainedOpti
     .unwrap()
 }
 
-#[test]
-fn nested_chains_step_like_flat_ones() {
-    let results: Vec<Vec<Vec<_>>> = (0..3)
-        .map(|shape| {
+/// After each step: masters, exported state, memory.
+type Observed = (
+    Vec<(usize, usize, Vec<u32>)>,
+    Vec<OptimizerState>,
+    OptimizerMemory,
+);
+
+/// For each variant `0..variants`, 2 ranks train the test model: buffers with `overlap`, the
+/// chain `make(dev, bufs, variant)` builds, compute as stored, `steps` steps of `micro`
+/// microbatches; what the optimizer holds after every step (its step count checked), per rank.
+fn train_variants(
+    variants: usize,
+    overlap: Overlap,
+    (steps, micro): (usize, usize),
+    make: impl Fn(&mut Device, &DataParallelBuffers, usize) -> ChainedOptimizer + Sync,
+) -> Vec<Vec<Vec<Observed>>> {
+    (0..variants)
+        .map(|variant| {
             run(2, |mut comm, mut dev| {
                 let dev = &mut dev;
-                let b = bufs(dev, 2, comm.rank(), Overlap::GradReduceAndParamGather);
-                let opt = chain(dev, &b, shape);
-                assert_eq!(opt.owners(), vec![OptimizerId(0), OptimizerId(1)]);
-                let pol = policy(b.specs(), false);
-                let mut trainer = Trainer::new(dev, b, Box::new(opt), pol).unwrap();
+                let b = bufs(dev, 2, comm.rank(), overlap);
+                let opt = make(dev, &b, variant);
+                let mut trainer = trainer(dev, b, opt, false);
                 let mlp = Mlp::new(dev, &DIMS, BATCH);
-                (0..4)
+                (0..steps)
                     .map(|s| {
-                        train_step(dev, &mut comm, &mut trainer, &mlp, s, 2, None);
+                        train_step(dev, &mut comm, &mut trainer, &mlp, s, micro, None);
                         let o = trainer.optimizer();
                         assert_eq!(o.steps(), s as u64 + 1);
                         (
@@ -80,7 +90,21 @@ fn nested_chains_step_like_flat_ones() {
                     .collect()
             })
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn nested_chains_step_like_flat_ones() {
+    let results = train_variants(
+        3,
+        Overlap::GradReduceAndParamGather,
+        (4, 2),
+        |dev, b, shape| {
+            let opt = chain(dev, b, shape);
+            assert_eq!(opt.owners(), vec![OptimizerId(0), OptimizerId(1)]);
+            opt
+        },
+    );
     assert!(results[0] == results[1], "one level of nesting");
     assert!(results[0] == results[2], "two levels of nesting");
     // Two leaf states, in chain order, whatever the nesting.
@@ -179,8 +203,7 @@ fn clipping_uses_one_global_norm_and_one_factor() {
         let p1 = part(dev, 1, lr1, clip1, &mut cb);
         let opt = ChainedOptimizer::new(vec![boxed(p0), boxed(p1)]).unwrap();
         assert_eq!(opt.clip_grad(), Some(clip0));
-        let pol = policy(b.specs(), false);
-        let mut trainer = Trainer::new(dev, b, Box::new(opt), pol).unwrap();
+        let mut trainer = trainer(dev, b, opt, false);
         let mlp = Mlp::new(dev, &DIMS, BATCH);
         let before = trainer.optimizer().masters(dev).unwrap();
         let mut it = trainer.begin(dev, &mut comm).unwrap();
@@ -269,39 +292,35 @@ fn clipping_uses_one_global_norm_and_one_factor() {
 #[test]
 fn set_lr_validates_and_reaches_every_part() {
     // 0: untouched; 1: invalid set_lr calls; 2: set_lr(2e-2) on the chain; 3: built with 2e-2.
-    let runs: Vec<Vec<Vec<_>>> = (0..4)
-        .map(|variant| {
-            run(2, |mut comm, mut dev| {
-                let dev = &mut dev;
-                let b = bufs(dev, 2, comm.rank(), Overlap::GradReduce);
-                let init = init_values(b.specs());
-                let lr = if variant == 3 { 2e-2 } else { 1e-2 };
-                let a = leaf(dev, &b, 0, false, OptimConfig::new(lr), &init);
-                let s = leaf(dev, &b, 1, true, OptimConfig::new(lr), &init);
-                let inner = ChainedOptimizer::new(vec![boxed(a)]).unwrap();
-                let mut opt = ChainedOptimizer::new(vec![boxed(inner), boxed(s)]).unwrap();
-                if variant == 1 {
-                    for bad in [f32::NAN, -1e-3, f32::INFINITY] {
-                        let e = opt.set_lr(bad).unwrap_err();
-                        assert!(matches!(
-                            e,
-                            OptimError::Invalid(InvalidInput::LearningRate(_))
-                        ));
-                    }
-                }
-                if variant == 2 {
-                    opt.set_lr(2e-2).unwrap();
-                }
-                let pol = policy(b.specs(), false);
-                let mut trainer = Trainer::new(dev, b, Box::new(opt), pol).unwrap();
-                let mlp = Mlp::new(dev, &DIMS, BATCH);
-                (0..2)
-                    .map(|s| {
-                        train_step(dev, &mut comm, &mut trainer, &mlp, s, 1, None);
-                        master_bits(dev, trainer.optimizer())
-                    })
-                    .collect()
-            })
+    let runs = train_variants(4, Overlap::GradReduce, (2, 1), |dev, b, variant| {
+        let init = init_values(b.specs());
+        let lr = if variant == 3 { 2e-2 } else { 1e-2 };
+        let a = leaf(dev, b, 0, false, OptimConfig::new(lr), &init);
+        let s = leaf(dev, b, 1, true, OptimConfig::new(lr), &init);
+        let inner = ChainedOptimizer::new(vec![boxed(a)]).unwrap();
+        let mut opt = ChainedOptimizer::new(vec![boxed(inner), boxed(s)]).unwrap();
+        if variant == 1 {
+            for bad in [f32::NAN, -1e-3, f32::INFINITY] {
+                let e = opt.set_lr(bad).unwrap_err();
+                assert!(matches!(
+                    e,
+                    OptimError::Invalid(InvalidInput::LearningRate(_))
+                ));
+            }
+        }
+        if variant == 2 {
+            opt.set_lr(2e-2).unwrap();
+        }
+        opt
+    });
+    // Only the masters are compared here.
+    let runs: Vec<Vec<Vec<_>>> = runs
+        .into_iter()
+        .map(|ranks| {
+            ranks
+                .into_iter()
+                .map(|steps| steps.into_iter().map(|s| s.0).collect())
+                .collect()
         })
         .collect();
     assert!(runs[0] == runs[1], "a refused set_lr changed the optimizer");

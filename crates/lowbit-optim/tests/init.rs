@@ -6,7 +6,7 @@ mod common;
 
 use std::ops::Range;
 
-use common::{MXFP8, adamw, ddp, init_values, run, sgd, specs, weight_bytes};
+use common::{MXFP8, adamw, buffers, ddp, init_values, leaf_from, run, specs, weight_bytes};
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamStorage};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
@@ -30,15 +30,8 @@ fn masters_come_from_the_callback_for_owned_pieces_only() {
         let stored = init_values(&specs);
         let calls = run(dp, |comm, mut dev| {
             let dev = &mut dev;
-            let mut bufs = DataParallelBuffers::new(
-                dev,
-                dp,
-                comm.rank(),
-                specs.clone(),
-                ddp(Overlap::GradReduceAndParamGather),
-            )
-            .unwrap();
-            bufs.initialize_all(dev, |p| stored[p].clone()).unwrap();
+            let overlap = Overlap::GradReduceAndParamGather;
+            let bufs = buffers(dev, dp, comm.rank(), &specs, overlap, &stored);
             let mut all = Vec::new();
             for owner in [0, 1] {
                 let mut calls: Vec<(usize, Range<usize>)> = Vec::new();
@@ -48,12 +41,7 @@ fn masters_come_from_the_callback_for_owned_pieces_only() {
                 };
                 let cfg = OptimConfig::new(1e-3);
                 let id = OptimizerId(owner);
-                let opt = if owner == 0 {
-                    DistributedOptimizer::new(dev, &bufs, id, adamw(), cfg, &mut cb)
-                } else {
-                    DistributedOptimizer::new(dev, &bufs, id, sgd(), cfg, &mut cb)
-                }
-                .unwrap();
+                let opt = leaf_from(dev, &bufs, owner, owner == 1, cfg, &mut cb);
                 let owned: Vec<(usize, Range<usize>)> = bufs
                     .owned_shards_of(id)
                     .unwrap()
@@ -104,11 +92,7 @@ fn low_precision_weights_are_rebuilt_from_the_masters() {
     run(dp, |mut comm, mut dev| {
         let dev = &mut dev;
         let make = |dev: &mut Device, values: &[Vec<f32>]| {
-            let mut b =
-                DataParallelBuffers::new(dev, dp, comm.rank(), specs.clone(), ddp(Overlap::None))
-                    .unwrap();
-            b.initialize_all(dev, |p| values[p].clone()).unwrap();
-            b
+            buffers(dev, dp, comm.rank(), &specs, Overlap::None, values)
         };
         let mut bufs = make(dev, &stored);
         let reference = make(dev, &masters);

@@ -291,31 +291,34 @@ fn check(rule: Rule, grad: GradDType) {
     assert!(moved > 1e-3, "{what}: masters moved only {moved}");
 }
 
+/// [`check`] of `rule` with both gradient dtypes, then of `variant` (other hyper-parameters)
+/// with f32 gradients.
+fn check_rule(rule: Rule, variant: Rule) {
+    for grad in [GradDType::F32, GradDType::Bf16] {
+        check(rule, grad);
+    }
+    check(variant, GradDType::F32);
+}
+
 #[test]
 fn adamw_follows_pytorch() {
-    for grad in [GradDType::F32, GradDType::Bf16] {
-        check(Rule::AdamW(common::adamw()), grad);
-    }
     // β1 ≥ 0.5 takes torch.lerp's other branch.
-    let r = AdamW {
+    let low_beta1 = AdamW {
         beta1: 0.3,
         beta2: 0.999,
         eps: 1e-6,
         weight_decay: 0.0,
     };
-    check(Rule::AdamW(r), GradDType::F32);
+    check_rule(Rule::AdamW(common::adamw()), Rule::AdamW(low_beta1));
 }
 
 #[test]
 fn sgd_follows_pytorch() {
-    for grad in [GradDType::F32, GradDType::Bf16] {
-        check(Rule::Sgd(common::sgd()), grad);
-    }
     let plain = Sgd {
         momentum: 0.0,
         weight_decay: 0.0,
     };
-    check(Rule::Sgd(plain), GradDType::F32);
+    check_rule(Rule::Sgd(common::sgd()), Rule::Sgd(plain));
 }
 
 #[test]

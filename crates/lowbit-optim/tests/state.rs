@@ -9,16 +9,15 @@ use std::sync::{Barrier, Mutex};
 
 use common::model::Mlp;
 use common::{
-    BATCH, DIMS, MXFP8, assemble, ddp, init_values, leaf, master_bits, optimizer, policy, run,
-    specs, train_step, weight_bytes,
+    BATCH, DIMS, MXFP8, assemble, buffers, ddp, init_values, leaf, master_bits, optimizer, run,
+    specs, train_step, trainer, weight_bytes,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamStorage};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
-    ChainedOptimizer, InvalidInput, MasterShard, OptimConfig, OptimError, Optimizer,
-    OptimizerState, Trainer,
+    ChainedOptimizer, InvalidInput, MasterShard, OptimConfig, OptimError, Optimizer, OptimizerState,
 };
 
 fn is_mismatch(r: Result<(), OptimError>) -> bool {
@@ -41,11 +40,9 @@ fn export_import_round_trip_continues_bit_for_bit() {
         let rank = comm.rank();
         let make = |dev: &mut Device, weights: &[Vec<f32>], masters: &[Vec<f32>]| {
             let overlap = Overlap::GradReduceAndParamGather;
-            let mut bufs =
-                DataParallelBuffers::new(dev, dp, rank, specs.clone(), ddp(overlap)).unwrap();
-            bufs.initialize_all(dev, |p| weights[p].clone()).unwrap();
+            let bufs = buffers(dev, dp, rank, &specs, overlap, weights);
             let opt = optimizer(dev, &bufs, masters, true);
-            Trainer::new(dev, bufs, Box::new(opt), policy(&specs, true)).unwrap()
+            trainer(dev, bufs, opt, true)
         };
         let mlp = Mlp::new(dev, &DIMS, BATCH);
         let mut t1 = make(dev, &init, &init);
@@ -207,17 +204,26 @@ fn chain(dev: &mut Device, b: &DataParallelBuffers, init: &[Vec<f32>]) -> Chaine
     .unwrap()
 }
 
+/// A chain over rank 0's buffers, its state, and the (valid) state of a chain whose masters
+/// are other values.
+fn chain_and_states(
+    dev: &mut Device,
+) -> (ChainedOptimizer, Vec<OptimizerState>, Vec<OptimizerState>) {
+    let b = bufs(dev, 0);
+    let init = init_values(b.specs());
+    let target = chain(dev, &b, &init);
+    let before = target.export_state(dev).unwrap();
+    let other = chain(dev, &b, &shifted(&init, 1.0))
+        .export_state(dev)
+        .unwrap();
+    (target, before, other)
+}
+
 #[test]
 fn a_chain_refuses_state_of_owners_it_does_not_hold() {
     let mut dev = Device::cpu();
     let dev = &mut dev;
-    let b = bufs(dev, 0);
-    let init = init_values(b.specs());
-    let mut target = chain(dev, &b, &init);
-    let before = target.export_state(dev).unwrap();
-    let mut s = chain(dev, &b, &shifted(&init, 1.0))
-        .export_state(dev)
-        .unwrap();
+    let (mut target, before, mut s) = chain_and_states(dev);
     let mut extra = s[1].clone();
     extra.owner = OptimizerId(9);
     s.push(extra);
@@ -240,13 +246,7 @@ fn a_chain_refuses_state_of_owners_it_does_not_hold() {
 fn a_chain_import_refused_by_one_part_changes_no_part() {
     let mut dev = Device::cpu();
     let dev = &mut dev;
-    let b = bufs(dev, 0);
-    let init = init_values(b.specs());
-    let mut target = chain(dev, &b, &init);
-    let before = target.export_state(dev).unwrap();
-    let mut s = chain(dev, &b, &shifted(&init, 1.0))
-        .export_state(dev)
-        .unwrap();
+    let (mut target, before, mut s) = chain_and_states(dev);
     s[1].rule = "adamw".into();
     assert!(is_mismatch(target.import_state(dev, &s)));
     assert!(
@@ -268,10 +268,7 @@ fn a_forced_sync_after_import_makes_persistent_weights_the_masters() {
     let moved = shifted(&init, 1.0);
     run(dp, |mut comm, mut dev| {
         let dev = &mut dev;
-        let mut b =
-            DataParallelBuffers::new(dev, dp, comm.rank(), specs.clone(), ddp(Overlap::None))
-                .unwrap();
-        b.initialize_all(dev, |p| init[p].clone()).unwrap();
+        let mut b = buffers(dev, dp, comm.rank(), &specs, Overlap::None, &init);
         let mut opt = optimizer(dev, &b, &init, true);
         let state = {
             let other = optimizer(dev, &b, &moved, true);

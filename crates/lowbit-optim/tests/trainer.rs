@@ -9,8 +9,8 @@ mod common;
 
 use common::model::Mlp;
 use common::{
-    BATCH, DIMS, MXFP8, batch, ddp, init_values, master_bits, optimizer, policy, protocol_err, run,
-    specs, train_step, weight_bytes,
+    BATCH, DIMS, MXFP8, batch, buffers, init_values, master_bits, optimizer, policy, protocol_err,
+    run, specs, train_step, trainer, weight_bytes,
 };
 use lowbit_buffers::layout::GradDType;
 use lowbit_buffers::{
@@ -36,31 +36,28 @@ type Trace = (
     Vec<Vec<u8>>,
 );
 
-fn new_bufs(dev: &mut Device, comm: &LocalComm) -> DataParallelBuffers {
+/// Rank `comm.rank()`'s buffers (MXFP8 matrices, overlapped reduction and gathers) and the
+/// initial values they hold.
+fn new_bufs(dev: &mut Device, comm: &LocalComm) -> (DataParallelBuffers, Vec<Vec<f32>>) {
     let specs = specs(MXFP8, GradDType::F32, true);
     let init = init_values(&specs);
-    let mut b = DataParallelBuffers::new(
-        dev,
-        DP,
-        comm.rank(),
-        specs,
-        ddp(Overlap::GradReduceAndParamGather),
-    )
-    .unwrap();
-    b.initialize_all(dev, |p| init[p].clone()).unwrap();
+    let overlap = Overlap::GradReduceAndParamGather;
+    let b = buffers(dev, DP, comm.rank(), &specs, overlap, &init);
     assert!((0..b.specs().len()).any(|p| b.is_low_precision(p)));
-    b
+    (b, init)
+}
+
+/// A trainer of [`new_bufs`] with the chained optimizer and MXFP8 compute, and the model.
+fn new_trainer(dev: &mut Device, comm: &LocalComm) -> (Trainer, Mlp) {
+    let (bufs, init) = new_bufs(dev, comm);
+    let opt = optimizer(dev, &bufs, &init, true);
+    (trainer(dev, bufs, opt, true), Mlp::new(dev, &DIMS, BATCH))
 }
 
 fn with_trainer() -> Vec<Trace> {
     run(DP, |mut comm, mut dev| {
         let dev = &mut dev;
-        let bufs = new_bufs(dev, &comm);
-        let init = init_values(bufs.specs());
-        let opt = optimizer(dev, &bufs, &init, true);
-        let pol = policy(bufs.specs(), true);
-        let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
-        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let (mut trainer, mlp) = new_trainer(dev, &comm);
         let mut steps = Vec::new();
         for s in 0..STEPS {
             let r = train_step(dev, &mut comm, &mut trainer, &mlp, s, MICRO, None);
@@ -79,8 +76,7 @@ fn with_trainer() -> Vec<Trace> {
 fn by_hand() -> Vec<Trace> {
     run(DP, |mut comm, mut dev| {
         let dev = &mut dev;
-        let mut bufs = new_bufs(dev, &comm);
-        let init = init_values(bufs.specs());
+        let (mut bufs, init) = new_bufs(dev, &comm);
         let mut opt = optimizer(dev, &bufs, &init, true);
         let pol = policy(bufs.specs(), true);
         let scratch = HookScratch::new(dev, &bufs);
@@ -136,12 +132,7 @@ fn the_trainer_is_the_protocol_functions() {
 fn an_iteration_without_a_last_microbatch_is_refused() {
     run(DP, |mut comm, mut dev| {
         let dev = &mut dev;
-        let bufs = new_bufs(dev, &comm);
-        let init = init_values(bufs.specs());
-        let opt = optimizer(dev, &bufs, &init, true);
-        let pol = policy(bufs.specs(), true);
-        let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
-        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let (mut trainer, mlp) = new_trainer(dev, &comm);
         let mut it = trainer.begin(dev, &mut comm).unwrap();
         for m in 0..MICRO {
             let (x, y) = batch(&mlp, comm.rank(), 0, m, false);
@@ -162,9 +153,7 @@ fn low_precision_weights_computed_as_stored_are_refused() {
     let mut dev = Device::cpu();
     let specs = specs(MXFP8, GradDType::F32, true);
     let init = init_values(&specs);
-    let mut bufs =
-        DataParallelBuffers::new(&mut dev, 1, 0, specs.clone(), ddp(Overlap::None)).unwrap();
-    bufs.initialize_all(&mut dev, |p| init[p].clone()).unwrap();
+    let bufs = buffers(&mut dev, 1, 0, &specs, Overlap::None, &init);
     let opt = optimizer(&mut dev, &bufs, &init, true);
     let e = Trainer::new(
         &mut dev,
@@ -189,12 +178,7 @@ fn an_eval_between_steps_changes_nothing() {
     let trace = |eval: bool| {
         run(DP, |mut comm, mut dev| {
             let dev = &mut dev;
-            let bufs = new_bufs(dev, &comm);
-            let init = init_values(bufs.specs());
-            let opt = optimizer(dev, &bufs, &init, true);
-            let pol = policy(bufs.specs(), true);
-            let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
-            let mlp = Mlp::new(dev, &DIMS, BATCH);
+            let (mut trainer, mlp) = new_trainer(dev, &comm);
             let mut out = Vec::new();
             for s in 0..3 {
                 train_step(dev, &mut comm, &mut trainer, &mlp, s, MICRO, None);

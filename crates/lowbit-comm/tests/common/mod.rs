@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use half::{bf16, f16};
-use lowbit_comm::{GroupConfig, RankError, ReduceOp};
+use lowbit_comm::{GroupConfig, LocalComm, RankError, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device, View};
 
 pub const FLOATS: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
@@ -25,6 +25,37 @@ pub fn ok<T>(results: Vec<Result<T, RankError>>) -> Vec<T> {
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
         .collect()
+}
+
+/// Every `(world, dtype)` of [`WORLDS`] and `dtypes`.
+pub fn worlds_and(dtypes: &[DType]) -> impl Iterator<Item = (usize, DType)> + '_ {
+    WORLDS
+        .into_iter()
+        .flat_map(move |w| dtypes.iter().map(move |&d| (w, d)))
+}
+
+/// Every `(world, float dtype, reduction)` of [`WORLDS`], [`FLOATS`] and [`OPS`].
+pub fn reduction_cases() -> impl Iterator<Item = (usize, DType, ReduceOp)> {
+    worlds_and(&FLOATS).flat_map(|(w, d)| OPS.map(|op| (w, d, op)))
+}
+
+/// Runs `f` on `world` ranks and asserts that rank `r` returned the bytes `want(r)`; `what`
+/// names the case in a failure.
+pub fn assert_ranks(
+    world: usize,
+    what: &str,
+    f: impl Fn(LocalComm, Device) -> Vec<u8> + Sync,
+    want: impl Fn(usize) -> Vec<u8>,
+) {
+    let got = ok(run_ranks(world, cfg(), f));
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g, &want(r), "{what} rank {r}");
+    }
+}
+
+/// Every rank's [`vals`]: `n` each, ranks `0..world`.
+pub fn all_vals(dtype: DType, world: usize, n: usize) -> Vec<Vec<f32>> {
+    (0..world).map(|q| vals(dtype, q, n)).collect()
 }
 
 /// Rounds `x` to `dtype` (RNE) and back.

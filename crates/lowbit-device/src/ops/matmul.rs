@@ -1,8 +1,51 @@
-//! The reference matrix product.
+//! The reference matrix product ([`Device::matmul`]) and the tensor-core product
+//! ([`Device::matmul_tc`]).
 
-use super::shape_len;
+use super::{invalid, shape_len};
 use crate::cpu::{decode_f32, decode_into, encode_f32};
 use crate::{DType, Device, MatmulSpec, Result, View, check_dtype, check_float, check_len};
+
+/// Shape and scalars of a tensor-core product `D[m, n] = alpha·op(A)·op(B) + beta·C`
+/// ([`Device::matmul_tc`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MatmulTcSpec {
+    /// Rows of D.
+    pub m: usize,
+    /// Columns of D.
+    pub n: usize,
+    /// Contraction length.
+    pub k: usize,
+    /// A is stored `[k, m]` and used transposed.
+    pub trans_a: bool,
+    /// B is stored `[n, k]` and used transposed.
+    pub trans_b: bool,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C (must be 0 when no C is given).
+    pub beta: f32,
+    /// The caller states that the product is `op(A)·op(A)ᵀ` (`a` and `b` the same view,
+    /// `trans_b = !trans_a`, `m = n`) and that C, if given, is symmetric: D is then symmetric,
+    /// and the CUDA backend computes only the blocks on and above the diagonal of a 2x2 block
+    /// split and mirrors the off-diagonal block (a quarter fewer multiply-adds) when `m` is at
+    /// least 2048. With a C that is not symmetric, D's lower triangle is unspecified on CUDA.
+    pub symmetric: bool,
+}
+
+impl MatmulTcSpec {
+    /// `D = op(A)·op(B)` (`alpha` 1, `beta` 0, no transposes, not symmetric).
+    pub fn new(m: usize, n: usize, k: usize) -> Self {
+        MatmulTcSpec {
+            m,
+            n,
+            k,
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+            symmetric: false,
+        }
+    }
+}
 
 /// `op(X)` as a row-major `[rows, cols]` f32 matrix, from `x` stored `[rows, cols]`, or
 /// `[cols, rows]` when `trans`.
@@ -58,6 +101,113 @@ impl Device {
                     acc.iter_mut().zip(&old).for_each(|(s, c)| *s += *c);
                 }
                 encode_f32(DType::F32, &acc, c_row);
+            }
+            Ok(())
+        })
+    }
+
+    /// The tensor-core matrix product: `D[m, n] = alpha·op(A)[m, k]·op(B)[k, n] + beta·C[m, n]`
+    /// with bf16 `a` (`m·k`) and `b` (`k·n`), `d` f32 or bf16 (`m·n`) and `c` (optional, `d`'s
+    /// dtype and length), all row-major; `op` transposes as in [`Device::matmul`]. On CUDA this
+    /// is one cuBLASLt GEMM (bf16 inputs on the tensor cores, f32 accumulation and epilogue, one
+    /// rounding to `d`'s dtype); it is the GEMM of Muon's fast Newton–Schulz mode.
+    ///
+    /// Views follow [`Device::matmul`]'s rules: `d` must not overlap `a`, `b` or `c`; `a` and
+    /// `b` may overlap; `c` may be `d` itself (exactly the same view: an in-place update
+    /// `D ← alpha·op(A)·op(B) + beta·D`), or a disjoint view. Without `c`, `beta` must be 0 and
+    /// D is not read. `alpha` and `beta` must be finite. With `spec.symmetric`, `a` and `b` must
+    /// be the same view, `trans_b = !trans_a` and `m = n` (see [`MatmulTcSpec::symmetric`]).
+    ///
+    /// **Arithmetic.** The CPU backend computes the reference: every element is
+    /// `s = ((0 + a₀b₀) + a₁b₁) + …` over k in index order in f32 (a product of two bf16 values
+    /// is exact in f32, so only the sums round), then `fl(fl(alpha·s) + fl(beta·c))` (or
+    /// `fl(alpha·s)` without C), rounded once to `d`'s dtype (RNE). The CUDA backend sums the
+    /// same exact products in f32 in cuBLAS's order (blocked over k, possibly split-K; fixed
+    /// for a given shape, GPU and library version, so repeated calls give the same bits), then
+    /// applies the same epilogue: results agree with the CPU to f32 summation error (relative
+    /// `≲ k·2⁻²⁴` of `Σ|aᵢbᵢ|`, far below a bf16 ulp), so a bf16 `d` differs from the CPU at most
+    /// where the f32 value lies within that error of a bf16 rounding boundary (then by one bf16
+    /// ulp). Unlike every other op, CPU and CUDA are not bit-identical here.
+    ///
+    /// **Deviation of Muon's fast mode from the exact one** (the Newton–Schulz result
+    /// `‖O_fast − O_exact‖_F / ‖O_exact‖_F`, bf16 iterate, 5 steps, random Gaussian inputs,
+    /// measured on an H100 by `lowbit-optim`'s `muon_bench`): see the table in
+    /// `lowbit_optim::NsMode::Fast`. Element-wise the two agree to a few bf16 ulps: both round
+    /// the iterate to bf16 after every GEMM, and only the f32 summation order differs.
+    pub fn matmul_tc(
+        &mut self,
+        a: View,
+        b: View,
+        c: Option<View>,
+        d: View,
+        spec: &MatmulTcSpec,
+    ) -> Result<()> {
+        const WHAT: &str = "matmul_tc";
+        let MatmulTcSpec { m, n, k, .. } = *spec;
+        check_dtype(WHAT, a, DType::Bf16)?;
+        check_dtype(WHAT, b, DType::Bf16)?;
+        if !matches!(d.dtype(), DType::F32 | DType::Bf16) {
+            return Err(crate::DeviceError::DType {
+                what: WHAT,
+                expected: "f32 or bf16",
+                got: d.dtype(),
+            });
+        }
+        check_len("matmul_tc A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
+        check_len("matmul_tc B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
+        check_len("matmul_tc D (m·n)", d.len(), shape_len(WHAT, m, n)?)?;
+        if let Some(c) = c {
+            check_dtype(WHAT, c, d.dtype())?;
+            check_len("matmul_tc C (m·n)", c.len(), d.len())?;
+        }
+        if !(spec.alpha.is_finite() && spec.beta.is_finite()) {
+            return Err(invalid(WHAT, "alpha and beta must be finite"));
+        }
+        if c.is_none() && spec.beta != 0.0 {
+            return Err(invalid(WHAT, "beta must be 0 without a C"));
+        }
+        if spec.symmetric && (a != b || spec.trans_b == spec.trans_a || m != n) {
+            return Err(invalid(
+                WHAT,
+                "symmetric needs a == b, trans_b == !trans_a and m == n",
+            ));
+        }
+        // `c == d` is the in-place form: `d` is then the op's one in/out view.
+        let c_in = c.filter(|c| *c != d);
+        // k = 0 (D = beta·C) is left to the host body: cuBLASLt has no empty contraction.
+        if k > 0 {
+            on_cuda!(self, g => g.matmul_tc(a, b, c_in, c.is_some(), d, spec));
+        }
+        let ins: Vec<View> = [a, b].into_iter().chain(c_in).collect();
+        self.host_op_dyn(WHAT, &ins, &[d], |ib, mut ob| {
+            let opa = op_matrix(decode_f32(DType::Bf16, ib[0]), m, k, spec.trans_a);
+            let opb = op_matrix(decode_f32(DType::Bf16, ib[1]), k, n, spec.trans_b);
+            let old = match (c, ib.get(2)) {
+                (_, Some(cb)) => Some(decode_f32(d.dtype(), cb)),
+                (Some(_), None) => Some(decode_f32(d.dtype(), &*ob[0])),
+                (None, None) => None,
+            };
+            let db = &mut *ob[0];
+            let es = d.dtype().size();
+            let mut acc = vec![0f32; n];
+            for (i, d_row) in db.chunks_exact_mut(es * n.max(1)).enumerate().take(m) {
+                acc.fill(0.0);
+                for (&aik, b_row) in opa[i * k..(i + 1) * k]
+                    .iter()
+                    .zip(opb.chunks_exact(n.max(1)))
+                {
+                    for (s, &bkj) in acc.iter_mut().zip(b_row) {
+                        *s += aik * bkj;
+                    }
+                }
+                for (j, s) in acc.iter_mut().enumerate() {
+                    let scaled = spec.alpha * *s;
+                    *s = match &old {
+                        Some(o) => scaled + spec.beta * o[i * n + j],
+                        None => scaled,
+                    };
+                }
+                encode_f32(d.dtype(), &acc, d_row);
             }
             Ok(())
         })

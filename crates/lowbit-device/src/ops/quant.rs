@@ -204,6 +204,7 @@ impl Device {
         out: &Mxfp8Views,
     ) -> Result<()> {
         const WHAT: &str = "quantize_mxfp8";
+        self.count_call(crate::CountedOp::QuantizeMxfp8);
         let copies = [out.rowwise, out.columnwise];
         self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &MXFP8_PLANES)?;
         #[cfg(feature = "cuda")]
@@ -277,6 +278,7 @@ impl Device {
         out: &Nvfp4Views,
     ) -> Result<Nvfp4Amax> {
         const WHAT: &str = "quantize_nvfp4";
+        self.count_call(crate::CountedOp::QuantizeNvfp4);
         let copies = [out.rowwise, out.columnwise];
         self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &NVFP4_PLANES)?;
         #[cfg(feature = "cuda")]
@@ -489,6 +491,7 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
+        self.count_call(crate::CountedOp::Nvfp4Quantize2dRange);
         self.quantize_range(
             "nvfp4_quantize_2d_range",
             (src, start, cols, tiles, out),
@@ -510,6 +513,7 @@ impl Device {
         out: &Nvfp4Views,
     ) -> Result<f32> {
         const WHAT: &str = "nvfp4_finish_2d";
+        self.count_call(crate::CountedOp::Nvfp4Finish2d);
         let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
             return Err(invalid(WHAT, "both copies are needed"));
         };
@@ -566,6 +570,7 @@ impl Device {
         tiles: View,
         out: View,
     ) -> Result<()> {
+        self.count_call(crate::CountedOp::Mxfp8Quantize2dRange);
         self.quantize_range(
             "mxfp8_quantize_2d_range",
             (src, start, cols, tiles, out),
@@ -588,6 +593,7 @@ impl Device {
         col_scales: View,
     ) -> Result<()> {
         const WHAT: &str = "mxfp8_scales_2d";
+        self.count_call(crate::CountedOp::Mxfp8Scales2d);
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
             && g.mxfp8_scales_2d([rows, cols], kind, tiles, [row_scales, col_scales])?

@@ -3,7 +3,7 @@
 //! compares every buffer's bytes, and a timer for the ignored timing tests.
 #![allow(dead_code)] // each test file uses part of the harness
 
-use lowbit_device::{DType, Device, DeviceKind, Nvfp4Views, Result, View, bf16, f16};
+use lowbit_device::{DType, Device, DeviceError, DeviceKind, Nvfp4Views, Result, View, bf16, f16};
 use lowbit_formats::Copies;
 
 /// Deterministic pseudo-random source (xorshift64*).
@@ -24,30 +24,47 @@ impl Rng {
     }
 }
 
-/// Values with a wide range; with `specials`, about one in eight is an edge case.
+/// Edge cases of every float input: NaNs, infinities, zeros, subnormals, the f32 extremes and
+/// the f16 rounding edges (as f32 bits).
+pub const EDGES: [u32; 12] = [
+    0x7FC0_0000, // NaN
+    0xFFC0_1234, // negative NaN with a payload
+    0x7F80_0000, // +Inf
+    0xFF80_0000, // -Inf
+    0x0000_0000, // +0
+    0x8000_0000, // -0
+    0x0000_0001, // smallest subnormal
+    0x807F_FFFF, // largest negative subnormal
+    0x7F7F_FFFF, // f32 max
+    0x3F80_0001, // 1 + ulp
+    0x477F_F000, // 65520: rounds to f16 Inf
+    0x3380_0000, // 2^-24: smallest f16 subnormal
+];
+
+/// Values with a wide range; with `specials`, about one in eight is an edge case ([`EDGES`]
+/// and bf16 rounding ties).
 pub fn values(n: usize, seed: u64, specials: bool) -> Vec<f32> {
-    const EDGE: [u32; 14] = [
-        0x7FC0_0000, // NaN
-        0xFFC0_1234, // negative NaN with a payload
-        0x7F80_0000, // +Inf
-        0xFF80_0000, // -Inf
-        0x0000_0000, // +0
-        0x8000_0000, // -0
-        0x0000_0001, // smallest subnormal
-        0x807F_FFFF, // largest negative subnormal
-        0x7F7F_FFFF, // f32 max
-        0x3F80_0001, // 1 + ulp
-        0x477F_F000, // 65520: rounds to f16 Inf
-        0x3380_0000, // 2^-24: smallest f16 subnormal
+    const BF16_TIES: [u32; 2] = [
         0x3F80_8000, // bf16 tie
         0x3F81_8000, // bf16 tie, odd
     ];
+    let edges = if specials {
+        [&EDGES[..], &BF16_TIES].concat()
+    } else {
+        Vec::new()
+    };
+    values_with_edges(n, seed, &edges)
+}
+
+/// Values with a wide range of which about one in eight is one of `edges` (f32 bits; none when
+/// `edges` is empty).
+pub fn values_with_edges(n: usize, seed: u64, edges: &[u32]) -> Vec<f32> {
     let mut r = Rng::new(seed);
     (0..n)
         .map(|_| {
             let x = r.next();
-            if specials && x.is_multiple_of(8) {
-                f32::from_bits(EDGE[(x >> 8) as usize % EDGE.len()])
+            if !edges.is_empty() && x.is_multiple_of(8) {
+                f32::from_bits(edges[(x >> 8) as usize % edges.len()])
             } else {
                 r.unit() * 2f32.powi((x % 24) as i32 - 12)
             }
@@ -256,6 +273,12 @@ pub fn native(o: &Outcome, name: &str) {
     );
 }
 
+/// [`check`], then [`native`]: the CUDA run took no host fallback.
+pub fn check_native(name: &str, nan_class: bool, f: impl Fn(&mut Ctx) -> Result<Vec<f64>>) {
+    let o = check(name, nan_class, f);
+    native(&o, name);
+}
+
 /// Fresh random NVFP4 output views (recorded) for a `rows × cols` input.
 pub fn nvfp4_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: u64) -> Nvfp4Views {
     let mut pair = |data: usize, scales: usize, s: u64| {
@@ -269,6 +292,100 @@ pub fn nvfp4_views(c: &mut Ctx, rows: usize, cols: usize, copies: Copies, seed: 
             .columnwise()
             .then(|| pair(cols * rows.div_ceil(2), cols * rows.div_ceil(16), seed + 2)),
     }
+}
+
+/// The errors' messages as result values (their bytes), so that [`check`] compares them
+/// between the devices.
+pub fn messages(errs: &[DeviceError]) -> Vec<f64> {
+    errs.iter()
+        .flat_map(|e| format!("{e}").into_bytes())
+        .map(f64::from)
+        .collect()
+}
+
+/// Asserts that the CUDA run took the host fallback in no op but those named in `ops`.
+pub fn fallbacks_only(o: &Outcome, ops: &[&str]) {
+    assert!(
+        o.fallbacks.iter().all(|(op, _)| ops.contains(op)),
+        "{:?}",
+        o.fallbacks
+    );
+}
+
+/// A `d` tensor of `n` elements on `g` holding `chunk` (1 Mi values) encoded and repeated.
+pub fn tiled(g: &mut Device, d: DType, n: usize, chunk: &[f32]) -> View {
+    let src = g.alloc(d, n);
+    let bytes = encode(d, chunk);
+    for k in 0..n / (1 << 20) {
+        g.write_bytes(src.slice(k << 20..(k + 1) << 20).unwrap(), &bytes)
+            .unwrap();
+    }
+    src
+}
+
+/// The set-up of the timing tests: a GPU holding a bf16 `rows × cols` tensor of `chunk` (1 Mi
+/// values) repeated, and the time of a device copy of that tensor (their yardstick), printed.
+pub fn timing_setup(rows: usize, cols: usize, chunk: &[f32]) -> (Device, View, f64) {
+    let mut g = gpu();
+    let src = tiled(&mut g, DType::Bf16, rows * cols, chunk);
+    let copy_dst = g.alloc(DType::Bf16, rows * cols);
+    let copy = time(&mut g, 10, |g| g.copy(src, copy_dst).unwrap());
+    println!("copy bf16 {rows}x{cols}: {copy:.1} us");
+    (g, src, copy)
+}
+
+/// `(rows, cols, input dtype, seed)` of the sharded 2D tests: tiles cut by the matrix edges and
+/// shard boundaries inside rows and tiles.
+pub const SHARDED_2D_CASES: [(usize, usize, DType, u64); 3] = [
+    (64, 96, DType::F32, 1),
+    (70, 50, DType::Bf16, 2),
+    (33, 34, DType::F16, 3),
+];
+
+/// NVFP4 2D quantization of `x` (`rows × cols`) piecewise over the shards between `cuts` (even
+/// offsets), as the primary-weight gathers run it: the 16x16 tile amaxes folded shard by shard
+/// into fresh zeroed tiles, then each shard's codes into its part of a fresh random packed
+/// buffer (seed `seed`). Returns the tiles and the packed codes.
+pub fn nvfp4_shards_2d(
+    c: &mut Ctx,
+    x: View,
+    (rows, cols): (usize, usize),
+    cuts: &[usize],
+    seed: u64,
+) -> Result<(View, View)> {
+    let tc = rows.div_ceil(16) * cols.div_ceil(16);
+    let tiles = c.buf(DType::F32, &vec![0.0; tc]);
+    for w in cuts.windows(2) {
+        let s = x.slice(w[0]..w[1])?;
+        c.dev.nvfp4_fold_tile_amax_2d(s, w[0], cols, tiles)?;
+    }
+    let packed = c.rand(DType::U8, rows * cols / 2, seed);
+    for w in cuts.windows(2) {
+        let (s, ps) = (x.slice(w[0]..w[1])?, packed.slice(w[0] / 2..w[1] / 2)?);
+        c.dev.nvfp4_quantize_2d_range(s, w[0], cols, tiles, ps)?;
+    }
+    Ok((tiles, packed))
+}
+
+/// `nvfp4_finish_2d` of [`nvfp4_shards_2d`]'s `tiles` and `packed` codes into fresh random
+/// scales and columnwise copy (seeds `seed + 1` to `seed + 3`); returns its result.
+pub fn nvfp4_finish_shards_2d(
+    c: &mut Ctx,
+    (rows, cols): (usize, usize),
+    (tiles, packed): (View, View),
+    seed: u64,
+) -> Result<f64> {
+    let views = Nvfp4Views {
+        rowwise: Some((
+            packed,
+            c.rand(DType::U8, rows * cols.div_ceil(16), seed + 1),
+        )),
+        columnwise: Some((
+            c.rand(DType::U8, cols * rows.div_ceil(2), seed + 2),
+            c.rand(DType::U8, cols * rows.div_ceil(16), seed + 3),
+        )),
+    };
+    Ok(f64::from(c.dev.nvfp4_finish_2d(rows, cols, tiles, &views)?))
 }
 
 /// Median wall time of `reps` runs of `f` (each synchronised), after two warm-up runs.

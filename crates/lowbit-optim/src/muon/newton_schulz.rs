@@ -30,26 +30,37 @@
 //!
 //! Cost per NS step for a matrix `s x l` (`s = min(rows, cols)`, `l = max(rows, cols)`): three
 //! GEMMs, `s·s·l + s·s·s + s·s·l` multiply-adds, plus `O(s·l)` element-wise ops.
+//!
+//! **Fast mode** ([`NsMode::Fast`] on a CUDA device): the same recurrence with the bf16 mode's
+//! roundings on `Device::matmul_tc` (cuBLASLt, bf16 inputs, f32 accumulation), each GEMM with
+//! its `addmm` term in the epilogue and the result written straight to bf16:
+//! `A = r(X·Xᵀ)`, `B = r(c·(A·Aᵀ) + b·A)`, `X' = r(B·X + a·X)` (tall: `Y' = r(Y·B + a·Y)`), `X`
+//! and `X'` ping-ponging. `A` and `B` are symmetric, so the first two GEMMs are symmetric
+//! products (`MatmulTcSpec::symmetric`; `A·A = A·Aᵀ`), which the backend computes by blocks at
+//! three quarters of the cost. The cast, the norm and the scaling before the loop are the exact
+//! mode's ops. On the CPU backend the scratch is built for the exact mode instead.
 
-use lowbit_device::{DType, Device, MatmulSpec, View, bf16};
+use lowbit_device::{DType, Device, DeviceKind, MatmulSpec, MatmulTcSpec, View, bf16};
 
-use super::NsDtype;
+use super::{NsDtype, NsMode};
 use crate::error::Result;
 
 /// Device scratch for one Newton–Schulz run, sized for the largest matrix of an optimizer.
 #[derive(Debug)]
 pub(super) struct NsScratch {
     dtype: NsDtype,
+    /// The fast mode's tensor-core GEMMs (only on a CUDA device).
+    fast: bool,
     /// The iterate `X` in the NS dtype (`max rows·cols`).
     x: View,
     /// f32: the next iterate `B·X + a·X` before its rounding (in f32 mode, the other half of a
-    /// ping-pong with `x`).
+    /// ping-pong with `x`). Fast mode: bf16, the other half of the ping-pong.
     x_next: View,
-    /// f32 `s·s`: the Gram matrix `A` as summed.
+    /// f32 `s·s`: the Gram matrix `A` as summed (fast mode: bf16, `gram_ns` itself).
     gram: View,
     /// `A` in the NS dtype (bf16 mode; `gram` itself in f32 mode).
     gram_ns: View,
-    /// f32 `s·s`: `A·A`, then `B`.
+    /// f32 `s·s`: `A·A`, then `B` (fast mode: bf16 `B`, `poly_ns` itself).
     poly: View,
     /// `B` in the NS dtype (bf16 mode; `poly` itself in f32 mode).
     poly_ns: View,
@@ -65,10 +76,31 @@ pub(super) struct NsParams {
 
 impl NsScratch {
     /// Scratch for matrices of at most `max_len` elements whose smaller side is at most
-    /// `max_side`.
-    pub(super) fn new(dev: &mut Device, dtype: NsDtype, max_len: usize, max_side: usize) -> Self {
+    /// `max_side`, for `mode` on this device (fast mode only on CUDA; the config was
+    /// validated, so fast mode comes with bf16).
+    pub(super) fn new(
+        dev: &mut Device,
+        dtype: NsDtype,
+        mode: NsMode,
+        max_len: usize,
+        max_side: usize,
+    ) -> Self {
         let ns = dtype.device_dtype();
         let sq = max_side * max_side;
+        if mode == NsMode::Fast && dev.kind() == DeviceKind::Cuda {
+            let [x, x_next] = [0; 2].map(|_| dev.alloc(DType::Bf16, max_len));
+            let [gram, poly] = [0; 2].map(|_| dev.alloc(DType::Bf16, sq));
+            return NsScratch {
+                dtype,
+                fast: true,
+                x,
+                x_next,
+                gram,
+                gram_ns: gram,
+                poly,
+                poly_ns: poly,
+            };
+        }
         let x = dev.alloc(ns, max_len);
         let x_next = dev.alloc(DType::F32, max_len);
         let gram = dev.alloc(DType::F32, sq);
@@ -79,6 +111,7 @@ impl NsScratch {
         };
         NsScratch {
             dtype,
+            fast: false,
             x,
             x_next,
             gram,
@@ -92,8 +125,11 @@ impl NsScratch {
     pub(super) fn bytes(&self) -> usize {
         let mut n = self.x.byte_len() + self.x_next.byte_len();
         n += self.gram.byte_len() + self.poly.byte_len();
-        if self.dtype == NsDtype::Bf16 {
-            n += self.gram_ns.byte_len() + self.poly_ns.byte_len();
+        if self.gram_ns != self.gram {
+            n += self.gram_ns.byte_len();
+        }
+        if self.poly_ns != self.poly {
+            n += self.poly_ns.byte_len();
         }
         n
     }
@@ -124,6 +160,9 @@ impl NsScratch {
         // PyTorch's `clamp(min=eps)`: a NaN norm stays NaN.
         let norm = if norm < eps { eps } else { norm };
         dev.scale(x, (1.0 / f64::from(norm)) as f32)?;
+        if self.fast {
+            return fast_steps(dev, [x, x_next, gram, poly], rows, cols, p);
+        }
 
         // A = X·Xᵀ (wide) or Yᵀ·Y (tall, Y = Xᵀ stored as is): s x s, contracted over l.
         let gram_spec = MatmulSpec {
@@ -175,6 +214,51 @@ impl NsScratch {
         }
         Ok(x)
     }
+}
+
+/// The fast mode's iterations on bf16 `[x, x_next, gram, poly]` (see the module docs);
+/// returns the view holding the result.
+fn fast_steps(
+    dev: &mut Device,
+    [mut x, mut x_next, gram, poly]: [View; 4],
+    rows: usize,
+    cols: usize,
+    p: NsParams,
+) -> Result<View> {
+    let side = rows.min(cols);
+    let wide = rows <= cols;
+    let [a, b, c] = p.coefficients;
+    // A = X·Xᵀ (wide) or Yᵀ·Y (tall), symmetric.
+    let gram_spec = MatmulTcSpec {
+        trans_a: !wide,
+        trans_b: wide,
+        symmetric: true,
+        ..MatmulTcSpec::new(side, side, rows.max(cols))
+    };
+    // B = c·A·Aᵀ + b·A (A is symmetric, so A·Aᵀ = A·A and B is symmetric).
+    let poly_spec = MatmulTcSpec {
+        trans_b: true,
+        alpha: c,
+        beta: b,
+        symmetric: true,
+        ..MatmulTcSpec::new(side, side, side)
+    };
+    // X' = B·X + a·X (wide) or Y' = Y·B + a·Y (tall).
+    let update_spec = MatmulTcSpec {
+        beta: a,
+        ..MatmulTcSpec::new(rows, cols, side)
+    };
+    for _ in 0..p.steps {
+        dev.matmul_tc(x, x, None, gram, &gram_spec)?;
+        dev.matmul_tc(gram, gram, Some(gram), poly, &poly_spec)?;
+        if wide {
+            dev.matmul_tc(poly, x, Some(x), x_next, &update_spec)?;
+        } else {
+            dev.matmul_tc(x, poly, Some(x), x_next, &update_spec)?;
+        }
+        std::mem::swap(&mut x, &mut x_next);
+    }
+    Ok(x)
 }
 
 impl NsDtype {

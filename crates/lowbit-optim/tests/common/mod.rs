@@ -1,26 +1,28 @@
-//! Helpers shared by the `lowbit-optim` integration tests: rank threads, the test model's
-//! parameter specs and precision policy, the optimizers, a training loop through the public
-//! step driver, deterministic values and host-side assembly of sharded results.
+//! Helpers shared by the `lowbit-optim` integration tests: the test model's parameter specs,
+//! buffers and precision policy, the optimizers, a training loop through the public step
+//! driver, host-side assembly of sharded results; with `lowbit-testkit`'s rank threads,
+//! deterministic values, bitwise assertions and tiny model (re-exported here).
 
-#![allow(dead_code)] // each test file uses part of the helpers
+#![allow(dead_code, unused_imports)] // each test file uses part of the helpers
 
-pub mod model;
+pub use lowbit_testkit::{assert_same_bits, bits, download_f32, model, run, seed, values};
 
-use std::time::Duration;
+use std::ops::Range;
 
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
 };
 use lowbit_buffers::{
-    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, LowPrecisionWeights, Overlap,
-    ParamCompute, PrecisionPolicy, ProtocolError, Verify,
+    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute,
+    PrecisionPolicy, ProtocolError, Verify,
 };
-use lowbit_comm::{Communicator, GroupConfig, LocalComm, run_ranks};
-use lowbit_device::{DType, Device, View};
+use lowbit_comm::Communicator;
+use lowbit_device::Device;
 use lowbit_optim::{
     AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, OptimError, Optimizer,
-    Sgd, StepReport, Trainer,
+    Sgd, StepReport, Trainer, init_from_full,
 };
+use lowbit_testkit::weight_parts;
 
 use model::Mlp;
 
@@ -32,66 +34,6 @@ pub const BATCH: usize = 4;
 /// MXFP8 primary weights.
 pub const MXFP8: ParamStorage = ParamStorage::Quantized(QuantKind::Mxfp8);
 
-/// Runs `f` on `dp` rank threads (30 s collective timeout) and returns each rank's result.
-pub fn run<T: Send>(dp: usize, f: impl Fn(LocalComm, Device) -> T + Sync) -> Vec<T> {
-    run_ranks(
-        dp,
-        GroupConfig::default().with_timeout(Duration::from_secs(30)),
-        f,
-    )
-    .into_iter()
-    .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
-    .collect()
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// `n` deterministic values in `[-scale, scale)` with full 24-bit significands.
-pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let x = splitmix(seed.wrapping_mul(0x1000_0001) ^ i as u64);
-            let u = (x >> 40) as f32 / (1u32 << 24) as f32;
-            (2.0 * u - 1.0) * scale
-        })
-        .collect()
-}
-
-/// A seed from small integers.
-pub fn seed(parts: &[u64]) -> u64 {
-    parts
-        .iter()
-        .fold(0x5EED, |s, &p| splitmix(s ^ p.wrapping_mul(0x100_0193)))
-}
-
-/// Asserts two f32 slices are bitwise equal, naming the first difference (not dumping both).
-#[track_caller]
-pub fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let diffs: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].to_bits() != want[i].to_bits())
-        .collect();
-    if let Some(&i) = diffs.first() {
-        panic!(
-            "{what}: {} of {} elements differ; first at {i}: {} vs {} expected",
-            diffs.len(),
-            got.len(),
-            got[i],
-            want[i]
-        );
-    }
-}
-
-/// Bits of f32 values.
-pub fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// The model's parameters: matrices in `matrices` storage owned by optimizer 0, biases in bf16
 /// owned by optimizer 1 when `chained` (else 0).
 pub fn specs(matrices: ParamStorage, grad: GradDType, chained: bool) -> Vec<ParamSpec> {
@@ -99,13 +41,9 @@ pub fn specs(matrices: ParamStorage, grad: GradDType, chained: bool) -> Vec<Para
         .into_iter()
         .map(|(name, shape)| {
             let matrix = shape.len() == 2;
-            let key = BufferKey {
-                param_storage: if matrix { matrices } else { ParamStorage::Bf16 },
-                grad_dtype: grad,
-                expert: false,
-                owner: OptimizerId(u32::from(chained && !matrix)),
-            };
-            ParamSpec::new(name, shape, key)
+            let storage = if matrix { matrices } else { ParamStorage::Bf16 };
+            let owner = OptimizerId(u32::from(chained && !matrix));
+            ParamSpec::new(name, shape, BufferKey::new(storage, grad, owner))
         })
         .collect()
 }
@@ -145,6 +83,21 @@ pub fn ddp(overlap: Overlap) -> DdpConfig {
         .with_verify(Verify::Full)
 }
 
+/// Rank `rank`'s buffers of `dp` ranks over `specs`, configured by [`ddp`], initialized with
+/// `values`.
+pub fn buffers(
+    dev: &mut Device,
+    dp: usize,
+    rank: usize,
+    specs: &[ParamSpec],
+    overlap: Overlap,
+    values: &[Vec<f32>],
+) -> DataParallelBuffers {
+    let mut b = DataParallelBuffers::new(dev, dp, rank, specs.to_vec(), ddp(overlap)).unwrap();
+    b.initialize_all(dev, |p| values[p].clone()).unwrap();
+    b
+}
+
 /// AdamW for the matrices.
 pub fn adamw() -> AdamW {
     AdamW {
@@ -163,7 +116,7 @@ pub fn sgd() -> Sgd {
     }
 }
 
-/// A leaf optimizer of `owner` over `bufs`, masters from `init`.
+/// A leaf optimizer of `owner` over `bufs` (SGD when `rule_sgd`, else AdamW), masters from `init`.
 pub fn leaf(
     dev: &mut Device,
     bufs: &DataParallelBuffers,
@@ -172,11 +125,23 @@ pub fn leaf(
     cfg: OptimConfig,
     init: &[Vec<f32>],
 ) -> DistributedOptimizer {
-    let mut cb = lowbit_optim::init_from_full(init);
+    leaf_from(dev, bufs, owner, rule_sgd, cfg, &mut init_from_full(init))
+}
+
+/// [`leaf`] with masters from the init callback `cb`.
+pub fn leaf_from(
+    dev: &mut Device,
+    bufs: &DataParallelBuffers,
+    owner: u32,
+    rule_sgd: bool,
+    cfg: OptimConfig,
+    cb: &mut dyn FnMut(usize, Range<usize>) -> Vec<f32>,
+) -> DistributedOptimizer {
+    let owner = OptimizerId(owner);
     if rule_sgd {
-        DistributedOptimizer::new(dev, bufs, OptimizerId(owner), sgd(), cfg, &mut cb).unwrap()
+        DistributedOptimizer::new(dev, bufs, owner, sgd(), cfg, cb).unwrap()
     } else {
-        DistributedOptimizer::new(dev, bufs, OptimizerId(owner), adamw(), cfg, &mut cb).unwrap()
+        DistributedOptimizer::new(dev, bufs, owner, adamw(), cfg, cb).unwrap()
     }
 }
 
@@ -206,6 +171,17 @@ pub fn optimizer(
         )));
     }
     ChainedOptimizer::new(parts).unwrap()
+}
+
+/// A trainer of `bufs` and `opt` under [`policy`]`(specs, mxfp8)`.
+pub fn trainer(
+    dev: &mut Device,
+    bufs: DataParallelBuffers,
+    opt: impl Optimizer + 'static,
+    mxfp8: bool,
+) -> Trainer {
+    let pol = policy(bufs.specs(), mxfp8);
+    Trainer::new(dev, bufs, Box::new(opt), pol).unwrap()
 }
 
 /// The input of `(rank, step, microbatch)`, its first element NaN when `poison`.
@@ -252,37 +228,8 @@ pub fn train_step(
 /// low-precision copies and scales.
 pub fn weight_bytes(dev: &mut Device, bufs: &DataParallelBuffers) -> Vec<Vec<u8>> {
     (0..bufs.specs().len())
-        .map(|p| match bufs.low_precision_weights(p) {
-            None => dev.read_bytes(bufs.param_view(p).unwrap()).unwrap(),
-            Some(LowPrecisionWeights::Mxfp8(w)) => {
-                [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-                    .iter()
-                    .flat_map(|&v| dev.read_bytes(v).unwrap())
-                    .collect()
-            }
-            Some(LowPrecisionWeights::Nvfp4 { weights: w, amax }) => {
-                let mut out: Vec<u8> = [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-                    .iter()
-                    .flat_map(|&v| dev.read_bytes(v).unwrap())
-                    .collect();
-                out.extend(amax.to_le_bytes());
-                out
-            }
-            Some(other) => panic!("unknown weights {other:?}"),
-        })
+        .map(|p| weight_parts(dev, bufs, p).concat())
         .collect()
-}
-
-/// A float view's values as f32.
-pub fn download_f32(dev: &mut Device, v: View) -> Vec<f32> {
-    if v.dtype() == DType::F32 {
-        return dev.download(v).unwrap();
-    }
-    let tmp = dev.alloc(DType::F32, v.len());
-    dev.cast(v, tmp).unwrap();
-    let out = dev.download(tmp).unwrap();
-    dev.free(tmp).unwrap();
-    out
 }
 
 /// Sorted master shards with their values as bits (NaN-safe equality).
@@ -299,28 +246,11 @@ pub fn master_bits(dev: &Device, opt: &dyn Optimizer) -> Vec<(usize, usize, Vec<
 
 /// Full parameters assembled from every rank's pieces, each element exactly once.
 pub fn assemble(sizes: &[usize], pieces: &[Vec<MasterShard>]) -> Vec<Vec<f32>> {
-    let mut full: Vec<Vec<Option<f32>>> = sizes.iter().map(|&n| vec![None; n]).collect();
-    for rank in pieces {
-        for s in rank {
-            for (i, &v) in s.range.clone().zip(&s.values) {
-                assert!(
-                    full[s.param][i].is_none(),
-                    "param {} element {i} twice",
-                    s.param
-                );
-                full[s.param][i] = Some(v);
-            }
-        }
-    }
-    full.into_iter()
-        .enumerate()
-        .map(|(p, v)| {
-            v.into_iter()
-                .enumerate()
-                .map(|(i, x)| x.unwrap_or_else(|| panic!("param {p} element {i} missing")))
-                .collect()
-        })
-        .collect()
+    let pieces = pieces.iter().flatten();
+    lowbit_testkit::assemble(
+        sizes,
+        pieces.map(|s| (s.param, s.range.clone(), &s.values[..])),
+    )
 }
 
 /// The protocol violation inside an optimizer error.

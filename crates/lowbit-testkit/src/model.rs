@@ -2,8 +2,7 @@
 //! hand-written backward on `lowbit_device` ops. It owns no parameter or gradient memory: every
 //! parameter comes from [`Hooks::param`] and every gradient goes through [`Hooks::accumulate`],
 //! in backward order (last layer first, bias before weight), which is the order the buffers'
-//! buckets are laid out in. (A copy of the model in `lowbit-buffers`' tests: test code is not
-//! shared across packages.)
+//! buckets are laid out in. The `lowbit-buffers` and `lowbit-optim` tests train it.
 
 use lowbit_buffers::{Hooks, Result, Usage};
 use lowbit_device::{DType, Device, MatmulSpec, View};
@@ -165,10 +164,10 @@ impl Mlp {
     /// A deterministic batch `(x, target)` for `(rank, step, microbatch)`.
     pub fn sample(&self, rank: usize, step: usize, micro: usize) -> (Vec<f32>, Vec<f32>) {
         let (i, o) = self.io();
-        let s = super::seed(&[rank as u64, step as u64, micro as u64]);
+        let s = crate::seed(&[rank as u64, step as u64, micro as u64]);
         (
-            super::values(s, self.batch * i, 1.0),
-            super::values(s ^ 1, self.batch * o, 0.5),
+            crate::values(s, self.batch * i, 1.0),
+            crate::values(s ^ 1, self.batch * o, 0.5),
         )
     }
 }

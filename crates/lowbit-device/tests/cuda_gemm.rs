@@ -1,0 +1,163 @@
+//! `Device::matmul_tc` on CUDA (cuBLASLt) against the CPU reference on a GPU: every transpose,
+//! no / separate / in-place C, f32 and bf16 outputs, symmetric products by blocks (exactly
+//! symmetric) and as one GEMM; the same refusals as the CPU. Needs a GPU and cuBLASLt on the
+//! library path (`gpu/with_cublas.sh`); fails, never skips, without them.
+#![cfg(feature = "cuda")]
+
+use lowbit_device::{DType, Device, MatmulTcSpec, View, bf16};
+
+fn put(dev: &mut Device, dtype: DType, vals: &[f32]) -> View {
+    let v = dev.alloc(dtype, vals.len());
+    match dtype {
+        DType::F32 => dev.upload(v, vals).unwrap(),
+        _ => {
+            let h: Vec<bf16> = vals.iter().map(|x| bf16::from_f32(*x)).collect();
+            dev.upload(v, &h).unwrap();
+        }
+    }
+    v
+}
+
+fn get(dev: &Device, v: View) -> Vec<f32> {
+    match v.dtype() {
+        DType::F32 => dev.download(v).unwrap(),
+        _ => dev
+            .download::<bf16>(v)
+            .unwrap()
+            .into_iter()
+            .map(bf16::to_f32)
+            .collect(),
+    }
+}
+
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Runs `spec` with C mode `c_mode` (0 none, 1 separate, 2 in place) and returns D.
+fn run(dev: &mut Device, spec: &MatmulTcSpec, out: DType, c_mode: u8, seed: u64) -> Vec<f32> {
+    let a = put(dev, DType::Bf16, &values(seed, spec.m * spec.k));
+    let b = if spec.symmetric {
+        a
+    } else {
+        put(dev, DType::Bf16, &values(seed + 1, spec.k * spec.n))
+    };
+    let mut cv = values(seed + 2, spec.m * spec.n);
+    if spec.symmetric {
+        let n = spec.n;
+        for i in 0..n {
+            for j in 0..i {
+                cv[i * n + j] = cv[j * n + i];
+            }
+        }
+    }
+    let c = put(dev, out, &cv);
+    let d = if c_mode == 2 {
+        c
+    } else {
+        put(dev, out, &vec![f32::NAN; spec.m * spec.n])
+    };
+    dev.matmul_tc(a, b, (c_mode > 0).then_some(c), d, spec)
+        .unwrap();
+    get(dev, d)
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let (mut n, mut d) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        n += (f64::from(*x) - f64::from(*y)).powi(2);
+        d += f64::from(*y).powi(2);
+    }
+    (n / d).sqrt()
+}
+
+#[test]
+fn matmul_tc_matches_the_cpu() {
+    let mut gpu = Device::cuda(0).unwrap();
+    let mut cpu = Device::cpu();
+    let mut seed = 11;
+    for (m, n, k) in [(1, 1, 1), (33, 65, 17), (128, 96, 300), (7, 300, 64)] {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                for c_mode in 0..3u8 {
+                    for out in [DType::F32, DType::Bf16] {
+                        seed += 3;
+                        let spec = MatmulTcSpec {
+                            trans_a: ta,
+                            trans_b: tb,
+                            alpha: 0.75,
+                            beta: if c_mode == 0 { 0.0 } else { -1.5 },
+                            ..MatmulTcSpec::new(m, n, k)
+                        };
+                        let g = run(&mut gpu, &spec, out, c_mode, seed);
+                        let c = run(&mut cpu, &spec, out, c_mode, seed);
+                        let tol = if out == DType::F32 { 1e-5 } else { 4e-3 };
+                        let r = rel(&g, &c);
+                        assert!(
+                            g.iter().all(|v| v.is_finite()) && r <= tol,
+                            "{m}x{n}x{k} ta {ta} tb {tb} c {c_mode} {out:?}: rel {r:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(gpu.host_fallback_calls().is_empty());
+}
+
+#[test]
+fn symmetric_blocks_are_exactly_symmetric_and_match_the_cpu() {
+    let mut gpu = Device::cuda(0).unwrap();
+    let mut cpu = Device::cpu();
+    for (i, (trans, c_mode, out)) in [
+        (false, 0u8, DType::Bf16),
+        (true, 1, DType::F32),
+        (false, 2, DType::Bf16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let spec = MatmulTcSpec {
+            trans_a: trans,
+            trans_b: !trans,
+            alpha: 1.25,
+            beta: if c_mode == 0 { 0.0 } else { 0.5 },
+            symmetric: true,
+            ..MatmulTcSpec::new(2048, 2048, 64)
+        };
+        let seed = 100 + i as u64;
+        let blocks = run(&mut gpu, &spec, out, c_mode, seed);
+        gpu.set_cuda_kernel_variant("matmul_tc_symmetric", 0)
+            .unwrap();
+        let full = run(&mut gpu, &spec, out, c_mode, seed);
+        gpu.set_cuda_kernel_variant("matmul_tc_symmetric", 1)
+            .unwrap();
+        let want = run(&mut cpu, &spec, out, c_mode, seed);
+        let n = 2048;
+        for r in 0..n {
+            for c in 0..r {
+                assert_eq!(
+                    blocks[r * n + c].to_bits(),
+                    blocks[c * n + r].to_bits(),
+                    "case {i}: ({r}, {c})"
+                );
+            }
+        }
+        let tol = if out == DType::F32 { 1e-5 } else { 4e-3 };
+        for (name, got) in [("blocks", &blocks), ("full", &full)] {
+            let r = rel(got, &want);
+            assert!(
+                got.iter().all(|v| v.is_finite()) && r <= tol,
+                "case {i} {name}: rel {r:e}"
+            );
+        }
+    }
+}
