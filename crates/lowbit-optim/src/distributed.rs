@@ -297,7 +297,11 @@ impl Optimizer for DistributedOptimizer {
 
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
         let mine = self.matched(state)?;
-        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(1 + s_len(&*self.rule))) {
+        for (s, chunk) in self
+            .shards
+            .iter()
+            .zip(mine.tensors.chunks(1 + s_len(&*self.rule)))
+        {
             for (&view, t) in std::iter::once(&s.master).chain(&s.state).zip(chunk) {
                 dev.upload(view, &t.values)?;
             }

@@ -10,7 +10,9 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::{BufferPlan, ParamSpec, matrix_dims};
 
 use super::mxfp8_weight_config;
-use super::{AfterGather, Gathered, LowPrecisionWeights, Mxfp8Weights, Storage, StorageBytes, StorageKind};
+use super::{
+    AfterGather, Gathered, LowPrecisionWeights, Mxfp8Weights, Storage, StorageBytes, StorageKind,
+};
 use crate::config::Verify;
 use crate::error::Result;
 
