@@ -1,6 +1,7 @@
 //! Optimizers over fp32 master shards and the optimizer half of the training-step protocol: the
 //! [`Optimizer`] trait, element-wise [`UpdateRule`]s (AdamW, SGD), the [`DistributedOptimizer`]
-//! over the shards a rank owns under the plan, [`ChainedOptimizer`] (nestable), global
+//! over the shards a rank owns under the plan, [`Muon`] over whole matrices owned under the
+//! layer-wise rule, [`ChainedOptimizer`] (nestable), global
 //! gradient-norm clipping, skipping non-finite steps, state export/import, and the step driver
 //! ([`Trainer`]: the protocol as types; [`protocol`]: the same steps as functions).
 //!
@@ -22,9 +23,8 @@
 //!   f64 in a fixed order; the ranks exchange those as bytes and add them in rank order.
 //!
 //! # Non-goals
-//! Muon and its layer-wise driver (next; the plan's layer-wise rule and this trait are its
-//! seams), loss scaling for fp16, optimizer-state offload, checkpoint files (`lowbit-ckpt`
-//! builds on [`Optimizer::export_state`]).
+//! Loss scaling for fp16, optimizer-state offload, checkpoint files (`lowbit-ckpt` builds on
+//! [`Optimizer::export_state`]).
 
 mod chained;
 mod distributed;
