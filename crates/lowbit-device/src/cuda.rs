@@ -130,9 +130,11 @@ pub(crate) struct CudaDevice {
     nvfp4_version: u32,
     /// cuBLASLt for `matmul_tc`, opened on its first call.
     gemm: Option<Box<gemm::Gemm>>,
-    /// Whether symmetric `matmul_tc` products are computed by blocks (3/4 of the work; the
-    /// default) or as one full GEMM: `set_cuda_kernel_variant("matmul_tc_symmetric", 1 | 0)`.
-    tc_symmetric: bool,
+    /// How symmetric `matmul_tc` products run: 1 by blocks (3/4 of the work) with the mirror
+    /// by `cublasLtMatrixTransform`, or by an identity GEMM where cuBLASLt refuses that (the
+    /// default); 2 by blocks with the identity GEMM; 0 as one full GEMM
+    /// (`set_cuda_kernel_variant("matmul_tc_symmetric", 0..=2)`).
+    tc_symmetric: u32,
 }
 
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
@@ -172,7 +174,7 @@ impl CudaDevice {
             mxfp8_both_version: 4,
             nvfp4_version: 3,
             gemm: None,
-            tc_symmetric: true,
+            tc_symmetric: 1,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -381,7 +383,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("nvfp4", 1..=3) => self.nvfp4_version = version,
-            ("matmul_tc_symmetric", 0 | 1) => self.tc_symmetric = version == 1,
+            ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"

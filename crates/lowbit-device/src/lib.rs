@@ -71,7 +71,8 @@
 //! [`Device::dequantize_mxfp8_rowwise`], [`Device::dequantize_mxfp8_columnwise`],
 //! [`Device::quantize_nvfp4`], [`Device::dequantize_nvfp4_rowwise`],
 //! [`Device::dequantize_nvfp4_columnwise`]. Optimizers: [`Device::adamw`],
-//! [`Device::sgd_momentum`]. [`Device::matmul`]. Model ops (f32, row-major `[rows, cols]`):
+//! [`Device::sgd_momentum`]. [`Device::matmul`], and [`Device::matmul_tc`] (the tensor-core
+//! product: cuBLASLt on CUDA, close to but not bit-identical with its CPU reference). Model ops (f32, row-major `[rows, cols]`):
 //! [`Device::add_bias`], [`Device::bias_grad`], [`Device::rms_norm`],
 //! [`Device::rms_norm_backward`], [`Device::gelu`], [`Device::gelu_backward`],
 //! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],

@@ -121,6 +121,11 @@ impl NsScratch {
         }
     }
 
+    /// Whether this scratch runs the fast mode (fast mode on a CUDA device).
+    pub(super) fn is_fast(&self) -> bool {
+        self.fast
+    }
+
     /// Bytes held.
     pub(super) fn bytes(&self) -> usize {
         let mut n = self.x.byte_len() + self.x_next.byte_len();
