@@ -34,9 +34,8 @@ use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
-    ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, OptimConfig, Optimizer,
-    OptimizerMemory, OptimizerState, RankMemory, Trainer, estimate_memory, init_from_full,
-    memory_report,
+    ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, OptimConfig, Optimizer, RankMemory,
+    Trainer, estimate_memory, init_from_full, memory_report,
 };
 
 pub use config::{
@@ -306,74 +305,6 @@ fn ownership(
 
 /// The weight decay of AdamW's decayed group.
 const ADAMW_DECAY: f32 = 0.1;
-
-/// An optimizer whose learning rate follows the chain's schedule at another peak: `set_lr(lr)`
-/// gives it `lr · ratio` (computed in f64, rounded once), so Muon's rate warms up and decays
-/// with AdamW's. Everything else is the inner optimizer's.
-#[derive(Debug)]
-struct RescaledLr {
-    inner: Box<dyn Optimizer>,
-    ratio: f64,
-}
-
-impl Optimizer for RescaledLr {
-    fn owners(&self) -> Vec<OptimizerId> {
-        self.inner.owners()
-    }
-    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
-        self.inner.local_sum_squares(dev)
-    }
-    fn clip_grad(&self) -> Option<f32> {
-        self.inner.clip_grad()
-    }
-    fn apply(
-        &mut self,
-        dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
-        clip_coef: f32,
-    ) -> lowbit_optim::Result<()> {
-        self.inner.apply(dev, bufs, clip_coef)
-    }
-    fn stage(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
-        only_stale: bool,
-    ) -> lowbit_optim::Result<()> {
-        self.inner.stage(dev, comm, bufs, only_stale)
-    }
-    fn set_lr(&mut self, lr: f32) -> lowbit_optim::Result<()> {
-        let scaled = if self.ratio == 1.0 {
-            lr
-        } else {
-            (f64::from(lr) * self.ratio) as f32
-        };
-        self.inner.set_lr(scaled)
-    }
-    fn steps(&self) -> u64 {
-        self.inner.steps()
-    }
-    fn masters(&self, dev: &Device) -> lowbit_optim::Result<Vec<MasterShard>> {
-        self.inner.masters(dev)
-    }
-    fn export_state(&self, dev: &Device) -> lowbit_optim::Result<Vec<OptimizerState>> {
-        self.inner.export_state(dev)
-    }
-    fn check_import(&self, state: &[OptimizerState]) -> lowbit_optim::Result<()> {
-        self.inner.check_import(state)
-    }
-    fn import_state(
-        &mut self,
-        dev: &mut Device,
-        state: &[OptimizerState],
-    ) -> lowbit_optim::Result<()> {
-        self.inner.import_state(dev, state)
-    }
-    fn memory(&self) -> OptimizerMemory {
-        self.inner.memory()
-    }
-}
 
 /// What every rank of a run shares.
 struct Job<'a> {
@@ -655,19 +586,12 @@ fn rank_main(
     }
     if let Some(m) = cfg.optimizer.muon() {
         let mut pieces = init_from_full(&init);
-        let muon = Muon::new(
-            dev,
-            &bufs,
-            owners::MUON,
-            m.config(),
-            OptimConfig::new(m.lr),
-            &mut pieces,
-        )
-        .map_err(|x| e(&x))?;
-        parts.push(Box::new(RescaledLr {
-            inner: Box::new(muon),
-            ratio: f64::from(m.lr) / f64::from(cfg.lr),
-        }));
+        // Muon's rate follows AdamW's warmup and decay at its own peak.
+        let ratio = f64::from(m.lr) / f64::from(cfg.lr);
+        let optim = OptimConfig::new(m.lr).with_lr_ratio(ratio);
+        let muon = Muon::new(dev, &bufs, owners::MUON, m.config(), optim, &mut pieces)
+            .map_err(|x| e(&x))?;
+        parts.push(Box::new(muon));
     }
     let opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
     let mut trainer =

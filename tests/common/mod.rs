@@ -822,6 +822,20 @@ pub fn variant(base: Run, gather: bool) -> Run {
     }
 }
 
+/// The ON run (with `fusion` as its gradient accumulation) and the OFF run of `base`, each
+/// checked to be identical across its ranks.
+pub fn train_on_off(base: Run, fusion: GradAccumulation) -> (Vec<Outcome>, Vec<Outcome>) {
+    let on_run = variant(base, true);
+    let on = train(Run {
+        ddp: on_run.ddp.with_grad_accumulation(fusion),
+        ..on_run
+    });
+    let off = train(variant(base, false));
+    assert_ranks_identical(&on);
+    assert_ranks_identical(&off);
+    (on, off)
+}
+
 /// Compares everything but the masters' sharding (classic DDP holds whole masters).
 pub fn assert_parity(on: &[Outcome], off: &[Outcome], what: &str) {
     assert_same_trajectory(on, off, what);
@@ -889,14 +903,7 @@ pub fn parity_matrix(
                         } else {
                             GradAccumulation::Unfused
                         };
-                        let on_run = variant(base, true);
-                        let on = train(Run {
-                            ddp: on_run.ddp.with_grad_accumulation(fusion),
-                            ..on_run
-                        });
-                        let off = train(variant(base, false));
-                        assert_ranks_identical(&on);
-                        assert_ranks_identical(&off);
+                        let (on, off) = train_on_off(base, fusion);
                         if precision == Precision::Bf16 && !on[0].masters.is_empty() {
                             // Classic DDP vs distributed optimizer: masters are sharded
                             // differently but assemble to the same values.
@@ -976,14 +983,7 @@ pub fn muon_parity_matrix(
                         "Muon {precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?} \
                          {fusion:?} hidden_only={hidden_only} case={cases}"
                     );
-                    let on_run = variant(base, true);
-                    let on = train(Run {
-                        ddp: on_run.ddp.with_grad_accumulation(fusion),
-                        ..on_run
-                    });
-                    let off = train(variant(base, false));
-                    assert_ranks_identical(&on);
-                    assert_ranks_identical(&off);
+                    let (on, off) = train_on_off(base, fusion);
                     assert_eq!(on[0].low_precision_params, 4, "{what}");
                     assert_eq!(off[0].low_precision_params, 0, "{what}");
                     assert_parity(&on, &off, &what);

@@ -165,17 +165,7 @@ impl DataParallelBuffers {
     ) -> Result<()> {
         // Refuse before touching anything: reducing some groups and then refusing would leave
         // gradients (and the staging views aliasing them) half reduced.
-        if let Some(g) = self
-            .groups
-            .iter()
-            .position(|g| g.param_state == ParamSyncState::InFlight)
-        {
-            return Err(ProtocolError::GatherInFlight {
-                group: g,
-                operation: "finish_grad_sync",
-            }
-            .into());
-        }
+        self.refuse_gather_in_flight("finish_grad_sync")?;
         for g in 0..self.groups.len() {
             self.groups[g].param_state = ParamSyncState::Idle;
             if self.groups[g].grad_reduce_finished {

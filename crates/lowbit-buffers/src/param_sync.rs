@@ -158,20 +158,18 @@ impl DataParallelBuffers {
         self.groups_where(|g| g.param_state == ParamSyncState::InFlight)
     }
 
+    /// `GatherInFlight` naming `operation` if any group's gather is in flight.
+    pub(crate) fn refuse_gather_in_flight(&self, operation: &'static str) -> Result<()> {
+        match self.param_gathers_in_flight().first() {
+            Some(&group) => Err(ProtocolError::GatherInFlight { group, operation }.into()),
+            None => Ok(()),
+        }
+    }
+
     /// Resets every group's gather state to idle (after staging new values); refuses while a
     /// gather is in flight.
     pub fn reset_param_sync(&mut self) -> Result<()> {
-        if let Some(g) = self
-            .groups
-            .iter()
-            .position(|g| g.param_state == ParamSyncState::InFlight)
-        {
-            return Err(ProtocolError::GatherInFlight {
-                group: g,
-                operation: "reset_param_sync",
-            }
-            .into());
-        }
+        self.refuse_gather_in_flight("reset_param_sync")?;
         self.groups
             .iter_mut()
             .for_each(|g| g.param_state = ParamSyncState::Idle);

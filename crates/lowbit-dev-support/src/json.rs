@@ -43,6 +43,14 @@ impl Json {
         }
     }
 
+    /// The number, if this is one.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Json::Num(x) => Some(*x),
+            _ => None,
+        }
+    }
+
     /// The string, if this is one.
     pub fn str(&self) -> Option<&str> {
         match self {

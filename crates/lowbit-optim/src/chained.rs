@@ -4,12 +4,11 @@
 //! part stepped (so no bucket group is gathered before its owner updated it: bug class D).
 
 use lowbit_buffers::DataParallelBuffers;
-use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterShard, Optimizer, OptimizerMemory, OptimizerState};
+use crate::optimizer::{MasterPiece, MasterShard, Optimizer, OptimizerMemory, OptimizerState};
 
 /// See the module docs. A chain is an [`Optimizer`] itself, so chains nest.
 #[derive(Debug)]
@@ -58,26 +57,16 @@ impl Optimizer for ChainedOptimizer {
             .filter_map(|p| p.clip_grad())
             .reduce(f32::min)
     }
-    fn apply(
-        &mut self,
-        dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
-        clip_coef: f32,
-    ) -> Result<()> {
+    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
         self.parts
             .iter_mut()
-            .try_for_each(|p| p.apply(dev, bufs, clip_coef))
+            .try_for_each(|p| p.apply(dev, bufs, clip))
     }
-    fn stage(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
-        only_stale: bool,
-    ) -> Result<()> {
+    fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
         self.parts
             .iter()
-            .try_for_each(|p| p.stage(dev, comm, bufs, only_stale))
+            .flat_map(|p| p.masters_to_stage())
+            .collect()
     }
     fn set_lr(&mut self, lr: f32) -> Result<()> {
         // Validate once so that nothing changes if it is invalid.

@@ -4,14 +4,13 @@
 
 use std::ops::Range;
 
-use lowbit_buffers::{DataParallelBuffers, StagePiece};
-use lowbit_comm::Communicator;
+use lowbit_buffers::DataParallelBuffers;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
+    MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
 };
 use crate::rule::{ShardViews, UpdateRule};
 
@@ -188,30 +187,19 @@ impl Optimizer for DistributedOptimizer {
     /// partials in index order, then the partials in index order), the same bits on every
     /// backend.
     fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
-        let mut sum = 0.0;
-        for s in &self.shards {
-            if s.grad32 != s.grad_view {
-                dev.cast(s.grad_view, s.grad32)?;
-            }
-            sum += dev.sum_squares(s.grad32)?;
-        }
-        Ok(sum)
+        let grads = self.shards.iter().map(|s| (s.grad_view, s.grad32));
+        crate::optimizer::widened_sum_squares(dev, grads)
     }
 
     fn clip_grad(&self) -> Option<f32> {
         self.cfg.clip_grad
     }
 
-    fn apply(
-        &mut self,
-        dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
-        clip_coef: f32,
-    ) -> Result<()> {
+    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
         self.steps += 1;
         for s in &self.shards {
-            if clip_coef < 1.0 {
-                dev.scale(s.grad32, clip_coef)?;
+            if clip < 1.0 {
+                dev.scale(s.grad32, clip)?;
             }
             let views = ShardViews {
                 master: s.master,
@@ -225,43 +213,18 @@ impl Optimizer for DistributedOptimizer {
         Ok(())
     }
 
-    fn stage(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
-        only_stale: bool,
-    ) -> Result<()> {
-        if only_stale && !bufs.has_stale(self.owner) {
-            return Ok(());
-        }
-        if !only_stale {
-            // The same rounding the fused update wrote, so after a normal step this is a no-op
-            // on the bits; after an import it brings persistent weights to the masters.
-            for s in &self.shards {
-                if let Some(out) = s.fused_output {
-                    dev.cast(s.master, out)?;
-                }
-            }
-        }
-        let pieces: Vec<StagePiece> = self
-            .shards
-            .iter()
-            .filter(|s| s.fused_output.is_none())
-            .map(|s| StagePiece {
-                param: s.param,
-                param_range: s.param_range.clone(),
-                master: s.master,
-            })
-            .collect();
-        bufs.stage(dev, comm, self.owner, &pieces)?;
-        Ok(())
+    fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
+        let pieces = self.shards.iter().map(|s| MasterPiece {
+            param: s.param,
+            range: s.param_range.clone(),
+            master: s.master,
+            fused_output: s.fused_output,
+        });
+        vec![(self.owner, pieces.collect())]
     }
 
     fn set_lr(&mut self, lr: f32) -> Result<()> {
-        let cfg = OptimConfig { lr, ..self.cfg };
-        cfg.validate()?;
-        self.cfg = cfg;
+        self.cfg = self.cfg.scheduled(lr)?;
         Ok(())
     }
 

@@ -5,9 +5,9 @@
 use std::fmt::Debug;
 use std::ops::Range;
 
-use lowbit_buffers::DataParallelBuffers;
+use lowbit_buffers::{DataParallelBuffers, StagePiece};
 use lowbit_comm::Communicator;
-use lowbit_device::Device;
+use lowbit_device::{Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
@@ -21,6 +21,10 @@ pub struct OptimConfig {
     /// Clip the global gradient norm to this value (`None`: no clipping). A chain clips to the
     /// smallest value of its parts.
     pub clip_grad: Option<f32>,
+    /// The ratio of this optimizer's learning rate to a schedule's: `set_lr(x)` sets
+    /// `lr = x · lr_ratio` (in f64, rounded once), so parts of a chain with different peak rates
+    /// (Muon and AdamW) follow one warmup and decay. 1 by default.
+    pub lr_ratio: f64,
 }
 
 impl OptimConfig {
@@ -29,12 +33,31 @@ impl OptimConfig {
         OptimConfig {
             lr,
             clip_grad: None,
+            lr_ratio: 1.0,
         }
     }
 
     lowbit_layout::setters! {
         /// Sets the clip value.
         with_clip_grad => clip_grad: Option<f32>;
+        /// Sets the ratio to a schedule's learning rate.
+        with_lr_ratio => lr_ratio: f64;
+    }
+
+    /// This configuration with the learning rate set from a schedule's `lr` (times
+    /// [`Self::lr_ratio`]), validated: what every `Optimizer::set_lr` does.
+    ///
+    /// # Errors
+    /// [`InvalidInput::LearningRate`]; `self` is unchanged then.
+    pub fn scheduled(self, lr: f32) -> Result<Self> {
+        let lr = if self.lr_ratio == 1.0 {
+            lr
+        } else {
+            (f64::from(lr) * self.lr_ratio) as f32
+        };
+        let cfg = OptimConfig { lr, ..self };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// Checks the values.
@@ -50,6 +73,9 @@ impl OptimConfig {
         {
             return Err(InvalidInput::ClipGrad(c).into());
         }
+        if !(self.lr_ratio.is_finite() && self.lr_ratio > 0.0) {
+            return Err(InvalidInput::LearningRate(self.lr_ratio as f32).into());
+        }
         Ok(())
     }
 }
@@ -63,6 +89,20 @@ pub struct MasterShard {
     pub range: Range<usize>,
     /// The master values of that range.
     pub values: Vec<f32>,
+}
+
+/// One owned piece of fp32 masters, as staging needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MasterPiece {
+    /// Global parameter id.
+    pub param: usize,
+    /// Range within the flattened parameter.
+    pub range: Range<usize>,
+    /// The fp32 master values.
+    pub master: View,
+    /// Where persistent storage takes the rounded values; `None` for low-precision storage,
+    /// which is staged through the buffers.
+    pub fused_output: Option<View>,
 }
 
 /// One named fp32 tensor of optimizer state over one owned piece.
@@ -146,22 +186,21 @@ pub trait Optimizer: Debug + Send {
     /// The clip value (a chain: the smallest of its parts).
     fn clip_grad(&self) -> Option<f32>;
 
-    /// Clips by `clip_coef`, updates the masters (and fused parameter outputs), counts the step
+    /// Clips by the coefficient `clip` (at most 1), updates the masters (and fused parameter outputs), counts the step
     /// and marks the owners' low-precision weights stale in `bufs`.
     ///
     /// # Errors
     /// Device errors.
-    fn apply(
-        &mut self,
-        dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
-        clip_coef: f32,
-    ) -> Result<()>;
+    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()>;
+
+    /// This rank's master pieces, per owner, in staging order (a chain: its parts' in order).
+    fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)>;
 
     /// Stages the owners' weights from the masters (collective): low-precision weights through
     /// [`DataParallelBuffers::stage`]; with `only_stale`, only owners whose weights are stale.
     /// Without `only_stale` (forced syncs) persistent weights are rewritten from the masters too,
-    /// so that a forced sync after an import makes every weight reflect the masters.
+    /// so that a forced sync after an import makes every weight reflect the masters. Every rank
+    /// stages every owner, also one it holds no piece of (the staging may be collective).
     ///
     /// # Errors
     /// Buffer errors (protocol violations included).
@@ -171,7 +210,29 @@ pub trait Optimizer: Debug + Send {
         comm: &mut dyn Communicator,
         bufs: &mut DataParallelBuffers,
         only_stale: bool,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        for (owner, pieces) in self.masters_to_stage() {
+            if only_stale && !bufs.has_stale(owner) {
+                continue;
+            }
+            let mut low = Vec::with_capacity(pieces.len());
+            for piece in pieces {
+                match piece.fused_output {
+                    // The rounding the fused update wrote, so after a normal step this changes
+                    // no bit; after an import it brings persistent weights to the masters.
+                    Some(out) if !only_stale => dev.cast(piece.master, out)?,
+                    Some(_) => {}
+                    None => low.push(StagePiece {
+                        param: piece.param,
+                        param_range: piece.range,
+                        master: piece.master,
+                    }),
+                }
+            }
+            bufs.stage(dev, comm, owner, &low)?;
+        }
+        Ok(())
+    }
 
     /// Sets the learning rate of every part; nothing changes if it is invalid.
     ///
@@ -214,6 +275,24 @@ pub trait Optimizer: Debug + Send {
 
     /// Bytes held on this rank.
     fn memory(&self) -> OptimizerMemory;
+}
+
+/// Widens each reduced gradient to its fp32 copy (nothing to do when the gradient is fp32 and
+/// used in place) and returns the sum of the squares, pieces in order and each in
+/// `Device::sum_squares`' blocked order: the same bits on every backend. What every
+/// `local_sum_squares` over `(gradient, fp32 gradient)` pairs does.
+pub(crate) fn widened_sum_squares(
+    dev: &mut Device,
+    grads: impl IntoIterator<Item = (View, View)>,
+) -> Result<f64> {
+    let mut sum = 0.0;
+    for (grad, grad32) in grads {
+        if grad32 != grad {
+            dev.cast(grad, grad32)?;
+        }
+        sum += dev.sum_squares(grad32)?;
+    }
+    Ok(sum)
 }
 
 /// An init callback over full initial values (`init[p]` is parameter `p`, flattened): the

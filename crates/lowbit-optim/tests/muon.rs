@@ -13,8 +13,9 @@
 //!   gradient before the momentum; memory is masters + momentum + scratch;
 //! - refusals: a plan that splits a parameter, a non-matrix parameter, bad hyper-parameters.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
+
+use lowbit_dev_support::json::Json;
 
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, PlanConfig, QuantKind,
@@ -60,162 +61,36 @@ const TOL_F32: f32 = 1e-6;
 /// 125x below 4 NS steps or Nesterov flipped (≥ 1.25e-2), which the test asserts exceed it.
 const TOL_BF16: f32 = 1e-4;
 
-/// A parsed JSON value (just what the golden file uses).
-#[derive(Debug, Clone)]
-enum Json {
-    Null,
-    Bool(bool),
-    Num(f64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(BTreeMap<String, Json>),
+/// Strict readers of the golden file (a missing key or a wrong type is a test failure).
+trait Golden {
+    fn number(&self) -> f64;
+    fn text(&self) -> &str;
+    fn flag(&self) -> bool;
+    /// An f32 array stored as 8 hex digits (the bit pattern) per value.
+    fn f32s(&self) -> Vec<f32>;
 }
 
-impl Json {
-    fn parse(text: &str) -> Json {
-        let mut p = Parser {
-            s: text.as_bytes(),
-            i: 0,
-        };
-        let v = p.value();
-        p.ws();
-        assert_eq!(p.i, p.s.len(), "trailing JSON");
-        v
+impl Golden for Json {
+    fn number(&self) -> f64 {
+        self.as_f64()
+            .unwrap_or_else(|| panic!("not a number: {self:?}"))
     }
-    fn get(&self, k: &str) -> &Json {
-        match self {
-            Json::Obj(m) => m.get(k).unwrap_or_else(|| panic!("no key `{k}`")),
-            _ => panic!("not an object"),
-        }
+    fn text(&self) -> &str {
+        self.str()
+            .unwrap_or_else(|| panic!("not a string: {self:?}"))
     }
-    fn arr(&self) -> &[Json] {
-        match self {
-            Json::Arr(a) => a,
-            _ => panic!("not an array"),
-        }
-    }
-    fn num(&self) -> f64 {
-        match self {
-            Json::Num(x) => *x,
-            _ => panic!("not a number"),
-        }
-    }
-    fn str(&self) -> &str {
-        match self {
-            Json::Str(s) => s,
-            _ => panic!("not a string"),
-        }
-    }
-    fn bool(&self) -> bool {
+    fn flag(&self) -> bool {
         match self {
             Json::Bool(b) => *b,
-            _ => panic!("not a bool"),
+            other => panic!("not a bool: {other:?}"),
         }
     }
-    /// An f32 array stored as 8 hex digits (the bit pattern) per value.
     fn f32s(&self) -> Vec<f32> {
-        let s = self.str();
+        let s = self.text();
         assert_eq!(s.len() % 8, 0);
         (0..s.len() / 8)
             .map(|i| f32::from_bits(u32::from_str_radix(&s[8 * i..8 * i + 8], 16).unwrap()))
             .collect()
-    }
-}
-
-struct Parser<'a> {
-    s: &'a [u8],
-    i: usize,
-}
-
-impl Parser<'_> {
-    fn ws(&mut self) {
-        while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
-            self.i += 1;
-        }
-    }
-    fn eat(&mut self, c: u8) {
-        self.ws();
-        assert_eq!(
-            self.s[self.i], c,
-            "JSON: expected `{}` at {}",
-            c as char, self.i
-        );
-        self.i += 1;
-    }
-    fn value(&mut self) -> Json {
-        self.ws();
-        match self.s[self.i] {
-            b'{' => {
-                self.i += 1;
-                let mut m = BTreeMap::new();
-                self.ws();
-                if self.s[self.i] == b'}' {
-                    self.i += 1;
-                    return Json::Obj(m);
-                }
-                loop {
-                    self.ws();
-                    let Json::Str(k) = self.value() else {
-                        panic!("JSON: key")
-                    };
-                    self.eat(b':');
-                    m.insert(k, self.value());
-                    self.ws();
-                    self.i += 1;
-                    if self.s[self.i - 1] == b'}' {
-                        return Json::Obj(m);
-                    }
-                }
-            }
-            b'[' => {
-                self.i += 1;
-                let mut a = Vec::new();
-                self.ws();
-                if self.s[self.i] == b']' {
-                    self.i += 1;
-                    return Json::Arr(a);
-                }
-                loop {
-                    a.push(self.value());
-                    self.ws();
-                    self.i += 1;
-                    if self.s[self.i - 1] == b']' {
-                        return Json::Arr(a);
-                    }
-                }
-            }
-            b'"' => {
-                self.i += 1;
-                let start = self.i;
-                while self.s[self.i] != b'"' {
-                    assert_ne!(self.s[self.i], b'\\', "JSON: no escapes expected");
-                    self.i += 1;
-                }
-                self.i += 1;
-                Json::Str(String::from_utf8(self.s[start..self.i - 1].to_vec()).unwrap())
-            }
-            b't' | b'f' | b'n' => {
-                for (word, v) in [
-                    ("true", Json::Bool(true)),
-                    ("false", Json::Bool(false)),
-                    ("null", Json::Null),
-                ] {
-                    if self.s[self.i..].starts_with(word.as_bytes()) {
-                        self.i += word.len();
-                        return v;
-                    }
-                }
-                panic!("JSON: bad literal at {}", self.i)
-            }
-            _ => {
-                let start = self.i;
-                while self.i < self.s.len() && b"+-0123456789.eE".contains(&self.s[self.i]) {
-                    self.i += 1;
-                }
-                let t = std::str::from_utf8(&self.s[start..self.i]).unwrap();
-                Json::Num(t.parse().unwrap_or_else(|_| panic!("JSON: number `{t}`")))
-            }
-        }
     }
 }
 
@@ -238,38 +113,38 @@ struct GoldenConfig {
 }
 
 fn goldens() -> Vec<GoldenConfig> {
-    let doc = Json::parse(include_str!("golden/muon.json"));
+    let doc = Json::parse(include_str!("golden/muon.json")).expect("the golden file parses");
     let coefs: Vec<f32> = doc
         .get("ns_coefficients")
         .arr()
         .iter()
-        .map(|c| c.num() as f32)
+        .map(|c| c.number() as f32)
         .collect();
     let base = MuonConfig::default();
     assert_eq!(
         coefs, base.ns_coefficients,
         "the goldens use PyTorch's coefficients"
     );
-    assert_eq!(doc.get("ns_steps").num(), f64::from(base.ns_steps));
-    assert_eq!(doc.get("eps").num() as f32, base.eps);
+    assert_eq!(doc.get("ns_steps").number(), f64::from(base.ns_steps));
+    assert_eq!(doc.get("eps").number() as f32, base.eps);
     doc.get("configs")
         .arr()
         .iter()
         .map(|c| {
-            let lr_scale = match c.get("adjust_lr_fn").str() {
+            let lr_scale = match c.get("adjust_lr_fn").text() {
                 "original" => MuonLrScale::Original,
                 "match_rms_adamw" => MuonLrScale::MatchRmsAdamW,
                 other => panic!("adjust_lr_fn {other}"),
             };
             // The hyper-parameters are f32 values written as doubles: exact.
             let f = |k: &str| {
-                let v = c.get(k).num();
+                let v = c.get(k).number();
                 assert_eq!(f64::from(v as f32), v, "{k} is not an f32 value");
                 v as f32
             };
             let muon = base
                 .with_momentum(f("momentum"))
-                .with_nesterov(c.get("nesterov").bool())
+                .with_nesterov(c.get("nesterov").flag())
                 .with_weight_decay(f("weight_decay"))
                 .with_lr_scale(lr_scale);
             let params = c
@@ -280,12 +155,12 @@ fn goldens() -> Vec<GoldenConfig> {
                     let m = p.get("masters");
                     let (b, f) = (m.get("bf16").arr(), m.get("f32").arr());
                     GoldenParam {
-                        name: p.get("name").str().to_string(),
+                        name: p.get("name").text().to_string(),
                         shape: p
                             .get("shape")
                             .arr()
                             .iter()
-                            .map(|d| d.num() as usize)
+                            .map(|d| d.number() as usize)
                             .collect(),
                         init: p.get("init").f32s(),
                         grads: p.get("grads").arr().iter().map(Json::f32s).collect(),
@@ -294,7 +169,7 @@ fn goldens() -> Vec<GoldenConfig> {
                 })
                 .collect();
             GoldenConfig {
-                name: c.get("name").str().to_string(),
+                name: c.get("name").text().to_string(),
                 lr: f("lr"),
                 muon,
                 params,
