@@ -85,10 +85,14 @@
 //! timeout or NCCL reports an asynchronous error; the error is then returned by every later
 //! call. (With the blocking copy, the first launch of a kind connects its peers and blocks the
 //! host until they arrive, as in PyTorch's default.) Ranks of one process abort together; ranks in other processes notice by
-//! their own timeout. The rendezvous: rank 0 listens on `MASTER_PORT` (`LOWBIT_RDZV_PORT`, or
-//! `MASTER_PORT + 1` under a torchrun agent that holds the port itself) and sends the 128-byte
-//! id, behind a magic and version header, to every rank that checks in with the right world
-//! size; bad, short or foreign messages are errors on both sides, every read has a deadline.
+//! their own timeout. The rendezvous: rank 0 listens on the addresses `MASTER_ADDR` (or
+//! `LOWBIT_RDZV_BIND`) resolves to on this host, IPv4 and IPv6, port `MASTER_PORT`
+//! (`LOWBIT_RDZV_PORT`, or `MASTER_PORT + 1` under a torchrun agent that holds the port itself);
+//! both sides prove a job secret (`LOWBIT_RDZV_TOKEN`, else `TORCHELASTIC_RUN_ID`; a public key
+//! on loopback only) by HMAC-SHA256 challenge–response, rank 0 first, and the 128-byte id goes
+//! encrypted and tagged only to a rank that proved it. Each connection runs on its own thread
+//! with a short deadline; garbage, silent, duplicate or unauthenticated peers are dropped and
+//! logged without failing the job, which fails only when real ranks are missing at the deadline.
 //!
 //! # Invariants
 //! - All-gather output is exactly `size × input` elements and rank `r`'s input lands at

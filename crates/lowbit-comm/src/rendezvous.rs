@@ -2,37 +2,69 @@
 //! unique id) to every other rank. It knows nothing of CUDA, so it is built and tested everywhere.
 //!
 //! The world is described by the environment as `torchrun` sets it ([`RendezvousEnv`]). Rank 0
-//! listens ([`RendezvousServer`]) and answers each other rank's hello with the payload; the other
-//! ranks connect to it ([`fetch`]), retrying refused connections until their timeout, because
+//! listens ([`RendezvousServer`]) on the address `MASTER_ADDR` resolves to (every address it
+//! resolves to on this host, IPv4 and IPv6; `LOWBIT_RDZV_BIND` overrides), and the other ranks
+//! connect to it ([`fetch_with`]), retrying refused connections until their timeout, because
 //! rank 0 may start listening after they start.
 //!
-//! # Wire format (little-endian)
-//! - hello, rank → rank 0: `MAGIC` (8 bytes), [`VERSION`] (u32), rank (u32), world size (u32).
-//! - reply, rank 0 → rank: `MAGIC`, [`VERSION`], status (u32: 0 accepted, 1 rejected), length
-//!   (u32, at most [`MAX_PAYLOAD`]), then that many bytes: the payload, or the UTF-8 reason of a
-//!   rejection.
+//! # Authentication
+//! Every rank holds a job secret ([`RendezvousSecret`]): `LOWBIT_RDZV_TOKEN` if set; else
+//! torchrun's `TORCHELASTIC_RUN_ID` (unless it is `none`, torchrun's default without
+//! `--rdzv-id`); else, only when every address involved is a loopback address, a public default
+//! key with a notice on stderr (any local user can then join, as before); otherwise the
+//! rendezvous refuses to run. Both sides prove the secret by a challenge–response HMAC-SHA256
+//! over both nonces, rank 0 first (a fake rank 0 fails the client before it proves anything),
+//! and the payload goes only to a peer that proved it, encrypted and authenticated under a key
+//! of that connection.
 //!
-//! Every read and write has a deadline. A short message (the peer closed early), a wrong magic
-//! (not a lowbit rendezvous), another version, a rank outside the world, a rank that checked in
-//! twice or a world size that differs from rank 0's is an error naming the peer and the problem;
-//! rank 0 rejects such a peer (telling it why where the peer can read it) and fails too, so a
-//! misconfigured launch fails on every rank instead of half-starting.
+//! # Wire format (little-endian; `T` = hello ‖ server nonce, 84 bytes)
+//! - hello, rank → rank 0 (52 bytes): `MAGIC` (8), [`VERSION`] (u32), rank (u32), world size
+//!   (u32), client nonce (32).
+//! - every message rank 0 → rank: `MAGIC` (8), [`VERSION`] (u32), status (u32), length (u32,
+//!   at most [`MAX_PAYLOAD`] + 32), then that many bytes:
+//!   - status 2, challenge: server nonce (32), `HMAC(K, "lowbit-rdzv-v2 server proof" ‖ T)` (32);
+//!   - status 0, accepted: the payload XOR the keystream `HMAC(S, "lowbit-rdzv-v2 stream" ‖ i
+//!     as u64)`, then `HMAC(S, "lowbit-rdzv-v2 payload tag" ‖ these 20 header bytes ‖
+//!     ciphertext)` (32), with `S = HMAC(K, "lowbit-rdzv-v2 session key" ‖ T)`;
+//!   - status 1, rejected: the UTF-8 reason (another version, or, after authentication, a
+//!     world size that differs, a rank out of range or already served).
+//! - proof, rank → rank 0, after a valid challenge (32 bytes): `HMAC(K, "lowbit-rdzv-v2 client
+//!   proof" ‖ T)`.
+//!
+//! # Robustness
+//! Rank 0 handles each connection on its own thread under a short deadline of its own
+//! ([`ServeOptions::handshake_timeout`]), at most [`ServeOptions::max_connections`] at once.
+//! Garbage, HTTP requests, connections closed early or left silent, failed proofs, other
+//! versions, and authenticated hellos with another world size, an out-of-range rank or a rank
+//! already served are dropped and logged on stderr with the peer address; the job fails only
+//! when some rank has not been served by the deadline ([`RendezvousError::Timeout`], which names
+//! the missing ranks and what was dropped). A rank retries while rank 0 refuses connections or
+//! closes them before its challenge; a wrong challenge, a rejection, a bad tag or a silent rank 0
+//! fail it.
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// First bytes of every message.
 pub const MAGIC: [u8; 8] = *b"LOWBITRV";
 /// Protocol version; both sides must agree.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Largest payload a reply may carry.
 pub const MAX_PAYLOAD: usize = 64 * 1024;
 
-const HELLO_LEN: usize = 20;
-const REPLY_HEADER_LEN: usize = 20;
+const HELLO_LEN: usize = 52;
+const FRAME_HEADER_LEN: usize = 20;
+const NONCE_LEN: usize = 32;
+const MAC_LEN: usize = 32;
+const TRANSCRIPT_LEN: usize = HELLO_LEN + NONCE_LEN;
 const STATUS_OK: u32 = 0;
 const STATUS_REJECTED: u32 = 1;
+const STATUS_CHALLENGE: u32 = 2;
+/// Longest rejection reason a client reads.
+const MAX_REASON: usize = 4096;
+/// Dropped connections logged on stderr by one `serve` before it stops logging them.
+const MAX_LOGGED: usize = 64;
 
 /// Errors of the rendezvous. Each names the peer or variable involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -70,12 +102,16 @@ pub enum RendezvousError {
         last: String,
     },
     /// Rank 0 waited longer than its timeout for some ranks.
-    #[error("rendezvous: rank 0 timed out after {waited:?} waiting for rank(s) {missing:?}")]
+    #[error(
+        "rendezvous: rank 0 timed out after {waited:?} waiting for rank(s) {missing:?}{dropped}"
+    )]
     Timeout {
         /// How long it waited.
         waited: Duration,
         /// The ranks that never checked in.
         missing: Vec<usize>,
+        /// What was dropped meanwhile (empty, or `"; dropped: …"`).
+        dropped: String,
     },
     /// A message that breaks the protocol: short, garbled, another version, too long.
     #[error("rendezvous: message from {peer}: {detail}")]
@@ -85,7 +121,15 @@ pub enum RendezvousError {
         /// What is wrong.
         detail: String,
     },
-    /// Rank 0 rejected this rank's hello (or a peer's, on rank 0).
+    /// The peer could not prove the job secret (or this side has no usable secret).
+    #[error("rendezvous: authentication with {peer} failed: {detail}")]
+    Auth {
+        /// The other side.
+        peer: String,
+        /// What failed, and the likely cause.
+        detail: String,
+    },
+    /// Rank 0 rejected this rank's hello.
     #[error("rendezvous: rank 0 rejected rank {rank}: {reason}")]
     Rejected {
         /// The rejected rank.
@@ -106,215 +150,34 @@ pub enum RendezvousError {
 /// Result of the rendezvous.
 pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;
 
+mod client;
 mod env;
+mod mac;
+mod secret;
+mod server;
 
+pub use client::{fetch, fetch_with};
 pub use env::RendezvousEnv;
+pub use secret::RendezvousSecret;
+pub use server::{RendezvousServer, ServeOptions};
 
-/// Rank 0's listening socket.
-#[derive(Debug)]
-pub struct RendezvousServer {
-    listener: TcpListener,
-    addr: SocketAddr,
+pub(crate) fn no_secret_hint() -> String {
+    "no job secret: set LOWBIT_RDZV_TOKEN to the same random value on every rank (for example \\
+     `export LOWBIT_RDZV_TOKEN=$(openssl rand -hex 32)` before launching), or launch with \\
+     torchrun --rdzv-id <a secret id>; without one only loopback addresses are allowed"
+        .to_string()
 }
 
-impl RendezvousServer {
-    /// Listens on `addr` (port 0 picks a free port; see [`RendezvousServer::local_addr`]).
-    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
-        let shown = format!("{addr:?}");
-        let listener = TcpListener::bind(&addr).map_err(|e| RendezvousError::Listen {
-            addr: shown.clone(),
-            detail: if e.kind() == io::ErrorKind::AddrInUse {
-                format!(
-                    "{e} (another program holds the port; under torchrun set LOWBIT_RDZV_PORT \
-                     to a free port)"
-                )
-            } else {
-                e.to_string()
-            },
-        })?;
-        let addr = listener.local_addr().map_err(|e| RendezvousError::Listen {
-            addr: shown,
-            detail: e.to_string(),
-        })?;
-        Ok(RendezvousServer { listener, addr })
-    }
-
-    /// The address it listens on.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Answers ranks `1..world` with `payload`, each once, and returns when all have it. Fails
-    /// on the first bad message (rejecting that peer) or when `timeout` passes.
-    pub fn serve(self, world: usize, payload: &[u8], timeout: Duration) -> Result<()> {
-        if world == 0 {
-            return Err(RendezvousError::BadRank { rank: 0, world });
-        }
-        if payload.len() > MAX_PAYLOAD {
-            return Err(RendezvousError::Protocol {
-                peer: "rank 0 (itself)".into(),
-                detail: format!("payload of {} bytes exceeds {MAX_PAYLOAD}", payload.len()),
-            });
-        }
-        let start = Instant::now();
-        let deadline = start + timeout;
-        let mut served = vec![false; world];
-        served[0] = true;
-        let io_err = |peer: &str, e: io::Error| RendezvousError::Io {
-            peer: peer.to_string(),
-            detail: e.to_string(),
-        };
-        self.listener
-            .set_nonblocking(true)
-            .map_err(|e| io_err("the listening socket", e))?;
-        while served.iter().any(|s| !s) {
-            let (mut stream, peer) = match self.listener.accept() {
-                Ok(c) => c,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(RendezvousError::Timeout {
-                            waited: start.elapsed(),
-                            missing: (0..world).filter(|&r| !served[r]).collect(),
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(io_err("the listening socket", e)),
-            };
-            let peer = format!("{peer}");
-            stream
-                .set_nonblocking(false)
-                .map_err(|e| io_err(&peer, e))?;
-            set_deadline(&stream, deadline).map_err(|e| io_err(&peer, e))?;
-            let mut hello = [0u8; HELLO_LEN];
-            read_full(&mut stream, &mut hello, &peer, "hello")?;
-            let (version, rank, their_world) = match parse_hello(&hello) {
-                Ok(h) => h,
-                Err(detail) => {
-                    // Not ours: answer in our format anyway, the peer may be a lowbit of
-                    // another version that can read the reason.
-                    let _ = reply(&mut stream, STATUS_REJECTED, detail.as_bytes());
-                    return Err(RendezvousError::Protocol { peer, detail });
-                }
-            };
-            let reject = if version != VERSION {
-                Some(format!(
-                    "protocol version {version}, rank 0 speaks version {VERSION}"
-                ))
-            } else if their_world != world {
-                Some(format!(
-                    "world size {their_world}, rank 0 has world size {world}"
-                ))
-            } else if rank == 0 || rank >= world {
-                Some(format!("rank {rank} is not a rank 1..{world}"))
-            } else if served[rank] {
-                Some(format!("rank {rank} checked in twice"))
-            } else {
-                None
-            };
-            if let Some(reason) = reject {
-                let _ = reply(&mut stream, STATUS_REJECTED, reason.as_bytes());
-                return Err(RendezvousError::Rejected { rank, reason });
-            }
-            reply(&mut stream, STATUS_OK, payload)
-                .map_err(|e| io_err(&format!("rank {rank} at {peer}"), e))?;
-            served[rank] = true;
-        }
-        Ok(())
-    }
+fn word(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
-/// Connects to rank 0 at `addr` (`host:port`) as `rank` of `world`, retrying until `timeout`,
-/// and returns the payload it sends.
-pub fn fetch(addr: &str, rank: usize, world: usize, timeout: Duration) -> Result<Vec<u8>> {
-    if rank == 0 || rank >= world {
-        return Err(RendezvousError::BadRank { rank, world });
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
-    let (Ok(rank32), Ok(world32)) = (u32::try_from(rank), u32::try_from(world)) else {
-        return Err(RendezvousError::BadRank { rank, world });
-    };
-    let start = Instant::now();
-    let deadline = start + timeout;
-    let peer = format!("rank 0 at {addr}");
-    let mut stream = loop {
-        let last = match connect_once(addr, deadline) {
-            Ok(s) => break s,
-            Err(e) => e,
-        };
-        if Instant::now() + Duration::from_millis(50) >= deadline {
-            return Err(RendezvousError::Connect {
-                rank,
-                addr: addr.to_string(),
-                waited: start.elapsed(),
-                last,
-            });
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let io_err = |e: io::Error| RendezvousError::Io {
-        peer: peer.clone(),
-        detail: e.to_string(),
-    };
-    set_deadline(&stream, deadline).map_err(io_err)?;
-    let mut hello = Vec::with_capacity(HELLO_LEN);
-    hello.extend_from_slice(&MAGIC);
-    hello.extend_from_slice(&VERSION.to_le_bytes());
-    hello.extend_from_slice(&rank32.to_le_bytes());
-    hello.extend_from_slice(&world32.to_le_bytes());
-    stream.write_all(&hello).map_err(io_err)?;
-    let mut header = [0u8; REPLY_HEADER_LEN];
-    read_full(&mut stream, &mut header, &peer, "reply header")?;
-    let protocol = |detail: String| RendezvousError::Protocol {
-        peer: peer.clone(),
-        detail,
-    };
-    if header[..8] != MAGIC {
-        return Err(protocol(format!(
-            "not a lowbit rendezvous reply (first bytes {:02x?})",
-            &header[..8]
-        )));
-    }
-    let word = |i: usize| u32::from_le_bytes(header[i..i + 4].try_into().expect("4 bytes"));
-    let (version, status, len) = (word(8), word(12), word(16) as usize);
-    if len > MAX_PAYLOAD {
-        return Err(protocol(format!(
-            "reply announces {len} bytes, more than {MAX_PAYLOAD}"
-        )));
-    }
-    let mut body = vec![0u8; len];
-    read_full(&mut stream, &mut body, &peer, "reply body")?;
-    match status {
-        STATUS_REJECTED => Err(RendezvousError::Rejected {
-            rank,
-            reason: String::from_utf8_lossy(&body).into_owned(),
-        }),
-        _ if version != VERSION => Err(protocol(format!(
-            "protocol version {version}, this rank speaks version {VERSION}"
-        ))),
-        STATUS_OK => Ok(body),
-        other => Err(protocol(format!("unknown status {other}"))),
-    }
-}
-
-fn connect_once(addr: &str, deadline: Instant) -> Result<TcpStream, String> {
-    let addrs: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {addr}: {e}"))?
-        .collect();
-    let mut last = format!("{addr} resolves to no address");
-    for a in addrs {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let wait = left
-            .min(Duration::from_secs(2))
-            .max(Duration::from_millis(10));
-        match TcpStream::connect_timeout(&a, wait) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = format!("{a}: {e}"),
-        }
-    }
-    Err(last)
 }
 
 fn set_deadline(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
@@ -327,9 +190,34 @@ fn set_deadline(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
     stream.set_nodelay(true)
 }
 
+fn read_error(peer: &str, e: &io::Error, got: usize, len: usize, what: &str) -> RendezvousError {
+    let detail = if matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    ) {
+        format!("timed out after {got} of {len} bytes of the {what}")
+    } else {
+        format!("{e} after {got} of {len} bytes of the {what}")
+    };
+    RendezvousError::Io {
+        peer: peer.to_string(),
+        detail,
+    }
+}
+
 /// Reads exactly `buf.len()` bytes, naming a short read.
 fn read_full(stream: &mut TcpStream, buf: &mut [u8], peer: &str, what: &str) -> Result<()> {
-    let mut got = 0;
+    read_from(stream, buf, 0, peer, what)
+}
+
+/// Fills `buf[got..]`, naming a short read by its place in all of `buf`.
+fn read_from(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    mut got: usize,
+    peer: &str,
+    what: &str,
+) -> Result<()> {
     while got < buf.len() {
         match stream.read(&mut buf[got..]) {
             Ok(0) => {
@@ -343,42 +231,23 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], peer: &str, what: &str) -> 
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                let detail = if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) {
-                    format!("timed out after {got} of {} bytes of the {what}", buf.len())
-                } else {
-                    format!("{e} after {got} of {} bytes of the {what}", buf.len())
-                };
-                return Err(RendezvousError::Io {
-                    peer: peer.to_string(),
-                    detail,
-                });
-            }
+            Err(e) => return Err(read_error(peer, &e, got, buf.len(), what)),
         }
     }
     Ok(())
 }
 
-fn parse_hello(h: &[u8; HELLO_LEN]) -> Result<(u32, usize, usize), String> {
-    if h[..8] != MAGIC {
-        return Err(format!(
-            "not a lowbit rendezvous hello (first bytes {:02x?})",
-            &h[..8]
-        ));
-    }
-    let word = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
-    Ok((word(8), word(12) as usize, word(16) as usize))
+fn frame_header(status: u32, len: usize) -> [u8; FRAME_HEADER_LEN] {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    h[..8].copy_from_slice(&MAGIC);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&status.to_le_bytes());
+    h[16..20].copy_from_slice(&(len as u32).to_le_bytes());
+    h
 }
 
-fn reply(stream: &mut TcpStream, status: u32, body: &[u8]) -> io::Result<()> {
-    let mut msg = Vec::with_capacity(REPLY_HEADER_LEN + body.len());
-    msg.extend_from_slice(&MAGIC);
-    msg.extend_from_slice(&VERSION.to_le_bytes());
-    msg.extend_from_slice(&status.to_le_bytes());
-    msg.extend_from_slice(&(body.len() as u32).to_le_bytes());
+fn write_frame(stream: &mut TcpStream, status: u32, body: &[u8]) -> io::Result<()> {
+    let mut msg = frame_header(status, body.len()).to_vec();
     msg.extend_from_slice(body);
     stream.write_all(&msg)?;
     stream.flush()

@@ -3,7 +3,12 @@
 
 use std::time::Duration;
 
-use super::{RendezvousError, RendezvousServer, Result, fetch};
+use std::net::ToSocketAddrs;
+
+use super::{
+    RendezvousError, RendezvousSecret, RendezvousServer, Result, ServeOptions, fetch_with,
+    no_secret_hint,
+};
 
 /// The world of one process, read from the environment as `torchrun` sets it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,6 +25,16 @@ pub struct RendezvousEnv {
     /// torchrun agent that holds `MASTER_PORT` itself (`TORCHELASTIC_USE_AGENT_STORE=True`);
     /// else `MASTER_PORT`.
     pub port: u16,
+    /// `LOCAL_WORLD_SIZE`: processes on this host, if the launcher says (a warning when rank 0
+    /// listens on loopback only while other hosts take part).
+    pub local_world_size: Option<usize>,
+    /// `LOWBIT_RDZV_BIND`: the address rank 0 listens on instead of `MASTER_ADDR`'s.
+    pub bind: Option<String>,
+    /// The job secret: `LOWBIT_RDZV_TOKEN` if set (empty is an error); else
+    /// `TORCHELASTIC_RUN_ID` unless unset, empty or `none`; else `None`, which
+    /// [`RendezvousEnv::exchange`] accepts on loopback addresses only (with the public default
+    /// key and a notice) and refuses otherwise.
+    pub secret: Option<RendezvousSecret>,
 }
 
 impl RendezvousEnv {
@@ -75,12 +90,30 @@ impl RendezvousEnv {
                 p
             }
         };
+        let local_world_size = number("LOCAL_WORLD_SIZE")?.map(to_usize);
+        let bind = get("LOWBIT_RDZV_BIND").filter(|s| !s.trim().is_empty());
+        let secret = match get("LOWBIT_RDZV_TOKEN") {
+            Some(t) if t.is_empty() => {
+                return Err(RendezvousError::Env(
+                    "LOWBIT_RDZV_TOKEN is set but empty (unset it, or give every rank the same \
+                     random value)"
+                        .into(),
+                ));
+            }
+            Some(t) => Some(RendezvousSecret::from_token(t.as_bytes())),
+            None => get("TORCHELASTIC_RUN_ID")
+                .filter(|id| !id.trim().is_empty() && id.trim() != "none")
+                .map(|id| RendezvousSecret::from_run_id(&id)),
+        };
         Ok(RendezvousEnv {
             rank,
             world_size,
             local_rank,
             master_addr,
             port,
+            local_world_size,
+            bind,
+            secret,
         })
     }
 
@@ -93,20 +126,71 @@ impl RendezvousEnv {
         }
     }
 
+    /// The secret to use where the addresses involved are (`loopback`) or are not all loopback.
+    pub fn effective_secret(&self, loopback: bool) -> Result<RendezvousSecret> {
+        match &self.secret {
+            Some(s) => Ok(s.clone()),
+            None if loopback => Ok(RendezvousSecret::public()),
+            None => Err(RendezvousError::Auth {
+                peer: format!("MASTER_ADDR={}", self.master_addr),
+                detail: no_secret_hint(),
+            }),
+        }
+    }
+
     /// Rank 0 serves `payload()` to the others; the others fetch it. Returns the payload on every
-    /// rank. `payload` runs on rank 0 only, after it listens.
+    /// rank. `payload` runs on rank 0 only, after it listens. Rank 0 listens on the addresses
+    /// `LOWBIT_RDZV_BIND` (else `MASTER_ADDR`) resolves to on this host; see
+    /// [`RendezvousEnv::secret`] for the secret.
     pub fn exchange(
         &self,
         payload: impl FnOnce() -> Result<Vec<u8>>,
         timeout: Duration,
     ) -> Result<Vec<u8>> {
         if self.rank == 0 {
-            let server = RendezvousServer::bind(("0.0.0.0", self.port))?;
+            let host = self.bind.as_deref().unwrap_or(&self.master_addr);
+            let server = RendezvousServer::bind_host(host, self.port)?;
+            let loopback = server.loopback_only();
+            let secret = self.effective_secret(loopback)?;
+            if secret.is_public() {
+                eprintln!(
+                    "lowbit rendezvous: no LOWBIT_RDZV_TOKEN or TORCHELASTIC_RUN_ID: listening on \
+                     loopback {:?} under the public default key (any local user can join; set \
+                     LOWBIT_RDZV_TOKEN to prevent that)",
+                    server.local_addrs()
+                );
+            }
+            if loopback && self.local_world_size.is_some_and(|l| l < self.world_size) {
+                eprintln!(
+                    "lowbit rendezvous: WARNING: rank 0 listens on loopback {:?} only, but \
+                     LOCAL_WORLD_SIZE={} < WORLD_SIZE={}: ranks on other hosts cannot reach it \
+                     (MASTER_ADDR={} resolves to loopback here; set LOWBIT_RDZV_BIND)",
+                    server.local_addrs(),
+                    self.local_world_size.unwrap_or(0),
+                    self.world_size,
+                    self.master_addr
+                );
+            }
             let bytes = payload()?;
-            server.serve(self.world_size, &bytes, timeout)?;
+            server.serve_with(
+                self.world_size,
+                &bytes,
+                &secret,
+                timeout,
+                ServeOptions::default(),
+            )?;
             Ok(bytes)
         } else {
-            fetch(&self.server_addr(), self.rank, self.world_size, timeout)
+            let addr = self.server_addr();
+            let loopback = addr
+                .to_socket_addrs()
+                .map(|a| {
+                    let a: Vec<_> = a.collect();
+                    !a.is_empty() && a.iter().all(|x| x.ip().is_loopback())
+                })
+                .unwrap_or(false);
+            let secret = self.effective_secret(loopback)?;
+            fetch_with(&addr, self.rank, self.world_size, &secret, timeout)
         }
     }
 }
