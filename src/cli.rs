@@ -69,7 +69,8 @@ pub struct QuantizeArgs {
     /// Input safetensors file.
     #[arg(value_name = "IN", required_unless_present = "demo")]
     pub input: Option<PathBuf>,
-    /// Output safetensors file (written to a temporary file, then renamed into place).
+    /// Output safetensors file (written to a new temporary file with an unpredictable name in
+    /// the same directory, then renamed into place; temporaries of killed runs are removed).
     #[arg(value_name = "OUT", required_unless_present = "demo")]
     pub output: Option<PathBuf>,
     /// Quantization recipe.
@@ -93,7 +94,8 @@ pub struct QuantizeArgs {
     #[arg(long, value_name = "N", default_value_t = 0,
           value_parser = clap::value_parser!(u16).range(0..=1024))]
     pub threads: u16,
-    /// Overwrite OUT if it exists.
+    /// Overwrite OUT if it exists. Only a regular file is replaced (never a device, FIFO,
+    /// socket, directory or symlink), and it keeps its permissions.
     #[arg(long)]
     pub force: bool,
     /// Instead of IN and OUT: write an example file under target/lowbit-demo/ (or
@@ -109,13 +111,15 @@ pub struct DequantizeArgs {
     /// A file written by `lowbit quantize`.
     #[arg(value_name = "IN")]
     pub input: PathBuf,
-    /// Output safetensors file (written to a temporary file, then renamed into place).
+    /// Output safetensors file (written to a new temporary file with an unpredictable name in
+    /// the same directory, then renamed into place; temporaries of killed runs are removed).
     #[arg(value_name = "OUT")]
     pub output: PathBuf,
     /// Element type of the dequantized tensors [default: each tensor's original dtype].
     #[arg(long, value_enum)]
     pub dtype: Option<OutDtype>,
-    /// Overwrite OUT if it exists.
+    /// Overwrite OUT if it exists. Only a regular file is replaced (never a device, FIFO,
+    /// socket, directory or symlink), and it keeps its permissions.
     #[arg(long)]
     pub force: bool,
 }

@@ -223,10 +223,24 @@ fn dequantize_one(
     let amax = if s.recipe.fp8_kind().is_none() {
         let a = fetch(parsed, name, &schema::amax_part(name))?;
         size += a.len();
-        Some(files::f32s(a)[0])
+        let amax = files::f32s(a)
+            .first()
+            .copied()
+            .ok_or_else(|| format!("tensor {name}: NVFP4 amax missing"))?;
+        // A tampered or corrupt amax would dequantize to NaN, zeros or flipped signs. +Inf is
+        // what the quantizer (as Transformer Engine) records for a tensor holding ±Inf.
+        if amax.is_nan() || amax.is_sign_negative() {
+            return Err(format!(
+                "tensor {name}: NVFP4 amax {amax} (bits 0x{:08x}) is not a number >= 0 (finite, \
+                 or +inf for a tensor holding infinities); the file is corrupt",
+                amax.to_bits()
+            ));
+        }
+        Some(amax)
     } else {
         None
     };
+    check_scales(name, s, &cp.scales.name, stored_scales)?;
     if len == 0 {
         // Nothing to reconstruct; also spares the library loops over a zero-sized dimension.
         return Ok((Vec::new(), size));
@@ -259,6 +273,27 @@ fn dequantize_one(
         ));
     }
     Ok((values, size))
+}
+
+/// Refuses scale bytes no quantizer writes: MXFP8's E8M0 0xFF (NaN); NVFP4's E4M3 block scales
+/// with the sign bit set (negative, flipping the block's values) or NaN (0x7F).
+fn check_scales(name: &str, s: &Settings, part: &str, scales: &[u8]) -> Result<(), String> {
+    let bad = |b: u8| match s.recipe.fp8_kind() {
+        Some(_) => b == 0xFF,
+        None => b & 0x80 != 0 || b == 0x7F,
+    };
+    if let Some(i) = scales.iter().position(|&b| bad(b)) {
+        let what = match s.recipe.fp8_kind() {
+            Some(_) => "an E8M0 scale of 0xFF (NaN)",
+            None if scales[i] & 0x7F == 0x7F => "an E4M3 block scale that is NaN",
+            None => "an E4M3 block scale with the sign bit set",
+        };
+        return Err(format!(
+            "tensor {name}: {part} byte {i} is 0x{:02x}, {what}; the file is corrupt",
+            scales[i]
+        ));
+    }
+    Ok(())
 }
 
 /// fp32 values → little-endian bytes of `dtype` (F32, BF16 or F16).

@@ -8,7 +8,7 @@
 //! [`cli::Command`].
 //!
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
-//! status 2.
+//! status 2. Control characters in error text (tensor names from a file) are escaped.
 
 mod cli;
 mod demo;
@@ -29,7 +29,10 @@ fn main() -> ExitCode {
     match cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // Control characters from file contents (tensor names) are escaped, line by line.
+            let text = e.to_string();
+            let lines: Vec<_> = text.split('\n').map(report::escape).collect();
+            eprintln!("error: {}", lines.join("\n"));
             ExitCode::FAILURE
         }
     }

@@ -1,7 +1,6 @@
 //! What the subcommands print: round-trip error statistics, aligned text tables for stdout and a
 //! progress line on stderr for large files.
 
-use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
 
 use crate::error::CliError;
@@ -105,33 +104,44 @@ impl Table {
         self.totals = Some(cells);
     }
 
-    /// The table as text, ending in a newline.
+    /// The table as text, ending in a newline. Cells of any length are laid out (padding is
+    /// written by hand: `format!`'s width is limited to `u16::MAX`), and control characters in
+    /// them are escaped ([`escape`]) so a tensor name cannot drive the terminal.
     pub fn render(&self) -> String {
         let n = self.headers.len();
-        let mut widths: Vec<usize> = self
+        let esc = |cells: &[String]| -> Vec<String> {
+            cells.iter().map(|c| escape(c).into_owned()).collect()
+        };
+        let headers: Vec<String> = esc(&self
             .headers
             .iter()
-            .map(|(h, _)| h.chars().count())
-            .collect();
-        for r in self.rows.iter().chain(&self.totals) {
+            .map(|(h, _)| h.clone())
+            .collect::<Vec<_>>());
+        let rows: Vec<Vec<String>> = self.rows.iter().map(|r| esc(r)).collect();
+        let totals: Option<Vec<String>> = self.totals.as_ref().map(|t| esc(t));
+        let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+        for r in rows.iter().chain(&totals) {
             for (w, c) in widths.iter_mut().zip(r) {
                 *w = (*w).max(c.chars().count());
             }
         }
         let line = |cells: &[String]| {
             let mut s = String::new();
-            for (i, ((_, align), w)) in self.headers.iter().zip(&widths).enumerate() {
+            for (i, ((_, align), &w)) in self.headers.iter().zip(&widths).enumerate() {
                 let c = cells.get(i).map_or("", String::as_str);
-                let sep = if i == 0 { "" } else { "  " };
+                if i > 0 {
+                    s.push_str("  ");
+                }
+                let pad = w.saturating_sub(c.chars().count());
                 match align {
-                    Align::Left if i + 1 == n => {
-                        let _ = write!(s, "{sep}{c}");
-                    }
+                    Align::Left if i + 1 == n => s.push_str(c),
                     Align::Left => {
-                        let _ = write!(s, "{sep}{c:<w$}");
+                        s.push_str(c);
+                        s.extend(std::iter::repeat_n(' ', pad));
                     }
                     Align::Right => {
-                        let _ = write!(s, "{sep}{c:>w$}");
+                        s.extend(std::iter::repeat_n(' ', pad));
+                        s.push_str(c);
                     }
                 }
             }
@@ -145,16 +155,15 @@ impl Table {
             out += t;
             out.push('\n');
         }
-        let headers: Vec<String> = self.headers.iter().map(|(h, _)| h.clone()).collect();
         out += &line(&headers);
         out += &rule;
         if self.rows.is_empty() {
             out += "(no tensors)\n";
         }
-        for r in &self.rows {
+        for r in &rows {
             out += &line(r);
         }
-        if let Some(t) = &self.totals {
+        if let Some(t) = &totals {
             out += &rule;
             out += &line(t);
         }
@@ -196,7 +205,7 @@ impl Progress {
     pub fn tick(&self, verb: &str, i: usize, name: &str) {
         if self.enabled {
             // \x1b[K clears what a longer previous name left on the line.
-            eprint!("\r{verb} [{}/{}] {name}\x1b[K", i + 1, self.total);
+            eprint!("\r{verb} [{}/{}] {}\x1b[K", i + 1, self.total, escape(name));
         }
     }
 
@@ -206,6 +215,24 @@ impl Progress {
             eprint!("\r\x1b[K");
         }
     }
+}
+
+/// `s` with control characters (C0, DEL, C1) written as Rust escapes (`\n`, `\u{1b}`), so
+/// text from a file cannot move the cursor or send escape sequences to a terminal. Other
+/// characters, backslashes included, are kept.
+pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A byte count with thousands separators: `1,572,864`.
@@ -278,6 +305,27 @@ mod tests {
             t.render(),
             "name     n\n----------\na      100\n----------\ntotal    1\n"
         );
+    }
+
+    #[test]
+    fn long_cells_and_control_characters() {
+        let mut t = Table::new(&[
+            ("name", Align::Left),
+            ("n", Align::Right),
+            ("x", Align::Left),
+        ]);
+        let long = "w".repeat(70_000);
+        t.row(vec![
+            long.clone(),
+            "1".repeat(70_000),
+            "e\u{1b}[2J\u{9b}".into(),
+        ]);
+        let out = t.render();
+        assert!(out.contains(&long));
+        assert!(out.contains("e\\u{1b}[2J\\u{9b}"));
+        assert!(!out.contains('\u{1b}') && !out.contains('\u{9b}'));
+        assert_eq!(escape("plain"), "plain");
+        assert_eq!(escape("a\nb"), "a\\nb");
     }
 
     #[test]

@@ -106,9 +106,14 @@ pub struct TrainArgs {
     #[arg(long, value_name = "X")]
     pub muon_weight_decay: Option<f32>,
     /// Print one JSON object on stdout instead of the table (the progress line stays on
-    /// stderr).
+    /// stderr). Every timing field is under the one key "timing" (wall_s, phases_s), so the rest
+    /// of the object is byte-identical between runs with the same flags.
     #[arg(long)]
     pub json: bool,
+    /// Keep going when the training or eval loss is not finite (a diverged run); without it the
+    /// run stops at the first NaN or infinite loss with an error and exit status 1.
+    #[arg(long)]
+    pub allow_non_finite: bool,
 }
 
 /// `on` / `off`.
@@ -277,6 +282,7 @@ impl TrainArgs {
             },
             data: self.data.clone(),
             lr: self.lr,
+            allow_non_finite: self.allow_non_finite,
             optimizer: self.optimizer()?,
             shape,
             ..d
@@ -287,6 +293,17 @@ impl TrainArgs {
 /// Runs `lowbit train`.
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let cfg = args.config()?;
+    if cfg.device == DeviceChoice::Cpu
+        && let Some(world) = train::launched_world_size()
+        && world > 1
+    {
+        // Each of the launcher's processes would run the same whole job: N duplicate runs.
+        return Err(CliError::Msg(format!(
+            "invalid configuration: WORLD_SIZE={world} (a launcher such as torchrun) with \
+             --device cpu: CPU ranks are threads of one process, so every process would run \
+             the same job; launch one process and pass --ranks {world}, or use --device cuda"
+        )));
+    }
     let tty = std::io::stderr().is_terminal();
     let progress = |s: &StepLog| {
         let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
@@ -595,7 +612,9 @@ fn owner_json(p: &ParamOwner) -> Json {
     ])
 }
 
-/// The `--json` object.
+/// The `--json` object. Timing fields (wall time, time per phase) are all under `"timing"`;
+/// everything else depends only on the flags, so two runs with the same seed print the same
+/// bytes outside that key.
 pub fn to_json(r: &TrainReport) -> Json {
     let c = &r.config;
     let bits = |v: f32| Json::str(format!("0x{:08x}", v.to_bits()));
@@ -693,19 +712,25 @@ pub fn to_json(r: &TrainReport) -> Json {
             ]),
         ),
         ("comm", comm),
+        // Everything that varies between runs of the same flags, under one key (last).
         (
-            "phases_s",
+            "timing",
             Json::obj([
+                ("wall_s", Json::Num(r.wall.as_secs_f64())),
                 (
-                    "forward_backward",
-                    Json::Num(p.forward_backward.as_secs_f64()),
+                    "phases_s",
+                    Json::obj([
+                        (
+                            "forward_backward",
+                            Json::Num(p.forward_backward.as_secs_f64()),
+                        ),
+                        ("grad_sync", Json::Num(p.grad_sync.as_secs_f64())),
+                        ("optimizer", Json::Num(p.optimizer.as_secs_f64())),
+                        ("param_sync", Json::Num(p.param_sync.as_secs_f64())),
+                        ("eval", Json::Num(p.eval.as_secs_f64())),
+                    ]),
                 ),
-                ("grad_sync", Json::Num(p.grad_sync.as_secs_f64())),
-                ("optimizer", Json::Num(p.optimizer.as_secs_f64())),
-                ("param_sync", Json::Num(p.param_sync.as_secs_f64())),
-                ("eval", Json::Num(p.eval.as_secs_f64())),
             ]),
         ),
-        ("wall_s", Json::Num(r.wall.as_secs_f64())),
     ])
 }

@@ -191,6 +191,9 @@ pub struct TrainConfig {
     pub data: Option<PathBuf>,
     /// AdamW learning rate.
     pub lr: f32,
+    /// Keep training when the mean loss is not finite (otherwise the run stops with
+    /// [`TrainError::Diverged`]).
+    pub allow_non_finite: bool,
     /// The optimizer of the GEMM weights.
     pub optimizer: OptimizerChoice,
     /// Model shape (`vocab` is set from the data source).
@@ -216,6 +219,7 @@ impl Default for TrainConfig {
             device: DeviceChoice::Cpu,
             data: None,
             lr: 1e-2,
+            allow_non_finite: false,
             optimizer: OptimizerChoice::AdamW,
             shape: LmShape {
                 vocab: 8,
@@ -231,6 +235,27 @@ impl Default for TrainConfig {
             },
         }
     }
+}
+
+/// Upper bounds of `lowbit train`'s sizes, checked by [`TrainConfig::validate`] before anything
+/// is allocated.
+pub mod limits {
+    /// Data-parallel ranks (`--ranks`).
+    pub const RANKS: usize = 64;
+    /// Samples per step over all ranks (`--batch`); also bounds `--microbatches`.
+    pub const BATCH: usize = 1 << 18;
+    /// Optimizer steps (`--steps`).
+    pub const STEPS: usize = 10_000_000;
+    /// Held-out samples per evaluation.
+    pub const EVAL_SAMPLES: usize = 1 << 20;
+    /// Bucket size in elements (`--bucket-size`).
+    pub const BUCKET: usize = 1 << 40;
+    /// Each model width (vocab, context, embed, hidden, blocks, ffn, experts, expert ffn).
+    pub const WIDTH: usize = 1 << 16;
+    /// Model parameters.
+    pub const PARAMS: usize = 1 << 28;
+    /// Activation elements of one microbatch on one rank (rows x widths), per layer.
+    pub const ACTIVATIONS: usize = 1 << 28;
 }
 
 /// Whether this build has the CUDA backend (`--features cuda`).
@@ -264,6 +289,22 @@ pub enum TrainError {
     /// The data could not be read.
     #[error("data: {0}")]
     Data(String),
+    /// The run diverged: a non-finite mean training or eval loss (every rank sees the same
+    /// all-reduced value, so every rank stops at the same step).
+    #[error(
+        "the run diverged: {what} is {value} at step {step}/{steps} (lower --lr; pass \
+         --allow-non-finite to keep going)"
+    )]
+    Diverged {
+        /// `"training loss"` or `"eval loss"`.
+        what: &'static str,
+        /// The value.
+        value: f32,
+        /// The step, from 1.
+        step: usize,
+        /// Of how many.
+        steps: usize,
+    },
     /// A rank failed.
     #[error("rank {rank}: {message}")]
     Rank {
@@ -277,27 +318,79 @@ pub enum TrainError {
 impl TrainConfig {
     /// Rows per rank per microbatch.
     pub fn rows(&self) -> usize {
-        self.batch / (self.ranks * self.microbatches).max(1)
+        self.batch / self.ranks.saturating_mul(self.microbatches).max(1)
     }
 
     /// Refuses invalid combinations up front, each with the reason.
+    ///
+    /// Every user-given size is bounded ([`limits`]) and every product of them is computed with
+    /// checked arithmetic before anything is allocated, so no flag value overflows, hangs or
+    /// aborts on a failed allocation.
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Invalid(m));
-        if self.ranks == 0 || self.ranks > 64 {
-            return bad(format!("--ranks {} must be in 1..=64", self.ranks));
+        if self.ranks == 0 || self.ranks > limits::RANKS {
+            return bad(format!(
+                "--ranks {} must be in 1..={}",
+                self.ranks,
+                limits::RANKS
+            ));
         }
         if self.microbatches == 0 {
             return bad("--microbatches must be at least 1".into());
         }
+        if self.microbatches > limits::BATCH {
+            return bad(format!(
+                "--microbatches {} exceeds the limit of {} (and --batch must split into them)",
+                self.microbatches,
+                limits::BATCH
+            ));
+        }
         if self.steps == 0 {
             return bad("--steps must be at least 1".into());
         }
-        let split = self.ranks * self.microbatches;
+        if self.steps > limits::STEPS {
+            return bad(format!(
+                "--steps {} exceeds the limit of {} steps",
+                self.steps,
+                limits::STEPS
+            ));
+        }
+        if self.batch > limits::BATCH {
+            return bad(format!(
+                "--batch {} exceeds the limit of {} samples per step",
+                self.batch,
+                limits::BATCH
+            ));
+        }
+        let Some(split) = self.ranks.checked_mul(self.microbatches) else {
+            return bad(format!(
+                "--ranks {} x --microbatches {} overflows",
+                self.ranks, self.microbatches
+            ));
+        };
         if self.batch == 0 || !self.batch.is_multiple_of(split) {
             return bad(format!(
                 "the global batch of {} samples does not split into {} ranks x {} microbatches",
                 self.batch, self.ranks, self.microbatches
             ));
+        }
+        if self.eval_samples > limits::EVAL_SAMPLES {
+            return bad(format!(
+                "{} eval samples exceed the limit of {}",
+                self.eval_samples,
+                limits::EVAL_SAMPLES
+            ));
+        }
+        if let Some(b) = self.bucket_size
+            && b > limits::BUCKET
+        {
+            return bad(format!(
+                "--bucket-size {b} exceeds the limit of {} elements",
+                limits::BUCKET
+            ));
+        }
+        if let Err(m) = self.check_model_size() {
+            return bad(m);
         }
         if self.precision == Precision::Bf16 && self.param_gather {
             return bad(
@@ -390,6 +483,73 @@ impl TrainConfig {
                  --features cuda"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    /// The model's parameter count and per-microbatch activation sizes, computed with checked
+    /// arithmetic and bounded ([`limits`]).
+    fn check_model_size(&self) -> Result<(), String> {
+        let s = &self.shape;
+        // --data sets a vocabulary of 256 later; count with the larger one.
+        let vocab = s.vocab.max(256);
+        let widths = [
+            ("vocab", s.vocab),
+            ("context", s.context),
+            ("embed", s.embed),
+            ("hidden", s.hidden),
+            ("blocks", s.blocks),
+            ("ffn", s.ffn),
+            ("experts", s.experts),
+            ("expert ffn", s.expert_ffn),
+        ];
+        if let Some((n, w)) = widths.iter().find(|(_, w)| *w > limits::WIDTH) {
+            return Err(format!(
+                "model {n} {w} exceeds the limit of {}",
+                limits::WIDTH
+            ));
+        }
+        let overflow = || format!("the model's size overflows ({s:?})");
+        let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
+        let add = |a: usize, b: usize| a.checked_add(b).ok_or_else(overflow);
+        let ctx_embed = mul(s.context, s.embed)?;
+        let mut params = mul(vocab, s.embed)?;
+        params = add(params, mul(ctx_embed, s.hidden)?)?;
+        let block = add(
+            mul(mul(s.hidden, s.ffn)?, 2)?,
+            add(s.ffn, mul(s.hidden, 2)?)?,
+        )?;
+        params = add(params, mul(block, s.blocks)?)?;
+        params = add(
+            params,
+            mul(mul(mul(s.experts, s.expert_ffn)?, s.hidden)?, 2)?,
+        )?;
+        params = add(params, mul(s.experts, s.hidden)?)?;
+        params = add(params, mul(add(s.hidden, 1)?, vocab)?)?;
+        if params > limits::PARAMS {
+            return Err(format!(
+                "the model has {params} parameters, over the limit of {}",
+                limits::PARAMS
+            ));
+        }
+        let widest = [
+            ctx_embed,
+            s.hidden,
+            s.ffn,
+            vocab,
+            mul(s.experts, s.expert_ffn)?,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let rows = self.rows().max(self.eval_samples.min(limits::EVAL_SAMPLES));
+        let act = mul(rows, widest)?;
+        if act > limits::ACTIVATIONS {
+            return Err(format!(
+                "{rows} rows x width {widest} = {act} activation elements per layer, over the \
+                 limit of {} (lower --batch or raise --microbatches)",
+                limits::ACTIVATIONS
+            ));
         }
         Ok(())
     }

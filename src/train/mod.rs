@@ -549,6 +549,25 @@ fn err(rank: usize) -> impl Fn(&dyn std::fmt::Display) -> TrainError {
     }
 }
 
+/// [`TrainError::Diverged`] for a non-finite mean loss unless the configuration allows it. The
+/// value is all-reduced, so every rank stops at the same step and no collective is left waiting.
+fn diverged(
+    cfg: &TrainConfig,
+    what: &'static str,
+    value: f32,
+    step: usize,
+) -> Result<(), TrainError> {
+    if value.is_finite() || cfg.allow_non_finite {
+        return Ok(());
+    }
+    Err(TrainError::Diverged {
+        what,
+        value,
+        step: step + 1,
+        steps: cfg.steps,
+    })
+}
+
 /// One rank's run.
 fn rank_main(
     job: &Job,
@@ -645,6 +664,7 @@ fn rank_main(
         let report = grads.step(dev, comm).map_err(|x| e(&x))?;
         phases.optimizer += t.elapsed();
         let loss = all_reduce_mean(dev, comm, loss / cfg.microbatches as f32)?;
+        diverged(cfg, "training loss", loss, step)?;
         losses.push(loss);
         norms.push(report.grad_norm);
         let last = step + 1 == cfg.steps;
@@ -666,6 +686,7 @@ fn rank_main(
             }
             // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
             let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
+            diverged(cfg, "eval loss", v, step)?;
             evals.push((step + 1, v));
             eval = Some(v);
             phases.eval += t.elapsed();

@@ -34,7 +34,7 @@ def main():
         print(
             f"{path.split('/')[-1]:<28} {d['config']}\n"
             f"    final eval {final:.4f}  floor {floor if floor is None else round(floor, 4)}  "
-            f"wall {d['wall_s']:.1f} s  memory/rank {mem / 1024:.1f} KiB (bf16 unsharded "
+            f"wall {d.get('timing', d).get('wall_s', float('nan')):.1f} s  memory/rank {mem / 1024:.1f} KiB (bf16 unsharded "
             f"{base / 1024:.1f} KiB)  checksum {d['master_checksum']}"
         )
         if path != ref_path:
