@@ -1,0 +1,48 @@
+//! Sharded checkpoints of fp32 masters and optimizer state.
+//!
+//! # Format (version 1)
+//!
+//! A checkpoint root holds committed `step-N` directories and a `latest` file naming the newest
+//! one (`step-N\n`). A `step-N` directory holds:
+//!
+//! - `rank-RRRRR.safetensors`, one per saving rank: that rank's owned pieces, F32, 1-D, keyed
+//!   `{parameter}/{state}@{start}` (`state` is `master` or the rule's state name, `start` the
+//!   first element of the piece in the flattened parameter). Low-precision weights are not
+//!   stored: they are rebuilt as `Q(bf16(master))` by a forced parameter sync after loading.
+//! - `manifest.json`: `format` (`"lowbit-ckpt"`), `version` (1), `step`, `config`, `data`,
+//!   `rng` (free-form string maps: training configuration, data position, RNG state), `hash`
+//!   (`"fnv1a64"`), `optimizers` (`owner`, `rule`, `steps` per leaf optimizer), `files`
+//!   (`name`, `bytes`), and `tensors`: per logical tensor its `name` (`{param}/{state}`),
+//!   `param`, `state`, `owner`, global `shape`, `dtype` (`F32`) and `pieces` (`file`, `key`,
+//!   `start`/`end` element offsets in the flattened global tensor, `offset` of the data in the
+//!   file in bytes, and `fnv1a64`: FNV-1a 64 of the piece's little-endian bytes as 16 hex
+//!   digits). Integers are JSON integers; the pieces of a tensor tile `[0, numel)` exactly once.
+//!
+//! # Commit
+//!
+//! [`save`] writes into `.tmp-step-N`, fsyncs every file and the directory, renames it to
+//! `step-N`, fsyncs the root, then replaces `latest` by writing `.latest.tmp`, fsyncing and
+//! renaming it. A crash before the directory rename leaves only a `.tmp-…` directory that no
+//! loader opens; a crash before the `latest` rename leaves `latest` naming the previous
+//! checkpoint. Committed checkpoints are never overwritten or modified; pruning renames a
+//! directory out of the `step-*` namespace before removing it.
+//!
+//! # Load
+//!
+//! [`Checkpoint::open`] validates the manifest (hostile input is a typed error, never a panic)
+//! and data file sizes; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
+//! export template from the overlapping pieces (resharding to any dp and to either sharded
+//! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
+
+mod error;
+pub mod json;
+mod load;
+pub mod manifest;
+mod save;
+
+pub use error::{CkptError, Result};
+pub use load::Checkpoint;
+pub use manifest::{
+    FORMAT_VERSION, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry, fnv1a64,
+};
+pub use save::{LATEST, MANIFEST, SaveOptions, prune, save, step_dir_name};

@@ -1,0 +1,336 @@
+//! Loading: open and validate, then fill a fresh optimizer's own export template with the
+//! overlapping pieces (resharding), import, force a parameter sync.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use lowbit_comm::Communicator;
+use lowbit_device::Device;
+use lowbit_layout::ParamSpec;
+use lowbit_optim::{Optimizer, Trainer};
+
+use crate::error::{CkptError, Result, io};
+use crate::json::Json;
+use crate::manifest::{Manifest, Meta, Piece, TensorEntry, fnv1a64, plain_name};
+use crate::save::{LATEST, MANIFEST, parse_step_name};
+
+/// Bytes of a manifest at most (a hostile file cannot make the loader read gigabytes).
+const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+
+/// An opened, validated checkpoint directory.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    manifest: Manifest,
+}
+
+impl Checkpoint {
+    /// Opens `path`: a `step-N` directory (holding `manifest.json`) or a checkpoint root (its
+    /// `latest` pointer is followed). The manifest is parsed and validated (format version,
+    /// shapes, every piece in range and in a listed file, the pieces of every tensor tiling it
+    /// exactly once) and every data file's size is checked, so a truncated file is refused
+    /// here; piece hashes are checked when pieces are read ([`Checkpoint::verify`] reads all).
+    /// Nothing is written.
+    ///
+    /// # Errors
+    /// [`CkptError::NotACheckpoint`], [`CkptError::Manifest`], [`CkptError::Version`],
+    /// [`CkptError::FileSize`], I/O errors.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let dir = if path.join(MANIFEST).is_file() {
+            path.to_path_buf()
+        } else if path.join(LATEST).is_file() {
+            let lp = path.join(LATEST);
+            let text = read_bounded(&lp, 4096)?;
+            let name = String::from_utf8(text).unwrap_or_default();
+            let name = name.trim();
+            if parse_step_name(name).is_none() {
+                return Err(CkptError::Manifest {
+                    file: lp,
+                    msg: format!("`latest` holds `{name:.64}`, not `step-N`"),
+                });
+            }
+            let dir = path.join(name);
+            if !dir.join(MANIFEST).is_file() {
+                return Err(CkptError::NotACheckpoint(dir));
+            }
+            dir
+        } else {
+            return Err(CkptError::NotACheckpoint(path.to_path_buf()));
+        };
+        let mpath = dir.join(MANIFEST);
+        let bytes = read_bounded(&mpath, MAX_MANIFEST_BYTES)?;
+        let bad = |msg: String| CkptError::Manifest {
+            file: mpath.clone(),
+            msg,
+        };
+        let text = String::from_utf8(bytes).map_err(|_| bad("not UTF-8".into()))?;
+        let json = Json::parse(&text).map_err(bad)?;
+        let manifest = match Manifest::from_json(&json) {
+            Ok(m) => m,
+            Err(Ok(found)) => {
+                return Err(CkptError::Version {
+                    file: mpath,
+                    found,
+                    supported: crate::manifest::FORMAT_VERSION,
+                });
+            }
+            Err(Err(msg)) => return Err(bad(msg)),
+        };
+        for f in &manifest.files {
+            let p = dir.join(&f.name);
+            let actual = fs::metadata(&p).map_err(io("stat", &p))?.len();
+            if actual != f.bytes {
+                return Err(CkptError::FileSize {
+                    file: p,
+                    expected: f.bytes,
+                    actual,
+                });
+            }
+        }
+        Ok(Checkpoint { dir, manifest })
+    }
+
+    /// The checkpoint directory (`…/step-N`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    /// Step, configuration, data position and RNG state.
+    pub fn meta(&self) -> &Meta {
+        &self.manifest.meta
+    }
+
+    /// Reads every piece and checks its hash.
+    ///
+    /// # Errors
+    /// [`CkptError::Hash`], I/O errors.
+    pub fn verify(&self) -> Result<()> {
+        let mut reader = Reader::new(&self.dir);
+        for t in &self.manifest.tensors {
+            for p in &t.pieces {
+                reader.piece(t, p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements `range` of the logical tensor `name` (`{parameter}/{state}`), read from the
+    /// pieces that overlap it (each hash-checked).
+    ///
+    /// # Errors
+    /// [`CkptError::Mismatch`] for an unknown tensor or a range out of bounds;
+    /// [`CkptError::Hash`], I/O errors.
+    pub fn read_range(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        let t = self
+            .manifest
+            .tensor(name)
+            .ok_or_else(|| self.mismatch(format!("no tensor `{name}`")))?;
+        Reader::new(&self.dir).range(t, range).map_err(|e| match e {
+            ReadErr::Ckpt(e) => e,
+            ReadErr::Range(msg) => self.mismatch(msg),
+        })
+    }
+
+    fn mismatch(&self, msg: String) -> CkptError {
+        CkptError::Mismatch {
+            dir: self.dir.clone(),
+            msg,
+        }
+    }
+
+    /// Restores `opt` (built over this rank's plan, any dp and either sharded strategy): its own
+    /// export is the template of what it holds; every tensor of it is filled from the pieces
+    /// that overlap its range (so the pieces are re-cut to this rank's plan and no rank reads
+    /// pieces it does not need), step counts are restored, then [`Optimizer::import_state`].
+    /// Parameters are matched by name, shapes must be equal, rules must be equal. The weights
+    /// are not touched: follow with a forced parameter sync ([`Checkpoint::load_trainer`] does).
+    ///
+    /// # Errors
+    /// [`CkptError::Mismatch`] (nothing is imported then), [`CkptError::Hash`], I/O and
+    /// optimizer errors.
+    pub fn load_optimizer(
+        &self,
+        dev: &mut Device,
+        specs: &[ParamSpec],
+        opt: &mut dyn Optimizer,
+    ) -> Result<()> {
+        let mut state = opt.export_state(dev)?;
+        let mut reader = Reader::new(&self.dir);
+        for st in &mut state {
+            let Some(entry) = self
+                .manifest
+                .optimizers
+                .iter()
+                .find(|o| o.owner == st.owner.0)
+            else {
+                return Err(self.mismatch(format!("no optimizer state for owner {}", st.owner.0)));
+            };
+            if entry.rule != st.rule {
+                return Err(self.mismatch(format!(
+                    "owner {} was saved with rule `{}`, is loaded with `{}`",
+                    entry.owner, entry.rule, st.rule
+                )));
+            }
+            st.steps = entry.steps;
+            for t in &mut st.tensors {
+                let spec = specs.get(t.param).ok_or_else(|| {
+                    self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
+                })?;
+                let name = format!("{}/{}", spec.name, t.name);
+                let entry = self.manifest.tensor(&name).ok_or_else(|| {
+                    self.mismatch(format!("no tensor `{name}` in the checkpoint"))
+                })?;
+                let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+                if entry.shape != shape {
+                    return Err(self.mismatch(format!(
+                        "`{name}` has shape {:?} in the checkpoint, {shape:?} in the model",
+                        entry.shape
+                    )));
+                }
+                t.values = reader.range(entry, t.range.clone()).map_err(|e| match e {
+                    ReadErr::Ckpt(e) => e,
+                    ReadErr::Range(msg) => self.mismatch(msg),
+                })?;
+            }
+        }
+        opt.check_import(&state)?;
+        opt.import_state(dev, &state)?;
+        Ok(())
+    }
+
+    /// [`Checkpoint::load_optimizer`] into the trainer's optimizer, then a forced parameter
+    /// sync (collective), so every weight is `Q(bf16(master))` of the loaded masters.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`]; buffer and collective errors of the sync.
+    pub fn load_trainer(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        trainer: &mut Trainer,
+    ) -> Result<()> {
+        let specs = trainer.buffers().specs().to_vec();
+        self.load_optimizer(dev, &specs, trainer.optimizer_mut())?;
+        trainer.force_param_sync(dev, comm)?;
+        Ok(())
+    }
+}
+
+fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let f = File::open(path).map_err(io("open", path))?;
+    let mut out = Vec::new();
+    f.take(max + 1)
+        .read_to_end(&mut out)
+        .map_err(io("read", path))?;
+    if out.len() as u64 > max {
+        return Err(CkptError::Manifest {
+            file: path.to_path_buf(),
+            msg: format!("larger than {max} bytes"),
+        });
+    }
+    Ok(out)
+}
+
+enum ReadErr {
+    Ckpt(CkptError),
+    Range(String),
+}
+
+impl From<CkptError> for ReadErr {
+    fn from(e: CkptError) -> Self {
+        ReadErr::Ckpt(e)
+    }
+}
+
+/// Reads hash-checked pieces, each at most once per reader.
+struct Reader<'a> {
+    dir: &'a Path,
+    files: HashMap<String, File>,
+    cache: HashMap<(String, u64), Vec<f32>>,
+}
+
+impl<'a> Reader<'a> {
+    fn new(dir: &'a Path) -> Self {
+        Reader {
+            dir,
+            files: HashMap::new(),
+            cache: HashMap::new(),
+        }
+    }
+
+    fn piece(&mut self, t: &TensorEntry, p: &Piece) -> Result<&[f32]> {
+        let key = (p.file.clone(), p.offset);
+        if !self.cache.contains_key(&key) {
+            // The manifest checked the name, the range and that the bytes fit the file's size.
+            debug_assert!(plain_name(&p.file));
+            let path = self.dir.join(&p.file);
+            if !self.files.contains_key(&p.file) {
+                let f = File::open(&path).map_err(io("open", &path))?;
+                self.files.insert(p.file.clone(), f);
+            }
+            let f = self
+                .files
+                .get_mut(&p.file)
+                .ok_or_else(|| CkptError::NotACheckpoint(path.clone()))?;
+            let n = usize::try_from(p.end - p.start).map_err(|_| CkptError::Manifest {
+                file: path.clone(),
+                msg: "piece too large for this machine".into(),
+            })?;
+            let mut bytes = vec![0u8; n * 4];
+            f.seek(SeekFrom::Start(p.offset))
+                .map_err(io("seek", &path))?;
+            f.read_exact(&mut bytes).map_err(io("read", &path))?;
+            if fnv1a64(&bytes) != p.hash {
+                return Err(CkptError::Hash {
+                    file: path,
+                    tensor: t.name.clone(),
+                    start: p.start,
+                    end: p.end,
+                });
+            }
+            let values = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            self.cache.insert(key.clone(), values);
+        }
+        Ok(self.cache.get(&key).map(Vec::as_slice).unwrap_or_default())
+    }
+
+    fn range(&mut self, t: &TensorEntry, want: Range<usize>) -> Result<Vec<f32>, ReadErr> {
+        let (ws, we) = (want.start as u64, want.end as u64);
+        if ws > we || we > t.numel() {
+            return Err(ReadErr::Range(format!(
+                "range {want:?} of `{}` with {} elements",
+                t.name,
+                t.numel()
+            )));
+        }
+        let mut out = vec![0f32; want.len()];
+        let mut covered = 0u64;
+        for p in &t.pieces {
+            let (s, e) = (p.start.max(ws), p.end.min(we));
+            if s >= e {
+                continue;
+            }
+            let vals = self.piece(t, p)?;
+            let src = &vals[(s - p.start) as usize..(e - p.start) as usize];
+            out[(s - ws) as usize..(e - ws) as usize].copy_from_slice(src);
+            covered += e - s;
+        }
+        // The manifest's pieces tile the tensor exactly once, so this holds; checked anyway.
+        if covered != we - ws {
+            return Err(ReadErr::Range(format!(
+                "range {want:?} of `{}` not covered",
+                t.name
+            )));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,431 @@
+//! The manifest: what a checkpoint holds and where every piece lives. See the crate docs for
+//! the format.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::json::Json;
+
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u64 = 1;
+/// The `format` field of every manifest.
+pub const FORMAT_NAME: &str = "lowbit-ckpt";
+/// The only element type stored so far.
+pub const DTYPE_F32: &str = "F32";
+/// Elements of one logical tensor at most (2^40): larger claims are hostile, not models.
+pub const MAX_NUMEL: u64 = 1 << 40;
+/// Dimensions of a shape at most.
+pub const MAX_RANK: usize = 8;
+
+/// FNV-1a, 64 bits (offset basis 0xcbf29ce484222325, prime 0x100000001b3), over the piece's
+/// bytes as stored (little-endian f32). Detects torn writes and bit rot, not tampering.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Free-form run metadata carried by a checkpoint and given back on load.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// The training step the checkpoint was taken after (also the directory's `step-N`).
+    pub step: u64,
+    /// The training configuration (flags that define the model and the plan, …).
+    pub config: BTreeMap<String, String>,
+    /// The data position (epoch, sample offset, …).
+    pub data: BTreeMap<String, String>,
+    /// RNG states.
+    pub rng: BTreeMap<String, String>,
+}
+
+/// One leaf optimizer's scalars.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptimizerEntry {
+    /// The owner id (`OptimizerId.0`).
+    pub owner: u32,
+    /// The update rule's name.
+    pub rule: String,
+    /// Steps taken.
+    pub steps: u64,
+}
+
+/// One stored piece: elements `[start, end)` of the flattened logical tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The data file (a plain file name in the checkpoint directory).
+    pub file: String,
+    /// The safetensors key of the piece in that file.
+    pub key: String,
+    /// First element in the flattened global tensor.
+    pub start: u64,
+    /// One past the last element.
+    pub end: u64,
+    /// Byte offset of the piece's data in the file.
+    pub offset: u64,
+    /// [`fnv1a64`] of the piece's bytes.
+    pub hash: u64,
+}
+
+/// One logical tensor: a parameter's master or one of its optimizer state tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// `"{parameter}/{state}"`, e.g. `l0.weight/master`, `l0.weight/exp_avg`.
+    pub name: String,
+    /// The parameter's name.
+    pub param: String,
+    /// `master` or the rule's state name.
+    pub state: String,
+    /// The owner of the parameter.
+    pub owner: u32,
+    /// The global shape.
+    pub shape: Vec<u64>,
+    /// Element type (`F32`).
+    pub dtype: String,
+    /// The pieces, sorted by `start`, tiling `[0, numel)` exactly once.
+    pub pieces: Vec<Piece>,
+}
+
+impl TensorEntry {
+    /// Elements of the global tensor (shape checked by [`Manifest::from_json`]).
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// A data file and its size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileEntry {
+    /// A plain file name in the checkpoint directory.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+/// The parsed, validated manifest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    /// Run metadata.
+    pub meta: Meta,
+    /// Leaf optimizers, by owner.
+    pub optimizers: Vec<OptimizerEntry>,
+    /// Data files.
+    pub files: Vec<FileEntry>,
+    /// Logical tensors.
+    pub tensors: Vec<TensorEntry>,
+}
+
+fn str_map(m: &BTreeMap<String, String>) -> Json {
+    Json::Object(
+        m.iter()
+            .map(|(k, v)| (k.clone(), Json::Str(v.clone())))
+            .collect(),
+    )
+}
+
+fn obj(pairs: Vec<(&str, Json)>) -> Json {
+    Json::Object(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
+
+fn hex(h: u64) -> Json {
+    Json::Str(format!("{h:016x}"))
+}
+
+/// A plain file name: no separators, not `.`/`..`, not empty, printable ASCII.
+pub(crate) fn plain_name(s: &str) -> bool {
+    !s.is_empty()
+        && s != "."
+        && s != ".."
+        && s.len() <= 255
+        && s.bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'\\')
+}
+
+impl Manifest {
+    /// The manifest as JSON.
+    pub fn to_json(&self) -> Json {
+        let optimizers = self
+            .optimizers
+            .iter()
+            .map(|o| {
+                obj(vec![
+                    ("owner", Json::UInt(u64::from(o.owner))),
+                    ("rule", Json::Str(o.rule.clone())),
+                    ("steps", Json::UInt(o.steps)),
+                ])
+            })
+            .collect();
+        let files = self
+            .files
+            .iter()
+            .map(|f| {
+                obj(vec![
+                    ("name", Json::Str(f.name.clone())),
+                    ("bytes", Json::UInt(f.bytes)),
+                ])
+            })
+            .collect();
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let pieces = t
+                    .pieces
+                    .iter()
+                    .map(|p| {
+                        obj(vec![
+                            ("file", Json::Str(p.file.clone())),
+                            ("key", Json::Str(p.key.clone())),
+                            ("start", Json::UInt(p.start)),
+                            ("end", Json::UInt(p.end)),
+                            ("offset", Json::UInt(p.offset)),
+                            ("fnv1a64", hex(p.hash)),
+                        ])
+                    })
+                    .collect();
+                obj(vec![
+                    ("name", Json::Str(t.name.clone())),
+                    ("param", Json::Str(t.param.clone())),
+                    ("state", Json::Str(t.state.clone())),
+                    ("owner", Json::UInt(u64::from(t.owner))),
+                    (
+                        "shape",
+                        Json::Array(t.shape.iter().map(|&d| Json::UInt(d)).collect()),
+                    ),
+                    ("dtype", Json::Str(t.dtype.clone())),
+                    ("pieces", Json::Array(pieces)),
+                ])
+            })
+            .collect();
+        obj(vec![
+            ("format", Json::Str(FORMAT_NAME.into())),
+            ("version", Json::UInt(FORMAT_VERSION)),
+            ("step", Json::UInt(self.meta.step)),
+            ("config", str_map(&self.meta.config)),
+            ("data", str_map(&self.meta.data)),
+            ("rng", str_map(&self.meta.rng)),
+            ("hash", Json::Str("fnv1a64".into())),
+            ("optimizers", Json::Array(optimizers)),
+            ("files", Json::Array(files)),
+            ("tensors", Json::Array(tensors)),
+        ])
+    }
+
+    /// Parses and validates a manifest. `Err(Ok(version))` is a well-formed manifest of another
+    /// format version; `Err(Err(msg))` anything else wrong.
+    pub(crate) fn from_json(v: &Json) -> Result<Manifest, Result<u64, String>> {
+        if v.get("format") != Some(&Json::Str(FORMAT_NAME.into())) {
+            return Err(Err(format!("`format` is not \"{FORMAT_NAME}\"")));
+        }
+        let version = uint(v, "version").map_err(Err)?;
+        if version != FORMAT_VERSION {
+            return Err(Ok(version));
+        }
+        Self::parse_v1(v).map_err(Err)
+    }
+
+    fn parse_v1(v: &Json) -> Result<Manifest, String> {
+        if v.get("hash") != Some(&Json::Str("fnv1a64".into())) {
+            return Err("`hash` is not \"fnv1a64\"".into());
+        }
+        let meta = Meta {
+            step: uint(v, "step")?,
+            config: strings(v, "config")?,
+            data: strings(v, "data")?,
+            rng: strings(v, "rng")?,
+        };
+        let mut optimizers = Vec::new();
+        let mut owners = BTreeSet::new();
+        for o in array(v, "optimizers")? {
+            let owner = owner(o)?;
+            if !owners.insert(owner) {
+                return Err(format!("optimizer owner {owner} listed twice"));
+            }
+            optimizers.push(OptimizerEntry {
+                owner,
+                rule: string(o, "rule")?,
+                steps: uint(o, "steps")?,
+            });
+        }
+        let mut files = Vec::new();
+        let mut sizes = BTreeMap::new();
+        for f in array(v, "files")? {
+            let name = string(f, "name")?;
+            if !plain_name(&name) {
+                return Err(format!("file name `{name}` is not a plain file name"));
+            }
+            let bytes = uint(f, "bytes")?;
+            if sizes.insert(name.clone(), bytes).is_some() {
+                return Err(format!("file `{name}` listed twice"));
+            }
+            files.push(FileEntry { name, bytes });
+        }
+        let mut tensors = Vec::new();
+        let mut names = BTreeSet::new();
+        for t in array(v, "tensors")? {
+            let name = string(t, "name")?;
+            let param = string(t, "param")?;
+            let state = string(t, "state")?;
+            if name != format!("{param}/{state}") {
+                return Err(format!("tensor `{name}` is not named `{param}/{state}`"));
+            }
+            if !names.insert(name.clone()) {
+                return Err(format!("tensor `{name}` listed twice"));
+            }
+            let owner = owner(t)?;
+            if !owners.contains(&owner) {
+                return Err(format!(
+                    "tensor `{name}`: owner {owner} has no optimizer entry"
+                ));
+            }
+            let shape: Vec<u64> = array(t, "shape")?
+                .iter()
+                .map(|d| match d {
+                    Json::UInt(n) => Ok(*n),
+                    _ => Err(format!("tensor `{name}`: shape holds a non-integer")),
+                })
+                .collect::<Result<_, _>>()?;
+            if shape.len() > MAX_RANK {
+                return Err(format!("tensor `{name}`: {} dimensions", shape.len()));
+            }
+            let numel = shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .filter(|&n| n <= MAX_NUMEL)
+                .ok_or_else(|| format!("tensor `{name}`: shape {shape:?} is absurdly large"))?;
+            let dtype = string(t, "dtype")?;
+            if dtype != DTYPE_F32 {
+                return Err(format!(
+                    "tensor `{name}`: dtype `{dtype}` (only F32 is stored)"
+                ));
+            }
+            let mut pieces = Vec::new();
+            for p in array(t, "pieces")? {
+                let piece = Piece {
+                    file: string(p, "file")?,
+                    key: string(p, "key")?,
+                    start: uint(p, "start")?,
+                    end: uint(p, "end")?,
+                    offset: uint(p, "offset")?,
+                    hash: {
+                        let h = string(p, "fnv1a64")?;
+                        if h.len() != 16 {
+                            return Err(format!(
+                                "tensor `{name}`: hash `{h}` is not 16 hex digits"
+                            ));
+                        }
+                        u64::from_str_radix(&h, 16)
+                            .map_err(|_| format!("tensor `{name}`: hash `{h}` is not hex"))?
+                    },
+                };
+                let Some(&fbytes) = sizes.get(&piece.file) else {
+                    return Err(format!(
+                        "tensor `{name}`: piece in `{}`, which is not a listed file",
+                        piece.file
+                    ));
+                };
+                if piece.start >= piece.end || piece.end > numel {
+                    return Err(format!(
+                        "tensor `{name}`: piece [{}, {}) out of range of {numel} elements",
+                        piece.start, piece.end
+                    ));
+                }
+                let fits = (piece.end - piece.start)
+                    .checked_mul(4)
+                    .and_then(|b| b.checked_add(piece.offset))
+                    .is_some_and(|e| e <= fbytes);
+                if !fits {
+                    return Err(format!(
+                        "tensor `{name}`: piece [{}, {}) at byte {} runs past the end of `{}` \
+                         ({fbytes} bytes)",
+                        piece.start, piece.end, piece.offset, piece.file
+                    ));
+                }
+                pieces.push(piece);
+            }
+            pieces.sort_by_key(|p| p.start);
+            // Exactly once: sorted by start, each piece begins where the previous ended.
+            let mut at = 0;
+            for p in &pieces {
+                if p.start < at {
+                    return Err(format!(
+                        "tensor `{name}`: pieces overlap at element {} (duplicate or overlapping \
+                         piece)",
+                        p.start
+                    ));
+                }
+                if p.start > at {
+                    return Err(format!(
+                        "tensor `{name}`: elements [{at}, {}) are in no piece (missing piece)",
+                        p.start
+                    ));
+                }
+                at = p.end;
+            }
+            if at != numel {
+                return Err(format!(
+                    "tensor `{name}`: elements [{at}, {numel}) are in no piece (missing piece)"
+                ));
+            }
+            tensors.push(TensorEntry {
+                name,
+                param,
+                state,
+                owner,
+                shape,
+                dtype,
+                pieces,
+            });
+        }
+        Ok(Manifest {
+            meta,
+            optimizers,
+            files,
+            tensors,
+        })
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+fn uint(v: &Json, key: &str) -> Result<u64, String> {
+    match v.get(key) {
+        Some(Json::UInt(n)) => Ok(*n),
+        _ => Err(format!("`{key}` missing or not a non-negative integer")),
+    }
+}
+
+fn owner(v: &Json) -> Result<u32, String> {
+    u32::try_from(uint(v, "owner")?).map_err(|_| "`owner` out of range".to_string())
+}
+
+fn string(v: &Json, key: &str) -> Result<String, String> {
+    match v.get(key) {
+        Some(Json::Str(s)) => Ok(s.clone()),
+        _ => Err(format!("`{key}` missing or not a string")),
+    }
+}
+
+fn array<'a>(v: &'a Json, key: &str) -> Result<&'a [Json], String> {
+    match v.get(key) {
+        Some(Json::Array(a)) => Ok(a),
+        _ => Err(format!("`{key}` missing or not an array")),
+    }
+}
+
+fn strings(v: &Json, key: &str) -> Result<BTreeMap<String, String>, String> {
+    match v.get(key) {
+        Some(Json::Object(m)) => m
+            .iter()
+            .map(|(k, v)| match v {
+                Json::Str(s) => Ok((k.clone(), s.clone())),
+                _ => Err(format!("`{key}.{k}` is not a string")),
+            })
+            .collect(),
+        _ => Err(format!("`{key}` missing or not an object")),
+    }
+}
