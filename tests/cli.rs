@@ -1,10 +1,10 @@
 //! End-to-end tests of the `lowbit` binary: real safetensors files in, real files out, compared
 //! against `lowbit_formats` called directly on the same data.
 
+use lowbit_dev_support::tempdir::TempDir;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lowbit_dev_support::rng::{XorShift64, unit24};
 use lowbit_formats::layout;
@@ -21,54 +21,12 @@ const BIN: &str = env!("CARGO_BIN_EXE_lowbit");
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-/// A per-test directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    /// A fresh directory holding `in.safetensors` with `tensors` (no metadata), and that path.
-    fn with_input(tag: &str, tensors: &[(&str, T)]) -> (Self, PathBuf) {
-        let dir = Self::new(tag);
-        let input = dir.path("in.safetensors");
-        write_st(&input, tensors, None);
-        (dir, input)
-    }
-
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "lowbit-cli-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create temp dir");
-        TempDir(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    /// File names in the directory, sorted (temporary files included).
-    fn entries(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .expect("read temp dir")
-            .map(|e| {
-                e.expect("dir entry")
-                    .file_name()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh directory holding `in.safetensors` with `tensors` (no metadata), and that path.
+fn with_input(tag: &str, tensors: &[(&str, T)]) -> (TempDir, PathBuf) {
+    let dir = TempDir::new(&format!("cli-{tag}"));
+    let input = dir.path("in.safetensors");
+    write_st(&input, tensors, None);
+    (dir, input)
 }
 
 fn lowbit<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
@@ -440,7 +398,7 @@ fn mixed_inputs() -> Vec<(&'static str, T)> {
 #[test]
 fn mxfp8_output_matches_library_bit_for_bit() {
     let inputs = mixed_inputs();
-    let (dir, input) = TempDir::with_input("mxfp8", &inputs);
+    let (dir, input) = with_input("mxfp8", &inputs);
     for recipe in ["mxfp8", "mxfp8-e5m2"] {
         let out = dir.path(&format!("out.{recipe}.safetensors"));
         let stdout = run_ok("quantize", &input, &out, &["--recipe", recipe]);
@@ -493,7 +451,7 @@ fn mxfp8_output_matches_library_bit_for_bit() {
 #[test]
 fn nvfp4_output_matches_library_bit_for_bit() {
     let inputs = mixed_inputs();
-    let (dir, input) = TempDir::with_input("nvfp4", &inputs);
+    let (dir, input) = with_input("nvfp4", &inputs);
     let out = dir.path("out.safetensors");
     run_ok("quantize", &input, &out, &["--recipe", "nvfp4"]);
     let (got, meta) = read_st(&out);
@@ -513,7 +471,7 @@ fn nvfp4_output_matches_library_bit_for_bit() {
 
 #[test]
 fn two_d_scaling_matches_library() {
-    let dir = TempDir::new("2d");
+    let dir = TempDir::new("cli-2d");
     let inputs = vec![
         ("w", f32_tensor(&[70, 45], 9)),
         ("v", bf16_tensor(&[33], 10)),
@@ -531,7 +489,7 @@ fn two_d_scaling_matches_library() {
 
 #[test]
 fn thread_count_does_not_change_the_bytes() {
-    let (dir, input) = TempDir::with_input("threads", &[("w", f32_tensor(&[200, 64], 11))]);
+    let (dir, input) = with_input("threads", &[("w", f32_tensor(&[200, 64], 11))]);
     for recipe in ["mxfp8", "nvfp4"] {
         let (a, b) = (dir.path("a"), dir.path("b"));
         run_ok(
@@ -555,7 +513,7 @@ fn thread_count_does_not_change_the_bytes() {
 
 #[test]
 fn rowwise_only_omits_columnwise_tensors() {
-    let dir = TempDir::new("rowwise");
+    let dir = TempDir::new("cli-rowwise");
     let inputs = vec![
         ("w", f32_tensor(&[3, 37, 45], 12)),
         ("b", f16_tensor(&[100], 13)),
@@ -591,7 +549,7 @@ fn rowwise_only_omits_columnwise_tensors() {
 #[test]
 fn columnwise_only_round_trips_through_the_columnwise_copy() {
     let w = f32_tensor(&[3, 37, 45], 14);
-    let (dir, input) = TempDir::with_input("colwise", &[("w", w.clone())]);
+    let (dir, input) = with_input("colwise", &[("w", w.clone())]);
     for recipe in ["mxfp8", "nvfp4"] {
         let q = dir.path(&format!("{recipe}.q"));
         let d = dir.path(&format!("{recipe}.d"));
@@ -625,7 +583,7 @@ fn columnwise_only_round_trips_through_the_columnwise_copy() {
 
 #[test]
 fn swizzled_scales_are_zero_padded_and_unswizzle_to_the_compact_bytes() {
-    let dir = TempDir::new("swizzle");
+    let dir = TempDir::new("cli-swizzle");
     // 150 rows: two 128-row tiles; 70 columns: 3 MXFP8 / 5 NVFP4 blocks, neither a multiple of 4.
     let inputs = vec![
         ("w", f32_tensor(&[150, 70], 15)),
@@ -746,7 +704,7 @@ fn encode_as(values: &[f32], dtype: Dtype) -> Vec<u8> {
 
 #[test]
 fn dequantize_restores_names_shapes_dtypes_and_library_values() {
-    let dir = TempDir::new("dequant");
+    let dir = TempDir::new("cli-dequant");
     let inputs = mixed_inputs();
     let input = dir.path("in.safetensors");
     let user_meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
@@ -792,7 +750,7 @@ fn dequantize_restores_names_shapes_dtypes_and_library_values() {
 
 #[test]
 fn dequantize_of_swizzled_equals_dequantize_of_compact() {
-    let dir = TempDir::new("dequant-swz");
+    let dir = TempDir::new("cli-dequant-swz");
     let input = dir.path("in.safetensors");
     write_st(
         &input,
@@ -827,7 +785,7 @@ fn dequantize_of_swizzled_equals_dequantize_of_compact() {
 
 #[test]
 fn passthrough_tensors_are_copied_unchanged() {
-    let dir = TempDir::new("passthrough");
+    let dir = TempDir::new("cli-passthrough");
     let step = i64_tensor(&[]);
     let ids = i64_tensor(&[3, 5]);
     let input = dir.path("in.safetensors");
@@ -858,7 +816,7 @@ fn passthrough_tensors_are_copied_unchanged() {
 
 #[test]
 fn missing_input_is_a_clean_error() {
-    let dir = TempDir::new("missing");
+    let dir = TempDir::new("cli-missing");
     let (input, out) = (dir.path("nope.safetensors"), dir.path("out.safetensors"));
     let err = run_err("quantize", &input, &out, &[]);
     assert!(err.contains("nope.safetensors"), "{err}");
@@ -869,7 +827,7 @@ fn missing_input_is_a_clean_error() {
 
 #[test]
 fn corrupt_and_truncated_inputs_are_clean_errors() {
-    let dir = TempDir::new("corrupt");
+    let dir = TempDir::new("cli-corrupt");
     let out = dir.path("out.safetensors");
     let random = dir.path("random.safetensors");
     let mut r = XorShift64::from_state(0x1234_5678_9ABC_DEF0);
@@ -898,7 +856,7 @@ fn corrupt_and_truncated_inputs_are_clean_errors() {
 
 #[test]
 fn f64_tensor_is_refused_with_the_tensor_named() {
-    let dir = TempDir::new("f64");
+    let dir = TempDir::new("cli-f64");
     let input = dir.path("in.safetensors");
     let f64s: Vec<u8> = [1.0f64, 2.0, 3.0]
         .iter()
@@ -919,7 +877,7 @@ fn f64_tensor_is_refused_with_the_tensor_named() {
 
 #[test]
 fn existing_output_needs_force_and_stays_untouched_without_it() {
-    let (dir, input) = TempDir::with_input("force", &[("w", f32_tensor(&[4, 40], 21))]);
+    let (dir, input) = with_input("force", &[("w", f32_tensor(&[4, 40], 21))]);
     let out = dir.path("out.safetensors");
     std::fs::write(&out, b"keep me").unwrap();
     let err = run_err("quantize", &input, &out, &[]);
@@ -944,10 +902,10 @@ fn existing_output_needs_force_and_stays_untouched_without_it() {
 
 #[test]
 fn output_equal_to_input_is_refused_even_with_force() {
-    let (dir, input) = TempDir::with_input("same", &[("w", f32_tensor(&[4, 40], 22))]);
+    let (dir, input) = with_input("same", &[("w", f32_tensor(&[4, 40], 22))]);
     let before = std::fs::read(&input).unwrap();
     // Spelled differently, still the same file.
-    let alias = dir.0.join(".").join("in.safetensors");
+    let alias = dir.dir().join(".").join("in.safetensors");
     let err = run_err("quantize", &input, &alias, &["--force"]);
     assert!(err.contains("is the input path"), "{err}");
     assert_eq!(std::fs::read(&input).unwrap(), before);
@@ -955,7 +913,7 @@ fn output_equal_to_input_is_refused_even_with_force() {
 
 #[test]
 fn nan_with_error_policy_names_tensor_and_index_and_leaves_no_file() {
-    let dir = TempDir::new("nan");
+    let dir = TempDir::new("cli-nan");
     let input = dir.path("in.safetensors");
     let mut v = values(4 * 8, 23);
     v[2 * 8 + 5] = f32::NAN;
@@ -1012,7 +970,7 @@ fn nan_with_error_policy_names_tensor_and_index_and_leaves_no_file() {
 
 #[test]
 fn failed_rename_removes_the_temporary_file() {
-    let (dir, input) = TempDir::with_input("rename", &[("w", f32_tensor(&[4, 40], 28))]);
+    let (dir, input) = with_input("rename", &[("w", f32_tensor(&[4, 40], 28))]);
     // A non-empty directory cannot be replaced by a file, so the final rename fails.
     let out = dir.path("out.safetensors");
     std::fs::create_dir(&out).unwrap();
@@ -1024,7 +982,7 @@ fn failed_rename_removes_the_temporary_file() {
 
 #[test]
 fn dequantize_rejects_files_without_lowbit_metadata() {
-    let dir = TempDir::new("not-lowbit");
+    let dir = TempDir::new("cli-not-lowbit");
     let input = dir.path("plain.safetensors");
     write_st(&input, &[("w", f32_tensor(&[4, 4], 25))], None);
     let out = dir.path("out.safetensors");
@@ -1039,7 +997,7 @@ fn dequantize_rejects_files_without_lowbit_metadata() {
 
 #[test]
 fn dequantize_reports_a_missing_component() {
-    let (dir, input) = TempDir::with_input("missing-part", &[("w", f32_tensor(&[4, 40], 26))]);
+    let (dir, input) = with_input("missing-part", &[("w", f32_tensor(&[4, 40], 26))]);
     let q = dir.path("q.safetensors");
     run_ok("quantize", &input, &q, &[]);
     let (tensors, meta) = read_st(&q);
@@ -1109,13 +1067,13 @@ fn help_texts_and_usage_errors() {
 
 #[test]
 fn demo_writes_quantizes_and_dequantizes_its_example() {
-    let dir = TempDir::new("demo");
+    let dir = TempDir::new("cli-demo");
     let target = dir.path("target");
     for (recipe, flags) in [("mxfp8", vec![]), ("nvfp4", vec!["--recipe", "nvfp4"])] {
         let out = Command::new(BIN)
             .args([&["quantize", "--demo"][..], &flags].concat())
             .env("CARGO_TARGET_DIR", &target)
-            .current_dir(&dir.0)
+            .current_dir(dir.dir())
             .output()
             .expect("run demo");
         let stdout = String::from_utf8_lossy(&out.stdout);

@@ -8,11 +8,12 @@
 //! the number of cases per input (CI runs the default budget). A crash found here becomes its own
 //! regression test.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lowbit_dev_support::rng::XorShift64;
+use lowbit_dev_support::tempdir::TempDir;
 
 const BIN: &str = env!("CARGO_BIN_EXE_lowbit");
 
@@ -26,34 +27,14 @@ fn cases() -> usize {
         .unwrap_or(40)
 }
 
-/// A scratch directory, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("lowbit-fuzz-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create scratch dir");
-        Scratch(dir)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-    /// Names in the directory other than `keep`.
-    fn others(&self, keep: &[&Path]) -> Vec<String> {
-        std::fs::read_dir(&self.0)
-            .expect("read scratch dir")
-            .map(|e| e.expect("entry").path())
-            .filter(|p| !keep.contains(&p.as_path()))
-            .map(|p| p.display().to_string())
-            .collect()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// Names in `dir` other than `keep`.
+fn others(dir: &TempDir, keep: &[&Path]) -> Vec<String> {
+    std::fs::read_dir(dir.dir())
+        .expect("read scratch dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| !keep.contains(&p.as_path()))
+        .map(|p| p.display().to_string())
+        .collect()
 }
 
 /// Runs `lowbit args…` with a time bound; returns the exit code and stderr. Panics (the test
@@ -158,7 +139,7 @@ fn mutate(base: &[u8], rng: &mut XorShift64) -> Vec<u8> {
 
 /// Fuzzes `command` (`quantize` or `dequantize`) on mutations of `valid`.
 fn fuzz(tag: &str, valid: &[u8], command: &str, extra: &[&str]) {
-    let dir = Scratch::new(tag);
+    let dir = TempDir::new(&format!("fuzz-{tag}"));
     let input = dir.path("in.safetensors");
     let output = dir.path("out.safetensors");
     let mut rng = XorShift64::new(0x5eed_0000 + tag.len() as u64);
@@ -182,7 +163,7 @@ fn fuzz(tag: &str, valid: &[u8], command: &str, extra: &[&str]) {
             assert!(!output.exists(), "{what}: failed but left an output");
             assert!(!err.trim().is_empty(), "{what}: failed silently");
         }
-        let stray = dir.others(&[input.as_path(), output.as_path()]);
+        let stray = others(&dir, &[input.as_path(), output.as_path()]);
         assert!(stray.is_empty(), "{what}: left {stray:?}");
     }
     // The harness must exercise the error paths, not only mutations that change nothing.
@@ -224,7 +205,7 @@ fn valid_input() -> Vec<u8> {
 
 /// The valid input quantized by `lowbit quantize --recipe recipe`.
 fn quantized(recipe: &str) -> Vec<u8> {
-    let dir = Scratch::new(&format!("base-{recipe}"));
+    let dir = TempDir::new(&format!("fuzz-base-{recipe}"));
     let (input, output) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
     std::fs::write(&input, valid_input()).expect("write input");
     let (i, o) = (

@@ -2,52 +2,16 @@
 //! panic/abort/hang on extreme inputs, and refusal of corrupt or contradictory inputs. Each test
 //! fails without the fix it names.
 
+use lowbit_dev_support::tempdir::TempDir;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lowbit::train::TrainConfig;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 const BIN: &str = env!("CARGO_BIN_EXE_lowbit");
-
-/// A per-test directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "lowbit-hard-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create temp dir");
-        TempDir(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn entries(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .expect("read temp dir")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn lowbit<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
     Command::new(BIN)
@@ -296,7 +260,7 @@ fn kill_during_write(sig: &str, dir: &TempDir, input: &Path) -> bool {
 #[cfg(target_os = "linux")]
 #[test]
 fn sigint_and_sigterm_during_the_write_remove_the_temporary() {
-    let dir = TempDir::new("signal");
+    let dir = TempDir::new("hard-signal");
     let input = dir.path("in.safetensors");
     // 64 MiB of f32: the write of the ~34 MiB output takes long enough to be caught.
     write_f32(&input, &[("w", &[4096, 4096])]);
@@ -314,7 +278,7 @@ fn sigint_and_sigterm_during_the_write_remove_the_temporary() {
 
 #[test]
 fn report_tables_take_cells_of_any_length_and_escape_control_characters() {
-    let dir = TempDir::new("cells");
+    let dir = TempDir::new("hard-cells");
     let input = dir.path("in.safetensors");
     // format!'s width is limited to u16::MAX: a longer cell used to panic after the output was
     // written.
@@ -534,7 +498,7 @@ fn the_largest_accepted_sizes_validate_and_larger_ones_do_not() {
 
 #[test]
 fn duplicate_tensor_names_in_a_header_are_refused() {
-    let dir = TempDir::new("dup");
+    let dir = TempDir::new("hard-dup");
     let input = dir.path("in.safetensors");
     // Valid once deduplicated (the last `w` wins), so safetensors alone accepts it.
     let header = r#"{"w":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;

@@ -7,6 +7,7 @@
 //! - [`criterion_estimates`]: where criterion writes its results and the median time of a
 //!   benchmark this run measured, for the benchmark mains that print a ratio to a baseline of the
 //!   same run (`lowbit-formats`, `lowbit-device`, `lowbit-comm` and the root `formats` bench);
+//! - [`tempdir`]: a per-test scratch directory removed on drop;
 //! - [`cpu_load`]: how many cores other processes kept busy while a benchmark ran (Linux), so
 //!   a table says when its figures were taken on a loaded machine;
 //! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
@@ -28,3 +29,4 @@ pub mod cpu_load;
 pub mod criterion_estimates;
 pub mod json;
 pub mod rng;
+pub mod tempdir;

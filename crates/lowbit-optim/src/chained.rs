@@ -8,7 +8,7 @@ use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterPiece, MasterShard, Optimizer, OptimizerMemory, OptimizerState};
+use crate::optimizer::{MasterPiece, Optimizer, OptimizerMemory, OptimizerState};
 
 /// See the module docs. A chain is an [`Optimizer`] itself, so chains nest.
 #[derive(Debug)]
@@ -75,13 +75,6 @@ impl Optimizer for ChainedOptimizer {
     }
     fn steps(&self) -> u64 {
         self.parts.first().map_or(0, |p| p.steps())
-    }
-    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
-        let mut out = Vec::new();
-        for p in &self.parts {
-            out.extend(p.masters(dev)?);
-        }
-        Ok(out)
     }
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
         let mut out = Vec::new();

@@ -10,7 +10,7 @@ use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
+    MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
 };
 use crate::rule::{ShardViews, UpdateRule};
 
@@ -230,19 +230,6 @@ impl Optimizer for DistributedOptimizer {
 
     fn steps(&self) -> u64 {
         self.steps
-    }
-
-    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
-        self.shards
-            .iter()
-            .map(|s| {
-                Ok(MasterShard {
-                    param: s.param,
-                    range: s.param_range.clone(),
-                    values: dev.download(s.master)?,
-                })
-            })
-            .collect()
     }
 
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {

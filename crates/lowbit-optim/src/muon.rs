@@ -34,7 +34,7 @@ use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
+    MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
 };
 use newton_schulz::{NsParams, NsScratch};
 
@@ -594,19 +594,6 @@ impl Optimizer for Muon {
 
     fn steps(&self) -> u64 {
         self.steps
-    }
-
-    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
-        self.shards
-            .iter()
-            .map(|s| {
-                Ok(MasterShard {
-                    param: s.param,
-                    range: 0..s.numel,
-                    values: dev.download(s.master)?,
-                })
-            })
-            .collect()
     }
 
     /// One entry: rule `"muon"`, per parameter `"master"` then `"momentum_buffer"`.

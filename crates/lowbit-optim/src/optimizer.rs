@@ -243,11 +243,23 @@ pub trait Optimizer: Debug + Send {
     /// Steps taken (a chain: its first part's count).
     fn steps(&self) -> u64;
 
-    /// This rank's fp32 masters.
+    /// This rank's fp32 masters, downloaded (the pieces of [`Optimizer::masters_to_stage`]).
     ///
     /// # Errors
     /// Device errors.
-    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>>;
+    fn masters(&self, dev: &Device) -> Result<Vec<MasterShard>> {
+        let mut out = Vec::new();
+        for (_, pieces) in self.masters_to_stage() {
+            for p in pieces {
+                out.push(MasterShard {
+                    param: p.param,
+                    range: p.range,
+                    values: dev.download(p.master)?,
+                });
+            }
+        }
+        Ok(out)
+    }
 
     /// This rank's state, one entry per leaf optimizer.
     ///
