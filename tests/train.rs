@@ -14,36 +14,6 @@ use lowbit::train::{OptimizerChoice, TrainConfig, TrainReport, train};
 // assertions here.
 use lowbit_dev_support::json::Json;
 
-trait Strict {
-    fn key(&self, k: &str) -> &Json;
-    fn num(&self) -> f64;
-    fn text(&self) -> &str;
-    fn flag(&self) -> bool;
-}
-
-impl Strict for Json {
-    fn key(&self, k: &str) -> &Json {
-        assert!(self.keys().contains(&k), "no key {k} in {:?}", self.keys());
-        self.get(k)
-    }
-    fn num(&self) -> f64 {
-        match self {
-            Json::Num(x) => *x,
-            other => panic!("not a number: {other:?}"),
-        }
-    }
-    fn text(&self) -> &str {
-        self.str()
-            .unwrap_or_else(|| panic!("not a string: {self:?}"))
-    }
-    fn flag(&self) -> bool {
-        match self {
-            Json::Bool(b) => *b,
-            other => panic!("not a bool: {other:?}"),
-        }
-    }
-}
-
 /// Runs `lowbit train ARGS --json` and parses its stdout.
 fn run_json(args: &[&str]) -> Json {
     let out = Command::new(env!("CARGO_BIN_EXE_lowbit"))
@@ -103,18 +73,18 @@ fn cli_runs_end_to_end_and_its_json_is_complete() {
     let steps = j.key("steps").arr();
     assert_eq!(steps.len(), 5);
     for (i, s) in steps.iter().enumerate() {
-        assert_eq!(s.key("step").num(), (i + 1) as f64);
+        assert_eq!(s.key("step").number(), (i + 1) as f64);
         // The decimal and the bit pattern are the same f32.
         let bits = u32::from_str_radix(&s.key("loss_bits").text()[2..], 16).unwrap();
-        assert_eq!(s.key("loss").num() as f32, f32::from_bits(bits));
+        assert_eq!(s.key("loss").number() as f32, f32::from_bits(bits));
         let loss = f32::from_bits(bits);
         assert!(loss.is_finite() && loss > 0.0, "loss {loss}");
-        assert!(s.key("grad_norm").num() > 0.0);
+        assert!(s.key("grad_norm").number() > 0.0);
     }
-    let evals = records(&j, "evals", |e| e.key("step").num());
+    let evals = records(&j, "evals", |e| e.key("step").number());
     assert_eq!(evals, [2.0, 4.0, 5.0], "every 2 steps and after the last");
-    let floor = j.key("floor").num();
-    let eval = j.key("evals").arr()[2].key("loss").num();
+    let floor = j.key("floor").number();
+    let eval = j.key("evals").arr()[2].key("loss").number();
     assert!(
         j.key("eval_exact").flag(),
         "the Markov eval set is exhaustive"
@@ -135,19 +105,23 @@ fn cli_runs_end_to_end_and_its_json_is_complete() {
             "grad_scratch",
         ]
         .iter()
-        .map(|c| m.key(c).num())
+        .map(|c| m.key(c).number())
         .sum();
-        assert_eq!(parts, m.key("total").num(), "{k} total");
-        m.key("total").num()
+        assert_eq!(parts, m.key("total").number(), "{k} total");
+        m.key("total").number()
     };
     assert!(mem("per_rank") < mem("bf16_unsharded"));
-    let master = j.key("memory").key("per_rank").key("masters").num();
-    let base = j.key("memory").key("bf16_unsharded").key("masters").num();
+    let master = j.key("memory").key("per_rank").key("masters").number();
+    let base = j
+        .key("memory")
+        .key("bf16_unsharded")
+        .key("masters")
+        .number();
     assert!(master * 3.0 < base, "masters sharded over 4 ranks");
     // Collectives: gradients reduce-scattered, parameters all-gathered.
     let comm = j.key("comm");
-    assert!(comm.key("reduce_scatter").key("bytes").num() > 0.0);
-    assert!(comm.key("all_gather").key("bytes").num() > 0.0);
+    assert!(comm.key("reduce_scatter").key("bytes").number() > 0.0);
+    assert!(comm.key("all_gather").key("bytes").number() > 0.0);
     // AdamW owns everything, sharded: no Muon section.
     assert_eq!(j.key("optimizer").text(), "adamw");
     assert_eq!(j.key("muon"), &Json::Null);
@@ -159,7 +133,7 @@ fn cli_runs_end_to_end_and_its_json_is_complete() {
         assert_eq!(p.key("sharding").text(), "distributed");
         assert_eq!(p.key("owner_rank"), &Json::Null);
         assert!(!p.key("ranks").arr().is_empty());
-        let decay = p.key("weight_decay").num();
+        let decay = p.key("weight_decay").number();
         let name = p.key("name").text();
         let decayed = name.ends_with("weight") && !name.contains("router");
         assert_eq!(decay, if decayed { 0.1 } else { 0.0 }, "{name}");
@@ -174,8 +148,8 @@ fn low_precision_gather_on_and_off_give_identical_losses_and_masters() {
         assert_eq!(trajectory(&on), trajectory(&off), "{precision}");
         // And they are different paths: the gathers move different bytes.
         assert_ne!(
-            on.key("comm").key("all_gather").key("bytes").num(),
-            off.key("comm").key("all_gather").key("bytes").num(),
+            on.key("comm").key("all_gather").key("bytes").number(),
+            off.key("comm").key("all_gather").key("bytes").number(),
             "{precision}"
         );
     }
@@ -289,7 +263,7 @@ fn trains_on_the_bytes_of_a_text_file() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(j.key("floor"), &Json::Null, "no known floor for a file");
     assert!(!j.key("eval_exact").flag());
-    let losses = records(&j, "steps", |s| s.key("loss").num());
+    let losses = records(&j, "steps", |s| s.key("loss").number());
     // Byte vocabulary: starts near ln 256 and learns the repetitive text.
     assert!(losses[0] > 4.0 && losses[4] < losses[0], "{losses:?}");
 }
@@ -339,7 +313,12 @@ fn assert_same_bits(a: &Json, b: &Json, what: &str) {
         j.key("evals")
             .arr()
             .iter()
-            .map(|e| (e.key("step").num() as u64, e.key("loss_bits").text().into()))
+            .map(|e| {
+                (
+                    e.key("step").number() as u64,
+                    e.key("loss_bits").text().into(),
+                )
+            })
             .collect()
     };
     let (ea, eb) = (evals(a), evals(b));
@@ -370,8 +349,8 @@ fn muon_param_gather_on_and_off_are_bitwise_identical() {
         );
         if dp > 1 {
             assert_ne!(
-                on.key("comm").key("all_gather").key("bytes").num(),
-                off.key("comm").key("all_gather").key("bytes").num(),
+                on.key("comm").key("all_gather").key("bytes").number(),
+                off.key("comm").key("all_gather").key("bytes").number(),
                 "{precision} at dp {dp}: the two paths gather different bytes"
             );
         }
@@ -414,7 +393,7 @@ fn muon_overlap_buckets_and_eval_schedule_change_no_bit() {
             assert_same_bits(&base, &other, &format!("{precision} at dp {dp}: {extra:?}"));
             if extra.contains(&"100") {
                 // Small buckets really are more buckets: more reduce-scatter launches.
-                let calls = |j: &Json| j.key("comm").key("reduce_scatter").key("calls").num();
+                let calls = |j: &Json| j.key("comm").key("reduce_scatter").key("calls").number();
                 assert!(calls(&other) > calls(&base), "dp {dp}: {extra:?}");
             }
             if extra.contains(&"--eval-every") {
@@ -454,14 +433,14 @@ fn muon_grouped_and_discrete_experts_train_to_the_same_bits() {
             j.key("muon_ranks")
                 .arr()
                 .iter()
-                .map(|r| r.key("params").num() as usize)
+                .map(|r| r.key("params").number() as usize)
                 .sum()
         };
         let matrices = |j: &Json| -> usize {
             j.key("muon_ranks")
                 .arr()
                 .iter()
-                .map(|r| r.key("matrices").num() as usize)
+                .map(|r| r.key("matrices").number() as usize)
                 .sum()
         };
         assert_eq!((muon_params(&grouped), matrices(&grouped)), (7, 13));
@@ -492,7 +471,7 @@ fn muon_json_names_the_optimizer_and_rank_of_every_parameter() {
         "exactly reproducible by default"
     );
     assert_eq!(m.key("lr_scale").text(), "original");
-    assert_eq!(m.key("ns_steps").num(), 5.0);
+    assert_eq!(m.key("ns_steps").number(), 5.0);
     assert_eq!(m.key("sharding").text(), "layer_wise");
     assert!(m.key("nesterov").flag());
     let owners = j.key("param_owners").arr();
@@ -506,7 +485,7 @@ fn muon_json_names_the_optimizer_and_rank_of_every_parameter() {
             .key("ranks")
             .arr()
             .iter()
-            .map(|r| r.num() as usize)
+            .map(|r| r.number() as usize)
             .collect();
         if muon {
             assert_eq!(p.key("optimizer").text(), "muon", "{name}");
@@ -516,12 +495,12 @@ fn muon_json_names_the_optimizer_and_rank_of_every_parameter() {
                 1,
                 "{name}: a Muon matrix is owned whole by one rank"
             );
-            assert_eq!(p.key("owner_rank").num() as usize, ranks[0], "{name}");
+            assert_eq!(p.key("owner_rank").number() as usize, ranks[0], "{name}");
             // The original rule: sqrt(max(1, out / in)) per matrix.
-            let shape: Vec<f64> = p.key("shape").arr().iter().map(Json::num).collect();
+            let shape: Vec<f64> = p.key("shape").arr().iter().map(Json::number).collect();
             let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
             assert_eq!(
-                p.key("muon_lr_factor").num(),
+                p.key("muon_lr_factor").number(),
                 (rows / cols).max(1.0).sqrt(),
                 "{name}"
             );
@@ -538,8 +517,8 @@ fn muon_json_names_the_optimizer_and_rank_of_every_parameter() {
     let loads = j.key("muon_ranks").arr();
     assert_eq!(loads.len(), 8);
     for (r, l) in loads.iter().enumerate() {
-        assert_eq!(l.key("rank").num() as usize, r);
-        assert_eq!(l.key("params").num() as usize, per_rank[r], "rank {r}");
+        assert_eq!(l.key("rank").number() as usize, r);
+        assert_eq!(l.key("params").number() as usize, per_rank[r], "rank {r}");
     }
     assert_eq!(per_rank.iter().sum::<usize>(), 7);
     assert_eq!(

@@ -80,6 +80,48 @@ impl Json {
         }
     }
 
+    /// The member `key`, which must exist (strict reader for tests).
+    ///
+    /// # Panics
+    /// If it does not.
+    pub fn key(&self, key: &str) -> &Json {
+        assert!(
+            self.keys().contains(&key),
+            "no key {key} in {:?}",
+            self.keys()
+        );
+        self.get(key)
+    }
+
+    /// The number (strict).
+    ///
+    /// # Panics
+    /// If this is not a number.
+    pub fn number(&self) -> f64 {
+        self.as_f64()
+            .unwrap_or_else(|| panic!("not a number: {self:?}"))
+    }
+
+    /// The string (strict).
+    ///
+    /// # Panics
+    /// If this is not a string.
+    pub fn text(&self) -> &str {
+        self.str()
+            .unwrap_or_else(|| panic!("not a string: {self:?}"))
+    }
+
+    /// The boolean (strict).
+    ///
+    /// # Panics
+    /// If this is not a boolean.
+    pub fn flag(&self) -> bool {
+        match self {
+            Json::Bool(b) => *b,
+            other => panic!("not a bool: {other:?}"),
+        }
+    }
+
     /// Whether this array holds the string `s`.
     pub fn contains_str(&self, s: &str) -> bool {
         self.arr().iter().any(|v| v.str() == Some(s))

@@ -61,37 +61,13 @@ const TOL_F32: f32 = 1e-6;
 /// 125x below 4 NS steps or Nesterov flipped (≥ 1.25e-2), which the test asserts exceed it.
 const TOL_BF16: f32 = 1e-4;
 
-/// Strict readers of the golden file (a missing key or a wrong type is a test failure).
-trait Golden {
-    fn number(&self) -> f64;
-    fn text(&self) -> &str;
-    fn flag(&self) -> bool;
-    /// An f32 array stored as 8 hex digits (the bit pattern) per value.
-    fn f32s(&self) -> Vec<f32>;
-}
-
-impl Golden for Json {
-    fn number(&self) -> f64 {
-        self.as_f64()
-            .unwrap_or_else(|| panic!("not a number: {self:?}"))
-    }
-    fn text(&self) -> &str {
-        self.str()
-            .unwrap_or_else(|| panic!("not a string: {self:?}"))
-    }
-    fn flag(&self) -> bool {
-        match self {
-            Json::Bool(b) => *b,
-            other => panic!("not a bool: {other:?}"),
-        }
-    }
-    fn f32s(&self) -> Vec<f32> {
-        let s = self.text();
-        assert_eq!(s.len() % 8, 0);
-        (0..s.len() / 8)
-            .map(|i| f32::from_bits(u32::from_str_radix(&s[8 * i..8 * i + 8], 16).unwrap()))
-            .collect()
-    }
+/// An f32 array stored as 8 hex digits (the bit pattern) per value.
+fn f32s(v: &Json) -> Vec<f32> {
+    let s = v.text();
+    assert_eq!(s.len() % 8, 0);
+    (0..s.len() / 8)
+        .map(|i| f32::from_bits(u32::from_str_radix(&s[8 * i..8 * i + 8], 16).unwrap()))
+        .collect()
 }
 
 /// One parameter of a golden configuration.
@@ -162,9 +138,9 @@ fn goldens() -> Vec<GoldenConfig> {
                             .iter()
                             .map(|d| d.number() as usize)
                             .collect(),
-                        init: p.get("init").f32s(),
-                        grads: p.get("grads").arr().iter().map(Json::f32s).collect(),
-                        masters: b.iter().zip(f).map(|(b, f)| (b.f32s(), f.f32s())).collect(),
+                        init: f32s(p.get("init")),
+                        grads: p.get("grads").arr().iter().map(f32s).collect(),
+                        masters: b.iter().zip(f).map(|(b, f)| (f32s(b), f32s(f))).collect(),
                     }
                 })
                 .collect();
