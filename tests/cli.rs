@@ -9,8 +9,8 @@ use std::process::{Command, Output};
 use lowbit_dev_support::rng::{XorShift64, unit24};
 use lowbit_formats::layout;
 use lowbit_formats::{
-    Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, Source, bf16, f16,
-    quantize_mxfp8, quantize_nvfp4,
+    Copies, Fp8Kind, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane,
+    Source, bf16, f16, quantize_mxfp8, quantize_nvfp4,
 };
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -50,6 +50,22 @@ fn run_ok(sub: &str, input: &Path, output: &Path, flags: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Quantizes `input` into `output` with `recipe` and `--copies copies`, and reads it back.
+fn quantize_copies(
+    input: &Path,
+    output: &Path,
+    recipe: &str,
+    copies: &str,
+) -> (HashMap<String, T>, HashMap<String, String>) {
+    run_ok(
+        "quantize",
+        input,
+        output,
+        &["--recipe", recipe, "--copies", copies],
+    );
+    read_st(output)
 }
 
 /// [`run_err`] of a run that must be refused without writing `output`; its error line must
@@ -199,22 +215,22 @@ fn f32_tensor(shape: &[usize], seed: u64) -> T {
     )
 }
 
-fn bf16_tensor(shape: &[usize], seed: u64) -> T {
+/// A 16-bit float tensor of `dtype`, each value's bits given by `bits`.
+fn half_tensor(dtype: Dtype, shape: &[usize], seed: u64, bits: impl Fn(f32) -> u16) -> T {
     let n = shape.iter().product();
     let data = values(n, seed)
         .iter()
-        .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
+        .flat_map(|&v| bits(v).to_le_bytes())
         .collect();
-    t(Dtype::BF16, shape, data)
+    t(dtype, shape, data)
+}
+
+fn bf16_tensor(shape: &[usize], seed: u64) -> T {
+    half_tensor(Dtype::BF16, shape, seed, |v| bf16::from_f32(v).to_bits())
 }
 
 fn f16_tensor(shape: &[usize], seed: u64) -> T {
-    let n = shape.iter().product();
-    let data = values(n, seed)
-        .iter()
-        .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
-        .collect();
-    t(Dtype::F16, shape, data)
+    half_tensor(Dtype::F16, shape, seed, |v| f16::from_f32(v).to_bits())
 }
 
 fn i64_tensor(shape: &[usize]) -> T {
@@ -277,31 +293,40 @@ fn lib_nvfp4(name: &str, input: &T, copies: Copies, two_d: bool) -> Nvfp4Tensor 
     quantize_nvfp4(&m, &cfg).expect("library quantize")
 }
 
+/// One quantized copy as the expected output lists it: (side, plane, data shape, scale shape).
+type PlaneEntry<'a> = (&'a str, &'a Option<QuantPlane>, [usize; 2], [usize; 2]);
+
+/// Inserts the data and scale tensors of each present plane, the data and scales having the
+/// given pair of dtypes.
+fn insert_planes(
+    e: &mut HashMap<String, T>,
+    name: &str,
+    (data_dt, scale_dt): (Dtype, Dtype),
+    planes: [PlaneEntry<'_>; 2],
+) {
+    for (side, plane, data_shape, scale_shape) in planes {
+        if let Some(p) = plane {
+            e.insert(
+                format!("{name}.{side}_data"),
+                t(data_dt, &data_shape, p.data.clone()),
+            );
+            e.insert(
+                format!("{name}.{side}_scale_inv"),
+                t(scale_dt, &scale_shape, p.scales.clone()),
+            );
+        }
+    }
+}
+
 /// The compact output tensors the spec prescribes for MXFP8, from the library's result.
 fn expected_mxfp8(name: &str, q: &Mxfp8Tensor) -> HashMap<String, T> {
     let (m, n) = (q.rows, q.cols);
-    let dt = fp8_dtype(q.kind);
     let mut e = HashMap::new();
-    if let Some(p) = &q.rowwise {
-        e.insert(
-            format!("{name}.rowwise_data"),
-            t(dt, &[m, n], p.data.clone()),
-        );
-        e.insert(
-            format!("{name}.rowwise_scale_inv"),
-            t(Dtype::F8_E8M0, &[m, n.div_ceil(32)], p.scales.clone()),
-        );
-    }
-    if let Some(p) = &q.columnwise {
-        e.insert(
-            format!("{name}.columnwise_data"),
-            t(dt, &[m, n], p.data.clone()),
-        );
-        e.insert(
-            format!("{name}.columnwise_scale_inv"),
-            t(Dtype::F8_E8M0, &[m.div_ceil(32), n], p.scales.clone()),
-        );
-    }
+    let planes = [
+        ("rowwise", &q.rowwise, [m, n], [m, n.div_ceil(32)]),
+        ("columnwise", &q.columnwise, [m, n], [m.div_ceil(32), n]),
+    ];
+    insert_planes(&mut e, name, (fp8_dtype(q.kind), Dtype::F8_E8M0), planes);
     e
 }
 
@@ -309,26 +334,21 @@ fn expected_mxfp8(name: &str, q: &Mxfp8Tensor) -> HashMap<String, T> {
 fn expected_nvfp4(name: &str, q: &Nvfp4Tensor) -> HashMap<String, T> {
     let (m, n) = (q.rows, q.cols);
     let mut e = HashMap::new();
-    if let Some(p) = &q.rowwise {
-        e.insert(
-            format!("{name}.rowwise_data"),
-            t(Dtype::U8, &[m, n.div_ceil(2)], p.data.clone()),
-        );
-        e.insert(
-            format!("{name}.rowwise_scale_inv"),
-            t(Dtype::F8_E4M3, &[m, n.div_ceil(16)], p.scales.clone()),
-        );
-    }
-    if let Some(p) = &q.columnwise {
-        e.insert(
-            format!("{name}.columnwise_data"),
-            t(Dtype::U8, &[n, m.div_ceil(2)], p.data.clone()),
-        );
-        e.insert(
-            format!("{name}.columnwise_scale_inv"),
-            t(Dtype::F8_E4M3, &[n, m.div_ceil(16)], p.scales.clone()),
-        );
-    }
+    let planes = [
+        (
+            "rowwise",
+            &q.rowwise,
+            [m, n.div_ceil(2)],
+            [m, n.div_ceil(16)],
+        ),
+        (
+            "columnwise",
+            &q.columnwise,
+            [n, m.div_ceil(2)],
+            [n, m.div_ceil(16)],
+        ),
+    ];
+    insert_planes(&mut e, name, (Dtype::U8, Dtype::F8_E4M3), planes);
     e.insert(
         format!("{name}.amax"),
         t(Dtype::F32, &[1], q.amax_rowwise.to_le_bytes().to_vec()),
@@ -522,13 +542,7 @@ fn rowwise_only_omits_columnwise_tensors() {
     write_st(&input, &inputs, None);
     for recipe in ["mxfp8", "mxfp8-e5m2", "nvfp4"] {
         let out = dir.path(&format!("{recipe}.safetensors"));
-        run_ok(
-            "quantize",
-            &input,
-            &out,
-            &["--recipe", recipe, "--copies", "rowwise"],
-        );
-        let (got, meta) = read_st(&out);
+        let (got, meta) = quantize_copies(&input, &out, recipe, "rowwise");
         let mut want: Vec<String> = Vec::new();
         for n in ["w", "b"] {
             want.push(format!("{n}.rowwise_data"));
@@ -553,13 +567,7 @@ fn columnwise_only_round_trips_through_the_columnwise_copy() {
     for recipe in ["mxfp8", "nvfp4"] {
         let q = dir.path(&format!("{recipe}.q"));
         let d = dir.path(&format!("{recipe}.d"));
-        run_ok(
-            "quantize",
-            &input,
-            &q,
-            &["--recipe", recipe, "--copies", "columnwise"],
-        );
-        let (got, _) = read_st(&q);
+        let (got, _) = quantize_copies(&input, &q, recipe, "columnwise");
         assert!(
             got.keys().all(|n| !n.contains("rowwise")),
             "{:?}",

@@ -161,12 +161,7 @@ fn force_replaces_only_regular_files() {
         &quantize(&input, &link, &["--force"]),
         &["not a regular file", "symbolic link"],
     );
-    assert!(
-        std::fs::symlink_metadata(&link)
-            .unwrap()
-            .file_type()
-            .is_symlink()
-    );
+    assert!(file_type(&link).is_symlink());
     let sub = dir.path("sub");
     std::fs::create_dir(&sub).unwrap();
     assert_refused(&quantize(&input, &sub, &["--force"]), &["a directory"]);
@@ -178,12 +173,7 @@ fn force_replaces_only_regular_files() {
         let fifo = dir.path("fifo");
         assert_refused(&quantize(&input, &fifo, &["--force"]), &["a FIFO"]);
         use std::os::unix::fs::FileTypeExt;
-        assert!(
-            std::fs::symlink_metadata(&fifo)
-                .unwrap()
-                .file_type()
-                .is_fifo()
-        );
+        assert!(file_type(&fifo).is_fifo());
     }
     // A regular file is still replaced.
     let out = dir.path("out.safetensors");
@@ -628,4 +618,9 @@ fn json_is_byte_identical_outside_its_timing_key() {
     assert!(!a0.contains("wall_s") && !a0.contains("phases_s") && !a0.contains("_s\""));
     assert!(a1.contains("\"wall_s\":") && a1.contains("\"phases_s\":{"));
     assert!(a1.trim_end().ends_with("}}}"), "{a1}");
+}
+
+/// The type of `path` itself, not following a symlink.
+fn file_type(path: &std::path::Path) -> std::fs::FileType {
+    std::fs::symlink_metadata(path).unwrap().file_type()
 }

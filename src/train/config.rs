@@ -335,26 +335,13 @@ impl TrainConfig {
                 limits::RANKS
             ));
         }
-        if self.microbatches == 0 {
-            return bad("--microbatches must be at least 1".into());
-        }
-        if self.microbatches > limits::BATCH {
-            return bad(format!(
-                "--microbatches {} exceeds the limit of {} (and --batch must split into them)",
-                self.microbatches,
-                limits::BATCH
-            ));
-        }
-        if self.steps == 0 {
-            return bad("--steps must be at least 1".into());
-        }
-        if self.steps > limits::STEPS {
-            return bad(format!(
-                "--steps {} exceeds the limit of {} steps",
-                self.steps,
-                limits::STEPS
-            ));
-        }
+        check_count(
+            "microbatches",
+            self.microbatches,
+            limits::BATCH,
+            " (and --batch must split into them)",
+        )?;
+        check_count("steps", self.steps, limits::STEPS, " steps")?;
         if self.batch > limits::BATCH {
             return bad(format!(
                 "--batch {} exceeds the limit of {} samples per step",
@@ -639,4 +626,17 @@ impl TrainConfig {
             weight_decay: decay,
         }
     }
+}
+
+/// `--{flag}` must be at least 1 and at most `limit`; `note` ends the over-the-limit message.
+fn check_count(flag: &str, value: usize, limit: usize, note: &str) -> Result<(), TrainError> {
+    if value == 0 {
+        return Err(TrainError::Invalid(format!("--{flag} must be at least 1")));
+    }
+    if value > limit {
+        return Err(TrainError::Invalid(format!(
+            "--{flag} {value} exceeds the limit of {limit}{note}"
+        )));
+    }
+    Ok(())
 }

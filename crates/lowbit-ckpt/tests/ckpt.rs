@@ -609,6 +609,14 @@ fn open_edited(dir: &Path, edit: impl FnOnce(&mut Json)) -> Result<Checkpoint, C
     Checkpoint::open(dir)
 }
 
+/// Appends a copy of the first element of the array at `path`.
+fn push_copy_of_first(v: &mut Json, path: &[&str]) {
+    let first = field(v, &[path, &["0"]].concat()).clone();
+    if let Json::Array(a) = field(v, path) {
+        a.push(first);
+    }
+}
+
 fn field<'a>(v: &'a mut Json, path: &[&str]) -> &'a mut Json {
     let mut v = v;
     for k in path {
@@ -656,12 +664,7 @@ fn hostile_manifests_are_typed_errors() {
         ),
         (
             "duplicate piece",
-            Box::new(|v| {
-                let p = field(v, &["tensors", "0", "pieces", "0"]).clone();
-                if let Json::Array(a) = field(v, &["tensors", "0", "pieces"]) {
-                    a.push(p);
-                }
-            }),
+            Box::new(|v| push_copy_of_first(v, &["tensors", "0", "pieces"])),
             "overlap",
         ),
         (
@@ -687,12 +690,7 @@ fn hostile_manifests_are_typed_errors() {
         ),
         (
             "duplicate tensor",
-            Box::new(|v| {
-                let t = field(v, &["tensors", "0"]).clone();
-                if let Json::Array(a) = field(v, &["tensors"]) {
-                    a.push(t);
-                }
-            }),
+            Box::new(|v| push_copy_of_first(v, &["tensors"])),
             "twice",
         ),
         (

@@ -60,6 +60,25 @@ fn attacker(
     })
 }
 
+/// Rank 0 serves [`payload`] to `world` ranks under `opts` on a loopback port, in a thread.
+fn serve(
+    world: usize,
+    opts: ServeOptions,
+) -> (
+    SocketAddr,
+    Vec<u8>,
+    thread::JoinHandle<Result<(), RendezvousError>>,
+) {
+    let server = RendezvousServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr();
+    let p = payload();
+    let serving = {
+        let p = p.clone();
+        thread::spawn(move || server.serve_with(world, &p, &secret(), DEADLINE, opts))
+    };
+    (addr, p, serving)
+}
+
 /// Rank 0 serves `world` ranks under `opts`; `attack` runs first (its handles are joined after
 /// the job and must never hold the payload); the real ranks start after `delay` and must all
 /// get the payload within [`QUICK`] of starting.
@@ -69,13 +88,7 @@ fn job(
     delay: Duration,
     attack: impl FnOnce(SocketAddr) -> Vec<thread::JoinHandle<Vec<u8>>>,
 ) {
-    let server = RendezvousServer::bind("127.0.0.1:0").unwrap();
-    let addr = server.local_addr();
-    let p = payload();
-    let serving = {
-        let p = p.clone();
-        thread::spawn(move || server.serve_with(world, &p, &secret(), DEADLINE, opts))
-    };
+    let (addr, p, serving) = serve(world, opts);
     let attackers = attack(addr);
     thread::sleep(delay);
     let t0 = Instant::now();
@@ -198,15 +211,7 @@ fn impostor_before_the_real_rank_is_dropped() {
 #[test]
 fn impostor_after_the_real_rank_is_dropped() {
     // Rank 1 is served, then an impostor claims rank 1 (and 2), then rank 2 arrives.
-    let server = RendezvousServer::bind("127.0.0.1:0").unwrap();
-    let addr = server.local_addr();
-    let p = payload();
-    let serving = {
-        let p = p.clone();
-        thread::spawn(move || {
-            server.serve_with(3, &p, &secret(), DEADLINE, ServeOptions::default())
-        })
-    };
+    let (addr, p, serving) = serve(3, ServeOptions::default());
     let t0 = Instant::now();
     assert_eq!(
         fetch_with(&addr.to_string(), 1, 3, &secret(), DEADLINE).unwrap(),
@@ -262,15 +267,7 @@ fn one_client_claiming_several_ranks_gets_nothing() {
 
 #[test]
 fn wrong_token_fails_that_rank_only() {
-    let server = RendezvousServer::bind("127.0.0.1:0").unwrap();
-    let addr = server.local_addr();
-    let p = payload();
-    let serving = {
-        let p = p.clone();
-        thread::spawn(move || {
-            server.serve_with(2, &p, &secret(), DEADLINE, ServeOptions::default())
-        })
-    };
+    let (addr, p, serving) = serve(2, ServeOptions::default());
     let t0 = Instant::now();
     let other = RendezvousSecret::from_token(b"another job's token");
     let e = fetch_with(&addr.to_string(), 1, 2, &other, DEADLINE).unwrap_err();

@@ -4,31 +4,10 @@
 //! library path (`gpu/with_cublas.sh`); fails, never skips, without them.
 #![cfg(feature = "cuda")]
 
-use lowbit_device::{DType, Device, MatmulTcSpec, View, bf16};
+use lowbit_device::{DType, Device, MatmulTcSpec};
 
-fn put(dev: &mut Device, dtype: DType, vals: &[f32]) -> View {
-    let v = dev.alloc(dtype, vals.len());
-    match dtype {
-        DType::F32 => dev.upload(v, vals).unwrap(),
-        _ => {
-            let h: Vec<bf16> = vals.iter().map(|x| bf16::from_f32(*x)).collect();
-            dev.upload(v, &h).unwrap();
-        }
-    }
-    v
-}
-
-fn get(dev: &Device, v: View) -> Vec<f32> {
-    match v.dtype() {
-        DType::F32 => dev.download(v).unwrap(),
-        _ => dev
-            .download::<bf16>(v)
-            .unwrap()
-            .into_iter()
-            .map(bf16::to_f32)
-            .collect(),
-    }
-}
+mod common;
+use common::{download as get, upload_as as put};
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed | 1;

@@ -2,37 +2,15 @@
 //! `fl(fl(alpha·s) + fl(beta·c))`, one rounding to D's dtype) against a naive product, bitwise;
 //! in-place and separate C; symmetric products; and every refusal.
 
-use lowbit_device::{DType, Device, DeviceError, MatmulTcSpec, View, bf16};
+use lowbit_device::{DType, Device, DeviceError, MatmulTcSpec, bf16};
 use proptest::prelude::*;
 
 fn r16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// A `dtype` view holding `vals` (rounded).
-fn put(dev: &mut Device, dtype: DType, vals: &[f32]) -> View {
-    let v = dev.alloc(dtype, vals.len());
-    match dtype {
-        DType::F32 => dev.upload(v, vals).unwrap(),
-        _ => {
-            let h: Vec<bf16> = vals.iter().map(|x| bf16::from_f32(*x)).collect();
-            dev.upload(v, &h).unwrap();
-        }
-    }
-    v
-}
-
-fn get(dev: &Device, v: View) -> Vec<f32> {
-    match v.dtype() {
-        DType::F32 => dev.download(v).unwrap(),
-        _ => dev
-            .download::<bf16>(v)
-            .unwrap()
-            .into_iter()
-            .map(bf16::to_f32)
-            .collect(),
-    }
-}
+mod common;
+use common::{download as get, upload_as as put};
 
 fn at(x: &[f32], rows: usize, cols: usize, trans: bool, i: usize, j: usize) -> f32 {
     if trans {

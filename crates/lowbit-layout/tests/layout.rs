@@ -27,6 +27,19 @@ fn buckets(layout: &lowbit_layout::BufferLayout) -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
+/// The layout of `params` under `cfg`, after checking its param ranges and buckets.
+fn layout_with(
+    params: &[ParamSpec],
+    cfg: LayoutConfig,
+    want_ranges: Vec<(usize, usize, usize)>,
+    want_buckets: Vec<(usize, usize, usize)>,
+) -> lowbit_layout::BufferLayout {
+    let layout = compute_layout(params, &cfg).unwrap();
+    assert_eq!(ranges(&layout), want_ranges);
+    assert_eq!(buckets(&layout), want_buckets);
+    layout
+}
+
 // ---------------------------------------------------------------------------------------------
 // test_param_layout (Megatron `distributed/test_param_layout.py`)
 // ---------------------------------------------------------------------------------------------
@@ -158,9 +171,12 @@ fn shared_embedding_at_first_reversed_position_is_alone() {
     // Forward [a 100, emb 1000]: the embedding is placed first, closes its own bucket at 1000
     // (padded to 1024); a follows in bucket 1 [1024, 1152).
     let params = [param("a", 100), shared("emb", 1000)];
-    let layout = compute_layout(&params, &LayoutConfig::distributed(4, None)).unwrap();
-    assert_eq!(ranges(&layout), vec![(1024, 1124, 1), (0, 1000, 0)]);
-    assert_eq!(buckets(&layout), vec![(0, 1024, 1000), (1024, 1152, 100)]);
+    let layout = layout_with(
+        &params,
+        LayoutConfig::distributed(4, None),
+        vec![(1024, 1124, 1), (0, 1000, 0)],
+        vec![(0, 1024, 1000), (1024, 1152, 100)],
+    );
     assert_eq!(layout.buckets[0].params, vec![1]);
 }
 
@@ -170,12 +186,12 @@ fn shared_embedding_closes_pending_bucket_first() {
     // embedding's start pads to 192, which closes bucket 0 there (Megatron passes the padded
     // start: numel_unpadded 192), padded to 256; emb at 256..1256 alone, padded to 1280.
     let params = [shared("emb", 1000), param("a", 100), param("b", 30)];
-    let layout = compute_layout(&params, &LayoutConfig::distributed(4, None)).unwrap();
-    assert_eq!(
-        ranges(&layout),
-        vec![(256, 1256, 1), (64, 164, 0), (0, 30, 0)]
+    let layout = layout_with(
+        &params,
+        LayoutConfig::distributed(4, None),
+        vec![(256, 1256, 1), (64, 164, 0), (0, 30, 0)],
+        vec![(0, 256, 192), (256, 1280, 1000)],
     );
-    assert_eq!(buckets(&layout), vec![(0, 256, 192), (256, 1280, 1000)]);
     assert_eq!(layout.buckets[0].params, vec![2, 1]);
     assert_eq!(layout.buckets[1].params, vec![0]);
     assert_eq!(layout.numel_unpadded, 1192);
@@ -194,12 +210,12 @@ fn shared_embedding_closes_pending_bucket_first() {
 #[test]
 fn shared_embedding_is_ignored_by_classic_ddp_layout() {
     let params = [shared("emb", 1000), param("a", 100), param("b", 30)];
-    let layout = compute_layout(&params, &LayoutConfig::ddp(4, None)).unwrap();
-    assert_eq!(
-        ranges(&layout),
-        vec![(130, 1130, 0), (30, 130, 0), (0, 30, 0)]
+    layout_with(
+        &params,
+        LayoutConfig::ddp(4, None),
+        vec![(130, 1130, 0), (30, 130, 0), (0, 30, 0)],
+        vec![(0, 1130, 1130)],
     );
-    assert_eq!(buckets(&layout), vec![(0, 1130, 1130)]);
 }
 
 #[test]

@@ -491,14 +491,7 @@ fn one_gpu(comm: &mut dyn Communicator, dev: &mut Device) -> OneGpu {
 
     section("fast vs exact", &mut out.errors, || {
         // 2. Fast vs exact on small shapes (the exact mode on the GPU's exact matmul).
-        let shapes: Vec<(String, usize, usize)> = DEVIATION_SHAPES
-            .iter()
-            .map(|(r, c)| (format!("{r}x{c}"), *r, *c))
-            .collect();
-        let grads: Vec<Vec<f32>> = shapes
-            .iter()
-            .map(|(_, r, c)| rng.gauss_vec(r * c, 1.0))
-            .collect();
+        let (shapes, grads) = named_shapes_and_grads(&DEVIATION_SHAPES, &mut rng);
         let t = Instant::now();
         let (exact, _) = one_step(dev, comm, &shapes, &grads, NsMode::Exact);
         let exact_s = t.elapsed().as_secs_f64();
@@ -526,14 +519,7 @@ fn one_gpu(comm: &mut dyn Communicator, dev: &mut Device) -> OneGpu {
     section("symmetric blocks vs full", &mut out.errors, || {
         // Symmetric blocks on vs off at Llama sizes (fast mode both).
         if out.symmetric_blocks {
-            let shapes: Vec<(String, usize, usize)> = BLOCK_SHAPES
-                .iter()
-                .map(|(r, c)| (format!("{r}x{c}"), *r, *c))
-                .collect();
-            let grads: Vec<Vec<f32>> = shapes
-                .iter()
-                .map(|(_, r, c)| rng.gauss_vec(r * c, 1.0))
-                .collect();
+            let (shapes, grads) = named_shapes_and_grads(&BLOCK_SHAPES, &mut rng);
             let (on, _) = one_step(dev, comm, &shapes, &grads, NsMode::Fast);
             dev.set_cuda_kernel_variant("matmul_tc_symmetric", 0)
                 .expect("variant");
@@ -908,55 +894,21 @@ fn main() {
             one.checks_ok
         );
         let _ = write!(j, "\"symmetric_blocks\": {}, ", one.symmetric_blocks);
-        let _ = write!(
-            j,
-            "\"errors\": [{}], ",
-            one.errors
-                .iter()
-                .map(|l| format!("\"{}\"", l.replace(['"', '\\', '\n'], "'")))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let _ = write!(
-            j,
-            "\"checks\": [{}], ",
-            one.checks
-                .iter()
-                .map(|l| format!("\"{}\"", l.replace('"', "'")))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let _ = write!(
-            j,
-            "\"fast_vs_exact\": [{}], ",
-            one.deviation
-                .iter()
-                .map(|(n, r, m)| format!(
-                    "{{\"shape\": \"{n}\", \"rel_fro\": {r:e}, \"max_abs_over_max\": {m:e}}}"
-                ))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let _ = write!(
-            j,
-            "\"blocks_vs_full\": [{}], ",
-            one.blocks_vs_full
-                .iter()
-                .map(|(n, r)| format!("{{\"shape\": \"{n}\", \"rel_fro\": {r:e}}}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let _ = write!(
-            j,
-            "\"exact_steps\": [{}], ",
-            one.exact_proxy
-                .iter()
-                .map(|(n, s, g)| format!(
-                    "{{\"shape\": \"{n}\", \"seconds\": {s}, \"gmac_per_s\": {g}}}"
-                ))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        write_list(&mut j, "errors", &one.errors, |l| {
+            format!("\"{}\"", l.replace(['"', '\\', '\n'], "'"))
+        });
+        write_list(&mut j, "checks", &one.checks, |l| {
+            format!("\"{}\"", l.replace('"', "'"))
+        });
+        write_list(&mut j, "fast_vs_exact", &one.deviation, |(n, r, m)| {
+            format!("{{\"shape\": \"{n}\", \"rel_fro\": {r:e}, \"max_abs_over_max\": {m:e}}}")
+        });
+        write_list(&mut j, "blocks_vs_full", &one.blocks_vs_full, |(n, r)| {
+            format!("{{\"shape\": \"{n}\", \"rel_fro\": {r:e}}}")
+        });
+        write_list(&mut j, "exact_steps", &one.exact_proxy, |(n, s, g)| {
+            format!("{{\"shape\": \"{n}\", \"seconds\": {s}, \"gmac_per_s\": {g}}}")
+        });
         let _ = write!(
             j,
             "\"layer_ms\": {{\"exact\": {}, \"exact_measured\": {}, \"fast\": {}, \"fast_identity_mirror\": {}, \"fast_blocks_off\": {}, \"torch\": {}}}, ",
@@ -1000,4 +952,29 @@ fn main() {
         eprintln!("some matmul_tc checks or sections failed");
         std::process::exit(1);
     }
+}
+
+/// A matrix's name, rows and columns.
+type NamedShape = (String, usize, usize);
+
+/// Each `(rows, cols)` named `"{rows}x{cols}"`, with a Gaussian gradient for each.
+fn named_shapes_and_grads(
+    dims: &[(usize, usize)],
+    rng: &mut Rng,
+) -> (Vec<NamedShape>, Vec<Vec<f32>>) {
+    let shapes: Vec<(String, usize, usize)> = dims
+        .iter()
+        .map(|(r, c)| (format!("{r}x{c}"), *r, *c))
+        .collect();
+    let grads = shapes
+        .iter()
+        .map(|(_, r, c)| rng.gauss_vec(r * c, 1.0))
+        .collect();
+    (shapes, grads)
+}
+
+/// Appends `"key": [..], ` to `j`, the array holding `items` mapped by `f`.
+fn write_list<T>(j: &mut String, key: &str, items: &[T], f: impl FnMut(&T) -> String) {
+    let body = items.iter().map(f).collect::<Vec<_>>().join(", ");
+    let _ = write!(j, "\"{key}\": [{body}], ");
 }

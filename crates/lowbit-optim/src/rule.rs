@@ -72,15 +72,11 @@ impl UpdateRule for AdamW {
         &["exp_avg", "exp_avg_sq"]
     }
     fn validate(&self) -> Result<()> {
-        if !((0.0..1.0).contains(&self.beta1) && (0.0..1.0).contains(&self.beta2) && self.eps > 0.0)
-        {
-            return Err(InvalidInput::Hyper {
-                rule: "AdamW",
-                what: "needs 0 ≤ beta1, beta2 < 1 and eps > 0",
-            }
-            .into());
-        }
-        Ok(())
+        require(
+            (0.0..1.0).contains(&self.beta1) && (0.0..1.0).contains(&self.beta2) && self.eps > 0.0,
+            "AdamW",
+            "needs 0 ≤ beta1, beta2 < 1 and eps > 0",
+        )
     }
     fn update(&self, dev: &mut Device, v: ShardViews<'_>, lr: f32, step: u64) -> Result<()> {
         let hp = lowbit_device::AdamW {
@@ -120,14 +116,11 @@ impl UpdateRule for Sgd {
         &["momentum_buffer"]
     }
     fn validate(&self) -> Result<()> {
-        if !(0.0..1.0).contains(&self.momentum) {
-            return Err(InvalidInput::Hyper {
-                rule: "SGD",
-                what: "needs 0 ≤ momentum < 1",
-            }
-            .into());
-        }
-        Ok(())
+        require(
+            (0.0..1.0).contains(&self.momentum),
+            "SGD",
+            "needs 0 ≤ momentum < 1",
+        )
     }
     fn update(&self, dev: &mut Device, v: ShardViews<'_>, lr: f32, step: u64) -> Result<()> {
         let hp = lowbit_device::SgdMomentum {
@@ -140,5 +133,14 @@ impl UpdateRule for Sgd {
             dev.cast(v.master, out)?;
         }
         Ok(())
+    }
+}
+
+/// `Ok` when `ok`, else [`InvalidInput::Hyper`] naming `rule` and the rule broken (`what`).
+fn require(ok: bool, rule: &'static str, what: &'static str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidInput::Hyper { rule, what }.into())
     }
 }

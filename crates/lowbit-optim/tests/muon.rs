@@ -88,6 +88,21 @@ struct GoldenConfig {
     params: Vec<GoldenParam>,
 }
 
+impl GoldenConfig {
+    /// One spec per parameter, all stored as `storage`.
+    fn specs(&self, storage: ParamStorage) -> Vec<ParamSpec> {
+        self.params
+            .iter()
+            .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(storage)))
+            .collect()
+    }
+
+    /// Each parameter's initial values.
+    fn inits(&self) -> Vec<Vec<f32>> {
+        self.params.iter().map(|p| p.init.clone()).collect()
+    }
+}
+
 fn goldens() -> Vec<GoldenConfig> {
     let doc = Json::parse(include_str!("golden/muon.json")).expect("the golden file parses");
     let coefs: Vec<f32> = doc
@@ -176,6 +191,24 @@ fn run<T: Send>(dp: usize, f: impl Fn(LocalComm, Device) -> T + Sync) -> Vec<T> 
     .collect()
 }
 
+/// Layer-wise sharded buffers of `init` on `rank` of `dp`, and a Muon with learning rate `lr`
+/// over them.
+fn layerwise_muon(
+    dev: &mut Device,
+    rank: usize,
+    dp: usize,
+    specs: &[ParamSpec],
+    init: &[Vec<f32>],
+    muon: MuonConfig,
+    lr: f32,
+) -> (DataParallelBuffers, Muon) {
+    let bufs = buffers(dev, rank, dp, specs, init, ShardingStrategy::LayerWise);
+    let mut cb = init_from_full(init);
+    let cfg = OptimConfig::new(lr);
+    let opt = Muon::new(dev, &bufs, OptimizerId(0), muon, cfg, &mut cb).unwrap();
+    (bufs, opt)
+}
+
 /// Layer-wise buffers for `dp` ranks on this rank, initialized from `init`.
 fn buffers(
     dev: &mut Device,
@@ -236,20 +269,13 @@ fn train(
     storage: ParamStorage,
     steps: usize,
 ) -> Vec<Vec<Vec<f32>>> {
-    let specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(storage)))
-        .collect();
+    let specs: Vec<ParamSpec> = g.specs(storage);
     let numels: Vec<usize> = specs.iter().map(|s| s.numel).collect();
-    let init: Vec<Vec<f32>> = g.params.iter().map(|p| p.init.clone()).collect();
+    let init: Vec<Vec<f32>> = g.inits();
     let per_rank = run(dp, |mut comm, mut dev| {
         let dev = &mut dev;
         let rank = comm.rank();
-        let mut bufs = buffers(dev, rank, dp, &specs, &init, ShardingStrategy::LayerWise);
-        let mut cb = init_from_full(&init);
-        let cfg = OptimConfig::new(g.lr);
-        let mut opt = Muon::new(dev, &bufs, OptimizerId(0), muon, cfg, &mut cb).unwrap();
+        let (mut bufs, mut opt) = layerwise_muon(dev, rank, dp, &specs, &init, muon, g.lr);
         let mut seen: Vec<Vec<(usize, Vec<f32>)>> = Vec::new();
         for t in 0..steps {
             let grads: Vec<&[f32]> = g.params.iter().map(|p| &p.grads[t][..]).collect();
@@ -474,20 +500,13 @@ fn a_rank_without_muon_parameters_takes_part() {
 #[test]
 fn export_import_round_trip_continues_bit_for_bit() {
     let g = golden0();
-    let specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(ParamStorage::F32)))
-        .collect();
-    let init: Vec<Vec<f32>> = g.params.iter().map(|p| p.init.clone()).collect();
+    let specs: Vec<ParamSpec> = g.specs(ParamStorage::F32);
+    let init: Vec<Vec<f32>> = g.inits();
     let grads = |t: usize| -> Vec<&[f32]> { g.params.iter().map(|p| &p.grads[t][..]).collect() };
     run(2, |mut comm, mut dev| {
         let dev = &mut dev;
         let rank = comm.rank();
-        let mut b1 = buffers(dev, rank, 2, &specs, &init, ShardingStrategy::LayerWise);
-        let mut cb = init_from_full(&init);
-        let cfg = OptimConfig::new(g.lr);
-        let mut o1 = Muon::new(dev, &b1, OptimizerId(0), g.muon, cfg, &mut cb).unwrap();
+        let (mut b1, mut o1) = layerwise_muon(dev, rank, 2, &specs, &init, g.muon, g.lr);
         for t in 0..2 {
             step(dev, &mut comm, &mut b1, &mut o1, &grads(t));
         }
@@ -526,6 +545,7 @@ fn export_import_round_trip_continues_bit_for_bit() {
         let other: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.25; s.numel]).collect();
         let mut b2 = buffers(dev, rank, 2, &specs, &masters, ShardingStrategy::LayerWise);
         let mut cb = init_from_full(&other);
+        let cfg = OptimConfig::new(g.lr);
         let mut o2 = Muon::new(dev, &b2, OptimizerId(0), g.muon, cfg, &mut cb).unwrap();
         // Refused: another rule, another owner, a wrong length; nothing changes.
         let before = o2.export_state(dev).unwrap();
@@ -572,19 +592,12 @@ fn export_import_round_trip_continues_bit_for_bit() {
 #[test]
 fn a_non_finite_step_changes_nothing() {
     let g = golden0();
-    let specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(ParamStorage::Bf16)))
-        .collect();
-    let init: Vec<Vec<f32>> = g.params.iter().map(|p| p.init.clone()).collect();
+    let specs: Vec<ParamSpec> = g.specs(ParamStorage::Bf16);
+    let init: Vec<Vec<f32>> = g.inits();
     run(2, |mut comm, mut dev| {
         let dev = &mut dev;
         let rank = comm.rank();
-        let mut bufs = buffers(dev, rank, 2, &specs, &init, ShardingStrategy::LayerWise);
-        let mut cb = init_from_full(&init);
-        let cfg = OptimConfig::new(g.lr);
-        let mut opt = Muon::new(dev, &bufs, OptimizerId(0), g.muon, cfg, &mut cb).unwrap();
+        let (mut bufs, mut opt) = layerwise_muon(dev, rank, 2, &specs, &init, g.muon, g.lr);
         let grads: Vec<&[f32]> = g.params.iter().map(|p| &p.grads[0][..]).collect();
         step(dev, &mut comm, &mut bufs, &mut opt, &grads);
         let before = opt.export_state(dev).unwrap();
@@ -812,12 +825,8 @@ fn lr_scale_factors() {
 #[test]
 fn clipping_scales_the_gradient_before_the_momentum() {
     let g = golden0();
-    let specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(ParamStorage::F32)))
-        .collect();
-    let init: Vec<Vec<f32>> = g.params.iter().map(|p| p.init.clone()).collect();
+    let specs: Vec<ParamSpec> = g.specs(ParamStorage::F32);
+    let init: Vec<Vec<f32>> = g.inits();
     run(1, |mut comm, mut dev| {
         let dev = &mut dev;
         let make = |dev: &mut Device, cfg: OptimConfig| {
@@ -860,11 +869,7 @@ fn clipping_scales_the_gradient_before_the_momentum() {
 #[test]
 fn memory_is_masters_momentum_and_scratch() {
     let g = golden0();
-    let specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(ParamStorage::F32)))
-        .collect();
+    let specs: Vec<ParamSpec> = g.specs(ParamStorage::F32);
     let numel: usize = specs.iter().map(|s| s.numel).sum();
     let (max_numel, max_len, side) = (1024, 1024, 32); // the 32x32 matrix
     for (dtype, ns_bytes) in [(NsDtype::Bf16, 2), (NsDtype::F32, 4)] {
@@ -907,11 +912,7 @@ fn memory_is_masters_momentum_and_scratch() {
 fn chained_with_distributed_adamw_dp2_equals_dp1() {
     let g = mxfp8_config();
     let mxfp8 = ParamStorage::Quantized(QuantKind::Mxfp8);
-    let mut specs: Vec<ParamSpec> = g
-        .params
-        .iter()
-        .map(|p| ParamSpec::new(p.name.clone(), p.shape.clone(), key(mxfp8)))
-        .collect();
+    let mut specs: Vec<ParamSpec> = g.specs(mxfp8);
     let bias_key = BufferKey {
         owner: OptimizerId(1),
         ..key(ParamStorage::Bf16)

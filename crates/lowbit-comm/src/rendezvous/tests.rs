@@ -115,27 +115,39 @@ fn clients_retry_until_rank_0_listens() {
     });
 }
 
-#[test]
-fn exchange_through_the_environment() {
+/// The environments of ranks 0..3 of a job on `host` and a free port, plus `extra` variables.
+fn three_ranks(host: &str, extra: &[(&str, &str)]) -> Vec<RendezvousEnv> {
     let port = free_port().to_string();
-    let envs: Vec<RendezvousEnv> = (0..3)
+    (0..3)
         .map(|r| {
-            env(&[
-                ("RANK", &r.to_string()),
+            let rank = r.to_string();
+            let mut vars = vec![
+                ("RANK", rank.as_str()),
                 ("WORLD_SIZE", "3"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", &port),
-            ])
-            .unwrap()
+                ("MASTER_ADDR", host),
+                ("MASTER_PORT", port.as_str()),
+            ];
+            vars.extend_from_slice(extra);
+            env(&vars).unwrap()
         })
-        .collect();
-    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+        .collect()
+}
+
+/// Every env exchanges a 128-byte payload of `byte` on its own thread.
+fn exchange_all(envs: &[RendezvousEnv], byte: u8) -> Vec<Vec<u8>> {
+    std::thread::scope(|s| {
         let hs: Vec<_> = envs
             .iter()
-            .map(|e| s.spawn(move || e.exchange(|| Ok(vec![7; 128]), T)))
+            .map(|e| s.spawn(move || e.exchange(|| Ok(vec![byte; 128]), T)))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn exchange_through_the_environment() {
+    let envs = three_ranks("127.0.0.1", &[]);
+    let got = exchange_all(&envs, 7);
     assert!(got.iter().all(|g| g == &vec![7u8; 128]));
 }
 
@@ -244,26 +256,8 @@ fn exchange_with_a_token_over_ipv4_and_ipv6() {
             eprintln!("skipped ::1: no IPv6 loopback here");
             continue;
         }
-        let port = free_port().to_string();
-        let envs: Vec<RendezvousEnv> = (0..3)
-            .map(|r| {
-                env(&[
-                    ("RANK", &r.to_string()),
-                    ("WORLD_SIZE", "3"),
-                    ("MASTER_ADDR", host),
-                    ("MASTER_PORT", &port),
-                    ("LOWBIT_RDZV_TOKEN", "s3cret"),
-                ])
-                .unwrap()
-            })
-            .collect();
-        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-            let hs: Vec<_> = envs
-                .iter()
-                .map(|e| s.spawn(move || e.exchange(|| Ok(vec![9; 128]), T)))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-        });
+        let envs = three_ranks(host, &[("LOWBIT_RDZV_TOKEN", "s3cret")]);
+        let got = exchange_all(&envs, 9);
         assert!(got.iter().all(|g| g == &vec![9u8; 128]), "{host}");
     }
 }
