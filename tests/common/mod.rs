@@ -822,6 +822,20 @@ pub fn variant(base: Run, gather: bool) -> Run {
     }
 }
 
+/// A parity-matrix case on `base`: `steps` steps of 3 microbatches, the rows per rank shrinking
+/// with the ranks, on `device` with `ddp`.
+pub fn matrix_case(base: Run, steps: usize, device: TestDevice, ddp: DdpConfig) -> Run {
+    let dp = base.dp;
+    Run {
+        steps,
+        microbatches: 3,
+        rows: 8 / dp.min(4) + 1,
+        ddp,
+        device,
+        ..base
+    }
+}
+
 /// The ON run (with `fusion` as its gradient accumulation) and the OFF run of `base`, each
 /// checked to be identical across its ranks.
 pub fn train_on_off(base: Run, fusion: GradAccumulation) -> (Vec<Outcome>, Vec<Outcome>) {
@@ -885,12 +899,7 @@ pub fn parity_matrix(
                         let base = Run {
                             precision,
                             grad,
-                            steps,
-                            microbatches: 3,
-                            rows: 8 / dp.min(4) + 1,
-                            ddp: ddp(true, og, op, bucket),
-                            device,
-                            ..Run::new(dp)
+                            ..matrix_case(Run::new(dp), steps, device, ddp(true, og, op, bucket))
                         };
                         let what = format!(
                             "{precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?} \
@@ -968,16 +977,11 @@ pub fn muon_parity_matrix(
                     let base = Run {
                         precision,
                         grad,
-                        steps,
-                        microbatches: 3,
-                        rows: 8 / dp.min(4) + 1,
-                        ddp: ddp(true, og, op, bucket),
-                        device,
                         optimizer: OptimChoice::Muon(MuonRun {
                             hidden_only,
                             ..MuonRun::F32
                         }),
-                        ..Run::muon(dp)
+                        ..matrix_case(Run::muon(dp), steps, device, ddp(true, og, op, bucket))
                     };
                     let what = format!(
                         "Muon {precision:?} dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?} \

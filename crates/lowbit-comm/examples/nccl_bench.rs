@@ -30,15 +30,6 @@ struct Case {
     bytes: usize,
 }
 
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::Bf16 => "bf16",
-        DType::F16 => "f16",
-        DType::U8 => "u8",
-    }
-}
-
 fn iters(bytes: usize) -> usize {
     ((4usize << 30) / bytes).clamp(10, 400)
 }
@@ -107,7 +98,7 @@ fn main() {
         };
         println!(
             "{op:<15} {:>5} {:>10} {:>12.1} {:>12.1} {:>12.1}",
-            dtype_name(c.dtype),
+            c.dtype.name(),
             c.bytes / MIB,
             secs * 1e6,
             algbw,
@@ -115,7 +106,7 @@ fn main() {
         );
         rows.push(format!(
             "{{\"op\":\"{op}\",\"dtype\":\"{}\",\"bytes\":{},\"time_us\":{:.3},\"algbw_gbs\":{:.3},\"busbw_gbs\":{:.3}}}",
-            dtype_name(c.dtype),
+            c.dtype.name(),
             c.bytes,
             secs * 1e6,
             algbw,

@@ -177,15 +177,6 @@ pub(crate) fn labels(seq: u64, ops: &[Op]) -> (String, Vec<String>) {
     (launch, per_op)
 }
 
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::Bf16 => "bf16",
-        DType::F16 => "f16",
-        DType::U8 => "u8",
-    }
-}
-
 /// Checks one op's arguments on this rank and returns what the ranks must agree on.
 fn check_op(op: &Op, rank: usize, size: usize, label: &str) -> Result<OpDesc> {
     let dtype_err = |what: &str, expected: String, got: DType| CommError::DType {
@@ -212,7 +203,7 @@ fn check_op(op: &Op, rank: usize, size: usize, label: &str) -> Result<OpDesc> {
         } else {
             Err(dtype_err(
                 "output",
-                format!("{} (the input's dtype)", dtype_name(input.dtype())),
+                format!("{} (the input's dtype)", input.dtype().name()),
                 output.dtype(),
             ))
         }
@@ -392,11 +383,7 @@ pub(crate) fn check_agreement(
         };
         let d0 = first[i];
         if per_rank.iter().any(|d| d[i].dtype != d0.dtype) {
-            return Err(mismatch(
-                label,
-                "dtype",
-                col(&|d| dtype_name(d.dtype).into()),
-            ));
+            return Err(mismatch(label, "dtype", col(&|d| d.dtype.name().into())));
         }
         if per_rank.iter().any(|d| d[i].count != d0.count) {
             let what = match d0.kind {

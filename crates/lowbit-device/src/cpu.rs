@@ -103,16 +103,11 @@ impl CpuDevice {
 
     /// Checks every view of an op before anything is written: each is a live buffer of this
     /// device and in bounds; outputs are pairwise disjoint and disjoint from every input.
-    pub(crate) fn check_views(
-        &self,
-        what: &'static str,
-        ins: &[View],
-        outs: &[View],
-    ) -> Result<()> {
+    pub(crate) fn check_views(&self, op: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
         for v in ins.iter().chain(outs) {
             self.bytes(*v)?;
         }
-        check_overlap(what, ins, outs)
+        check_overlap(op, ins, outs)
     }
 
     /// Simultaneous access to an op's views after [`CpuDevice::check_views`]: a shared slice per

@@ -291,16 +291,11 @@ impl CudaDevice {
     }
 
     /// The same checks as `CpuDevice::check_views`, with the same errors.
-    pub(crate) fn check_views(
-        &self,
-        what: &'static str,
-        ins: &[View],
-        outs: &[View],
-    ) -> Result<()> {
+    pub(crate) fn check_views(&self, op: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
         for v in ins.iter().chain(outs) {
             self.device_ptr(*v)?;
         }
-        crate::cpu::check_overlap(what, ins, outs)
+        crate::cpu::check_overlap(op, ins, outs)
     }
 
     pub(crate) fn write_bytes(&mut self, dst: View, src: &[u8]) -> Result<()> {

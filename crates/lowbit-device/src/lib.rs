@@ -176,6 +176,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// The lower-case name (`f32`, `bf16`, `f16`, `u8`), for messages and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::U8 => "u8",
+        }
+    }
+
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
@@ -639,16 +649,11 @@ impl Device {
     }
 
     /// Checks an op's views (live, in bounds, the overlap rule) on whichever backend this is.
-    pub(crate) fn check_views(
-        &self,
-        what: &'static str,
-        ins: &[View],
-        outs: &[View],
-    ) -> Result<()> {
+    pub(crate) fn check_views(&self, op: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
         match &self.backend {
-            Backend::Cpu(c) => c.check_views(what, ins, outs),
+            Backend::Cpu(c) => c.check_views(op, ins, outs),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(g) => g.check_views(what, ins, outs),
+            Backend::Cuda(g) => g.check_views(op, ins, outs),
         }
     }
 
@@ -705,7 +710,7 @@ pub(crate) fn check_dtype(what: &'static str, v: View, want: DType) -> Result<()
     } else {
         Err(DeviceError::DType {
             what,
-            expected: dtype_name(want),
+            expected: want.name(),
             got: v.dtype(),
         })
     }
@@ -732,15 +737,6 @@ pub(crate) fn check_len(what: &'static str, a: usize, b: usize) -> Result<()> {
         Ok(())
     } else {
         Err(DeviceError::Length { what, a, b })
-    }
-}
-
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::Bf16 => "bf16",
-        DType::F16 => "f16",
-        DType::U8 => "u8",
     }
 }
 

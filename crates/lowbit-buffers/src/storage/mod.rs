@@ -236,15 +236,9 @@ pub(crate) trait TileScaled {
     fn tiles(&self, index: usize) -> View;
     /// Folds a piece's values (starting at element `offset` of the parameter) into its tiles.
     fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()>;
-    /// Quantizes a piece (`param_range` of the parameter) with the reduced tiles into the
-    /// region.
-    fn quantize(
-        &self,
-        dev: &mut Device,
-        index: usize,
-        values: View,
-        param_range: Range<usize>,
-    ) -> Result<()>;
+    /// Quantizes the values `v` of a piece (`range` of parameter `i`'s elements) with the
+    /// reduced tiles into the region.
+    fn quantize(&self, dev: &mut Device, i: usize, v: View, range: Range<usize>) -> Result<()>;
 }
 
 /// Allocates the storage of one buffer. `specs` are the buffer's parameters in layout order;

@@ -240,13 +240,7 @@ impl<F: TileFormat> TileScaled for Tiled<F> {
     fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()> {
         F::fold(dev, &self.weights[index], values, offset)
     }
-    fn quantize(
-        &self,
-        dev: &mut Device,
-        index: usize,
-        values: View,
-        param_range: Range<usize>,
-    ) -> Result<()> {
-        F::quantize(dev, &self.weights[index], values, param_range)
+    fn quantize(&self, dev: &mut Device, i: usize, v: View, range: Range<usize>) -> Result<()> {
+        F::quantize(dev, &self.weights[i], v, range)
     }
 }
