@@ -1,5 +1,5 @@
 //! Command-line arguments (clap derive) and dispatch. Each subcommand is a variant of
-//! [`Command`] (`quantize`, `dequantize`, `train`); a new one (`ckpt`, `bench`) adds a variant,
+//! [`Command`] (`quantize`, `dequantize`, `train`, `ckpt`); a new one (`bench`) adds a variant,
 //! an args struct and a match arm in [`run`].
 
 use std::path::PathBuf;
@@ -26,7 +26,9 @@ use crate::schema::{Recipe, Settings};
         lowbit quantize --demo    (generates, quantizes and dequantizes an example file)\n  \
         lowbit train              (the reference run: 4 CPU ranks, MXFP8 primary weights)\n  \
         lowbit train --precision nvfp4 --ranks 2 --json\n  \
-        lowbit train --optimizer muon   (Muon layer-wise on the matrices, AdamW on the rest)"
+        lowbit train --optimizer muon   (Muon layer-wise on the matrices, AdamW on the rest)\n  \
+        lowbit train --save ckpt --save-every 50; lowbit train --resume ckpt --save ckpt   (continue)\n  \
+        lowbit ckpt export ckpt model.safetensors --dtype bf16"
 )]
 pub struct Cli {
     /// The subcommand to run.
@@ -61,6 +63,12 @@ pub enum Command {
     /// and time per phase (or, with --json, one JSON object with every step's loss and grad norm
     /// as decimals and f32 bit patterns, and a checksum of the final fp32 masters).
     Train(crate::train_cmd::TrainArgs),
+    /// Inspect, verify or export a checkpoint written by `lowbit train --save DIR`.
+    ///
+    /// A checkpoint root holds `step-N` directories (a manifest.json and one safetensors file of
+    /// fp32 masters and optimizer state per rank) and a `latest` pointer; every command takes
+    /// the root (its latest) or a `step-N` directory.
+    Ckpt(crate::ckpt_cmd::CkptArgs),
 }
 
 /// Arguments of `lowbit quantize`.
@@ -200,5 +208,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             report::print(&table.render())
         }
         Command::Train(args) => crate::train_cmd::run(&args),
+        Command::Ckpt(args) => crate::ckpt_cmd::run(&args),
     }
 }

@@ -6,6 +6,7 @@ pub mod model;
 pub mod train;
 
 pub use lowbit_buffers as buffers;
+pub use lowbit_ckpt as ckpt;
 pub use lowbit_comm as comm;
 pub use lowbit_device as device;
 pub use lowbit_formats as formats;

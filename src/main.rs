@@ -10,6 +10,7 @@
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
 //! status 2. Control characters in error text (tensor names from a file) are escaped.
 
+mod ckpt_cmd;
 mod cli;
 mod demo;
 mod dequantize;

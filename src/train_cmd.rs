@@ -14,6 +14,7 @@ use lowbit::train::{
 };
 
 use crate::error::CliError;
+use crate::report;
 
 /// Arguments of `lowbit train`. Defaults: the embedded CPU run (4 ranks, MXFP8 primary weights
 /// with staged gathers, overlapped reduction and gathers, distributed AdamW, 200 steps).
@@ -114,6 +115,23 @@ pub struct TrainArgs {
     /// run stops at the first NaN or infinite loss with an error and exit status 1.
     #[arg(long)]
     pub allow_non_finite: bool,
+    /// Save checkpoints into DIR (`DIR/step-N`, `DIR/latest`): after the last step, and every
+    /// --save-every steps. Masters and optimizer state, sharded by rank; committed atomically.
+    #[arg(long, value_name = "DIR")]
+    pub save: Option<PathBuf>,
+    /// Save after every N steps too (0: only after the last) [needs --save].
+    #[arg(long, value_name = "N", requires = "save")]
+    pub save_every: Option<usize>,
+    /// Keep only the newest K checkpoints in --save DIR [default: all; needs --save].
+    #[arg(long, value_name = "K", requires = "save",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep: Option<u64>,
+    /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total;
+    /// flags that change the model, the data or the arithmetic must match the checkpoint's
+    /// (refused otherwise, naming the flag); --ranks, --param-gather, the overlap flags,
+    /// --bucket-size, --discrete-experts and --device may change.
+    #[arg(long, value_name = "PATH")]
+    pub resume: Option<PathBuf>,
 }
 
 /// `on` / `off`.
@@ -193,6 +211,16 @@ pub enum DeviceArg {
 }
 
 impl TrainArgs {
+    /// The checkpointing these arguments ask for.
+    pub fn checkpointing(&self) -> train::Checkpointing {
+        train::Checkpointing {
+            save: self.save.clone(),
+            save_every: self.save_every.unwrap_or(0),
+            keep: self.keep.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+            resume: self.resume.clone(),
+        }
+    }
+
     /// Muon's settings from the flags, or the refusal of `--muon-*` flags without `--optimizer
     /// muon` (they would silently do nothing). Values are checked by [`TrainConfig::validate`].
     fn optimizer(&self) -> Result<OptimizerChoice, CliError> {
@@ -325,7 +353,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             let _ = writeln!(err, "{line}");
         }
     };
-    let report = train::train(&cfg, &progress).map_err(|e| CliError::Msg(e.to_string()))?;
+    let report = train::train_with(&cfg, &args.checkpointing(), &progress)
+        .map_err(|e| CliError::Msg(e.to_string()))?;
     if cfg.device == train::DeviceChoice::Cuda && train::launched_rank() != 0 {
         // One process per rank under a launcher: rank 0 reports for the world.
         return Ok(());
@@ -425,7 +454,8 @@ fn ranks_text(ranks: &[usize]) -> String {
     }
 }
 
-fn shape_text(shape: &[usize]) -> String {
+/// A shape as text: `8x64`.
+pub fn shape_text<T: ToString>(shape: &[T]) -> String {
     shape
         .iter()
         .map(ToString::to_string)
@@ -496,13 +526,28 @@ pub fn render(r: &TrainReport) -> String {
         c.batch,
         c.steps
     );
-    let final_loss = r.losses.last().copied().unwrap_or(f32::NAN);
+    if let Some(dir) = &r.resumed_from {
+        o += &format!(
+            "resumed from {} (step {}): {} steps run\n",
+            report::escape(&dir.display().to_string()),
+            r.first_step,
+            r.losses.len()
+        );
+    }
+    if let Some(last) = r.saved.last() {
+        o += &format!(
+            "checkpoints saved: {}, the last {}\n",
+            r.saved.len(),
+            report::escape(&last.display().to_string())
+        );
+    }
+    if r.resumed_from.is_some() || !r.saved.is_empty() {
+        o += "\n";
+    }
+    // A resume at the final step runs nothing: no loss, only the saved masters' checksum.
+    let final_loss = r.losses.last().map_or("-".into(), |l| format!("{l:.4}"));
     let final_eval = r.evals.last().map_or(f32::NAN, |e| e.1);
-    o += &format!(
-        "{:<28}{:>12}\n",
-        "final train loss",
-        format!("{final_loss:.4}")
-    );
+    o += &format!("{:<28}{:>12}\n", "final train loss", final_loss);
     o += &format!(
         "{:<28}{:>12}",
         "final eval loss",
@@ -558,6 +603,13 @@ pub fn render(r: &TrainReport) -> String {
         ("eval", p.eval),
     ] {
         o += &format!("  {name:<26}{:>14.2}\n", d.as_secs_f64());
+    }
+    if r.resumed_from.is_some() || !r.saved.is_empty() {
+        o += &format!(
+            "  {:<26}{:>14.2}\n",
+            "checkpoint load + save",
+            p.checkpoint.as_secs_f64()
+        );
     }
     o += &format!(
         "\nfp32 master checksum (fnv1a64): {:016x}\n",
@@ -625,7 +677,7 @@ pub fn to_json(r: &TrainReport) -> Json {
         .enumerate()
         .map(|(i, (&l, &g))| {
             Json::obj([
-                ("step", Json::uint(i + 1)),
+                ("step", Json::uint(r.first_step + i + 1)),
                 ("loss", Json::F32(l)),
                 ("loss_bits", bits(l)),
                 ("grad_norm", Json::F32(g)),
@@ -698,6 +750,22 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("floor", r.floor.map_or(Json::Null, Json::Num)),
         ("eval_items", Json::uint(r.eval_set.0)),
         ("eval_exact", Json::Bool(r.eval_set.1)),
+        ("first_step", Json::uint(r.first_step)),
+        (
+            "resumed_from",
+            r.resumed_from
+                .as_ref()
+                .map_or(Json::Null, |d| Json::str(d.display().to_string())),
+        ),
+        (
+            "saved",
+            Json::Arr(
+                r.saved
+                    .iter()
+                    .map(|d| Json::str(d.display().to_string()))
+                    .collect(),
+            ),
+        ),
         ("steps", Json::Arr(steps)),
         ("evals", Json::Arr(evals)),
         (
@@ -728,6 +796,7 @@ pub fn to_json(r: &TrainReport) -> Json {
                         ("optimizer", Json::Num(p.optimizer.as_secs_f64())),
                         ("param_sync", Json::Num(p.param_sync.as_secs_f64())),
                         ("eval", Json::Num(p.eval.as_secs_f64())),
+                        ("checkpoint", Json::Num(p.checkpoint.as_secs_f64())),
                     ]),
                 ),
             ]),

@@ -305,6 +305,10 @@ pub enum TrainError {
         /// Of how many.
         steps: usize,
     },
+    /// A checkpoint could not be opened, does not fit the run (the message names the flag and
+    /// both values), or the save directory would collide with the run's saves.
+    #[error("{0}")]
+    Checkpoint(String),
     /// A rank failed.
     #[error("rank {rank}: {message}")]
     Rank {

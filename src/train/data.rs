@@ -261,6 +261,20 @@ impl Source {
         }
     }
 
+    /// What identifies the data: `markov` (fixed by the seed and vocabulary, recorded
+    /// separately), or the text's length and FNV-1a 64 of its bytes, so a resumed run refuses
+    /// other data.
+    pub fn fingerprint(&self) -> String {
+        match self {
+            Source::Markov(_) => "markov".into(),
+            Source::Text(t) => format!(
+                "text {} bytes fnv1a64 {:016x}",
+                t.bytes.len(),
+                lowbit_device::ptx::source_hash(&t.bytes)
+            ),
+        }
+    }
+
     /// The loss floor in nats, where it is known (the Markov source's entropy rate).
     pub fn floor(&self) -> Option<f64> {
         match self {

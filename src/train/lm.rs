@@ -155,6 +155,24 @@ impl LmShape {
         out
     }
 
+    /// The grouped expert tensors (`[experts, out, in]`) of this shape with, for each, the
+    /// names of its per-expert parameters in the discrete layout and the elements of one expert:
+    /// what converts a checkpoint between the two layouts.
+    pub fn expert_groups(&self) -> Vec<(String, Vec<String>, usize)> {
+        LmShape {
+            grouped: true,
+            ..*self
+        }
+        .params()
+        .into_iter()
+        .filter(|p| p.shape.len() == 3)
+        .map(|p| {
+            let parts = (0..p.shape[0]).map(|e| discrete_name(&p.name, e)).collect();
+            (p.name, parts, p.shape[1] * p.shape[2])
+        })
+        .collect()
+    }
+
     fn ids(&self) -> Ids {
         let mut next = 0usize;
         let mut take = || {
@@ -206,7 +224,7 @@ impl LmShape {
                     let mut v = Vec::with_capacity(n);
                     for e in 0..p.experts {
                         let name = if p.experts > 1 {
-                            p.name.replace("experts.", &format!("experts.{e}."))
+                            discrete_name(&p.name, e)
                         } else {
                             p.name.clone()
                         };
@@ -223,6 +241,11 @@ impl LmShape {
             })
             .collect()
     }
+}
+
+/// Expert `e`'s parameter in the discrete layout of the grouped parameter `grouped`.
+fn discrete_name(grouped: &str, e: usize) -> String {
+    grouped.replace("experts.", &format!("experts.{e}."))
 }
 
 fn fnv(bytes: &[u8]) -> u64 {

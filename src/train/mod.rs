@@ -22,15 +22,18 @@
 //! - The loss reported per step is the mean over the global batch (an f32 all-reduce, counted
 //!   in the collective table); eval losses are over a fixed held-out sample set.
 
+mod ckpt;
 mod config;
 pub mod data;
 pub mod json;
 pub mod lm;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingPlan};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
+use lowbit_ckpt::{Checkpoint, LoadOptions};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
@@ -38,6 +41,7 @@ use lowbit_optim::{
     Trainer, estimate_memory, init_from_full, memory_report,
 };
 
+pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
 pub use config::{
     DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
     gpu_count, lr_scale_name, ns_dtype_name, owners,
@@ -73,6 +77,8 @@ pub struct Phases {
     pub param_sync: Duration,
     /// Evaluations.
     pub eval: Duration,
+    /// Checkpoint loading and saving (with the forced parameter sync before each save).
+    pub checkpoint: Duration,
 }
 
 /// What a run produced.
@@ -80,6 +86,13 @@ pub struct Phases {
 pub struct TrainReport {
     /// The configuration (with the vocabulary of the source).
     pub config: TrainConfig,
+    /// Steps done before this run (the resumed checkpoint's step; 0 for a fresh run): the
+    /// first entry of `losses` is step `first_step + 1`.
+    pub first_step: usize,
+    /// The checkpoint resumed from.
+    pub resumed_from: Option<PathBuf>,
+    /// The checkpoints this run saved, in order.
+    pub saved: Vec<PathBuf>,
     /// Every step's mean training loss.
     pub losses: Vec<f32>,
     /// Every step's global gradient norm.
@@ -155,11 +168,24 @@ struct RankOutcome {
     comm: CommStats,
     phases: Phases,
     wall: Duration,
+    saved: Vec<PathBuf>,
 }
 
 /// Runs `cfg` and reports; `progress` is called by rank 0 after every step.
 pub fn train(
     cfg: &TrainConfig,
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<TrainReport, TrainError> {
+    train_with(cfg, &Checkpointing::default(), progress)
+}
+
+/// [`train`] with checkpoints: resumes from `ck.resume` (after checking that it fits `cfg`:
+/// [`MAY_CHANGE`] lists what may differ) and runs steps from its step to `cfg.steps`, saving to
+/// `ck.save` as it says. A resumed run reports only the steps it ran ([`TrainReport::first_step`]),
+/// the same values the straight run had at those steps.
+pub fn train_with(
+    cfg: &TrainConfig,
+    ck: &Checkpointing,
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
@@ -171,6 +197,20 @@ pub fn train(
     };
     let mut cfg = cfg.clone();
     cfg.shape.vocab = source.vocab();
+    let data_id = source.fingerprint();
+    let resume = match &ck.resume {
+        Some(path) => {
+            let c = Checkpoint::open(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            let step = ckpt::check_resume(&cfg, &data_id, &c)?;
+            Some((c, step))
+        }
+        None => None,
+    };
+    if launched_rank() == 0 {
+        // One process tidies and checks the save root (under a launcher every process runs
+        // this function).
+        ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
+    }
     let info = cfg.shape.params();
     let specs = cfg.specs(&info);
     // The plan is pure: make it once here for the report (and to refuse a bad one up front);
@@ -195,6 +235,11 @@ pub fn train(
         info: &info,
         eval: &eval_items,
         progress,
+        ck,
+        data_id: &data_id,
+        resume: resume.as_ref().map(|(c, _)| c),
+        load: ckpt::layout_options(&cfg.shape),
+        start: resume.as_ref().map_or(0, |(_, s)| *s),
     };
     let outcomes = run(&job)?;
     let o0 = &outcomes[0];
@@ -222,6 +267,9 @@ pub fn train(
     })
     .map_err(|e| TrainError::Invalid(e.to_string()))?;
     Ok(TrainReport {
+        first_step: job.start,
+        resumed_from: job.resume.map(|c| c.dir().to_path_buf()),
+        saved: o0.saved.clone(),
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
@@ -315,6 +363,16 @@ struct Job<'a> {
     eval: &'a [EvalItem],
     /// Called by rank 0 after every step.
     progress: &'a (dyn Fn(&StepLog) + Sync),
+    /// Where and when to save.
+    ck: &'a Checkpointing,
+    /// The data source's fingerprint (recorded in every checkpoint).
+    data_id: &'a str,
+    /// The checkpoint to resume from, checked against the configuration.
+    resume: Option<&'a Checkpoint>,
+    /// The expert-layout conversion for loading it.
+    load: LoadOptions,
+    /// Steps done before this run.
+    start: usize,
 }
 
 fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
@@ -615,10 +673,19 @@ fn rank_main(
     let opt = ChainedOptimizer::new(parts).map_err(|x| e(&x))?;
     let mut trainer =
         Trainer::new(dev, bufs, Box::new(opt), cfg.policy(info)).map_err(|x| e(&x))?;
+    let mut phases = Phases::default();
+    if let Some(c) = job.resume {
+        // Masters and state from the checkpoint (resharded to this plan, expert layout
+        // converted), then a forced sync: every weight is Q(bf16(loaded master)).
+        let t = Instant::now();
+        c.load_trainer_with(dev, comm, &mut trainer, &job.load)
+            .map_err(|x| e(&x))?;
+        phases.checkpoint += t.elapsed();
+    }
+    let mut saved = Vec::new();
     let rows = cfg.rows();
     let mut lm = Lm::new(dev, cfg.shape, rows);
     let scalar = dev.alloc(DType::F32, 1);
-    let mut phases = Phases::default();
     let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
     let context = cfg.shape.context;
     let batch_of = |first: u64| {
@@ -637,7 +704,7 @@ fn rank_main(
     let per_rank = job.eval.len() / cfg.ranks;
     let vocab = cfg.shape.vocab;
     let start = Instant::now();
-    for step in 0..cfg.steps {
+    for step in job.start..cfg.steps {
         trainer
             .optimizer_mut()
             .set_lr(cfg.lr_at(step))
@@ -691,6 +758,29 @@ fn rank_main(
             eval = Some(v);
             phases.eval += t.elapsed();
         }
+        if let Some(root) = &job.ck.save
+            && job.ck.saves_after(step + 1, cfg.steps)
+        {
+            // A save right after the step under overlapped gathers: sync first (seed 000), so
+            // the weights are Q(bf16) of the masters being saved and the next step's gathers
+            // start from a clean state; the run's bits do not change.
+            let t = Instant::now();
+            trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
+            let meta = ckpt::meta(cfg, job.data_id, step + 1);
+            let specs = trainer.buffers().specs().to_vec();
+            let dir = lowbit_ckpt::save(
+                dev,
+                comm,
+                root,
+                &meta,
+                &specs,
+                trainer.optimizer(),
+                job.ck.options(),
+            )
+            .map_err(|x| e(&x))?;
+            saved.push(dir);
+            phases.checkpoint += t.elapsed();
+        }
         if rank == 0 {
             let secs = start.elapsed().as_secs_f64().max(1e-9);
             progress(&StepLog {
@@ -698,7 +788,7 @@ fn rank_main(
                 steps: cfg.steps,
                 loss,
                 eval,
-                tokens_per_s: ((step + 1) * cfg.batch) as f64 / secs,
+                tokens_per_s: ((step + 1 - job.start) * cfg.batch) as f64 / secs,
             });
         }
     }
@@ -715,6 +805,7 @@ fn rank_main(
         comm: comm.stats(),
         phases,
         wall,
+        saved,
     })
 }
 

@@ -34,15 +34,19 @@
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
 //! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
 
+mod convert;
 mod error;
 pub mod json;
 mod load;
 pub mod manifest;
 mod save;
+mod tidy;
 
+pub use convert::{Alias, LoadOptions, Segment};
 pub use error::{CkptError, Result};
 pub use load::Checkpoint;
 pub use manifest::{
     FORMAT_VERSION, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry, fnv1a64,
 };
 pub use save::{LATEST, MANIFEST, SaveOptions, prune, save, step_dir_name};
+pub use tidy::{Tidied, committed_steps, latest_step, tidy};

@@ -12,6 +12,7 @@ use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
 use lowbit_optim::{Optimizer, Trainer};
 
+use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
 use crate::manifest::{Manifest, Meta, Piece, TensorEntry, fnv1a64, plain_name};
@@ -160,6 +161,23 @@ impl Checkpoint {
         specs: &[ParamSpec],
         opt: &mut dyn Optimizer,
     ) -> Result<()> {
+        self.load_optimizer_with(dev, specs, opt, &LoadOptions::default())
+    }
+
+    /// [`Checkpoint::load_optimizer`] with `options`: a parameter the checkpoint does not hold
+    /// under its own name is assembled through its [`crate::Alias`] (its element count must
+    /// match the model's; shapes may differ, e.g. per-expert `[out, in]` from a grouped
+    /// `[experts, out, in]` tensor, or the reverse).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`].
+    pub fn load_optimizer_with(
+        &self,
+        dev: &mut Device,
+        specs: &[ParamSpec],
+        opt: &mut dyn Optimizer,
+        options: &LoadOptions,
+    ) -> Result<()> {
         let mut state = opt.export_state(dev)?;
         let mut reader = Reader::new(&self.dir);
         for st in &mut state {
@@ -182,21 +200,9 @@ impl Checkpoint {
                 let spec = specs.get(t.param).ok_or_else(|| {
                     self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
                 })?;
-                let name = format!("{}/{}", spec.name, t.name);
-                let entry = self.manifest.tensor(&name).ok_or_else(|| {
-                    self.mismatch(format!("no tensor `{name}` in the checkpoint"))
-                })?;
                 let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-                if entry.shape != shape {
-                    return Err(self.mismatch(format!(
-                        "`{name}` has shape {:?} in the checkpoint, {shape:?} in the model",
-                        entry.shape
-                    )));
-                }
-                t.values = reader.range(entry, t.range.clone()).map_err(|e| match e {
-                    ReadErr::Ckpt(e) => e,
-                    ReadErr::Range(msg) => self.mismatch(msg),
-                })?;
+                let parts = self.resolve(&spec.name, &t.name, &shape, options)?;
+                t.values = self.read_parts(&mut reader, &parts, t.range.clone())?;
             }
         }
         opt.check_import(&state)?;
@@ -215,10 +221,129 @@ impl Checkpoint {
         comm: &mut dyn Communicator,
         trainer: &mut Trainer,
     ) -> Result<()> {
+        self.load_trainer_with(dev, comm, trainer, &LoadOptions::default())
+    }
+
+    /// [`Checkpoint::load_trainer`] with `options` (see [`Checkpoint::load_optimizer_with`]).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_trainer`].
+    pub fn load_trainer_with(
+        &self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        trainer: &mut Trainer,
+        options: &LoadOptions,
+    ) -> Result<()> {
         let specs = trainer.buffers().specs().to_vec();
-        self.load_optimizer(dev, &specs, trainer.optimizer_mut())?;
+        self.load_optimizer_with(dev, &specs, trainer.optimizer_mut(), options)?;
         trainer.force_param_sync(dev, comm)?;
         Ok(())
+    }
+
+    /// The whole tensor `{param}/{state}` of global shape `shape` (flattened), through
+    /// `options`' aliases when the checkpoint does not hold it under that name; every piece read
+    /// is hash-checked. What an export of full weights reads.
+    ///
+    /// # Errors
+    /// [`CkptError::Mismatch`] (absent, or another shape), [`CkptError::Hash`], I/O errors.
+    pub fn read_param(
+        &self,
+        param: &str,
+        state: &str,
+        shape: &[u64],
+        options: &LoadOptions,
+    ) -> Result<Vec<f32>> {
+        let parts = self.resolve(param, state, shape, options)?;
+        let numel = parts.iter().map(|(_, r)| r.end - r.start).sum::<u64>();
+        let n = usize::try_from(numel)
+            .map_err(|_| self.mismatch(format!("`{param}/{state}` is too large")))?;
+        self.read_parts(&mut Reader::new(&self.dir), &parts, 0..n)
+    }
+
+    /// The stored tensors and element ranges that make up `{param}/{state}`, in order: the
+    /// tensor itself (shape checked), or its alias' segments (element count checked).
+    fn resolve(
+        &self,
+        param: &str,
+        state: &str,
+        shape: &[u64],
+        options: &LoadOptions,
+    ) -> Result<Vec<(&TensorEntry, Range<u64>)>> {
+        let name = format!("{param}/{state}");
+        let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if let Some(entry) = self.manifest.tensor(&name) {
+            if entry.shape != shape {
+                return Err(self.mismatch(format!(
+                    "`{name}` has shape {:?} in the checkpoint, {shape:?} in the model",
+                    entry.shape
+                )));
+            }
+            return Ok(vec![(entry, 0..entry.numel())]);
+        }
+        let Some(alias) = options.alias(param) else {
+            return Err(self.mismatch(format!("no tensor `{name}` in the checkpoint")));
+        };
+        if Some(alias.numel()) != numel {
+            return Err(self.mismatch(format!(
+                "`{name}` (shape {shape:?}) is absent and its alias assembles {} elements",
+                alias.numel()
+            )));
+        }
+        alias
+            .sources
+            .iter()
+            .map(|seg| {
+                let src = format!("{}/{state}", seg.param);
+                let entry = self.manifest.tensor(&src).ok_or_else(|| {
+                    self.mismatch(format!(
+                        "no tensor `{name}` in the checkpoint, nor `{src}` it is assembled from"
+                    ))
+                })?;
+                let end = seg
+                    .start
+                    .checked_add(seg.len)
+                    .filter(|&e| e <= entry.numel());
+                let Some(end) = end else {
+                    return Err(self.mismatch(format!(
+                        "`{name}` is assembled from elements [{}, +{}) of `{src}`, which has {}",
+                        seg.start,
+                        seg.len,
+                        entry.numel()
+                    )));
+                };
+                Ok((entry, seg.start..end))
+            })
+            .collect()
+    }
+
+    /// Elements `want` of the concatenation of `parts`.
+    fn read_parts(
+        &self,
+        reader: &mut Reader<'_>,
+        parts: &[(&TensorEntry, Range<u64>)],
+        want: Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let (ws, we) = (want.start as u64, want.end as u64);
+        let total: u64 = parts.iter().map(|(_, r)| r.end - r.start).sum();
+        if ws > we || we > total {
+            return Err(self.mismatch(format!("range {want:?} of a tensor with {total} elements")));
+        }
+        let mut out = Vec::with_capacity(want.len());
+        let mut at = 0u64;
+        for (entry, r) in parts {
+            let len = r.end - r.start;
+            let (s, e) = (ws.max(at), we.min(at + len));
+            if s < e {
+                let src = (r.start + s - at) as usize..(r.start + e - at) as usize;
+                out.extend(reader.range(entry, src).map_err(|e| match e {
+                    ReadErr::Ckpt(e) => e,
+                    ReadErr::Range(msg) => self.mismatch(msg),
+                })?);
+            }
+            at += len;
+        }
+        Ok(out)
     }
 }
 

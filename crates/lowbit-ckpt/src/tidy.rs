@@ -1,0 +1,124 @@
+//! What a checkpoint root holds after crashes, and cleaning it before a run saves into it.
+//!
+//! A save killed at any instant leaves one of: a `.tmp-step-N` directory (never loaded: only
+//! `step-*` names are), a committed `step-N` that `latest` does not name yet (killed between the
+//! directory rename and the `latest` rename), a `.latest.tmp` file, or a `.pruned-step-*`
+//! directory (killed mid-prune). None of them is ever loaded through the root; [`tidy`] removes
+//! them so that the next save starts from a root holding only published checkpoints.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+
+use crate::error::{CkptError, Result, io};
+use crate::save::{LATEST, parse_step_name};
+
+/// The committed `step-N` directories under `root`, ascending by step (an absent root: none).
+///
+/// # Errors
+/// I/O errors listing `root`.
+pub fn committed_steps(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut steps = Vec::new();
+    if !root.is_dir() {
+        return Ok(steps);
+    }
+    for e in fs::read_dir(root).map_err(io("list", root))? {
+        let e = e.map_err(io("list", root))?;
+        if let Some(n) = e.file_name().to_str().and_then(parse_step_name) {
+            steps.push((n, e.path()));
+        }
+    }
+    steps.sort();
+    Ok(steps)
+}
+
+/// The step `root/latest` names, if the pointer exists.
+///
+/// # Errors
+/// A `latest` that does not hold `step-N` ([`CkptError::Manifest`]); I/O errors.
+pub fn latest_step(root: &Path) -> Result<Option<u64>> {
+    let p = root.join(LATEST);
+    if !p.is_file() {
+        return Ok(None);
+    }
+    let text = fs::read(&p).map_err(io("read", &p))?;
+    let name = String::from_utf8_lossy(&text);
+    parse_step_name(name.trim())
+        .map(Some)
+        .ok_or_else(|| CkptError::Manifest {
+            file: p,
+            msg: format!("`latest` holds `{:.64}`, not `step-N`", name.trim()),
+        })
+}
+
+/// What [`tidy`] removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tidied {
+    /// `.tmp-step-*` directories of saves killed before their commit.
+    pub temp_dirs: Vec<String>,
+    /// Committed `step-N` directories newer than `latest` (a save killed between the rename and
+    /// the `latest` update): never published, so never resumed from through the root.
+    pub unpublished: Vec<String>,
+    /// `.latest.tmp` and `.pruned-*` leftovers.
+    pub other: Vec<String>,
+}
+
+impl Tidied {
+    /// Whether nothing was removed.
+    pub fn is_empty(&self) -> bool {
+        self.temp_dirs.is_empty() && self.unpublished.is_empty() && self.other.is_empty()
+    }
+}
+
+/// Removes what killed saves left under `root` (see the module docs). Published checkpoints —
+/// `step-N` with N at most the step `latest` names — are never touched. Without a `latest`,
+/// every committed `step-N` is unpublished. An absent root is fine (nothing to do).
+///
+/// # Errors
+/// A malformed `latest`; I/O errors.
+pub fn tidy(root: &Path) -> Result<Tidied> {
+    let mut out = Tidied::default();
+    if !root.is_dir() {
+        return Ok(out);
+    }
+    let latest = latest_step(root)?;
+    for e in fs::read_dir(root).map_err(io("list", root))? {
+        let e = e.map_err(io("list", root))?;
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let path = e.path();
+        let list = if name.starts_with(".tmp-step-") {
+            &mut out.temp_dirs
+        } else if name == format!(".{LATEST}.tmp") || name.starts_with(".pruned-") {
+            &mut out.other
+        } else if parse_step_name(&name).is_some_and(|n| latest.is_none_or(|l| n > l)) {
+            &mut out.unpublished
+        } else {
+            continue;
+        };
+        if path.is_dir() {
+            // Out of the `step-*` namespace first, so a crash mid-removal leaves nothing that
+            // looks committed.
+            let doomed = root.join(format!(".pruned-tidy-{name}"));
+            let target = if name.starts_with('.') {
+                path.clone()
+            } else {
+                fs::rename(&path, &doomed).map_err(io("rename", &path))?;
+                doomed
+            };
+            fs::remove_dir_all(&target).map_err(io("remove", &target))?;
+        } else {
+            fs::remove_file(&path).map_err(io("remove", &path))?;
+        }
+        list.push(name);
+    }
+    for l in [&mut out.temp_dirs, &mut out.unpublished, &mut out.other] {
+        l.sort();
+    }
+    if !out.is_empty() {
+        File::open(root)
+            .and_then(|d| d.sync_all())
+            .map_err(io("fsync directory", root))?;
+    }
+    Ok(out)
+}

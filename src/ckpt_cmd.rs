@@ -1,0 +1,356 @@
+//! `lowbit ckpt`: inspect, verify and export checkpoints written by `lowbit train --save`.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand, ValueEnum};
+use lowbit::ckpt::{Checkpoint, LoadOptions, Manifest};
+use lowbit::train::json::Json;
+use lowbit::train::{layout_options, shape_of};
+use safetensors::Dtype;
+
+use crate::error::CliError;
+use crate::files::{self, OutTensor};
+use crate::report::{self, escape};
+use crate::train_cmd::shape_text;
+
+/// Arguments of `lowbit ckpt`.
+#[derive(Debug, Args)]
+pub struct CkptArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: CkptCommand,
+}
+
+/// `lowbit ckpt` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CkptCommand {
+    /// Print a checkpoint's step, configuration, data position, RNG state, optimizers, files
+    /// and tensors (shape, pieces, bytes). DIR is a checkpoint root (its latest) or DIR/step-N.
+    Inspect(InspectArgs),
+    /// Check a checkpoint: the manifest, every file's size, every piece's hash, and that the
+    /// pieces of every tensor cover it exactly once. Exit status 1 with the file and tensor on
+    /// the first failure.
+    Verify(VerifyArgs),
+    /// Write the full fp32 masters as one safetensors file (names are the model's parameter
+    /// names), loadable by Python's safetensors and PyTorch. Expert weights are written grouped
+    /// (`[experts, out, in]`) unless --discrete-experts, whatever layout the run used.
+    Export(ExportArgs),
+}
+
+/// Arguments of `lowbit ckpt inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// A checkpoint root or a `step-N` directory.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `lowbit ckpt verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// A checkpoint root or a `step-N` directory.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+}
+
+/// Arguments of `lowbit ckpt export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint root or a `step-N` directory.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The safetensors file to write (through a temporary file and a rename).
+    #[arg(value_name = "OUT")]
+    pub output: PathBuf,
+    /// Element type of the weights (bf16: round to nearest even).
+    #[arg(long, value_enum, default_value_t = ExportDtype::F32)]
+    pub dtype: ExportDtype,
+    /// One tensor per expert (`moe.experts.E.fc1.weight`) instead of grouped tensors.
+    #[arg(long)]
+    pub discrete_experts: bool,
+    /// Overwrite OUT if it is an existing regular file.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `--dtype` of an export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExportDtype {
+    /// fp32, the masters' own bits.
+    F32,
+    /// bf16, rounded to nearest even.
+    Bf16,
+}
+
+/// Runs `lowbit ckpt`.
+pub fn run(args: &CkptArgs) -> Result<(), CliError> {
+    match &args.command {
+        CkptCommand::Inspect(a) => {
+            let c = open(&a.dir)?;
+            let text = if a.json {
+                format!("{}\n", inspect_json(&c))
+            } else {
+                inspect_table(&c)
+            };
+            report::print(&text)
+        }
+        CkptCommand::Verify(a) => {
+            let c = open(&a.dir)?;
+            c.verify().map_err(ckpt_err)?;
+            let m = c.manifest();
+            report::print(&format!(
+                "ok: {} (step {}): {} tensors, {} pieces, {} bytes in {} files; every hash \
+                 matches and every tensor is covered exactly once\n",
+                escape(&c.dir().display().to_string()),
+                m.meta.step,
+                m.tensors.len(),
+                pieces(m),
+                report::bytes_str(file_bytes(m) as usize),
+                m.files.len()
+            ))
+        }
+        CkptCommand::Export(a) => export(a),
+    }
+}
+
+fn ckpt_err(e: lowbit::ckpt::CkptError) -> CliError {
+    CliError::Msg(e.to_string())
+}
+
+fn open(dir: &Path) -> Result<Checkpoint, CliError> {
+    Checkpoint::open(dir).map_err(ckpt_err)
+}
+
+fn pieces(m: &Manifest) -> usize {
+    m.tensors.iter().map(|t| t.pieces.len()).sum()
+}
+
+fn file_bytes(m: &Manifest) -> u64 {
+    m.files.iter().map(|f| f.bytes).sum()
+}
+
+/// A JSON array of `f` of every item.
+fn list<T>(items: &[T], f: impl Fn(&T) -> Json) -> Json {
+    Json::Arr(items.iter().map(f).collect())
+}
+
+fn inspect_table(c: &Checkpoint) -> String {
+    let m = c.manifest();
+    let mut o = format!(
+        "checkpoint {}: step {}, format lowbit-ckpt v{}\n",
+        escape(&c.dir().display().to_string()),
+        m.meta.step,
+        lowbit::ckpt::FORMAT_VERSION
+    );
+    for (title, map) in [
+        ("configuration", &m.meta.config),
+        ("data position", &m.meta.data),
+        ("rng", &m.meta.rng),
+    ] {
+        o += &format!("\n{title}\n");
+        for (k, v) in map {
+            o += &format!("  {:<26}{}\n", escape(k), escape(v));
+        }
+    }
+    o += &format!("\n{:<28}{:>8}{:>8}\n", "optimizers", "owner", "steps");
+    for e in &m.optimizers {
+        o += &format!("  {:<26}{:>8}{:>8}\n", escape(&e.rule), e.owner, e.steps);
+    }
+    o += &format!("\n{:<40}{:>16}\n", "files", "bytes");
+    for f in &m.files {
+        o += &format!(
+            "  {:<38}{:>16}\n",
+            escape(&f.name),
+            report::bytes_str(f.bytes as usize)
+        );
+    }
+    o += &format!(
+        "\n{:<40}{:>12}{:>6}{:>8}{:>8}{:>12}\n",
+        "tensors", "shape", "dtype", "owner", "pieces", "bytes"
+    );
+    for t in &m.tensors {
+        o += &format!(
+            "  {:<38}{:>12}{:>6}{:>8}{:>8}{:>12}\n",
+            escape(&t.name),
+            shape_text(&t.shape),
+            escape(&t.dtype),
+            t.owner,
+            t.pieces.len(),
+            report::bytes_str((t.numel() * 4) as usize)
+        );
+    }
+    o += &format!(
+        "\ntotal: {} tensors, {} pieces, {} bytes in {} files\n",
+        m.tensors.len(),
+        pieces(m),
+        report::bytes_str(file_bytes(m) as usize),
+        m.files.len()
+    );
+    o
+}
+
+fn inspect_json(c: &Checkpoint) -> Json {
+    let m = c.manifest();
+    let map = |m: &std::collections::BTreeMap<String, String>| {
+        Json::Obj(
+            m.iter()
+                .map(|(k, v)| (k.clone(), Json::str(v.clone())))
+                .collect(),
+        )
+    };
+    let tensors = m
+        .tensors
+        .iter()
+        .map(|t| {
+            Json::obj([
+                ("name", Json::str(t.name.clone())),
+                ("param", Json::str(t.param.clone())),
+                ("state", Json::str(t.state.clone())),
+                ("owner", Json::uint(t.owner)),
+                ("shape", list(&t.shape, |&d| Json::uint(d))),
+                ("dtype", Json::str(t.dtype.clone())),
+                ("bytes", Json::uint(t.numel() * 4)),
+                (
+                    "pieces",
+                    list(&t.pieces, |p| {
+                        Json::obj([
+                            ("file", Json::str(p.file.clone())),
+                            ("start", Json::uint(p.start)),
+                            ("end", Json::uint(p.end)),
+                            ("fnv1a64", Json::str(format!("{:016x}", p.hash))),
+                        ])
+                    }),
+                ),
+            ])
+        })
+        .collect();
+    Json::obj([
+        ("dir", Json::str(c.dir().display().to_string())),
+        ("format_version", Json::uint(lowbit::ckpt::FORMAT_VERSION)),
+        ("step", Json::uint(m.meta.step)),
+        ("config", map(&m.meta.config)),
+        ("data", map(&m.meta.data)),
+        ("rng", map(&m.meta.rng)),
+        (
+            "optimizers",
+            list(&m.optimizers, |e| {
+                Json::obj([
+                    ("owner", Json::uint(e.owner)),
+                    ("rule", Json::str(e.rule.clone())),
+                    ("steps", Json::uint(e.steps)),
+                ])
+            }),
+        ),
+        (
+            "files",
+            list(&m.files, |f| {
+                Json::obj([
+                    ("name", Json::str(f.name.clone())),
+                    ("bytes", Json::uint(f.bytes)),
+                ])
+            }),
+        ),
+        ("tensors", Json::Arr(tensors)),
+        ("total_bytes", Json::uint(file_bytes(m))),
+    ])
+}
+
+/// A parameter to export: its name and global shape.
+type Target = (String, Vec<u64>);
+
+/// The parameters an export writes, `(name, shape)` in the model's order, and how to read them:
+/// the `lowbit train` model in the asked expert layout when the checkpoint records its shape,
+/// else every stored master as it is.
+fn export_targets(c: &Checkpoint, discrete: bool) -> Result<(Vec<Target>, LoadOptions), CliError> {
+    let m = c.manifest();
+    if let Some(shape) = shape_of(&m.meta.config, !discrete) {
+        let params = shape
+            .params()
+            .into_iter()
+            .map(|p| (p.name, p.shape.iter().map(|&d| d as u64).collect()))
+            .collect();
+        return Ok((params, layout_options(&shape)));
+    }
+    if discrete {
+        return Err(CliError::Msg(format!(
+            "{}: --discrete-experts needs the model shape of a `lowbit train` checkpoint, and \
+             this one does not record it",
+            c.dir().display()
+        )));
+    }
+    let params = m
+        .tensors
+        .iter()
+        .filter(|t| t.state == "master")
+        .map(|t| (t.param.clone(), t.shape.clone()))
+        .collect();
+    Ok((params, LoadOptions::default()))
+}
+
+fn export(a: &ExportArgs) -> Result<(), CliError> {
+    let c = open(&a.dir)?;
+    if let Ok(meta) = fs::symlink_metadata(&a.output) {
+        if !a.force {
+            return Err(CliError::Msg(format!(
+                "output {} already exists (pass --force to overwrite it)",
+                a.output.display()
+            )));
+        }
+        if !meta.file_type().is_file() {
+            return Err(CliError::Msg(format!(
+                "output {} exists and is not a regular file; --force replaces only regular files",
+                a.output.display()
+            )));
+        }
+    }
+    let (params, options) = export_targets(&c, a.discrete_experts)?;
+    let mut tensors = Vec::with_capacity(params.len());
+    for (name, shape) in params {
+        let values = c
+            .read_param(&name, "master", &shape, &options)
+            .map_err(ckpt_err)?;
+        let (dtype, data) = match a.dtype {
+            ExportDtype::F32 => (
+                Dtype::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+            ExportDtype::Bf16 => (
+                Dtype::BF16,
+                values
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect(),
+            ),
+        };
+        let shape = shape
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| CliError::Msg(format!("`{}` is too large", escape(&name))))?;
+        tensors.push((name, OutTensor::owned(dtype, shape, data)));
+    }
+    let n = tensors.len();
+    let metadata = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("lowbit.source".to_string(), c.dir().display().to_string()),
+        ("lowbit.step".to_string(), c.meta().step.to_string()),
+    ]);
+    let bytes = files::serialize(&a.output, tensors, metadata)?;
+    files::write_atomic(&a.output, &bytes)?;
+    report::print(&format!(
+        "exported {} tensors ({}, step {}) to {}: {} bytes\n",
+        n,
+        match a.dtype {
+            ExportDtype::F32 => "f32",
+            ExportDtype::Bf16 => "bf16",
+        },
+        c.meta().step,
+        escape(&a.output.display().to_string()),
+        report::bytes_str(bytes.len())
+    ))
+}

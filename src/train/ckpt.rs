@@ -1,0 +1,354 @@
+//! Checkpoints of `lowbit train` (`--save`, `--resume`): what the manifest records about the
+//! run, what a resume may change and what it refuses, and the grouped ↔ per-expert conversion.
+//!
+//! Decisions:
+//! - The manifest's `config` records every setting that changes the model, the data or the
+//!   arithmetic, under the flag's name; a resume with any other value is refused naming the flag
+//!   and both values. The settings in [`MAY_CHANGE`] are recorded too but may differ: the rank
+//!   count and how work is placed and overlapped (the plan reshards on load), gather on/off
+//!   and the backend (same bits), and the expert layout (converted on load).
+//! - `--steps` is the run's total, and the learning-rate schedule spans it, so it must match —
+//!   except that a resume with `--steps` equal to the checkpoint's step runs nothing and only
+//!   reports the saved masters.
+//! - The data are a pure function of (seed, sample index) and there is no other random state,
+//!   so the data position (`data.next_sample`) and the seed (`rng.seed`) are all a resumed run
+//!   needs to draw exactly the straight run's batches; both are checked on resume.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use lowbit_ckpt::{Alias, Checkpoint, LoadOptions, Meta, SaveOptions};
+
+use super::config::{DeviceChoice, TrainConfig, TrainError, lr_scale_name, ns_dtype_name};
+use super::lm::LmShape;
+
+/// Checkpointing of a run: where to save, how often, how many to keep, where to resume from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// Save into this root (`step-N` directories and a `latest` pointer).
+    pub save: Option<PathBuf>,
+    /// Save after every this many steps (0: only after the last); the last step is always saved.
+    pub save_every: usize,
+    /// Keep only the newest K checkpoints (`None`: all).
+    pub keep: Option<usize>,
+    /// Resume from this checkpoint: a root (its `latest`) or a `step-N` directory.
+    pub resume: Option<PathBuf>,
+}
+
+impl Checkpointing {
+    /// Whether a run of `steps` steps saves after completing step `done` (from 1).
+    pub fn saves_after(&self, done: usize, steps: usize) -> bool {
+        self.save.is_some()
+            && (done == steps || (self.save_every > 0 && done.is_multiple_of(self.save_every)))
+    }
+
+    /// The commit options.
+    pub(super) fn options(&self) -> SaveOptions {
+        SaveOptions { keep: self.keep }
+    }
+}
+
+/// Keys of the manifest's `config` that a resume may change.
+pub const MAY_CHANGE: [&str; 7] = [
+    "ranks",
+    "param_gather",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "bucket_size",
+    "experts_layout",
+    "device",
+];
+
+/// The manifest's `config` of `cfg` (see the module docs); `data` is the source's fingerprint.
+pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
+    let on = |b: bool| if b { "on" } else { "off" }.to_string();
+    let s = &cfg.shape;
+    let counts = [
+        "microbatches",
+        "batch",
+        "steps",
+        "eval_every",
+        "eval_samples",
+        "ranks",
+        "model.vocab",
+        "model.context",
+        "model.embed",
+        "model.hidden",
+        "model.blocks",
+        "model.ffn",
+        "model.experts",
+        "model.top_k",
+        "model.expert_ffn",
+    ];
+    let values = [
+        cfg.microbatches,
+        cfg.batch,
+        cfg.steps,
+        cfg.eval_every,
+        cfg.eval_samples,
+        cfg.ranks,
+        s.vocab,
+        s.context,
+        s.embed,
+        s.hidden,
+        s.blocks,
+        s.ffn,
+        s.experts,
+        s.top_k,
+        s.expert_ffn,
+    ];
+    let mut m: BTreeMap<String, String> = counts
+        .iter()
+        .zip(values)
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let grad = match cfg.grad_dtype {
+        lowbit_buffers::layout::GradDType::F32 => "fp32",
+        lowbit_buffers::layout::GradDType::Bf16 => "bf16",
+    };
+    let device = match cfg.device {
+        DeviceChoice::Cpu => "cpu",
+        DeviceChoice::Cuda => "cuda",
+    };
+    let layout = if s.grouped { "grouped" } else { "discrete" };
+    let bucket = cfg.bucket_size.map_or("none".into(), |b| b.to_string());
+    let texts = [
+        ("precision", cfg.precision.name().to_string()),
+        ("grad_dtype", grad.into()),
+        ("seed", cfg.seed.to_string()),
+        ("lr", cfg.lr.to_string()),
+        ("data", data.to_string()),
+        ("optimizer", cfg.optimizer.name().to_string()),
+        // These may change (MAY_CHANGE).
+        ("param_gather", on(cfg.param_gather)),
+        ("overlap_grad_reduce", on(cfg.overlap_grad_reduce)),
+        ("overlap_param_gather", on(cfg.overlap_param_gather)),
+        ("bucket_size", bucket),
+        ("experts_layout", layout.into()),
+        ("device", device.into()),
+    ];
+    m.extend(texts.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if let Some(mu) = cfg.optimizer.muon() {
+        let keys = [
+            "muon_lr",
+            "muon_momentum",
+            "muon_ns_steps",
+            "muon_lr_scale",
+            "muon_ns_dtype",
+            "muon_weight_decay",
+        ];
+        let values = [
+            mu.lr.to_string(),
+            mu.momentum.to_string(),
+            mu.ns_steps.to_string(),
+            lr_scale_name(mu.lr_scale).to_string(),
+            ns_dtype_name(mu.ns_dtype).to_string(),
+            mu.weight_decay.to_string(),
+        ];
+        m.extend(keys.iter().map(|k| k.to_string()).zip(values));
+    }
+    m
+}
+
+/// A config key as the user knows it: the flag, or the model's setting.
+fn flag(key: &str) -> String {
+    match key.strip_prefix("model.") {
+        Some(k) => format!("the model's {k}"),
+        None if key == "eval_samples" => "the eval set size".into(),
+        None => format!("--{}", key.replace('_', "-")),
+    }
+}
+
+/// The manifest's metadata after `done` steps.
+pub(super) fn meta(cfg: &TrainConfig, data: &str, done: usize) -> Meta {
+    let mut m = Meta {
+        step: done as u64,
+        config: config_map(cfg, data),
+        ..Meta::default()
+    };
+    let next = done as u64 * cfg.batch as u64;
+    m.data.insert("next_sample".into(), next.to_string());
+    m.data
+        .insert("samples_per_step".into(), cfg.batch.to_string());
+    m.data.insert("source".into(), data.to_string());
+    if let Some(p) = &cfg.data {
+        m.data.insert("file".into(), p.display().to_string());
+    }
+    // Every random draw is addressed by (seed, index): this is the whole RNG state.
+    m.rng.insert("seed".into(), cfg.seed.to_string());
+    m.rng.insert(
+        "train_stream".into(),
+        "splitmix64(seed, sample index)".into(),
+    );
+    m.rng.insert("next_train_index".into(), next.to_string());
+    m
+}
+
+/// Checks that `ckpt` can resume `cfg` (see the module docs); returns its step.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] naming the flag and both values, or what else does not fit.
+pub(super) fn check_resume(
+    cfg: &TrainConfig,
+    data: &str,
+    ckpt: &Checkpoint,
+) -> Result<usize, TrainError> {
+    let meta = ckpt.meta();
+    let refuse = |msg: String| {
+        TrainError::Checkpoint(format!(
+            "cannot resume from {}: {msg}",
+            ckpt.dir().display()
+        ))
+    };
+    let step = usize::try_from(meta.step)
+        .ok()
+        .filter(|&s| s <= super::config::limits::STEPS)
+        .ok_or_else(|| refuse(format!("step {} is out of range", meta.step)))?;
+    if cfg.steps < step {
+        return Err(refuse(format!(
+            "--steps {} is before the checkpoint's step {step} (--steps is the run's total)",
+            cfg.steps
+        )));
+    }
+    let here = config_map(cfg, data);
+    let mut keys: Vec<&String> = here.keys().chain(meta.config.keys()).collect();
+    // `--optimizer` before the settings of one optimizer.
+    keys.sort_by_key(|k| (k.starts_with("muon_"), *k));
+    keys.dedup();
+    for k in keys {
+        // With --steps at the checkpoint's step nothing runs: the schedule does not matter.
+        if MAY_CHANGE.contains(&k.as_str()) || (k == "steps" && cfg.steps == step) {
+            continue;
+        }
+        let (a, b) = (here.get(k), meta.config.get(k));
+        if a != b {
+            let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());
+            let note = if k == "steps" {
+                " (--steps is the run's total; the learning-rate schedule spans it)"
+            } else {
+                ""
+            };
+            return Err(refuse(format!(
+                "{} is {} here but {} in the checkpoint{note}",
+                flag(k),
+                show(a),
+                show(b)
+            )));
+        }
+    }
+    let next = (step as u64 * cfg.batch as u64).to_string();
+    if meta.data.get("next_sample") != Some(&next) {
+        return Err(refuse(format!(
+            "data position {:?}, expected next sample {next} after step {step}",
+            meta.data.get("next_sample")
+        )));
+    }
+    if meta.rng.get("seed") != Some(&cfg.seed.to_string()) {
+        return Err(refuse(format!(
+            "RNG seed {:?}, --seed is {}",
+            meta.rng.get("seed"),
+            cfg.seed
+        )));
+    }
+    Ok(step)
+}
+
+/// Load options that assemble `shape`'s expert parameters from a checkpoint saved in the other
+/// layout: per-expert tensors as slices of the grouped `[experts, out, in]` tensor, or the
+/// grouped tensor as the concatenation of the per-expert ones (used only for absent tensors).
+pub fn layout_options(shape: &LmShape) -> LoadOptions {
+    let mut aliases = Vec::new();
+    for (grouped, parts, n) in shape.expert_groups() {
+        if shape.grouped {
+            aliases.push(Alias::stacked(grouped, &parts, n as u64));
+        } else {
+            aliases.extend(Alias::unstacked(&grouped, &parts, n as u64));
+        }
+    }
+    LoadOptions::default().with_aliases(aliases)
+}
+
+/// The model shape a checkpoint of `lowbit train` records, in `grouped` layout; `None` for a
+/// checkpoint without it (not written by `lowbit train`).
+pub fn shape_of(config: &BTreeMap<String, String>, grouped: bool) -> Option<LmShape> {
+    let n = |k: &str| config.get(&format!("model.{k}"))?.parse::<usize>().ok();
+    Some(LmShape {
+        vocab: n("vocab")?,
+        context: n("context")?,
+        embed: n("embed")?,
+        hidden: n("hidden")?,
+        blocks: n("blocks")?,
+        ffn: n("ffn")?,
+        experts: n("experts")?,
+        top_k: n("top_k")?,
+        expert_ffn: n("expert_ffn")?,
+        grouped,
+    })
+}
+
+/// Before a saving run: removes what killed saves left in the save root
+/// ([`lowbit_ckpt::tidy`]) and refuses a root whose published checkpoints the run would
+/// collide with: any checkpoint without `--resume`, one newer than the resumed step with it.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`].
+pub(super) fn prepare_save(
+    ck: &Checkpointing,
+    resumed: Option<(&Checkpoint, usize)>,
+) -> Result<(), TrainError> {
+    let Some(root) = &ck.save else {
+        return Ok(());
+    };
+    let err = |e: lowbit_ckpt::CkptError| TrainError::Checkpoint(e.to_string());
+    if let Some((c, _)) = resumed
+        && let Some(step) = unpublished_in(root, c.dir()).map_err(err)?
+    {
+        return Err(TrainError::Checkpoint(format!(
+            "cannot resume from {}: step-{step} was committed but never published in {} (a \
+             save killed before `latest` was updated); resume from {} (its latest)",
+            c.dir().display(),
+            root.display(),
+            root.display()
+        )));
+    }
+    lowbit_ckpt::tidy(root).map_err(err)?;
+    let published = lowbit_ckpt::committed_steps(root).map_err(err)?;
+    let after = resumed.map_or(0, |(_, s)| s as u64);
+    if let Some((n, _)) = published
+        .iter()
+        .rev()
+        .find(|(n, _)| resumed.is_none() || *n > after)
+    {
+        return Err(TrainError::Checkpoint(match resumed {
+            None => format!(
+                "--save {} already holds checkpoints (up to step-{n}); pass --resume {} to \
+                 continue from its latest, or save into another directory",
+                root.display(),
+                root.display()
+            ),
+            Some(_) => format!(
+                "--save {} holds step-{n}, newer than the resumed step {after}; saving would \
+                 collide with it: resume from it, or save into another directory",
+                root.display()
+            ),
+        }));
+    }
+    Ok(())
+}
+
+/// The step of `dir` if it is a committed `step-N` directly under `root` that `root`'s `latest`
+/// does not publish (N beyond it).
+fn unpublished_in(root: &Path, dir: &Path) -> lowbit_ckpt::Result<Option<u64>> {
+    let (Ok(root_c), Ok(dir_c)) = (root.canonicalize(), dir.canonicalize()) else {
+        return Ok(None);
+    };
+    if dir_c.parent() != Some(root_c.as_path()) {
+        return Ok(None);
+    }
+    let latest = lowbit_ckpt::latest_step(root)?;
+    let step = lowbit_ckpt::committed_steps(root)?
+        .into_iter()
+        .find(|(_, p)| p.canonicalize().is_ok_and(|p| p == dir_c))
+        .map(|(n, _)| n);
+    Ok(step.filter(|&n| latest.is_none_or(|l| n > l)))
+}
