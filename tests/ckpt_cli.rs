@@ -400,6 +400,31 @@ fn a_mismatched_resume_is_refused_naming_the_flag_and_both_values() {
     );
     let e = refused(&cat(&base, &["--resume", p(&dir.path("nothing"))]));
     assert!(e.contains("no checkpoint at"), "{e}");
+    // Resuming from step 2 into the root that holds step 4 would collide with it.
+    let e = refused(&cat(
+        &base,
+        &["--resume", p(&root.join("step-2")), "--save", p(&root)],
+    ));
+    assert!(
+        e.contains("holds step-4, newer than the resumed step 2"),
+        "{e}"
+    );
+    // Other data: the file's length and hash are recorded.
+    let (a, b) = (dir.path("a.txt"), dir.path("b.txt"));
+    let text: Vec<u8> = (0..3000u32)
+        .map(|i| b"lowbit checkpoints "[i as usize % 19])
+        .collect();
+    std::fs::write(&a, &text).unwrap();
+    std::fs::write(&b, &text[..2999]).unwrap();
+    let texts = dir.path("t");
+    let (pa, pb, pt) = (p(&a), p(&b), p(&texts));
+    let short = cat(&base[..3], &["--steps", "2", "--data"]);
+    stdout_ok(&cat(&short, &[pa, "--save", pt]));
+    let e = refused(&cat(&short, &[pb, "--resume", pt]));
+    assert!(
+        e.contains("--data is text 2999 bytes") && e.contains("but text 3000 bytes"),
+        "{e}"
+    );
     // What may change, changes: ranks, gather, overlap, buckets, expert layout.
     let j = train_json(
         &[

@@ -96,3 +96,33 @@ impl LoadOptions {
         self.aliases.iter().find(|a| a.param == param)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stacked_and_unstacked_are_inverse_layouts() {
+        let parts: Vec<String> = (0..3).map(|e| format!("experts.{e}.w")).collect();
+        let g = Alias::stacked("experts.w", &parts, 8);
+        assert_eq!(g.numel(), 24);
+        assert_eq!(g.sources[2].param, "experts.2.w");
+        let d = Alias::unstacked("experts.w", &parts, 8);
+        assert_eq!(d.len(), 3);
+        assert_eq!(d[1].param, "experts.1.w");
+        assert_eq!(
+            d[1].sources,
+            [Segment {
+                param: "experts.w".into(),
+                start: 8,
+                len: 8
+            }]
+        );
+        let o = LoadOptions::default().with_aliases(d);
+        assert_eq!(o.alias("experts.2.w").map(|a| a.sources[0].start), Some(16));
+        assert!(o.alias("experts.w").is_none());
+        // An absurd alias saturates instead of overflowing (and then fails the numel check).
+        let huge = Alias::stacked("x", &parts, u64::MAX);
+        assert_eq!(huge.numel(), u64::MAX);
+    }
+}

@@ -122,3 +122,43 @@ pub fn tidy(root: &Path) -> Result<Tidied> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tidy_removes_leftovers_and_keeps_published_checkpoints() {
+        let root = std::env::temp_dir().join(format!("lowbit-tidy-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        for d in [
+            "step-1",
+            "step-2",
+            "step-3",
+            ".tmp-step-4",
+            ".pruned-step-0",
+        ] {
+            fs::create_dir_all(root.join(d)).unwrap();
+            fs::write(root.join(d).join("f"), b"x").unwrap();
+        }
+        fs::write(root.join(LATEST), b"step-2\n").unwrap();
+        fs::write(root.join(".latest.tmp"), b"step-3\n").unwrap();
+        let t = tidy(&root).unwrap();
+        assert_eq!(t.temp_dirs, [".tmp-step-4"]);
+        assert_eq!(t.unpublished, ["step-3"]);
+        assert_eq!(t.other, [".latest.tmp", ".pruned-step-0"]);
+        let steps: Vec<u64> = committed_steps(&root)
+            .unwrap()
+            .iter()
+            .map(|s| s.0)
+            .collect();
+        assert_eq!(steps, [1, 2]);
+        assert_eq!(latest_step(&root).unwrap(), Some(2));
+        assert!(tidy(&root).unwrap().is_empty(), "nothing left to do");
+        // A malformed pointer is an error, not a guess.
+        fs::write(root.join(LATEST), b"../etc\n").unwrap();
+        assert!(matches!(tidy(&root), Err(CkptError::Manifest { .. })));
+        fs::remove_dir_all(&root).unwrap();
+        assert!(tidy(&root).unwrap().is_empty(), "an absent root is fine");
+    }
+}
