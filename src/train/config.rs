@@ -587,9 +587,8 @@ impl TrainConfig {
                     Precision::Mxfp8 if self.param_gather && p.matrix => {
                         ParamStorage::Quantized(QuantKind::Mxfp8)
                     }
-                    // Grouped tensors need per-expert global amaxes, which NVFP4 primary storage
-                    // does not have yet: they stay bf16 and are quantized per expert on the fly.
-                    Precision::Nvfp4 if self.param_gather && p.matrix && p.experts == 1 => {
+                    // Grouped tensors too: NVFP4 storage keeps one global amax per expert.
+                    Precision::Nvfp4 if self.param_gather && p.matrix => {
                         ParamStorage::Quantized(QuantKind::Nvfp4)
                     }
                     _ => ParamStorage::Bf16,

@@ -133,10 +133,15 @@ impl<'a> DpHooks<'a> {
                         // Only the gathered-weights path reads tile amaxes; dequantization
                         // does not.
                         tiles: self.scratch.values,
+                        amaxes: Vec::new(),
                     };
-                    let amax =
-                        dev.quantize_nvfp4(src_e, er, cols, &nvfp4_weight_config(), &w.views())?;
-                    dequant_nvfp4(dev, &w, amax.rowwise, usage, out_e)?;
+                    let cfg = nvfp4_weight_config();
+                    let amax = dev.quantize_nvfp4(src_e, er, cols, &cfg, &w.views())?;
+                    let w = Nvfp4Weights {
+                        amaxes: vec![amax.rowwise],
+                        ..w
+                    };
+                    dequant_nvfp4(dev, &w, usage, out_e)?;
                 }
                 ComputeFormat::Mxfp8 { two_d } => {
                     let (rb, cb) = (cols.div_ceil(32), er.div_ceil(32));
@@ -200,10 +205,11 @@ impl Hooks for DpHooks<'_> {
         let n = self.bufs.specs()[p].numel;
         let out = self.scratch.values.slice(0..n)?;
         match self.bufs.low_precision_weights(p) {
-            // Low-precision primary weights: the stored copies (per expert by construction).
+            // Low-precision primary weights: the stored copies, per expert by construction
+            // (MXFP8 blocks have no global scale; NVFP4 keeps one global amax per expert).
             Some(LowPrecisionWeights::Mxfp8(w)) => dequant_mxfp8(dev, &w, usage, out)?,
-            Some(LowPrecisionWeights::Nvfp4 { weights, amax }) => {
-                dequant_nvfp4(dev, &weights, amax, usage, out)?
+            Some(LowPrecisionWeights::Nvfp4 { weights, .. }) => {
+                dequant_nvfp4(dev, &weights, usage, out)?
             }
             _ => self.quantize_on_the_fly(dev, p, compute, usage, out)?,
         }

@@ -69,6 +69,10 @@ pub fn estimate_buffer_memory(
 ) -> Result<Vec<BufferMemory>> {
     cfg.validate()?;
     let plan = ShardingPlan::new(specs, &cfg.plan_config(dp))?;
+    for bp in plan.buffers() {
+        let members: Vec<&ParamSpec> = bp.params.iter().map(|&p| &specs[p]).collect();
+        storage::check(bp, &members)?;
+    }
     Ok(plan_buffer_memory(&plan, specs, cfg))
 }
 

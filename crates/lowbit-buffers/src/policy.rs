@@ -6,11 +6,11 @@
 //! Grouped expert tensors (`[experts, out, in]`) are quantized expert by expert.
 
 use lowbit_device::{Device, Fp8Kind, View};
-use lowbit_layout::{ParamSpec, matrix_dims};
+use lowbit_layout::{ParamSpec, ParamStorage, QuantKind, expert_slices, matrix_dims};
 
 use crate::Usage;
 use crate::error::{ConfigError, Result};
-use crate::storage::{Mxfp8Weights, Nvfp4Weights};
+use crate::storage::{Mxfp8Weights, Nvfp4Weights, experts_of};
 
 /// What a parameter is computed with.
 #[non_exhaustive]
@@ -100,7 +100,9 @@ impl PrecisionPolicy {
 
     /// Checks the policy against the parameters: one entry each, experts dividing the rows,
     /// and, for grouped tensors, blocks that never straddle experts (MXFP8: a multiple of 32
-    /// rows per expert; NVFP4: of 16 rows and 16 columns).
+    /// rows per expert; NVFP4: of 16 rows and 16 columns). NVFP4 primary weights hold one
+    /// global amax per expert of their shape (`[experts, out, in]`), so the policy must count
+    /// the same experts, or stored and on-the-fly weights would differ.
     ///
     /// # Errors
     /// [`ConfigError::Policy`] naming the parameter.
@@ -118,6 +120,16 @@ impl PrecisionPolicy {
                 continue;
             }
             let (rows, cols) = matrix_dims(&s.shape);
+            let stored = experts_of(&s.shape);
+            if s.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4)
+                && c.experts != stored
+            {
+                return bad(format!(
+                    "`{}`: its NVFP4 primary weights have {stored} experts (one global amax \
+                     each), the policy {}",
+                    s.name, c.experts
+                ));
+            }
             if c.experts == 0 || !rows.is_multiple_of(c.experts) {
                 return bad(format!(
                     "`{}`: {} experts do not divide {rows} rows",
@@ -158,24 +170,22 @@ pub fn dequant_mxfp8(dev: &mut Device, w: &Mxfp8Weights, usage: Usage, out: View
     Ok(())
 }
 
-/// `out ← dequantize(w)` with global amax `amax`, rowwise for the forward, columnwise for the
-/// backward.
-pub fn dequant_nvfp4(
-    dev: &mut Device,
-    w: &Nvfp4Weights,
-    amax: f32,
-    usage: Usage,
-    out: View,
-) -> Result<()> {
-    let (rows, cols) = (w.rows, w.cols);
-    match usage {
-        Usage::Forward => {
-            let (d, s) = w.rowwise;
-            dev.dequantize_nvfp4_rowwise(d, s, amax, rows, cols, out)?;
-        }
-        Usage::Backward => {
-            let (d, s) = w.columnwise;
-            dev.dequantize_nvfp4_columnwise(d, s, amax, false, rows, cols, out)?;
+/// `out ← dequantize(w)`, expert by expert with each expert's global amax: the rowwise copy
+/// for the forward, the columnwise one for the backward.
+pub fn dequant_nvfp4(dev: &mut Device, w: &Nvfp4Weights, usage: Usage, out: View) -> Result<()> {
+    let experts = w.per_expert()?;
+    let outs = expert_slices(0..out.len(), experts.len())?;
+    for (x, o) in experts.iter().zip(outs) {
+        let (rows, cols, amax, out) = (x.rows, x.cols, x.amax(), out.slice(o)?);
+        match usage {
+            Usage::Forward => {
+                let (d, s) = x.rowwise;
+                dev.dequantize_nvfp4_rowwise(d, s, amax, rows, cols, out)?;
+            }
+            Usage::Backward => {
+                let (d, s) = x.columnwise;
+                dev.dequantize_nvfp4_columnwise(d, s, amax, false, rows, cols, out)?;
+            }
         }
     }
     Ok(())

@@ -22,7 +22,7 @@ use std::ops::Range;
 use lowbit_device::{
     DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, View,
 };
-use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind};
+use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind, expert_slices};
 
 use crate::config::{Mxfp8Gather, Verify};
 use crate::error::Result;
@@ -66,41 +66,85 @@ impl Mxfp8Weights {
 
 /// The 2D NVFP4 storage of one parameter: its rowwise data is its slice of the packed param
 /// buffer; scales, the columnwise copy and the reduced tile amaxes live outside.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// A grouped expert tensor (`[experts, out, in]`) holds its experts one after the other, each a
+/// 2D NVFP4 matrix of its own with its own global amax (quantized alone, as a discrete expert
+/// would be): the rowwise data and scales and the tile amaxes are the experts' in turn (a
+/// row-major `[experts · out, in]` matrix; 16x16 tiles never straddle experts), and the
+/// columnwise copy is each expert's transpose in turn. [`Nvfp4Weights::per_expert`] splits them.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Nvfp4Weights {
-    /// Rows (product of the leading dimensions), a multiple of 16.
+    /// Rows (product of the leading dimensions: every expert's), a multiple of 16 per expert.
     pub rows: usize,
     /// Columns (last dimension), a multiple of 16.
     pub cols: usize,
     /// Rowwise packed data and E4M3 scales.
     pub rowwise: (View, View),
-    /// Columnwise (transposed) packed data and scales.
+    /// Columnwise (transposed, expert by expert) packed data and scales.
     pub columnwise: (View, View),
-    /// MAX-reduced 16x16 tile amaxes (f32); the global amax is their max.
+    /// MAX-reduced 16x16 tile amaxes (f32); an expert's global amax is the max of its tiles.
     pub tiles: View,
+    /// Each expert's global amax (one for an ordinary matrix), as of the last gather.
+    pub amaxes: Vec<f32>,
 }
 
 impl Nvfp4Weights {
-    /// The device views of both copies.
+    /// The device views of both copies (of every expert).
     pub fn views(&self) -> Nvfp4Views {
         Nvfp4Views {
             rowwise: Some(self.rowwise),
             columnwise: Some(self.columnwise),
         }
     }
+
+    /// The global amax: the largest expert's (the amaxes are never negative or NaN).
+    pub fn amax(&self) -> f32 {
+        f32::from_bits(self.amaxes.iter().map(|a| a.to_bits()).max().unwrap_or(0))
+    }
+
+    /// Each expert as a matrix of its own (`rows / experts` rows, views into these copies, its
+    /// own amax); the weights themselves for an ordinary matrix.
+    ///
+    /// # Errors
+    /// [`lowbit_layout::LayoutError::ExpertSplit`] if the expert count (`amaxes.len()`) is zero
+    /// or does not divide the rows and every view.
+    pub fn per_expert(&self) -> Result<Vec<Nvfp4Weights>> {
+        let n = self.amaxes.len();
+        let split = |v: View| -> Result<Vec<View>> {
+            expert_slices(0..v.len(), n)?
+                .into_iter()
+                .map(|r| Ok(v.slice(r)?))
+                .collect()
+        };
+        let rows = expert_slices(0..self.rows, n)?;
+        let (rd, rs) = (split(self.rowwise.0)?, split(self.rowwise.1)?);
+        let (cd, cs) = (split(self.columnwise.0)?, split(self.columnwise.1)?);
+        let tiles = split(self.tiles)?;
+        Ok((0..n)
+            .map(|e| Nvfp4Weights {
+                rows: rows[e].len(),
+                cols: self.cols,
+                rowwise: (rd[e], rs[e]),
+                columnwise: (cd[e], cs[e]),
+                tiles: tiles[e],
+                amaxes: vec![self.amaxes[e]],
+            })
+            .collect())
+    }
 }
 
 /// A parameter's low-precision primary weights, as compute reads them.
 #[non_exhaustive]
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum LowPrecisionWeights {
     /// MXFP8 (1D blocks, or 2D with the direct gather).
     Mxfp8(Mxfp8Weights),
     /// 2D NVFP4 and its global amax after the last gather.
     Nvfp4 {
-        /// The copies.
+        /// The copies (and each expert's amax).
         weights: Nvfp4Weights,
-        /// The global amax the tensor scale derives from.
+        /// The global amax the tensor scale derives from (of a grouped tensor: the largest
+        /// expert's; each expert is scaled by its own, [`Nvfp4Weights::amaxes`]).
         amax: f32,
     },
 }
@@ -122,6 +166,15 @@ pub fn mxfp8_weight_config() -> Mxfp8Config {
 }
 
 pub use lowbit_layout::matrix_dims;
+
+/// Experts of a parameter: a grouped expert tensor `[experts, out, in]` (the layout's
+/// convention) has `experts`, anything else one. NVFP4 storage keeps one global amax per expert.
+pub(crate) fn experts_of(shape: &[usize]) -> usize {
+    match *shape {
+        [experts, _, _] => experts,
+        _ => 1,
+    }
+}
 
 /// Bytes of one buffer's weights on one rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -266,6 +319,15 @@ pub(crate) fn allocate(
             storage_dtype(s),
         )),
     })
+}
+
+/// Refuses the parameters of a buffer that its storage cannot hold, as [`allocate`] does (no
+/// allocation).
+pub(crate) fn check(plan: &BufferPlan, specs: &[&ParamSpec]) -> Result<()> {
+    match plan.key.param_storage {
+        ParamStorage::Quantized(QuantKind::Nvfp4) => Tiled::<Nvfp4Tiles>::check(specs),
+        _ => Ok(()),
+    }
 }
 
 /// The bytes [`allocate`] would hold, in closed form (no allocation).

@@ -4,31 +4,41 @@
 //! partial tile amaxes, the amaxes are MAX-reduced across ranks, each rank quantizes its shard,
 //! and after the gather every rank derives the scales (and NVFP4's global amax and columnwise
 //! copy) from the same reduced amaxes. One generic storage, one [`TileFormat`] per format.
+//!
+//! NVFP4 quantizes a grouped expert tensor expert by expert (one global amax each): the tiles
+//! are folded and reduced for the whole tensor (an expert's tiles are a contiguous run), then
+//! each expert's part of a piece is quantized, and each expert finished, with views of its own
+//! tiles and copies, so the device ops are the 2D ones.
 
 use std::fmt::Debug;
 use std::ops::Range;
 
 use lowbit_device::{DType, Device, Fp8Kind, View};
-use lowbit_layout::{BufferPlan, ParamSpec, matrix_dims};
+use lowbit_layout::{BufferPlan, LayoutError, ParamSpec, expert_slices, matrix_dims};
 
 use super::{
     AfterGather, Gathered, LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, Storage, StorageBytes,
-    StorageKind, TileScaled,
+    StorageKind, TileScaled, experts_of,
 };
 use crate::error::Result;
 
 /// What differs between the tile-scaled formats.
 pub(super) trait TileFormat: Debug + Send + 'static {
     /// The weights of one parameter (copies, scales, tile amaxes, global state).
-    type Weights: Copy + Debug + Send;
+    type Weights: Clone + Debug + Send;
     /// The storage kind.
     const KIND: StorageKind;
     /// Bytes of the parameter region for a buffer of `numel` elements.
     fn region_bytes(numel: usize) -> usize;
     /// Bytes outside the region of a `rows x cols` parameter.
     fn outside_bytes(rows: usize, cols: usize) -> usize;
-    /// Allocates a parameter's weights around `data`, its slice of the region.
-    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights;
+    /// Refuses a parameter the format cannot hold.
+    fn check(spec: &ParamSpec) -> Result<()> {
+        let _ = spec;
+        Ok(())
+    }
+    /// Allocates the weights of parameter `spec` around `data`, its slice of the region.
+    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights;
     /// The tile amaxes.
     fn tiles(w: &Self::Weights) -> View;
     /// The allocated views outside the region.
@@ -61,7 +71,9 @@ impl TileFormat for Mxfp8Tiles {
     fn outside_bytes(r: usize, c: usize) -> usize {
         r * c.div_ceil(32) + r.div_ceil(32) * c + 4 * r.div_ceil(32) * c.div_ceil(32)
     }
-    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights {
+    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights {
+        // Blocks have no global scale: a grouped tensor is its experts by construction.
+        let (rows, cols) = matrix_dims(&spec.shape);
         let w = Mxfp8Weights {
             rows,
             cols,
@@ -104,8 +116,7 @@ impl TileFormat for Mxfp8Tiles {
 pub(super) struct Nvfp4Tiles;
 
 impl TileFormat for Nvfp4Tiles {
-    /// The weights and the global amax after the last gather.
-    type Weights = (Nvfp4Weights, f32);
+    type Weights = Nvfp4Weights;
     const KIND: StorageKind = StorageKind::Nvfp4Packed;
     fn region_bytes(numel: usize) -> usize {
         numel / 2
@@ -114,8 +125,26 @@ impl TileFormat for Nvfp4Tiles {
         // Rowwise scales, the columnwise copy (data, scales) and the f32 tile amaxes.
         r * c / 16 + r * c / 2 + r * c / 16 + 4 * (r / 16) * (c / 16)
     }
-    fn allocate(dev: &mut Device, data: View, rows: usize, cols: usize) -> Self::Weights {
-        let w = Nvfp4Weights {
+    fn check(spec: &ParamSpec) -> Result<()> {
+        // The plan checked the whole matrix; a tile must not straddle experts either.
+        let ((rows, cols), experts) = (matrix_dims(&spec.shape), experts_of(&spec.shape));
+        let per = rows.checked_div(experts).unwrap_or(0);
+        if experts > 0 && per * experts == rows && per.is_multiple_of(16) && cols.is_multiple_of(16)
+        {
+            return Ok(());
+        }
+        let name = format!("{} (one of {experts} experts)", spec.name);
+        Err(LayoutError::Nvfp4Tiles {
+            name,
+            rows: per,
+            cols,
+        }
+        .into())
+    }
+    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights {
+        // Per expert, the same sizes as a matrix of its own: the totals do not depend on it.
+        let (rows, cols) = matrix_dims(&spec.shape);
+        Nvfp4Weights {
             rows,
             cols,
             rowwise: (data, dev.alloc(DType::U8, rows * cols / 16)),
@@ -124,34 +153,52 @@ impl TileFormat for Nvfp4Tiles {
                 dev.alloc(DType::U8, cols * rows / 16),
             ),
             tiles: dev.alloc(DType::F32, (rows / 16) * (cols / 16)),
-        };
-        (w, 0.0)
+            amaxes: vec![0.0; experts_of(&spec.shape)],
+        }
     }
     fn tiles(w: &Self::Weights) -> View {
-        w.0.tiles
+        w.tiles
     }
     fn outside(w: &Self::Weights) -> Vec<View> {
-        let w = &w.0;
         vec![w.rowwise.1, w.columnwise.0, w.columnwise.1, w.tiles]
     }
     fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()> {
-        Ok(dev.nvfp4_fold_tile_amax_2d(values, offset, w.0.cols, w.0.tiles)?)
+        // The whole tensor's tiles: each expert's are a contiguous run of them.
+        Ok(dev.nvfp4_fold_tile_amax_2d(values, offset, w.cols, w.tiles)?)
     }
     fn quantize(
         dev: &mut Device,
-        (w, _): &Self::Weights,
+        w: &Self::Weights,
         values: View,
         range: Range<usize>,
     ) -> Result<()> {
-        let bytes = w.rowwise.0.slice(range.start / 2..range.end / 2)?;
-        Ok(dev.nvfp4_quantize_2d_range(values, range.start, w.cols, w.tiles, bytes)?)
-    }
-    fn finish(dev: &mut Device, (w, amax): &mut Self::Weights) -> Result<()> {
-        *amax = dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+        // A piece may cover parts of several experts: each part with its expert's tiles (and
+        // so its global amax), at offsets within that expert.
+        let whole = expert_slices(0..w.rows * w.cols, w.amaxes.len())?;
+        for (x, e) in w.per_expert()?.iter().zip(whole) {
+            let part = range.start.max(e.start)..range.end.min(e.end);
+            if part.is_empty() {
+                continue;
+            }
+            let v = values.slice(part.start - range.start..part.end - range.start)?;
+            let start = part.start - e.start;
+            let bytes = x.rowwise.0.slice(start / 2..(start + part.len()) / 2)?;
+            dev.nvfp4_quantize_2d_range(v, start, x.cols, x.tiles, bytes)?;
+        }
         Ok(())
     }
-    fn compute(&(weights, amax): &Self::Weights) -> LowPrecisionWeights {
-        LowPrecisionWeights::Nvfp4 { weights, amax }
+    fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()> {
+        let experts = w.per_expert()?;
+        for (x, amax) in experts.iter().zip(&mut w.amaxes) {
+            *amax = dev.nvfp4_finish_2d(x.rows, x.cols, x.tiles, &x.views())?;
+        }
+        Ok(())
+    }
+    fn compute(w: &Self::Weights) -> LowPrecisionWeights {
+        LowPrecisionWeights::Nvfp4 {
+            amax: w.amax(),
+            weights: w.clone(),
+        }
     }
 }
 
@@ -169,14 +216,19 @@ impl<F: TileFormat> Tiled<F> {
         plan: &BufferPlan,
         specs: &[&ParamSpec],
     ) -> Result<Self> {
+        Self::check(specs)?;
         let region = dev.alloc(DType::U8, F::region_bytes(plan.layout.numel));
         let mut weights = Vec::with_capacity(specs.len());
         for (i, s) in specs.iter().enumerate() {
-            let (rows, cols) = matrix_dims(&s.shape);
             let data = region.slice(plan.param_storage_range(i))?;
-            weights.push(F::allocate(dev, data, rows, cols));
+            weights.push(F::allocate(dev, data, s));
         }
         Ok(Tiled { region, weights })
+    }
+
+    /// Refuses parameters the format cannot hold (before anything is allocated).
+    pub(super) fn check(specs: &[&ParamSpec]) -> Result<()> {
+        specs.iter().try_for_each(|s| F::check(s))
     }
 
     pub(super) fn closed_form(
