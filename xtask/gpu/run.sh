@@ -57,6 +57,15 @@ STEPS+=(
   # same run) and layer-wise over 1 and 2 GPUs.
   "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
   "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  # The data-parallel step at real scale (issue 16): lowbit's step per phase against bounds of
+  # the same run (plain NCCL collectives, device copies of the same bytes) on 2 GPUs, every
+  # precision and gradient dtype of Llama-3.2-1B and the 8B layer stack for MXFP8 staged; the
+  # step with 1.5 ms of compute per layer and overlap on (exposed communication); the PyTorch
+  # pipeline on the same GPUs; the comparison (target: >= 1.4x torch, MXFP8 staged, fp32 grads).
+  "bench-step|420|bin/step_bench --ranks 2 --model llama-3.2-1b --precision all --grads fp32,bf16 --also llama-3-8b-layers:mxfp8:fp32 --json \$STEP_JSON"
+  "bench-step-overlap|240|bin/step_bench --ranks 2 --model llama-3.2-1b --precision mxfp8 --grads fp32 --compute-us 1500 --json \$STEP_JSON"
+  "bench-torch-step|600|torchrun --nproc-per-node 2 gpu/torch_step.py --model llama-3.2-1b llama-3-8b-layers --grad-dtype fp32 bf16 --json \$STEP_JSON"
+  "compare-step|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step.json \$WORK/bench-torch-step.json \$WORK/bench-step-overlap.json | tee \$STEP_SUMMARY"
   # lowbit train: the default run on one and on two GPUs, the same runs on the CPU backend of
   # this host, and a bitwise comparison (losses, grad norms, evals, final masters).
   "train-cpu-1rank|600|bin/lowbit train --ranks 1 --json > \$STEP_JSON"

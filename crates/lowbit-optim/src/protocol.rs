@@ -47,13 +47,7 @@ pub fn step(
     bufs: &mut DataParallelBuffers,
     opt: &mut dyn Optimizer,
 ) -> Result<StepReport> {
-    let local = opt.local_sum_squares(dev)?;
-    let total = if bufs.plan().is_sharded() {
-        sum_across_ranks(dev, comm, local)?
-    } else {
-        local
-    };
-    let grad_norm = total.sqrt() as f32;
+    let grad_norm = global_grad_norm(dev, comm, bufs, opt)?;
     if !grad_norm.is_finite() {
         return Ok(StepReport {
             grad_norm,
@@ -76,6 +70,26 @@ pub fn step(
         skipped: false,
         clip_coef,
     })
+}
+
+/// The global gradient norm of `opt`'s shards over every rank, as [`step`] computes it (public so
+/// that a benchmark can time it apart from the update).
+///
+/// # Errors
+/// Collective and device errors.
+pub fn global_grad_norm(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+) -> Result<f32> {
+    let local = opt.local_sum_squares(dev)?;
+    let total = if bufs.plan().is_sharded() {
+        sum_across_ranks(dev, comm, local)?
+    } else {
+        local
+    };
+    Ok(total.sqrt() as f32)
 }
 
 /// A forced parameter sync (eval, checkpoint save, after a state import): completes gathers in

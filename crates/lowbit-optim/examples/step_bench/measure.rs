@@ -1,0 +1,557 @@
+//! What one rank measures: the bounds (plain collectives and device copies of the step's
+//! sizes), the step phase by phase and whole, and the step interleaved with compute.
+
+use std::time::Instant;
+
+use lowbit_buffers::layout::{GradDType, ShardingPlan};
+use lowbit_buffers::{DataParallelBuffers, DdpConfig, StorageKind, mxfp8_weight_config};
+use lowbit_comm::{Communicator, ReduceOp};
+use lowbit_device::{DType, Device, Fp8Kind, MatmulSpec, View, mxfp8_tile_count};
+use lowbit_optim::{Optimizer, estimate_memory, memory_report, protocol};
+
+use crate::setup::{Config, GradSource, Param, Precision, Res, build};
+
+/// The phases, in step order (the keys of `torch_step.py`'s `phases_ms`).
+pub const PHASES: [&str; 6] = [
+    "reduce_scatter",
+    "norm",
+    "optimizer",
+    "staging",
+    "gather",
+    "requantize",
+];
+pub const RS: usize = 0;
+pub const GATHER: usize = 4;
+pub const REQUANT: usize = 5;
+
+/// How long and how much: warm-up and timed iterations, whether the device is a GPU (sizes of
+/// the gradient pattern and of the compute kernel), the overlap mode's compute per layer
+/// (forward; the backward gets twice as much) and bucket elements (`None`: one layer).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub reps: (usize, usize),
+    pub gpu: bool,
+    pub compute_us: Option<f64>,
+    pub bucket: Option<usize>,
+}
+
+impl Settings {
+    fn pattern(&self) -> usize {
+        if self.gpu { 1 << 20 } else { 4096 }
+    }
+    /// Side of the square f32 product that stands in for compute.
+    fn spin_dim(&self) -> usize {
+        if self.gpu { 512 } else { 16 }
+    }
+}
+
+/// Seconds of `f`, the device idle and the ranks aligned before, the device finished after.
+fn timed<T>(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    f: impl FnOnce(&mut Device, &mut dyn Communicator) -> Res<T>,
+) -> Res<(T, f64)> {
+    dev.synchronize()?;
+    comm.barrier()?;
+    let t = Instant::now();
+    let out = f(dev, comm)?;
+    dev.synchronize()?;
+    Ok((out, t.elapsed().as_secs_f64()))
+}
+
+/// Storage classes of the byte model: persistent bf16, MXFP8 staged, 2D MXFP8, NVFP4.
+fn class(cfg: &Config, p: &Param) -> usize {
+    match (p.linear, cfg.precision) {
+        (false, _) | (_, Precision::Bf16) => 0,
+        (_, Precision::Mxfp8) => 1,
+        (_, Precision::Mxfp8Direct) => 2,
+        (_, Precision::Nvfp4) => 3,
+    }
+}
+
+/// What the step moves on one rank, from the plan alone.
+#[derive(Clone, Debug)]
+pub struct Traffic {
+    /// Gradient buffer bytes: the reduce-scatter's input.
+    pub grad_bytes: usize,
+    /// Parameter region bytes: the gather's output.
+    pub region_bytes: usize,
+    /// Tile amax bytes MAX-reduced while staging 2D formats.
+    pub tile_bytes: usize,
+    grad_size: usize,
+    /// Owned elements per storage class.
+    owned: [usize; 4],
+    /// Elements of the low-precision matrices per storage class.
+    matrix: [usize; 4],
+}
+
+impl Traffic {
+    pub fn new(
+        cfg: &Config,
+        params: &[Param],
+        ddp: &DdpConfig,
+        dp: usize,
+        rank: usize,
+    ) -> Res<Self> {
+        let specs = cfg.specs(params);
+        let plan = ShardingPlan::new(&specs, &ddp.plan_config(dp))?;
+        let grad_size = if cfg.grads == GradDType::F32 { 4 } else { 2 };
+        let (mut grad_bytes, mut region_bytes) = (0, 0);
+        for b in plan.buffers() {
+            grad_bytes += b.layout.numel * grad_size;
+            region_bytes += cfg
+                .precision
+                .region_bytes(b.key.param_storage, b.layout.numel);
+        }
+        let mut owned = [0; 4];
+        for piece in plan.owned(rank)? {
+            owned[class(cfg, &params[piece.param])] += piece.param_range.len();
+        }
+        let (mut matrix, mut tile_bytes) = ([0; 4], 0);
+        for p in params {
+            let (c, n) = (class(cfg, p), p.shape.iter().product::<usize>());
+            matrix[c] += n;
+            let (r, k) = (p.shape[0], n / p.shape[0]);
+            tile_bytes += match c {
+                2 => 4 * mxfp8_tile_count(r, k),
+                3 => 4 * (r / 16) * (k / 16),
+                _ => 0,
+            };
+        }
+        Ok(Traffic {
+            grad_bytes,
+            region_bytes,
+            tile_bytes,
+            grad_size,
+            owned,
+            matrix,
+        })
+    }
+
+    /// Device bytes (read + written) of each phase's kernels; 0 for the collectives.
+    pub fn kernel_bytes(&self, clipped: bool) -> [f64; 6] {
+        let o = self.owned.map(|n| n as f64);
+        let m = self.matrix.map(|n| n as f64);
+        let all: f64 = o.iter().sum();
+        // bf16 gradients are widened into an f32 copy (read 2, write 4) before the sum.
+        let norm = if self.grad_size == 4 { 4.0 } else { 10.0 } * all;
+        // AdamW: master, two moments read and written, the f32 gradient read (28 B); the bf16
+        // output fused for persistent weights; clipping scales the f32 gradient first.
+        let clip = if clipped { 8.0 * all } else { 0.0 };
+        let optimizer = 28.0 * all + 2.0 * o[0] + clip;
+        // Casts of the masters (4 + 2); 2D formats also fold (2) and quantize (2 + 1 or 0.5).
+        let staging = 6.0 * (o[0] + o[1]) + 11.0 * o[2] + 10.5 * o[3];
+        // Staged MXFP8: read bf16, write both copies and scales, zero the staging view; 2D
+        // MXFP8: scales from the tiles; NVFP4: the columnwise copy and both scales.
+        let requant = m[1] * (2.0 + 2.0 * (1.0 + 1.0 / 32.0) + 2.0)
+            + m[2] * (2.0 / 32.0 + 4.0 / 1024.0)
+            + m[3] * (0.5 + 0.5 + 2.0 / 16.0 + 4.0 / 256.0);
+        [0.0, norm, optimizer, staging, 0.0, requant]
+    }
+
+    /// Bytes each rank sends per collective (ring algorithms, as nccl-tests count them).
+    pub fn wire(&self, dp: usize) -> [(&'static str, f64); 4] {
+        let ring = (dp - 1) as f64 / dp as f64;
+        [
+            ("reduce_scatter", self.grad_bytes as f64 * ring),
+            ("norm", 8.0 * (dp - 1) as f64),
+            ("staging", 2.0 * self.tile_bytes as f64 * ring),
+            ("gather", self.region_bytes as f64 * ring),
+        ]
+    }
+}
+
+/// One rank's bounds: plain collectives of the step's sizes, and per kernel phase a device copy
+/// whose reads and writes are that phase's bytes (at most 2 GiB).
+#[derive(Debug, Default)]
+pub struct Bounds {
+    pub reduce_scatter: Vec<f64>,
+    pub gather: Vec<f64>,
+    /// Per phase: (bytes the copy reads and writes, seconds per copy).
+    pub copy: Vec<Option<(f64, Vec<f64>)>>,
+}
+
+fn measure_bounds(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    t: &Traffic,
+    kernel_bytes: &[f64; 6],
+    s: &Settings,
+) -> Res<Bounds> {
+    let w = comm.size();
+    let reps = s.reps.0 + s.reps.1;
+    let mut out = Bounds::default();
+    let gdt = if t.grad_size == 4 {
+        DType::F32
+    } else {
+        DType::Bf16
+    };
+    let n = t.grad_bytes / t.grad_size / w * w;
+    let (big, part) = (dev.try_alloc(gdt, n)?, dev.try_alloc(gdt, n / w)?);
+    dev.fill(big, 1e-3)?;
+    for i in 0..reps {
+        let (_, secs) = timed(dev, comm, |d, c| {
+            Ok(c.start_reduce_scatter(d, big, part, ReduceOp::Avg)?
+                .wait(d)?)
+        })?;
+        if i >= s.reps.0 {
+            out.reduce_scatter.push(secs);
+        }
+    }
+    for i in 0..reps {
+        let bytes = big.reinterpret(DType::U8)?;
+        let (whole, mine) = (
+            bytes.slice(0..t.region_bytes / w * w)?,
+            part.reinterpret(DType::U8)?,
+        );
+        let mine = mine.slice(0..t.region_bytes / w)?;
+        let (_, secs) = timed(dev, comm, |d, c| {
+            Ok(c.start_all_gather(d, mine, whole)?.wait(d)?)
+        })?;
+        if i >= s.reps.0 {
+            out.gather.push(secs);
+        }
+    }
+    dev.free(big)?;
+    dev.free(part)?;
+    for &b in kernel_bytes {
+        if b <= 0.0 {
+            out.copy.push(None);
+            continue;
+        }
+        let c = ((b / 2.0) as usize).clamp(4096, 1 << 30) / 4 * 4;
+        let (src, dst) = (dev.try_alloc(DType::U8, c)?, dev.try_alloc(DType::U8, c)?);
+        let mut times = Vec::new();
+        for i in 0..reps {
+            let (_, secs) = timed(dev, comm, |d, _| Ok(d.copy(src, dst)?))?;
+            if i >= s.reps.0 {
+                times.push(secs);
+            }
+        }
+        dev.free(src)?;
+        dev.free(dst)?;
+        out.copy.push(Some((2.0 * c as f64, times)));
+    }
+    Ok(out)
+}
+
+/// Replays what the gather's completion does to the low-precision weights, on the buffers'
+/// own views, so the re-quantization can be timed apart from the gather (`sync_params` does
+/// both): staged MXFP8 quantizes both copies of every matrix (from a bf16 scratch of pattern
+/// values: the staging view is zero again after the gather) and zeroes its staging view; 2D
+/// MXFP8 derives scales from tile amaxes (a scratch of constant amaxes: the reduced ones are
+/// private); NVFP4 finishes every matrix from its own reduced tiles.
+struct Replay {
+    src: Option<View>,
+    tiles: Option<View>,
+}
+
+impl Replay {
+    fn new(dev: &mut Device, bufs: &DataParallelBuffers, grads: &GradSource) -> Res<Self> {
+        let (mut staged, mut tiles) = (0, 0);
+        for p in 0..bufs.specs().len() {
+            let Some(w) = bufs.mxfp8_weights(p) else {
+                continue;
+            };
+            match bufs.storage_kind(p) {
+                StorageKind::Mxfp8Staged => staged = staged.max(w.rows * w.cols),
+                _ => tiles = tiles.max(mxfp8_tile_count(w.rows, w.cols)),
+            }
+        }
+        let src = (staged > 0).then(|| dev.alloc(DType::Bf16, staged));
+        if let Some(v) = src {
+            grads.fill(dev, v)?;
+        }
+        let tiles = (tiles > 0).then(|| dev.alloc(DType::F32, tiles));
+        if let Some(v) = tiles {
+            dev.fill(v, 0.02)?;
+        }
+        Ok(Replay { src, tiles })
+    }
+
+    fn bytes(&self) -> usize {
+        [self.src, self.tiles]
+            .iter()
+            .flatten()
+            .map(View::byte_len)
+            .sum()
+    }
+
+    fn run(&self, dev: &mut Device, bufs: &DataParallelBuffers) -> Res<()> {
+        for p in 0..bufs.specs().len() {
+            match (bufs.storage_kind(p), bufs.low_precision_weights(p)) {
+                (StorageKind::Mxfp8Staged, _) => {
+                    let (w, src) = (bufs.mxfp8_weights(p), self.src);
+                    let (Some(w), Some(src)) = (w, src) else {
+                        continue;
+                    };
+                    let x = src.slice(0..w.rows * w.cols)?;
+                    dev.quantize_mxfp8(x, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?;
+                    dev.zero(bufs.param_view(p)?)?;
+                }
+                (StorageKind::Mxfp8Direct, _) => {
+                    let (Some(w), Some(t)) = (bufs.mxfp8_weights(p), self.tiles) else {
+                        continue;
+                    };
+                    let t = t.slice(0..mxfp8_tile_count(w.rows, w.cols))?;
+                    let (rs, cs) = (w.rowwise.1, w.columnwise.1);
+                    dev.mxfp8_scales_2d(w.rows, w.cols, Fp8Kind::E4M3, t, rs, cs)?;
+                }
+                (StorageKind::Nvfp4Packed, _) => {
+                    if let Some((w, _)) = bufs.nvfp4_weights(p) {
+                        dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One rank's measurements of the step without compute.
+#[derive(Debug)]
+pub struct StepRun {
+    /// Per iteration: the six phases, with the gather holding the gather and its completion
+    /// (`sync_params`) and the re-quantization its replay alone.
+    pub phases: Vec<[f64; 6]>,
+    /// Whole steps (`finish_grad_sync` + `protocol::step`), no synchronization inside.
+    pub totals: Vec<f64>,
+    pub bounds: Bounds,
+    pub traffic: Traffic,
+    pub clipped: bool,
+    /// Largest allocation seen at a phase boundary (the benchmark's own scratch excluded),
+    /// live memory (`memory_report`) and the closed form (`estimate_memory`).
+    pub peak: usize,
+    pub live: usize,
+    pub closed: usize,
+    pub card: String,
+    pub fallbacks: Vec<String>,
+}
+
+/// The step without compute on this rank: bounds first (their memory is freed before the
+/// buffers exist), then the per-phase iterations, then whole steps.
+pub fn step_rank(
+    comm: &mut dyn Communicator,
+    dev: &mut Device,
+    cfg: &Config,
+    params: &[Param],
+    s: &Settings,
+) -> Res<StepRun> {
+    let (dp, rank) = (comm.size(), comm.rank());
+    let ddp = cfg.ddp(None);
+    let traffic = Traffic::new(cfg, params, &ddp, dp, rank)?;
+    let bounds = measure_bounds(dev, comm, &traffic, &traffic.kernel_bytes(true), s)?;
+    let specs = cfg.specs(params);
+    let closed = estimate_memory(&specs, dp, rank, &ddp, |_| 2)?.total();
+    let base = dev.allocated_bytes();
+    let (mut bufs, mut opt) = build(dev, dp, rank, specs, ddp)?;
+    let live = memory_report(&bufs, &opt).total();
+    let grads = GradSource::new(dev, s.pattern())?;
+    let replay = Replay::new(dev, &bufs, &grads)?;
+    let own = base + grads.bytes() + replay.bytes();
+    let n = bufs.specs().len();
+    let (mut peak, mut clipped) = (0, false);
+    let mut phases = Vec::new();
+    for i in 0..s.reps.0 + s.reps.1 {
+        protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        grads.backward(dev, &mut bufs, 0..n)?;
+        let mut t = [0.0; 6];
+        let b = &mut bufs;
+        let o = &mut opt;
+        (_, t[0]) = timed(dev, comm, |d, c| Ok(b.finish_grad_sync(d, c)?))?;
+        let (norm, secs) = timed(dev, comm, |d, c| {
+            Ok(protocol::global_grad_norm(d, c, b, o)?)
+        })?;
+        t[1] = secs;
+        let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
+        clipped = clip < 1.0;
+        (_, t[2]) = timed(dev, comm, |d, _| Ok(o.apply(d, b, clip)?))?;
+        peak = peak.max(dev.allocated_bytes() - own);
+        (_, t[3]) = timed(dev, comm, |d, c| Ok(o.stage(d, c, b, false)?))?;
+        (_, t[4]) = timed(dev, comm, |d, c| Ok(b.sync_params(d, c)?))?;
+        peak = peak.max(dev.allocated_bytes() - own);
+        (_, t[5]) = timed(dev, comm, |d, _| replay.run(d, b))?;
+        if i >= s.reps.0 {
+            phases.push(t);
+        }
+    }
+    let mut totals = Vec::new();
+    for i in 0..s.reps.0 + s.reps.1 {
+        protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        grads.backward(dev, &mut bufs, 0..n)?;
+        let (b, o) = (&mut bufs, &mut opt);
+        let (_, secs) = timed(dev, comm, |d, c| {
+            b.finish_grad_sync(d, c)?;
+            protocol::step(d, c, b, o)?;
+            Ok(())
+        })?;
+        if i >= s.reps.0 {
+            totals.push(secs);
+        }
+    }
+    Ok(StepRun {
+        phases,
+        totals,
+        bounds,
+        traffic,
+        clipped,
+        peak,
+        live,
+        closed,
+        card: card(dev),
+        fallbacks: dev
+            .host_fallback_calls()
+            .into_iter()
+            .map(|(op, n)| format!("{op}: {n}"))
+            .collect(),
+    })
+}
+
+fn card(dev: &Device) -> String {
+    #[cfg(feature = "cuda")]
+    if let Some(s) = dev.cuda_stream() {
+        return s.context().name().unwrap_or_default();
+    }
+    let _ = dev;
+    "cpu".into()
+}
+
+/// A square f32 product repeated to last about a given time: compute that needs no kernel of
+/// its own.
+struct Spin {
+    a: View,
+    c: View,
+    spec: MatmulSpec,
+    per_call: f64,
+}
+
+impl Spin {
+    fn new(dev: &mut Device, dim: usize) -> Res<Self> {
+        let a = lowbit_testkit::upload_f32(dev, &lowbit_testkit::values(3, dim * dim, 1.0));
+        let c = dev.alloc(DType::F32, dim * dim);
+        let spec = MatmulSpec {
+            m: dim,
+            n: dim,
+            k: dim,
+            trans_a: false,
+            trans_b: false,
+            accumulate: false,
+        };
+        let mut spin = Spin {
+            a,
+            c,
+            spec,
+            per_call: 1.0,
+        };
+        spin.calls(dev, 3)?;
+        let calls = 20;
+        dev.synchronize()?;
+        let t = Instant::now();
+        spin.calls(dev, calls)?;
+        dev.synchronize()?;
+        spin.per_call = t.elapsed().as_secs_f64() / calls as f64;
+        Ok(spin)
+    }
+
+    fn calls(&self, dev: &mut Device, n: usize) -> Res<()> {
+        for _ in 0..n {
+            dev.matmul(self.a, self.a, self.c, &self.spec)?;
+        }
+        Ok(())
+    }
+
+    fn run(&self, dev: &mut Device, us: f64) -> Res<()> {
+        self.calls(dev, ((us * 1e-6 / self.per_call).round() as usize).max(1))
+    }
+}
+
+/// One rank's measurements of the step interleaved with compute.
+#[derive(Debug)]
+pub struct OverlapRun {
+    /// Whole iterations: begin, forward (gathers on demand, prefetch), backward (bucket
+    /// reductions as gradients become ready), the rest of the reduction, the step.
+    pub with_dp: Vec<f64>,
+    /// The same compute and gradient writes, nothing else.
+    pub compute: Vec<f64>,
+    pub per_call_us: f64,
+}
+
+/// The step with overlap on, interleaved with `us` of compute per layer in the forward and
+/// twice that in the backward.
+pub fn overlap_rank(
+    comm: &mut dyn Communicator,
+    dev: &mut Device,
+    cfg: &Config,
+    params: &[Param],
+    s: &Settings,
+    us: f64,
+) -> Res<OverlapRun> {
+    let (dp, rank) = (comm.size(), comm.rank());
+    let layers = params.iter().map(|p| p.layer + 1).max().unwrap_or(0);
+    let by_layer: Vec<Vec<usize>> = (0..layers)
+        .map(|l| {
+            (0..params.len())
+                .filter(|&p| params[p].layer == l)
+                .collect()
+        })
+        .collect();
+    // One transformer layer per bucket unless told otherwise.
+    let layer_numel = by_layer
+        .last()
+        .map(|ps| {
+            ps.iter()
+                .map(|&p| params[p].shape.iter().product::<usize>())
+        })
+        .map_or(1, Iterator::sum);
+    let ddp = cfg.ddp(Some(s.bucket.unwrap_or(layer_numel)));
+    let (mut bufs, mut opt) = build(dev, dp, rank, cfg.specs(params), ddp)?;
+    let grads = GradSource::new(dev, s.pattern())?;
+    let spin = Spin::new(dev, s.spin_dim())?;
+    let (mut with_dp, mut compute) = (Vec::new(), Vec::new());
+    for i in 0..s.reps.0 + s.reps.1 {
+        let (b, o) = (&mut bufs, &mut opt);
+        let (_, with) = timed(dev, comm, |d, c| {
+            protocol::begin_iteration(d, c, b, o)?;
+            for ps in &by_layer {
+                for &p in ps {
+                    let g = b.group_of(p);
+                    b.finish_param_sync(d, c, g)?;
+                }
+                spin.run(d, us)?;
+            }
+            for ps in by_layer.iter().rev() {
+                spin.run(d, 2.0 * us)?;
+                for &p in ps.iter().rev() {
+                    grads.backward(d, b, std::iter::once(p))?;
+                    b.register_grad_ready(d, c, p)?;
+                }
+            }
+            b.finish_grad_sync(d, c)?;
+            protocol::step(d, c, b, o)?;
+            Ok(())
+        })?;
+        let b = &bufs;
+        let (_, alone) = timed(dev, comm, |d, _| {
+            for _ in &by_layer {
+                spin.run(d, us)?;
+            }
+            for ps in by_layer.iter().rev() {
+                spin.run(d, 2.0 * us)?;
+                for &p in ps.iter().rev() {
+                    grads.fill(d, b.grad_view(p)?)?;
+                }
+            }
+            Ok(())
+        })?;
+        if i >= s.reps.0 {
+            with_dp.push(with);
+            compute.push(alone);
+        }
+    }
+    Ok(OverlapRun {
+        with_dp,
+        compute,
+        per_call_us: spin.per_call * 1e6,
+    })
+}
