@@ -332,6 +332,11 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
              the same job; launch one process and pass --ranks {world}, or use --device cuda"
         )));
     }
+    if cfg.device == DeviceChoice::Cuda && train::launched_world_size().is_some() {
+        // One rank per process: a rank ended by SIGINT/SIGTERM/SIGHUP tells its peers so on its
+        // way out, over the liveness channel (`lowbit_comm::liveness`).
+        lowbit::comm::liveness::install_signal_goodbye();
+    }
     let tty = std::io::stderr().is_terminal();
     let progress = |s: &StepLog| {
         let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();

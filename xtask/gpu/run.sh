@@ -78,6 +78,10 @@ STEPS+=(
   # rendezvous; rank 0 prints), against the CPU run.
   "train-cuda-torchrun|600|torchrun --no-python --nproc-per-node 2 bin/lowbit train --device cuda --json > \$STEP_JSON"
   "compare-train-torchrun|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-2rank.json \$WORK/train-cuda-torchrun.json | tee \$STEP_SUMMARY"
+  # A dead rank is noticed in seconds (issue 15 item 7): rank 1 of a two-process run killed
+  # mid-run (SIGKILL, SIGTERM; without and with torchrun's agent); rank 0 must exit non-zero
+  # within 10 s naming rank 1 (prints PASS/FAIL and the seconds per case).
+  "liveness-cuda|400|set -o pipefail; bash gpu/liveness_cuda.sh | tee \$STEP_SUMMARY"
   "train-cuda-table|600|set -o pipefail; bin/lowbit train --device cuda | tee \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ pub enum CommError {
         /// The ranks that had not joined.
         missing: Vec<usize>,
     },
-    /// The group was aborted: a rank panicked, dropped its communicator before joining an
-    /// operation the others wait in, timed out, or called `abort`. Every later operation of every
+    /// The group was aborted: a rank timed out or called `abort` (a rank that panicked or left
+    /// is [`CommError::PeerLost`]). Every later operation of every
     /// communicator of the same world fails with this error.
     #[error("{op}: rank {rank}: the group was aborted by world rank {by_rank}: {reason}")]
     Aborted {
@@ -40,6 +40,21 @@ pub enum CommError {
         by_rank: usize,
         /// Why.
         reason: String,
+    },
+    /// A peer rank is gone: in-process, its thread panicked or dropped its communicator without
+    /// joining an operation the others wait in; across processes (NCCL), the liveness channel
+    /// lost it (its connection closed or went silent, or it left on a signal; see
+    /// [`crate::liveness`]). The world is aborted: every later operation fails with this error.
+    #[error("{op}: rank {rank}: world rank {lost} was lost: {cause}")]
+    PeerLost {
+        /// The operation that failed.
+        op: String,
+        /// The rank that observed the loss.
+        rank: usize,
+        /// The *world* rank that was lost.
+        lost: usize,
+        /// How it was lost.
+        cause: String,
     },
     /// The ranks called different operations, or the same operation with different arguments
     /// (element count, dtype, reduction, root, number of ops in a coalesced launch). Reported on

@@ -61,10 +61,10 @@
 //! invalid, every rank gets an error for that operation. A rank that does not arrive within the
 //! configured timeout makes the waiting ranks fail with [`CommError::Timeout`]; a rank that
 //! panics, or drops its communicator before joining an operation its peers wait in, makes them
-//! fail with [`CommError::Aborted`] at once. Timeouts, panics and [`Communicator::abort`] abort
-//! the whole world (the root group and every group split from it): every operation started
-//! afterwards, and every one still waiting for a rank, errors; one that every rank had already
-//! joined completes.
+//! fail with [`CommError::PeerLost`] naming it at once. Timeouts, panics and
+//! [`Communicator::abort`] abort the whole world (the root group and every group split from
+//! it): every operation started afterwards, and every one still waiting for a rank, errors; one
+//! that every rank had already joined completes.
 //!
 //! **NCCL (feature `cuda`).** Collectives run on the communicator's own CUDA stream, ordered
 //! after the device's stream by an event recorded at `start`; [`Work::wait`] makes the device's
@@ -84,8 +84,12 @@
 //! which also unblocks device synchronisations waiting on it) when a launch outlives the
 //! timeout or NCCL reports an asynchronous error; the error is then returned by every later
 //! call. (With the blocking copy, the first launch of a kind connects its peers and blocks the
-//! host until they arrive, as in PyTorch's default.) Ranks of one process abort together; ranks in other processes notice by
-//! their own timeout. The rendezvous: rank 0 listens on the addresses `MASTER_ADDR` (or
+//! host until they arrive, as in PyTorch's default.) Ranks of one process abort together; ranks
+//! in other processes learn of a lost peer within seconds through the [`liveness`] channel (the
+//! rendezvous connections kept open, heartbeats, authenticated frames; a SIGTERM'd rank says so
+//! on its way out), which aborts the communicator (`ncclCommAbort` by the watchdog), so every
+//! call returns [`CommError::PeerLost`] naming the rank; a process still alive 3 s after a loss
+//! exits with status 1. The rendezvous: rank 0 listens on the addresses `MASTER_ADDR` (or
 //! `LOWBIT_RDZV_BIND`) resolves to on this host, IPv4 and IPv6, port `MASTER_PORT`
 //! (`LOWBIT_RDZV_PORT`, or `MASTER_PORT + 1` under a torchrun agent that holds the port itself);
 //! both sides prove a job secret (`LOWBIT_RDZV_TOKEN`, else `TORCHELASTIC_RUN_ID`; a public key
@@ -110,11 +114,12 @@
 //! NCCL's reduction order matching the in-process one beyond two ranks, elastic membership
 //! (a world is fixed at creation), NVLink SHARP (`NCCL_NVLS_ENABLE=0` where we run).
 
-// Only the NCCL module (behind `cuda`) calls foreign functions.
-#![cfg_attr(not(feature = "cuda"), forbid(unsafe_code))]
-#![cfg_attr(feature = "cuda", deny(unsafe_code))]
+// Only the NCCL module (behind `cuda`) and the liveness channel's signal handler
+// (`liveness::signal`) call foreign functions.
+#![deny(unsafe_code)]
 
 mod error;
+pub mod liveness;
 mod local;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]

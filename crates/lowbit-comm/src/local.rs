@@ -69,7 +69,7 @@ impl GroupConfig {
 /// also spawns the rank threads) or [`LocalComm::create_group`].
 ///
 /// Dropping it while the thread panics aborts the world; dropping it otherwise makes peers that
-/// wait for an operation this rank never joined fail at once with [`CommError::Aborted`].
+/// wait for an operation this rank never joined fail at once with [`CommError::PeerLost`].
 pub struct LocalComm {
     me: Member,
     next_seq: u64,
@@ -375,7 +375,7 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// the world by then, so the other ranks fail promptly instead of waiting for it.
 ///
 /// `f` returning early (or with an error inside `T`) drops its communicator: peers that wait for
-/// an operation it never joined fail with [`CommError::Aborted`].
+/// an operation it never joined fail with [`CommError::PeerLost`].
 pub fn run_ranks<T, F>(world: usize, config: GroupConfig, f: F) -> Vec<Result<T, RankError>>
 where
     T: Send,

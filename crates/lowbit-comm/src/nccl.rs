@@ -25,8 +25,12 @@
 //! synchronisation waiting on them returns) and marks the communicator failed: every later call
 //! returns the error ([`CommError::Timeout`], [`CommError::Nccl`] or [`CommError::Aborted`]).
 //! Ranks of one process share a world: the abort of one (timeout, [`Communicator::abort`], a
-//! panicking rank thread) aborts the others' communicators too. Ranks in other processes notice
-//! by their own timeout. One hang remains possible with the blocking copy: the first launch of
+//! panicking rank thread) aborts the others' communicators too. Ranks in other processes (a
+//! world made by [`NcclComm::from_env`]) hear of a lost peer through the
+//! [`liveness`](crate::liveness) channel, which aborts the world the same way, within seconds:
+//! every call then returns [`CommError::PeerLost`] naming the lost rank. A peer that finished
+//! and left cleanly fails only the launches still pending 2 s after it left (it did not join
+//! them). One hang remains possible with the blocking copy: the first launch of
 //! a kind of collective on a communicator connects its peers inside `ncclGroupEnd`, which blocks
 //! the host until they arrive, so a peer that dies before its first collective of that kind
 //! hangs it (as in PyTorch's default blocking mode). The non-blocking mode has no such case.
@@ -66,6 +70,7 @@ use cudarc::driver::{CudaEvent, CudaStream, result as dresult};
 use cudarc::nccl::sys;
 use lowbit_device::Device;
 
+use crate::liveness::LivenessConfig;
 use crate::{CommError, CommStats, Communicator, Op, Result, Work, WorkInner};
 
 mod launch;
@@ -92,6 +97,10 @@ pub struct NcclConfig {
     /// about 50 µs more per launch; in exchange no NCCL call can block the host on a missing
     /// peer. Default false.
     pub nonblocking: bool,
+    /// The liveness channel of a world made by [`NcclComm::from_env`] (processes): heartbeats,
+    /// the silence that counts as a loss, and the exit backstop. Default: 1 s, 5 s, exit 3 s
+    /// after a loss.
+    pub liveness: LivenessConfig,
 }
 
 impl Default for NcclConfig {
@@ -99,6 +108,7 @@ impl Default for NcclConfig {
         NcclConfig {
             timeout: Duration::from_secs(300),
             nonblocking: false,
+            liveness: LivenessConfig::default().with_exit_after_loss(Some(Duration::from_secs(3))),
         }
     }
 }
@@ -107,6 +117,12 @@ impl NcclConfig {
     /// This configuration with another timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// This configuration with another liveness channel setting.
+    pub fn with_liveness(mut self, liveness: LivenessConfig) -> Self {
+        self.liveness = liveness;
         self
     }
 

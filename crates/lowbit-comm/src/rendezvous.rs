@@ -41,6 +41,11 @@
 //! the missing ranks and what was dropped). A rank retries while rank 0 refuses connections or
 //! closes them before its challenge; a wrong challenge, a rejection, a bad tag or a silent rank 0
 //! fail it.
+//!
+//! # After the rendezvous
+//! [`RendezvousEnv::exchange_live`] keeps every served connection open as the
+//! [`liveness`](crate::liveness) channel (rank 0 holds one per other rank); its frames are
+//! authenticated under a key derived from the connection's session key `S`.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -150,12 +155,23 @@ pub enum RendezvousError {
 /// Result of the rendezvous.
 pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;
 
+/// An authenticated connection left open after the rendezvous: the liveness channel's link to
+/// the rank at the other end (see [`crate::liveness`]).
+pub(crate) struct Link {
+    /// The rank at the other end.
+    pub(crate) rank: usize,
+    pub(crate) stream: TcpStream,
+    /// The key of this connection's liveness frames (derived from its session key).
+    pub(crate) key: [u8; 32],
+}
+
 mod client;
 mod env;
-mod mac;
+pub(crate) mod mac;
 mod secret;
 mod server;
 
+pub(crate) use client::fetch_link;
 pub use client::{fetch, fetch_with};
 pub use env::RendezvousEnv;
 pub use secret::RendezvousSecret;

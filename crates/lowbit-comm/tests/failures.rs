@@ -290,7 +290,7 @@ fn missing_rank_times_out() {
     );
 }
 
-/// A rank that panics: the others fail with `Aborted` naming it, well before the timeout, and
+/// A rank that panics: the others fail with `PeerLost` naming it, well before the timeout, and
 /// every later operation fails too.
 #[test]
 fn panicking_rank_aborts_the_others_promptly() {
@@ -319,17 +319,14 @@ fn panicking_rank_aborts_the_others_promptly() {
         let (first, later) = got[r].as_ref().unwrap();
         for e in [first, later] {
             let e = e.as_ref().unwrap_err();
-            let CommError::Aborted {
-                rank,
-                by_rank,
-                reason,
-                ..
+            let CommError::PeerLost {
+                rank, lost, cause, ..
             } = e
             else {
                 panic!("rank {r}: {e}");
             };
-            assert_eq!((*rank, *by_rank), (r, 1));
-            assert_eq!(reason, "rank 1 panicked");
+            assert_eq!((*rank, *lost), (r, 1));
+            assert_eq!(cause, "its thread panicked");
         }
     }
 }
@@ -349,8 +346,8 @@ fn rank_leaving_early_aborts_waiters_promptly() {
     assert!(start.elapsed() < Duration::from_secs(2));
     let e = got[0].as_ref().unwrap_err();
     assert!(
-        matches!(e, CommError::Aborted { by_rank: 1, reason, .. }
-            if reason.contains("dropped its communicator without joining all_reduce #0")),
+        matches!(e, CommError::PeerLost { lost: 1, cause, .. }
+            if cause.contains("dropped its communicator without joining all_reduce #0")),
         "{e}"
     );
 }

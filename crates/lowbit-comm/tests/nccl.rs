@@ -509,27 +509,11 @@ const CHILD: &str = "LOWBIT_NCCL_TEST_CHILD";
 /// runs its own binary twice (as `multi_process_child`) and checks both succeed.
 #[test]
 fn two_processes_through_the_rendezvous() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let exe = std::env::current_exe().unwrap();
+    let port = common::free_port();
     let mut children: Vec<_> = (0..GPUS)
         .map(|r| {
-            std::process::Command::new(&exe)
-                .args([
-                    "--exact",
-                    "multi_process_child",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(CHILD, "1")
-                .env("RANK", r.to_string())
+            common::rank_command("multi_process_child", CHILD, r, GPUS, port)
                 .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", GPUS.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
                 .env("NCCL_NVLS_ENABLE", "0")
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::inherit())

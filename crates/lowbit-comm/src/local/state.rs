@@ -32,6 +32,8 @@ pub(super) struct Abort {
     /// `(group, seq)` of the operation whose wait timed out, if that is the cause: ranks waiting
     /// in the same operation report [`CommError::Timeout`] too.
     timed_out: Option<(usize, u64)>,
+    /// `by_rank` is gone (panicked or left): [`CommError::PeerLost`] rather than `Aborted`.
+    lost: bool,
 }
 
 pub(super) struct GroupState {
@@ -107,6 +109,7 @@ impl Shared {
             by_rank,
             reason,
             timed_out: None,
+            lost: false,
         };
         self.abort(st, abort);
     }
@@ -116,7 +119,13 @@ impl Shared {
     pub(super) fn abort_if_panicking(&self, st: &mut State, world_rank: usize) -> bool {
         let panicking = std::thread::panicking();
         if panicking {
-            self.abort_by(st, world_rank, format!("rank {world_rank} panicked"));
+            let abort = Abort {
+                by_rank: world_rank,
+                reason: "its thread panicked".into(),
+                timed_out: None,
+                lost: true,
+            };
+            self.abort(st, abort);
         }
         panicking
     }
@@ -169,6 +178,14 @@ impl Shared {
     }
 
     fn aborted_error(abort: &Abort, ctx: &Ctx<'_>) -> CommError {
+        if abort.lost {
+            return CommError::PeerLost {
+                op: ctx.label.to_string(),
+                rank: ctx.rank,
+                lost: abort.by_rank,
+                cause: abort.reason.clone(),
+            };
+        }
         CommError::Aborted {
             op: ctx.label.to_string(),
             rank: ctx.rank,
@@ -222,14 +239,14 @@ impl Shared {
             if departure_fails && let Some(&q) = missing.iter().find(|&&q| g.departed[q]) {
                 let by_rank = g.members[q];
                 let reason = format!(
-                    "rank {q} of the group (world rank {by_rank}) dropped its communicator \
-                     without joining {}",
+                    "it (rank {q} of the group) dropped its communicator without joining {}",
                     ctx.label
                 );
                 let abort = Abort {
                     by_rank,
                     reason,
                     timed_out: None,
+                    lost: true,
                 };
                 let err = Self::aborted_error(&abort, ctx);
                 self.abort(&mut st, abort);
@@ -246,6 +263,7 @@ impl Shared {
                         ctx.rank, ctx.world_rank, ctx.label
                     ),
                     timed_out: Some((ctx.group, ctx.seq)),
+                    lost: false,
                 };
                 self.abort(&mut st, abort);
                 return (

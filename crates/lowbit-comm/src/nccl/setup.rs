@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, result as dresult};
@@ -14,13 +14,19 @@ use lowbit_device::Device;
 
 use super::watchdog::{Failure, RawComm, Shared, State, World, backoff, describe};
 use super::{NcclComm, NcclConfig, UNIQUE_ID_BYTES, cuda_stream};
+use crate::liveness::PeerEvent;
 use crate::rendezvous::RendezvousEnv;
 use crate::{CommError, CommStats, Communicator, RankError, Result};
 
 /// Polls a communicator being created (or split) until it settles; aborts it on an error or
 /// when `timeout` has passed since `start`.
-fn settle_raw(raw: sys::ncclComm_t, timeout: Duration, start: Instant) -> Result<(), String> {
-    wait_ready(raw, timeout, start).inspect_err(|_| {
+fn settle_raw(
+    raw: sys::ncclComm_t,
+    timeout: Duration,
+    start: Instant,
+    world: &World,
+) -> Result<(), String> {
+    wait_ready(raw, timeout, start, world).inspect_err(|_| {
         // SAFETY: a live handle owned by the caller, who does not use it after an error.
         unsafe { sys::ncclCommAbort(raw) };
     })
@@ -36,6 +42,7 @@ fn collective_comm(
     rank: usize,
     config: &NcclConfig,
     start: Instant,
+    world: &World,
 ) -> Result<sys::ncclComm_t, String> {
     if config.nonblocking {
         return Ok(ctl);
@@ -51,11 +58,11 @@ fn collective_comm(
     ) {
         return Err(describe("ncclCommSplit (blocking copy)", r, ctl));
     }
-    wait_ready(ctl, config.timeout, start)?;
+    wait_ready(ctl, config.timeout, start, world)?;
     if child.is_null() {
         return Err("ncclCommSplit returned no communicator".into());
     }
-    if let Err(e) = wait_ready(child, config.timeout, start) {
+    if let Err(e) = wait_ready(child, config.timeout, start, world) {
         // SAFETY: the child is live and owned here; not used again.
         unsafe { sys::ncclCommAbort(child) };
         return Err(e);
@@ -63,8 +70,14 @@ fn collective_comm(
     Ok(child)
 }
 
-/// Polls `raw` until no call on it is in progress, up to `timeout` after `start` (no abort).
-fn wait_ready(raw: sys::ncclComm_t, timeout: Duration, start: Instant) -> Result<(), String> {
+/// Polls `raw` until no call on it is in progress, up to `timeout` after `start` or until a
+/// peer of `world` is lost or leaves (no abort).
+fn wait_ready(
+    raw: sys::ncclComm_t,
+    timeout: Duration,
+    start: Instant,
+    world: &World,
+) -> Result<(), String> {
     let mut polls = 0u32;
     loop {
         let mut r = sys::ncclResult_t::ncclSuccess;
@@ -85,6 +98,9 @@ fn wait_ready(raw: sys::ncclComm_t, timeout: Duration, start: Instant) -> Result
                 ));
             }
             other => return Err(describe("ncclCommGetAsyncError", other, raw)),
+        }
+        if let Some(why) = world.setup_blocker() {
+            return Err(why);
         }
         backoff(&mut polls);
     }
@@ -193,8 +209,20 @@ impl NcclComm {
     /// `Device::cuda(env.local_rank)`.
     pub fn from_env(dev: &Device, env: &RendezvousEnv, config: NcclConfig) -> Result<NcclComm> {
         nccl_version()?;
+        let world = Arc::new(World::default());
         let mut made = None;
-        let bytes = env.exchange(
+        // The liveness channel aborts this world when a peer process is lost (a weak handle:
+        // the world owns the channel).
+        let weak = Arc::downgrade(&world);
+        let on_event = move |e: &PeerEvent| {
+            if let Some(w) = weak.upgrade() {
+                match e {
+                    PeerEvent::Left { rank } => w.depart(*rank),
+                    PeerEvent::Lost { rank, cause } => w.lose(*rank, cause.clone()),
+                }
+            }
+        };
+        let exchanged = env.exchange_live(
             || {
                 let id = unique_id().map_err(|e| {
                     made = Some(e);
@@ -205,11 +233,14 @@ impl NcclComm {
                 Ok(id.to_vec())
             },
             config.timeout,
+            config.liveness,
+            on_event,
         );
         if let Some(e) = made {
             return Err(e);
         }
-        let bytes = bytes?;
+        let (bytes, live) = exchanged?;
+        *world.live.lock().unwrap_or_else(PoisonError::into_inner) = Some(live);
         let id: [u8; UNIQUE_ID_BYTES] = bytes.as_slice().try_into().map_err(|_| {
             setup_error(
                 env.rank,
@@ -219,7 +250,7 @@ impl NcclComm {
                 ),
             )
         })?;
-        Self::init(dev, &id, env.rank, env.world_size, config)
+        Self::init_in_world(dev, &id, env.rank, env.world_size, config, world)
     }
 
     fn init_in_world(
@@ -261,13 +292,13 @@ impl NcclComm {
                 describe("ncclCommInitRankConfig", r, raw),
             ));
         }
-        settle_raw(raw, config.timeout, start).map_err(|detail| CommError::Timeout {
+        settle_raw(raw, config.timeout, start, &world).map_err(|detail| CommError::Timeout {
             op: format!("init ({detail})"),
             rank,
             waited: start.elapsed(),
             missing: Vec::new(),
         })?;
-        let comm = collective_comm(raw, rank, &config, start).map_err(|detail| {
+        let comm = collective_comm(raw, rank, &config, start, &world).map_err(|detail| {
             // SAFETY: the settled control handle, owned here, not used again.
             unsafe { sys::ncclCommAbort(raw) };
             setup_error(rank, detail)
@@ -375,7 +406,9 @@ impl NcclComm {
             }
             // The split is collective on the parent: poll it there, holding the mutex (the
             // watchdog must not free the parent meanwhile; the poll ends at the timeout).
-            if let Err(detail) = wait_ready(st.ctl.0, self.config.timeout, start) {
+            if let Err(detail) =
+                wait_ready(st.ctl.0, self.config.timeout, start, &self.shared.world)
+            {
                 let failure = Failure::Nccl {
                     op: label.clone(),
                     detail,
@@ -391,11 +424,13 @@ impl NcclComm {
                 detail: "ncclCommSplit returned no communicator".into(),
             });
         }
-        settle_raw(raw, self.config.timeout, start).map_err(|detail| CommError::Timeout {
-            op: format!("{label} ({detail})"),
-            rank: self.rank,
-            waited: start.elapsed(),
-            missing: Vec::new(),
+        settle_raw(raw, self.config.timeout, start, &self.shared.world).map_err(|detail| {
+            CommError::Timeout {
+                op: format!("{label} ({detail})"),
+                rank: self.rank,
+                waited: start.elapsed(),
+                missing: Vec::new(),
+            }
         })?;
         let (mut n, mut r) = (0 as c_int, 0 as c_int);
         // SAFETY: live, settled handle owned here; valid out pointers.
@@ -416,15 +451,16 @@ impl NcclComm {
             });
         }
         let new_rank = usize::try_from(r).unwrap_or(0);
-        let comm = collective_comm(raw, new_rank, &self.config, start).map_err(|detail| {
-            // SAFETY: the new control handle, owned here, not used again.
-            unsafe { sys::ncclCommAbort(raw) };
-            CommError::Nccl {
-                op: label.clone(),
-                rank: self.rank,
-                detail,
-            }
-        })?;
+        let comm = collective_comm(raw, new_rank, &self.config, start, &self.shared.world)
+            .map_err(|detail| {
+                // SAFETY: the new control handle, owned here, not used again.
+                unsafe { sys::ncclCommAbort(raw) };
+                CommError::Nccl {
+                    op: label.clone(),
+                    rank: self.rank,
+                    detail,
+                }
+            })?;
         Self::finish(
             Arc::clone(&self.shared.ctx),
             self.ordinal,

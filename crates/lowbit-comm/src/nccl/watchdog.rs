@@ -16,28 +16,67 @@ use crate::{CommError, Result};
 /// Why a communicator stopped working.
 #[derive(Clone, Debug)]
 pub(super) enum Failure {
-    Timeout { op: String, waited: Duration },
-    Aborted { by_rank: usize, reason: String },
-    Nccl { op: String, detail: String },
+    Timeout {
+        op: String,
+        waited: Duration,
+    },
+    Aborted {
+        by_rank: usize,
+        reason: String,
+    },
+    Nccl {
+        op: String,
+        detail: String,
+    },
+    /// A peer process was lost (the liveness channel) or left without joining a launch.
+    PeerLost {
+        rank: usize,
+        cause: String,
+    },
 }
 
-/// Ranks of one process that abort together.
+/// How long a launch may stay pending after a peer finished and left before it counts as one
+/// the peer never joined (a peer that joined it completes it in microseconds).
+const DEPART_GRACE: Duration = Duration::from_secs(2);
+
+/// Ranks of one process that abort together, and (processes) the liveness channel that tells
+/// them of lost peers.
 #[derive(Debug, Default)]
 pub(super) struct World {
-    pub(super) abort: Mutex<Option<(usize, String)>>,
+    pub(super) abort: Mutex<Option<Failure>>,
     pub(super) aborted: AtomicBool,
+    /// A peer that finished and left: (world rank, when).
+    pub(super) departed: Mutex<Option<(usize, Instant)>>,
+    /// The liveness channel of a world made by `NcclComm::from_env`; it lives as long as the
+    /// world's last communicator.
+    pub(super) live: Mutex<Option<crate::liveness::Liveness>>,
 }
 
 impl World {
-    pub(super) fn abort(&self, by_rank: usize, reason: String) {
+    fn fail(&self, failure: Failure) {
         let mut a = self.abort.lock().unwrap_or_else(PoisonError::into_inner);
         if a.is_none() {
-            *a = Some((by_rank, reason));
+            *a = Some(failure);
         }
         self.aborted.store(true, Ordering::SeqCst);
     }
 
-    pub(super) fn reason(&self) -> Option<(usize, String)> {
+    pub(super) fn abort(&self, by_rank: usize, reason: String) {
+        self.fail(Failure::Aborted { by_rank, reason });
+    }
+
+    /// Peer `rank` is lost: every communicator of the world aborts.
+    pub(super) fn lose(&self, rank: usize, cause: String) {
+        self.fail(Failure::PeerLost { rank, cause });
+    }
+
+    /// Peer `rank` finished and left: launches it did not join fail after [`DEPART_GRACE`].
+    pub(super) fn depart(&self, rank: usize) {
+        let mut d = self.departed.lock().unwrap_or_else(PoisonError::into_inner);
+        d.get_or_insert((rank, Instant::now()));
+    }
+
+    pub(super) fn reason(&self) -> Option<Failure> {
         if !self.aborted.load(Ordering::SeqCst) {
             return None;
         }
@@ -45,6 +84,31 @@ impl World {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Why a world being set up (every rank must join) cannot complete, if it cannot.
+    pub(super) fn setup_blocker(&self) -> Option<String> {
+        if let Some(f) = self.reason() {
+            return Some(match f {
+                Failure::PeerLost { rank, cause } => format!("world rank {rank} was lost: {cause}"),
+                Failure::Aborted { by_rank, reason } => {
+                    format!("aborted by world rank {by_rank}: {reason}")
+                }
+                Failure::Timeout { op, .. } | Failure::Nccl { op, .. } => format!("{op} failed"),
+            });
+        }
+        let d = *self.departed.lock().unwrap_or_else(PoisonError::into_inner);
+        d.map(|(rank, _)| format!("world rank {rank} left before joining"))
+    }
+
+    /// The loss to report for a launch pending for `waited`, if a peer left long enough ago.
+    fn departed_from(&self, op: &str, waited: Duration) -> Option<Failure> {
+        let d = *self.departed.lock().unwrap_or_else(PoisonError::into_inner);
+        let (rank, at) = d?;
+        (waited >= DEPART_GRACE && at.elapsed() >= DEPART_GRACE).then(|| Failure::PeerLost {
+            rank,
+            cause: format!("it finished and left without joining {op}"),
+        })
     }
 }
 
@@ -142,6 +206,12 @@ impl Shared {
                 by_rank: *by_rank,
                 reason: reason.clone(),
             },
+            Failure::PeerLost { rank, cause } => CommError::PeerLost {
+                op: op.to_string(),
+                rank: self.rank,
+                lost: *rank,
+                cause: cause.clone(),
+            },
             Failure::Nccl { op: what, detail } => CommError::Nccl {
                 op: op.to_string(),
                 rank: self.rank,
@@ -182,9 +252,9 @@ impl Shared {
     /// Fails if the communicator (or its world) was aborted.
     pub(super) fn check(&self, st: &mut State, op: &str) -> Result<()> {
         if st.failure.is_none()
-            && let Some((by_rank, reason)) = self.world.reason()
+            && let Some(failure) = self.world.reason()
         {
-            self.abort_locked(st, Failure::Aborted { by_rank, reason });
+            self.abort_locked(st, failure);
         }
         match &st.failure {
             Some(f) => Err(self.error(f, op)),
@@ -262,8 +332,8 @@ impl Shared {
                 return;
             }
             if st.failure.is_none() {
-                if let Some((by_rank, reason)) = self.world.reason() {
-                    self.abort_locked(&mut st, Failure::Aborted { by_rank, reason });
+                if let Some(failure) = self.world.reason() {
+                    self.abort_locked(&mut st, failure);
                     continue;
                 }
                 while let Some(p) = st.pending.front() {
@@ -273,7 +343,12 @@ impl Shared {
                         }
                         Ok(false) => {
                             let waited = p.started.elapsed();
-                            if waited >= self.timeout {
+                            if let Some(failure) = self.world.departed_from(&p.label, waited) {
+                                if let Failure::PeerLost { rank, cause } = &failure {
+                                    self.world.lose(*rank, cause.clone());
+                                }
+                                self.abort_locked(&mut st, failure);
+                            } else if waited >= self.timeout {
                                 let op = p.label.clone();
                                 self.world.abort(
                                     self.world_rank,

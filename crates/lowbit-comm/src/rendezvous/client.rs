@@ -5,7 +5,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::{
-    FRAME_HEADER_LEN, HELLO_LEN, MAC_LEN, MAGIC, MAX_PAYLOAD, MAX_REASON, NONCE_LEN,
+    FRAME_HEADER_LEN, HELLO_LEN, Link, MAC_LEN, MAGIC, MAX_PAYLOAD, MAX_REASON, NONCE_LEN,
     RendezvousError, RendezvousSecret, Result, STATUS_CHALLENGE, STATUS_OK, STATUS_REJECTED,
     TRANSCRIPT_LEN, VERSION, mac, no_secret_hint, read_error, read_from, read_full, secret,
     set_deadline, word,
@@ -27,6 +27,18 @@ pub fn fetch_with(
     secret: &RendezvousSecret,
     timeout: Duration,
 ) -> Result<Vec<u8>> {
+    fetch_link(addr, rank, world, secret, timeout).map(|(payload, _)| payload)
+}
+
+/// [`fetch_with`] that keeps the authenticated connection to rank 0 open (for the liveness
+/// channel) and returns it with the payload.
+pub(crate) fn fetch_link(
+    addr: &str,
+    rank: usize,
+    world: usize,
+    secret: &RendezvousSecret,
+    timeout: Duration,
+) -> Result<(Vec<u8>, Link)> {
     if rank == 0 || rank >= world {
         return Err(RendezvousError::BadRank { rank, world });
     }
@@ -55,7 +67,14 @@ pub fn fetch_with(
         let last = match connect_once(&resolved, addr, deadline) {
             Ok(mut stream) => {
                 match handshake(&mut stream, &peer, rank, rank32, world32, secret, deadline) {
-                    Ok(payload) => return Ok(payload),
+                    Ok((payload, key)) => {
+                        let link = Link {
+                            rank: 0,
+                            stream,
+                            key,
+                        };
+                        return Ok((payload, link));
+                    }
                     Err(Attempt::Fatal(e)) => return Err(e),
                     Err(Attempt::Retry(e)) => e,
                 }
@@ -87,7 +106,7 @@ fn handshake(
     world32: u32,
     secret: &RendezvousSecret,
     deadline: Instant,
-) -> std::result::Result<Vec<u8>, Attempt> {
+) -> std::result::Result<(Vec<u8>, [u8; 32]), Attempt> {
     let fatal = Attempt::Fatal;
     let io_err = |e: io::Error| {
         fatal(RendezvousError::Io {
@@ -180,7 +199,7 @@ fn handshake(
             }
             body.truncate(body.len() - MAC_LEN);
             session.apply_keystream(&mut body);
-            Ok(body)
+            Ok((body, session.liveness_key()))
         }
         other => Err(protocol(format!(
             "unknown status {other} with {} bytes",

@@ -6,9 +6,10 @@ use std::time::Duration;
 use std::net::ToSocketAddrs;
 
 use super::{
-    RendezvousError, RendezvousSecret, RendezvousServer, Result, ServeOptions, fetch_with,
+    Link, RendezvousError, RendezvousSecret, RendezvousServer, Result, ServeOptions, fetch_link,
     no_secret_hint,
 };
+use crate::liveness::{Liveness, LivenessConfig, PeerEvent};
 
 /// The world of one process, read from the environment as `torchrun` sets it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,6 +148,44 @@ impl RendezvousEnv {
         payload: impl FnOnce() -> Result<Vec<u8>>,
         timeout: Duration,
     ) -> Result<Vec<u8>> {
+        self.exchange_inner(payload, timeout, false)
+            .map(|(bytes, _)| bytes)
+    }
+
+    /// [`RendezvousEnv::exchange`], then the liveness channel over the same authenticated
+    /// connections (rank 0 to every other rank): `on_event` hears of every peer that leaves or
+    /// is lost (see [`crate::liveness`]). The channel lasts as long as the returned handle; its
+    /// drop tells the peers this rank finished.
+    pub fn exchange_live(
+        &self,
+        payload: impl FnOnce() -> Result<Vec<u8>>,
+        timeout: Duration,
+        config: LivenessConfig,
+        on_event: impl Fn(&PeerEvent) + Send + Sync + 'static,
+    ) -> Result<(Vec<u8>, Liveness)> {
+        let (bytes, links) = self.exchange_inner(payload, timeout, true)?;
+        let live = Liveness::start(
+            self.rank,
+            self.world_size,
+            links,
+            config,
+            timeout,
+            Box::new(on_event),
+        )
+        .map_err(|e| RendezvousError::Io {
+            peer: "the liveness channel".into(),
+            detail: e.to_string(),
+        })?;
+        Ok((bytes, live))
+    }
+
+    /// The exchange, keeping the connections (`keep`) or closing them.
+    fn exchange_inner(
+        &self,
+        payload: impl FnOnce() -> Result<Vec<u8>>,
+        timeout: Duration,
+        keep: bool,
+    ) -> Result<(Vec<u8>, Vec<Link>)> {
         if self.rank == 0 {
             let host = self.bind.as_deref().unwrap_or(&self.master_addr);
             let server = RendezvousServer::bind_host(host, self.port)?;
@@ -172,14 +211,10 @@ impl RendezvousEnv {
                 );
             }
             let bytes = payload()?;
-            server.serve_with(
-                self.world_size,
-                &bytes,
-                &secret,
-                timeout,
-                ServeOptions::default(),
-            )?;
-            Ok(bytes)
+            let options = ServeOptions::default();
+            let links =
+                server.serve_links(self.world_size, &bytes, &secret, timeout, options, keep)?;
+            Ok((bytes, links))
         } else {
             let addr = self.server_addr();
             let loopback = addr
@@ -190,7 +225,8 @@ impl RendezvousEnv {
                 })
                 .unwrap_or(false);
             let secret = self.effective_secret(loopback)?;
-            fetch_with(&addr, self.rank, self.world_size, &secret, timeout)
+            let (bytes, link) = fetch_link(&addr, self.rank, self.world_size, &secret, timeout)?;
+            Ok((bytes, if keep { vec![link] } else { Vec::new() }))
         }
     }
 }

@@ -90,6 +90,12 @@ impl Session {
         }
     }
 
+    /// The key that authenticates the liveness frames on this connection after the
+    /// rendezvous (derived, so it never equals a key used above).
+    pub(super) fn liveness_key(&self) -> [u8; 32] {
+        hmac(&self.0, &[b"lowbit-live-v1 frame key"])
+    }
+
     pub(super) fn tag(&self, header: &[u8], ciphertext: &[u8]) -> [u8; 32] {
         hmac(
             &self.0,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{
-    FRAME_HEADER_LEN, HELLO_LEN, MAC_LEN, MAGIC, MAX_LOGGED, MAX_PAYLOAD, NONCE_LEN,
+    FRAME_HEADER_LEN, HELLO_LEN, Link, MAC_LEN, MAGIC, MAX_LOGGED, MAX_PAYLOAD, NONCE_LEN,
     RendezvousError, RendezvousSecret, Result, STATUS_CHALLENGE, STATUS_OK, STATUS_REJECTED,
     TRANSCRIPT_LEN, VERSION, frame_header, host_port, mac, no_secret_hint, read_full, secret,
     set_deadline, word, write_frame,
@@ -163,6 +163,22 @@ impl RendezvousServer {
         timeout: Duration,
         options: ServeOptions,
     ) -> Result<()> {
+        self.serve_links(world, payload, secret, timeout, options, false)
+            .map(drop)
+    }
+
+    /// [`RendezvousServer::serve_with`] that, with `keep`, keeps each served rank's
+    /// authenticated connection open for the liveness channel: the links of ranks `1..world`,
+    /// in rank order (none without `keep`).
+    pub(crate) fn serve_links(
+        self,
+        world: usize,
+        payload: &[u8],
+        secret: &RendezvousSecret,
+        timeout: Duration,
+        options: ServeOptions,
+        keep: bool,
+    ) -> Result<Vec<Link>> {
         if world == 0 {
             return Err(RendezvousError::BadRank { rank: 0, world });
         }
@@ -195,6 +211,7 @@ impl RendezvousServer {
             open: Mutex::new(HashMap::new()),
             log: Log::default(),
             stop: AtomicBool::new(false),
+            kept: keep.then(|| Mutex::new(Vec::new())),
         };
         state.lock_slots()[0] = Slot::Done;
         let mut next_id = 0u64;
@@ -244,7 +261,13 @@ impl RendezvousServer {
                 let _ = c.shutdown(Shutdown::Both);
             }
             result
-        })
+        })?;
+        let mut links = state
+            .kept
+            .map(|k| k.into_inner().unwrap_or_else(|p| p.into_inner()))
+            .unwrap_or_default();
+        links.sort_by_key(|l| l.rank);
+        Ok(links)
     }
 }
 
@@ -318,6 +341,8 @@ struct Shared<'a> {
     open: Mutex<HashMap<u64, TcpStream>>,
     log: Log,
     stop: AtomicBool,
+    /// The served ranks' connections, when they are kept for the liveness channel.
+    kept: Option<Mutex<Vec<Link>>>,
 }
 
 /// Why one connection was dropped, and whether the peer had proved the secret.
@@ -367,20 +392,34 @@ impl<'a> Shared<'a> {
             .name("lowbit-rdzv-conn".into())
             .spawn_scoped(s, move || {
                 let mut stream = stream;
-                if let Err(d) = self.handle(&mut stream, &peer, own_deadline)
-                    && !self.stop.load(Ordering::SeqCst)
-                {
-                    if d.authenticated {
-                        self.log.note(&peer, &d.why);
-                    } else {
-                        self.log.drop_peer(&peer, &d.why);
-                    }
-                }
-                let _ = stream.shutdown(Shutdown::Both);
+                let served = self.handle(&mut stream, &peer, own_deadline);
+                // Out of `open` before the rank counts as done, so the final sweep that shuts
+                // the open connections never closes a kept one.
                 self.open
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(&id);
+                match served {
+                    Ok((rank, key)) => {
+                        if let Some(kept) = &self.kept {
+                            let link = Link { rank, stream, key };
+                            kept.lock().unwrap_or_else(|p| p.into_inner()).push(link);
+                        } else {
+                            let _ = stream.shutdown(Shutdown::Both);
+                        }
+                        self.lock_slots()[rank] = Slot::Done;
+                    }
+                    Err(d) => {
+                        if !self.stop.load(Ordering::SeqCst) {
+                            if d.authenticated {
+                                self.log.note(&peer, &d.why);
+                            } else {
+                                self.log.drop_peer(&peer, &d.why);
+                            }
+                        }
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
             });
         if let Err(e) = spawned {
             self.log
@@ -392,13 +431,14 @@ impl<'a> Shared<'a> {
         }
     }
 
-    /// One connection, from its hello to the payload.
+    /// One connection, from its hello to the payload. Returns the rank served (its slot still
+    /// `Sending`: the caller marks it done) and the connection's liveness key.
     fn handle(
         &self,
         stream: &mut TcpStream,
         peer: &str,
         deadline: Instant,
-    ) -> std::result::Result<(), Dropped> {
+    ) -> std::result::Result<(usize, [u8; 32]), Dropped> {
         let plain = |why: String| Dropped {
             why,
             authenticated: false,
@@ -472,14 +512,10 @@ impl<'a> Shared<'a> {
         }
         let session = self.secret.session(&transcript);
         let sent = send_payload(stream, &session, self.payload);
-        let mut slots = self.lock_slots();
         match sent {
-            Ok(()) => {
-                slots[rank] = Slot::Done;
-                Ok(())
-            }
+            Ok(()) => Ok((rank, session.liveness_key())),
             Err(e) => {
-                slots[rank] = Slot::Free;
+                self.lock_slots()[rank] = Slot::Free;
                 Err(Dropped {
                     why: format!("sending rank {rank} the payload: {e}"),
                     authenticated: true,

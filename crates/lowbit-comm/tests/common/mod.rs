@@ -154,3 +154,31 @@ pub fn host_reduce(dtype: DType, op: ReduceOp, per_rank: &[Vec<f32>]) -> Vec<f32
         })
         .collect()
 }
+
+/// A loopback port free at the time of asking (for a rendezvous between child processes).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// This test binary running only its test `test`, as rank `rank` of `world` with torchrun's
+/// variables (rank 0 at `127.0.0.1:port`) and `child_var` set, which makes `test` act.
+pub fn rank_command(
+    test: &str,
+    child_var: &str,
+    rank: usize,
+    world: usize,
+    port: u16,
+) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(child_var, "1")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string());
+    c
+}
