@@ -6,6 +6,7 @@
 
 #![allow(dead_code)] // each test file uses part of the harness
 
+use std::path::Path;
 use std::time::Duration;
 
 use lowbit::buffers::layout::{
@@ -118,6 +119,18 @@ pub struct Run {
     pub optimizer: OptimChoice,
     /// Record [`StepProbe`]s (read-only: the trajectory is the same either way).
     pub probe: bool,
+    /// Save a checkpoint, or start from one.
+    pub ckpt: Option<CkptHook>,
+}
+
+/// A checkpoint in a run (`lowbit-ckpt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CkptHook {
+    /// After step `n` (from 1) and its eval: a forced sync, then a save into the root.
+    SaveAfter(usize, &'static Path),
+    /// Load `root/step-n` (any dp, any strategy) and run steps `n..steps`: losses, norms, grads
+    /// and evals then start at step `n + 1`.
+    ResumeFrom(usize, &'static Path),
 }
 
 impl Run {
@@ -140,6 +153,7 @@ impl Run {
             layerwise: false,
             optimizer: OptimChoice::AdamW,
             probe: false,
+            ckpt: None,
         }
     }
 
@@ -571,6 +585,14 @@ pub fn rank_main(
         })
         .collect();
     let mut trainer = Trainer::new(dev, bufs, Box::new(opt), policy(run)).map_err(|x| e(&x))?;
+    let mut first = 0;
+    if let Some(CkptHook::ResumeFrom(n, root)) = run.ckpt {
+        let dir = root.join(lowbit::ckpt::step_dir_name(n as u64));
+        let ck = lowbit::ckpt::Checkpoint::open(&dir).map_err(|x| e(&x))?;
+        ck.load_trainer(dev, comm, &mut trainer)
+            .map_err(|x| e(&x))?;
+        first = n;
+    }
     let mlp = Mlp::new(dev, SHAPE, run.rows);
     let mut out = Outcome {
         sharded: run.ddp.sharding.is_sharded(),
@@ -594,7 +616,7 @@ pub fn rank_main(
     } else {
         Vec::new()
     };
-    for step in 0..run.steps {
+    for step in first..run.steps {
         let mut probe = StepProbe::default();
         let mut clock = PhaseClock::start(dev, comm);
         let mut iteration = trainer.begin(dev, comm).map_err(|x| e(&x))?;
@@ -653,6 +675,20 @@ pub fn rank_main(
             let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
             let r = mlp.forward_backward(dev, &mut hooks, &x, &y, 0.0);
             out.eval_losses.push(r.map_err(|x| e(&x))?);
+        }
+        if let Some(CkptHook::SaveAfter(n, root)) = run.ckpt
+            && n == step + 1
+        {
+            // Right after the step (under overlapped gathers: staged, not gathered): seed 000.
+            trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
+            let meta = lowbit::ckpt::Meta {
+                step: n as u64,
+                ..Default::default()
+            };
+            let specs = trainer.buffers().specs().to_vec();
+            let opts = lowbit::ckpt::SaveOptions::default();
+            lowbit::ckpt::save(dev, comm, root, &meta, &specs, trainer.optimizer(), opts)
+                .map_err(|x| e(&x))?;
         }
         if run.probe {
             clock.close(Phase::After, dev, comm, &mut probe);
@@ -767,16 +803,30 @@ pub fn assert_ranks_identical(outcomes: &[Outcome]) {
 
 /// Two runs are the same trajectory, bit for bit.
 pub fn assert_same_trajectory(a: &[Outcome], b: &[Outcome], what: &str) {
+    assert_same_from(a, 0, 0, b, what);
+}
+
+/// `b` is `a` from step `n + 1` on, bit for bit (`b` resumed from `a`'s checkpoint after step
+/// `n`; `evals` of `a`'s eval losses came before it).
+pub fn assert_same_from(a: &[Outcome], n: usize, evals: usize, b: &[Outcome], what: &str) {
     assert_eq!(a.len(), b.len());
-    assert_eq!(bits(&a[0].losses), bits(&b[0].losses), "{what}: losses");
     assert_eq!(
-        bits(&a[0].eval_losses),
+        bits(&a[0].losses[n..]),
+        bits(&b[0].losses),
+        "{what}: losses"
+    );
+    assert_eq!(
+        bits(&a[0].eval_losses[evals..]),
         bits(&b[0].eval_losses),
         "{what}: eval losses"
     );
-    assert_eq!(bits(&a[0].norms), bits(&b[0].norms), "{what}: grad norms");
-    for step in 0..a[0].grads.len() {
-        let (ga, gb) = (full_grads(a, step), full_grads(b, step));
+    assert_eq!(
+        bits(&a[0].norms[n..]),
+        bits(&b[0].norms),
+        "{what}: grad norms"
+    );
+    for step in 0..b[0].grads.len() {
+        let (ga, gb) = (full_grads(a, n + step), full_grads(b, step));
         for (p, (x, y)) in ga.iter().zip(&gb).enumerate() {
             assert_eq!(
                 bits(x),
