@@ -589,3 +589,98 @@ fn multi_process_child() {
     comm.barrier().unwrap();
     println!("child rank {r} of {}: ok", env.world_size);
 }
+
+const LIVENESS_CHILD: &str = "LOWBIT_NCCL_LIVENESS_CHILD";
+
+/// Issue 15 item 7 on two GPUs through the library: two processes (this binary as
+/// `liveness_child`) all-reduce in a loop; rank 1 is killed (SIGKILL) mid-run, and rank 0 must
+/// end within 10 s naming it: `CommError::PeerLost { lost: 1 }` from its collective (exit 3),
+/// or the liveness channel's exit backstop (status 1, its message on stderr).
+#[test]
+fn a_killed_process_fails_the_other_within_seconds() {
+    use std::io::{BufRead, BufReader};
+    let port = common::free_port();
+    let mut children: Vec<_> = (0..GPUS)
+        .map(|r| {
+            common::rank_command("liveness_child", LIVENESS_CHILD, r, GPUS, port)
+                .env("LOCAL_RANK", r.to_string())
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Wait for rank 0's "looping" (the collectives run), then kill rank 1.
+    let mut out0 = BufReader::new(children[0].stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("looping") {
+        line.clear();
+        if out0.read_line(&mut line).unwrap_or(0) == 0 {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            panic!("rank 0 ended before its collectives ran");
+        }
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let t0 = Instant::now();
+    children[1].kill().unwrap();
+    let _ = children[1].wait();
+    let status = loop {
+        if let Some(s) = children[0].try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = children[0].kill();
+            panic!("rank 0 still running 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut out0, &mut rest);
+    let mut err = String::new();
+    let _ = std::io::Read::read_to_string(children[0].stderr.as_mut().unwrap(), &mut err);
+    println!("rank 0 ended {took:.2?} after the kill of rank 1 ({status}): {rest}");
+    assert!(took < Duration::from_secs(10), "took {took:?}\n{err}");
+    assert!(!status.success(), "{status}");
+    assert!(
+        rest.contains("PEERLOST 1") || err.contains("world rank 1 was lost"),
+        "rank 0 did not name rank 1:\n{rest}\n{err}"
+    );
+}
+
+/// The child of [`a_killed_process_fails_the_other_within_seconds`]; does nothing in a normal
+/// run.
+#[test]
+fn liveness_child() {
+    if std::env::var_os(LIVENESS_CHILD).is_none() {
+        return;
+    }
+    let env = RendezvousEnv::from_env().unwrap();
+    let mut dev = Device::cuda(env.local_rank).unwrap();
+    let mut comm = NcclComm::from_env(&dev, &env, cfg()).unwrap();
+    let buf = put(
+        &mut dev,
+        DType::F32,
+        &encode(DType::F32, &vec![1.0; 1 << 16]),
+    );
+    let mut announced = false;
+    loop {
+        if let Err(e) = comm
+            .all_reduce(&mut dev, buf, ReduceOp::Sum)
+            .and_then(|()| comm.barrier())
+        {
+            match e {
+                CommError::PeerLost { lost, .. } => println!("PEERLOST {lost}: {e}"),
+                other => println!("OTHER {other}"),
+            }
+            std::process::exit(3);
+        }
+        if !announced {
+            println!("looping");
+            announced = true;
+        }
+    }
+}
