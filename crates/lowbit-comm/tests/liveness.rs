@@ -256,3 +256,53 @@ fn a_killed_rank_0_is_named_by_the_others() {
 fn a_stopped_rank_is_lost_by_its_silence() {
     survivors_name(1, "STOP", "nothing heard from it");
 }
+
+/// A rank that drops its handle says it left (finished): the others hear `Left`, never a loss,
+/// and rank 0 relays it. Three ranks as threads of this process, each with its own environment.
+#[test]
+fn a_rank_that_finishes_is_reported_as_left_not_lost() {
+    let port = common::free_port();
+    let events: Vec<_> = (0..WORLD).map(|_| mpsc::channel()).collect();
+    let handles: Vec<_> = events
+        .iter()
+        .enumerate()
+        .map(|(r, (tx, _))| {
+            let tx = std::sync::Mutex::new(tx.clone());
+            std::thread::spawn(move || {
+                let vars = [
+                    ("RANK", r.to_string()),
+                    ("WORLD_SIZE", WORLD.to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".to_string()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("LOWBIT_RDZV_TOKEN", "left test".to_string()),
+                ];
+                let env = RendezvousEnv::from_lookup(|k| {
+                    vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+                })
+                .unwrap();
+                let on_event = move |e: &PeerEvent| {
+                    let _ = tx.lock().unwrap().send(e.clone());
+                };
+                let timeout = Duration::from_secs(30);
+                let config = LivenessConfig::default();
+                env.exchange_live(|| Ok(vec![7]), timeout, config, on_event)
+                    .unwrap()
+                    .1
+            })
+        })
+        .collect();
+    let mut live: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // Heartbeats flow for a while, then rank 2 finishes.
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(live.pop());
+    for (r, (_, rx)) in events.iter().enumerate().take(2) {
+        let got = rx.recv_timeout(BOUND).unwrap();
+        assert_eq!(got, PeerEvent::Left { rank: 2 }, "rank {r}");
+        assert_eq!(live[r].lost(), None, "rank {r}");
+    }
+    // Nothing else happens to the two that stay.
+    std::thread::sleep(Duration::from_millis(1500));
+    for (r, (_, rx)) in events.iter().enumerate().take(2) {
+        assert!(rx.try_recv().is_err(), "rank {r}");
+    }
+}
