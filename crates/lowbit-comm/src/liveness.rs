@@ -362,11 +362,9 @@ impl Shared {
         self.reported.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The liveness thread: polls, beats, relays, reports, and exits the process after a loss
-    /// if so configured.
+    /// The liveness thread: polls, beats, relays and reports.
     fn run(&self) {
         let mut next_beat = Instant::now();
-        let mut exit_at = None;
         while !self.stop.load(Ordering::SeqCst) {
             let found = self.poll(&mut next_beat);
             for f in found {
@@ -384,29 +382,6 @@ impl Shared {
                     }
                 };
                 self.report(event);
-            }
-            if exit_at.is_none()
-                && let Some(after) = self.config.exit_after_loss
-                && self.lock_reported().1.is_some()
-            {
-                exit_at = Some(Instant::now() + after);
-            }
-            if let Some(at) = exit_at
-                && Instant::now() >= at
-            {
-                let lost = self.lock_reported().1.clone();
-                if let Some(PeerEvent::Lost { rank, cause }) = lost {
-                    eprintln!(
-                        "lowbit liveness: rank {}: world rank {rank} was lost ({cause}) and this \
-                         process did not finish within {:?}: exiting",
-                        self.me,
-                        self.config.exit_after_loss.unwrap_or_default()
-                    );
-                }
-                #[cfg(unix)]
-                signal::exit_now(1);
-                #[cfg(not(unix))]
-                std::process::exit(1);
             }
             std::thread::sleep(POLL);
         }
@@ -426,6 +401,9 @@ impl Shared {
                 );
                 if r.1.is_none() {
                     r.1 = Some(event.clone());
+                    if let Some(after) = self.config.exit_after_loss {
+                        exit_later(self.me, &event, after);
+                    }
                 }
             }
         }
@@ -564,6 +542,27 @@ impl Shared {
             ),
         }
     }
+}
+
+/// The exit backstop: a detached thread, so that it outlives the handle (a process blocked in
+/// its teardown is still ended).
+fn exit_later(me: usize, lost: &PeerEvent, after: Duration) {
+    let lost = lost.clone();
+    let _ = std::thread::Builder::new()
+        .name("lowbit-liveness-exit".into())
+        .spawn(move || {
+            std::thread::sleep(after);
+            if let PeerEvent::Lost { rank, cause } = lost {
+                eprintln!(
+                    "lowbit liveness: rank {me}: world rank {rank} was lost ({cause}) and this \
+                     process did not finish within {after:?}: exiting"
+                );
+            }
+            #[cfg(unix)]
+            signal::exit_now(1);
+            #[cfg(not(unix))]
+            std::process::exit(1);
+        });
 }
 
 /// Sends one frame (the next sequence number) to `p`.

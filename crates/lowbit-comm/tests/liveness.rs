@@ -23,6 +23,7 @@ use lowbit_comm::{CommError, Communicator, DType, GroupConfig, ReduceOp, run_ran
 /// The bound.
 const BOUND: Duration = Duration::from_secs(10);
 const CHILD: &str = "LOWBIT_LIVENESS_TEST_CHILD";
+const STUCK: &str = "LOWBIT_LIVENESS_TEST_STUCK";
 const WORLD: usize = 3;
 
 /// Four rank threads run steps of all-reduces; rank 1 drops out at step 3 by returning
@@ -89,8 +90,11 @@ fn liveness_child() {
     }
     install_signal_goodbye();
     let env = RendezvousEnv::from_env().unwrap();
+    // STUCK: this rank's work never returns after a loss, so only the exit backstop ends it.
+    let stuck = std::env::var_os(STUCK).is_some_and(|v| !v.is_empty());
     let config = LivenessConfig {
         silence: Duration::from_secs(3),
+        exit_after_loss: stuck.then_some(Duration::from_secs(1)),
         ..LivenessConfig::default()
     };
     let (tx, rx) = mpsc::channel();
@@ -111,6 +115,9 @@ fn liveness_child() {
         Ok(PeerEvent::Lost { rank, cause }) => {
             println!("LOST {rank} {cause}");
             assert_eq!(live.lost(), Some(PeerEvent::Lost { rank, cause }));
+            if stuck {
+                std::thread::sleep(Duration::from_secs(60));
+            }
             std::process::exit(3);
         }
         other => {
@@ -120,8 +127,9 @@ fn liveness_child() {
     }
 }
 
-/// Starts the three ranks (the last one `late`) and waits until each has said `ready`.
-fn start_world(late: Duration) -> (Vec<Child>, Vec<mpsc::Receiver<String>>) {
+/// Starts the three ranks (the last one `late`; all `stuck` after a loss) and waits until each
+/// has said `ready`.
+fn start_world(late: Duration, stuck: bool) -> (Vec<Child>, Vec<mpsc::Receiver<String>>) {
     let port = common::free_port();
     let mut children = Vec::new();
     let mut lines = Vec::new();
@@ -133,6 +141,7 @@ fn start_world(late: Duration) -> (Vec<Child>, Vec<mpsc::Receiver<String>>) {
             .env("LOWBIT_RDZV_TOKEN", "liveness test token")
             .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .env_remove("LOWBIT_RDZV_PORT")
+            .env(STUCK, if stuck { "1" } else { "" })
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -183,9 +192,10 @@ fn signal(child: &Child, signal: &str) {
 }
 
 /// Kills rank `victim` with `how`, and checks that every other rank reports its loss, with
-/// `cause` in the message, within the bound (the last rank joins `late`).
-fn survivors_name_after(late: Duration, victim: usize, how: &str, cause: &str) {
-    let (mut children, lines) = start_world(late);
+/// `cause` in the message, within the bound (the last rank joins `late`; `stuck`: the survivors
+/// must then be ended by the exit backstop, status 1, within the bound too).
+fn survivors_name_after(late: Duration, stuck: bool, victim: usize, how: &str, cause: &str) {
+    let (mut children, lines) = start_world(late, stuck);
     // Mid-run: the heartbeats have been flowing for a while.
     std::thread::sleep(Duration::from_millis(1500));
     let start = Instant::now();
@@ -216,13 +226,22 @@ fn survivors_name_after(late: Duration, victim: usize, how: &str, cause: &str) {
         assert!(got.contains(cause), "rank {r}: {got}");
         assert!(elapsed < BOUND);
         let status = children[r].wait().unwrap();
-        assert_eq!(status.code(), Some(3), "rank {r}");
+        let took = start.elapsed();
+        println!("rank {r} exited with {status} after {took:.2?}");
+        assert_eq!(status.code(), Some(if stuck { 1 } else { 3 }), "rank {r}");
+        assert!(took < BOUND, "rank {r} exited after {took:?}");
     }
     kill_all(&mut children);
 }
 
 fn survivors_name(victim: usize, how: &str, cause: &str) {
-    survivors_name_after(Duration::ZERO, victim, how, cause);
+    survivors_name_after(Duration::ZERO, false, victim, how, cause);
+}
+
+/// Survivors whose work never returns are ended by the exit backstop.
+#[test]
+fn stuck_survivors_are_ended_by_the_exit_backstop() {
+    survivors_name_after(Duration::ZERO, true, 1, "KILL", "closed without a goodbye");
 }
 
 /// Rank 0 starts its side of the channel only when the last rank has arrived; the early ranks
@@ -231,6 +250,7 @@ fn survivors_name(victim: usize, how: &str, cause: &str) {
 fn a_late_rank_does_not_make_rank_0_look_lost() {
     survivors_name_after(
         Duration::from_secs(5),
+        false,
         2,
         "KILL",
         "closed without a goodbye",
