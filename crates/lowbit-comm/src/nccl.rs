@@ -29,8 +29,8 @@
 //! world made by [`NcclComm::from_env`]) hear of a lost peer through the
 //! [`liveness`](crate::liveness) channel, which aborts the world the same way, within seconds:
 //! every call then returns [`CommError::PeerLost`] naming the lost rank. A peer that finished
-//! and left cleanly fails only the launches still pending 2 s after it left (it did not join
-//! them). One hang remains possible with the blocking copy: the first launch of
+//! and left cleanly fails only launches of communicators spanning the whole world still pending
+//! 2 s after it left (it did not join them; sub-groups without it are not judged). One hang remains possible with the blocking copy: the first launch of
 //! a kind of collective on a communicator connects its peers inside `ncclGroupEnd`, which blocks
 //! the host until they arrive, so a peer that dies before its first collective of that kind
 //! hangs it (as in PyTorch's default blocking mode). The non-blocking mode has no such case.

@@ -334,6 +334,7 @@ impl NcclComm {
             rank,
             world_rank,
             timeout: config.timeout,
+            whole_world: *world.size.get_or_init(|| size) == size,
             world,
             ctx: Arc::clone(&ctx),
         });

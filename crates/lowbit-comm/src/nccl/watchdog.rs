@@ -50,6 +50,8 @@ pub(super) struct World {
     /// The liveness channel of a world made by `NcclComm::from_env`; it lives as long as the
     /// world's last communicator.
     pub(super) live: Mutex<Option<crate::liveness::Liveness>>,
+    /// The number of ranks, set by the first communicator.
+    pub(super) size: std::sync::OnceLock<usize>,
 }
 
 impl World {
@@ -167,6 +169,9 @@ pub(super) struct Shared {
     pub(super) world_rank: usize,
     pub(super) timeout: Duration,
     pub(super) world: Arc<World>,
+    /// Whether the group holds every rank of the world (then a departed peer is a member, and
+    /// a launch it left pending can never complete).
+    pub(super) whole_world: bool,
     pub(super) ctx: Arc<CudaContext>,
 }
 
@@ -343,7 +348,11 @@ impl Shared {
                         }
                         Ok(false) => {
                             let waited = p.started.elapsed();
-                            if let Some(failure) = self.world.departed_from(&p.label, waited) {
+                            let departed = self
+                                .whole_world
+                                .then(|| self.world.departed_from(&p.label, waited))
+                                .flatten();
+                            if let Some(failure) = departed {
                                 if let Failure::PeerLost { rank, cause } = &failure {
                                     self.world.lose(*rank, cause.clone());
                                 }
