@@ -558,11 +558,17 @@ fn exit_later(me: usize, lost: &PeerEvent, after: Duration) {
                      process did not finish within {after:?}: exiting"
                 );
             }
-            #[cfg(unix)]
-            signal::exit_now(1);
-            #[cfg(not(unix))]
-            std::process::exit(1);
+            exit_process(1);
         });
+}
+
+/// Ends the process at once (`_exit` on Unix: exit handlers, the CUDA driver's among them, can
+/// block on a GPU whose peer is gone, which is what the backstops are for).
+pub(crate) fn exit_process(status: i32) -> ! {
+    #[cfg(unix)]
+    signal::exit_now(status);
+    #[cfg(not(unix))]
+    std::process::exit(status);
 }
 
 /// Sends one frame (the next sequence number) to `p`.

@@ -30,7 +30,10 @@
 //! [`liveness`](crate::liveness) channel, which aborts the world the same way, within seconds:
 //! every call then returns [`CommError::PeerLost`] naming the lost rank. A peer that finished
 //! and left cleanly fails only launches of communicators spanning the whole world still pending
-//! 2 s after it left (it did not join them; sub-groups without it are not judged). One hang remains possible with the blocking copy: the first launch of
+//! 2 s after it left (it did not join them; sub-groups without it are not judged). Where an abort
+//! cannot reach (a host thread blocked inside NCCL's first launch of a kind, waiting for peers to
+//! connect) the process exits with status 1 naming the peer: 3 s after a loss (the liveness
+//! channel's backstop), or 5 s after a departure if such a call that began before it still runs. One hang remains possible with the blocking copy: the first launch of
 //! a kind of collective on a communicator connects its peers inside `ncclGroupEnd`, which blocks
 //! the host until they arrive, so a peer that dies before its first collective of that kind
 //! hangs it (as in PyTorch's default blocking mode). The non-blocking mode has no such case.
@@ -303,6 +306,7 @@ impl Communicator for NcclComm {
             let mut st = self.shared.lock();
             self.shared.check(&mut st, &label)?;
             let _ = self.shared.ctx.bind_to_thread();
+            let enqueue = self.shared.whole_world.then(|| self.shared.world.enqueue());
             let s = self.stream.cu_stream() as sys::cudaStream_t;
             // SAFETY: the scratch f32 lives as long as the communicator; live handle under its
             // mutex; the stream is the communicator's.
@@ -324,7 +328,7 @@ impl Communicator for NcclComm {
                 return Err(self.shared.nccl_error(&label, "ncclAllReduce", r, &st));
             }
             let (st, settled) = self.shared.settle(st, &label, start);
-            drop(st);
+            drop((st, enqueue));
             settled?;
             self.stream
                 .record_event(None)

@@ -52,8 +52,7 @@ unsafe extern "C" {
     fn _exit(status: c_int) -> !;
 }
 
-/// Ends the process at once with `status`: `_exit`, because exit handlers (the CUDA driver's)
-/// can block on a GPU whose peer is gone, which is what the backstop is for.
+/// Ends the process at once with `status` (`_exit`: no exit handlers).
 pub(super) fn exit_now(status: c_int) -> ! {
     // SAFETY: `_exit` takes any status and does not return.
     unsafe { _exit(status) }

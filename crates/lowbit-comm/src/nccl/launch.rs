@@ -131,6 +131,8 @@ impl NcclComm {
             .map_err(|e| self.driver_error(label, "ordering after the device stream", e))?;
         let comm = st.comm.0;
         let s = self.stream.cu_stream() as sys::cudaStream_t;
+        // Watched by the departure backstop while it may block (see `World::enqueuing`).
+        let enqueue = self.shared.whole_world.then(|| self.shared.world.enqueue());
         // SAFETY: plain group bracket; it is thread-local state in NCCL.
         let r = unsafe { sys::ncclGroupStart() };
         if r != sys::ncclResult_t::ncclSuccess {
@@ -221,6 +223,7 @@ impl NcclComm {
             st = settled_st;
             settled?;
         }
+        drop(enqueue);
         let event = self
             .stream
             .record_event(None)

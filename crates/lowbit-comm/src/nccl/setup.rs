@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, result as dresult};
 use cudarc::nccl::sys;
 use lowbit_device::Device;
 
-use super::watchdog::{Failure, RawComm, Shared, State, World, backoff, describe};
+use super::watchdog::{DEPART_GRACE, Failure, RawComm, Shared, State, World, backoff, describe};
 use super::{NcclComm, NcclConfig, UNIQUE_ID_BYTES, cuda_stream};
 use crate::liveness::PeerEvent;
 use crate::rendezvous::RendezvousEnv;
@@ -214,12 +214,17 @@ impl NcclComm {
         // The liveness channel aborts this world when a peer process is lost (a weak handle:
         // the world owns the channel).
         let weak = Arc::downgrade(&world);
+        let exit_after = config.liveness.exit_after_loss;
         let on_event = move |e: &PeerEvent| {
-            if let Some(w) = weak.upgrade() {
-                match e {
-                    PeerEvent::Left { rank } => w.depart(*rank),
-                    PeerEvent::Lost { rank, cause } => w.lose(*rank, cause.clone()),
+            let Some(w) = weak.upgrade() else { return };
+            match e {
+                PeerEvent::Left { rank } => {
+                    w.depart(*rank);
+                    if let Some(after) = exit_after {
+                        exit_if_stuck(Arc::downgrade(&w), *rank, after);
+                    }
                 }
+                PeerEvent::Lost { rank, cause } => w.lose(*rank, cause.clone()),
             }
         };
         let exchanged = env.exchange_live(
@@ -474,6 +479,29 @@ impl NcclComm {
             Arc::clone(&self.shared.world),
         )
     }
+}
+
+/// The backstop for a clean departure: the watchdog fails launches the departed peer left
+/// pending, but not an NCCL call that blocks the host until its peers connect (the first launch
+/// of a kind); if one that began before the departure is still running `DEPART_GRACE` + `after`
+/// later, the process exits (status 1) naming the peer.
+fn exit_if_stuck(world: std::sync::Weak<World>, rank: usize, after: Duration) {
+    let at = Instant::now();
+    let _ = std::thread::Builder::new()
+        .name("lowbit-nccl-departure".into())
+        .spawn(move || {
+            std::thread::sleep(DEPART_GRACE + after);
+            if world
+                .upgrade()
+                .is_some_and(|w| w.enqueuing_since_before(at))
+            {
+                eprintln!(
+                    "lowbit nccl: world rank {rank} finished and left while this process was \
+                     blocked connecting to it in a collective: exiting"
+                );
+                crate::liveness::exit_process(1);
+            }
+        });
 }
 
 /// Runs `f` on `gpus` rank threads of this process, rank `r` on GPU `r` with its own

@@ -37,7 +37,7 @@ pub(super) enum Failure {
 
 /// How long a launch may stay pending after a peer finished and left before it counts as one
 /// the peer never joined (a peer that joined it completes it in microseconds).
-const DEPART_GRACE: Duration = Duration::from_secs(2);
+pub(super) const DEPART_GRACE: Duration = Duration::from_secs(2);
 
 /// Ranks of one process that abort together, and (processes) the liveness channel that tells
 /// them of lost peers.
@@ -52,6 +52,27 @@ pub(super) struct World {
     pub(super) live: Mutex<Option<crate::liveness::Liveness>>,
     /// The number of ranks, set by the first communicator.
     pub(super) size: std::sync::OnceLock<usize>,
+    /// NCCL calls of whole-world communicators in progress on the host: how many, and since
+    /// when (the first of them). The first launch of a kind blocks in them until its peers
+    /// connect, out of the watchdog's reach.
+    pub(super) enqueuing: Mutex<(usize, Option<Instant>)>,
+}
+
+/// An NCCL call of a whole-world communicator in progress (see [`World::enqueuing`]).
+pub(super) struct Enqueue<'a>(&'a World);
+
+impl Drop for Enqueue<'_> {
+    fn drop(&mut self) {
+        let mut e = self
+            .0
+            .enqueuing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        e.0 = e.0.saturating_sub(1);
+        if e.0 == 0 {
+            e.1 = None;
+        }
+    }
 }
 
 impl World {
@@ -86,6 +107,28 @@ impl World {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Marks an NCCL call of a whole-world communicator in progress until the guard drops.
+    pub(super) fn enqueue(&self) -> Enqueue<'_> {
+        let mut e = self
+            .enqueuing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if e.0 == 0 {
+            e.1 = Some(Instant::now());
+        }
+        e.0 += 1;
+        Enqueue(self)
+    }
+
+    /// Whether an NCCL call that began before `at` is still in progress.
+    pub(super) fn enqueuing_since_before(&self, at: Instant) -> bool {
+        let e = self
+            .enqueuing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        e.1.is_some_and(|since| since <= at)
     }
 
     /// Why a world being set up (every rank must join) cannot complete, if it cannot.
