@@ -57,6 +57,7 @@ one_case() {
   if ! grep -q '^step' "$log0"; then
     echo "$name: FAIL the run never got going; rank 0's log:"
     tail -n 20 "$log0" | sed 's/^/  | /'
+    pkill -KILL -P "$pid0" 2>/dev/null
     kill -KILL "$pid0" ${pid1:-} 2>/dev/null
     wait "$pid0" 2>/dev/null
     FAILED=$((FAILED + 1))
@@ -67,7 +68,9 @@ one_case() {
     pid1=$(rank_pid "$pid0" 1)
     if [[ -z "$pid1" ]]; then
       echo "$name: FAIL no child of torchrun with RANK=1"
+      pkill -KILL -P "$pid0" 2>/dev/null
       kill -KILL "$pid0" 2>/dev/null
+      wait "$pid0" 2>/dev/null
       FAILED=$((FAILED + 1))
       return
     fi
