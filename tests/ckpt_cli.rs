@@ -189,19 +189,39 @@ fn grouped_and_discrete_experts_convert_on_load_both_ways() {
     assert_resume_parity(&grouped, 3, &grouped, "save-only (grouped)");
     // save-grouped-load-discrete, then save-discrete-load-grouped.
     assert_resume_parity_both_ways(&grouped, &disc, 3, "grouped, discrete");
-    // The discrete checkpoint really holds per-expert tensors, and the grouped one does not.
+    // The same under NVFP4 primary weights (grouped tensors with one global amax per expert).
+    let nvfp4 = precision(Precision::Nvfp4);
+    assert_resume_parity_both_ways(&nvfp4, &discrete(&nvfp4), 3, "nvfp4 grouped, discrete");
+    // The discrete checkpoint holds per-expert tensors only; read as grouped, each state is the
+    // per-expert tensors one after another.
     let dir = TempDir::new("ckpt-layouts");
     run(&disc, &saving(dir.dir(), 0));
-    let m = Checkpoint::open(dir.dir()).unwrap();
+    let ck = Checkpoint::open(dir.dir()).unwrap();
+    let m = ck.manifest();
+    assert!(m.tensor("moe.experts.3.fc2.weight/master").is_some());
+    assert!(m.tensor("moe.experts.fc2.weight/master").is_none());
+    let opts = lowbit::train::layout_options(&grouped.shape);
+    let none = LoadOptions::default();
+    for state in ["master", "exp_avg", "exp_avg_sq"] {
+        let whole = ck
+            .read_param("moe.experts.fc2.weight", state, &[4, 64, 64], &opts)
+            .unwrap();
+        let parts: Vec<f32> = (0..4)
+            .flat_map(|e| {
+                let name = format!("moe.experts.{e}.fc2.weight");
+                ck.read_param(&name, state, &[64, 64], &none).unwrap()
+            })
+            .collect();
+        assert_eq!(common::bits(&whole), common::bits(&parts), "{state}");
+    }
+    // Without the alias the grouped tensor is absent: a typed error naming it, not a guess.
+    let e = ck
+        .read_param("moe.experts.fc2.weight", "master", &[4, 64, 64], &none)
+        .unwrap_err();
     assert!(
-        m.manifest()
-            .tensor("moe.experts.3.fc2.weight/master")
-            .is_some()
-    );
-    assert!(
-        m.manifest()
-            .tensor("moe.experts.fc2.weight/master")
-            .is_none()
+        e.to_string()
+            .contains("no tensor `moe.experts.fc2.weight/master`"),
+        "{e}"
     );
 }
 
@@ -614,6 +634,19 @@ fn ckpt_inspect_verify_and_export() {
     assert!(
         e.contains("rank-00001.safetensors") && e.contains("fails its hash"),
         "{e}"
+    );
+    let e = refused(&[
+        "train",
+        "--batch",
+        "128",
+        "--steps",
+        "3",
+        "--resume",
+        p(&root),
+    ]);
+    assert!(
+        e.contains("fails its hash"),
+        "a resume reads the piece too: {e}"
     );
     // Control characters in a tensor name are escaped in the table.
     let manifest = step.join("manifest.json");

@@ -395,14 +395,16 @@ fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
         }
         DeviceChoice::Cuda => cuda::run(job),
     };
-    // The first failing rank's error is the cause; the others usually report the abort.
+    // The first failing rank's error is the cause; the others usually report the abort or the
+    // lost peer it caused.
     let mut out = Vec::with_capacity(results.len());
     let mut first_err = None;
     for r in results {
         match r {
             Ok(o) => out.push(o),
             Err(e) => {
-                let is_abort = e.to_string().contains("abort");
+                let text = e.to_string();
+                let is_abort = text.contains("abort") || text.contains(" was lost: ");
                 if first_err.as_ref().is_none_or(|(a, _)| *a && !is_abort) {
                     first_err = Some((is_abort, e));
                 }
