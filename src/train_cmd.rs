@@ -551,13 +551,10 @@ pub fn render(r: &TrainReport) -> String {
     }
     // A resume at the final step runs nothing: no loss, only the saved masters' checksum.
     let final_loss = r.losses.last().map_or("-".into(), |l| format!("{l:.4}"));
-    let final_eval = r.evals.last().map_or(f32::NAN, |e| e.1);
+    let final_eval = r.evals.last().map(|e| e.1);
+    let eval_text = final_eval.map_or("-".into(), |v| format!("{v:.4}"));
     o += &format!("{:<28}{:>12}\n", "final train loss", final_loss);
-    o += &format!(
-        "{:<28}{:>12}",
-        "final eval loss",
-        format!("{final_eval:.4}")
-    );
+    o += &format!("{:<28}{:>12}", "final eval loss", eval_text);
     o += &if r.eval_set.1 {
         format!(
             "  (expected cross-entropy over all {} contexts)\n",
@@ -569,11 +566,8 @@ pub fn render(r: &TrainReport) -> String {
     match r.floor {
         Some(f) => {
             o += &format!("{:<28}{:>12}\n", "entropy floor", format!("{f:.4}"));
-            o += &format!(
-                "{:<28}{:>12}\n",
-                "eval - floor",
-                format!("{:+.4}", f64::from(final_eval) - f)
-            );
+            let gap = final_eval.map_or("-".into(), |v| format!("{:+.4}", f64::from(v) - f));
+            o += &format!("{:<28}{:>12}\n", "eval - floor", gap);
         }
         None => o += &format!("{:<28}{:>12}\n", "entropy floor", "unknown"),
     }
