@@ -663,7 +663,7 @@ fn ckpt_inspect_verify_and_export() {
 // kill -9
 
 /// `lowbit train --save DIR --save-every 1` as a child, SIGKILLed at spread instants, again and
-/// again (each run resumes the last): after every kill, `latest` names a committed `step-N` that
+/// again (each run resumes the last, at 2, 4 or 1 ranks in turn): after every kill, `latest` names a committed `step-N` that
 /// opens, verifies and resumes (to its own step: the masters load), no `step-*` is half
 /// written, and leftovers (`.tmp-step-*`, unpublished steps) are never loaded and are gone after
 /// the next run's first save.
@@ -694,6 +694,8 @@ fn kill_9_at_any_instant_leaves_the_last_checkpoint_valid() {
     let kills = 24;
     for k in 0..kills {
         let mut args: Vec<&str> = base.to_vec();
+        // Each run at 2, 4 or 1 ranks: killed saves of one rank count, resumed at another.
+        args[8] = ["2", "4", "1"][k % 3];
         let rs = root.display().to_string();
         args.extend(["--save", rs.as_str(), "--save-every", "1", "--keep", "3"]);
         if root.join("latest").exists() {
