@@ -1,17 +1,23 @@
-//! Reading and writing safetensors files: whole-file reads, parsing with errors that name the
-//! file, an owned tensor type for `safetensors::serialize`, and atomic writes (temporary file in
-//! the destination directory, then rename) so no partial output is ever left behind.
+//! Reading and writing safetensors files without holding them in memory: inputs whose header is
+//! read and validated before any data ([`Input`]), tensor bytes read on demand by position,
+//! outputs whose header is computed from the tensor sizes up front and whose data is written by
+//! position into a temporary file in the destination directory, renamed into place at the end
+//! ([`Output`]), so no partial output is ever left behind. [`pipeline`] runs chunked work over
+//! threads.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors, View};
 
 use crate::error::CliError;
+
+mod header;
+pub mod pipeline;
+
+pub use header::Spec;
 
 /// A tensor to be written: borrowed from the input (pass-through) or freshly computed.
 #[derive(Clone, Debug)]
@@ -47,56 +53,6 @@ impl View for OutTensor<'_> {
     }
     fn data_len(&self) -> usize {
         self.data.len()
-    }
-}
-
-/// A parsed input file: tensors sorted by name (safetensors' own order depends on a hash map)
-/// and its `__metadata__`.
-pub struct Parsed<'a> {
-    /// `(name, view)`, sorted by name.
-    pub tensors: Vec<(String, TensorView<'a>)>,
-    /// The `__metadata__` map (empty if absent).
-    pub metadata: HashMap<String, String>,
-}
-
-impl<'a> Parsed<'a> {
-    /// Parses a whole safetensors file held in memory.
-    pub fn new(path: &Path, buf: &'a [u8]) -> Result<Self, CliError> {
-        let parse_err = |source| CliError::Parse {
-            path: path.to_owned(),
-            source,
-        };
-        // serde_json keeps the last of two equal keys, so a header naming a tensor twice would
-        // parse as the last; it is refused first (the header is bounded by the buffer).
-        let header_text = buf
-            .get(..8)
-            .and_then(|b| <[u8; 8]>::try_from(b).ok())
-            .and_then(|b| usize::try_from(u64::from_le_bytes(b)).ok())
-            .and_then(|n| buf.get(8..8usize.checked_add(n)?))
-            .and_then(|h| std::str::from_utf8(h).ok());
-        if let Some(dup) = header_text.and_then(duplicate_key) {
-            return Err(CliError::Msg(format!(
-                "cannot parse {}: the header names `{}` more than once",
-                path.display(),
-                crate::report::escape(&dup)
-            )));
-        }
-        let (_, header) = SafeTensors::read_metadata(buf).map_err(parse_err)?;
-        let st = SafeTensors::deserialize(buf).map_err(parse_err)?;
-        let mut tensors = st.tensors();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Parsed {
-            tensors,
-            metadata: header.metadata().clone().unwrap_or_default(),
-        })
-    }
-
-    /// The tensor called `name`, if present.
-    pub fn get(&self, name: &str) -> Option<&TensorView<'a>> {
-        self.tensors
-            .binary_search_by(|(n, _)| n.as_str().cmp(name))
-            .ok()
-            .map(|i| &self.tensors[i].1)
     }
 }
 
@@ -180,11 +136,6 @@ fn json_string(json: &str, start: usize) -> Option<(String, usize)> {
             }
         }
     }
-}
-
-/// Reads a whole file.
-pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
-    fs::read(path).map_err(|e| CliError::io("read", path, e))
 }
 
 /// Checks the input/output pair before any work: the input must exist, the output must not be
@@ -462,122 +413,391 @@ mod signals {
     pub fn disarm() {}
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so
-/// `path` either keeps its old contents or holds the complete new file.
+/// An output file being written: an exclusively created temporary in the destination
+/// directory, renamed over `path` by [`Output::commit`], so `path` either keeps its old contents
+/// or holds the complete new file.
 ///
 /// The temporary is created exclusively (`create_new`: it never opens an existing file or
 /// follows a symlink planted at its name) under an unpredictable fixed-length name
 /// ([`TEMP_PREFIX`]); temporaries left by killed runs are removed first. When `path` is an
-/// existing regular file, its permissions carry over to the new file. SIGINT, SIGTERM and SIGHUP
-/// during the write remove the temporary (Linux and macOS).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
-    if path.file_name().is_none() {
-        return Err(CliError::Msg(format!(
-            "output {} is not a file path",
-            path.display()
-        )));
-    }
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    remove_stale_temps(dir);
-    let old_perms = fs::symlink_metadata(path)
-        .ok()
-        .filter(|m| m.file_type().is_file())
-        .map(|m| m.permissions());
-    let (tmp, mut f) = create_temp(dir, temp_name).map_err(|e| CliError::io("write", path, e))?;
-    let mut guard = TempGuard(Some(tmp.clone()));
-    let mut write = || -> std::io::Result<()> {
-        f.write_all(bytes)?;
-        if let Some(p) = &old_perms {
-            f.set_permissions(p.clone())?;
-        }
-        f.sync_all()
-    };
-    // Name the output the user asked for, not the hidden temporary file.
-    write().map_err(|e| CliError::io("write", path, e))?;
-    drop(f);
-    let renamed = fs::rename(&tmp, path);
-    if renamed.is_ok() {
-        // Disarm before anything else can be created at the temporary's name.
-        signals::disarm();
-        guard.0 = None;
-    }
-    renamed.map_err(|e| CliError::io("write", path, e))?;
-    Ok(())
+/// existing regular file, its permissions carry over to the new file. Dropping it uncommitted
+/// (an error) removes the temporary, and so do SIGINT, SIGTERM and SIGHUP while it exists
+/// (Linux and macOS). Writes are positioned ([`Output::write_at`]), so tensors can be written
+/// in any order and from several threads.
+pub struct Output {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: fs::File,
+    old_perms: Option<fs::Permissions>,
+    guard: TempGuard,
 }
 
-/// Serializes tensors and metadata into a safetensors byte buffer, deterministically.
-///
-/// `safetensors::serialize` writes `__metadata__` in `HashMap` iteration order, which differs
-/// between runs, so identical inputs would give different files. The tensors are serialized by
-/// the crate (their order is already deterministic) and the metadata object is spliced into the
-/// header with its keys sorted; data offsets are relative to the end of the header, so they stay
-/// valid.
+impl Output {
+    /// Creates the temporary for `path`.
+    pub fn create(path: &Path) -> Result<Self, CliError> {
+        if path.file_name().is_none() {
+            return Err(CliError::Msg(format!(
+                "output {} is not a file path",
+                path.display()
+            )));
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        remove_stale_temps(dir);
+        let old_perms = fs::symlink_metadata(path)
+            .ok()
+            .filter(|m| m.file_type().is_file())
+            .map(|m| m.permissions());
+        let (tmp, file) =
+            create_temp(dir, temp_name).map_err(|e| CliError::io("write", path, e))?;
+        Ok(Output {
+            path: path.to_owned(),
+            guard: TempGuard(Some(tmp.clone())),
+            tmp,
+            file,
+            old_perms,
+        })
+    }
+
+    /// Writes `bytes` at byte `offset`; errors name the output the user asked for, not the
+    /// hidden temporary.
+    pub fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), CliError> {
+        positioned::write_all_at(&self.file, offset, bytes)
+            .map_err(|e| CliError::io("write", &self.path, e))
+    }
+
+    /// Syncs the file, gives it the replaced file's permissions and renames it into place.
+    pub fn commit(mut self) -> Result<(), CliError> {
+        let finish = || -> std::io::Result<()> {
+            if let Some(p) = &self.old_perms {
+                self.file.set_permissions(p.clone())?;
+            }
+            self.file.sync_all()
+        };
+        finish().map_err(|e| CliError::io("write", &self.path, e))?;
+        let renamed = fs::rename(&self.tmp, &self.path);
+        if renamed.is_ok() {
+            // Disarm before anything else can be created at the temporary's name.
+            signals::disarm();
+            self.guard.0 = None;
+        }
+        renamed.map_err(|e| CliError::io("write", &self.path, e))
+    }
+}
+
+/// Commits `out`, a file of `len` bytes, and adds `wrote PATH (SIZE)` to the report's footer.
+pub fn commit_reported(
+    out: Output,
+    len: usize,
+    mut table: crate::report::Table,
+) -> Result<crate::report::Table, CliError> {
+    let line = format!(
+        "wrote {} ({})",
+        out.path.display(),
+        crate::report::human_bytes(len)
+    );
+    out.commit()?;
+    table.footer.push(line);
+    Ok(table)
+}
+
+/// Writes `bytes` to `path` atomically (see [`Output`]).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
+    let out = Output::create(path)?;
+    out.write_at(0, bytes)?;
+    out.commit()
+}
+
+/// The header of a file of `specs` and `metadata` and each spec's data offset
+/// ([`header::layout`]); a header over safetensors' size limit is refused.
+pub fn layout(
+    path: &Path,
+    specs: &[Spec],
+    metadata: &HashMap<String, String>,
+) -> Result<(Vec<u8>, Vec<u64>), CliError> {
+    header::layout(specs, metadata).ok_or_else(|| CliError::Serialize {
+        path: path.to_owned(),
+        source: safetensors::SafeTensorError::HeaderTooLarge,
+    })
+}
+
+/// Serializes tensors and metadata into a safetensors byte buffer, deterministically: the
+/// metadata keys are sorted ([`header::layout`]), so identical inputs give identical files.
 pub fn serialize(
     path: &Path,
     tensors: Vec<(String, OutTensor<'_>)>,
     metadata: HashMap<String, String>,
 ) -> Result<Vec<u8>, CliError> {
-    let plain = safetensors::serialize(tensors, None).map_err(|source| CliError::Serialize {
-        path: path.to_owned(),
-        source,
-    })?;
-    if metadata.is_empty() {
-        return Ok(plain);
+    let specs: Vec<Spec> = tensors
+        .iter()
+        .map(|(name, t)| Spec {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            len: t.data.len(),
+        })
+        .collect();
+    let (mut out, offsets) = layout(path, &specs, &metadata)?;
+    let mut order: Vec<(u64, &[u8])> = offsets
+        .into_iter()
+        .zip(&tensors)
+        .map(|(o, (_, t))| (o, t.data.as_ref()))
+        .collect();
+    order.sort_by_key(|(o, _)| *o);
+    for (_, data) in order {
+        out.extend_from_slice(data);
     }
-    let internal = || {
-        CliError::Msg(format!(
-            "{}: internal error: unexpected safetensors header layout",
-            path.display()
-        ))
-    };
-    let n = plain
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .and_then(|b| usize::try_from(u64::from_le_bytes(b)).ok())
-        .ok_or_else(internal)?;
-    let header = plain
-        .get(8..8 + n)
-        .and_then(|h| std::str::from_utf8(h).ok())
-        .ok_or_else(internal)?;
-    let body = header
-        .trim_end()
-        .strip_prefix('{')
-        .and_then(|h| h.strip_suffix('}'))
-        .ok_or_else(internal)?;
-    let mut sorted: Vec<(&String, &String)> = metadata.iter().collect();
-    sorted.sort();
-    let mut json = String::from("{\"__metadata__\":{");
-    for (i, (k, v)) in sorted.into_iter().enumerate() {
-        if i > 0 {
-            json.push(',');
-        }
-        push_json_string(&mut json, k);
-        json.push(':');
-        push_json_string(&mut json, v);
-    }
-    json.push('}');
-    if !body.is_empty() {
-        json.push(',');
-        json.push_str(body);
-    }
-    json.push('}');
-    // The format pads the header with spaces to a multiple of 8 bytes.
-    while json.len() % 8 != 0 {
-        json.push(' ');
-    }
-    let data = &plain[8 + n..];
-    let mut out = Vec::with_capacity(8 + json.len() + data.len());
-    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(json.as_bytes());
-    out.extend_from_slice(data);
     Ok(out)
 }
 
-/// Appends `s` as a JSON string literal.
-fn push_json_string(out: &mut String, s: &str) {
+/// A safetensors input whose header has been read and fully validated — and nothing else:
+/// tensor bytes are read on demand ([`Input::read_at`]), so a bad header is refused without
+/// reading the data, and memory stays bounded by what the caller asks for at a time.
+pub struct Input {
+    path: PathBuf,
+    file: fs::File,
+    /// The tensors, sorted by name (safetensors' own order depends on a hash map).
+    pub tensors: Vec<Entry>,
+    /// The `__metadata__` map (empty if absent).
+    pub metadata: HashMap<String, String>,
+}
+
+/// One tensor of an [`Input`].
+#[derive(Clone, Debug)]
+pub struct Entry {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute file offset of its data.
+    pub offset: u64,
+    /// Bytes of data.
+    pub len: usize,
+}
+
+impl Input {
+    /// Opens `path` and reads and validates its header: the length prefix (bounded by
+    /// safetensors' limit and by the file's size), UTF-8, JSON, no duplicate names, dtypes,
+    /// shapes and offsets that tile the data region exactly to the end of the file. Only the
+    /// header's bytes are read. Inputs must be regular files (a FIFO or device has no size to
+    /// check against, and could block or never end).
+    pub fn open(path: &Path) -> Result<Self, CliError> {
+        let io = |e| CliError::io("read", path, e);
+        let parse_err = |source| CliError::Parse {
+            path: path.to_owned(),
+            source,
+        };
+        let file = fs::File::open(path).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        if !meta.file_type().is_file() {
+            return Err(CliError::Msg(format!(
+                "cannot read {}: not a regular file ({})",
+                path.display(),
+                file_kind(&meta.file_type())
+            )));
+        }
+        let size = meta.len();
+        use safetensors::SafeTensorError as E;
+        let mut prefix = [0u8; 8];
+        if size < 8 {
+            return Err(parse_err(E::HeaderTooSmall));
+        }
+        positioned::read_exact_at(&file, 0, &mut prefix).map_err(io)?;
+        let n = u64::from_le_bytes(prefix);
+        if n > header::MAX_HEADER {
+            return Err(parse_err(E::HeaderTooLarge));
+        }
+        if 8 + n > size {
+            return Err(parse_err(E::InvalidHeaderLength));
+        }
+        let mut buf = vec![0u8; 8 + n as usize];
+        buf[..8].copy_from_slice(&prefix);
+        positioned::read_exact_at(&file, 8, &mut buf[8..]).map_err(io)?;
+        // serde_json keeps the last of two equal keys, so a header naming a tensor twice would
+        // parse as the last; it is refused first.
+        if let Some(dup) = std::str::from_utf8(&buf[8..]).ok().and_then(duplicate_key) {
+            return Err(CliError::Msg(format!(
+                "cannot parse {}: the header names `{}` more than once",
+                path.display(),
+                crate::report::escape(&dup)
+            )));
+        }
+        let (infos, metadata) = match SafeTensors::read_metadata(&buf) {
+            Ok((_, md)) => {
+                let infos = md.tensors().into_iter().map(|(k, v)| (k, v.clone()));
+                (infos.collect(), md.metadata().clone())
+            }
+            // Everything but the length of the data region is valid.
+            Err(E::MetadataIncompleteBuffer) => {
+                let text =
+                    std::str::from_utf8(&buf[8..]).map_err(|e| parse_err(E::InvalidHeader(e)))?;
+                let (mut infos, metadata) = header::tensors(text).ok_or_else(|| {
+                    CliError::Msg(format!(
+                        "{}: internal error: a header safetensors accepts could not be read",
+                        path.display()
+                    ))
+                })?;
+                infos.sort_by_key(|(_, i)| i.data_offsets);
+                let md = safetensors::tensor::Metadata::new(metadata, infos.clone())
+                    .map_err(parse_err)?;
+                (infos, md.metadata().clone())
+            }
+            Err(e) => return Err(parse_err(e)),
+        };
+        let data_len = infos
+            .iter()
+            .map(|(_, i)| i.data_offsets.1)
+            .max()
+            .unwrap_or(0);
+        if (data_len as u64).checked_add(8 + n) != Some(size) {
+            return Err(parse_err(E::MetadataIncompleteBuffer));
+        }
+        let mut tensors: Vec<Entry> = infos
+            .into_iter()
+            .map(|(name, i)| Entry {
+                name,
+                dtype: i.dtype,
+                shape: i.shape,
+                offset: 8 + n + i.data_offsets.0 as u64,
+                len: i.data_offsets.1 - i.data_offsets.0,
+            })
+            .collect();
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Input {
+            path: path.to_owned(),
+            file,
+            tensors,
+            metadata: metadata.unwrap_or_default(),
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensor called `name`, if present.
+    pub fn get(&self, name: &str) -> Option<&Entry> {
+        self.tensors
+            .binary_search_by(|e| e.name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[i])
+    }
+
+    /// Fills `buf` from byte `offset` of the file (safe to call from several threads).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), CliError> {
+        positioned::read_exact_at(&self.file, offset, buf)
+            .map_err(|e| CliError::io("read", &self.path, e))
+    }
+
+    /// `len` bytes from `offset`, freshly allocated.
+    pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, CliError> {
+        let mut buf = vec![0u8; len];
+        self.read_at(offset, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// `n` little-endian elements from `offset`, read straight into their typed buffer (no
+    /// byte buffer, no decoding pass).
+    pub fn read_elems<T: Plain>(&self, offset: u64, n: usize) -> Result<Vec<T>, CliError> {
+        let mut v = vec![T::default(); n];
+        let len = std::mem::size_of_val(v.as_slice());
+        // SAFETY: the bytes of `v`'s `n` initialized elements, viewed as `u8` (alignment 1);
+        // `Plain` types have no padding and accept any bit pattern, so whatever is read in is
+        // a valid value. The view ends before `v` is used again.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) };
+        self.read_at(offset, bytes)?;
+        if cfg!(target_endian = "big") {
+            v.iter_mut().for_each(|x| *x = x.le_to_native());
+        }
+        Ok(v)
+    }
+
+    /// Copies `len` bytes from `offset` to `out` at `out_offset`, through a bounded buffer.
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        len: usize,
+        out: &Output,
+        out_offset: u64,
+    ) -> Result<(), CliError> {
+        const STEP: usize = 8 << 20;
+        let mut buf = vec![0u8; len.min(STEP)];
+        for start in (0..len).step_by(STEP) {
+            let b = &mut buf[..(len - start).min(STEP)];
+            self.read_at(offset + start as u64, b)?;
+            out.write_at(out_offset + start as u64, b)?;
+        }
+        Ok(())
+    }
+}
+
+/// Element types read straight from file bytes: no padding, every bit pattern a value.
+pub trait Plain: Copy + Default {
+    /// The value whose little-endian representation these bytes were read as.
+    fn le_to_native(self) -> Self;
+}
+
+impl Plain for u16 {
+    fn le_to_native(self) -> Self {
+        u16::from_le(self)
+    }
+}
+
+impl Plain for f32 {
+    fn le_to_native(self) -> Self {
+        f32::from_bits(u32::from_le(self.to_bits()))
+    }
+}
+
+/// Positioned reads and writes (`pread`/`pwrite` on Unix): they do not move a shared cursor, so
+/// worker threads can use one file at once.
+mod positioned {
+    use std::fs::File;
+    use std::io::Result;
+
+    #[cfg(unix)]
+    pub fn read_exact_at(f: &File, offset: u64, buf: &mut [u8]) -> Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(f, buf, offset)
+    }
+
+    #[cfg(unix)]
+    pub fn write_all_at(f: &File, offset: u64, buf: &[u8]) -> Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(f, buf, offset)
+    }
+
+    // Elsewhere `&File` has one shared cursor: a move and a read happen under one lock.
+    #[cfg(not(unix))]
+    static CURSOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    #[cfg(not(unix))]
+    pub fn read_exact_at(mut f: &File, offset: u64, buf: &mut [u8]) -> Result<()> {
+        use std::io::{Read, Seek, SeekFrom};
+        let _held = CURSOR
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.seek(SeekFrom::Start(offset))?;
+        f.read_exact(buf)
+    }
+
+    #[cfg(not(unix))]
+    pub fn write_all_at(mut f: &File, offset: u64, buf: &[u8]) -> Result<()> {
+        use std::io::{Seek, SeekFrom, Write};
+        let _held = CURSOR
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.seek(SeekFrom::Start(offset))?;
+        f.write_all(buf)
+    }
+}
+
+/// Appends `s` as a JSON string literal. `serde` escapes backspace and form feed as `\b` and
+/// `\f` (tensor names went through `serde_json`); the metadata writer always used `\u00XX`.
+fn push_json_string(out: &mut String, s: &str, serde: bool) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -586,6 +806,8 @@ fn push_json_string(out: &mut String, s: &str) {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
+            '\u{8}' if serde => out.push_str("\\b"),
+            '\u{c}' if serde => out.push_str("\\f"),
             c if u32::from(c) < 0x20 => {
                 let _ = std::fmt::Write::write_fmt(out, format_args!("\\u{:04x}", u32::from(c)));
             }
@@ -603,16 +825,10 @@ pub fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Decodes little-endian 16-bit words.
-pub fn u16s(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
-    bytes
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     #[test]
     fn temp_names_are_short_unpredictable_and_recognised() {

@@ -22,26 +22,38 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Compares the original elements `x` (given by index) with their reconstruction.
-    pub fn measure(len: usize, x: impl Fn(usize) -> f32, xhat: &[f32]) -> Stats {
+    /// The order-independent part of comparing original elements `x` with their
+    /// reconstruction `xhat` (amax and max |err|, with zero sums): chunks of a tensor can be
+    /// measured in any order, on any thread, and merged with [`Stats::add`].
+    pub fn extrema(x: impl IntoIterator<Item = f32>, xhat: &[f32]) -> Stats {
         let mut s = Stats::default();
-        for (i, &y) in xhat.iter().enumerate().take(len) {
-            let v = x(i);
-            if !v.is_nan() {
-                s.amax = s.amax.max(v.abs());
-            }
+        for (v, &y) in x.into_iter().zip(xhat) {
+            // `max` ignores a NaN operand, as the quantizers' amax does.
+            s.amax = s.amax.max(v.abs());
             if v.is_finite() {
-                let d = f64::from(v) - f64::from(y);
-                s.signal += f64::from(v) * f64::from(v);
-                s.noise += d * d;
+                let a = (f64::from(v) - f64::from(y)).abs();
                 // `max` would drop a NaN error; keep it visible.
-                let a = d.abs();
                 if a.is_nan() || a > s.max_err {
                     s.max_err = a;
                 }
             }
         }
         s
+    }
+
+    /// Adds the sums of squares (signal, noise) over the finite elements of `x` against `xhat`,
+    /// element by element in order: called on the chunks of a tensor in order, it gives the bits
+    /// of one pass over the whole tensor (their rounding depends on the order).
+    pub fn add_sums(&mut self, x: impl IntoIterator<Item = f32>, xhat: &[f32]) {
+        // Branch-free, so the adds' latency is all that bounds the loop: a non-finite x adds
+        // exact zeros, which changes nothing (the sums are never -0).
+        for (v, &y) in x.into_iter().zip(xhat) {
+            let finite = v.is_finite();
+            let x = if finite { f64::from(v) } else { 0.0 };
+            let d = if finite { x - f64::from(y) } else { 0.0 };
+            self.signal += x * x;
+            self.noise += d * d;
+        }
     }
 
     /// Accumulates another tensor's statistics.
@@ -285,10 +297,16 @@ mod tests {
     #[test]
     fn stats_and_sqnr() {
         let x = [1.0f32, -2.0, f32::NAN, f32::INFINITY];
-        let s = Stats::measure(4, |i| x[i], &[1.0, -2.0, 0.0, 0.0]);
+        let measure = |x: &[f32], xhat: &[f32]| {
+            let mut s = Stats::default();
+            s.add_sums(x.iter().copied(), xhat);
+            s.add(&Stats::extrema(x.iter().copied(), xhat));
+            s
+        };
+        let s = measure(&x, &[1.0, -2.0, 0.0, 0.0]);
         assert_eq!(s.amax, f32::INFINITY);
         assert_eq!(s.sqnr_db(), "inf");
-        let s = Stats::measure(2, |i| x[i], &[1.1, -2.0]);
+        let s = measure(&x[..2], &[1.1, -2.0]);
         assert!((s.max_err - 0.1).abs() < 1e-6);
         assert_eq!(
             s.sqnr_db(),

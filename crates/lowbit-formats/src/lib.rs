@@ -46,7 +46,7 @@ mod simd;
 pub use half::{bf16, f16};
 pub use layout::ScaleLayout;
 pub use mxfp8::{Mxfp8Config, Mxfp8Tensor, quantize_mxfp8, quantize_mxfp8_into};
-pub use nvfp4::{Nvfp4Config, Nvfp4Tensor, quantize_nvfp4};
+pub use nvfp4::{Nvfp4Config, Nvfp4Tensor, nvfp4_amax, quantize_nvfp4, quantize_nvfp4_piece};
 pub use scalar::Fp8Kind;
 
 /// Errors of this crate. Each names the tensor it is about.

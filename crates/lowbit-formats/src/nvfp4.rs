@@ -158,9 +158,44 @@ pub fn quantize_nvfp4(m: &Matrix<'_>, cfg: &Nvfp4Config) -> Result<Nvfp4Tensor, 
         )));
     }
     Ok(match m.data() {
-        Source::F32(x) => run(x, m.rows(), m.cols(), cfg),
-        Source::Bf16(x) => run(x, m.rows(), m.cols(), cfg),
-        Source::F16(x) => run(x, m.rows(), m.cols(), cfg),
+        Source::F32(x) => run(x, m.rows(), m.cols(), cfg, None),
+        Source::Bf16(x) => run(x, m.rows(), m.cols(), cfg, None),
+        Source::F16(x) => run(x, m.rows(), m.cols(), cfg, None),
+    })
+}
+
+/// The global amax NVFP4 derives its tensor scale from: max |x| with NaN ignored.
+pub fn nvfp4_amax(m: &Matrix<'_>, threads: usize) -> f32 {
+    let threads = thread_count(threads);
+    match m.data() {
+        Source::F32(x) => global_amax(x, threads),
+        Source::Bf16(x) => global_amax(x, threads),
+        Source::F16(x) => global_amax(x, threads),
+    }
+}
+
+/// [`quantize_nvfp4`] of one piece of a larger matrix, for inputs too large to hold at once:
+/// `amax` is the whole matrix's global amax (the max of [`nvfp4_amax`] over its pieces). Pieces
+/// split at multiples of 16 rows give exactly the bytes of the whole matrix's quantization, row
+/// for row (rowwise) and column segment for column segment (columnwise), because every scale
+/// and code depends only on its block (or 16x16 tile) and the global amax. The Hadamard
+/// transform and stochastic rounding depend on more than that and are refused here.
+pub fn quantize_nvfp4_piece(
+    m: &Matrix<'_>,
+    cfg: &Nvfp4Config,
+    amax: f32,
+) -> Result<Nvfp4Tensor, FormatError> {
+    if cfg.rht || cfg.stochastic_rounding.is_some() {
+        return Err(m.unsupported(
+            "a piece of a matrix cannot be quantized with the Hadamard transform or stochastic \
+             rounding (both depend on the whole matrix)",
+        ));
+    }
+    m.check_finite(cfg.nan_policy)?;
+    Ok(match m.data() {
+        Source::F32(x) => run(x, m.rows(), m.cols(), cfg, Some(amax)),
+        Source::Bf16(x) => run(x, m.rows(), m.cols(), cfg, Some(amax)),
+        Source::F16(x) => run(x, m.rows(), m.cols(), cfg, Some(amax)),
     })
 }
 
@@ -180,9 +215,15 @@ fn global_amax<E: Element>(x: &[E], threads: usize) -> f32 {
     f32::from_bits(parts.into_iter().max().unwrap_or(0))
 }
 
-fn run<E: Element>(x: &[E], rows: usize, cols: usize, cfg: &Nvfp4Config) -> Nvfp4Tensor {
+fn run<E: Element>(
+    x: &[E],
+    rows: usize,
+    cols: usize,
+    cfg: &Nvfp4Config,
+    amax: Option<f32>,
+) -> Nvfp4Tensor {
     let threads = thread_count(cfg.threads);
-    let amax = global_amax(x, threads);
+    let amax = amax.unwrap_or_else(|| global_amax(x, threads));
     let row_params = Params::new(amax);
     // Tile scales for 2D: [ceil(rows/16), ceil(cols/16)].
     let tiles = cfg
@@ -771,5 +812,53 @@ fn column_strip<E: Element>(
                 *ob = pk[j];
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces of 32 rows (the last one partial) quantized with the whole matrix's amax give the
+    /// whole matrix's bytes: rowwise planes stacked, columnwise ones as column segments.
+    #[test]
+    fn pieces_give_the_whole_matrix_bytes() {
+        let (rows, cols) = (75, 40);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 1e-3 * (1 + i % 7) as f32)
+            .collect();
+        let whole_m = Matrix::new("w", rows, cols, Source::F32(&x)).unwrap();
+        for two_d in [false, true] {
+            let cfg = Nvfp4Config {
+                two_d,
+                ..Nvfp4Config::default()
+            };
+            let whole = quantize_nvfp4(&whole_m, &cfg).unwrap();
+            let amax = nvfp4_amax(&whole_m, 2);
+            assert_eq!(amax, whole.amax_rowwise);
+            let (wr, wc) = (whole.rowwise.unwrap(), whole.columnwise.unwrap());
+            let (mut data, mut scales) = (Vec::new(), Vec::new());
+            for r0 in (0..rows).step_by(32) {
+                let r1 = (r0 + 32).min(rows);
+                let m = Matrix::new("w", r1 - r0, cols, Source::F32(&x[r0 * cols..r1 * cols]));
+                let p = quantize_nvfp4_piece(&m.unwrap(), &cfg, amax).unwrap();
+                let (pr, pc) = (p.rowwise.unwrap(), p.columnwise.unwrap());
+                data.extend(pr.data);
+                scales.extend(pr.scales);
+                let (db, sb) = ((r1 - r0).div_ceil(2), (r1 - r0).div_ceil(BLOCK));
+                for c in 0..cols {
+                    let d = &wc.data[c * rows.div_ceil(2) + r0 / 2..][..db];
+                    assert_eq!(d, &pc.data[c * db..][..db], "column {c} at row {r0}");
+                    let s = &wc.scales[c * rows.div_ceil(BLOCK) + r0 / BLOCK..][..sb];
+                    assert_eq!(s, &pc.scales[c * sb..][..sb], "column {c} at row {r0}");
+                }
+            }
+            assert_eq!((data, scales), (wr.data, wr.scales));
+        }
+        let sr = Nvfp4Config {
+            stochastic_rounding: Some(1),
+            ..Nvfp4Config::default()
+        };
+        assert!(quantize_nvfp4_piece(&whole_m, &sr, 1.0).is_err());
     }
 }
