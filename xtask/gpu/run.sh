@@ -83,6 +83,11 @@ STEPS+=(
   # within 10 s naming rank 1 (prints PASS/FAIL and the seconds per case).
   "liveness-cuda|400|set -o pipefail; bash gpu/liveness_cuda.sh | tee \$STEP_SUMMARY"
   "train-cuda-table|600|set -o pipefail; bin/lowbit train --device cuda | tee \$STEP_SUMMARY"
+  # Checkpoint throughput (issue 14 item 9): lowbit's save and load of AdamW state for 256M
+  # parameters (3 GiB) against the disk's own write/read bandwidth in the same directory and run,
+  # the asynchronous save's cost to the step, then torch.distributed.checkpoint on the same
+  # tensors, directory and size (its table shows lowbit over DCP).
+  "ckpt-bench|1200|set -o pipefail; bin/ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------
 

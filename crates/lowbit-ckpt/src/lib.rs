@@ -27,6 +27,10 @@
 //! checkpoint. Committed checkpoints are never overwritten or modified; pruning renames a
 //! directory out of the `step-*` namespace before removing it.
 //!
+//! [`AsyncSaver`] is the same save with the files written by a background thread: the training
+//! step pays for the snapshot (a host copy of the state) only, and the commit happens at the
+//! next save or wait, which every rank calls (no collective runs off the training thread).
+//!
 //! # Load
 //!
 //! [`Checkpoint::open`] validates the manifest (hostile input is a typed error, never a panic)
@@ -34,6 +38,7 @@
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
 //! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
 
+mod async_save;
 mod convert;
 mod error;
 pub mod json;
@@ -42,6 +47,7 @@ pub mod manifest;
 mod save;
 mod tidy;
 
+pub use async_save::AsyncSaver;
 pub use convert::{Alias, LoadOptions, Segment};
 pub use error::{CkptError, Result};
 pub use load::Checkpoint;

@@ -1,15 +1,17 @@
 //! Saving: every rank writes its own pieces, rank 0 writes the manifest and commits.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufWriter, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
 use lowbit_optim::{Optimizer, OptimizerState};
-use safetensors::{Dtype, tensor::TensorView};
 
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
@@ -73,11 +75,15 @@ fn sync_dir(path: &Path) -> Result<()> {
 /// writes `manifest.json`, fsyncs it and the directory, renames the directory to `step-N`,
 /// fsyncs `root`, then replaces `latest` (temp file + rename + fsync) and prunes to
 /// [`SaveOptions::keep`]. Another barrier ends the save, so no rank returns before the commit.
-/// Low-precision weights are not stored: they are `Q(bf16(master))`.
+/// Low-precision weights are not stored: they are `Q(bf16(master))`. A rank that fails still
+/// takes part in every barrier (no rank is left waiting), and rank 0 commits only when every
+/// rank's files are there with the sizes their indexes record. [`crate::AsyncSaver`] is the
+/// same save with the writing moved off the training thread.
 ///
 /// # Errors
 /// [`CkptError::Exists`] if `step-N` is committed already (on every rank, before anything is
-/// written); I/O, optimizer and collective errors.
+/// written); I/O, optimizer and collective errors; on ranks other than 0, an I/O error when rank
+/// 0 did not commit (its own error says why).
 pub fn save(
     dev: &Device,
     comm: &mut dyn Communicator,
@@ -87,34 +93,271 @@ pub fn save(
     opt: &dyn Optimizer,
     options: SaveOptions,
 ) -> Result<PathBuf> {
-    let rank = comm.rank();
-    let size = comm.size();
-    let final_dir = root.join(step_dir_name(meta.step));
-    if final_dir.exists() {
-        return Err(CkptError::Exists(final_dir));
-    }
-    let state = opt.export_state(dev)?;
-    let tmp = root.join(tmp_dir_name(meta.step));
-    if rank == 0 {
-        fs::create_dir_all(root).map_err(io("create directory", root))?;
-        // A directory of this name is what a crashed save of this step left: never committed,
-        // so nothing can load it. Start over.
-        if tmp.exists() {
-            fs::remove_dir_all(&tmp).map_err(io("remove stale temp directory", &tmp))?;
-        }
-        fs::create_dir(&tmp).map_err(io("create directory", &tmp))?;
-    }
-    comm.barrier()?;
-    write_rank(&tmp, rank, specs, &state)?;
-    comm.barrier()?;
-    if rank == 0 {
-        commit(root, &tmp, &final_dir, size, meta, specs, options)?;
-    }
-    comm.barrier()?;
-    Ok(final_dir)
+    let target = Target::new(comm, root, meta, specs, options)?;
+    let state = target.begin(dev, comm, opt)?;
+    let written = target.write(state);
+    target.finish(comm, written)
 }
 
-/// One rank's pieces: the safetensors file and an index of its pieces for rank 0.
+/// One save in progress: where it writes and commits, and what the manifest records. Shared by
+/// [`save`] and [`crate::AsyncSaver`]: [`Target::begin`] and [`Target::finish`] are the
+/// collective parts, [`Target::write`] the rank's own I/O (no collective, so it may run on any
+/// thread).
+#[derive(Debug)]
+pub(crate) struct Target {
+    root: PathBuf,
+    tmp: PathBuf,
+    final_dir: PathBuf,
+    rank: usize,
+    size: usize,
+    meta: Meta,
+    specs: Vec<ParamSpec>,
+    options: SaveOptions,
+}
+
+impl Target {
+    /// A save of `meta.step` under `root` by `comm`'s ranks.
+    ///
+    /// # Errors
+    /// [`CkptError::Exists`] if `step-N` is committed already (every rank sees the same
+    /// directory, and nothing collective has happened yet).
+    pub(crate) fn new(
+        comm: &dyn Communicator,
+        root: &Path,
+        meta: &Meta,
+        specs: &[ParamSpec],
+        options: SaveOptions,
+    ) -> Result<Target> {
+        let final_dir = root.join(step_dir_name(meta.step));
+        if final_dir.exists() {
+            return Err(CkptError::Exists(final_dir));
+        }
+        Ok(Target {
+            root: root.to_path_buf(),
+            tmp: root.join(tmp_dir_name(meta.step)),
+            final_dir,
+            rank: comm.rank(),
+            size: comm.size(),
+            meta: meta.clone(),
+            specs: specs.to_vec(),
+            options,
+        })
+    }
+
+    /// The synchronous start (collective): snapshots the optimizer's state to the host, rank 0
+    /// prepares the temp directory, then a barrier (nobody writes into a directory that is not
+    /// there yet). A local failure (the snapshot, rank 0's directory) is the inner error, handed
+    /// on so that the rank still joins the barriers of [`Target::finish`].
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub(crate) fn begin(
+        &self,
+        dev: &Device,
+        comm: &mut dyn Communicator,
+        opt: &dyn Optimizer,
+    ) -> Result<Result<Vec<OptimizerState>>> {
+        let mut state = opt.export_state(dev).map_err(CkptError::from);
+        if self.rank == 0
+            && let Err(e) = self.prepare_tmp()
+        {
+            state = Err(e);
+        }
+        comm.barrier()?;
+        Ok(state)
+    }
+
+    /// Rank 0: a fresh, empty temp directory.
+    fn prepare_tmp(&self) -> Result<()> {
+        fs::create_dir_all(&self.root).map_err(io("create directory", &self.root))?;
+        // A directory of this name is what a crashed save of this step left: never committed,
+        // so nothing can load it. Start over.
+        if self.tmp.exists() {
+            fs::remove_dir_all(&self.tmp).map_err(io("remove stale temp directory", &self.tmp))?;
+        }
+        fs::create_dir(&self.tmp).map_err(io("create directory", &self.tmp))
+    }
+
+    /// This rank's files, durable (no collective).
+    pub(crate) fn write(&self, state: Result<Vec<OptimizerState>>) -> Result<()> {
+        write_rank(&self.tmp, self.rank, &self.specs, &state?)
+    }
+
+    /// The collective end: a barrier (every rank's files are written or failed), rank 0 commits
+    /// if its own write succeeded (the commit refuses a rank whose index is missing), a barrier
+    /// (nobody returns before the commit). Every rank reaches both barriers whatever failed
+    /// locally. Ranks other than 0 then check that `latest` names this step, so a commit that
+    /// failed is an error on every rank.
+    pub(crate) fn finish(
+        &self,
+        comm: &mut dyn Communicator,
+        written: Result<()>,
+    ) -> Result<PathBuf> {
+        comm.barrier()?;
+        let committed = if self.rank == 0 && written.is_ok() {
+            commit(
+                &self.root,
+                &self.tmp,
+                &self.final_dir,
+                self.size,
+                &self.meta,
+                &self.specs,
+                self.options,
+            )
+        } else {
+            Ok(())
+        };
+        comm.barrier()?;
+        written?;
+        committed?;
+        if self.rank != 0 {
+            self.check_committed()?;
+        }
+        Ok(self.final_dir.clone())
+    }
+
+    fn check_committed(&self) -> Result<()> {
+        let latest = self.root.join(LATEST);
+        let name = step_dir_name(self.meta.step);
+        let named = fs::read_to_string(&latest).is_ok_and(|t| t.trim() == name);
+        if named && self.final_dir.join(MANIFEST).is_file() {
+            return Ok(());
+        }
+        Err(CkptError::Io {
+            op: "find the checkpoint rank 0 commits",
+            path: self.final_dir.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "rank 0 did not commit it (its error says why)",
+            ),
+        })
+    }
+
+    /// The step being saved.
+    pub(crate) fn step(&self) -> u64 {
+        self.meta.step
+    }
+
+    /// The temp directory (named in errors of the background writer).
+    pub(crate) fn tmp(&self) -> &Path {
+        &self.tmp
+    }
+}
+
+/// One piece to store: where it belongs and its values (borrowed from the snapshot).
+struct OutPiece<'a> {
+    key: String,
+    param: &'a str,
+    state: &'a str,
+    owner: u32,
+    range: Range<usize>,
+    values: &'a [f32],
+}
+
+/// The bytes of `values` as stored (little-endian f32): borrowed where that is the memory
+/// layout already, so a multi-GiB snapshot is not copied again.
+fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: `values` is a live, initialized `[f32]`; on a little-endian target its memory
+        // is exactly the little-endian bytes of its elements. u8 has alignment 1 and no invalid
+        // bit patterns, the length is the slice's size in bytes (it cannot overflow: the slice
+        // exists), and the borrow ties the result to `values`.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// [`fnv1a64`] of every slice, on all cores. FNV-1a is one multiply chain per byte, bound by
+/// the multiply's latency (a few cycles a byte), so each core hashes [`LANES`] slices at once,
+/// interleaved (independent chains overlap), and the cores take slices from a shared queue.
+/// A checkpoint's pieces are many and each is hashed whole, so this is the format's hash at
+/// several GB/s (the save uses it; a load can too).
+pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(slices.len().div_ceil(LANES))
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let mut hashes = vec![0u64; slices.len()];
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| s.spawn(|| hash_lanes(slices, &next)))
+            .collect();
+        for h in handles {
+            let done = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            done.into_iter().for_each(|(i, v)| hashes[i] = v);
+        }
+    });
+    // The interleaving must not change a bit of the format's hash.
+    debug_assert!(slices.iter().zip(&hashes).all(|(s, &h)| h == fnv1a64(s)));
+    hashes
+}
+
+/// Slices hashed side by side by one core.
+const LANES: usize = 4;
+/// Bytes hashed per lane between refills (bounds the dummy input of idle lanes).
+const BLOCK: usize = 1 << 18;
+const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// One worker: keeps [`LANES`] slices in flight, taking the next from `next` when one ends;
+/// idle lanes hash zeros into a state that is thrown away. Returns `(slice, hash)`.
+fn hash_lanes(slices: &[&[u8]], next: &AtomicUsize) -> Vec<(usize, u64)> {
+    let idle = vec![0u8; BLOCK];
+    let mut lanes: [Option<(usize, &[u8], usize)>; LANES] = Default::default();
+    let mut h = [FNV_BASIS; LANES];
+    let mut done = Vec::new();
+    loop {
+        for (lane, state) in lanes.iter_mut().zip(&mut h) {
+            while lane.is_none() {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&bytes) = slices.get(i) else { break };
+                if bytes.is_empty() {
+                    done.push((i, FNV_BASIS));
+                } else {
+                    *lane = Some((i, bytes, 0));
+                    *state = FNV_BASIS;
+                }
+            }
+        }
+        let Some(step) = lanes
+            .iter()
+            .flatten()
+            .map(|(_, b, at)| (b.len() - at).min(BLOCK))
+            .min()
+        else {
+            return done;
+        };
+        let input: [&[u8]; LANES] = std::array::from_fn(|l| match &lanes[l] {
+            Some((_, b, at)) => &b[*at..*at + step],
+            None => &idle[..step],
+        });
+        for (((a, b), c), d) in input[0].iter().zip(input[1]).zip(input[2]).zip(input[3]) {
+            for (state, byte) in h.iter_mut().zip([a, b, c, d]) {
+                *state = (*state ^ u64::from(*byte)).wrapping_mul(FNV_PRIME);
+            }
+        }
+        for (lane, state) in lanes.iter_mut().zip(&h) {
+            if let Some((i, b, at)) = lane {
+                *at += step;
+                if *at == b.len() {
+                    done.push((*i, *state));
+                    *lane = None;
+                }
+            }
+        }
+    }
+}
+
+/// One rank's pieces: the safetensors file and an index of its pieces for rank 0 (written
+/// last: its presence says the data file is durable). The file is streamed from the snapshot
+/// while other cores hash the pieces.
 fn write_rank(
     tmp: &Path,
     rank: usize,
@@ -125,8 +368,8 @@ fn write_rank(
         dir: tmp.to_path_buf(),
         msg,
     };
-    let mut data: Vec<(String, Vec<u8>)> = Vec::new();
     let mut pieces = Vec::new();
+    let mut keys = HashSet::new();
     for st in state {
         for t in &st.tensors {
             let spec = specs.get(t.param).ok_or_else(|| {
@@ -149,48 +392,43 @@ fn write_rank(
                 continue;
             }
             let key = format!("{}/{}@{}", spec.name, t.name, t.range.start);
-            let bytes: Vec<u8> = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            pieces.push((
-                key.clone(),
-                spec.name.clone(),
-                t.name.clone(),
-                st.owner.0,
-                t.range.clone(),
-                fnv1a64(&bytes),
-            ));
-            data.push((key, bytes));
+            if !keys.insert(key.clone()) {
+                return Err(mismatch(format!("duplicate piece `{key}`")));
+            }
+            pieces.push(OutPiece {
+                key,
+                param: &spec.name,
+                state: &t.name,
+                owner: st.owner.0,
+                range: t.range.clone(),
+                values: &t.values,
+            });
         }
     }
-    let views = data
-        .iter()
-        .map(|(k, b)| {
-            Ok((
-                k.clone(),
-                TensorView::new(Dtype::F32, vec![b.len() / 4], b)?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let mut meta = std::collections::HashMap::new();
-    meta.insert("format".to_string(), "lowbit-ckpt rank shard".to_string());
-    meta.insert("rank".to_string(), rank.to_string());
-    let bytes = safetensors::serialize(views, Some(meta))?;
-    drop(data);
-    let (n, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
     let file = rank_file(rank);
+    let path = tmp.join(&file);
+    let (written, hashes) = std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            let bytes: Vec<Cow<'_, [u8]>> = pieces.iter().map(|p| le_bytes(p.values)).collect();
+            fnv1a64_many(&bytes.iter().map(|b| &b[..]).collect::<Vec<_>>())
+        });
+        let written = write_safetensors(&path, rank, &pieces);
+        let hashes = hashing
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (written, hashes)
+    });
+    let (bytes, offsets) = written?;
     let mut entries = Vec::new();
-    for (key, param, st, owner, range, hash) in pieces {
-        let info = header
-            .info(&key)
-            .ok_or_else(|| mismatch(format!("duplicate piece `{key}`")))?;
-        let offset = 8 + n + info.data_offsets.0;
+    for ((p, hash), offset) in pieces.iter().zip(hashes).zip(offsets) {
         entries.push(obj(vec![
-            ("key", Json::Str(key)),
-            ("param", Json::Str(param)),
-            ("state", Json::Str(st)),
-            ("owner", Json::UInt(u64::from(owner))),
-            ("start", Json::UInt(range.start as u64)),
-            ("end", Json::UInt(range.end as u64)),
-            ("offset", Json::UInt(offset as u64)),
+            ("key", Json::Str(p.key.clone())),
+            ("param", Json::Str(p.param.to_string())),
+            ("state", Json::Str(p.state.to_string())),
+            ("owner", Json::UInt(u64::from(p.owner))),
+            ("start", Json::UInt(p.range.start as u64)),
+            ("end", Json::UInt(p.range.end as u64)),
+            ("offset", Json::UInt(offset)),
             ("fnv1a64", Json::Str(format!("{hash:016x}"))),
         ]));
     }
@@ -205,13 +443,73 @@ fn write_rank(
         })
         .collect();
     let index = obj(vec![
-        ("file", Json::Str(file.clone())),
-        ("bytes", Json::UInt(bytes.len() as u64)),
+        ("file", Json::Str(file)),
+        ("bytes", Json::UInt(bytes)),
         ("optimizers", Json::Array(optimizers)),
         ("pieces", Json::Array(entries)),
     ]);
-    write_synced(&tmp.join(&file), &bytes)?;
     write_synced(&tmp.join(index_file(rank)), index.to_text().as_bytes())
+}
+
+/// Writes `pieces` as a safetensors file (F32, 1-D, data in key order, as the `safetensors`
+/// crate lays it out) straight from the snapshot and fsyncs it; returns the file's size and
+/// every piece's absolute byte offset. The header is written here rather than by
+/// `safetensors::serialize`, which would first copy every byte into one buffer.
+fn write_safetensors(path: &Path, rank: usize, pieces: &[OutPiece<'_>]) -> Result<(u64, Vec<u64>)> {
+    let mut order: Vec<usize> = (0..pieces.len()).collect();
+    order.sort_by(|&a, &b| pieces[a].key.cmp(&pieces[b].key));
+    let mut header = BTreeMap::new();
+    header.insert(
+        "__metadata__".to_string(),
+        obj(vec![
+            ("format", Json::Str("lowbit-ckpt rank shard".into())),
+            ("rank", Json::Str(rank.to_string())),
+        ]),
+    );
+    let mut data_offsets = vec![0u64; pieces.len()];
+    let mut at = 0u64;
+    for &i in &order {
+        let p = &pieces[i];
+        let len = std::mem::size_of_val(p.values) as u64;
+        data_offsets[i] = at;
+        header.insert(
+            p.key.clone(),
+            obj(vec![
+                ("dtype", Json::Str("F32".into())),
+                (
+                    "shape",
+                    Json::Array(vec![Json::UInt(p.values.len() as u64)]),
+                ),
+                (
+                    "data_offsets",
+                    Json::Array(vec![Json::UInt(at), Json::UInt(at + len)]),
+                ),
+            ]),
+        );
+        at += len;
+    }
+    let mut text = Json::Object(header).to_text().into_bytes();
+    // Readers expect the data 8-byte aligned: pad the header with spaces, as safetensors does.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let n = text.len() as u64;
+    let f = File::options()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(io("create", path))?;
+    let mut w = BufWriter::with_capacity(8 << 20, f);
+    w.write_all(&n.to_le_bytes()).map_err(io("write", path))?;
+    w.write_all(&text).map_err(io("write", path))?;
+    for &i in &order {
+        w.write_all(&le_bytes(pieces[i].values))
+            .map_err(io("write", path))?;
+    }
+    let f = w
+        .into_inner()
+        .map_err(|e| io("write", path)(e.into_error()))?;
+    f.sync_all().map_err(io("fsync", path))?;
+    let offsets = data_offsets.iter().map(|o| 8 + n + o).collect();
+    Ok((8 + n + at, offsets))
 }
 
 fn obj(pairs: Vec<(&str, Json)>) -> Json {
@@ -259,9 +557,20 @@ fn commit(
             _ => Err(bad(&path, format!("`{k}`"))),
         };
         let file = get_s(&v, "file")?;
+        let bytes = get_u(&v, "bytes")?;
+        // The data file must be what its rank wrote (the rank may be another process).
+        let data = tmp.join(&file);
+        let actual = fs::metadata(&data).map_err(io("stat", &data))?.len();
+        if actual != bytes {
+            return Err(CkptError::FileSize {
+                file: data,
+                expected: bytes,
+                actual,
+            });
+        }
         files.push(FileEntry {
             name: file.clone(),
-            bytes: get_u(&v, "bytes")?,
+            bytes,
         });
         for o in get_a(&v, "optimizers")? {
             let e = OptimizerEntry {
