@@ -92,14 +92,17 @@ impl Optimizer for ChainedOptimizer {
             ))
             .into());
         }
-        self.parts.iter().try_for_each(|p| p.check_import(state))
+        self.parts
+            .iter()
+            .try_for_each(|p| p.check_import(&states_of(&**p, state)))
     }
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
         // Every part checks before any part writes: a refusal changes no part.
         self.check_import(state)?;
-        self.parts
-            .iter_mut()
-            .try_for_each(|p| p.import_state(dev, state))
+        self.parts.iter_mut().try_for_each(|p| {
+            let mine = states_of(&**p, state);
+            p.import_state(dev, &mine)
+        })
     }
     fn memory(&self) -> OptimizerMemory {
         self.parts
@@ -107,4 +110,15 @@ impl Optimizer for ChainedOptimizer {
             .map(|p| p.memory())
             .fold(OptimizerMemory::default(), |a, b| a + b)
     }
+}
+
+/// The states of the owners `part` holds: a part (a nested chain in particular) is never shown
+/// the other parts' owners, which it would rightly refuse as state it does not hold.
+fn states_of(part: &dyn Optimizer, state: &[OptimizerState]) -> Vec<OptimizerState> {
+    let owners = part.owners();
+    state
+        .iter()
+        .filter(|s| owners.contains(&s.owner))
+        .cloned()
+        .collect()
 }

@@ -240,6 +240,34 @@ fn a_chain_refuses_state_of_owners_it_does_not_hold() {
     );
 }
 
+/// A chain inside a chain (Muon's layer-wise chain beside AdamW, say) imports the outer
+/// chain's state: each part is shown only its own owners' state, so the inner chain does not
+/// refuse the other part's owners.
+#[test]
+fn a_nested_chain_imports_its_part_of_the_state() {
+    let mut dev = Device::cpu();
+    let dev = &mut dev;
+    let b = bufs(dev, 0);
+    let init = init_values(b.specs());
+    let cfg = OptimConfig::new(1e-2);
+    let nested = |dev: &mut Device, init: &[Vec<f32>]| {
+        let inner = ChainedOptimizer::new(vec![Box::new(leaf(dev, &b, 0, false, cfg, init))]);
+        ChainedOptimizer::new(vec![
+            Box::new(inner.unwrap()),
+            Box::new(leaf(dev, &b, 1, true, cfg, init)),
+        ])
+        .unwrap()
+    };
+    let mut target = nested(dev, &init);
+    let source = nested(dev, &shifted(&init, 1.0)).export_state(dev).unwrap();
+    assert!(target.export_state(dev).unwrap() != source);
+    target.import_state(dev, &source).unwrap();
+    assert!(
+        target.export_state(dev).unwrap() == source,
+        "the nested chain's state did not go in"
+    );
+}
+
 /// A chain whose first part accepts its state and whose second part refuses its own must change
 /// nothing, like a leaf.
 #[test]
