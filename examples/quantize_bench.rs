@@ -35,6 +35,15 @@ struct Timeval {
     usec: i64,
 }
 
+impl Timeval {
+    fn secs(&self) -> f64 {
+        self.sec as f64 + self.usec as f64 * 1e-6
+    }
+}
+
+/// CPU seconds of every child measured so far, so the load figure can leave them out.
+static CHILD_CPU_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// `struct rusage`: two timevals, then 14 longs of which `ru_maxrss` is the first (KiB on Linux).
 #[repr(C)]
 #[derive(Default)]
@@ -82,6 +91,8 @@ fn measure(cmd: &mut Command) -> Result<Run, String> {
         }
         return Err(format!("{cmd:?} failed (status {status:#x}): {err}"));
     }
+    let cpu = usage.utime.secs() + usage.stime.secs();
+    CHILD_CPU_US.fetch_add((cpu * 1e6) as u64, std::sync::atomic::Ordering::Relaxed);
     let rss = usage.maxrss as f64
         * if cfg!(target_os = "macos") {
             1.0
@@ -234,7 +245,7 @@ fn main() -> Result<(), String> {
             &[("a", "BF16", [8192, 8192]), ("b", "F32", [4096, 8192])],
         ),
     ];
-    let load_before = CpuTimes::now();
+    let (load_before, started) = (CpuTimes::now(), Instant::now());
     let mut rows = Vec::new();
     for (case, tensors) in cases {
         let input = dir.join("in.safetensors");
@@ -283,9 +294,13 @@ fn main() -> Result<(), String> {
         }
     }
     let _ = std::fs::remove_dir(&dir);
+    // Busy cores other than this process's, minus what its children (the measured commands)
+    // used.
+    let children = CHILD_CPU_US.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-6;
     let others = load_before.zip(CpuTimes::now()).and_then(|(a, b)| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        a.others_cores(b, cores)
+        let busy = a.others_cores(b, cores)?;
+        Some((busy - children / started.elapsed().as_secs_f64()).max(0.0))
     });
     if json {
         let items: Vec<String> = rows
@@ -335,6 +350,7 @@ fn main() -> Result<(), String> {
     }
     if let Some(o) = others {
         println!("other processes kept {o:.2} cores busy on average during the run");
+        println!("(cp + sync: cp IN COPY, then sync COPY; both commands write a new file)");
     }
     Ok(())
 }

@@ -19,7 +19,7 @@ use std::sync::{Mutex, PoisonError};
 use half::slice::HalfBitsSliceExt;
 use lowbit_formats::{
     FormatError, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane, Source,
-    nvfp4_amax, quantize_mxfp8, quantize_nvfp4_piece,
+    f16, nvfp4_amax, quantize_mxfp8, quantize_nvfp4_piece,
 };
 use safetensors::Dtype;
 
@@ -303,9 +303,9 @@ impl Elements {
     /// This chunk's amax and max |err| against its reconstruction (any thread, any order).
     fn extrema(&self, xhat: &[f32]) -> Stats {
         match self.source() {
-            Source::F32(v) => Stats::extrema(v.iter().copied(), xhat),
-            Source::Bf16(v) => Stats::extrema(v.iter().map(bf16_value), xhat),
-            Source::F16(v) => Stats::extrema(v.iter().map(|x| x.to_f32()), xhat),
+            Source::F32(v) => Stats::extrema(v, |x| x, xhat),
+            Source::Bf16(v) => Stats::extrema(v, |x| bf16_value(&x), xhat),
+            Source::F16(v) => Stats::extrema(v, f16::to_f32, xhat),
         }
     }
 
