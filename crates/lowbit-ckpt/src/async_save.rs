@@ -3,7 +3,7 @@
 //!
 //! # Design
 //!
-//! A save has three parts (see [`crate::save`]): the snapshot and the temp directory
+//! A save has three parts (see [`crate::save()`]): the snapshot and the temp directory
 //! (collective: a barrier), each rank's files (no collective), the commit (collective: a
 //! barrier, rank 0 commits, a barrier). [`AsyncSaver::save`] runs the first part on the calling
 //! thread and hands the second to a background thread that only writes and fsyncs files; the
@@ -16,7 +16,7 @@
 //! way to tell "slow" from "dead" but a timeout, and a crash of rank 0 mid-poll is silent; the
 //! collective wait reports every failure on every rank.
 //!
-//! The atomicity is [`crate::save`]'s: until rank 0 renames the temp directory (inside the
+//! The atomicity is [`crate::save()`]'s: until rank 0 renames the temp directory (inside the
 //! wait), a kill at any instant leaves the previous checkpoint as `latest` and nothing that
 //! loads. A saver holds at most one pending save: the next save first completes it.
 
@@ -111,7 +111,7 @@ impl AsyncSaver {
     }
 
     /// Starts a save of `opt`'s state after step `meta.step` under `root` (collective, the
-    /// arguments of [`crate::save`]). A pending save is completed first (its files awaited,
+    /// arguments of [`crate::save()`]). A pending save is completed first (its files awaited,
     /// then committed), and its committed path returned. Then, on the calling thread: the
     /// snapshot (`opt.export_state`, a host copy — what this call costs a training step) and a
     /// barrier; the files are written and fsynced by a background thread, so `opt` may step
@@ -164,7 +164,7 @@ impl AsyncSaver {
     }
 
     /// Completes the pending save, if any (collective): waits for this rank's files, then the
-    /// commit of [`crate::save`]. Returns the committed `step-N` directory (`None` when nothing
+    /// commit of [`crate::save()`]. Returns the committed `step-N` directory (`None` when nothing
     /// was pending).
     ///
     /// # Errors

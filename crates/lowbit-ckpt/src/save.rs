@@ -100,7 +100,7 @@ pub fn save(
 }
 
 /// One save in progress: where it writes and commits, and what the manifest records. Shared by
-/// [`save`] and [`crate::AsyncSaver`]: [`Target::begin`] and [`Target::finish`] are the
+/// [`save()`] and [`crate::AsyncSaver`]: [`Target::begin`] and [`Target::finish`] are the
 /// collective parts, [`Target::write`] the rank's own I/O (no collective, so it may run on any
 /// thread).
 #[derive(Debug)]
