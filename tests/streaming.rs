@@ -436,3 +436,38 @@ fn bad_headers_are_refused_before_any_data_is_read() {
         dir.entries()
     );
 }
+
+#[test]
+fn a_non_finite_element_in_a_later_chunk_is_named_as_before() {
+    let dir = TempDir::new("stream-nan");
+    let mut v = values(100 * 32, 9);
+    v.iter_mut()
+        .filter(|x| !x.is_finite())
+        .for_each(|x| *x = 0.5);
+    v[70 * 32 + 5] = f32::NAN;
+    v[90 * 32 + 1] = f32::INFINITY;
+    let data = encode("F32", &v);
+    write_file(
+        &dir.path("in.safetensors"),
+        &[("w", "F32", vec![2, 50, 32], data)],
+    );
+    // The whole-file implementation's message (its first non-finite element, in the original
+    // shape too), whichever 32-row chunk holds it.
+    let want = "error: in.safetensors: tensor `w`: non-finite value NaN at index [70, 5] (flat \
+                index 2245), i.e. element [1, 20, 5] of the [2, 50, 32] tensor (--nan-policy \
+                error)\n";
+    for recipe in ["mxfp8", "nvfp4"] {
+        let args = [
+            "quantize",
+            "in.safetensors",
+            "q.safetensors",
+            "--recipe",
+            recipe,
+            "--nan-policy",
+            "error",
+        ];
+        let (code, _, err) = run_in(dir.dir(), &args, &[("LOWBIT_CHUNK_ELEMS", "1")]);
+        assert_eq!((code, err.as_str()), (1, want), "{recipe}");
+        assert_eq!(dir.entries(), ["in.safetensors"]);
+    }
+}
