@@ -78,6 +78,19 @@ STEPS+=(
   # rendezvous; rank 0 prints), against the CPU run.
   "train-cuda-torchrun|600|torchrun --no-python --nproc-per-node 2 bin/lowbit train --device cuda --json > \$STEP_JSON"
   "compare-train-torchrun|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-2rank.json \$WORK/train-cuda-torchrun.json | tee \$STEP_SUMMARY"
+  # NVFP4 primary storage of grouped expert tensors (one global amax per expert; issue 14
+  # item 6) on 2 GPUs with buckets that cut through experts, grouped and discrete, against the CPU.
+  "train-cpu-nvfp4-2|600|bin/lowbit train --ranks 2 --precision nvfp4 --bucket-size 5000 --json > \$STEP_JSON"
+  "train-cuda-nvfp4-2|600|bin/lowbit train --device cuda --ranks 2 --precision nvfp4 --bucket-size 5000 --json > \$STEP_JSON"
+  "train-cuda-nvfp4-discrete-2|600|bin/lowbit train --device cuda --ranks 2 --precision nvfp4 --bucket-size 5000 --discrete-experts --json > \$STEP_JSON"
+  "compare-train-nvfp4|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-nvfp4-2.json \$WORK/train-cuda-nvfp4-2.json \$WORK/train-cuda-nvfp4-discrete-2.json | tee \$STEP_SUMMARY"
+  # Checkpoints across backends (issue 14): 60 steps saved every 20 on the CPU and on 2 GPUs
+  # (saving changes nothing: CUDA = CPU), then resumes CPU -> CUDA at step 20, CUDA -> CPU and
+  # CUDA -> CUDA at step 40, each equal to the straight run from its step on, bit for bit.
+  "ckpt-cpu-straight|600|bin/lowbit train --ranks 2 --steps 60 --save \$WORK/ck-cpu --save-every 20 --json > \$STEP_JSON"
+  "ckpt-cuda-straight|600|bin/lowbit train --device cuda --ranks 2 --steps 60 --save \$WORK/ck-cuda --save-every 20 --json > \$STEP_JSON"
+  "ckpt-cuda-resume|600|bin/lowbit train --device cuda --ranks 2 --steps 60 --resume \$WORK/ck-cpu/step-20 --json > \$WORK/ckpt-cuda-from-cpu-20.json && bin/lowbit train --ranks 2 --steps 60 --resume \$WORK/ck-cuda/step-40 --json > \$WORK/ckpt-cpu-from-cuda-40.json && bin/lowbit train --device cuda --ranks 2 --steps 60 --resume \$WORK/ck-cuda/step-40 --json > \$WORK/ckpt-cuda-from-cuda-40.json"
+  "compare-ckpt|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/ckpt-cpu-straight.json \$WORK/ckpt-cuda-straight.json && python3 gpu/compare_resume.py \$WORK/ckpt-cpu-straight.json \$WORK/ckpt-cuda-from-cpu-20.json \$WORK/ckpt-cpu-from-cuda-40.json \$WORK/ckpt-cuda-from-cuda-40.json; } | tee \$STEP_SUMMARY"
   # A dead rank is noticed in seconds (issue 15 item 7): rank 1 of a two-process run killed
   # mid-run (SIGKILL, SIGTERM; without and with torchrun's agent); rank 0 must exit non-zero
   # within 10 s naming rank 1 (prints PASS/FAIL and the seconds per case).
