@@ -16,7 +16,8 @@
 //! - `save_1rank` / `save_Nranks`: `lowbit_ckpt::save` by one rank / `--ranks` thread ranks
 //!   (each its own shard, CPU devices), snapshot, files, fsyncs and commit;
 //! - `load_1rank` / `load_Nranks`: open + `load_optimizer` (hash-checked, resharded to the
-//!   loading plan) after dropping the checkpoint's pages the same way;
+//!   loading plan) after dropping the checkpoint's pages the same way; every rep removes its
+//!   checkpoint after the load, as the disk probe rewrites its file;
 //! - `host_copy`: one copy of `B` bytes into fresh host memory, the bound of a snapshot;
 //! - `async_snapshot`: what `AsyncSaver::save` blocks the training thread for (the host copy
 //!   of the state and a barrier; its ratio is over `host_copy`), `async_total` the time to its committed wait while
@@ -323,8 +324,11 @@ fn main() {
         .expect("a rank");
     let mut rows = Vec::new();
 
-    // The one-rank save, which also gives B, the bytes every row moves.
+    // The one-rank save and load, which also give B, the bytes every row moves. Each rep
+    // removes its checkpoint, as the disk probe rewrites its file: every row writes to blocks
+    // the file system has just freed.
     let mut bytes = 0;
+    let mut loads = Vec::new();
     let save_1 = timed(a.reps, |rep| {
         let t = Instant::now();
         let opts = SaveOptions::default();
@@ -340,6 +344,15 @@ fn main() {
         .expect("save");
         let t = t.elapsed();
         bytes = data_bytes(&dir);
+        files(&dir).iter().for_each(|p| {
+            drop_cached(p);
+        });
+        let l = Instant::now();
+        Checkpoint::open(&dir)
+            .and_then(|ck| ck.load_optimizer(dev, &r.specs, &mut r.opt))
+            .expect("load");
+        loads.push(l.elapsed());
+        std::fs::remove_dir_all(&dir).expect("remove");
         t
     });
     let probe = work.join("disk-probe");
@@ -351,19 +364,7 @@ fn main() {
     rows.push(row("disk_write", write, bytes, ""));
     rows.push(row("disk_read", read, bytes, ""));
     rows.push(row("save_1rank", save_1, bytes, "disk_write"));
-    let load_1 = timed(a.reps, |rep| {
-        let dir = root.join(format!("step-{rep}"));
-        files(&dir).iter().for_each(|p| {
-            drop_cached(p);
-        });
-        let t = Instant::now();
-        Checkpoint::open(&dir)
-            .and_then(|ck| ck.load_optimizer(dev, &r.specs, &mut r.opt))
-            .expect("load");
-        t.elapsed()
-    });
-    rows.push(row("load_1rank", load_1, bytes, "disk_read"));
-    std::fs::remove_dir_all(&root).expect("remove");
+    rows.push(row("load_1rank", median(loads), bytes, "disk_read"));
 
     // Asynchronous: the step's cost and the whole save, with steps running meanwhile.
     let step_idle = timed(a.reps.max(3), |_| {

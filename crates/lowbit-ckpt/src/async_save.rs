@@ -27,31 +27,36 @@ use std::thread::JoinHandle;
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
-use lowbit_optim::Optimizer;
+use lowbit_optim::{Optimizer, OptimizerState};
 
 use crate::error::{CkptError, Result};
 use crate::manifest::Meta;
 use crate::save::{SaveOptions, Target};
 
+/// The background writer's outcome and the snapshot it wrote (its buffers serve the next one).
+type Written = (Result<()>, Vec<OptimizerState>);
+
 /// One save whose files are being written in the background.
 #[derive(Debug)]
 struct PendingSave {
     target: Arc<Target>,
-    writer: Option<JoinHandle<Result<()>>>,
+    writer: Option<JoinHandle<Written>>,
     /// The local failure before the writer started (the snapshot, the temp directory, the
     /// thread), reported at the wait.
     failed: Option<CkptError>,
 }
 
 impl PendingSave {
-    /// Joins the writer and commits (collective).
-    fn finish(mut self, comm: &mut dyn Communicator) -> Result<PathBuf> {
-        let written = match (self.failed.take(), self.writer.take()) {
-            (Some(e), _) => Err(e),
-            (None, Some(h)) => h.join().unwrap_or_else(|_| Err(self.panicked())),
-            (None, None) => Err(self.panicked()),
+    /// Joins the writer and commits (collective); hands back the snapshot's buffers.
+    fn finish(mut self, comm: &mut dyn Communicator) -> (Result<PathBuf>, Vec<OptimizerState>) {
+        let (written, state) = match (self.failed.take(), self.writer.take()) {
+            (Some(e), _) => (Err(e), Vec::new()),
+            (None, Some(h)) => h
+                .join()
+                .unwrap_or_else(|_| (Err(self.panicked()), Vec::new())),
+            (None, None) => (Err(self.panicked()), Vec::new()),
         };
-        self.target.finish(comm, written)
+        (self.target.finish(comm, written), state)
     }
 
     fn panicked(&self) -> CkptError {
@@ -99,9 +104,14 @@ impl Drop for PendingSave {
 /// saver.wait(comm)?; // the last save, committed
 /// # Ok(()) }
 /// ```
+///
+/// The saver keeps the host buffers of its last snapshot (as much memory as this rank's
+/// state) for the next one, so a snapshot after the first copies into memory that is already
+/// faulted in; [`AsyncSaver::release_buffers`] frees them.
 #[derive(Debug, Default)]
 pub struct AsyncSaver {
     pending: Option<PendingSave>,
+    spare: Vec<OptimizerState>,
 }
 
 impl AsyncSaver {
@@ -113,9 +123,10 @@ impl AsyncSaver {
     /// Starts a save of `opt`'s state after step `meta.step` under `root` (collective, the
     /// arguments of [`crate::save()`]). A pending save is completed first (its files awaited,
     /// then committed), and its committed path returned. Then, on the calling thread: the
-    /// snapshot (`opt.export_state`, a host copy — what this call costs a training step) and a
-    /// barrier; the files are written and fsynced by a background thread, so `opt` may step
-    /// again as soon as this returns: later updates do not reach the checkpoint.
+    /// snapshot (`opt.export_state_into` the previous snapshot's buffers, a host copy — what
+    /// this call costs a training step) and a barrier; the files are written and fsynced by a
+    /// background thread, so `opt` may step again as soon as this returns: later updates do
+    /// not reach the checkpoint.
     ///
     /// # Errors
     /// The previous save's errors (then nothing new is started); [`CkptError::Exists`] if
@@ -134,7 +145,7 @@ impl AsyncSaver {
     ) -> Result<Option<PathBuf>> {
         let previous = self.wait(comm)?;
         let target = Target::new(comm, root, meta, specs, options)?;
-        let state = target.begin(dev, comm, opt)?;
+        let state = target.begin(dev, comm, opt, std::mem::take(&mut self.spare))?;
         let target = Arc::new(target);
         let mut pending = PendingSave {
             target: Arc::clone(&target),
@@ -146,7 +157,7 @@ impl AsyncSaver {
             Ok(state) => {
                 let spawned = std::thread::Builder::new()
                     .name(format!("lowbit-ckpt-step-{}", meta.step))
-                    .spawn(move || target.write(Ok(state)));
+                    .spawn(move || (target.write(&state), state));
                 match spawned {
                     Ok(h) => pending.writer = Some(h),
                     Err(source) => {
@@ -171,10 +182,18 @@ impl AsyncSaver {
     /// The snapshot's, the files' and the commit's errors, on every rank (a rank whose own part
     /// succeeded reports that rank 0 did not commit); collective errors.
     pub fn wait(&mut self, comm: &mut dyn Communicator) -> Result<Option<PathBuf>> {
-        match self.pending.take() {
-            Some(p) => p.finish(comm).map(Some),
-            None => Ok(None),
-        }
+        let Some(p) = self.pending.take() else {
+            return Ok(None);
+        };
+        let (committed, spare) = p.finish(comm);
+        self.spare = spare;
+        committed.map(Some)
+    }
+
+    /// Frees the buffers kept from the last snapshot (the next snapshot allocates anew). A
+    /// pending save keeps its own until it is waited for.
+    pub fn release_buffers(&mut self) {
+        self.spare = Vec::new();
     }
 
     /// The step of the pending save.

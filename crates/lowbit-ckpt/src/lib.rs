@@ -17,6 +17,14 @@
 //!   `start`/`end` element offsets in the flattened global tensor, `offset` of the data in the
 //!   file in bytes, and `fnv1a64`: FNV-1a 64 of the piece's little-endian bytes as 16 hex
 //!   digits). Integers are JSON integers; the pieces of a tensor tile `[0, numel)` exactly once.
+//!   `scalars_fnv1a64` (16 hex digits) is FNV-1a 64 of the canonical serialization (this
+//!   crate's [`json::Json::to_text`] of the parsed values: keys sorted, fixed layout) of the
+//!   manifest object without `tensors` and without itself: it puts `step`, `config`, `data`,
+//!   `rng`, `optimizers` (an optimizer's step count) and `files` under a hash, checked at open
+//!   after the format's rules. `tensors` is left out because every member of it is checked
+//!   otherwise: a piece's bytes by its own hash when read, its place by the validation (ranges,
+//!   offsets within the listed file sizes, exact tiling), names and shapes against the loading
+//!   model; so tools may still rewrite tensor entries, and the hash stays cheap for many pieces.
 //!
 //! # Commit
 //!
@@ -44,6 +52,7 @@ mod error;
 pub mod json;
 mod load;
 pub mod manifest;
+mod read;
 mod save;
 mod tidy;
 
@@ -52,7 +61,8 @@ pub use convert::{Alias, LoadOptions, Segment};
 pub use error::{CkptError, Result};
 pub use load::Checkpoint;
 pub use manifest::{
-    FORMAT_VERSION, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry, fnv1a64,
+    FORMAT_VERSION, FileEntry, Manifest, Meta, OptimizerEntry, Piece, SCALARS_HASH, TensorEntry,
+    fnv1a64,
 };
 pub use save::{LATEST, MANIFEST, SaveOptions, prune, save, step_dir_name};
 pub use tidy::{Tidied, committed_steps, latest_step, tidy};

@@ -1,9 +1,8 @@
 //! Loading: open and validate, then fill a fresh optimizer's own export template with the
 //! overlapping pieces (resharding), import, force a parameter sync.
 
-use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -15,7 +14,8 @@ use lowbit_optim::{Optimizer, Trainer};
 use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
-use crate::manifest::{Manifest, Meta, Piece, TensorEntry, fnv1a64, plain_name};
+use crate::manifest::{Manifest, Meta, TensorEntry};
+use crate::read::Request;
 use crate::save::{LATEST, MANIFEST, parse_step_name};
 
 /// Bytes of a manifest at most (a hostile file cannot make the loader read gigabytes).
@@ -112,13 +112,7 @@ impl Checkpoint {
     /// # Errors
     /// [`CkptError::Hash`], I/O errors.
     pub fn verify(&self) -> Result<()> {
-        let mut reader = Reader::new(&self.dir);
-        for t in &self.manifest.tensors {
-            for p in &t.pieces {
-                reader.piece(t, p)?;
-            }
-        }
-        Ok(())
+        crate::read::verify(&self.dir, &self.manifest.tensors)
     }
 
     /// Elements `range` of the logical tensor `name` (`{parameter}/{state}`), read from the
@@ -132,10 +126,7 @@ impl Checkpoint {
             .manifest
             .tensor(name)
             .ok_or_else(|| self.mismatch(format!("no tensor `{name}`")))?;
-        Reader::new(&self.dir).range(t, range).map_err(|e| match e {
-            ReadErr::Ckpt(e) => e,
-            ReadErr::Range(msg) => self.mismatch(msg),
-        })
+        self.read_parts(name, vec![(t, 0..t.numel())], range)
     }
 
     fn mismatch(&self, msg: String) -> CkptError {
@@ -178,8 +169,9 @@ impl Checkpoint {
         opt: &mut dyn Optimizer,
         options: &LoadOptions,
     ) -> Result<()> {
+        // The optimizer's own export is the template (and its buffers the destinations).
         let mut state = opt.export_state(dev)?;
-        let mut reader = Reader::new(&self.dir);
+        let mut requests = Vec::new();
         for st in &mut state {
             let Some(entry) = self
                 .manifest
@@ -202,9 +194,17 @@ impl Checkpoint {
                 })?;
                 let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
                 let parts = self.resolve(&spec.name, &t.name, &shape, options)?;
-                t.values = self.read_parts(&mut reader, &parts, t.range.clone())?;
+                t.values.resize(t.range.len(), 0.0);
+                requests.push(Request {
+                    name: format!("{}/{}", spec.name, t.name),
+                    parts,
+                    want: t.range.start as u64..t.range.end as u64,
+                    out: &mut t.values,
+                });
             }
         }
+        // Every piece of the whole load at once: the cores share the reads and the hashing.
+        crate::read::fill(&self.dir, requests, |m| self.mismatch(m))?;
         opt.check_import(&state)?;
         opt.import_state(dev, &state)?;
         Ok(())
@@ -258,7 +258,7 @@ impl Checkpoint {
         let numel = parts.iter().map(|(_, r)| r.end - r.start).sum::<u64>();
         let n = usize::try_from(numel)
             .map_err(|_| self.mismatch(format!("`{param}/{state}` is too large")))?;
-        self.read_parts(&mut Reader::new(&self.dir), &parts, 0..n)
+        self.read_parts(&format!("{param}/{state}"), parts, 0..n)
     }
 
     /// The stored tensors and element ranges that make up `{param}/{state}`, in order: the
@@ -317,32 +317,25 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Elements `want` of the concatenation of `parts`.
+    /// Elements `want` of the concatenation of `parts` (the tensor `name`).
     fn read_parts(
         &self,
-        reader: &mut Reader<'_>,
-        parts: &[(&TensorEntry, Range<u64>)],
+        name: &str,
+        parts: Vec<(&TensorEntry, Range<u64>)>,
         want: Range<usize>,
     ) -> Result<Vec<f32>> {
-        let (ws, we) = (want.start as u64, want.end as u64);
         let total: u64 = parts.iter().map(|(_, r)| r.end - r.start).sum();
-        if ws > we || we > total {
-            return Err(self.mismatch(format!("range {want:?} of a tensor with {total} elements")));
+        if want.start > want.end || want.end as u64 > total {
+            return Err(self.mismatch(format!("range {want:?} of `{name}` with {total} elements")));
         }
-        let mut out = Vec::with_capacity(want.len());
-        let mut at = 0u64;
-        for (entry, r) in parts {
-            let len = r.end - r.start;
-            let (s, e) = (ws.max(at), we.min(at + len));
-            if s < e {
-                let src = (r.start + s - at) as usize..(r.start + e - at) as usize;
-                out.extend(reader.range(entry, src).map_err(|e| match e {
-                    ReadErr::Ckpt(e) => e,
-                    ReadErr::Range(msg) => self.mismatch(msg),
-                })?);
-            }
-            at += len;
-        }
+        let mut out = vec![0.0; want.len()];
+        let request = Request {
+            name: name.to_string(),
+            parts,
+            want: want.start as u64..want.end as u64,
+            out: &mut out,
+        };
+        crate::read::fill(&self.dir, vec![request], |m| self.mismatch(m))?;
         Ok(out)
     }
 }
@@ -360,102 +353,4 @@ fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
         });
     }
     Ok(out)
-}
-
-enum ReadErr {
-    Ckpt(CkptError),
-    Range(String),
-}
-
-impl From<CkptError> for ReadErr {
-    fn from(e: CkptError) -> Self {
-        ReadErr::Ckpt(e)
-    }
-}
-
-/// Reads hash-checked pieces, each at most once per reader.
-struct Reader<'a> {
-    dir: &'a Path,
-    files: HashMap<String, File>,
-    cache: HashMap<(String, u64), Vec<f32>>,
-}
-
-impl<'a> Reader<'a> {
-    fn new(dir: &'a Path) -> Self {
-        Reader {
-            dir,
-            files: HashMap::new(),
-            cache: HashMap::new(),
-        }
-    }
-
-    fn piece(&mut self, t: &TensorEntry, p: &Piece) -> Result<&[f32]> {
-        let key = (p.file.clone(), p.offset);
-        if !self.cache.contains_key(&key) {
-            // The manifest checked the name, the range and that the bytes fit the file's size.
-            debug_assert!(plain_name(&p.file));
-            let path = self.dir.join(&p.file);
-            if !self.files.contains_key(&p.file) {
-                let f = File::open(&path).map_err(io("open", &path))?;
-                self.files.insert(p.file.clone(), f);
-            }
-            let f = self
-                .files
-                .get_mut(&p.file)
-                .ok_or_else(|| CkptError::NotACheckpoint(path.clone()))?;
-            let n = usize::try_from(p.end - p.start).map_err(|_| CkptError::Manifest {
-                file: path.clone(),
-                msg: "piece too large for this machine".into(),
-            })?;
-            let mut bytes = vec![0u8; n * 4];
-            f.seek(SeekFrom::Start(p.offset))
-                .map_err(io("seek", &path))?;
-            f.read_exact(&mut bytes).map_err(io("read", &path))?;
-            if fnv1a64(&bytes) != p.hash {
-                return Err(CkptError::Hash {
-                    file: path,
-                    tensor: t.name.clone(),
-                    start: p.start,
-                    end: p.end,
-                });
-            }
-            let values = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            self.cache.insert(key.clone(), values);
-        }
-        Ok(self.cache.get(&key).map(Vec::as_slice).unwrap_or_default())
-    }
-
-    fn range(&mut self, t: &TensorEntry, want: Range<usize>) -> Result<Vec<f32>, ReadErr> {
-        let (ws, we) = (want.start as u64, want.end as u64);
-        if ws > we || we > t.numel() {
-            return Err(ReadErr::Range(format!(
-                "range {want:?} of `{}` with {} elements",
-                t.name,
-                t.numel()
-            )));
-        }
-        let mut out = vec![0f32; want.len()];
-        let mut covered = 0u64;
-        for p in &t.pieces {
-            let (s, e) = (p.start.max(ws), p.end.min(we));
-            if s >= e {
-                continue;
-            }
-            let vals = self.piece(t, p)?;
-            let src = &vals[(s - p.start) as usize..(e - p.start) as usize];
-            out[(s - ws) as usize..(e - ws) as usize].copy_from_slice(src);
-            covered += e - s;
-        }
-        // The manifest's pieces tile the tensor exactly once, so this holds; checked anyway.
-        if covered != we - ws {
-            return Err(ReadErr::Range(format!(
-                "range {want:?} of `{}` not covered",
-                t.name
-            )));
-        }
-        Ok(out)
-    }
 }

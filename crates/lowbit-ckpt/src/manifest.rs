@@ -16,6 +16,10 @@ pub const MAX_NUMEL: u64 = 1 << 40;
 /// Dimensions of a shape at most.
 pub const MAX_RANK: usize = 8;
 
+/// The manifest member holding [`fnv1a64`] of the manifest's scalars: the canonical text
+/// ([`Json::to_text`]) of the manifest object without `tensors` and without this member.
+pub const SCALARS_HASH: &str = "scalars_fnv1a64";
+
 /// FNV-1a, 64 bits (offset basis 0xcbf29ce484222325, prime 0x100000001b3), over the piece's
 /// bytes as stored (little-endian f32). Detects torn writes and bit rot, not tampering.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -132,6 +136,28 @@ fn hex(h: u64) -> Json {
     Json::Str(format!("{h:016x}"))
 }
 
+/// A hash as the manifest writes it: exactly 16 hex digits.
+fn parse_hex(h: &str) -> Option<u64> {
+    (h.len() == 16)
+        .then(|| u64::from_str_radix(h, 16).ok())
+        .flatten()
+}
+
+/// [`SCALARS_HASH`] of the manifest object `v`. Everything it leaves out is checked otherwise:
+/// a piece's bytes by its hash when read, its place by the validation (ranges, offsets within
+/// the listed file sizes, exact tiling), names and shapes against the loading model.
+fn scalars_hash(v: &Json) -> u64 {
+    let head = match v {
+        Json::Object(m) => m
+            .iter()
+            .filter(|(k, _)| *k != "tensors" && *k != SCALARS_HASH)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        _ => BTreeMap::new(),
+    };
+    fnv1a64(Json::Object(head).to_text().as_bytes())
+}
+
 /// A plain file name: no separators, not `.`/`..`, not empty, printable ASCII.
 pub(crate) fn plain_name(s: &str) -> bool {
     !s.is_empty()
@@ -198,7 +224,7 @@ impl Manifest {
                 ])
             })
             .collect();
-        obj(vec![
+        let mut v = obj(vec![
             ("format", Json::Str(FORMAT_NAME.into())),
             ("version", Json::UInt(FORMAT_VERSION)),
             ("step", Json::UInt(self.meta.step)),
@@ -209,7 +235,12 @@ impl Manifest {
             ("optimizers", Json::Array(optimizers)),
             ("files", Json::Array(files)),
             ("tensors", Json::Array(tensors)),
-        ])
+        ]);
+        let h = hex(scalars_hash(&v));
+        if let Json::Object(m) = &mut v {
+            m.insert(SCALARS_HASH.to_string(), h);
+        }
+        v
     }
 
     /// Parses and validates a manifest. `Err(Ok(version))` is a well-formed manifest of another
@@ -310,13 +341,9 @@ impl Manifest {
                     offset: uint(p, "offset")?,
                     hash: {
                         let h = string(p, "fnv1a64")?;
-                        if h.len() != 16 {
-                            return Err(format!(
-                                "tensor `{name}`: hash `{h}` is not 16 hex digits"
-                            ));
-                        }
-                        u64::from_str_radix(&h, 16)
-                            .map_err(|_| format!("tensor `{name}`: hash `{h}` is not hex"))?
+                        parse_hex(&h).ok_or_else(|| {
+                            format!("tensor `{name}`: hash `{h}` is not 16 hex digits")
+                        })?
                     },
                 };
                 let Some(&fbytes) = sizes.get(&piece.file) else {
@@ -377,6 +404,14 @@ impl Manifest {
                 dtype,
                 pieces,
             });
+        }
+        // Last, so that a manifest that breaks a rule is refused for that rule.
+        let h = string(v, SCALARS_HASH)?;
+        if parse_hex(&h) != Some(scalars_hash(v)) {
+            return Err(format!(
+                "`{SCALARS_HASH}` ({h:.20}) does not match the scalars (step, optimizer steps, \
+                 configuration, data position, RNG state, files): corrupted"
+            ));
         }
         Ok(Manifest {
             meta,

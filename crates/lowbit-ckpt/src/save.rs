@@ -94,8 +94,8 @@ pub fn save(
     options: SaveOptions,
 ) -> Result<PathBuf> {
     let target = Target::new(comm, root, meta, specs, options)?;
-    let state = target.begin(dev, comm, opt)?;
-    let written = target.write(state);
+    let state = target.begin(dev, comm, opt, Vec::new())?;
+    let written = state.and_then(|s| target.write(&s));
     target.finish(comm, written)
 }
 
@@ -144,10 +144,11 @@ impl Target {
         })
     }
 
-    /// The synchronous start (collective): snapshots the optimizer's state to the host, rank 0
-    /// prepares the temp directory, then a barrier (nobody writes into a directory that is not
-    /// there yet). A local failure (the snapshot, rank 0's directory) is the inner error, handed
-    /// on so that the rank still joins the barriers of [`Target::finish`].
+    /// The synchronous start (collective): snapshots the optimizer's state to the host (into
+    /// `spare`'s buffers where they fit: a previous snapshot's), rank 0 prepares the temp
+    /// directory, then a barrier (nobody writes into a directory that is not there yet). A
+    /// local failure (the snapshot, rank 0's directory) is the inner error, handed on so that
+    /// the rank still joins the barriers of [`Target::finish`].
     ///
     /// # Errors
     /// Collective errors.
@@ -156,8 +157,12 @@ impl Target {
         dev: &Device,
         comm: &mut dyn Communicator,
         opt: &dyn Optimizer,
+        mut spare: Vec<OptimizerState>,
     ) -> Result<Result<Vec<OptimizerState>>> {
-        let mut state = opt.export_state(dev).map_err(CkptError::from);
+        let mut state = opt
+            .export_state_into(dev, &mut spare)
+            .map(|()| spare)
+            .map_err(CkptError::from);
         if self.rank == 0
             && let Err(e) = self.prepare_tmp()
         {
@@ -179,8 +184,8 @@ impl Target {
     }
 
     /// This rank's files, durable (no collective).
-    pub(crate) fn write(&self, state: Result<Vec<OptimizerState>>) -> Result<()> {
-        write_rank(&self.tmp, self.rank, &self.specs, &state?)
+    pub(crate) fn write(&self, state: &[OptimizerState]) -> Result<()> {
+        write_rank(&self.tmp, self.rank, &self.specs, state)
     }
 
     /// The collective end: a barrier (every rank's files are written or failed), rank 0 commits
@@ -254,21 +259,34 @@ struct OutPiece<'a> {
     values: &'a [f32],
 }
 
+/// The memory of `values` as bytes: on a little-endian host, the values as stored.
+pub(crate) fn raw_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: `values` is a live, initialized `[f32]`; u8 has alignment 1 and no invalid bit
+    // patterns, the length is the slice's size in bytes (it cannot overflow: the slice exists),
+    // and the borrow ties the result to `values`.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// The memory of `values` as writable bytes, so a read lands in the f32 buffer itself.
+pub(crate) fn raw_bytes_mut(values: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as `raw_bytes`, with the exclusive borrow of `values` for the result's lifetime;
+    // every bit pattern is a valid f32, so whatever bytes are written leave valid values.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            values.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(values),
+        )
+    }
+}
+
 /// The bytes of `values` as stored (little-endian f32): borrowed where that is the memory
 /// layout already, so a multi-GiB snapshot is not copied again.
 fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
-    #[cfg(target_endian = "little")]
-    {
-        // SAFETY: `values` is a live, initialized `[f32]`; on a little-endian target its memory
-        // is exactly the little-endian bytes of its elements. u8 has alignment 1 and no invalid
-        // bit patterns, the length is the slice's size in bytes (it cannot overflow: the slice
-        // exists), and the borrow ties the result to `values`.
-        Cow::Borrowed(unsafe {
-            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
-        })
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(raw_bytes(values))
+    } else {
         Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
 }
@@ -277,7 +295,7 @@ fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
 /// the multiply's latency (a few cycles a byte), so each core hashes [`LANES`] slices at once,
 /// interleaved (independent chains overlap), and the cores take slices from a shared queue.
 /// A checkpoint's pieces are many and each is hashed whole, so this is the format's hash at
-/// several GB/s (the save uses it; a load can too).
+/// several GB/s (the save uses it; a load hashes [`LANES`] pieces a core the same way).
 pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
     let workers = std::thread::available_parallelism()
         .map_or(1, usize::from)
@@ -300,7 +318,7 @@ pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
 }
 
 /// Slices hashed side by side by one core.
-const LANES: usize = 4;
+pub(crate) const LANES: usize = 4;
 /// Bytes hashed per lane between refills (bounds the dummy input of idle lanes).
 const BLOCK: usize = 1 << 18;
 const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
@@ -308,7 +326,7 @@ const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// One worker: keeps [`LANES`] slices in flight, taking the next from `next` when one ends;
 /// idle lanes hash zeros into a state that is thrown away. Returns `(slice, hash)`.
-fn hash_lanes(slices: &[&[u8]], next: &AtomicUsize) -> Vec<(usize, u64)> {
+pub(crate) fn hash_lanes(slices: &[&[u8]], next: &AtomicUsize) -> Vec<(usize, u64)> {
     let idle = vec![0u8; BLOCK];
     let mut lanes: [Option<(usize, &[u8], usize)>; LANES] = Default::default();
     let mut h = [FNV_BASIS; LANES];

@@ -14,7 +14,7 @@ use lowbit_buffers::{
     ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute, PrecisionPolicy, Verify,
 };
 use lowbit_ckpt::json::Json;
-use lowbit_ckpt::{Checkpoint, CkptError, Meta, SaveOptions, save};
+use lowbit_ckpt::{Alias, Checkpoint, CkptError, LoadOptions, Meta, SaveOptions, Segment, save};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
@@ -743,6 +743,66 @@ fn hostile_manifests_are_typed_errors() {
             let _ = ck.verify();
         }
     }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The manifest's scalars are under `scalars_fnv1a64`: a digit of an optimizer's step count
+/// (or of the step, the data position) changed is refused at open, naming the manifest; the
+/// unchanged manifest opens.
+#[test]
+fn corrupted_manifest_scalars_are_refused() {
+    let root = tmp_root("scalars");
+    train_and_save(2, ShardingStrategy::Distributed, 3, &root);
+    let good = root.join("step-3");
+    let path = good.join("manifest.json");
+    let original = std::fs::read_to_string(&path).unwrap();
+    let ck = Checkpoint::open(&good).unwrap();
+    assert_eq!(ck.manifest().optimizers[0].steps, 3);
+    for member in ["\"steps\": ", "\"step\": ", "\"next_step\": \""] {
+        let at = original.find(member).expect(member) + member.len();
+        let digit = original.as_bytes()[at];
+        assert!(digit.is_ascii_digit(), "{member}");
+        let mut text = original.clone();
+        text.replace_range(at..=at, if digit == b'7' { "8" } else { "7" });
+        std::fs::write(&path, &text).unwrap();
+        match Checkpoint::open(&good) {
+            Err(CkptError::Manifest { file, msg }) => {
+                assert_eq!(file, path, "{member}");
+                assert!(msg.contains("scalars_fnv1a64"), "{member}: {msg}");
+            }
+            Err(e) => panic!("{member}: unexpected error {e}"),
+            Ok(_) => panic!("{member}: a corrupted scalar was accepted"),
+        }
+    }
+    std::fs::write(&path, &original).unwrap();
+    Checkpoint::open(&good).unwrap().verify().unwrap();
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A load reads each piece once however often it is needed: a tensor assembled from the same
+/// stored elements twice (whole pieces and parts of pieces) equals the pieces read one by one.
+#[test]
+fn a_piece_needed_twice_is_read_once_and_copied() {
+    let root = tmp_root("twice");
+    train_and_save(2, ShardingStrategy::Distributed, 1, &root);
+    let ck = Checkpoint::open(&root).unwrap();
+    let n = ck.manifest().tensor("l0.weight/master").unwrap().numel();
+    let whole = ck.read_range("l0.weight/master", 0..n as usize).unwrap();
+    let seg = |start, len| Segment {
+        param: "l0.weight".into(),
+        start,
+        len,
+    };
+    let alias = Alias {
+        param: "twice".into(),
+        sources: vec![seg(0, n), seg(1, n - 2), seg(0, n)],
+    };
+    let options = LoadOptions::default().with_aliases([alias]);
+    let got = ck
+        .read_param("twice", "master", &[3 * n - 2], &options)
+        .unwrap();
+    let want: Vec<f32> = [&whole[..], &whole[1..n as usize - 1], &whole[..]].concat();
+    assert_eq!(bits(&got), bits(&want));
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -214,13 +214,13 @@ fn load(dev: &mut Device, r: &mut Rank, dir: &Path) -> Result<Vec<OptimizerState
     Ok(r.opt.export_state(dev).expect("export"))
 }
 
-/// Masters and moments only: the step count is a manifest scalar that no hash covers.
-fn tensors(s: &[OptimizerState]) -> Vec<(usize, String, Vec<u32>)> {
+/// Masters, moments and step counts (a manifest scalar, under the manifest's scalars hash).
+fn tensors(s: &[OptimizerState]) -> Vec<(u64, usize, String, Vec<u32>)> {
     s.iter()
-        .flat_map(|st| &st.tensors)
-        .map(|t| {
+        .flat_map(|st| st.tensors.iter().map(|t| (st.steps, t)))
+        .map(|(steps, t)| {
             let bits = t.values.iter().map(|x| x.to_bits()).collect();
-            (t.param, t.name.clone(), bits)
+            (steps, t.param, t.name.clone(), bits)
         })
         .collect()
 }

@@ -20,6 +20,32 @@ pub(crate) fn check_overlap(what: &'static str, ins: &[View], outs: &[View]) -> 
     Ok(())
 }
 
+/// Bytes per thread of a parallel copy at least (smaller copies do not pay for the threads).
+const COPY_BYTES_PER_THREAD: usize = 8 << 20;
+
+/// `dst.copy_from_slice(src)`, split over the cores when large: a copy into freshly allocated
+/// memory (a snapshot of optimizer state) is bound by page faults, which the cores take in
+/// parallel. The same bytes either way.
+pub(crate) fn copy_parallel(src: &[u8], dst: &mut [u8]) {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(src.len() / COPY_BYTES_PER_THREAD);
+    if threads < 2 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = src.len().div_ceil(threads);
+    let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
+    // The calling thread copies the first part itself.
+    let first = parts.next();
+    std::thread::scope(|s| {
+        parts.for_each(|(d, x)| drop(s.spawn(move || d.copy_from_slice(x))));
+        if let Some((d, x)) = first {
+            d.copy_from_slice(x);
+        }
+    });
+}
+
 #[derive(Debug)]
 pub(crate) struct CpuDevice {
     /// One byte vector per live buffer.

@@ -5,7 +5,7 @@
 //! stream order) in the same generation-checked slot table as the CPU backend, so stale and
 //! foreign views are rejected with the same errors. Every op is enqueued on the one stream in
 //! call order, so ops need no further synchronisation among themselves; host reads
-//! (`read_bytes`, reductions) synchronise the stream before they return.
+//! (`read_bytes_into`, reductions) synchronise the stream before they return.
 //!
 //! Kernels come from the embedded PTX ([`crate::ptx::MODULES`]), loaded once when the device is
 //! created, and are launched with raw device addresses (`base + view offset`): the views were
@@ -312,21 +312,20 @@ impl CudaDevice {
             .map_err(cuda_err("copying to the device"))
     }
 
-    pub(crate) fn read_bytes(&self, src: View) -> Result<Vec<u8>> {
+    /// `out` has `src`'s byte length (checked by the caller).
+    pub(crate) fn read_bytes_into(&self, src: View, out: &mut [u8]) -> Result<()> {
         let ptr = self.device_ptr(src)?;
-        let mut out = vec![0u8; src.byte_len()];
         if out.is_empty() {
-            return Ok(out);
+            return Ok(());
         }
         self.bind()?;
         // SAFETY: the source range lies inside a live allocation (checked above) and `out` has
-        // exactly its length; the stream is synchronised before `out` is read.
-        unsafe { result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }
+        // exactly its length; the stream is synchronised before `out` is read (or dropped).
+        unsafe { result::memcpy_dtoh_async(out, ptr, self.stream.cu_stream()) }
             .map_err(cuda_err("copying to the host"))?;
         self.stream
             .synchronize()
-            .map_err(cuda_err("waiting for the stream"))?;
-        Ok(out)
+            .map_err(cuda_err("waiting for the stream"))
     }
 
     pub(crate) fn zero(&mut self, view: View) -> Result<()> {

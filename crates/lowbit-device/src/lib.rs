@@ -64,7 +64,8 @@
 //! - [`Device::allocated_bytes`] is exactly the sum of the live buffers' sizes.
 //!
 //! # The ops
-//! Memory: `alloc`, `free`, `upload`, `download`, `read_bytes`, `write_bytes`, `zero`, `copy`.
+//! Memory: `alloc`, `free`, `upload`, `download` (and `download_f32_into`), `read_bytes` (and
+//! `read_bytes_into`), `write_bytes`, `zero`, `copy`.
 //! Element-wise: [`Device::fill`], [`Device::cast`], [`Device::scale`], [`Device::axpy`],
 //! [`Device::add`]. Reductions: [`Device::sum_squares`], [`Device::has_non_finite`],
 //! [`Device::max_abs`]. Quantization: [`Device::quantize_mxfp8`],
@@ -548,11 +549,49 @@ impl Device {
 
     /// Reads `src`'s bytes (any dtype). On a GPU this waits for the work queued before it.
     pub fn read_bytes(&self, src: View) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; src.byte_len()];
+        self.read_bytes_into(src, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads `src`'s bytes (any dtype) into `dst`, of the same byte length: [`Device::read_bytes`]
+    /// without allocating. On a GPU a device-to-host copy into (pageable) `dst` that waits for
+    /// the work queued before it; on the CPU a copy that spreads a large view over the cores,
+    /// because copying into freshly allocated memory is bound by its page faults, not by
+    /// the memory bandwidth.
+    pub fn read_bytes_into(&self, src: View, dst: &mut [u8]) -> Result<()> {
+        check_len("read_bytes", src.byte_len(), dst.len())?;
         match &self.backend {
-            Backend::Cpu(c) => Ok(c.bytes(src)?.to_vec()),
+            Backend::Cpu(c) => cpu::copy_parallel(c.bytes(src)?, dst),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(g) => g.read_bytes(src),
+            Backend::Cuda(g) => g.read_bytes_into(src, dst)?,
         }
+        Ok(())
+    }
+
+    /// Copies the F32 view `src` into `dst` (the same length): [`Device::download`] into a
+    /// buffer the caller keeps (a checkpoint snapshot reuses its buffers from one save to the
+    /// next), with one copy instead of a download and a conversion.
+    pub fn download_f32_into(&self, src: View, dst: &mut [f32]) -> Result<()> {
+        check_dtype("download", src, DType::F32)?;
+        check_len("download", src.len(), dst.len())?;
+        // SAFETY: `dst` is a live, exclusively borrowed `[f32]`; its memory viewed as bytes has
+        // alignment 1 and exactly `size_of_val(dst)` bytes, and every bit pattern is a valid
+        // f32, so whatever bytes are written leave valid values. `dst` is used again only
+        // after the last use of `bytes`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(dst),
+            )
+        };
+        self.read_bytes_into(src, bytes)?;
+        // The device's bytes are little-endian; a big-endian host swaps them in place.
+        if cfg!(target_endian = "big") {
+            dst.iter_mut()
+                .for_each(|v| *v = f32::from_bits(u32::from_le(v.to_bits())));
+        }
+        Ok(())
     }
 
     /// Sets every byte of `view` to zero.

@@ -77,11 +77,18 @@ impl Optimizer for ChainedOptimizer {
         self.parts.first().map_or(0, |p| p.steps())
     }
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
-        let mut out = Vec::new();
+        crate::optimizer::exported(self, dev)
+    }
+    /// Each part gets back the entries it exported last time (one per owner of the part), so
+    /// its buffers are reused.
+    fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
+        let mut old = std::mem::take(out).into_iter();
         for p in &self.parts {
-            out.extend(p.export_state(dev)?);
+            let mut mine: Vec<_> = old.by_ref().take(p.owners().len()).collect();
+            p.export_state_into(dev, &mut mine)?;
+            out.append(&mut mine);
         }
-        Ok(out)
+        Ok(())
     }
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
         let owners = self.owners();

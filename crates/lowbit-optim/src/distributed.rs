@@ -9,9 +9,7 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{
-    MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
-};
+use crate::optimizer::{MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState};
 use crate::rule::{ShardViews, UpdateRule};
 
 /// State tensors per element of `rule`.
@@ -161,20 +159,15 @@ impl DistributedOptimizer {
         Ok(mine)
     }
 
-    fn tensors(&self, dev: &Device) -> Result<Vec<StateTensor>> {
-        let mut out = Vec::new();
-        for s in &self.shards {
+    /// Every state tensor's `(name, param, range, view)`, shard by shard: the master, then the
+    /// rule's state in its order.
+    fn state_views(&self) -> impl Iterator<Item = (&str, usize, Range<usize>, View)> {
+        self.shards.iter().flat_map(|s| {
             let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
-            for (name, &view) in names.zip(std::iter::once(&s.master).chain(&s.state)) {
-                out.push(StateTensor {
-                    name: name.to_string(),
-                    param: s.param,
-                    range: s.param_range.clone(),
-                    values: dev.download(view)?,
-                });
-            }
-        }
-        Ok(out)
+            names
+                .zip(std::iter::once(&s.master).chain(&s.state))
+                .map(|(name, &view)| (name, s.param, s.param_range.clone(), view))
+        })
     }
 }
 
@@ -233,12 +226,12 @@ impl Optimizer for DistributedOptimizer {
     }
 
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
-        Ok(vec![OptimizerState {
-            owner: self.owner,
-            rule: self.rule.name().to_string(),
-            steps: self.steps,
-            tensors: self.tensors(dev)?,
-        }])
+        crate::optimizer::exported(self, dev)
+    }
+
+    fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
+        let head = (self.owner, self.rule.name(), self.steps);
+        crate::optimizer::export_leaf_into(dev, head, self.state_views(), out)
     }
 
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {

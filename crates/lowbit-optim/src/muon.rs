@@ -33,9 +33,7 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{
-    MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
-};
+use crate::optimizer::{MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState};
 use newton_schulz::{NsParams, NsScratch};
 
 /// How Muon scales the learning rate of an `out x in` matrix (`rows x cols`; each expert of a
@@ -505,19 +503,13 @@ impl Muon {
         Ok(mine)
     }
 
-    fn tensors(&self, dev: &Device) -> Result<Vec<StateTensor>> {
-        let mut out = Vec::new();
-        for s in &self.shards {
-            for (name, view) in [("master", s.master), (STATE_NAMES[0], s.momentum)] {
-                out.push(StateTensor {
-                    name: name.to_string(),
-                    param: s.param,
-                    range: 0..s.numel,
-                    values: dev.download(view)?,
-                });
-            }
-        }
-        Ok(out)
+    /// Every state tensor's `(name, param, range, view)`: per parameter the master, then the
+    /// momentum.
+    fn state_views(&self) -> impl Iterator<Item = (&'static str, usize, Range<usize>, View)> {
+        self.shards.iter().flat_map(|s| {
+            [("master", s.master), (STATE_NAMES[0], s.momentum)]
+                .map(|(name, view)| (name, s.param, 0..s.numel, view))
+        })
     }
 }
 
@@ -598,12 +590,12 @@ impl Optimizer for Muon {
 
     /// One entry: rule `"muon"`, per parameter `"master"` then `"momentum_buffer"`.
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
-        Ok(vec![OptimizerState {
-            owner: self.owner,
-            rule: RULE.to_string(),
-            steps: self.steps,
-            tensors: self.tensors(dev)?,
-        }])
+        crate::optimizer::exported(self, dev)
+    }
+
+    fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
+        let head = (self.owner, RULE, self.steps);
+        crate::optimizer::export_leaf_into(dev, head, self.state_views(), out)
     }
 
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {

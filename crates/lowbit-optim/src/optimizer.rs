@@ -267,6 +267,18 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>>;
 
+    /// [`Optimizer::export_state`] into `out`, reusing the value buffers `out` holds where they
+    /// have the right lengths (a saver that snapshots again and again then copies into memory
+    /// that is already faulted in). The default exports anew. On an error `out` holds no
+    /// complete state.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
+        *out = self.export_state(dev)?;
+        Ok(())
+    }
+
     /// Checks that `state` matches this optimizer's owners and shards, writing nothing. A chain
     /// runs every part's check before any part imports, so an optimizer whose `import_state`
     /// can refuse must override this (the default accepts everything).
@@ -289,6 +301,49 @@ pub trait Optimizer: Debug + Send {
     fn memory(&self) -> OptimizerMemory;
 }
 
+/// [`Optimizer::export_state`] through [`Optimizer::export_state_into`] (what the optimizers of
+/// this crate do: their export fills reusable buffers).
+pub(crate) fn exported(opt: &dyn Optimizer, dev: &Device) -> Result<Vec<OptimizerState>> {
+    let mut out = Vec::new();
+    opt.export_state_into(dev, &mut out)?;
+    Ok(out)
+}
+
+/// One leaf optimizer's state exported into `out` (see [`Optimizer::export_state_into`]):
+/// every `(name, param, range, view)` of `tensors` downloaded in one copy, into the buffer of
+/// the tensor at the same position in `out` when its length fits.
+pub(crate) fn export_leaf_into<'a>(
+    dev: &Device,
+    head: (OptimizerId, &str, u64),
+    tensors: impl IntoIterator<Item = (&'a str, usize, Range<usize>, View)>,
+    out: &mut Vec<OptimizerState>,
+) -> Result<()> {
+    let mut old = std::mem::take(out).into_iter().flat_map(|s| s.tensors);
+    let mut exported = Vec::new();
+    for (name, param, range, view) in tensors {
+        let mut values = match old.next() {
+            Some(t) if t.values.len() == view.len() => t.values,
+            // Zeroed allocations are fresh pages, not written twice.
+            _ => vec![0.0; view.len()],
+        };
+        dev.download_f32_into(view, &mut values)?;
+        exported.push(StateTensor {
+            name: name.to_string(),
+            param,
+            range,
+            values,
+        });
+    }
+    let (owner, rule, steps) = head;
+    *out = vec![OptimizerState {
+        owner,
+        rule: rule.to_string(),
+        steps,
+        tensors: exported,
+    }];
+    Ok(())
+}
+
 /// Widens each reduced gradient to its fp32 copy (nothing to do when the gradient is fp32 and
 /// used in place) and returns the sum of the squares, pieces in order and each in
 /// `Device::sum_squares`' blocked order: the same bits on every backend. What every
@@ -297,14 +352,18 @@ pub(crate) fn widened_sum_squares(
     dev: &mut Device,
     grads: impl IntoIterator<Item = (View, View)>,
 ) -> Result<f64> {
-    let mut sum = 0.0;
+    let mut views = Vec::new();
     for (grad, grad32) in grads {
         if grad32 != grad {
             dev.cast(grad, grad32)?;
         }
-        sum += dev.sum_squares(grad32)?;
+        views.push(grad32);
     }
-    Ok(sum)
+    // One wait for the device over all pieces; the sums are added in piece order as before.
+    Ok(dev
+        .sum_squares_each(&views)?
+        .into_iter()
+        .fold(0.0, |a, b| a + b))
 }
 
 /// An init callback over full initial values (`init[p]` is parameter `p`, flattened): the
