@@ -381,6 +381,10 @@ pub trait HostElem: Copy + Default + Send + Sync + 'static {
     fn to_bytes(src: &[Self]) -> Vec<u8>;
     /// Decodes little-endian bytes (length a multiple of the element size).
     fn from_bytes(bytes: &[u8]) -> Vec<Self>;
+    /// Writes the little-endian bytes of `src` over `dst` (exactly their length).
+    fn encode_into(src: &[Self], dst: &mut [u8]) {
+        dst.copy_from_slice(&Self::to_bytes(src));
+    }
 }
 
 macro_rules! host_elem {
@@ -388,7 +392,14 @@ macro_rules! host_elem {
         impl HostElem for $t {
             const DTYPE: DType = $d;
             fn to_bytes(src: &[Self]) -> Vec<u8> {
-                src.iter().flat_map(|v| $to(*v)).collect()
+                let mut out = vec![0u8; std::mem::size_of_val(src)];
+                Self::encode_into(src, &mut out);
+                out
+            }
+            fn encode_into(src: &[Self], dst: &mut [u8]) {
+                for (d, v) in dst.chunks_exact_mut($n).zip(src) {
+                    d.copy_from_slice(&$to(*v));
+                }
             }
             fn from_bytes(bytes: &[u8]) -> Vec<Self> {
                 bytes
@@ -527,7 +538,14 @@ impl Device {
     pub fn upload<T: HostElem>(&mut self, dst: View, src: &[T]) -> Result<()> {
         check_dtype("upload", dst, T::DTYPE)?;
         check_len("upload", dst.len(), src.len())?;
-        self.write_bytes(dst, &T::to_bytes(src))
+        match &mut self.backend {
+            // Encoded straight into the buffer: no host copy in between (a checkpoint load
+            // uploads the whole state).
+            Backend::Cpu(c) => T::encode_into(src, c.bytes_mut(dst)?),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.write_bytes(dst, &T::to_bytes(src))?,
+        }
+        Ok(())
     }
 
     /// Copies `src` to the host (its dtype must be `T`'s).
