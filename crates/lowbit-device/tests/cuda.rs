@@ -288,6 +288,17 @@ fn sum_squares_bits_match() {
         out.push(f64::from(c.dev.mse_loss(p.slice(1..300_008)?, t)?));
         let p = c.buf(DType::F32, &finite(4097, 7));
         out.push(f64::from(c.dev.mse_loss(p, p)?));
+        // Many views in one call (the gradient norm): empty, aliased, every dtype, big and small.
+        let views = [
+            g.slice(0..0)?,
+            b,
+            g.reinterpret(DType::Bf16)?.slice(1..12_345)?,
+            inf,
+            c.buf(DType::Bf16, &finite(3 * 4096 + 5, 8)),
+            c.buf(DType::F16, &finite(31, 9)),
+            p,
+        ];
+        out.extend(c.dev.sum_squares_each(&views)?);
         Ok(out)
     });
 }

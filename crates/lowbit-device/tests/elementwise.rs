@@ -133,6 +133,31 @@ fn blocked_reference(xs: &[f32]) -> f64 {
     total
 }
 
+/// `sum_squares_each` is `sum_squares` view by view (empty views included); a non-float view
+/// is refused before anything runs.
+#[test]
+fn sum_squares_each_is_sum_squares_per_view() {
+    let mut dev = Device::cpu();
+    let views: Vec<_> = FLOATS
+        .into_iter()
+        .zip([0, 4097, 9000])
+        .map(|(d, n)| upload_as(&mut dev, d, &values(n, 7 + n as u32)))
+        .collect();
+    let want: Vec<u64> = views
+        .iter()
+        .map(|&v| dev.sum_squares(v).unwrap().to_bits())
+        .collect();
+    let got: Vec<u64> = dev
+        .sum_squares_each(&views)
+        .unwrap()
+        .iter()
+        .map(|s| s.to_bits())
+        .collect();
+    assert_eq!(got, want);
+    let bytes = dev.alloc(DType::U8, 4);
+    assert!(dev.sum_squares_each(&[views[1], bytes]).is_err());
+}
+
 #[test]
 fn sum_squares_is_blocked_f64_in_index_order() {
     assert_eq!(lowbit_device::SUM_BLOCK, 4096);

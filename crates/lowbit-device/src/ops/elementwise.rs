@@ -104,6 +104,17 @@ impl Device {
         Ok(sum.finish())
     }
 
+    /// [`Device::sum_squares`] of each view, in order: the same bits as calling it view by
+    /// view, but on a GPU every reduction is launched first and the partial sums come back in
+    /// one copy, so a gradient norm over many pieces waits for the device once, not per piece.
+    pub fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
+        for &v in views {
+            crate::check_float("reduction", v)?;
+        }
+        on_cuda!(self, g => g.sum_squares_each(views));
+        views.iter().map(|&v| self.sum_squares(v)).collect()
+    }
+
     /// Whether any element of the float view is NaN or ±Inf.
     pub fn has_non_finite(&mut self, view: View) -> Result<bool> {
         crate::check_float("reduction", view)?;

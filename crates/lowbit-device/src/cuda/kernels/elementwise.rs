@@ -60,6 +60,35 @@ impl CudaDevice {
         self.blocked_sum_squares(x, view.dtype(), None, view.len())
     }
 
+    /// [`crate::Device::sum_squares_each`]: every view's block sums into one scratch buffer,
+    /// one copy to the host, each view's partials added in order as [`Self::sum_squares`] does.
+    pub(crate) fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
+        let mut ptrs = Vec::with_capacity(views.len());
+        for &v in views {
+            let ([x], []) = self.ptrs("sum_squares", [v], [])?;
+            ptrs.push(x);
+        }
+        let blocks: Vec<usize> = views
+            .iter()
+            .map(|v| v.len().div_ceil(crate::SUM_BLOCK))
+            .collect();
+        let s = self.scratch(2 * blocks.iter().sum::<usize>())?;
+        let mut at = 0;
+        for ((&v, &x), &nb) in views.iter().zip(&ptrs).zip(&blocks) {
+            self.launch_sum_squares(x, v.dtype(), None, v.len(), s.ptr + 8 * at as u64)?;
+            at += nb;
+        }
+        let partials = partials_f64(&self.fetch(&s)?);
+        let mut at = 0;
+        Ok(blocks
+            .iter()
+            .map(|&nb| {
+                at += nb;
+                crate::ops::sum_partials(&partials[at - nb..at])
+            })
+            .collect())
+    }
+
     /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
     /// the f32 elements at `y`), downloads the per-block partials and adds them in index order.
     pub(super) fn blocked_sum_squares(
@@ -73,36 +102,47 @@ impl CudaDevice {
         if nb == 0 {
             return Ok(0.0);
         }
+        let s = self.scratch(2 * nb)?;
+        self.launch_sum_squares(x, d, y, n, s.ptr)?;
+        Ok(crate::ops::sum_partials(&partials_f64(&self.fetch(&s)?)))
+    }
+
+    /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
+    /// the f32 elements at `y`), writing `n.div_ceil(SUM_BLOCK)` f64 partials at `partials`
+    /// (nothing for `n == 0`).
+    fn launch_sum_squares(
+        &mut self,
+        x: u64,
+        d: DType,
+        y: Option<u64>,
+        n: usize,
+        partials: u64,
+    ) -> Result<()> {
+        let nb = n.div_ceil(crate::SUM_BLOCK);
+        if nb == 0 {
+            return Ok(());
+        }
         // A warp per 32 blocks, four warps per CTA.
         let Some(grid) = blocks(nb, 128) else {
             return Err(DeviceError::Unsupported(format!(
                 "a sum of squares over {n} elements exceeds the grid"
             )));
         };
-        let s = self.scratch(2 * nb)?;
         let (name, args) = match (d, y) {
-            (DType::F32, Some(y)) => ("mse_blocks_f32", args![x, y, n, s.ptr].to_vec()),
+            (DType::F32, Some(y)) => ("mse_blocks_f32", args![x, y, n, partials].to_vec()),
             (d, _) => (
                 match d {
                     DType::Bf16 => "sum_squares_blocks_bf16",
                     DType::F16 => "sum_squares_blocks_f16",
                     _ => "sum_squares_blocks_f32",
                 },
-                args![x, n, s.ptr].to_vec(),
+                args![x, n, partials].to_vec(),
             ),
         };
         // SAFETY: `x` (and `y`) address `n` elements of validated views of dtype `d` (float:
-        // checked by the callers; `y` only with f32); `s` holds `nb` f64 partials (2·nb words)
-        // and the kernel writes partials[b] only for b < nb.
-        unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args)? };
-        let words = self.fetch(&s)?;
-        let partials: Vec<f64> = words
-            .as_chunks::<2>()
-            .0
-            .iter()
-            .map(|[lo, hi]| f64::from_bits(u64::from(*lo) | (u64::from(*hi) << 32)))
-            .collect();
-        Ok(crate::ops::sum_partials(&partials))
+        // checked by the callers; `y` only with f32); `partials` addresses `nb` f64 words of a
+        // live scratch buffer and the kernel writes partials[b] only for b < nb.
+        unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args) }
     }
 
     pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {
@@ -150,4 +190,14 @@ impl CudaDevice {
         unsafe { self.launch_n("any_non_finite", n, &args)? };
         Ok(self.fetch_word(&s)? != 0)
     }
+}
+
+/// Scratch words (little-endian pairs) as the f64 partials the kernels wrote.
+fn partials_f64(words: &[u32]) -> Vec<f64> {
+    words
+        .as_chunks::<2>()
+        .0
+        .iter()
+        .map(|[lo, hi]| f64::from_bits(u64::from(*lo) | (u64::from(*hi) << 32)))
+        .collect()
 }
