@@ -61,8 +61,10 @@ pub fn step(
     opt.apply(dev, bufs, clip_coef)?;
     if !bufs.config().overlap.param_gather() {
         // Gradients are dead (copied to fp32 or used in place), so the staging views that alias
-        // them can be written now; every part stages before the one gather of each group.
-        opt.stage(dev, comm, bufs, false)?;
+        // them can be written now; every part stages before the one gather of each group. Every
+        // owner that stepped is stale; persistent weights were written by the fused update, so
+        // they are not cast again (`only_stale`).
+        opt.stage(dev, comm, bufs, true)?;
         bufs.sync_params(dev, comm)?;
     }
     Ok(StepReport {
