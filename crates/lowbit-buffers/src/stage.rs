@@ -81,18 +81,26 @@ impl DataParallelBuffers {
         if params.is_empty() {
             return Ok(());
         }
+        // One bf16 scratch for every piece: an allocation per piece costs a device round trip
+        // each (a Llama-sized model has hundreds of pieces).
+        let scratch = dev.alloc(DType::Bf16, pieces.iter().map(|p| p.master.len()).sum());
+        let r = Self::cast_pieces(dev, pieces, scratch)
+            .and_then(|values| self.fold_reduce_quantize(dev, comm, &params, pieces, &values));
+        dev.free(scratch)?;
+        r
+    }
+
+    /// `bf16(master)` of every piece, one after another in `scratch`.
+    fn cast_pieces(dev: &mut Device, pieces: &[&StagePiece], scratch: View) -> Result<Vec<View>> {
+        let mut at = 0;
         let mut values = Vec::with_capacity(pieces.len());
         for piece in pieces {
-            let tmp = dev.alloc(DType::Bf16, piece.master.len());
-            values.push(tmp);
-            if let Err(e) = dev.cast(piece.master, tmp) {
-                free_all(dev, &values)?;
-                return Err(e.into());
-            }
+            let v = scratch.slice(at..at + piece.master.len())?;
+            dev.cast(piece.master, v)?;
+            values.push(v);
+            at += piece.master.len();
         }
-        let r = self.fold_reduce_quantize(dev, comm, &params, pieces, &values);
-        free_all(dev, &values)?;
-        r
+        Ok(values)
     }
 
     fn fold_reduce_quantize(
@@ -166,11 +174,4 @@ impl DataParallelBuffers {
             b.storage.is_low_precision() && b.owner() == owner && g.weights == WeightState::Stale
         })
     }
-}
-
-fn free_all(dev: &mut Device, views: &[View]) -> Result<()> {
-    for &v in views {
-        dev.free(v)?;
-    }
-    Ok(())
 }
