@@ -20,11 +20,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_lowbit");
 /// Per-run time bound: these inputs are a few KiB, so anything slower is a hang.
 const RUN_LIMIT: Duration = Duration::from_secs(20);
 
-fn cases() -> usize {
-    std::env::var("LOWBIT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(40)
+fn cases() -> u32 {
+    lowbit_dev_support::fuzz_cases(40)
 }
 
 /// Names in `dir` other than `keep`.

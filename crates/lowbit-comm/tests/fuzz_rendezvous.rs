@@ -26,10 +26,7 @@ const HANDSHAKE: Duration = Duration::from_millis(500);
 const DROPPED_WITHIN: Duration = Duration::from_secs(5);
 
 fn cases() -> u32 {
-    std::env::var("LOWBIT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(48)
+    lowbit_dev_support::fuzz_cases(48)
 }
 
 fn secret() -> RendezvousSecret {

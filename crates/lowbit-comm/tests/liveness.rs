@@ -257,24 +257,19 @@ fn a_late_rank_does_not_make_rank_0_look_lost() {
     );
 }
 
+/// Each case: (victim, signal, the cause the survivors must name). A killed rank (rank 0 too)
+/// closes its connection without a goodbye; a terminated one says goodbye with its signal; a
+/// stopped one is lost by its silence.
 #[test]
-fn a_killed_rank_is_named_by_every_survivor() {
-    survivors_name(1, "KILL", "closed without a goodbye");
-}
-
-#[test]
-fn a_terminated_rank_says_goodbye_with_its_signal() {
-    survivors_name(2, "TERM", "SIGTERM");
-}
-
-#[test]
-fn a_killed_rank_0_is_named_by_the_others() {
-    survivors_name(0, "KILL", "closed without a goodbye");
-}
-
-#[test]
-fn a_stopped_rank_is_lost_by_its_silence() {
-    survivors_name(1, "STOP", "nothing heard from it");
+fn a_lost_rank_is_named_by_every_survivor() {
+    for (victim, how, cause) in [
+        (1, "KILL", "closed without a goodbye"),
+        (2, "TERM", "SIGTERM"),
+        (0, "KILL", "closed without a goodbye"),
+        (1, "STOP", "nothing heard from it"),
+    ] {
+        survivors_name(victim, how, cause);
+    }
 }
 
 /// A rank that drops its handle says it left (finished): the others hear `Left`, never a loss,

@@ -13,7 +13,8 @@
 //! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
 //!   `lowbit train --json` (the root package's `tests/train.rs`);
 //! - [`rng`]: the deterministic generators (splitmix64, xorshift) behind test inputs and
-//!   benchmark data.
+//!   benchmark data;
+//! - [`fuzz_cases`]: the case count of the byte-mutation fuzz tests (`LOWBIT_FUZZ_CASES`).
 //!
 //! # Invariants
 //! - No dependencies, so adding it as a dev-dependency costs nothing in build time.
@@ -30,3 +31,12 @@ pub mod criterion_estimates;
 pub mod json;
 pub mod rng;
 pub mod tempdir;
+
+/// How many cases a fuzz test runs: `LOWBIT_FUZZ_CASES` if set to a number, else `default`
+/// (small, so that CI stays fast; raise it for a longer hunt).
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("LOWBIT_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
