@@ -45,6 +45,9 @@
 //! and data file sizes; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
 //! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
+//! Every piece a load needs is read once, on all cores, straight into the template's f32
+//! buffers where it lands whole (a piece cut by the loading plan goes through a buffer of its
+//! own), and hashed four pieces a core side by side.
 
 mod async_save;
 mod convert;
