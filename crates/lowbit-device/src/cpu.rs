@@ -27,21 +27,32 @@ const COPY_BYTES_PER_THREAD: usize = 8 << 20;
 /// memory (a snapshot of optimizer state) is bound by page faults, which the cores take in
 /// parallel. The same bytes either way.
 pub(crate) fn copy_parallel(src: &[u8], dst: &mut [u8]) {
+    in_parallel(src, dst, 1, |x, d| d.copy_from_slice(x));
+}
+
+/// `f(src, dst)` over matching parts (`dst` has `per` elements per element of `src`), split
+/// over the cores when `dst` is large ([`copy_parallel`]'s reason); the calling thread does the
+/// first part itself.
+pub(crate) fn in_parallel<T: Sync, U: Send>(
+    src: &[T],
+    dst: &mut [U],
+    per: usize,
+    f: impl Fn(&[T], &mut [U]) + Sync,
+) {
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
-        .min(src.len() / COPY_BYTES_PER_THREAD);
+        .min(std::mem::size_of_val(dst) / COPY_BYTES_PER_THREAD);
     if threads < 2 {
-        dst.copy_from_slice(src);
-        return;
+        return f(src, dst);
     }
     let chunk = src.len().div_ceil(threads);
-    let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
-    // The calling thread copies the first part itself.
+    let mut parts = src.chunks(chunk).zip(dst.chunks_mut(chunk * per));
     let first = parts.next();
+    let f = &f;
     std::thread::scope(|s| {
-        parts.for_each(|(d, x)| drop(s.spawn(move || d.copy_from_slice(x))));
-        if let Some((d, x)) = first {
-            d.copy_from_slice(x);
+        parts.for_each(|(x, d)| drop(s.spawn(move || f(x, d))));
+        if let Some((x, d)) = first {
+            f(x, d);
         }
     });
 }
@@ -377,5 +388,20 @@ mod tests {
         assert_eq!(c.split("t", &[a], &[b]).unwrap_err(), DeviceError::Freed(1));
         let other = CpuDevice::new();
         assert!(other.bytes(a).is_err());
+    }
+
+    /// Copies and uploads large enough to be split over the cores give the same bytes as one
+    /// pass (odd lengths: the last part is shorter).
+    #[test]
+    fn parallel_copies_are_the_plain_copies() {
+        use crate::HostElem;
+        let n = 3 * COPY_BYTES_PER_THREAD / 4 + 3;
+        let src: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 5.0).collect();
+        let mut bytes = vec![0u8; 4 * n];
+        in_parallel(&src, &mut bytes, 4, f32::encode_into);
+        assert_eq!(bytes, f32::to_bytes(&src));
+        let mut copy = vec![0u8; bytes.len()];
+        copy_parallel(&bytes, &mut copy);
+        assert_eq!(copy, bytes);
     }
 }

@@ -541,7 +541,9 @@ impl Device {
         match &mut self.backend {
             // Encoded straight into the buffer: no host copy in between (a checkpoint load
             // uploads the whole state).
-            Backend::Cpu(c) => T::encode_into(src, c.bytes_mut(dst)?),
+            Backend::Cpu(c) => {
+                cpu::in_parallel(src, c.bytes_mut(dst)?, T::DTYPE.size(), T::encode_into)
+            }
             #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.write_bytes(dst, &T::to_bytes(src))?,
         }
