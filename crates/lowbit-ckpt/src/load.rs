@@ -169,8 +169,8 @@ impl Checkpoint {
         opt: &mut dyn Optimizer,
         options: &LoadOptions,
     ) -> Result<()> {
-        // The optimizer's own export is the template (and its buffers the destinations).
-        let mut state = opt.export_state(dev)?;
+        // The optimizer's own export is the template (its zeroed buffers the destinations).
+        let mut state = opt.export_template(dev)?;
         let mut requests = Vec::new();
         for st in &mut state {
             let Some(entry) = self

@@ -79,6 +79,13 @@ impl Optimizer for ChainedOptimizer {
     fn export_state(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
         crate::optimizer::exported(self, dev)
     }
+    fn export_template(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.extend(p.export_template(dev)?);
+        }
+        Ok(out)
+    }
     /// Each part gets back the entries it exported last time (one per owner of the part), so
     /// its buffers are reused.
     fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {

@@ -595,7 +595,14 @@ impl Optimizer for Muon {
 
     fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
         let head = (self.owner, RULE, self.steps);
-        crate::optimizer::export_leaf_into(dev, head, self.state_views(), out)
+        crate::optimizer::export_leaf_into(Some(dev), head, self.state_views(), out)
+    }
+
+    fn export_template(&self, _: &Device) -> Result<Vec<OptimizerState>> {
+        let mut out = Vec::new();
+        let head = (self.owner, RULE, self.steps);
+        crate::optimizer::export_leaf_into(None, head, self.state_views(), &mut out)?;
+        Ok(out)
     }
 
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {

@@ -279,6 +279,20 @@ pub trait Optimizer: Debug + Send {
         Ok(())
     }
 
+    /// What [`Optimizer::export_state`] returns, with every tensor's values zero: the template
+    /// a checkpoint load fills and imports, with nothing downloaded (the zeros are fresh pages
+    /// the load's reads fill). The default exports, then zeroes.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn export_template(&self, dev: &Device) -> Result<Vec<OptimizerState>> {
+        let mut state = self.export_state(dev)?;
+        for t in state.iter_mut().flat_map(|s| &mut s.tensors) {
+            t.values.fill(0.0);
+        }
+        Ok(state)
+    }
+
     /// Checks that `state` matches this optimizer's owners and shards, writing nothing. A chain
     /// runs every part's check before any part imports, so an optimizer whose `import_state`
     /// can refuse must override this (the default accepts everything).
@@ -311,9 +325,10 @@ pub(crate) fn exported(opt: &dyn Optimizer, dev: &Device) -> Result<Vec<Optimize
 
 /// One leaf optimizer's state exported into `out` (see [`Optimizer::export_state_into`]):
 /// every `(name, param, range, view)` of `tensors` downloaded in one copy, into the buffer of
-/// the tensor at the same position in `out` when its length fits.
+/// the tensor at the same position in `out` when its length fits; without `dev`, zeros (see
+/// [`Optimizer::export_template`]).
 pub(crate) fn export_leaf_into<'a>(
-    dev: &Device,
+    dev: Option<&Device>,
     head: (OptimizerId, &str, u64),
     tensors: impl IntoIterator<Item = (&'a str, usize, Range<usize>, View)>,
     out: &mut Vec<OptimizerState>,
@@ -326,7 +341,9 @@ pub(crate) fn export_leaf_into<'a>(
             // Zeroed allocations are fresh pages, not written twice.
             _ => vec![0.0; view.len()],
         };
-        dev.download_f32_into(view, &mut values)?;
+        if let Some(dev) = dev {
+            dev.download_f32_into(view, &mut values)?;
+        }
         exported.push(StateTensor {
             name: name.to_string(),
             param,
