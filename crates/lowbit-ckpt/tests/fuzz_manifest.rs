@@ -28,10 +28,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use support::{Rank, specs};
 
 fn cases() -> u32 {
-    std::env::var("LOWBIT_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64)
+    lowbit_dev_support::fuzz_cases(64)
 }
 
 fn params() -> Vec<(String, Vec<usize>)> {
