@@ -1,7 +1,8 @@
 //! Reading pieces: every piece a load needs is read once, straight into the destination's f32
 //! memory where it lands whole (otherwise into a buffer of its own, then the overlapping part is
-//! copied), and hash-checked; the cores take pieces from a shared queue and hash them
-//! [`LANES`] at a time, so reading one piece overlaps hashing others.
+//! copied), and hash-checked. The cores take up to [`LANES`] pieces each from a shared queue
+//! and read them block by block, hashing each round of blocks side by side while it is cached,
+//! so one core's reads overlap another's hashing.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -14,7 +15,7 @@ use std::sync::atomic::AtomicUsize;
 
 use crate::error::{CkptError, Result, io};
 use crate::manifest::{Piece, TensorEntry};
-use crate::save::{LANES, hash_lanes, raw_bytes, raw_bytes_mut};
+use crate::save::{FNV_BASIS, LANES, hash_lanes, raw_bytes, raw_bytes_mut};
 
 /// Elements `want` of the concatenation of `parts` (stored tensors and element ranges of them),
 /// to be written to `out` (`want`'s length).
@@ -207,8 +208,9 @@ fn run(dir: &Path, jobs: &mut [Job<'_, '_>]) -> Result<()> {
 
 type Queue<'a, 't, 'o> = Mutex<std::iter::Enumerate<std::slice::IterMut<'a, Job<'t, 'o>>>>;
 
-/// Takes up to [`LANES`] jobs at a time (of `workers` sharing `queue`): reads each into its destination, then hashes them side by
-/// side. Returns the failures as `(job, error)`.
+/// Takes up to [`LANES`] jobs at a time (of `workers` sharing `queue`) and reads them into
+/// their destinations block by block, hashing the blocks side by side. Returns the failures
+/// as `(job, error)`.
 fn worker(dir: &Path, queue: &Queue<'_, '_, '_>, workers: usize) -> Vec<(usize, CkptError)> {
     let mut files: HashMap<&str, File> = HashMap::new();
     let mut scratch: [Vec<f32>; LANES] = Default::default();
@@ -226,7 +228,7 @@ fn worker(dir: &Path, queue: &Queue<'_, '_, '_>, workers: usize) -> Vec<(usize, 
         if batch.is_empty() {
             return errors;
         }
-        let mut read = Vec::new();
+        let mut lanes = Vec::new();
         for ((i, job), spare) in batch.into_iter().zip(&mut scratch) {
             let buf: &mut [f32] = match &mut job.dst {
                 Dst::Direct(d) => d,
@@ -239,48 +241,102 @@ fn worker(dir: &Path, queue: &Queue<'_, '_, '_>, workers: usize) -> Vec<(usize, 
                     spare
                 }
             };
-            match read_piece(dir, &mut files, job.piece, buf) {
-                Ok(()) => read.push((i, job.tensor, job.piece, buf)),
-                Err(e) => errors.push((i, e)),
+            lanes.push(Lane {
+                job: i,
+                tensor: job.tensor,
+                piece: job.piece,
+                buf,
+                at: 0,
+                block: 0,
+                hash: FNV_BASIS,
+                failed: false,
+            });
+        }
+        // Block by block: every lane reads its next block, then the blocks are hashed side by
+        // side while they are still cached (and the other cores read).
+        while lanes.iter().any(|l| !l.failed && l.at < l.bytes()) {
+            for l in &mut lanes {
+                let n = if l.failed {
+                    0
+                } else {
+                    (l.bytes() - l.at).min(READ_BLOCK)
+                };
+                let (at, block) = (l.at, &mut raw_bytes_mut(l.buf)[l.at..l.at + n]);
+                l.block = n;
+                if let Err(e) = read_block(dir, &mut files, l.piece, at, block) {
+                    errors.push((l.job, e));
+                    (l.failed, l.block) = (true, 0);
+                }
+            }
+            let blocks: Vec<&[u8]> = lanes
+                .iter()
+                .map(|l| &raw_bytes(l.buf)[l.at..l.at + l.block])
+                .collect();
+            for (k, hash) in hash_lanes(&blocks, &AtomicUsize::new(0), |k| lanes[k].hash) {
+                lanes[k].hash = hash;
+                lanes[k].at += lanes[k].block;
             }
         }
-        let bytes: Vec<&[u8]> = read.iter().map(|r| raw_bytes(&*r.3)).collect();
-        let mut hashes = hash_lanes(&bytes, &AtomicUsize::new(0));
-        hashes.sort_unstable();
-        for ((i, t, p, buf), (_, hash)) in read.into_iter().zip(hashes) {
-            if hash != p.hash {
+        for l in lanes.into_iter().filter(|l| !l.failed) {
+            if l.hash != l.piece.hash {
                 errors.push((
-                    i,
+                    l.job,
                     CkptError::Hash {
-                        file: dir.join(&p.file),
-                        tensor: t.name.clone(),
-                        start: p.start,
-                        end: p.end,
+                        file: dir.join(&l.piece.file),
+                        tensor: l.tensor.name.clone(),
+                        start: l.piece.start,
+                        end: l.piece.end,
                     },
                 ));
             }
             // The bytes are little-endian; a big-endian host swaps them in place.
             if cfg!(target_endian = "big") {
-                buf.iter_mut()
+                l.buf
+                    .iter_mut()
                     .for_each(|v| *v = f32::from_bits(u32::from_le(v.to_bits())));
             }
         }
     }
 }
 
-/// Reads piece `p` of `dir` into `buf` (its length) through this worker's open files.
-fn read_piece<'t>(
+/// Bytes a lane reads before the blocks are hashed.
+const READ_BLOCK: usize = 4 << 20;
+
+/// One piece being read and hashed by a worker.
+struct Lane<'t, 'b> {
+    job: usize,
+    tensor: &'t TensorEntry,
+    piece: &'t Piece,
+    buf: &'b mut [f32],
+    /// Bytes read and hashed.
+    at: usize,
+    /// Bytes of the block just read.
+    block: usize,
+    /// FNV-1a of the first `at` bytes.
+    hash: u64,
+    failed: bool,
+}
+
+impl Lane<'_, '_> {
+    fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.buf)
+    }
+}
+
+/// Reads bytes `at..` of piece `p` of `dir` into `dst` through this worker's open files.
+fn read_block<'t>(
     dir: &Path,
     files: &mut HashMap<&'t str, File>,
     p: &'t Piece,
-    buf: &mut [f32],
+    at: usize,
+    dst: &mut [u8],
 ) -> Result<()> {
     let path = dir.join(&p.file);
     let f = match files.entry(p.file.as_str()) {
         Entry::Occupied(o) => o.into_mut(),
         Entry::Vacant(v) => v.insert(File::open(&path).map_err(io("open", &path))?),
     };
-    f.seek(SeekFrom::Start(p.offset))
+    f.seek(SeekFrom::Start(p.offset + at as u64))
         .map_err(io("seek", &path))?;
-    f.read_exact(raw_bytes_mut(buf)).map_err(io("read", &path))
+    f.read_exact(dst).map_err(io("read", &path))
 }

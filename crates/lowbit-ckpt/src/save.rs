@@ -305,7 +305,7 @@ pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
     let mut hashes = vec![0u64; slices.len()];
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..workers)
-            .map(|_| s.spawn(|| hash_lanes(slices, &next)))
+            .map(|_| s.spawn(|| hash_lanes(slices, &next, |_| FNV_BASIS)))
             .collect();
         for h in handles {
             let done = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
@@ -321,12 +321,18 @@ pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
 pub(crate) const LANES: usize = 4;
 /// Bytes hashed per lane between refills (bounds the dummy input of idle lanes).
 const BLOCK: usize = 1 << 18;
-const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+pub(crate) const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// One worker: keeps [`LANES`] slices in flight, taking the next from `next` when one ends;
-/// idle lanes hash zeros into a state that is thrown away. Returns `(slice, hash)`.
-pub(crate) fn hash_lanes(slices: &[&[u8]], next: &AtomicUsize) -> Vec<(usize, u64)> {
+/// idle lanes hash zeros into a state that is thrown away. Returns `(slice, hash)`. Slice `i`
+/// is hashed on from the state `start(i)` ([`FNV_BASIS`] for a whole slice; a hash so far to
+/// continue it).
+pub(crate) fn hash_lanes(
+    slices: &[&[u8]],
+    next: &AtomicUsize,
+    start: impl Fn(usize) -> u64,
+) -> Vec<(usize, u64)> {
     let idle = vec![0u8; BLOCK];
     let mut lanes: [Option<(usize, &[u8], usize)>; LANES] = Default::default();
     let mut h = [FNV_BASIS; LANES];
@@ -337,10 +343,10 @@ pub(crate) fn hash_lanes(slices: &[&[u8]], next: &AtomicUsize) -> Vec<(usize, u6
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&bytes) = slices.get(i) else { break };
                 if bytes.is_empty() {
-                    done.push((i, FNV_BASIS));
+                    done.push((i, start(i)));
                 } else {
                     *lane = Some((i, bytes, 0));
-                    *state = FNV_BASIS;
+                    *state = start(i);
                 }
             }
         }
@@ -779,4 +785,26 @@ pub fn prune(root: &Path, keep: usize, current: &str) -> Result<()> {
         fs::remove_dir_all(&doomed).map_err(io("remove", &doomed))?;
     }
     sync_dir(root)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hash continued block by block from the state so far (what a load does) is the hash of
+    /// the whole, in any lane arrangement.
+    #[test]
+    fn hashing_in_blocks_continues_the_hash() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let whole = fnv1a64(&data);
+        let (a, rest) = data.split_at(33_333);
+        let (b, c) = rest.split_at(40_000);
+        let mut h = FNV_BASIS;
+        for block in [a, b, &[][..], c] {
+            let blocks = [&data[..10], block, &data[5..]];
+            let got = hash_lanes(&blocks, &AtomicUsize::new(0), |i| [7, h, 9][i]);
+            h = got.iter().find(|x| x.0 == 1).map(|x| x.1).unwrap();
+        }
+        assert_eq!(h, whole);
+    }
 }
