@@ -201,14 +201,15 @@ __device__ __forceinline__ float sumsq_load(const uint8_t* __restrict__ x, u64 i
     return DT == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
 }
 
+// `warp`: the warp's index within the view's launch (it owns blocks 32·warp ..).
 template <int DT, bool MSE>
 __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
                                                  const float* __restrict__ y, u64 n,
-                                                 double* __restrict__ partials) {
+                                                 double* __restrict__ partials, u64 warp) {
     __shared__ float tx[SUMSQ_WARPS][32][33];
     __shared__ float ty[MSE ? SUMSQ_WARPS : 1][32][MSE ? 33 : 1];
     const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    const u64 b0 = ((u64)blockIdx.x * SUMSQ_WARPS + w) * 32;
+    const u64 b0 = warp * 32;
     const u64 nb = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     if (b0 >= nb) return;
     const bool whole = (b0 + 32) * SUMSQ_BLOCK <= n;
@@ -228,11 +229,21 @@ __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
                 if (MSE) ty[w][r][lane] = u[r];
             }
         } else {
+            // The warp holding the last (short) block: the same 32 loads in flight, predicated.
+            // (Issued one after another, as this loop once was, they made this warp the
+            // kernel's critical path: ~0.1 ms per call whatever its size.)
+            float v[32], u[32];
+#pragma unroll
             for (unsigned r = 0; r < 32; ++r) {
                 u64 i = (b0 + r) * SUMSQ_BLOCK + k + lane;
                 bool live = i < n;
-                tx[w][r][lane] = live ? sumsq_load<DT>(x, i) : 0.0f;
-                if (MSE) ty[w][r][lane] = live ? y[i] : 0.0f;
+                v[r] = live ? sumsq_load<DT>(x, i) : 0.0f;
+                if (MSE) u[r] = live ? y[i] : 0.0f;
+            }
+#pragma unroll
+            for (unsigned r = 0; r < 32; ++r) {
+                tx[w][r][lane] = v[r];
+                if (MSE) ty[w][r][lane] = u[r];
             }
         }
         __syncwarp();
@@ -247,22 +258,58 @@ __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
     if (b0 + lane < nb) partials[b0 + lane] = acc;
 }
 
+__device__ __forceinline__ u64 sumsq_warp_index() {
+    return (u64)blockIdx.x * SUMSQ_WARPS + threadIdx.x / 32;
+}
+
 extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_f32(
     const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
-    sum_squares_warp<0, false>(x, nullptr, n, partials);
+    sum_squares_warp<0, false>(x, nullptr, n, partials, sumsq_warp_index());
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_bf16(
     const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
-    sum_squares_warp<1, false>(x, nullptr, n, partials);
+    sum_squares_warp<1, false>(x, nullptr, n, partials, sumsq_warp_index());
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_blocks_f16(
     const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
-    sum_squares_warp<2, false>(x, nullptr, n, partials);
+    sum_squares_warp<2, false>(x, nullptr, n, partials, sumsq_warp_index());
 }
 extern "C" __global__ void __launch_bounds__(128) mse_blocks_f32(
     const uint8_t* __restrict__ x, const float* __restrict__ y, u64 n,
     double* __restrict__ partials) {
-    sum_squares_warp<0, true>(x, y, n, partials);
+    sum_squares_warp<0, true>(x, y, n, partials, sumsq_warp_index());
+}
+
+// Many views of one dtype in one launch (the gradient norm's pieces): a warp's serial chain
+// over its 4096-element blocks takes ~0.1 ms whatever the view's size, so one launch per view
+// costs that per piece, while one launch for all runs every piece's warps side by side. The
+// table holds 4 words per view: address, length, offset of its partials (in f64 words), and
+// its first global warp (ascending; views own warps [first, next view's first)). Each warp
+// runs the single-view body unchanged, so the partials are those of one launch per view.
+template <int DT>
+__device__ __forceinline__ void sum_squares_many(const u64* __restrict__ table, uint32_t views,
+                                                 double* __restrict__ partials) {
+    const u64 gw = sumsq_warp_index();
+    uint32_t lo = 0, hi = views;  // the last view whose first warp is <= gw (table[3] == 0)
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (table[4 * mid + 3] <= gw) lo = mid; else hi = mid;
+    }
+    const u64* t = table + 4 * lo;
+    sum_squares_warp<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
+                                partials + t[2], gw - t[3]);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f32(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<0>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_bf16(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<1>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<2>(table, views, partials);
 }
 
 // out[0] <- 1 if any element is NaN or infinite.

@@ -364,11 +364,21 @@ pub fn step_rank(
             Ok(protocol::global_grad_norm(d, c, b, o)?)
         })?;
         t[1] = secs;
+        if std::env::var_os("LOWBIT_STEP_NORM_SPLIT").is_some() {
+            // Diagnostics: the local sum of squares alone (no all-reduce of the result).
+            let (_, local) = timed(dev, comm, |d, _| Ok(o.local_sum_squares(d)?))?;
+            eprintln!(
+                "rank {rank}: norm {:.3} ms, of which the local sum of squares {:.3} ms",
+                secs * 1e3,
+                local * 1e3
+            );
+        }
         let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
         clipped = clip < 1.0;
         (_, t[2]) = timed(dev, comm, |d, _| Ok(o.apply(d, b, clip)?))?;
         peak = peak.max(dev.allocated_bytes() - own);
-        (_, t[3]) = timed(dev, comm, |d, c| Ok(o.stage(d, c, b, false)?))?;
+        // As `protocol::step` stages: the owners that stepped, fused persistent outputs kept.
+        (_, t[3]) = timed(dev, comm, |d, c| Ok(o.stage(d, c, b, true)?))?;
         (_, t[4]) = timed(dev, comm, |d, c| Ok(b.sync_params(d, c)?))?;
         peak = peak.max(dev.allocated_bytes() - own);
         (_, t[5]) = timed(dev, comm, |d, _| replay.run(d, b))?;

@@ -60,32 +60,73 @@ impl CudaDevice {
         self.blocked_sum_squares(x, view.dtype(), None, view.len())
     }
 
-    /// [`crate::Device::sum_squares_each`]: every view's block sums into one scratch buffer,
-    /// one copy to the host, each view's partials added in order as [`Self::sum_squares`] does.
+    /// [`crate::Device::sum_squares_each`]: every view's block sums into one scratch buffer by
+    /// one launch per dtype (`sum_squares_many_*`: the views' warps run side by side), one copy
+    /// to the host, each view's partials added in order as [`Self::sum_squares`] does.
     pub(crate) fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
         let mut ptrs = Vec::with_capacity(views.len());
         for &v in views {
             let ([x], []) = self.ptrs("sum_squares", [v], [])?;
             ptrs.push(x);
         }
-        let blocks: Vec<usize> = views
+        let nblocks: Vec<usize> = views
             .iter()
             .map(|v| v.len().div_ceil(crate::SUM_BLOCK))
             .collect();
-        let s = self.scratch(2 * blocks.iter().sum::<usize>())?;
-        let mut at = 0;
-        for ((&v, &x), &nb) in views.iter().zip(&ptrs).zip(&blocks) {
-            self.launch_sum_squares(x, v.dtype(), None, v.len(), s.ptr + 8 * at as u64)?;
-            at += nb;
+        let s = self.scratch(2 * nblocks.iter().sum::<usize>())?;
+        let starts: Vec<usize> = nblocks
+            .iter()
+            .scan(0, |at, &nb| {
+                *at += nb;
+                Some(*at - nb)
+            })
+            .collect();
+        // The tables stay alive until the fetch below has waited for the launches.
+        let mut tables = Vec::new();
+        for (d, name) in [
+            (DType::F32, "sum_squares_many_f32"),
+            (DType::Bf16, "sum_squares_many_bf16"),
+            (DType::F16, "sum_squares_many_f16"),
+        ] {
+            // Per view of this dtype: address, length, partials offset, first warp.
+            let mut table = Vec::new();
+            let mut warps = 0usize;
+            for (i, v) in views.iter().enumerate().filter(|(_, v)| v.dtype() == d) {
+                table.extend([ptrs[i], v.len() as u64, starts[i] as u64, warps as u64]);
+                warps += nblocks[i].div_ceil(32);
+            }
+            if warps == 0 {
+                continue;
+            }
+            let grid = blocks(warps.saturating_mul(32), 128);
+            let (Some(grid), Ok(count)) = (grid, u32::try_from(table.len() / 4)) else {
+                return Err(DeviceError::Unsupported(format!(
+                    "a sum of squares over {} views exceeds the grid",
+                    views.len()
+                )));
+            };
+            self.bind()?;
+            let mem = self
+                .stream
+                .clone_htod(&table)
+                .map_err(crate::cuda::cuda_err("uploading a view table"))?;
+            let t = {
+                let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
+                t
+            };
+            // SAFETY: every table row addresses `len` elements of a validated view of dtype `d`;
+            // its partials (len.div_ceil(SUM_BLOCK) f64 words at its offset) lie inside `s`,
+            // which holds every view's; warps past a view's blocks write nothing; the table
+            // (4·count words) lives in `tables` until after the fetch, which waits for this.
+            unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args![t, count, s.ptr])? };
+            tables.push(mem);
         }
         let partials = partials_f64(&self.fetch(&s)?);
-        let mut at = 0;
-        Ok(blocks
+        drop(tables);
+        Ok(starts
             .iter()
-            .map(|&nb| {
-                at += nb;
-                crate::ops::sum_partials(&partials[at - nb..at])
-            })
+            .zip(&nblocks)
+            .map(|(&at, &nb)| crate::ops::sum_partials(&partials[at..at + nb]))
             .collect())
     }
 
