@@ -9,7 +9,9 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState};
+use crate::optimizer::{
+    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+};
 use crate::rule::{ShardViews, UpdateRule};
 
 /// State tensors per element of `rule`.
@@ -119,55 +121,22 @@ impl DistributedOptimizer {
         self.cfg
     }
 
-    /// This optimizer's entry of `state`, checked tensor by tensor against the shards.
-    fn matched<'s>(&self, state: &'s [OptimizerState]) -> Result<&'s OptimizerState> {
-        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
-        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
-            return mismatch(format!("no state for {:?}", self.owner));
-        };
-        if mine.rule != self.rule.name() {
-            return mismatch(format!(
-                "rule `{}` for a `{}` optimizer",
-                mine.rule,
-                self.rule.name()
-            ));
-        }
-        let per_shard = 1 + s_len(&*self.rule);
-        if mine.tensors.len() != per_shard * self.shards.len() {
-            return mismatch(format!(
-                "{} tensors for {} shards of {per_shard}",
-                mine.tensors.len(),
-                self.shards.len()
-            ));
-        }
-        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(per_shard)) {
-            let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
-            for (t, name) in chunk.iter().zip(names) {
-                if t.name != name
-                    || t.param != s.param
-                    || t.range != s.param_range
-                    || t.values.len() != s.param_range.len()
-                {
-                    return mismatch(format!(
-                        "tensor `{}` of parameter {} {:?} where `{name}` of parameter {} {:?} was \
-                         expected",
-                        t.name, t.param, t.range, s.param, s.param_range
-                    ));
-                }
-            }
-        }
-        Ok(mine)
-    }
-
-    /// Every state tensor's `(name, param, range, view)`, shard by shard: the master, then the
-    /// rule's state in its order.
-    fn state_views(&self) -> impl Iterator<Item = (&str, usize, Range<usize>, View)> {
-        self.shards.iter().flat_map(|s| {
+    /// The state methods' view of this optimizer: per shard the master, then the rule's state
+    /// in its order.
+    fn leaf(&self) -> Leaf<'_, impl Iterator<Item = (&str, usize, Range<usize>, View)>> {
+        let tensors = self.shards.iter().flat_map(|s| {
             let names = std::iter::once("master").chain(self.rule.state_names().iter().copied());
             names
                 .zip(std::iter::once(&s.master).chain(&s.state))
                 .map(|(name, &view)| (name, s.param, s.param_range.clone(), view))
-        })
+        });
+        Leaf {
+            owner: self.owner,
+            rule: self.rule.name(),
+            steps: self.steps,
+            per_shard: 1 + s_len(&*self.rule),
+            tensors,
+        }
     }
 }
 
@@ -230,33 +199,19 @@ impl Optimizer for DistributedOptimizer {
     }
 
     fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
-        let head = (self.owner, self.rule.name(), self.steps);
-        crate::optimizer::export_leaf_into(Some(dev), head, self.state_views(), out)
+        self.leaf().export_into(Some(dev), out)
     }
 
     fn export_template(&self, _: &Device) -> Result<Vec<OptimizerState>> {
-        let mut out = Vec::new();
-        let head = (self.owner, self.rule.name(), self.steps);
-        crate::optimizer::export_leaf_into(None, head, self.state_views(), &mut out)?;
-        Ok(out)
+        self.leaf().template()
     }
 
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
-        self.matched(state).map(|_| ())
+        self.leaf().matched(state).map(drop)
     }
 
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
-        let mine = self.matched(state)?;
-        for (s, chunk) in self
-            .shards
-            .iter()
-            .zip(mine.tensors.chunks(1 + s_len(&*self.rule)))
-        {
-            for (&view, t) in std::iter::once(&s.master).chain(&s.state).zip(chunk) {
-                dev.upload(view, &t.values)?;
-            }
-        }
-        self.steps = mine.steps;
+        self.steps = self.leaf().import(dev, state)?;
         Ok(())
     }
 

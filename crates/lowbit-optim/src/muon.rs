@@ -33,7 +33,9 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState};
+use crate::optimizer::{
+    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+};
 use newton_schulz::{NsParams, NsScratch};
 
 /// How Muon scales the learning rate of an `out x in` matrix (`rows x cols`; each expert of a
@@ -461,55 +463,19 @@ impl Muon {
         Ok(())
     }
 
-    /// This optimizer's entry of `state`, checked tensor by tensor against the shards.
-    fn matched<'s>(&self, state: &'s [OptimizerState]) -> Result<&'s OptimizerState> {
-        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
-        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
-            return mismatch(format!("no state for {:?}", self.owner));
-        };
-        if mine.rule != RULE {
-            return mismatch(format!("rule `{}` for a `{RULE}` optimizer", mine.rule));
-        }
-        let per_shard = 1 + STATE_NAMES.len();
-        if mine.tensors.len() != per_shard * self.shards.len() {
-            return mismatch(format!(
-                "{} tensors for {} shards of {per_shard}",
-                mine.tensors.len(),
-                self.shards.len()
-            ));
-        }
-        for (s, chunk) in self.shards.iter().zip(mine.tensors.chunks(per_shard)) {
-            for (t, name) in chunk
-                .iter()
-                .zip(std::iter::once("master").chain(STATE_NAMES))
-            {
-                if t.name != name
-                    || t.param != s.param
-                    || t.range != (0..s.numel)
-                    || t.values.len() != s.numel
-                {
-                    return mismatch(format!(
-                        "tensor `{}` of parameter {} {:?} where `{name}` of parameter {} {:?} was \
-                         expected",
-                        t.name,
-                        t.param,
-                        t.range,
-                        s.param,
-                        0..s.numel
-                    ));
-                }
-            }
-        }
-        Ok(mine)
-    }
-
-    /// Every state tensor's `(name, param, range, view)`: per parameter the master, then the
-    /// momentum.
-    fn state_views(&self) -> impl Iterator<Item = (&'static str, usize, Range<usize>, View)> {
-        self.shards.iter().flat_map(|s| {
+    /// The state methods' view of this optimizer: per parameter the master, then the momentum.
+    fn leaf(&self) -> Leaf<'_, impl Iterator<Item = (&'static str, usize, Range<usize>, View)>> {
+        let tensors = self.shards.iter().flat_map(|s| {
             [("master", s.master), (STATE_NAMES[0], s.momentum)]
                 .map(|(name, view)| (name, s.param, 0..s.numel, view))
-        })
+        });
+        Leaf {
+            owner: self.owner,
+            rule: RULE,
+            steps: self.steps,
+            per_shard: 1 + STATE_NAMES.len(),
+            tensors,
+        }
     }
 }
 
@@ -594,33 +560,19 @@ impl Optimizer for Muon {
     }
 
     fn export_state_into(&self, dev: &Device, out: &mut Vec<OptimizerState>) -> Result<()> {
-        let head = (self.owner, RULE, self.steps);
-        crate::optimizer::export_leaf_into(Some(dev), head, self.state_views(), out)
+        self.leaf().export_into(Some(dev), out)
     }
 
     fn export_template(&self, _: &Device) -> Result<Vec<OptimizerState>> {
-        let mut out = Vec::new();
-        let head = (self.owner, RULE, self.steps);
-        crate::optimizer::export_leaf_into(None, head, self.state_views(), &mut out)?;
-        Ok(out)
+        self.leaf().template()
     }
 
     fn check_import(&self, state: &[OptimizerState]) -> Result<()> {
-        self.matched(state).map(|_| ())
+        self.leaf().matched(state).map(drop)
     }
 
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
-        let mine = self.matched(state)?;
-        for (s, chunk) in self
-            .shards
-            .iter()
-            .zip(mine.tensors.chunks(1 + STATE_NAMES.len()))
-        {
-            for (view, t) in [s.master, s.momentum].into_iter().zip(chunk) {
-                dev.upload(view, &t.values)?;
-            }
-        }
-        self.steps = mine.steps;
+        self.steps = self.leaf().import(dev, state)?;
         Ok(())
     }
 

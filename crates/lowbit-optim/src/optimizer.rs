@@ -323,42 +323,116 @@ pub(crate) fn exported(opt: &dyn Optimizer, dev: &Device) -> Result<Vec<Optimize
     Ok(out)
 }
 
-/// One leaf optimizer's state exported into `out` (see [`Optimizer::export_state_into`]):
-/// every `(name, param, range, view)` of `tensors` downloaded in one copy, into the buffer of
-/// the tensor at the same position in `out` when its length fits; without `dev`, zeros (see
-/// [`Optimizer::export_template`]).
-pub(crate) fn export_leaf_into<'a>(
-    dev: Option<&Device>,
-    head: (OptimizerId, &str, u64),
-    tensors: impl IntoIterator<Item = (&'a str, usize, Range<usize>, View)>,
-    out: &mut Vec<OptimizerState>,
-) -> Result<()> {
-    let mut old = std::mem::take(out).into_iter().flat_map(|s| s.tensors);
-    let mut exported = Vec::new();
-    for (name, param, range, view) in tensors {
-        let mut values = match old.next() {
-            Some(t) if t.values.len() == view.len() => t.values,
-            // Zeroed allocations are fresh pages, not written twice.
-            _ => vec![0.0; view.len()],
-        };
-        if let Some(dev) = dev {
-            dev.download_f32_into(view, &mut values)?;
+/// One leaf optimizer's state as the [`Optimizer`] state methods see it (what
+/// `DistributedOptimizer` and `Muon` share): its owner, its rule's name, its step count, and
+/// every state tensor's `(name, param, range, view)` in export order, shard by shard,
+/// `per_shard` tensors each.
+pub(crate) struct Leaf<'a, I> {
+    pub owner: OptimizerId,
+    pub rule: &'a str,
+    pub steps: u64,
+    pub per_shard: usize,
+    pub tensors: I,
+}
+
+impl<'n, I: Iterator<Item = (&'n str, usize, Range<usize>, View)>> Leaf<'_, I> {
+    /// The leaf's state exported into `out` (see [`Optimizer::export_state_into`]): every tensor
+    /// downloaded in one copy, into the buffer of the tensor at the same position in `out` when
+    /// its length fits; without `dev`, zeros (see [`Optimizer::export_template`]).
+    pub(crate) fn export_into(
+        self,
+        dev: Option<&Device>,
+        out: &mut Vec<OptimizerState>,
+    ) -> Result<()> {
+        let mut old = std::mem::take(out).into_iter().flat_map(|s| s.tensors);
+        let mut exported = Vec::new();
+        for (name, param, range, view) in self.tensors {
+            let mut values = match old.next() {
+                Some(t) if t.values.len() == view.len() => t.values,
+                // Zeroed allocations are fresh pages, not written twice.
+                _ => vec![0.0; view.len()],
+            };
+            if let Some(dev) = dev {
+                dev.download_f32_into(view, &mut values)?;
+            }
+            exported.push(StateTensor {
+                name: name.to_string(),
+                param,
+                range,
+                values,
+            });
         }
-        exported.push(StateTensor {
-            name: name.to_string(),
-            param,
-            range,
-            values,
-        });
+        *out = vec![OptimizerState {
+            owner: self.owner,
+            rule: self.rule.to_string(),
+            steps: self.steps,
+            tensors: exported,
+        }];
+        Ok(())
     }
-    let (owner, rule, steps) = head;
-    *out = vec![OptimizerState {
-        owner,
-        rule: rule.to_string(),
-        steps,
-        tensors: exported,
-    }];
-    Ok(())
+
+    /// [`Leaf::export_into`] without a device: the zeroed template.
+    pub(crate) fn template(self) -> Result<Vec<OptimizerState>> {
+        let mut out = Vec::new();
+        self.export_into(None, &mut out)?;
+        Ok(out)
+    }
+
+    /// This leaf's entry of `state`, checked tensor by tensor (name, parameter, range, length)
+    /// against the leaf's, with the views that entry's tensors go to.
+    ///
+    /// # Errors
+    /// [`InvalidInput::StateMismatch`] naming the first mismatch.
+    pub(crate) fn matched(self, state: &[OptimizerState]) -> Result<(&OptimizerState, Vec<View>)> {
+        let mismatch = |m: String| Err(InvalidInput::StateMismatch(m).into());
+        let Some(mine) = state.iter().find(|s| s.owner == self.owner) else {
+            return mismatch(format!("no state for {:?}", self.owner));
+        };
+        if mine.rule != self.rule {
+            return mismatch(format!(
+                "rule `{}` for a `{}` optimizer",
+                mine.rule, self.rule
+            ));
+        }
+        let expected: Vec<_> = self.tensors.collect();
+        if mine.tensors.len() != expected.len() {
+            return mismatch(format!(
+                "{} tensors for {} shards of {}",
+                mine.tensors.len(),
+                expected.len() / self.per_shard,
+                self.per_shard
+            ));
+        }
+        let mut views = Vec::with_capacity(expected.len());
+        for (t, (name, param, range, view)) in mine.tensors.iter().zip(expected) {
+            if t.name != name
+                || t.param != param
+                || t.range != range
+                || t.values.len() != range.len()
+            {
+                return mismatch(format!(
+                    "tensor `{}` of parameter {} {:?} where `{name}` of parameter {param} \
+                     {range:?} was expected",
+                    t.name, t.param, t.range
+                ));
+            }
+            views.push(view);
+        }
+        Ok((mine, views))
+    }
+
+    /// Uploads this leaf's entry of `state` (checked first: nothing is written on a mismatch)
+    /// and returns its step count.
+    ///
+    /// # Errors
+    /// As [`Leaf::matched`]; device errors.
+    pub(crate) fn import(self, dev: &mut Device, state: &[OptimizerState]) -> Result<u64> {
+        let (mine, views) = self.matched(state)?;
+        for (view, t) in views.into_iter().zip(&mine.tensors) {
+            dev.upload(view, &t.values)?;
+        }
+        Ok(mine.steps)
+    }
 }
 
 /// Widens each reduced gradient to its fp32 copy (nothing to do when the gradient is fp32 and
