@@ -3,6 +3,8 @@
 //! global gradient norm, one clip factor, one skip decision, then one parameter sync after every
 //! part stepped (so no bucket group is gathered before its owner updated it: bug class D).
 
+use std::borrow::Cow;
+
 use lowbit_buffers::DataParallelBuffers;
 use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
@@ -127,12 +129,16 @@ impl Optimizer for ChainedOptimizer {
 }
 
 /// The states of the owners `part` holds: a part (a nested chain in particular) is never shown
-/// the other parts' owners, which it would rightly refuse as state it does not hold.
-fn states_of(part: &dyn Optimizer, state: &[OptimizerState]) -> Vec<OptimizerState> {
+/// the other parts' owners, which it would rightly refuse as state it does not hold. Borrowed
+/// when they lie side by side in `state` (a chain's own export order, what a checkpoint load
+/// fills), so an import does not copy the whole state; copied otherwise.
+fn states_of<'s>(part: &dyn Optimizer, state: &'s [OptimizerState]) -> Cow<'s, [OptimizerState]> {
     let owners = part.owners();
-    state
-        .iter()
-        .filter(|s| owners.contains(&s.owner))
-        .cloned()
-        .collect()
+    let mine = |s: &OptimizerState| owners.contains(&s.owner);
+    let first = state.iter().position(mine).unwrap_or(state.len());
+    let end = first + state[first..].iter().take_while(|s| mine(s)).count();
+    if !state[end..].iter().any(mine) {
+        return Cow::Borrowed(&state[first..end]);
+    }
+    Cow::Owned(state.iter().filter(|s| mine(s)).cloned().collect())
 }

@@ -251,7 +251,12 @@ fn a_nested_chain_imports_its_part_of_the_state() {
     let init = init_values(b.specs());
     let cfg = OptimConfig::new(1e-2);
     let nested = |dev: &mut Device, init: &[Vec<f32>]| {
-        let inner = ChainedOptimizer::new(vec![Box::new(leaf(dev, &b, 0, false, cfg, init))]);
+        // Owner 2 holds no parameter here: an empty part, so that the inner chain's owners are
+        // 0 and 2 and can be apart in a state ordered by owner.
+        let inner = ChainedOptimizer::new(vec![
+            Box::new(leaf(dev, &b, 0, false, cfg, init)),
+            Box::new(leaf(dev, &b, 2, false, cfg, init)),
+        ]);
         ChainedOptimizer::new(vec![
             Box::new(inner.unwrap()),
             Box::new(leaf(dev, &b, 1, true, cfg, init)),
@@ -265,6 +270,17 @@ fn a_nested_chain_imports_its_part_of_the_state() {
     assert!(
         target.export_state(dev).unwrap() == source,
         "the nested chain's state did not go in"
+    );
+    // Ordered by owner (0, 1, 2), the inner chain's entries are no longer side by side: the
+    // same state still goes in.
+    let mut fresh = nested(dev, &init);
+    let mut by_owner = source.clone();
+    by_owner.sort_by_key(|s| s.owner.0);
+    assert!(by_owner != source);
+    fresh.import_state(dev, &by_owner).unwrap();
+    assert!(
+        fresh.export_state(dev).unwrap() == source,
+        "the state ordered by owner did not go in"
     );
 }
 
