@@ -38,7 +38,11 @@ pub enum WeightState {
 #[derive(Debug)]
 pub(crate) struct Buffer {
     pub(crate) plan: BufferPlan,
+    /// The main gradients: the whole buffer, or (strategies that shard gradients) this rank's
+    /// bucket shards one after the other.
     pub(crate) grads: View,
+    /// The bf16 memory of an MXFP8 staging view where it cannot alias sharded gradients.
+    pub(crate) staging_backing: Option<View>,
     pub(crate) storage: Box<dyn Storage>,
 }
 
@@ -46,6 +50,32 @@ impl Buffer {
     pub(crate) fn owner(&self) -> OptimizerId {
         self.plan.key.owner
     }
+
+    pub(crate) fn shards_grads(&self) -> bool {
+        self.plan.strategy.shards_grads()
+    }
+
+    pub(crate) fn shards_params(&self) -> bool {
+        self.plan.strategy.shards_params()
+    }
+}
+
+/// The transient communication memory of one bucket group's gradient reduction.
+#[derive(Debug, Default)]
+pub(crate) enum GradComm {
+    /// Nothing held.
+    #[default]
+    Idle,
+    /// Sharded gradients: the backward accumulates this microbatch into the bucket.
+    Filling(View),
+    /// A reduction launched and not yet completed: its transient bucket (sharded gradients, or
+    /// a communication dtype other than the gradients'), the work in flight, and its launch
+    /// number (older launches are completed first when a new bucket is needed).
+    Launched {
+        bucket: Option<View>,
+        work: Option<Work>,
+        seq: u64,
+    },
 }
 
 /// A set of buckets synchronised together in one coalesced launch.
@@ -57,7 +87,8 @@ pub(crate) struct BucketGroup {
     pub(crate) params: Vec<usize>,
     /// Their indices in the buffer's layout.
     pub(crate) indices: Vec<usize>,
-    pub(crate) grad_work: Option<Work>,
+    pub(crate) grad_comm: GradComm,
+    /// Launched this iteration (sharded gradients: this microbatch).
     pub(crate) grad_reduce_started: bool,
     pub(crate) grad_reduce_finished: bool,
     pub(crate) param_work: Option<Work>,
@@ -70,6 +101,10 @@ pub(crate) struct BucketGroup {
     pub(crate) weights: WeightState,
     /// Gathers of this group since the last `zero_grad_buffer` (forced syncs excluded).
     pub(crate) gathers: u32,
+    /// Sharded parameters: the gathered unit (transient, the group's bucket range) while this
+    /// group's parameters are in use, and its gather while in flight.
+    pub(crate) unit: Option<View>,
+    pub(crate) unit_work: Option<Work>,
 }
 
 /// The data-parallel parameter and gradient buffers of one rank.
@@ -91,6 +126,13 @@ pub struct DataParallelBuffers {
     pub(crate) last_microbatch: bool,
     /// Whether the next gradient access is the first of the iteration.
     pub(crate) check_before_backward: bool,
+    /// A new microbatch was announced ([`Self::set_last_microbatch`]) and the previous one
+    /// wrote gradients: sharded gradients not reduced yet are reduced at the next hook call.
+    pub(crate) microbatch_due: bool,
+    /// Gradients were written since the last microbatch boundary.
+    pub(crate) microbatch_dirty: bool,
+    /// Launch counter of gradient reductions.
+    pub(crate) launches: u64,
 }
 
 /// One rank's piece of one parameter with its views: the optimizer's unit of work.
@@ -159,9 +201,30 @@ impl DataParallelBuffers {
         let mut group_of = vec![0; specs.len()];
         for (b, bp) in plan.buffers().iter().enumerate() {
             let layout = &bp.layout;
-            let grads = dev.alloc(storage::grad_dtype(bp.key.grad_dtype), layout.numel);
+            let shard_grads = bp.strategy.shards_grads();
+            let grads = dev.alloc(
+                storage::grad_dtype(bp.key.grad_dtype),
+                if shard_grads {
+                    bp.shard_numel()
+                } else {
+                    layout.numel
+                },
+            );
+            // A staging view aliases the whole gradient buffer; sharded gradients have no whole
+            // buffer, so staging gets bf16 memory of its own (zeroed with the gradients, so the
+            // zero-then-stage order and its checks are unchanged).
+            let staging_backing = (shard_grads
+                && storage::stages_through_grads(bp, cfg.mxfp8_gather))
+            .then(|| dev.alloc(DType::Bf16, layout.numel));
             let members: Vec<&ParamSpec> = bp.params.iter().map(|&p| &specs[p]).collect();
-            let storage = storage::allocate(dev, bp, &members, grads, cfg.mxfp8_gather)?;
+            let storage = storage::allocate(
+                dev,
+                bp,
+                &members,
+                staging_backing.unwrap_or(grads),
+                cfg.mxfp8_gather,
+                rank,
+            )?;
             let low = storage.is_low_precision();
             for (bi, bucket) in layout.buckets.iter().enumerate() {
                 let g = groups.len();
@@ -175,7 +238,7 @@ impl DataParallelBuffers {
                     ready_counts: vec![0; params.len()],
                     indices: bucket.params.clone(),
                     params,
-                    grad_work: None,
+                    grad_comm: GradComm::Idle,
                     grad_reduce_started: false,
                     grad_reduce_finished: false,
                     param_work: None,
@@ -189,11 +252,14 @@ impl DataParallelBuffers {
                     golden_counts: None,
                     weights: WeightState::Current,
                     gathers: 0,
+                    unit: None,
+                    unit_work: None,
                 });
             }
             buffers.push(Buffer {
                 plan: bp.clone(),
                 grads,
+                staging_backing,
                 storage,
             });
         }
@@ -208,6 +274,9 @@ impl DataParallelBuffers {
             first_batch: true,
             last_microbatch: true,
             check_before_backward: false,
+            microbatch_due: false,
+            microbatch_dirty: false,
+            launches: 0,
         })
     }
 
@@ -267,7 +336,7 @@ impl DataParallelBuffers {
         &self.buffers[self.plan.location(p).0]
     }
 
-    fn check_param(&self, p: usize) -> Result<()> {
+    pub(crate) fn check_param(&self, p: usize) -> Result<()> {
         if p < self.specs.len() {
             Ok(())
         } else {
@@ -281,14 +350,45 @@ impl DataParallelBuffers {
 
     /// The storage of parameter `p`: its slice of the parameter region (for low-precision
     /// parameters the staging view, the packed NVFP4 bytes or the fp8 bytes).
+    ///
+    /// Where parameters are sharded (`optim_grads_params`) this is the parameter's slice of its
+    /// gathered unit, which exists only while the hooks hold the unit:
+    /// [`ProtocolError::NotGathered`] otherwise.
     pub fn param_view(&self, p: usize) -> Result<View> {
         self.check_param(p)?;
         let (b, i) = self.plan.location(p);
         let buf = &self.buffers[b];
+        if buf.shards_params() {
+            let g = self.group_of[p];
+            let Some(unit) = self.groups[g]
+                .unit
+                .filter(|_| self.groups[g].unit_work.is_none())
+            else {
+                return Err(ProtocolError::NotGathered {
+                    name: self.specs[p].name.clone(),
+                    group: g,
+                }
+                .into());
+            };
+            let at = self.group_range(g).start;
+            let r = buf.plan.param_storage_range(i);
+            return Ok(unit.slice(r.start - at..r.end - at)?);
+        }
         Ok(buf
             .storage
             .region()
             .slice(buf.plan.param_storage_range(i))?)
+    }
+
+    /// The buffer range (elements) of bucket group `g`'s buckets.
+    pub(crate) fn group_range(&self, g: usize) -> Range<usize> {
+        let group = &self.groups[g];
+        let buckets = &self.buffers[group.buffer].plan.layout.buckets;
+        let first = buckets[group.buckets[0]].range().start;
+        let last = buckets[*group.buckets.last().expect("a group has buckets")]
+            .range()
+            .end;
+        first..last
     }
 
     /// Whether parameter `p` has low-precision primary weights (MXFP8 or NVFP4 storage).
@@ -319,10 +419,17 @@ impl DataParallelBuffers {
     }
 
     /// The main gradient of parameter `p` (its slice of the gradient buffer).
+    /// [`ProtocolError::GradsSharded`] where ranks keep only gradient shards.
     pub fn grad_view(&self, p: usize) -> Result<View> {
         self.check_param(p)?;
         let (b, i) = self.plan.location(p);
         let buf = &self.buffers[b];
+        if buf.shards_grads() {
+            return Err(ProtocolError::GradsSharded {
+                name: self.specs[p].name.clone(),
+            }
+            .into());
+        }
         Ok(buf.grads.slice(buf.plan.param_range(i))?)
     }
 
@@ -332,10 +439,20 @@ impl DataParallelBuffers {
         let mut out = Vec::new();
         for piece in self.plan.owned(self.rank)? {
             let buf = &self.buffers[piece.buffer];
+            let grads = if buf.shards_grads() {
+                // The piece lies in this rank's shard of its bucket; sharded gradients keep
+                // those shards one after the other.
+                let shard = buf.plan.shard(piece.bucket, self.rank)?;
+                let at = buf.plan.local_shard_range(piece.bucket, self.rank)?.start
+                    + (piece.buffer_range.start - shard.start);
+                buf.grads.slice(at..at + piece.buffer_range.len())?
+            } else {
+                buf.grads.slice(piece.buffer_range.clone())?
+            };
             out.push(OwnedShard {
                 param: piece.param,
                 param_range: piece.param_range,
-                grad_view: buf.grads.slice(piece.buffer_range.clone())?,
+                grad_view: grads,
                 fused_output: buf.storage.fused_output(piece.buffer_range)?,
             });
         }

@@ -5,7 +5,7 @@
 //! [`DdpConfig::validate`]. The translation into the layout layer's [`PlanConfig`] is written
 //! once, [`DdpConfig::plan_config`].
 
-use lowbit_layout::{PlanConfig, ShardingStrategy};
+use lowbit_layout::{GradDType, PlanConfig, ShardingStrategy};
 
 use crate::error::{ConfigError, Result};
 
@@ -86,6 +86,22 @@ pub enum GradAccumulation {
     Unfused,
 }
 
+/// Whether gradients are checked for NaN and ±Inf before they are reduced (Megatron's
+/// `check_for_nan_in_grad` and `report_nan_in_param_grad`). The check reads every gradient once
+/// more, so it costs one reduction pass over the gradients per reduction.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NanCheck {
+    /// No check: non-finite gradients reach the norm, which skips the step.
+    #[default]
+    Off,
+    /// One pass per bucket group before its reduction; a non-finite group is searched for the
+    /// first non-finite parameter, and the error names it and the rank.
+    FirstParam,
+    /// As [`Self::FirstParam`], but the error lists every non-finite parameter of the group.
+    EveryParam,
+}
+
 /// How much the buffers verify at protocol boundaries.
 ///
 /// The cheap checks (weight states, gathers in flight, a group gathered twice, the communicator
@@ -137,6 +153,14 @@ pub struct DdpConfig {
     pub grad_accumulation: GradAccumulation,
     /// How much is verified at protocol boundaries.
     pub verify: Verify,
+    /// The dtype gradients are reduced in (`grad_comm_dtype`); `None`: the gradient buffer's
+    /// own dtype (`main_grads_dtype`). When it differs, a bucket of this dtype is allocated per
+    /// bucket group for its collective and freed after it; the reduction sums in f32 and
+    /// rounds once to this dtype; the result is written back (sharded gradients: added) in the
+    /// main-gradient dtype.
+    pub grad_comm_dtype: Option<GradDType>,
+    /// Whether gradients are checked for non-finite values before their reduction.
+    pub nan_check: NanCheck,
 }
 
 impl DdpConfig {
@@ -157,6 +181,10 @@ impl DdpConfig {
         with_grad_accumulation => grad_accumulation: GradAccumulation;
         /// Sets the verification level.
         with_verify => verify: Verify;
+        /// Sets the dtype gradients are reduced in.
+        with_grad_comm_dtype => grad_comm_dtype: Option<GradDType>;
+        /// Sets the non-finite gradient check.
+        with_nan_check => nan_check: NanCheck;
     }
 
     /// The rules of Megatron-LM's configuration that the types do not already enforce.

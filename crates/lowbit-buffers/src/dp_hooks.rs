@@ -187,7 +187,7 @@ impl DpHooks<'_> {
         self.pending = None;
         if let Some(tmp) = self.unfused_scratch() {
             let n = self.bufs.specs()[p].numel;
-            let main = self.bufs.grad_view(p)?;
+            let main = self.bufs.write_view(dev, p)?;
             dev.add(tmp.slice(0..n)?, main)?;
         }
         Ok(())
@@ -196,8 +196,11 @@ impl DpHooks<'_> {
 
 impl Hooks for DpHooks<'_> {
     fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View> {
+        if self.mode == HookMode::Train {
+            self.bufs.begin_microbatch(dev, self.comm)?;
+        }
         let g = self.bufs.group_of(p);
-        self.bufs.finish_param_sync(dev, self.comm, g)?;
+        self.bufs.prepare_params(dev, self.comm, g, usage)?;
         let compute = self.policy.get(p);
         if compute.format == ComputeFormat::AsStored {
             return self.bufs.param_view(p);
@@ -221,6 +224,7 @@ impl Hooks for DpHooks<'_> {
         if self.mode == HookMode::Eval {
             return Ok(self.scratch.values.slice(0..n)?);
         }
+        self.bufs.begin_microbatch(dev, self.comm)?;
         let main = self.bufs.accumulation_view(dev, p)?;
         let Some(tmp) = self.unfused_scratch() else {
             return Ok(main);

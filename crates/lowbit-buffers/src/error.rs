@@ -83,6 +83,18 @@ pub enum ConfigError {
     /// A precision policy that does not fit the parameters.
     #[error("precision policy: {0}")]
     Policy(String),
+    /// Low-precision primary weights under a strategy that shards parameters: each rank would
+    /// have to quantize a row-aligned shard of its own, which this storage does not do yet.
+    #[error(
+        "`{name}`: {storage} primary weights cannot be sharded by optim_grads_params yet (use \
+         bf16 parameters, or optim_grads)"
+    )]
+    ShardedLowPrecisionParams {
+        /// The first such parameter.
+        name: String,
+        /// Its storage kind.
+        storage: &'static str,
+    },
 }
 
 /// A call out of the order the training-step protocol requires. Each variant is one of the
@@ -150,6 +162,32 @@ pub enum ProtocolError {
     /// `register_grad_ready` without overlapped gradient reduction.
     #[error("register_grad_ready is only used with overlapped grad reduce")]
     GradReadyWithoutOverlap,
+    /// A parameter of a sharded-parameter unit read while the unit is not gathered.
+    #[error(
+        "`{name}`: its unit (bucket group {group}) is not gathered; fetch it through the hooks"
+    )]
+    NotGathered {
+        /// The parameter.
+        name: String,
+        /// Its bucket group.
+        group: usize,
+    },
+    /// The main gradient of a whole parameter asked for where ranks keep only their shards.
+    #[error(
+        "`{name}`: gradients are sharded (optim_grads); only owned shards have a main gradient"
+    )]
+    GradsSharded {
+        /// The parameter.
+        name: String,
+    },
+    /// Non-finite gradients found before their reduction ([`crate::NanCheck`]).
+    #[error("rank {rank}: non-finite (NaN or Inf) gradient in {}", names.join(", "))]
+    NonFiniteGrad {
+        /// The rank that found them.
+        rank: usize,
+        /// The parameters (the first, or all of its bucket group).
+        names: Vec<String>,
+    },
     /// The communicator is not the group the plan was made for (bug F3).
     #[error("communicator is rank {rank} of {size}, the plan is rank {plan_rank} of {plan_size}")]
     WrongGroup {

@@ -1,19 +1,34 @@
 //! Gradient side of the protocol: zeroing, grad-ready counting, launching and completing the
 //! bucket groups' reductions (reduce-scatter for sharded plans, all-reduce otherwise).
+//!
+//! Where the gradients go, by strategy and communication dtype:
+//!
+//! | gradients | comm dtype | the backward writes | the collective runs on | the result |
+//! |---|---|---|---|---|
+//! | whole | = main | the main buffer | the main buffer, in place | is in place |
+//! | whole | ≠ main | the main buffer | a transient bucket: cast of the main buffer | **copied** back (never added: Megatron-FSDP's `optim` double gradient) |
+//! | sharded | any | a transient bucket, zeroed per microbatch | that bucket | **added** into the main shard |
+//!
+//! The `1/dp` of the mean scales the tensor that enters the collective, never the main shard.
 
 use lowbit_comm::{Communicator, Op, ReduceOp};
-use lowbit_device::{Device, View};
+use lowbit_device::{DType, Device, View};
 use lowbit_layout::GradReduce;
 
-use crate::config::{GradScaling, Verify};
+use crate::buffers::GradComm;
+use crate::config::{GradScaling, NanCheck, Verify};
 use crate::error::{ProtocolError, Result};
+use crate::storage;
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
 impl DataParallelBuffers {
     /// Marks whether the coming backward is the last microbatch of the step (Megatron's
-    /// `no_sync`): only then do gradients become ready for reduction.
+    /// `no_sync`): only then do whole gradients become ready for reduction. Call it before
+    /// every microbatch (the step driver does): where gradients are sharded it is also the
+    /// microbatch boundary, at which the previous microbatch's unreduced gradients are reduced.
     pub fn set_last_microbatch(&mut self, last: bool) {
         self.last_microbatch = last;
+        self.microbatch_due = true;
     }
 
     /// Zeroes every gradient buffer and resets the per-iteration grad-sync state. The first call
@@ -23,15 +38,21 @@ impl DataParallelBuffers {
     /// weights had not been gathered yet goes back to [`WeightState::Stale`] and must be staged
     /// again before the next forward (gathering it now would ship zeros: Megatron bug A1/A3).
     pub fn zero_grad_buffer(&mut self, dev: &mut Device) -> Result<()> {
-        if self
-            .groups
-            .iter()
-            .any(|g| g.grad_work.is_some() || g.param_work.is_some())
-        {
+        if self.groups.iter().any(|g| {
+            matches!(g.grad_comm, GradComm::Launched { .. })
+                || g.param_work.is_some()
+                || g.unit_work.is_some()
+        }) {
             return Err(ProtocolError::CollectiveInFlight.into());
+        }
+        for g in 0..self.groups.len() {
+            self.drop_comm_bucket(dev, g)?;
         }
         for b in &self.buffers {
             dev.zero(b.grads)?;
+            if let Some(s) = b.staging_backing {
+                dev.zero(s)?;
+            }
         }
         let record = self.first_batch && self.groups.iter().any(|g| g.grad_reduce_finished);
         let buffers = &self.buffers;
@@ -51,12 +72,24 @@ impl DataParallelBuffers {
             self.first_batch = false;
         }
         self.check_before_backward = true;
+        self.microbatch_due = false;
+        self.microbatch_dirty = false;
+        Ok(())
+    }
+
+    /// Frees a group's transient bucket that holds nothing launched (a filling bucket left by
+    /// an aborted iteration).
+    fn drop_comm_bucket(&mut self, dev: &mut Device, g: usize) -> Result<()> {
+        if let GradComm::Filling(v) = std::mem::take(&mut self.groups[g].grad_comm) {
+            dev.free(v)?;
+        }
         Ok(())
     }
 
     /// The gradient view of `p` for accumulation in the backward. The first call after
     /// `zero_grad_buffer` checks that every low-precision group is gathered (bug A2) and, with
-    /// [`Verify::Full`], that the gradient buffers are zero.
+    /// [`Verify::Full`], that the gradient buffers are zero. Where gradients are sharded the
+    /// view is `p`'s slice of its group's transient bucket for this microbatch.
     pub fn accumulation_view(&mut self, dev: &mut Device, p: usize) -> Result<View> {
         if self.check_before_backward {
             self.check_before_backward = false;
@@ -79,12 +112,106 @@ impl DataParallelBuffers {
                 }
             }
         }
-        self.grad_view(p)
+        self.microbatch_dirty = true;
+        self.write_view(dev, p)
+    }
+
+    /// Where the backward writes gradient `p`: its slice of the main buffer, or of its group's
+    /// transient bucket where gradients are sharded (allocated and zeroed on first use in a
+    /// microbatch; the group's previous reduction is completed first).
+    pub(crate) fn write_view(&mut self, dev: &mut Device, p: usize) -> Result<View> {
+        self.check_param(p)?;
+        let (b, i) = self.plan.location(p);
+        let g = self.group_of[p];
+        let buf = &self.buffers[b];
+        let range = buf.plan.param_range(i);
+        if !buf.shards_grads() {
+            return Ok(buf.grads.slice(range)?);
+        }
+        if matches!(self.groups[g].grad_comm, GradComm::Launched { .. }) {
+            self.complete_grad_sync(dev, g)?;
+        }
+        let bucket = match self.groups[g].grad_comm {
+            GradComm::Filling(v) => v,
+            _ => {
+                let v = self.alloc_comm_bucket(dev, g)?;
+                self.groups[g].grad_comm = GradComm::Filling(v);
+                v
+            }
+        };
+        let at = self.group_range(g).start;
+        Ok(bucket.slice(range.start - at..range.end - at)?)
+    }
+
+    /// The dtype group `g`'s gradients are reduced in.
+    fn comm_dtype(&self, g: usize) -> DType {
+        let main = self.buffers[self.groups[g].buffer].grads.dtype();
+        self.cfg.grad_comm_dtype.map_or(main, storage::grad_dtype)
+    }
+
+    /// A zeroed transient bucket for group `g`, after completing every launched reduction but
+    /// the newest: at most two transient buckets are alive at once, whatever the model (the
+    /// bound the memory accounting states).
+    fn alloc_comm_bucket(&mut self, dev: &mut Device, g: usize) -> Result<View> {
+        let newest = self
+            .groups
+            .iter()
+            .filter_map(|x| match x.grad_comm {
+                GradComm::Launched {
+                    bucket: Some(_),
+                    seq,
+                    ..
+                } => Some(seq),
+                _ => None,
+            })
+            .max();
+        for h in 0..self.groups.len() {
+            if let GradComm::Launched {
+                bucket: Some(_),
+                seq,
+                ..
+            } = self.groups[h].grad_comm
+                && Some(seq) != newest
+            {
+                self.complete_grad_sync(dev, h)?;
+            }
+        }
+        let len = self.group_range(g).len();
+        Ok(dev.try_alloc(self.comm_dtype(g), len)?)
+    }
+
+    /// Reduces the gradients the last microbatch left where gradients are sharded, once per
+    /// microbatch boundary (announced by [`Self::set_last_microbatch`]); the hooks call it
+    /// before anything else of a microbatch.
+    pub fn begin_microbatch(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<()> {
+        if !std::mem::take(&mut self.microbatch_due) {
+            return Ok(());
+        }
+        if !std::mem::take(&mut self.microbatch_dirty) {
+            return Ok(());
+        }
+        for g in 0..self.groups.len() {
+            if !self.buffers[self.groups[g].buffer].shards_grads() {
+                continue;
+            }
+            if matches!(self.groups[g].grad_comm, GradComm::Filling(_)) {
+                self.start_grad_sync(dev, comm, g)?;
+            }
+            let group = &mut self.groups[g];
+            group.grad_reduce_started = false;
+            group.ready_counts.iter_mut().for_each(|c| *c = 0);
+        }
+        Ok(())
     }
 
     /// Called from the backward hook when parameter `p`'s gradient is complete for this
-    /// microbatch. On the last microbatch of a step after the first, the group's reduction
-    /// starts once all of its parameters reported as often as in the first batch.
+    /// microbatch. A group's reduction starts once all of its parameters reported as often as
+    /// in the first batch, on the last microbatch of a step after the first; where gradients
+    /// are sharded, in every microbatch once all of them reported.
     pub fn register_grad_ready(
         &mut self,
         dev: &mut Device,
@@ -94,10 +221,11 @@ impl DataParallelBuffers {
         if !self.cfg.overlap.grad_reduce() {
             return Err(ProtocolError::GradReadyWithoutOverlap.into());
         }
-        if !self.last_microbatch {
+        let g = self.group_of(p);
+        let sharded = self.buffers[self.groups[g].buffer].shards_grads();
+        if !self.last_microbatch && !sharded {
             return Ok(());
         }
-        let g = self.group_of(p);
         let group = &mut self.groups[g];
         let idx = group
             .params
@@ -105,12 +233,71 @@ impl DataParallelBuffers {
             .position(|&q| q == p)
             .expect("a parameter is in its own group");
         group.ready_counts[idx] += 1;
-        let complete = match &group.golden_counts {
-            Some(golden) => group.ready_counts == *golden,
-            None => false,
+        // Whole gradients: as often as in the first batch. Sharded gradients are reduced every
+        // microbatch: once every parameter reported (a later contribution in the same
+        // microbatch goes to a fresh bucket, reduced at the microbatch boundary).
+        let complete = if sharded {
+            group.ready_counts.iter().all(|&c| c > 0)
+        } else {
+            match &group.golden_counts {
+                Some(golden) => group.ready_counts == *golden,
+                None => false,
+            }
         };
-        if complete && !group.grad_reduce_started {
+        let filled = !sharded || matches!(group.grad_comm, GradComm::Filling(_));
+        if complete && filled && !group.grad_reduce_started {
             self.start_grad_sync(dev, comm, g)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses non-finite gradients in `src` (group `g`'s gradients about to be reduced) with
+    /// the parameters named, on every rank at once: the finding is MAX-reduced across ranks, so
+    /// no rank is left waiting in a collective the others never start.
+    fn check_finite(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        g: usize,
+        src: View,
+    ) -> Result<()> {
+        let mut names = Vec::new();
+        if dev.has_non_finite(src)? {
+            let group = &self.groups[g];
+            let buf = &self.buffers[group.buffer];
+            let at = self.group_range(g).start;
+            for (&p, &i) in group.params.iter().zip(&group.indices) {
+                let r = buf.plan.param_range(i);
+                if dev.has_non_finite(src.slice(r.start - at..r.end - at)?)? {
+                    names.push(self.specs[p].name.clone());
+                    if self.cfg.nan_check == NanCheck::FirstParam {
+                        break;
+                    }
+                }
+            }
+        }
+        let flag = dev.try_alloc(DType::F32, 1)?;
+        let r = dev
+            .upload(flag, &[if names.is_empty() { 0.0f32 } else { 1.0 }])
+            .map_err(crate::BufferError::from)
+            .and_then(|()| {
+                let ops = [Op::AllReduce {
+                    buf: flag,
+                    reduce: ReduceOp::Max,
+                }];
+                self.launch(dev, comm, &ops)?.wait(dev)?;
+                Ok(dev.download::<f32>(flag)?[0])
+            });
+        dev.free(flag)?;
+        if r? > 0.0 {
+            if names.is_empty() {
+                names.push("a parameter of another rank".to_string());
+            }
+            return Err(ProtocolError::NonFiniteGrad {
+                rank: self.rank,
+                names,
+            }
+            .into());
         }
         Ok(())
     }
@@ -127,33 +314,95 @@ impl DataParallelBuffers {
             GradScaling::AverageInCollective => (ReduceOp::Avg, None),
             _ => (ReduceOp::Sum, Some(1.0 / self.dp() as f32)),
         };
-        let group = &self.groups[g];
-        let buf = &self.buffers[group.buffer];
-        let mut ops = Vec::with_capacity(group.buckets.len());
-        for &bi in &group.buckets {
-            let bucket = &buf.plan.layout.buckets[bi];
-            let grads = buf.grads.slice(bucket.range())?;
-            if let Some(f) = factor {
-                dev.scale(grads, f)?;
-            }
+        let range = self.group_range(g);
+        let b = self.groups[g].buffer;
+        let sharded = self.buffers[b].shards_grads();
+        // The tensor the collective runs on, and the transient bucket it lives in, if any.
+        let (src, bucket) = if sharded {
+            let v = match std::mem::take(&mut self.groups[g].grad_comm) {
+                GradComm::Filling(v) => v,
+                _ => self.alloc_comm_bucket(dev, g)?,
+            };
+            (v, Some(v))
+        } else {
+            (self.buffers[b].grads.slice(range.clone())?, None)
+        };
+        if self.cfg.nan_check != NanCheck::Off {
+            self.check_finite(dev, comm, g, src)?;
+        }
+        let (src, bucket) = if !sharded && self.comm_dtype(g) != src.dtype() {
+            let v = self.alloc_comm_bucket(dev, g)?;
+            dev.cast(src, v)?;
+            (v, Some(v))
+        } else {
+            (src, bucket)
+        };
+        if let Some(f) = factor {
+            dev.scale(src, f)?;
+        }
+        let buf = &self.buffers[b];
+        let mut ops = Vec::with_capacity(self.groups[g].buckets.len());
+        for &bi in &self.groups[g].buckets {
+            let local = |r: std::ops::Range<usize>| r.start - range.start..r.end - range.start;
+            let input = src.slice(local(buf.plan.layout.buckets[bi].range()))?;
             ops.push(match buf.plan.grad_reduce {
                 GradReduce::ReduceScatter => Op::ReduceScatter {
-                    input: grads,
-                    output: buf.grads.slice(buf.plan.shard(bi, self.rank)?)?,
+                    input,
+                    output: src.slice(local(buf.plan.shard(bi, self.rank)?))?,
                     reduce,
                 },
-                _ => Op::AllReduce { buf: grads, reduce },
+                _ => Op::AllReduce { buf: input, reduce },
             });
         }
         let work = self.launch(dev, comm, &ops)?;
+        self.launches += 1;
         let group = &mut self.groups[g];
         group.grad_reduce_started = true;
-        if self.cfg.overlap.grad_reduce() {
-            group.grad_work = Some(work);
-        } else {
-            work.wait(dev)?;
+        group.grad_comm = GradComm::Launched {
+            bucket,
+            work: Some(work),
+            seq: self.launches,
+        };
+        if !self.cfg.overlap.grad_reduce() {
+            self.complete_grad_sync(dev, g)?;
         }
         Ok(())
+    }
+
+    /// Completes group `g`'s launched reduction: waits for it and moves the result from a
+    /// transient bucket into the main gradients (sharded: added into this rank's shards; whole:
+    /// copied over the reduced range), then frees the bucket.
+    fn complete_grad_sync(&mut self, dev: &mut Device, g: usize) -> Result<()> {
+        let GradComm::Launched { bucket, work, .. } = std::mem::take(&mut self.groups[g].grad_comm)
+        else {
+            return Ok(());
+        };
+        if let Some(w) = work {
+            w.wait(dev)?;
+        }
+        let Some(bucket) = bucket else {
+            return Ok(());
+        };
+        let range = self.group_range(g);
+        let buf = &self.buffers[self.groups[g].buffer];
+        let r = (|| -> Result<()> {
+            for &bi in &self.groups[g].buckets {
+                let shard = match buf.plan.grad_reduce {
+                    GradReduce::ReduceScatter => buf.plan.shard(bi, self.rank)?,
+                    _ => buf.plan.layout.buckets[bi].range(),
+                };
+                let reduced = bucket.slice(shard.start - range.start..shard.end - range.start)?;
+                if buf.shards_grads() {
+                    let local = buf.plan.local_shard_range(bi, self.rank)?;
+                    dev.add(reduced, buf.grads.slice(local)?)?;
+                } else {
+                    dev.cast(reduced, buf.grads.slice(shard)?)?;
+                }
+            }
+            Ok(())
+        })();
+        dev.free(bucket)?;
+        r
     }
 
     /// Completes every group's gradient reduction (launching those not started yet) and re-arms
@@ -166,28 +415,44 @@ impl DataParallelBuffers {
         // Refuse before touching anything: reducing some groups and then refusing would leave
         // gradients (and the staging views aliasing them) half reduced.
         self.refuse_gather_in_flight("finish_grad_sync")?;
+        // Gathered units never outlive the backward: the step moves the shards under them.
+        self.release_units(dev)?;
         for g in 0..self.groups.len() {
             self.groups[g].param_state = ParamSyncState::Idle;
             if self.groups[g].grad_reduce_finished {
                 continue;
             }
-            if !self.groups[g].grad_reduce_started {
+            let sharded = self.buffers[self.groups[g].buffer].shards_grads();
+            if sharded {
+                // Sharded gradients: whatever the last microbatch left is reduced now; a group
+                // it did not touch has nothing to reduce.
+                if matches!(self.groups[g].grad_comm, GradComm::Filling(_)) {
+                    self.start_grad_sync(dev, comm, g)?;
+                }
+            } else if !self.groups[g].grad_reduce_started {
                 if self.cfg.overlap.grad_reduce() && !self.first_batch {
                     return Err(ProtocolError::GradReduceNotStarted { group: g }.into());
                 }
                 self.start_grad_sync(dev, comm, g)?;
             }
-            if let Some(w) = self.groups[g].grad_work.take() {
-                w.wait(dev)?;
-            }
+            self.complete_grad_sync(dev, g)?;
             self.groups[g].grad_reduce_finished = true;
         }
+        self.microbatch_due = false;
+        self.microbatch_dirty = false;
         Ok(())
     }
 
-    /// The bucket group whose gradient reduction is in flight, in launch order (for tests and
+    /// The bucket groups whose gradient reduction is in flight, in launch order (for tests and
     /// diagnostics of the overlap).
     pub fn grad_reduce_in_flight(&self) -> Vec<usize> {
-        self.groups_where(|g| g.grad_work.is_some())
+        let mut launched: Vec<(u64, usize)> = (0..self.groups.len())
+            .filter_map(|g| match self.groups[g].grad_comm {
+                GradComm::Launched { seq, .. } => Some((seq, g)),
+                _ => None,
+            })
+            .collect();
+        launched.sort_unstable();
+        launched.into_iter().map(|(_, g)| g).collect()
     }
 }

@@ -46,15 +46,18 @@ mod param_sync;
 mod policy;
 mod stage;
 mod storage;
+mod units;
 
 pub use lowbit_layout as layout;
 
 pub use buffers::{DataParallelBuffers, OwnedShard, ParamSyncState, WeightState};
-pub use config::{DdpConfig, GradAccumulation, GradScaling, Mxfp8Gather, Overlap, Verify};
+pub use config::{
+    DdpConfig, GradAccumulation, GradScaling, Mxfp8Gather, NanCheck, Overlap, Verify,
+};
 pub use dp_hooks::{DpHooks, HookMode, HookScratch};
 pub use error::{BufferError, ConfigError, ProtocolError, Result};
 pub use hooks::{Hooks, Usage};
-pub use memory::{BufferMemory, estimate_buffer_memory, plan_buffer_memory};
+pub use memory::{BufferMemory, estimate_buffer_memory, plan_buffer_memory, transient_bound};
 pub use policy::{ComputeFormat, ParamCompute, PrecisionPolicy, dequant_mxfp8, dequant_nvfp4};
 pub use stage::StagePiece;
 pub use storage::{

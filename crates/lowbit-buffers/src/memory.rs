@@ -21,8 +21,18 @@ pub struct BufferMemory {
     pub weights: usize,
     /// Bytes of a bf16 staging view; it aliases the gradient buffer, so it costs nothing.
     pub staging: usize,
-    /// The gradient buffer.
+    /// The gradient buffer (this rank's shards where gradients are sharded).
     pub grads: usize,
+    /// Staging memory of its own: where gradients are sharded a staging view cannot alias
+    /// them (0 otherwise).
+    pub staging_own: usize,
+}
+
+impl BufferMemory {
+    /// The bytes this buffer holds between steps: weights, gradients, own staging.
+    pub fn persistent(&self) -> usize {
+        self.weights + self.grads + self.staging_own
+    }
 }
 
 impl DataParallelBuffers {
@@ -38,6 +48,7 @@ impl DataParallelBuffers {
                     weights: bytes.weights,
                     staging: bytes.staging,
                     grads: b.grads.byte_len(),
+                    staging_own: b.staging_backing.map_or(0, |v| v.byte_len()),
                 }
             })
             .collect()
@@ -52,7 +63,8 @@ impl DataParallelBuffers {
             } else {
                 b.storage.memory().weights
             };
-            (p + own, g + b.grads.byte_len())
+            let staging = b.staging_backing.map_or(0, |v| v.byte_len());
+            (p + own + staging, g + b.grads.byte_len())
         })
     }
 }
@@ -92,8 +104,59 @@ pub fn plan_buffer_memory(
                 numel: bp.layout.numel,
                 weights: bytes.weights,
                 staging: bytes.staging,
-                grads: bp.layout.numel * storage::grad_dtype(bp.key.grad_dtype).size(),
+                grads: if bp.strategy.shards_grads() {
+                    bp.shard_numel()
+                } else {
+                    bp.layout.numel
+                } * storage::grad_dtype(bp.key.grad_dtype).size(),
+                staging_own: if bp.strategy.shards_grads()
+                    && storage::stages_through_grads(bp, cfg.mxfp8_gather)
+                {
+                    bp.layout.numel * 2
+                } else {
+                    0
+                },
             }
         })
         .collect()
+}
+
+/// The most bytes of transient buffers the buffers of `plan` hold at once during a step:
+/// communication buckets (sharded gradients, or a communication dtype other than the
+/// gradients') and gathered units (sharded parameters).
+///
+/// The bound, per bucket group (one per bucket): with overlapped reduction at most two
+/// communication buckets are alive (the one the backward fills and the newest launched: a
+/// new one completes older launches first), for a model that completes one unit's gradients
+/// before it writes the next unit's; without it every sharded-gradient group fills during the
+/// backward and is reduced after it, so all of them plus the largest other one. Units: the
+/// one in use and the prefetched one with overlapped gathers, one without.
+pub fn transient_bound(plan: &ShardingPlan, cfg: &DdpConfig) -> usize {
+    let (mut sharded, mut other, mut units) = (Vec::new(), Vec::new(), Vec::new());
+    for bp in plan.buffers() {
+        let main = storage::grad_dtype(bp.key.grad_dtype);
+        let comm = cfg.grad_comm_dtype.map_or(main, storage::grad_dtype);
+        for b in &bp.layout.buckets {
+            if bp.strategy.shards_grads() {
+                sharded.push(b.numel() * comm.size());
+            } else if comm != main {
+                other.push(b.numel() * comm.size());
+            }
+            if bp.strategy.shards_params() {
+                units.push(b.numel() * storage::persistent_dtype(bp.key.param_storage).size());
+            }
+        }
+    }
+    let largest = |v: &mut Vec<usize>, k: usize| -> usize {
+        v.sort_unstable_by(|a, b| b.cmp(a));
+        v.iter().take(k).sum()
+    };
+    let comm = if cfg.overlap.grad_reduce() {
+        sharded.append(&mut other);
+        largest(&mut sharded, 2)
+    } else {
+        sharded.iter().sum::<usize>() + largest(&mut other, 1)
+    };
+    let units = largest(&mut units, if cfg.overlap.param_gather() { 2 } else { 1 });
+    comm + units
 }

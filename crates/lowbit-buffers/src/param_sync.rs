@@ -21,7 +21,8 @@ impl DataParallelBuffers {
         asynchronous: bool,
     ) -> Result<()> {
         let buf = &self.buffers[self.groups[g].buffer];
-        if buf.plan.param_gather == ParamGather::None {
+        // Sharded-parameter units are gathered per use (`prepare_params`), not after the step.
+        if buf.plan.param_gather == ParamGather::None || buf.shards_params() {
             self.groups[g].param_state = ParamSyncState::Done;
             return Ok(());
         }
@@ -81,6 +82,9 @@ impl DataParallelBuffers {
     /// Whether group `g` needs a gather before its parameters can be used.
     fn needs_gather(&self, g: usize) -> bool {
         let group = &self.groups[g];
+        if self.buffers[group.buffer].shards_params() {
+            return false;
+        }
         if self.buffers[group.buffer].storage.is_low_precision() {
             group.weights == WeightState::Staged && group.param_state != ParamSyncState::InFlight
         } else {

@@ -443,6 +443,8 @@ pub struct Device {
     backend: Backend,
     /// Calls of the quantization entry points ([`Device::op_calls`]).
     calls: counters::OpCalls,
+    /// The largest [`Device::allocated_bytes`] seen since creation or [`Device::reset_peak`].
+    peak: usize,
 }
 
 #[derive(Debug)]
@@ -458,6 +460,7 @@ impl Device {
         Device {
             backend: Backend::Cpu(cpu::CpuDevice::new()),
             calls: counters::OpCalls::default(),
+            peak: 0,
         }
     }
 
@@ -471,6 +474,7 @@ impl Device {
         Ok(Device {
             backend: Backend::Cuda(cuda::CudaDevice::new(ordinal)?),
             calls: counters::OpCalls::default(),
+            peak: 0,
         })
     }
 
@@ -508,6 +512,7 @@ impl Device {
             #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.alloc(bytes)?,
         };
+        self.peak = self.peak.max(self.allocated_bytes());
         Ok(View {
             buffer,
             offset: 0,
@@ -532,6 +537,17 @@ impl Device {
             #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.allocated_bytes(),
         }
+    }
+
+    /// The most bytes allocated at once since the device was made or since the last
+    /// [`Device::reset_peak`]: what memory accounting of transient buffers is checked against.
+    pub fn peak_allocated_bytes(&self) -> usize {
+        self.peak
+    }
+
+    /// Starts a new peak measurement at the bytes allocated now.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.allocated_bytes();
     }
 
     /// Copies host elements into `dst` (dtype and length must match).

@@ -12,9 +12,10 @@ use crate::{
 
 /// How a buffer's elements are distributed over the ranks of its group.
 ///
-/// Room is left (the enum is non-exhaustive) for FSDP's `optim_grads` / `optim_grads_params`,
-/// which shard gradients and parameters as well; they will be new variants here, read by the
-/// same [`BufferPlan`] fields, not new flags elsewhere.
+/// FSDP's four strategies map onto these: `no_shard` = [`Self::Replicated`], `optim` =
+/// [`Self::Distributed`], `optim_grads` = [`Self::OptimGrads`], `optim_grads_params` =
+/// [`Self::OptimGradsParams`]. The last two use the distributed layout (same buckets, same
+/// shards), so the four give the same bits where the arithmetic is the same.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ShardingStrategy {
@@ -31,12 +32,33 @@ pub enum ShardingStrategy {
     /// optimizer that needs the whole matrix (Muon) can run on it; gradients are
     /// reduce-scattered and parameters all-gathered, as under [`Self::Distributed`].
     LayerWise,
+    /// ZeRO-2 (FSDP `optim_grads`): the distributed layout, and a rank keeps only its shard of
+    /// the gradients. Each bucket group's gradients go to a transient communication bucket,
+    /// are reduce-scattered every microbatch and added into the persistent shard.
+    OptimGrads,
+    /// ZeRO-3 (FSDP `optim_grads_params`): as [`Self::OptimGrads`], and a rank keeps only its
+    /// shard of the parameters; a bucket group (a unit) is gathered into a transient buffer
+    /// before use and released after it, for the forward and again for the backward.
+    OptimGradsParams,
 }
 
 impl ShardingStrategy {
     /// Whether ranks own disjoint pieces (and parameters are gathered after the step).
     pub fn is_sharded(self) -> bool {
         !matches!(self, ShardingStrategy::Replicated)
+    }
+
+    /// Whether a rank keeps only its shard of the gradients (reduced every microbatch).
+    pub fn shards_grads(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::OptimGrads | ShardingStrategy::OptimGradsParams
+        )
+    }
+
+    /// Whether a rank keeps only its shard of the parameters (gathered per use).
+    pub fn shards_params(self) -> bool {
+        matches!(self, ShardingStrategy::OptimGradsParams)
     }
 }
 
@@ -212,6 +234,31 @@ impl BufferPlan {
                 Ok((shard, self.layout.buckets[bucket].range()))
             }
         }
+    }
+
+    /// Elements of one rank's shard of the whole buffer: the sum of its bucket shards (the
+    /// whole buffer when not sharded).
+    pub fn shard_numel(&self) -> usize {
+        self.layout.numel / self.layout.num_shards
+    }
+
+    /// Where rank `rank`'s shard of bucket `bucket` sits in the rank's shard storage (its
+    /// bucket shards one after the other, in bucket order): the storage of sharded gradients
+    /// and parameters.
+    ///
+    /// # Errors
+    /// As [`Self::shard`].
+    pub fn local_shard_range(
+        &self,
+        bucket: usize,
+        rank: usize,
+    ) -> Result<Range<usize>, LayoutError> {
+        let len = self.shard(bucket, rank)?.len();
+        let start: usize = self.layout.buckets[..bucket]
+            .iter()
+            .map(|b| b.numel() / self.layout.num_shards)
+            .sum();
+        Ok(start..start + len)
     }
 
     /// The element range of the buffer's parameter at layout index `index`.

@@ -31,6 +31,7 @@ pub fn begin_iteration(
     bufs: &mut DataParallelBuffers,
     opt: &dyn Optimizer,
 ) -> Result<()> {
+    bufs.release_units(dev)?;
     bufs.zero_grad_buffer(dev)?;
     opt.stage(dev, comm, bufs, true)
 }
@@ -109,6 +110,7 @@ pub fn force_param_sync(
     opt: &dyn Optimizer,
 ) -> Result<()> {
     bufs.complete_param_sync(dev)?;
+    bufs.release_units(dev)?;
     bufs.zero_grad_buffer(dev)?;
     // Every group is gathered again, persistent ones included (they were rewritten from the
     // masters by `stage`).

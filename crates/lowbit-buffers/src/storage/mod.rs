@@ -25,7 +25,7 @@ use lowbit_device::{
 use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind, expert_slices};
 
 use crate::config::{Mxfp8Gather, Verify};
-use crate::error::Result;
+use crate::error::{ConfigError, Result};
 
 /// Which storage a buffer uses (for reports; behaviour lives in the storage types).
 #[non_exhaustive]
@@ -295,14 +295,17 @@ pub(crate) trait TileScaled {
 }
 
 /// Allocates the storage of one buffer. `specs` are the buffer's parameters in layout order;
-/// `grads` is its gradient buffer (which a staging view aliases).
+/// `grads` is the memory a staging view aliases (the gradient buffer, or a bf16 buffer of its
+/// own where gradients are sharded); `rank` is this rank (read where parameters are sharded).
 pub(crate) fn allocate(
     dev: &mut Device,
     plan: &BufferPlan,
     specs: &[&ParamSpec],
     grads: View,
     gather: Mxfp8Gather,
+    rank: usize,
 ) -> Result<Box<dyn Storage>> {
+    check(plan, specs)?;
     Ok(match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
             Box::new(Tiled::<Mxfp8Tiles>::allocate(dev, plan, specs)?)
@@ -317,13 +320,32 @@ pub(crate) fn allocate(
             dev,
             plan,
             storage_dtype(s),
-        )),
+            plan.strategy.shards_params().then_some(rank),
+        )?),
     })
+}
+
+/// Whether the storage of `plan` stages `bf16(master)` in a view over the gradient memory.
+pub(crate) fn stages_through_grads(plan: &BufferPlan, gather: Mxfp8Gather) -> bool {
+    plan.key.param_storage == ParamStorage::Quantized(QuantKind::Mxfp8)
+        && gather == Mxfp8Gather::Bf16Staging
 }
 
 /// Refuses the parameters of a buffer that its storage cannot hold, as [`allocate`] does (no
 /// allocation).
 pub(crate) fn check(plan: &BufferPlan, specs: &[&ParamSpec]) -> Result<()> {
+    if plan.strategy.shards_params()
+        && let ParamStorage::Quantized(q) = plan.key.param_storage
+    {
+        return Err(ConfigError::ShardedLowPrecisionParams {
+            name: specs.first().map_or_else(String::new, |s| s.name.clone()),
+            storage: match q {
+                QuantKind::Mxfp8 => "MXFP8",
+                _ => "NVFP4",
+            },
+        }
+        .into());
+    }
     match plan.key.param_storage {
         ParamStorage::Quantized(QuantKind::Nvfp4) => Tiled::<Nvfp4Tiles>::check(specs),
         _ => Ok(()),
@@ -348,10 +370,19 @@ pub(crate) fn closed_form(
             Tiled::<Nvfp4Tiles>::closed_form(plan.layout.numel, dims())
         }
         (s, _) => StorageBytes {
-            weights: plan.layout.numel * storage_dtype(s).size(),
+            weights: if plan.strategy.shards_params() {
+                plan.shard_numel()
+            } else {
+                plan.layout.numel
+            } * storage_dtype(s).size(),
             staging: 0,
         },
     }
+}
+
+/// The dtype of persistent storage.
+pub(crate) fn persistent_dtype(s: ParamStorage) -> DType {
+    storage_dtype(s)
 }
 
 /// The dtype of persistent storage.

@@ -1,0 +1,180 @@
+//! [`FsdpConfig`]: a strategy, a precision policy and the overlap, checked once and turned into
+//! the buffers' configuration and the parameters' gradient dtypes.
+
+use lowbit_buffers::{DdpConfig, NanCheck, Overlap, Verify};
+use lowbit_layout::{ParamSpec, ParamStorage};
+
+use crate::policy::{MainParamsDtype, MixedPrecisionPolicy};
+use crate::{FsdpError, Sharding};
+
+/// Whether forward and backward gather only the copy they compute with (rowwise / columnwise)
+/// of MXFP8 weights (seed 002).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FineGrainedGather {
+    /// Both copies in one gather.
+    Off,
+    /// Forward gathers rowwise, backward columnwise.
+    On,
+    /// On exactly when MXFP8 primary weights, low-precision gather and activation recompute
+    /// meet (seed 002's rule); [`FsdpConfig::fine_grained`] says which.
+    #[default]
+    Auto,
+}
+
+/// See the module docs.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FsdpConfig {
+    /// What is sharded.
+    pub sharding: Sharding,
+    /// The dtypes.
+    pub policy: MixedPrecisionPolicy,
+    /// What overlaps the computation (gradient reductions; unit gathers and prefetch).
+    pub overlap: Overlap,
+    /// Elements per bucket: the size of a unit (`None`: one unit per buffer).
+    pub bucket_size: Option<usize>,
+    /// Non-finite gradient check at the reduction.
+    pub nan_check: NanCheck,
+    /// Fine-grained low-precision gathers.
+    pub fine_grained: FineGrainedGather,
+    /// Replica groups of hybrid sharding (1: flat sharding).
+    pub outer_dp: usize,
+    /// Activation recompute in the model (read by the fine-grained rule).
+    pub recompute: bool,
+    /// Verification level of the buffers.
+    pub verify: Verify,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            sharding: Sharding::default(),
+            policy: MixedPrecisionPolicy::default(),
+            overlap: Overlap::GradReduce,
+            bucket_size: None,
+            nan_check: NanCheck::Off,
+            fine_grained: FineGrainedGather::Auto,
+            outer_dp: 1,
+            recompute: false,
+            verify: Verify::default(),
+        }
+    }
+}
+
+impl FsdpConfig {
+    /// `sharding` with the default policy and overlapped gradient reduction.
+    pub fn new(sharding: Sharding) -> Self {
+        FsdpConfig {
+            sharding,
+            ..FsdpConfig::default()
+        }
+    }
+
+    lowbit_layout::setters! {
+        /// Sets the strategy.
+        with_sharding => sharding: Sharding;
+        /// Sets the precision policy.
+        with_policy => policy: MixedPrecisionPolicy;
+        /// Sets the overlap.
+        with_overlap => overlap: Overlap;
+        /// Sets the unit (bucket) size.
+        with_bucket_size => bucket_size: Option<usize>;
+        /// Sets the non-finite gradient check.
+        with_nan_check => nan_check: NanCheck;
+        /// Sets fine-grained gathers.
+        with_fine_grained => fine_grained: FineGrainedGather;
+        /// Sets the number of replica groups.
+        with_outer_dp => outer_dp: usize;
+        /// Sets activation recompute.
+        with_recompute => recompute: bool;
+        /// Sets the verification level.
+        with_verify => verify: Verify;
+    }
+
+    /// Whether fine-grained gathers are on for `specs`, and why (seed 002's rule: MXFP8
+    /// primary weights gathered in low precision, with activation recompute).
+    pub fn fine_grained(&self, specs: &[ParamSpec]) -> (bool, &'static str) {
+        let mxfp8 = specs.iter().any(|s| {
+            s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
+        });
+        match self.fine_grained {
+            FineGrainedGather::On => (true, "on (asked for)"),
+            FineGrainedGather::Off => (false, "off (asked for)"),
+            FineGrainedGather::Auto if mxfp8 && self.recompute => (
+                true,
+                "on: MXFP8 primary weights, low-precision gather and activation recompute",
+            ),
+            FineGrainedGather::Auto => (
+                false,
+                "off: it needs MXFP8 primary weights, low-precision gather and activation \
+                 recompute together",
+            ),
+        }
+    }
+
+    /// Refuses what cannot work (or is not built yet) for `specs`, naming the reason.
+    ///
+    /// # Errors
+    /// [`FsdpError::Unsupported`].
+    pub fn validate(&self, specs: &[ParamSpec], ranks: usize) -> Result<(), FsdpError> {
+        let no = |s: String| Err(FsdpError::Unsupported(s));
+        if self.policy.main_params_dtype != MainParamsDtype::Fp32 {
+            return no(format!(
+                "main_params_dtype {:?} is not built yet: the optimizers keep fp32 masters",
+                self.policy.main_params_dtype
+            ));
+        }
+        if self.outer_dp == 0 || ranks % self.outer_dp != 0 {
+            return no(format!(
+                "outer dp {} does not divide the {ranks} ranks into replica groups",
+                self.outer_dp
+            ));
+        }
+        if self.outer_dp > 1 {
+            return no(
+                "hybrid sharding (outer dp > 1) is not built yet: the buffers reduce over one \
+                 group"
+                    .to_string(),
+            );
+        }
+        if self.fine_grained(specs).0 {
+            return no(
+                "fine-grained (rowwise/columnwise) gathers need MXFP8 weights sharded by \
+                 optim_grads_params, which are not built yet"
+                    .to_string(),
+            );
+        }
+        if self.overlap.param_gather() && self.sharding == Sharding::NoShard {
+            return no("no_shard has no parameter gather to overlap".to_string());
+        }
+        if self.sharding == Sharding::OptimGradsParams
+            && let Some(s) = specs.iter().find(|s| s.key.param_storage.is_quantized())
+        {
+            return no(format!(
+                "`{}`: low-precision primary weights cannot be sharded by optim_grads_params \
+                 yet (use bf16 weights, or optim_grads)",
+                s.name
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sets every parameter's gradient dtype from the policy's `main_grads_dtype`.
+    pub fn apply(&self, specs: &mut [ParamSpec]) {
+        for s in specs {
+            s.key.grad_dtype = self.policy.main_grads_dtype.resolve(s.key.param_storage);
+        }
+    }
+
+    /// The buffers' configuration.
+    pub fn ddp_config(&self) -> DdpConfig {
+        DdpConfig::default()
+            .with_sharding(self.sharding.layout())
+            .with_overlap(self.overlap)
+            .with_bucket_size(self.bucket_size)
+            .with_grad_comm_dtype(self.policy.grad_comm_dtype.grad_dtype())
+            .with_nan_check(self.nan_check)
+            .with_verify(self.verify)
+    }
+}

@@ -1,0 +1,50 @@
+//! FSDP over lowbit's buffers: the four sharding strategies of Megatron-FSDP, the
+//! mixed-precision policy, and the memory each costs.
+//!
+//! # Purpose
+//! A trainer picks *what* is sharded ([`Sharding`]: optimizer state, gradients, parameters) and
+//! *in which dtype* main parameters, main gradients and gradient communication live
+//! ([`MixedPrecisionPolicy`]); [`FsdpConfig`] checks the combination once, refuses what cannot
+//! work with the reason, and turns it into the buffers' [`DdpConfig`] and the parameter keys
+//! ([`FsdpConfig::apply`]). The mechanics live in the layers below, each in one place:
+//! - the plan (`lowbit-layout`): [`ShardingStrategy::OptimGrads`] and
+//!   [`ShardingStrategy::OptimGradsParams`] use the distributed layout, so every strategy has
+//!   the same buckets and shards;
+//! - the buffers (`lowbit-buffers`): per bucket group (a *unit*), the transient communication
+//!   bucket of sharded gradients (reduce-scattered every microbatch and *added* into the
+//!   persistent shard), the communication bucket of another dtype (reduced and *copied* back:
+//!   never added, Megatron-FSDP's `optim` double gradient), and the transient gathered unit of
+//!   sharded parameters (gathered before use, released when another unit is used, the next one
+//!   prefetched);
+//! - the step driver (`lowbit-optim`): one reduction per optimization cycle for `no_shard` and
+//!   `optim`, units released before every step.
+//!
+//! # Invariants
+//! - **Every strategy computes the same gradients.** With fp32 gradients and communication and
+//!   one microbatch, the four strategies give bit-identical trajectories (`tests/parity.rs`).
+//! - **A main gradient is the reduced sum, once.** The collective's input is scaled by `1/dp`,
+//!   never the main gradient; the result is copied where the main buffer is whole and added
+//!   where it is a shard that accumulates microbatches (`tests/double_gradient.rs`).
+//! - **Memory is what the closed form says.** [`estimate_memory`] equals the live buffers and
+//!   the device's allocation peak (`tests/memory.rs`).
+//!
+//! # Non-goals (not yet)
+//! Low-precision (MXFP8/NVFP4) primary weights sharded by `optim_grads_params` (refused with
+//! [`lowbit_buffers::ConfigError::ShardedLowPrecisionParams`]), fine-grained rowwise/columnwise
+//! gathers, hybrid (outer × shard) groups and main parameters other than fp32 are refused by
+//! [`FsdpConfig::validate`] with the reason.
+
+mod config;
+mod error;
+mod memory;
+mod policy;
+mod strategy;
+
+pub use config::{FineGrainedGather, FsdpConfig};
+pub use error::FsdpError;
+pub use memory::{FsdpMemory, estimate_memory};
+pub use policy::{CommDtype, MainGradsDtype, MainParamsDtype, MixedPrecisionPolicy};
+pub use strategy::Sharding;
+
+pub use lowbit_buffers::DdpConfig;
+pub use lowbit_layout::ShardingStrategy;
