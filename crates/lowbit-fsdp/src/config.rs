@@ -125,7 +125,7 @@ impl FsdpConfig {
                 self.policy.main_params_dtype
             ));
         }
-        if self.outer_dp == 0 || ranks % self.outer_dp != 0 {
+        if self.outer_dp == 0 || !ranks.is_multiple_of(self.outer_dp) {
             return no(format!(
                 "outer dp {} does not divide the {ranks} ranks into replica groups",
                 self.outer_dp
