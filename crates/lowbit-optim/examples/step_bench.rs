@@ -23,7 +23,9 @@
 //!   the same compute alone: exposed = the difference.
 //!
 //! `step_bench [--device cuda|cpu] [--ranks 2] [--model llama-3.2-1b|llama-3-8b-layers|tiny]
-//! [--precision all|bf16,mxfp8,mxfp8-2d,nvfp4] [--grads fp32,bf16] [--also MODEL:PREC:GRADS]…
+//! [--precision all|bf16,mxfp8,mxfp8-2d,nvfp4] [--grads fp32,bf16]
+//! [--sharding optim,no_shard,optim_grads,optim_grads_params] [--comm grads,bf16,fp32]
+//! [--also MODEL:PREC:GRADS]…
 //! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
 //! `cargo run --release -p lowbit-optim --example step_bench -- --device cpu --model tiny`.
@@ -44,7 +46,9 @@ use lowbit_comm::{Communicator, GroupConfig, run_ranks};
 use lowbit_device::Device;
 
 use measure::{GATHER, OverlapRun, PHASES, REQUANT, RS, Settings, StepRun};
-use setup::{Config, Precision, Res, grads_name, parameter_set, parse_grads};
+use setup::{
+    Config, Precision, Res, grads_name, parameter_set, parse_grads, parse_sharding, sharding_name,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -123,6 +127,9 @@ struct Summary {
     fallbacks: Vec<String>,
     /// (step with compute, compute alone, per-call µs of the compute kernel), ms.
     overlap: Option<(f64, f64, f64)>,
+    /// Transient bytes of the overlapped iterations: the device's peak (largest rank) and the
+    /// closed form.
+    transient: Option<(usize, usize)>,
 }
 
 impl Summary {
@@ -174,6 +181,10 @@ impl Summary {
         bound_ms[GATHER] = Some(ag_ms);
         let ring = (world - 1) as f64 / world as f64;
         let bus = |bytes: usize, ms: f64| bytes as f64 * ring / ms / 1e6;
+        let transient = overlap.map(|o| {
+            let peak = o.iter().map(|r| r.transient_peak).max().unwrap_or(0);
+            (peak, o[0].transient_closed)
+        });
         let overlap = overlap.map(|o| {
             let with: Vec<_> = o.iter().map(|r| r.with_dp.clone()).collect();
             let alone: Vec<_> = o.iter().map(|r| r.compute.clone()).collect();
@@ -196,6 +207,7 @@ impl Summary {
             closed: r0.closed,
             fallbacks: runs.iter().flat_map(|r| r.fallbacks.clone()).collect(),
             overlap,
+            transient,
             cfg,
         }
     }
@@ -210,11 +222,13 @@ impl Summary {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}x {}: total {:.2} ms (phases {:.2} ms)",
+            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}, comm {}, {}x {}: total {:.2} ms (phases {:.2} ms)",
             self.cfg.model,
             self.params as f64 / 1e6,
             self.cfg.precision.name(),
             grads_name(self.cfg.grads),
+            sharding_name(self.cfg.sharding),
+            self.cfg.comm.map_or("as grads", grads_name),
             self.world,
             self.card,
             self.total_ms,
@@ -263,6 +277,14 @@ impl Summary {
                 100.0 * (with - alone) / with
             );
         }
+        if let Some((peak, closed)) = self.transient {
+            let _ = writeln!(
+                t,
+                "transient memory of the overlapped iterations: peak {:.2} MiB per rank, closed form {:.2} MiB",
+                peak as f64 / (1 << 20) as f64,
+                closed as f64 / (1 << 20) as f64
+            );
+        }
         for f in &self.fallbacks {
             let _ = writeln!(t, "HOST FALLBACK: {f}");
         }
@@ -289,9 +311,10 @@ impl Summary {
             .iter()
             .map(|(n, b)| format!("\"{n}\": {}", *b as u64))
             .collect();
+        let (tp, tc) = self.transient.unwrap_or((0, 0));
         let overlap = self.overlap.map_or("null".into(), |(w, a, c)| {
             format!(
-                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"compute_call_us\": {}}}",
+                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"compute_call_us\": {}, \"transient_peak_bytes\": {tp}, \"transient_closed_form_bytes\": {tc}}}",
                 num(w),
                 num(a),
                 num(w - a),
@@ -301,12 +324,14 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
             self.params,
             grads_name(self.cfg.grads),
+            sharding_name(self.cfg.sharding),
+            self.cfg.comm.map_or("grads", grads_name),
             self.cfg.precision.name(),
             per_phase(&|k| num(self.phases_ms[k])),
             num(self.total_ms),
@@ -362,14 +387,35 @@ fn configs(args: &Args) -> Res<Vec<Config>> {
         .map(parse_grads)
         .collect::<Res<_>>()?;
     let model = args.get("--model").unwrap_or("llama-3.2-1b");
+    let shardings: Vec<_> = args
+        .get("--sharding")
+        .unwrap_or("optim")
+        .split(',')
+        .map(parse_sharding)
+        .collect::<Res<_>>()?;
+    let comms: Vec<Option<GradDType>> = args
+        .get("--comm")
+        .unwrap_or("grads")
+        .split(',')
+        .map(|c| match c {
+            "grads" => Ok(None),
+            c => parse_grads(c).map(Some),
+        })
+        .collect::<Res<_>>()?;
     let mut out = Vec::new();
     for &precision in &precisions {
         for &g in &grads {
-            out.push(Config {
-                model: model.to_string(),
-                precision,
-                grads: g,
-            });
+            for &sharding in &shardings {
+                for &comm in &comms {
+                    out.push(Config {
+                        model: model.to_string(),
+                        precision,
+                        grads: g,
+                        sharding,
+                        comm,
+                    });
+                }
+            }
         }
     }
     for also in args.all("--also") {
@@ -381,6 +427,8 @@ fn configs(args: &Args) -> Res<Vec<Config>> {
             model: model.to_string(),
             precision: Precision::parse(precision)?,
             grads: parse_grads(grads)?,
+            sharding: lowbit_buffers::layout::ShardingStrategy::Distributed,
+            comm: None,
         });
     }
     Ok(out)

@@ -4,7 +4,9 @@
 use std::time::Instant;
 
 use lowbit_buffers::layout::{GradDType, ShardingPlan};
-use lowbit_buffers::{DataParallelBuffers, DdpConfig, StorageKind, mxfp8_weight_config};
+use lowbit_buffers::{
+    DataParallelBuffers, DdpConfig, StorageKind, Usage, mxfp8_weight_config, transient_bound,
+};
 use lowbit_comm::{Communicator, ReduceOp};
 use lowbit_device::{DType, Device, Fp8Kind, MatmulSpec, View, mxfp8_tile_count};
 use lowbit_optim::{Optimizer, estimate_memory, memory_report, protocol};
@@ -479,12 +481,17 @@ impl Spin {
 /// One rank's measurements of the step interleaved with compute.
 #[derive(Debug)]
 pub struct OverlapRun {
-    /// Whole iterations: begin, forward (gathers on demand, prefetch), backward (bucket
-    /// reductions as gradients become ready), the rest of the reduction, the step.
+    /// Whole iterations: begin, forward (gathers on demand, prefetch), backward (units
+    /// gathered again where parameters are sharded; bucket reductions as gradients become
+    /// ready), the rest of the reduction, the step.
     pub with_dp: Vec<f64>,
     /// The same compute and gradient writes, nothing else.
     pub compute: Vec<f64>,
     pub per_call_us: f64,
+    /// The device's allocation peak during the iterations above what was allocated before
+    /// them (transient buckets and units), and its closed form (`transient_bound`).
+    pub transient_peak: usize,
+    pub transient_closed: usize,
 }
 
 /// The step with overlap on, interleaved with `us` of compute per layer in the forward and
@@ -516,23 +523,44 @@ pub fn overlap_rank(
         .map_or(1, Iterator::sum);
     let ddp = cfg.ddp(Some(s.bucket.unwrap_or(layer_numel)));
     let (mut bufs, mut opt) = build(dev, dp, rank, cfg.specs(params), ddp)?;
+    let transient_closed = transient_bound(bufs.plan(), &ddp);
     let grads = GradSource::new(dev, s.pattern())?;
     let spin = Spin::new(dev, s.spin_dim())?;
+    // Where the compute-alone run writes its gradients (sharded strategies have no whole
+    // gradient buffer to write into).
+    let widest = params
+        .iter()
+        .map(|p| p.shape.iter().product())
+        .max()
+        .unwrap_or(1);
+    let scratch = dev.alloc(
+        if cfg.grads == GradDType::F32 {
+            DType::F32
+        } else {
+            DType::Bf16
+        },
+        widest,
+    );
+    dev.reset_peak();
+    let before = dev.allocated_bytes();
     let (mut with_dp, mut compute) = (Vec::new(), Vec::new());
     for i in 0..s.reps.0 + s.reps.1 {
         let (b, o) = (&mut bufs, &mut opt);
         let (_, with) = timed(dev, comm, |d, c| {
             protocol::begin_iteration(d, c, b, o)?;
+            b.set_last_microbatch(true);
             for ps in &by_layer {
                 for &p in ps {
                     let g = b.group_of(p);
-                    b.finish_param_sync(d, c, g)?;
+                    b.prepare_params(d, c, g, Usage::Forward)?;
                 }
                 spin.run(d, us)?;
             }
             for ps in by_layer.iter().rev() {
                 spin.run(d, 2.0 * us)?;
                 for &p in ps.iter().rev() {
+                    let g = b.group_of(p);
+                    b.prepare_params(d, c, g, Usage::Backward)?;
                     grads.backward(d, b, std::iter::once(p))?;
                     b.register_grad_ready(d, c, p)?;
                 }
@@ -541,7 +569,6 @@ pub fn overlap_rank(
             protocol::step(d, c, b, o)?;
             Ok(())
         })?;
-        let b = &bufs;
         let (_, alone) = timed(dev, comm, |d, _| {
             for _ in &by_layer {
                 spin.run(d, us)?;
@@ -549,7 +576,8 @@ pub fn overlap_rank(
             for ps in by_layer.iter().rev() {
                 spin.run(d, 2.0 * us)?;
                 for &p in ps.iter().rev() {
-                    grads.fill(d, b.grad_view(p)?)?;
+                    let n: usize = params[p].shape.iter().product();
+                    grads.fill(d, scratch.slice(0..n)?)?;
                 }
             }
             Ok(())
@@ -563,5 +591,7 @@ pub fn overlap_rank(
         with_dp,
         compute,
         per_call_us: spin.per_call * 1e6,
+        transient_peak: dev.peak_allocated_bytes() - before,
+        transient_closed,
     })
 }

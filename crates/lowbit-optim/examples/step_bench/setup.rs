@@ -146,6 +146,35 @@ pub struct Config {
     pub model: String,
     pub precision: Precision,
     pub grads: GradDType,
+    /// The strategy (FSDP's four; `Distributed` = `optim`, the default).
+    pub sharding: ShardingStrategy,
+    /// The gradient communication dtype (`None`: the gradients').
+    pub comm: Option<GradDType>,
+}
+
+/// The FSDP names of the strategies.
+pub const SHARDINGS: [(&str, ShardingStrategy); 4] = [
+    ("no_shard", ShardingStrategy::Replicated),
+    ("optim", ShardingStrategy::Distributed),
+    ("optim_grads", ShardingStrategy::OptimGrads),
+    ("optim_grads_params", ShardingStrategy::OptimGradsParams),
+];
+
+pub fn parse_sharding(s: &str) -> Res<ShardingStrategy> {
+    SHARDINGS
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map(|&(_, x)| x)
+        .ok_or_else(|| {
+            format!("--sharding {s}: no_shard, optim, optim_grads or optim_grads_params").into()
+        })
+}
+
+pub fn sharding_name(s: ShardingStrategy) -> &'static str {
+    SHARDINGS
+        .iter()
+        .find(|(_, x)| *x == s)
+        .map_or("layer_wise", |(n, _)| n)
 }
 
 impl Config {
@@ -168,16 +197,19 @@ impl Config {
     /// The distributed optimizer's buffers: reduce-scatter with `Avg` (as the torch baseline),
     /// one bucket per buffer without overlap; with `bucket`, overlapped reductions and gathers.
     pub fn ddp(&self, bucket: Option<usize>) -> DdpConfig {
-        let overlap = match bucket {
-            Some(_) => Overlap::GradReduceAndParamGather,
-            None => Overlap::None,
+        let overlap = match (bucket, self.sharding) {
+            (None, _) => Overlap::None,
+            // Nothing to gather.
+            (Some(_), ShardingStrategy::Replicated) => Overlap::GradReduce,
+            (Some(_), _) => Overlap::GradReduceAndParamGather,
         };
         let gather = match self.precision {
             Precision::Mxfp8Direct => Mxfp8Gather::Direct2d,
             _ => Mxfp8Gather::Bf16Staging,
         };
         DdpConfig::default()
-            .with_sharding(ShardingStrategy::Distributed)
+            .with_sharding(self.sharding)
+            .with_grad_comm_dtype(self.comm)
             .with_overlap(overlap)
             .with_bucket_size(bucket)
             .with_scaling(GradScaling::AverageInCollective)
