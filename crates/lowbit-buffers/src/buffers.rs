@@ -133,6 +133,9 @@ pub struct DataParallelBuffers {
     pub(crate) microbatch_dirty: bool,
     /// Launch counter of gradient reductions.
     pub(crate) launches: u64,
+    /// Hybrid sharding: the group of this rank's replicas (the ranks holding the same shards in
+    /// the other replica groups), across which reduced shards are all-reduced once per step.
+    pub(crate) outer: Option<Box<dyn Communicator>>,
 }
 
 /// One rank's piece of one parameter with its views: the optimizer's unit of work.
@@ -277,7 +280,35 @@ impl DataParallelBuffers {
             microbatch_due: false,
             microbatch_dirty: false,
             launches: 0,
+            outer: None,
         })
+    }
+
+    /// Hybrid sharding (HSDP): the plan's group is one replica group of sharded ranks, and
+    /// `outer` holds this rank's counterparts in the other replica groups. Gradients are then
+    /// reduced in the shard group (scaled by `1/(dp · outer size)`), and each rank's reduced
+    /// shards all-reduced across `outer` once per step, in
+    /// [`Self::finish_grad_sync`] (in the main-gradient dtype). Everything else (gathers,
+    /// staging, the norm over owned shards) stays in the shard group: replicas hold the same
+    /// reduced gradients and masters, so they take the same steps.
+    ///
+    /// # Errors
+    /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight.
+    pub fn set_outer_group(&mut self, outer: Box<dyn Communicator>) -> Result<()> {
+        if self
+            .groups
+            .iter()
+            .any(|g| !matches!(g.grad_comm, crate::buffers::GradComm::Idle))
+        {
+            return Err(ProtocolError::CollectiveInFlight.into());
+        }
+        self.outer = Some(outer);
+        Ok(())
+    }
+
+    /// The size of the outer (replica) group: 1 without hybrid sharding.
+    pub fn outer_size(&self) -> usize {
+        self.outer.as_ref().map_or(1, |c| c.size())
     }
 
     /// The configuration.

@@ -312,7 +312,10 @@ impl DataParallelBuffers {
     ) -> Result<()> {
         let (reduce, factor) = match self.cfg.scaling {
             GradScaling::AverageInCollective => (ReduceOp::Avg, None),
-            _ => (ReduceOp::Sum, Some(1.0 / self.dp() as f32)),
+            _ => (
+                ReduceOp::Sum,
+                Some(1.0 / (self.dp() * self.outer_size()) as f32),
+            ),
         };
         let range = self.group_range(g);
         let b = self.groups[g].buffer;
@@ -417,6 +420,7 @@ impl DataParallelBuffers {
         self.refuse_gather_in_flight("finish_grad_sync")?;
         // Gathered units never outlive the backward: the step moves the shards under them.
         self.release_units(dev)?;
+        let mut newly_reduced = Vec::new();
         for g in 0..self.groups.len() {
             self.groups[g].param_state = ParamSyncState::Idle;
             if self.groups[g].grad_reduce_finished {
@@ -437,9 +441,43 @@ impl DataParallelBuffers {
             }
             self.complete_grad_sync(dev, g)?;
             self.groups[g].grad_reduce_finished = true;
+            newly_reduced.push(g);
         }
         self.microbatch_due = false;
         self.microbatch_dirty = false;
+        self.reduce_across_replicas(dev, &newly_reduced)
+    }
+
+    /// Hybrid sharding: all-reduces this rank's reduced shards of groups `groups` across its
+    /// replicas (one launch).
+    fn reduce_across_replicas(&mut self, dev: &mut Device, groups: &[usize]) -> Result<()> {
+        if self.outer.is_none() || groups.is_empty() {
+            return Ok(());
+        }
+        let reduce = match self.cfg.scaling {
+            GradScaling::AverageInCollective => ReduceOp::Avg,
+            _ => ReduceOp::Sum,
+        };
+        let mut ops = Vec::new();
+        for &g in groups {
+            let buf = &self.buffers[self.groups[g].buffer];
+            for &bi in &self.groups[g].buckets {
+                let view = if buf.shards_grads() {
+                    buf.grads
+                        .slice(buf.plan.local_shard_range(bi, self.rank)?)?
+                } else {
+                    match buf.plan.grad_reduce {
+                        GradReduce::ReduceScatter => {
+                            buf.grads.slice(buf.plan.shard(bi, self.rank)?)?
+                        }
+                        _ => buf.grads.slice(buf.plan.layout.buckets[bi].range())?,
+                    }
+                };
+                ops.push(Op::AllReduce { buf: view, reduce });
+            }
+        }
+        let outer = self.outer.as_mut().expect("checked above");
+        outer.start_coalesced(dev, &ops)?.wait(dev)?;
         Ok(())
     }
 

@@ -2,6 +2,7 @@
 //! the buffers' configuration and the parameters' gradient dtypes.
 
 use lowbit_buffers::{DdpConfig, NanCheck, Overlap, Verify};
+use lowbit_comm::Communicator;
 use lowbit_layout::{ParamSpec, ParamStorage};
 
 use crate::policy::{MainParamsDtype, MixedPrecisionPolicy};
@@ -22,6 +23,18 @@ pub enum FineGrainedGather {
     Auto,
 }
 
+/// What the outer (replica) groups of hybrid sharding shard.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OuterSharding {
+    /// Nothing (HSDP): replicas hold the same shards; reduced shards are all-reduced across
+    /// them once per step.
+    #[default]
+    NoShard,
+    /// Optimizer state over outer × shard ranks (HFSDP; refused: not built yet).
+    Optim,
+}
+
 /// See the module docs.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,6 +53,8 @@ pub struct FsdpConfig {
     pub fine_grained: FineGrainedGather,
     /// Replica groups of hybrid sharding (1: flat sharding).
     pub outer_dp: usize,
+    /// What the replica groups shard.
+    pub outer_sharding: OuterSharding,
     /// Activation recompute in the model (read by the fine-grained rule).
     pub recompute: bool,
     /// Verification level of the buffers.
@@ -56,6 +71,7 @@ impl Default for FsdpConfig {
             nan_check: NanCheck::Off,
             fine_grained: FineGrainedGather::Auto,
             outer_dp: 1,
+            outer_sharding: OuterSharding::NoShard,
             recompute: false,
             verify: Verify::default(),
         }
@@ -86,6 +102,8 @@ impl FsdpConfig {
         with_fine_grained => fine_grained: FineGrainedGather;
         /// Sets the number of replica groups.
         with_outer_dp => outer_dp: usize;
+        /// Sets what the replica groups shard.
+        with_outer_sharding => outer_sharding: OuterSharding;
         /// Sets activation recompute.
         with_recompute => recompute: bool;
         /// Sets the verification level.
@@ -131,10 +149,10 @@ impl FsdpConfig {
                 self.outer_dp
             ));
         }
-        if self.outer_dp > 1 {
+        if self.outer_dp > 1 && self.outer_sharding == OuterSharding::Optim {
             return no(
-                "hybrid sharding (outer dp > 1) is not built yet: the buffers reduce over one \
-                 group"
+                "outer sharding optim (optimizer state sharded across replica groups) is not \
+                 built yet; use outer sharding no_shard"
                     .to_string(),
             );
         }
@@ -158,6 +176,40 @@ impl FsdpConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The data-parallel group of the buffers' plan: the ranks of one replica group.
+    pub fn shard_ranks(&self, world: usize) -> usize {
+        world / self.outer_dp.max(1)
+    }
+
+    /// Hybrid sharding: splits `world` (every rank calls this) into this rank's shard group
+    /// (consecutive world ranks: `rank / shard` is the replica group, `rank % shard` the rank
+    /// in it) and its replica group (the ranks at the same position in every replica group).
+    /// `None` with one replica group: the world is the shard group.
+    ///
+    /// # Errors
+    /// A world size `outer_dp` does not divide ([`FsdpError::Unsupported`]); collective errors.
+    pub fn split_groups(
+        &self,
+        world: &mut dyn Communicator,
+    ) -> Result<Option<(Box<dyn Communicator>, Box<dyn Communicator>)>, FsdpError> {
+        let n = world.size();
+        if self.outer_dp == 0 || !n.is_multiple_of(self.outer_dp) {
+            return Err(FsdpError::Unsupported(format!(
+                "outer dp {} does not divide the {n} ranks into replica groups",
+                self.outer_dp
+            )));
+        }
+        if self.outer_dp == 1 {
+            return Ok(None);
+        }
+        let shard = n / self.outer_dp;
+        let r = world.rank();
+        let (replica, pos) = ((r / shard) as u32, (r % shard) as u32);
+        let inner = world.split(replica, pos)?;
+        let outer = world.split(pos, replica)?;
+        Ok(Some((inner, outer)))
     }
 
     /// Sets every parameter's gradient dtype from the policy's `main_grads_dtype`.

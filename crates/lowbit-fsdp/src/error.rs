@@ -17,6 +17,9 @@ pub enum FsdpError {
     /// A combination that cannot work, or that is not built yet, with the reason.
     #[error("{0}")]
     Unsupported(String),
+    /// Splitting the world into shard and replica groups failed.
+    #[error(transparent)]
+    Comm(#[from] lowbit_comm::CommError),
     /// The buffers refused the configuration.
     #[error(transparent)]
     Buffers(#[from] lowbit_buffers::BufferError),

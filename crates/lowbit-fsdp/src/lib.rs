@@ -31,8 +31,16 @@
 //! # Non-goals (not yet)
 //! Low-precision (MXFP8/NVFP4) primary weights sharded by `optim_grads_params` (refused with
 //! [`lowbit_buffers::ConfigError::ShardedLowPrecisionParams`]), fine-grained rowwise/columnwise
-//! gathers, hybrid (outer × shard) groups and main parameters other than fp32 are refused by
-//! [`FsdpConfig::validate`] with the reason.
+//! gathers, optimizer state sharded across replica groups (HFSDP) and main parameters other
+//! than fp32 are refused by [`FsdpConfig::validate`] with the reason.
+//!
+//! # Hybrid sharding
+//! `outer_dp` replica groups of `world / outer_dp` consecutive ranks
+//! ([`FsdpConfig::split_groups`]): the buffers' plan is one replica group's, gradients are
+//! reduced there and the reduced shards all-reduced across replicas once per step
+//! ([`lowbit_buffers::DataParallelBuffers::set_outer_group`]); the gradient norm sums over the
+//! shard group only (replicas hold the same shards). Equal to flat sharding up to the order of
+//! the sum across ranks; bit for bit with one replica group.
 
 mod config;
 mod error;
@@ -40,7 +48,7 @@ mod memory;
 mod policy;
 mod strategy;
 
-pub use config::{FineGrainedGather, FsdpConfig};
+pub use config::{FineGrainedGather, FsdpConfig, OuterSharding};
 pub use error::FsdpError;
 pub use memory::{FsdpMemory, estimate_memory};
 pub use policy::{CommDtype, MainGradsDtype, MainParamsDtype, MixedPrecisionPolicy};

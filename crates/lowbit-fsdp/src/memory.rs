@@ -26,7 +26,8 @@ impl FsdpMemory {
 }
 
 /// The memory of `specs` (gradient dtypes as [`FsdpConfig::apply`] sets them) on each of
-/// `ranks` ranks under `cfg`, without allocating anything.
+/// `ranks` ranks under `cfg` (with hybrid sharding, `ranks` is the world: the plan is one
+/// replica group's), without allocating anything.
 ///
 /// # Errors
 /// The configuration's refusals ([`FsdpConfig::validate`]) and the plan's.
@@ -39,7 +40,7 @@ pub fn estimate_memory(
     let mut specs = specs.to_vec();
     cfg.apply(&mut specs);
     let ddp = cfg.ddp_config();
-    let plan = ShardingPlan::new(&specs, &ddp.plan_config(ranks))
+    let plan = ShardingPlan::new(&specs, &ddp.plan_config(cfg.shard_ranks(ranks)))
         .map_err(lowbit_buffers::BufferError::from)?;
     let buffers = plan_buffer_memory(&plan, &specs, &ddp);
     Ok(FsdpMemory {

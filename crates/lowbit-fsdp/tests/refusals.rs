@@ -15,7 +15,8 @@ use lowbit_buffers::{
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_fsdp::{
-    FineGrainedGather, FsdpConfig, FsdpError, MainParamsDtype, MixedPrecisionPolicy, Sharding,
+    FineGrainedGather, FsdpConfig, FsdpError, MainParamsDtype, MixedPrecisionPolicy, OuterSharding,
+    Sharding,
 };
 
 fn unsupported(r: Result<(), FsdpError>) -> String {
@@ -36,8 +37,13 @@ fn unsupported_configurations_are_refused_with_the_reason() {
     assert!(cfg.validate(&bf16, 4).is_ok());
     let m = unsupported(cfg.with_outer_dp(3).validate(&bf16, 4));
     assert!(m.contains("does not divide"), "{m}");
-    let m = unsupported(cfg.with_outer_dp(2).validate(&bf16, 4));
-    assert!(m.contains("hybrid"), "{m}");
+    assert!(cfg.with_outer_dp(2).validate(&bf16, 4).is_ok());
+    let m = unsupported(
+        cfg.with_outer_dp(2)
+            .with_outer_sharding(OuterSharding::Optim)
+            .validate(&bf16, 4),
+    );
+    assert!(m.contains("outer sharding optim"), "{m}");
     let m = unsupported(
         cfg.with_policy(
             MixedPrecisionPolicy::default().with_main_params_dtype(MainParamsDtype::None),

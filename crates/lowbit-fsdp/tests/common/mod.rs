@@ -120,13 +120,24 @@ fn init(specs: &[ParamSpec]) -> Vec<Vec<f32>> {
 pub fn train(s: &Setup) -> (Trace, Memory) {
     let specs = specs(s);
     s.cfg.validate(&specs, s.dp).expect("a supported setup");
-    let out = run(s.dp, |mut comm, mut dev| {
+    let shard = s.cfg.shard_ranks(s.dp);
+    let out = run(s.dp, |mut world, mut dev| {
         let dev: &mut Device = &mut dev;
-        let comm: &mut dyn Communicator = &mut comm;
-        let rank = comm.rank();
+        // The world rank picks the data; the shard group is the buffers' group.
+        let rank = world.rank();
+        let groups = s.cfg.split_groups(&mut world).unwrap();
+        let (mut inner, outer): (Box<dyn Communicator>, _) = match groups {
+            Some((i, o)) => (i, Some(o)),
+            None => (Box::new(world), None),
+        };
+        let comm: &mut dyn Communicator = inner.as_mut();
         let init = init(&specs);
         let mut bufs =
-            DataParallelBuffers::new(dev, s.dp, rank, specs.clone(), s.cfg.ddp_config()).unwrap();
+            DataParallelBuffers::new(dev, shard, comm.rank(), specs.clone(), s.cfg.ddp_config())
+                .unwrap();
+        if let Some(o) = outer {
+            bufs.set_outer_group(o).unwrap();
+        }
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
         let live_persistent: usize = bufs.memory().iter().map(|m| m.persistent()).sum();
         let adamw = AdamW {
@@ -189,11 +200,12 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         )
     });
     let sizes: Vec<usize> = specs.iter().map(|s| s.numel).collect();
-    // Replicated masters are whole on every rank: take rank 0's.
+    // Replicated masters are whole on every rank: take rank 0's; replica groups hold the same
+    // shards: take the first group's.
     let ranks = if s.cfg.sharding == Sharding::NoShard {
         1
     } else {
-        s.dp
+        shard
     };
     let pieces = out[..ranks].iter().flat_map(|o| o.3.iter());
     let masters = lowbit_testkit::assemble(
