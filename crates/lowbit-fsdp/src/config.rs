@@ -35,6 +35,16 @@ pub enum OuterSharding {
     Optim,
 }
 
+/// One rank's two groups under hybrid sharding ([`FsdpConfig::split_groups`]).
+#[derive(Debug)]
+pub struct HybridGroups {
+    /// The ranks of this replica group: the buffers' plan group.
+    pub shard: Box<dyn Communicator>,
+    /// This rank's counterparts in every replica group
+    /// ([`lowbit_buffers::DataParallelBuffers::set_outer_group`]).
+    pub replicas: Box<dyn Communicator>,
+}
+
 /// See the module docs.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -193,7 +203,7 @@ impl FsdpConfig {
     pub fn split_groups(
         &self,
         world: &mut dyn Communicator,
-    ) -> Result<Option<(Box<dyn Communicator>, Box<dyn Communicator>)>, FsdpError> {
+    ) -> Result<Option<HybridGroups>, FsdpError> {
         let n = world.size();
         if self.outer_dp == 0 || !n.is_multiple_of(self.outer_dp) {
             return Err(FsdpError::Unsupported(format!(
@@ -207,9 +217,9 @@ impl FsdpConfig {
         let shard = n / self.outer_dp;
         let r = world.rank();
         let (replica, pos) = ((r / shard) as u32, (r % shard) as u32);
-        let inner = world.split(replica, pos)?;
-        let outer = world.split(pos, replica)?;
-        Ok(Some((inner, outer)))
+        let shard = world.split(replica, pos)?;
+        let replicas = world.split(pos, replica)?;
+        Ok(Some(HybridGroups { shard, replicas }))
     }
 
     /// Sets every parameter's gradient dtype from the policy's `main_grads_dtype`.

@@ -48,7 +48,7 @@ mod memory;
 mod policy;
 mod strategy;
 
-pub use config::{FineGrainedGather, FsdpConfig, OuterSharding};
+pub use config::{FineGrainedGather, FsdpConfig, HybridGroups, OuterSharding};
 pub use error::FsdpError;
 pub use memory::{FsdpMemory, estimate_memory};
 pub use policy::{CommDtype, MainGradsDtype, MainParamsDtype, MixedPrecisionPolicy};

@@ -127,7 +127,7 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         let rank = world.rank();
         let groups = s.cfg.split_groups(&mut world).unwrap();
         let (mut inner, outer): (Box<dyn Communicator>, _) = match groups {
-            Some((i, o)) => (i, Some(o)),
+            Some(g) => (g.shard, Some(g.replicas)),
             None => (Box::new(world), None),
         };
         let comm: &mut dyn Communicator = inner.as_mut();
