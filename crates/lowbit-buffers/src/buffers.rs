@@ -101,10 +101,9 @@ pub(crate) struct BucketGroup {
     pub(crate) weights: WeightState,
     /// Gathers of this group since the last `zero_grad_buffer` (forced syncs excluded).
     pub(crate) gathers: u32,
-    /// Sharded parameters: the gathered unit (transient, the group's bucket range) while this
-    /// group's parameters are in use, and its gather while in flight.
-    pub(crate) unit: Option<View>,
-    pub(crate) unit_work: Option<Work>,
+    /// Sharded parameters: the gathered unit (transient) while this group's parameters are
+    /// in use, and its gather while in flight.
+    pub(crate) unit: crate::units::Unit,
 }
 
 /// The data-parallel parameter and gradient buffers of one rank.
@@ -217,6 +216,7 @@ impl DataParallelBuffers {
             // buffer, so staging gets bf16 memory of its own (zeroed with the gradients, so the
             // zero-then-stage order and its checks are unchanged).
             let staging_backing = (shard_grads
+                && !bp.strategy.shards_params()
                 && storage::stages_through_grads(bp, cfg.mxfp8_gather))
             .then(|| dev.alloc(DType::Bf16, layout.numel));
             let members: Vec<&ParamSpec> = bp.params.iter().map(|&p| &specs[p]).collect();
@@ -255,8 +255,7 @@ impl DataParallelBuffers {
                     golden_counts: None,
                     weights: WeightState::Current,
                     gathers: 0,
-                    unit: None,
-                    unit_work: None,
+                    unit: crate::units::Unit::default(),
                 });
             }
             buffers.push(Buffer {
@@ -391,10 +390,7 @@ impl DataParallelBuffers {
         let buf = &self.buffers[b];
         if buf.shards_params() {
             let g = self.group_of[p];
-            let Some(unit) = self.groups[g]
-                .unit
-                .filter(|_| self.groups[g].unit_work.is_none())
-            else {
+            let Some(unit) = self.unit_values(g) else {
                 return Err(ProtocolError::NotGathered {
                     name: self.specs[p].name.clone(),
                     group: g,

@@ -102,6 +102,18 @@ pub enum NanCheck {
     EveryParam,
 }
 
+/// What a unit of low-precision parameters sharded by `optim_grads_params` gathers.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum UnitGather {
+    /// Both MXFP8 copies at once (more memory, fewer collectives).
+    #[default]
+    BothCopies,
+    /// Fine-grained (seed 002): the rowwise copy for a forward, the columnwise copy for a
+    /// backward.
+    PerUsage,
+}
+
 /// How much the buffers verify at protocol boundaries.
 ///
 /// The cheap checks (weight states, gathers in flight, a group gathered twice, the communicator
@@ -161,6 +173,8 @@ pub struct DdpConfig {
     pub grad_comm_dtype: Option<GradDType>,
     /// Whether gradients are checked for non-finite values before their reduction.
     pub nan_check: NanCheck,
+    /// What units of sharded low-precision parameters gather.
+    pub unit_gather: UnitGather,
 }
 
 impl DdpConfig {
@@ -185,6 +199,8 @@ impl DdpConfig {
         with_grad_comm_dtype => grad_comm_dtype: Option<GradDType>;
         /// Sets the non-finite gradient check.
         with_nan_check => nan_check: NanCheck;
+        /// Sets what units of sharded low-precision parameters gather.
+        with_unit_gather => unit_gather: UnitGather;
     }
 
     /// The rules of Megatron-LM's configuration that the types do not already enforce.

@@ -207,6 +207,10 @@ impl Hooks for DpHooks<'_> {
         }
         let n = self.bufs.specs()[p].numel;
         let out = self.scratch.values.slice(0..n)?;
+        if let Some(w) = self.bufs.unit_mxfp8_weights(p, usage)? {
+            dequant_mxfp8(dev, &w, usage, out)?;
+            return Ok(out);
+        }
         match self.bufs.low_precision_weights(p) {
             // Low-precision primary weights: the stored copies, per expert by construction
             // (MXFP8 blocks have no global scale; NVFP4 keeps one global amax per expert).

@@ -83,11 +83,11 @@ pub enum ConfigError {
     /// A precision policy that does not fit the parameters.
     #[error("precision policy: {0}")]
     Policy(String),
-    /// Low-precision primary weights under a strategy that shards parameters: each rank would
-    /// have to quantize a row-aligned shard of its own, which this storage does not do yet.
+    /// NVFP4 primary weights under a strategy that shards parameters (MXFP8 can be: each rank
+    /// quantizes its rows; NVFP4's per-tensor amax and transposed copy are not built yet).
     #[error(
-        "`{name}`: {storage} primary weights cannot be sharded by optim_grads_params yet (use \
-         bf16 parameters, or optim_grads)"
+        "`{name}`: {storage} primary weights cannot be sharded by optim_grads_params yet (MXFP8 \
+         can; or use optim_grads)"
     )]
     ShardedLowPrecisionParams {
         /// The first such parameter.

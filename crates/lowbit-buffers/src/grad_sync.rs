@@ -41,7 +41,7 @@ impl DataParallelBuffers {
         if self.groups.iter().any(|g| {
             matches!(g.grad_comm, GradComm::Launched { .. })
                 || g.param_work.is_some()
-                || g.unit_work.is_some()
+                || g.unit.work.is_some()
         }) {
             return Err(ProtocolError::CollectiveInFlight.into());
         }

@@ -52,7 +52,7 @@ pub use lowbit_layout as layout;
 
 pub use buffers::{DataParallelBuffers, OwnedShard, ParamSyncState, WeightState};
 pub use config::{
-    DdpConfig, GradAccumulation, GradScaling, Mxfp8Gather, NanCheck, Overlap, Verify,
+    DdpConfig, GradAccumulation, GradScaling, Mxfp8Gather, NanCheck, Overlap, UnitGather, Verify,
 };
 pub use dp_hooks::{DpHooks, HookMode, HookScratch};
 pub use error::{BufferError, ConfigError, ProtocolError, Result};

@@ -2,7 +2,7 @@
 //! the plan alone (for models too large to instantiate). Tests hold the two equal and equal to
 //! the device's own allocation count.
 
-use lowbit_layout::{BufferKey, ParamSpec, ShardingPlan};
+use lowbit_layout::{BufferKey, ParamSpec, ShardingPlan, chunk_rows, matrix_dims};
 
 use crate::DataParallelBuffers;
 use crate::config::DdpConfig;
@@ -110,6 +110,7 @@ pub fn plan_buffer_memory(
                     bp.layout.numel
                 } * storage::grad_dtype(bp.key.grad_dtype).size(),
                 staging_own: if bp.strategy.shards_grads()
+                    && !bp.strategy.shards_params()
                     && storage::stages_through_grads(bp, cfg.mxfp8_gather)
                 {
                     bp.layout.numel * 2
@@ -125,38 +126,70 @@ pub fn plan_buffer_memory(
 /// communication buckets (sharded gradients, or a communication dtype other than the
 /// gradients') and gathered units (sharded parameters).
 ///
-/// The bound, per bucket group (one per bucket): with overlapped reduction at most two
-/// communication buckets are alive (the one the backward fills and the newest launched: a
-/// new one completes older launches first), for a model that completes one unit's gradients
-/// before it writes the next unit's; without it every sharded-gradient group fills during the
-/// backward and is reduced after it, so all of them plus the largest other one. Units: the
-/// one in use and the prefetched one with overlapped gathers, one without.
-pub fn transient_bound(plan: &ShardingPlan, cfg: &DdpConfig) -> usize {
+/// The bound, per bucket group (one per bucket), for a model that completes a unit's gradients
+/// before it writes the next unit's of the same buffer: with overlapped reduction, each
+/// buffer's largest bucket (the one its backward may be filling) and the largest of the other
+/// buckets (the newest launched: a new bucket completes older launches first); without it
+/// every sharded-gradient group fills during the backward and is reduced after it, so all of
+/// them plus the largest other one. Units: the one in use and the prefetched one with
+/// overlapped gathers, one without; MXFP8 units hold both copies of the unit in use and, for
+/// the prefetched one, both copies or (fine-grained) the larger one.
+pub fn transient_bound(plan: &ShardingPlan, specs: &[ParamSpec], cfg: &DdpConfig) -> usize {
     let (mut sharded, mut other, mut units) = (Vec::new(), Vec::new(), Vec::new());
+    // Low-precision units: (rowwise, columnwise) bytes.
+    let mut copies: Vec<(usize, usize)> = Vec::new();
+    // With overlap: per buffer, its largest bucket (the one its backward may be filling),
+    // and the largest of the rest (the newest launched).
+    let (mut filling, mut rest) = (0usize, 0usize);
     for bp in plan.buffers() {
+        let mut mine: Vec<usize> = Vec::new();
         let main = storage::grad_dtype(bp.key.grad_dtype);
         let comm = cfg.grad_comm_dtype.map_or(main, storage::grad_dtype);
+        let dp = bp.layout.num_shards;
         for b in &bp.layout.buckets {
             if bp.strategy.shards_grads() {
                 sharded.push(b.numel() * comm.size());
+                mine.push(b.numel() * comm.size());
             } else if comm != main {
                 other.push(b.numel() * comm.size());
+                mine.push(b.numel() * comm.size());
             }
-            if bp.strategy.shards_params() {
+            if !bp.strategy.shards_params() {
+                continue;
+            }
+            if bp.key.param_storage.is_quantized() {
+                let (row, col) = b.params.iter().fold((0, 0), |(r, c), &i| {
+                    let (rows, cols) = matrix_dims(&specs[bp.params[i]].shape);
+                    let p = storage::part_bytes(chunk_rows(rows, dp, 32), cols);
+                    (r + dp * (p[0] + p[1]), c + dp * (p[2] + p[3]))
+                });
+                copies.push((row, col));
+            } else {
                 units.push(b.numel() * storage::persistent_dtype(bp.key.param_storage).size());
             }
         }
+        mine.sort_unstable_by(|a, b| b.cmp(a));
+        filling += mine.first().copied().unwrap_or(0);
+        rest = rest.max(mine.get(1).copied().unwrap_or(0));
     }
     let largest = |v: &mut Vec<usize>, k: usize| -> usize {
         v.sort_unstable_by(|a, b| b.cmp(a));
         v.iter().take(k).sum()
     };
     let comm = if cfg.overlap.grad_reduce() {
-        sharded.append(&mut other);
-        largest(&mut sharded, 2)
+        filling + rest
     } else {
         sharded.iter().sum::<usize>() + largest(&mut other, 1)
     };
-    let units = largest(&mut units, if cfg.overlap.param_gather() { 2 } else { 1 });
-    comm + units
+    let k = if cfg.overlap.param_gather() { 2 } else { 1 };
+    let units = largest(&mut units, k);
+    // Both copies of the unit in use; the prefetched one's copy (or both, without
+    // fine-grained gathers).
+    let both = copies.iter().map(|&(r, c)| r + c).max().unwrap_or(0);
+    let one = match cfg.unit_gather {
+        crate::UnitGather::PerUsage => copies.iter().map(|&(r, c)| r.max(c)).max(),
+        _ => Some(both),
+    }
+    .unwrap_or(0);
+    comm + units + both + (k - 1) * one
 }

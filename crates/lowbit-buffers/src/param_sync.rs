@@ -92,7 +92,7 @@ impl DataParallelBuffers {
         }
     }
 
-    fn check_not_stale(&self, g: usize) -> Result<()> {
+    pub(crate) fn check_not_stale(&self, g: usize) -> Result<()> {
         if self.buffers[self.groups[g].buffer]
             .storage
             .is_low_precision()

@@ -55,7 +55,12 @@ impl DataParallelBuffers {
         for g in &mut self.groups {
             let buf = &self.buffers[g.buffer];
             if buf.owner() == owner && buf.storage.is_low_precision() {
-                g.weights = WeightState::Staged;
+                // Sharded units quantized their rows in place: current, gathered per use.
+                g.weights = if buf.shards_params() {
+                    WeightState::Current
+                } else {
+                    WeightState::Staged
+                };
                 g.param_state = ParamSyncState::Idle;
             }
         }

@@ -4,20 +4,71 @@
 //! direction of use (forward: down the groups, backward: up) is prefetched when parameter gathers
 //! overlap the computation.
 //!
+//! A unit of bf16/f32 parameters gathers the values. A unit of MXFP8 parameters (sharded by
+//! rows, `storage/mxfp8_rows.rs`) gathers the quantized copies: both at once, or with
+//! [`UnitGather::PerUsage`] (fine-grained, seed 002) only the one the use reads: rowwise for a
+//! forward, columnwise for a backward.
+//!
 //! A gathered unit is never stale: units are released by [`DataParallelBuffers::finish_grad_sync`],
 //! [`DataParallelBuffers::release_units`] (called by forced syncs and at the start of an iteration),
 //! so no unit survives an optimizer step.
 
 use lowbit_comm::{Communicator, Op};
-use lowbit_device::Device;
+use lowbit_device::{DType, Device, View};
 
-use crate::error::Result;
-use crate::{DataParallelBuffers, Usage};
+use crate::config::UnitGather;
+use crate::error::{ProtocolError, Result};
+use crate::storage::Mxfp8Weights;
+use crate::{DataParallelBuffers, Usage, matrix_dims};
+
+/// The transient memory of one gathered unit.
+#[derive(Debug, Default)]
+pub(crate) struct Unit {
+    /// bf16/f32 values (the group's bucket range).
+    pub(crate) values: Option<View>,
+    /// Low-precision copies: rowwise (data and scales of every parameter), columnwise.
+    pub(crate) copies: [Option<View>; 2],
+    /// The gather in flight.
+    pub(crate) work: Option<lowbit_comm::Work>,
+}
+
+impl Unit {
+    fn is_empty(&self) -> bool {
+        self.values.is_none() && self.copies.iter().all(Option::is_none)
+    }
+}
 
 impl DataParallelBuffers {
     /// Whether group `g`'s parameters are sharded (gathered per use).
     pub(crate) fn is_unit(&self, g: usize) -> bool {
         self.buffers[self.groups[g].buffer].shards_params()
+    }
+
+    fn is_low_precision_unit(&self, g: usize) -> bool {
+        self.is_unit(g)
+            && self.buffers[self.groups[g].buffer]
+                .storage
+                .is_low_precision()
+    }
+
+    /// The copies a use of a low-precision unit needs gathered.
+    fn copies_for(&self, usage: Usage) -> [bool; 2] {
+        match (self.cfg.unit_gather, usage) {
+            (UnitGather::PerUsage, Usage::Forward) => [true, false],
+            (UnitGather::PerUsage, Usage::Backward) => [false, true],
+            _ => [true, true],
+        }
+    }
+
+    /// Whether unit `g` holds what `usage` needs.
+    fn unit_holds(&self, g: usize, usage: Usage) -> bool {
+        let u = &self.groups[g].unit;
+        if self.is_low_precision_unit(g) {
+            let need = self.copies_for(usage);
+            (0..2).all(|c| !need[c] || u.copies[c].is_some())
+        } else {
+            u.values.is_some()
+        }
     }
 
     /// The pre-hook of a parameter of group `g` used for `usage`: a sharded-parameter unit is
@@ -33,51 +84,90 @@ impl DataParallelBuffers {
         if !self.is_unit(g) {
             return self.finish_param_sync(dev, comm, g);
         }
+        self.check_not_stale(g)?;
         let n = self.groups.len();
         let next = match usage {
             Usage::Forward => g.checked_sub(1),
             Usage::Backward => (g + 1 < n).then_some(g + 1),
         }
         .filter(|&h| self.is_unit(h));
-        // Release first, so a unit not prefetched never sits beside two others.
+        // Release first, so a unit not prefetched never sits beside two others; the next one
+        // is kept only where it is (or will be) prefetched.
+        let keep = next.filter(|_| self.cfg.overlap.param_gather());
         for h in 0..n {
-            if h != g && Some(h) != next {
+            if h != g && Some(h) != keep {
                 self.release_unit(dev, h)?;
             }
         }
-        if self.groups[g].unit.is_none() {
-            self.start_unit_gather(dev, comm, g)?;
+        if !self.unit_holds(g, usage) {
+            self.start_unit_gather(dev, comm, g, usage)?;
         }
         self.wait_unit(dev, g)?;
         if let Some(h) = next
             && self.cfg.overlap.param_gather()
-            && self.groups[h].unit.is_none()
+            && !self.unit_holds(h, usage)
         {
-            self.start_unit_gather(dev, comm, h)?;
+            self.start_unit_gather(dev, comm, h, usage)?;
         }
         Ok(())
     }
 
-    /// Allocates group `g`'s unit and launches its gather (asynchronous with overlapped
-    /// gathers, completed here otherwise).
+    /// Allocates what group `g` lacks for `usage` and launches its gather (asynchronous with
+    /// overlapped gathers, completed here otherwise).
     fn start_unit_gather(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
         g: usize,
+        usage: Usage,
     ) -> Result<()> {
+        self.wait_unit(dev, g)?;
         let range = self.group_range(g);
+        let dp = self.dp();
         let buf = &self.buffers[self.groups[g].buffer];
-        let region = buf.storage.region();
-        let unit = dev.try_alloc(region.dtype(), range.len())?;
-        let mut ops = Vec::with_capacity(self.groups[g].buckets.len());
+        let mut ops = Vec::new();
+        let mut fresh: Vec<(usize, View)> = Vec::new();
         let r = (|| -> Result<()> {
-            for &bi in &self.groups[g].buckets {
-                let whole = buf.plan.layout.buckets[bi].range();
-                ops.push(Op::AllGather {
-                    input: region.slice(buf.plan.local_shard_range(bi, self.rank)?)?,
-                    output: unit.slice(whole.start - range.start..whole.end - range.start)?,
-                });
+            if !self.is_low_precision_unit(g) {
+                let region = buf.storage.region();
+                let unit = dev.try_alloc(region.dtype(), range.len())?;
+                fresh.push((2, unit));
+                for &bi in &self.groups[g].buckets {
+                    let whole = buf.plan.layout.buckets[bi].range();
+                    ops.push(Op::AllGather {
+                        input: region.slice(buf.plan.local_shard_range(bi, self.rank)?)?,
+                        output: unit.slice(whole.start - range.start..whole.end - range.start)?,
+                    });
+                }
+                return Ok(());
+            }
+            let need = self.copies_for(usage);
+            for c in 0..2 {
+                if !need[c] || self.groups[g].unit.copies[c].is_some() {
+                    continue;
+                }
+                let parts: Vec<[View; 4]> = self.groups[g]
+                    .indices
+                    .iter()
+                    .map(|&i| buf.storage.unit_parts(i).expect("a low-precision unit"))
+                    .collect();
+                let bytes: usize = parts
+                    .iter()
+                    .map(|p| dp * (p[2 * c].len() + p[2 * c + 1].len()))
+                    .sum();
+                let unit = dev.try_alloc(DType::U8, bytes)?;
+                fresh.push((c, unit));
+                let mut at = 0;
+                for p in &parts {
+                    for input in [p[2 * c], p[2 * c + 1]] {
+                        let n = dp * input.len();
+                        ops.push(Op::AllGather {
+                            input,
+                            output: unit.slice(at..at + n)?,
+                        });
+                        at += n;
+                    }
+                }
             }
             Ok(())
         })();
@@ -85,13 +175,21 @@ impl DataParallelBuffers {
         let work = match work {
             Ok(w) => w,
             Err(e) => {
-                dev.free(unit)?;
+                for (_, v) in fresh {
+                    dev.free(v)?;
+                }
                 return Err(e);
             }
         };
-        self.groups[g].unit = Some(unit);
+        let unit = &mut self.groups[g].unit;
+        for (c, v) in fresh {
+            match c {
+                2 => unit.values = Some(v),
+                c => unit.copies[c] = Some(v),
+            }
+        }
         if self.cfg.overlap.param_gather() {
-            self.groups[g].unit_work = Some(work);
+            unit.work = Some(work);
         } else {
             work.wait(dev)?;
         }
@@ -99,7 +197,7 @@ impl DataParallelBuffers {
     }
 
     fn wait_unit(&mut self, dev: &mut Device, g: usize) -> Result<()> {
-        if let Some(w) = self.groups[g].unit_work.take() {
+        if let Some(w) = self.groups[g].unit.work.take() {
             w.wait(dev)?;
         }
         Ok(())
@@ -107,7 +205,8 @@ impl DataParallelBuffers {
 
     fn release_unit(&mut self, dev: &mut Device, g: usize) -> Result<()> {
         self.wait_unit(dev, g)?;
-        if let Some(v) = self.groups[g].unit.take() {
+        let unit = std::mem::take(&mut self.groups[g].unit);
+        for v in unit.copies.into_iter().chain([unit.values]).flatten() {
             dev.free(v)?;
         }
         Ok(())
@@ -121,6 +220,80 @@ impl DataParallelBuffers {
     /// The units gathered now (for tests and diagnostics: at most the one in use and the
     /// prefetched one).
     pub fn gathered_units(&self) -> Vec<usize> {
-        self.groups_where(|g| g.unit.is_some())
+        self.groups_where(|g| !g.unit.is_empty())
+    }
+
+    /// The copies unit `g` holds now: (rowwise, columnwise) of a low-precision unit (for tests
+    /// of fine-grained gathers).
+    pub fn unit_copies(&self, g: usize) -> (bool, bool) {
+        let c = &self.groups[g].unit.copies;
+        (c[0].is_some(), c[1].is_some())
+    }
+
+    /// The gathered unit's bf16/f32 values of group `g`, if gathered and complete.
+    pub(crate) fn unit_values(&self, g: usize) -> Option<View> {
+        let u = &self.groups[g].unit;
+        u.values.filter(|_| u.work.is_none())
+    }
+
+    /// The MXFP8 weights of parameter `p` of a gathered low-precision unit, for `usage`: views
+    /// into the unit. Only the copy `usage` reads is guaranteed gathered; where the other is
+    /// not (fine-grained gathers), its views repeat the gathered copy's, so read the weights
+    /// for `usage` only. `Ok(None)` when `p` is not in a low-precision unit.
+    ///
+    /// # Errors
+    /// [`ProtocolError::NotGathered`] when the copy `usage` reads is not gathered.
+    pub fn unit_mxfp8_weights(&self, p: usize, usage: Usage) -> Result<Option<Mxfp8Weights>> {
+        self.check_param(p)?;
+        let g = self.group_of[p];
+        if !self.is_low_precision_unit(g) {
+            return Ok(None);
+        }
+        let group = &self.groups[g];
+        let buf = &self.buffers[group.buffer];
+        let dp = self.dp();
+        let (_, index) = self.plan.location(p);
+        let (rows, cols) = matrix_dims(&self.specs[p].shape);
+        let not_gathered = || ProtocolError::NotGathered {
+            name: self.specs[p].name.clone(),
+            group: g,
+        };
+        let read = match usage {
+            Usage::Forward => 0,
+            Usage::Backward => 1,
+        };
+        if group.unit.work.is_some() || group.unit.copies[read].is_none() {
+            return Err(not_gathered().into());
+        }
+        let mut copy = [None, None];
+        for (c, slot) in copy.iter_mut().enumerate() {
+            let Some(unit) = group.unit.copies[c] else {
+                continue;
+            };
+            let mut at = 0;
+            for &i in &group.indices {
+                let parts = buf.storage.unit_parts(i).expect("a low-precision unit");
+                let (data, scales) = (dp * parts[2 * c].len(), dp * parts[2 * c + 1].len());
+                if i == index {
+                    let scale_len = match c {
+                        0 => rows * cols.div_ceil(32),
+                        _ => rows.div_ceil(32) * cols,
+                    };
+                    *slot = Some((
+                        unit.slice(at..at + rows * cols)?,
+                        unit.slice(at + data..at + data + scale_len)?,
+                    ));
+                    break;
+                }
+                at += data + scales;
+            }
+        }
+        let present = copy[read].ok_or_else(not_gathered)?;
+        Ok(Some(Mxfp8Weights {
+            rows,
+            cols,
+            rowwise: copy[0].unwrap_or(present),
+            columnwise: copy[1].unwrap_or(present),
+        }))
     }
 }

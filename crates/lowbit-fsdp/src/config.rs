@@ -1,7 +1,7 @@
 //! [`FsdpConfig`]: a strategy, a precision policy and the overlap, checked once and turned into
 //! the buffers' configuration and the parameters' gradient dtypes.
 
-use lowbit_buffers::{DdpConfig, NanCheck, Overlap, Verify};
+use lowbit_buffers::{DdpConfig, NanCheck, Overlap, UnitGather, Verify};
 use lowbit_comm::Communicator;
 use lowbit_layout::{ParamSpec, ParamStorage};
 
@@ -121,23 +121,34 @@ impl FsdpConfig {
     }
 
     /// Whether fine-grained gathers are on for `specs`, and why (seed 002's rule: MXFP8
-    /// primary weights gathered in low precision, with activation recompute).
+    /// primary weights gathered in low precision, with activation recompute). Only units of
+    /// MXFP8 weights sharded by `optim_grads_params` gather copies, so only they are affected.
     pub fn fine_grained(&self, specs: &[ParamSpec]) -> (bool, &'static str) {
-        let mxfp8 = specs.iter().any(|s| {
-            s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
-        });
+        let mxfp8 = self.sharding == Sharding::OptimGradsParams
+            && specs.iter().any(|s| {
+                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
+            });
         match self.fine_grained {
             FineGrainedGather::On => (true, "on (asked for)"),
             FineGrainedGather::Off => (false, "off (asked for)"),
             FineGrainedGather::Auto if mxfp8 && self.recompute => (
                 true,
-                "on: MXFP8 primary weights, low-precision gather and activation recompute",
+                "on: MXFP8 primary weights gathered in low precision by optim_grads_params, \
+                 with activation recompute",
             ),
             FineGrainedGather::Auto => (
                 false,
-                "off: it needs MXFP8 primary weights, low-precision gather and activation \
-                 recompute together",
+                "off: it needs MXFP8 primary weights gathered by optim_grads_params and \
+                 activation recompute together",
             ),
+        }
+    }
+
+    /// The buffers' unit gather: fine-grained (per use) when [`Self::fine_grained`] says on.
+    fn unit_gather(&self) -> UnitGather {
+        match (self.fine_grained, self.recompute) {
+            (FineGrainedGather::On, _) | (FineGrainedGather::Auto, true) => UnitGather::PerUsage,
+            _ => UnitGather::BothCopies,
         }
     }
 
@@ -166,10 +177,14 @@ impl FsdpConfig {
                     .to_string(),
             );
         }
-        if self.fine_grained(specs).0 {
+        let mxfp8_units = self.sharding == Sharding::OptimGradsParams
+            && specs.iter().any(|s| {
+                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
+            });
+        if self.fine_grained == FineGrainedGather::On && !mxfp8_units {
             return no(
-                "fine-grained (rowwise/columnwise) gathers need MXFP8 weights sharded by \
-                 optim_grads_params, which are not built yet"
+                "fine-grained (rowwise/columnwise) gathers apply to MXFP8 primary weights \
+                 sharded by optim_grads_params; there are none here"
                     .to_string(),
             );
         }
@@ -177,11 +192,13 @@ impl FsdpConfig {
             return no("no_shard has no parameter gather to overlap".to_string());
         }
         if self.sharding == Sharding::OptimGradsParams
-            && let Some(s) = specs.iter().find(|s| s.key.param_storage.is_quantized())
+            && let Some(s) = specs.iter().find(|s| {
+                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Nvfp4)
+            })
         {
             return no(format!(
-                "`{}`: low-precision primary weights cannot be sharded by optim_grads_params \
-                 yet (use bf16 weights, or optim_grads)",
+                "`{}`: NVFP4 primary weights cannot be sharded by optim_grads_params yet (MXFP8 \
+                 can; or use optim_grads)",
                 s.name
             ));
         }
@@ -237,6 +254,7 @@ impl FsdpConfig {
             .with_bucket_size(self.bucket_size)
             .with_grad_comm_dtype(self.policy.grad_comm_dtype.grad_dtype())
             .with_nan_check(self.nan_check)
+            .with_unit_gather(self.unit_gather())
             .with_verify(self.verify)
     }
 }

@@ -45,7 +45,7 @@ pub fn estimate_memory(
     let buffers = plan_buffer_memory(&plan, &specs, &ddp);
     Ok(FsdpMemory {
         persistent: buffers.iter().map(BufferMemory::persistent).sum(),
-        transient: transient_bound(&plan, &ddp),
+        transient: transient_bound(&plan, &specs, &ddp),
         buffers,
     })
 }

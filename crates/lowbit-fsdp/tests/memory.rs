@@ -9,7 +9,7 @@ mod common;
 
 use common::{Setup, overlaps, train};
 use lowbit_buffers::Overlap;
-use lowbit_fsdp::{CommDtype, MixedPrecisionPolicy, Sharding};
+use lowbit_fsdp::{CommDtype, FineGrainedGather, MixedPrecisionPolicy, Sharding};
 
 /// Bytes the step allocates besides the buffers' transients: the gradient norm's f64 per rank
 /// (allocated after the transients are freed, so it shows only where there are none).
@@ -47,6 +47,27 @@ fn live_memory_equals_the_closed_form_and_bounds_the_peak() {
                 };
                 assert_eq!(m.units_seen, most, "{what}");
             }
+        }
+    }
+}
+
+/// MXFP8 units of `optim_grads_params`: both copies or one (fine-grained) per unit; the peak
+/// never exceeds the closed form, and the persistent weights are the rank's chunks only.
+#[test]
+fn mxfp8_units_stay_within_the_closed_form() {
+    for overlap in overlaps(Sharding::OptimGradsParams) {
+        for fine in [FineGrainedGather::Off, FineGrainedGather::On] {
+            let mut s = Setup::new(2, Sharding::OptimGradsParams);
+            s.mxfp8_storage = true;
+            s.cfg = s.cfg.with_overlap(overlap).with_fine_grained(fine);
+            let (_, m) = train(&s);
+            let what = format!("{overlap:?}, {fine:?}");
+            assert_eq!(m.live_persistent, m.estimate.persistent, "{what}");
+            eprintln!(
+                "MXFP8 units, {what}: persistent {} B, transient bound {} B, measured {} B",
+                m.estimate.persistent, m.estimate.transient, m.step_peak
+            );
+            assert!(m.step_peak <= m.estimate.transient, "{what}: {m:?}");
         }
     }
 }

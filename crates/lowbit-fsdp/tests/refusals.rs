@@ -32,8 +32,11 @@ fn unsupported_configurations_are_refused_with_the_reason() {
     let bf16 = specs(&s);
     let mut mxfp8 = bf16.clone();
     mxfp8[0].key.param_storage = ParamStorage::Quantized(QuantKind::Mxfp8);
+    let mut nvfp4 = bf16.clone();
+    nvfp4[0].key.param_storage = ParamStorage::Quantized(QuantKind::Nvfp4);
     let cfg = FsdpConfig::new(Sharding::OptimGradsParams);
-    assert!(unsupported(cfg.validate(&mxfp8, 4)).contains("`l0.weight`: low-precision"));
+    assert!(unsupported(cfg.validate(&nvfp4, 4)).contains("`l0.weight`: NVFP4"));
+    assert!(cfg.validate(&mxfp8, 4).is_ok());
     assert!(cfg.validate(&bf16, 4).is_ok());
     let m = unsupported(cfg.with_outer_dp(3).validate(&bf16, 4));
     assert!(m.contains("does not divide"), "{m}");
@@ -57,19 +60,24 @@ fn unsupported_configurations_are_refused_with_the_reason() {
             .validate(&bf16, 4),
     );
     assert!(m.contains("no_shard"), "{m}");
-    // Seed 002's rule: auto turns fine-grained gathers on for MXFP8 weights with recompute
-    // (and says so); that is not built, so it is refused, as is `on`.
-    let opt = FsdpConfig::new(Sharding::Optim);
-    assert!(!opt.fine_grained(&mxfp8).0);
-    assert!(opt.with_recompute(true).fine_grained(&mxfp8).0);
-    assert!(!opt.with_recompute(true).fine_grained(&bf16).0);
-    let m = unsupported(opt.with_recompute(true).validate(&mxfp8, 4));
-    assert!(m.contains("fine-grained"), "{m}");
+    // Seed 002's rule: auto turns fine-grained gathers on for MXFP8 weights gathered by
+    // optim_grads_params with recompute, and says why; `on` without such weights is refused.
+    assert!(!cfg.fine_grained(&mxfp8).0);
+    assert!(cfg.with_recompute(true).fine_grained(&mxfp8).0);
+    assert!(!cfg.with_recompute(true).fine_grained(&bf16).0);
+    let opt = FsdpConfig::new(Sharding::Optim).with_recompute(true);
+    let (on, why) = opt.fine_grained(&mxfp8);
+    assert!(!on && why.contains("optim_grads_params"), "{why}");
     let m = unsupported(
         opt.with_fine_grained(FineGrainedGather::On)
-            .validate(&bf16, 4),
+            .validate(&mxfp8, 4),
     );
     assert!(m.contains("fine-grained"), "{m}");
+    assert!(
+        cfg.with_fine_grained(FineGrainedGather::On)
+            .validate(&mxfp8, 4)
+            .is_ok()
+    );
     assert!("zero3".parse::<Sharding>().is_err());
     assert_eq!(
         "optim_grads".parse::<Sharding>().unwrap(),

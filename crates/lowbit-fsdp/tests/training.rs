@@ -6,7 +6,7 @@ mod common;
 
 use common::{Setup, Trace, overlaps, train};
 use lowbit_buffers::Overlap;
-use lowbit_fsdp::{CommDtype, MainGradsDtype, MixedPrecisionPolicy, Sharding};
+use lowbit_fsdp::{CommDtype, FineGrainedGather, MainGradsDtype, MixedPrecisionPolicy, Sharding};
 
 fn trace(s: Setup) -> Trace {
     train(&s).0
@@ -43,7 +43,8 @@ fn the_four_strategies_train_the_same_bits() {
 }
 
 /// MXFP8 primary weights gathered as such (`optim`, `optim_grads`: the staging view has memory
-/// of its own under sharded gradients) against bf16 weights quantized on the fly, and against
+/// of its own under sharded gradients; `optim_grads_params`: rows quantized per rank, units of
+/// both copies or fine-grained) against bf16 weights quantized on the fly, and against
 /// `no_shard` on the fly.
 #[test]
 fn low_precision_gather_on_and_off_are_bitwise() {
@@ -52,18 +53,29 @@ fn low_precision_gather_on_and_off_are_bitwise() {
         mxfp8_compute: true,
         ..Setup::new(dp, Sharding::NoShard)
     });
-    for sharding in [Sharding::Optim, Sharding::OptimGrads] {
+    for sharding in [
+        Sharding::Optim,
+        Sharding::OptimGrads,
+        Sharding::OptimGradsParams,
+    ] {
         for overlap in overlaps(sharding) {
             for mxfp8_storage in [false, true] {
-                let mut s = Setup::new(dp, sharding);
-                s.mxfp8_compute = true;
-                s.mxfp8_storage = mxfp8_storage;
-                s.cfg = s.cfg.with_overlap(overlap);
-                assert_eq!(
-                    trace(s),
-                    off,
-                    "{sharding}, {overlap:?}, gather on {mxfp8_storage}"
-                );
+                for fine in [FineGrainedGather::Off, FineGrainedGather::On] {
+                    if fine == FineGrainedGather::On
+                        && !(mxfp8_storage && sharding == Sharding::OptimGradsParams)
+                    {
+                        continue;
+                    }
+                    let mut s = Setup::new(dp, sharding);
+                    s.mxfp8_compute = true;
+                    s.mxfp8_storage = mxfp8_storage;
+                    s.cfg = s.cfg.with_overlap(overlap).with_fine_grained(fine);
+                    assert_eq!(
+                        trace(s),
+                        off,
+                        "{sharding}, {overlap:?}, gather on {mxfp8_storage}, {fine:?}"
+                    );
+                }
             }
         }
     }

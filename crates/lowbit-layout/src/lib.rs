@@ -111,6 +111,7 @@ mod error;
 mod layerwise;
 mod packed;
 pub mod plan;
+mod rows;
 mod rules;
 mod spec;
 
@@ -122,7 +123,8 @@ pub use packed::{
 };
 pub use plan::{
     BufferPlan, GradReduce, GroupId, OwnedPiece, ParamGather, PlanConfig, ShardingPlan,
-    ShardingStrategy, matrix_dims,
+    ShardingStrategy, matrix_dims, row_block,
 };
+pub use rows::{chunk_rows, compute_row_aligned_layout};
 pub use rules::*;
 pub use spec::*;

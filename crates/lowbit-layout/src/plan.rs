@@ -6,8 +6,8 @@ use std::ops::Range;
 
 use crate::{
     BufferKey, BufferLayout, LayoutConfig, LayoutError, OptimizerId, PackedLayout, ParamSpec,
-    ParamStorage, QuantKind, compute_layerwise_layout, compute_layout, group_params, packed_layout,
-    param_shard_ranges, shard_range,
+    ParamStorage, QuantKind, compute_layerwise_layout, compute_layout, compute_row_aligned_layout,
+    group_params, packed_layout, param_shard_ranges, shard_range,
 };
 
 /// How a buffer's elements are distributed over the ranks of its group.
@@ -313,6 +313,15 @@ impl BufferPlan {
     }
 }
 
+/// The rows of one quantization block along the rows of a matrix: 32 for MXFP8 (32x1
+/// columnwise blocks), 16 for NVFP4 (16x16 tiles).
+pub fn row_block(q: QuantKind) -> usize {
+    match q {
+        QuantKind::Mxfp8 => 32,
+        _ => 16,
+    }
+}
+
 /// The whole plan: one [`BufferPlan`] per buffer key, in first-appearance order of the keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardingPlan {
@@ -378,8 +387,12 @@ impl ShardingPlan {
                 high_busbw_padding: cfg.high_busbw_padding,
             };
             let group: Vec<&ParamSpec> = members.iter().map(|&i| &specs[i]).collect();
-            let layout = match strategy {
-                ShardingStrategy::LayerWise => compute_layerwise_layout(&group, &lcfg)?,
+            let layout = match (strategy, key.param_storage) {
+                (ShardingStrategy::LayerWise, _) => compute_layerwise_layout(&group, &lcfg)?,
+                // Sharded low-precision parameters: each rank quantizes whole row blocks.
+                (ShardingStrategy::OptimGradsParams, ParamStorage::Quantized(q)) => {
+                    compute_row_aligned_layout(&group, cfg.dp, row_block(q))?
+                }
                 _ => compute_layout(&group, &lcfg)?,
             };
             let packed = (key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4))

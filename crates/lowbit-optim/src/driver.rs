@@ -157,7 +157,7 @@ fn check_policy_fits_storage(
     format: ComputeFormat,
 ) -> Result<()> {
     let want = match bufs.storage_kind(p) {
-        StorageKind::Mxfp8Staged => ComputeFormat::Mxfp8 { two_d: false },
+        StorageKind::Mxfp8Staged | StorageKind::Mxfp8Rows => ComputeFormat::Mxfp8 { two_d: false },
         StorageKind::Mxfp8Direct => ComputeFormat::Mxfp8 { two_d: true },
         StorageKind::Nvfp4Packed => ComputeFormat::Nvfp4,
         _ => return Ok(()),

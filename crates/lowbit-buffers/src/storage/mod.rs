@@ -10,8 +10,12 @@
 //! | [`StorageKind::Mxfp8Direct`] | fp8 bytes (one per element) | the bytes | scales from the MAX-reduced 32x32 tile amaxes |
 //! | [`StorageKind::Nvfp4Packed`] | packed E2M1 bytes (element offset / 2) | the bytes | scales and the columnwise copy from the MAX-reduced 16x16 tile amaxes |
 
+mod mxfp8_rows;
 mod mxfp8_staged;
 mod persistent;
+
+pub(crate) use mxfp8_rows::part_bytes;
+
 mod tiled;
 
 use tiled::{Mxfp8Tiles, Nvfp4Tiles, Tiled};
@@ -39,6 +43,9 @@ pub enum StorageKind {
     Mxfp8Direct,
     /// 2D NVFP4 packed bytes in the buffer, gathered as bytes.
     Nvfp4Packed,
+    /// MXFP8 sharded by rows (`optim_grads_params`): each rank keeps both copies of its rows;
+    /// units gather the copies.
+    Mxfp8Rows,
 }
 
 /// The MXFP8 storage of one parameter (both copies, compact scales).
@@ -235,6 +242,13 @@ pub(crate) trait Storage: Debug + Send {
     /// no gather needed at iteration 0).
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()>;
 
+    /// Sharded low-precision units: this rank's parts of layout index `index` (rowwise data,
+    /// rowwise scales, columnwise data, columnwise scales), each gathered from every rank.
+    fn unit_parts(&self, index: usize) -> Option<[View; 4]> {
+        let _ = index;
+        None
+    }
+
     /// The low-precision weights of layout index `index`.
     fn weights(&self, index: usize) -> Option<LowPrecisionWeights> {
         let _ = index;
@@ -306,6 +320,11 @@ pub(crate) fn allocate(
     rank: usize,
 ) -> Result<Box<dyn Storage>> {
     check(plan, specs)?;
+    if plan.strategy.shards_params() && plan.key.param_storage.is_quantized() {
+        return Ok(Box::new(mxfp8_rows::Mxfp8Rows::allocate(
+            dev, plan, specs, rank,
+        )?));
+    }
     Ok(match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
             Box::new(Tiled::<Mxfp8Tiles>::allocate(dev, plan, specs)?)
@@ -335,14 +354,11 @@ pub(crate) fn stages_through_grads(plan: &BufferPlan, gather: Mxfp8Gather) -> bo
 /// allocation).
 pub(crate) fn check(plan: &BufferPlan, specs: &[&ParamSpec]) -> Result<()> {
     if plan.strategy.shards_params()
-        && let ParamStorage::Quantized(q) = plan.key.param_storage
+        && plan.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4)
     {
         return Err(ConfigError::ShardedLowPrecisionParams {
             name: specs.first().map_or_else(String::new, |s| s.name.clone()),
-            storage: match q {
-                QuantKind::Mxfp8 => "MXFP8",
-                _ => "NVFP4",
-            },
+            storage: "NVFP4",
         }
         .into());
     }
@@ -359,6 +375,9 @@ pub(crate) fn closed_form(
     gather: Mxfp8Gather,
 ) -> StorageBytes {
     let dims = || specs.iter().map(|s| matrix_dims(&s.shape));
+    if plan.strategy.shards_params() && plan.key.param_storage.is_quantized() {
+        return mxfp8_rows::Mxfp8Rows::closed_form(plan, specs);
+    }
     match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
             Tiled::<Mxfp8Tiles>::closed_form(plan.layout.numel, dims())

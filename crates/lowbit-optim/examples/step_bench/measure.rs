@@ -523,7 +523,7 @@ pub fn overlap_rank(
         .map_or(1, Iterator::sum);
     let ddp = cfg.ddp(Some(s.bucket.unwrap_or(layer_numel)));
     let (mut bufs, mut opt) = build(dev, dp, rank, cfg.specs(params), ddp)?;
-    let transient_closed = transient_bound(bufs.plan(), &ddp);
+    let transient_closed = transient_bound(bufs.plan(), bufs.specs(), &ddp);
     let grads = GradSource::new(dev, s.pattern())?;
     let spin = Spin::new(dev, s.spin_dim())?;
     // Where the compute-alone run writes its gradients (sharded strategies have no whole
