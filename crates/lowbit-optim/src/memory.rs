@@ -34,9 +34,18 @@ impl RankMemory {
     pub fn grads(&self) -> usize {
         self.buffers.iter().map(|b| b.grads).sum()
     }
-    /// Everything allocated (staging excluded: it is the gradient memory).
+    /// Staging memory of its own (where sharded gradients leave nothing to alias).
+    pub fn staging_own(&self) -> usize {
+        self.buffers.iter().map(|b| b.staging_own).sum()
+    }
+    /// Everything allocated (aliased staging excluded: it is the gradient memory).
     pub fn total(&self) -> usize {
-        self.weights() + self.grads() + self.masters + self.optimizer_state + self.grad_scratch
+        self.weights()
+            + self.grads()
+            + self.staging_own()
+            + self.masters
+            + self.optimizer_state
+            + self.grad_scratch
     }
 }
 
