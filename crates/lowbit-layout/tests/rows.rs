@@ -1,0 +1,54 @@
+//! The row-aligned layout of low-precision parameters under `optim_grads_params`: every matrix
+//! is one bucket of `dp` equal chunks of whole row blocks, so every rank's shard is whole rows of
+//! one matrix, and the owned pieces of all ranks cover every element exactly once.
+
+use lowbit_layout::{
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, PlanConfig, QuantKind,
+    ShardingPlan, ShardingStrategy, chunk_rows, matrix_dims,
+};
+
+#[test]
+fn shards_are_whole_row_blocks_and_cover_every_element_once() {
+    // NVFP4 needs 16-row multiples; MXFP8 any rows.
+    let shapes: [&[usize]; 5] = [&[80, 64], &[208, 96], &[32, 32], &[16, 64], &[2, 64, 32]];
+    for (q, block) in [(QuantKind::Mxfp8, 32), (QuantKind::Nvfp4, 16)] {
+        let specs: Vec<ParamSpec> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let key =
+                    BufferKey::new(ParamStorage::Quantized(q), GradDType::F32, OptimizerId(0));
+                ParamSpec::new(format!("w{i}"), s.to_vec(), key)
+            })
+            .collect();
+        for dp in 1..=5 {
+            let cfg = PlanConfig::new(dp, ShardingStrategy::OptimGradsParams);
+            let plan = ShardingPlan::new(&specs, &cfg).unwrap();
+            let bp = &plan.buffers()[0];
+            assert_eq!(bp.layout.buckets.len(), specs.len(), "a bucket per matrix");
+            let mut seen: Vec<Vec<u32>> = specs.iter().map(|s| vec![0; s.numel]).collect();
+            for rank in 0..dp {
+                for piece in plan.owned(rank).unwrap() {
+                    let (rows, cols) = matrix_dims(&specs[piece.param].shape);
+                    let chunk = chunk_rows(rows, dp, block);
+                    assert_eq!(chunk % block, 0);
+                    // Whole rows, starting at this rank's chunk.
+                    assert_eq!(
+                        piece.param_range.start,
+                        rank * chunk * cols,
+                        "{q:?} dp {dp}"
+                    );
+                    assert_eq!(piece.param_range.len() % cols, 0);
+                    assert!(piece.param_range.len() <= chunk * cols);
+                    for e in piece.param_range {
+                        seen[piece.param][e] += 1;
+                    }
+                }
+            }
+            assert!(
+                seen.iter().flatten().all(|&c| c == 1),
+                "{q:?} dp {dp}: coverage"
+            );
+        }
+    }
+}
