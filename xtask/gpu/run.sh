@@ -89,9 +89,9 @@ STEPS+=(
   # fly under no_shard and optim_grads_params, which cannot hold low-precision storage), and the
   # Llama-3.2-1B-shaped step of each strategy with 1.5 ms of compute per layer: exposed
   # communication, and the transient memory peak against its closed form.
-  "train-cpu-fsdp|900|for s in no_shard optim optim_grads optim_grads_params; do g=on; case \$s in no_shard|optim_grads_params) g=off;; esac; bin/lowbit train --ranks 2 --steps 60 --sharding \$s --param-gather \$g --json > \$WORK/train-cpu-fsdp-\$s.json || exit 1; done"
-  "train-cuda-fsdp|900|for s in no_shard optim optim_grads optim_grads_params; do g=on; case \$s in no_shard|optim_grads_params) g=off;; esac; bin/lowbit train --device cuda --ranks 2 --steps 60 --sharding \$s --param-gather \$g --json > \$WORK/train-cuda-fsdp-\$s.json || exit 1; done"
-  "compare-train-fsdp|60|set -o pipefail; for s in no_shard optim optim_grads optim_grads_params; do echo \"== \$s\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$s.json \$WORK/train-cuda-fsdp-\$s.json || exit 1; done | tee \$STEP_SUMMARY"
+  "train-cpu-fsdp|900|bash gpu/train_fsdp.sh cpu"
+  "train-cuda-fsdp|900|bash gpu/train_fsdp.sh cuda"
+  "compare-train-fsdp|60|set -o pipefail; for v in \$(bash gpu/train_fsdp.sh --list); do echo \"== \$v\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$v.json \$WORK/train-cuda-fsdp-\$v.json || exit 1; done | tee \$STEP_SUMMARY"
   "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Checkpoints across backends (issue 14): 60 steps saved every 20 on the CPU and on 2 GPUs
   # (saving changes nothing: CUDA = CPU), then resumes CPU -> CUDA at step 20, CUDA -> CPU and
