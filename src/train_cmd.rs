@@ -4,13 +4,14 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use lowbit::buffers::layout::GradDType;
 use lowbit::comm::CommStats;
 use lowbit::optim::{MuonLrScale, NsDtype, RankMemory};
 use lowbit::train::json::Json;
 use lowbit::train::{
-    self, DeviceChoice, MuonSettings, OptimizerChoice, ParamOwner, Precision, StepLog, TrainConfig,
-    TrainReport, lr_scale_name, ns_dtype_name,
+    self, CommDtype, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
+    MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, ParamOwner, Precision, Sharding,
+    StepLog, TrainConfig, TrainReport, comm_name, fine_grained_name, lr_scale_name,
+    main_grads_name, main_params_name, nan_check_name, ns_dtype_name,
 };
 
 use crate::error::CliError;
@@ -40,12 +41,48 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub overlap_grad_reduce: OnOff,
     /// Gather parameter buckets lazily in the next forward [default: as
-    /// --overlap-grad-reduce].
+    /// --overlap-grad-reduce; off with --sharding no_shard, which gathers nothing].
     #[arg(long, value_enum)]
     pub overlap_param_gather: Option<OnOff>,
-    /// Gradient buffer dtype.
-    #[arg(long, value_enum, default_value_t = GradArg::Fp32)]
-    pub grad_dtype: GradArg,
+    /// What the data-parallel ranks shard (Megatron-FSDP's strategies): no_shard (nothing;
+    /// gradients all-reduced), optim (optimizer state: the distributed optimizer), optim_grads
+    /// (and gradients, reduce-scattered every microbatch), optim_grads_params (and parameters,
+    /// gathered per use).
+    #[arg(long, value_enum, default_value_t = ShardingArg::Optim)]
+    pub sharding: ShardingArg,
+    /// dtype of the main (optimizer) parameters; only fp32 is built.
+    #[arg(long, value_enum, default_value_t = MainParamsArg::Fp32)]
+    pub main_params_dtype: MainParamsArg,
+    /// dtype of the main gradients (the gradient buffers, where microbatches accumulate):
+    /// fp32, bf16, or compute (the weights' compute dtype: bf16 here) [default: fp32].
+    #[arg(long, value_enum)]
+    pub main_grads_dtype: Option<MainGradsArg>,
+    /// Alias of --main-grads-dtype (fp32 or bf16); give one of the two.
+    #[arg(long, value_enum)]
+    pub grad_dtype: Option<GradArg>,
+    /// dtype gradients are reduced in (auto: the main-gradient dtype; bf16 halves the bytes on
+    /// the wire, summed in f32 and rounded once).
+    #[arg(long, value_enum, default_value_t = CommArg::Auto)]
+    pub grad_comm_dtype: CommArg,
+    /// Check gradients for NaN/Inf before each reduction: grad (the error names the first
+    /// non-finite parameter and the rank), param (every non-finite parameter), or off.
+    #[arg(long, value_enum, default_value_t = NanCheckArg::Off)]
+    pub nan_check: NanCheckArg,
+    /// Gather only the rowwise (forward) or columnwise (backward) copy of MXFP8 weights gathered
+    /// per use by optim_grads_params (auto: on with --recompute on).
+    #[arg(long, value_enum, default_value_t = FineGrainedArg::Auto)]
+    pub fine_grained_param_gather: FineGrainedArg,
+    /// Replica groups of hybrid sharding (1: flat sharding; more is not wired into lowbit
+    /// train yet).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub outer_dp: usize,
+    /// What the replica groups of hybrid sharding shard [needs --outer-dp > 1].
+    #[arg(long, value_enum)]
+    pub outer_sharding: Option<OuterShardingArg>,
+    /// Recompute the dense blocks' activations in the backward instead of keeping them (same
+    /// bits, less activation memory).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub recompute: OnOff,
     /// Bucket size in elements, with --overlap-grad-reduce on [default: 40000].
     #[arg(long)]
     pub bucket_size: Option<usize>,
@@ -128,8 +165,9 @@ pub struct TrainArgs {
     pub keep: Option<u64>,
     /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total;
     /// flags that change the model, the data or the arithmetic must match the checkpoint's
-    /// (refused otherwise, naming the flag); --ranks, --param-gather, the overlap flags,
-    /// --bucket-size, --discrete-experts and --device may change.
+    /// (refused otherwise, naming the flag; --main-grads-dtype and --grad-comm-dtype among them);
+    /// --ranks, --sharding, --param-gather, the overlap flags, --bucket-size,
+    /// --discrete-experts, --recompute, --nan-check and --device may change.
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
 }
@@ -167,6 +205,89 @@ pub enum GradArg {
     Fp32,
     /// bf16 gradient buffers.
     Bf16,
+}
+
+/// `--main-grads-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MainGradsArg {
+    /// fp32 gradient buffers.
+    Fp32,
+    /// bf16 gradient buffers.
+    Bf16,
+    /// The compute dtype (bf16 for bf16 and low-precision weights).
+    Compute,
+}
+
+/// `--sharding`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ShardingArg {
+    /// Nothing sharded.
+    #[value(name = "no_shard")]
+    NoShard,
+    /// Optimizer state (the distributed optimizer).
+    #[value(name = "optim")]
+    Optim,
+    /// Optimizer state and gradients.
+    #[value(name = "optim_grads")]
+    OptimGrads,
+    /// Optimizer state, gradients and parameters.
+    #[value(name = "optim_grads_params")]
+    OptimGradsParams,
+}
+
+/// `--outer-sharding`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OuterShardingArg {
+    /// Replica groups hold the same state.
+    #[value(name = "no_shard")]
+    NoShard,
+    /// Replica groups shard the optimizer state.
+    #[value(name = "optim")]
+    Optim,
+}
+
+/// `--main-params-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MainParamsArg {
+    /// fp32 masters.
+    Fp32,
+    /// bf16 masters (not built).
+    Bf16,
+    /// No masters (not built).
+    None,
+}
+
+/// `--grad-comm-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CommArg {
+    /// The main-gradient dtype.
+    Auto,
+    /// fp32.
+    Fp32,
+    /// bf16.
+    Bf16,
+}
+
+/// `--nan-check`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NanCheckArg {
+    /// No check.
+    Off,
+    /// Name the first non-finite parameter.
+    Grad,
+    /// Name every non-finite parameter.
+    Param,
+}
+
+/// `--fine-grained-param-gather`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FineGrainedArg {
+    /// Rowwise copy for the forward, columnwise for the backward.
+    On,
+    /// Both copies in one gather.
+    Off,
+    /// On where it applies.
+    Auto,
 }
 
 /// `--optimizer`.
@@ -259,15 +380,53 @@ impl TrainArgs {
         }))
     }
 
+    /// The mixed-precision policy, or the refusal of both `--main-grads-dtype` and its alias
+    /// `--grad-dtype` (which one would win is not obvious).
+    fn mixed_precision(&self) -> Result<MixedPrecisionPolicy, CliError> {
+        let main_grads = match (self.main_grads_dtype, self.grad_dtype) {
+            (Some(_), Some(_)) => {
+                return Err(CliError::Msg(
+                    "invalid configuration: --grad-dtype is an alias of --main-grads-dtype; \
+                     give only one of them"
+                        .into(),
+                ));
+            }
+            (Some(MainGradsArg::Fp32), None) | (None, Some(GradArg::Fp32)) | (None, None) => {
+                MainGradsDtype::Fp32
+            }
+            (Some(MainGradsArg::Bf16), None) | (None, Some(GradArg::Bf16)) => MainGradsDtype::Bf16,
+            (Some(MainGradsArg::Compute), None) => MainGradsDtype::Compute,
+        };
+        Ok(MixedPrecisionPolicy::default()
+            .with_main_params_dtype(match self.main_params_dtype {
+                MainParamsArg::Fp32 => MainParamsDtype::Fp32,
+                MainParamsArg::Bf16 => MainParamsDtype::Bf16,
+                MainParamsArg::None => MainParamsDtype::None,
+            })
+            .with_main_grads_dtype(main_grads)
+            .with_grad_comm_dtype(match self.grad_comm_dtype {
+                CommArg::Auto => CommDtype::MainGrads,
+                CommArg::Fp32 => CommDtype::Fp32,
+                CommArg::Bf16 => CommDtype::Bf16,
+            }))
+    }
+
     /// The run these arguments describe.
     ///
     /// # Errors
-    /// `--muon-*` flags without `--optimizer muon`.
+    /// `--muon-*` flags without `--optimizer muon`; both `--main-grads-dtype` and
+    /// `--grad-dtype`.
     pub fn config(&self) -> Result<TrainConfig, CliError> {
         let precision = match self.precision {
             PrecisionArg::Bf16 => Precision::Bf16,
             PrecisionArg::Mxfp8 => Precision::Mxfp8,
             PrecisionArg::Nvfp4 => Precision::Nvfp4,
+        };
+        let sharding = match self.sharding {
+            ShardingArg::NoShard => Sharding::NoShard,
+            ShardingArg::Optim => Sharding::Optim,
+            ShardingArg::OptimGrads => Sharding::OptimGrads,
+            ShardingArg::OptimGradsParams => Sharding::OptimGradsParams,
         };
         let d = TrainConfig::default();
         let mut shape = d.shape;
@@ -286,14 +445,29 @@ impl TrainArgs {
                 .param_gather
                 .map_or(precision != Precision::Bf16, OnOff::on),
             overlap_grad_reduce: self.overlap_grad_reduce.on(),
-            overlap_param_gather: self
-                .overlap_param_gather
-                .unwrap_or(self.overlap_grad_reduce)
-                .on(),
-            grad_dtype: match self.grad_dtype {
-                GradArg::Fp32 => GradDType::F32,
-                GradArg::Bf16 => GradDType::Bf16,
+            // no_shard gathers nothing, so there is nothing to overlap by default.
+            overlap_param_gather: self.overlap_param_gather.map_or(
+                self.overlap_grad_reduce.on() && sharding != Sharding::NoShard,
+                OnOff::on,
+            ),
+            sharding,
+            mixed_precision: self.mixed_precision()?,
+            nan_check: match self.nan_check {
+                NanCheckArg::Off => NanCheck::Off,
+                NanCheckArg::Grad => NanCheck::FirstParam,
+                NanCheckArg::Param => NanCheck::EveryParam,
             },
+            fine_grained: match self.fine_grained_param_gather {
+                FineGrainedArg::On => FineGrainedGather::On,
+                FineGrainedArg::Off => FineGrainedGather::Off,
+                FineGrainedArg::Auto => FineGrainedGather::Auto,
+            },
+            outer_dp: self.outer_dp,
+            outer_sharding: self.outer_sharding.map(|o| match o {
+                OuterShardingArg::NoShard => Sharding::NoShard,
+                OuterShardingArg::Optim => Sharding::Optim,
+            }),
+            recompute: self.recompute.on(),
             bucket_size: match self.bucket_size {
                 Some(b) => Some(b),
                 None if self.overlap_grad_reduce.on() => d.bucket_size,
@@ -425,24 +599,66 @@ fn describe_optimizer(cfg: &TrainConfig) -> String {
 
 fn describe(cfg: &TrainConfig) -> String {
     let on = |b: bool| if b { "on" } else { "off" };
+    let mp = &cfg.mixed_precision;
     format!(
-        "{} ranks on {}, {} weights (primary low-precision gather {}), grads {}, overlap grad \
-         reduce {} / param gather {}, {}",
+        "{} ranks on {}, sharding {}, {} weights (primary low-precision gather {}), main params \
+         {}, grads {}, grad comm {}, overlap grad reduce {} / param gather {}, recompute {}, \
+         nan check {}, {}",
         cfg.ranks,
         match cfg.device {
             DeviceChoice::Cpu => "cpu",
             DeviceChoice::Cuda => "cuda",
         },
+        cfg.sharding,
         cfg.precision.name(),
         on(cfg.param_gather),
-        match cfg.grad_dtype {
-            GradDType::F32 => "fp32",
-            GradDType::Bf16 => "bf16",
-        },
+        main_params_name(mp.main_params_dtype),
+        main_grads_name(mp.main_grads_dtype),
+        cfg.comm_dtype_name(),
         on(cfg.overlap_grad_reduce),
         on(cfg.overlap_param_gather),
+        on(cfg.recompute),
+        nan_check_name(cfg.nan_check),
         describe_optimizer(cfg),
     )
+}
+
+/// The sharding strategy and precision policy as the `--json` object's `"fsdp"`.
+fn fsdp_json(cfg: &TrainConfig) -> Json {
+    let mp = &cfg.mixed_precision;
+    Json::obj([
+        ("sharding", Json::str(cfg.sharding.as_str())),
+        (
+            "main_params_dtype",
+            Json::str(main_params_name(mp.main_params_dtype)),
+        ),
+        (
+            "main_grads_dtype",
+            Json::str(main_grads_name(mp.main_grads_dtype)),
+        ),
+        ("grad_comm_dtype", Json::str(comm_name(mp.grad_comm_dtype))),
+        // `auto` resolved: the dtype the reduction rounds to.
+        (
+            "grad_comm_dtype_effective",
+            Json::str(cfg.comm_dtype_name()),
+        ),
+        ("nan_check", Json::str(nan_check_name(cfg.nan_check))),
+        (
+            "fine_grained_param_gather",
+            Json::str(fine_grained_name(cfg.fine_grained)),
+        ),
+        (
+            "fine_grained_effective",
+            Json::Bool(cfg.fine_grained_on().0),
+        ),
+        ("outer_dp", Json::uint(cfg.outer_dp)),
+        (
+            "outer_sharding",
+            cfg.outer_sharding
+                .map_or(Json::Null, |s| Json::str(s.as_str())),
+        ),
+        ("recompute", Json::Bool(cfg.recompute)),
+    ])
 }
 
 /// Ranks as text: `0-3`, `0,2`, `2`.
@@ -743,6 +959,8 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("ranks", Json::uint(c.ranks)),
         ("precision", Json::str(c.precision.name())),
         ("param_gather", Json::Bool(c.param_gather)),
+        ("sharding", Json::str(c.sharding.as_str())),
+        ("fsdp", fsdp_json(c)),
         ("grouped_experts", Json::Bool(c.shape.grouped)),
         ("params", Json::uint(r.params)),
         ("seed", Json::uint(c.seed)),

@@ -19,7 +19,10 @@ use std::path::{Path, PathBuf};
 
 use lowbit_ckpt::{Alias, Checkpoint, LoadOptions, Meta, SaveOptions};
 
-use super::config::{DeviceChoice, TrainConfig, TrainError, lr_scale_name, ns_dtype_name};
+use super::config::{
+    DeviceChoice, TrainConfig, TrainError, lr_scale_name, main_grads_name, nan_check_name,
+    ns_dtype_name,
+};
 use super::lm::LmShape;
 
 /// Checkpointing of a run: where to save, how often, how many to keep, where to resume from.
@@ -48,8 +51,10 @@ impl Checkpointing {
     }
 }
 
-/// Keys of the manifest's `config` that a resume may change.
-pub const MAY_CHANGE: [&str; 7] = [
+/// Keys of the manifest's `config` that a resume may change. The sharding strategy only places
+/// the same state differently (the plan reshards on load, as for a change of rank count);
+/// recompute and the NaN check compute the same bits.
+pub const MAY_CHANGE: [&str; 10] = [
     "ranks",
     "param_gather",
     "overlap_grad_reduce",
@@ -57,6 +62,9 @@ pub const MAY_CHANGE: [&str; 7] = [
     "bucket_size",
     "experts_layout",
     "device",
+    "sharding",
+    "recompute",
+    "nan_check",
 ];
 
 /// The manifest's `config` of `cfg` (see the module docs); `data` is the source's fingerprint.
@@ -102,10 +110,8 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         .zip(values)
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    let grad = match cfg.grad_dtype {
-        lowbit_buffers::layout::GradDType::F32 => "fp32",
-        lowbit_buffers::layout::GradDType::Bf16 => "bf16",
-    };
+    // Under the key `--grad-dtype` always had (its alias); `compute` is kept as such.
+    let grad = main_grads_name(cfg.mixed_precision.main_grads_dtype);
     let device = match cfg.device {
         DeviceChoice::Cpu => "cpu",
         DeviceChoice::Cuda => "cuda",
@@ -115,6 +121,8 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
     let texts = [
         ("precision", cfg.precision.name().to_string()),
         ("grad_dtype", grad.into()),
+        // The dtype the reduction rounds to changes the arithmetic (`auto`: the main grads').
+        ("grad_comm_dtype", cfg.comm_dtype_name().into()),
         ("seed", cfg.seed.to_string()),
         ("lr", cfg.lr.to_string()),
         ("data", data.to_string()),
@@ -126,6 +134,9 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("bucket_size", bucket),
         ("experts_layout", layout.into()),
         ("device", device.into()),
+        ("sharding", cfg.sharding.to_string()),
+        ("recompute", on(cfg.recompute)),
+        ("nan_check", nan_check_name(cfg.nan_check).into()),
     ];
     m.extend(texts.into_iter().map(|(k, v)| (k.to_string(), v)));
     if let Some(mu) = cfg.optimizer.muon() {
@@ -155,6 +166,7 @@ fn flag(key: &str) -> String {
     match key.strip_prefix("model.") {
         Some(k) => format!("the model's {k}"),
         None if key == "eval_samples" => "the eval set size".into(),
+        None if key == "grad_dtype" => "--main-grads-dtype (--grad-dtype)".into(),
         None => format!("--{}", key.replace('_', "-")),
     }
 }
@@ -212,15 +224,20 @@ pub(super) fn check_resume(
     }
     let here = config_map(cfg, data);
     let mut keys: Vec<&String> = here.keys().chain(meta.config.keys()).collect();
-    // `--optimizer` before the settings of one optimizer.
-    keys.sort_by_key(|k| (k.starts_with("muon_"), *k));
+    // `--optimizer` before the settings of one optimizer; the communication dtype after the
+    // main gradients' (with `auto` it follows them: name the flag that was changed).
+    keys.sort_by_key(|k| (k.starts_with("muon_"), *k == "grad_comm_dtype", *k));
     keys.dedup();
     for k in keys {
         // With --steps at the checkpoint's step nothing runs: the schedule does not matter.
         if MAY_CHANGE.contains(&k.as_str()) || (k == "steps" && cfg.steps == step) {
             continue;
         }
-        let (a, b) = (here.get(k), meta.config.get(k));
+        let (a, mut b) = (here.get(k), meta.config.get(k));
+        if k == "grad_comm_dtype" && b.is_none() {
+            // Checkpoints from before `--grad-comm-dtype` reduced in the gradient dtype.
+            b = meta.config.get("grad_dtype");
+        }
         if a != b {
             let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());
             let note = if k == "steps" {

@@ -8,7 +8,11 @@ use lowbit_buffers::layout::{
     BufferKey, GradDType, LayoutError, OptimizerId, ParamSpec, ParamStorage, QuantKind,
     ShardingPlan, ShardingStrategy,
 };
-use lowbit_buffers::{ComputeFormat, DdpConfig, Overlap, PrecisionPolicy};
+use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
+use lowbit_fsdp::{
+    CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
+    MixedPrecisionPolicy, OuterSharding, Sharding,
+};
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 
 use super::lm::{LmShape, ParamInfo};
@@ -135,6 +139,51 @@ pub fn ns_dtype_name(d: NsDtype) -> &'static str {
     }
 }
 
+/// The name of a main-parameter dtype, as the command line spells it.
+pub fn main_params_name(d: MainParamsDtype) -> &'static str {
+    match d {
+        MainParamsDtype::Bf16 => "bf16",
+        MainParamsDtype::None => "none",
+        _ => "fp32",
+    }
+}
+
+/// The name of a main-gradient dtype, as the command line spells it.
+pub fn main_grads_name(d: MainGradsDtype) -> &'static str {
+    match d {
+        MainGradsDtype::Bf16 => "bf16",
+        MainGradsDtype::Compute => "compute",
+        _ => "fp32",
+    }
+}
+
+/// The name of a gradient communication dtype, as the command line spells it.
+pub fn comm_name(d: CommDtype) -> &'static str {
+    match d {
+        CommDtype::Fp32 => "fp32",
+        CommDtype::Bf16 => "bf16",
+        _ => "auto",
+    }
+}
+
+/// The name of a NaN check, as the command line spells it.
+pub fn nan_check_name(c: NanCheck) -> &'static str {
+    match c {
+        NanCheck::FirstParam => "grad",
+        NanCheck::EveryParam => "param",
+        _ => "off",
+    }
+}
+
+/// The name of a fine-grained gather setting, as the command line spells it.
+pub fn fine_grained_name(f: FineGrainedGather) -> &'static str {
+    match f {
+        FineGrainedGather::On => "on",
+        FineGrainedGather::Off => "off",
+        _ => "auto",
+    }
+}
+
 /// The owner ids of `lowbit train`'s optimizers.
 pub mod owners {
     use lowbit_buffers::layout::OptimizerId;
@@ -169,8 +218,24 @@ pub struct TrainConfig {
     pub overlap_grad_reduce: bool,
     /// Gather parameters bucket by bucket in the next forward.
     pub overlap_param_gather: bool,
-    /// Gradient buffer dtype.
-    pub grad_dtype: GradDType,
+    /// What the data-parallel ranks shard (`--sharding`; `optim`, the distributed optimizer,
+    /// is lowbit's default).
+    pub sharding: Sharding,
+    /// Main parameters, main gradients (the gradient buffers) and gradient communication
+    /// dtypes (`--main-params-dtype`, `--main-grads-dtype` / `--grad-dtype`,
+    /// `--grad-comm-dtype`).
+    pub mixed_precision: MixedPrecisionPolicy,
+    /// Non-finite gradient check before each reduction (`--nan-check`).
+    pub nan_check: NanCheck,
+    /// Fine-grained (rowwise / columnwise) low-precision gathers (`--fine-grained-param-gather`).
+    pub fine_grained: FineGrainedGather,
+    /// Replica groups of hybrid sharding (`--outer-dp`; 1: flat sharding).
+    pub outer_dp: usize,
+    /// What the replica groups shard (`--outer-sharding`; only meaningful with `outer_dp > 1`;
+    /// `None`: not asked for).
+    pub outer_sharding: Option<Sharding>,
+    /// Activation recompute of the dense blocks in the backward (`--recompute`; same bits).
+    pub recompute: bool,
     /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
     pub bucket_size: Option<usize>,
     /// Microbatches per step (gradient accumulation).
@@ -208,7 +273,13 @@ impl Default for TrainConfig {
             param_gather: true,
             overlap_grad_reduce: true,
             overlap_param_gather: true,
-            grad_dtype: GradDType::F32,
+            sharding: Sharding::Optim,
+            mixed_precision: MixedPrecisionPolicy::default(),
+            nan_check: NanCheck::Off,
+            fine_grained: FineGrainedGather::Auto,
+            outer_dp: 1,
+            outer_sharding: None,
+            recompute: false,
             bucket_size: Some(40_000),
             microbatches: 2,
             batch: 512,
@@ -475,6 +546,73 @@ impl TrainConfig {
                     .into(),
             );
         }
+        self.check_fsdp()
+    }
+
+    /// The sharding strategy and precision policy: the trainer's own refusals first (they name
+    /// the flag to change), then [`FsdpConfig::validate`]'s, with its reason.
+    fn check_fsdp(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Invalid(m));
+        let no_shard = self.sharding == Sharding::NoShard;
+        if no_shard && self.param_gather {
+            return bad(format!(
+                "--sharding no_shard with {} primary weights stored as such (--param-gather on): \
+                 low-precision weights are only refreshed by the gather after the step, and \
+                 no_shard gathers nothing; pass --param-gather off (bf16 weights quantized on \
+                 the fly), or shard with --sharding optim",
+                self.precision.name()
+            ));
+        }
+        if no_shard && self.optimizer.muon().is_some() {
+            return bad(
+                "--sharding no_shard with --optimizer muon: Muon's matrices are owned whole by \
+                 one rank each (the layer-wise rule, which shards the optimizer state), so the \
+                 plan would mix replicated and sharded owners; use --sharding optim (or \
+                 --optimizer adamw)"
+                    .into(),
+            );
+        }
+        if no_shard && self.overlap_param_gather {
+            return bad(
+                "--overlap-param-gather on with --sharding no_shard: no_shard has no parameter \
+                 gather to overlap (pass --overlap-param-gather off)"
+                    .into(),
+            );
+        }
+        let specs = self.specs(&self.shape.params());
+        let fsdp = self.fsdp();
+        if let Err(e) = fsdp.validate(&specs, self.ranks) {
+            // Name the flag, in the order the library checks.
+            let mp = self.mixed_precision.main_params_dtype;
+            let flag = if mp != MainParamsDtype::Fp32 {
+                format!("--main-params-dtype {}", main_params_name(mp))
+            } else if self.outer_dp == 0 || !self.ranks.is_multiple_of(self.outer_dp) {
+                format!("--outer-dp {}", self.outer_dp)
+            } else if self.outer_dp > 1 && self.outer_sharding == Some(Sharding::Optim) {
+                "--outer-sharding optim".to_string()
+            } else if self.fine_grained == FineGrainedGather::On {
+                "--fine-grained-param-gather on".to_string()
+            } else {
+                format!("--sharding {}", self.sharding)
+            };
+            return bad(format!("{flag}: {e}"));
+        }
+        if self.outer_dp > 1 {
+            // The library builds replica groups (`FsdpConfig::split_groups`); the trainer does
+            // not split its communicator, place data or report per replica group yet.
+            return bad(format!(
+                "--outer-dp {}: hybrid sharding is not wired into lowbit train yet (the run \
+                 would reduce over one flat group); use --outer-dp 1",
+                self.outer_dp
+            ));
+        }
+        if self.outer_sharding.is_some() && self.outer_dp == 1 {
+            return bad(
+                "--outer-sharding applies only with --outer-dp > 1 (hybrid sharding: what the \
+                 replica groups shard)"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -556,16 +694,50 @@ impl TrainConfig {
         (f64::from(self.lr) * ramp * cosine) as f32
     }
 
-    pub(super) fn ddp(&self) -> DdpConfig {
+    /// The FSDP configuration: strategy, precision policy, overlap and buckets (today's
+    /// settings), the NaN check, fine-grained gathers, hybrid groups and recompute.
+    pub fn fsdp(&self) -> FsdpConfig {
         // `validate` refused overlapped gathers without overlapped reduction.
         let overlap = match (self.overlap_grad_reduce, self.overlap_param_gather) {
             (true, true) => Overlap::GradReduceAndParamGather,
             (true, false) => Overlap::GradReduce,
             _ => Overlap::None,
         };
-        DdpConfig::default()
+        FsdpConfig::new(self.sharding)
+            .with_policy(self.mixed_precision)
             .with_overlap(overlap)
             .with_bucket_size(self.bucket_size)
+            .with_nan_check(self.nan_check)
+            .with_fine_grained(self.fine_grained)
+            .with_outer_dp(self.outer_dp)
+            .with_outer_sharding(match self.outer_sharding {
+                Some(Sharding::Optim) => OuterSharding::Optim,
+                _ => OuterSharding::NoShard,
+            })
+            .with_recompute(self.recompute)
+    }
+
+    pub(super) fn ddp(&self) -> DdpConfig {
+        self.fsdp().ddp_config()
+    }
+
+    /// The dtype gradients are reduced in: the `--grad-comm-dtype` asked for, or with `auto`
+    /// the main-gradient dtype's name.
+    pub fn comm_dtype_name(&self) -> &'static str {
+        match self.mixed_precision.grad_comm_dtype {
+            CommDtype::MainGrads => main_grads_name(self.mixed_precision.main_grads_dtype),
+            c => comm_name(c),
+        }
+    }
+
+    /// Whether fine-grained gathers are on for this run, and why (the library's rule).
+    pub fn fine_grained_on(&self) -> (bool, &'static str) {
+        self.fsdp().fine_grained(&self.specs(&self.shape.params()))
+    }
+
+    /// The gradient buffers' dtype of a parameter stored as `storage`.
+    pub fn grad_dtype(&self, storage: ParamStorage) -> GradDType {
+        self.mixed_precision.main_grads_dtype.resolve(storage)
     }
 
     /// GEMM weights computed with as `Q(bf16 weight)` (the stored copies with low-precision
@@ -581,7 +753,8 @@ impl TrainConfig {
     }
 
     pub(super) fn specs(&self, info: &[ParamInfo]) -> Vec<ParamSpec> {
-        info.iter()
+        let mut specs: Vec<ParamSpec> = info
+            .iter()
             .map(|p| {
                 let storage = match self.precision {
                     Precision::Mxfp8 if self.param_gather && p.matrix => {
@@ -594,10 +767,13 @@ impl TrainConfig {
                     _ => ParamStorage::Bf16,
                 };
                 let owner = self.owner_of(p);
-                let key = BufferKey::new(storage, self.grad_dtype, owner);
+                // The gradient dtype is the policy's (`FsdpConfig::apply` below).
+                let key = BufferKey::new(storage, GradDType::F32, owner);
                 ParamSpec::new(p.name.clone(), p.shape.clone(), key)
             })
-            .collect()
+            .collect();
+        self.fsdp().apply(&mut specs);
+        specs
     }
 
     /// The optimizer owning parameter `p`: Muon for the GEMM weights when Muon is chosen, else

@@ -262,10 +262,16 @@ pub struct Lm {
     /// Residual stream: input of block k at index k; index `blocks` is the MoE input and
     /// `blocks + 1` its output.
     res: Vec<View>,
+    /// Normalized inputs and their inverse RMS: one per dense block (one shared slot with
+    /// recompute, see [`Lm::slot`]), then the MoE's (always last).
     norm: Vec<View>,
     rstd: Vec<View>,
+    /// Dense blocks' fc1 outputs and their GELU, per block (one shared slot with recompute).
     h1: Vec<View>,
     g1: Vec<View>,
+    /// Activation recompute: the dense blocks keep only their inputs (`res`); the backward
+    /// recomputes each block's activations from its input before using them.
+    recompute: bool,
     router_logits: View,
     /// Per expert: gathered inputs, pre-activation, activation, output.
     xe: Vec<View>,
@@ -332,6 +338,7 @@ impl Lm {
             rstd: (0..nb + 1).map(|_| a(b)).collect(),
             h1: (0..nb).map(|_| a(b * f)).collect(),
             g1: (0..nb).map(|_| a(b * f)).collect(),
+            recompute: false,
             router_logits: a(b * e),
             xe: (0..e).map(|_| a(b * h)).collect(),
             he: (0..e).map(|_| a(b * fe)).collect(),
@@ -365,9 +372,59 @@ impl Lm {
         }
     }
 
+    /// With `on`, activation recompute: the dense blocks' activations (normalized input, fc1
+    /// output and its GELU) live in one shared slot instead of one per block, and the backward
+    /// recomputes them from the block's input, fetching the parameters again for the forward.
+    /// The recomputation is the forward's own arithmetic on the same weights, so the results
+    /// are bit-identical to recompute off.
+    pub fn with_recompute(mut self, dev: &mut Device, on: bool) -> Result<Lm, ModelError> {
+        if on && !self.recompute && self.shape.blocks > 1 {
+            // Keep slot 0 of each and the MoE's norm (last); free blocks 1.. .
+            let nb = self.shape.blocks;
+            let freed: Vec<View> = (self.norm.drain(1..nb))
+                .chain(self.rstd.drain(1..nb))
+                .chain(self.h1.drain(1..))
+                .chain(self.g1.drain(1..))
+                .collect();
+            for v in freed {
+                dev.free(v)?;
+            }
+        }
+        self.recompute = self.recompute || on;
+        Ok(self)
+    }
+
     /// Rows per batch.
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// The activation slot of dense block `k`.
+    fn slot(&self, k: usize) -> usize {
+        if self.recompute { 0 } else { k }
+    }
+
+    /// The index of the MoE's norm and inverse RMS.
+    fn moe_slot(&self) -> usize {
+        self.norm.len() - 1
+    }
+
+    /// Dense block `k`'s forward up to the GELU, from its input `res[k]` into its slot:
+    /// normalized input, fc1 output, GELU. The forward and the recompute both run this.
+    fn block_activations(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        (pn, fc1): (usize, (usize, usize)),
+        k: usize,
+    ) -> Result<usize, ModelError> {
+        let (h, f) = (self.shape.hidden, self.shape.ffn);
+        let j = self.slot(k);
+        let g = self.load(dev, hooks, pn, Usage::Forward)?;
+        dev.rms_norm(self.res[k], g, self.norm[j], self.rstd[j], 1e-6)?;
+        self.linear(dev, hooks, fc1, self.norm[j], self.h1[j], (h, f))?;
+        dev.gelu(self.h1[j], self.g1[j])?;
+        Ok(j)
     }
 
     /// Parameter `p` as f32, in the weight scratch.
@@ -541,12 +598,9 @@ impl Lm {
         }
         self.linear(dev, hooks, ids.input, self.x0, self.res[0], (c * emb, h))?;
         for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate() {
-            let g = self.load(dev, hooks, pn, Usage::Forward)?;
-            dev.rms_norm(self.res[k], g, self.norm[k], self.rstd[k], 1e-6)?;
-            self.linear(dev, hooks, fc1, self.norm[k], self.h1[k], (h, f))?;
-            dev.gelu(self.h1[k], self.g1[k])?;
+            let j = self.block_activations(dev, hooks, (pn, fc1), k)?;
             let y = self.dtmp;
-            self.linear(dev, hooks, fc2, self.g1[k], y, (f, h))?;
+            self.linear(dev, hooks, fc2, self.g1[j], y, (f, h))?;
             dev.copy(self.res[k], self.res[k + 1])?;
             dev.add(y, self.res[k + 1])?;
         }
@@ -587,26 +641,33 @@ impl Lm {
         self.accumulate(dev, hooks, ids.final_norm, dg)?;
         self.moe_backward(dev, hooks)?;
         for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate().rev() {
+            let j = if self.recompute {
+                // The slot holds another block's activations (or none): recompute this one's
+                // from its input, with the forward's weights.
+                self.block_activations(dev, hooks, (pn, fc1), k)?
+            } else {
+                k
+            };
             self.linear_backward(
                 dev,
                 hooks,
                 fc2,
-                self.g1[k],
+                self.g1[j],
                 self.dr,
                 Some(self.df[0]),
                 (f, h),
             )?;
-            dev.gelu_backward(self.h1[k], self.df[0], self.df[1])?;
+            dev.gelu_backward(self.h1[j], self.df[0], self.df[1])?;
             self.linear_backward(
                 dev,
                 hooks,
                 fc1,
-                self.norm[k],
+                self.norm[j],
                 self.df[1],
                 Some(self.dn),
                 (h, f),
             )?;
-            self.norm_backward(dev, hooks, pn, k)?;
+            self.norm_backward(dev, hooks, pn, k, j)?;
         }
         let dx0 = self.gbuf.slice(0..b * c * emb)?;
         // The input layer's weight gradient first; then dx0 reuses the gradient scratch.
@@ -633,19 +694,21 @@ impl Lm {
         self.accumulate(dev, hooks, ids.embed, ge)
     }
 
-    /// `dr ← dr + RMSNorm_k backward(dn)` and the norm weight's gradient.
+    /// `dr ← dr + RMSNorm backward(dn)` of the norm of `res[k]` (inverse RMS in slot `j`) and
+    /// the norm weight's gradient.
     fn norm_backward(
         &self,
         dev: &mut Device,
         hooks: &mut dyn Hooks,
         pn: usize,
         k: usize,
+        j: usize,
     ) -> Result<(), ModelError> {
         let h = self.shape.hidden;
         let g = self.load(dev, hooks, pn, Usage::Backward)?;
         let dg = self.gbuf.slice(0..h)?;
         dev.zero(dg)?;
-        dev.rms_norm_backward(self.res[k], g, self.rstd[k], self.dn, self.dtmp, dg)?;
+        dev.rms_norm_backward(self.res[k], g, self.rstd[j], self.dn, self.dtmp, dg)?;
         self.accumulate(dev, hooks, pn, dg)?;
         dev.add(self.dtmp, self.dr)?;
         Ok(())
@@ -655,13 +718,14 @@ impl Lm {
         let s = self.shape;
         let (b, h, fe, e, k) = (self.batch, s.hidden, s.expert_ffn, s.experts, s.top_k);
         let nb = s.blocks;
+        let ms = self.moe_slot();
         let (x, out) = (self.res[nb], self.res[nb + 1]);
         let ids = self.ids.clone();
         let g = self.load(dev, hooks, ids.moe_norm, Usage::Forward)?;
-        dev.rms_norm(x, g, self.norm[nb], self.rstd[nb], 1e-6)?;
+        dev.rms_norm(x, g, self.norm[ms], self.rstd[ms], 1e-6)?;
         let wr = self.load(dev, hooks, ids.router, Usage::Forward)?;
         dev.matmul(
-            self.norm[nb],
+            self.norm[ms],
             wr,
             self.router_logits,
             &mm(b, e, h, false, true, false),
@@ -686,7 +750,7 @@ impl Lm {
             }
             for (i, &(r, _)) in self.assigned[ex].iter().enumerate() {
                 dev.copy(
-                    self.norm[nb].slice(r * h..(r + 1) * h)?,
+                    self.norm[ms].slice(r * h..(r + 1) * h)?,
                     self.xe[ex].slice(i * h..(i + 1) * h)?,
                 )?;
             }
@@ -724,6 +788,7 @@ impl Lm {
         let s = self.shape;
         let (b, h, fe, e, k) = (self.batch, s.hidden, s.expert_ffn, s.experts, s.top_k);
         let nb = s.blocks;
+        let ms = self.moe_slot();
         let ids = self.ids.clone();
         // Gate gradients on the host: dgate = dOut · y.
         let dout: Vec<f32> = dev.download(self.dr)?;
@@ -804,7 +869,7 @@ impl Lm {
         let dwr = self.gbuf.slice(0..e * h)?;
         dev.matmul(
             self.router_logits,
-            self.norm[nb],
+            self.norm[ms],
             dwr,
             &mm(e, h, b, true, false, false),
         )?;
@@ -816,7 +881,7 @@ impl Lm {
             self.dn,
             &mm(b, h, e, false, false, true),
         )?;
-        self.norm_backward(dev, hooks, ids.moe_norm, nb)
+        self.norm_backward(dev, hooks, ids.moe_norm, nb, ms)
     }
 }
 

@@ -44,10 +44,16 @@ use lowbit_optim::{
 pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
 pub use config::{
     DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
-    gpu_count, lr_scale_name, ns_dtype_name, owners,
+    comm_name, fine_grained_name, gpu_count, lr_scale_name, main_grads_name, main_params_name,
+    nan_check_name, ns_dtype_name, owners,
 };
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use lm::{Lm, ParamInfo};
+pub use lowbit_buffers::NanCheck;
+pub use lowbit_fsdp::{
+    CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
+    MixedPrecisionPolicy, Sharding,
+};
 
 /// Progress of one step, as rank 0 reports it.
 #[derive(Clone, Copy, Debug)]
@@ -255,6 +261,7 @@ pub fn train_with(
         .collect();
     let base_ddp = cfg
         .ddp()
+        .with_grad_comm_dtype(None)
         .with_sharding(lowbit_buffers::layout::ShardingStrategy::Replicated)
         .with_overlap(if cfg.overlap_grad_reduce {
             Overlap::GradReduce
@@ -686,7 +693,9 @@ fn rank_main(
     }
     let mut saved = Vec::new();
     let rows = cfg.rows();
-    let mut lm = Lm::new(dev, cfg.shape, rows);
+    let mut lm = Lm::new(dev, cfg.shape, rows)
+        .with_recompute(dev, cfg.recompute)
+        .map_err(|x| e(&x))?;
     let scalar = dev.alloc(DType::F32, 1);
     let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
     let context = cfg.shape.context;
