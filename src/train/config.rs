@@ -597,12 +597,10 @@ impl TrainConfig {
             };
             return bad(format!("{flag}: {e}"));
         }
-        if self.outer_dp > 1 {
-            // The library builds replica groups (`FsdpConfig::split_groups`); the trainer does
-            // not split its communicator, place data or report per replica group yet.
+        if self.outer_dp > 1 && self.optimizer.muon().is_some() {
+            // Muon's layer-wise owners would need their own replica rule.
             return bad(format!(
-                "--outer-dp {}: hybrid sharding is not wired into lowbit train yet (the run \
-                 would reduce over one flat group); use --outer-dp 1",
+                "--outer-dp {}: hybrid sharding with Muon is not built yet; use --outer-dp 1",
                 self.outer_dp
             ));
         }
@@ -790,7 +788,8 @@ impl TrainConfig {
     /// rank) for AdamW's owners, the layer-wise rule (whole parameters, one rank each) for
     /// Muon's. Pure: every rank, and the report, make the same plan.
     pub(super) fn plan(&self, specs: &[ParamSpec]) -> Result<ShardingPlan, LayoutError> {
-        let mut pc = self.ddp().plan_config(self.ranks);
+        // With hybrid sharding the plan is one replica group's.
+        let mut pc = self.ddp().plan_config(self.fsdp().shard_ranks(self.ranks));
         if self.optimizer.muon().is_some() {
             pc = pc.with_owner_strategy(owners::MUON, ShardingStrategy::LayerWise);
         }

@@ -195,6 +195,14 @@ pub fn train_with(
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
+    if cfg.outer_dp > 1 && (ck.save.is_some() || ck.resume.is_some()) {
+        // Every replica group holds the same shards: a save would need one group to write
+        // them; not built yet.
+        return Err(TrainError::Invalid(format!(
+            "--save/--resume with --outer-dp {} (hybrid sharding) are not built yet",
+            cfg.outer_dp
+        )));
+    }
     let source = match &cfg.data {
         Some(path) => {
             Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
@@ -635,6 +643,17 @@ fn diverged(
     })
 }
 
+/// The trainer's communicator: the replica group's under hybrid sharding, else the world's.
+fn tcomm<'a>(
+    shard: &'a mut Option<Box<dyn Communicator>>,
+    world: &'a mut dyn Communicator,
+) -> &'a mut dyn Communicator {
+    match shard {
+        Some(s) => s.as_mut(),
+        None => world,
+    }
+}
+
 /// One rank's run.
 fn rank_main(
     job: &Job,
@@ -650,10 +669,22 @@ fn rank_main(
     } = *job;
     let rank = comm.rank();
     let e = err(rank);
+    // Hybrid sharding: the buffers, the optimizer and checkpoints live in this rank's replica
+    // group (`shard`), the reduced gradients are all-reduced across replicas; data, the loss
+    // and the eval stay over the world (`comm`).
+    let groups = cfg.fsdp().split_groups(comm).map_err(|x| e(&x))?;
+    let (mut shard, replicas) = match groups {
+        Some(g) => (Some(g.shard), Some(g.replicas)),
+        None => (None, None),
+    };
+    let shard_rank = shard.as_ref().map_or(rank, |s| s.rank());
     let specs = cfg.specs(info);
     let plan = cfg.plan(&specs).map_err(|x| e(&x))?;
-    let mut bufs =
-        DataParallelBuffers::with_plan(dev, rank, specs, plan, cfg.ddp()).map_err(|x| e(&x))?;
+    let mut bufs = DataParallelBuffers::with_plan(dev, shard_rank, specs, plan, cfg.ddp())
+        .map_err(|x| e(&x))?;
+    if let Some(r) = replicas {
+        bufs.set_outer_group(r).map_err(|x| e(&x))?;
+    }
     let init = cfg.shape.init(cfg.seed);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
@@ -687,7 +718,7 @@ fn rank_main(
         // Masters and state from the checkpoint (resharded to this plan, expert layout
         // converted), then a forced sync: every weight is Q(bf16(loaded master)).
         let t = Instant::now();
-        c.load_trainer_with(dev, comm, &mut trainer, &job.load)
+        c.load_trainer_with(dev, tcomm(&mut shard, comm), &mut trainer, &job.load)
             .map_err(|x| e(&x))?;
         phases.checkpoint += t.elapsed();
     }
@@ -721,12 +752,15 @@ fn rank_main(
             .set_lr(cfg.lr_at(step))
             .map_err(|x| e(&x))?;
         let t = Instant::now();
-        let mut iteration = trainer.begin(dev, comm).map_err(|x| e(&x))?;
+        let mut iteration = trainer
+            .begin(dev, tcomm(&mut shard, comm))
+            .map_err(|x| e(&x))?;
         phases.param_sync += t.elapsed();
         let t = Instant::now();
         let mut loss = 0f32;
         for m in 0..cfg.microbatches {
-            let mut hooks = iteration.microbatch(comm, m + 1 == cfg.microbatches);
+            let mut hooks =
+                iteration.microbatch(tcomm(&mut shard, comm), m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
             let (tokens, targets) = batch_of(first);
             let scale = 1.0 / cfg.microbatches as f32;
@@ -736,10 +770,14 @@ fn rank_main(
         }
         phases.forward_backward += t.elapsed();
         let t = Instant::now();
-        let grads = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+        let grads = iteration
+            .finish_grad_sync(dev, tcomm(&mut shard, comm))
+            .map_err(|x| e(&x))?;
         phases.grad_sync += t.elapsed();
         let t = Instant::now();
-        let report = grads.step(dev, comm).map_err(|x| e(&x))?;
+        let report = grads
+            .step(dev, tcomm(&mut shard, comm))
+            .map_err(|x| e(&x))?;
         phases.optimizer += t.elapsed();
         let loss = all_reduce_mean(dev, comm, loss / cfg.microbatches as f32)?;
         diverged(cfg, "training loss", loss, step)?;
@@ -751,7 +789,9 @@ fn rank_main(
             // `eval` forces a parameter sync first (timed as such), so the forward reads the
             // weights of the step just taken.
             let t = Instant::now();
-            let mut hooks = trainer.eval(dev, comm).map_err(|x| e(&x))?;
+            let mut hooks = trainer
+                .eval(dev, tcomm(&mut shard, comm))
+                .map_err(|x| e(&x))?;
             phases.param_sync += t.elapsed();
             let t = Instant::now();
             let mut total = 0f64;
@@ -776,12 +816,14 @@ fn rank_main(
             // the weights are Q(bf16) of the masters being saved and the next step's gathers
             // start from a clean state; the run's bits do not change.
             let t = Instant::now();
-            trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
+            trainer
+                .force_param_sync(dev, tcomm(&mut shard, comm))
+                .map_err(|x| e(&x))?;
             let meta = ckpt::meta(cfg, job.data_id, step + 1);
             let specs = trainer.buffers().specs().to_vec();
             let dir = lowbit_ckpt::save(
                 dev,
-                comm,
+                tcomm(&mut shard, comm),
                 root,
                 &meta,
                 &specs,
@@ -813,7 +855,7 @@ fn rank_main(
         evals,
         masters,
         memory,
-        comm: comm.stats(),
+        comm: shard.as_ref().map_or_else(|| comm.stats(), |s| s.stats()),
         phases,
         wall,
         saved,
