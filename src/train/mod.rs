@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingPlan};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_ckpt::{Checkpoint, LoadOptions};
-use lowbit_comm::{CommStats, Communicator, GroupConfig, ReduceOp, run_ranks};
+use lowbit_comm::{CommStats, Communicator, GroupConfig, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
     ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, OptimConfig, Optimizer, RankMemory,
@@ -737,11 +737,17 @@ fn rank_main(
         }
         (t, y)
     };
+    // The mean over the world of one value per rank: all-gathered and added in rank order on
+    // the host, as the CPU backend's `Avg` adds (then divided in f32), so a reported loss has
+    // the same bits at any rank count on any backend (NCCL's all-reduce order beyond 2 ranks is
+    // its own).
+    let gathered = dev.alloc(DType::F32, comm.size());
     let all_reduce_mean = |dev: &mut Device, comm: &mut dyn Communicator, v: f32| {
         dev.upload(scalar, &[v]).map_err(|x| e(&x))?;
-        comm.all_reduce(dev, scalar, ReduceOp::Avg)
-            .map_err(|x| e(&x))?;
-        Ok::<f32, TrainError>(dev.download::<f32>(scalar).map_err(|x| e(&x))?[0])
+        comm.all_gather(dev, scalar, gathered).map_err(|x| e(&x))?;
+        let all = dev.download::<f32>(gathered).map_err(|x| e(&x))?;
+        let sum = all[1..].iter().fold(all[0], |a, &b| a + b);
+        Ok::<f32, TrainError>(sum / all.len() as f32)
     };
     let per_rank = job.eval.len() / cfg.ranks;
     let vocab = cfg.shape.vocab;

@@ -92,7 +92,7 @@ STEPS+=(
   "train-cpu-fsdp|900|bash gpu/train_fsdp.sh cpu"
   "train-cuda-fsdp|900|bash gpu/train_fsdp.sh cuda"
   "compare-train-fsdp|60|set -o pipefail; for v in \$(bash gpu/train_fsdp.sh --list); do echo \"== \$v\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$v.json \$WORK/train-cuda-fsdp-\$v.json || exit 1; done | tee \$STEP_SUMMARY"
-  "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY && bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding optim,optim_grads --nan-check off,grad --iters 6 --json \$WORK/bench-nan-check.json | tee -a \$STEP_SUMMARY"
   # Hybrid sharding (issue 13 item 5) on 4 GPUs: 2 replica groups of 2 sharded ranks against
   # the CPU at 4 ranks (every collective of the trainer runs over 2 ranks, which NCCL reduces in
   # the CPU's order), once in one process and once as two torchrun "nodes" of 2 GPUs each (one

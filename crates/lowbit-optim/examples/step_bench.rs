@@ -25,6 +25,7 @@
 //! `step_bench [--device cuda|cpu] [--ranks 2] [--model llama-3.2-1b|llama-3-8b-layers|tiny]
 //! [--precision all|bf16,mxfp8,mxfp8-2d,nvfp4] [--grads fp32,bf16]
 //! [--sharding optim,no_shard,optim_grads,optim_grads_params] [--comm grads,bf16,fp32]
+//! [--nan-check off,grad]
 //! [--also MODEL:PREC:GRADS]…
 //! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
@@ -222,13 +223,14 @@ impl Summary {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}, comm {}, {}x {}: total {:.2} ms (phases {:.2} ms)",
+            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}, comm {}, nan check {}, {}x {}: total {:.2} ms (phases {:.2} ms)",
             self.cfg.model,
             self.params as f64 / 1e6,
             self.cfg.precision.name(),
             grads_name(self.cfg.grads),
             sharding_name(self.cfg.sharding),
             self.cfg.comm.map_or("as grads", grads_name),
+            if self.cfg.nan_check { "on" } else { "off" },
             self.world,
             self.card,
             self.total_ms,
@@ -324,7 +326,7 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
@@ -332,6 +334,7 @@ impl Summary {
             grads_name(self.cfg.grads),
             sharding_name(self.cfg.sharding),
             self.cfg.comm.map_or("grads", grads_name),
+            self.cfg.nan_check,
             self.cfg.precision.name(),
             per_phase(&|k| num(self.phases_ms[k])),
             num(self.total_ms),
@@ -402,18 +405,31 @@ fn configs(args: &Args) -> Res<Vec<Config>> {
             c => parse_grads(c).map(Some),
         })
         .collect::<Res<_>>()?;
+    let nan_checks: Vec<bool> = args
+        .get("--nan-check")
+        .unwrap_or("off")
+        .split(',')
+        .map(|c| match c {
+            "off" => Ok(false),
+            "grad" => Ok(true),
+            c => Err(format!("--nan-check {c}: off or grad")),
+        })
+        .collect::<Result<_, _>>()?;
     let mut out = Vec::new();
     for &precision in &precisions {
         for &g in &grads {
             for &sharding in &shardings {
                 for &comm in &comms {
-                    out.push(Config {
-                        model: model.to_string(),
-                        precision,
-                        grads: g,
-                        sharding,
-                        comm,
-                    });
+                    for &nan_check in &nan_checks {
+                        out.push(Config {
+                            model: model.to_string(),
+                            precision,
+                            grads: g,
+                            sharding,
+                            comm,
+                            nan_check,
+                        });
+                    }
                 }
             }
         }
@@ -429,6 +445,7 @@ fn configs(args: &Args) -> Res<Vec<Config>> {
             grads: parse_grads(grads)?,
             sharding: lowbit_buffers::layout::ShardingStrategy::Distributed,
             comm: None,
+            nan_check: false,
         });
     }
     Ok(out)

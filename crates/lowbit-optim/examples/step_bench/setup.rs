@@ -8,7 +8,9 @@ use std::ops::Range;
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
 };
-use lowbit_buffers::{DataParallelBuffers, DdpConfig, GradScaling, Mxfp8Gather, Overlap, Verify};
+use lowbit_buffers::{
+    DataParallelBuffers, DdpConfig, GradScaling, Mxfp8Gather, NanCheck, Overlap, Verify,
+};
 use lowbit_device::{DType, Device, View};
 use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig};
 
@@ -150,6 +152,8 @@ pub struct Config {
     pub sharding: ShardingStrategy,
     /// The gradient communication dtype (`None`: the gradients').
     pub comm: Option<GradDType>,
+    /// The non-finite gradient check before each reduction.
+    pub nan_check: bool,
 }
 
 /// The FSDP names of the strategies.
@@ -210,6 +214,11 @@ impl Config {
         DdpConfig::default()
             .with_sharding(self.sharding)
             .with_grad_comm_dtype(self.comm)
+            .with_nan_check(if self.nan_check {
+                NanCheck::FirstParam
+            } else {
+                NanCheck::Off
+            })
             .with_overlap(overlap)
             .with_bucket_size(bucket)
             .with_scaling(GradScaling::AverageInCollective)
