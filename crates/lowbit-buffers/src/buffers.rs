@@ -305,6 +305,24 @@ impl DataParallelBuffers {
         Ok(())
     }
 
+    /// Changes the dtype gradients are reduced in (`grad_comm_dtype`; `None`: the gradients'
+    /// own) between iterations: the policy may change, the buffers do not.
+    ///
+    /// # Errors
+    /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight or gradients of an
+    /// unfinished iteration wait in a communication bucket.
+    pub fn set_grad_comm_dtype(&mut self, dtype: Option<lowbit_layout::GradDType>) -> Result<()> {
+        if self
+            .groups
+            .iter()
+            .any(|g| !matches!(g.grad_comm, crate::buffers::GradComm::Idle))
+        {
+            return Err(ProtocolError::CollectiveInFlight.into());
+        }
+        self.cfg.grad_comm_dtype = dtype;
+        Ok(())
+    }
+
     /// The size of the outer (replica) group: 1 without hybrid sharding.
     pub fn outer_size(&self) -> usize {
         self.outer.as_ref().map_or(1, |c| c.size())

@@ -191,3 +191,58 @@ fn every_strategy_and_dtype_reduces_exactly() {
         }
     }
 }
+
+/// The policy may change between iterations: batch 0 reduces in fp32, batch 1 in bf16 (each
+/// exactly as the host computes it in its dtype); changing it with a reduction pending is
+/// refused.
+#[test]
+fn the_communication_dtype_may_change_between_iterations() {
+    let dp = 2;
+    for sharding in Sharding::ALL {
+        let cfg = FsdpConfig::new(sharding)
+            .with_overlap(Overlap::GradReduce)
+            .with_bucket_size(Some(BUCKET))
+            .with_verify(Verify::Full);
+        let specs = specs();
+        run(dp, |mut comm, mut dev| {
+            let rank = comm.rank();
+            let dev: &mut Device = &mut dev;
+            let mut bufs =
+                DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg.ddp_config()).unwrap();
+            for (batch, comm_dtype) in [GradDType::F32, GradDType::Bf16].into_iter().enumerate() {
+                bufs.set_grad_comm_dtype(Some(comm_dtype)).unwrap();
+                bufs.zero_grad_buffer(dev).unwrap();
+                bufs.set_last_microbatch(true);
+                bufs.begin_microbatch(dev, &mut comm).unwrap();
+                for p in (0..specs.len()).rev() {
+                    let dst = bufs.accumulation_view(dev, p).unwrap();
+                    let g = upload_f32(dev, &grad(batch, 0, rank, p, specs[p].numel));
+                    dev.add(g, dst).unwrap();
+                    dev.free(g).unwrap();
+                    if p == 0 && sharding.layout().shards_grads() {
+                        // Gradients wait in a communication bucket.
+                        let e = bufs.set_grad_comm_dtype(None).unwrap_err();
+                        assert!(e.protocol().is_some(), "{e}");
+                    }
+                    bufs.register_grad_ready(dev, &mut comm, p).unwrap();
+                }
+                bufs.finish_grad_sync(dev, &mut comm).unwrap();
+                let case = Case {
+                    dp,
+                    sharding,
+                    main: GradDType::F32,
+                    comm: comm_dtype,
+                    microbatches: 1,
+                };
+                for s in bufs.owned_shards().unwrap() {
+                    let want = expected(&case, batch, s.param, specs[s.param].numel);
+                    assert_same_bits(
+                        &download_f32(dev, s.grad_view),
+                        &want[s.param_range.clone()],
+                        &format!("{sharding}, batch {batch}, {comm_dtype:?}"),
+                    );
+                }
+            }
+        });
+    }
+}

@@ -133,6 +133,18 @@ impl Trainer {
     pub fn skipped_steps(&self) -> u64 {
         self.skipped
     }
+    /// Changes the gradient communication dtype for the next iterations (the mixed-precision
+    /// policy may change between iterations; see
+    /// [`DataParallelBuffers::set_grad_comm_dtype`]).
+    ///
+    /// # Errors
+    /// A reduction still in flight.
+    pub fn set_grad_comm_dtype(
+        &mut self,
+        dtype: Option<lowbit_buffers::layout::GradDType>,
+    ) -> Result<()> {
+        Ok(self.bufs.set_grad_comm_dtype(dtype)?)
+    }
     /// The precision policy.
     pub fn policy(&self) -> &PrecisionPolicy {
         &self.policy
