@@ -129,6 +129,24 @@ fn mxfp8_weights_train_to_the_same_bits_under_every_strategy() {
 }
 
 #[test]
+fn nvfp4_weights_train_to_the_same_bits_under_every_strategy() {
+    // NVFP4 primary weights (grouped experts with a global amax each) gathered as such under
+    // optim and optim_grads, in row-aligned units under optim_grads_params, and quantized on
+    // the fly under no_shard.
+    let base = ["--precision", "nvfp4", "--microbatches", "1"];
+    let optim = small(&base);
+    for extra in [
+        &["--sharding", "no_shard", "--param-gather", "off"][..],
+        &["--sharding", "optim_grads"],
+        &["--sharding", "optim_grads_params"],
+        &["--sharding", "optim_grads_params", "--recompute", "on"],
+    ] {
+        let j = small(&[&base[..], extra].concat());
+        assert_eq!(trajectory(&j), trajectory(&optim), "{extra:?}");
+    }
+}
+
+#[test]
 fn recompute_on_and_off_are_bitwise_identical() {
     for precision in [
         &["--precision", "mxfp8"][..],
@@ -261,19 +279,15 @@ fn every_unsupported_combination_is_refused_before_training_with_the_reason() {
             "no_shard has no parameter gather to overlap",
         ),
         (
-            &["--sharding", "optim_grads_params", "--precision", "nvfp4"],
-            "NVFP4 primary weights cannot be sharded by optim_grads_params",
-        ),
-        (
             &[
                 "--sharding",
                 "optim_grads_params",
                 "--precision",
                 "nvfp4",
-                "--recompute",
+                "--fine-grained-param-gather",
                 "on",
             ],
-            "NVFP4 primary weights cannot be sharded by optim_grads_params",
+            "fine-grained (rowwise/columnwise) gathers apply to MXFP8 primary weights",
         ),
         (&["--sharding", "zero3"], "invalid value 'zero3'"),
         (&["--grad-comm-dtype", "fp16"], "invalid value 'fp16'"),

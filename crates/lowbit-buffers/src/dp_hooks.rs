@@ -211,6 +211,10 @@ impl Hooks for DpHooks<'_> {
             dequant_mxfp8(dev, &w, usage, out)?;
             return Ok(out);
         }
+        if let Some(w) = self.bufs.unit_nvfp4_weights(p)? {
+            dequant_nvfp4(dev, &w, usage, out)?;
+            return Ok(out);
+        }
         match self.bufs.low_precision_weights(p) {
             // Low-precision primary weights: the stored copies, per expert by construction
             // (MXFP8 blocks have no global scale; NVFP4 keeps one global amax per expert).

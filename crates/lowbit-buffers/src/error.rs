@@ -83,18 +83,6 @@ pub enum ConfigError {
     /// A precision policy that does not fit the parameters.
     #[error("precision policy: {0}")]
     Policy(String),
-    /// NVFP4 primary weights under a strategy that shards parameters (MXFP8 can be: each rank
-    /// quantizes its rows; NVFP4's per-tensor amax and transposed copy are not built yet).
-    #[error(
-        "`{name}`: {storage} primary weights cannot be sharded by optim_grads_params yet (MXFP8 \
-         can; or use optim_grads)"
-    )]
-    ShardedLowPrecisionParams {
-        /// The first such parameter.
-        name: String,
-        /// Its storage kind.
-        storage: &'static str,
-    },
 }
 
 /// A call out of the order the training-step protocol requires. Each variant is one of the

@@ -2,7 +2,9 @@
 //! the plan alone (for models too large to instantiate). Tests hold the two equal and equal to
 //! the device's own allocation count.
 
-use lowbit_layout::{BufferKey, ParamSpec, ShardingPlan, chunk_rows, matrix_dims};
+use lowbit_layout::{
+    BufferKey, ParamSpec, ParamStorage, QuantKind, ShardingPlan, chunk_rows, matrix_dims,
+};
 
 use crate::DataParallelBuffers;
 use crate::config::DdpConfig;
@@ -158,10 +160,17 @@ pub fn transient_bound(plan: &ShardingPlan, specs: &[ParamSpec], cfg: &DdpConfig
                 continue;
             }
             if bp.key.param_storage.is_quantized() {
+                let mxfp8 = bp.key.param_storage == ParamStorage::Quantized(QuantKind::Mxfp8);
                 let (row, col) = b.params.iter().fold((0, 0), |(r, c), &i| {
                     let (rows, cols) = matrix_dims(&specs[bp.params[i]].shape);
-                    let p = storage::part_bytes(chunk_rows(rows, dp, 32), cols);
-                    (r + dp * (p[0] + p[1]), c + dp * (p[2] + p[3]))
+                    if mxfp8 {
+                        let p = storage::part_bytes(chunk_rows(rows, dp, 32), cols);
+                        (r + dp * (p[0] + p[1]), c + dp * (p[2] + p[3]))
+                    } else {
+                        // NVFP4: the gathered bytes and everything derived from them.
+                        let n: usize = storage::nvfp4_unit_bytes(rows, cols, dp).iter().sum();
+                        (r + n, c)
+                    }
                 });
                 copies.push((row, col));
             } else {

@@ -18,7 +18,7 @@ use lowbit_device::{DType, Device, View};
 
 use crate::config::UnitGather;
 use crate::error::{ProtocolError, Result};
-use crate::storage::Mxfp8Weights;
+use crate::storage::{Mxfp8Weights, Nvfp4Rows, Nvfp4Weights, UnitParts, nvfp4_unit_bytes};
 use crate::{DataParallelBuffers, Usage, matrix_dims};
 
 /// The transient memory of one gathered unit.
@@ -30,6 +30,8 @@ pub(crate) struct Unit {
     pub(crate) copies: [Option<View>; 2],
     /// The gather in flight.
     pub(crate) work: Option<lowbit_comm::Work>,
+    /// NVFP4: each matrix's weights, derived once the gather completed (group order).
+    pub(crate) nvfp4: Vec<Nvfp4Weights>,
 }
 
 impl Unit {
@@ -51,8 +53,17 @@ impl DataParallelBuffers {
                 .is_low_precision()
     }
 
-    /// The copies a use of a low-precision unit needs gathered.
-    fn copies_for(&self, usage: Usage) -> [bool; 2] {
+    fn is_nvfp4_unit(&self, g: usize) -> bool {
+        self.is_unit(g)
+            && self.buffers[self.groups[g].buffer].storage.kind() == crate::StorageKind::Nvfp4Rows
+    }
+
+    /// The copies a use of unit `g` needs gathered (NVFP4 gathers its rowwise bytes, slot 0,
+    /// and derives both copies from them).
+    fn copies_for(&self, g: usize, usage: Usage) -> [bool; 2] {
+        if self.is_nvfp4_unit(g) {
+            return [true, false];
+        }
         match (self.cfg.unit_gather, usage) {
             (UnitGather::PerUsage, Usage::Forward) => [true, false],
             (UnitGather::PerUsage, Usage::Backward) => [false, true],
@@ -64,7 +75,7 @@ impl DataParallelBuffers {
     fn unit_holds(&self, g: usize, usage: Usage) -> bool {
         let u = &self.groups[g].unit;
         if self.is_low_precision_unit(g) {
-            let need = self.copies_for(usage);
+            let need = self.copies_for(g, usage);
             (0..2).all(|c| !need[c] || u.copies[c].is_some())
         } else {
             u.values.is_some()
@@ -103,6 +114,7 @@ impl DataParallelBuffers {
             self.start_unit_gather(dev, comm, g, usage)?;
         }
         self.wait_unit(dev, g)?;
+        self.finish_nvfp4_unit(dev, g)?;
         if let Some(h) = next
             && self.cfg.overlap.param_gather()
             && !self.unit_holds(h, usage)
@@ -141,32 +153,45 @@ impl DataParallelBuffers {
                 }
                 return Ok(());
             }
-            let need = self.copies_for(usage);
+            let need = self.copies_for(g, usage);
+            let parts: Vec<UnitParts> = self.groups[g]
+                .indices
+                .iter()
+                .map(|&i| buf.storage.unit_parts(i).expect("a low-precision unit"))
+                .collect();
             for c in 0..2 {
                 if !need[c] || self.groups[g].unit.copies[c].is_some() {
                     continue;
                 }
-                let parts: Vec<[View; 4]> = self.groups[g]
-                    .indices
+                // Per matrix: what every rank contributes, and the unit bytes it takes.
+                let pieces: Vec<(Vec<View>, usize)> = parts
                     .iter()
-                    .map(|&i| buf.storage.unit_parts(i).expect("a low-precision unit"))
+                    .map(|p| match *p {
+                        UnitParts::Mxfp8(v) => {
+                            let ins = vec![v[2 * c], v[2 * c + 1]];
+                            let n = ins.iter().map(|x| dp * x.len()).sum();
+                            (ins, n)
+                        }
+                        UnitParts::Nvfp4 {
+                            data, rows, cols, ..
+                        } => (vec![data], nvfp4_unit_bytes(rows, cols, dp).iter().sum()),
+                    })
                     .collect();
-                let bytes: usize = parts
-                    .iter()
-                    .map(|p| dp * (p[2 * c].len() + p[2 * c + 1].len()))
-                    .sum();
+                let bytes: usize = pieces.iter().map(|(_, n)| n).sum();
                 let unit = dev.try_alloc(DType::U8, bytes)?;
                 fresh.push((c, unit));
                 let mut at = 0;
-                for p in &parts {
-                    for input in [p[2 * c], p[2 * c + 1]] {
-                        let n = dp * input.len();
+                for (ins, n) in &pieces {
+                    let mut o = at;
+                    for &input in ins {
+                        let k = dp * input.len();
                         ops.push(Op::AllGather {
                             input,
-                            output: unit.slice(at..at + n)?,
+                            output: unit.slice(o..o + k)?,
                         });
-                        at += n;
+                        o += k;
                     }
+                    at += n;
                 }
             }
             Ok(())
@@ -203,6 +228,31 @@ impl DataParallelBuffers {
         Ok(())
     }
 
+    /// Derives an NVFP4 unit's scales and columnwise copies once its gather completed.
+    fn finish_nvfp4_unit(&mut self, dev: &mut Device, g: usize) -> Result<()> {
+        if !self.is_nvfp4_unit(g) || !self.groups[g].unit.nvfp4.is_empty() {
+            return Ok(());
+        }
+        let Some(unit) = self.groups[g].unit.copies[0] else {
+            return Ok(());
+        };
+        let dp = self.dp();
+        let buf = &self.buffers[self.groups[g].buffer];
+        let mut at = 0;
+        let mut out = Vec::with_capacity(self.groups[g].indices.len());
+        for &i in &self.groups[g].indices {
+            let parts = buf.storage.unit_parts(i).expect("a low-precision unit");
+            let UnitParts::Nvfp4 { rows, cols, .. } = parts else {
+                continue;
+            };
+            let n: usize = nvfp4_unit_bytes(rows, cols, dp).iter().sum();
+            out.push(Nvfp4Rows::finish(dev, &parts, unit.slice(at..at + n)?, dp)?);
+            at += n;
+        }
+        self.groups[g].unit.nvfp4 = out;
+        Ok(())
+    }
+
     fn release_unit(&mut self, dev: &mut Device, g: usize) -> Result<()> {
         self.wait_unit(dev, g)?;
         let unit = std::mem::take(&mut self.groups[g].unit);
@@ -236,6 +286,33 @@ impl DataParallelBuffers {
         u.values.filter(|_| u.work.is_none())
     }
 
+    /// The NVFP4 weights of parameter `p` of a gathered NVFP4 unit (both copies, derived after
+    /// the gather); `Ok(None)` when `p` is not in an NVFP4 unit.
+    ///
+    /// # Errors
+    /// [`ProtocolError::NotGathered`] when the unit is not gathered.
+    pub fn unit_nvfp4_weights(&self, p: usize) -> Result<Option<Nvfp4Weights>> {
+        self.check_param(p)?;
+        let g = self.group_of[p];
+        if !self.is_nvfp4_unit(g) {
+            return Ok(None);
+        }
+        let (_, index) = self.plan.location(p);
+        let group = &self.groups[g];
+        let k = group.indices.iter().position(|&i| i == index);
+        match (
+            group.unit.work.is_none(),
+            k.and_then(|k| group.unit.nvfp4.get(k)),
+        ) {
+            (true, Some(w)) => Ok(Some(w.clone())),
+            _ => Err(ProtocolError::NotGathered {
+                name: self.specs[p].name.clone(),
+                group: g,
+            }
+            .into()),
+        }
+    }
+
     /// The MXFP8 weights of parameter `p` of a gathered low-precision unit, for `usage`: views
     /// into the unit. Only the copy `usage` reads is guaranteed gathered; where the other is
     /// not (fine-grained gathers), its views repeat the gathered copy's, so read the weights
@@ -246,7 +323,7 @@ impl DataParallelBuffers {
     pub fn unit_mxfp8_weights(&self, p: usize, usage: Usage) -> Result<Option<Mxfp8Weights>> {
         self.check_param(p)?;
         let g = self.group_of[p];
-        if !self.is_low_precision_unit(g) {
+        if !self.is_low_precision_unit(g) || self.is_nvfp4_unit(g) {
             return Ok(None);
         }
         let group = &self.groups[g];
@@ -272,7 +349,9 @@ impl DataParallelBuffers {
             };
             let mut at = 0;
             for &i in &group.indices {
-                let parts = buf.storage.unit_parts(i).expect("a low-precision unit");
+                let Some(UnitParts::Mxfp8(parts)) = buf.storage.unit_parts(i) else {
+                    return Ok(None);
+                };
                 let (data, scales) = (dp * parts[2 * c].len(), dp * parts[2 * c + 1].len());
                 if i == index {
                     let scale_len = match c {

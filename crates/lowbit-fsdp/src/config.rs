@@ -191,17 +191,6 @@ impl FsdpConfig {
         if self.overlap.param_gather() && self.sharding == Sharding::NoShard {
             return no("no_shard has no parameter gather to overlap".to_string());
         }
-        if self.sharding == Sharding::OptimGradsParams
-            && let Some(s) = specs.iter().find(|s| {
-                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Nvfp4)
-            })
-        {
-            return no(format!(
-                "`{}`: NVFP4 primary weights cannot be sharded by optim_grads_params yet (MXFP8 \
-                 can; or use optim_grads)",
-                s.name
-            ));
-        }
         Ok(())
     }
 

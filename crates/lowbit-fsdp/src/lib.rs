@@ -29,10 +29,15 @@
 //!   the device's allocation peak (`tests/memory.rs`).
 //!
 //! # Non-goals (not yet)
-//! Low-precision (MXFP8/NVFP4) primary weights sharded by `optim_grads_params` (refused with
-//! [`lowbit_buffers::ConfigError::ShardedLowPrecisionParams`]), fine-grained rowwise/columnwise
-//! gathers, optimizer state sharded across replica groups (HFSDP) and main parameters other
-//! than fp32 are refused by [`FsdpConfig::validate`] with the reason.
+//! Optimizer state sharded across replica groups (HFSDP) and main parameters other than fp32
+//! are refused by [`FsdpConfig::validate`] with the reason.
+//!
+//! # Low-precision parameters sharded by `optim_grads_params`
+//! MXFP8 and NVFP4 matrices use the row-aligned layout (a unit per matrix, chunks of whole 32-
+//! or 16-row blocks): each rank quantizes its rows, and a unit's gather yields the bytes of the
+//! whole matrix quantized at once. MXFP8 units gather both copies, or with fine-grained gathers
+//! only the one a use reads; NVFP4 units gather the rowwise bytes and derive the scales and the
+//! transposed columnwise copy (Transformer Engine's order).
 //!
 //! # Hybrid sharding
 //! `outer_dp` replica groups of `world / outer_dp` consecutive ranks

@@ -51,20 +51,27 @@ fn live_memory_equals_the_closed_form_and_bounds_the_peak() {
     }
 }
 
-/// MXFP8 units of `optim_grads_params`: both copies or one (fine-grained) per unit; the peak
+/// MXFP8 and NVFP4 units of `optim_grads_params`: both copies or one (fine-grained) per unit; the peak
 /// never exceeds the closed form, and the persistent weights are the rank's chunks only.
 #[test]
 fn mxfp8_units_stay_within_the_closed_form() {
-    for overlap in overlaps(Sharding::OptimGradsParams) {
+    for (overlap, nvfp4) in overlaps(Sharding::OptimGradsParams)
+        .into_iter()
+        .flat_map(|o| [(o, false), (o, true)])
+    {
         for fine in [FineGrainedGather::Off, FineGrainedGather::On] {
+            if nvfp4 && fine == FineGrainedGather::On {
+                continue;
+            }
             let mut s = Setup::new(2, Sharding::OptimGradsParams);
             s.mxfp8_storage = true;
+            s.nvfp4 = nvfp4;
             s.cfg = s.cfg.with_overlap(overlap).with_fine_grained(fine);
             let (_, m) = train(&s);
-            let what = format!("{overlap:?}, {fine:?}");
+            let what = format!("{overlap:?}, {fine:?}, nvfp4 {nvfp4}");
             assert_eq!(m.live_persistent, m.estimate.persistent, "{what}");
             eprintln!(
-                "MXFP8 units, {what}: persistent {} B, transient bound {} B, measured {} B",
+                "low-precision units, {what}: persistent {} B, transient bound {} B, measured {} B",
                 m.estimate.persistent, m.estimate.transient, m.step_peak
             );
             assert!(m.step_peak <= m.estimate.transient, "{what}: {m:?}");

@@ -81,6 +81,32 @@ fn low_precision_gather_on_and_off_are_bitwise() {
     }
 }
 
+/// NVFP4 primary weights gathered as such (`optim`, `optim_grads`: the whole-buffer storage;
+/// `optim_grads_params`: rows quantized per rank, units derive the rest) against bf16 weights
+/// quantized to NVFP4 on the fly under `no_shard`.
+#[test]
+fn nvfp4_gather_on_and_off_are_bitwise() {
+    let off = trace(Setup {
+        mxfp8_compute: true,
+        nvfp4: true,
+        ..Setup::new(2, Sharding::NoShard)
+    });
+    for sharding in [
+        Sharding::Optim,
+        Sharding::OptimGrads,
+        Sharding::OptimGradsParams,
+    ] {
+        for overlap in overlaps(sharding) {
+            let mut s = Setup::new(2, sharding);
+            s.mxfp8_compute = true;
+            s.mxfp8_storage = true;
+            s.nvfp4 = true;
+            s.cfg = s.cfg.with_overlap(overlap);
+            assert_eq!(trace(s), off, "{sharding}, {overlap:?}");
+        }
+    }
+}
+
 #[test]
 fn train_eval_train_equals_train_only() {
     for sharding in Sharding::ALL {

@@ -12,9 +12,29 @@
 
 mod mxfp8_rows;
 mod mxfp8_staged;
+mod nvfp4_rows;
 mod persistent;
 
 pub(crate) use mxfp8_rows::part_bytes;
+pub(crate) use nvfp4_rows::unit_bytes as nvfp4_unit_bytes;
+
+/// What a rank contributes to the gather of one matrix of a sharded low-precision unit.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum UnitParts {
+    /// MXFP8 rows: rowwise data and scales, columnwise data and scales of this rank's chunk.
+    Mxfp8([View; 4]),
+    /// NVFP4 rows: this rank's packed rowwise bytes; the reduced tile amaxes (every rank has
+    /// them) from which the rest is derived after the gather.
+    Nvfp4 {
+        data: View,
+        tiles: View,
+        rows: usize,
+        cols: usize,
+        experts: usize,
+    },
+}
+
+pub(crate) use nvfp4_rows::Nvfp4Rows;
 
 mod tiled;
 
@@ -29,7 +49,7 @@ use lowbit_device::{
 use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind, expert_slices};
 
 use crate::config::{Mxfp8Gather, Verify};
-use crate::error::{ConfigError, Result};
+use crate::error::Result;
 
 /// Which storage a buffer uses (for reports; behaviour lives in the storage types).
 #[non_exhaustive]
@@ -46,6 +66,9 @@ pub enum StorageKind {
     /// MXFP8 sharded by rows (`optim_grads_params`): each rank keeps both copies of its rows;
     /// units gather the copies.
     Mxfp8Rows,
+    /// NVFP4 sharded by rows (`optim_grads_params`): each rank keeps the packed rowwise bytes
+    /// of its rows and the tile amaxes; units gather the bytes and derive the rest.
+    Nvfp4Rows,
 }
 
 /// The MXFP8 storage of one parameter (both copies, compact scales).
@@ -242,9 +265,9 @@ pub(crate) trait Storage: Debug + Send {
     /// no gather needed at iteration 0).
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()>;
 
-    /// Sharded low-precision units: this rank's parts of layout index `index` (rowwise data,
-    /// rowwise scales, columnwise data, columnwise scales), each gathered from every rank.
-    fn unit_parts(&self, index: usize) -> Option<[View; 4]> {
+    /// Sharded low-precision units: what this rank contributes to the gather of layout index
+    /// `index`.
+    fn unit_parts(&self, index: usize) -> Option<UnitParts> {
         let _ = index;
         None
     }
@@ -320,10 +343,17 @@ pub(crate) fn allocate(
     rank: usize,
 ) -> Result<Box<dyn Storage>> {
     check(plan, specs)?;
-    if plan.strategy.shards_params() && plan.key.param_storage.is_quantized() {
-        return Ok(Box::new(mxfp8_rows::Mxfp8Rows::allocate(
-            dev, plan, specs, rank,
-        )?));
+    if plan.strategy.shards_params() {
+        match plan.key.param_storage {
+            ParamStorage::Quantized(QuantKind::Mxfp8) => {
+                let s = mxfp8_rows::Mxfp8Rows::allocate(dev, plan, specs, rank)?;
+                return Ok(Box::new(s));
+            }
+            ParamStorage::Quantized(_) => {
+                return Ok(Box::new(Nvfp4Rows::allocate(dev, plan, specs, rank)?));
+            }
+            _ => {}
+        }
     }
     Ok(match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {
@@ -353,15 +383,6 @@ pub(crate) fn stages_through_grads(plan: &BufferPlan, gather: Mxfp8Gather) -> bo
 /// Refuses the parameters of a buffer that its storage cannot hold, as [`allocate`] does (no
 /// allocation).
 pub(crate) fn check(plan: &BufferPlan, specs: &[&ParamSpec]) -> Result<()> {
-    if plan.strategy.shards_params()
-        && plan.key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4)
-    {
-        return Err(ConfigError::ShardedLowPrecisionParams {
-            name: specs.first().map_or_else(String::new, |s| s.name.clone()),
-            storage: "NVFP4",
-        }
-        .into());
-    }
     match plan.key.param_storage {
         ParamStorage::Quantized(QuantKind::Nvfp4) => Tiled::<Nvfp4Tiles>::check(specs),
         _ => Ok(()),
@@ -375,8 +396,14 @@ pub(crate) fn closed_form(
     gather: Mxfp8Gather,
 ) -> StorageBytes {
     let dims = || specs.iter().map(|s| matrix_dims(&s.shape));
-    if plan.strategy.shards_params() && plan.key.param_storage.is_quantized() {
-        return mxfp8_rows::Mxfp8Rows::closed_form(plan, specs);
+    if plan.strategy.shards_params() {
+        match plan.key.param_storage {
+            ParamStorage::Quantized(QuantKind::Mxfp8) => {
+                return mxfp8_rows::Mxfp8Rows::closed_form(plan, specs);
+            }
+            ParamStorage::Quantized(_) => return Nvfp4Rows::closed_form(plan, specs),
+            _ => {}
+        }
     }
     match (plan.key.param_storage, gather) {
         (ParamStorage::Quantized(QuantKind::Mxfp8), Mxfp8Gather::Direct2d) => {

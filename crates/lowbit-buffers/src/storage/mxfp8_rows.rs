@@ -167,8 +167,8 @@ impl Storage for Mxfp8Rows {
         }
         Ok(())
     }
-    fn unit_parts(&self, index: usize) -> Option<[View; 4]> {
-        Some(self.chunks[index].parts)
+    fn unit_parts(&self, index: usize) -> Option<super::UnitParts> {
+        Some(super::UnitParts::Mxfp8(self.chunks[index].parts))
     }
     fn memory(&self) -> StorageBytes {
         StorageBytes {

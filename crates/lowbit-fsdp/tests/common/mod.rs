@@ -31,6 +31,8 @@ pub struct Setup {
     /// quantized on the fly when `mxfp8_compute`.
     pub mxfp8_storage: bool,
     pub mxfp8_compute: bool,
+    /// NVFP4 instead of MXFP8 wherever the two flags above say MXFP8.
+    pub nvfp4: bool,
     pub microbatches: usize,
     pub steps: usize,
     /// Run an eval (forward only) after these steps.
@@ -46,6 +48,7 @@ impl Setup {
                 .with_verify(Verify::Full),
             mxfp8_storage: false,
             mxfp8_compute: false,
+            nvfp4: false,
             microbatches: 1,
             steps: 4,
             eval_after: None,
@@ -77,8 +80,13 @@ pub fn specs(s: &Setup) -> Vec<ParamSpec> {
     let mut specs: Vec<ParamSpec> = Mlp::params(&DIMS)
         .into_iter()
         .map(|(name, shape)| {
+            let q = if s.nvfp4 {
+                QuantKind::Nvfp4
+            } else {
+                QuantKind::Mxfp8
+            };
             let storage = if s.mxfp8_storage && shape.len() == 2 {
-                ParamStorage::Quantized(QuantKind::Mxfp8)
+                ParamStorage::Quantized(q)
             } else {
                 ParamStorage::Bf16
             };
@@ -93,13 +101,17 @@ pub fn specs(s: &Setup) -> Vec<ParamSpec> {
     specs
 }
 
-fn policy(specs: &[ParamSpec], mxfp8: bool) -> PrecisionPolicy {
+fn policy(specs: &[ParamSpec], quantized: bool, nvfp4: bool) -> PrecisionPolicy {
     PrecisionPolicy::new(
         specs
             .iter()
             .map(|s| {
-                if mxfp8 && s.shape.len() == 2 {
-                    ParamCompute::new(ComputeFormat::Mxfp8 { two_d: false })
+                if quantized && s.shape.len() == 2 {
+                    ParamCompute::new(if nvfp4 {
+                        ComputeFormat::Nvfp4
+                    } else {
+                        ComputeFormat::Mxfp8 { two_d: false }
+                    })
                 } else {
                     ParamCompute::AS_STORED
                 }
@@ -155,7 +167,7 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
             &mut init_from_full(&init),
         )
         .unwrap();
-        let pol = policy(&specs, s.mxfp8_compute || s.mxfp8_storage);
+        let pol = policy(&specs, s.mxfp8_compute || s.mxfp8_storage, s.nvfp4);
         let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
         let mlp = Mlp::new(dev, &DIMS, BATCH);
         dev.reset_peak();
