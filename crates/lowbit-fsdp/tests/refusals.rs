@@ -6,12 +6,8 @@
 mod common;
 
 use common::{Setup, run, specs};
-use lowbit_buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
-};
-use lowbit_buffers::{
-    BufferError, ConfigError, DataParallelBuffers, NanCheck, Overlap, ProtocolError,
-};
+use lowbit_buffers::layout::{ParamStorage, QuantKind};
+use lowbit_buffers::{DataParallelBuffers, NanCheck, Overlap, ProtocolError};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_fsdp::{
