@@ -54,8 +54,9 @@ impl Checkpointing {
 /// Keys of the manifest's `config` that a resume may change. The sharding strategy only places
 /// the same state differently (the plan reshards on load, as for a change of rank count);
 /// recompute and the NaN check compute the same bits.
-pub const MAY_CHANGE: [&str; 10] = [
+pub const MAY_CHANGE: [&str; 11] = [
     "ranks",
+    "outer_dp",
     "param_gather",
     "overlap_grad_reduce",
     "overlap_param_gather",
@@ -123,6 +124,11 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("grad_dtype", grad.into()),
         // The dtype the reduction rounds to changes the arithmetic (`auto`: the main grads').
         ("grad_comm_dtype", cfg.comm_dtype_name().into()),
+        // Where the masters live changes the arithmetic (bf16 rounding every step).
+        (
+            "main_params_dtype",
+            super::config::main_params_name(cfg.mixed_precision.main_params_dtype).into(),
+        ),
         ("seed", cfg.seed.to_string()),
         ("lr", cfg.lr.to_string()),
         ("data", data.to_string()),
@@ -135,6 +141,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("experts_layout", layout.into()),
         ("device", device.into()),
         ("sharding", cfg.sharding.to_string()),
+        ("outer_dp", cfg.outer_dp.to_string()),
         ("recompute", on(cfg.recompute)),
         ("nan_check", nan_check_name(cfg.nan_check).into()),
     ];
@@ -237,6 +244,11 @@ pub(super) fn check_resume(
         if k == "grad_comm_dtype" && b.is_none() {
             // Checkpoints from before `--grad-comm-dtype` reduced in the gradient dtype.
             b = meta.config.get("grad_dtype");
+        }
+        let fp32 = "fp32".to_string();
+        if k == "main_params_dtype" && b.is_none() {
+            // Checkpoints from before `--main-params-dtype` kept fp32 masters.
+            b = Some(&fp32);
         }
         if a != b {
             let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());

@@ -597,6 +597,15 @@ impl TrainConfig {
             };
             return bad(format!("{flag}: {e}"));
         }
+        if self.mixed_precision.main_params_dtype != MainParamsDtype::Fp32
+            && self.optimizer.muon().is_some()
+        {
+            return bad(format!(
+                "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
+                 only",
+                main_params_name(self.mixed_precision.main_params_dtype)
+            ));
+        }
         if self.outer_dp > 1 && self.optimizer.muon().is_some() {
             // Muon's layer-wise owners would need their own replica rule.
             return bad(format!(

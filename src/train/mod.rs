@@ -195,14 +195,6 @@ pub fn train_with(
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
-    if cfg.outer_dp > 1 && (ck.save.is_some() || ck.resume.is_some()) {
-        // Every replica group holds the same shards: a save would need one group to write
-        // them; not built yet.
-        return Err(TrainError::Invalid(format!(
-            "--save/--resume with --outer-dp {} (hybrid sharding) are not built yet",
-            cfg.outer_dp
-        )));
-    }
     let source = match &cfg.data {
         Some(path) => {
             Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
@@ -677,6 +669,8 @@ fn rank_main(
         Some(g) => (Some(g.shard), Some(g.replicas)),
         None => (None, None),
     };
+    // One replica group writes checkpoints (every group holds the same shards); all load them.
+    let writes_checkpoints = replicas.as_ref().is_none_or(|r| r.rank() == 0);
     let shard_rank = shard.as_ref().map_or(rank, |s| s.rank());
     let specs = cfg.specs(info);
     let plan = cfg.plan(&specs).map_err(|x| e(&x))?;
@@ -688,7 +682,7 @@ fn rank_main(
     let init = cfg.shape.init(cfg.seed);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
-    let optim = OptimConfig::new(cfg.lr);
+    let optim = OptimConfig::new(cfg.lr).with_master_dtype(cfg.fsdp().master_dtype());
     let mut parts: Vec<Box<dyn Optimizer>> = Vec::new();
     for (owner, decay) in [
         (owners::ADAMW_DECAY, ADAMW_DECAY),
@@ -817,6 +811,7 @@ fn rank_main(
         }
         if let Some(root) = &job.ck.save
             && job.ck.saves_after(step + 1, cfg.steps)
+            && writes_checkpoints
         {
             // A save right after the step under overlapped gathers: sync first (seed 000), so
             // the weights are Q(bf16) of the masters being saved and the next step's gathers

@@ -4,6 +4,7 @@
 use lowbit_buffers::{DdpConfig, NanCheck, Overlap, UnitGather, Verify};
 use lowbit_comm::Communicator;
 use lowbit_layout::{ParamSpec, ParamStorage};
+use lowbit_optim::MasterDtype;
 
 use crate::policy::{MainParamsDtype, MixedPrecisionPolicy};
 use crate::{FsdpError, Sharding};
@@ -158,10 +159,13 @@ impl FsdpConfig {
     /// [`FsdpError::Unsupported`].
     pub fn validate(&self, specs: &[ParamSpec], ranks: usize) -> Result<(), FsdpError> {
         let no = |s: String| Err(FsdpError::Unsupported(s));
-        if self.policy.main_params_dtype != MainParamsDtype::Fp32 {
+        if self.policy.main_params_dtype == MainParamsDtype::None
+            && let Some(s) = specs.iter().find(|s| s.key.param_storage.is_quantized())
+        {
             return no(format!(
-                "main_params_dtype {:?} is not built yet: the optimizers keep fp32 masters",
-                self.policy.main_params_dtype
+                "main_params_dtype none (the compute weights are the main parameters) needs \
+                 bf16/fp32 weights; `{}` is stored in low precision (use fp32 or bf16)",
+                s.name
             ));
         }
         if self.outer_dp == 0 || !ranks.is_multiple_of(self.outer_dp) {
@@ -232,6 +236,15 @@ impl FsdpConfig {
     pub fn apply(&self, specs: &mut [ParamSpec]) {
         for s in specs {
             s.key.grad_dtype = self.policy.main_grads_dtype.resolve(s.key.param_storage);
+        }
+    }
+
+    /// Where the optimizers keep the main parameters (`OptimConfig::with_master_dtype`).
+    pub fn master_dtype(&self) -> MasterDtype {
+        match self.policy.main_params_dtype {
+            MainParamsDtype::Fp32 => MasterDtype::F32,
+            MainParamsDtype::Bf16 => MasterDtype::Bf16,
+            MainParamsDtype::None => MasterDtype::Weights,
         }
     }
 

@@ -29,8 +29,14 @@
 //!   the device's allocation peak (`tests/memory.rs`).
 //!
 //! # Non-goals (not yet)
-//! Optimizer state sharded across replica groups (HFSDP) and main parameters other than fp32
-//! are refused by [`FsdpConfig::validate`] with the reason.
+//! Optimizer state sharded across replica groups (HFSDP) is refused by
+//! [`FsdpConfig::validate`] with the reason.
+//!
+//! # Main parameters
+//! `main_params_dtype` fp32 or bf16 are the optimizers' masters
+//! (`lowbit_optim::MasterDtype`, from [`FsdpConfig::master_dtype`]); `none` makes the
+//! persistent compute weights the main parameters (bf16 masters that cost no memory: the same
+//! bits as bf16 masters).
 //!
 //! # Low-precision parameters sharded by `optim_grads_params`
 //! MXFP8 and NVFP4 matrices use the row-aligned layout (a unit per matrix, chunks of whole 32-

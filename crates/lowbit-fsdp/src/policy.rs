@@ -3,16 +3,17 @@
 
 use lowbit_layout::{GradDType, ParamStorage};
 
-/// The dtype of the main (optimizer) parameters.
+/// The dtype of the main (optimizer) parameters ([`crate::FsdpConfig::master_dtype`]).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum MainParamsDtype {
-    /// fp32 masters, sharded with the optimizer state (the default; the only one built).
+    /// fp32 masters, sharded with the optimizer state (the default).
     #[default]
     Fp32,
-    /// bf16 masters (refused for now).
+    /// bf16 masters: half the bytes; each step's result is rounded to bf16.
     Bf16,
-    /// No masters: the compute weights are the mains (refused for now).
+    /// No masters of their own: the (bf16) compute weights are the main parameters; refused
+    /// for low-precision weights, which cannot hold them.
     None,
 }
 

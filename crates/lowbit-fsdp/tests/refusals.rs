@@ -43,13 +43,11 @@ fn unsupported_configurations_are_refused_with_the_reason() {
             .validate(&bf16, 4),
     );
     assert!(m.contains("outer sharding optim"), "{m}");
-    let m = unsupported(
-        cfg.with_policy(
-            MixedPrecisionPolicy::default().with_main_params_dtype(MainParamsDtype::None),
-        )
-        .validate(&bf16, 4),
-    );
-    assert!(m.contains("main_params_dtype"), "{m}");
+    let none = cfg
+        .with_policy(MixedPrecisionPolicy::default().with_main_params_dtype(MainParamsDtype::None));
+    assert!(none.validate(&bf16, 4).is_ok());
+    let m = unsupported(none.validate(&mxfp8, 4));
+    assert!(m.contains("main_params_dtype none"), "{m}");
     let m = unsupported(
         FsdpConfig::new(Sharding::NoShard)
             .with_overlap(Overlap::GradReduceAndParamGather)

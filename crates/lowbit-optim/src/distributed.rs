@@ -10,7 +10,7 @@ use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+    Leaf, MasterDtype, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
 };
 use crate::rule::{ShardViews, UpdateRule};
 
@@ -41,6 +41,8 @@ pub struct DistributedOptimizer {
     cfg: OptimConfig,
     shards: Vec<Shard>,
     steps: u64,
+    /// f32 scratch the rule updates bf16 masters in (`MasterDtype::Bf16`, `Weights`).
+    work: Option<View>,
 }
 
 impl DistributedOptimizer {
@@ -77,11 +79,22 @@ impl DistributedOptimizer {
             }
             values.push(v);
         }
+        if cfg.master_dtype == MasterDtype::Weights
+            && let Some(s) = owned.iter().find(|s| s.fused_output.is_none())
+        {
+            return Err(InvalidInput::MastersNeedPersistentWeights { param: s.param }.into());
+        }
         let mut shards = Vec::new();
         for (s, values) in owned.into_iter().zip(values) {
             let n = s.param_range.len();
-            let master = dev.alloc(DType::F32, n);
-            dev.upload(master, &values)?;
+            // Masters from the high-precision initial values (rounded to bf16 for bf16 masters
+            // and for the compute weights, which then hold exactly what `initialize` wrote).
+            let master = match (cfg.master_dtype, s.fused_output) {
+                (MasterDtype::Weights, Some(out)) => out,
+                (MasterDtype::Bf16, _) => dev.alloc(DType::Bf16, n),
+                _ => dev.alloc(DType::F32, n),
+            };
+            crate::optimizer::upload_values(dev, master, &values)?;
             let grad32 = if s.grad_view.dtype() == DType::F32 {
                 s.grad_view
             } else {
@@ -102,12 +115,18 @@ impl DistributedOptimizer {
                 state,
             });
         }
+        let widest = shards.iter().map(|s| s.param_range.len()).max();
+        let work = match (cfg.master_dtype, widest) {
+            (MasterDtype::F32, _) | (_, None) => None,
+            (_, Some(n)) => Some(dev.alloc(DType::F32, n)),
+        };
         Ok(DistributedOptimizer {
             owner,
             rule: Box::new(rule),
             cfg,
             shards,
             steps: 0,
+            work,
         })
     }
 
@@ -163,13 +182,28 @@ impl Optimizer for DistributedOptimizer {
             if clip < 1.0 {
                 dev.scale(s.grad32, clip)?;
             }
+            let Some(work) = self.work else {
+                let views = ShardViews {
+                    master: s.master,
+                    grad: s.grad32,
+                    state: &s.state,
+                    fused_output: s.fused_output,
+                };
+                self.rule.update(dev, views, self.cfg.lr, self.steps)?;
+                continue;
+            };
+            // bf16 masters: widened, updated in f32, rounded back (the fused output, if any,
+            // gets the same rounding; compute weights used as masters are the rounding).
+            let w = work.slice(0..s.param_range.len())?;
+            dev.cast(s.master, w)?;
             let views = ShardViews {
-                master: s.master,
+                master: w,
                 grad: s.grad32,
                 state: &s.state,
-                fused_output: s.fused_output,
+                fused_output: s.fused_output.filter(|&o| o != s.master),
             };
             self.rule.update(dev, views, self.cfg.lr, self.steps)?;
+            dev.cast(w, s.master)?;
         }
         bufs.mark_stale(self.owner);
         Ok(())
@@ -216,17 +250,26 @@ impl Optimizer for DistributedOptimizer {
     }
 
     fn memory(&self) -> OptimizerMemory {
-        self.shards
-            .iter()
-            .fold(OptimizerMemory::default(), |m, s| OptimizerMemory {
-                masters: m.masters + s.master.byte_len(),
-                state: m.state + s.state.iter().map(|v| v.byte_len()).sum::<usize>(),
-                grad_scratch: m.grad_scratch
-                    + if s.grad32 == s.grad_view {
-                        0
-                    } else {
-                        s.grad32.byte_len()
-                    },
-            })
+        // The f32 scratch bf16 masters are updated in counts with the masters.
+        let work = OptimizerMemory {
+            masters: self.work.map_or(0, |w| w.byte_len()),
+            ..OptimizerMemory::default()
+        };
+        self.shards.iter().fold(work, |m, s| OptimizerMemory {
+            // Compute weights used as masters cost nothing of their own.
+            masters: m.masters
+                + if Some(s.master) == s.fused_output {
+                    0
+                } else {
+                    s.master.byte_len()
+                },
+            state: m.state + s.state.iter().map(|v| v.byte_len()).sum::<usize>(),
+            grad_scratch: m.grad_scratch
+                + if s.grad32 == s.grad_view {
+                    0
+                } else {
+                    s.grad32.byte_len()
+                },
+        })
     }
 }

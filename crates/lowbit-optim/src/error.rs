@@ -74,6 +74,22 @@ pub enum InvalidInput {
     /// Imported state that does not match this optimizer's shards.
     #[error("state to import does not match: {0}")]
     StateMismatch(String),
+    /// Main parameters kept in the compute weights ([`crate::MasterDtype::Weights`]) for a
+    /// parameter whose weights are not persistent bf16/f16/f32 values (low-precision storage).
+    #[error(
+        "parameter {param}: its weights are low precision, so they cannot be the main \
+         parameters (keep fp32 or bf16 masters)"
+    )]
+    MastersNeedPersistentWeights {
+        /// Global parameter id.
+        param: usize,
+    },
+    /// A main-parameter dtype an optimizer does not support.
+    #[error("{optimizer} keeps fp32 main parameters only")]
+    MasterDtype {
+        /// The optimizer.
+        optimizer: &'static str,
+    },
     /// A parameter of a whole-matrix optimizer (Muon) that the plan splits across ranks.
     #[error(
         "parameter `{name}`: rank {rank} owns elements {range:?} of {numel}; Muon updates whole \

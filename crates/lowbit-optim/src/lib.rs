@@ -43,7 +43,7 @@ pub use error::{InvalidInput, OptimError, Result};
 pub use memory::{RankMemory, estimate_memory, memory_report};
 pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype, NsMode};
 pub use optimizer::{
-    MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateTensor,
-    StepReport, init_from_full,
+    MasterDtype, MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+    StateTensor, StepReport, init_from_full,
 };
 pub use rule::{AdamW, Sgd, ShardViews, UpdateRule};

@@ -305,6 +305,9 @@ impl Muon {
     ) -> Result<Self> {
         cfg.validate()?;
         muon.validate()?;
+        if cfg.master_dtype != crate::MasterDtype::F32 {
+            return Err(crate::InvalidInput::MasterDtype { optimizer: "Muon" }.into());
+        }
         let specs = bufs.specs();
         for s in specs.iter().filter(|s| s.owner() == owner) {
             if matrices_of(&s.shape).is_none() {

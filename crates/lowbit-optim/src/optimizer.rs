@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use lowbit_buffers::{DataParallelBuffers, StagePiece};
 use lowbit_comm::Communicator;
-use lowbit_device::{Device, View};
+use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
@@ -25,6 +25,27 @@ pub struct OptimConfig {
     /// `lr = x · lr_ratio` (in f64, rounded once), so parts of a chain with different peak rates
     /// (Muon and AdamW) follow one warmup and decay. 1 by default.
     pub lr_ratio: f64,
+    /// Where the main (master) parameters live: fp32 (the default), bf16, or the compute
+    /// weights themselves (FSDP's `main_params_dtype` fp32 / bf16 / none).
+    pub master_dtype: MasterDtype,
+}
+
+/// Where an optimizer keeps its main parameters (FSDP's `main_params_dtype`).
+///
+/// The update rule always computes in f32: bf16 masters (and compute weights used as masters)
+/// are widened into an f32 scratch, updated, and rounded back to bf16 (RNE) — so the stored
+/// master carries the rounding of every step, and the compute weight is exactly that value.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MasterDtype {
+    /// fp32 masters of their own.
+    #[default]
+    F32,
+    /// bf16 masters of their own (half the bytes).
+    Bf16,
+    /// No masters of their own: the persistent compute weights are the main parameters (no
+    /// bytes; refused for low-precision storage, which cannot hold a master).
+    Weights,
 }
 
 impl OptimConfig {
@@ -34,12 +55,15 @@ impl OptimConfig {
             lr,
             clip_grad: None,
             lr_ratio: 1.0,
+            master_dtype: MasterDtype::F32,
         }
     }
 
     lowbit_layout::setters! {
         /// Sets the clip value.
         with_clip_grad => clip_grad: Option<f32>;
+        /// Sets where the main parameters live.
+        with_master_dtype => master_dtype: MasterDtype;
         /// Sets the ratio to a schedule's learning rate.
         with_lr_ratio => lr_ratio: f64;
     }
@@ -220,7 +244,10 @@ pub trait Optimizer: Debug + Send {
                 match piece.fused_output {
                     // The rounding the fused update wrote, so after a normal step this changes
                     // no bit; after an import it brings persistent weights to the masters.
-                    Some(out) if !only_stale => dev.cast(piece.master, out)?,
+                    // (Compute weights used as masters are already the stored values.)
+                    Some(out) if !only_stale && out != piece.master => {
+                        dev.cast(piece.master, out)?
+                    }
                     Some(_) => {}
                     None => low.push(StagePiece {
                         param: piece.param,
@@ -251,10 +278,12 @@ pub trait Optimizer: Debug + Send {
         let mut out = Vec::new();
         for (_, pieces) in self.masters_to_stage() {
             for p in pieces {
+                let mut values = vec![0.0; p.master.len()];
+                download_values(dev, p.master, &mut values)?;
                 out.push(MasterShard {
                     param: p.param,
                     range: p.range,
-                    values: dev.download(p.master)?,
+                    values,
                 });
             }
         }
@@ -353,7 +382,7 @@ impl<'n, I: Iterator<Item = (&'n str, usize, Range<usize>, View)>> Leaf<'_, I> {
                 _ => vec![0.0; view.len()],
             };
             if let Some(dev) = dev {
-                dev.download_f32_into(view, &mut values)?;
+                download_values(dev, view, &mut values)?;
             }
             exported.push(StateTensor {
                 name: name.to_string(),
@@ -429,9 +458,32 @@ impl<'n, I: Iterator<Item = (&'n str, usize, Range<usize>, View)>> Leaf<'_, I> {
     pub(crate) fn import(self, dev: &mut Device, state: &[OptimizerState]) -> Result<u64> {
         let (mine, views) = self.matched(state)?;
         for (view, t) in views.into_iter().zip(&mine.tensors) {
-            dev.upload(view, &t.values)?;
+            upload_values(dev, view, &t.values)?;
         }
         Ok(mine.steps)
+    }
+}
+
+/// The values of a state view as f32: fp32 views in one copy, bf16 masters widened (exact).
+pub(crate) fn download_values(dev: &Device, view: View, out: &mut [f32]) -> Result<()> {
+    match view.dtype() {
+        DType::Bf16 => {
+            let v = dev.download::<half::bf16>(view)?;
+            out.iter_mut().zip(v).for_each(|(o, x)| *o = x.to_f32());
+            Ok(())
+        }
+        _ => Ok(dev.download_f32_into(view, out)?),
+    }
+}
+
+/// Writes f32 values into a state view: as they are, or rounded to bf16 (RNE) for bf16 masters.
+pub(crate) fn upload_values(dev: &mut Device, view: View, values: &[f32]) -> Result<()> {
+    match view.dtype() {
+        DType::Bf16 => {
+            let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Ok(dev.upload(view, &v)?)
+        }
+        _ => Ok(dev.upload(view, values)?),
     }
 }
 

@@ -163,7 +163,7 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
             &bufs,
             OptimizerId(0),
             adamw,
-            OptimConfig::new(1e-2),
+            OptimConfig::new(1e-2).with_master_dtype(s.cfg.master_dtype()),
             &mut init_from_full(&init),
         )
         .unwrap();
