@@ -264,7 +264,8 @@ fn every_unsupported_combination_is_refused_before_training_with_the_reason() {
         ),
         (
             &["--outer-dp", "2", "--outer-sharding", "optim"],
-            "--outer-sharding optim: outer sharding optim",
+            "--outer-sharding optim: outer sharding optim (optimizer state sharded across replica \
+             groups) needs optim_grads_params inside them, not optim",
         ),
         (
             &["--outer-dp", "3"],
@@ -419,5 +420,40 @@ fn hybrid_sharding_trains_what_flat_sharding_trains() {
     );
     let flat = four(&["--sharding", "optim_grads", "--resume", step2_s]);
     assert_eq!(flat.key("first_step").number(), 2.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// HFSDP (`--outer-sharding optim`, optim_grads_params inside): the replica groups split the
+/// optimizer state; the run matches flat sharding within the hybrid tolerance, and its
+/// checkpoints (every rank writes its pieces) resume bit for bit, also into flat sharding.
+#[test]
+fn optimizer_state_sharded_across_replica_groups_trains_and_resumes() {
+    let four = |extra: &[&str]| {
+        let mut args = SMALL.to_vec();
+        args[1] = "4";
+        run_json(&[&args[..], extra].concat())
+    };
+    let base = ["--sharding", "optim_grads_params", "--param-gather", "off"];
+    let hfsdp = [&base[..], &["--outer-dp", "2", "--outer-sharding", "optim"]].concat();
+    let flat = four(&base);
+    let two = four(&hfsdp);
+    let (a, b) = (final_loss(&flat), final_loss(&two));
+    assert!(((a - b) / a).abs() < 1e-4, "{a} vs {b}");
+    let dir = std::env::temp_dir().join(format!("lowbit-hfsdp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let save = dir.join("ck");
+    let save_s = save.to_str().expect("utf-8 path").to_string();
+    let straight = four(&[&hfsdp[..], &["--save", &save_s, "--save-every", "1"]].concat());
+    assert_eq!(trajectory(&straight), trajectory(&two));
+    let step2 = save.join("step-2");
+    let step2_s = step2.to_str().expect("utf-8 path");
+    let resumed = four(&[&hfsdp[..], &["--resume", step2_s]].concat());
+    assert_eq!(resumed.key("first_step").number(), 2.0);
+    assert_eq!(
+        resumed.key("master_checksum").text(),
+        straight.key("master_checksum").text()
+    );
+    let into_flat = four(&[&base[..], &["--resume", step2_s]].concat());
+    assert_eq!(into_flat.key("first_step").number(), 2.0);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -797,8 +797,9 @@ impl TrainConfig {
     /// rank) for AdamW's owners, the layer-wise rule (whole parameters, one rank each) for
     /// Muon's. Pure: every rank, and the report, make the same plan.
     pub(super) fn plan(&self, specs: &[ParamSpec]) -> Result<ShardingPlan, LayoutError> {
-        // With hybrid sharding the plan is one replica group's.
-        let mut pc = self.ddp().plan_config(self.fsdp().shard_ranks(self.ranks));
+        // With hybrid sharding the plan is one replica group's (HFSDP: its shards split across
+        // the replica groups).
+        let mut pc = self.fsdp().plan_config(self.ranks);
         if self.optimizer.muon().is_some() {
             pc = pc.with_owner_strategy(owners::MUON, ShardingStrategy::LayerWise);
         }

@@ -32,7 +32,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingPlan};
-use lowbit_buffers::{DataParallelBuffers, Overlap};
+use lowbit_buffers::{DataParallelBuffers, Overlap, ReplicaMode};
 use lowbit_ckpt::{Checkpoint, LoadOptions};
 use lowbit_comm::{CommStats, Communicator, GroupConfig, run_ranks};
 use lowbit_device::{DType, Device};
@@ -670,14 +670,19 @@ fn rank_main(
         None => (None, None),
     };
     // One replica group writes checkpoints (every group holds the same shards); all load them.
-    let writes_checkpoints = replicas.as_ref().is_none_or(|r| r.rank() == 0);
+    // HFSDP: the replica groups split the optimizer state, so every rank writes its pieces,
+    // over the world.
+    let split_state =
+        replicas.is_some() && cfg.fsdp().replica_mode() == ReplicaMode::ShardOptimizer;
+    let writes_checkpoints = split_state || replicas.as_ref().is_none_or(|r| r.rank() == 0);
     let shard_rank = shard.as_ref().map_or(rank, |s| s.rank());
     let specs = cfg.specs(info);
     let plan = cfg.plan(&specs).map_err(|x| e(&x))?;
     let mut bufs = DataParallelBuffers::with_plan(dev, shard_rank, specs, plan, cfg.ddp())
         .map_err(|x| e(&x))?;
     if let Some(r) = replicas {
-        bufs.set_outer_group(r).map_err(|x| e(&x))?;
+        bufs.set_replica_group(r, cfg.fsdp().replica_mode())
+            .map_err(|x| e(&x))?;
     }
     let init = cfg.shape.init(cfg.seed);
     bufs.initialize_all(dev, |p| init[p].clone())
@@ -822,9 +827,13 @@ fn rank_main(
                 .map_err(|x| e(&x))?;
             let meta = ckpt::meta(cfg, job.data_id, step + 1);
             let specs = trainer.buffers().specs().to_vec();
+            let save_comm: &mut dyn Communicator = match shard.as_mut() {
+                Some(s) if !split_state => s.as_mut(),
+                _ => &mut *comm,
+            };
             let dir = lowbit_ckpt::save(
                 dev,
-                tcomm(&mut shard, comm),
+                save_comm,
                 root,
                 &meta,
                 &specs,

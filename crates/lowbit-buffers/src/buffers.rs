@@ -135,6 +135,25 @@ pub struct DataParallelBuffers {
     /// Hybrid sharding: the group of this rank's replicas (the ranks holding the same shards in
     /// the other replica groups), across which reduced shards are all-reduced once per step.
     pub(crate) outer: Option<Box<dyn Communicator>>,
+    /// What the replica groups share ([`ReplicaMode`]).
+    pub(crate) replica_mode: ReplicaMode,
+    /// HFSDP: the parameter shards hold only this rank's updated part until they are gathered
+    /// across replicas.
+    pub(crate) replica_params_stale: bool,
+}
+
+/// What the replica groups of hybrid sharding share.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReplicaMode {
+    /// HSDP: replicas hold the same shards and optimizer state; reduced gradient shards are
+    /// all-reduced across them.
+    #[default]
+    Replicate,
+    /// HFSDP (`optim_grads_params` inside): each rank's shards are split across its replicas
+    /// for the optimizer (state over shard × replica ranks); reduced gradient shards are
+    /// reduce-scattered across replicas and updated parameter parts all-gathered back.
+    ShardOptimizer,
 }
 
 /// One rank's piece of one parameter with its views: the optimizer's unit of work.
@@ -280,6 +299,8 @@ impl DataParallelBuffers {
             microbatch_dirty: false,
             launches: 0,
             outer: None,
+            replica_mode: ReplicaMode::Replicate,
+            replica_params_stale: false,
         })
     }
 
@@ -294,6 +315,22 @@ impl DataParallelBuffers {
     /// # Errors
     /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight.
     pub fn set_outer_group(&mut self, outer: Box<dyn Communicator>) -> Result<()> {
+        self.set_replica_group(outer, ReplicaMode::Replicate)
+    }
+
+    /// [`Self::set_outer_group`] with what the replica groups share: with
+    /// [`ReplicaMode::ShardOptimizer`] (HFSDP) every buffer must shard parameters
+    /// (`optim_grads_params`) with bf16/f16/f32 weights, and the plan must split bucket shards
+    /// across as many replica groups (`PlanConfig::outer_shards`).
+    ///
+    /// # Errors
+    /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight;
+    /// [`ConfigError::Policy`] for a plan or storage HFSDP cannot use.
+    pub fn set_replica_group(
+        &mut self,
+        outer: Box<dyn Communicator>,
+        mode: ReplicaMode,
+    ) -> Result<()> {
         if self
             .groups
             .iter()
@@ -301,7 +338,94 @@ impl DataParallelBuffers {
         {
             return Err(ProtocolError::CollectiveInFlight.into());
         }
+        if mode == ReplicaMode::ShardOptimizer {
+            if let Some(b) = self
+                .buffers
+                .iter()
+                .find(|b| !b.shards_params() || b.storage.is_low_precision())
+            {
+                return Err(ConfigError::Policy(format!(
+                    "optimizer state sharded across replica groups needs optim_grads_params with \
+                     bf16/f16/f32 weights; buffer {:?} is {:?}",
+                    b.plan.key, b.plan.strategy
+                ))
+                .into());
+            }
+            if self.plan.config().outer_shards != outer.size() {
+                return Err(ConfigError::Policy(format!(
+                    "the plan splits shards across {} replica groups, the replica group has {} \
+                     ranks",
+                    self.plan.config().outer_shards,
+                    outer.size()
+                ))
+                .into());
+            }
+        }
         self.outer = Some(outer);
+        self.replica_mode = mode;
+        Ok(())
+    }
+
+    /// HFSDP: whether ranks of different replica groups own different pieces (the gradient
+    /// norm then sums across replicas too: [`Self::sum_over_replicas`]).
+    pub fn optimizer_sharded_across_replicas(&self) -> bool {
+        self.replica_mode == ReplicaMode::ShardOptimizer && self.outer.is_some()
+    }
+
+    /// Adds one f64 per replica in replica order (an all-gather of the bytes): the same sum on
+    /// every rank. `x` unchanged without replicas.
+    ///
+    /// # Errors
+    /// Collective and device errors.
+    pub fn sum_over_replicas(&mut self, dev: &mut Device, x: f64) -> Result<f64> {
+        let Some(outer) = self.outer.as_mut() else {
+            return Ok(x);
+        };
+        let n = outer.size();
+        let buf = dev.try_alloc(DType::U8, 8 * n)?;
+        let mine = buf.slice(8 * outer.rank()..8 * (outer.rank() + 1))?;
+        let r = dev
+            .write_bytes(mine, &x.to_le_bytes())
+            .map_err(crate::BufferError::from)
+            .and_then(|()| {
+                let ops = [Op::AllGather {
+                    input: mine,
+                    output: buf,
+                }];
+                outer.start_coalesced(dev, &ops)?.wait(dev)?;
+                Ok(dev.read_bytes(buf)?.to_vec())
+            });
+        dev.free(buf)?;
+        Ok(r?
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .sum())
+    }
+
+    /// HFSDP: all-gathers every rank's updated part of its parameter shards across replicas
+    /// (once after the optimizer wrote them; before any unit gathers).
+    pub(crate) fn refresh_replica_params(&mut self, dev: &mut Device) -> Result<()> {
+        if !std::mem::take(&mut self.replica_params_stale)
+            || !self.optimizer_sharded_across_replicas()
+        {
+            return Ok(());
+        }
+        let outer = self.outer.as_mut().expect("checked above");
+        let (n, o) = (outer.size(), outer.rank());
+        let mut ops = Vec::new();
+        for b in &self.buffers {
+            let region = b.storage.region();
+            for bi in 0..b.plan.layout.buckets.len() {
+                let local = b.plan.local_shard_range(bi, self.rank)?;
+                let part = local.len() / n;
+                let mine = local.start + o * part..local.start + (o + 1) * part;
+                ops.push(Op::AllGather {
+                    input: region.slice(mine)?,
+                    output: region.slice(local)?,
+                });
+            }
+        }
+        outer.start_coalesced(dev, &ops)?.wait(dev)?;
         Ok(())
     }
 
@@ -482,7 +606,13 @@ impl DataParallelBuffers {
     /// fused output, sorted by (parameter, offset).
     pub fn owned_shards(&self) -> Result<Vec<OwnedShard>> {
         let mut out = Vec::new();
-        for piece in self.plan.owned(self.rank)? {
+        let pieces = match (&self.outer, self.replica_mode) {
+            (Some(o), ReplicaMode::ShardOptimizer) => {
+                self.plan.owned_hybrid(self.rank, o.rank(), o.size())?
+            }
+            _ => self.plan.owned(self.rank)?,
+        };
+        for piece in pieces {
             let buf = &self.buffers[piece.buffer];
             let grads = if buf.shards_grads() {
                 // The piece lies in this rank's shard of its bucket; sharded gradients keep

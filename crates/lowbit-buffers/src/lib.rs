@@ -50,7 +50,7 @@ mod units;
 
 pub use lowbit_layout as layout;
 
-pub use buffers::{DataParallelBuffers, OwnedShard, ParamSyncState, WeightState};
+pub use buffers::{DataParallelBuffers, OwnedShard, ParamSyncState, ReplicaMode, WeightState};
 pub use config::{
     DdpConfig, GradAccumulation, GradScaling, Mxfp8Gather, NanCheck, Overlap, UnitGather, Verify,
 };

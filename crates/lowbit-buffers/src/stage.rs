@@ -37,6 +37,8 @@ impl DataParallelBuffers {
         pieces: &[StagePiece],
     ) -> Result<()> {
         self.check_no_gather_in_flight(owner, "staging")?;
+        // HFSDP: staging rewrote this rank's part of its parameter shards.
+        self.replica_params_stale = true;
         // Casts into staging views need no collective.
         let mut tiled = Vec::new();
         for piece in pieces {
@@ -164,6 +166,8 @@ impl DataParallelBuffers {
 
     /// Marks the low-precision groups of `owner` stale: its masters moved.
     pub fn mark_stale(&mut self, owner: OptimizerId) {
+        // HFSDP: the optimizer wrote only this rank's part of its parameter shards.
+        self.replica_params_stale = true;
         for g in &mut self.groups {
             let b = &self.buffers[g.buffer];
             if b.storage.is_low_precision() && b.owner() == owner {

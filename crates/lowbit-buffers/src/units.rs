@@ -134,6 +134,7 @@ impl DataParallelBuffers {
         usage: Usage,
     ) -> Result<()> {
         self.wait_unit(dev, g)?;
+        self.refresh_replica_params(dev)?;
         let range = self.group_range(g);
         let dp = self.dp();
         let buf = &self.buffers[self.groups[g].buffer];

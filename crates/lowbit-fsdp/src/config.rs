@@ -1,9 +1,9 @@
 //! [`FsdpConfig`]: a strategy, a precision policy and the overlap, checked once and turned into
 //! the buffers' configuration and the parameters' gradient dtypes.
 
-use lowbit_buffers::{DdpConfig, NanCheck, Overlap, UnitGather, Verify};
+use lowbit_buffers::{DdpConfig, NanCheck, Overlap, ReplicaMode, UnitGather, Verify};
 use lowbit_comm::Communicator;
-use lowbit_layout::{ParamSpec, ParamStorage};
+use lowbit_layout::{ParamSpec, ParamStorage, PlanConfig};
 use lowbit_optim::MasterDtype;
 
 use crate::policy::{MainParamsDtype, MixedPrecisionPolicy};
@@ -32,7 +32,9 @@ pub enum OuterSharding {
     /// them once per step.
     #[default]
     NoShard,
-    /// Optimizer state over outer × shard ranks (HFSDP; refused: not built yet).
+    /// Optimizer state over outer × shard ranks (HFSDP): needs `optim_grads_params` inside;
+    /// reduced shards are reduce-scattered across replicas and updated parameter parts
+    /// all-gathered back.
     Optim,
 }
 
@@ -175,11 +177,21 @@ impl FsdpConfig {
             ));
         }
         if self.outer_dp > 1 && self.outer_sharding == OuterSharding::Optim {
-            return no(
-                "outer sharding optim (optimizer state sharded across replica groups) is not \
-                 built yet; use outer sharding no_shard"
-                    .to_string(),
-            );
+            // Megatron-FSDP's rule too: HFSDP needs full sharding inside the replica group.
+            if self.sharding != Sharding::OptimGradsParams {
+                return no(format!(
+                    "outer sharding optim (optimizer state sharded across replica groups) needs \
+                     optim_grads_params inside them, not {}",
+                    self.sharding
+                ));
+            }
+            if let Some(s) = specs.iter().find(|s| s.key.param_storage.is_quantized()) {
+                return no(format!(
+                    "outer sharding optim with low-precision weights (`{}`) is not built yet; \
+                     use outer sharding no_shard or bf16 weights",
+                    s.name
+                ));
+            }
         }
         let mxfp8_units = self.sharding == Sharding::OptimGradsParams
             && specs.iter().any(|s| {
@@ -201,6 +213,26 @@ impl FsdpConfig {
     /// The data-parallel group of the buffers' plan: the ranks of one replica group.
     pub fn shard_ranks(&self, world: usize) -> usize {
         world / self.outer_dp.max(1)
+    }
+
+    /// The plan's configuration for `world` ranks: one replica group's ranks, bucket shards
+    /// split across the replica groups under outer sharding `optim` (HFSDP).
+    pub fn plan_config(&self, world: usize) -> PlanConfig {
+        let outer = match self.outer_sharding {
+            OuterSharding::Optim if self.outer_dp > 1 => self.outer_dp,
+            _ => 1,
+        };
+        self.ddp_config()
+            .plan_config(self.shard_ranks(world))
+            .with_outer_shards(outer)
+    }
+
+    /// What the replica groups share (for `DataParallelBuffers::set_replica_group`).
+    pub fn replica_mode(&self) -> ReplicaMode {
+        match self.outer_sharding {
+            OuterSharding::Optim => ReplicaMode::ShardOptimizer,
+            _ => ReplicaMode::Replicate,
+        }
     }
 
     /// Hybrid sharding: splits `world` (every rank calls this) into this rank's shard group

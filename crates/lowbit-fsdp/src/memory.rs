@@ -40,7 +40,7 @@ pub fn estimate_memory(
     let mut specs = specs.to_vec();
     cfg.apply(&mut specs);
     let ddp = cfg.ddp_config();
-    let plan = ShardingPlan::new(&specs, &ddp.plan_config(cfg.shard_ranks(ranks)))
+    let plan = ShardingPlan::new(&specs, &cfg.plan_config(ranks))
         .map_err(lowbit_buffers::BufferError::from)?;
     let buffers = plan_buffer_memory(&plan, &specs, &ddp);
     Ok(FsdpMemory {

@@ -62,3 +62,39 @@ fn two_replica_groups_match_flat_sharding_within_tolerance() {
         assert!((a / b - 1.0).abs() < 1e-5, "{sharding}: {a} vs {b}");
     }
 }
+
+/// HFSDP (outer sharding `optim`, `optim_grads_params` inside): 2 replica groups of 2 ranks
+/// split every bucket shard for the optimizer, so each rank updates a quarter, as 4 flat ranks
+/// do; the result matches flat sharding within the same tolerance (the sum across ranks runs
+/// in another order), the gradient norm sums over all ranks (replicas own different pieces:
+/// leaving them out would shrink it), and with one replica group it is flat sharding bit for
+/// bit.
+#[test]
+fn optimizer_state_sharded_across_replica_groups_matches_flat_sharding() {
+    use lowbit_fsdp::OuterSharding;
+    let setup = |outer: usize| {
+        let mut s = Setup::new(4, Sharding::OptimGradsParams);
+        s.cfg = s
+            .cfg
+            .with_outer_dp(outer)
+            .with_outer_sharding(OuterSharding::Optim);
+        s
+    };
+    let flat = run(Sharding::OptimGradsParams, 1);
+    assert_eq!(train(&setup(1)).0, flat);
+    for overlap in common::overlaps(Sharding::OptimGradsParams) {
+        let mut s = setup(2);
+        s.cfg = s.cfg.with_overlap(overlap);
+        let hfsdp = train(&s).0;
+        let masters = flat
+            .masters
+            .iter()
+            .zip(&hfsdp.masters)
+            .map(|(a, b)| max_rel(a, b))
+            .fold(0.0, f32::max);
+        let norms = max_rel(&flat.norms, &hfsdp.norms);
+        eprintln!("HFSDP 2x2 vs flat 4, {overlap:?}: masters {masters:e}, norms {norms:e}");
+        assert!(masters < 1e-4, "{overlap:?}: masters {masters}");
+        assert!(norms < 1e-5, "{overlap:?}: norms {norms}");
+    }
+}

@@ -37,12 +37,18 @@ fn unsupported_configurations_are_refused_with_the_reason() {
     let m = unsupported(cfg.with_outer_dp(3).validate(&bf16, 4));
     assert!(m.contains("does not divide"), "{m}");
     assert!(cfg.with_outer_dp(2).validate(&bf16, 4).is_ok());
-    let m = unsupported(
-        cfg.with_outer_dp(2)
-            .with_outer_sharding(OuterSharding::Optim)
-            .validate(&bf16, 4),
+    // HFSDP: optim_grads_params inside, bf16/f32 weights.
+    let hfsdp = cfg
+        .with_outer_dp(2)
+        .with_outer_sharding(OuterSharding::Optim);
+    assert!(hfsdp.validate(&bf16, 4).is_ok());
+    let m = unsupported(hfsdp.validate(&mxfp8, 4));
+    assert!(m.contains("low-precision weights (`l0.weight`)"), "{m}");
+    let m = unsupported(hfsdp.with_sharding(Sharding::OptimGrads).validate(&bf16, 4));
+    assert!(
+        m.contains("needs optim_grads_params inside them, not optim_grads"),
+        "{m}"
     );
-    assert!(m.contains("outer sharding optim"), "{m}");
     let none = cfg
         .with_policy(MixedPrecisionPolicy::default().with_main_params_dtype(MainParamsDtype::None));
     assert!(none.validate(&bf16, 4).is_ok());

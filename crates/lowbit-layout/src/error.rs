@@ -79,6 +79,14 @@ pub enum LayoutError {
         /// The collective group size.
         group: usize,
     },
+    /// A bucket shard that does not split evenly across replica groups (HFSDP).
+    #[error("a bucket shard of {len} elements does not split into {replicas} equal parts")]
+    UnevenReplicaSplit {
+        /// The shard's elements.
+        len: usize,
+        /// The replica groups.
+        replicas: usize,
+    },
     /// [`packed_layout`] was asked for a buffer that does not hold NVFP4 parameters.
     #[error("packed layouts exist only for NVFP4 buffers, not {storage:?}")]
     NotNvfp4 {

@@ -105,6 +105,11 @@ pub struct PlanConfig {
     pub strategy: ShardingStrategy,
     /// Per-owner strategies (e.g. layer-wise for the Muon owner, distributed for AdamW).
     pub owner_strategies: Vec<(OptimizerId, ShardingStrategy)>,
+    /// Hybrid sharding with optimizer state sharded across replica groups (HFSDP): the number
+    /// of replica groups each rank's bucket shards are split across ([`ShardingPlan::owned_hybrid`]);
+    /// buffers under [`ShardingStrategy::OptimGradsParams`] pad their buckets to multiples of
+    /// `dp · outer_shards` so the split is even. 1: no split.
+    pub outer_shards: usize,
 }
 
 impl Default for PlanConfig {
@@ -115,6 +120,7 @@ impl Default for PlanConfig {
             high_busbw_padding: false,
             strategy: ShardingStrategy::Distributed,
             owner_strategies: Vec::new(),
+            outer_shards: 1,
         }
     }
 }
@@ -134,6 +140,8 @@ impl PlanConfig {
         with_bucket_size => bucket_size: Option<usize>;
         /// Sets high-bus-bandwidth padding.
         with_high_busbw_padding => high_busbw_padding: bool;
+        /// Sets the replica groups optimizer state is split across (HFSDP).
+        with_outer_shards => outer_shards: usize;
     }
 
     /// Gives `owner` its own strategy.
@@ -313,6 +321,30 @@ impl BufferPlan {
     }
 }
 
+/// `layout` with every bucket's end padded to a multiple of `multiple` (its parameters keep
+/// their offsets within the bucket; later buckets shift).
+fn pad_buckets(mut layout: BufferLayout, multiple: usize) -> Result<BufferLayout, LayoutError> {
+    let mut at = 0usize;
+    for b in 0..layout.buckets.len() {
+        let old = layout.buckets[b].clone();
+        let numel = old
+            .numel()
+            .div_ceil(multiple)
+            .checked_mul(multiple)
+            .ok_or(LayoutError::Overflow)?;
+        for &i in &old.params {
+            let p = &mut layout.params[i];
+            p.start = p.start - old.start + at;
+            p.end = p.end - old.start + at;
+        }
+        layout.buckets[b].start = at;
+        layout.buckets[b].end = at.checked_add(numel).ok_or(LayoutError::Overflow)?;
+        at = layout.buckets[b].end;
+    }
+    layout.numel = at;
+    Ok(layout)
+}
+
 /// The rows of one quantization block along the rows of a matrix: 32 for MXFP8 (32x1
 /// columnwise blocks), 16 for NVFP4 (16x16 tiles).
 pub fn row_block(q: QuantKind) -> usize {
@@ -395,6 +427,16 @@ impl ShardingPlan {
                 }
                 _ => compute_layout(&group, &lcfg)?,
             };
+            let layout = if strategy == ShardingStrategy::OptimGradsParams && cfg.outer_shards > 1 {
+                pad_buckets(
+                    layout,
+                    cfg.dp
+                        .checked_mul(cfg.outer_shards)
+                        .ok_or(LayoutError::Overflow)?,
+                )?
+            } else {
+                layout
+            };
             let packed = (key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4))
                 .then(|| packed_layout(&layout))
                 .transpose()?;
@@ -433,6 +475,49 @@ impl ShardingPlan {
     /// Data-parallel group size.
     pub fn dp(&self) -> usize {
         self.config.dp
+    }
+
+    /// HFSDP: the pieces world rank (`rank` in its replica group, `replica` of `replicas`
+    /// groups) owns: its [`Self::owned`] pieces cut to the `replica`-th of `replicas` equal
+    /// parts of each of its bucket shards. Over all replica groups every element is owned
+    /// exactly once.
+    ///
+    /// # Errors
+    /// As [`Self::owned`]; [`LayoutError::ShardCount`] when a bucket shard does not split evenly.
+    pub fn owned_hybrid(
+        &self,
+        rank: usize,
+        replica: usize,
+        replicas: usize,
+    ) -> Result<Vec<OwnedPiece>, LayoutError> {
+        let mut out = Vec::new();
+        for piece in self.owned(rank)? {
+            let bp = &self.buffers[piece.buffer];
+            let shard = bp.shard(piece.bucket, rank)?;
+            if !shard.len().is_multiple_of(replicas) {
+                return Err(LayoutError::UnevenReplicaSplit {
+                    len: shard.len(),
+                    replicas,
+                });
+            }
+            let part = shard.len() / replicas;
+            let sub = shard.start + replica * part..shard.start + (replica + 1) * part;
+            let (lo, hi) = (
+                piece.buffer_range.start.max(sub.start),
+                piece.buffer_range.end.min(sub.end),
+            );
+            if lo >= hi {
+                continue;
+            }
+            let off = lo - piece.buffer_range.start;
+            out.push(OwnedPiece {
+                param_range: piece.param_range.start + off
+                    ..piece.param_range.start + off + (hi - lo),
+                buffer_range: lo..hi,
+                ..piece
+            });
+        }
+        Ok(out)
     }
 
     /// Whether ranks own disjoint pieces (every strategy of the plan is sharded).

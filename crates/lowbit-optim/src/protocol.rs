@@ -83,15 +83,19 @@ pub fn step(
 pub fn global_grad_norm(
     dev: &mut Device,
     comm: &mut dyn Communicator,
-    bufs: &DataParallelBuffers,
+    bufs: &mut DataParallelBuffers,
     opt: &mut dyn Optimizer,
 ) -> Result<f32> {
     let local = opt.local_sum_squares(dev)?;
-    let total = if bufs.plan().is_sharded() {
+    let mut total = if bufs.plan().is_sharded() {
         sum_across_ranks(dev, comm, local)?
     } else {
         local
     };
+    // HFSDP: replicas own different pieces; their sums add (replica order).
+    if bufs.optimizer_sharded_across_replicas() {
+        total = bufs.sum_over_replicas(dev, total)?;
+    }
     Ok(total.sqrt() as f32)
 }
 

@@ -6,10 +6,11 @@
 pub use lowbit_testkit::{bits, run, seed, values};
 
 use lowbit_buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
+    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
 };
 use lowbit_buffers::{
-    ComputeFormat, DataParallelBuffers, Hooks, Overlap, ParamCompute, PrecisionPolicy, Verify,
+    ComputeFormat, DataParallelBuffers, Hooks, Overlap, ParamCompute, PrecisionPolicy, ReplicaMode,
+    Verify,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
@@ -144,11 +145,17 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         };
         let comm: &mut dyn Communicator = inner.as_mut();
         let init = init(&specs);
-        let mut bufs =
-            DataParallelBuffers::new(dev, shard, comm.rank(), specs.clone(), s.cfg.ddp_config())
-                .unwrap();
+        let plan = ShardingPlan::new(&specs, &s.cfg.plan_config(s.dp)).unwrap();
+        let mut bufs = DataParallelBuffers::with_plan(
+            dev,
+            comm.rank(),
+            specs.clone(),
+            plan,
+            s.cfg.ddp_config(),
+        )
+        .unwrap();
         if let Some(o) = outer {
-            bufs.set_outer_group(o).unwrap();
+            bufs.set_replica_group(o, s.cfg.replica_mode()).unwrap();
         }
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
         let live_persistent: usize = bufs.memory().iter().map(|m| m.persistent()).sum();
@@ -216,6 +223,9 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
     // shards: take the first group's.
     let ranks = if s.cfg.sharding == Sharding::NoShard {
         1
+    } else if s.cfg.outer_dp > 1 && s.cfg.replica_mode() == ReplicaMode::ShardOptimizer {
+        // HFSDP: the replica groups split the shards.
+        s.dp
     } else {
         shard
     };
