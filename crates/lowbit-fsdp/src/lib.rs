@@ -29,7 +29,7 @@
 //!   the device's allocation peak (`tests/memory.rs`).
 //!
 //! # Non-goals (not yet)
-//! Optimizer state sharded across replica groups (HFSDP) is refused by
+//! HFSDP with low-precision weights, or without `optim_grads_params` inside, is refused by
 //! [`FsdpConfig::validate`] with the reason.
 //!
 //! # Main parameters
@@ -47,11 +47,14 @@
 //!
 //! # Hybrid sharding
 //! `outer_dp` replica groups of `world / outer_dp` consecutive ranks
-//! ([`FsdpConfig::split_groups`]): the buffers' plan is one replica group's, gradients are
-//! reduced there and the reduced shards all-reduced across replicas once per step
-//! ([`lowbit_buffers::DataParallelBuffers::set_outer_group`]); the gradient norm sums over the
-//! shard group only (replicas hold the same shards). Equal to flat sharding up to the order of
-//! the sum across ranks; bit for bit with one replica group.
+//! ([`FsdpConfig::split_groups`]): the buffers' plan is one replica group's
+//! ([`FsdpConfig::plan_config`]), gradients are reduced there, then across replicas
+//! ([`lowbit_buffers::DataParallelBuffers::set_replica_group`] with
+//! [`FsdpConfig::replica_mode`]): all-reduced (outer `no_shard`, HSDP: the norm sums over the
+//! shard group only) or reduce-scattered (outer `optim`, HFSDP: the optimizer state is split
+//! across replicas, the norm sums over every rank, updated parameter parts are all-gathered
+//! back). Equal to flat sharding up to the order of the sum across ranks; bit for bit with one
+//! replica group.
 
 mod config;
 mod error;
