@@ -93,7 +93,8 @@ STEPS+=(
   "train-cuda-fsdp|900|bash gpu/train_fsdp.sh cuda"
   "compare-train-fsdp|60|set -o pipefail; for v in \$(bash gpu/train_fsdp.sh --list); do echo \"== \$v\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$v.json \$WORK/train-cuda-fsdp-\$v.json || exit 1; done | tee \$STEP_SUMMARY"
   "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY && bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding optim,optim_grads --nan-check off,grad --iters 6 --json \$WORK/bench-nan-check.json | tee -a \$STEP_SUMMARY"
-  # Hybrid sharding (issue 13 item 5) on 4 GPUs: 2 replica groups of 2 sharded ranks against
+  # Hybrid sharding (issue 13 item 5) on 4 GPUs (HSDP, and HFSDP: optimizer state split across
+  # the replica groups): 2 replica groups of 2 sharded ranks against
   # the CPU at 4 ranks (every collective of the trainer runs over 2 ranks, which NCCL reduces in
   # the CPU's order), once in one process and once as two torchrun "nodes" of 2 GPUs each (one
   # rendezvous, NCCL on its socket transport between them, the replica groups across the nodes).
@@ -101,7 +102,9 @@ STEPS+=(
   "x4-hybrid-cpu|600|bin/lowbit train --ranks 4 --outer-dp 2 --sharding optim_grads --steps 60 --json > \$STEP_JSON"
   "x4-hybrid-cuda|600|bin/lowbit train --device cuda --ranks 4 --outer-dp 2 --sharding optim_grads --steps 60 --json > \$STEP_JSON"
   "x4-hybrid-cuda-2nodes|600|bash gpu/hybrid_2nodes.sh > \$STEP_JSON"
-  "x4-compare-hybrid|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda.json && python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda-2nodes.json; } | tee \$STEP_SUMMARY"
+  "x4-hfsdp-cpu|600|bin/lowbit train --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
+  "x4-hfsdp-cuda|600|bin/lowbit train --device cuda --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
+  "x4-compare-hybrid|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda.json && python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda-2nodes.json && python3 gpu/compare_train.py \$WORK/x4-hfsdp-cpu.json \$WORK/x4-hfsdp-cuda.json; } | tee \$STEP_SUMMARY"
   # Checkpoints across backends (issue 14): 60 steps saved every 20 on the CPU and on 2 GPUs
   # (saving changes nothing: CUDA = CPU), then resumes CPU -> CUDA at step 20, CUDA -> CPU and
   # CUDA -> CUDA at step 40, each equal to the straight run from its step on, bit for bit.
