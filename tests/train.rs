@@ -12,59 +12,15 @@ use lowbit::train::{OptimizerChoice, TrainConfig, TrainReport, train};
 
 // The workspace's small JSON reader (no parser dependency), with strict accessors for the
 // assertions here.
-use lowbit_dev_support::json::Json;
+mod lowbit_cli;
 
-/// Runs `lowbit train ARGS --json` and parses its stdout.
-fn run_json(args: &[&str]) -> Json {
-    let out = Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .arg("train")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("run lowbit");
-    let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
-    assert!(
-        out.status.success(),
-        "lowbit train {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(stdout.lines().count(), 1, "one JSON object on one line");
-    Json::parse(&stdout).unwrap_or_else(|e| panic!("invalid JSON ({e}): {stdout}"))
-}
-
-/// Runs `lowbit train ARGS` expecting a refusal; returns stderr.
-fn run_refused(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .arg("train")
-        .args(args)
-        .output()
-        .expect("run lowbit");
-    assert!(!out.status.success(), "lowbit train {args:?} should fail");
-    assert!(out.stdout.is_empty(), "nothing on stdout when refused");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use lowbit_cli::{Json, records, run_json, run_refused, trajectory};
 
 /// Small, fast runs: 128 samples per step over 4 ranks x 2 microbatches.
 const SMALL: &[&str] = &["--batch", "128", "--steps", "5", "--eval-every", "2"];
 
 fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     SMALL.iter().copied().chain(extra.iter().copied()).collect()
-}
-
-/// `f` of every record of list `list`.
-fn records<T>(j: &Json, list: &str, f: impl Fn(&Json) -> T) -> Vec<T> {
-    j.key(list).arr().iter().map(f).collect()
-}
-
-/// What must be identical, bit for bit, between two runs of the same arithmetic.
-fn trajectory(j: &Json) -> (Vec<String>, Vec<String>, Vec<String>, String) {
-    let bits = |list: &str, key: &str| records(j, list, |s| s.key(key).text().to_string());
-    (
-        bits("steps", "loss_bits"),
-        bits("steps", "grad_norm_bits"),
-        bits("evals", "loss_bits"),
-        j.key("master_checksum").text().to_string(),
-    )
 }
 
 #[test]

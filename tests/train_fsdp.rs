@@ -8,39 +8,10 @@
 //! profile too.
 
 use std::path::PathBuf;
-use std::process::Command;
 
-// The workspace's small JSON reader, with strict accessors for the assertions here.
-use lowbit_dev_support::json::Json;
+mod lowbit_cli;
 
-/// Runs `lowbit train ARGS --json` and parses its stdout.
-fn run_json(args: &[&str]) -> Json {
-    let out = Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .arg("train")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("run lowbit");
-    let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
-    assert!(
-        out.status.success(),
-        "lowbit train {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Json::parse(&stdout).unwrap_or_else(|e| panic!("invalid JSON ({e}): {stdout}"))
-}
-
-/// Runs `lowbit train ARGS` expecting a refusal; returns stderr.
-fn run_refused(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .arg("train")
-        .args(args)
-        .output()
-        .expect("run lowbit");
-    assert!(!out.status.success(), "lowbit train {args:?} should fail");
-    assert!(out.stdout.is_empty(), "nothing on stdout when refused");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use lowbit_cli::{Json, run_json, run_refused, trajectory};
 
 /// Small runs: 2 ranks, 3 steps of 64 samples, one evaluation at the end.
 const SMALL: &[&str] = &[
@@ -56,23 +27,6 @@ const SMALL: &[&str] = &[
 
 fn small(extra: &[&str]) -> Json {
     run_json(&[SMALL, extra].concat())
-}
-
-/// What must be identical, bit for bit, between two runs of the same arithmetic.
-fn trajectory(j: &Json) -> (Vec<String>, Vec<String>, Vec<String>, String) {
-    let bits = |list: &str, key: &str| -> Vec<String> {
-        j.key(list)
-            .arr()
-            .iter()
-            .map(|s| s.key(key).text().to_string())
-            .collect()
-    };
-    (
-        bits("steps", "loss_bits"),
-        bits("steps", "grad_norm_bits"),
-        bits("evals", "loss_bits"),
-        j.key("master_checksum").text().to_string(),
-    )
 }
 
 fn final_loss(j: &Json) -> f64 {

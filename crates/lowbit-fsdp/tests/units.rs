@@ -60,6 +60,26 @@ fn whole(dev: &mut Device, vals: &[f32], rows: usize, cols: usize) -> [Vec<u8>; 
     parts.map(|v| bytes(dev, v))
 }
 
+/// This rank's buffers of `specs` under `cfg`, initialized with values from `salt`.
+fn initialized(
+    dev: &mut Device,
+    comm: &impl Communicator,
+    dp: usize,
+    specs: &[ParamSpec],
+    cfg: &FsdpConfig,
+    salt: u64,
+) -> (DataParallelBuffers, Vec<Vec<f32>>) {
+    let mut bufs =
+        DataParallelBuffers::new(dev, dp, comm.rank(), specs.to_vec(), cfg.ddp_config()).unwrap();
+    let init: Vec<Vec<f32>> = specs
+        .iter()
+        .enumerate()
+        .map(|(p, s)| values(seed(&[p as u64, salt]), s.numel, 3.0))
+        .collect();
+    bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+    (bufs, init)
+}
+
 #[test]
 fn gathered_mxfp8_units_are_the_whole_matrix_quantized() {
     for dp in 1..=4 {
@@ -68,15 +88,7 @@ fn gathered_mxfp8_units_are_the_whole_matrix_quantized() {
         cfg.validate(&specs, dp).unwrap();
         run(dp, |mut comm, mut dev| {
             let dev: &mut Device = &mut dev;
-            let mut bufs =
-                DataParallelBuffers::new(dev, dp, comm.rank(), specs.clone(), cfg.ddp_config())
-                    .unwrap();
-            let init: Vec<Vec<f32>> = specs
-                .iter()
-                .enumerate()
-                .map(|(p, s)| values(seed(&[p as u64, 5]), s.numel, 3.0))
-                .collect();
-            bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+            let (mut bufs, init) = initialized(dev, &comm, dp, &specs, &cfg, 5);
             for p in 0..specs.len() {
                 let g = bufs.group_of(p);
                 bufs.prepare_params(dev, &mut comm, g, Usage::Forward)
@@ -177,15 +189,7 @@ fn gathered_nvfp4_units_are_the_whole_matrix_quantized() {
         cfg.validate(&specs, dp).unwrap();
         run(dp, |mut comm, mut dev| {
             let dev: &mut Device = &mut dev;
-            let mut bufs =
-                DataParallelBuffers::new(dev, dp, comm.rank(), specs.clone(), cfg.ddp_config())
-                    .unwrap();
-            let init: Vec<Vec<f32>> = specs
-                .iter()
-                .enumerate()
-                .map(|(p, s)| values(seed(&[p as u64, 9]), s.numel, 3.0))
-                .collect();
-            bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+            let (mut bufs, init) = initialized(dev, &comm, dp, &specs, &cfg, 9);
             for p in 0..specs.len() {
                 let g = bufs.group_of(p);
                 for usage in [Usage::Forward, Usage::Backward] {

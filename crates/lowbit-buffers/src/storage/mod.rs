@@ -36,6 +36,25 @@ pub(crate) enum UnitParts {
 
 pub(crate) use nvfp4_rows::Nvfp4Rows;
 
+/// The closed form of a row-sharded storage: `bytes(rows, cols, dp)` of every matrix.
+fn per_matrix_bytes(
+    plan: &BufferPlan,
+    specs: &[&ParamSpec],
+    bytes: impl Fn(usize, usize, usize) -> usize,
+) -> StorageBytes {
+    let dp = plan.layout.num_shards;
+    StorageBytes {
+        weights: specs
+            .iter()
+            .map(|s| {
+                let (rows, cols) = matrix_dims(&s.shape);
+                bytes(rows, cols, dp)
+            })
+            .sum(),
+        staging: 0,
+    }
+}
+
 mod tiled;
 
 use tiled::{Mxfp8Tiles, Nvfp4Tiles, Tiled};

@@ -116,19 +116,9 @@ impl Mxfp8Rows {
     }
 
     pub(super) fn closed_form(plan: &BufferPlan, specs: &[&ParamSpec]) -> StorageBytes {
-        let dp = plan.layout.num_shards;
-        StorageBytes {
-            weights: specs
-                .iter()
-                .map(|s| {
-                    let (rows, cols) = matrix_dims(&s.shape);
-                    part_bytes(chunk_rows(rows, dp, 32), cols)
-                        .iter()
-                        .sum::<usize>()
-                })
-                .sum(),
-            staging: 0,
-        }
+        super::per_matrix_bytes(plan, specs, |rows, cols, dp| {
+            part_bytes(chunk_rows(rows, dp, 32), cols).iter().sum()
+        })
     }
 
     /// The chunk holding buffer range `range` (an owned piece: this rank's rows of one matrix).

@@ -103,17 +103,7 @@ impl Nvfp4Rows {
     }
 
     pub(super) fn closed_form(plan: &BufferPlan, specs: &[&ParamSpec]) -> StorageBytes {
-        let dp = plan.layout.num_shards;
-        StorageBytes {
-            weights: specs
-                .iter()
-                .map(|s| {
-                    let (r, c) = matrix_dims(&s.shape);
-                    own_bytes(r, c, dp)
-                })
-                .sum(),
-            staging: 0,
-        }
+        super::per_matrix_bytes(plan, specs, own_bytes)
     }
 
     /// The whole matrix's weights over a gathered unit (`unit`: [`unit_bytes`] laid out in
