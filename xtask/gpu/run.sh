@@ -65,6 +65,10 @@ STEPS+=(
   "bench-step|420|bin/step_bench --ranks 2 --model llama-3.2-1b --precision all --grads fp32,bf16 --also llama-3-8b-layers:mxfp8:fp32 --json \$STEP_JSON"
   "bench-step-overlap|240|bin/step_bench --ranks 2 --model llama-3.2-1b --precision mxfp8 --grads fp32 --compute-us 1500 --json \$STEP_JSON"
   "bench-torch-step|600|torchrun --nproc-per-node 2 gpu/torch_step.py --model llama-3.2-1b llama-3-8b-layers --grad-dtype fp32 bf16 --json \$STEP_JSON"
+  # The same step on one GPU of the host (issue 16: 1, 2 and 4 GPUs).
+  "bench-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 bin/step_bench --ranks 1 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --json \$STEP_JSON"
+  "bench-torch-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON"
+  "compare-step-1gpu|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step-1gpu.json \$WORK/bench-torch-step-1gpu.json | tee \$STEP_SUMMARY"
   "compare-step|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step.json \$WORK/bench-torch-step.json \$WORK/bench-step-overlap.json | tee \$STEP_SUMMARY"
   # lowbit train: the default run on one and on two GPUs, the same runs on the CPU backend of
   # this host, and a bitwise comparison (losses, grad norms, evals, final masters).
@@ -105,6 +109,9 @@ STEPS+=(
   "x4-hfsdp-cpu|600|bin/lowbit train --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
   "x4-hfsdp-cuda|600|bin/lowbit train --device cuda --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
   "x4-compare-hybrid|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda.json && python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda-2nodes.json && python3 gpu/compare_train.py \$WORK/x4-hfsdp-cpu.json \$WORK/x4-hfsdp-cuda.json; } | tee \$STEP_SUMMARY"
+  "x4-bench-step|300|bin/step_bench --ranks 4 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --json \$STEP_JSON"
+  "x4-bench-torch-step|300|torchrun --nproc-per-node 4 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON"
+  "x4-compare-step|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/x4-bench-step.json \$WORK/x4-bench-torch-step.json | tee \$STEP_SUMMARY"
   # Checkpoints across backends (issue 14): 60 steps saved every 20 on the CPU and on 2 GPUs
   # (saving changes nothing: CUDA = CPU), then resumes CPU -> CUDA at step 20, CUDA -> CPU and
   # CUDA -> CUDA at step 40, each equal to the straight run from its step on, bit for bit.
