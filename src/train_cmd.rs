@@ -163,6 +163,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "K", requires = "save",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub keep: Option<u64>,
+    /// Save asynchronously: snapshot the state after the step and write it while the next
+    /// steps run (committed at the next save or at the end) [needs --save].
+    #[arg(long, requires = "save")]
+    pub async_save: bool,
     /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total;
     /// flags that change the model, the data or the arithmetic must match the checkpoint's
     /// (refused otherwise, naming the flag; --main-grads-dtype and --grad-comm-dtype among them);
@@ -339,6 +343,7 @@ impl TrainArgs {
             save_every: self.save_every.unwrap_or(0),
             keep: self.keep.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
             resume: self.resume.clone(),
+            asynchronous: self.async_save,
         }
     }
 

@@ -255,6 +255,58 @@ fn saving_after_every_step_changes_nothing() {
     }
 }
 
+/// `--async-save`: the state is snapshotted after the step and written while the next steps
+/// run. The run is the same, every step's checkpoint is committed (the last one before the run
+/// reports), and the files are byte for byte those of a synchronous save; a resume from one is
+/// the straight run.
+#[test]
+fn asynchronous_saves_write_the_synchronous_bytes() {
+    let cfg = precision(Precision::Mxfp8);
+    let (sync_dir, async_dir) = (TempDir::new("ckpt-sync"), TempDir::new("ckpt-async"));
+    let sync = run(&cfg, &saving(sync_dir.dir(), 2));
+    let asynchronous = Checkpointing {
+        asynchronous: true,
+        ..saving(async_dir.dir(), 2)
+    };
+    let a = run(&cfg, &asynchronous);
+    assert_eq!(trajectory(&a), trajectory(&sync));
+    let names = |r: &TrainReport| -> Vec<String> {
+        r.saved
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert_eq!(names(&a), names(&sync));
+    assert_eq!(names(&a), ["step-2", "step-4", "step-6"]);
+    for step in names(&sync) {
+        let files = |root: &TempDir| -> Vec<(String, Vec<u8>)> {
+            let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(root.path(&step))
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    (
+                        e.file_name().to_string_lossy().into_owned(),
+                        std::fs::read(e.path()).unwrap(),
+                    )
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        let (x, y) = (files(&sync_dir), files(&async_dir));
+        assert_eq!(
+            x.iter().map(|f| &f.0).collect::<Vec<_>>(),
+            y.iter().map(|f| &f.0).collect::<Vec<_>>(),
+            "{step}"
+        );
+        for ((name, bx), (_, by)) in x.iter().zip(&y) {
+            assert!(bx == by, "{step}/{name} differs");
+        }
+    }
+    let resumed = run(&cfg, &resuming(async_dir.path("step-4")));
+    assert_eq!(resumed.master_checksum, sync.master_checksum);
+}
+
 /// The MLP harness of `tests/common` on paths `lowbit train` does not take: 2D MXFP8 gathered
 /// as fp8 bytes, NVFP4 packed gathers saved overlapped and resumed without overlap, the
 /// distributed strategy saved and the replicated one (classic DDP) resumed, AdamW owning whole

@@ -36,6 +36,10 @@ pub struct Checkpointing {
     pub keep: Option<usize>,
     /// Resume from this checkpoint: a root (its `latest`) or a `step-N` directory.
     pub resume: Option<PathBuf>,
+    /// Save asynchronously (`lowbit_ckpt::AsyncSaver`): the state is snapshotted after the
+    /// step and written while the next steps run; a save commits at the next save or at the
+    /// end of the run. The files are the same bytes as a synchronous save's.
+    pub asynchronous: bool,
 }
 
 impl Checkpointing {

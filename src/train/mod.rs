@@ -722,6 +722,7 @@ fn rank_main(
         phases.checkpoint += t.elapsed();
     }
     let mut saved = Vec::new();
+    let mut saver = lowbit_ckpt::AsyncSaver::new();
     let rows = cfg.rows();
     let mut lm = Lm::new(dev, cfg.shape, rows)
         .with_recompute(dev, cfg.recompute)
@@ -831,17 +832,33 @@ fn rank_main(
                 Some(s) if !split_state => s.as_mut(),
                 _ => &mut *comm,
             };
-            let dir = lowbit_ckpt::save(
-                dev,
-                save_comm,
-                root,
-                &meta,
-                &specs,
-                trainer.optimizer(),
-                job.ck.options(),
-            )
-            .map_err(|x| e(&x))?;
-            saved.push(dir);
+            if job.ck.asynchronous {
+                // Snapshot now, write during the next steps; the previous save commits here.
+                let committed = saver
+                    .save(
+                        dev,
+                        save_comm,
+                        root,
+                        &meta,
+                        &specs,
+                        trainer.optimizer(),
+                        job.ck.options(),
+                    )
+                    .map_err(|x| e(&x))?;
+                saved.extend(committed);
+            } else {
+                let dir = lowbit_ckpt::save(
+                    dev,
+                    save_comm,
+                    root,
+                    &meta,
+                    &specs,
+                    trainer.optimizer(),
+                    job.ck.options(),
+                )
+                .map_err(|x| e(&x))?;
+                saved.push(dir);
+            }
             phases.checkpoint += t.elapsed();
         }
         if rank == 0 {
@@ -854,6 +871,16 @@ fn rank_main(
                 tokens_per_s: ((step + 1 - job.start) * cfg.batch) as f64 / secs,
             });
         }
+    }
+    if writes_checkpoints {
+        // The last asynchronous save commits before the run reports.
+        let t = Instant::now();
+        let save_comm: &mut dyn Communicator = match shard.as_mut() {
+            Some(s) if !split_state => s.as_mut(),
+            _ => &mut *comm,
+        };
+        saved.extend(saver.wait(save_comm).map_err(|x| e(&x))?);
+        phases.checkpoint += t.elapsed();
     }
     let wall = start.elapsed();
     let masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
