@@ -1,6 +1,6 @@
 //! `lowbit ckpt`: inspect, verify and export checkpoints written by `lowbit train --save`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -10,9 +10,13 @@ use lowbit::train::json::Json;
 use lowbit::train::{layout_options, shape_of};
 use safetensors::Dtype;
 
+use lowbit::formats::{Copies, NanPolicy, ScaleLayout};
+
 use crate::error::CliError;
 use crate::files::{self, OutTensor};
+use crate::quantize;
 use crate::report::{self, escape};
+use crate::schema::{Recipe, Settings};
 use crate::train_cmd::shape_text;
 
 /// Arguments of `lowbit ckpt`.
@@ -85,6 +89,12 @@ pub enum ExportDtype {
     F32,
     /// bf16, rounded to nearest even.
     Bf16,
+    /// The low-precision primary weights training computed with: the GEMM weights as
+    /// `Q(bf16(master))` in MXFP8 (E4M3, 1x32 blocks, both copies, compact scales, the
+    /// `lowbit quantize` layout), everything else bf16.
+    Mxfp8,
+    /// As `mxfp8` with NVFP4 (16x16 tiles, a global amax per tensor).
+    Nvfp4,
 }
 
 /// Runs `lowbit ckpt`.
@@ -308,7 +318,30 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
             )));
         }
     }
+    let grouped = shape_of(&c.manifest().meta.config, true).is_some_and(|s| s.experts > 1);
+    if a.dtype == ExportDtype::Nvfp4 && grouped && !a.discrete_experts {
+        return Err(CliError::Msg(
+            "--dtype nvfp4 would quantize a grouped expert tensor with one global amax, but \
+             training keeps one per expert; pass --discrete-experts"
+                .into(),
+        ));
+    }
     let (params, options) = export_targets(&c, a.discrete_experts)?;
+    // The GEMM weights (what training stores in low precision): the model's matrices, or every
+    // tensor of two or more dimensions in a checkpoint without the model's shape.
+    let matrices: HashSet<String> = match shape_of(&c.manifest().meta.config, !a.discrete_experts) {
+        Some(shape) => shape
+            .params()
+            .into_iter()
+            .filter(|p| p.matrix)
+            .map(|p| p.name)
+            .collect(),
+        None => params
+            .iter()
+            .filter(|(_, s)| s.len() >= 2)
+            .map(|(n, _)| n.clone())
+            .collect(),
+    };
     let mut tensors = Vec::with_capacity(params.len());
     for (name, shape) in params {
         let values = c
@@ -319,7 +352,8 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
                 Dtype::F32,
                 values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             ),
-            ExportDtype::Bf16 => (
+            // Low precision: bf16 first (the quantizer's input is `bf16(master)`).
+            ExportDtype::Bf16 | ExportDtype::Mxfp8 | ExportDtype::Nvfp4 => (
                 Dtype::BF16,
                 values
                     .iter()
@@ -340,17 +374,58 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
         ("lowbit.source".to_string(), c.dir().display().to_string()),
         ("lowbit.step".to_string(), c.meta().step.to_string()),
     ]);
+    let low = match a.dtype {
+        ExportDtype::Mxfp8 => Some(Recipe::Mxfp8),
+        ExportDtype::Nvfp4 => Some(Recipe::Nvfp4),
+        _ => None,
+    };
     let bytes = files::serialize(&a.output, tensors, metadata)?;
-    files::write_atomic(&a.output, &bytes)?;
+    let Some(recipe) = low else {
+        files::write_atomic(&a.output, &bytes)?;
+        return report_export(a, &c, n, bytes.len());
+    };
+    // The bf16 file goes to a temporary beside OUT, then through `lowbit quantize` with the
+    // primary-weight recipe, the GEMM weights only.
+    let tmp = a.output.with_file_name(format!(
+        ".{}.lowbit-export-bf16",
+        a.output
+            .file_name()
+            .map_or_else(|| "out".into(), |f| f.to_string_lossy().into_owned())
+    ));
+    files::write_atomic(&tmp, &bytes)?;
+    let opts = quantize::Options {
+        settings: Settings {
+            recipe,
+            copies: Copies::Both,
+            two_d: matches!(recipe, Recipe::Nvfp4),
+            layout: ScaleLayout::Compact,
+            nan_policy: NanPolicy::Te,
+        },
+        threads: 0,
+        only: Some(matrices),
+    };
+    let r = quantize::run(&tmp, &a.output, &opts, true);
+    let _ = fs::remove_file(&tmp);
+    r?;
+    let size = fs::metadata(&a.output)
+        .map(|m| m.len() as usize)
+        .unwrap_or(0);
+    report_export(a, &c, n, size)
+}
+
+/// The line an export prints.
+fn report_export(a: &ExportArgs, c: &Checkpoint, n: usize, size: usize) -> Result<(), CliError> {
     report::print(&format!(
         "exported {} tensors ({}, step {}) to {}: {} bytes\n",
         n,
         match a.dtype {
             ExportDtype::F32 => "f32",
             ExportDtype::Bf16 => "bf16",
+            ExportDtype::Mxfp8 => "MXFP8 GEMM weights, bf16 others",
+            ExportDtype::Nvfp4 => "NVFP4 GEMM weights, bf16 others",
         },
         c.meta().step,
         escape(&a.output.display().to_string()),
-        report::bytes_str(bytes.len())
+        report::bytes_str(size)
     ))
 }

@@ -182,6 +182,7 @@ impl QuantizeArgs {
                 },
             },
             threads: usize::from(self.threads),
+            only: None,
         }
     }
 }

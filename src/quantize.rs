@@ -29,12 +29,15 @@ use crate::report::{self, Align, Progress, Stats, Table, bytes_str, human_bytes,
 use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
 
 /// Everything `quantize` needs besides the paths.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     /// Recipe and layout, recorded in the output's metadata.
     pub settings: Settings,
     /// Worker threads (0 = all cores); the bytes do not depend on it.
     pub threads: usize,
+    /// Quantize only the float tensors with these names and copy the others (`None`: every
+    /// float tensor). `lowbit ckpt export` quantizes a model's GEMM weights this way.
+    pub only: Option<std::collections::HashSet<String>>,
 }
 
 /// What one input tensor becomes.
@@ -81,7 +84,8 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
     let mut produced: HashMap<String, &str> = HashMap::new();
     for e in &src.tensors {
         let name = &e.name;
-        let plan = if is_quantized(name, e.dtype).map_err(ctx)? {
+        let chosen = opts.only.as_ref().is_none_or(|o| o.contains(name));
+        let plan = if is_quantized(name, e.dtype).map_err(ctx)? && chosen {
             let (rows, cols) = schema::matrix_dims(&e.shape).ok_or_else(|| {
                 let shape = schema::shape_str(&e.shape);
                 ctx(format!("tensor {name}: shape {shape} is too large"))

@@ -671,6 +671,75 @@ fn ckpt_inspect_verify_and_export() {
         assert_eq!(t.shape(), &[64, 64]);
         assert_eq!(t.data(), &fc1.data()[e * per..(e + 1) * per], "expert {e}");
     }
+    // MXFP8: the GEMM weights as `lowbit quantize` writes them, each the library's
+    // quantization of bf16(master) (what training computed with); everything else bf16.
+    let mx_out = dir.path("w.mxfp8.safetensors");
+    stdout_ok(&["ckpt", "export", p(&root), p(&mx_out), "--dtype", "mxfp8"]);
+    let mx = std::fs::read(&mx_out).unwrap();
+    let mx = safetensors::SafeTensors::deserialize(&mx).unwrap();
+    for prm in &params {
+        let b = bf.tensor(&prm.name).unwrap();
+        if !prm.matrix {
+            let t = mx.tensor(&prm.name).unwrap();
+            assert_eq!((t.dtype(), t.data()), (b.dtype(), b.data()), "{}", prm.name);
+            continue;
+        }
+        assert!(mx.tensor(&prm.name).is_err(), "{} quantized", prm.name);
+        let values: Vec<half::bf16> = b
+            .data()
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let cols = *prm.shape.last().unwrap();
+        let rows = values.len() / cols;
+        let m = lowbit::formats::Matrix::new(
+            &prm.name,
+            rows,
+            cols,
+            lowbit::formats::Source::Bf16(&values),
+        )
+        .unwrap();
+        let cfg = lowbit::formats::Mxfp8Config {
+            kind: lowbit::formats::Fp8Kind::E4M3,
+            ..lowbit::formats::Mxfp8Config::default()
+        };
+        let want = lowbit::formats::quantize_mxfp8(&m, &cfg).unwrap();
+        for (side, plane) in [("rowwise", &want.rowwise), ("columnwise", &want.columnwise)] {
+            let plane = plane.as_ref().unwrap();
+            let data = mx.tensor(&format!("{}.{side}_data", prm.name)).unwrap();
+            assert!(data.data() == &plane.data[..], "{} {side}", prm.name);
+        }
+    }
+    // NVFP4 with one tensor per expert (each its own global amax, as training keeps them).
+    let nv_out = dir.path("w.nvfp4.safetensors");
+    stdout_ok(&[
+        "ckpt",
+        "export",
+        p(&root),
+        p(&nv_out),
+        "--dtype",
+        "nvfp4",
+        "--discrete-experts",
+    ]);
+    let nv = std::fs::read(&nv_out).unwrap();
+    let nv = safetensors::SafeTensors::deserialize(&nv).unwrap();
+    assert!(nv.tensor("moe.experts.0.fc1.weight.amax").is_ok());
+    let norm = params.iter().find(|x| !x.matrix).unwrap();
+    assert_eq!(
+        nv.tensor(&norm.name).unwrap().dtype(),
+        safetensors::Dtype::BF16
+    );
+    // Grouped NVFP4 would get one amax per tensor, not training's per-expert amaxes.
+    let e = refused(&[
+        "ckpt",
+        "export",
+        p(&root),
+        p(&dir.path("g.nvfp4.safetensors")),
+        "--dtype",
+        "nvfp4",
+    ]);
+    assert!(e.contains("--discrete-experts"), "{e}");
+
     // An existing output needs --force.
     let e = refused(&["ckpt", "export", p(&root), p(&f32_out)]);
     assert!(e.contains("--force"), "{e}");
