@@ -367,39 +367,27 @@ impl DataParallelBuffers {
     }
 
     /// HFSDP: whether ranks of different replica groups own different pieces (the gradient
-    /// norm then sums across replicas too: [`Self::sum_over_replicas`]).
+    /// norm then sums over the replica group too: [`Self::replica_group`]).
     pub fn optimizer_sharded_across_replicas(&self) -> bool {
         self.replica_mode == ReplicaMode::ShardOptimizer && self.outer.is_some()
     }
 
-    /// Adds one f64 per replica in replica order (an all-gather of the bytes): the same sum on
-    /// every rank. `x` unchanged without replicas.
-    ///
-    /// # Errors
-    /// Collective and device errors.
-    pub fn sum_over_replicas(&mut self, dev: &mut Device, x: f64) -> Result<f64> {
-        let Some(outer) = self.outer.as_mut() else {
-            return Ok(x);
-        };
-        let n = outer.size();
-        let buf = dev.try_alloc(DType::U8, 8 * n)?;
-        let mine = buf.slice(8 * outer.rank()..8 * (outer.rank() + 1))?;
-        let r = dev
-            .write_bytes(mine, &x.to_le_bytes())
-            .map_err(crate::BufferError::from)
-            .and_then(|()| {
-                let ops = [Op::AllGather {
-                    input: mine,
-                    output: buf,
-                }];
-                outer.start_coalesced(dev, &ops)?.wait(dev)?;
-                Ok(dev.read_bytes(buf)?.to_vec())
-            });
-        dev.free(buf)?;
-        Ok(r?
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .sum())
+    /// The replica group of hybrid sharding, if any.
+    pub fn replica_group(&mut self) -> Option<&mut dyn Communicator> {
+        match &mut self.outer {
+            Some(c) => Some(c.as_mut()),
+            None => None,
+        }
+    }
+
+    /// HFSDP: this rank's shard of bucket `bi` of buffer `b` in its shard storage, and the part
+    /// of it this rank's replica owns (the shard split evenly across the replica group).
+    pub(crate) fn replica_part(&self, b: usize, bi: usize) -> Result<(Range<usize>, Range<usize>)> {
+        let (n, o) = self.outer.as_ref().map_or((1, 0), |c| (c.size(), c.rank()));
+        let local = self.buffers[b].plan.local_shard_range(bi, self.rank)?;
+        let part = local.len() / n;
+        let mine = local.start + o * part..local.start + (o + 1) * part;
+        Ok((local, mine))
     }
 
     /// HFSDP: all-gathers every rank's updated part of its parameter shards across replicas
@@ -410,21 +398,18 @@ impl DataParallelBuffers {
         {
             return Ok(());
         }
-        let outer = self.outer.as_mut().expect("checked above");
-        let (n, o) = (outer.size(), outer.rank());
         let mut ops = Vec::new();
-        for b in &self.buffers {
-            let region = b.storage.region();
-            for bi in 0..b.plan.layout.buckets.len() {
-                let local = b.plan.local_shard_range(bi, self.rank)?;
-                let part = local.len() / n;
-                let mine = local.start + o * part..local.start + (o + 1) * part;
+        for (b, buf) in self.buffers.iter().enumerate() {
+            let region = buf.storage.region();
+            for bi in 0..buf.plan.layout.buckets.len() {
+                let (local, mine) = self.replica_part(b, bi)?;
                 ops.push(Op::AllGather {
                     input: region.slice(mine)?,
                     output: region.slice(local)?,
                 });
             }
         }
+        let outer = self.outer.as_mut().expect("checked above");
         outer.start_coalesced(dev, &ops)?.wait(dev)?;
         Ok(())
     }

@@ -174,7 +174,7 @@ pub fn transient_bound(plan: &ShardingPlan, specs: &[ParamSpec], cfg: &DdpConfig
                 });
                 copies.push((row, col));
             } else {
-                units.push(b.numel() * storage::persistent_dtype(bp.key.param_storage).size());
+                units.push(b.numel() * storage::storage_dtype(bp.key.param_storage).size());
             }
         }
         mine.sort_unstable_by(|a, b| b.cmp(a));

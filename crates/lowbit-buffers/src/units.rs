@@ -18,7 +18,7 @@ use lowbit_device::{DType, Device, View};
 
 use crate::config::UnitGather;
 use crate::error::{ProtocolError, Result};
-use crate::storage::{Mxfp8Weights, Nvfp4Rows, Nvfp4Weights, UnitParts, nvfp4_unit_bytes};
+use crate::storage::{Mxfp8Weights, Nvfp4Rows, Nvfp4Weights, UnitParts};
 use crate::{DataParallelBuffers, Usage, matrix_dims};
 
 /// The transient memory of one gathered unit.
@@ -160,23 +160,14 @@ impl DataParallelBuffers {
                 .iter()
                 .map(|&i| buf.storage.unit_parts(i).expect("a low-precision unit"))
                 .collect();
-            for c in 0..2 {
-                if !need[c] || self.groups[g].unit.copies[c].is_some() {
+            for (c, &needed) in need.iter().enumerate() {
+                if !needed || self.groups[g].unit.copies[c].is_some() {
                     continue;
                 }
                 // Per matrix: what every rank contributes, and the unit bytes it takes.
                 let pieces: Vec<(Vec<View>, usize)> = parts
                     .iter()
-                    .map(|p| match *p {
-                        UnitParts::Mxfp8(v) => {
-                            let ins = vec![v[2 * c], v[2 * c + 1]];
-                            let n = ins.iter().map(|x| dp * x.len()).sum();
-                            (ins, n)
-                        }
-                        UnitParts::Nvfp4 {
-                            data, rows, cols, ..
-                        } => (vec![data], nvfp4_unit_bytes(rows, cols, dp).iter().sum()),
-                    })
+                    .map(|p| (p.inputs(c), p.unit_bytes(c, dp)))
                     .collect();
                 let bytes: usize = pieces.iter().map(|(_, n)| n).sum();
                 let unit = dev.try_alloc(DType::U8, bytes)?;
@@ -243,10 +234,7 @@ impl DataParallelBuffers {
         let mut out = Vec::with_capacity(self.groups[g].indices.len());
         for &i in &self.groups[g].indices {
             let parts = buf.storage.unit_parts(i).expect("a low-precision unit");
-            let UnitParts::Nvfp4 { rows, cols, .. } = parts else {
-                continue;
-            };
-            let n: usize = nvfp4_unit_bytes(rows, cols, dp).iter().sum();
+            let n = parts.unit_bytes(0, dp);
             out.push(Nvfp4Rows::finish(dev, &parts, unit.slice(at..at + n)?, dp)?);
             at += n;
         }
@@ -350,11 +338,12 @@ impl DataParallelBuffers {
             };
             let mut at = 0;
             for &i in &group.indices {
-                let Some(UnitParts::Mxfp8(parts)) = buf.storage.unit_parts(i) else {
+                let Some(parts) = buf.storage.unit_parts(i) else {
                     return Ok(None);
                 };
-                let (data, scales) = (dp * parts[2 * c].len(), dp * parts[2 * c + 1].len());
                 if i == index {
+                    // The copy's gathered data, then its gathered scales.
+                    let data = dp * parts.inputs(c)[0].len();
                     let scale_len = match c {
                         0 => rows * cols.div_ceil(32),
                         _ => rows.div_ceil(32) * cols,
@@ -365,7 +354,7 @@ impl DataParallelBuffers {
                     ));
                     break;
                 }
-                at += data + scales;
+                at += parts.unit_bytes(c, dp);
             }
         }
         let present = copy[read].ok_or_else(not_gathered)?;

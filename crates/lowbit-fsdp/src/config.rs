@@ -123,14 +123,20 @@ impl FsdpConfig {
         with_verify => verify: Verify;
     }
 
+    /// Whether `specs` has MXFP8 units: MXFP8 primary weights sharded by `optim_grads_params`,
+    /// the only units that gather their copies (and so what fine-grained gathers apply to).
+    fn has_mxfp8_units(&self, specs: &[ParamSpec]) -> bool {
+        self.sharding == Sharding::OptimGradsParams
+            && specs.iter().any(|s| {
+                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
+            })
+    }
+
     /// Whether fine-grained gathers are on for `specs`, and why (seed 002's rule: MXFP8
     /// primary weights gathered in low precision, with activation recompute). Only units of
     /// MXFP8 weights sharded by `optim_grads_params` gather copies, so only they are affected.
     pub fn fine_grained(&self, specs: &[ParamSpec]) -> (bool, &'static str) {
-        let mxfp8 = self.sharding == Sharding::OptimGradsParams
-            && specs.iter().any(|s| {
-                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
-            });
+        let mxfp8 = self.has_mxfp8_units(specs);
         match self.fine_grained {
             FineGrainedGather::On => (true, "on (asked for)"),
             FineGrainedGather::Off => (false, "off (asked for)"),
@@ -193,11 +199,7 @@ impl FsdpConfig {
                 ));
             }
         }
-        let mxfp8_units = self.sharding == Sharding::OptimGradsParams
-            && specs.iter().any(|s| {
-                s.key.param_storage == ParamStorage::Quantized(lowbit_layout::QuantKind::Mxfp8)
-            });
-        if self.fine_grained == FineGrainedGather::On && !mxfp8_units {
+        if self.fine_grained == FineGrainedGather::On && !self.has_mxfp8_units(specs) {
             return no(
                 "fine-grained (rowwise/columnwise) gathers apply to MXFP8 primary weights \
                  sharded by optim_grads_params; there are none here"

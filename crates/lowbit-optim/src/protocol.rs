@@ -93,8 +93,10 @@ pub fn global_grad_norm(
         local
     };
     // HFSDP: replicas own different pieces; their sums add (replica order).
-    if bufs.optimizer_sharded_across_replicas() {
-        total = bufs.sum_over_replicas(dev, total)?;
+    if bufs.optimizer_sharded_across_replicas()
+        && let Some(replicas) = bufs.replica_group()
+    {
+        total = sum_across_ranks(dev, replicas, total)?;
     }
     Ok(total.sqrt() as f32)
 }

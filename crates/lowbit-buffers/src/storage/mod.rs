@@ -34,6 +34,26 @@ pub(crate) enum UnitParts {
     },
 }
 
+impl UnitParts {
+    /// What this rank contributes to the gather of copy `copy` (0 rowwise, 1 columnwise):
+    /// MXFP8 a copy's data and scales; NVFP4 its rowwise bytes (slot 0 holds everything).
+    pub(crate) fn inputs(&self, copy: usize) -> Vec<View> {
+        match *self {
+            UnitParts::Mxfp8(v) => vec![v[2 * copy], v[2 * copy + 1]],
+            UnitParts::Nvfp4 { data, .. } => vec![data],
+        }
+    }
+
+    /// The bytes one matrix takes in the unit buffer of copy `copy` over `dp` ranks: the
+    /// gathered inputs, and for NVFP4 what is derived from them after the gather.
+    pub(crate) fn unit_bytes(&self, copy: usize, dp: usize) -> usize {
+        match *self {
+            UnitParts::Mxfp8(_) => self.inputs(copy).iter().map(|x| dp * x.len()).sum(),
+            UnitParts::Nvfp4 { rows, cols, .. } => nvfp4_unit_bytes(rows, cols, dp).iter().sum(),
+        }
+    }
+}
+
 pub(crate) use nvfp4_rows::Nvfp4Rows;
 
 /// The closed form of a row-sharded storage: `bytes(rows, cols, dp)` of every matrix.
@@ -446,12 +466,7 @@ pub(crate) fn closed_form(
 }
 
 /// The dtype of persistent storage.
-pub(crate) fn persistent_dtype(s: ParamStorage) -> DType {
-    storage_dtype(s)
-}
-
-/// The dtype of persistent storage.
-fn storage_dtype(s: ParamStorage) -> DType {
+pub(crate) fn storage_dtype(s: ParamStorage) -> DType {
     match s {
         ParamStorage::F16 => DType::F16,
         ParamStorage::F32 => DType::F32,
