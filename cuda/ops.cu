@@ -186,19 +186,98 @@ extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t 
 // square in f64), through __dadd_rn/__dmul_rn/__dsub_rn (never fused). The host adds the
 // partials in index order. One thread per block keeps the order. Each warp owns 32 consecutive
 // blocks and works on its own (no CTA barrier): it stages them through shared memory 32
-// elements at a time, lane l loading element k + l of each of the 32 blocks (coalesced, 32
-// independent loads in flight per lane, unconditional when all 32 blocks are whole), then each
-// lane reads its own row (pitch 33: no bank conflicts). Elements past n read as 0, and adding
-// +0.0 to a partial (never -0.0) leaves it unchanged, so a short last block is summed exactly
-// as on the CPU. DT: 0 = f32, 1 = bf16, 2 = f16; MSE: y present (f32).
+// elements at a time (a step), lane l loading element k + l of each of the 32 blocks
+// (coalesced, 32 independent loads per lane, unconditional when all 32 blocks are whole), then
+// each lane reads its own row (pitch 33: no bank conflicts) and adds it to its block's sum.
+// Software-pipelined (version 3): the loads of a step are issued SUMSQ_DEPTH steps ahead, into
+// a register set freed by staging the previous step, before the 32 dependent adds of the
+// current step, so the warp always has loads in flight (before, its loads waited for its adds).
+// The additions, their operands and their order are unchanged. Elements past n read as 0, and
+// adding +0.0 to a partial (never -0.0) leaves it unchanged, so a short last block is summed
+// exactly as on the CPU. DT: 0 = f32, 1 = bf16, 2 = f16; MSE: y present (f32).
 #define SUMSQ_BLOCK 4096u
 #define SUMSQ_WARPS 4u
 
+// The raw bits of element i (f32 bits, or the 16-bit pattern), converted to f32 only where
+// the sum reads them (sumsq_value): one conversion per element in the adding loop instead of
+// one per load site (the loads are unrolled many times over; f16's conversion is long).
 template <int DT>
-__device__ __forceinline__ float sumsq_load(const uint8_t* __restrict__ x, u64 i) {
-    if (DT == 0) return __ldcs(reinterpret_cast<const float*>(x) + i);
-    uint16_t b = __ldcs(reinterpret_cast<const unsigned short*>(x) + i);
-    return DT == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
+__device__ __forceinline__ uint32_t sumsq_load(const uint8_t* __restrict__ x, u64 i) {
+    if (DT == 0) return __ldcs(reinterpret_cast<const unsigned int*>(x) + i);
+    return __ldcs(reinterpret_cast<const unsigned short*>(x) + i);
+}
+
+template <int DT>
+__device__ __forceinline__ float sumsq_value(uint32_t b) {
+    if (DT == 0) return __uint_as_float(b);
+    return DT == 1 ? bf16_bits_to_f32((uint16_t)b) : f16_bits_to_f32((uint16_t)b);
+}
+
+// One step's loads: element `base + r·SUMSQ_BLOCK` for r < 32 (`base` = the first block's
+// start + k + lane). WHOLE (warp-uniform): all 32 blocks lie inside the view, no bounds check;
+// else elements past n read as 0 (bits 0: +0.0 in every dtype; the warp holding the last,
+// short block).
+template <int DT, bool MSE, bool WHOLE>
+__device__ __forceinline__ void sumsq_fetch(const uint8_t* __restrict__ x,
+                                            const float* __restrict__ y, u64 n, u64 base,
+                                            uint32_t (&v)[32], float (&u)[32]) {
+#pragma unroll
+    for (unsigned r = 0; r < 32; ++r) {
+        u64 i = base + (u64)r * SUMSQ_BLOCK;
+        if (WHOLE) {
+            v[r] = sumsq_load<DT>(x, i);
+            if (MSE) u[r] = __ldcs(y + i);
+        } else {
+            bool live = i < n;
+            v[r] = live ? sumsq_load<DT>(x, i) : 0u;
+            if (MSE) u[r] = live ? __ldcs(y + i) : 0.0f;
+        }
+    }
+}
+
+// Steps in flight per warp: 2 for the sums of squares (64 registers of loads: 8 KB per warp
+// for f32), 1 for MSE (its two inputs already take 64).
+template <bool MSE>
+struct SumsqDepth {
+    static constexpr unsigned value = MSE ? 1u : 2u;
+};
+
+// The 128 steps of one warp (lane = its block b0 + lane), returning the lane's block sum.
+template <int DT, bool MSE, bool WHOLE>
+__device__ __forceinline__ double sumsq_chain(const uint8_t* __restrict__ x,
+                                              const float* __restrict__ y, u64 n, u64 b0,
+                                              unsigned lane, uint32_t (*tx)[33],
+                                              float (*ty)[33]) {
+    constexpr unsigned D = SumsqDepth<MSE>::value;
+    const u64 base = b0 * SUMSQ_BLOCK + lane;
+    uint32_t v[D][32];
+    float u[D][32];
+#pragma unroll
+    for (unsigned s = 0; s < D; ++s) sumsq_fetch<DT, MSE, WHOLE>(x, y, n, base + 32 * s, v[s], u[s]);
+    double acc = 0.0;
+    for (unsigned k = 0; k < SUMSQ_BLOCK; k += 32 * D) {
+#pragma unroll
+        for (unsigned s = 0; s < D; ++s) {
+            // Stage step k + 32s (waits for its loads), then refill the registers with the
+            // loads of step k + 32(s + D), which stay in flight during this step's adds.
+#pragma unroll
+            for (unsigned r = 0; r < 32; ++r) {
+                tx[r][lane] = v[s][r];
+                if (MSE) ty[r][lane] = u[s][r];
+            }
+            __syncwarp();
+            const unsigned next = k + 32 * (s + D);
+            if (next < SUMSQ_BLOCK) sumsq_fetch<DT, MSE, WHOLE>(x, y, n, base + next, v[s], u[s]);
+#pragma unroll 8
+            for (unsigned j = 0; j < 32; ++j) {
+                double d = (double)sumsq_value<DT>(tx[lane][j]);
+                if (MSE) d = __dsub_rn(d, (double)ty[lane][j]);
+                acc = __dadd_rn(acc, __dmul_rn(d, d));
+            }
+            __syncwarp();
+        }
+    }
+    return acc;
 }
 
 // `warp`: the warp's index within the view's launch (it owns blocks 32·warp ..).
@@ -206,55 +285,19 @@ template <int DT, bool MSE>
 __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
                                                  const float* __restrict__ y, u64 n,
                                                  double* __restrict__ partials, u64 warp) {
-    __shared__ float tx[SUMSQ_WARPS][32][33];
+    __shared__ uint32_t tx[SUMSQ_WARPS][32][33];
     __shared__ float ty[MSE ? SUMSQ_WARPS : 1][32][MSE ? 33 : 1];
     const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
     const u64 b0 = warp * 32;
     const u64 nb = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     if (b0 >= nb) return;
-    const bool whole = (b0 + 32) * SUMSQ_BLOCK <= n;
-    double acc = 0.0;
-    for (unsigned k = 0; k < SUMSQ_BLOCK; k += 32) {
-        if (whole) {
-            float v[32], u[32];
-#pragma unroll
-            for (unsigned r = 0; r < 32; ++r) {
-                u64 i = (b0 + r) * SUMSQ_BLOCK + k + lane;
-                v[r] = sumsq_load<DT>(x, i);
-                if (MSE) u[r] = __ldcs(y + i);
-            }
-#pragma unroll
-            for (unsigned r = 0; r < 32; ++r) {
-                tx[w][r][lane] = v[r];
-                if (MSE) ty[w][r][lane] = u[r];
-            }
-        } else {
-            // The warp holding the last (short) block: the same 32 loads in flight, predicated.
-            // (Issued one after another, as this loop once was, they made this warp the
-            // kernel's critical path: ~0.1 ms per call whatever its size.)
-            float v[32], u[32];
-#pragma unroll
-            for (unsigned r = 0; r < 32; ++r) {
-                u64 i = (b0 + r) * SUMSQ_BLOCK + k + lane;
-                bool live = i < n;
-                v[r] = live ? sumsq_load<DT>(x, i) : 0.0f;
-                if (MSE) u[r] = live ? y[i] : 0.0f;
-            }
-#pragma unroll
-            for (unsigned r = 0; r < 32; ++r) {
-                tx[w][r][lane] = v[r];
-                if (MSE) ty[w][r][lane] = u[r];
-            }
-        }
-        __syncwarp();
-#pragma unroll 8
-        for (unsigned j = 0; j < 32; ++j) {
-            double d = (double)tx[w][lane][j];
-            if (MSE) d = __dsub_rn(d, (double)ty[w][lane][j]);
-            acc = __dadd_rn(acc, __dmul_rn(d, d));
-        }
-        __syncwarp();
-    }
+    float(*tyw)[33] = MSE ? reinterpret_cast<float(*)[33]>(&ty[w][0][0]) : nullptr;
+    // The warp holding the last (short) block takes the predicated loads, the same number in
+    // flight. (Issued one after another, as this loop once was, they made this warp the
+    // kernel's critical path: ~0.1 ms per call whatever its size.)
+    const double acc = (b0 + 32) * SUMSQ_BLOCK <= n
+                           ? sumsq_chain<DT, MSE, true>(x, y, n, b0, lane, tx[w], tyw)
+                           : sumsq_chain<DT, MSE, false>(x, y, n, b0, lane, tx[w], tyw);
     if (b0 + lane < nb) partials[b0 + lane] = acc;
 }
 
@@ -989,6 +1032,170 @@ extern "C" __global__ void nvfp4_quantize_cols(const uint8_t* __restrict__ x, ui
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(packed >> (8 * j));
+            }
+        }
+    }
+}
+
+// ---- NVFP4 columnwise, version 4: a shared-memory transpose ----
+//
+// nvfp4_quantize_cols reads 2-byte elements down columns and writes each column's 8-byte codes
+// at a row pitch of rows/2 bytes (0.31x of copy bandwidth with both copies). Version 4 (bf16,
+// cols % 8 == 0, x 16-byte aligned, data 8-byte aligned; host-checked) stages a tile of 256
+// rows x 64 columns (32 KB) in shared memory with 16-byte `cp.async` copies (coalesced 128-byte
+// row segments, all 16 per thread in flight, no registers held), then each lane of warp w takes
+// the column pair (c0 + 2·lane, c0 + 2·lane + 1) over rows 64w .. 64w + 63 (four 1x16 blocks of
+// the transpose per column): it reads the pair as one 32-bit word per row (a warp reads a whole
+// 128-byte tile row: no bank conflicts), takes both columns' block amaxes on packed bf16 pairs,
+// and forms each column's codes exactly as nvfp4_quantize_rows_v3 forms a row block's: the
+// column's 16 elements gathered (PRMT) into v3's layout (words of element pairs (2j, 2j + 1)),
+// then nvfp4_word_v3 with the column's threshold row (nvfp4_params_v3), or, for a block holding
+// a NaN, v3's per-element path (NaN-ignoring amax, f32 product, e2m1_code_v2). Same bytes as
+// nvfp4_quantize_cols (the CPU's columnwise copy is the rowwise copy of the transpose). Stores:
+// per column 32 contiguous code bytes (two 16-byte stores when `flags & 1`: rows % 32 == 0 and
+// data 16-byte aligned, else four 8-byte stores) and 4 scale bytes (one 4-byte store when
+// `flags & 2`: rows % 64 == 0 and scales 4-byte aligned, else bytes); blocks past `rows` and
+// columns past `cols` are neither computed nor stored (rows % 16 == 0 and cols % 8 == 0, so a
+// block or a 16-byte chunk lies wholly inside or outside). Grid: x = ceil(cols / 64), y walks
+// the 256-row tiles (strided); 128 threads, at most 80 registers (six CTAs per SM: 192 KB of
+// tiles; uncapped it took 122, four CTAs; at seven it spills).
+#define NVFP4C_ROWS 256u
+#define NVFP4C_COLS 64u
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// The two code words of one column's 1x16 block: `a` holds its 16 bf16 elements as v3's row
+// block does (word j = elements 2j | 2j + 1 << 16), `sf` its scale byte, `nan` whether the
+// block holds a NaN.
+__device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
+                                                const float* __restrict__ rcp,
+                                                const uint4* __restrict__ thr, uint32_t* out) {
+    if (!nan) {
+        uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
+        const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
+        out[0] = nvfp4_word_v3(a, t);
+        out[1] = nvfp4_word_v3(a + 4, t);
+    } else {
+        float m = rcp[sf];
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint32_t pair = a[4 * w + j];
+                uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)pair), m));
+                uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)(pair >> 16)), m));
+                word |= (lo | (hi << 4)) << (8 * j);
+            }
+            out[w] = word;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v4(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 nbr = rows / 16, rb = rows / 2;
+    const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
+    const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
+    const u64 tiles = (rows + NVFP4C_ROWS - 1) / NVFP4C_ROWS;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    for (u64 tr = blockIdx.y; tr < tiles; tr += gridDim.y) {
+        const u64 r0 = tr * NVFP4C_ROWS;
+        __syncthreads();  // the previous tile's reads are done
+        // 256 rows x 8 chunks of 16 bytes: chunk q = threadIdx.x + 128 i is row q / 8, columns
+        // c0 + 8 (q % 8) .. + 7 (consecutive threads, consecutive 16 bytes of a row).
+#pragma unroll
+        for (unsigned i = 0; i < NVFP4C_ROWS * NVFP4C_COLS / 8 / 128; ++i) {
+            unsigned q = threadIdx.x + 128 * i;
+            unsigned tr_row = q / 8, ch = q % 8;
+            u64 r = r0 + tr_row, c = c0 + 8 * ch;
+            if (r < rows && c < cols)
+                cp_async16(&tile[tr_row][4 * ch], x + 2 * (r * cols + c));
+        }
+        cp_async_wait_all();
+        __syncthreads();
+        if (ca >= cols) continue;
+        const u64 rw = r0 + 64 * warp;  // this warp's first row
+        if (rw >= rows) continue;
+        const u64 left = (rows - rw) / 16;
+        const unsigned nblk = left < 4 ? (unsigned)left : 4u;  // warp-uniform
+        uint32_t codes[2][8];  // [column][block * 2 + word]
+        uint32_t sfs[2] = {0, 0};
+#pragma unroll
+        for (unsigned b = 0; b < 4; ++b) {
+            if (b >= nblk) break;
+            uint32_t wv[16];
+#pragma unroll
+            for (unsigned i = 0; i < 16; ++i) wv[i] = tile[64 * warp + 16 * b + i][lane];
+            __nv_bfloat162 m2 = zero2;
+#pragma unroll
+            for (unsigned i = 0; i < 16; ++i)
+                m2 = __hmax2_nan(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+            uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+            bool nan_a = (mb & 0x7FFFu) > 0x7F80u, nan_b = ((mb >> 16) & 0x7FFFu) > 0x7F80u;
+            if (nan_a || nan_b) {
+                // NaN-ignoring from +0 (an all-NaN block has amax 0), as abs_bits_nan_zero.
+                m2 = zero2;
+#pragma unroll
+                for (unsigned i = 0; i < 16; ++i)
+                    m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+                mb = *reinterpret_cast<uint32_t*>(&m2);
+            }
+            // bf16 -> f32 is exact: the amax of column ca is the low half, of ca + 1 the high.
+            uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
+            uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
+            sfs[0] |= sfa << (8 * b);
+            sfs[1] |= sfb << (8 * b);
+            uint32_t pa[8], pb[8];
+#pragma unroll
+            for (unsigned j = 0; j < 8; ++j) {
+                pa[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x5410u);
+                pb[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x7632u);
+            }
+            nvfp4_col_words(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
+            nvfp4_col_words(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
+        }
+#pragma unroll
+        for (unsigned h = 0; h < 2; ++h) {
+            const u64 c = ca + h;
+            uint8_t* out = data + c * rb + rw / 2;
+            if ((flags & 1u) && nblk == 4) {
+                uint4* o = reinterpret_cast<uint4*>(out);
+                o[0] = make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
+                o[1] = make_uint4(codes[h][4], codes[h][5], codes[h][6], codes[h][7]);
+            } else if ((flags & 1u) && nblk == 2) {
+                *reinterpret_cast<uint4*>(out) =
+                    make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
+            } else {
+#pragma unroll
+                for (unsigned b = 0; b < 4; ++b) {
+                    if (b >= nblk) break;
+                    *reinterpret_cast<uint2*>(out + 8 * b) =
+                        make_uint2(codes[h][2 * b], codes[h][2 * b + 1]);
+                }
+            }
+            uint8_t* so = scales + c * nbr + rw / 16;
+            if ((flags & 2u) && nblk == 4) {
+                *reinterpret_cast<uint32_t*>(so) = sfs[h];
+            } else {
+#pragma unroll
+                for (unsigned b = 0; b < 4; ++b) {
+                    if (b >= nblk) break;
+                    so[b] = (uint8_t)(sfs[h] >> (8 * b));
+                }
             }
         }
     }

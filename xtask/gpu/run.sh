@@ -128,7 +128,7 @@ STEPS+=(
   # parameters (3 GiB) against the disk's own write/read bandwidth in the same directory and run,
   # the asynchronous save's cost to the step, then torch.distributed.checkpoint on the same
   # tensors, directory and size (its table shows lowbit over DCP).
-  "ckpt-bench|1200|set -o pipefail; bin/ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY"
+  "ckpt-bench|1200|set -o pipefail; bin/ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --threads 8 --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp8.json | tee -a \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------
 

@@ -10,11 +10,15 @@
 //! bytes a parameter; 256M parameters are 3 GiB), parameters of 4096 × 4096 (the last one
 //! shorter). Every row moves the same bytes `B` (the checkpoint's data files) through files in
 //! `--dir` (default: the system temp dir):
-//! - `disk_write`: `B` bytes written to one file in 8 MiB writes, then fsync: the bound of a save;
+//! - `disk_write`: `B` bytes written to one file in 8 MiB writes, then fsync, by one thread
+//!   (`disk_write_1stream`) and by as many threads as the save uses (`disk_write_Nstreams`,
+//!   each its own contiguous range, positioned writes): the faster is the bound of a save;
 //! - `disk_read`: the file read back in 8 MiB reads after `posix_fadvise(DONTNEED)` dropped its
-//!   (clean, synced) pages from the page cache: the bound of a load;
+//!   (clean, synced) pages from the page cache, by one and by N threads: the faster is the
+//!   bound of a load;
 //! - `save_1rank` / `save_Nranks`: `lowbit_ckpt::save` by one rank / `--ranks` thread ranks
-//!   (each its own shard, CPU devices), snapshot, files, fsyncs and commit;
+//!   (each its own shard, CPU devices): streamed from the state (chunks downloaded, hashed and
+//!   written by worker threads), fsyncs and commit;
 //! - `load_1rank` / `load_Nranks`: open + `load_optimizer` (hash-checked, resharded to the
 //!   loading plan) after dropping the checkpoint's pages the same way; every rep removes its
 //!   checkpoint after the load, as the disk probe rewrites its file;
@@ -188,31 +192,60 @@ fn timed(reps: usize, mut f: impl FnMut(usize) -> Duration) -> Duration {
     median((0..reps).map(&mut f).collect())
 }
 
-/// `bytes` written to `path` in `CHUNK` writes, then fsync; the file stays for the read.
-fn disk_write(path: &Path, bytes: u64) -> Duration {
+/// `bytes` written to `path` by `streams` threads, each its own contiguous range in `CHUNK`
+/// positioned writes, then fsync; the file stays for the read. One stream is the classic
+/// sequential probe; several are what a writer that spreads its pieces over threads (the
+/// streaming save) can get from the page cache and the disk.
+fn disk_write(path: &Path, bytes: u64, streams: usize) -> Duration {
+    use std::os::unix::fs::FileExt;
     let _ = std::fs::remove_file(path);
     // Not zeros: a file system that compresses or dedups must not get an easy case.
     let chunk: Vec<u8> = (0..CHUNK)
         .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7])
         .collect();
     let t = Instant::now();
-    let mut f = File::create(path).expect("create probe");
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        f.write_all(&chunk[..n]).expect("write probe");
-        left -= n as u64;
-    }
+    let f = File::create(path).expect("create probe");
+    let per = bytes.div_ceil(streams as u64).next_multiple_of(CHUNK as u64);
+    std::thread::scope(|s| {
+        for k in 0..streams as u64 {
+            let (f, chunk) = (&f, &chunk);
+            s.spawn(move || {
+                let (mut at, end) = ((k * per).min(bytes), ((k + 1) * per).min(bytes));
+                while at < end {
+                    let n = (end - at).min(CHUNK as u64) as usize;
+                    f.write_all_at(&chunk[..n], at).expect("write probe");
+                    at += n as u64;
+                }
+            });
+        }
+    });
     f.sync_all().expect("fsync probe");
     t.elapsed()
 }
 
-fn disk_read(path: &Path) -> Duration {
+/// The probe file read back by `streams` threads (contiguous ranges, `CHUNK` reads) after its
+/// pages were dropped from the page cache.
+fn disk_read(path: &Path, streams: usize) -> Duration {
+    use std::os::unix::fs::FileExt;
     drop_cached(path);
-    let mut buf = vec![0u8; CHUNK];
+    let bytes = std::fs::metadata(path).expect("stat probe").len();
+    let per = bytes.div_ceil(streams as u64).next_multiple_of(CHUNK as u64);
     let t = Instant::now();
-    let mut f = File::open(path).expect("open probe");
-    while f.read(&mut buf).expect("read probe") > 0 {}
+    let f = File::open(path).expect("open probe");
+    std::thread::scope(|s| {
+        for k in 0..streams as u64 {
+            let f = &f;
+            s.spawn(move || {
+                let mut buf = vec![0u8; CHUNK];
+                let (mut at, end) = ((k * per).min(bytes), ((k + 1) * per).min(bytes));
+                while at < end {
+                    let n = (end - at).min(CHUNK as u64) as usize;
+                    f.read_exact_at(&mut buf[..n], at).expect("read probe");
+                    at += n as u64;
+                }
+            });
+        }
+    });
     t.elapsed()
 }
 
@@ -355,14 +388,25 @@ fn main() {
         std::fs::remove_dir_all(&dir).expect("remove");
         t
     });
+    // The disk's bounds: one stream and as many streams as the save and load use; the bound
+    // is the faster.
     let probe = work.join("disk-probe");
-    let write = timed(a.reps, |_| disk_write(&probe, bytes));
-    let read = timed(a.reps, |_| disk_read(&probe));
+    let streams = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 8);
+    let write_1 = timed(a.reps, |_| disk_write(&probe, bytes, 1));
+    let write_n = timed(a.reps, |_| disk_write(&probe, bytes, streams));
+    let read_1 = timed(a.reps, |_| disk_read(&probe, 1));
+    let read_n = timed(a.reps, |_| disk_read(&probe, streams));
     let cache_dropped = drop_cached(&probe);
     std::fs::remove_file(&probe).expect("remove probe");
     rows.push(row("host_copy", host_copy(bytes, a.reps), bytes, ""));
-    rows.push(row("disk_write", write, bytes, ""));
-    rows.push(row("disk_read", read, bytes, ""));
+    rows.push(row("disk_write_1stream", write_1, bytes, ""));
+    rows.push(row(format!("disk_write_{streams}streams"), write_n, bytes, ""));
+    rows.push(row("disk_read_1stream", read_1, bytes, ""));
+    rows.push(row(format!("disk_read_{streams}streams"), read_n, bytes, ""));
+    rows.push(row("disk_write", write_1.min(write_n), bytes, ""));
+    rows.push(row("disk_read", read_1.min(read_n), bytes, ""));
     rows.push(row("save_1rank", save_1, bytes, "disk_write"));
     rows.push(row("load_1rank", median(loads), bytes, "disk_read"));
 

@@ -77,6 +77,9 @@ pub enum CkptError {
     /// An optimizer error (export or import).
     #[error(transparent)]
     Optim(#[from] lowbit_optim::OptimError),
+    /// A device error (a streaming save's download, a streaming load's upload).
+    #[error(transparent)]
+    Device(#[from] lowbit_device::DeviceError),
     /// A collective (barrier) failed.
     #[error(transparent)]
     Comm(#[from] lowbit_comm::CommError),

@@ -35,6 +35,11 @@
 //! checkpoint. Committed checkpoints are never overwritten or modified; pruning renames a
 //! directory out of the `step-*` namespace before removing it.
 //!
+//! [`save`] streams the state from the optimizer's device views ([`lowbit_optim::Optimizer::
+//! state_views`]): chunks are downloaded into a few reused buffers while worker threads hash
+//! them and write them at their offsets, so the save runs at the disk's speed and never holds
+//! the whole state in host memory (an optimizer without views is snapshotted first).
+//!
 //! [`AsyncSaver`] is the same save with the files written by a background thread: the training
 //! step pays for the snapshot (a host copy of the state) only, and the commit happens at the
 //! next save or wait, which every rank calls (no collective runs off the training thread).
@@ -45,9 +50,13 @@
 //! and data file sizes; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
 //! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
-//! Every piece a load needs is read once, on all cores, straight into the template's f32
-//! buffers where it lands whole (a piece cut by the loading plan goes through a buffer of its
-//! own), and hashed four pieces a core side by side.
+//! Every piece a load needs is read once, chunk by chunk, by worker threads that hash it, and
+//! uploaded by the device's thread into every view it overlaps (streaming: the optimizer's
+//! [`lowbit_optim::Optimizer::state_views`]; an optimizer without views gets its export
+//! template filled, then imported). Names, shapes, rules and coverage are checked before
+//! anything is written; a corrupt piece found while streaming is an error after part of the
+//! state was written, so the optimizer must not be used after it ([`Checkpoint::verify`]
+//! first refuses a corrupt checkpoint before anything is written).
 
 mod async_save;
 mod convert;
@@ -56,8 +65,10 @@ pub mod json;
 mod load;
 pub mod manifest;
 mod read;
+mod read_views;
 mod save;
 mod tidy;
+mod write;
 
 pub use async_save::AsyncSaver;
 pub use convert::{Alias, LoadOptions, Segment};

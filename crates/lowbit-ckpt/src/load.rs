@@ -9,13 +9,14 @@ use std::path::{Path, PathBuf};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
-use lowbit_optim::{Optimizer, Trainer};
+use lowbit_optim::{Optimizer, StateViews, Trainer};
 
 use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
-use crate::manifest::{Manifest, Meta, TensorEntry};
+use crate::manifest::{Manifest, Meta, OptimizerEntry, TensorEntry};
 use crate::read::Request;
+use crate::read_views::ViewRequest;
 use crate::save::{LATEST, MANIFEST, parse_step_name};
 
 /// Bytes of a manifest at most (a hostile file cannot make the loader read gigabytes).
@@ -136,16 +137,19 @@ impl Checkpoint {
         }
     }
 
-    /// Restores `opt` (built over this rank's plan, any dp and either sharded strategy): its own
-    /// export is the template of what it holds; every tensor of it is filled from the pieces
-    /// that overlap its range (so the pieces are re-cut to this rank's plan and no rank reads
-    /// pieces it does not need), step counts are restored, then [`Optimizer::import_state`].
-    /// Parameters are matched by name, shapes must be equal, rules must be equal. The weights
-    /// are not touched: follow with a forced parameter sync ([`Checkpoint::load_trainer`] does).
+    /// Restores `opt` (built over this rank's plan, any dp and either sharded strategy): every
+    /// state tensor it holds is filled from the pieces that overlap its range (so the pieces
+    /// are re-cut to this rank's plan and no rank reads pieces it does not need), streamed
+    /// into its [`Optimizer::state_views`] (or, without views, into its export template, then
+    /// [`Optimizer::import_state`]), and step counts are restored. Parameters are matched by
+    /// name, shapes must be equal, rules must be equal. The weights are not touched: follow
+    /// with a forced parameter sync ([`Checkpoint::load_trainer`] does).
     ///
     /// # Errors
-    /// [`CkptError::Mismatch`] (nothing is imported then), [`CkptError::Hash`], I/O and
-    /// optimizer errors.
+    /// [`CkptError::Mismatch`] (nothing is written then); [`CkptError::Hash`] and I/O errors
+    /// (found while streaming: part of the state may be written, so do not use `opt` after
+    /// them; [`Checkpoint::verify`] first refuses before anything is written); optimizer and
+    /// device errors.
     pub fn load_optimizer(
         &self,
         dev: &mut Device,
@@ -169,25 +173,14 @@ impl Checkpoint {
         opt: &mut dyn Optimizer,
         options: &LoadOptions,
     ) -> Result<()> {
+        if let Some(views) = opt.state_views() {
+            return self.stream_into(dev, specs, opt, &views, options);
+        }
         // The optimizer's own export is the template (its zeroed buffers the destinations).
         let mut state = opt.export_template(dev)?;
         let mut requests = Vec::new();
         for st in &mut state {
-            let Some(entry) = self
-                .manifest
-                .optimizers
-                .iter()
-                .find(|o| o.owner == st.owner.0)
-            else {
-                return Err(self.mismatch(format!("no optimizer state for owner {}", st.owner.0)));
-            };
-            if entry.rule != st.rule {
-                return Err(self.mismatch(format!(
-                    "owner {} was saved with rule `{}`, is loaded with `{}`",
-                    entry.owner, entry.rule, st.rule
-                )));
-            }
-            st.steps = entry.steps;
+            st.steps = self.optimizer_entry(st.owner.0, &st.rule)?.steps;
             for t in &mut st.tensors {
                 let spec = specs.get(t.param).ok_or_else(|| {
                     self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
@@ -208,6 +201,56 @@ impl Checkpoint {
         opt.check_import(&state)?;
         opt.import_state(dev, &state)?;
         Ok(())
+    }
+
+    /// [`Checkpoint::load_optimizer_with`] for an optimizer with state views: every piece is
+    /// read into the views directly (checked first: owners, rules, names, shapes, coverage),
+    /// then the step counts are set.
+    fn stream_into(
+        &self,
+        dev: &mut Device,
+        specs: &[ParamSpec],
+        opt: &mut dyn Optimizer,
+        views: &[StateViews],
+        options: &LoadOptions,
+    ) -> Result<()> {
+        let mut requests = Vec::new();
+        let mut steps = Vec::new();
+        for st in views {
+            let entry = self.optimizer_entry(st.owner.0, &st.rule)?;
+            steps.push((st.owner, entry.steps));
+            for t in &st.tensors {
+                let spec = specs.get(t.param).ok_or_else(|| {
+                    self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
+                })?;
+                let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+                requests.push(ViewRequest {
+                    name: format!("{}/{}", spec.name, t.name),
+                    parts: self.resolve(&spec.name, &t.name, &shape, options)?,
+                    want: t.range.start as u64..t.range.end as u64,
+                    view: t.view,
+                });
+            }
+        }
+        crate::read_views::fill_views(&self.dir, dev, requests, |m| self.mismatch(m))?;
+        for (owner, n) in steps {
+            opt.set_steps(owner, n)?;
+        }
+        Ok(())
+    }
+
+    /// The saved optimizer of `owner`, which must have used `rule`.
+    fn optimizer_entry(&self, owner: u32, rule: &str) -> Result<&OptimizerEntry> {
+        let Some(entry) = self.manifest.optimizers.iter().find(|o| o.owner == owner) else {
+            return Err(self.mismatch(format!("no optimizer state for owner {owner}")));
+        };
+        if entry.rule != rule {
+            return Err(self.mismatch(format!(
+                "owner {owner} was saved with rule `{}`, is loaded with `{rule}`",
+                entry.rule
+            )));
+        }
+        Ok(entry)
     }
 
     /// [`Checkpoint::load_optimizer`] into the trainer's optimizer, then a forced parameter

@@ -90,34 +90,7 @@ pub(crate) fn fill<'t, 'o>(
                 r.want, r.name
             )));
         }
-        // (tensor, piece, elements of the piece, elements of `out`), in the order of `out`.
-        let mut segments = Vec::new();
-        let mut at = 0u64;
-        for (t, src) in &r.parts {
-            let t = *t;
-            let (s, e) = (ws.max(at), we.min(at + src.end - src.start));
-            if s < e {
-                // Elements [s, e) of the concatenation are [lo, hi) of `t`.
-                let (lo, hi) = (src.start + s - at, src.start + e - at);
-                for p in &t.pieces {
-                    let (a, b) = (p.start.max(lo), p.end.min(hi));
-                    if a < b {
-                        let from = (a - p.start) as usize..(b - p.start) as usize;
-                        let to = (s + a - lo - ws) as usize..(s + b - lo - ws) as usize;
-                        segments.push((t, p, from, to));
-                    }
-                }
-            }
-            at += src.end - src.start;
-        }
-        // The manifest's pieces tile every tensor exactly once, so this holds; checked anyway.
-        let covered: usize = segments.iter().map(|s| s.3.len()).sum();
-        if covered as u64 != we - ws {
-            return Err(mismatch(format!(
-                "range {:?} of `{}` not covered",
-                r.want, r.name
-            )));
-        }
+        let segments = segments(&r.parts, &r.want, &r.name, &mismatch)?;
         let mut rest = r.out;
         for (t, p, from, to) in segments {
             let (dst, tail) = std::mem::take(&mut rest).split_at_mut(to.len());
@@ -175,8 +148,48 @@ pub(crate) fn fill<'t, 'o>(
     Ok(())
 }
 
+/// A segment of a request: `from` (elements of the piece) lands at `to` (elements of the
+/// request's output).
+pub(crate) type Segment<'t> = (&'t TensorEntry, &'t Piece, Range<usize>, Range<usize>);
+
+/// The pieces elements `want` of the concatenation of `parts` come from, in output order;
+/// checked to cover `want` exactly.
+pub(crate) fn segments<'t>(
+    parts: &[(&'t TensorEntry, Range<u64>)],
+    want: &Range<u64>,
+    name: &str,
+    mismatch: &impl Fn(String) -> CkptError,
+) -> Result<Vec<Segment<'t>>> {
+    let (ws, we) = (want.start, want.end);
+    let mut segments = Vec::new();
+    let mut at = 0u64;
+    for (t, src) in parts {
+        let t = *t;
+        let (s, e) = (ws.max(at), we.min(at + src.end - src.start));
+        if s < e {
+            // Elements [s, e) of the concatenation are [lo, hi) of `t`.
+            let (lo, hi) = (src.start + s - at, src.start + e - at);
+            for p in &t.pieces {
+                let (a, b) = (p.start.max(lo), p.end.min(hi));
+                if a < b {
+                    let from = (a - p.start) as usize..(b - p.start) as usize;
+                    let to = (s + a - lo - ws) as usize..(s + b - lo - ws) as usize;
+                    segments.push((t, p, from, to));
+                }
+            }
+        }
+        at += src.end - src.start;
+    }
+    // The manifest's pieces tile every tensor exactly once, so this holds; checked anyway.
+    let covered: usize = segments.iter().map(|s| s.3.len()).sum();
+    if covered as u64 != we.saturating_sub(ws) {
+        return Err(mismatch(format!("range {want:?} of `{name}` not covered")));
+    }
+    Ok(segments)
+}
+
 /// Elements of `p` (its bytes fit the file, which the manifest checked against its size).
-fn piece_len(dir: &Path, p: &Piece) -> Result<usize> {
+pub(crate) fn piece_len(dir: &Path, p: &Piece) -> Result<usize> {
     usize::try_from(p.end - p.start).map_err(|_| CkptError::Manifest {
         file: dir.join(&p.file),
         msg: "piece too large for this machine".into(),

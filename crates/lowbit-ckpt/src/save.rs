@@ -1,9 +1,8 @@
 //! Saving: every rank writes its own pieces, rank 0 writes the manifest and commits.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File};
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,13 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
-use lowbit_optim::{Optimizer, OptimizerState};
+use lowbit_optim::{Optimizer, OptimizerState, StateViews};
 
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
-use crate::manifest::{
-    DTYPE_F32, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry, fnv1a64,
-};
+use crate::manifest::{DTYPE_F32, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry};
+use crate::write::{OutPiece, Source, obj, write_file};
 
 /// The file holding the `latest` pointer (the name of the newest committed `step-N`).
 pub const LATEST: &str = "latest";
@@ -94,8 +92,15 @@ pub fn save(
     options: SaveOptions,
 ) -> Result<PathBuf> {
     let target = Target::new(comm, root, meta, specs, options)?;
-    let state = target.begin(dev, comm, opt, Vec::new())?;
-    let written = state.and_then(|s| target.write(&s));
+    let written = match opt.state_views() {
+        // Streamed from the device: no host copy of the whole state.
+        Some(views) => target
+            .ready(comm, Ok(()))?
+            .and_then(|()| target.write_views(dev, &views)),
+        None => target
+            .begin(dev, comm, opt, Vec::new())?
+            .and_then(|s| target.write(&s)),
+    };
     target.finish(comm, written)
 }
 
@@ -159,17 +164,31 @@ impl Target {
         opt: &dyn Optimizer,
         mut spare: Vec<OptimizerState>,
     ) -> Result<Result<Vec<OptimizerState>>> {
-        let mut state = opt
+        let state = opt
             .export_state_into(dev, &mut spare)
             .map(|()| spare)
             .map_err(CkptError::from);
+        self.ready(comm, state)
+    }
+
+    /// Rank 0 prepares the temp directory, then a barrier (nobody writes into a directory that
+    /// is not there yet). `local` (a snapshot, or nothing) is handed on, failed if rank 0's
+    /// directory failed, so that the rank still joins the barriers of [`Target::finish`].
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub(crate) fn ready<T>(
+        &self,
+        comm: &mut dyn Communicator,
+        mut local: Result<T>,
+    ) -> Result<Result<T>> {
         if self.rank == 0
             && let Err(e) = self.prepare_tmp()
         {
-            state = Err(e);
+            local = Err(e);
         }
         comm.barrier()?;
-        Ok(state)
+        Ok(local)
     }
 
     /// Rank 0: a fresh, empty temp directory.
@@ -185,7 +204,15 @@ impl Target {
 
     /// This rank's files, durable (no collective).
     pub(crate) fn write(&self, state: &[OptimizerState]) -> Result<()> {
-        write_rank(&self.tmp, self.rank, &self.specs, state)
+        let (leaves, pieces) = snapshot_pieces(&self.tmp, &self.specs, state)?;
+        write_rank(&self.tmp, self.rank, &leaves, &pieces, None)
+    }
+
+    /// This rank's files, streamed from the optimizer's device views (no collective; the
+    /// calling thread owns `dev`).
+    fn write_views(&self, dev: &Device, state: &[StateViews]) -> Result<()> {
+        let (leaves, pieces) = view_pieces(&self.tmp, &self.specs, state)?;
+        write_rank(&self.tmp, self.rank, &leaves, &pieces, Some(dev))
     }
 
     /// The collective end: a barrier (every rank's files are written or failed), rank 0 commits
@@ -249,16 +276,6 @@ impl Target {
     }
 }
 
-/// One piece to store: where it belongs and its values (borrowed from the snapshot).
-struct OutPiece<'a> {
-    key: String,
-    param: &'a str,
-    state: &'a str,
-    owner: u32,
-    range: Range<usize>,
-    values: &'a [f32],
-}
-
 /// The memory of `values` as bytes: on a little-endian host, the values as stored.
 pub(crate) fn raw_bytes(values: &[f32]) -> &[u8] {
     // SAFETY: `values` is a live, initialized `[f32]`; u8 has alignment 1 and no invalid bit
@@ -281,40 +298,11 @@ pub(crate) fn raw_bytes_mut(values: &mut [f32]) -> &mut [u8] {
     }
 }
 
-/// The bytes of `values` as stored (little-endian f32): borrowed where that is the memory
-/// layout already, so a multi-GiB snapshot is not copied again.
-fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
-    if cfg!(target_endian = "little") {
-        Cow::Borrowed(raw_bytes(values))
-    } else {
-        Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
-    }
-}
-
-/// [`fnv1a64`] of every slice, on all cores. FNV-1a is one multiply chain per byte, bound by
-/// the multiply's latency (a few cycles a byte), so each core hashes [`LANES`] slices at once,
-/// interleaved (independent chains overlap), and the cores take slices from a shared queue.
-/// A checkpoint's pieces are many and each is hashed whole, so this is the format's hash at
-/// several GB/s (the save uses it; a load hashes [`LANES`] pieces a core the same way).
-pub(crate) fn fnv1a64_many(slices: &[&[u8]]) -> Vec<u64> {
-    let workers = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(slices.len().div_ceil(LANES))
-        .max(1);
-    let next = AtomicUsize::new(0);
-    let mut hashes = vec![0u64; slices.len()];
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| s.spawn(|| hash_lanes(slices, &next, |_| FNV_BASIS)))
-            .collect();
-        for h in handles {
-            let done = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-            done.into_iter().for_each(|(i, v)| hashes[i] = v);
-        }
-    });
-    // The interleaving must not change a bit of the format's hash.
-    debug_assert!(slices.iter().zip(&hashes).all(|(s, &h)| h == fnv1a64(s)));
-    hashes
+/// [`crate::fnv1a64`] of `bytes` continued from the hash `h` of what came before them.
+pub(crate) fn fnv1a64_continue(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
 }
 
 /// Slices hashed side by side by one core.
@@ -379,72 +367,148 @@ pub(crate) fn hash_lanes(
     }
 }
 
+/// One leaf optimizer as a rank index records it.
+struct LeafEntry<'a> {
+    owner: u32,
+    rule: &'a str,
+    steps: u64,
+}
+
+/// The pieces of a host snapshot.
+fn snapshot_pieces<'a>(
+    tmp: &Path,
+    specs: &'a [ParamSpec],
+    state: &'a [OptimizerState],
+) -> Result<(Vec<LeafEntry<'a>>, Vec<OutPiece<'a>>)> {
+    let mut pieces = Pieces::new(tmp, specs);
+    for st in state {
+        for t in &st.tensors {
+            pieces.add(
+                st.owner.0,
+                t.param,
+                &t.name,
+                t.range.clone(),
+                Source::Host(&t.values),
+            )?;
+        }
+    }
+    let leaves = state
+        .iter()
+        .map(|s| LeafEntry {
+            owner: s.owner.0,
+            rule: &s.rule,
+            steps: s.steps,
+        })
+        .collect();
+    Ok((leaves, pieces.out))
+}
+
+/// The pieces of an optimizer's device views.
+fn view_pieces<'a>(
+    tmp: &Path,
+    specs: &'a [ParamSpec],
+    state: &'a [StateViews],
+) -> Result<(Vec<LeafEntry<'a>>, Vec<OutPiece<'a>>)> {
+    let mut pieces = Pieces::new(tmp, specs);
+    for st in state {
+        for t in &st.tensors {
+            pieces.add(
+                st.owner.0,
+                t.param,
+                &t.name,
+                t.range.clone(),
+                Source::Device(t.view),
+            )?;
+        }
+    }
+    let leaves = state
+        .iter()
+        .map(|s| LeafEntry {
+            owner: s.owner.0,
+            rule: &s.rule,
+            steps: s.steps,
+        })
+        .collect();
+    Ok((leaves, pieces.out))
+}
+
+/// A rank's pieces, checked as they are added (parameter known, range inside it, values
+/// matching the range, keys unique); empty pieces are left out.
+struct Pieces<'a, 't> {
+    tmp: &'t Path,
+    specs: &'a [ParamSpec],
+    keys: HashSet<String>,
+    out: Vec<OutPiece<'a>>,
+}
+
+impl<'a, 't> Pieces<'a, 't> {
+    fn new(tmp: &'t Path, specs: &'a [ParamSpec]) -> Self {
+        Pieces {
+            tmp,
+            specs,
+            keys: HashSet::new(),
+            out: Vec::new(),
+        }
+    }
+
+    fn add(
+        &mut self,
+        owner: u32,
+        param: usize,
+        state: &'a str,
+        range: Range<usize>,
+        source: Source<'a>,
+    ) -> Result<()> {
+        let mismatch = |msg: String| CkptError::Mismatch {
+            dir: self.tmp.to_path_buf(),
+            msg,
+        };
+        let spec = self.specs.get(param).ok_or_else(|| {
+            mismatch(format!(
+                "state for parameter {param} of {}",
+                self.specs.len()
+            ))
+        })?;
+        if range.end > spec.numel || source.len() != range.len() {
+            return Err(mismatch(format!(
+                "`{}` piece {range:?} of {} values for {} elements",
+                spec.name,
+                source.len(),
+                spec.numel
+            )));
+        }
+        if source.len() == 0 {
+            return Ok(());
+        }
+        let key = format!("{}/{state}@{}", spec.name, range.start);
+        if !self.keys.insert(key.clone()) {
+            return Err(mismatch(format!("duplicate piece `{key}`")));
+        }
+        self.out.push(OutPiece {
+            key,
+            param: &spec.name,
+            state,
+            owner,
+            range,
+            source,
+        });
+        Ok(())
+    }
+}
+
 /// One rank's pieces: the safetensors file and an index of its pieces for rank 0 (written
-/// last: its presence says the data file is durable). The file is streamed from the snapshot
-/// while other cores hash the pieces.
+/// last: its presence says the data file is durable).
 fn write_rank(
     tmp: &Path,
     rank: usize,
-    specs: &[ParamSpec],
-    state: &[OptimizerState],
+    leaves: &[LeafEntry<'_>],
+    pieces: &[OutPiece<'_>],
+    dev: Option<&Device>,
 ) -> Result<()> {
-    let mismatch = |msg: String| CkptError::Mismatch {
-        dir: tmp.to_path_buf(),
-        msg,
-    };
-    let mut pieces = Vec::new();
-    let mut keys = HashSet::new();
-    for st in state {
-        for t in &st.tensors {
-            let spec = specs.get(t.param).ok_or_else(|| {
-                mismatch(format!(
-                    "state for parameter {} of {}",
-                    t.param,
-                    specs.len()
-                ))
-            })?;
-            if t.range.end > spec.numel || t.values.len() != t.range.len() {
-                return Err(mismatch(format!(
-                    "`{}` piece {:?} of {} values for {} elements",
-                    spec.name,
-                    t.range,
-                    t.values.len(),
-                    spec.numel
-                )));
-            }
-            if t.values.is_empty() {
-                continue;
-            }
-            let key = format!("{}/{}@{}", spec.name, t.name, t.range.start);
-            if !keys.insert(key.clone()) {
-                return Err(mismatch(format!("duplicate piece `{key}`")));
-            }
-            pieces.push(OutPiece {
-                key,
-                param: &spec.name,
-                state: &t.name,
-                owner: st.owner.0,
-                range: t.range.clone(),
-                values: &t.values,
-            });
-        }
-    }
     let file = rank_file(rank);
-    let path = tmp.join(&file);
-    let (written, hashes) = std::thread::scope(|s| {
-        let hashing = s.spawn(|| {
-            let bytes: Vec<Cow<'_, [u8]>> = pieces.iter().map(|p| le_bytes(p.values)).collect();
-            fnv1a64_many(&bytes.iter().map(|b| &b[..]).collect::<Vec<_>>())
-        });
-        let written = write_safetensors(&path, rank, &pieces);
-        let hashes = hashing
-            .join()
-            .unwrap_or_else(|e| std::panic::resume_unwind(e));
-        (written, hashes)
-    });
-    let (bytes, offsets) = written?;
+    let written = write_file(&tmp.join(&file), rank, pieces, dev)?;
     let mut entries = Vec::new();
-    for ((p, hash), offset) in pieces.iter().zip(hashes).zip(offsets) {
+    for ((p, hash), offset) in pieces.iter().zip(written.hashes).zip(written.offsets) {
         entries.push(obj(vec![
             ("key", Json::Str(p.key.clone())),
             ("param", Json::Str(p.param.to_string())),
@@ -456,123 +520,23 @@ fn write_rank(
             ("fnv1a64", Json::Str(format!("{hash:016x}"))),
         ]));
     }
-    let optimizers = state
+    let optimizers = leaves
         .iter()
         .map(|s| {
             obj(vec![
-                ("owner", Json::UInt(u64::from(s.owner.0))),
-                ("rule", Json::Str(s.rule.clone())),
+                ("owner", Json::UInt(u64::from(s.owner))),
+                ("rule", Json::Str(s.rule.to_string())),
                 ("steps", Json::UInt(s.steps)),
             ])
         })
         .collect();
     let index = obj(vec![
         ("file", Json::Str(file)),
-        ("bytes", Json::UInt(bytes)),
+        ("bytes", Json::UInt(written.bytes)),
         ("optimizers", Json::Array(optimizers)),
         ("pieces", Json::Array(entries)),
     ]);
     write_synced(&tmp.join(index_file(rank)), index.to_text().as_bytes())
-}
-
-/// Writes `pieces` as a safetensors file (F32, 1-D, data in key order, as the `safetensors`
-/// crate lays it out) straight from the snapshot and fsyncs it; returns the file's size and
-/// every piece's absolute byte offset. The header is written here rather than by
-/// `safetensors::serialize`, which would first copy every byte into one buffer.
-fn write_safetensors(path: &Path, rank: usize, pieces: &[OutPiece<'_>]) -> Result<(u64, Vec<u64>)> {
-    let mut order: Vec<usize> = (0..pieces.len()).collect();
-    order.sort_by(|&a, &b| pieces[a].key.cmp(&pieces[b].key));
-    let mut header = BTreeMap::new();
-    header.insert(
-        "__metadata__".to_string(),
-        obj(vec![
-            ("format", Json::Str("lowbit-ckpt rank shard".into())),
-            ("rank", Json::Str(rank.to_string())),
-        ]),
-    );
-    let mut data_offsets = vec![0u64; pieces.len()];
-    let mut at = 0u64;
-    for &i in &order {
-        let p = &pieces[i];
-        let len = std::mem::size_of_val(p.values) as u64;
-        data_offsets[i] = at;
-        header.insert(
-            p.key.clone(),
-            obj(vec![
-                ("dtype", Json::Str("F32".into())),
-                (
-                    "shape",
-                    Json::Array(vec![Json::UInt(p.values.len() as u64)]),
-                ),
-                (
-                    "data_offsets",
-                    Json::Array(vec![Json::UInt(at), Json::UInt(at + len)]),
-                ),
-            ]),
-        );
-        at += len;
-    }
-    let mut text = Json::Object(header).to_text().into_bytes();
-    // Readers expect the data 8-byte aligned: pad the header with spaces, as safetensors does.
-    text.resize(text.len().next_multiple_of(8), b' ');
-    let n = text.len() as u64;
-    let f = File::options()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(io("create", path))?;
-    let mut w = BufWriter::with_capacity(8 << 20, f);
-    w.write_all(&n.to_le_bytes()).map_err(io("write", path))?;
-    w.write_all(&text).map_err(io("write", path))?;
-    // (bytes written, bytes handed to writeback)
-    let (mut pos, mut kicked) = (8 + n, 0);
-    for &i in &order {
-        for part in le_bytes(pieces[i].values).chunks(WRITEBACK_BYTES) {
-            w.write_all(part).map_err(io("write", path))?;
-            pos += part.len() as u64;
-            if pos - kicked >= WRITEBACK_BYTES as u64 {
-                w.flush().map_err(io("write", path))?;
-                start_writeback(w.get_ref(), kicked, pos - kicked);
-                kicked = pos;
-            }
-        }
-    }
-    let f = w
-        .into_inner()
-        .map_err(|e| io("write", path)(e.into_error()))?;
-    f.sync_all().map_err(io("fsync", path))?;
-    let offsets = data_offsets.iter().map(|o| 8 + n + o).collect();
-    Ok((8 + n + at, offsets))
-}
-
-/// Bytes after which a rank file's written range is handed to the disk.
-const WRITEBACK_BYTES: usize = 32 << 20;
-
-/// Starts writing `len` bytes of `f` at `offset` to the disk without waiting (Linux
-/// `sync_file_range(SYNC_FILE_RANGE_WRITE)`): the disk works while the next bytes are copied
-/// into the page cache, instead of all of them waiting for the final fsync (which still makes
-/// the file durable). Elsewhere, and on any error, nothing happens: it is only an early start.
-fn start_writeback(f: &File, offset: u64, len: u64) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        unsafe extern "C" {
-            fn sync_file_range(fd: i32, offset: i64, nbytes: i64, flags: u32) -> i32;
-        }
-        const SYNC_FILE_RANGE_WRITE: u32 = 2;
-        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return;
-        };
-        // SAFETY: `f` is an open file for the whole call and no memory is passed; the call only
-        // schedules writeback of the file's dirty pages in the range.
-        unsafe { sync_file_range(f.as_raw_fd(), offset, len, SYNC_FILE_RANGE_WRITE) };
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (f, offset, len);
-}
-
-fn obj(pairs: Vec<(&str, Json)>) -> Json {
-    Json::Object(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
 }
 
 /// Rank 0: merges the rank indexes into the manifest, validates it, commits.
@@ -790,6 +754,7 @@ pub fn prune(root: &Path, keep: usize, current: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::manifest::fnv1a64;
 
     /// A hash continued block by block from the state so far (what a load does) is the hash of
     /// the whole, in any lane arrangement.

@@ -5,7 +5,8 @@
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
 //! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version.
-//! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm).
+//! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm), and of the same
+//!   bytes read as bf16.
 //! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 grad, bf16 output: 30 bytes
 //!   per parameter) against the same bound.
 //!
@@ -165,9 +166,18 @@ fn main() {
         (Copies::Both, 1),
         (Copies::Both, 2),
         (Copies::Both, 3),
+        // Version 4 = 3 with the shared-memory-transpose columnwise kernel
+        // (nvfp4_quantize_cols_v4); the columnwise copy alone isolates that kernel.
+        (Copies::Both, 4),
+        (Copies::Columnwise, 3),
+        (Copies::Columnwise, 4),
+        (Copies::Both, 3),
+        (Copies::Both, 4),
     ] {
-        dev.set_cuda_kernel_variant("nvfp4", version)
-            .expect("variant");
+        if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
+            println!("nvfp4 v{version}: skipped ({e})");
+            continue;
+        }
         let nv = Nvfp4Views {
             rowwise: copies.rowwise().then(|| {
                 (
@@ -194,10 +204,10 @@ fn main() {
         report(
             &format!(
                 "nvfp4 {} with amax 16384x16384 (v{version})",
-                if copies == Copies::Both {
-                    "rowwise+columnwise"
-                } else {
-                    "rowwise"
+                match copies {
+                    Copies::Both => "rowwise+columnwise",
+                    Copies::Columnwise => "columnwise",
+                    _ => "rowwise",
                 }
             ),
             t,
@@ -236,6 +246,12 @@ fn main() {
         d.sum_squares(g).expect("sum_squares");
     });
     report("sum_squares f32 256M", t, (p_n * 4) as f64, copy_bw2);
+    // The same 1 GiB read as 512M bf16 (the 16-bit loads: half the bytes per request).
+    let gh = g.reinterpret(DType::Bf16).expect("reinterpret");
+    let t = timed(&mut dev, 20, |d| {
+        d.sum_squares(gh).expect("sum_squares");
+    });
+    report("sum_squares bf16 512M", t, (p_n * 4) as f64, copy_bw2);
     dev.zero(m).expect("zero");
     let mut step = 0u64;
     let t = timed(&mut dev, 20, |d| {

@@ -126,7 +126,9 @@ pub(crate) struct CudaDevice {
     /// threshold table from `nvfp4_params_v3`, `nvfp4_quantize_rows_v3`; NVFP4 rowwise with
     /// its amax pass 0.85x on an H200), 2 (`max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`:
     /// four 16-byte loads in flight per thread, the shorter E2M1 encoder; 0.66x) or 1
-    /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Same bytes.
+    /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x); 4 is 3 with the columnwise copy from
+    /// `nvfp4_quantize_cols_v4` (a 256x64 bf16 tile staged through shared memory, coalesced
+    /// loads and stores) where the view allows it. Same bytes.
     nvfp4_version: u32,
     /// cuBLASLt for `matmul_tc`, opened on its first call.
     gemm: Option<Box<gemm::Gemm>>,
@@ -376,7 +378,7 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
-            ("nvfp4", 1..=3) => self.nvfp4_version = version,
+            ("nvfp4", 1..=4) => self.nvfp4_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(

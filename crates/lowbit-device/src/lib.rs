@@ -371,6 +371,19 @@ impl View {
     pub fn split_at(&self, mid: usize) -> Result<(View, View)> {
         Ok((self.slice(0..mid)?, self.slice(mid..self.len)?))
     }
+
+    /// This view and `next` as one view, when `next` starts in the same buffer where this one
+    /// ends, with the same dtype (what lets an element-wise operation over consecutive pieces
+    /// run as one launch).
+    pub fn joined(&self, next: &View) -> Option<View> {
+        (self.buffer == next.buffer
+            && self.dtype == next.dtype
+            && self.offset + self.byte_len() == next.offset)
+            .then(|| View {
+                len: self.len + next.len,
+                ..*self
+            })
+    }
 }
 
 /// A host element type that maps to a [`DType`], for uploads and downloads.
@@ -712,7 +725,8 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("nvfp4", 1..=3)`: the bf16 amax pass and the NVFP4 rowwise kernel, 3 by default).
+    /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 3 by default; 4 adds the
+    /// shared-memory columnwise kernel).
     /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -249,6 +249,8 @@ fn sum_squares_bits_match() {
             4097,
             8192,
             3 * 4096 + 5,
+            32 * 4096,
+            64 * 4096 - 1,
             128 * 4096 + 1,
             300_007,
         ];
@@ -664,6 +666,11 @@ fn mxfp8_fallback_variants_match_and_are_counted() {
     );
 }
 
+/// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the
+/// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
+/// (`nvfp4_quantize_cols_v4`).
+const NVFP4_VERSIONS: [u32; 4] = [1, 2, 3, 4];
+
 #[test]
 fn nvfp4_kernels_match() {
     // Quantized bytes are compared strictly (u8 buffers); dequantized values with NaN as a class
@@ -678,8 +685,17 @@ fn nvfp4_kernels_match() {
             (64, 256),
             (32, 1),
             (128, 512),
+            // Version 4's columnwise tiles (256 rows x 64 columns): partial in both directions,
+            // rows % 32 != 0 (8-byte code stores), rows % 64 != 0 (byte scale stores), a
+            // second tile row, a last tile row of 64 rows.
+            (80, 72),
+            (288, 136),
+            (576, 8),
         ];
-        for (version, (rows, cols)) in [1, 2, 3].into_iter().flat_map(|v| shapes.map(|s| (v, s))) {
+        for (version, (rows, cols)) in NVFP4_VERSIONS
+            .into_iter()
+            .flat_map(|v| shapes.map(|s| (v, s)))
+        {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for d in FLOATS {
                 for copies in [Copies::Rowwise, Copies::Columnwise, Copies::Both] {
@@ -729,7 +745,10 @@ fn nvfp4_kernels_match() {
             }
         }
         // NaN blocks, subnormal-only and infinite rows, every input dtype and version.
-        for (version, d) in [1, 2, 3].into_iter().flat_map(|v| FLOATS.map(|d| (v, d))) {
+        for (version, d) in NVFP4_VERSIONS
+            .into_iter()
+            .flat_map(|v| FLOATS.map(|d| (v, d)))
+        {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             let src = c.buf(d, &nan_blocks(false));
             let views = nvfp4_views(c, 64, 64, Copies::Both, 3000);
@@ -739,7 +758,7 @@ fn nvfp4_kernels_match() {
             out.push(f64::from(amax.rowwise));
         }
         // All zeros (amax 0) and an infinite amax, with every version.
-        for version in [1, 2, 3] {
+        for version in NVFP4_VERSIONS {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for vals in [vec![0.0f32; 32 * 32], {
                 let mut v = finite(32 * 32, 5);
@@ -853,6 +872,43 @@ fn nvfp4_rowwise_versions_match_on_stress_inputs() {
                 };
                 let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
                 out.push(f64::from(amax.rowwise));
+            }
+        }
+        Ok(out)
+    });
+}
+
+#[test]
+fn nvfp4_columnwise_versions_match_on_stress_inputs() {
+    // Columnwise bf16 (nvfp4_quantize_cols in version 3, the shared-memory transpose
+    // nvfp4_quantize_cols_v4 in version 4) against the CPU, strictly: the stress values laid
+    // out along columns (generated for the transpose, then transposed), so every column block
+    // meets the per-block scales, the exact ties and (raw) the NaN, Inf, subnormal and ±0
+    // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
+    check_native("nvfp4 columnwise stress", true, |c| {
+        let mut out = Vec::new();
+        for version in [3, 4] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for (k, (rows, cols, raw)) in [
+                (512usize, 256usize, false),
+                (1024, 128, true),
+                (96, 64, false),
+                (272, 40, true),
+                (48, 200, false),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let seed = 7500 + 10 * k as u64 + u64::from(version);
+                let t = nvfp4_stress(cols, rows, seed, raw);
+                let vals: Vec<f32> = (0..rows * cols)
+                    .map(|i| t[(i % cols) * rows + i / cols])
+                    .collect();
+                let src = c.buf(DType::Bf16, &vals);
+                let views = nvfp4_views(c, rows, cols, Copies::Both, seed + 1);
+                let cfg = Nvfp4Config::default();
+                let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+                out.push(f64::from(amax.columnwise));
             }
         }
         Ok(out)

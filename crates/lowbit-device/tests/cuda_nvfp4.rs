@@ -244,6 +244,59 @@ fn nvfp4_offset_views_match() {
 }
 
 #[test]
+fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
+    // The 1D columnwise copy of ops.cu in version 3 (nvfp4_quantize_cols) and version 4 (the
+    // shared-memory transpose nvfp4_quantize_cols_v4, whose 16-byte code and 4-byte scale
+    // stores must step aside for views that are only 8- or 1-byte aligned, and which declines
+    // sources that are not 16-byte aligned) on views at offsets, shapes on and off its
+    // 256 x 64 tiles.
+    let o = check("nvfp4 1D columnwise offset views", true, |c| {
+        let mut out = Vec::new();
+        for version in [3, 4] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for (k, &(rows, cols)) in [(64usize, 64usize), (320, 72), (96, 8), (48, 136)]
+                .iter()
+                .enumerate()
+            {
+                let n = rows * cols;
+                // (source element offset, data byte offset, scale byte offset)
+                for (j, (xo, dof, so)) in [(0, 0, 0), (8, 8, 1), (8, 8, 4), (3, 1, 2)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let seed = 3000 + 100 * k as u64 + 10 * j as u64 + u64::from(version);
+                    let vals = if j % 2 == 0 {
+                        finite(n + xo, seed)
+                    } else {
+                        values(n + xo, seed, true)
+                    };
+                    let src = c.buf(DType::Bf16, &vals).slice(xo..xo + n)?;
+                    let mut pair = |len: usize, scales: usize, s: u64| -> Result<(View, View)> {
+                        Ok((
+                            c.rand(DType::U8, len + dof, s).slice(dof..dof + len)?,
+                            c.rand(DType::U8, scales + so, s + 1)
+                                .slice(so..so + scales)?,
+                        ))
+                    };
+                    let views = Nvfp4Views {
+                        rowwise: None,
+                        columnwise: Some(pair(n / 2, n / 16, seed + 3)?),
+                    };
+                    let cfg = Nvfp4Config {
+                        copies: Copies::Columnwise,
+                        ..Nvfp4Config::default()
+                    };
+                    let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
+                    out.push(f64::from(amax.columnwise));
+                }
+            }
+        }
+        Ok(out)
+    });
+    native_nvfp4(&o, "nvfp4 1D columnwise offset views");
+}
+
+#[test]
 fn nvfp4_library_refusals_stay_the_host_errors() {
     let o = check("nvfp4 refusals", false, |c| {
         let src = c.buf(DType::Bf16, &finite(37 * 32, 9));
@@ -408,6 +461,19 @@ fn nvfp4_timings() {
             g.quantize_nvfp4(src, rows, cols, &cfg, &v).unwrap();
         });
         println!("{name}: {t:.1} us = {:.2}x copy time", copy / t);
+    }
+    // 1D both copies with the columnwise kernel of version 3 (down columns) and version 4
+    // (shared-memory transpose); the default version is restored after.
+    for version in [3, 4, 3] {
+        g.set_cuda_kernel_variant("nvfp4", version).unwrap();
+        let cfg = Nvfp4Config::default();
+        let t = time(&mut g, 10, |g| {
+            g.quantize_nvfp4(src, rows, cols, &cfg, &v).unwrap();
+        });
+        println!(
+            "1D both (ops.cu, nvfp4 v{version}): {t:.1} us = {:.2}x copy time",
+            copy / t
+        );
     }
     let (cd, cs) = v.columnwise.unwrap();
     let dst = g.alloc(DType::Bf16, n);

@@ -10,7 +10,7 @@ use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterPiece, Optimizer, OptimizerMemory, OptimizerState};
+use crate::optimizer::{MasterPiece, Optimizer, OptimizerMemory, OptimizerState, StateViews};
 
 /// See the module docs. A chain is an [`Optimizer`] itself, so chains nest.
 #[derive(Debug)]
@@ -119,6 +119,23 @@ impl Optimizer for ChainedOptimizer {
             let mine = states_of(&**p, state);
             p.import_state(dev, &mine)
         })
+    }
+    /// Every part's views, in the parts' order; `None` if a part has none.
+    fn state_views(&self) -> Option<Vec<StateViews>> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.extend(p.state_views()?);
+        }
+        Some(out)
+    }
+    fn set_steps(&mut self, owner: OptimizerId, steps: u64) -> Result<()> {
+        match self.parts.iter_mut().find(|p| p.owners().contains(&owner)) {
+            Some(p) => p.set_steps(owner, steps),
+            None => Err(InvalidInput::StateMismatch(format!(
+                "steps for {owner:?}, which this chain does not hold"
+            ))
+            .into()),
+        }
     }
     fn memory(&self) -> OptimizerMemory {
         self.parts

@@ -11,6 +11,7 @@ use lowbit_layout::OptimizerId;
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
     Leaf, MasterDtype, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+    StateViews,
 };
 use crate::rule::{ShardViews, UpdateRule};
 
@@ -246,6 +247,16 @@ impl Optimizer for DistributedOptimizer {
 
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
         self.steps = self.leaf().import(dev, state)?;
+        Ok(())
+    }
+
+    fn state_views(&self) -> Option<Vec<StateViews>> {
+        Some(vec![self.leaf().views()])
+    }
+
+    fn set_steps(&mut self, owner: OptimizerId, steps: u64) -> Result<()> {
+        let steps = self.leaf().checked_steps(owner, steps)?;
+        self.steps = steps;
         Ok(())
     }
 

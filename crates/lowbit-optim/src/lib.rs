@@ -44,6 +44,6 @@ pub use memory::{RankMemory, estimate_memory, memory_report};
 pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype, NsMode};
 pub use optimizer::{
     MasterDtype, MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
-    StateTensor, StepReport, init_from_full,
+    StateTensor, StateView, StateViews, StepReport, init_from_full,
 };
 pub use rule::{AdamW, Sgd, ShardViews, UpdateRule};

@@ -34,7 +34,7 @@ use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateViews,
 };
 use newton_schulz::{NsParams, NsScratch};
 
@@ -576,6 +576,16 @@ impl Optimizer for Muon {
 
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()> {
         self.steps = self.leaf().import(dev, state)?;
+        Ok(())
+    }
+
+    fn state_views(&self) -> Option<Vec<StateViews>> {
+        Some(vec![self.leaf().views()])
+    }
+
+    fn set_steps(&mut self, owner: OptimizerId, steps: u64) -> Result<()> {
+        let steps = self.leaf().checked_steps(owner, steps)?;
+        self.steps = steps;
         Ok(())
     }
 

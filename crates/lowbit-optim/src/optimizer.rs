@@ -156,6 +156,36 @@ pub struct OptimizerState {
     pub tensors: Vec<StateTensor>,
 }
 
+/// One state tensor where it lives: the device view [`Optimizer::export_state`] downloads and
+/// [`Optimizer::import_state`] uploads (fp32, or bf16 for bf16 masters: exported as f32,
+/// imported rounded to nearest even).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateView {
+    /// `"master"` or the rule's state name, as in [`StateTensor::name`].
+    pub name: String,
+    /// Global parameter id.
+    pub param: usize,
+    /// Range within the flattened parameter.
+    pub range: Range<usize>,
+    /// The device memory (`range.len()` elements).
+    pub view: View,
+}
+
+/// One leaf optimizer's state as device views, in [`Optimizer::export_state`]'s order: what
+/// streaming I/O (a checkpoint written or read chunk by chunk, never the whole state in host
+/// memory) reads and writes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateViews {
+    /// The owner whose parameters the optimizer updates.
+    pub owner: OptimizerId,
+    /// The update rule's name.
+    pub rule: String,
+    /// Steps taken.
+    pub steps: u64,
+    /// Masters and state tensors, piece by piece.
+    pub tensors: Vec<StateView>,
+}
+
 /// Bytes an optimizer holds on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OptimizerMemory {
@@ -340,6 +370,28 @@ pub trait Optimizer: Debug + Send {
     /// [`InvalidInput::StateMismatch`] (nothing is changed then), device errors.
     fn import_state(&mut self, dev: &mut Device, state: &[OptimizerState]) -> Result<()>;
 
+    /// The state as device views, one entry per leaf optimizer in [`Optimizer::export_state`]'s
+    /// order, for streaming I/O: reading the views is an export, writing all of them and then
+    /// [`Optimizer::set_steps`] for every owner is an import. `None` (the default): only
+    /// export and import move this optimizer's state.
+    fn state_views(&self) -> Option<Vec<StateViews>> {
+        None
+    }
+
+    /// Sets the step count of `owner` after its [`Optimizer::state_views`] were written (the
+    /// end of a streaming import).
+    ///
+    /// # Errors
+    /// [`InvalidInput::StateMismatch`] for an owner this optimizer does not hold (or when it has
+    /// no state views).
+    fn set_steps(&mut self, owner: OptimizerId, steps: u64) -> Result<()> {
+        let _ = steps;
+        Err(InvalidInput::StateMismatch(format!(
+            "{owner:?}: this optimizer has no state views to import into"
+        ))
+        .into())
+    }
+
     /// Bytes held on this rank.
     fn memory(&self) -> OptimizerMemory;
 }
@@ -398,6 +450,37 @@ impl<'n, I: Iterator<Item = (&'n str, usize, Range<usize>, View)>> Leaf<'_, I> {
             tensors: exported,
         }];
         Ok(())
+    }
+
+    /// The leaf's state as device views.
+    pub(crate) fn views(self) -> StateViews {
+        StateViews {
+            owner: self.owner,
+            rule: self.rule.to_string(),
+            steps: self.steps,
+            tensors: self
+                .tensors
+                .map(|(name, param, range, view)| StateView {
+                    name: name.to_string(),
+                    param,
+                    range,
+                    view,
+                })
+                .collect(),
+        }
+    }
+
+    /// [`Optimizer::set_steps`] of a leaf: `owner` must be its own.
+    pub(crate) fn checked_steps(&self, owner: OptimizerId, steps: u64) -> Result<u64> {
+        if owner == self.owner {
+            Ok(steps)
+        } else {
+            Err(InvalidInput::StateMismatch(format!(
+                "steps for {owner:?}, which this optimizer ({:?}) does not hold",
+                self.owner
+            ))
+            .into())
+        }
     }
 
     /// [`Leaf::export_into`] without a device: the zeroed template.

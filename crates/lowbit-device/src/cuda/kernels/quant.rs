@@ -143,15 +143,16 @@ impl CudaDevice {
         // before the quantization kernels; the amax comes back at the end.
         let amax = self.scratch(1)?;
         self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
-        // Version 3 also builds the E2M1 threshold table (8 words per scale byte from word
-        // 260, which the 16-byte loads of nvfp4_quantize_rows_v3 need 16-byte aligned).
-        let params = self.scratch(if self.nvfp4_version == 3 {
+        // Versions 3 and 4 also build the E2M1 threshold table (8 words per scale byte from
+        // word 260, which the 16-byte loads of nvfp4_quantize_rows_v3 and
+        // nvfp4_quantize_cols_v4 need 16-byte aligned).
+        let params = self.scratch(if self.nvfp4_version >= 3 {
             260 + 8 * 256
         } else {
             257
         })?;
         let tp = params.ptr;
-        let thresholds = self.nvfp4_version == 3 && tp.is_multiple_of(16);
+        let thresholds = self.nvfp4_version >= 3 && tp.is_multiple_of(16);
         let (name, grid) = if thresholds {
             ("nvfp4_params_v3", (8, 1, 1))
         } else {
@@ -207,12 +208,42 @@ impl CudaDevice {
                 .into_iter()
                 .find(|p| nbr.is_multiple_of(*p))
                 .unwrap_or(1);
-            let vec = u32::from(d.is_multiple_of(8));
-            let args = args![x, xd, d, s, tp, r, c, per as u32, vec];
-            // SAFETY: as above, with cols·rows/2 data and cols·rows/16 scale bytes; `per`
-            // divides the row-block count; 8-byte stores only when `d` is 8-byte aligned (the
-            // row pitch rows/2 is a multiple of 8).
-            unsafe { self.launch_n("nvfp4_quantize_cols", nbr / per * cols, &args)? };
+            // Version 4: the shared-memory transpose (bf16, cols % 8 == 0, 16-byte aligned
+            // input rows, 8-byte aligned codes, the threshold table of nvfp4_params_v3).
+            let v4 = self.nvfp4_version >= 4
+                && thresholds
+                && src.dtype() == DType::Bf16
+                && cols.is_multiple_of(8)
+                && x.is_multiple_of(16)
+                && d.is_multiple_of(8);
+            match blocks(cols, 64) {
+                Some(gx4) if v4 => {
+                    let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
+                        | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
+                    let gy = u32::try_from(rows.div_ceil(256).min(65535)).unwrap_or(65535);
+                    let args = args![x, d, s, tp, r, c, flags];
+                    // SAFETY: views validated by the caller (rows·cols bf16 in; cols·rows/2
+                    // data and cols·rows/16 scale bytes out). The kernel copies 16-byte chunks
+                    // of whole input rows (x 16-byte aligned and cols % 8 == 0, checked above,
+                    // so every chunk is aligned and lies wholly inside or past a row), stores
+                    // codes in 8-byte units (d 8-byte aligned, pitch rows/2 a multiple of 8),
+                    // 16-byte units only with flag 1 (rows % 32 == 0, d 16-byte aligned) and
+                    // scales as 4-byte words only with flag 2 (rows % 64 == 0, s 4-byte
+                    // aligned), touching nothing past row `rows` or column `cols`; it reads the
+                    // threshold table that nvfp4_params_v3 wrote into `tp` (16-byte aligned).
+                    unsafe {
+                        self.launch("nvfp4_quantize_cols_v4", (gx4, gy, 1), (128, 1, 1), &args)?
+                    };
+                }
+                _ => {
+                    let vec = u32::from(d.is_multiple_of(8));
+                    let args = args![x, xd, d, s, tp, r, c, per as u32, vec];
+                    // SAFETY: as above, with cols·rows/2 data and cols·rows/16 scale bytes;
+                    // `per` divides the row-block count; 8-byte stores only when `d` is 8-byte
+                    // aligned (the row pitch rows/2 is a multiple of 8).
+                    unsafe { self.launch_n("nvfp4_quantize_cols", nbr / per * cols, &args)? };
+                }
+            }
         }
         let a = f32::from_bits(self.fetch_word(&amax)?);
         drop(params);
