@@ -39,8 +39,10 @@ impl DataParallelBuffers {
         self.check_no_gather_in_flight(owner, "staging")?;
         // HFSDP: staging rewrote this rank's part of its parameter shards.
         self.replica_params_stale = true;
-        // Casts into staging views need no collective.
+        // Casts into staging views need no collective; consecutive pieces (masters and staging
+        // views both continuing the previous piece's) are cast in one launch.
         let mut tiled = Vec::new();
+        let mut casts: Vec<(View, View)> = Vec::new();
         for piece in pieces {
             let (b, i) = self.plan.location(piece.param);
             let buf = &self.buffers[b];
@@ -49,9 +51,21 @@ impl DataParallelBuffers {
             }
             let start = buf.plan.param_range(i).start;
             let range = start + piece.param_range.start..start + piece.param_range.end;
-            if !buf.storage.stage_cast(dev, range, piece.master)? {
+            if let Some(dst) = buf.storage.staging_view(range.clone())? {
+                let joined = casts.last_mut().and_then(|last| {
+                    let j = (last.0.joined(&piece.master)?, last.1.joined(&dst)?);
+                    Some((last, j))
+                });
+                match joined {
+                    Some((last, j)) => *last = j,
+                    None => casts.push((piece.master, dst)),
+                }
+            } else if !buf.storage.stage_cast(dev, range, piece.master)? {
                 tiled.push(piece);
             }
+        }
+        for (master, dst) in casts {
+            dev.cast(master, dst)?;
         }
         self.stage_tiled(dev, comm, owner, &tiled)?;
         for g in &mut self.groups {

@@ -272,11 +272,14 @@ impl Summary {
             gib(self.closed)
         );
         if let Some((with, alone, call)) = self.overlap {
+            let comm = with - alone - self.local_ms();
             let _ = writeln!(
                 t,
-                "overlap: step with compute {with:.2} ms, compute alone {alone:.2} ms, exposed {:.2} ms ({:.1}% of the step; compute kernel {call:.1} us a call)",
+                "overlap: step with compute {with:.2} ms, compute alone {alone:.2} ms, exposed {:.2} ms ({:.1}% of the step; compute kernel {call:.1} us a call); exposed communication {comm:.2} ms ({:.1}%: the exposed time less the step's own kernels, {:.2} ms of norm, optimizer, staging and re-quantization measured above)",
                 with - alone,
-                100.0 * (with - alone) / with
+                100.0 * (with - alone) / with,
+                100.0 * comm / with,
+                self.local_ms()
             );
         }
         if let Some((peak, closed)) = self.transient {
@@ -291,6 +294,16 @@ impl Summary {
             let _ = writeln!(t, "HOST FALLBACK: {f}");
         }
         t
+    }
+
+    /// The step's kernels that no overlap can hide (they run between the last gradient's
+    /// reduction and the first gather): norm, optimizer, staging and re-quantization, as
+    /// measured without compute.
+    fn local_ms(&self) -> f64 {
+        (0..PHASES.len())
+            .filter(|&k| k != RS && k != GATHER)
+            .map(|k| self.phases_ms[k])
+            .sum()
     }
 
     fn json(&self) -> String {
@@ -316,11 +329,13 @@ impl Summary {
         let (tp, tc) = self.transient.unwrap_or((0, 0));
         let overlap = self.overlap.map_or("null".into(), |(w, a, c)| {
             format!(
-                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"compute_call_us\": {}, \"transient_peak_bytes\": {tp}, \"transient_closed_form_bytes\": {tc}}}",
+                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"exposed_comm_ms\": {}, \"exposed_comm_fraction\": {}, \"compute_call_us\": {}, \"transient_peak_bytes\": {tp}, \"transient_closed_form_bytes\": {tc}}}",
                 num(w),
                 num(a),
                 num(w - a),
                 num((w - a) / w),
+                num(w - a - self.local_ms()),
+                num((w - a - self.local_ms()) / w),
                 num(c)
             )
         });

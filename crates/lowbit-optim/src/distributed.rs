@@ -34,6 +34,111 @@ struct Shard {
     state: Vec<View>,
 }
 
+/// One allocation handed out front to back.
+struct Flat {
+    dtype: DType,
+    view: Option<View>,
+    at: usize,
+}
+
+impl Flat {
+    fn new(dev: &mut Device, dtype: DType, len: usize) -> Result<Flat> {
+        Ok(Flat {
+            dtype,
+            view: if len > 0 {
+                Some(dev.try_alloc(dtype, len)?)
+            } else {
+                None
+            },
+            at: 0,
+        })
+    }
+
+    /// The next `n` elements (an empty allocation of its own when nothing was allocated: every
+    /// piece is empty then).
+    fn take(&mut self, dev: &mut Device, n: usize) -> Result<View> {
+        let Some(view) = self.view else {
+            return Ok(dev.try_alloc(self.dtype, n)?);
+        };
+        let view = view.slice(self.at..self.at + n)?;
+        self.at += n;
+        Ok(view)
+    }
+}
+
+/// The shards' indices ordered by where their gradients lie: buffers in order of first
+/// appearance, then by offset.
+fn buffer_order(owned: &[lowbit_buffers::OwnedShard]) -> Vec<usize> {
+    let mut first: Vec<lowbit_device::BufferId> = Vec::new();
+    let key = |v: &View, first: &mut Vec<lowbit_device::BufferId>| {
+        let b = match first.iter().position(|&b| b == v.buffer()) {
+            Some(b) => b,
+            None => {
+                first.push(v.buffer());
+                first.len() - 1
+            }
+        };
+        (b, v.byte_offset())
+    };
+    let keys: Vec<_> = owned
+        .iter()
+        .map(|s| key(&s.grad_view, &mut first))
+        .collect();
+    let mut order: Vec<usize> = (0..owned.len()).collect();
+    order.sort_by_key(|&i| keys[i]);
+    order
+}
+
+/// Consecutive shards whose every view continues the previous shard's: one update launch.
+#[derive(Debug)]
+struct Run {
+    master: View,
+    grad32: View,
+    state: Vec<View>,
+    fused_output: Option<View>,
+}
+
+impl Run {
+    /// `shards` joined into runs, in the order given.
+    fn of<'a>(shards: impl IntoIterator<Item = &'a Shard>) -> Vec<Run> {
+        let mut runs: Vec<Run> = Vec::new();
+        for s in shards {
+            let next = Run {
+                master: s.master,
+                grad32: s.grad32,
+                state: s.state.clone(),
+                fused_output: s.fused_output,
+            };
+            match runs.last_mut().and_then(|r| Some((r.joined(&next)?, r))) {
+                Some((joined, last)) => *last = joined,
+                None => runs.push(next),
+            }
+        }
+        runs
+    }
+
+    /// This run followed by `next`, if every view of `next` continues this run's.
+    fn joined(&self, next: &Run) -> Option<Run> {
+        let fused_output = match (self.fused_output, next.fused_output) {
+            (None, None) => None,
+            (Some(a), Some(b)) => Some(a.joined(&b)?),
+            _ => return None,
+        };
+        let state = self
+            .state
+            .iter()
+            .zip(&next.state)
+            .map(|(a, b)| a.joined(b))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Run {
+            master: self.master.joined(&next.master)?,
+            grad32: self.grad32.joined(&next.grad32)?,
+            state,
+            fused_output,
+        })
+    }
+}
+
 /// The optimizer of one owner over this rank's owned shards.
 #[derive(Debug)]
 pub struct DistributedOptimizer {
@@ -41,6 +146,8 @@ pub struct DistributedOptimizer {
     rule: Box<dyn UpdateRule>,
     cfg: OptimConfig,
     shards: Vec<Shard>,
+    /// The shards joined where consecutive in every view (f32 masters' update launches).
+    runs: Vec<Run>,
     steps: u64,
     /// f32 scratch the rule updates bf16 masters in (`MasterDtype::Bf16`, `Weights`).
     work: Option<View>,
@@ -85,27 +192,62 @@ impl DistributedOptimizer {
         {
             return Err(InvalidInput::MastersNeedPersistentWeights { param: s.param }.into());
         }
-        let mut shards = Vec::new();
-        for (s, values) in owned.into_iter().zip(values) {
+        // One allocation per kind of tensor, cut into the shards in owned order: consecutive
+        // shards are consecutive in memory, so the element-wise launches of a step run over
+        // runs of shards (`Run`) instead of shard by shard.
+        let total: usize = owned.iter().map(|s| s.param_range.len()).sum();
+        let narrow: usize = owned
+            .iter()
+            .filter(|s| s.grad_view.dtype() != DType::F32)
+            .map(|s| s.param_range.len())
+            .sum();
+        let mut masters = match cfg.master_dtype {
+            MasterDtype::Weights => None,
+            MasterDtype::Bf16 => Some(Flat::new(dev, DType::Bf16, total)?),
+            MasterDtype::F32 => Some(Flat::new(dev, DType::F32, total)?),
+        };
+        let mut grads32 = Flat::new(dev, DType::F32, narrow)?;
+        let mut states: Vec<Flat> = rule
+            .state_names()
+            .iter()
+            .map(|_| Flat::new(dev, DType::F32, total))
+            .collect::<Result<_>>()?;
+        // The flat allocations are cut in the shards' order in the gradient buffers (a bucket
+        // holds its parameters in reverse), so the pieces of a bucket are one run.
+        let order = buffer_order(&owned);
+        let mut placed: Vec<Option<(View, View, Vec<View>)>> = vec![None; owned.len()];
+        for &i in &order {
+            let s = &owned[i];
             let n = s.param_range.len();
             // Masters from the high-precision initial values (rounded to bf16 for bf16 masters
             // and for the compute weights, which then hold exactly what `initialize` wrote).
-            let master = match (cfg.master_dtype, s.fused_output) {
-                (MasterDtype::Weights, Some(out)) => out,
-                (MasterDtype::Bf16, _) => dev.alloc(DType::Bf16, n),
-                _ => dev.alloc(DType::F32, n),
+            let master = match (&mut masters, s.fused_output) {
+                (Some(flat), _) => flat.take(dev, n)?,
+                (None, Some(out)) => out,
+                // Checked above already.
+                (None, None) => {
+                    return Err(
+                        InvalidInput::MastersNeedPersistentWeights { param: s.param }.into(),
+                    );
+                }
             };
-            crate::optimizer::upload_values(dev, master, &values)?;
             let grad32 = if s.grad_view.dtype() == DType::F32 {
                 s.grad_view
             } else {
-                dev.alloc(DType::F32, n)
+                grads32.take(dev, n)?
             };
-            let state = rule
-                .state_names()
-                .iter()
-                .map(|_| dev.alloc(DType::F32, n))
-                .collect();
+            let state = states
+                .iter_mut()
+                .map(|f| f.take(dev, n))
+                .collect::<Result<_>>()?;
+            placed[i] = Some((master, grad32, state));
+        }
+        let mut shards = Vec::new();
+        for ((s, values), placed) in owned.into_iter().zip(values).zip(placed) {
+            let Some((master, grad32, state)) = placed else {
+                unreachable!("`order` is a permutation of the shards")
+            };
+            crate::optimizer::upload_values(dev, master, &values)?;
             shards.push(Shard {
                 param: s.param,
                 param_range: s.param_range,
@@ -116,6 +258,7 @@ impl DistributedOptimizer {
                 state,
             });
         }
+        let runs = Run::of(order.iter().map(|&i| &shards[i]));
         let widest = shards.iter().map(|s| s.param_range.len()).max();
         let work = match (cfg.master_dtype, widest) {
             (MasterDtype::F32, _) | (_, None) => None,
@@ -126,6 +269,7 @@ impl DistributedOptimizer {
             rule: Box::new(rule),
             cfg,
             shards,
+            runs,
             steps: 0,
             work,
         })
@@ -134,6 +278,18 @@ impl DistributedOptimizer {
     /// The owner id of the parameters this optimizer updates.
     pub fn owner(&self) -> OptimizerId {
         self.owner
+    }
+
+    /// Update-rule launches per step: one per run of consecutive shards (shards whose master,
+    /// gradient, state and fused-output views continue the previous shard's: one allocation per
+    /// kind of tensor makes a bucket's pieces such a run) with f32 masters; one per shard with
+    /// bf16 masters (updated through an f32 scratch).
+    pub fn update_launches(&self) -> usize {
+        if self.work.is_some() {
+            self.shards.len()
+        } else {
+            self.runs.len()
+        }
     }
 
     /// The configuration.
@@ -179,20 +335,28 @@ impl Optimizer for DistributedOptimizer {
 
     fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
         self.steps += 1;
+        let Some(work) = self.work else {
+            // f32 masters: one launch per run of consecutive shards (the rule is element-wise,
+            // so the same bits as shard by shard).
+            for r in &self.runs {
+                if clip < 1.0 {
+                    dev.scale(r.grad32, clip)?;
+                }
+                let views = ShardViews {
+                    master: r.master,
+                    grad: r.grad32,
+                    state: &r.state,
+                    fused_output: r.fused_output,
+                };
+                self.rule.update(dev, views, self.cfg.lr, self.steps)?;
+            }
+            bufs.mark_stale(self.owner);
+            return Ok(());
+        };
         for s in &self.shards {
             if clip < 1.0 {
                 dev.scale(s.grad32, clip)?;
             }
-            let Some(work) = self.work else {
-                let views = ShardViews {
-                    master: s.master,
-                    grad: s.grad32,
-                    state: &s.state,
-                    fused_output: s.fused_output,
-                };
-                self.rule.update(dev, views, self.cfg.lr, self.steps)?;
-                continue;
-            };
             // bf16 masters: widened, updated in f32, rounded back (the fused output, if any,
             // gets the same rounding; compute weights used as masters are the rounding).
             let w = work.slice(0..s.param_range.len())?;

@@ -31,9 +31,11 @@ fn specs(grad: GradDType) -> Vec<ParamSpec> {
         expert: false,
         owner: OptimizerId(0),
     };
+    // A bucket holds its parameters in reverse order, each starting 64-element aligned: `w`
+    // first, then `b` right after it (1920 is aligned), so their shards are one run.
     vec![
-        ParamSpec::new("w", vec![48, 40], key),
         ParamSpec::new("b", vec![300], key),
+        ParamSpec::new("w", vec![48, 40], key),
     ]
 }
 
@@ -100,6 +102,9 @@ fn drive(rule: Rule, grad: GradDType) -> Vec<Seen> {
             Rule::Sgd(r) => DistributedOptimizer::new(dev, &bufs, OptimizerId(0), r, ocfg, &mut cb),
         }
         .unwrap();
+        // Both parameters lie in one bucket, back to back: their shards are one run, one launch
+        // a step (the references below check that it gives each shard's bits).
+        assert_eq!(opt.update_launches(), 1);
         let mut seen = Vec::new();
         for t in 1..=STEPS {
             protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();

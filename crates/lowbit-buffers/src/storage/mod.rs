@@ -280,8 +280,16 @@ pub(crate) trait Storage: Debug + Send {
         Ok(None)
     }
 
-    /// Writes `bf16(master)` of an owned piece straight into the region, if this storage
-    /// stages that way (no collective needed). Returns whether it did.
+    /// Where `bf16(master)` of an owned piece (`range` in buffer elements) goes, if this storage
+    /// stages by a plain cast into its region (no collective needed): the staging casts of
+    /// consecutive pieces then run as one launch.
+    fn staging_view(&self, range: Range<usize>) -> Result<Option<View>> {
+        let _ = range;
+        Ok(None)
+    }
+
+    /// Stages an owned piece from its master by this storage's own means (no collective), if
+    /// it stages that way and not by [`Storage::staging_view`]. Returns whether it did.
     fn stage_cast(&self, dev: &mut Device, range: Range<usize>, master: View) -> Result<bool> {
         let _ = (dev, range, master);
         Ok(false)
