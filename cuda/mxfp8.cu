@@ -375,6 +375,28 @@ __device__ __forceinline__ void both_tile(const uint4 raw[4], __nv_bfloat162 (*c
     }
 }
 
+// Version 4's work for the tile (bx, by) (columns 256·bx.., rows 32·by..) of one matrix: its
+// loads, then `both_tile`. `camax` is the CTA's 4 KB of shared memory. Shared by the
+// single-matrix kernel and the many-matrix kernel, so both write the same bytes.
+__device__ __forceinline__ void both_v4(const __nv_bfloat16* __restrict__ x,
+                                        uint8_t* __restrict__ row_data,
+                                        uint8_t* __restrict__ row_scales,
+                                        uint8_t* __restrict__ col_data,
+                                        uint8_t* __restrict__ col_scales,
+                                        unsigned long long rows, unsigned long long cols,
+                                        unsigned vec, unsigned long long bx,
+                                        unsigned long long by, __nv_bfloat162 (*camax)[256]) {
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const unsigned long long r0 = by * 32;
+    const unsigned long long c0 = bx * 256;
+    const unsigned long long c = c0 + lane * 8;
+    const bool interior = vec && r0 + 32 <= rows && c0 + 256 <= cols;
+    uint4 raw[4];
+    both_load(x, rows, cols, r0, c, w, interior, vec, raw);
+    both_tile(raw, camax, row_data, row_scales, col_data, col_scales, rows, cols, r0, c, lane, w,
+              vec);
+}
+
 // Version 4: one tile per CTA, grid (ceil(cols / 256), ceil(rows / 32)); the default.
 extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4(
     const __nv_bfloat16* __restrict__ x,
@@ -386,15 +408,35 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4(
     unsigned long long cols,
     unsigned vec) {
     __shared__ __nv_bfloat162 camax[4][256];
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    const unsigned long long r0 = (unsigned long long)blockIdx.y * 32;
-    const unsigned long long c0 = (unsigned long long)blockIdx.x * 256;
-    const unsigned long long c = c0 + lane * 8;
-    const bool interior = vec && r0 + 32 <= rows && c0 + 256 <= cols;
-    uint4 raw[4];
-    both_load(x, rows, cols, r0, c, w, interior, vec, raw);
-    both_tile(raw, camax, row_data, row_scales, col_data, col_scales, rows, cols, r0, c, lane, w,
-              vec);
+    both_v4(x, row_data, row_scales, col_data, col_scales, rows, cols, vec, blockIdx.x, blockIdx.y,
+            camax);
+}
+
+// Version 4 over many matrices in one launch (the re-quantization of every gathered weight:
+// one launch instead of one per matrix, so the small matrices pay neither a launch each nor a
+// ramp-up and tail each). `table` holds, for `items` matrices, first their first CTA indices
+// (ascending from 0; matrix i owns the CTAs [first[i], first[i + 1])), then 9 words per matrix:
+// x, row_data, row_scales, col_data, col_scales, rows, cols, the tiles across
+// (ceil(cols / 256)) and `vec` (host-checked as for the single kernel). A CTA finds its matrix
+// by binary search, turns its index within it into (bx, by) as the single kernel's grid would,
+// and runs the same tile body: the bytes are those of one single-kernel launch per matrix.
+// 1-D grid of the total CTA count. The host checks that no output overlaps another matrix's
+// input or outputs, so the order in which matrices run does not matter.
+extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_many(
+    const unsigned long long* __restrict__ table, unsigned items) {
+    __shared__ __nv_bfloat162 camax[4][256];
+    const unsigned long long b = blockIdx.x;
+    unsigned lo = 0, hi = items;  // the last matrix whose first CTA is <= b (first[0] == 0)
+    while (hi - lo > 1) {
+        unsigned mid = (lo + hi) / 2;
+        if (table[mid] <= b) lo = mid; else hi = mid;
+    }
+    const unsigned long long* t = table + items + 9ull * lo;
+    const unsigned long long local = b - table[lo], gx = t[7];
+    both_v4(reinterpret_cast<const __nv_bfloat16*>(t[0]), reinterpret_cast<uint8_t*>(t[1]),
+            reinterpret_cast<uint8_t*>(t[2]), reinterpret_cast<uint8_t*>(t[3]),
+            reinterpret_cast<uint8_t*>(t[4]), t[5], t[6], (unsigned)t[8], local % gx, local / gx,
+            camax);
 }
 
 // Version 5: two vertically adjacent tiles per CTA (grid.y = ceil(rows / 64)), all eight loads

@@ -10,7 +10,10 @@
 //! - their unit-test binaries, when a source file under `src/` with tests is about CUDA (its
 //!   path mentions `cuda` or `nccl`, or it mentions `feature = "cuda"`);
 //! - `xtask/gpu/*` (run.sh, helper scripts) and each package's `benches/*.py` (torch baselines)
-//!   into `gpu/`, run.sh at the top.
+//!   into `gpu/`, run.sh at the top;
+//! - the `*.whl` files of the git-ignored `gpu-wheels/`, if there is one, into `wheels/`: Python
+//!   packages the GPU machine lacks and cannot download (torchao for `torch_fsdp2_step.py`),
+//!   installed by the run.sh steps that need them.
 //!
 //! `tests.list` holds one step per test binary (`name|timeout|command`), read by run.sh ahead of
 //! its own hand-written steps, except for binaries that run.sh's list runs itself
@@ -242,6 +245,30 @@ fn set_executable(path: &Path) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Copies the `*.whl` files of `from` (if it exists) into `to`; the bytes copied.
+fn copy_wheels(from: &Path, to: &Path) -> Result<u64, String> {
+    let Ok(entries) = std::fs::read_dir(from) else {
+        return Ok(0);
+    };
+    let mut wheels: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|f| f.is_file() && f.extension().is_some_and(|x| x == "whl"))
+        .collect();
+    wheels.sort();
+    if wheels.is_empty() {
+        return Ok(0);
+    }
+    std::fs::create_dir_all(to).map_err(|e| format!("{}: {e}", to.display()))?;
+    let mut total = 0;
+    for w in wheels {
+        let name = w.file_name().ok_or("wheel without a name")?;
+        total += copy(&w, &to.join(name))?;
+        eprintln!("  wheels/{}", name.to_string_lossy());
+    }
+    Ok(total)
+}
+
 fn commit(root: &Path) -> String {
     let git = |args: &[&str]| {
         Command::new("git")
@@ -336,6 +363,7 @@ pub fn gpu_bundle(root: &Path, allow_partial: bool) -> Result<(), String> {
     if !bundle.join("run.sh").exists() {
         return Err("xtask/gpu/run.sh is missing".into());
     }
+    total += copy_wheels(&root.join("gpu-wheels"), &bundle.join("wheels"))?;
     eprintln!(
         "wrote {} ({} executables, {:.1} MiB); run it there with ./run.sh [FILTER...]",
         bundle.display(),
@@ -349,4 +377,30 @@ pub fn gpu_bundle(root: &Path, allow_partial: bool) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_wheels;
+
+    /// The wheels of `gpu-wheels/` land in `wheels/`; other files and a missing folder do not.
+    #[test]
+    fn wheels_are_copied_when_present() {
+        let dir = std::env::temp_dir().join(format!("lowbit-wheels-{}", std::process::id()));
+        let (from, to) = (dir.join("gpu-wheels"), dir.join("bundle/wheels"));
+        std::fs::create_dir_all(&from).unwrap();
+        std::fs::write(from.join("a-1.0-py3-none-any.whl"), b"abc").unwrap();
+        std::fs::write(from.join("notes.txt"), b"x").unwrap();
+        let copied = copy_wheels(&from, &to);
+        let none = copy_wheels(&dir.join("absent"), &dir.join("absent-out"));
+        let names: Vec<_> = std::fs::read_dir(&to)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        let absent_out = dir.join("absent-out").exists();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(copied, Ok(3));
+        assert_eq!(names, ["a-1.0-py3-none-any.whl"]);
+        assert_eq!(none, Ok(0));
+        assert!(!absent_out);
+    }
 }

@@ -52,19 +52,12 @@ impl DataParallelBuffers {
             let start = buf.plan.param_range(i).start;
             let range = start + piece.param_range.start..start + piece.param_range.end;
             if let Some(dst) = buf.storage.staging_view(range.clone())? {
-                let joined = casts.last_mut().and_then(|last| {
-                    let j = (last.0.joined(&piece.master)?, last.1.joined(&dst)?);
-                    Some((last, j))
-                });
-                match joined {
-                    Some((last, j)) => *last = j,
-                    None => casts.push((piece.master, dst)),
-                }
+                casts.push((piece.master, dst));
             } else if !buf.storage.stage_cast(dev, range, piece.master)? {
                 tiled.push(piece);
             }
         }
-        for (master, dst) in casts {
+        for (master, dst) in joined_runs(casts) {
             dev.cast(master, dst)?;
         }
         self.stage_tiled(dev, comm, owner, &tiled)?;
@@ -197,4 +190,22 @@ impl DataParallelBuffers {
             b.storage.is_low_precision() && b.owner() == owner && g.weights == WeightState::Stale
         })
     }
+}
+
+/// `(source, destination)` pairs of an element-wise operation, in destination order, with each
+/// pair whose views both continue the previous pair's joined to it: one launch per run.
+fn joined_runs(mut pairs: Vec<(View, View)>) -> Vec<(View, View)> {
+    pairs.sort_by_key(|(_, d)| (d.buffer(), d.byte_offset()));
+    let mut runs: Vec<(View, View)> = Vec::new();
+    for (s, d) in pairs {
+        let joined = runs.last_mut().and_then(|last| {
+            let j = (last.0.joined(&s)?, last.1.joined(&d)?);
+            Some((last, j))
+        });
+        match joined {
+            Some((last, j)) => *last = j,
+            None => runs.push((s, d)),
+        }
+    }
+    runs
 }

@@ -205,7 +205,9 @@ fn disk_write(path: &Path, bytes: u64, streams: usize) -> Duration {
         .collect();
     let t = Instant::now();
     let f = File::create(path).expect("create probe");
-    let per = bytes.div_ceil(streams as u64).next_multiple_of(CHUNK as u64);
+    let per = bytes
+        .div_ceil(streams as u64)
+        .next_multiple_of(CHUNK as u64);
     std::thread::scope(|s| {
         for k in 0..streams as u64 {
             let (f, chunk) = (&f, &chunk);
@@ -229,7 +231,9 @@ fn disk_read(path: &Path, streams: usize) -> Duration {
     use std::os::unix::fs::FileExt;
     drop_cached(path);
     let bytes = std::fs::metadata(path).expect("stat probe").len();
-    let per = bytes.div_ceil(streams as u64).next_multiple_of(CHUNK as u64);
+    let per = bytes
+        .div_ceil(streams as u64)
+        .next_multiple_of(CHUNK as u64);
     let t = Instant::now();
     let f = File::open(path).expect("open probe");
     std::thread::scope(|s| {
@@ -402,9 +406,19 @@ fn main() {
     std::fs::remove_file(&probe).expect("remove probe");
     rows.push(row("host_copy", host_copy(bytes, a.reps), bytes, ""));
     rows.push(row("disk_write_1stream", write_1, bytes, ""));
-    rows.push(row(format!("disk_write_{streams}streams"), write_n, bytes, ""));
+    rows.push(row(
+        format!("disk_write_{streams}streams"),
+        write_n,
+        bytes,
+        "",
+    ));
     rows.push(row("disk_read_1stream", read_1, bytes, ""));
-    rows.push(row(format!("disk_read_{streams}streams"), read_n, bytes, ""));
+    rows.push(row(
+        format!("disk_read_{streams}streams"),
+        read_n,
+        bytes,
+        "",
+    ));
     rows.push(row("disk_write", write_1.min(write_n), bytes, ""));
     rows.push(row("disk_read", read_1.min(read_n), bytes, ""));
     rows.push(row("save_1rank", save_1, bytes, "disk_write"));

@@ -4,6 +4,9 @@
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
+//! - The same both-copies quantization of the weight matrices of one and of all 16 layers of
+//!   Llama-3.2-1B (the re-quantization after a parameter all-gather), one call per matrix and
+//!   one `quantize_mxfp8_many`, against the same bound.
 //! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version.
 //! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm), and of the same
 //!   bytes read as bf16.
@@ -54,6 +57,74 @@ fn report(name: &str, secs: f64, bytes: f64, copy_bw: f64) {
         bw / 1e9,
         bw / copy_bw
     );
+}
+
+/// The weight matrices (rows, cols) of one Llama-3.2-1B layer: q, k, v, o, gate, up, down.
+const LLAMA_1B_LAYER: [(usize, usize); 7] = [
+    (2048, 2048),
+    (512, 2048),
+    (512, 2048),
+    (2048, 2048),
+    (8192, 2048),
+    (8192, 2048),
+    (2048, 8192),
+];
+
+/// Times the MXFP8 both-copies re-quantization of `layers` Llama-3.2-1B layers, one
+/// `quantize_mxfp8` per matrix and one `quantize_mxfp8_many`, against the copy bandwidth: the
+/// sources are consecutive views of one bf16 buffer (filled from `x`), the outputs consecutive
+/// views of one buffer per data and scale copy, as a staged storage lays them out.
+fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, copy_bw: f64) {
+    let shapes: Vec<(usize, usize)> = (0..layers).flat_map(|_| LLAMA_1B_LAYER).collect();
+    let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
+    let src = dev.alloc(DType::Bf16, elems);
+    let mut at = 0;
+    while at < elems {
+        let n = x.len().min(elems - at);
+        let part = src.slice(at..at + n).expect("slice");
+        dev.copy(x.slice(0..n).expect("slice"), part).expect("copy");
+        at += n;
+    }
+    // Every shape has rows and cols multiples of 32, so the scales are elems / 32 per copy.
+    let bufs = [elems, elems / 32, elems, elems / 32].map(|n| dev.alloc(DType::U8, n));
+    let (mut e, mut k) = (0, 0);
+    let items: Vec<(lowbit_device::View, usize, usize, Mxfp8Views)> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let n = rows * cols;
+            let view =
+                |b: usize, at: usize, len: usize| bufs[b].slice(at..at + len).expect("slice");
+            let out = Mxfp8Views {
+                rowwise: Some((view(0, e, n), view(1, k, n / 32))),
+                columnwise: Some((view(2, e, n), view(3, k, n / 32))),
+            };
+            let item = (src.slice(e..e + n).expect("slice"), rows, cols, out);
+            (e, k) = (e + n, k + n / 32);
+            item
+        })
+        .collect();
+    let cfg = Mxfp8Config::default();
+    let bytes = elems as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
+    let what = format!(
+        "mxfp8 rowwise+columnwise Llama-3.2-1B x{layers} layers ({} matrices",
+        items.len()
+    );
+    let reps = if layers > 1 { 20 } else { 50 };
+    let t = timed(dev, reps, |d| {
+        for (s, rows, cols, out) in &items {
+            d.quantize_mxfp8(*s, *rows, *cols, &cfg, out)
+                .expect("quantize");
+        }
+    });
+    report(&format!("{what}, one call each)"), t, bytes, copy_bw);
+    let t = timed(dev, reps, |d| {
+        d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+    });
+    report(&format!("{what}, quantize_mxfp8_many)"), t, bytes, copy_bw);
+    dev.free(src).expect("free");
+    for b in bufs {
+        dev.free(b).expect("free");
+    }
 }
 
 fn main() {
@@ -137,6 +208,15 @@ fn main() {
             dev.free(a).expect("free");
             dev.free(b).expect("free");
         }
+    }
+    // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's
+    // layers (q, k, v, o, gate, up, down), bf16 views of one staging buffer into views of four
+    // output buffers, rowwise + columnwise E4M3 (kernel v4), one `quantize_mxfp8` per matrix
+    // against one `quantize_mxfp8_many` for all, for one layer and for all 16.
+    dev.set_cuda_kernel_variant("mxfp8_both", 4)
+        .expect("variant");
+    for layers in [1, 16] {
+        llama_requantize(&mut dev, x, layers, copy_bw);
     }
     // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
     // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again

@@ -12,7 +12,8 @@
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CountedOp {
-    /// [`crate::Device::quantize_mxfp8`]: a whole tensor to MXFP8.
+    /// [`crate::Device::quantize_mxfp8`]: a whole tensor to MXFP8 (and each item of
+    /// [`crate::Device::quantize_mxfp8_many`], which counts as one call per item).
     QuantizeMxfp8,
     /// [`crate::Device::quantize_nvfp4`]: a whole tensor to NVFP4.
     QuantizeNvfp4,

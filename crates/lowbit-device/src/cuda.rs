@@ -121,14 +121,16 @@ pub(crate) struct CudaDevice {
     /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
     /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
     mxfp8_both_version: u32,
-    /// Which kernels run the bf16 amax pass and the NVFP4 rowwise codes: 3 (the default:
+    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 4 (the default: version 3
+    /// with the columnwise copy of `nvfp4_quantize_cols_v4`, both copies 0.60x of a copy on an
+    /// H100 where version 3 gives 0.36x), 3 (
     /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
     /// threshold table from `nvfp4_params_v3`, `nvfp4_quantize_rows_v3`; NVFP4 rowwise with
     /// its amax pass 0.85x on an H200), 2 (`max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`:
     /// four 16-byte loads in flight per thread, the shorter E2M1 encoder; 0.66x) or 1
-    /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x); 4 is 3 with the columnwise copy from
-    /// `nvfp4_quantize_cols_v4` (a 256x64 bf16 tile staged through shared memory, coalesced
-    /// loads and stores) where the view allows it. Same bytes.
+    /// (`max_abs_bits`, `nvfp4_quantize_rows`, 0.63x). Version 4's columnwise kernel stages a
+    /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
+    /// allows it. Same bytes.
     nvfp4_version: u32,
     /// cuBLASLt for `matmul_tc`, opened on its first call.
     gemm: Option<Box<gemm::Gemm>>,
@@ -174,7 +176,7 @@ impl CudaDevice {
             tables: None,
             tables_ptr: 0,
             mxfp8_both_version: 4,
-            nvfp4_version: 3,
+            nvfp4_version: 4,
             gemm: None,
             tc_symmetric: 1,
         };

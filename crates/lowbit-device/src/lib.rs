@@ -68,7 +68,8 @@
 //! `read_bytes_into`), `write_bytes`, `zero`, `copy`.
 //! Element-wise: [`Device::fill`], [`Device::cast`], [`Device::scale`], [`Device::axpy`],
 //! [`Device::add`]. Reductions: [`Device::sum_squares`], [`Device::has_non_finite`],
-//! [`Device::max_abs`]. Quantization: [`Device::quantize_mxfp8`],
+//! [`Device::max_abs`]. Quantization: [`Device::quantize_mxfp8`] (and
+//! [`Device::quantize_mxfp8_many`]: many matrices, one launch where it can),
 //! [`Device::dequantize_mxfp8_rowwise`], [`Device::dequantize_mxfp8_columnwise`],
 //! [`Device::quantize_nvfp4`], [`Device::dequantize_nvfp4_rowwise`],
 //! [`Device::dequantize_nvfp4_columnwise`]. Optimizers: [`Device::adamw`],
@@ -277,7 +278,8 @@ pub enum DeviceError {
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
 
 /// Identifies one allocation of a [`Device`]. The generation makes stale handles detectable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Ordered (device, allocation slot, generation) so that views can be sorted by where they lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BufferId {
     /// The device that allocated the buffer.
     device: u32,
@@ -725,7 +727,7 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 3 by default; 4 adds the
+    /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 4 by default: 3 with the
     /// shared-memory columnwise kernel).
     /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]

@@ -14,7 +14,7 @@
 
 use lowbit_device::{
     AdamW, DType, Device, DeviceError, Fp8Kind, MatmulSpec, Mxfp8Config, Mxfp8Views, Nvfp4Config,
-    Nvfp4Views, SgdMomentum,
+    Nvfp4Views, SgdMomentum, View,
 };
 use lowbit_formats::{Copies, NanPolicy};
 
@@ -664,6 +664,122 @@ fn mxfp8_fallback_variants_match_and_are_counted() {
         "{:?}",
         o.fallbacks
     );
+}
+
+/// Both-copies MXFP8 views for `rows × cols` carved from the u8 buffer `buf` from byte `at`:
+/// each view starts `gap` bytes after the previous one ends, rounded up to a multiple of
+/// `align` (1: odd offsets, which take the kernels' element-wise path); returns the views and
+/// the next free byte.
+fn carve_mxfp8_views(
+    buf: View,
+    at: usize,
+    (gap, align): (usize, usize),
+    (rows, cols): (usize, usize),
+) -> (Mxfp8Views, usize) {
+    let mut next = at;
+    let mut take = |n: usize| {
+        let start = (next + gap).next_multiple_of(align);
+        next = start + n;
+        buf.slice(start..start + n).unwrap()
+    };
+    let rowwise = Some((take(rows * cols), take(rows * cols.div_ceil(32))));
+    let columnwise = Some((take(rows * cols), take(rows.div_ceil(32) * cols)));
+    (
+        Mxfp8Views {
+            rowwise,
+            columnwise,
+        },
+        next,
+    )
+}
+
+/// `quantize_mxfp8_many` (one launch of `mxfp8_both_e4m3_bf16_v4_many` for the bf16 items)
+/// equals one `quantize_mxfp8` per item on the same device and the CPU's bytes: a Llama-like
+/// layer (scaled down), real 2048-column shapes, odd shapes, sources at element offsets inside
+/// one buffer (aligned and misaligned), outputs packed into one buffer at 16-byte aligned and
+/// at odd offsets (guard bytes between them must stay untouched), an f32 and an f16 item (their
+/// own kernels, one by one), with every both-copies version (1 and 5 take the per-item path).
+#[test]
+fn mxfp8_many_matches_per_item_and_cpu() {
+    check_native("mxfp8 many", false, |c| {
+        // (rows, cols, source dtype, source element offset, output alignment)
+        let items_spec: [(usize, usize, DType, usize, usize); 15] = [
+            (2048, 2048, DType::Bf16, 0, 16),
+            (512, 2048, DType::Bf16, 0, 16),
+            (1024, 2048, DType::Bf16, 0, 16),
+            // One layer of Llama-3.2-1B at a quarter of each dimension.
+            (512, 512, DType::Bf16, 0, 16),
+            (128, 512, DType::Bf16, 0, 16),
+            (128, 512, DType::Bf16, 0, 16),
+            (512, 512, DType::Bf16, 0, 16),
+            (2048, 512, DType::Bf16, 0, 16),
+            (2048, 512, DType::Bf16, 0, 16),
+            (512, 2048, DType::Bf16, 0, 16),
+            // Off the tile grid, misaligned, odd outputs, other dtypes.
+            (37, 45, DType::Bf16, 0, 1),
+            (64, 256, DType::Bf16, 8, 16),
+            (96, 512, DType::Bf16, 1, 16),
+            (40, 64, DType::F32, 0, 16),
+            (33, 72, DType::F16, 3, 1),
+        ];
+        let mut out = Vec::new();
+        for version in [4, 1, 5] {
+            c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
+            let seed = 7000 + 100 * u64::from(version);
+            // Versions 1 and 5 take the per-item path: the small items suffice there.
+            let spec: Vec<_> = items_spec
+                .iter()
+                .copied()
+                .filter(|s| version == 4 || s.0 * s.1 <= 512 * 512)
+                .collect();
+            // Sources: one buffer per dtype, each item's view at its element offset from a
+            // multiple of 8 elements after the previous one (bf16: an offset of 8 keeps 16-byte
+            // alignment, 1 breaks it).
+            let mut srcs = Vec::new();
+            for (k, d) in [DType::Bf16, DType::F32, DType::F16]
+                .into_iter()
+                .enumerate()
+            {
+                let of_d = spec.iter().filter(|s| s.2 == d);
+                let n: usize = of_d.map(|s| s.0 * s.1 + s.3 + 16).sum();
+                let buf = c.rand(d, n, seed + k as u64);
+                let mut at = 0;
+                for (i, s) in spec.iter().enumerate().filter(|(_, s)| s.2 == d) {
+                    srcs.push((i, buf.slice(at + s.3..at + s.3 + s.0 * s.1).unwrap()));
+                    at = (at + s.3 + s.0 * s.1 + 8).next_multiple_of(8);
+                }
+            }
+            srcs.sort_by_key(|(i, _)| *i);
+            // Two identical output buffers (same garbage), carved the same way.
+            let room: usize = spec
+                .iter()
+                .map(|s| 4 * s.0 * s.1 + 2 * (s.0 + s.1) + 8 * 32)
+                .sum();
+            let bufs = [
+                c.rand(DType::U8, room, seed + 10),
+                c.rand(DType::U8, room, seed + 10),
+            ];
+            let mut sets = [Vec::new(), Vec::new()];
+            for (set, &buf) in sets.iter_mut().zip(&bufs) {
+                let mut at = 0;
+                for ((_, src), s) in srcs.iter().zip(&spec) {
+                    let (views, next) = carve_mxfp8_views(buf, at, (3, s.4), (s.0, s.1));
+                    at = next;
+                    set.push((*src, s.0, s.1, views));
+                }
+            }
+            let cfg = Mxfp8Config::default();
+            c.dev.quantize_mxfp8_many(&sets[0], &cfg)?;
+            for (src, rows, cols, views) in &sets[1] {
+                c.dev.quantize_mxfp8(*src, *rows, *cols, &cfg, views)?;
+            }
+            // The many call's bytes are the per-item calls' on this device (the CPU comparison
+            // of every recorded buffer follows in `check`).
+            let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
+            out.push(f64::from(u8::from(a? == b?)));
+        }
+        Ok(out)
+    });
 }
 
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the

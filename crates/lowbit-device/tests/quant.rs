@@ -390,3 +390,297 @@ fn sharded_ranges_the_tiles_do_not_cover_are_errors_not_panics() {
     dev.mxfp8_quantize_2d_range(empty, 0, 0, Fp8Kind::E4M3, none, q.slice(0..0).unwrap())
         .unwrap();
 }
+
+/// Output views of `rows × cols` for `cfg.copies`, carved from `buf` (u8) from byte `at` on,
+/// each view starting `gap` bytes after the previous one ends (so views sit at odd offsets
+/// next to each other); returns the views and the next free byte.
+fn carved_views(
+    buf: View,
+    at: usize,
+    gap: usize,
+    (rows, cols): (usize, usize),
+    copies: Copies,
+) -> (Mxfp8Views, usize) {
+    let mut next = at;
+    let mut take = |n: usize| {
+        let v = buf.slice(next + gap..next + gap + n).unwrap();
+        next += gap + n;
+        v
+    };
+    let rowwise = copies
+        .rowwise()
+        .then(|| (take(rows * cols), take(rows * cols.div_ceil(32))));
+    let columnwise = copies
+        .columnwise()
+        .then(|| (take(rows * cols), take(rows.div_ceil(32) * cols)));
+    (
+        Mxfp8Views {
+            rowwise,
+            columnwise,
+        },
+        next,
+    )
+}
+
+/// The bytes of every view of `out`.
+fn all_bytes(dev: &Device, out: &Mxfp8Views) -> Vec<Option<(Vec<u8>, Vec<u8>)>> {
+    vec![bytes(dev, out.rowwise), bytes(dev, out.columnwise)]
+}
+
+#[test]
+fn mxfp8_many_equals_one_call_per_item() {
+    // Shapes off the 32 and 256 grids, an empty matrix, one row, one column.
+    let shapes = [
+        (64, 256),
+        (37, 45),
+        (0, 5),
+        (1, 1),
+        (96, 512),
+        (33, 65),
+        (5, 0),
+        (70, 8),
+        (1, 300),
+        (40, 1),
+    ];
+    let cfgs = [
+        Mxfp8Config::default(),
+        Mxfp8Config {
+            kind: Fp8Kind::E5M2,
+            copies: Copies::Rowwise,
+            ..Mxfp8Config::default()
+        },
+        Mxfp8Config {
+            copies: Copies::Columnwise,
+            ..Mxfp8Config::default()
+        },
+        Mxfp8Config {
+            two_d: true,
+            ..Mxfp8Config::default()
+        },
+        Mxfp8Config {
+            nan_policy: NanPolicy::Error,
+            ..Mxfp8Config::default()
+        },
+    ];
+    let total: usize = shapes.iter().map(|(r, c)| r * c).sum();
+    for cfg in cfgs {
+        let mut dev = Device::cpu();
+        // Sources: views at odd element offsets inside one buffer per dtype, dtypes mixed.
+        let dtypes = [DType::Bf16, DType::F32, DType::F16];
+        let bufs: Vec<View> = dtypes
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| upload_as(&mut dev, d, &values(total + 64, 11 + i as u64)))
+            .collect();
+        let mut at = [3usize; 3];
+        let srcs: Vec<View> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(r, c))| {
+                let k = i % 3;
+                let v = bufs[k].slice(at[k]..at[k] + r * c).unwrap();
+                at[k] += r * c + 1;
+                v
+            })
+            .collect();
+        // Outputs of the many call and of the per-item calls, each set carved from one buffer.
+        let per_item_bytes = |(r, c): (usize, usize)| 4 * r * c + 2 * (r + c) + 64;
+        let room: usize = shapes.iter().map(|&s| per_item_bytes(s)).sum();
+        let (many_buf, one_buf) = (dev.alloc(DType::U8, room), dev.alloc(DType::U8, room));
+        let (mut a, mut b) = (0, 0);
+        let mut items = Vec::new();
+        let mut singles = Vec::new();
+        for (&src, &(rows, cols)) in srcs.iter().zip(&shapes) {
+            let (out, next) = carved_views(many_buf, a, 3, (rows, cols), cfg.copies);
+            a = next;
+            items.push((src, rows, cols, out));
+            let (out, next) = carved_views(one_buf, b, 3, (rows, cols), cfg.copies);
+            b = next;
+            singles.push((src, rows, cols, out));
+        }
+        let before = dev.op_calls(lowbit_device::CountedOp::QuantizeMxfp8);
+        dev.quantize_mxfp8_many(&items, &cfg).unwrap();
+        assert_eq!(
+            dev.op_calls(lowbit_device::CountedOp::QuantizeMxfp8),
+            before + items.len() as u64,
+            "one count per item"
+        );
+        for (src, rows, cols, out) in &singles {
+            dev.quantize_mxfp8(*src, *rows, *cols, &cfg, out).unwrap();
+        }
+        for (m, s) in items.iter().zip(&singles) {
+            assert_eq!(
+                all_bytes(&dev, &m.3),
+                all_bytes(&dev, &s.3),
+                "{}x{} {:?} {cfg:?}",
+                m.1,
+                m.2,
+                m.0.dtype()
+            );
+        }
+        // Every byte outside the views (the gaps) is untouched, so nothing was written past a
+        // view either.
+        let written = dev.read_bytes(many_buf).unwrap();
+        let theirs = dev.read_bytes(one_buf).unwrap();
+        assert_eq!(written, theirs);
+        // An empty list is fine and counts nothing.
+        let n = dev.op_calls(lowbit_device::CountedOp::QuantizeMxfp8);
+        dev.quantize_mxfp8_many(&[], &cfg).unwrap();
+        assert_eq!(dev.op_calls(lowbit_device::CountedOp::QuantizeMxfp8), n);
+    }
+}
+
+#[test]
+fn mxfp8_many_errors_write_nothing() {
+    let mut dev = Device::cpu();
+    let cfg = Mxfp8Config::default();
+    let shapes = [(32, 64), (4, 40), (33, 7)];
+    let mut items = Vec::new();
+    for (i, &(rows, cols)) in shapes.iter().enumerate() {
+        let src = upload_as(&mut dev, DType::Bf16, &values(rows * cols, 40 + i as u64));
+        let out = mxfp8_views(&mut dev, rows, cols, Copies::Both);
+        items.push((src, rows, cols, out));
+    }
+    let untouched = |dev: &Device, items: &[(View, usize, usize, Mxfp8Views)]| {
+        items.iter().all(|(_, _, _, out)| {
+            all_bytes(dev, out)
+                .into_iter()
+                .flatten()
+                .all(|(d, s)| d.iter().chain(&s).all(|&b| b == 0))
+        })
+    };
+    let calls = |dev: &Device| dev.op_calls(lowbit_device::CountedOp::QuantizeMxfp8);
+
+    // An invalid last item: the error of its own call, and the valid items before it are not
+    // written either. Every item still counts.
+    let (d, _) = items[2].3.rowwise.unwrap();
+    let mut bad = items.clone();
+    bad[2].3.rowwise = Some((d, dev.alloc(DType::U8, 1)));
+    let want = dev.quantize_mxfp8(bad[2].0, bad[2].1, bad[2].2, &cfg, &bad[2].3);
+    assert!(matches!(want, Err(DeviceError::Length { .. })));
+    let n = calls(&dev);
+    assert_eq!(dev.quantize_mxfp8_many(&bad, &cfg), want);
+    assert_eq!(calls(&dev), n + 3);
+    assert!(untouched(&dev, &items));
+
+    // A wrong shape, a missing copy.
+    let mut bad = items.clone();
+    bad[1].1 += 1;
+    assert!(matches!(
+        dev.quantize_mxfp8_many(&bad, &cfg),
+        Err(DeviceError::Length { .. })
+    ));
+    let mut bad = items.clone();
+    bad[0].3.columnwise = None;
+    assert!(matches!(
+        dev.quantize_mxfp8_many(&bad, &cfg),
+        Err(DeviceError::Invalid { .. })
+    ));
+    assert!(untouched(&dev, &items));
+
+    // Across items: an output shared by two items, an output inside another item's source.
+    let mut bad = items.clone();
+    bad[1].3.columnwise.as_mut().unwrap().1 = bad[2].3.columnwise.unwrap().0.slice(0..40).unwrap();
+    assert_eq!(
+        dev.quantize_mxfp8_many(&bad, &cfg),
+        Err(DeviceError::Overlap("quantize_mxfp8"))
+    );
+    let src_bytes = items[0].0.reinterpret(DType::U8).unwrap();
+    let mut bad = items.clone();
+    bad[1].3.rowwise.as_mut().unwrap().1 = src_bytes.slice(8..16).unwrap();
+    assert_eq!(
+        dev.quantize_mxfp8_many(&bad, &cfg),
+        Err(DeviceError::Overlap("quantize_mxfp8"))
+    );
+    assert!(untouched(&dev, &items));
+
+    // A non-finite input under NanPolicy::Error in the last item: its format error, nothing
+    // written for the items before it.
+    let strict = Mxfp8Config {
+        nan_policy: NanPolicy::Error,
+        ..cfg
+    };
+    let (rows, cols) = (4, 40);
+    let mut x = values(rows * cols, 41);
+    x[45] = f32::NAN;
+    let mut bad = items.clone();
+    bad[1].0 = upload_as(&mut dev, DType::F32, &x);
+    assert!(matches!(
+        dev.quantize_mxfp8_many(&bad, &strict),
+        Err(DeviceError::Format(
+            lowbit_formats::FormatError::NonFinite { row: 1, col: 5, .. }
+        ))
+    ));
+    assert!(untouched(&dev, &items));
+
+    // Items sharing a source are fine (inputs may overlap).
+    let mut twice = items.clone();
+    twice[1].0 = twice[0].0;
+    (twice[1].1, twice[1].2) = (twice[0].1, twice[0].2);
+    let fresh = mxfp8_views(&mut dev, 32, 64, Copies::Both);
+    twice[1].3 = fresh;
+    dev.quantize_mxfp8_many(&twice, &cfg).unwrap();
+    assert_eq!(all_bytes(&dev, &twice[0].3), all_bytes(&dev, &twice[1].3));
+}
+
+/// The many call's overlap rule is the per-op rule over all items' views (outputs pairwise
+/// disjoint and disjoint from every source; sources may overlap; empty views as
+/// [`View::overlaps`] treats them), on random placements including empty matrices.
+#[test]
+fn mxfp8_many_overlap_rule_matches_pairwise() {
+    let mut r = XorShift64::new(0x5eed);
+    let shapes = [(0, 3), (1, 1), (2, 5), (1, 33), (3, 0), (2, 2)];
+    let mut seen = [0usize; 2];
+    for _ in 0..400 {
+        let mut dev = Device::cpu();
+        let bytes_buf = dev.alloc(DType::U8, 160);
+        let bf16_buf = dev.alloc(DType::Bf16, 64);
+        let as_bf16 = bytes_buf.reinterpret(DType::Bf16).unwrap();
+        let n = 1 + (r.next_u64() % 3) as usize;
+        let mut items = Vec::new();
+        for _ in 0..n {
+            let (rows, cols) = shapes[(r.next_u64() % shapes.len() as u64) as usize];
+            let len = rows * cols;
+            let pick =
+                |r: &mut XorShift64, room: usize| (r.next_u64() % (room + 1) as u64) as usize;
+            let src = if r.next_u64().is_multiple_of(4) {
+                let at = pick(&mut r, as_bf16.len() - len);
+                as_bf16.slice(at..at + len).unwrap()
+            } else {
+                let at = pick(&mut r, bf16_buf.len() - len);
+                bf16_buf.slice(at..at + len).unwrap()
+            };
+            let mut view = |n: usize| {
+                let at = pick(&mut r, bytes_buf.len() - n);
+                bytes_buf.slice(at..at + n).unwrap()
+            };
+            let out = Mxfp8Views {
+                rowwise: Some((view(len), view(rows * cols.div_ceil(32)))),
+                columnwise: Some((view(len), view(rows.div_ceil(32) * cols))),
+            };
+            items.push((src, rows, cols, out));
+        }
+        let ins: Vec<View> = items.iter().map(|i| i.0).collect();
+        let outs: Vec<View> = items
+            .iter()
+            .flat_map(|i| [i.3.rowwise.unwrap(), i.3.columnwise.unwrap()])
+            .flat_map(|(d, s)| [d, s])
+            .collect();
+        let overlap = outs
+            .iter()
+            .enumerate()
+            .any(|(k, o)| outs[k + 1..].iter().chain(&ins).any(|v| o.overlaps(v)));
+        let got = dev.quantize_mxfp8_many(&items, &Mxfp8Config::default());
+        if overlap {
+            assert_eq!(
+                got,
+                Err(DeviceError::Overlap("quantize_mxfp8")),
+                "{items:?}"
+            );
+        } else {
+            assert_eq!(got, Ok(()), "{items:?}");
+        }
+        seen[usize::from(overlap)] += 1;
+    }
+    assert!(seen[0] > 20 && seen[1] > 20, "{seen:?}");
+}

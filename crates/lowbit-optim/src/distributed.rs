@@ -66,26 +66,10 @@ impl Flat {
     }
 }
 
-/// The shards' indices ordered by where their gradients lie: buffers in order of first
-/// appearance, then by offset.
+/// The shards' indices ordered by where their gradients lie (buffer, then offset).
 fn buffer_order(owned: &[lowbit_buffers::OwnedShard]) -> Vec<usize> {
-    let mut first: Vec<lowbit_device::BufferId> = Vec::new();
-    let key = |v: &View, first: &mut Vec<lowbit_device::BufferId>| {
-        let b = match first.iter().position(|&b| b == v.buffer()) {
-            Some(b) => b,
-            None => {
-                first.push(v.buffer());
-                first.len() - 1
-            }
-        };
-        (b, v.byte_offset())
-    };
-    let keys: Vec<_> = owned
-        .iter()
-        .map(|s| key(&s.grad_view, &mut first))
-        .collect();
     let mut order: Vec<usize> = (0..owned.len()).collect();
-    order.sort_by_key(|&i| keys[i]);
+    order.sort_by_key(|&i| (owned[i].grad_view.buffer(), owned[i].grad_view.byte_offset()));
     order
 }
 

@@ -81,9 +81,8 @@ impl Storage for Mxfp8Staged {
     fn aliases_grads(&self) -> bool {
         true
     }
-    fn stage_cast(&self, dev: &mut Device, range: Range<usize>, master: View) -> Result<bool> {
-        dev.cast(master, self.staging.slice(range)?)?;
-        Ok(true)
+    fn staging_view(&self, range: Range<usize>) -> Result<Option<View>> {
+        Ok(Some(self.staging.slice(range)?))
     }
     fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
         let Gathered {
@@ -92,12 +91,15 @@ impl Storage for Mxfp8Staged {
             buckets,
             verify,
         } = group;
-        let cfg = mxfp8_weight_config();
+        // Every gathered matrix in one call (one kernel launch on CUDA for the whole group):
+        // the bytes and op counts of one `quantize_mxfp8` per matrix.
+        let mut items = Vec::with_capacity(indices.len());
         for &i in indices {
             let w = &self.weights[i];
             let src = self.staging.slice(plan.param_range(i))?;
-            dev.quantize_mxfp8(src, w.rows, w.cols, &cfg, &w.views())?;
+            items.push((src, w.rows, w.cols, w.views()));
         }
+        dev.quantize_mxfp8_many(&items, &mxfp8_weight_config())?;
         // Zero this group's staging view and nothing else: other groups' staged values alias
         // other gradient bytes and are still waiting for their gather.
         for &b in buckets {

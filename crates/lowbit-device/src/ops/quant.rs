@@ -3,11 +3,14 @@
 
 use lowbit_formats::mxfp8::{self, Mxfp8Config, Mxfp8Tensor};
 use lowbit_formats::nvfp4::{self, Nvfp4Config, Nvfp4Tensor};
-use lowbit_formats::{Copies, Fp8Kind, Matrix, QuantPlane, Source};
+use std::collections::HashMap;
+use std::ops::Range;
+
+use lowbit_formats::{Copies, Fp8Kind, Matrix, NanPolicy, QuantPlane, Source};
 
 use super::{Mxfp8Views, Nvfp4Amax, Nvfp4Views, invalid, shape_len};
 use crate::{
-    DType, Device, HostElem, Result, View, bf16, check_dtype, check_float, check_len, f16,
+    BufferId, DType, Device, HostElem, Result, View, bf16, check_dtype, check_float, check_len, f16,
 };
 
 /// The tensor name `lowbit-formats` errors carry for device views.
@@ -98,6 +101,50 @@ const NVFP4_PLANES: Planes = Planes {
         ]
     },
 };
+
+/// The op name of MXFP8 quantization's errors and host-fallback counts
+/// ([`Device::quantize_mxfp8_many`] reports under it too).
+const MXFP8_WHAT: &str = "quantize_mxfp8";
+
+/// The verdict of `crate::cpu::check_overlap(what, ins, outs)` — an output sharing a byte with
+/// another output or with an input ([`View::overlaps`], empty views included) is
+/// [`crate::DeviceError::Overlap`] — by sorting the byte ranges of each buffer instead of
+/// comparing every pair (a whole model's weights are hundreds of views).
+fn check_overlap_sorted(what: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
+    let mut by_buffer: HashMap<BufferId, Vec<(Range<usize>, bool)>> = HashMap::new();
+    let tagged = ins.iter().map(|v| (v, false));
+    for (v, out) in tagged.chain(outs.iter().map(|v| (v, true))) {
+        by_buffer
+            .entry(v.buffer())
+            .or_default()
+            .push((v.byte_range(), out));
+    }
+    for spans in by_buffer.values_mut() {
+        spans.sort_unstable_by_key(|(r, _)| r.start);
+        // The largest end of the spans that start before the current group, of all of them and
+        // of the outputs: an earlier span overlaps one starting at `start` iff it ends past it.
+        let (mut end_all, mut end_out) = (0usize, 0usize);
+        for group in spans.chunk_by(|a, b| a.0.start == b.0.start) {
+            let start = group[0].0.start;
+            // Two spans with the same start overlap iff both are non-empty.
+            let full = group.iter().filter(|(r, _)| !r.is_empty());
+            let same_start = full.clone().any(|(_, out)| *out) && full.count() >= 2;
+            let earlier = group
+                .iter()
+                .any(|(_, out)| start < if *out { end_all } else { end_out });
+            if same_start || earlier {
+                return Err(crate::DeviceError::Overlap(what));
+            }
+            for (r, out) in group {
+                end_all = end_all.max(r.end);
+                if *out {
+                    end_out = end_out.max(r.end);
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Checks one copy's destination views: present exactly when the copy is requested, u8, and of
 /// the expected lengths.
@@ -203,10 +250,105 @@ impl Device {
         cfg: &Mxfp8Config,
         out: &Mxfp8Views,
     ) -> Result<()> {
-        const WHAT: &str = "quantize_mxfp8";
         self.count_call(crate::CountedOp::QuantizeMxfp8);
+        self.check_quantize_mxfp8(src, [rows, cols], cfg, out)?;
+        self.quantize_mxfp8_checked(src, [rows, cols], cfg, out)
+    }
+
+    /// [`Device::quantize_mxfp8`] of every `(src, rows, cols, out)` of `items` with one `cfg`:
+    /// the bytes of one `quantize_mxfp8` call per item in order, and counted as those calls
+    /// are (one [`crate::CountedOp::QuantizeMxfp8`] per item). Every item is validated as
+    /// `quantize_mxfp8` validates it, with its errors (the first invalid item's), before
+    /// anything is written; the items are then checked together as one op's views: no item's
+    /// outputs may overlap another item's source or outputs ([`crate::DeviceError::Overlap`];
+    /// sources may overlap each other), so the items are independent and their order does not
+    /// change the bytes. A format error (a non-finite input under `NanPolicy::Error`) is also
+    /// raised, for the first failing item, before anything is written.
+    ///
+    /// On CUDA, the items that `quantize_mxfp8` would quantize with the default both-copies
+    /// kernel (bf16 → E4M3, both copies, 1D scales, TE NaN policy, kernel version 4) run as one
+    /// launch of `mxfp8_both_e4m3_bf16_v4_many` when there are at least two of them; every other
+    /// item takes `quantize_mxfp8`'s own path. The CPU backend quantizes the items in order.
+    pub fn quantize_mxfp8_many(
+        &mut self,
+        items: &[(View, usize, usize, Mxfp8Views)],
+        cfg: &Mxfp8Config,
+    ) -> Result<()> {
+        for _ in items {
+            self.count_call(crate::CountedOp::QuantizeMxfp8);
+        }
+        for (src, rows, cols, out) in items {
+            self.check_quantize_mxfp8(*src, [*rows, *cols], cfg, out)?;
+        }
+        let ins: Vec<View> = items.iter().map(|item| item.0).collect();
+        let outs: Vec<View> = items
+            .iter()
+            .flat_map(|(_, _, _, out)| [out.rowwise, out.columnwise])
+            .flatten()
+            .flat_map(|(d, s)| [d, s])
+            .collect();
+        check_overlap_sorted(MXFP8_WHAT, &ins, &outs)?;
+        if cfg.nan_policy != NanPolicy::Te {
+            // Only this policy raises format errors, and only on the host path that
+            // `quantize_mxfp8` takes for it on every backend: quantize every item before
+            // writing any.
+            let mut tensors = Vec::with_capacity(items.len());
+            for &(src, rows, cols, _) in items {
+                let host = HostValues::read(self, MXFP8_WHAT, src)?;
+                let m = Matrix::new(TENSOR_NAME, rows, cols, host.source())?;
+                tensors.push(lowbit_formats::quantize_mxfp8(&m, cfg)?);
+            }
+            for (t, (_, _, _, out)) in tensors.iter().zip(items) {
+                self.write_plane(out.rowwise, t.rowwise.as_ref())?;
+                self.write_plane(out.columnwise, t.columnwise.as_ref())?;
+            }
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        let rest = match self.cuda_mut() {
+            Some(g) => {
+                let qs: Vec<_> = items
+                    .iter()
+                    .map(|(src, rows, cols, out)| crate::cuda::Quantize {
+                        src: *src,
+                        shape: [*rows, *cols],
+                        cfg,
+                        out,
+                    })
+                    .collect();
+                g.quantize_mxfp8_many(&qs)?
+            }
+            None => (0..items.len()).collect(),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let rest = 0..items.len();
+        for i in rest {
+            let (src, rows, cols, out) = &items[i];
+            self.quantize_mxfp8_checked(*src, [*rows, *cols], cfg, out)?;
+        }
+        Ok(())
+    }
+
+    /// The checks of [`Device::quantize_mxfp8`] (views, dtypes, lengths, overlap).
+    fn check_quantize_mxfp8(
+        &self,
+        src: View,
+        shape: [usize; 2],
+        cfg: &Mxfp8Config,
+        out: &Mxfp8Views,
+    ) -> Result<()> {
         let copies = [out.rowwise, out.columnwise];
-        self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &MXFP8_PLANES)?;
+        self.check_quantize(MXFP8_WHAT, src, shape, cfg.copies, copies, &MXFP8_PLANES)
+    }
+
+    /// The work of [`Device::quantize_mxfp8`] after its checks: a kernel, else the host path.
+    fn quantize_mxfp8_checked(
+        &mut self,
+        src: View,
+        [rows, cols]: [usize; 2],
+        cfg: &Mxfp8Config,
+        out: &Mxfp8Views,
+    ) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut() {
             let q = crate::cuda::Quantize {
@@ -219,7 +361,7 @@ impl Device {
                 return Ok(());
             }
         }
-        let host = HostValues::read(self, WHAT, src)?;
+        let host = HostValues::read(self, MXFP8_WHAT, src)?;
         let t = lowbit_formats::quantize_mxfp8(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
             cfg,

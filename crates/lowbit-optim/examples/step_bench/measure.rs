@@ -1,6 +1,7 @@
 //! What one rank measures: the bounds (plain collectives and device copies of the step's
 //! sizes), the step phase by phase and whole, and the step interleaved with compute.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use lowbit_buffers::layout::{GradDType, ShardingPlan};
@@ -280,17 +281,33 @@ impl Replay {
     }
 
     fn run(&self, dev: &mut Device, bufs: &DataParallelBuffers) -> Res<()> {
+        // Staged MXFP8: as the gather's completion does it, one quantization call for every
+        // matrix of a bucket group, then the group's staging zeroed.
+        let mut staged: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for p in 0..bufs.specs().len() {
-            match (bufs.storage_kind(p), bufs.low_precision_weights(p)) {
-                (StorageKind::Mxfp8Staged, _) => {
-                    let (w, src) = (bufs.mxfp8_weights(p), self.src);
-                    let (Some(w), Some(src)) = (w, src) else {
+            if bufs.storage_kind(p) == StorageKind::Mxfp8Staged && bufs.mxfp8_weights(p).is_some()
+            {
+                staged.entry(bufs.group_of(p)).or_default().push(p);
+            }
+        }
+        if let Some(src) = self.src {
+            for ps in staged.values() {
+                let mut items = Vec::with_capacity(ps.len());
+                for &p in ps {
+                    let Some(w) = bufs.mxfp8_weights(p) else {
                         continue;
                     };
-                    let x = src.slice(0..w.rows * w.cols)?;
-                    dev.quantize_mxfp8(x, w.rows, w.cols, &mxfp8_weight_config(), &w.views())?;
+                    items.push((src.slice(0..w.rows * w.cols)?, w.rows, w.cols, w.views()));
+                }
+                dev.quantize_mxfp8_many(&items, &mxfp8_weight_config())?;
+                for &p in ps {
                     dev.zero(bufs.param_view(p)?)?;
                 }
+            }
+        }
+        for p in 0..bufs.specs().len() {
+            match (bufs.storage_kind(p), bufs.low_precision_weights(p)) {
+                (StorageKind::Mxfp8Staged, _) => {}
                 (StorageKind::Mxfp8Direct, _) => {
                     let (Some(w), Some(t)) = (bufs.mxfp8_weights(p), self.tiles) else {
                         continue;

@@ -24,6 +24,26 @@ pub(crate) type Mxfp8Quantize<'a> = Quantize<'a, Mxfp8Config, Mxfp8Views>;
 /// The arguments of an NVFP4 quantization.
 pub(crate) type Nvfp4Quantize<'a> = Quantize<'a, Nvfp4Config, Nvfp4Views>;
 
+/// Whether a quantization is for the kernels of `cuda/mxfp8.cu` at all: bf16 input, E4M3, 1D
+/// blocks, TE NaN policy, a non-empty matrix (the copies and the grid are checked by each path).
+fn mxfp8_kernels_take(q: &Mxfp8Quantize<'_>) -> bool {
+    let cfg = q.cfg;
+    q.src.dtype() == DType::Bf16
+        && cfg.kind == Fp8Kind::E4M3
+        && !cfg.two_d
+        && cfg.nan_policy == NanPolicy::Te
+        && q.shape[0] != 0
+        && q.shape[1] != 0
+}
+
+/// Whether the both-copies kernels v4 and v5 may take their vector path (16-byte loads of `x`,
+/// 8-byte stores of both data copies and the column scales): cols % 8 == 0 and aligned views.
+fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
+    cols.is_multiple_of(8)
+        && x.is_multiple_of(16)
+        && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
+}
+
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
@@ -33,13 +53,7 @@ impl CudaDevice {
     /// `Ok(false)` when it is not, for the caller's host fallback. Views are validated first.
     pub(crate) fn quantize_mxfp8(&mut self, q: &Mxfp8Quantize<'_>) -> Result<bool> {
         let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
-        if src.dtype() != DType::Bf16
-            || cfg.kind != Fp8Kind::E4M3
-            || cfg.two_d
-            || cfg.nan_policy != NanPolicy::Te
-            || rows == 0
-            || cols == 0
-        {
+        if !mxfp8_kernels_take(q) {
             return Ok(false);
         }
         let x = self.device_ptr(src)?;
@@ -76,9 +90,7 @@ impl CudaDevice {
                 let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
                 let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
                 if self.mxfp8_both_version != 1 {
-                    let vec = cols.is_multiple_of(8)
-                        && x.is_multiple_of(16)
-                        && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8));
+                    let vec = both_vec(cols, [x, rd, cd, cs]);
                     // v5 owns 64 rows per CTA, the others 32.
                     let tile_rows = if self.mxfp8_both_version == 5 { 64 } else { 32 };
                     let (Some(gx), Ok(gy @ 1..=65535)) =
@@ -117,6 +129,101 @@ impl CudaDevice {
             }
             _ => Ok(false),
         }
+    }
+
+    /// The row of the `mxfp8_both_e4m3_bf16_v4_many` table for one matrix and its CTA count,
+    /// when [`CudaDevice::quantize_mxfp8`] would quantize it with version 4 of the both-copies
+    /// kernel (the same conditions: a configuration of `mxfp8.cu`, both copies, version 4
+    /// selected, the single kernel's grid limits), else `None`. Row: x, row data, row scales,
+    /// column data, column scales, rows, cols, tiles across (`ceil(cols / 256)`), `vec`.
+    fn mxfp8_both_v4_row(&self, q: &Mxfp8Quantize<'_>) -> Result<Option<([u64; 9], u64)>> {
+        let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
+        let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
+            return Ok(None);
+        };
+        if self.mxfp8_both_version != 4 || cfg.copies != Copies::Both || !mxfp8_kernels_take(q) {
+            return Ok(None);
+        }
+        let (Some(gx), Ok(gy @ 1..=65535)) = (blocks(cols, 256), u32::try_from(rows.div_ceil(32)))
+        else {
+            return Ok(None);
+        };
+        let x = self.device_ptr(src)?;
+        let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
+        let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
+        let vec = u64::from(both_vec(cols, [x, rd, cd, cs]));
+        let (r, c, gx64) = (rows as u64, cols as u64, u64::from(gx));
+        Ok(Some((
+            [x, rd, rs, cd, cs, r, c, gx64, vec],
+            gx64 * u64::from(gy),
+        )))
+    }
+
+    /// [`crate::Device::quantize_mxfp8_many`]'s kernel path: every matrix that
+    /// [`CudaDevice::quantize_mxfp8`] would quantize with version 4 of the both-copies kernel
+    /// goes into one launch of `mxfp8_both_e4m3_bf16_v4_many` (each CTA runs the single
+    /// kernel's tile body on its matrix, so the bytes are the single kernel's). Returns the
+    /// indices of the other items, in order, for the caller's one-by-one path — all of them
+    /// when fewer than two qualify (one matrix is the single kernel's) or the CTAs exceed the
+    /// grid. The caller has validated every item as `quantize_mxfp8` does and checked that no
+    /// item's output overlaps another item's views.
+    pub(crate) fn quantize_mxfp8_many(
+        &mut self,
+        items: &[Mxfp8Quantize<'_>],
+    ) -> Result<Vec<usize>> {
+        // The first CTA of each matrix taken, then their rows.
+        let (mut firsts, mut rows) = (Vec::new(), Vec::new());
+        let mut rest = Vec::new();
+        let mut ctas = 0u64;
+        for (i, q) in items.iter().enumerate() {
+            match self.mxfp8_both_v4_row(q)? {
+                Some((row, n)) => {
+                    firsts.push(ctas);
+                    rows.extend(row);
+                    ctas += n;
+                }
+                None => rest.push(i),
+            }
+        }
+        let grid = usize::try_from(ctas).ok().and_then(|n| blocks(n, 1));
+        let (2.., Some(grid), Ok(count)) = (firsts.len(), grid, u32::try_from(firsts.len())) else {
+            return Ok((0..items.len()).collect());
+        };
+        let mut table = firsts;
+        table.extend(rows);
+        self.bind()?;
+        let mem = self
+            .stream
+            .clone_htod(&table)
+            .map_err(crate::cuda::cuda_err("uploading a matrix table"))?;
+        let t = {
+            let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
+            t
+        };
+        // SAFETY: each of the `count` table rows holds the addresses of one item's views, which
+        // the caller validated as `quantize_mxfp8` does (live, in bounds: rows·cols bf16 in,
+        // rows·cols data bytes and rows·ceil(cols/32) resp. ceil(rows/32)·cols scale bytes out,
+        // disjoint), with its shape, tiles across and `vec` computed as the single v4 launch
+        // computes them (the 16-byte loads and 8-byte stores only with `vec`, whose alignment
+        // `both_vec` checked). CTA b runs the tile (bx, by) of the matrix whose CTAs
+        // [first, first + gx·gy) hold it, a tile the single kernel's grid (gx, gy) has, so
+        // every access is one that launch makes. No item's output overlaps another item's
+        // source or outputs (checked by the caller), so the `__restrict__` promises hold
+        // across matrices too. The table was copied from pageable host memory (staged before
+        // `clone_htod` returned); `mem` is dropped right after the launch is enqueued, and
+        // cudarc frees it in stream order (`cuMemFreeAsync` on this stream, or a stream
+        // synchronisation before `cuMemFree` where stream-ordered allocation is missing), so
+        // the kernel never reads freed memory.
+        unsafe {
+            self.launch(
+                "mxfp8_both_e4m3_bf16_v4_many",
+                (grid, 1, 1),
+                (256, 1, 1),
+                &args![t, count],
+            )?;
+        }
+        drop(mem);
+        Ok(rest)
     }
 
     /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
