@@ -285,8 +285,7 @@ impl Replay {
         // matrix of a bucket group, then the group's staging zeroed.
         let mut staged: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for p in 0..bufs.specs().len() {
-            if bufs.storage_kind(p) == StorageKind::Mxfp8Staged && bufs.mxfp8_weights(p).is_some()
-            {
+            if bufs.storage_kind(p) == StorageKind::Mxfp8Staged && bufs.mxfp8_weights(p).is_some() {
                 staged.entry(bufs.group_of(p)).or_default().push(p);
             }
         }
