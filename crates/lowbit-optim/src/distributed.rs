@@ -69,7 +69,12 @@ impl Flat {
 /// The shards' indices ordered by where their gradients lie (buffer, then offset).
 fn buffer_order(owned: &[lowbit_buffers::OwnedShard]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..owned.len()).collect();
-    order.sort_by_key(|&i| (owned[i].grad_view.buffer(), owned[i].grad_view.byte_offset()));
+    order.sort_by_key(|&i| {
+        (
+            owned[i].grad_view.buffer(),
+            owned[i].grad_view.byte_offset(),
+        )
+    });
     order
 }
 
