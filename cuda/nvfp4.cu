@@ -487,3 +487,78 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
         }
     }
 }
+
+// nvfp4x_finish_2d over many matrices in one launch (the completion of every gathered 2D weight:
+// one launch instead of one per matrix, and no host round trip per matrix: each matrix's global
+// amax is a device word, the max of its tile amaxes from ops.cu's `u32_max_many`, and k is made
+// from it here exactly as `nvfp4_params` makes params[0]). `table` holds, for `items` matrices,
+// first their first CTA indices (ascending from 0), then 9 words per matrix: rowwise, tiles,
+// the amax word's address, rows, cols, row_scales, col_data, col_scales and the CTAs across
+// (ceil(cols / 512)). Host-checked per matrix: rows % 32 == 0, cols % 8 == 0, rowwise 4-byte
+// and col_data 16-byte aligned, every view as for nvfp4x_finish_2d, no output overlapping
+// another matrix's views. A thread takes 32 rows x 8 columns: 32 coalesced word loads (lanes
+// 0-15 read 64 contiguous bytes of a row, lanes 16-31 the row 32 below), the 8x32 nibble
+// transpose in registers, and per column one 16-byte store (two lanes fill a column's
+// 32-byte sector); the two tile rows' scales go to the 8 columns' columnwise scales and (by
+// the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
+// A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
+extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
+    const u64* __restrict__ table, unsigned items) {
+    const u64 b = blockIdx.x;
+    unsigned lo = 0, hi = items;  // the last matrix whose first CTA is <= b (first[0] == 0)
+    while (hi - lo > 1) {
+        unsigned mid = (lo + hi) / 2;
+        if (table[mid] <= b) lo = mid; else hi = mid;
+    }
+    const u64* t = table + items + 9ull * lo;
+    const u64 local = b - table[lo], gx = t[8];
+    const u64 rows = t[3], cols = t[4];
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u64 c0 = (local % gx) * 512 + w * 128 + (lane % 16) * 8;
+    const u64 r0 = (local / gx) * 64 + (lane / 16) * 32;
+    if (c0 >= cols || r0 >= rows) return;
+    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(*reinterpret_cast<const uint32_t*>(t[2]));
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    const float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[5]);
+    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[6]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[7]);
+    const u64 wpr = cols / 8, tr = rows / 16, tc = (cols + 15) / 16;
+    uint32_t in[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r0 + i) * wpr + c0 / 8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t v = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v |= ((in[8 * q + i] >> (4 * j)) & 0xFu) << (4 * i);
+            o[q] = v;
+        }
+        *reinterpret_cast<uint4*>(col_data + (c0 + j) * (rows / 2) + r0 / 2) =
+            make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    const u64 kb = r0 / 16, tcol = c0 / 16;
+    const uint8_t s0 = (uint8_t)e4m3_code(__fmul_rn(tiles[kb * tc + tcol], k));
+    const uint8_t s1 = (uint8_t)e4m3_code(__fmul_rn(tiles[(kb + 1) * tc + tcol], k));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        col_scales[(c0 + j) * tr + kb] = s0;
+        col_scales[(c0 + j) * tr + kb + 1] = s1;
+    }
+    const bool even = (c0 / 8) % 2 == 0;
+    if (even) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) row_scales[(r0 + i) * tc + tcol] = s0;
+    }
+    if (!even || c0 + 8 >= cols) {
+#pragma unroll
+        for (int i = 16; i < 32; ++i) row_scales[(r0 + i) * tc + tcol] = s1;
+    }
+}

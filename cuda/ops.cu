@@ -373,9 +373,12 @@ extern "C" __global__ void adamw(float* __restrict__ p, const uint8_t* __restric
                                  float* __restrict__ m, float* __restrict__ v,
                                  uint8_t* __restrict__ out, uint32_t od, u64 n, float decay,
                                  float w, float one_minus_w, float beta2, float c2,
-                                 float neg_step_size, float bc2_sqrt, float eps, uint32_t small) {
+                                 float neg_step_size, float bc2_sqrt, float eps, uint32_t small,
+                                 float gscale) {
     GRID_STRIDE(i, n) {
         float gi = load(g, gd, i);
+        // The clip coefficient, as a separate `scale` pass would have applied it.
+        if (gscale != 1.0f) gi = __fmul_rn(gscale, gi);
         float pi = __fmul_rn(p[i], decay);
         float mi = m[i];
         float d = __fsub_rn(gi, mi);
@@ -1345,6 +1348,19 @@ extern "C" __global__ void u32_max(const uint32_t* __restrict__ x, u64 n, uint32
     GRID_STRIDE(i, n) m = max(m, x[i]);
     for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
+}
+
+// out[i] <- max of the raw u32 bits of item i's words (the NVFP4 global amaxes of many
+// matrices' reduced tiles, or of experts' runs of them), `out` zeroed. `table`: 2 words per item
+// (address, count). Grid (x, items): the x blocks of row y stride over item y's words.
+extern "C" __global__ void u32_max_many(const u64* __restrict__ table, uint32_t* __restrict__ out) {
+    const u64 item = blockIdx.y;
+    const uint32_t* x = reinterpret_cast<const uint32_t*>(table[2 * item]);
+    const u64 n = table[2 * item + 1];
+    uint32_t m = 0;
+    GRID_STRIDE(i, n) m = max(m, x[i]);
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out + item, m);
 }
 
 // NVFP4 packed codes of elements start.. (start and n even) given the reduced 16x16 tile

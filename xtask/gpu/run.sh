@@ -69,12 +69,12 @@ STEPS+=(
   # batch (ZeRO-3 and reshard_after_forward=False). torchao comes from the bundle's wheels/
   # (gpu-wheels/ of the checkout), installed into \$WORK/pyao (pip, else unzipped); without it
   # the script says SKIPPED and writes {"skipped": reason}.
-  "bench-torch-fsdp2|600|set -o pipefail; for w in wheels/torchao-*.whl; do [[ -f \$w ]] || continue; python3 -m pip install -q --no-deps --no-index --target \$WORK/pyao \$w || python3 -m zipfile -e \$w \$WORK/pyao; done; PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-torch-fsdp2|600|set -o pipefail; for w in wheels/torchao-*.whl; do [[ -f \$w ]] || continue; python3 -m pip install -q --no-deps --no-index --target \$WORK/pyao \$w || python3 -m zipfile -e \$w \$WORK/pyao; done; PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON | tee \$STEP_SUMMARY && PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --reshard false --compile --json \$WORK/bench-torch-fsdp2-compiled.json | tee -a \$STEP_SUMMARY"
   # The same step on one GPU of the host (issue 16: 1, 2 and 4 GPUs).
   "bench-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 bin/step_bench --ranks 1 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --json \$STEP_JSON"
   "bench-torch-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON"
   "compare-step-1gpu|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step-1gpu.json \$WORK/bench-torch-step-1gpu.json | tee \$STEP_SUMMARY"
-  "compare-step|60|set -o pipefail; fsdp2=(); [[ -f \$WORK/bench-torch-fsdp2.json ]] && fsdp2=(--fsdp2 \$WORK/bench-torch-fsdp2.json); python3 gpu/compare_step.py \$WORK/bench-step.json \$WORK/bench-torch-step.json \$WORK/bench-step-overlap.json \"\${fsdp2[@]}\" | tee \$STEP_SUMMARY"
+  "compare-step|60|set -o pipefail; fsdp2=(); [[ -f \$WORK/bench-torch-fsdp2.json ]] && fsdp2=(--fsdp2 \$WORK/bench-torch-fsdp2.json); python3 gpu/compare_step.py \$WORK/bench-step.json \$WORK/bench-torch-step.json \$WORK/bench-step-overlap.json \"\${fsdp2[@]}\""
   # lowbit train: the default run on one and on two GPUs, the same runs on the CPU backend of
   # this host, and a bitwise comparison (losses, grad norms, evals, final masters).
   "train-cpu-1rank|600|bin/lowbit train --ranks 1 --json > \$STEP_JSON"

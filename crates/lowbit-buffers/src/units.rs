@@ -235,9 +235,11 @@ impl DataParallelBuffers {
         for &i in &self.groups[g].indices {
             let parts = buf.storage.unit_parts(i).expect("a low-precision unit");
             let n = parts.unit_bytes(0, dp);
-            out.push(Nvfp4Rows::finish(dev, &parts, unit.slice(at..at + n)?, dp)?);
+            out.push(Nvfp4Rows::unfinished(&parts, unit.slice(at..at + n)?, dp)?);
             at += n;
         }
+        // The whole group in one device call (one host read of the amaxes, not one per matrix).
+        crate::storage::finish_nvfp4(dev, &mut out.iter_mut().collect::<Vec<_>>())?;
         self.groups[g].unit.nvfp4 = out;
         Ok(())
     }

@@ -140,6 +140,7 @@ fn hp() -> AdamW {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 100,
+        grad_scale: 1.0,
     }
 }
 

@@ -343,6 +343,7 @@ fn main() {
             eps: 1e-8,
             weight_decay: 0.01,
             step,
+            grad_scale: 1.0,
         };
         d.adamw(p, g, m, v, &hp, Some(out)).expect("adamw")
     });

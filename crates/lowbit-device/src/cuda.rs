@@ -132,6 +132,10 @@ pub(crate) struct CudaDevice {
     /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
     /// allows it. Same bytes.
     nvfp4_version: u32,
+    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 2 (the default: one
+    /// amax launch, one `nvfp4x_finish_2d_many` launch and one host read for all matrices) or 1
+    /// (one `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
+    nvfp4_finish_version: u32,
     /// cuBLASLt for `matmul_tc`, opened on its first call.
     gemm: Option<Box<gemm::Gemm>>,
     /// How symmetric `matmul_tc` products run: 1 by blocks (3/4 of the work) with the mirror
@@ -177,6 +181,7 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             nvfp4_version: 4,
+            nvfp4_finish_version: 2,
             gemm: None,
             tc_symmetric: 1,
         };
@@ -381,6 +386,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("nvfp4", 1..=4) => self.nvfp4_version = version,
+            ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(

@@ -728,7 +728,9 @@ impl Device {
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
     /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 4 by default: 3 with the
-    /// shared-memory columnwise kernel).
+    /// shared-memory columnwise kernel; `("nvfp4_finish_2d", 1 | 2)`: how
+    /// [`Device::nvfp4_finish_2d_many`] runs, 2 by default: all matrices in two launches and one
+    /// host read, 1: one `nvfp4_finish_2d` per matrix).
     /// Every version gives the same bytes.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

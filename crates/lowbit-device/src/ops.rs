@@ -63,6 +63,10 @@ pub struct AdamW {
     pub weight_decay: f32,
     /// 1-based step number (for bias correction).
     pub step: u64,
+    /// The factor the gradient is multiplied by first, in f32 (the clip coefficient; 1: none):
+    /// bit for bit what scaling the gradient with [`crate::Device::scale`] before the step
+    /// gives, without the pass over the gradient.
+    pub grad_scale: f32,
 }
 
 /// Hyper-parameters of one SGD-with-momentum step.

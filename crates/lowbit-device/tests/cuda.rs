@@ -315,8 +315,11 @@ fn adamw_matches() {
         let mut k = 0;
         for gd in FLOATS {
             for od in [None, Some(DType::Bf16), Some(DType::F16), Some(DType::F32)] {
-                for (beta1, step, wd) in [(0.9f32, 1u64, 0.01f32), (0.3, 17, 0.0), (0.9, 1000, 0.1)]
-                {
+                for (beta1, step, wd, grad_scale) in [
+                    (0.9f32, 1u64, 0.01f32, 1.0f32),
+                    (0.3, 17, 0.0, 0.37),
+                    (0.9, 1000, 0.1, 1e-3),
+                ] {
                     k += 1;
                     let p = c.rand_mid(DType::F32, n, 1, k * 7);
                     let g = c.rand_mid(gd, n, 2, k * 7 + 1);
@@ -336,6 +339,7 @@ fn adamw_matches() {
                         eps: 1e-8,
                         weight_decay: wd,
                         step,
+                        grad_scale,
                     };
                     c.dev.adamw(p, g, m, v, &hp, out)?;
                 }
@@ -357,6 +361,7 @@ fn adamw_matches() {
             eps: 1e-6,
             weight_decay: 0.1,
             step: 3,
+            grad_scale: 1.0,
         };
         c.dev.adamw(p, g, m, v, &hp, Some(out))?;
         Ok(vec![])

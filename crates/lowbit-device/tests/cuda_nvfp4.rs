@@ -409,6 +409,129 @@ fn nvfp4_finish_2d_matches() {
     fallbacks_only(&o, &["nvfp4_finish_2d"]);
 }
 
+/// Shapes of `nvfp4_finish_2d_many`: the batched kernel's (rows % 32 == 0, cols % 8 == 0: whole
+/// CTAs, a partial CTA row, a partial CTA column, cols % 16 == 8, a single thread row) and the
+/// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0).
+const FINISH_MANY_SHAPES: [(usize, usize); 8] = [
+    (64, 96),
+    (128, 1040),
+    (96, 40),
+    (32, 8),
+    (64, 512),
+    (70, 50),
+    (33, 34),
+    (48, 64),
+];
+
+#[test]
+fn nvfp4_finish_2d_many_matches() {
+    let o = check("nvfp4 finish 2d many", false, |c| {
+        let mut out = Vec::new();
+        for version in [2, 1] {
+            c.dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)?;
+            // Every shape from sharded quantization, outputs in fresh buffers.
+            let mut parts = Vec::new();
+            for (k, &(rows, cols)) in FINISH_MANY_SHAPES.iter().enumerate() {
+                let (n, seed) = (rows * cols, 1000 + 10 * k as u64);
+                let d = FLOATS[k % 3];
+                let x = c.buf(d, &values(n, seed, k % 2 == 0));
+                let cuts = [0, (n / 3) & !1, (2 * n / 3) & !1, n];
+                parts.push(nvfp4_shards_2d(c, x, (rows, cols), &cuts, seed)?);
+            }
+            let mut items = Vec::new();
+            for (k, (&(rows, cols), &(tiles, packed))) in
+                FINISH_MANY_SHAPES.iter().zip(&parts).enumerate()
+            {
+                let seed = 2000 + 10 * k as u64;
+                let views = Nvfp4Views {
+                    rowwise: Some((packed, c.rand(DType::U8, rows * cols.div_ceil(16), seed))),
+                    columnwise: Some((
+                        c.rand(DType::U8, cols * rows.div_ceil(2), seed + 1),
+                        c.rand(DType::U8, cols * rows.div_ceil(16), seed + 2),
+                    )),
+                };
+                items.push((rows, cols, tiles, views));
+            }
+            out.extend(
+                c.dev
+                    .nvfp4_finish_2d_many(&items)?
+                    .into_iter()
+                    .map(f64::from),
+            );
+            // Three 64x64 experts of one grouped tensor (views into shared buffers), the
+            // columnwise data of the last one at an odd offset (the per-matrix kernel), with
+            // guard bytes around every output.
+            let (rows, cols, e) = (64, 64, 3);
+            let x = c.buf(DType::Bf16, &values(e * rows * cols, 3000, true));
+            let tiles = c.buf(DType::F32, &vec![0.0; e * 16]);
+            let packed = c.rand(DType::U8, e * rows * cols / 2, 3001);
+            for k in 0..e {
+                let (xs, t) = (k * rows * cols..(k + 1) * rows * cols, k * 16..(k + 1) * 16);
+                let (xk, tk) = (x.slice(xs.clone())?, tiles.slice(t)?);
+                c.dev.nvfp4_fold_tile_amax_2d(xk, 0, cols, tk)?;
+                let pk = packed.slice(xs.start / 2..xs.end / 2)?;
+                c.dev.nvfp4_quantize_2d_range(xk, 0, cols, tk, pk)?;
+            }
+            let rs = c.rand(DType::U8, e * rows * cols / 16 + 2, 3002);
+            let cd = c.rand(DType::U8, e * rows * cols / 2 + 2, 3003);
+            let cs = c.rand(DType::U8, e * rows * cols / 16 + 2, 3004);
+            let mut experts = Vec::new();
+            for k in 0..e {
+                let (n2, n16) = (rows * cols / 2, rows * cols / 16);
+                let odd = usize::from(k + 1 == e);
+                let views = Nvfp4Views {
+                    rowwise: Some((
+                        packed.slice(k * n2..(k + 1) * n2)?,
+                        rs.slice(1 + k * n16..1 + (k + 1) * n16)?,
+                    )),
+                    columnwise: Some((
+                        cd.slice(odd + k * n2..odd + (k + 1) * n2)?,
+                        cs.slice(1 + k * n16..1 + (k + 1) * n16)?,
+                    )),
+                };
+                experts.push((rows, cols, tiles.slice(k * 16..(k + 1) * 16)?, views));
+            }
+            out.extend(
+                c.dev
+                    .nvfp4_finish_2d_many(&experts)?
+                    .into_iter()
+                    .map(f64::from),
+            );
+            // Nothing to do, and one matrix alone.
+            out.extend(c.dev.nvfp4_finish_2d_many(&[])?.into_iter().map(f64::from));
+            let one = [experts[0]];
+            out.extend(c.dev.nvfp4_finish_2d_many(&one)?.into_iter().map(f64::from));
+        }
+        Ok(out)
+    });
+    native_nvfp4(&o, "nvfp4 finish 2d many");
+    // An invalid item runs every item through the single op (its error, in order); outputs
+    // that overlap across items are refused before anything is written.
+    let o = check("nvfp4 finish 2d many errors", false, |c| {
+        let tiles = c.buf(DType::F32, &[0.5; 4]);
+        let q = c.rand(DType::U8, 256, 10);
+        let views = |a: usize| -> Result<Nvfp4Views> {
+            Ok(Nvfp4Views {
+                rowwise: Some((q.slice(a..a + 32)?, q.slice(a + 32..a + 48)?)),
+                columnwise: Some((q.slice(a + 48..a + 80)?, q.slice(a + 80..a + 84)?)),
+            })
+        };
+        let t = tiles.slice(0..1)?;
+        let good = (16, 4, t, views(0)?);
+        let bad = (16, 3, t, views(100)?);
+        let mut errs = Vec::new();
+        errs.push(c.dev.nvfp4_finish_2d_many(&[good, bad]).unwrap_err());
+        let overlapping = (16, 4, t, views(40)?);
+        errs.push(
+            c.dev
+                .nvfp4_finish_2d_many(&[good, overlapping])
+                .unwrap_err(),
+        );
+        Ok(messages(&errs))
+    });
+    fallbacks_only(&o, &["nvfp4_finish_2d"]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timings
 

@@ -88,6 +88,7 @@ fn hp(step: u64) -> AdamW {
         eps: 1e-8,
         weight_decay: 0.01,
         step,
+        grad_scale: 1.0,
     }
 }
 
@@ -329,4 +330,53 @@ fn sgd_errors() {
         Err(DeviceError::Length { .. })
     ));
     assert_eq!(dev.download::<f32>(p).unwrap(), [1.0; 4]);
+}
+
+/// `grad_scale` (the clip coefficient fused into the step) is bit for bit `Device::scale` of
+/// the gradient followed by the step, for f32 and bf16 gradients, both lerp branches.
+#[test]
+fn adamw_grad_scale_is_scale_then_step() {
+    let n = 2500;
+    for (beta1, scale) in [(0.9f32, 0.3712f32), (0.3, 0.9999), (0.9, 1e-3)] {
+        for gdt in [DType::F32, DType::Bf16] {
+            let p0 = values(n, 3, 1.0);
+            let gv: Vec<f32> = values(n, 4, 2.0);
+            let run = |fused: bool| {
+                let mut dev = Device::cpu();
+                let (p, m, v) = adamw_views(&mut dev, &p0);
+                let g = dev.alloc(gdt, n);
+                match gdt {
+                    DType::Bf16 => {
+                        let b: Vec<bf16> = gv.iter().map(|&x| bf16::from_f32(x)).collect();
+                        dev.upload(g, &b).unwrap();
+                    }
+                    _ => dev.upload(g, &gv).unwrap(),
+                }
+                // The unfused path scales an f32 copy, as the optimizer's f32 gradient is.
+                let g32 = dev.alloc(DType::F32, n);
+                dev.cast(g, g32).unwrap();
+                let out = dev.alloc(DType::Bf16, n);
+                for step in 1..=3 {
+                    let h = AdamW { beta1, ..hp(step) };
+                    if fused {
+                        let h = AdamW {
+                            grad_scale: scale,
+                            ..h
+                        };
+                        dev.adamw(p, g, m, v, &h, Some(out)).unwrap();
+                    } else {
+                        dev.cast(g, g32).unwrap();
+                        dev.scale(g32, scale).unwrap();
+                        dev.adamw(p, g32, m, v, &h, Some(out)).unwrap();
+                    }
+                }
+                [p, m, v, out].map(|x| dev.read_bytes(x).unwrap())
+            };
+            let (fused, separate) = (run(true), run(false));
+            assert!(
+                fused == separate,
+                "beta1 {beta1}, scale {scale}, {gdt:?} gradients: the fused scale differs"
+            );
+        }
+    }
 }

@@ -684,3 +684,64 @@ fn mxfp8_many_overlap_rule_matches_pairwise() {
     }
     assert!(seen[0] > 20 && seen[1] > 20, "{seen:?}");
 }
+
+/// Sharded-2D NVFP4 inputs of `nvfp4_finish_2d`: the tiles and packed rowwise codes of a
+/// `rows × cols` matrix of seed `seed`, and fresh views for the rest.
+fn finish_2d_item(
+    dev: &mut Device,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> (usize, usize, View, Nvfp4Views) {
+    let x = upload_as(dev, DType::Bf16, &values(rows * cols, seed));
+    let tiles = dev.alloc(DType::F32, rows.div_ceil(16) * cols.div_ceil(16));
+    dev.nvfp4_fold_tile_amax_2d(x, 0, cols, tiles).unwrap();
+    let views = nvfp4_views(dev, rows, cols, Copies::Both);
+    let (rd, _) = views.rowwise.unwrap();
+    dev.nvfp4_quantize_2d_range(x, 0, cols, tiles, rd).unwrap();
+    (rows, cols, tiles, views)
+}
+
+#[test]
+fn nvfp4_finish_2d_many_equals_one_call_per_item() {
+    let shapes = [(64, 96), (70, 50), (33, 34), (32, 8), (128, 1040)];
+    let mut dev = Device::cpu();
+    let items: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(k, &(r, c))| finish_2d_item(&mut dev, r, c, 50 + k as u64))
+        .collect();
+    let many = dev.nvfp4_finish_2d_many(&items).unwrap();
+    let copies: Vec<_> = items
+        .iter()
+        .map(|(_, _, _, v)| (bytes(&dev, v.rowwise), bytes(&dev, v.columnwise)))
+        .collect();
+    let mut one = Vec::new();
+    for (k, &(r, c, tiles, views)) in items.iter().enumerate() {
+        let fresh = nvfp4_views(&mut dev, r, c, Copies::Both);
+        let (rd, _) = views.rowwise.unwrap();
+        let (_, rs) = fresh.rowwise.unwrap();
+        let out = Nvfp4Views {
+            rowwise: Some((rd, rs)),
+            columnwise: fresh.columnwise,
+        };
+        one.push(dev.nvfp4_finish_2d(r, c, tiles, &out).unwrap());
+        let got = (bytes(&dev, out.rowwise), bytes(&dev, out.columnwise));
+        assert_eq!(got, copies[k], "item {k}");
+    }
+    assert_eq!(bits(&many), bits(&one));
+    assert!(dev.nvfp4_finish_2d_many(&[]).unwrap().is_empty());
+}
+
+#[test]
+fn nvfp4_finish_2d_many_errors() {
+    let mut dev = Device::cpu();
+    let good = finish_2d_item(&mut dev, 32, 32, 7);
+    // An item the single op refuses: its error.
+    let mut bad = finish_2d_item(&mut dev, 32, 32, 8);
+    bad.1 = 30;
+    assert!(dev.nvfp4_finish_2d_many(&[good, bad]).is_err());
+    // Outputs shared by two valid items: refused (the result would depend on the order).
+    let twice = dev.nvfp4_finish_2d_many(&[good, good]).unwrap_err();
+    assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
+}

@@ -147,6 +147,7 @@ fn main() {
                 eps: 1e-8,
                 weight_decay: 0.1,
                 step,
+                grad_scale: 1.0,
             };
             dev.adamw(dp, dg, dm, dv, black_box(&hp), Some(dout))
                 .expect("adamw")

@@ -327,17 +327,23 @@ impl Optimizer for DistributedOptimizer {
         let Some(work) = self.work else {
             // f32 masters: one launch per run of consecutive shards (the rule is element-wise,
             // so the same bits as shard by shard).
+            // Clipping rides along in the update where the rule can (AdamW): no pass over the
+            // gradients of its own.
             for r in &self.runs {
-                if clip < 1.0 {
-                    dev.scale(r.grad32, clip)?;
-                }
                 let views = ShardViews {
                     master: r.master,
                     grad: r.grad32,
                     state: &r.state,
                     fused_output: r.fused_output,
                 };
-                self.rule.update(dev, views, self.cfg.lr, self.steps)?;
+                let (lr, step) = (self.cfg.lr, self.steps);
+                if clip < 1.0 && self.rule.update_scaled(dev, views, lr, step, clip)? {
+                    continue;
+                }
+                if clip < 1.0 {
+                    dev.scale(r.grad32, clip)?;
+                }
+                self.rule.update(dev, views, lr, step)?;
             }
             bufs.mark_stale(self.owner);
             return Ok(());

@@ -37,6 +37,26 @@ pub trait UpdateRule: Debug + Send + Sync {
     /// # Errors
     /// Device errors.
     fn update(&self, dev: &mut Device, views: ShardViews<'_>, lr: f32, step: u64) -> Result<()>;
+
+    /// One update whose gradient is first multiplied by `grad_scale` (the clip coefficient,
+    /// below 1), in the same pass: `Ok(true)` if the rule did it, bit for bit what scaling the
+    /// gradient in place ([`Device::scale`]) and then [`UpdateRule::update`] give, without
+    /// the pass over the gradient (which is then left unscaled); `Ok(false)`, the default,
+    /// leaves the scaling to the caller, which scales first and calls [`UpdateRule::update`].
+    ///
+    /// # Errors
+    /// Device errors.
+    fn update_scaled(
+        &self,
+        dev: &mut Device,
+        views: ShardViews<'_>,
+        lr: f32,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<bool> {
+        let _ = (dev, views, lr, step, grad_scale);
+        Ok(false)
+    }
 }
 
 /// AdamW with decoupled weight decay, in PyTorch's formula order (the device's fused kernel).
@@ -79,6 +99,31 @@ impl UpdateRule for AdamW {
         )
     }
     fn update(&self, dev: &mut Device, v: ShardViews<'_>, lr: f32, step: u64) -> Result<()> {
+        self.fused(dev, v, lr, step, 1.0)
+    }
+    /// The device kernel multiplies each gradient element by `grad_scale` as it reads it.
+    fn update_scaled(
+        &self,
+        dev: &mut Device,
+        v: ShardViews<'_>,
+        lr: f32,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<bool> {
+        self.fused(dev, v, lr, step, grad_scale)?;
+        Ok(true)
+    }
+}
+
+impl AdamW {
+    fn fused(
+        &self,
+        dev: &mut Device,
+        v: ShardViews<'_>,
+        lr: f32,
+        step: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
         let hp = lowbit_device::AdamW {
             lr,
             beta1: self.beta1,
@@ -86,6 +131,7 @@ impl UpdateRule for AdamW {
             eps: self.eps,
             weight_decay: self.weight_decay,
             step,
+            grad_scale,
         };
         dev.adamw(
             v.master,

@@ -16,6 +16,7 @@ use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy,
 };
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
+use lowbit_comm::Communicator;
 use lowbit_device::bf16;
 use lowbit_optim::{
     AdamW, DistributedOptimizer, OptimConfig, Optimizer, Sgd, init_from_full, protocol,
@@ -371,5 +372,87 @@ fn invalid_hyper_parameters_are_refused() {
             OptimConfig::new(1.0).with_clip_grad(Some(clip)).validate(),
             Err(OptimError::Invalid(InvalidInput::ClipGrad(_)))
         ));
+    }
+}
+
+/// AdamW without its fused clipping: the optimizer scales the gradient first, then updates.
+#[derive(Clone, Copy, Debug)]
+struct Unfused(AdamW);
+
+impl lowbit_optim::UpdateRule for Unfused {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn state_names(&self) -> &'static [&'static str] {
+        self.0.state_names()
+    }
+    fn validate(&self) -> lowbit_optim::Result<()> {
+        self.0.validate()
+    }
+    fn update(
+        &self,
+        dev: &mut lowbit_device::Device,
+        views: lowbit_optim::ShardViews<'_>,
+        lr: f32,
+        step: u64,
+    ) -> lowbit_optim::Result<()> {
+        self.0.update(dev, views, lr, step)
+    }
+}
+
+/// Masters, moments and parameters after `STEPS` clipped steps at dp 2 (every step clips).
+fn clipped(rule: impl lowbit_optim::UpdateRule + Copy + 'static, grad: GradDType) -> Vec<u32> {
+    let specs = specs(grad);
+    let init = init(&specs);
+    let outs = run(2, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let cfg = DdpConfig::default()
+            .with_sharding(ShardingStrategy::Distributed)
+            .with_overlap(Overlap::None);
+        let mut bufs = DataParallelBuffers::new(dev, 2, comm.rank(), specs.clone(), cfg).unwrap();
+        bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+        let mut cb = init_from_full(&init);
+        let ocfg = OptimConfig::new(LR).with_clip_grad(Some(1e-2));
+        let mut opt =
+            DistributedOptimizer::new(dev, &bufs, OptimizerId(0), rule, ocfg, &mut cb).unwrap();
+        for t in 1..=STEPS {
+            protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
+            for (p, s) in specs.iter().enumerate() {
+                let dst = bufs.accumulation_view(dev, p).unwrap();
+                let g = dev.alloc(lowbit_device::DType::F32, s.numel);
+                dev.upload(g, &grads(t, p, s.numel, grad)).unwrap();
+                dev.add(g, dst).unwrap();
+                dev.free(g).unwrap();
+            }
+            bufs.finish_grad_sync(dev, &mut comm).unwrap();
+            let report = protocol::step(dev, &mut comm, &mut bufs, &mut opt).unwrap();
+            assert!(report.clip_coef < 1.0, "step {t} must clip");
+        }
+        let mut bits: Vec<u32> = Vec::new();
+        for s in opt.export_state(dev).unwrap() {
+            for t in s.tensors {
+                bits.extend(t.values.iter().map(|x| x.to_bits()));
+            }
+        }
+        for p in 0..specs.len() {
+            let v = download_f32(dev, bufs.param_view(p).unwrap());
+            bits.extend(v.iter().map(|x| x.to_bits()));
+        }
+        bits
+    });
+    outs.concat()
+}
+
+/// Clipping fused into AdamW's kernel (`UpdateRule::update_scaled`) gives the bits of scaling
+/// the gradient first and updating after (what a rule without it gets).
+#[test]
+fn fused_clipping_is_scale_then_update() {
+    for grad in [GradDType::F32, GradDType::Bf16] {
+        let fused = clipped(AdamW::default(), grad);
+        let separate = clipped(Unfused(AdamW::default()), grad);
+        assert!(
+            fused == separate,
+            "{grad:?} gradients: fused clipping differs"
+        );
     }
 }

@@ -202,6 +202,26 @@ impl Nvfp4Weights {
     }
 }
 
+/// Completes gathered 2D NVFP4 weights — every expert of every matrix of `ws` — with one
+/// [`Device::nvfp4_finish_2d_many`] call (on a GPU: two launches and one host read for all of
+/// them, not a host round trip per matrix), and stores each expert's global amax.
+pub(crate) fn finish_nvfp4(dev: &mut Device, ws: &mut [&mut Nvfp4Weights]) -> Result<()> {
+    let mut items = Vec::new();
+    for w in ws.iter() {
+        for x in w.per_expert()? {
+            items.push((x.rows, x.cols, x.tiles, x.views()));
+        }
+    }
+    let mut amaxes = dev.nvfp4_finish_2d_many(&items)?.into_iter();
+    for w in ws.iter_mut() {
+        // `per_expert` gave one item per entry of `amaxes`, in this order.
+        for (a, new) in w.amaxes.iter_mut().zip(amaxes.by_ref()) {
+            *a = new;
+        }
+    }
+    Ok(())
+}
+
 /// A parameter's low-precision primary weights, as compute reads them.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq)]

@@ -107,10 +107,9 @@ impl Nvfp4Rows {
     }
 
     /// The whole matrix's weights over a gathered unit (`unit`: [`unit_bytes`] laid out in
-    /// order), with its scales and columnwise copy derived here; returns them with each
-    /// expert's global amax.
-    pub(crate) fn finish(
-        dev: &mut Device,
+    /// order) with nothing derived yet (every amax 0): [`super::finish_nvfp4`] derives the
+    /// scales, the columnwise copy and each expert's global amax, for a whole group at once.
+    pub(crate) fn unfinished(
         parts: &crate::storage::UnitParts,
         unit: View,
         dp: usize,
@@ -133,19 +132,14 @@ impl Nvfp4Rows {
             Ok(v)
         };
         let (rs, cd, cs) = (take(1)?, take(2)?, take(3)?);
-        let mut w = Nvfp4Weights {
+        Ok(Nvfp4Weights {
             rows,
             cols,
             rowwise: (unit.slice(0..rows * cols / 2)?, rs),
             columnwise: (cd, cs),
             tiles,
             amaxes: vec![0.0; experts],
-        };
-        let each = w.per_expert()?;
-        for (x, amax) in each.iter().zip(&mut w.amaxes) {
-            *amax = dev.nvfp4_finish_2d(x.rows, x.cols, x.tiles, &x.views())?;
-        }
-        Ok(w)
+        })
     }
 }
 

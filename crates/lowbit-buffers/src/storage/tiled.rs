@@ -54,6 +54,19 @@ pub(super) trait TileFormat: Debug + Send + 'static {
     ) -> Result<()>;
     /// Derives everything else from the gathered bytes and the reduced amaxes.
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()>;
+    /// [`TileFormat::finish`] of `weights[i]` for every `i` of `indices` (distinct).
+    fn finish_many(
+        dev: &mut Device,
+        weights: &mut [Self::Weights],
+        indices: &[usize],
+    ) -> Result<()> {
+        for &i in indices {
+            if let Some(w) = weights.get_mut(i) {
+                Self::finish(dev, w)?;
+            }
+        }
+        Ok(())
+    }
     /// The weights as compute reads them.
     fn compute(w: &Self::Weights) -> LowPrecisionWeights;
 }
@@ -188,11 +201,21 @@ impl TileFormat for Nvfp4Tiles {
         Ok(())
     }
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()> {
-        let experts = w.per_expert()?;
-        for (x, amax) in experts.iter().zip(&mut w.amaxes) {
-            *amax = dev.nvfp4_finish_2d(x.rows, x.cols, x.tiles, &x.views())?;
-        }
-        Ok(())
+        super::finish_nvfp4(dev, &mut [w])
+    }
+    fn finish_many(
+        dev: &mut Device,
+        weights: &mut [Self::Weights],
+        indices: &[usize],
+    ) -> Result<()> {
+        // Every matrix of the group in one device call (one host read of the amaxes).
+        let mut ws: Vec<&mut Nvfp4Weights> = weights
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| indices.contains(i))
+            .map(|(_, w)| w)
+            .collect();
+        super::finish_nvfp4(dev, &mut ws)
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
         LowPrecisionWeights::Nvfp4 {
@@ -254,9 +277,7 @@ impl<F: TileFormat> Storage for Tiled<F> {
         Some(self)
     }
     fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
-        for &i in group.indices {
-            F::finish(dev, &mut self.weights[i])?;
-        }
+        F::finish_many(dev, &mut self.weights, group.indices)?;
         Ok(AfterGather::Ok)
     }
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {

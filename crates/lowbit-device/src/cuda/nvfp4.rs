@@ -223,3 +223,135 @@ impl CudaDevice {
         Ok(Some(a))
     }
 }
+
+/// A matrix of [`CudaDevice::nvfp4_finish_2d_many`]: `[rows, cols]`, the tile amaxes and the
+/// views `[rowwise data, rowwise scales, columnwise data, columnwise scales]`.
+pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
+
+impl CudaDevice {
+    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 2 (the
+    /// default: every matrix's amax in one `u32_max_many` launch, one `nvfp4x_finish_2d_many`
+    /// launch, one host read of all amaxes) or 1 (one `nvfp4_finish_2d` per matrix, each with
+    /// its own host read).
+    pub(crate) fn nvfp4_finish_version(&self) -> u32 {
+        self.nvfp4_finish_version
+    }
+
+    /// Uploads a table of u64 words (freed in stream order when the returned slice drops) and
+    /// returns it with its device address.
+    fn upload_table(&mut self, table: &[u64]) -> Result<(cudarc::driver::CudaSlice<u64>, u64)> {
+        self.bind()?;
+        let mem = self
+            .stream
+            .clone_htod(table)
+            .map_err(super::cuda_err("uploading a matrix table"))?;
+        let t = {
+            let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
+            t
+        };
+        Ok((mem, t))
+    }
+
+    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path: each matrix's global amax (the
+    /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
+    /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
+    /// 16-byte aligned) completed by one `nvfp4x_finish_2d_many` launch, the others by one
+    /// `nvfp4x_finish_2d` launch each (tensor factors from their amax word), then one host read
+    /// of all amaxes. `Ok(None)` (nothing launched) when the variant is disabled or there are
+    /// more than 65535 matrices. The caller has validated every matrix as
+    /// `nvfp4_finish_2d_kernel` does and checked that no output overlaps another matrix's
+    /// views.
+    pub(crate) fn nvfp4_finish_2d_many(&mut self, items: &[Finish2d]) -> Result<Option<Vec<f32>>> {
+        let Ok(count @ 1..=65535) = u32::try_from(items.len()) else {
+            return Ok(if items.is_empty() {
+                Some(Vec::new())
+            } else {
+                None
+            });
+        };
+        if !enabled::FINISH_2D {
+            return Ok(None);
+        }
+        let amax = self.scratch(items.len())?;
+        let mut sizes = Vec::with_capacity(2 * items.len());
+        for (_, tiles, _) in items {
+            sizes.extend([self.device_ptr(*tiles)?, tiles.len() as u64]);
+        }
+        let most = items.iter().map(|(_, t, _)| t.len()).max().unwrap_or(0);
+        let gx = capped(most.div_ceil(256), 1024);
+        let (sizes_mem, s) = self.upload_table(&sizes)?;
+        // SAFETY: row i of the table is the address and length of item i's tile view, an f32
+        // view validated by the caller (live, in bounds); `amax` holds one zeroed word per item
+        // (grid y = the item count, at most 65535).
+        unsafe {
+            self.launch(
+                "u32_max_many",
+                (gx, count, 1),
+                (256, 1, 1),
+                &args![s, amax.ptr],
+            )?;
+        }
+        drop(sizes_mem);
+        let (mut firsts, mut rows_of) = (Vec::new(), Vec::new());
+        let mut ctas = 0u64;
+        for (i, &([rows, cols], tiles, [rd, rs, cd, cs])) in items.iter().enumerate() {
+            let a = amax.ptr + 4 * i as u64;
+            let t = self.device_ptr(tiles)?;
+            let [rdp, rsp, cdp, csp] = [rd, rs, cd, cs].map(|v| self.device_ptr(v));
+            let (rdp, rsp, cdp, csp) = (rdp?, rsp?, cdp?, csp?);
+            if rows.is_multiple_of(32)
+                && cols.is_multiple_of(8)
+                && rdp.is_multiple_of(4)
+                && cdp.is_multiple_of(16)
+            {
+                let gx = cols.div_ceil(512) as u64;
+                firsts.push(ctas);
+                rows_of.extend([rdp, t, a, rows as u64, cols as u64, rsp, cdp, csp, gx]);
+                ctas += gx * rows.div_ceil(64) as u64;
+                continue;
+            }
+            let params = self.nvfp4_params(a)?;
+            let n = rs.len() + cd.len() + cs.len();
+            let args = args![rdp, t, params.ptr, rows, cols, rsp, cdp, csp];
+            // SAFETY: the views were validated by the caller as `nvfp4_finish_2d_kernel` checks
+            // them (live, in bounds, disjoint outputs, the lengths the kernel reads and
+            // writes); `params` holds the factors from this item's amax word.
+            unsafe { self.launch_n("nvfp4x_finish_2d", n, &args)? };
+            drop(params);
+        }
+        if let (Some(grid), Ok(n @ 1..)) = (
+            usize::try_from(ctas)
+                .ok()
+                .and_then(|n| super::kernels::blocks(n, 1)),
+            u32::try_from(firsts.len()),
+        ) {
+            let mut table = firsts;
+            table.extend(rows_of);
+            let (mem, t) = self.upload_table(&table)?;
+            // SAFETY: each of the `n` table rows holds the addresses of one matrix's views,
+            // validated by the caller with the lengths `nvfp4x_finish_2d` needs (rows·cols/2
+            // rowwise bytes, rows·tc row scales, cols·rows/2 columnwise bytes, cols·rows/16
+            // column scales, tr·tc tiles), and its amax word; rows % 32 == 0 and cols % 8 == 0
+            // (so a thread's 32 rows and 8 columns lie inside the matrix) and the 4-byte loads
+            // and 16-byte stores aligned (checked above; the row pitch cols/2 and column pitch
+            // rows/2 keep those alignments). CTA b runs a 64x512 block of the matrix whose CTAs
+            // [first, first + gx·ceil(rows/64)) hold it. No output overlaps another matrix's
+            // views (checked by the caller). `mem` is freed in stream order after the launch.
+            unsafe {
+                self.launch(
+                    "nvfp4x_finish_2d_many",
+                    (grid, 1, 1),
+                    (128, 1, 1),
+                    &args![t, n],
+                )?;
+            }
+            drop(mem);
+        } else if ctas > 0 {
+            return Err(crate::DeviceError::Unsupported(format!(
+                "nvfp4_finish_2d_many: {ctas} CTAs exceed the grid"
+            )));
+        }
+        let words = self.fetch(&amax)?;
+        Ok(Some(words.into_iter().map(f32::from_bits).collect()))
+    }
+}

@@ -30,6 +30,8 @@ pub(crate) struct AdamWScalars {
     pub(crate) bc2_sqrt: f32,
     /// `ε`.
     pub(crate) eps: f32,
+    /// The gradient's factor (1: none).
+    pub(crate) grad_scale: f32,
 }
 
 impl AdamWScalars {
@@ -49,6 +51,7 @@ impl AdamWScalars {
             neg_step_size: (-(lr / bc1)) as f32,
             bc2_sqrt: bc2.sqrt() as f32,
             eps: hp.eps,
+            grad_scale: hp.grad_scale,
         }
     }
 
@@ -99,6 +102,7 @@ impl Device {
     /// `c2 = 1 − β2`, `bc1 = 1 − β1^step`, `bc2 = 1 − β2^step` (`powf` with the step as f64),
     /// `s = −(lr / bc1)`, `r = sqrt(bc2)`. Per element, in f32 without fused multiply-add:
     /// ```text
+    /// g ← g · grad_scale                                      (only if grad_scale ≠ 1)
     /// p ← p · decay
     /// m ← |w| < 0.5 ? m + w·(g − m) : g − (g − m)·(1 − w)      (torch.lerp; 1 − w in f32)
     /// v ← v·β2 + (c2·g)·g
@@ -145,6 +149,10 @@ impl Device {
             for r in chunks(grad.len()) {
                 let n = r.len();
                 decode_into(gd, elems(g, gd, &r), &mut gb[..n]);
+                // As `Device::scale` would have left the gradient: `scale · g` in f32.
+                if k.grad_scale != 1.0 {
+                    gb[..n].iter_mut().for_each(|g| *g *= k.grad_scale);
+                }
                 let pmv =
                     [&mut **p, &mut **m, &mut **v].map(|b| elems_mut(b, f, &r).as_chunks_mut().0);
                 if k.w.abs() < 0.5 {

@@ -680,6 +680,82 @@ impl Device {
         self.write_bytes(cs, &c.scales)?;
         Ok(tensor.amax_rowwise)
     }
+
+    /// [`Device::nvfp4_finish_2d`] of every `(rows, cols, tiles, out)` of `items`, returning
+    /// their global amaxes in order: the same bytes and amaxes as one call per item. On a GPU
+    /// every item that the single op would complete with its kernel is done together (the
+    /// amaxes in one launch, the matrices in one more, one host read for all of them) instead
+    /// of a launch sequence and a host round trip per item. When any item would fail alone or
+    /// fall back to the host, the items run one by one through the single op (so its errors,
+    /// in item order); when all are valid but one's output overlaps another item's views, the
+    /// result would depend on the order: [`crate::DeviceError::Overlap`], nothing written.
+    pub fn nvfp4_finish_2d_many(
+        &mut self,
+        items: &[(usize, usize, View, Nvfp4Views)],
+    ) -> Result<Vec<f32>> {
+        const WHAT: &str = "nvfp4_finish_2d";
+        let mut checked = Vec::with_capacity(items.len());
+        for (rows, cols, tiles, out) in items {
+            match self.finish_2d_views(*rows, *cols, *tiles, out) {
+                Some(v) => checked.push(([*rows, *cols], *tiles, v)),
+                None => break,
+            }
+        }
+        if checked.len() == items.len() {
+            let ins: Vec<View> = checked.iter().flat_map(|(_, t, v)| [*t, v[0]]).collect();
+            let outs: Vec<View> = checked
+                .iter()
+                .flat_map(|(_, _, v)| [v[1], v[2], v[3]])
+                .collect();
+            check_overlap_sorted(WHAT, &ins, &outs)?;
+            #[cfg(feature = "cuda")]
+            if let Some(g) = self.cuda_mut()
+                && g.nvfp4_finish_version() != 1
+                && let Some(amaxes) = g.nvfp4_finish_2d_many(&checked)?
+            {
+                for _ in items {
+                    self.count_call(crate::CountedOp::Nvfp4Finish2d);
+                }
+                return Ok(amaxes);
+            }
+        }
+        items
+            .iter()
+            .map(|(rows, cols, tiles, out)| self.nvfp4_finish_2d(*rows, *cols, *tiles, out))
+            .collect()
+    }
+
+    /// The views `[rowwise data, rowwise scales, columnwise data, columnwise scales]` of a
+    /// [`Device::nvfp4_finish_2d`] that its kernel takes and that cannot fail (both copies, u8
+    /// views of the exact lengths, f32 tiles of the matrix's tile count, cols even and
+    /// non-zero, rows non-zero, live views with disjoint outputs), else `None`.
+    fn finish_2d_views(
+        &self,
+        rows: usize,
+        cols: usize,
+        tiles: View,
+        out: &Nvfp4Views,
+    ) -> Option<[View; 4]> {
+        let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
+            return None;
+        };
+        let (tr, tc) = (rows.div_ceil(16), cols.div_ceil(16));
+        let len = |a: usize, b: usize| a.checked_mul(b);
+        let ok = rows > 0
+            && cols > 0
+            && cols.is_multiple_of(2)
+            && tiles.dtype() == DType::F32
+            && Some(tiles.len()) == len(tr, tc)
+            && [rd, rs, cd, cs].iter().all(|v| v.dtype() == DType::U8)
+            && rd.len().checked_mul(2) == len(rows, cols)
+            && Some(rs.len()) == len(rows, tc)
+            && Some(cd.len()) == len(cols, rows.div_ceil(2))
+            && Some(cs.len()) == len(cols, tr)
+            && self
+                .check_views("nvfp4_finish_2d", &[tiles, rd], &[rs, cd, cs])
+                .is_ok();
+        ok.then_some([rd, rs, cd, cs])
+    }
 }
 
 /// 2D MXFP8 primary weights computed shard by shard (see `lowbit_formats::mxfp8::sharded`).

@@ -139,8 +139,9 @@ impl Traffic {
         // bf16 gradients are widened into an f32 copy (read 2, write 4) before the sum.
         let norm = if self.grad_size == 4 { 4.0 } else { 10.0 } * all;
         // AdamW: master, two moments read and written, the f32 gradient read (28 B); the bf16
-        // output fused for persistent weights; clipping scales the f32 gradient first.
-        let clip = if clipped { 8.0 * all } else { 0.0 };
+        // output fused for persistent weights; clipping rides along in the kernel (no bytes).
+        let _ = clipped;
+        let clip = 0.0;
         let optimizer = 28.0 * all + 2.0 * o[0] + clip;
         // Casts of the masters (4 + 2); 2D formats also fold (2) and quantize (2 + 1 or 0.5).
         let staging = 6.0 * (o[0] + o[1]) + 11.0 * o[2] + 10.5 * o[3];
@@ -243,7 +244,8 @@ fn measure_bounds(
 /// both): staged MXFP8 quantizes both copies of every matrix (from a bf16 scratch of pattern
 /// values: the staging view is zero again after the gather) and zeroes its staging view; 2D
 /// MXFP8 derives scales from tile amaxes (a scratch of constant amaxes: the reduced ones are
-/// private); NVFP4 finishes every matrix from its own reduced tiles.
+/// private); NVFP4 finishes every matrix from its own reduced tiles, one
+/// `nvfp4_finish_2d_many` call per bucket group as the gather's completion makes it.
 struct Replay {
     src: Option<View>,
     tiles: Option<View>,
@@ -304,6 +306,8 @@ impl Replay {
                 }
             }
         }
+        // NVFP4: as the gather's completion does it, one call for every matrix of a group.
+        let mut nvfp4: BTreeMap<usize, Vec<_>> = BTreeMap::new();
         for p in 0..bufs.specs().len() {
             match (bufs.storage_kind(p), bufs.low_precision_weights(p)) {
                 (StorageKind::Mxfp8Staged, _) => {}
@@ -317,11 +321,18 @@ impl Replay {
                 }
                 (StorageKind::Nvfp4Packed, _) => {
                     if let Some((w, _)) = bufs.nvfp4_weights(p) {
-                        dev.nvfp4_finish_2d(w.rows, w.cols, w.tiles, &w.views())?;
+                        nvfp4.entry(bufs.group_of(p)).or_default().push(w);
                     }
                 }
                 _ => {}
             }
+        }
+        for ws in nvfp4.values() {
+            let items: Vec<_> = ws
+                .iter()
+                .map(|w| (w.rows, w.cols, w.tiles, w.views()))
+                .collect();
+            dev.nvfp4_finish_2d_many(&items)?;
         }
         Ok(())
     }

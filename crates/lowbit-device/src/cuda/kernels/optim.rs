@@ -51,7 +51,8 @@ impl CudaDevice {
             k.neg_step_size,
             k.bc2_sqrt,
             k.eps,
-            lerp
+            lerp,
+            k.grad_scale
         ];
         // SAFETY: views validated above (same lengths, f32 state, disjoint outputs).
         unsafe { self.launch_n("adamw", n, &args) }
