@@ -355,6 +355,185 @@ extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16(
     sum_squares_many<2>(table, views, partials);
 }
 
+// Version 2 (set_cuda_kernel_variant("sum_squares", 2); predicted, not yet measured, see
+// NOTES.md): the same warps, blocks, elements and additions as above; only the loads and the
+// staging differ. A step covers 512 bytes of each of the warp's 32 blocks (128 f32 or 256
+// 16-bit elements), and one load instruction reads 512 contiguous bytes of ONE block (16 bytes
+// a lane), so DRAM sees a few long runs per warp instead of 32 lines 16 KiB apart. A step's 32
+// rows (row = block b0 + row) are loaded SUMSQ2 G rows at a time (G independent 16-byte loads
+// per lane, issued back to back), two groups in flight, and staged in shared memory: row r at
+// a pitch of 32 16-byte chunks, chunk c stored at chunk c ^ (r & 7). A 16-byte shared access
+// is served eight lanes a phase: the stores (one row, chunks l ^ (r & 7)) and the per-lane row
+// reads (lane = row, chunk q ^ (lane & 7)) each touch eight distinct 16-byte bank groups a
+// phase, so neither conflicts. Each lane then adds its row's elements in index order exactly as
+// version 1 (elements past n read as +0.0). x (and y) must be 16-byte aligned: the host runs
+// version 1 otherwise. CTAs of 2 warps (32 KB of shared memory), MSE 1 warp (x and y tiles).
+template <bool MSE>
+struct Sumsq2 {
+    static constexpr unsigned G = MSE ? 4u : 8u;  // rows per load group
+    static constexpr unsigned WARPS = MSE ? 1u : 2u;
+};
+
+// The 16-byte chunk of E elements (4 f32 or 8 16-bit) starting at element i0 (a multiple of E).
+// WHOLE: no checks; else elements past n read as 0 (a partial chunk element by element).
+template <int DT, bool WHOLE>
+__device__ __forceinline__ uint4 sumsq2_load(const uint8_t* __restrict__ x, u64 n, u64 i0) {
+    constexpr unsigned E = DT == 0 ? 4u : 8u;
+    if (WHOLE || i0 + E <= n)
+        return __ldcs(reinterpret_cast<const uint4*>(x + i0 * (16 / E)));
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (unsigned e = 0; e < E; ++e) {
+        if (i0 + e < n) {
+            const uint32_t b = sumsq_load<DT>(x, i0 + e);
+            if (DT == 0) w[e] = b; else w[e / 2] |= b << (16 * (e % 2));
+        }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One group's loads: rows 0..G of the group, `first` = the element of its row 0 at this lane.
+template <int DT, bool MSE, bool WHOLE, unsigned G>
+__device__ __forceinline__ void sumsq2_fetch(const uint8_t* __restrict__ x,
+                                             const uint8_t* __restrict__ y, u64 n, u64 first,
+                                             uint4 (&v)[G], uint4 (&u)[G]) {
+#pragma unroll
+    for (unsigned r = 0; r < G; ++r) {
+        const u64 i = first + (u64)r * SUMSQ_BLOCK;
+        v[r] = sumsq2_load<DT, WHOLE>(x, n, i);
+        if (MSE) u[r] = sumsq2_load<0, WHOLE>(y, n, i);
+    }
+}
+
+// The steps of one warp (lane = its block b0 + lane), returning the lane's block sum. tx (ty):
+// the warp's 32 x 32 chunk tile.
+template <int DT, bool MSE, bool WHOLE>
+__device__ __forceinline__ double sumsq2_chain(const uint8_t* __restrict__ x,
+                                               const uint8_t* __restrict__ y, u64 n, u64 b0,
+                                               unsigned lane, uint4* __restrict__ tx,
+                                               uint4* __restrict__ ty) {
+    constexpr unsigned G = Sumsq2<MSE>::G, NG = 32 / G;
+    constexpr unsigned E = DT == 0 ? 4u : 8u;        // elements per 16-byte chunk
+    constexpr unsigned S = 32 * E;                   // elements of a row per step
+    constexpr unsigned STEPS = SUMSQ_BLOCK / S;
+    static_assert(NG % 2 == 0, "two load buffers alternate over a step's groups");
+    // Group t = k·NG + g: rows gG .. gG + G - 1 of step k.
+    const u64 base = b0 * SUMSQ_BLOCK + lane * E;
+    uint4 v[2][G], u[2][G];
+    sumsq2_fetch<DT, MSE, WHOLE, G>(x, y, n, base, v[0], u[0]);
+    sumsq2_fetch<DT, MSE, WHOLE, G>(x, y, n, base + (u64)G * SUMSQ_BLOCK, v[1], u[1]);
+    const unsigned sw = lane & 7;
+    double acc = 0.0;
+    for (unsigned k = 0; k < STEPS; ++k) {
+#pragma unroll
+        for (unsigned g = 0; g < NG; ++g) {
+            // Stage group g (waits for its loads), then refill its registers with group t + 2.
+            const unsigned s = g % 2;
+#pragma unroll
+            for (unsigned j = 0; j < G; ++j) {
+                const unsigned row = g * G + j;
+                tx[row * 32 + (lane ^ (row & 7))] = v[s][j];
+                if (MSE) ty[row * 32 + (lane ^ (row & 7))] = u[s][j];
+            }
+            const unsigned nk = k + (g + 2) / NG, ng = (g + 2) % NG;
+            if (nk < STEPS)
+                sumsq2_fetch<DT, MSE, WHOLE, G>(
+                    x, y, n, base + (u64)nk * S + (u64)(ng * G) * SUMSQ_BLOCK, v[s], u[s]);
+        }
+        __syncwarp();
+#pragma unroll 4
+        for (unsigned q = 0; q < 32; ++q) {
+            const uint4 c = tx[lane * 32 + (q ^ sw)];
+            const uint32_t a[4] = {c.x, c.y, c.z, c.w};
+            uint32_t b[4] = {0u, 0u, 0u, 0u};
+            if (MSE) {
+                const uint4 cy = ty[lane * 32 + (q ^ sw)];
+                b[0] = cy.x; b[1] = cy.y; b[2] = cy.z; b[3] = cy.w;
+            }
+#pragma unroll
+            for (unsigned e = 0; e < E; ++e) {
+                const uint32_t bits = DT == 0 ? a[e] : (a[e / 2] >> (16 * (e % 2))) & 0xffffu;
+                double d = (double)sumsq_value<DT>(bits);
+                if (MSE) d = __dsub_rn(d, (double)__uint_as_float(b[e % 4]));
+                acc = __dadd_rn(acc, __dmul_rn(d, d));
+            }
+        }
+        __syncwarp();
+    }
+    return acc;
+}
+
+// `warp`: the warp's index within the view's launch (it owns blocks 32·warp ..).
+template <int DT, bool MSE>
+__device__ __forceinline__ void sum_squares_warp_v2(const uint8_t* __restrict__ x,
+                                                    const uint8_t* __restrict__ y, u64 n,
+                                                    double* __restrict__ partials, u64 warp) {
+    constexpr unsigned W = Sumsq2<MSE>::WARPS;
+    __shared__ uint4 tx[W][32 * 32];
+    __shared__ uint4 ty[MSE ? W : 1][MSE ? 32 * 32 : 1];
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u64 b0 = warp * 32;
+    const u64 nb = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
+    if (b0 >= nb) return;
+    uint4* tyw = MSE ? ty[w] : nullptr;
+    const double acc = (b0 + 32) * SUMSQ_BLOCK <= n
+                           ? sumsq2_chain<DT, MSE, true>(x, y, n, b0, lane, tx[w], tyw)
+                           : sumsq2_chain<DT, MSE, false>(x, y, n, b0, lane, tx[w], tyw);
+    if (b0 + lane < nb) partials[b0 + lane] = acc;
+}
+
+template <bool MSE>
+__device__ __forceinline__ u64 sumsq2_warp_index() {
+    return (u64)blockIdx.x * Sumsq2<MSE>::WARPS + threadIdx.x / 32;
+}
+
+extern "C" __global__ void __launch_bounds__(64) sum_squares_blocks_f32_v2(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp_v2<0, false>(x, nullptr, n, partials, sumsq2_warp_index<false>());
+}
+extern "C" __global__ void __launch_bounds__(64) sum_squares_blocks_bf16_v2(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp_v2<1, false>(x, nullptr, n, partials, sumsq2_warp_index<false>());
+}
+extern "C" __global__ void __launch_bounds__(64) sum_squares_blocks_f16_v2(
+    const uint8_t* __restrict__ x, u64 n, double* __restrict__ partials) {
+    sum_squares_warp_v2<2, false>(x, nullptr, n, partials, sumsq2_warp_index<false>());
+}
+extern "C" __global__ void __launch_bounds__(32) mse_blocks_f32_v2(
+    const uint8_t* __restrict__ x, const float* __restrict__ y, u64 n,
+    double* __restrict__ partials) {
+    sum_squares_warp_v2<0, true>(x, reinterpret_cast<const uint8_t*>(y), n, partials,
+                                 sumsq2_warp_index<true>());
+}
+
+// sum_squares_many_* with the version-2 body (every view 16-byte aligned: the host checks).
+template <int DT>
+__device__ __forceinline__ void sum_squares_many_v2(const u64* __restrict__ table,
+                                                    uint32_t views,
+                                                    double* __restrict__ partials) {
+    const u64 gw = sumsq2_warp_index<false>();
+    uint32_t lo = 0, hi = views;  // the last view whose first warp is <= gw (table[3] == 0)
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (table[4 * mid + 3] <= gw) lo = mid; else hi = mid;
+    }
+    const u64* t = table + 4 * lo;
+    sum_squares_warp_v2<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
+                                   partials + t[2], gw - t[3]);
+}
+extern "C" __global__ void __launch_bounds__(64) sum_squares_many_f32_v2(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many_v2<0>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(64) sum_squares_many_bf16_v2(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many_v2<1>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(64) sum_squares_many_f16_v2(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many_v2<2>(table, views, partials);
+}
+
 // out[0] <- 1 if any element is NaN or infinite.
 extern "C" __global__ void any_non_finite(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
                                           uint32_t* __restrict__ out) {
@@ -1384,5 +1563,257 @@ extern "C" __global__ void nvfp4_quantize_2d_range(const uint8_t* __restrict__ x
             codes[h] = e2m1_code(__fmul_rn(load(x, xd, 2 * j + h), m));
         }
         out[j] = (uint8_t)(codes[0] | (codes[1] << 4));
+    }
+}
+
+// ---- batched 2D staging: fold and quantize many pieces of bf16(x) in one launch each ----
+//
+// A piece is elements start .. start + n of a row-major matrix with `cols` columns, read from
+// x (dtype xd) and rounded to bf16 first (f32_to_bf16_bits, as `cast` does: RNE, NaN quieted;
+// bf16 input unchanged). Its work units are (band, cb): a tile row `band` (rows band·tile ..)
+// that the piece touches and a tile column cb; unit k of a piece is band = band0 + k / tc,
+// cb = k % tc. A thread takes one unit: the piece's elements of that tile, row by row (16- or
+// 32-element row segments, 16-byte loads when a segment is whole and aligned), so a tile's
+// maximum is combined in registers and each unit makes at most one atomic.
+//
+// Table: `count` u64 first units (ascending, the first 0), then STAGE2D_WORDS words per piece:
+// [x, xd | tile << 8 | e5m2 << 16 | nvfp4 << 24, start, n, cols, tiles, out, amax, band0, tc,
+// rcp bits]. `amax` (NVFP4 quantize only): the address of the piece's global amax word (raw
+// u32 max of its tiles view); `rcp`: the MXFP8 kind's max_norm_rcp.
+#define STAGE2D_WORDS 11
+
+__device__ __forceinline__ float bf16_round(float v, uint32_t xd) {
+    return xd == 1 ? v : bf16_bits_to_f32(f32_to_bf16_bits(v));
+}
+
+// The piece of unit u: the last piece whose first unit is <= u.
+__device__ __forceinline__ uint32_t stage2d_find(const u64* __restrict__ firsts, uint32_t count,
+                                                 u64 u) {
+    uint32_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi + 1) / 2;
+        if (firsts[mid] <= u) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+struct Stage2d {
+    const uint8_t* x;
+    uint32_t xd, tile, e5m2, nvfp4;
+    u64 start, end, cols, band, cb, tc;
+    const float* tiles;
+    uint8_t* out;
+    const uint32_t* amax;
+    float rcp;
+};
+
+__device__ __forceinline__ Stage2d stage2d_unit(const u64* __restrict__ table, uint32_t count,
+                                                u64 u) {
+    uint32_t p = stage2d_find(table, count, u);
+    const u64* w = table + count + (u64)p * STAGE2D_WORDS;
+    Stage2d s;
+    s.x = reinterpret_cast<const uint8_t*>(w[0]);
+    uint32_t f = (uint32_t)w[1];
+    s.xd = f & 0xFFu;
+    s.tile = (f >> 8) & 0xFFu;
+    s.e5m2 = (f >> 16) & 0xFFu;
+    s.nvfp4 = (f >> 24) & 0xFFu;
+    s.start = w[2];
+    s.end = w[2] + w[3];
+    s.cols = w[4];
+    s.tiles = reinterpret_cast<const float*>(w[5]);
+    s.out = reinterpret_cast<uint8_t*>(w[6]);
+    s.amax = reinterpret_cast<const uint32_t*>(w[7]);
+    s.tc = w[9];
+    u64 k = u - table[p];
+    s.band = w[8] + k / s.tc;
+    s.cb = k - (k / s.tc) * s.tc;
+    s.rcp = __uint_as_float((uint32_t)w[10]);
+    return s;
+}
+
+// Loads elements i .. i + m (m = 16 or 32, whole segment) of x as bf16-rounded floats into v
+// with 16-byte loads when aligned, else one by one.
+template <int M>
+__device__ __forceinline__ void stage2d_load(const uint8_t* __restrict__ x, uint32_t xd, u64 i,
+                                             float* v) {
+    if (xd == 0 && (((uintptr_t)x + 4 * i) & 15u) == 0) {
+        const float4* p = reinterpret_cast<const float4*>(x + 4 * i);
+#pragma unroll
+        for (int q = 0; q < M / 4; ++q) {
+            float4 f = p[q];
+            v[4 * q] = bf16_round(f.x, 0);
+            v[4 * q + 1] = bf16_round(f.y, 0);
+            v[4 * q + 2] = bf16_round(f.z, 0);
+            v[4 * q + 3] = bf16_round(f.w, 0);
+        }
+    } else if (xd == 1 && (((uintptr_t)x + 2 * i) & 15u) == 0) {
+        const uint4* p = reinterpret_cast<const uint4*>(x + 2 * i);
+#pragma unroll
+        for (int q = 0; q < M / 8; ++q) {
+            uint4 b = p[q];
+            uint32_t ws[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                v[8 * q + 2 * h] = __uint_as_float(ws[h] << 16);
+                v[8 * q + 2 * h + 1] = __uint_as_float(ws[h] & 0xFFFF0000u);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int q = 0; q < M; ++q) v[q] = bf16_round(load(x, xd, i + q), xd);
+    }
+}
+
+// The piece's elements of row r inside unit s: [a, b) as matrix indices (possibly empty).
+__device__ __forceinline__ void stage2d_row(const Stage2d& s, u64 r, u64& a, u64& b) {
+    u64 c0 = s.cb * s.tile;
+    u64 c1 = c0 + s.tile < s.cols ? c0 + s.tile : s.cols;
+    a = r * s.cols + c0;
+    b = r * s.cols + c1;
+    a = a > s.start ? a : s.start;
+    b = b < s.end ? b : s.end;
+}
+
+// tiles[band·tc + cb] <- max(its bits, |bf16(x)| bits with NaN as 0) over each unit's elements.
+template <int T>
+__device__ __forceinline__ uint32_t stage2d_fold_unit(const Stage2d& s) {
+    u64 r0 = s.band * T, r_lo = s.start / s.cols, r_hi = (s.end - 1) / s.cols;
+    u64 ra = r0 > r_lo ? r0 : r_lo, rb = r0 + T - 1 < r_hi ? r0 + T - 1 : r_hi;
+    uint32_t m = 0;
+    for (u64 r = ra; r <= rb; ++r) {
+        u64 a, b;
+        stage2d_row(s, r, a, b);
+        if (b == a + T) {
+            float v[T];
+            stage2d_load<T>(s.x, s.xd, a - s.start, v);
+#pragma unroll
+            for (int q = 0; q < T; ++q) m = max(m, abs_bits_nan_zero(v[q]));
+        } else {
+            for (u64 g = a; g < b; ++g)
+                m = max(m, abs_bits_nan_zero(bf16_round(load(s.x, s.xd, g - s.start), s.xd)));
+        }
+    }
+    return m;
+}
+
+extern "C" __global__ void stage2d_fold_many(const u64* __restrict__ table, uint32_t count,
+                                             u64 units) {
+    GRID_STRIDE(u, units) {
+        Stage2d s = stage2d_unit(table, count, u);
+        uint32_t m = s.tile == 16 ? stage2d_fold_unit<16>(s) : stage2d_fold_unit<32>(s);
+        if (m != 0)
+            atomicMax(reinterpret_cast<uint32_t*>(const_cast<float*>(s.tiles)) + s.band * s.tc + s.cb,
+                      m);
+    }
+}
+
+// MXFP8 codes of a unit: the tile's scale e = E8M0(amax * rcp) once, code = encode(v * 2^(127-e)).
+__device__ __forceinline__ void stage2d_mxfp8_unit(const Stage2d& s) {
+    float amax = s.tiles[s.band * s.tc + s.cb];
+    float sc = e8m0_reciprocal(e8m0_code(__fmul_rn(amax, s.rcp)));
+    u64 r0 = s.band * 32, r_lo = s.start / s.cols, r_hi = (s.end - 1) / s.cols;
+    u64 ra = r0 > r_lo ? r0 : r_lo, rb = r0 + 31 < r_hi ? r0 + 31 : r_hi;
+    for (u64 r = ra; r <= rb; ++r) {
+        u64 a, b;
+        stage2d_row(s, r, a, b);
+        uint8_t* o = s.out + (a - s.start);
+        if (b == a + 32 && ((uintptr_t)o & 15u) == 0) {
+            float v[32];
+            stage2d_load<32>(s.x, s.xd, a - s.start, v);
+            uint32_t w[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                uint32_t acc = 0;
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    float y = __fmul_rn(v[4 * q + h], sc);
+                    acc |= (s.e5m2 ? e5m2_code(y) : e4m3_code(y)) << (8 * h);
+                }
+                w[q] = acc;
+            }
+            uint4* p = reinterpret_cast<uint4*>(o);
+            p[0] = make_uint4(w[0], w[1], w[2], w[3]);
+            p[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        } else {
+            for (u64 g = a; g < b; ++g) {
+                float y = __fmul_rn(bf16_round(load(s.x, s.xd, g - s.start), s.xd), sc);
+                s.out[g - s.start] = (uint8_t)(s.e5m2 ? e5m2_code(y) : e4m3_code(y));
+            }
+        }
+    }
+}
+
+// NVFP4 packed codes of a unit (cols % 16 == 0, start even): the tensor factors from the
+// piece's amax word as nvfp4_params makes them, the tile's block factor once, byte j of the
+// piece holds its elements 2j (low nibble) and 2j + 1.
+__device__ __forceinline__ void stage2d_nvfp4_unit(const Stage2d& s, const float* __restrict__ e4m3) {
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float gamax = __uint_as_float(s.amax[0]);
+    float s_enc = fminf(__fdiv_rn(2688.0f, gamax), flt_max);
+    if (gamax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    float s_dec = __fdiv_rn(1.0f, s_enc);
+    float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    float amax = s.tiles[s.band * s.tc + s.cb];
+    uint32_t sf = e4m3_code(__fmul_rn(amax, k));
+    float m = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
+    u64 r0 = s.band * 16, r_lo = s.start / s.cols, r_hi = (s.end - 1) / s.cols;
+    u64 ra = r0 > r_lo ? r0 : r_lo, rb = r0 + 15 < r_hi ? r0 + 15 : r_hi;
+    for (u64 r = ra; r <= rb; ++r) {
+        u64 a, b;
+        stage2d_row(s, r, a, b);
+        uint8_t* o = s.out + (a - s.start) / 2;
+        if (b == a + 16 && ((uintptr_t)o & 7u) == 0) {
+            float v[16];
+            stage2d_load<16>(s.x, s.xd, a - s.start, v);
+            uint32_t w[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                uint32_t acc = 0;
+#pragma unroll
+                for (int h = 0; h < 8; ++h) acc |= e2m1_code(__fmul_rn(v[8 * q + h], m)) << (4 * h);
+                w[q] = acc;
+            }
+            *reinterpret_cast<uint2*>(o) = make_uint2(w[0], w[1]);
+        } else {
+            for (u64 g = a; g < b; g += 2) {
+                uint32_t c0 = e2m1_code(__fmul_rn(bf16_round(load(s.x, s.xd, g - s.start), s.xd), m));
+                uint32_t c1 = e2m1_code(__fmul_rn(bf16_round(load(s.x, s.xd, g + 1 - s.start), s.xd), m));
+                s.out[(g - s.start) / 2] = (uint8_t)(c0 | (c1 << 4));
+            }
+        }
+    }
+}
+
+extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, uint32_t count,
+                                                 u64 units, const float* __restrict__ e4m3) {
+    GRID_STRIDE(u, units) {
+        Stage2d s = stage2d_unit(table, count, u);
+        if (s.nvfp4) stage2d_nvfp4_unit(s, e4m3); else stage2d_mxfp8_unit(s);
+    }
+}
+
+// Rowwise and columnwise E8M0 scales of many 2D MXFP8 matrices (mxfp8_scales_2d of each).
+// Table: `count` u64 first indices (ascending, the first 0; a matrix's indices are its
+// rows·tc + ceil(rows/32)·cols scale bytes, rowwise first), then 6 words per matrix: [tiles,
+// rows, cols, row_scales, col_scales, the kind's max_norm_rcp bits].
+extern "C" __global__ void mxfp8_scales_2d_many(const u64* __restrict__ table, uint32_t count,
+                                                u64 total) {
+    GRID_STRIDE(i0, total) {
+        uint32_t p = stage2d_find(table, count, i0);
+        const u64* w = table + count + (u64)p * 6;
+        const float* tiles = reinterpret_cast<const float*>(w[0]);
+        u64 rows = w[1], cols = w[2];
+        float rcp = __uint_as_float((uint32_t)w[5]);
+        u64 tc = (cols + 31) / 32, nr = rows * tc;
+        u64 i = i0 - table[p];
+        if (i < nr) {
+            u64 r = i / tc, c = i - r * tc;
+            reinterpret_cast<uint8_t*>(w[3])[i] = (uint8_t)e8m0_code(__fmul_rn(tiles[(r / 32) * tc + c], rcp));
+        } else {
+            u64 j = i - nr;
+            u64 rb = j / cols, c = j - rb * cols;
+            reinterpret_cast<uint8_t*>(w[4])[j] = (uint8_t)e8m0_code(__fmul_rn(tiles[rb * tc + c / 32], rcp));
+        }
     }
 }

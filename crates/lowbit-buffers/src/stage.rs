@@ -5,10 +5,11 @@
 use std::ops::Range;
 
 use lowbit_comm::{Communicator, Op, ReduceOp};
-use lowbit_device::{DType, Device, View};
+use lowbit_device::{Device, View};
 use lowbit_layout::OptimizerId;
 
-use crate::error::{ProtocolError, Result};
+use crate::error::{ConfigError, ProtocolError, Result};
+use crate::storage::TileScaled;
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
 /// One owned piece of new master values to stage.
@@ -95,49 +96,23 @@ impl DataParallelBuffers {
         if params.is_empty() {
             return Ok(());
         }
-        // One bf16 scratch for every piece: an allocation per piece costs a device round trip
-        // each (a Llama-sized model has hundreds of pieces).
-        let scratch = dev.alloc(DType::Bf16, pieces.iter().map(|p| p.master.len()).sum());
-        let r = Self::cast_pieces(dev, pieces, scratch)
-            .and_then(|values| self.fold_reduce_quantize(dev, comm, &params, pieces, &values));
-        dev.free(scratch)?;
-        r
-    }
-
-    /// `bf16(master)` of every piece, one after another in `scratch`.
-    fn cast_pieces(dev: &mut Device, pieces: &[&StagePiece], scratch: View) -> Result<Vec<View>> {
-        let mut at = 0;
-        let mut values = Vec::with_capacity(pieces.len());
-        for piece in pieces {
-            let v = scratch.slice(at..at + piece.master.len())?;
-            dev.cast(piece.master, v)?;
-            values.push(v);
-            at += piece.master.len();
-        }
-        Ok(values)
-    }
-
-    fn fold_reduce_quantize(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        params: &[usize],
-        pieces: &[&StagePiece],
-        values: &[View],
-    ) -> Result<()> {
+        // The f32 masters are read directly: the batched ops round them to bf16 in registers
+        // exactly as the cast into a bf16 scratch did, so no scratch, no cast, and one launch
+        // for every piece's fold and one for every piece's quantization.
         let tiles_of = |p: usize| {
             let (b, i) = self.plan.location(p);
             let ts = self.buffers[b].storage.tile_scaled().expect("filtered");
             ts.tiles(i)
         };
-        for &p in params {
+        for &p in &params {
             dev.zero(tiles_of(p))?;
         }
-        for (piece, &v) in pieces.iter().zip(values) {
-            let (b, i) = self.plan.location(piece.param);
-            let ts = self.buffers[b].storage.tile_scaled().expect("tiled pieces");
-            ts.fold(dev, i, v, piece.param_range.start)?;
+        let mut folds = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            let (ts, i) = self.tile_scaled_of(piece.param)?;
+            folds.push(ts.fold_piece(i, piece.master, piece.param_range.start));
         }
+        dev.fold_tile_amax_2d_bf16_many(&folds)?;
         let ops: Vec<Op> = params
             .iter()
             .map(|&p| Op::AllReduce {
@@ -146,12 +121,25 @@ impl DataParallelBuffers {
             })
             .collect();
         self.launch(dev, comm, &ops)?.wait(dev)?;
-        for (piece, &v) in pieces.iter().zip(values) {
-            let (b, i) = self.plan.location(piece.param);
-            let ts = self.buffers[b].storage.tile_scaled().expect("tiled pieces");
-            ts.quantize(dev, i, v, piece.param_range.clone())?;
+        let mut quantize = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            let (ts, i) = self.tile_scaled_of(piece.param)?;
+            quantize.extend(ts.quantize_pieces(i, piece.master, piece.param_range.clone())?);
         }
+        dev.quantize_2d_range_bf16_many(&quantize)?;
         Ok(())
+    }
+
+    /// The tile-scaled storage of parameter `param` and its layout index.
+    fn tile_scaled_of(&self, param: usize) -> Result<(&dyn TileScaled, usize)> {
+        let (b, i) = self.plan.location(param);
+        match self.buffers[b].storage.tile_scaled() {
+            Some(ts) => Ok((ts, i)),
+            None => Err(ConfigError::Policy(format!(
+                "parameter {param} has no tile-scaled storage"
+            ))
+            .into()),
+        }
     }
 
     fn check_no_gather_in_flight(&self, owner: OptimizerId, operation: &'static str) -> Result<()> {

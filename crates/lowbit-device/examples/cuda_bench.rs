@@ -4,6 +4,8 @@
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
+//! - `mxfp8x.cu`'s bf16 -> E4M3 2D both copies and columnwise-only, per kernel version, against
+//!   the same bound.
 //! - The same both-copies quantization of the weight matrices of one and of all 16 layers of
 //!   Llama-3.2-1B (the re-quantization after a parameter all-gather), one call per matrix and
 //!   one `quantize_mxfp8_many`, against the same bound.
@@ -209,6 +211,45 @@ fn main() {
             dev.free(b).expect("free");
         }
     }
+    // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
+    // per kernel version (2: generic tile, 3: mxfp8.cu v4's technique, the default; same bytes),
+    // against the same bound: read 2, write 1 + 1/32 per element per copy.
+    for (copies, two_d, version) in [
+        (Copies::Both, true, 2),
+        (Copies::Both, true, 3),
+        (Copies::Columnwise, false, 2),
+        (Copies::Columnwise, false, 3),
+    ] {
+        dev.set_cuda_kernel_variant("mxfp8x", version)
+            .expect("variant");
+        let out = views(&mut dev, copies);
+        let cfg = Mxfp8Config {
+            copies,
+            two_d,
+            ..Mxfp8Config::default()
+        };
+        let t = timed(&mut dev, 50, |d| {
+            d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
+        });
+        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+        let bytes = elems as f64 * (2.0 + copies_n * (1.0 + 1.0 / 32.0));
+        let what = if two_d {
+            "2D rowwise+columnwise"
+        } else {
+            "columnwise"
+        };
+        report(
+            &format!("mxfp8x bf16 {what} 16384x16384 (kernel v{version})"),
+            t,
+            bytes,
+            copy_bw,
+        );
+        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+            dev.free(a).expect("free");
+            dev.free(b).expect("free");
+        }
+    }
+    dev.set_cuda_kernel_variant("mxfp8x", 3).expect("variant");
     // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's
     // layers (q, k, v, o, gate, up, down), bf16 views of one staging buffer into views of four
     // output buffers, rowwise + columnwise E4M3 (kernel v4), one `quantize_mxfp8` per matrix
@@ -332,6 +373,20 @@ fn main() {
         d.sum_squares(gh).expect("sum_squares");
     });
     report("sum_squares bf16 512M", t, (p_n * 4) as f64, copy_bw2);
+    // Version 2 of the same reductions (16-byte loads, 512 contiguous bytes of one block per
+    // warp instruction, a swizzled shared tile); then back to the default.
+    dev.set_cuda_kernel_variant("sum_squares", 2)
+        .expect("variant");
+    let t = timed(&mut dev, 20, |d| {
+        d.sum_squares(g).expect("sum_squares");
+    });
+    report("sum_squares f32 256M (v2)", t, (p_n * 4) as f64, copy_bw2);
+    let t = timed(&mut dev, 20, |d| {
+        d.sum_squares(gh).expect("sum_squares");
+    });
+    report("sum_squares bf16 512M (v2)", t, (p_n * 4) as f64, copy_bw2);
+    dev.set_cuda_kernel_variant("sum_squares", 1)
+        .expect("variant");
     dev.zero(m).expect("zero");
     let mut step = 0u64;
     let t = timed(&mut dev, 20, |d| {

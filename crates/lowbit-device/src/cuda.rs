@@ -136,6 +136,15 @@ pub(crate) struct CudaDevice {
     /// amax launch, one `nvfp4x_finish_2d_many` launch and one host read for all matrices) or 1
     /// (one `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
     nvfp4_finish_version: u32,
+    /// Which kernels compute the blocked sums of squares (`sum_squares`, `sum_squares_each`,
+    /// `mse_loss`): 1 (the default: each warp instruction loads 128 bytes of each of 32 blocks)
+    /// or 2 (`*_v2`: 512 contiguous bytes of one block per instruction, a swizzled shared tile;
+    /// 16-byte aligned views only, version 1 otherwise; predicted, not yet measured). Same bits.
+    sum_squares_version: u32,
+    /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
+    /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
+    /// SM) or 2 (`set_cuda_kernel_variant("mxfp8x", 2 | 3)`; see `cuda/mxfp8x.rs`). Same bytes.
+    mxfp8x_version: u32,
     /// cuBLASLt for `matmul_tc`, opened on its first call.
     gemm: Option<Box<gemm::Gemm>>,
     /// How symmetric `matmul_tc` products run: 1 by blocks (3/4 of the work) with the mirror
@@ -182,6 +191,8 @@ impl CudaDevice {
             mxfp8_both_version: 4,
             nvfp4_version: 4,
             nvfp4_finish_version: 2,
+            sum_squares_version: 1,
+            mxfp8x_version: 3,
             gemm: None,
             tc_symmetric: 1,
         };
@@ -387,6 +398,8 @@ impl CudaDevice {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("nvfp4", 1..=4) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
+            ("sum_squares", 1 | 2) => self.sum_squares_version = version,
+            ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {
                 return Err(DeviceError::Unsupported(format!(

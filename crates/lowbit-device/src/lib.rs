@@ -159,7 +159,8 @@ pub use counters::CountedOp;
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{
-    AdamW, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, SUM_BLOCK, SgdMomentum,
+    AdamW, Format2d, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, Piece2d,
+    SUM_BLOCK, SgdMomentum,
 };
 
 use std::ops::Range;
@@ -730,8 +731,12 @@ impl Device {
     /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 4 by default: 3 with the
     /// shared-memory columnwise kernel; `("nvfp4_finish_2d", 1 | 2)`: how
     /// [`Device::nvfp4_finish_2d_many`] runs, 2 by default: all matrices in two launches and one
-    /// host read, 1: one `nvfp4_finish_2d` per matrix).
-    /// Every version gives the same bytes.
+    /// host read, 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
+    /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
+    /// H100, 0.75x with 2); `("sum_squares", 1 | 2)`: the blocked sums of squares, 1 by default,
+    /// 2 reads 512 contiguous bytes of one block per instruction (measured equal for f32 on an
+    /// H100, 0.48x vs 0.37x for bf16)).
+    /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     pub fn set_cuda_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {

@@ -20,6 +20,7 @@ use lowbit_formats::{Copies, NanPolicy};
 
 mod support;
 use support::*;
+mod stage2d;
 
 // ---------------------------------------------------------------------------------------------
 // Device and memory
@@ -236,12 +237,14 @@ fn reductions_match() {
 /// `sum_squares` in its blocked order (4096-element f64 partials in index order, then the
 /// partials in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
 /// block edges, offsets, every float dtype, ±Inf, NaN, large and subnormal values, and a bf16
-/// view aliasing an f32 buffer.
+/// view aliasing an f32 buffer. Every kernel version (`set_cuda_kernel_variant("sum_squares",
+/// 1 | 2)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1).
 #[test]
 fn sum_squares_bits_match() {
     check_native("sum_squares", true, |c| {
         let mut out = Vec::new();
         let sizes = [
+            0,
             1,
             31,
             4095,
@@ -250,57 +253,104 @@ fn sum_squares_bits_match() {
             8192,
             3 * 4096 + 5,
             32 * 4096,
+            32 * 4096 + 1,
             64 * 4096 - 1,
             128 * 4096 + 1,
             300_007,
         ];
-        for (i, d) in FLOATS.into_iter().enumerate() {
-            for (j, n) in sizes.into_iter().enumerate() {
-                let seed = (i * 100 + j) as u64;
-                let plain = c.buf(d, &finite(n + 3, seed));
-                out.push(c.dev.sum_squares(plain.slice(3..n + 3)?)?);
-                out.push(c.dev.sum_squares(plain.slice(0..n)?)?);
-                let special = c.rand_mid(d, n, 2, seed + 1000);
-                out.push(c.dev.sum_squares(special)?);
+        for version in [1u32, 2] {
+            c.dev.set_cuda_kernel_variant("sum_squares", version)?;
+            let v = u64::from(version) * 10_000;
+            for (i, d) in FLOATS.into_iter().enumerate() {
+                for (j, n) in sizes.into_iter().enumerate() {
+                    let seed = v + (i * 100 + j) as u64;
+                    // Offsets 0 and 8 elements (16-byte aligned in every dtype), 1 and 3 (not).
+                    let plain = c.buf(d, &finite(n + 8, seed));
+                    for at in [0, 1, 3, 8] {
+                        out.push(c.dev.sum_squares(plain.slice(at..n + at)?)?);
+                    }
+                    let special = c.rand_mid(d, n, 2, seed + 1000);
+                    out.push(c.dev.sum_squares(special)?);
+                    if n > 0 {
+                        // Specials at offset 0 (aligned: version 2 where selected).
+                        let special = c.rand_mid(d, n, 0, seed + 2000);
+                        out.push(c.dev.sum_squares(special)?);
+                    }
+                }
+                // A few million elements (many warps, a short last block).
+                let big = c.buf(d, &finite(3_000_017, v + 500 + i as u64));
+                out.push(c.dev.sum_squares(big)?);
+                out.push(c.dev.sum_squares(big.slice(1..3_000_017)?)?);
             }
+            // Infinite (no NaN), all-NaN, f32 extremes whose squares overflow f32 but not f64.
+            let inf = c.buf(DType::F32, &[1.0, f32::INFINITY, -2.0, f32::NEG_INFINITY]);
+            out.push(c.dev.sum_squares(inf)?);
+            let nan = c.buf(DType::F32, &[f32::NAN; 4099]);
+            out.push(c.dev.sum_squares(nan)?);
+            let big: Vec<f32> = (0..9000)
+                .map(|k| match k % 3 {
+                    0 => 3.0e38,
+                    1 => f32::from_bits(1 + k as u32),
+                    _ => -1.0e-20,
+                })
+                .collect();
+            let b = c.buf(DType::F32, &big);
+            out.push(c.dev.sum_squares(b)?);
+            // The staging alias: a bf16 view over part of an f32 buffer (offset 1: misaligned;
+            // offset 8: aligned).
+            let g = c.buf(DType::F32, &finite(10_000, 77));
+            for at in [1, 8] {
+                out.push(
+                    c.dev
+                        .sum_squares(g.reinterpret(DType::Bf16)?.slice(at..12_345)?)?,
+                );
+            }
+            // mse_loss shares the kernel (f32 differences, squared in f64): a misaligned and
+            // aligned pairs, lengths around the block and warp edges.
+            let p = c.buf(DType::F32, &values(300_008, 5, true));
+            let t = c.buf(DType::F32, &finite(300_007, 6));
+            out.push(f64::from(c.dev.mse_loss(p.slice(1..300_008)?, t)?));
+            out.push(f64::from(c.dev.mse_loss(p.slice(0..300_007)?, t)?));
+            for (k, n) in [1, 4095, 4097, 32 * 4096, 64 * 4096 - 1]
+                .into_iter()
+                .enumerate()
+            {
+                let p = c.buf(DType::F32, &values(n + 4, v + 40 + k as u64, true));
+                let t = c.buf(DType::F32, &finite(n + 4, v + 60 + k as u64));
+                out.push(f64::from(
+                    c.dev.mse_loss(p.slice(0..n)?, t.slice(4..n + 4)?)?,
+                ));
+                out.push(f64::from(
+                    c.dev.mse_loss(p.slice(3..n + 3)?, t.slice(0..n)?)?,
+                ));
+            }
+            let p = c.buf(DType::F32, &finite(4097, 7));
+            out.push(f64::from(c.dev.mse_loss(p, p)?));
+            // Many views in one call (the gradient norm): empty, aliased, every dtype, big and
+            // small; a dtype with a misaligned view runs version 1 for all its views.
+            let views = [
+                g.slice(0..0)?,
+                b,
+                g.reinterpret(DType::Bf16)?.slice(1..12_345)?,
+                inf,
+                c.buf(DType::Bf16, &finite(3 * 4096 + 5, 8)),
+                c.buf(DType::F16, &finite(31, 9)),
+                p,
+            ];
+            out.extend(c.dev.sum_squares_each(&views)?);
+            // Every view aligned (version 2 where selected), sizes around the warp edges.
+            let aligned = [
+                c.buf(DType::F32, &finite(64 * 4096 - 1, v + 11)),
+                g.reinterpret(DType::Bf16)?.slice(8..20_000)?,
+                c.buf(DType::F32, &finite(4097, v + 12)),
+                c.buf(DType::F16, &finite(32 * 4096, v + 13)),
+                b.slice(4..9000)?,
+                c.buf(DType::Bf16, &finite(1, v + 14)),
+                c.buf(DType::F16, &finite(4095, v + 15)),
+            ];
+            out.extend(c.dev.sum_squares_each(&aligned)?);
         }
-        // Infinite (no NaN), all-NaN, f32 extremes whose squares overflow f32 but not f64.
-        let inf = c.buf(DType::F32, &[1.0, f32::INFINITY, -2.0, f32::NEG_INFINITY]);
-        out.push(c.dev.sum_squares(inf)?);
-        let nan = c.buf(DType::F32, &[f32::NAN; 4099]);
-        out.push(c.dev.sum_squares(nan)?);
-        let big: Vec<f32> = (0..9000)
-            .map(|k| match k % 3 {
-                0 => 3.0e38,
-                1 => f32::from_bits(1 + k as u32),
-                _ => -1.0e-20,
-            })
-            .collect();
-        let b = c.buf(DType::F32, &big);
-        out.push(c.dev.sum_squares(b)?);
-        // The staging alias: a bf16 view over part of an f32 buffer.
-        let g = c.buf(DType::F32, &finite(10_000, 77));
-        out.push(
-            c.dev
-                .sum_squares(g.reinterpret(DType::Bf16)?.slice(1..12_345)?)?,
-        );
-        // mse_loss shares the kernel (f32 differences, squared in f64).
-        let p = c.buf(DType::F32, &values(300_008, 5, true));
-        let t = c.buf(DType::F32, &finite(300_007, 6));
-        out.push(f64::from(c.dev.mse_loss(p.slice(1..300_008)?, t)?));
-        let p = c.buf(DType::F32, &finite(4097, 7));
-        out.push(f64::from(c.dev.mse_loss(p, p)?));
-        // Many views in one call (the gradient norm): empty, aliased, every dtype, big and small.
-        let views = [
-            g.slice(0..0)?,
-            b,
-            g.reinterpret(DType::Bf16)?.slice(1..12_345)?,
-            inf,
-            c.buf(DType::Bf16, &finite(3 * 4096 + 5, 8)),
-            c.buf(DType::F16, &finite(31, 9)),
-            p,
-        ];
-        out.extend(c.dev.sum_squares_each(&views)?);
+        c.dev.set_cuda_kernel_variant("sum_squares", 1)?;
         Ok(out)
     });
 }
@@ -1148,6 +1198,39 @@ fn sharded_2d_ops_match() {
         "mxfp8_scales_2d",
     ];
     fallbacks_only(&o, &error_paths);
+}
+
+/// The batched 2D staging ops (`tests/stage2d`: several pieces of MXFP8 E4M3/E5M2 and NVFP4
+/// matrices in one call, cuts mid-row and mid-tile, f32/bf16/f16 masters rounded to bf16 in
+/// the kernels, three NVFP4 experts, wide matrices on the vector paths) and the batched 2D MXFP8
+/// scales: the bytes of the CPU's cast and one single op per piece, all on the kernels.
+#[test]
+fn stage_2d_many_matches_per_piece_and_cpu() {
+    let cpu = stage2d::run(&mut Device::cpu(), false).unwrap();
+    let mut g = gpu();
+    let many = stage2d::run(&mut g, true).unwrap();
+    assert_eq!(many.len(), cpu.len());
+    for (k, (m, c)) in many.iter().zip(&cpu).enumerate() {
+        assert!(
+            m == c,
+            "buffer {k}: {} of {} bytes differ",
+            m.iter().zip(c).filter(|(a, b)| a != b).count(),
+            m.len()
+        );
+    }
+    assert!(
+        g.host_fallback_calls().is_empty(),
+        "{:?}",
+        g.host_fallback_calls()
+    );
+    assert_eq!(stage2d::run(&mut g, false).unwrap(), cpu);
+    let cpu = stage2d::scales(&mut Device::cpu(), false).unwrap();
+    assert_eq!(stage2d::scales(&mut g, true).unwrap(), cpu);
+    assert!(
+        g.host_fallback_calls().is_empty(),
+        "{:?}",
+        g.host_fallback_calls()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

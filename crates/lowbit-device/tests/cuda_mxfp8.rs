@@ -131,19 +131,61 @@ const MODES: [(Copies, bool); 6] = [
     (Copies::Both, true),
 ];
 
-/// Every shape, mode, element kind and offset for inputs of dtype `d`, CPU vs CUDA.
-fn check_dtype(d: DType) {
+/// Aligned, misaligned (element offset 1, output byte offset 3), and offset but 16-byte
+/// aligned, for inputs of dtype `d`.
+fn placements(d: DType) -> Vec<(usize, usize)> {
+    vec![(0, 0), (1, 3), (16 / d.size(), 8)]
+}
+
+/// [`inputs`] with whole 32x32 tiles of NaN (signs and payloads mixed), a tile whose only
+/// non-NaN elements are one column of +-Inf, and a tile of zeros with one NaN column, placed
+/// in the tile grid (when the matrix has them) at tile rows and columns 1 and 2.
+fn inputs_nan_tiles(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut v = inputs(rows, cols, seed);
+    let nans = [0x7FC0_0000u32, 0xFFC0_0001, 0x7F80_0001, 0xFFFF_FFFF];
+    for (tr, tc, what) in [(1, 1, 0), (2, 1, 1), (1, 2, 2)] {
+        for r in tr * 32..((tr + 1) * 32).min(rows) {
+            for c in tc * 32..((tc + 1) * 32).min(cols) {
+                let nan = f32::from_bits(nans[(r + c) % nans.len()]);
+                v[r * cols + c] = match what {
+                    0 => nan,
+                    1 if c % 32 == 7 => {
+                        if r % 2 == 0 {
+                            f32::INFINITY
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    }
+                    1 => nan,
+                    _ if c % 32 == 30 => nan,
+                    _ => 0.0,
+                };
+            }
+        }
+    }
+    v
+}
+
+/// Every shape of `shapes`, mode, element kind and placement (source element offset, output
+/// byte offset) for inputs of dtype `d` from `generate`, CPU vs CUDA with `mxfp8x` kernel version
+/// `version` (which only changes the bf16 kernels). Returns the number of cases.
+fn check(
+    d: DType,
+    version: u32,
+    shapes: &[(usize, usize)],
+    places: &[(usize, usize)],
+    generate: fn(usize, usize, u64) -> Vec<f32>,
+) -> usize {
     let mut cpu = Device::cpu();
     let mut g = gpu();
+    g.set_cuda_kernel_variant("mxfp8x", version).unwrap();
     let mut seed = 0;
     let mut cases = 0;
     let mut failures = Vec::new();
-    for (rows, cols) in SHAPES {
+    for &(rows, cols) in shapes {
         for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
             for (copies, two_d) in MODES {
-                // Aligned, misaligned (element offset 1, output byte offset 3), and offset but
-                // 16-byte aligned.
-                for (src_pad, out_pad) in [(0, 0), (1, 3), (16 / d.size(), 8)] {
+                for &(src_pad, out_pad) in places {
                     seed += 1;
                     let cfg = Mxfp8Config {
                         kind,
@@ -151,12 +193,12 @@ fn check_dtype(d: DType) {
                         two_d,
                         ..Mxfp8Config::default()
                     };
-                    let vals = inputs(rows, cols, seed);
+                    let vals = generate(rows, cols, seed);
                     let (ra, a) =
                         quantize_on(&mut cpu, d, &vals, rows, cols, &cfg, src_pad, out_pad);
                     let (rb, b) = quantize_on(&mut g, d, &vals, rows, cols, &cfg, src_pad, out_pad);
                     let name = format!(
-                        "{d:?} {rows}x{cols} {kind:?} {copies:?} 2d={two_d} pads=({src_pad},{out_pad})"
+                        "v{version} {d:?} {rows}x{cols} {kind:?} {copies:?} 2d={two_d} pads=({src_pad},{out_pad})"
                     );
                     assert!(ra.is_ok() && rb.is_ok(), "{name}: {ra:?} vs {rb:?}");
                     for (k, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -187,13 +229,34 @@ fn check_dtype(d: DType) {
         fb.iter().all(|(op, _)| *op != "quantize_mxfp8"),
         "MXFP8 took the host fallback: {fb:?}"
     );
-    assert_eq!(cases, SHAPES.len() * 2 * MODES.len() * 3);
+    cases
 }
 
 #[test]
 fn mxfp8x_matches_cpu_for_every_input_dtype() {
-    for d in [DType::Bf16, DType::F32, DType::F16] {
-        check_dtype(d);
+    // bf16 under both kernel versions (3, the default, and 2); f32 and f16 have one.
+    for (d, version) in [
+        (DType::Bf16, 3),
+        (DType::Bf16, 2),
+        (DType::F32, 3),
+        (DType::F16, 3),
+    ] {
+        let cases = check(d, version, &SHAPES, &placements(d), inputs);
+        assert_eq!(cases, SHAPES.len() * 2 * MODES.len() * 3);
+    }
+}
+
+/// The bf16 kernels of both versions on matrices with interior tiles (version 3's loads
+/// issued together) next to tiles on the bottom and right edges, whole-NaN 32x32 tiles among
+/// the interior ones, and placements where only the source or only the outputs are
+/// misaligned (the vector path, and with it the interior case, must be declined).
+#[test]
+fn mxfp8x_bf16_interior_and_edge_tiles() {
+    const TILED: [(usize, usize); 4] = [(100, 776), (96, 768), (128, 1032), (97, 520)];
+    let places = [(0, 0), (0, 3), (1, 0), (8, 8), (8, 1)];
+    for version in [3, 2] {
+        let cases = check(DType::Bf16, version, &TILED, &places, inputs_nan_tiles);
+        assert_eq!(cases, TILED.len() * 2 * MODES.len() * places.len());
     }
 }
 

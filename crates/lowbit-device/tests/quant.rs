@@ -1,6 +1,7 @@
 //! Quantization over views is bit-equal to calling `lowbit-formats` directly.
 
 mod common;
+mod stage2d;
 
 use common::{bits, download, round_to, upload_as};
 use lowbit_dev_support::rng::{XorShift64, unit24};
@@ -744,4 +745,71 @@ fn nvfp4_finish_2d_many_errors() {
     // Outputs shared by two valid items: refused (the result would depend on the order).
     let twice = dev.nvfp4_finish_2d_many(&[good, good]).unwrap_err();
     assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
+}
+
+#[test]
+fn bf16_many_2d_ops_equal_a_cast_and_one_call_per_piece() {
+    let many = stage2d::run(&mut Device::cpu(), true).unwrap();
+    let one = stage2d::run(&mut Device::cpu(), false).unwrap();
+    assert_eq!(many.len(), one.len());
+    for (k, (m, o)) in many.iter().zip(&one).enumerate() {
+        assert_eq!(m, o, "buffer {k}");
+        assert!(m.iter().any(|&b| b != 0), "buffer {k} is all zero");
+    }
+    let many = stage2d::scales(&mut Device::cpu(), true).unwrap();
+    assert_eq!(many, stage2d::scales(&mut Device::cpu(), false).unwrap());
+}
+
+#[test]
+fn bf16_many_2d_errors_write_nothing() {
+    use lowbit_device::{Format2d, Piece2d};
+    let mut dev = Device::cpu();
+    let x = upload_as(&mut dev, DType::F32, &values(64 * 64, 3));
+    let tiles = dev.alloc(DType::F32, 16);
+    let out = dev.alloc(DType::U8, 64 * 64);
+    let piece = |format, src: View, start| Piece2d {
+        format,
+        src,
+        start,
+        cols: 64,
+        tiles,
+    };
+    let mx = Format2d::Mxfp8(Fp8Kind::E4M3);
+    let good = (
+        piece(mx, x.slice(0..100).unwrap(), 0),
+        out.slice(0..100).unwrap(),
+    );
+    // A wrong output length, an odd NVFP4 start, too few tiles, a source aliasing the tiles.
+    let short = (good.0, out.slice(100..150).unwrap());
+    let odd = (
+        piece(Format2d::Nvfp4, x.slice(1..11).unwrap(), 1),
+        out.slice(200..205).unwrap(),
+    );
+    let far = (
+        piece(mx, x.slice(0..10).unwrap(), 64 * 64 * 4),
+        out.slice(300..310).unwrap(),
+    );
+    for bad in [short, odd, far] {
+        assert!(dev.quantize_2d_range_bf16_many(&[good, bad]).is_err());
+    }
+    let alias = piece(mx, tiles, 0);
+    assert!(dev.fold_tile_amax_2d_bf16_many(&[good.0, alias]).is_err());
+    // Two items writing the same bytes, or an output over a source: Overlap.
+    let e = dev.quantize_2d_range_bf16_many(&[good, good]).unwrap_err();
+    assert!(matches!(e, DeviceError::Overlap(_)), "{e:?}");
+    let x8 = x.reinterpret(DType::U8).unwrap().slice(0..100).unwrap();
+    let e = dev
+        .quantize_2d_range_bf16_many(&[good, (piece(mx, x.slice(200..300).unwrap(), 200), x8)])
+        .unwrap_err();
+    assert!(matches!(e, DeviceError::Overlap(_)), "{e:?}");
+    // Nothing was written.
+    assert!(dev.read_bytes(out).unwrap().iter().all(|&b| b == 0));
+    assert!(
+        bits(&dev.download::<f32>(tiles).unwrap())
+            .iter()
+            .all(|&b| b == 0)
+    );
+    // Empty calls are fine.
+    dev.fold_tile_amax_2d_bf16_many(&[]).unwrap();
+    dev.quantize_2d_range_bf16_many(&[]).unwrap();
 }

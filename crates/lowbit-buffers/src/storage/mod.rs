@@ -83,7 +83,7 @@ use std::fmt::Debug;
 use std::ops::Range;
 
 use lowbit_device::{
-    DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, View,
+    DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, Piece2d, View,
 };
 use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind, expert_slices};
 
@@ -391,11 +391,18 @@ pub(crate) enum AfterGather {
 pub(crate) trait TileScaled {
     /// The tile-amax view of layout index `index`.
     fn tiles(&self, index: usize) -> View;
-    /// Folds a piece's values (starting at element `offset` of the parameter) into its tiles.
-    fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()>;
-    /// Quantizes the values `v` of a piece (`range` of parameter `i`'s elements) with the
-    /// reduced tiles into the region.
-    fn quantize(&self, dev: &mut Device, i: usize, v: View, range: Range<usize>) -> Result<()>;
+    /// The fold of a piece's values `bf16(values)` (starting at element `offset` of parameter
+    /// `index`) into its tiles, for [`Device::fold_tile_amax_2d_bf16_many`].
+    fn fold_piece(&self, index: usize, values: View, offset: usize) -> Piece2d;
+    /// The quantizations of the values `bf16(v)` of a piece (`range` of parameter `i`'s
+    /// elements) with the reduced tiles into the region, for
+    /// [`Device::quantize_2d_range_bf16_many`] (one per expert the piece touches).
+    fn quantize_pieces(
+        &self,
+        i: usize,
+        v: View,
+        range: Range<usize>,
+    ) -> Result<Vec<(Piece2d, View)>>;
 }
 
 /// Allocates the storage of one buffer. `specs` are the buffer's parameters in layout order;

@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use lowbit_device::{DType, Device, View};
+use lowbit_device::{DType, Device, Format2d, Piece2d, View};
 use lowbit_layout::{BufferPlan, ParamSpec, chunk_rows, expert_slices, matrix_dims};
 
 use super::{Storage, StorageBytes, StorageKind, TileScaled, experts_of, with_bf16};
@@ -157,13 +157,14 @@ impl Storage for Nvfp4Rows {
         with_bf16(dev, values, |dev, src| {
             let c = &self.chunks[index];
             dev.zero(c.tiles)?;
-            dev.nvfp4_fold_tile_amax_2d(src, 0, c.cols, c.tiles)?;
+            dev.fold_tile_amax_2d_bf16_many(&[self.fold_piece(index, src, 0)])?;
             let own = c.own();
             if own.is_empty() {
                 return Ok(());
             }
             let v = src.slice(own.clone())?;
-            self.quantize(dev, index, v, own)
+            dev.quantize_2d_range_bf16_many(&self.quantize_pieces(index, v, own)?)?;
+            Ok(())
         })
     }
     fn unit_parts(&self, index: usize) -> Option<crate::storage::UnitParts> {
@@ -188,11 +189,22 @@ impl TileScaled for Nvfp4Rows {
     fn tiles(&self, index: usize) -> View {
         self.chunks[index].tiles
     }
-    fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()> {
+    fn fold_piece(&self, index: usize, values: View, offset: usize) -> Piece2d {
         let c = &self.chunks[index];
-        Ok(dev.nvfp4_fold_tile_amax_2d(values, offset, c.cols, c.tiles)?)
+        Piece2d {
+            format: Format2d::Nvfp4,
+            src: values,
+            start: offset,
+            cols: c.cols,
+            tiles: c.tiles,
+        }
     }
-    fn quantize(&self, dev: &mut Device, i: usize, v: View, range: Range<usize>) -> Result<()> {
+    fn quantize_pieces(
+        &self,
+        i: usize,
+        v: View,
+        range: Range<usize>,
+    ) -> Result<Vec<(Piece2d, View)>> {
         let c = &self.chunks[i];
         let own = c.own();
         if range.start < own.start || range.end > own.end {
@@ -204,6 +216,7 @@ impl TileScaled for Nvfp4Rows {
         // Each expert's part with its expert's tiles (and so its global amax).
         let whole = expert_slices(0..c.rows * c.cols, c.experts)?;
         let tiles = expert_slices(0..c.tiles.len(), c.experts)?;
+        let mut items = Vec::new();
         for (e, t) in whole.into_iter().zip(tiles) {
             let part = range.start.max(e.start)..range.end.min(e.end);
             if part.is_empty() {
@@ -213,8 +226,15 @@ impl TileScaled for Nvfp4Rows {
             let bytes = c
                 .data
                 .slice((part.start - own.start) / 2..(part.end - own.start) / 2)?;
-            dev.nvfp4_quantize_2d_range(x, part.start - e.start, c.cols, c.tiles.slice(t)?, bytes)?;
+            let piece = Piece2d {
+                format: Format2d::Nvfp4,
+                src: x,
+                start: part.start - e.start,
+                cols: c.cols,
+                tiles: c.tiles.slice(t)?,
+            };
+            items.push((piece, bytes));
         }
-        Ok(())
+        Ok(items)
     }
 }

@@ -13,7 +13,7 @@
 use std::fmt::Debug;
 use std::ops::Range;
 
-use lowbit_device::{DType, Device, Fp8Kind, View};
+use lowbit_device::{DType, Device, Format2d, Fp8Kind, Piece2d, View};
 use lowbit_layout::{BufferPlan, LayoutError, ParamSpec, expert_slices, matrix_dims};
 
 use super::{
@@ -43,15 +43,16 @@ pub(super) trait TileFormat: Debug + Send + 'static {
     fn tiles(w: &Self::Weights) -> View;
     /// The allocated views outside the region.
     fn outside(w: &Self::Weights) -> Vec<View>;
-    /// Folds values starting at element `offset` of the parameter into the tile amaxes.
-    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()>;
-    /// Quantizes `param_range` of the parameter with the reduced amaxes into the region.
-    fn quantize(
-        dev: &mut Device,
+    /// The fold of `bf16(values)`, starting at element `offset` of the parameter, into the
+    /// tile amaxes.
+    fn fold_piece(w: &Self::Weights, values: View, offset: usize) -> Piece2d;
+    /// The quantizations of `bf16(values)`, `range` of the parameter, with the reduced amaxes
+    /// into the region.
+    fn quantize_pieces(
         w: &Self::Weights,
         values: View,
         range: Range<usize>,
-    ) -> Result<()>;
+    ) -> Result<Vec<(Piece2d, View)>>;
     /// Derives everything else from the gathered bytes and the reduced amaxes.
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()>;
     /// [`TileFormat::finish`] of `weights[i]` for every `i` of `indices` (distinct).
@@ -102,22 +103,50 @@ impl TileFormat for Mxfp8Tiles {
     fn outside(w: &Self::Weights) -> Vec<View> {
         vec![w.0.rowwise.1, w.0.columnwise.1, w.1]
     }
-    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()> {
-        Ok(dev.mxfp8_fold_tile_amax_2d(values, offset, w.0.cols, w.1)?)
+    fn fold_piece(w: &Self::Weights, values: View, offset: usize) -> Piece2d {
+        Piece2d {
+            format: Format2d::Mxfp8(Fp8Kind::E4M3),
+            src: values,
+            start: offset,
+            cols: w.0.cols,
+            tiles: w.1,
+        }
     }
-    fn quantize(
-        dev: &mut Device,
+    fn quantize_pieces(
         (w, t): &Self::Weights,
         values: View,
         range: Range<usize>,
-    ) -> Result<()> {
+    ) -> Result<Vec<(Piece2d, View)>> {
         let start = range.start;
         let bytes = w.rowwise.0.slice(range)?;
-        Ok(dev.mxfp8_quantize_2d_range(values, start, w.cols, Fp8Kind::E4M3, *t, bytes)?)
+        let piece = Piece2d {
+            format: Format2d::Mxfp8(Fp8Kind::E4M3),
+            src: values,
+            start,
+            cols: w.cols,
+            tiles: *t,
+        };
+        Ok(vec![(piece, bytes)])
     }
     fn finish(dev: &mut Device, (w, t): &mut Self::Weights) -> Result<()> {
         let (rows, cols, kind) = (w.rows, w.cols, Fp8Kind::E4M3);
         Ok(dev.mxfp8_scales_2d(rows, cols, kind, *t, w.rowwise.1, w.columnwise.1)?)
+    }
+    fn finish_many(
+        dev: &mut Device,
+        weights: &mut [Self::Weights],
+        indices: &[usize],
+    ) -> Result<()> {
+        // Every matrix of the group in one launch (`mxfp8_scales_2d` is tiny per matrix).
+        let items: Vec<_> = indices
+            .iter()
+            .filter_map(|&i| weights.get(i))
+            .map(|(w, t)| {
+                let (rows, cols, kind) = (w.rows, w.cols, Fp8Kind::E4M3);
+                (rows, cols, kind, *t, w.rowwise.1, w.columnwise.1)
+            })
+            .collect();
+        Ok(dev.mxfp8_scales_2d_many(&items)?)
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
         LowPrecisionWeights::Mxfp8(w.0)
@@ -175,19 +204,25 @@ impl TileFormat for Nvfp4Tiles {
     fn outside(w: &Self::Weights) -> Vec<View> {
         vec![w.rowwise.1, w.columnwise.0, w.columnwise.1, w.tiles]
     }
-    fn fold(dev: &mut Device, w: &Self::Weights, values: View, offset: usize) -> Result<()> {
+    fn fold_piece(w: &Self::Weights, values: View, offset: usize) -> Piece2d {
         // The whole tensor's tiles: each expert's are a contiguous run of them.
-        Ok(dev.nvfp4_fold_tile_amax_2d(values, offset, w.cols, w.tiles)?)
+        Piece2d {
+            format: Format2d::Nvfp4,
+            src: values,
+            start: offset,
+            cols: w.cols,
+            tiles: w.tiles,
+        }
     }
-    fn quantize(
-        dev: &mut Device,
+    fn quantize_pieces(
         w: &Self::Weights,
         values: View,
         range: Range<usize>,
-    ) -> Result<()> {
+    ) -> Result<Vec<(Piece2d, View)>> {
         // A piece may cover parts of several experts: each part with its expert's tiles (and
         // so its global amax), at offsets within that expert.
         let whole = expert_slices(0..w.rows * w.cols, w.amaxes.len())?;
+        let mut items = Vec::new();
         for (x, e) in w.per_expert()?.iter().zip(whole) {
             let part = range.start.max(e.start)..range.end.min(e.end);
             if part.is_empty() {
@@ -196,9 +231,16 @@ impl TileFormat for Nvfp4Tiles {
             let v = values.slice(part.start - range.start..part.end - range.start)?;
             let start = part.start - e.start;
             let bytes = x.rowwise.0.slice(start / 2..(start + part.len()) / 2)?;
-            dev.nvfp4_quantize_2d_range(v, start, x.cols, x.tiles, bytes)?;
+            let piece = Piece2d {
+                format: Format2d::Nvfp4,
+                src: v,
+                start,
+                cols: x.cols,
+                tiles: x.tiles,
+            };
+            items.push((piece, bytes));
         }
-        Ok(())
+        Ok(items)
     }
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()> {
         super::finish_nvfp4(dev, &mut [w])
@@ -284,8 +326,8 @@ impl<F: TileFormat> Storage for Tiled<F> {
         let w = &mut self.weights[index];
         super::with_bf16(dev, values, |dev, src| {
             dev.zero(F::tiles(w))?;
-            F::fold(dev, w, src, 0)?;
-            F::quantize(dev, w, src, 0..src.len())?;
+            dev.fold_tile_amax_2d_bf16_many(&[F::fold_piece(w, src, 0)])?;
+            dev.quantize_2d_range_bf16_many(&F::quantize_pieces(w, src, 0..src.len())?)?;
             F::finish(dev, w)
         })
     }
@@ -310,10 +352,15 @@ impl<F: TileFormat> TileScaled for Tiled<F> {
     fn tiles(&self, index: usize) -> View {
         F::tiles(&self.weights[index])
     }
-    fn fold(&self, dev: &mut Device, index: usize, values: View, offset: usize) -> Result<()> {
-        F::fold(dev, &self.weights[index], values, offset)
+    fn fold_piece(&self, index: usize, values: View, offset: usize) -> Piece2d {
+        F::fold_piece(&self.weights[index], values, offset)
     }
-    fn quantize(&self, dev: &mut Device, i: usize, v: View, range: Range<usize>) -> Result<()> {
-        F::quantize(dev, &self.weights[i], v, range)
+    fn quantize_pieces(
+        &self,
+        i: usize,
+        v: View,
+        range: Range<usize>,
+    ) -> Result<Vec<(Piece2d, View)>> {
+        F::quantize_pieces(&self.weights[i], v, range)
     }
 }

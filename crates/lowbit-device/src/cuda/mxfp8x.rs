@@ -37,9 +37,14 @@ fn covered(dtype: DType, cfg: &Mxfp8Config) -> bool {
         && (cfg.two_d || cfg.copies != Copies::Columnwise || enabled::COLUMNWISE)
 }
 
-/// The kernel for an input dtype and element kind.
-fn kernel(dtype: DType, kind: Fp8Kind) -> Option<&'static str> {
+/// The kernel for an input dtype and element kind; `version` (`CudaDevice::mxfp8x_version`,
+/// `set_cuda_kernel_variant("mxfp8x", 2 | 3)`) picks between the bf16 kernels: 3 (the default)
+/// those of mxfp8.cu v4's technique, `mxfp8x_bf16_*_v3`, 2 the generic `mxfp8x_bf16_*`. Same
+/// bytes; f32 and f16 inputs have one version.
+fn kernel(dtype: DType, kind: Fp8Kind, version: u32) -> Option<&'static str> {
     Some(match (dtype, kind) {
+        (DType::Bf16, Fp8Kind::E4M3) if version == 3 => "mxfp8x_bf16_e4m3_v3",
+        (DType::Bf16, Fp8Kind::E5M2) if version == 3 => "mxfp8x_bf16_e5m2_v3",
         (DType::F32, Fp8Kind::E4M3) => "mxfp8x_f32_e4m3",
         (DType::F32, Fp8Kind::E5M2) => "mxfp8x_f32_e5m2",
         (DType::Bf16, Fp8Kind::E4M3) => "mxfp8x_bf16_e4m3",
@@ -57,7 +62,7 @@ impl CudaDevice {
     /// present exactly for the copies `cfg.copies` asks for.
     pub(crate) fn mxfp8x_quantize(&mut self, q: &Mxfp8Quantize<'_>) -> Result<bool> {
         let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
-        let Some(name) = kernel(src.dtype(), cfg.kind) else {
+        let Some(name) = kernel(src.dtype(), cfg.kind, self.mxfp8x_version) else {
             return Ok(false);
         };
         if cfg.nan_policy != NanPolicy::Te || !covered(src.dtype(), cfg) {
@@ -86,7 +91,8 @@ impl CudaDevice {
             (cd, cs) = (self.device_ptr(d)?, self.device_ptr(s)?);
             flags |= COL;
         }
-        // 16-byte loads of 8 elements, 8-byte stores of data and columnwise scales.
+        // 16-byte loads of 8 elements, 8-byte stores of data and columnwise scales (version 3:
+        // a tile wholly inside the matrix also issues its four loads together).
         if cols.is_multiple_of(8)
             && x.is_multiple_of(16)
             && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
@@ -107,7 +113,9 @@ impl CudaDevice {
         // SAFETY: the views were validated by the caller (live, in bounds, disjoint; rows·cols
         // input elements, rows·cols data bytes and the compact scale counts for each requested
         // copy; absent copies are never addressed since their flag is clear); the vector
-        // accesses only with VEC, whose alignment is checked here; the grid is within limits.
+        // accesses only with VEC, whose alignment is checked here (version 3's interior loads
+        // also need VEC); both versions' kernels take this parameter list; the grid is within
+        // limits.
         unsafe { self.launch(name, (gx, gy, 1), (256, 1, 1), &args)? };
         Ok(true)
     }

@@ -239,7 +239,10 @@ impl CudaDevice {
 
     /// Uploads a table of u64 words (freed in stream order when the returned slice drops) and
     /// returns it with its device address.
-    fn upload_table(&mut self, table: &[u64]) -> Result<(cudarc::driver::CudaSlice<u64>, u64)> {
+    pub(in crate::cuda) fn upload_table(
+        &mut self,
+        table: &[u64],
+    ) -> Result<(cudarc::driver::CudaSlice<u64>, u64)> {
         self.bind()?;
         let mem = self
             .stream

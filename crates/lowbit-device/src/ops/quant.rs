@@ -910,3 +910,202 @@ impl Device {
         self.write_bytes(out, &bytes)
     }
 }
+
+/// The element format of a piece of a 2D-quantized matrix (see [`Piece2d`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format2d {
+    /// 2D MXFP8: 32x32 tiles, one code byte per element of this kind.
+    Mxfp8(Fp8Kind),
+    /// 2D NVFP4: 16x16 tiles, two codes per byte.
+    Nvfp4,
+}
+
+impl Format2d {
+    fn tile_count(self) -> fn(usize, usize) -> usize {
+        match self {
+            Format2d::Mxfp8(_) => mxfp8::sharded::tile_count,
+            Format2d::Nvfp4 => nvfp4::sharded::tile_count,
+        }
+    }
+}
+
+/// One piece of a batched 2D staging op: elements `start .. start + src.len()` of a row-major
+/// matrix with `cols` columns, whose values are `bf16(src)` (`src` f32, bf16 or f16, rounded to
+/// bf16 exactly as [`Device::cast`] rounds), and the f32 tile amaxes `tiles` of that matrix (an
+/// NVFP4 expert's own run of tiles when `start` is within that expert).
+#[derive(Clone, Copy, Debug)]
+pub struct Piece2d {
+    /// The format (tile size, codes).
+    pub format: Format2d,
+    /// The values (rounded to bf16 first).
+    pub src: View,
+    /// The piece's first element within the matrix.
+    pub start: usize,
+    /// The matrix's columns.
+    pub cols: usize,
+    /// The matrix's tile amaxes.
+    pub tiles: View,
+}
+
+/// `bf16(x)` of every value, as [`Device::cast`] rounds f32 to bf16 (`half`'s `from_f32`).
+fn round_bf16(dtype: DType, values: &mut [f32]) {
+    if dtype != DType::Bf16 {
+        for v in values {
+            *v = bf16::from_f32(*v).to_f32();
+        }
+    }
+}
+
+/// Batched 2D staging: the fold and the quantization of many pieces of `bf16(master)`, one
+/// launch each on a GPU, instead of a cast, a fold and a quantization per piece.
+impl Device {
+    /// For every piece in order, the format's tile-amax fold ([`Device::mxfp8_fold_tile_amax_2d`]
+    /// or [`Device::nvfp4_fold_tile_amax_2d`]) of `bf16(src)`: the same tiles as those calls on
+    /// a bf16 copy of each source. Every piece is validated as the single op validates it
+    /// before anything is written; a source sharing a byte with any piece's tiles is
+    /// [`crate::DeviceError::Overlap`] (pieces may share their tiles view: the fold is a max,
+    /// so the order does not matter; tiles views that overlap without being equal are refused
+    /// as overlapping outputs).
+    pub fn fold_tile_amax_2d_bf16_many(&mut self, pieces: &[Piece2d]) -> Result<()> {
+        const WHAT: &str = "fold_tile_amax_2d_bf16_many";
+        for p in pieces {
+            check_float(WHAT, p.src)?;
+            check_dtype(WHAT, p.tiles, DType::F32)?;
+            self.check_views(WHAT, &[p.src], &[p.tiles])?;
+            let cover = (p.start, p.src.len(), p.cols);
+            check_tiles_cover(WHAT, cover, p.tiles, p.format.tile_count())?;
+        }
+        let srcs: Vec<View> = pieces.iter().map(|p| p.src).collect();
+        let mut tiles: Vec<View> = pieces.iter().map(|p| p.tiles).collect();
+        tiles.sort_by_key(|t| (t.buffer(), t.byte_offset(), t.byte_len()));
+        tiles.dedup_by_key(|t| (t.buffer(), t.byte_offset(), t.byte_len()));
+        check_overlap_sorted(WHAT, &srcs, &tiles)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.stage2d_fold_many(pieces)?
+        {
+            return Ok(());
+        }
+        for p in pieces {
+            let mut values = self.read_f32(p.src)?;
+            round_bf16(p.src.dtype(), &mut values);
+            self.note_fallback(WHAT);
+            let mut t: Vec<f32> = self.download(p.tiles)?;
+            match p.format {
+                Format2d::Mxfp8(_) => {
+                    mxfp8::sharded::fold_tile_amax_2d(&values, p.start, p.cols, &mut t)
+                }
+                Format2d::Nvfp4 => {
+                    nvfp4::sharded::fold_tile_amax_2d(&values, p.start, p.cols, &mut t)
+                }
+            }
+            self.upload(p.tiles, &t)?;
+        }
+        Ok(())
+    }
+
+    /// For every `(piece, out)` in order, the format's range quantization
+    /// ([`Device::mxfp8_quantize_2d_range`] or [`Device::nvfp4_quantize_2d_range`]) of
+    /// `bf16(src)` with the reduced tiles into the u8 view `out`: the same bytes as those calls
+    /// on a bf16 copy of each source (an NVFP4 piece's global amax is the max of its tiles
+    /// view, as there). Every item is validated first (as the single op, plus `out`'s length:
+    /// one byte per element, or for NVFP4 an even start and length and a byte per two
+    /// elements), then the items together (no output may share a byte with another output or
+    /// any item's source or tiles: [`crate::DeviceError::Overlap`]); nothing is written on an
+    /// error.
+    pub fn quantize_2d_range_bf16_many(&mut self, items: &[(Piece2d, View)]) -> Result<()> {
+        const WHAT: &str = "quantize_2d_range_bf16_many";
+        for (p, out) in items {
+            check_float(WHAT, p.src)?;
+            check_dtype(WHAT, p.tiles, DType::F32)?;
+            check_dtype(WHAT, *out, DType::U8)?;
+            self.check_views(WHAT, &[p.src, p.tiles], &[*out])?;
+            let n = p.src.len();
+            if n != 0 {
+                let cover = (p.start, n, p.cols);
+                check_tiles_cover(WHAT, cover, p.tiles, p.format.tile_count())?;
+            }
+            let ok = match p.format {
+                Format2d::Mxfp8(_) => out.len() == n,
+                Format2d::Nvfp4 => {
+                    p.start.is_multiple_of(2) && n.is_multiple_of(2) && out.len() * 2 == n
+                }
+            };
+            if !ok {
+                return Err(invalid(
+                    WHAT,
+                    format!(
+                        "{} output bytes for {n} elements from {} ({:?})",
+                        out.len(),
+                        p.start,
+                        p.format
+                    ),
+                ));
+            }
+        }
+        let ins: Vec<View> = items.iter().flat_map(|(p, _)| [p.src, p.tiles]).collect();
+        let outs: Vec<View> = items.iter().map(|(_, o)| *o).collect();
+        check_overlap_sorted(WHAT, &ins, &outs)?;
+        for (p, _) in items {
+            self.count_call(match p.format {
+                Format2d::Mxfp8(_) => crate::CountedOp::Mxfp8Quantize2dRange,
+                Format2d::Nvfp4 => crate::CountedOp::Nvfp4Quantize2dRange,
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.stage2d_quantize_many(items)?
+        {
+            return Ok(());
+        }
+        for (p, out) in items {
+            let mut values = self.read_f32(p.src)?;
+            round_bf16(p.src.dtype(), &mut values);
+            self.note_fallback(WHAT);
+            let t: Vec<f32> = self.download(p.tiles)?;
+            let mut bytes = vec![0u8; out.len()];
+            let (start, cols) = (p.start, p.cols);
+            match p.format {
+                Format2d::Mxfp8(kind) => {
+                    mxfp8::sharded::quantize_2d_range(&values, start, cols, kind, &t, &mut bytes)
+                }
+                Format2d::Nvfp4 => {
+                    nvfp4::sharded::quantize_2d_range(&values, start, cols, &t, &mut bytes)
+                }
+            }?;
+            self.write_bytes(*out, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// [`Device::mxfp8_scales_2d`] of every `(rows, cols, kind, tiles, row_scales, col_scales)`
+    /// of `items`: on a GPU, every item its kernel takes in one launch. The same bytes as one
+    /// call per item when no item's scales share a byte with another item's views (else
+    /// [`crate::DeviceError::Overlap`], nothing written); an item the kernel does not take runs
+    /// through the single op.
+    pub fn mxfp8_scales_2d_many(
+        &mut self,
+        items: &[(usize, usize, Fp8Kind, View, View, View)],
+    ) -> Result<()> {
+        const WHAT: &str = "mxfp8_scales_2d";
+        let ins: Vec<View> = items.iter().map(|i| i.3).collect();
+        let outs: Vec<View> = items.iter().flat_map(|i| [i.4, i.5]).collect();
+        check_overlap_sorted(WHAT, &ins, &outs)?;
+        #[cfg(feature = "cuda")]
+        let rest: Vec<usize> = match self.cuda_mut() {
+            Some(g) => g.mxfp8_scales_2d_many(items)?,
+            None => (0..items.len()).collect(),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let rest: Vec<usize> = (0..items.len()).collect();
+        let taken = items.len() - rest.len();
+        for _ in 0..taken {
+            self.count_call(crate::CountedOp::Mxfp8Scales2d);
+        }
+        for i in rest {
+            let (rows, cols, kind, tiles, rs, cs) = items[i];
+            self.mxfp8_scales_2d(rows, cols, kind, tiles, rs, cs)?;
+        }
+        Ok(())
+    }
+}

@@ -83,22 +83,44 @@ impl CudaDevice {
             .collect();
         // The tables stay alive until the fetch below has waited for the launches.
         let mut tables = Vec::new();
-        for (d, name) in [
-            (DType::F32, "sum_squares_many_f32"),
-            (DType::Bf16, "sum_squares_many_bf16"),
-            (DType::F16, "sum_squares_many_f16"),
+        for (d, name, name_v2) in [
+            (
+                DType::F32,
+                "sum_squares_many_f32",
+                "sum_squares_many_f32_v2",
+            ),
+            (
+                DType::Bf16,
+                "sum_squares_many_bf16",
+                "sum_squares_many_bf16_v2",
+            ),
+            (
+                DType::F16,
+                "sum_squares_many_f16",
+                "sum_squares_many_f16_v2",
+            ),
         ] {
             // Per view of this dtype: address, length, partials offset, first warp.
             let mut table = Vec::new();
             let mut warps = 0usize;
+            let mut aligned = true;
             for (i, v) in views.iter().enumerate().filter(|(_, v)| v.dtype() == d) {
                 table.extend([ptrs[i], v.len() as u64, starts[i] as u64, warps as u64]);
                 warps += nblocks[i].div_ceil(32);
+                // Views that are empty are never read (their warps are none).
+                aligned &= v.is_empty() || ptrs[i].is_multiple_of(16);
             }
             if warps == 0 {
                 continue;
             }
-            let grid = blocks(warps.saturating_mul(32), 128);
+            // Version 2 (16-byte loads) when every view of this dtype is 16-byte aligned: two
+            // warps per CTA; else version 1, four.
+            let (name, cta) = if self.sum_squares_version >= 2 && aligned {
+                (name_v2, 64)
+            } else {
+                (name, 128)
+            };
+            let grid = blocks(warps.saturating_mul(32), cta);
             let (Some(grid), Ok(count)) = (grid, u32::try_from(table.len() / 4)) else {
                 return Err(DeviceError::Unsupported(format!(
                     "a sum of squares over {} views exceeds the grid",
@@ -118,7 +140,16 @@ impl CudaDevice {
             // its partials (len.div_ceil(SUM_BLOCK) f64 words at its offset) lie inside `s`,
             // which holds every view's; warps past a view's blocks write nothing; the table
             // (4·count words) lives in `tables` until after the fetch, which waits for this.
-            unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args![t, count, s.ptr])? };
+            // Version 2 reads 16-byte chunks: only chosen when every view's address is 16-byte
+            // aligned (a block's 4096 elements keep that alignment).
+            unsafe {
+                self.launch(
+                    name,
+                    (grid, 1, 1),
+                    (cta as u32, 1, 1),
+                    &args![t, count, s.ptr],
+                )?
+            };
             tables.push(mem);
         }
         let partials = partials_f64(&self.fetch(&s)?);
@@ -163,27 +194,49 @@ impl CudaDevice {
         if nb == 0 {
             return Ok(());
         }
-        // A warp per 32 blocks, four warps per CTA.
-        let Some(grid) = blocks(nb, 128) else {
+        // Version 2 (16-byte loads) needs 16-byte aligned inputs; else version 1.
+        let v2 = self.sum_squares_version >= 2
+            && x.is_multiple_of(16)
+            && y.is_none_or(|y| y.is_multiple_of(16));
+        // A warp per 32 blocks; four warps per CTA (version 1), two (version 2), one (version 2
+        // of mse: its two shared tiles).
+        let warps = match (v2, y) {
+            (false, _) => 4,
+            (true, None) => 2,
+            (true, Some(_)) => 1,
+        };
+        let Some(grid) = blocks(nb, 32 * warps) else {
             return Err(DeviceError::Unsupported(format!(
                 "a sum of squares over {n} elements exceeds the grid"
             )));
         };
         let (name, args) = match (d, y) {
-            (DType::F32, Some(y)) => ("mse_blocks_f32", args![x, y, n, partials].to_vec()),
+            (DType::F32, Some(y)) => (
+                if v2 {
+                    "mse_blocks_f32_v2"
+                } else {
+                    "mse_blocks_f32"
+                },
+                args![x, y, n, partials].to_vec(),
+            ),
             (d, _) => (
-                match d {
-                    DType::Bf16 => "sum_squares_blocks_bf16",
-                    DType::F16 => "sum_squares_blocks_f16",
-                    _ => "sum_squares_blocks_f32",
+                match (d, v2) {
+                    (DType::Bf16, false) => "sum_squares_blocks_bf16",
+                    (DType::F16, false) => "sum_squares_blocks_f16",
+                    (_, false) => "sum_squares_blocks_f32",
+                    (DType::Bf16, true) => "sum_squares_blocks_bf16_v2",
+                    (DType::F16, true) => "sum_squares_blocks_f16_v2",
+                    (_, true) => "sum_squares_blocks_f32_v2",
                 },
                 args![x, n, partials].to_vec(),
             ),
         };
+        let block = (32 * warps as u32, 1, 1);
         // SAFETY: `x` (and `y`) address `n` elements of validated views of dtype `d` (float:
-        // checked by the callers; `y` only with f32); `partials` addresses `nb` f64 words of a
-        // live scratch buffer and the kernel writes partials[b] only for b < nb.
-        unsafe { self.launch(name, (grid, 1, 1), (128, 1, 1), &args) }
+        // checked by the callers; `y` only with f32), 16-byte aligned for the version-2 kernels
+        // (checked above); `partials` addresses `nb` f64 words of a live scratch buffer and the
+        // kernel writes partials[b] only for b < nb.
+        unsafe { self.launch(name, (grid, 1, 1), block, &args) }
     }
 
     pub(crate) fn max_abs(&mut self, view: View) -> Result<f32> {

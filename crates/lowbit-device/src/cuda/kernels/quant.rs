@@ -536,3 +536,233 @@ impl CudaDevice {
         Ok(true)
     }
 }
+
+/// Words per piece in the tables of `stage2d_fold_many` / `stage2d_quantize_many` (ops.cu).
+const STAGE2D_WORDS: usize = 11;
+
+impl CudaDevice {
+    /// The table of the batched 2D staging kernels (first units, then [`STAGE2D_WORDS`] words
+    /// per non-empty piece) and the total unit count, or `None` when a count exceeds the
+    /// kernels' integer ranges. `outs[i]` and `amax[i]` are piece i's output and global amax
+    /// word addresses (0 for a fold).
+    fn stage2d_table(
+        &self,
+        pieces: &[(crate::Piece2d, u64, u64)],
+    ) -> Result<Option<(Vec<u64>, u32, u64)>> {
+        let (mut firsts, mut rows) = (Vec::new(), Vec::new());
+        let mut units = 0u64;
+        for &(p, out, amax) in pieces {
+            let n = p.src.len();
+            if n == 0 {
+                continue;
+            }
+            let (tile, e5m2, nvfp4, rcp) = match p.format {
+                crate::Format2d::Mxfp8(kind) => {
+                    (32, kind == Fp8Kind::E5M2, false, kind.max_norm_rcp())
+                }
+                crate::Format2d::Nvfp4 => (16, false, true, 0.0),
+            };
+            let (cols, end) = (p.cols, p.start + n);
+            let tc = cols.div_ceil(tile);
+            let (band0, band1) = (p.start / cols / tile, (end - 1) / cols / tile);
+            let Some(count) = (band1 - band0 + 1).checked_mul(tc) else {
+                return Ok(None);
+            };
+            let flags = u64::from(dt(p.src.dtype()))
+                | (tile as u64) << 8
+                | u64::from(e5m2) << 16
+                | u64::from(nvfp4) << 24;
+            firsts.push(units);
+            rows.extend([
+                self.device_ptr(p.src)?,
+                flags,
+                p.start as u64,
+                n as u64,
+                cols as u64,
+                self.device_ptr(p.tiles)?,
+                out,
+                amax,
+                band0 as u64,
+                tc as u64,
+                u64::from(rcp.to_bits()),
+            ]);
+            debug_assert_eq!(rows.len(), firsts.len() * STAGE2D_WORDS);
+            let Some(u) = units.checked_add(count as u64) else {
+                return Ok(None);
+            };
+            units = u;
+        }
+        let Ok(count) = u32::try_from(firsts.len()) else {
+            return Ok(None);
+        };
+        firsts.extend(rows);
+        Ok(Some((firsts, count, units)))
+    }
+
+    /// [`crate::Device::fold_tile_amax_2d_bf16_many`] in one `stage2d_fold_many` launch (the
+    /// caller validated every piece and the overlaps). `Ok(false)` (nothing launched) when the
+    /// counts do not fit the kernel.
+    pub(crate) fn stage2d_fold_many(&mut self, pieces: &[crate::Piece2d]) -> Result<bool> {
+        let with: Vec<_> = pieces.iter().map(|&p| (p, 0, 0)).collect();
+        let Some((table, count, units)) = self.stage2d_table(&with)? else {
+            return Ok(false);
+        };
+        if count == 0 {
+            return Ok(true);
+        }
+        let (mem, t) = self.upload_table(&table)?;
+        // SAFETY: each of the `count` table rows holds one validated piece: a live float view
+        // of `n` elements at `x` (dtype code xd), and a live f32 tiles view covering the
+        // piece's range (checked by the caller: every (band, cb) a unit maps to, band in
+        // band0 ..= band1 and cb < tc, indexes a tile of the rows the range spans), so every
+        // load is an element of the source and every atomic a tile word; the 16-byte loads
+        // are taken only at 16-byte aligned addresses of whole segments. No source overlaps a
+        // tiles view (checked by the caller). `mem` is freed in stream order after the launch.
+        unsafe { self.launch_n("stage2d_fold_many", units as usize, &args![t, count, units])? };
+        drop(mem);
+        Ok(true)
+    }
+
+    /// [`crate::Device::quantize_2d_range_bf16_many`] with one `u32_max_many` launch (each NVFP4
+    /// piece's global amax: the raw max of its distinct tiles view, as `nvfp4_tile_params`) and
+    /// one `stage2d_quantize_many` launch, no host synchronisation. `Ok(false)` (nothing
+    /// launched) when the kernel does not take the batch (an NVFP4 piece with cols % 16 != 0,
+    /// counts out of range), for the caller's host path.
+    pub(crate) fn stage2d_quantize_many(
+        &mut self,
+        items: &[(crate::Piece2d, View)],
+    ) -> Result<bool> {
+        // Distinct NVFP4 tiles views, in first-use order.
+        let mut distinct: Vec<(u64, usize)> = Vec::new();
+        let mut which = Vec::with_capacity(items.len());
+        for (p, _) in items {
+            if p.format != crate::Format2d::Nvfp4 || p.src.is_empty() {
+                which.push(None);
+                continue;
+            }
+            if !p.cols.is_multiple_of(16) {
+                return Ok(false);
+            }
+            let key = (self.device_ptr(p.tiles)?, p.tiles.len());
+            let at = match distinct.iter().position(|d| *d == key) {
+                Some(at) => at,
+                None => {
+                    distinct.push(key);
+                    distinct.len() - 1
+                }
+            };
+            which.push(Some(at));
+        }
+        let Ok(nd @ 0..=65535) = u32::try_from(distinct.len()) else {
+            return Ok(false);
+        };
+        let amax = self.scratch(distinct.len().max(1))?;
+        let mut with = Vec::with_capacity(items.len());
+        for ((p, out), w) in items.iter().zip(&which) {
+            let a = w.map_or(0, |at| amax.ptr + 4 * at as u64);
+            with.push((*p, self.device_ptr(*out)?, a));
+        }
+        let Some((table, count, units)) = self.stage2d_table(&with)? else {
+            return Ok(false);
+        };
+        if count == 0 {
+            return Ok(true);
+        }
+        if nd > 0 {
+            let sizes: Vec<u64> = distinct.iter().flat_map(|&(t, n)| [t, n as u64]).collect();
+            let most = distinct.iter().map(|d| d.1).max().unwrap_or(0);
+            let gx = super::capped(most.div_ceil(256), 1024);
+            let (sizes_mem, s) = self.upload_table(&sizes)?;
+            // SAFETY: row i of the table is the address and length of a validated live f32
+            // tiles view; `amax` holds one zeroed word per row (grid y = nd <= 65535). `sizes_mem`
+            // is freed in stream order after the launch.
+            unsafe {
+                self.launch(
+                    "u32_max_many",
+                    (gx, nd, 1),
+                    (256, 1, 1),
+                    &args![s, amax.ptr],
+                )?;
+            }
+            drop(sizes_mem);
+        }
+        let (mem, t) = self.upload_table(&table)?;
+        // SAFETY: each of the `count` rows holds one validated piece (live views: a float
+        // source of n elements, f32 tiles covering its range, an output of n bytes (MXFP8) or
+        // n/2 bytes with start and n even and cols % 16 == 0 (NVFP4), so every segment's
+        // pairs are whole bytes of the output), and for NVFP4 the address of its amax word in
+        // `amax`, written by the `u32_max_many` launch before it in stream order. Every unit
+        // reads one tile word of the covered rows and writes only its piece's output bytes;
+        // vector accesses are taken only at aligned addresses of whole segments. Outputs
+        // overlap no other item's views (checked by the caller). `mem` and `amax` are freed in
+        // stream order after the launch; `tables_ptr` holds the 256 E4M3 values first.
+        unsafe {
+            self.launch_n(
+                "stage2d_quantize_many",
+                units as usize,
+                &args![t, count, units, self.tables_ptr],
+            )?;
+        }
+        drop((mem, amax));
+        Ok(true)
+    }
+
+    /// [`crate::Device::mxfp8_scales_2d_many`]: every item whose views `mxfp8_scales_2d` takes
+    /// (the single kernel's checks) in one `mxfp8_scales_2d_many` launch; returns the indices
+    /// of the others, in order, for the single op. The caller checked that no output overlaps
+    /// another item's views.
+    pub(crate) fn mxfp8_scales_2d_many(
+        &mut self,
+        items: &[(usize, usize, Fp8Kind, View, View, View)],
+    ) -> Result<Vec<usize>> {
+        let (mut firsts, mut rows_of, mut rest) = (Vec::new(), Vec::new(), Vec::new());
+        let mut total = 0u64;
+        for (i, &(rows, cols, kind, tiles, rs, cs)) in items.iter().enumerate() {
+            let tc = cols.div_ceil(32);
+            let (nr, nc) = (rows * tc, rows.div_ceil(32) * cols);
+            let ok = tiles.dtype() == DType::F32
+                && tiles.len() == rows.div_ceil(32) * tc
+                && rs.dtype() == DType::U8
+                && cs.dtype() == DType::U8
+                && rs.len() == nr
+                && cs.len() == nc
+                && nr + nc > 0
+                && self
+                    .check_views("mxfp8_scales_2d", &[tiles], &[rs, cs])
+                    .is_ok();
+            if !ok {
+                rest.push(i);
+                continue;
+            }
+            firsts.push(total);
+            rows_of.extend([
+                self.device_ptr(tiles)?,
+                rows as u64,
+                cols as u64,
+                self.device_ptr(rs)?,
+                self.device_ptr(cs)?,
+                u64::from(kind.max_norm_rcp().to_bits()),
+            ]);
+            total += (nr + nc) as u64;
+        }
+        let Ok(count @ 1..) = u32::try_from(firsts.len()) else {
+            return Ok((0..items.len()).collect());
+        };
+        let mut table = firsts;
+        table.extend(rows_of);
+        let (mem, t) = self.upload_table(&table)?;
+        // SAFETY: each of the `count` rows holds one item's views as `mxfp8_scales_2d` checks
+        // them (live, in bounds, disjoint, rows·tc and ceil(rows/32)·cols scale bytes, the tile
+        // count), and the items' index ranges [first, first + nr + nc) partition 0..total, so
+        // every write is a scale byte of its item. `mem` is freed in stream order.
+        unsafe {
+            self.launch_n(
+                "mxfp8_scales_2d_many",
+                total as usize,
+                &args![t, count, total],
+            )?;
+        }
+        drop(mem);
+        Ok(rest)
+    }
+}
