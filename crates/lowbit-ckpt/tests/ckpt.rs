@@ -869,3 +869,125 @@ fn saving_every_step_changes_nothing() {
     assert!(Checkpoint::open(&root).unwrap().dir().ends_with("step-4"));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// An optimizer without state views (the trait's default): everything delegated but
+/// `state_views`, so checkpoints take the snapshot path (export, then files; template, then
+/// import).
+#[derive(Debug)]
+struct NoViews<'a>(&'a mut dyn Optimizer);
+
+impl Optimizer for NoViews<'_> {
+    fn owners(&self) -> Vec<OptimizerId> {
+        self.0.owners()
+    }
+    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
+        self.0.local_sum_squares(dev)
+    }
+    fn clip_grad(&self) -> Option<f32> {
+        self.0.clip_grad()
+    }
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip: f32,
+    ) -> lowbit_optim::Result<()> {
+        self.0.apply(dev, bufs, clip)
+    }
+    fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<lowbit_optim::MasterPiece>)> {
+        self.0.masters_to_stage()
+    }
+    fn set_lr(&mut self, lr: f32) -> lowbit_optim::Result<()> {
+        self.0.set_lr(lr)
+    }
+    fn steps(&self) -> u64 {
+        self.0.steps()
+    }
+    fn export_state(&self, dev: &Device) -> lowbit_optim::Result<Vec<OptimizerState>> {
+        self.0.export_state(dev)
+    }
+    fn export_state_into(
+        &self,
+        dev: &Device,
+        out: &mut Vec<OptimizerState>,
+    ) -> lowbit_optim::Result<()> {
+        self.0.export_state_into(dev, out)
+    }
+    fn export_template(&self, dev: &Device) -> lowbit_optim::Result<Vec<OptimizerState>> {
+        self.0.export_template(dev)
+    }
+    fn check_import(&self, state: &[OptimizerState]) -> lowbit_optim::Result<()> {
+        self.0.check_import(state)
+    }
+    fn import_state(
+        &mut self,
+        dev: &mut Device,
+        state: &[OptimizerState],
+    ) -> lowbit_optim::Result<()> {
+        self.0.import_state(dev, state)
+    }
+    fn memory(&self) -> lowbit_optim::OptimizerMemory {
+        self.0.memory()
+    }
+}
+
+/// The streaming save and load (through `state_views`) and the snapshot path of an optimizer
+/// without views write the same files byte for byte, and each loads the other's checkpoint
+/// into either kind of optimizer with every bit of the state.
+#[test]
+fn streaming_and_snapshot_paths_agree() {
+    let specs = specs();
+    let (init, other) = (init_values(&specs, 1), init_values(&specs, 99));
+    let (streamed, snapshot) = (tmp_root("streamed"), tmp_root("snapshot"));
+    run(2, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let rank = comm.rank();
+        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        let mut t = make(dev, 2, rank, ShardingStrategy::Distributed, &init);
+        for s in 0..2 {
+            step(dev, &mut comm, &mut t, &mlp, s);
+        }
+        let specs = t.buffers().specs().to_vec();
+        assert!(t.optimizer().state_views().is_some());
+        let opts = SaveOptions::default();
+        save(
+            dev,
+            &mut comm,
+            &streamed,
+            &meta(2),
+            &specs,
+            t.optimizer(),
+            opts,
+        )
+        .unwrap();
+        let wrapped = NoViews(t.optimizer_mut());
+        assert!(wrapped.state_views().is_none());
+        save(dev, &mut comm, &snapshot, &meta(2), &specs, &wrapped, opts).unwrap();
+        let want = t.optimizer().export_state(dev).unwrap();
+        for root in [&streamed, &snapshot] {
+            let ck = Checkpoint::open(root).unwrap();
+            for views in [true, false] {
+                let mut fresh = make(dev, 2, rank, ShardingStrategy::Distributed, &other);
+                if views {
+                    ck.load_optimizer(dev, &specs, fresh.optimizer_mut())
+                        .unwrap();
+                } else {
+                    ck.load_optimizer(dev, &specs, &mut NoViews(fresh.optimizer_mut()))
+                        .unwrap();
+                }
+                assert!(
+                    fresh.optimizer().export_state(dev).unwrap() == want,
+                    "rank {rank}: {} loaded {} state views",
+                    root.display(),
+                    if views { "through" } else { "without" }
+                );
+            }
+        }
+    });
+    assert!(
+        file_bytes(&streamed.join("step-2")) == file_bytes(&snapshot.join("step-2")),
+        "the two saves wrote different files"
+    );
+    let _ = std::fs::remove_dir_all(&streamed);
+    let _ = std::fs::remove_dir_all(&snapshot);
+}
