@@ -126,6 +126,8 @@ struct Summary {
     live: usize,
     closed: usize,
     fallbacks: Vec<String>,
+    /// Whether the measured steps clipped (AdamW then scales the gradient as it reads it).
+    clipped: bool,
     /// (step with compute, compute alone, per-call µs of the compute kernel), ms.
     overlap: Option<(f64, f64, f64)>,
     /// Transient bytes of the overlapped iterations: the device's peak (largest rank) and the
@@ -163,7 +165,7 @@ impl Summary {
         let ag: Vec<_> = runs.iter().map(|r| r.bounds.gather.clone()).collect();
         let (rs_ms, ag_ms) = (worst_median(&rs), worst_median(&ag));
         let t = &r0.traffic;
-        let kernel_bytes = t.kernel_bytes(r0.clipped);
+        let kernel_bytes = t.kernel_bytes();
         let mut bound_ms = [None; 6];
         let mut copy_gbs = [None; 6];
         for k in 0..6 {
@@ -207,6 +209,7 @@ impl Summary {
             live: r0.live,
             closed: r0.closed,
             fallbacks: runs.iter().flat_map(|r| r.fallbacks.clone()).collect(),
+            clipped: r0.clipped,
             overlap,
             transient,
             cfg,
@@ -341,7 +344,7 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
@@ -350,6 +353,7 @@ impl Summary {
             sharding_name(self.cfg.sharding),
             self.cfg.comm.map_or("grads", grads_name),
             self.cfg.nan_check,
+            self.clipped,
             self.cfg.precision.name(),
             per_phase(&|k| num(self.phases_ms[k])),
             num(self.total_ms),

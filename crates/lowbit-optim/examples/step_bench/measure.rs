@@ -132,7 +132,7 @@ impl Traffic {
     }
 
     /// Device bytes (read + written) of each phase's kernels; 0 for the collectives.
-    pub fn kernel_bytes(&self, clipped: bool) -> [f64; 6] {
+    pub fn kernel_bytes(&self) -> [f64; 6] {
         let o = self.owned.map(|n| n as f64);
         let m = self.matrix.map(|n| n as f64);
         let all: f64 = o.iter().sum();
@@ -140,9 +140,7 @@ impl Traffic {
         let norm = if self.grad_size == 4 { 4.0 } else { 10.0 } * all;
         // AdamW: master, two moments read and written, the f32 gradient read (28 B); the bf16
         // output fused for persistent weights; clipping rides along in the kernel (no bytes).
-        let _ = clipped;
-        let clip = 0.0;
-        let optimizer = 28.0 * all + 2.0 * o[0] + clip;
+        let optimizer = 28.0 * all + 2.0 * o[0];
         // Casts of the masters (4 + 2); 2D formats also fold (2) and quantize (2 + 1 or 0.5).
         let staging = 6.0 * (o[0] + o[1]) + 11.0 * o[2] + 10.5 * o[3];
         // Staged MXFP8: read bf16, write both copies and scales, zero the staging view; 2D
@@ -370,7 +368,7 @@ pub fn step_rank(
     let (dp, rank) = (comm.size(), comm.rank());
     let ddp = cfg.ddp(None);
     let traffic = Traffic::new(cfg, params, &ddp, dp, rank)?;
-    let bounds = measure_bounds(dev, comm, &traffic, &traffic.kernel_bytes(true), s)?;
+    let bounds = measure_bounds(dev, comm, &traffic, &traffic.kernel_bytes(), s)?;
     let specs = cfg.specs(params);
     let closed = estimate_memory(&specs, dp, rank, &ddp, |_| 2)?.total();
     let base = dev.allocated_bytes();
