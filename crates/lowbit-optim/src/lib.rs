@@ -24,7 +24,7 @@
 //!
 //! # Non-goals
 //! Loss scaling for fp16, optimizer-state offload, checkpoint files (`lowbit-ckpt` builds on
-//! [`Optimizer::export_state`]).
+//! [`Optimizer::state_views`] to stream the state, and on [`Optimizer::export_state`]).
 
 mod chained;
 mod distributed;
