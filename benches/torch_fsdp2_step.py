@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_step import MODELS, parameter_set
+from torch_step import MODELS, parameter_set, time_phases
 
 
 class Norm(nn.Module):
@@ -242,22 +242,7 @@ def run(model_name, grad_dtype, reshard, args, mesh, rank, world, dev, ao):
     dist.barrier()
     torch.cuda.reset_peak_memory_stats(dev)
 
-    def timed_ms(f):
-        """f's device time (CUDA events), the ranks aligned and the device idle before."""
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        f()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    per_phase = {name: [] for name, _ in phases}
-    for _ in range(args.iters):
-        for name, f in phases:
-            per_phase[name].append(timed_ms(f))
-    totals = [timed_ms(step) for _ in range(args.iters)]
+    per_phase, totals = time_phases(phases, step, args.iters)
 
     # What FSDP2 should put on the wire per step (NCCL ring bus bytes, (W-1)/W of each
     # collective's buffer): float8 layer weights at 1 byte, the rest at 2 (bf16); layers

@@ -81,6 +81,29 @@ def mxfp8_both(x):
     return mxfp8_rowwise(x), mxfp8_rowwise(x.t())
 
 
+def timed_ms(f):
+    """f's device time (CUDA events), the ranks aligned and the device idle before."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    f()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_phases(phases, step, iters):
+    """Each phase's device times, then the whole step's (no synchronization inside), in ms,
+    `iters` of each."""
+    per_phase = {name: [] for name, _ in phases}
+    for _ in range(iters):
+        for name, f in phases:
+            per_phase[name].append(timed_ms(f))
+    totals = [timed_ms(step) for _ in range(iters)]
+    return per_phase, totals
+
+
 def run(model, grad_dtype, iters, quant, rank, world, dev):
     """One configuration: the step per phase and whole, as a JSON-ready dict."""
     params = parameter_set(*MODELS[model])
@@ -148,22 +171,7 @@ def run(model, grad_dtype, iters, quant, rank, world, dev):
     dist.barrier()
     torch.cuda.reset_peak_memory_stats(dev)
 
-    def timed_ms(f):
-        """f's device time (CUDA events), the ranks aligned and the device idle before."""
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        f()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    per_phase = {name: [] for name, _ in phases}
-    for _ in range(iters):
-        for name, f in phases:
-            per_phase[name].append(timed_ms(f))
-    totals = [timed_ms(step) for _ in range(iters)]
+    per_phase, totals = time_phases(phases, step, iters)
 
     ring = (world - 1) / world
     wire = {
