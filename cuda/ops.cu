@@ -329,16 +329,23 @@ extern "C" __global__ void __launch_bounds__(128) mse_blocks_f32(
 // table holds 4 words per view: address, length, offset of its partials (in f64 words), and
 // its first global warp (ascending; views own warps [first, next view's first)). Each warp
 // runs the single-view body unchanged, so the partials are those of one launch per view.
-template <int DT>
-__device__ __forceinline__ void sum_squares_many(const u64* __restrict__ table, uint32_t views,
-                                                 double* __restrict__ partials) {
-    const u64 gw = sumsq_warp_index();
-    uint32_t lo = 0, hi = views;  // the last view whose first warp is <= gw (table[3] == 0)
+// The table row of the view global warp `gw` works on: the last view whose first warp is
+// <= gw (the first row's first warp is 0).
+__device__ __forceinline__ const u64* sumsq_view(const u64* __restrict__ table, uint32_t views,
+                                                 u64 gw) {
+    uint32_t lo = 0, hi = views;
     while (hi - lo > 1) {
         uint32_t mid = (lo + hi) / 2;
         if (table[4 * mid + 3] <= gw) lo = mid; else hi = mid;
     }
-    const u64* t = table + 4 * lo;
+    return table + 4 * lo;
+}
+
+template <int DT>
+__device__ __forceinline__ void sum_squares_many(const u64* __restrict__ table, uint32_t views,
+                                                 double* __restrict__ partials) {
+    const u64 gw = sumsq_warp_index();
+    const u64* t = sumsq_view(table, views, gw);
     sum_squares_warp<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
                                 partials + t[2], gw - t[3]);
 }
@@ -512,12 +519,7 @@ __device__ __forceinline__ void sum_squares_many_v2(const u64* __restrict__ tabl
                                                     uint32_t views,
                                                     double* __restrict__ partials) {
     const u64 gw = sumsq2_warp_index<false>();
-    uint32_t lo = 0, hi = views;  // the last view whose first warp is <= gw (table[3] == 0)
-    while (hi - lo > 1) {
-        uint32_t mid = (lo + hi) / 2;
-        if (table[4 * mid + 3] <= gw) lo = mid; else hi = mid;
-    }
-    const u64* t = table + 4 * lo;
+    const u64* t = sumsq_view(table, views, gw);
     sum_squares_warp_v2<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
                                    partials + t[2], gw - t[3]);
 }

@@ -15,7 +15,7 @@ use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
 use crate::json::Json;
 use crate::manifest::{Manifest, Meta, OptimizerEntry, TensorEntry};
-use crate::read::Request;
+use crate::read::{Parts, Request};
 use crate::read_views::ViewRequest;
 use crate::save::{LATEST, MANIFEST, parse_step_name};
 
@@ -182,14 +182,10 @@ impl Checkpoint {
         for st in &mut state {
             st.steps = self.optimizer_entry(st.owner.0, &st.rule)?.steps;
             for t in &mut st.tensors {
-                let spec = specs.get(t.param).ok_or_else(|| {
-                    self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
-                })?;
-                let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-                let parts = self.resolve(&spec.name, &t.name, &shape, options)?;
+                let (name, parts) = self.tensor_parts(specs, t.param, &t.name, options)?;
                 t.values.resize(t.range.len(), 0.0);
                 requests.push(Request {
-                    name: format!("{}/{}", spec.name, t.name),
+                    name,
                     parts,
                     want: t.range.start as u64..t.range.end as u64,
                     out: &mut t.values,
@@ -220,13 +216,10 @@ impl Checkpoint {
             let entry = self.optimizer_entry(st.owner.0, &st.rule)?;
             steps.push((st.owner, entry.steps));
             for t in &st.tensors {
-                let spec = specs.get(t.param).ok_or_else(|| {
-                    self.mismatch(format!("parameter {} of {} specs", t.param, specs.len()))
-                })?;
-                let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+                let (name, parts) = self.tensor_parts(specs, t.param, &t.name, options)?;
                 requests.push(ViewRequest {
-                    name: format!("{}/{}", spec.name, t.name),
-                    parts: self.resolve(&spec.name, &t.name, &shape, options)?,
+                    name,
+                    parts,
                     want: t.range.start as u64..t.range.end as u64,
                     view: t.view,
                 });
@@ -237,6 +230,23 @@ impl Checkpoint {
             opt.set_steps(owner, n)?;
         }
         Ok(())
+    }
+
+    /// The logical name `{param}/{state}` of state `state` of parameter `param` (an index into
+    /// `specs`) and the stored tensors and ranges it is read from ([`Self::resolve`]).
+    fn tensor_parts(
+        &self,
+        specs: &[ParamSpec],
+        param: usize,
+        state: &str,
+        options: &LoadOptions,
+    ) -> Result<(String, Parts<'_>)> {
+        let spec = specs
+            .get(param)
+            .ok_or_else(|| self.mismatch(format!("parameter {param} of {} specs", specs.len())))?;
+        let shape: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+        let parts = self.resolve(&spec.name, state, &shape, options)?;
+        Ok((format!("{}/{state}", spec.name), parts))
     }
 
     /// The saved optimizer of `owner`, which must have used `rule`.

@@ -17,6 +17,9 @@ use crate::error::{CkptError, Result, io};
 use crate::manifest::{Piece, TensorEntry};
 use crate::save::{FNV_BASIS, LANES, hash_lanes, raw_bytes, raw_bytes_mut};
 
+/// Stored tensors and element ranges of them whose concatenation is a logical tensor.
+pub(crate) type Parts<'t> = Vec<(&'t TensorEntry, Range<u64>)>;
+
 /// Elements `want` of the concatenation of `parts` (stored tensors and element ranges of them),
 /// to be written to `out` (`want`'s length).
 pub(crate) struct Request<'t, 'o> {

@@ -374,33 +374,29 @@ struct LeafEntry<'a> {
     steps: u64,
 }
 
+impl<'a> LeafEntry<'a> {
+    fn new(owner: u32, rule: &'a str, steps: u64) -> Self {
+        LeafEntry { owner, rule, steps }
+    }
+}
+
 /// The pieces of a host snapshot.
 fn snapshot_pieces<'a>(
     tmp: &Path,
     specs: &'a [ParamSpec],
     state: &'a [OptimizerState],
 ) -> Result<(Vec<LeafEntry<'a>>, Vec<OutPiece<'a>>)> {
-    let mut pieces = Pieces::new(tmp, specs);
-    for st in state {
-        for t in &st.tensors {
-            pieces.add(
-                st.owner.0,
-                t.param,
-                &t.name,
-                t.range.clone(),
-                Source::Host(&t.values),
-            )?;
-        }
-    }
-    let leaves = state
-        .iter()
-        .map(|s| LeafEntry {
-            owner: s.owner.0,
-            rule: &s.rule,
-            steps: s.steps,
-        })
-        .collect();
-    Ok((leaves, pieces.out))
+    rank_pieces(
+        tmp,
+        specs,
+        state.iter().map(|st| {
+            let tensors = st.tensors.iter().map(|t| {
+                let source = Source::Host(&t.values);
+                (t.param, t.name.as_str(), t.range.clone(), source)
+            });
+            (LeafEntry::new(st.owner.0, &st.rule, st.steps), tensors)
+        }),
+    )
 }
 
 /// The pieces of an optimizer's device views.
@@ -409,27 +405,38 @@ fn view_pieces<'a>(
     specs: &'a [ParamSpec],
     state: &'a [StateViews],
 ) -> Result<(Vec<LeafEntry<'a>>, Vec<OutPiece<'a>>)> {
+    rank_pieces(
+        tmp,
+        specs,
+        state.iter().map(|st| {
+            let tensors = st.tensors.iter().map(|t| {
+                let source = Source::Device(t.view);
+                (t.param, t.name.as_str(), t.range.clone(), source)
+            });
+            (LeafEntry::new(st.owner.0, &st.rule, st.steps), tensors)
+        }),
+    )
+}
+
+/// A rank's leaf optimizers and their pieces `(parameter, state name, range, values)`, checked
+/// as [`Pieces::add`] does.
+fn rank_pieces<'a, T>(
+    tmp: &Path,
+    specs: &'a [ParamSpec],
+    leaves: impl Iterator<Item = (LeafEntry<'a>, T)>,
+) -> Result<(Vec<LeafEntry<'a>>, Vec<OutPiece<'a>>)>
+where
+    T: Iterator<Item = (usize, &'a str, Range<usize>, Source<'a>)>,
+{
     let mut pieces = Pieces::new(tmp, specs);
-    for st in state {
-        for t in &st.tensors {
-            pieces.add(
-                st.owner.0,
-                t.param,
-                &t.name,
-                t.range.clone(),
-                Source::Device(t.view),
-            )?;
+    let mut entries = Vec::new();
+    for (leaf, tensors) in leaves {
+        for (param, state, range, source) in tensors {
+            pieces.add(leaf.owner, param, state, range, source)?;
         }
+        entries.push(leaf);
     }
-    let leaves = state
-        .iter()
-        .map(|s| LeafEntry {
-            owner: s.owner.0,
-            rule: &s.rule,
-            steps: s.steps,
-        })
-        .collect();
-    Ok((leaves, pieces.out))
+    Ok((entries, pieces.out))
 }
 
 /// A rank's pieces, checked as they are added (parameter known, range inside it, values

@@ -83,6 +83,28 @@ struct Seen {
     steps: u64,
 }
 
+/// One optimizer step over `bufs` with the gradients of step `t`: begin, accumulate, reduce,
+/// step.
+fn step(
+    dev: &mut lowbit_device::Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut DistributedOptimizer,
+    t: usize,
+    grad: GradDType,
+) -> lowbit_optim::StepReport {
+    protocol::begin_iteration(dev, comm, bufs, opt).unwrap();
+    for (p, s) in bufs.specs().to_vec().iter().enumerate() {
+        let dst = bufs.accumulation_view(dev, p).unwrap();
+        let g = dev.alloc(lowbit_device::DType::F32, s.numel);
+        dev.upload(g, &grads(t, p, s.numel, grad)).unwrap();
+        dev.add(g, dst).unwrap();
+        dev.free(g).unwrap();
+    }
+    bufs.finish_grad_sync(dev, comm).unwrap();
+    protocol::step(dev, comm, bufs, opt).unwrap()
+}
+
 fn drive(rule: Rule, grad: GradDType) -> Vec<Seen> {
     let specs = specs(grad);
     let init = init(&specs);
@@ -108,16 +130,7 @@ fn drive(rule: Rule, grad: GradDType) -> Vec<Seen> {
         assert_eq!(opt.update_launches(), 1);
         let mut seen = Vec::new();
         for t in 1..=STEPS {
-            protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
-            for (p, s) in specs.iter().enumerate() {
-                let dst = bufs.accumulation_view(dev, p).unwrap();
-                let g = dev.alloc(lowbit_device::DType::F32, s.numel);
-                dev.upload(g, &grads(t, p, s.numel, grad)).unwrap();
-                dev.add(g, dst).unwrap();
-                dev.free(g).unwrap();
-            }
-            bufs.finish_grad_sync(dev, &mut comm).unwrap();
-            let report = protocol::step(dev, &mut comm, &mut bufs, &mut opt).unwrap();
+            let report = step(dev, &mut comm, &mut bufs, &mut opt, t, grad);
             assert!(!report.skipped);
             assert_eq!(report.clip_coef, 1.0);
             let mut masters = opt.masters(dev).unwrap();
@@ -416,16 +429,7 @@ fn clipped(rule: impl lowbit_optim::UpdateRule + Copy + 'static, grad: GradDType
         let mut opt =
             DistributedOptimizer::new(dev, &bufs, OptimizerId(0), rule, ocfg, &mut cb).unwrap();
         for t in 1..=STEPS {
-            protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
-            for (p, s) in specs.iter().enumerate() {
-                let dst = bufs.accumulation_view(dev, p).unwrap();
-                let g = dev.alloc(lowbit_device::DType::F32, s.numel);
-                dev.upload(g, &grads(t, p, s.numel, grad)).unwrap();
-                dev.add(g, dst).unwrap();
-                dev.free(g).unwrap();
-            }
-            bufs.finish_grad_sync(dev, &mut comm).unwrap();
-            let report = protocol::step(dev, &mut comm, &mut bufs, &mut opt).unwrap();
+            let report = step(dev, &mut comm, &mut bufs, &mut opt, t, grad);
             assert!(report.clip_coef < 1.0, "step {t} must clip");
         }
         let mut bits: Vec<u32> = Vec::new();

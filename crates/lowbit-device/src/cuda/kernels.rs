@@ -107,6 +107,53 @@ impl CudaDevice {
         unsafe { self.launch(name, stride_grid(n), (THREADS, 1, 1), args) }
     }
 
+    /// Uploads a table a launch reads (u64 words: addresses, lengths, offsets) and returns it
+    /// with its device address. The copy is staged before this returns; dropped after the
+    /// launch is enqueued, the slice is freed in stream order (after the kernel).
+    pub(in crate::cuda) fn upload_table(
+        &mut self,
+        table: &[u64],
+    ) -> Result<(cudarc::driver::CudaSlice<u64>, u64)> {
+        self.bind()?;
+        let mem = self
+            .stream
+            .clone_htod(table)
+            .map_err(super::cuda_err("uploading a launch table"))?;
+        let t = {
+            let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
+            t
+        };
+        Ok((mem, t))
+    }
+
+    /// Launches `u32_max_many`: word `i` at `out` becomes the max of its current value and
+    /// the raw bits of the `len` f32 values at `views[i] = (address, len)` (the global amax of a
+    /// matrix from its tile amaxes), one launch for all.
+    ///
+    /// # Safety
+    /// Every `(address, len)` is a live, in-bounds f32 device view; `out` addresses
+    /// `views.len()` u32 words of a live buffer; `views.len()` is at most 65535 (grid y).
+    pub(in crate::cuda) unsafe fn launch_u32_max_many(
+        &mut self,
+        views: &[(u64, usize)],
+        out: u64,
+    ) -> Result<()> {
+        let Some(rows) = u32::try_from(views.len()).ok().filter(|&n| n > 0) else {
+            return Ok(());
+        };
+        let sizes: Vec<u64> = views.iter().flat_map(|&(p, n)| [p, n as u64]).collect();
+        let most = views.iter().map(|v| v.1).max().unwrap_or(0);
+        let gx = capped(most.div_ceil(256), 1024);
+        let (sizes_mem, s) = self.upload_table(&sizes)?;
+        // SAFETY: forwarded to the caller (live views, `rows` words at `out`, grid y <= 65535);
+        // `sizes_mem` is freed in stream order after the launch.
+        unsafe {
+            self.launch("u32_max_many", (gx, rows, 1), (256, 1, 1), &args![s, out])?;
+        }
+        drop(sizes_mem);
+        Ok(())
+    }
+
     /// A zeroed device scratch buffer of `n` u32 words.
     pub(super) fn scratch(&self, n: usize) -> Result<Scratch> {
         let (mem, ptr) = self.zeroed::<u32>(n, "allocating scratch")?;

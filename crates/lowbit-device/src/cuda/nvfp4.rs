@@ -237,24 +237,6 @@ impl CudaDevice {
         self.nvfp4_finish_version
     }
 
-    /// Uploads a table of u64 words (freed in stream order when the returned slice drops) and
-    /// returns it with its device address.
-    pub(in crate::cuda) fn upload_table(
-        &mut self,
-        table: &[u64],
-    ) -> Result<(cudarc::driver::CudaSlice<u64>, u64)> {
-        self.bind()?;
-        let mem = self
-            .stream
-            .clone_htod(table)
-            .map_err(super::cuda_err("uploading a matrix table"))?;
-        let t = {
-            let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
-            t
-        };
-        Ok((mem, t))
-    }
-
     /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path: each matrix's global amax (the
     /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
     /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
@@ -265,7 +247,7 @@ impl CudaDevice {
     /// `nvfp4_finish_2d_kernel` does and checked that no output overlaps another matrix's
     /// views.
     pub(crate) fn nvfp4_finish_2d_many(&mut self, items: &[Finish2d]) -> Result<Option<Vec<f32>>> {
-        let Ok(count @ 1..=65535) = u32::try_from(items.len()) else {
+        let Ok(1..=65535) = u32::try_from(items.len()) else {
             return Ok(if items.is_empty() {
                 Some(Vec::new())
             } else {
@@ -276,25 +258,14 @@ impl CudaDevice {
             return Ok(None);
         }
         let amax = self.scratch(items.len())?;
-        let mut sizes = Vec::with_capacity(2 * items.len());
-        for (_, tiles, _) in items {
-            sizes.extend([self.device_ptr(*tiles)?, tiles.len() as u64]);
+        let mut tiles = Vec::with_capacity(items.len());
+        for (_, t, _) in items {
+            tiles.push((self.device_ptr(*t)?, t.len()));
         }
-        let most = items.iter().map(|(_, t, _)| t.len()).max().unwrap_or(0);
-        let gx = capped(most.div_ceil(256), 1024);
-        let (sizes_mem, s) = self.upload_table(&sizes)?;
-        // SAFETY: row i of the table is the address and length of item i's tile view, an f32
-        // view validated by the caller (live, in bounds); `amax` holds one zeroed word per item
-        // (grid y = the item count, at most 65535).
-        unsafe {
-            self.launch(
-                "u32_max_many",
-                (gx, count, 1),
-                (256, 1, 1),
-                &args![s, amax.ptr],
-            )?;
-        }
-        drop(sizes_mem);
+        // SAFETY: entry i is the address and length of item i's tile view, an f32 view
+        // validated by the caller (live, in bounds); `amax` holds one zeroed word per item; the
+        // item count is at most 65535 (checked above).
+        unsafe { self.launch_u32_max_many(&tiles, amax.ptr)? };
         let (mut firsts, mut rows_of) = (Vec::new(), Vec::new());
         let mut ctas = 0u64;
         for (i, &([rows, cols], tiles, [rd, rs, cd, cs])) in items.iter().enumerate() {

@@ -127,15 +127,7 @@ impl CudaDevice {
                     views.len()
                 )));
             };
-            self.bind()?;
-            let mem = self
-                .stream
-                .clone_htod(&table)
-                .map_err(crate::cuda::cuda_err("uploading a view table"))?;
-            let t = {
-                let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
-                t
-            };
+            let (mem, t) = self.upload_table(&table)?;
             // SAFETY: every table row addresses `len` elements of a validated view of dtype `d`;
             // its partials (len.div_ceil(SUM_BLOCK) f64 words at its offset) lie inside `s`,
             // which holds every view's; warps past a view's blocks write nothing; the table

@@ -191,15 +191,7 @@ impl CudaDevice {
         };
         let mut table = firsts;
         table.extend(rows);
-        self.bind()?;
-        let mem = self
-            .stream
-            .clone_htod(&table)
-            .map_err(crate::cuda::cuda_err("uploading a matrix table"))?;
-        let t = {
-            let (t, _sync) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
-            t
-        };
+        let (mem, t) = self.upload_table(&table)?;
         // SAFETY: each of the `count` table rows holds the addresses of one item's views, which
         // the caller validated as `quantize_mxfp8` does (live, in bounds: rows·cols bf16 in,
         // rows·cols data bytes and rows·ceil(cols/32) resp. ceil(rows/32)·cols scale bytes out,
@@ -210,7 +202,7 @@ impl CudaDevice {
         // every access is one that launch makes. No item's output overlaps another item's
         // source or outputs (checked by the caller), so the `__restrict__` promises hold
         // across matrices too. The table was copied from pageable host memory (staged before
-        // `clone_htod` returned); `mem` is dropped right after the launch is enqueued, and
+        // `upload_table` returned); `mem` is dropped right after the launch is enqueued, and
         // cudarc frees it in stream order (`cuMemFreeAsync` on this stream, or a stream
         // synchronisation before `cuMemFree` where stream-ordered allocation is missing), so
         // the kernel never reads freed memory.
@@ -653,7 +645,7 @@ impl CudaDevice {
             };
             which.push(Some(at));
         }
-        let Ok(nd @ 0..=65535) = u32::try_from(distinct.len()) else {
+        let Ok(0..=65535) = u32::try_from(distinct.len()) else {
             return Ok(false);
         };
         let amax = self.scratch(distinct.len().max(1))?;
@@ -668,24 +660,9 @@ impl CudaDevice {
         if count == 0 {
             return Ok(true);
         }
-        if nd > 0 {
-            let sizes: Vec<u64> = distinct.iter().flat_map(|&(t, n)| [t, n as u64]).collect();
-            let most = distinct.iter().map(|d| d.1).max().unwrap_or(0);
-            let gx = super::capped(most.div_ceil(256), 1024);
-            let (sizes_mem, s) = self.upload_table(&sizes)?;
-            // SAFETY: row i of the table is the address and length of a validated live f32
-            // tiles view; `amax` holds one zeroed word per row (grid y = nd <= 65535). `sizes_mem`
-            // is freed in stream order after the launch.
-            unsafe {
-                self.launch(
-                    "u32_max_many",
-                    (gx, nd, 1),
-                    (256, 1, 1),
-                    &args![s, amax.ptr],
-                )?;
-            }
-            drop(sizes_mem);
-        }
+        // SAFETY: every distinct entry is the address and length of a validated live f32
+        // tiles view; `amax` holds one zeroed word per entry; nd <= 65535 (checked above).
+        unsafe { self.launch_u32_max_many(&distinct, amax.ptr)? };
         let (mem, t) = self.upload_table(&table)?;
         // SAFETY: each of the `count` rows holds one validated piece (live views: a float
         // source of n elements, f32 tiles covering its range, an output of n bytes (MXFP8) or
