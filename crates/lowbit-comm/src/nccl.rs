@@ -104,6 +104,12 @@ pub struct NcclConfig {
     /// the silence that counts as a loss, and the exit backstop. Default: 1 s, 5 s, exit 3 s
     /// after a loss.
     pub liveness: LivenessConfig,
+    /// Launch collectives on a stream of the device's highest priority. A collective queued
+    /// behind a compute kernel then gets SMs as soon as any of that kernel's CTAs retires,
+    /// instead of after its whole grid has been dispatched: what lets a bucket's reduction
+    /// overlap the backward's matrix products (TE and PyTorch's `is_high_priority_stream` do
+    /// the same). Default true; false gives the stream the default priority.
+    pub high_priority: bool,
 }
 
 impl Default for NcclConfig {
@@ -112,6 +118,7 @@ impl Default for NcclConfig {
             timeout: Duration::from_secs(300),
             nonblocking: false,
             liveness: LivenessConfig::default().with_exit_after_loss(Some(Duration::from_secs(3))),
+            high_priority: true,
         }
     }
 }
@@ -126,6 +133,12 @@ impl NcclConfig {
     /// This configuration with another liveness channel setting.
     pub fn with_liveness(mut self, liveness: LivenessConfig) -> Self {
         self.liveness = liveness;
+        self
+    }
+
+    /// This configuration with collectives on a highest-priority stream (or the default one).
+    pub fn with_high_priority(mut self, high_priority: bool) -> Self {
+        self.high_priority = high_priority;
         self
     }
 

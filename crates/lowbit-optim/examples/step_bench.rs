@@ -27,7 +27,8 @@
 //! [--sharding optim,no_shard,optim_grads,optim_grads_params] [--comm grads,bf16,fp32]
 //! [--nan-check off,grad]
 //! [--also MODEL:PREC:GRADS]…
-//! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--json OUT]`: the cross
+//! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--comm-priority high|normal]
+//! [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
 //! `cargo run --release -p lowbit-optim --example step_bench -- --device cpu --model tiny`.
 //! `--json` writes `{"impl", "card", "world", "runs": [...]}`, each run with the keys of
@@ -57,8 +58,12 @@ const TIMEOUT: Duration = Duration::from_secs(300);
 fn run_world<T: Send>(
     device: &str,
     ranks: usize,
+    comm_high_priority: bool,
     f: impl Fn(&mut dyn Communicator, &mut Device) -> Res<T> + Sync,
 ) -> Res<Vec<T>> {
+    // Only NCCL streams have a priority.
+    #[cfg(not(feature = "cuda"))]
+    let _ = comm_high_priority;
     let per_rank = |r: Result<Res<T>, String>| r.and_then(|x| x.map_err(|e| e.to_string()));
     let results: Vec<Result<T, String>> = match device {
         "cpu" => run_ranks(
@@ -72,7 +77,9 @@ fn run_world<T: Send>(
         #[cfg(feature = "cuda")]
         "cuda" => {
             use lowbit_comm::nccl::{NcclConfig, run_local_ranks_with};
-            let cfg = NcclConfig::default().with_timeout(TIMEOUT);
+            let cfg = NcclConfig::default()
+                .with_timeout(TIMEOUT)
+                .with_high_priority(comm_high_priority);
             run_local_ranks_with(ranks, cfg, |mut c, mut d| f(&mut c, &mut d))?
                 .into_iter()
                 .map(|r| per_rank(r.map_err(|e| e.to_string())))
@@ -115,6 +122,8 @@ struct Summary {
     params: usize,
     phases_ms: [f64; 6],
     gather_requantize_ms: f64,
+    /// Zeroing the gradient buffer (not a phase; a local kernel of every iteration).
+    zero_ms: f64,
     total_ms: f64,
     bound_ms: [Option<f64>; 6],
     /// Bus bandwidth of the plain reduce-scatter and all-gather; copy bandwidth per phase.
@@ -133,6 +142,9 @@ struct Summary {
     /// Transient bytes of the overlapped iterations: the device's peak (largest rank) and the
     /// closed form.
     transient: Option<(usize, usize)>,
+    /// Where the stream spent the step with compute (slowest rank's medians, ms, per
+    /// `measure::SEGMENTS` entry).
+    segments: Option<Vec<f64>>,
 }
 
 impl Summary {
@@ -188,6 +200,25 @@ impl Summary {
             let peak = o.iter().map(|r| r.transient_peak).max().unwrap_or(0);
             (peak, o[0].transient_closed)
         });
+        let segments = overlap.and_then(|o| {
+            let per_rank: Option<Vec<Vec<Vec<f64>>>> = o
+                .iter()
+                .map(|r| r.segments.iter().cloned().collect::<Option<Vec<_>>>())
+                .collect();
+            let per_rank = per_rank?;
+            let n = per_rank.first()?.first()?.len();
+            Some(
+                (0..n)
+                    .map(|k| {
+                        let v: Vec<Vec<f64>> = per_rank
+                            .iter()
+                            .map(|its| its.iter().map(|seg| seg[k] * 1e-3).collect())
+                            .collect();
+                        worst_median(&v)
+                    })
+                    .collect(),
+            )
+        });
         let overlap = overlap.map(|o| {
             let with: Vec<_> = o.iter().map(|r| r.with_dp.clone()).collect();
             let alone: Vec<_> = o.iter().map(|r| r.compute.clone()).collect();
@@ -199,6 +230,7 @@ impl Summary {
             params,
             phases_ms,
             gather_requantize_ms,
+            zero_ms: worst_median(&runs.iter().map(|r| r.zero.clone()).collect::<Vec<_>>()),
             total_ms: worst_median(&runs.iter().map(|r| r.totals.clone()).collect::<Vec<_>>()),
             bound_ms,
             bus_gbs: [bus(t.grad_bytes, rs_ms), bus(t.region_bytes, ag_ms)],
@@ -212,6 +244,7 @@ impl Summary {
             clipped: r0.clipped,
             overlap,
             transient,
+            segments,
             cfg,
         }
     }
@@ -264,8 +297,8 @@ impl Summary {
         }
         let _ = writeln!(
             t,
-            "gather + requantize as measured {:.3} ms; bus bandwidth of the plain collectives: reduce-scatter {:.1} GB/s, all-gather {:.1} GB/s",
-            self.gather_requantize_ms, self.bus_gbs[0], self.bus_gbs[1]
+            "gather + requantize as measured {:.3} ms; zeroing the gradient buffer {:.3} ms; bus bandwidth of the plain collectives: reduce-scatter {:.1} GB/s, all-gather {:.1} GB/s",
+            self.gather_requantize_ms, self.zero_ms, self.bus_gbs[0], self.bus_gbs[1]
         );
         let _ = writeln!(
             t,
@@ -278,12 +311,20 @@ impl Summary {
             let comm = with - alone - self.local_ms();
             let _ = writeln!(
                 t,
-                "overlap: step with compute {with:.2} ms, compute alone {alone:.2} ms, exposed {:.2} ms ({:.1}% of the step; compute kernel {call:.1} us a call); exposed communication {comm:.2} ms ({:.1}%: the exposed time less the step's own kernels, {:.2} ms of norm, optimizer, staging and re-quantization measured above)",
+                "overlap: step with compute {with:.2} ms, compute alone {alone:.2} ms, exposed {:.2} ms ({:.1}% of the step; compute kernel {call:.1} us a call); exposed communication {comm:.2} ms ({:.1}%: the exposed time less the iteration's local kernels, {:.2} ms of norm, optimizer, staging, re-quantization and zeroing the gradient buffer measured above)",
                 with - alone,
                 100.0 * (with - alone) / with,
                 100.0 * comm / with,
                 self.local_ms()
             );
+        }
+        if let Some(seg) = &self.segments {
+            let items: Vec<String> = measure::SEGMENTS
+                .iter()
+                .zip(seg)
+                .map(|(n, ms)| format!("{n} {ms:.2}"))
+                .collect();
+            let _ = writeln!(t, "overlap, the device's stream (ms): {}", items.join(", "));
         }
         if let Some((peak, closed)) = self.transient {
             let _ = writeln!(
@@ -299,14 +340,15 @@ impl Summary {
         t
     }
 
-    /// The step's kernels that no overlap can hide (they run between the last gradient's
-    /// reduction and the first gather): norm, optimizer, staging and re-quantization, as
-    /// measured without compute.
+    /// The iteration's local kernels that no overlap can hide (they run between the last
+    /// gradient's reduction and the first gather): norm, optimizer, staging, re-quantization
+    /// and zeroing the gradient buffer, as measured without compute.
     fn local_ms(&self) -> f64 {
         (0..PHASES.len())
             .filter(|&k| k != RS && k != GATHER)
             .map(|k| self.phases_ms[k])
-            .sum()
+            .sum::<f64>()
+            + self.zero_ms
     }
 
     fn json(&self) -> String {
@@ -330,9 +372,17 @@ impl Summary {
             .map(|(n, b)| format!("\"{n}\": {}", *b as u64))
             .collect();
         let (tp, tc) = self.transient.unwrap_or((0, 0));
+        let segments = self.segments.as_ref().map_or("null".into(), |v| {
+            let items: Vec<String> = measure::SEGMENTS
+                .iter()
+                .zip(v)
+                .map(|(n, x)| format!("\"{n}\": {}", num(*x)))
+                .collect();
+            format!("{{{}}}", items.join(", "))
+        });
         let overlap = self.overlap.map_or("null".into(), |(w, a, c)| {
             format!(
-                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"exposed_comm_ms\": {}, \"exposed_comm_fraction\": {}, \"compute_call_us\": {}, \"transient_peak_bytes\": {tp}, \"transient_closed_form_bytes\": {tc}}}",
+                "{{\"step_with_compute_ms\": {}, \"compute_ms\": {}, \"exposed_ms\": {}, \"exposed_fraction\": {}, \"exposed_comm_ms\": {}, \"exposed_comm_fraction\": {}, \"compute_call_us\": {}, \"transient_peak_bytes\": {tp}, \"transient_closed_form_bytes\": {tc}, \"stream_segments_ms\": {segments}}}",
                 num(w),
                 num(a),
                 num(w - a),
@@ -344,7 +394,7 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"zero_grad_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
@@ -358,6 +408,7 @@ impl Summary {
             per_phase(&|k| num(self.phases_ms[k])),
             num(self.total_ms),
             num(self.gather_requantize_ms),
+            num(self.zero_ms),
             wire.join(", "),
             self.peak,
             self.live,
@@ -497,6 +548,11 @@ fn run() -> Res<()> {
     if ranks == 0 || settings.reps.1 == 0 {
         return Err("--ranks and --iters must be at least 1".into());
     }
+    let high = match args.get("--comm-priority").unwrap_or("high") {
+        "high" => true,
+        "normal" => false,
+        other => return Err(format!("--comm-priority {other}: high or normal").into()),
+    };
     let mut summaries = Vec::new();
     for cfg in configs(&args)? {
         let params = parameter_set(&cfg.model)?;
@@ -505,11 +561,11 @@ fn run() -> Res<()> {
             .map(|p| p.shape.iter().product::<usize>())
             .sum();
         let (c, p, s) = (&cfg, &params, &settings);
-        let runs = run_world(&device, ranks, |comm, dev| {
+        let runs = run_world(&device, ranks, high, |comm, dev| {
             measure::step_rank(comm, dev, c, p, s)
         })?;
         let overlap = match settings.compute_us {
-            Some(us) => Some(run_world(&device, ranks, |comm, dev| {
+            Some(us) => Some(run_world(&device, ranks, high, |comm, dev| {
                 measure::overlap_rank(comm, dev, c, p, s, us)
             })?),
             None => None,

@@ -355,7 +355,17 @@ impl NcclComm {
             setup_error(rank, detail)
         };
         let cuda = |what: &str, e: cudarc::driver::DriverError| fail(format!("{what}: {e:?}"));
-        let stream = ctx.new_stream().map_err(|e| cuda("creating a stream", e))?;
+        let stream = if config.high_priority {
+            // Lower numbers are higher priorities; the greatest is the range's second value.
+            ctx.bind_to_thread()
+                .map_err(|e| cuda("binding the context", e))?;
+            let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+                .map_err(|e| cuda("cuCtxGetStreamPriorityRange", e))?;
+            ctx.new_stream_with_priority(greatest)
+        } else {
+            ctx.new_stream()
+        }
+        .map_err(|e| cuda("creating a stream", e))?;
         let ready = ctx
             .new_event(None)
             .map_err(|e| cuda("creating an event", e))?;

@@ -299,8 +299,30 @@ impl Replay {
                     items.push((src.slice(0..w.rows * w.cols)?, w.rows, w.cols, w.views()));
                 }
                 dev.quantize_mxfp8_many(&items, &mxfp8_weight_config())?;
-                for &p in ps {
-                    dev.zero(bufs.param_view(p)?)?;
+                // As the completion zeroes its buckets: one zero per run of consecutive views
+                // of the group's parameters in the staging buffer (not one launch per matrix).
+                let staging = bufs.param_view(ps[0])?.buffer();
+                let mut views = Vec::new();
+                for &p in bufs.group_params(bufs.group_of(ps[0])) {
+                    let v = bufs.param_view(p)?;
+                    if v.buffer() == staging {
+                        views.push(v);
+                    }
+                }
+                views.sort_by_key(View::byte_offset);
+                let mut run: Option<View> = None;
+                for v in views {
+                    run = match run.map(|r| (r, r.joined(&v))) {
+                        Some((_, Some(j))) => Some(j),
+                        Some((r, None)) => {
+                            dev.zero(r)?;
+                            Some(v)
+                        }
+                        None => Some(v),
+                    };
+                }
+                if let Some(r) = run {
+                    dev.zero(r)?;
                 }
             }
         }
@@ -342,6 +364,8 @@ pub struct StepRun {
     /// Per iteration: the six phases, with the gather holding the gather and its completion
     /// (`sync_params`) and the re-quantization its replay alone.
     pub phases: Vec<[f64; 6]>,
+    /// Per iteration: zeroing the gradient buffer (`begin_iteration`'s first kernel).
+    pub zero: Vec<f64>,
     /// Whole steps (`finish_grad_sync` + `protocol::step`), no synchronization inside.
     pub totals: Vec<f64>,
     pub bounds: Bounds,
@@ -379,7 +403,7 @@ pub fn step_rank(
     let own = base + grads.bytes() + replay.bytes();
     let n = bufs.specs().len();
     let (mut peak, mut clipped) = (0, false);
-    let mut phases = Vec::new();
+    let (mut phases, mut zero) = (Vec::new(), Vec::new());
     for i in 0..s.reps.0 + s.reps.1 {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
         grads.backward(dev, &mut bufs, 0..n)?;
@@ -409,8 +433,12 @@ pub fn step_rank(
         (_, t[4]) = timed(dev, comm, |d, c| Ok(b.sync_params(d, c)?))?;
         peak = peak.max(dev.allocated_bytes() - own);
         (_, t[5]) = timed(dev, comm, |d, _| replay.run(d, b))?;
+        // Not a phase of the step (the next iteration's `begin_iteration` does it): the zeroing
+        // of the gradient buffer, a local kernel the overlap mode cannot hide either.
+        let (_, z) = timed(dev, comm, |d, _| Ok(b.zero_grad_buffer(d)?))?;
         if i >= s.reps.0 {
             phases.push(t);
+            zero.push(z);
         }
     }
     let mut totals = Vec::new();
@@ -429,6 +457,7 @@ pub fn step_rank(
     }
     Ok(StepRun {
         phases,
+        zero,
         totals,
         bounds,
         traffic,
@@ -453,6 +482,60 @@ fn card(dev: &Device) -> String {
     let _ = dev;
     "cpu".into()
 }
+
+/// A point on the device's stream (a CUDA event); nothing on the CPU.
+struct Mark(#[cfg(feature = "cuda")] Option<lowbit_device::cudarc::driver::CudaEvent>);
+
+impl Mark {
+    fn record(dev: &Device) -> Res<Mark> {
+        #[cfg(feature = "cuda")]
+        {
+            use lowbit_device::cudarc::driver::sys::CUevent_flags;
+            let e = match dev.cuda_stream() {
+                Some(s) => Some(s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?),
+                None => None,
+            };
+            Ok(Mark(e))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dev;
+            Ok(Mark())
+        }
+    }
+
+    /// Milliseconds per segment: each mark after the first closes an interval of the segment
+    /// it names (`SEGMENTS`), measured from the mark before it; `None` unless all are events.
+    fn segments(marks: &[(Mark, usize)]) -> Res<Option<Vec<f64>>> {
+        #[cfg(feature = "cuda")]
+        {
+            let mut out = vec![0.0; SEGMENTS.len()];
+            for w in marks.windows(2) {
+                let (Some(a), Some(b)) = (&w[0].0.0, &w[1].0.0) else {
+                    return Ok(None);
+                };
+                out[w[1].1] += f64::from(a.elapsed_ms(b)?);
+            }
+            Ok(Some(out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = marks;
+            Ok(None)
+        }
+    }
+}
+
+/// Where the device's stream spends an overlapped iteration.
+pub const SEGMENTS: [&str; 7] = [
+    "begin",
+    "forward_params",
+    "forward_compute",
+    "backward_compute",
+    "backward_grads",
+    "grad_sync_rest",
+    "step",
+];
 
 /// A square f32 product repeated to last about a given time: compute that needs no kernel of
 /// its own.
@@ -513,6 +596,9 @@ pub struct OverlapRun {
     /// The same compute and gradient writes, nothing else.
     pub compute: Vec<f64>,
     pub per_call_us: f64,
+    /// Per timed iteration, where the device's stream spent the step with compute (ms per
+    /// `SEGMENTS` entry, from events on it; GPUs only).
+    pub segments: Vec<Option<Vec<f64>>>,
     /// The device's allocation peak during the iterations above what was allocated before
     /// them (transient buckets and units), and its closed form (`transient_bound`).
     pub transient_peak: usize,
@@ -568,33 +654,42 @@ pub fn overlap_rank(
     );
     dev.reset_peak();
     let before = dev.allocated_bytes();
-    let (mut with_dp, mut compute) = (Vec::new(), Vec::new());
+    let (mut with_dp, mut compute, mut segments) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..s.reps.0 + s.reps.1 {
         let (b, o) = (&mut bufs, &mut opt);
-        let (_, with) = timed(dev, comm, |d, c| {
+        let (w, with) = timed(dev, comm, |d, c| {
+            // Each mark closes an interval of the segment it names (SEGMENTS).
+            let mut w = vec![(Mark::record(d)?, 0)];
             protocol::begin_iteration(d, c, b, o)?;
             b.set_last_microbatch(true);
+            w.push((Mark::record(d)?, 0));
             for ps in &by_layer {
                 for &p in ps {
                     let g = b.group_of(p);
                     b.prepare_params(d, c, g, Usage::Forward)?;
                 }
+                w.push((Mark::record(d)?, 1));
                 spin.run(d, us)?;
+                w.push((Mark::record(d)?, 2));
             }
             for ps in by_layer.iter().rev() {
                 spin.run(d, 2.0 * us)?;
+                w.push((Mark::record(d)?, 3));
                 for &p in ps.iter().rev() {
                     let g = b.group_of(p);
                     b.prepare_params(d, c, g, Usage::Backward)?;
                     grads.backward(d, b, std::iter::once(p))?;
                     b.register_grad_ready(d, c, p)?;
                 }
+                w.push((Mark::record(d)?, 4));
             }
             b.finish_grad_sync(d, c)?;
+            w.push((Mark::record(d)?, 5));
             protocol::step(d, c, b, o)?;
-            Ok(())
+            w.push((Mark::record(d)?, 6));
+            Ok(w)
         })?;
-        let (_, alone) = timed(dev, comm, |d, _| {
+        let ((), alone) = timed(dev, comm, |d, _| {
             for _ in &by_layer {
                 spin.run(d, us)?;
             }
@@ -610,11 +705,13 @@ pub fn overlap_rank(
         if i >= s.reps.0 {
             with_dp.push(with);
             compute.push(alone);
+            segments.push(Mark::segments(&w)?);
         }
     }
     Ok(OverlapRun {
         with_dp,
         compute,
+        segments,
         per_call_us: spin.per_call * 1e6,
         transient_peak: dev.peak_allocated_bytes() - before,
         transient_closed,
