@@ -1108,11 +1108,66 @@ __device__ __forceinline__ uint32_t nvfp4_word_v3(const uint32_t* a, const uint3
     return acc;
 }
 
+// The two code words of one 1x16 block (a row block of nvfp4_quantize_rows_v3 and
+// nvfp4_quantize_both_v5, a column's block of nvfp4_quantize_cols_v4 and v5): `a` holds its
+// 16 bf16 elements as v3's row block does (word j = elements 2j | 2j + 1 << 16), `sf` its
+// scale byte, `nan` whether the block holds a NaN. Word w reads only a[4w .. 4w + 3].
+__device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
+                                                const float* __restrict__ rcp,
+                                                const uint4* __restrict__ thr, uint32_t* out) {
+    if (!nan) {
+        uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
+        const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
+        out[0] = nvfp4_word_v3(a, t);
+        out[1] = nvfp4_word_v3(a + 4, t);
+    } else {
+        float m = rcp[sf];
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint32_t pair = a[4 * w + j];
+                uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)pair), m));
+                uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)(pair >> 16)), m));
+                word |= (lo | (hi << 4)) << (8 * j);
+            }
+            out[w] = word;
+        }
+    }
+}
+
+// One 1x16 row block of nvfp4_quantize_rows_v3 (and nvfp4_quantize_both_v5): `a` holds its 16
+// bf16 elements (word j = elements 2j | 2j + 1 << 16). The amax is a NaN-propagating max, so a
+// block holding a NaN is seen at once: it takes the per-element path of version 2 (NaN-ignoring
+// amax from +0, f32 product, e2m1_code_v2). Writes the two code words to out[0..1] and returns
+// the scale byte.
+__device__ __forceinline__ uint32_t nvfp4_row_block_v3(const uint32_t* a, float k,
+                                                       const float* __restrict__ rcp,
+                                                       const uint4* __restrict__ thr,
+                                                       uint32_t* out) {
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(a);
+    __nv_bfloat162 m2 = zero2;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m2 = __hmax2_nan(m2, __habs2(p2[i]));
+    uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+    bool has_nan = (mb & 0x7FFFu) > 0x7F80u || (mb >> 16) > 0x7F80u;
+    if (has_nan) {
+        m2 = zero2;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m2 = __hmax2(m2, __habs2(p2[i]));
+    }
+    uint32_t amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
+    uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
+    nvfp4_col_words(a, sf, has_nan, rcp, thr, out);
+    return sf;
+}
+
 // NVFP4 rowwise copy, version 3: nvfp4_quantize_rows_v2's layout and loads (bf16, cols % 32
 // == 0, x and data 16-byte aligned, scales 2-byte aligned; a thread per two 1x16 blocks), the
-// codes from the threshold table of nvfp4_params_v3 (`params`). The block amax is a
-// NaN-propagating max, so a block holding a NaN is seen at once: it takes the per-element
-// path of version 2 (NaN-ignoring amax, f32 product, e2m1_code_v2).
+// codes from the threshold table of nvfp4_params_v3 (`params`), each block by
+// nvfp4_row_block_v3.
 extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
                                                   uint8_t* __restrict__ data,
                                                   uint8_t* __restrict__ scales,
@@ -1124,7 +1179,6 @@ extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
     u64 nb = cols / 16, rb = cols / 2;
     u64 kp = (u64)blockIdx.x * blockDim.x + threadIdx.x;  // block pair
     if (kp * 2 >= nb) return;
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
         const uint4* src = reinterpret_cast<const uint4*>(x + 2 * (r * cols + kp * 32));
         uint4 raw[4] = {__ldcs(src), __ldcs(src + 1), __ldcs(src + 2), __ldcs(src + 3)};
@@ -1132,42 +1186,8 @@ extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
         uint32_t sfs = 0;
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
-            const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&raw[2 * b]);
             const uint32_t* a = reinterpret_cast<const uint32_t*>(&raw[2 * b]);
-            __nv_bfloat162 m2 = zero2;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) m2 = __hmax2_nan(m2, __habs2(p2[i]));
-            uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
-            bool has_nan = (mb & 0x7FFFu) > 0x7F80u || (mb >> 16) > 0x7F80u;
-            if (has_nan) {
-                m2 = zero2;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) m2 = __hmax2(m2, __habs2(p2[i]));
-            }
-            uint32_t amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
-            uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
-            sfs |= sf << (8 * b);
-            if (!has_nan) {
-                uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
-                const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
-                words[2 * b] = nvfp4_word_v3(a, t);
-                words[2 * b + 1] = nvfp4_word_v3(a + 4, t);
-            } else {
-                float m = rcp[sf];
-                const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw[2 * b]);
-#pragma unroll
-                for (int w = 0; w < 2; ++w) {
-                    uint32_t word = 0;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        int e = 8 * w + 2 * j;
-                        uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e]), m));
-                        uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32(h[e + 1]), m));
-                        word |= (lo | (hi << 4)) << (8 * j);
-                    }
-                    words[2 * b + w] = word;
-                }
-            }
+            sfs |= nvfp4_row_block_v3(a, k, rcp, thr, &words[2 * b]) << (8 * b);
         }
         *reinterpret_cast<uint16_t*>(scales + r * nb + kp * 2) = (uint16_t)sfs;
         *reinterpret_cast<uint4*>(data + r * rb + kp * 16) =
@@ -1242,7 +1262,8 @@ extern "C" __global__ void nvfp4_quantize_cols(const uint8_t* __restrict__ x, ui
 // columns past `cols` are neither computed nor stored (rows % 16 == 0 and cols % 8 == 0, so a
 // block or a 16-byte chunk lies wholly inside or outside). Grid: x = ceil(cols / 64), y walks
 // the 256-row tiles (strided); 128 threads, at most 80 registers (six CTAs per SM: 192 KB of
-// tiles; uncapped it took 122, four CTAs; at seven it spills).
+// tiles; uncapped it took 122, four CTAs; at seven it spills). The body is nvfp4c_load_tile,
+// then nvfp4c_cols_part, which version 5 (nvfp4_quantize_both_v5) shares.
 #define NVFP4C_ROWS 256u
 #define NVFP4C_COLS 64u
 
@@ -1255,30 +1276,114 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// The two code words of one column's 1x16 block: `a` holds its 16 bf16 elements as v3's row
-// block does (word j = elements 2j | 2j + 1 << 16), `sf` its scale byte, `nan` whether the
-// block holds a NaN.
-__device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
-                                                const float* __restrict__ rcp,
-                                                const uint4* __restrict__ thr, uint32_t* out) {
-    if (!nan) {
-        uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
-        const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
-        out[0] = nvfp4_word_v3(a, t);
-        out[1] = nvfp4_word_v3(a + 4, t);
-    } else {
-        float m = rcp[sf];
+// Stages the tile of rows r0 .. r0 + 255 and columns c0 .. c0 + 63 (nvfp4_quantize_cols_v4;
+// nvfp4c_load_tile_v5 issues the same copies for version 5): 256 rows x 8 chunks of 16 bytes;
+// chunk q = threadIdx.x + 128 i is row q / 8, columns c0 + 8 (q % 8) .. + 7 (consecutive
+// threads, consecutive 16 bytes of a row). Chunks past `rows` or `cols` are not copied (their
+// shared words keep stale values and are never read). Returns when this thread's copies have
+// landed (the caller's barrier then makes them visible to the CTA).
+__device__ __forceinline__ void nvfp4c_load_tile(uint32_t (*tile)[NVFP4C_COLS / 2],
+                                                 const uint8_t* __restrict__ x, u64 r0, u64 c0,
+                                                 u64 rows, u64 cols) {
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
-            uint32_t word = 0;
+    for (unsigned i = 0; i < NVFP4C_ROWS * NVFP4C_COLS / 8 / 128; ++i) {
+        unsigned q = threadIdx.x + 128 * i;
+        unsigned tr_row = q / 8, ch = q % 8;
+        u64 r = r0 + tr_row, c = c0 + 8 * ch;
+        if (r < rows && c < cols) cp_async16(&tile[tr_row][4 * ch], x + 2 * (r * cols + c));
+    }
+    cp_async_wait_all();
+}
+
+// The columnwise copy of one staged tile (nvfp4_quantize_cols_v4 and nvfp4_quantize_both_v5
+// with NB = 4, nvfp4_quantize_both_v6 with NB = 2): lane `lane` of warp `warp` codes the column
+// pair (ca, ca + 1), ca = c0 + 2·lane, over the NB 1x16 blocks of tile rows 16·NB·warp ..
+// + 16·NB - 1, whose first matrix row is rw. The caller checked ca < cols and rw < rows.
+// Stores per column: the NB blocks' 8·NB code bytes as 16-byte units when `flags & 1` and all NB
+// blocks lie inside the matrix (NB = 4 also with 2 blocks left), else 8-byte units; the NB
+// scale bytes as one NB-byte store when `flags & 2` and all NB blocks lie inside, else bytes.
+// (The host sets the flags for the alignment those stores need at the kernel's NB.)
+template <unsigned NB>
+__device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_COLS / 2],
+                                                 unsigned lane, unsigned warp, u64 ca, u64 rw,
+                                                 u64 rows, float k, const float* __restrict__ rcp,
+                                                 const uint4* __restrict__ thr,
+                                                 uint8_t* __restrict__ data,
+                                                 uint8_t* __restrict__ scales, uint32_t flags) {
+    static_assert(NB == 2 || NB == 4, "two or four blocks per warp");
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    const u64 nbr = rows / 16, rb = rows / 2;
+    const u64 left = (rows - rw) / 16;
+    const unsigned nblk = left < NB ? (unsigned)left : NB;  // warp-uniform
+    uint32_t codes[2][2 * NB];  // [column][block * 2 + word]
+    uint32_t sfs[2] = {0, 0};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uint32_t pair = a[4 * w + j];
-                uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)pair), m));
-                uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)(pair >> 16)), m));
-                word |= (lo | (hi << 4)) << (8 * j);
+    for (unsigned b = 0; b < NB; ++b) {
+        if (b >= nblk) break;
+        uint32_t wv[16];
+#pragma unroll
+        for (unsigned i = 0; i < 16; ++i) wv[i] = tile[16 * NB * warp + 16 * b + i][lane];
+        __nv_bfloat162 m2 = zero2;
+#pragma unroll
+        for (unsigned i = 0; i < 16; ++i)
+            m2 = __hmax2_nan(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+        uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+        bool nan_a = (mb & 0x7FFFu) > 0x7F80u, nan_b = ((mb >> 16) & 0x7FFFu) > 0x7F80u;
+        if (nan_a || nan_b) {
+            // NaN-ignoring from +0 (an all-NaN block has amax 0), as abs_bits_nan_zero.
+            m2 = zero2;
+#pragma unroll
+            for (unsigned i = 0; i < 16; ++i)
+                m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+            mb = *reinterpret_cast<uint32_t*>(&m2);
+        }
+        // bf16 -> f32 is exact: the amax of column ca is the low half, of ca + 1 the high.
+        uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
+        uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
+        sfs[0] |= sfa << (8 * b);
+        sfs[1] |= sfb << (8 * b);
+        uint32_t pa[8], pb[8];
+#pragma unroll
+        for (unsigned j = 0; j < 8; ++j) {
+            pa[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x5410u);
+            pb[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x7632u);
+        }
+        nvfp4_col_words(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
+        nvfp4_col_words(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
+    }
+#pragma unroll
+    for (unsigned h = 0; h < 2; ++h) {
+        const u64 c = ca + h;
+        uint8_t* out = data + c * rb + rw / 2;
+        if ((flags & 1u) && nblk == NB) {
+            uint4* o = reinterpret_cast<uint4*>(out);
+#pragma unroll
+            for (unsigned u = 0; u < NB / 2; ++u)
+                o[u] = make_uint4(codes[h][4 * u], codes[h][4 * u + 1], codes[h][4 * u + 2],
+                                  codes[h][4 * u + 3]);
+        } else if (NB == 4 && (flags & 1u) && nblk == 2) {
+            *reinterpret_cast<uint4*>(out) =
+                make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
+        } else {
+#pragma unroll
+            for (unsigned b = 0; b < NB; ++b) {
+                if (b >= nblk) break;
+                *reinterpret_cast<uint2*>(out + 8 * b) =
+                    make_uint2(codes[h][2 * b], codes[h][2 * b + 1]);
             }
-            out[w] = word;
+        }
+        uint8_t* so = scales + c * nbr + rw / 16;
+        if ((flags & 2u) && nblk == NB) {
+            if (NB == 4)
+                *reinterpret_cast<uint32_t*>(so) = sfs[h];
+            else
+                *reinterpret_cast<uint16_t*>(so) = (uint16_t)sfs[h];
+        } else {
+#pragma unroll
+            for (unsigned b = 0; b < NB; ++b) {
+                if (b >= nblk) break;
+                so[b] = (uint8_t)(sfs[h] >> (8 * b));
+            }
         }
     }
 }
@@ -1291,97 +1396,232 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v4(
     const float* rcp = params + 1;
     const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const u64 nbr = rows / 16, rb = rows / 2;
     const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
     const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
     const u64 tiles = (rows + NVFP4C_ROWS - 1) / NVFP4C_ROWS;
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     for (u64 tr = blockIdx.y; tr < tiles; tr += gridDim.y) {
         const u64 r0 = tr * NVFP4C_ROWS;
         __syncthreads();  // the previous tile's reads are done
-        // 256 rows x 8 chunks of 16 bytes: chunk q = threadIdx.x + 128 i is row q / 8, columns
-        // c0 + 8 (q % 8) .. + 7 (consecutive threads, consecutive 16 bytes of a row).
-#pragma unroll
-        for (unsigned i = 0; i < NVFP4C_ROWS * NVFP4C_COLS / 8 / 128; ++i) {
-            unsigned q = threadIdx.x + 128 * i;
-            unsigned tr_row = q / 8, ch = q % 8;
-            u64 r = r0 + tr_row, c = c0 + 8 * ch;
-            if (r < rows && c < cols)
-                cp_async16(&tile[tr_row][4 * ch], x + 2 * (r * cols + c));
-        }
-        cp_async_wait_all();
+        nvfp4c_load_tile(tile, x, r0, c0, rows, cols);
         __syncthreads();
-        if (ca >= cols) continue;
         const u64 rw = r0 + 64 * warp;  // this warp's first row
-        if (rw >= rows) continue;
-        const u64 left = (rows - rw) / 16;
-        const unsigned nblk = left < 4 ? (unsigned)left : 4u;  // warp-uniform
-        uint32_t codes[2][8];  // [column][block * 2 + word]
-        uint32_t sfs[2] = {0, 0};
+        if (ca < cols && rw < rows)
+            nvfp4c_cols_part<4>(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales, flags);
+    }
+}
+
+// cp_async16 to the shared address s + OFF (an immediate offset).
+template <unsigned OFF>
+__device__ __forceinline__ void cp_async16_at(uint32_t s, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0+%2], [%1], 16;" ::"r"(s), "l"(gmem), "n"(OFF)
+                 : "memory");
+}
+
+// Copies I .. N - 1 of nvfp4c_load_tile (row r + 16 i, columns c .. c + 7 to shared address
+// s + 2048 i) at immediate shared offsets: one address register for all N (16 for a 256-row
+// tile, 8 for nvfp4_quantize_both_v6's 128 rows).
+template <unsigned I, unsigned N>
+__device__ __forceinline__ void nvfp4c_load_chunks_v5(uint32_t s, const uint8_t* __restrict__ x,
+                                                      u64 r, u64 c, u64 rows, u64 cols) {
+    if constexpr (I < N) {
+        const u64 ri = r + 16 * I;
+        if (ri < rows && c < cols)
+            cp_async16_at<I * 16 * NVFP4C_COLS * 2>(s, x + 2 * (ri * cols + c));
+        nvfp4c_load_chunks_v5<I + 1, N>(s, x, r, c, rows, cols);
+    }
+}
+
+// nvfp4c_load_tile (the same copies) with one shared address register: the 16 shared
+// addresses held in registers across the tile loop made nvfp4_quantize_both_v5 spill at 80.
+__device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS / 2],
+                                                    const uint8_t* __restrict__ x, u64 r0, u64 c0,
+                                                    u64 rows, u64 cols) {
+    const unsigned tr_row = threadIdx.x / 8, ch = threadIdx.x % 8;
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(&tile[tr_row][4 * ch]);
+    nvfp4c_load_chunks_v5<0, NVFP4C_ROWS / 16>(s, x, r0 + tr_row, c0 + 8 * ch, rows, cols);
+    cp_async_wait_all();
+}
+
+// ---- NVFP4 both copies, version 5: the rowwise and columnwise copies from one read of X ----
+//
+// Versions 3/4 read X twice for both copies (nvfp4_quantize_rows_v3, nvfp4_quantize_cols_v4).
+// Version 5 stages v4's tile (256 rows x 64 columns by cp.async; same grid, 128 threads), writes
+// its columnwise copy with v4's code (nvfp4c_cols_part), then its rowwise copy: a tile row is
+// two block pairs (columns c0 + 32·pair .. + 31, 16 words), 512 (row, pair) items, item
+// i = threadIdx.x + 128 j (j < 4) is tile row i / 2, pair i % 2. Each 1x16 block goes through
+// nvfp4_row_block_v3, v3's own code, on v3's layout (a tile row's word j holds elements
+// 2j | 2j + 1 << 16), and is stored as v3 stores it (16 code bytes, a 2-byte scale pair), so
+// both copies are v3/v4's bytes. Bank conflicts: an item's four 16-byte chunks lie in bank
+// groups 4·pair + 0..3 (row pitch 128 bytes), so the 8 lanes of a 16-byte phase (4 rows, both
+// pairs) would meet in 2 groups; the lane's q-th load reads chunk q ^ xo, xo = (i / 2) % 4,
+// and a phase touches 8 distinct groups. The permutation is undone on the results: a block's
+// code words are per chunk (nvfp4_word_v3 and the NaN path read only their own 8 elements),
+// its amax is a max of |x| >= +0 with NaN tested per half (the chunk order cannot change it),
+// so word q is chunk q ^ xo's and scale b block b ^ (xo / 2)'s, put back by two select steps.
+// Conditions (host-checked): v4's (bf16, x 16-byte and column data 8-byte aligned, the
+// threshold table; `flags` as v4's) and v3's (cols % 32 == 0, row data 16-byte and row scales
+// 2-byte aligned). Rowwise items past `rows` or `cols` are skipped (cols % 32 == 0: a pair lies
+// wholly inside or outside). 80 registers, no spills, 32 KB shared: six CTAs per SM.
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
+    const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
+    const u64 tiles = (rows + NVFP4C_ROWS - 1) / NVFP4C_ROWS;
+    const u64 nb = cols / 16, rbytes = cols / 2;
+    // This thread's rowwise items: tile rows threadIdx.x / 2 + 64 j, block pair `pair`
+    // (columns cp .. cp + 31), chunk order q ^ xo.
+    const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
+    const u64 cp = c0 + 32 * pair;
+    for (u64 tr = blockIdx.y; tr < tiles; tr += gridDim.y) {
+        const u64 r0 = tr * NVFP4C_ROWS;
+        __syncthreads();  // the previous tile's reads are done
+        nvfp4c_load_tile_v5(tile, x, r0, c0, rows, cols);
+        __syncthreads();
+        const u64 rw = r0 + 64 * warp;  // this warp's first row
+        if (ca < cols && rw < rows)
+            nvfp4c_cols_part<4>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
+        if (cp >= cols) continue;
 #pragma unroll
-        for (unsigned b = 0; b < 4; ++b) {
-            if (b >= nblk) break;
-            uint32_t wv[16];
+        for (unsigned j = 0; j < 4; ++j) {
+            const unsigned trow = threadIdx.x / 2 + 64 * j;
+            const u64 r = r0 + trow;
+            if (r >= rows) break;  // r grows with j
+            const uint4* src = reinterpret_cast<const uint4*>(&tile[trow][16 * pair]);
+            uint4 raw[4];
 #pragma unroll
-            for (unsigned i = 0; i < 16; ++i) wv[i] = tile[64 * warp + 16 * b + i][lane];
-            __nv_bfloat162 m2 = zero2;
+            for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
+            uint32_t w[4], sf[2];
 #pragma unroll
-            for (unsigned i = 0; i < 16; ++i)
-                m2 = __hmax2_nan(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-            uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
-            bool nan_a = (mb & 0x7FFFu) > 0x7F80u, nan_b = ((mb >> 16) & 0x7FFFu) > 0x7F80u;
-            if (nan_a || nan_b) {
-                // NaN-ignoring from +0 (an all-NaN block has amax 0), as abs_bits_nan_zero.
-                m2 = zero2;
-#pragma unroll
-                for (unsigned i = 0; i < 16; ++i)
-                    m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-                mb = *reinterpret_cast<uint32_t*>(&m2);
-            }
-            // bf16 -> f32 is exact: the amax of column ca is the low half, of ca + 1 the high.
-            uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
-            uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
-            sfs[0] |= sfa << (8 * b);
-            sfs[1] |= sfb << (8 * b);
-            uint32_t pa[8], pb[8];
-#pragma unroll
-            for (unsigned j = 0; j < 8; ++j) {
-                pa[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x5410u);
-                pb[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x7632u);
-            }
-            nvfp4_col_words(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
-            nvfp4_col_words(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
+            for (unsigned b = 0; b < 2; ++b)
+                sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
+                                           rcp, thr, &w[2 * b]);
+            // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
+            const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
+            uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
+            uint32_t v2 = s1 ? w[3] : w[2], v3 = s1 ? w[2] : w[3];
+            uint32_t o0 = s2 ? v2 : v0, o1 = s2 ? v3 : v1, o2 = s2 ? v0 : v2, o3 = s2 ? v1 : v3;
+            uint32_t sfs = s2 ? (sf[1] | (sf[0] << 8)) : (sf[0] | (sf[1] << 8));
+            *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
+            *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) = make_uint4(o0, o1, o2, o3);
         }
+    }
+}
+
+// ---- NVFP4 both copies, version 6: version 5 software-pipelined (two shared buffers) ----
+//
+// Version 5 loads a CTA's tile, waits at the barrier, then quantizes it: nothing of that CTA is
+// in flight while it computes (ncu on v4's columnwise kernel, the same structure: "No Eligible"
+// 64%, DRAM 62%). Version 6 keeps v5's arithmetic, thread mapping and stores but halves the
+// tile to 128 rows x 64 columns (16 KB) and double-buffers it (two buffers, 32 KB static shared
+// memory as v5): a CTA walks the tiles tr = blockIdx.y, + gridDim.y, ... of its 64-column
+// strip and, before coding tile tr, issues the cp.async copies of its next tile tr + gridDim.y
+// into the other buffer (one commit group per tile, empty past the last), then waits with
+// `cp.async.wait_group 1` for tile tr's group only, so the next tile's loads overlap this
+// tile's work and the wait for it. Two barriers per tile: after the wait (tile tr visible to
+// the CTA) and after the work (no warp still reads the buffer that the next iteration's copies
+// overwrite). Columnwise: warp w codes tile rows 32w .. 32w + 31 (two 1x16 blocks per column,
+// nvfp4c_cols_part<2>); a column gets 16 code bytes and 2 scale bytes per warp (one 16-byte
+// store when `flags & 1`: rows % 32 == 0 and column data 16-byte aligned, else 8-byte stores;
+// one 2-byte scale store when `flags & 2`: rows % 32 == 0 and column scales 2-byte aligned,
+// else bytes) and the CTA's four warps fill 64 contiguous code bytes (two sectors) of it.
+// Rowwise: v5's items (block pairs, chunk order q ^ xo, the same selects), two per thread:
+// tile rows threadIdx.x / 2 and + 64. Same bytes as v5 (the same per-block code on the same
+// elements; only which CTA and iteration handles a block changes). Conditions as v5
+// (host-checked), the flags as above. The grid's y is capped by the host so that a CTA gets
+// several tiles (the pipelining needs more than one). ptxas 13.0: 79 registers (as many
+// uncapped), no spills, 32 KB shared: six CTAs per SM.
+#define NVFP4C6_ROWS 128u
+#define NVFP4C6_TILE_BYTES (NVFP4C6_ROWS * NVFP4C_COLS * 2)
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of this thread's most recent cp.async groups are pending.
+template <unsigned N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v6(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tiles[2][NVFP4C6_ROWS][NVFP4C_COLS / 2];
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
+    const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
+    const u64 ntiles = (rows + NVFP4C6_ROWS - 1) / NVFP4C6_ROWS;
+    const u64 nb = cols / 16, rbytes = cols / 2;
+    // This thread's rowwise items: tile rows threadIdx.x / 2 + 64 j, block pair `pair`
+    // (columns cp .. cp + 31), chunk order q ^ xo.
+    const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
+    const u64 cp = c0 + 32 * pair;
+    // This thread's copies (nvfp4c_load_tile's mapping on 128 rows): tile rows
+    // threadIdx.x / 8 + 16 i (i < 8), columns cc .. cc + 7, at shared address s0 + 2048 i in
+    // buffer 0 and s0 + NVFP4C6_TILE_BYTES + 2048 i in buffer 1.
+    const unsigned lrow = threadIdx.x / 8, lch = threadIdx.x % 8;
+    const u64 cc = c0 + 8 * lch;
+    const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(&tiles[0][lrow][4 * lch]);
+    u64 tr = blockIdx.y;
+    if (tr < ntiles)
+        nvfp4c_load_chunks_v5<0, NVFP4C6_ROWS / 16>(s0, x, tr * NVFP4C6_ROWS + lrow, cc, rows,
+                                                    cols);
+    cp_async_commit();
+    for (unsigned buf = 0; tr < ntiles; tr += gridDim.y, buf ^= 1u) {
+        const u64 next = tr + gridDim.y;
+        // The other buffer was last read by the previous iteration's work, which the barrier
+        // closing that iteration finished for every warp.
+        if (next < ntiles)
+            nvfp4c_load_chunks_v5<0, NVFP4C6_ROWS / 16>(s0 + (buf ^ 1u) * NVFP4C6_TILE_BYTES, x,
+                                                        next * NVFP4C6_ROWS + lrow, cc, rows,
+                                                        cols);
+        cp_async_commit();  // possibly empty: tile tr's group is then always the older one
+        cp_async_wait_group<1>();
+        __syncthreads();  // every thread's copies of tile tr have landed
+        const uint32_t (*tile)[NVFP4C_COLS / 2] = tiles[buf];
+        const u64 r0 = tr * NVFP4C6_ROWS;
+        const u64 rw = r0 + 32 * warp;  // this warp's first row
+        if (ca < cols && rw < rows)
+            nvfp4c_cols_part<2>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
+        if (cp < cols) {
 #pragma unroll
-        for (unsigned h = 0; h < 2; ++h) {
-            const u64 c = ca + h;
-            uint8_t* out = data + c * rb + rw / 2;
-            if ((flags & 1u) && nblk == 4) {
-                uint4* o = reinterpret_cast<uint4*>(out);
-                o[0] = make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
-                o[1] = make_uint4(codes[h][4], codes[h][5], codes[h][6], codes[h][7]);
-            } else if ((flags & 1u) && nblk == 2) {
-                *reinterpret_cast<uint4*>(out) =
-                    make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
-            } else {
+            for (unsigned j = 0; j < 2; ++j) {
+                const unsigned trow = threadIdx.x / 2 + 64 * j;
+                const u64 r = r0 + trow;
+                if (r >= rows) break;  // r grows with j
+                const uint4* src = reinterpret_cast<const uint4*>(&tile[trow][16 * pair]);
+                uint4 raw[4];
 #pragma unroll
-                for (unsigned b = 0; b < 4; ++b) {
-                    if (b >= nblk) break;
-                    *reinterpret_cast<uint2*>(out + 8 * b) =
-                        make_uint2(codes[h][2 * b], codes[h][2 * b + 1]);
-                }
-            }
-            uint8_t* so = scales + c * nbr + rw / 16;
-            if ((flags & 2u) && nblk == 4) {
-                *reinterpret_cast<uint32_t*>(so) = sfs[h];
-            } else {
+                for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
+                uint32_t w[4], sf[2];
 #pragma unroll
-                for (unsigned b = 0; b < 4; ++b) {
-                    if (b >= nblk) break;
-                    so[b] = (uint8_t)(sfs[h] >> (8 * b));
-                }
+                for (unsigned b = 0; b < 2; ++b)
+                    sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
+                                               rcp, thr, &w[2 * b]);
+                // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
+                const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
+                uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
+                uint32_t v2 = s1 ? w[3] : w[2], v3 = s1 ? w[2] : w[3];
+                uint32_t o0 = s2 ? v2 : v0, o1 = s2 ? v3 : v1, o2 = s2 ? v0 : v2,
+                         o3 = s2 ? v1 : v3;
+                uint32_t sfs = s2 ? (sf[1] | (sf[0] << 8)) : (sf[0] | (sf[1] << 8));
+                *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
+                *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) =
+                    make_uint4(o0, o1, o2, o3);
             }
         }
+        __syncthreads();  // every warp is done with tile tr's buffer
     }
 }
 

@@ -294,6 +294,10 @@ fn main() {
         (Copies::Columnwise, 4),
         (Copies::Both, 3),
         (Copies::Both, 4),
+        // Version 5: both copies from one read of X (nvfp4_quantize_both_v5).
+        (Copies::Both, 5),
+        // Version 6: version 5 double-buffered (nvfp4_quantize_both_v6).
+        (Copies::Both, 6),
     ] {
         if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
             println!("nvfp4 v{version}: skipped ({e})");
@@ -362,30 +366,28 @@ fn main() {
         copy_bw2 / 1e9
     );
     // The grad-norm reduction (blocked f64 sum of squares) over the 1 GiB f32 gradient: reads
-    // 4 B/element, 8 B per 4096 elements of partials come back to the host.
-    let t = timed(&mut dev, 20, |d| {
-        d.sum_squares(g).expect("sum_squares");
-    });
-    report("sum_squares f32 256M", t, (p_n * 4) as f64, copy_bw2);
-    // The same 1 GiB read as 512M bf16 (the 16-bit loads: half the bytes per request).
+    // 4 B/element, 8 B per 4096 elements of partials come back to the host; then the same
+    // 1 GiB read as 512M bf16 (the 16-bit loads: half the bytes per request). Per kernel
+    // version: 1 (128 bytes of each of 32 blocks per warp instruction), 2 (16-byte loads, 512
+    // contiguous bytes of one block per instruction, a swizzled shared tile); the default (0)
+    // takes 1 for f32 and 2 for 16-bit views.
     let gh = g.reinterpret(DType::Bf16).expect("reinterpret");
-    let t = timed(&mut dev, 20, |d| {
-        d.sum_squares(gh).expect("sum_squares");
-    });
-    report("sum_squares bf16 512M", t, (p_n * 4) as f64, copy_bw2);
-    // Version 2 of the same reductions (16-byte loads, 512 contiguous bytes of one block per
-    // warp instruction, a swizzled shared tile); then back to the default.
-    dev.set_cuda_kernel_variant("sum_squares", 2)
-        .expect("variant");
-    let t = timed(&mut dev, 20, |d| {
-        d.sum_squares(g).expect("sum_squares");
-    });
-    report("sum_squares f32 256M (v2)", t, (p_n * 4) as f64, copy_bw2);
-    let t = timed(&mut dev, 20, |d| {
-        d.sum_squares(gh).expect("sum_squares");
-    });
-    report("sum_squares bf16 512M (v2)", t, (p_n * 4) as f64, copy_bw2);
-    dev.set_cuda_kernel_variant("sum_squares", 1)
+    for version in [1, 2] {
+        dev.set_cuda_kernel_variant("sum_squares", version)
+            .expect("variant");
+        for (what, v) in [("f32 256M", g), ("bf16 512M", gh)] {
+            let t = timed(&mut dev, 20, |d| {
+                d.sum_squares(v).expect("sum_squares");
+            });
+            report(
+                &format!("sum_squares {what} (v{version})"),
+                t,
+                (p_n * 4) as f64,
+                copy_bw2,
+            );
+        }
+    }
+    dev.set_cuda_kernel_variant("sum_squares", 0)
         .expect("variant");
     dev.zero(m).expect("zero");
     let mut step = 0u64;

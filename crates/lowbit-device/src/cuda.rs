@@ -21,7 +21,7 @@ use cudarc::driver::{
 };
 
 use crate::slots::{Slots, check_bounds};
-use crate::{BufferId, DeviceError, Result, View};
+use crate::{BufferId, DType, DeviceError, Result, View};
 
 /// Kernel arguments from plain values, each by its type: `u64` (device addresses) and `usize`
 /// (counts, widened to 64 bits) as [`Arg::U64`], `u32` (flags, dtype codes) as [`Arg::U32`],
@@ -121,9 +121,12 @@ pub(crate) struct CudaDevice {
     /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
     /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
     mxfp8_both_version: u32,
-    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 4 (the default: version 3
-    /// with the columnwise copy of `nvfp4_quantize_cols_v4`, both copies 0.60x of a copy on an
-    /// H100 where version 3 gives 0.36x), 3 (
+    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 5 (the default: both copies
+    /// from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
+    /// copy on an H100 with the amax pass), 6 (version 5 double-buffered: 128-row tiles, the
+    /// next tile's copies in flight while the current one is quantized), 4 (version 3 with the
+    /// columnwise copy of `nvfp4_quantize_cols_v4`, both copies 0.59x where version 3 gives
+    /// 0.36x), 3 (
     /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
     /// threshold table from `nvfp4_params_v3`, `nvfp4_quantize_rows_v3`; NVFP4 rowwise with
     /// its amax pass 0.85x on an H200), 2 (`max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`:
@@ -137,9 +140,11 @@ pub(crate) struct CudaDevice {
     /// (one `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
     nvfp4_finish_version: u32,
     /// Which kernels compute the blocked sums of squares (`sum_squares`, `sum_squares_each`,
-    /// `mse_loss`): 1 (the default: each warp instruction loads 128 bytes of each of 32 blocks)
-    /// or 2 (`*_v2`: 512 contiguous bytes of one block per instruction, a swizzled shared tile;
-    /// 16-byte aligned views only, version 1 otherwise; predicted, not yet measured). Same bits.
+    /// `mse_loss`): 0 (the default) picks per dtype, 1 for f32 and 2 for 16-bit inputs; 1 (each
+    /// warp instruction loads 128 bytes of each of 32 blocks) or 2 (`*_v2`: 512 contiguous
+    /// bytes of one block per instruction, a swizzled shared tile; 16-byte aligned views only,
+    /// version 1 otherwise) for every dtype. On an H100, f32: 0.76x / 0.74x of a copy; bf16:
+    /// 0.50x / 0.69x (`cuda_bench`, 1 GiB). Same bits.
     sum_squares_version: u32,
     /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
@@ -223,9 +228,9 @@ impl CudaDevice {
             tables: None,
             tables_ptr: 0,
             mxfp8_both_version: 4,
-            nvfp4_version: 4,
+            nvfp4_version: 5,
             nvfp4_finish_version: 2,
-            sum_squares_version: 1,
+            sum_squares_version: 0,
             mxfp8x_version: 3,
             gemm: None,
             tc_symmetric: 1,
@@ -249,6 +254,15 @@ impl CudaDevice {
         };
         dev.tables = Some(tables);
         Ok(dev)
+    }
+
+    /// Whether the blocked sums of squares of `dtype` run the version-2 kernels (where the
+    /// views are 16-byte aligned).
+    pub(crate) fn sum_squares_v2(&self, dtype: DType) -> bool {
+        match self.sum_squares_version {
+            0 => dtype != DType::F32,
+            v => v >= 2,
+        }
     }
 
     fn load_module(&mut self, m: &crate::ptx::Module) -> Result<()> {
@@ -431,9 +445,9 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
-            ("nvfp4", 1..=5) => self.nvfp4_version = version,
+            ("nvfp4", 1..=6) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
-            ("sum_squares", 1 | 2) => self.sum_squares_version = version,
+            ("sum_squares", 0..=2) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {

@@ -728,14 +728,17 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("nvfp4", 1..=4)`: the bf16 amax pass and the NVFP4 kernels, 4 by default: 3 with the
-    /// shared-memory columnwise kernel; `("nvfp4_finish_2d", 1 | 2)`: how
+    /// `("nvfp4", 1..=6)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
+    /// from one read of X; 4: 3 with the shared-memory columnwise kernel; 6: 5 double-buffered
+    /// (the next tile's loads in flight during the current tile's work);
+    /// `("nvfp4_finish_2d", 1 | 2)`: how
     /// [`Device::nvfp4_finish_2d_many`] runs, 2 by default: all matrices in two launches and one
     /// host read, 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
     /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
-    /// H100, 0.75x with 2); `("sum_squares", 1 | 2)`: the blocked sums of squares, 1 by default,
-    /// 2 reads 512 contiguous bytes of one block per instruction (measured equal for f32 on an
-    /// H100, 0.48x vs 0.37x for bf16)).
+    /// H100, 0.75x with 2); `("sum_squares", 0..=2)`: the blocked sums of squares, 0 by default
+    /// (1 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp
+    /// instruction, 2 512 contiguous bytes of one block (on an H100: f32 0.76x / 0.74x of a
+    /// copy, bf16 0.50x / 0.69x)).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

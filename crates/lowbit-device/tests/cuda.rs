@@ -238,7 +238,8 @@ fn reductions_match() {
 /// partials in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
 /// block edges, offsets, every float dtype, ±Inf, NaN, large and subnormal values, and a bf16
 /// view aliasing an f32 buffer. Every kernel version (`set_cuda_kernel_variant("sum_squares",
-/// 1 | 2)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1).
+/// 0..=2)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1;
+/// 0 picks per dtype).
 #[test]
 fn sum_squares_bits_match() {
     check_native("sum_squares", true, |c| {
@@ -258,7 +259,7 @@ fn sum_squares_bits_match() {
             128 * 4096 + 1,
             300_007,
         ];
-        for version in [1u32, 2] {
+        for version in [1u32, 2, 0] {
             c.dev.set_cuda_kernel_variant("sum_squares", version)?;
             let v = u64::from(version) * 10_000;
             for (i, d) in FLOATS.into_iter().enumerate() {
@@ -349,8 +350,21 @@ fn sum_squares_bits_match() {
                 c.buf(DType::F16, &finite(4095, v + 15)),
             ];
             out.extend(c.dev.sum_squares_each(&aligned)?);
+            // Enough blocks that the partials are copied to the host in pieces whose edges
+            // fall inside views (a view's partials are added across two pieces).
+            let f = c.buf(DType::F32, &finite(5000 * 4096 + 77, v + 16));
+            let h = c.buf(DType::F32, &finite(1500 * 4096 + 9, v + 17));
+            let big = [
+                f,
+                h.reinterpret(DType::Bf16)?.slice(1..3000 * 4096)?,
+                g.slice(0..0)?,
+                c.buf(DType::F16, &finite(1000 * 4096 + 1, v + 18)),
+                c.buf(DType::F32, &finite(33, v + 19)),
+            ];
+            out.extend(c.dev.sum_squares_each(&big)?);
+            out.push(c.dev.sum_squares(f)?);
         }
-        c.dev.set_cuda_kernel_variant("sum_squares", 1)?;
+        c.dev.set_cuda_kernel_variant("sum_squares", 0)?;
         Ok(out)
     });
 }
@@ -839,8 +853,9 @@ fn mxfp8_many_matches_per_item_and_cpu() {
 
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the
 /// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
-/// (`nvfp4_quantize_cols_v4`).
-const NVFP4_VERSIONS: [u32; 4] = [1, 2, 3, 4];
+/// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`),
+/// 6 is 5 double-buffered (`nvfp4_quantize_both_v6`).
+const NVFP4_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -1058,7 +1073,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4] {
+        for version in [3, 4, 5, 6] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

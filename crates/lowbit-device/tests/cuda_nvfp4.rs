@@ -252,7 +252,9 @@ fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
     // 256 x 64 tiles.
     let o = check("nvfp4 1D columnwise offset views", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4] {
+        // Versions 5 and 6 (the fused both-copies kernels) must leave a columnwise copy alone
+        // to v4.
+        for version in [3, 4, 5, 6] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in [(64usize, 64usize), (320, 72), (96, 8), (48, 136)]
                 .iter()
@@ -294,6 +296,129 @@ fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
         Ok(out)
     });
     native_nvfp4(&o, "nvfp4 1D columnwise offset views");
+}
+
+/// `n` bytes of seeded noise as a recorded U8 buffer: outputs start from it, so a byte that a
+/// kernel fails to write (or writes outside its view) differs from the CPU's.
+fn poison(c: &mut Ctx, n: usize, seed: u64) -> View {
+    let mut r = Rng::new(seed);
+    let bytes: Vec<f32> = (0..n).map(|_| (r.next() % 256) as f32).collect();
+    c.buf(DType::U8, &bytes)
+}
+
+/// A `rows x cols` input (rows % 16 == 0, cols >= 32) with the 1x16 block edge cases at fixed
+/// places, some in the last (partial) 256x64 tile: a whole NaN row block, whole NaN column
+/// blocks (at the start and in the last rows and column), a row of bf16 subnormals, a row of
+/// ±Inf and zeros (`inf`; else a large finite amax), a row block of ±0 and an all-zero 16x16
+/// tile (zero row and column blocks). Elsewhere random values, with sprinkled NaN, ±Inf and
+/// subnormals when `specials`, else finite.
+fn block_cases(rows: usize, cols: usize, seed: u64, specials: bool, inf: bool) -> Vec<f32> {
+    let n = rows * cols;
+    let mut v = if specials {
+        values(n, seed, true)
+    } else {
+        finite(n, seed)
+    };
+    let big = if inf { f32::INFINITY } else { 3.0e4 };
+    v[..16].fill(f32::NAN);
+    for c in 0..cols {
+        let sign = if c % 2 == 0 { 1.0 } else { -1.0 };
+        if rows > 1 {
+            v[cols + c] = f32::from_bits(0x0001_0000 * (c as u32 % 7 + 1)) * sign;
+        }
+        if rows > 2 {
+            v[2 * cols + c] = if c % 3 == 0 { big * sign } else { 0.0 };
+        }
+    }
+    if rows >= 32 {
+        for r in 16..32 {
+            v[r * cols + 3] = f32::from_bits(0xFFC0_0001);
+        }
+    }
+    if rows >= 48 {
+        for r in rows - 16..rows {
+            for c in 16..32 {
+                v[r * cols + c] = 0.0;
+            }
+            v[r * cols + cols - 1] = f32::NAN;
+        }
+        for c in cols - 16..cols - 1 {
+            v[(rows - 1) * cols + c] = if c % 2 == 0 { -0.0 } else { 0.0 };
+        }
+    }
+    v
+}
+
+#[test]
+fn nvfp4_1d_both_copies_versions_match() {
+    // Both 1D copies of ops.cu with version 3 (nvfp4_quantize_rows_v3 + nvfp4_quantize_cols),
+    // 4 (+ nvfp4_quantize_cols_v4), 5 (nvfp4_quantize_both_v5: one kernel, one read of X) and
+    // 6 (nvfp4_quantize_both_v6: v5 on double-buffered 128 x 64 tiles), each against the CPU
+    // byte for byte, into poisoned outputs with guard bytes. Shapes on and off the 256 x 64
+    // and 128 x 64 tiles (rows 272 and 48, cols 96 and 160: a half-width last tile column;
+    // cols 72: v5 and v6 decline, cols % 32 != 0); views at offsets where v5 and v6 run (x 16
+    // bytes in, column data 8-byte or scales 1-byte aligned: v4's narrower stores) and where
+    // they must fall back to v3/v4 or further (row data 8-byte or row scales 1-byte aligned, x
+    // misaligned). The last three shapes give each v6 CTA several 128-row tiles (its grid's y
+    // is at most a quarter of the tiles), so the next tile's copies run during the current
+    // tile's work, and a partial last tile: 4144 = 32·128 + 48 rows (rows % 32 != 0: 8-byte
+    // code and byte scale stores; the last tile's second warp has one column block), 5152 =
+    // 40·128 + 32 rows of one 64-column strip (rows % 32 == 0: 16-byte code and 2-byte scale
+    // stores where aligned; a last tile of one warp's rows), 2064 = 16·128 + 16 rows with a
+    // half-width last strip.
+    let shapes = [
+        (272usize, 96usize),
+        (48, 160),
+        (512, 1024),
+        (256, 64),
+        (16, 32),
+        (64, 72),
+        (4144, 192),
+        (5152, 64),
+        (2064, 96),
+    ];
+    // (source element offset, row data, row scale, column data, column scale byte offsets)
+    let offsets = [
+        (0usize, 0usize, 0usize, 0usize, 0usize),
+        (8, 0, 2, 8, 1),
+        (0, 16, 2, 16, 4),
+        (0, 8, 0, 0, 0),
+        (0, 0, 1, 0, 0),
+        (3, 1, 1, 1, 1),
+    ];
+    let o = check("nvfp4 1D both copies versions", true, |c| {
+        let mut out = Vec::new();
+        for version in [3, 4, 5, 6] {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            for (k, &(rows, cols)) in shapes.iter().enumerate() {
+                let n = rows * cols;
+                for (j, &(xo, rdo, rso, cdo, cso)) in offsets.iter().enumerate() {
+                    let seed = 5000 + 100 * k as u64 + 10 * j as u64;
+                    let specials = j % 2 == 1;
+                    let mut vals = vec![0.25; xo];
+                    vals.extend(block_cases(rows, cols, seed, specials, specials));
+                    let src = c.buf(DType::Bf16, &vals).slice(xo..xo + n)?;
+                    let mut view = |len: usize, off: usize, s: u64| -> Result<View> {
+                        poison(c, off + len + 16, s).slice(off..off + len)
+                    };
+                    let (rb, rs) = (rows * cols.div_ceil(2), rows * cols.div_ceil(16));
+                    let views = Nvfp4Views {
+                        rowwise: Some((view(rb, rdo, seed + 1)?, view(rs, rso, seed + 2)?)),
+                        columnwise: Some((
+                            view(n / 2, cdo, seed + 3)?,
+                            view(n / 16, cso, seed + 4)?,
+                        )),
+                    };
+                    let amax =
+                        c.dev
+                            .quantize_nvfp4(src, rows, cols, &Nvfp4Config::default(), &views)?;
+                    out.extend([f64::from(amax.rowwise), f64::from(amax.columnwise)]);
+                }
+            }
+        }
+        Ok(out)
+    });
+    native_nvfp4(&o, "nvfp4 1D both copies versions");
 }
 
 #[test]
@@ -585,9 +710,10 @@ fn nvfp4_timings() {
         });
         println!("{name}: {t:.1} us = {:.2}x copy time", copy / t);
     }
-    // 1D both copies with the columnwise kernel of version 3 (down columns) and version 4
-    // (shared-memory transpose); the default version is restored after.
-    for version in [3, 4, 3] {
+    // 1D both copies with the columnwise kernel of version 3 (down columns), version 4
+    // (shared-memory transpose), version 5 (both copies in one kernel) and version 6 (5
+    // double-buffered).
+    for version in [3, 4, 5, 6] {
         g.set_cuda_kernel_variant("nvfp4", version).unwrap();
         let cfg = Nvfp4Config::default();
         let t = time(&mut g, 10, |g| {

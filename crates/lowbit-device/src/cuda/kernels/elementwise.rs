@@ -185,7 +185,7 @@ impl CudaDevice {
         };
         // Version 2 (16-byte loads) when every view of this dtype is 16-byte aligned: two
         // warps per CTA; else version 1, four.
-        let (name, cta) = if self.sum_squares_version >= 2 && table.aligned {
+        let (name, cta) = if self.sum_squares_v2(d) && table.aligned {
             (name_v2, 64)
         } else {
             (name, 128)
@@ -249,7 +249,7 @@ impl CudaDevice {
             return Ok(());
         }
         // Version 2 (16-byte loads) needs 16-byte aligned inputs; else version 1.
-        let v2 = self.sum_squares_version >= 2
+        let v2 = self.sum_squares_v2(d)
             && x.is_multiple_of(16)
             && y.is_none_or(|y| y.is_multiple_of(16));
         // A warp per 32 blocks; four warps per CTA (version 1), two (version 2), one (version 2

@@ -2,6 +2,7 @@
 //! E4M3, 1D) and NVFP4 (1D, round to nearest) quantization, dequantization of one copy, and the
 //! sharded 2D ranges (tile-amax folds, codes of a range, 2D MXFP8 scales).
 
+use cudarc::driver::sys::CUdevice_attribute;
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{blocks, dt, nvfp4_rows_vec};
@@ -43,6 +44,13 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
         && x.is_multiple_of(16)
         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
 }
+
+/// Resident CTAs of `nvfp4_quantize_both_v6` per SM: `__launch_bounds__(128, 6)`, 79
+/// registers (ptxas 13.0), 32 KB of static shared memory each.
+const NVFP4_V6_CTAS_PER_SM: usize = 6;
+
+/// About how many waves of resident CTAs `nvfp4_quantize_both_v6`'s grid may have.
+const NVFP4_V6_WAVES: usize = 2;
 
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
@@ -242,9 +250,9 @@ impl CudaDevice {
         // before the quantization kernels; the amax comes back at the end.
         let amax = self.scratch(1)?;
         self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
-        // Versions 3 and 4 also build the E2M1 threshold table (8 words per scale byte from
-        // word 260, which the 16-byte loads of nvfp4_quantize_rows_v3 and
-        // nvfp4_quantize_cols_v4 need 16-byte aligned).
+        // Versions 3 to 5 also build the E2M1 threshold table (8 words per scale byte from
+        // word 260, which the 16-byte loads of nvfp4_quantize_rows_v3, nvfp4_quantize_cols_v4
+        // and nvfp4_quantize_both_v5 need 16-byte aligned).
         let params = self.scratch(if self.nvfp4_version >= 3 {
             260 + 8 * 256
         } else {
@@ -269,7 +277,16 @@ impl CudaDevice {
             )?;
         }
         let (r, c) = (rows as u64, cols as u64);
-        if let Some((d, s)) = out.rowwise {
+        // Versions 5 and 6: both copies from one read of X (nvfp4_quantize_both_v5, or its
+        // double-buffered nvfp4_quantize_both_v6 from version 6 on), where both v3's rowwise
+        // and v4's columnwise conditions hold; else the separate kernels below.
+        let fused = thresholds && self.nvfp4_version >= 5 && self.nvfp4_both_fused(q, x, tp)?;
+        let (rowwise, columnwise) = if fused {
+            (None, None)
+        } else {
+            (out.rowwise, out.columnwise)
+        };
+        if let Some((d, s)) = rowwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
             let vec = nvfp4_rows_vec(src.dtype(), cols, x, d);
             let args = args![x, xd, d, s, tp, r, c, u32::from(vec)];
@@ -300,7 +317,7 @@ impl CudaDevice {
                 },
             }
         }
-        if let Some((d, s)) = out.columnwise {
+        if let Some((d, s)) = columnwise {
             let (d, s) = (self.device_ptr(d)?, self.device_ptr(s)?);
             let nbr = rows / 16;
             let per = [4, 2, 1]
@@ -347,6 +364,111 @@ impl CudaDevice {
         let a = f32::from_bits(self.fetch_word(&amax)?);
         drop(params);
         Ok(Some(a))
+    }
+
+    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (`nvfp4_quantize_both_v6` when the
+    /// selected version is 6 or more) when its conditions hold (both copies requested; bf16;
+    /// cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte and columnwise
+    /// data 8-byte aligned; the grid within limits; the same for both kernels): launches it and
+    /// returns `true`, else launches nothing and returns `false`. `x` is the source's address,
+    /// `tp` the parameters that `nvfp4_params_v3` wrote (16-byte aligned: the caller checked
+    /// it), and the caller validated the views (and `rows % 16 == 0`, as for any columnwise
+    /// copy).
+    fn nvfp4_both_fused(&mut self, q: &Nvfp4Quantize<'_>, x: u64, tp: u64) -> Result<bool> {
+        let (src, [rows, cols], out) = (q.src, q.shape, q.out);
+        let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
+            return Ok(false);
+        };
+        let (rd, rs) = (self.device_ptr(rd)?, self.device_ptr(rs)?);
+        let (cd, cs) = (self.device_ptr(cd)?, self.device_ptr(cs)?);
+        // v3's rowwise conditions (v2's `vec` and the 16-byte code and 2-byte scale stores) and
+        // v4's columnwise ones (16-byte loads of x, 8-byte code stores).
+        let ok = src.dtype() == DType::Bf16
+            && cols.is_multiple_of(32)
+            && x.is_multiple_of(16)
+            && rd.is_multiple_of(16)
+            && rs.is_multiple_of(2)
+            && cd.is_multiple_of(8);
+        let (true, Some(gx)) = (ok, blocks(cols, 64)) else {
+            return Ok(false);
+        };
+        if self.nvfp4_version >= 6 {
+            return self.nvfp4_both_v6(gx, [rows, cols], [x, rd, rs, cd, cs, tp]);
+        }
+        let (r, c) = (rows as u64, cols as u64);
+        let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
+            | (u32::from(rows.is_multiple_of(64) && cs.is_multiple_of(4)) << 1);
+        let gy = u32::try_from(rows.div_ceil(256).min(65535)).unwrap_or(65535);
+        let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
+        // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
+        // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
+        // bytes out; rows % 16 == 0). Reads: the 16-byte `cp.async` chunks of v4 (x 16-byte
+        // aligned and cols % 8 == 0, checked above: each chunk is aligned and lies wholly
+        // inside or past a row; only chunks with row < rows and column < cols are copied) and
+        // the threshold table that nvfp4_params_v3 wrote into `tp` (16-byte aligned, checked by
+        // the caller), at scale bytes < 256. Column stores exactly as v4's (8-byte units, `cd`
+        // 8-byte aligned with pitch rows/2 a multiple of 8; 16-byte units only with flag 1:
+        // rows % 32 == 0 and `cd` 16-byte aligned; 4-byte scale words only with flag 2:
+        // rows % 64 == 0 and `cs` 4-byte aligned; nothing past row `rows` or column `cols`).
+        // Row stores exactly as v3's: for a row r < rows and a block pair starting at column
+        // p < cols (p % 32 == 0, so p + 32 <= cols as cols % 32 == 0), 16 code bytes at
+        // r·cols/2 + p/2 and 2 scale bytes at r·cols/16 + p/16, inside the views and aligned
+        // (`rd` 16-byte and `rs` 2-byte aligned, checked above, pitches cols/2 and cols/16
+        // multiples of 16 and 2). The shared-memory words it reads are those it copied.
+        unsafe { self.launch("nvfp4_quantize_both_v5", (gx, gy, 1), (128, 1, 1), &args)? };
+        Ok(true)
+    }
+
+    /// Launches `nvfp4_quantize_both_v6` (the double-buffered v5) on `gx` strips of 64 columns
+    /// for `[x, rd, rs, cd, cs, tp]`, which [`Self::nvfp4_both_fused`] checked (v5's
+    /// conditions, which are v6's), and returns `true`. Grid y: each CTA walks the 128-row
+    /// tiles `blockIdx.y, + gridDim.y, ...` of its strip; y is capped at about
+    /// [`NVFP4_V6_WAVES`] waves of resident CTAs ([`NVFP4_V6_CTAS_PER_SM`] per SM) and at a
+    /// quarter of the tiles, so that a CTA gets several tiles (the next tile's loads overlap
+    /// the current tile's work only from a CTA's second tile on).
+    fn nvfp4_both_v6(
+        &mut self,
+        gx: u32,
+        [rows, cols]: [usize; 2],
+        [x, rd, rs, cd, cs, tp]: [u64; 6],
+    ) -> Result<bool> {
+        let sms = self
+            .stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(crate::cuda::cuda_err("reading the multiprocessor count"))?;
+        let resident = usize::try_from(sms).unwrap_or(1).max(1) * NVFP4_V6_CTAS_PER_SM;
+        let cap = (NVFP4_V6_WAVES * resident / gx as usize).max(1);
+        let tiles = rows.div_ceil(128);
+        let gy = tiles.div_ceil(4).min(cap).clamp(1, 65535);
+        let gy = u32::try_from(gy).unwrap_or(65535);
+        // Its own column flags: a warp's 2 blocks of a column are 16 code bytes at an offset
+        // rw/2 with rw % 32 == 0, and 2 scale bytes at rw/16 (even).
+        let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
+            | (u32::from(rows.is_multiple_of(32) && cs.is_multiple_of(2)) << 1);
+        let args = args![x, rd, rs, cd, cs, tp, rows as u64, cols as u64, flags];
+        // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
+        // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
+        // bytes out; rows % 16 == 0). Reads: v5's 16-byte `cp.async` chunks on 128-row tiles
+        // (x 16-byte aligned and cols % 8 == 0, checked by the caller: each chunk is aligned
+        // and lies wholly inside or past a row; only chunks with row < rows and column < cols
+        // are copied) and the threshold table that nvfp4_params_v3 wrote into `tp` (16-byte
+        // aligned, checked by the caller), at scale bytes < 256. Column stores: per column and
+        // warp, the codes of its 16-row blocks below `rows` at c·rows/2 + rw/2 (rw % 32 == 0)
+        // in 8-byte units (`cd` 8-byte aligned, pitch rows/2 a multiple of 8), as one 16-byte
+        // unit only with flag 1 (rows % 32 == 0, so the pitch is a multiple of 16, and `cd`
+        // 16-byte aligned); the scale bytes at c·rows/16 + rw/16 as bytes, as one 2-byte unit
+        // only with flag 2 (rows % 32 == 0, so the pitch rows/16 and rw/16 are even, and `cs`
+        // 2-byte aligned); nothing past row `rows` or column `cols`. Row stores exactly as
+        // v3's and v5's: for a row r < rows and a block pair starting at column p < cols
+        // (p % 32 == 0, so p + 32 <= cols as cols % 32 == 0), 16 code bytes at r·cols/2 + p/2
+        // and 2 scale bytes at r·cols/16 + p/16, inside the views and aligned (`rd` 16-byte and
+        // `rs` 2-byte aligned, checked by the caller, pitches cols/2 and cols/16 multiples of
+        // 16 and 2). The shared-memory words it reads are those it copied and waited for
+        // (cp.async.wait_group, then a barrier); a buffer is refilled only after a barrier
+        // that follows every warp's reads of it. 32 KB of static shared memory, none dynamic.
+        unsafe { self.launch("nvfp4_quantize_both_v6", (gx, gy, 1), (128, 1, 1), &args)? };
+        Ok(true)
     }
 
     /// Dequantizes one copy of a `[rows, cols]` matrix, its rowwise or (`columnwise`) its
