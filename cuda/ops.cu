@@ -1295,34 +1295,30 @@ __device__ __forceinline__ void nvfp4c_load_tile(uint32_t (*tile)[NVFP4C_COLS / 
     cp_async_wait_all();
 }
 
-// The columnwise copy of one staged tile (nvfp4_quantize_cols_v4 and nvfp4_quantize_both_v5
-// with NB = 4, nvfp4_quantize_both_v6 with NB = 2): lane `lane` of warp `warp` codes the column
-// pair (ca, ca + 1), ca = c0 + 2·lane, over the NB 1x16 blocks of tile rows 16·NB·warp ..
-// + 16·NB - 1, whose first matrix row is rw. The caller checked ca < cols and rw < rows.
-// Stores per column: the NB blocks' 8·NB code bytes as 16-byte units when `flags & 1` and all NB
-// blocks lie inside the matrix (NB = 4 also with 2 blocks left), else 8-byte units; the NB
-// scale bytes as one NB-byte store when `flags & 2` and all NB blocks lie inside, else bytes.
-// (The host sets the flags for the alignment those stores need at the kernel's NB.)
-template <unsigned NB>
+// The columnwise copy of one staged tile (nvfp4_quantize_cols_v4 and nvfp4_quantize_both_v5):
+// lane `lane` of warp `warp` codes the column pair (ca, ca + 1), ca = c0 + 2·lane, over the four
+// 1x16 blocks of tile rows 64·warp .. + 63, whose first matrix row is rw. The caller checked
+// ca < cols and rw < rows. Stores per column: the blocks' 32 code bytes as 16-byte units when
+// `flags & 1` and all four (or two) blocks lie inside the matrix, else 8-byte units; the four
+// scale bytes as one 4-byte store when `flags & 2` and all four blocks lie inside, else bytes.
 __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_COLS / 2],
                                                  unsigned lane, unsigned warp, u64 ca, u64 rw,
                                                  u64 rows, float k, const float* __restrict__ rcp,
                                                  const uint4* __restrict__ thr,
                                                  uint8_t* __restrict__ data,
                                                  uint8_t* __restrict__ scales, uint32_t flags) {
-    static_assert(NB == 2 || NB == 4, "two or four blocks per warp");
     const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     const u64 nbr = rows / 16, rb = rows / 2;
     const u64 left = (rows - rw) / 16;
-    const unsigned nblk = left < NB ? (unsigned)left : NB;  // warp-uniform
-    uint32_t codes[2][2 * NB];  // [column][block * 2 + word]
+    const unsigned nblk = left < 4 ? (unsigned)left : 4u;  // warp-uniform
+    uint32_t codes[2][8];  // [column][block * 2 + word]
     uint32_t sfs[2] = {0, 0};
 #pragma unroll
-    for (unsigned b = 0; b < NB; ++b) {
+    for (unsigned b = 0; b < 4; ++b) {
         if (b >= nblk) break;
         uint32_t wv[16];
 #pragma unroll
-        for (unsigned i = 0; i < 16; ++i) wv[i] = tile[16 * NB * warp + 16 * b + i][lane];
+        for (unsigned i = 0; i < 16; ++i) wv[i] = tile[64 * warp + 16 * b + i][lane];
         __nv_bfloat162 m2 = zero2;
 #pragma unroll
         for (unsigned i = 0; i < 16; ++i)
@@ -1355,32 +1351,27 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
     for (unsigned h = 0; h < 2; ++h) {
         const u64 c = ca + h;
         uint8_t* out = data + c * rb + rw / 2;
-        if ((flags & 1u) && nblk == NB) {
+        if ((flags & 1u) && nblk == 4) {
             uint4* o = reinterpret_cast<uint4*>(out);
-#pragma unroll
-            for (unsigned u = 0; u < NB / 2; ++u)
-                o[u] = make_uint4(codes[h][4 * u], codes[h][4 * u + 1], codes[h][4 * u + 2],
-                                  codes[h][4 * u + 3]);
-        } else if (NB == 4 && (flags & 1u) && nblk == 2) {
+            o[0] = make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
+            o[1] = make_uint4(codes[h][4], codes[h][5], codes[h][6], codes[h][7]);
+        } else if ((flags & 1u) && nblk == 2) {
             *reinterpret_cast<uint4*>(out) =
                 make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
         } else {
 #pragma unroll
-            for (unsigned b = 0; b < NB; ++b) {
+            for (unsigned b = 0; b < 4; ++b) {
                 if (b >= nblk) break;
                 *reinterpret_cast<uint2*>(out + 8 * b) =
                     make_uint2(codes[h][2 * b], codes[h][2 * b + 1]);
             }
         }
         uint8_t* so = scales + c * nbr + rw / 16;
-        if ((flags & 2u) && nblk == NB) {
-            if (NB == 4)
-                *reinterpret_cast<uint32_t*>(so) = sfs[h];
-            else
-                *reinterpret_cast<uint16_t*>(so) = (uint16_t)sfs[h];
+        if ((flags & 2u) && nblk == 4) {
+            *reinterpret_cast<uint32_t*>(so) = sfs[h];
         } else {
 #pragma unroll
-            for (unsigned b = 0; b < NB; ++b) {
+            for (unsigned b = 0; b < 4; ++b) {
                 if (b >= nblk) break;
                 so[b] = (uint8_t)(sfs[h] >> (8 * b));
             }
@@ -1406,7 +1397,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v4(
         __syncthreads();
         const u64 rw = r0 + 64 * warp;  // this warp's first row
         if (ca < cols && rw < rows)
-            nvfp4c_cols_part<4>(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales, flags);
+            nvfp4c_cols_part(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales, flags);
     }
 }
 
@@ -1417,17 +1408,16 @@ __device__ __forceinline__ void cp_async16_at(uint32_t s, const void* gmem) {
                  : "memory");
 }
 
-// Copies I .. N - 1 of nvfp4c_load_tile (row r + 16 i, columns c .. c + 7 to shared address
-// s + 2048 i) at immediate shared offsets: one address register for all N (16 for a 256-row
-// tile, 8 for nvfp4_quantize_both_v6's 128 rows).
-template <unsigned I, unsigned N>
+// Copies I .. 15 of nvfp4c_load_tile (row r + 16 i, columns c .. c + 7 to shared address
+// s + 2048 i) at immediate shared offsets: one address register for all 16.
+template <unsigned I>
 __device__ __forceinline__ void nvfp4c_load_chunks_v5(uint32_t s, const uint8_t* __restrict__ x,
                                                       u64 r, u64 c, u64 rows, u64 cols) {
-    if constexpr (I < N) {
+    if constexpr (I < NVFP4C_ROWS / 16) {
         const u64 ri = r + 16 * I;
         if (ri < rows && c < cols)
             cp_async16_at<I * 16 * NVFP4C_COLS * 2>(s, x + 2 * (ri * cols + c));
-        nvfp4c_load_chunks_v5<I + 1, N>(s, x, r, c, rows, cols);
+        nvfp4c_load_chunks_v5<I + 1>(s, x, r, c, rows, cols);
     }
 }
 
@@ -1438,7 +1428,7 @@ __device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS
                                                     u64 rows, u64 cols) {
     const unsigned tr_row = threadIdx.x / 8, ch = threadIdx.x % 8;
     const uint32_t s = (uint32_t)__cvta_generic_to_shared(&tile[tr_row][4 * ch]);
-    nvfp4c_load_chunks_v5<0, NVFP4C_ROWS / 16>(s, x, r0 + tr_row, c0 + 8 * ch, rows, cols);
+    nvfp4c_load_chunks_v5<0>(s, x, r0 + tr_row, c0 + 8 * ch, rows, cols);
     cp_async_wait_all();
 }
 
@@ -1486,7 +1476,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
         __syncthreads();
         const u64 rw = r0 + 64 * warp;  // this warp's first row
         if (ca < cols && rw < rows)
-            nvfp4c_cols_part<4>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
+            nvfp4c_cols_part(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
         if (cp >= cols) continue;
 #pragma unroll
         for (unsigned j = 0; j < 4; ++j) {
@@ -1511,117 +1501,6 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
             *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
             *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) = make_uint4(o0, o1, o2, o3);
         }
-    }
-}
-
-// ---- NVFP4 both copies, version 6: version 5 software-pipelined (two shared buffers) ----
-//
-// Version 5 loads a CTA's tile, waits at the barrier, then quantizes it: nothing of that CTA is
-// in flight while it computes (ncu on v4's columnwise kernel, the same structure: "No Eligible"
-// 64%, DRAM 62%). Version 6 keeps v5's arithmetic, thread mapping and stores but halves the
-// tile to 128 rows x 64 columns (16 KB) and double-buffers it (two buffers, 32 KB static shared
-// memory as v5): a CTA walks the tiles tr = blockIdx.y, + gridDim.y, ... of its 64-column
-// strip and, before coding tile tr, issues the cp.async copies of its next tile tr + gridDim.y
-// into the other buffer (one commit group per tile, empty past the last), then waits with
-// `cp.async.wait_group 1` for tile tr's group only, so the next tile's loads overlap this
-// tile's work and the wait for it. Two barriers per tile: after the wait (tile tr visible to
-// the CTA) and after the work (no warp still reads the buffer that the next iteration's copies
-// overwrite). Columnwise: warp w codes tile rows 32w .. 32w + 31 (two 1x16 blocks per column,
-// nvfp4c_cols_part<2>); a column gets 16 code bytes and 2 scale bytes per warp (one 16-byte
-// store when `flags & 1`: rows % 32 == 0 and column data 16-byte aligned, else 8-byte stores;
-// one 2-byte scale store when `flags & 2`: rows % 32 == 0 and column scales 2-byte aligned,
-// else bytes) and the CTA's four warps fill 64 contiguous code bytes (two sectors) of it.
-// Rowwise: v5's items (block pairs, chunk order q ^ xo, the same selects), two per thread:
-// tile rows threadIdx.x / 2 and + 64. Same bytes as v5 (the same per-block code on the same
-// elements; only which CTA and iteration handles a block changes). Conditions as v5
-// (host-checked), the flags as above. The grid's y is capped by the host so that a CTA gets
-// several tiles (the pipelining needs more than one). ptxas 13.0: 79 registers (as many
-// uncapped), no spills, 32 KB shared: six CTAs per SM.
-#define NVFP4C6_ROWS 128u
-#define NVFP4C6_TILE_BYTES (NVFP4C6_ROWS * NVFP4C_COLS * 2)
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Waits until at most N of this thread's most recent cp.async groups are pending.
-template <unsigned N>
-__device__ __forceinline__ void cp_async_wait_group() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v6(
-    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
-    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tiles[2][NVFP4C6_ROWS][NVFP4C_COLS / 2];
-    const float k = params[0];
-    const float* rcp = params + 1;
-    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
-    const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
-    const u64 ntiles = (rows + NVFP4C6_ROWS - 1) / NVFP4C6_ROWS;
-    const u64 nb = cols / 16, rbytes = cols / 2;
-    // This thread's rowwise items: tile rows threadIdx.x / 2 + 64 j, block pair `pair`
-    // (columns cp .. cp + 31), chunk order q ^ xo.
-    const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
-    const u64 cp = c0 + 32 * pair;
-    // This thread's copies (nvfp4c_load_tile's mapping on 128 rows): tile rows
-    // threadIdx.x / 8 + 16 i (i < 8), columns cc .. cc + 7, at shared address s0 + 2048 i in
-    // buffer 0 and s0 + NVFP4C6_TILE_BYTES + 2048 i in buffer 1.
-    const unsigned lrow = threadIdx.x / 8, lch = threadIdx.x % 8;
-    const u64 cc = c0 + 8 * lch;
-    const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(&tiles[0][lrow][4 * lch]);
-    u64 tr = blockIdx.y;
-    if (tr < ntiles)
-        nvfp4c_load_chunks_v5<0, NVFP4C6_ROWS / 16>(s0, x, tr * NVFP4C6_ROWS + lrow, cc, rows,
-                                                    cols);
-    cp_async_commit();
-    for (unsigned buf = 0; tr < ntiles; tr += gridDim.y, buf ^= 1u) {
-        const u64 next = tr + gridDim.y;
-        // The other buffer was last read by the previous iteration's work, which the barrier
-        // closing that iteration finished for every warp.
-        if (next < ntiles)
-            nvfp4c_load_chunks_v5<0, NVFP4C6_ROWS / 16>(s0 + (buf ^ 1u) * NVFP4C6_TILE_BYTES, x,
-                                                        next * NVFP4C6_ROWS + lrow, cc, rows,
-                                                        cols);
-        cp_async_commit();  // possibly empty: tile tr's group is then always the older one
-        cp_async_wait_group<1>();
-        __syncthreads();  // every thread's copies of tile tr have landed
-        const uint32_t (*tile)[NVFP4C_COLS / 2] = tiles[buf];
-        const u64 r0 = tr * NVFP4C6_ROWS;
-        const u64 rw = r0 + 32 * warp;  // this warp's first row
-        if (ca < cols && rw < rows)
-            nvfp4c_cols_part<2>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
-        if (cp < cols) {
-#pragma unroll
-            for (unsigned j = 0; j < 2; ++j) {
-                const unsigned trow = threadIdx.x / 2 + 64 * j;
-                const u64 r = r0 + trow;
-                if (r >= rows) break;  // r grows with j
-                const uint4* src = reinterpret_cast<const uint4*>(&tile[trow][16 * pair]);
-                uint4 raw[4];
-#pragma unroll
-                for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
-                uint32_t w[4], sf[2];
-#pragma unroll
-                for (unsigned b = 0; b < 2; ++b)
-                    sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
-                                               rcp, thr, &w[2 * b]);
-                // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
-                const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
-                uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
-                uint32_t v2 = s1 ? w[3] : w[2], v3 = s1 ? w[2] : w[3];
-                uint32_t o0 = s2 ? v2 : v0, o1 = s2 ? v3 : v1, o2 = s2 ? v0 : v2,
-                         o3 = s2 ? v1 : v3;
-                uint32_t sfs = s2 ? (sf[1] | (sf[0] << 8)) : (sf[0] | (sf[1] << 8));
-                *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
-                *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) =
-                    make_uint4(o0, o1, o2, o3);
-            }
-        }
-        __syncthreads();  // every warp is done with tile tr's buffer
     }
 }
 

@@ -362,7 +362,7 @@ fn unsupported_configurations_are_refused() {
 /// allocation count, for every rank of several configurations.
 #[test]
 fn memory_report_matches_the_closed_form() {
-    use lowbit::optim::{estimate_memory, memory_report};
+    use lowbit::optim::{MasterDtype, RuleMemory, estimate_memory, memory_report};
     for (gather, grad, dp, precision) in [
         (true, GradDType::F32, 1, Precision::Mxfp8),
         (true, GradDType::F32, 4, Precision::Mxfp8),
@@ -386,7 +386,15 @@ fn memory_report_matches_the_closed_form() {
             // AdamW for owner 0 (two state tensors), SGD with momentum for owner 1 (one).
             let opt = common::optimizers(&run, dev, &bufs, &init).unwrap();
             let live = memory_report(&bufs, &opt);
-            let states = |o: OptimizerId| if o == OptimizerId(0) { 2 } else { 1 };
+            // AdamW reads bf16 gradients as they are (no f32 copy); SGD widens them.
+            let adamw = RuleMemory::of(&common::adamw(), MasterDtype::F32);
+            let states = |o: OptimizerId| {
+                if o == OptimizerId(0) {
+                    adamw
+                } else {
+                    RuleMemory::from(1)
+                }
+            };
             let est = estimate_memory(&specs(&run), dp, comm.rank(), &run.ddp, states).unwrap();
             assert_eq!(live, est, "gather={gather} {grad:?} dp={dp}");
             assert_eq!(dev.allocated_bytes() - before, live.total());

@@ -296,8 +296,6 @@ fn main() {
         (Copies::Both, 4),
         // Version 5: both copies from one read of X (nvfp4_quantize_both_v5).
         (Copies::Both, 5),
-        // Version 6: version 5 double-buffered (nvfp4_quantize_both_v6).
-        (Copies::Both, 6),
     ] {
         if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
             println!("nvfp4 v{version}: skipped ({e})");

@@ -123,10 +123,8 @@ pub(crate) struct CudaDevice {
     mxfp8_both_version: u32,
     /// Which kernels run the bf16 amax pass and the NVFP4 codes: 5 (the default: both copies
     /// from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
-    /// copy on an H100 with the amax pass), 6 (version 5 double-buffered: 128-row tiles, the
-    /// next tile's copies in flight while the current one is quantized), 4 (version 3 with the
-    /// columnwise copy of `nvfp4_quantize_cols_v4`, both copies 0.59x where version 3 gives
-    /// 0.36x), 3 (
+    /// copy on an H100 with the amax pass), 4 (version 3 with the columnwise copy of
+    /// `nvfp4_quantize_cols_v4`, both copies 0.59x where version 3 gives 0.36x), 3 (
     /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
     /// threshold table from `nvfp4_params_v3`, `nvfp4_quantize_rows_v3`; NVFP4 rowwise with
     /// its amax pass 0.85x on an H200), 2 (`max_abs_bits_bf16_v2`, `nvfp4_quantize_rows_v2`:
@@ -445,7 +443,7 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
-            ("nvfp4", 1..=6) => self.nvfp4_version = version,
+            ("nvfp4", 1..=5) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=2) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,

@@ -728,9 +728,8 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("nvfp4", 1..=6)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
-    /// from one read of X; 4: 3 with the shared-memory columnwise kernel; 6: 5 double-buffered
-    /// (the next tile's loads in flight during the current tile's work);
+    /// `("nvfp4", 1..=5)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
+    /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
     /// `("nvfp4_finish_2d", 1 | 2)`: how
     /// [`Device::nvfp4_finish_2d_many`] runs, 2 by default: all matrices in two launches and one
     /// host read, 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of

@@ -853,9 +853,8 @@ fn mxfp8_many_matches_per_item_and_cpu() {
 
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the
 /// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
-/// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`),
-/// 6 is 5 double-buffered (`nvfp4_quantize_both_v6`).
-const NVFP4_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
+/// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`).
+const NVFP4_VERSIONS: [u32; 5] = [1, 2, 3, 4, 5];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -1073,7 +1072,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6] {
+        for version in [3, 4, 5] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

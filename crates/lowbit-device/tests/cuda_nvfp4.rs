@@ -252,9 +252,8 @@ fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
     // 256 x 64 tiles.
     let o = check("nvfp4 1D columnwise offset views", true, |c| {
         let mut out = Vec::new();
-        // Versions 5 and 6 (the fused both-copies kernels) must leave a columnwise copy alone
-        // to v4.
-        for version in [3, 4, 5, 6] {
+        // Version 5 (the fused both-copies kernel) must leave a columnwise copy alone to v4.
+        for version in [3, 4, 5] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in [(64usize, 64usize), (320, 72), (96, 8), (48, 136)]
                 .iter()
@@ -352,20 +351,18 @@ fn block_cases(rows: usize, cols: usize, seed: u64, specials: bool, inf: bool) -
 #[test]
 fn nvfp4_1d_both_copies_versions_match() {
     // Both 1D copies of ops.cu with version 3 (nvfp4_quantize_rows_v3 + nvfp4_quantize_cols),
-    // 4 (+ nvfp4_quantize_cols_v4), 5 (nvfp4_quantize_both_v5: one kernel, one read of X) and
-    // 6 (nvfp4_quantize_both_v6: v5 on double-buffered 128 x 64 tiles), each against the CPU
-    // byte for byte, into poisoned outputs with guard bytes. Shapes on and off the 256 x 64
-    // and 128 x 64 tiles (rows 272 and 48, cols 96 and 160: a half-width last tile column;
-    // cols 72: v5 and v6 decline, cols % 32 != 0); views at offsets where v5 and v6 run (x 16
-    // bytes in, column data 8-byte or scales 1-byte aligned: v4's narrower stores) and where
-    // they must fall back to v3/v4 or further (row data 8-byte or row scales 1-byte aligned, x
-    // misaligned). The last three shapes give each v6 CTA several 128-row tiles (its grid's y
-    // is at most a quarter of the tiles), so the next tile's copies run during the current
-    // tile's work, and a partial last tile: 4144 = 32·128 + 48 rows (rows % 32 != 0: 8-byte
-    // code and byte scale stores; the last tile's second warp has one column block), 5152 =
-    // 40·128 + 32 rows of one 64-column strip (rows % 32 == 0: 16-byte code and 2-byte scale
-    // stores where aligned; a last tile of one warp's rows), 2064 = 16·128 + 16 rows with a
-    // half-width last strip.
+    // 4 (+ nvfp4_quantize_cols_v4) and 5 (nvfp4_quantize_both_v5: one kernel, one read of X),
+    // each against the CPU byte for byte, into poisoned outputs with guard bytes. Shapes on
+    // and off the 256 x 64 tiles (rows 272 and 48, cols 96 and 160: a half-width last tile
+    // column; cols 72: v5 declines, cols % 32 != 0); views at offsets where v5 runs (x 16 bytes
+    // in, column data 8-byte or scales 1-byte aligned: v4's narrower stores) and where it must
+    // fall back to v3/v4 or further (row data 8-byte or row scales 1-byte aligned, x
+    // misaligned). The last three shapes end in a partial 256-row tile: 4144 = 16·256 + 48
+    // rows (rows % 32 != 0: 8-byte code and byte scale stores; the last tile's first warp has
+    // three column blocks), 5152 = 20·256 + 32 rows of one 64-column strip (rows % 32 == 0:
+    // one 16-byte code store of the last tile's two blocks where aligned; rows % 64 != 0: byte
+    // scale stores), 2064 = 8·256 + 16 rows (a last tile of one block) with a half-width last
+    // strip.
     let shapes = [
         (272usize, 96usize),
         (48, 160),
@@ -388,7 +385,7 @@ fn nvfp4_1d_both_copies_versions_match() {
     ];
     let o = check("nvfp4 1D both copies versions", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6] {
+        for version in [3, 4, 5] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in shapes.iter().enumerate() {
                 let n = rows * cols;
@@ -711,9 +708,8 @@ fn nvfp4_timings() {
         println!("{name}: {t:.1} us = {:.2}x copy time", copy / t);
     }
     // 1D both copies with the columnwise kernel of version 3 (down columns), version 4
-    // (shared-memory transpose), version 5 (both copies in one kernel) and version 6 (5
-    // double-buffered).
-    for version in [3, 4, 5, 6] {
+    // (shared-memory transpose) and version 5 (both copies in one kernel).
+    for version in [3, 4, 5] {
         g.set_cuda_kernel_variant("nvfp4", version).unwrap();
         let cfg = Nvfp4Config::default();
         let t = time(&mut g, 10, |g| {

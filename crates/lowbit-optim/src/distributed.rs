@@ -28,8 +28,9 @@ struct Shard {
     grad_view: View,
     fused_output: Option<View>,
     master: View,
-    /// The fp32 gradient: the reduced gradient itself when it is fp32 (it is dead after the
-    /// step), otherwise a scratch copy.
+    /// The gradient the update reads: the reduced gradient itself when it is fp32 (it is dead
+    /// after the step) or when the rule reads bf16/f16 gradients as they are
+    /// ([`UpdateRule::reads_low_precision_grads`]), otherwise an f32 scratch copy.
     grad32: View,
     state: Vec<View>,
 }
@@ -185,9 +186,13 @@ impl DistributedOptimizer {
         // shards are consecutive in memory, so the element-wise launches of a step run over
         // runs of shards (`Run`) instead of shard by shard.
         let total: usize = owned.iter().map(|s| s.param_range.len()).sum();
+        // Low-precision gradients get an f32 copy unless the rule reads them as they are (f32
+        // masters only: the bf16-master path scales the gradient in place before the update).
+        let as_is = cfg.master_dtype == MasterDtype::F32 && rule.reads_low_precision_grads();
+        let widened = |s: &lowbit_buffers::OwnedShard| s.grad_view.dtype() != DType::F32 && !as_is;
         let narrow: usize = owned
             .iter()
-            .filter(|s| s.grad_view.dtype() != DType::F32)
+            .filter(|s| widened(s))
             .map(|s| s.param_range.len())
             .sum();
         let mut masters = match cfg.master_dtype {
@@ -220,10 +225,10 @@ impl DistributedOptimizer {
                     );
                 }
             };
-            let grad32 = if s.grad_view.dtype() == DType::F32 {
-                s.grad_view
-            } else {
+            let grad32 = if widened(s) {
                 grads32.take(dev, n)?
+            } else {
+                s.grad_view
             };
             let state = states
                 .iter_mut()
@@ -341,6 +346,15 @@ impl Optimizer for DistributedOptimizer {
                     continue;
                 }
                 if clip < 1.0 {
+                    if r.grad32.dtype() != DType::F32 {
+                        // Scaling a bf16 gradient in place would round it: a rule that reads
+                        // low-precision gradients must scale them itself.
+                        return Err(InvalidInput::Hyper {
+                            rule: self.rule.name(),
+                            what: "reads low-precision gradients but left the clip scale to the caller",
+                        }
+                        .into());
+                    }
                     dev.scale(r.grad32, clip)?;
                 }
                 self.rule.update(dev, views, lr, step)?;

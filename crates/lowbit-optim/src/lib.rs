@@ -40,7 +40,7 @@ pub use chained::ChainedOptimizer;
 pub use distributed::DistributedOptimizer;
 pub use driver::{GradsReady, Iteration, Trainer};
 pub use error::{InvalidInput, OptimError, Result};
-pub use memory::{RankMemory, estimate_memory, memory_report};
+pub use memory::{RankMemory, RuleMemory, estimate_memory, memory_report};
 pub use muon::{Muon, MuonConfig, MuonLrScale, NsDtype, NsMode};
 pub use optimizer::{
     MasterDtype, MasterPiece, MasterShard, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,

@@ -12,7 +12,9 @@ use crate::error::{InvalidInput, Result};
 pub struct ShardViews<'a> {
     /// The fp32 master values, updated in place.
     pub master: View,
-    /// The fp32 gradient (clipped already).
+    /// The gradient: fp32 (clipped already, unless the update is [`UpdateRule::update_scaled`]),
+    /// or the reduced bf16/f16 gradient itself for a rule that
+    /// [`reads_low_precision_grads`](UpdateRule::reads_low_precision_grads).
     pub grad: View,
     /// The rule's fp32 state tensors ([`UpdateRule::state_names`] of them), updated in place.
     pub state: &'a [View],
@@ -56,6 +58,16 @@ pub trait UpdateRule: Debug + Send + Sync {
     ) -> Result<bool> {
         let _ = (dev, views, lr, step, grad_scale);
         Ok(false)
+    }
+
+    /// Whether [`UpdateRule::update`] and [`UpdateRule::update_scaled`] read a bf16 or f16
+    /// gradient directly, widening each element to f32 as they read it (exact), and
+    /// `update_scaled` always scales (returns `Ok(true)`). An optimizer over f32 masters then
+    /// keeps no f32 copy of low-precision gradients: the norm sums the same values and the
+    /// update reads the same f32 numbers, so the bits are those of the widened copy, without
+    /// its 4 bytes per element and its cast. Default `false`.
+    fn reads_low_precision_grads(&self) -> bool {
+        false
     }
 }
 
@@ -112,6 +124,10 @@ impl UpdateRule for AdamW {
     ) -> Result<bool> {
         self.fused(dev, v, lr, step, grad_scale)?;
         Ok(true)
+    }
+    /// The device's AdamW loads any float gradient dtype as f32 and scales it as it reads.
+    fn reads_low_precision_grads(&self) -> bool {
+        true
     }
 }
 

@@ -10,7 +10,7 @@ use lowbit_buffers::{
 };
 use lowbit_comm::{Communicator, ReduceOp};
 use lowbit_device::{DType, Device, Fp8Kind, MatmulSpec, View, mxfp8_tile_count};
-use lowbit_optim::{Optimizer, estimate_memory, memory_report, protocol};
+use lowbit_optim::{MasterDtype, Optimizer, RuleMemory, estimate_memory, memory_report, protocol};
 
 use crate::setup::{Config, GradSource, Param, Precision, Res, build};
 
@@ -136,11 +136,13 @@ impl Traffic {
         let o = self.owned.map(|n| n as f64);
         let m = self.matrix.map(|n| n as f64);
         let all: f64 = o.iter().sum();
-        // bf16 gradients are widened into an f32 copy (read 2, write 4) before the sum.
-        let norm = if self.grad_size == 4 { 4.0 } else { 10.0 } * all;
-        // AdamW: master, two moments read and written, the f32 gradient read (28 B); the bf16
-        // output fused for persistent weights; clipping rides along in the kernel (no bytes).
-        let optimizer = 28.0 * all + 2.0 * o[0];
+        // The sum reads the reduced gradient as it is (AdamW reads bf16 gradients directly:
+        // no f32 copy).
+        let g = self.grad_size as f64;
+        let norm = g * all;
+        // AdamW: master, two moments read and written, the gradient read (24 + 4 or 2 B); the
+        // bf16 output fused for persistent weights; clipping rides along in the kernel.
+        let optimizer = (24.0 + g) * all + 2.0 * o[0];
         // Casts of the masters (4 + 2); 2D formats also fold (2) and quantize (2 + 1 or 0.5).
         let staging = 6.0 * (o[0] + o[1]) + 11.0 * o[2] + 10.5 * o[3];
         // Staged MXFP8: read bf16, write both copies and scales, zero the staging view; 2D
@@ -394,7 +396,9 @@ pub fn step_rank(
     let traffic = Traffic::new(cfg, params, &ddp, dp, rank)?;
     let bounds = measure_bounds(dev, comm, &traffic, &traffic.kernel_bytes(), s)?;
     let specs = cfg.specs(params);
-    let closed = estimate_memory(&specs, dp, rank, &ddp, |_| 2)?.total();
+    // The distributed AdamW over f32 masters (it reads bf16 gradients as they are).
+    let adamw = RuleMemory::of(&lowbit_optim::AdamW::default(), MasterDtype::F32);
+    let closed = estimate_memory(&specs, dp, rank, &ddp, |_| adamw)?.total();
     let base = dev.allocated_bytes();
     let (mut bufs, mut opt) = build(dev, dp, rank, specs, ddp)?;
     let live = memory_report(&bufs, &opt).total();

@@ -2,7 +2,6 @@
 //! E4M3, 1D) and NVFP4 (1D, round to nearest) quantization, dequantization of one copy, and the
 //! sharded 2D ranges (tile-amax folds, codes of a range, 2D MXFP8 scales).
 
-use cudarc::driver::sys::CUdevice_attribute;
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{blocks, dt, nvfp4_rows_vec};
@@ -44,13 +43,6 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
         && x.is_multiple_of(16)
         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
 }
-
-/// Resident CTAs of `nvfp4_quantize_both_v6` per SM: `__launch_bounds__(128, 6)`, 79
-/// registers (ptxas 13.0), 32 KB of static shared memory each.
-const NVFP4_V6_CTAS_PER_SM: usize = 6;
-
-/// About how many waves of resident CTAs `nvfp4_quantize_both_v6`'s grid may have.
-const NVFP4_V6_WAVES: usize = 2;
 
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
@@ -277,9 +269,8 @@ impl CudaDevice {
             )?;
         }
         let (r, c) = (rows as u64, cols as u64);
-        // Versions 5 and 6: both copies from one read of X (nvfp4_quantize_both_v5, or its
-        // double-buffered nvfp4_quantize_both_v6 from version 6 on), where both v3's rowwise
-        // and v4's columnwise conditions hold; else the separate kernels below.
+        // Version 5: both copies from one read of X (nvfp4_quantize_both_v5) where both v3's
+        // rowwise and v4's columnwise conditions hold; else the separate kernels below.
         let fused = thresholds && self.nvfp4_version >= 5 && self.nvfp4_both_fused(q, x, tp)?;
         let (rowwise, columnwise) = if fused {
             (None, None)
@@ -366,14 +357,12 @@ impl CudaDevice {
         Ok(Some(a))
     }
 
-    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (`nvfp4_quantize_both_v6` when the
-    /// selected version is 6 or more) when its conditions hold (both copies requested; bf16;
-    /// cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte and columnwise
-    /// data 8-byte aligned; the grid within limits; the same for both kernels): launches it and
-    /// returns `true`, else launches nothing and returns `false`. `x` is the source's address,
-    /// `tp` the parameters that `nvfp4_params_v3` wrote (16-byte aligned: the caller checked
-    /// it), and the caller validated the views (and `rows % 16 == 0`, as for any columnwise
-    /// copy).
+    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` when its conditions hold (both copies
+    /// requested; bf16; cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte
+    /// and columnwise data 8-byte aligned; the grid within limits): launches it and returns
+    /// `true`, else launches nothing and returns `false`. `x` is the source's address, `tp` the
+    /// parameters that `nvfp4_params_v3` wrote (16-byte aligned: the caller checked it), and
+    /// the caller validated the views (and `rows % 16 == 0`, as for any columnwise copy).
     fn nvfp4_both_fused(&mut self, q: &Nvfp4Quantize<'_>, x: u64, tp: u64) -> Result<bool> {
         let (src, [rows, cols], out) = (q.src, q.shape, q.out);
         let (Some((rd, rs)), Some((cd, cs))) = (out.rowwise, out.columnwise) else {
@@ -392,9 +381,6 @@ impl CudaDevice {
         let (true, Some(gx)) = (ok, blocks(cols, 64)) else {
             return Ok(false);
         };
-        if self.nvfp4_version >= 6 {
-            return self.nvfp4_both_v6(gx, [rows, cols], [x, rd, rs, cd, cs, tp]);
-        }
         let (r, c) = (rows as u64, cols as u64);
         let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
             | (u32::from(rows.is_multiple_of(64) && cs.is_multiple_of(4)) << 1);
@@ -416,58 +402,6 @@ impl CudaDevice {
         // (`rd` 16-byte and `rs` 2-byte aligned, checked above, pitches cols/2 and cols/16
         // multiples of 16 and 2). The shared-memory words it reads are those it copied.
         unsafe { self.launch("nvfp4_quantize_both_v5", (gx, gy, 1), (128, 1, 1), &args)? };
-        Ok(true)
-    }
-
-    /// Launches `nvfp4_quantize_both_v6` (the double-buffered v5) on `gx` strips of 64 columns
-    /// for `[x, rd, rs, cd, cs, tp]`, which [`Self::nvfp4_both_fused`] checked (v5's
-    /// conditions, which are v6's), and returns `true`. Grid y: each CTA walks the 128-row
-    /// tiles `blockIdx.y, + gridDim.y, ...` of its strip; y is capped at about
-    /// [`NVFP4_V6_WAVES`] waves of resident CTAs ([`NVFP4_V6_CTAS_PER_SM`] per SM) and at a
-    /// quarter of the tiles, so that a CTA gets several tiles (the next tile's loads overlap
-    /// the current tile's work only from a CTA's second tile on).
-    fn nvfp4_both_v6(
-        &mut self,
-        gx: u32,
-        [rows, cols]: [usize; 2],
-        [x, rd, rs, cd, cs, tp]: [u64; 6],
-    ) -> Result<bool> {
-        let sms = self
-            .stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(crate::cuda::cuda_err("reading the multiprocessor count"))?;
-        let resident = usize::try_from(sms).unwrap_or(1).max(1) * NVFP4_V6_CTAS_PER_SM;
-        let cap = (NVFP4_V6_WAVES * resident / gx as usize).max(1);
-        let tiles = rows.div_ceil(128);
-        let gy = tiles.div_ceil(4).min(cap).clamp(1, 65535);
-        let gy = u32::try_from(gy).unwrap_or(65535);
-        // Its own column flags: a warp's 2 blocks of a column are 16 code bytes at an offset
-        // rw/2 with rw % 32 == 0, and 2 scale bytes at rw/16 (even).
-        let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
-            | (u32::from(rows.is_multiple_of(32) && cs.is_multiple_of(2)) << 1);
-        let args = args![x, rd, rs, cd, cs, tp, rows as u64, cols as u64, flags];
-        // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
-        // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
-        // bytes out; rows % 16 == 0). Reads: v5's 16-byte `cp.async` chunks on 128-row tiles
-        // (x 16-byte aligned and cols % 8 == 0, checked by the caller: each chunk is aligned
-        // and lies wholly inside or past a row; only chunks with row < rows and column < cols
-        // are copied) and the threshold table that nvfp4_params_v3 wrote into `tp` (16-byte
-        // aligned, checked by the caller), at scale bytes < 256. Column stores: per column and
-        // warp, the codes of its 16-row blocks below `rows` at c·rows/2 + rw/2 (rw % 32 == 0)
-        // in 8-byte units (`cd` 8-byte aligned, pitch rows/2 a multiple of 8), as one 16-byte
-        // unit only with flag 1 (rows % 32 == 0, so the pitch is a multiple of 16, and `cd`
-        // 16-byte aligned); the scale bytes at c·rows/16 + rw/16 as bytes, as one 2-byte unit
-        // only with flag 2 (rows % 32 == 0, so the pitch rows/16 and rw/16 are even, and `cs`
-        // 2-byte aligned); nothing past row `rows` or column `cols`. Row stores exactly as
-        // v3's and v5's: for a row r < rows and a block pair starting at column p < cols
-        // (p % 32 == 0, so p + 32 <= cols as cols % 32 == 0), 16 code bytes at r·cols/2 + p/2
-        // and 2 scale bytes at r·cols/16 + p/16, inside the views and aligned (`rd` 16-byte and
-        // `rs` 2-byte aligned, checked by the caller, pitches cols/2 and cols/16 multiples of
-        // 16 and 2). The shared-memory words it reads are those it copied and waited for
-        // (cp.async.wait_group, then a barrier); a buffer is refilled only after a barrier
-        // that follows every warp's reads of it. 32 KB of static shared memory, none dynamic.
-        unsafe { self.launch("nvfp4_quantize_both_v6", (gx, gy, 1), (128, 1, 1), &args)? };
         Ok(true)
     }
 
