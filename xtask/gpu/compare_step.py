@@ -138,7 +138,7 @@ def main():
                          f"{ov['step_with_compute_ms']:.2f} ms step "
                          f"({100 * ov['exposed_fraction']:.1f}%)")
             if "exposed_comm_ms" in ov:
-                lines.append(f"overlap: exposed communication (less the step's own kernels) "
+                lines.append(f"overlap: exposed communication (less the iteration's local kernels: norm, optimizer, staging, re-quantization, zeroing the gradients) "
                              f"{ov['exposed_comm_ms']:.2f} ms "
                              f"({100 * ov['exposed_comm_fraction']:.1f}%, target <= 10%)")
         if (r["world"] == 2 and r["precision"] == "mxfp8" and r["grad_dtype"] == "fp32"

@@ -7,7 +7,9 @@
 //!
 //! # Purpose
 //! After the gradient sync each rank holds the reduced gradients of its shards. The optimizer
-//! copies them into fp32, the driver computes the global gradient norm, clips, skips the step if
+//! reads them in fp32 (bf16/f16 shards widened into an f32 copy, or read as they are by a rule
+//! that [`UpdateRule::reads_low_precision_grads`], as AdamW does), the driver computes the
+//! global gradient norm, clips (fused into the update where the rule can), skips the step if
 //! the norm is not finite, the optimizer updates its fp32 masters and writes the result back:
 //! fused into the update for persistent storage, or staged through the buffers for
 //! low-precision storage, from where the gather spreads it — now, or in the next forward.
