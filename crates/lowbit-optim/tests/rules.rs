@@ -448,7 +448,9 @@ fn clipped(rule: impl lowbit_optim::UpdateRule + Copy + 'static, grad: GradDType
 }
 
 /// Clipping fused into AdamW's kernel (`UpdateRule::update_scaled`) gives the bits of scaling
-/// the gradient first and updating after (what a rule without it gets).
+/// the gradient first and updating after (what a rule without it gets). With bf16 gradients
+/// this is also AdamW reading them as they are (`UpdateRule::reads_low_precision_grads`: no f32
+/// copy; the norm over the bf16 shards) against the widened f32 copy that `Unfused` gets.
 #[test]
 fn fused_clipping_is_scale_then_update() {
     for grad in [GradDType::F32, GradDType::Bf16] {
@@ -458,5 +460,61 @@ fn fused_clipping_is_scale_then_update() {
             fused == separate,
             "{grad:?} gradients: fused clipping differs"
         );
+    }
+}
+
+/// Only a rule that reads low-precision gradients as they are goes without the f32 copy: AdamW
+/// over bf16 gradients holds no gradient scratch, the same rule behind `Unfused` (which leaves
+/// clipping to the caller) holds 4 bytes per owned element, and with f32 gradients neither does.
+#[test]
+fn only_rules_that_read_bf16_gradients_skip_the_f32_copy() {
+    for grad in [GradDType::F32, GradDType::Bf16] {
+        let specs = specs(grad);
+        let init = init(&specs);
+        let scratch = run(2, |comm, mut dev| {
+            let dev = &mut dev;
+            let cfg = DdpConfig::default()
+                .with_sharding(ShardingStrategy::Distributed)
+                .with_overlap(Overlap::None);
+            let bufs = DataParallelBuffers::new(dev, 2, comm.rank(), specs.clone(), cfg).unwrap();
+            let owned: usize = bufs
+                .owned_shards()
+                .unwrap()
+                .iter()
+                .map(|s| s.param_range.len())
+                .sum();
+            let ocfg = OptimConfig::new(LR);
+            let mut cb = init_from_full(&init);
+            let as_is = DistributedOptimizer::new(
+                dev,
+                &bufs,
+                OptimizerId(0),
+                AdamW::default(),
+                ocfg,
+                &mut cb,
+            )
+            .unwrap();
+            let mut cb = init_from_full(&init);
+            let widened = DistributedOptimizer::new(
+                dev,
+                &bufs,
+                OptimizerId(0),
+                Unfused(AdamW::default()),
+                ocfg,
+                &mut cb,
+            )
+            .unwrap();
+            (
+                owned,
+                as_is.memory().grad_scratch,
+                widened.memory().grad_scratch,
+            )
+        });
+        for (owned, as_is, widened) in scratch {
+            assert!(owned > 0, "rank owns nothing: the test would be vacuous");
+            assert_eq!(as_is, 0, "{grad:?}: AdamW keeps an f32 gradient copy");
+            let expected = if grad == GradDType::F32 { 0 } else { 4 * owned };
+            assert_eq!(widened, expected, "{grad:?}: the widening rule's copy");
+        }
     }
 }
