@@ -155,8 +155,8 @@ pub(crate) struct CudaDevice {
     /// default); 2 by blocks with the identity GEMM; 0 as one full GEMM
     /// (`set_cuda_kernel_variant("matmul_tc_symmetric", 0..=2)`).
     tc_symmetric: u32,
-    /// Page-locked host memory the block sums of `sum_squares_each` are copied into chunk by
-    /// chunk (grown on demand, kept between calls; not write-combined: the host reads it).
+    /// Page-locked host memory the block sums of `sum_squares_each` are copied into, piece by
+    /// piece (grown on demand, kept between calls; not write-combined: the host reads it).
     /// Boxed: the device is one variant of `Device`'s backend enum, kept small.
     partials_host: Option<Box<cudarc::driver::PinnedHostSlice<f64>>>,
 }

@@ -145,7 +145,7 @@ const _: () = assert!(SUM_BLOCK.is_multiple_of(CHUNK));
 /// The blocked summation order of the f64 reductions, which a GPU reproduces in parallel: the
 /// terms are split into consecutive blocks of [`SUM_BLOCK`]; each block is summed in index
 /// order from `+0.0` (one partial per block, the last one possibly shorter), then the partials
-/// are added in index order from `+0.0` ([`sum_partials`]).
+/// are added in index order from `+0.0` ([`add_partials`]).
 #[derive(Default)]
 pub(crate) struct BlockedSum {
     /// The partials of the completed blocks, added in order.
@@ -179,11 +179,12 @@ impl BlockedSum {
     }
 }
 
-/// The per-block partials added in index order from `+0.0`: the second level of
-/// [`BlockedSum`] (the CUDA backend computes the partials on the device).
+/// `acc` plus the per-block partials, added in index order: the second level of [`BlockedSum`]
+/// from `acc = +0.0`, or continued where an earlier run of the same view's partials left it
+/// (the CUDA backend computes the partials on the device and adds them as they arrive).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn sum_partials(partials: &[f64]) -> f64 {
-    partials.iter().fold(0.0, |s, p| s + p)
+pub(crate) fn add_partials(acc: f64, partials: &[f64]) -> f64 {
+    partials.iter().fold(acc, |s, p| s + p)
 }
 
 /// Chunks of at most [`CHUNK`] elements covering `0..n`, in order.

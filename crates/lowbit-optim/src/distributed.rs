@@ -9,6 +9,7 @@ use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
+use crate::memory::RuleMemory;
 use crate::optimizer::{
     Leaf, MasterDtype, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
     StateViews,
@@ -187,9 +188,10 @@ impl DistributedOptimizer {
         // runs of shards (`Run`) instead of shard by shard.
         let total: usize = owned.iter().map(|s| s.param_range.len()).sum();
         // Low-precision gradients get an f32 copy unless the rule reads them as they are (f32
-        // masters only: the bf16-master path scales the gradient in place before the update).
-        let as_is = cfg.master_dtype == MasterDtype::F32 && rule.reads_low_precision_grads();
-        let widened = |s: &lowbit_buffers::OwnedShard| s.grad_view.dtype() != DType::F32 && !as_is;
+        // masters only: the bf16-master path scales the gradient in place before the update);
+        // the closed form (`estimate_memory`) asks the same `RuleMemory`.
+        let widens = RuleMemory::of(&rule, cfg.master_dtype).widens_low_precision_grads;
+        let widened = |s: &lowbit_buffers::OwnedShard| s.grad_view.dtype() != DType::F32 && widens;
         let narrow: usize = owned
             .iter()
             .filter(|s| widened(s))

@@ -56,7 +56,7 @@ impl CudaDevice {
     /// [`crate::Device::sum_squares`]: the blocked order of [`crate::SUM_BLOCK`], block sums on
     /// the device, added in order on the host.
     pub(crate) fn sum_squares(&mut self, view: View) -> Result<f64> {
-        // The chunked, overlapped path of `sum_squares_each` (a large view is cut into pieces).
+        // `sum_squares_each`'s path: page-locked partials, added as their copies arrive.
         Ok(self.sum_squares_each(&[view])?[0])
     }
 
@@ -123,7 +123,7 @@ impl CudaDevice {
                     .map_err(crate::cuda::cuda_err("recording an event"))?,
             ));
         }
-        // Each view's partials added in index order from +0.0 (`sum_partials`), continued
+        // Each view's partials added in index order from +0.0 (`add_partials`), continued
         // across the copies its partials fall in.
         let mut sums = vec![0.0f64; views.len()];
         let mut view = 0;
@@ -140,7 +140,7 @@ impl CudaDevice {
                 }
                 let end = (starts[view] + nblocks[view]).min(range.end);
                 let run = &part[at - range.start..end - range.start];
-                sums[view] = run.iter().fold(sums[view], |a, b| a + b);
+                sums[view] = crate::ops::add_partials(sums[view], run);
                 at = end;
             }
         }
@@ -230,7 +230,10 @@ impl CudaDevice {
         }
         let s = self.scratch(2 * nb)?;
         self.launch_sum_squares(x, d, y, n, s.ptr)?;
-        Ok(crate::ops::sum_partials(&partials_f64(&self.fetch(&s)?)))
+        Ok(crate::ops::add_partials(
+            0.0,
+            &partials_f64(&self.fetch(&s)?),
+        ))
     }
 
     /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
@@ -340,7 +343,6 @@ impl CudaDevice {
     }
 }
 
-/// Scratch words (little-endian pairs) as the f64 partials the kernels wrote.
 /// Pieces the partials of `sum_squares_each` are copied in (the host adds one while the next
 /// is copied).
 const SUMSQ_COPIES: usize = 4;
@@ -371,6 +373,7 @@ fn sum_squares_table(views: impl Iterator<Item = (u64, usize, usize)>) -> SumsqT
     t
 }
 
+/// Scratch words (little-endian pairs) as the f64 partials the kernels wrote.
 fn partials_f64(words: &[u32]) -> Vec<f64> {
     words
         .as_chunks::<2>()
