@@ -199,11 +199,12 @@ fn wrong_orders_are_refused() {
             protocol_err(err),
             ProtocolError::StaleWeights { .. }
         ));
-        // Staged and then zeroed (bug A1/A3: the gather would ship zeros): back to stale.
+        // Staged and then zeroed (bug A1/A3: the gather would ship zeros): the zeroing keeps
+        // the staged values, so the group stays staged.
         protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Staged);
         bufs.zero_grad_buffer(dev).unwrap();
-        assert_eq!(bufs.weight_state(g), WeightState::Stale);
+        assert_eq!(bufs.weight_state(g), WeightState::Staged);
         // Staged but never gathered, then backward (bug A2): the first gradient access refuses.
         protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
         let err = bufs.accumulation_view(dev, 0).unwrap_err();

@@ -232,8 +232,8 @@ impl DataParallelBuffers {
                 },
             );
             // A staging view aliases the whole gradient buffer; sharded gradients have no whole
-            // buffer, so staging gets bf16 memory of its own (zeroed with the gradients, so the
-            // zero-then-stage order and its checks are unchanged).
+            // buffer, so staging gets bf16 memory of its own (zeroed with the gradients, staged
+            // bytes kept, as where it aliases them).
             let staging_backing = (shard_grads
                 && !bp.strategy.shards_params()
                 && storage::stages_through_grads(bp, cfg.mxfp8_gather))

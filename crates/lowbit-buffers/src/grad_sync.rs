@@ -11,6 +11,8 @@
 //!
 //! The `1/dp` of the mean scales the tensor that enters the collective, never the main shard.
 
+use std::ops::Range;
+
 use lowbit_comm::{Communicator, Op, ReduceOp};
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::GradReduce;
@@ -34,28 +36,46 @@ impl DataParallelBuffers {
     /// Zeroes every gradient buffer and resets the per-iteration grad-sync state. The first call
     /// after the first batch freezes that batch's ready counts as the golden counts.
     ///
-    /// Zeroing also zeroes the staging views that alias the gradients: a group whose staged
-    /// weights had not been gathered yet goes back to [`WeightState::Stale`] and must be staged
-    /// again before the next forward (gathering it now would ship zeros: Megatron bug A1/A3).
+    /// Staged weights survive it. Where a staging view aliases the gradients (MXFP8 staged
+    /// through bf16), the bytes under the staging view of every [`WeightState::Staged`] group
+    /// are left as they are: that group's gather ships them and its completion zeroes them, and
+    /// no backward can write gradients before that (a backward needs every low-precision group
+    /// current: bug A2). So zeroing after staging cannot make a deferred gather ship zeros
+    /// (Megatron bug A3), and an iteration can stage first, then start the first gather and
+    /// zero the rest of the gradients while it runs ([`Self::begin_iteration`]). For the same
+    /// reason a parameter gather in flight is allowed here: it reads and writes only such bytes
+    /// or a parameter region apart from the gradients, and it counts as the coming iteration's
+    /// gather of its group. Gradient reductions and unit gathers in flight are refused
+    /// ([`ProtocolError::CollectiveInFlight`]).
     pub fn zero_grad_buffer(&mut self, dev: &mut Device) -> Result<()> {
-        if self.groups.iter().any(|g| {
-            matches!(g.grad_comm, GradComm::Launched { .. })
-                || g.param_work.is_some()
-                || g.unit.work.is_some()
-        }) {
+        self.reset_iteration(dev)?;
+        self.zero_grads(dev)
+    }
+
+    /// Starts an iteration after staging: [`Self::zero_grad_buffer`], with the first group's
+    /// gather (in forward order) started before the zeroing where gathers overlap the forward,
+    /// so that it runs while the gradients are zeroed and the first forward pre-hook finds it
+    /// under way.
+    pub fn begin_iteration(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+        self.reset_iteration(dev)?;
+        self.prefetch_first_params(dev, comm)?;
+        self.zero_grads(dev)
+    }
+
+    /// The bookkeeping half of [`Self::zero_grad_buffer`]: refuses collectives in flight that
+    /// zeroing would race, frees leftover transient buckets, resets the iteration's counts.
+    fn reset_iteration(&mut self, dev: &mut Device) -> Result<()> {
+        if self
+            .groups
+            .iter()
+            .any(|g| matches!(g.grad_comm, GradComm::Launched { .. }) || g.unit.work.is_some())
+        {
             return Err(ProtocolError::CollectiveInFlight.into());
         }
         for g in 0..self.groups.len() {
             self.drop_comm_bucket(dev, g)?;
         }
-        for b in &self.buffers {
-            dev.zero(b.grads)?;
-            if let Some(s) = b.staging_backing {
-                dev.zero(s)?;
-            }
-        }
         let record = self.first_batch && self.groups.iter().any(|g| g.grad_reduce_finished);
-        let buffers = &self.buffers;
         for g in &mut self.groups {
             if record {
                 g.golden_counts = Some(g.ready_counts.clone());
@@ -63,10 +83,8 @@ impl DataParallelBuffers {
             g.ready_counts.iter_mut().for_each(|c| *c = 0);
             g.grad_reduce_started = false;
             g.grad_reduce_finished = false;
-            g.gathers = 0;
-            if buffers[g.buffer].storage.aliases_grads() && g.weights == WeightState::Staged {
-                g.weights = WeightState::Stale;
-            }
+            // A gather already in flight was started for the coming forward.
+            g.gathers = u32::from(g.param_work.is_some());
         }
         if record {
             self.first_batch = false;
@@ -74,6 +92,36 @@ impl DataParallelBuffers {
         self.check_before_backward = true;
         self.microbatch_due = false;
         self.microbatch_dirty = false;
+        Ok(())
+    }
+
+    /// The memory half of [`Self::zero_grad_buffer`]: every gradient byte but the staging views
+    /// of staged groups.
+    fn zero_grads(&self, dev: &mut Device) -> Result<()> {
+        for (bi, b) in self.buffers.iter().enumerate() {
+            // The memory the staging view lies in: bf16 memory of its own where gradients are
+            // sharded, the gradients themselves otherwise.
+            let staging_memory = b.staging_backing.unwrap_or(b.grads);
+            if b.staging_backing.is_some() {
+                dev.zero(b.grads)?;
+            }
+            let mut keep = Vec::new();
+            if b.storage.aliases_grads() {
+                let staging = b.storage.region();
+                for g in self.groups.iter().filter(|g| g.buffer == bi) {
+                    if g.weights == WeightState::Staged {
+                        for &k in &g.buckets {
+                            keep.push(
+                                staging
+                                    .slice(b.plan.layout.buckets[k].range())?
+                                    .byte_range(),
+                            );
+                        }
+                    }
+                }
+            }
+            zero_except(dev, staging_memory, keep)?;
+        }
         Ok(())
     }
 
@@ -493,4 +541,24 @@ impl DataParallelBuffers {
         launched.sort_unstable();
         launched.into_iter().map(|(_, g)| g).collect()
     }
+}
+
+/// Zeroes `memory` except the byte ranges `keep` (ranges within `memory`'s buffer, inside
+/// `memory`), one launch per gap.
+fn zero_except(dev: &mut Device, memory: View, mut keep: Vec<Range<usize>>) -> Result<()> {
+    let bytes = memory.reinterpret(DType::U8)?;
+    let base = memory.byte_offset();
+    keep.sort_by_key(|r| r.start);
+    let mut at = 0;
+    for r in keep {
+        let (start, end) = (r.start - base, r.end - base);
+        if start > at {
+            dev.zero(bytes.slice(at..start)?)?;
+        }
+        at = at.max(end);
+    }
+    if at < bytes.len() {
+        dev.zero(bytes.slice(at..bytes.len())?)?;
+    }
+    Ok(())
 }

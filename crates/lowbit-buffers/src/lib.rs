@@ -24,8 +24,9 @@
 //!   stepped (Megatron bug class D).
 //! - **Weight states**: every low-precision group is `Current`, `Stale` or `Staged`
 //!   ([`WeightState`]). Gathers require `Staged`; forwards refuse `Stale`; zeroing the
-//!   gradients demotes `Staged` to `Stale` where staging aliases them; a backward refuses
-//!   anything but `Current`; a group gathered twice in an iteration is an error. These make
+//!   gradients keeps the bytes of `Staged` groups' staging views where staging aliases them
+//!   (their gather ships them, its completion zeroes them); a backward refuses anything but
+//!   `Current`; a group gathered twice in an iteration is an error. These make
 //!   Megatron's staging bugs (A1–A3, C, E) errors in every build profile ([`ProtocolError`]).
 //! - **Explicit dispatch state** per group ([`ParamSyncState`]), reset by
 //!   [`DataParallelBuffers::finish_grad_sync`] and refused while a gather is in flight (C, F4).

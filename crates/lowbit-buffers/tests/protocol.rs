@@ -75,9 +75,9 @@ fn err(r: Result<(), BufferError>) -> ProtocolError {
 }
 
 /// Stale weights (the optimizer stepped, nothing staged) refuse forwards and syncs; staged
-/// weights that were zeroed with the gradients go back to stale, so they can never be gathered
-/// as zeros; a backward refuses staged-but-ungathered weights; a second gather of a group in
-/// one iteration is refused.
+/// weights survive a zeroing of the gradients, so they can never be gathered as zeros; a
+/// backward refuses staged-but-ungathered weights; a second gather of a group in one iteration
+/// is refused.
 #[test]
 fn staging_order_violations_are_refused() {
     run(2, |mut comm, mut dev| {
@@ -98,17 +98,30 @@ fn staging_order_violations_are_refused() {
             ProtocolError::StaleWeights { .. }
         ));
 
-        // Staged, then zeroed with the gradients (bugs A1/A3): stale again, and the gather that
-        // would ship zeros is refused.
+        // Staged, then zeroed with the gradients (bugs A1/A3): the zeroing keeps the staged
+        // values, so the gather ships them and not zeros (the weights are Q(bf16(masters)), as
+        // initialized), while every other gradient byte, a backward's leftovers included, is
+        // zeroed, and the gathered staging bytes are zeroed by the gather's completion.
+        let before = weight_bytes(dev, &bufs);
+        assert!(before.iter().flatten().any(|&b| b != 0));
         bufs.zero_grad_buffer(dev).unwrap();
+        let grads: Vec<_> = (0..specs().len())
+            .map(|p| bufs.grad_view(p).unwrap())
+            .collect();
+        for &v in &grads {
+            dev.fill(v, 1.0).unwrap();
+        }
         stage(dev, &mut comm, &mut bufs);
         assert_eq!(bufs.weight_state(g), WeightState::Staged);
         bufs.zero_grad_buffer(dev).unwrap();
-        assert_eq!(bufs.weight_state(g), WeightState::Stale);
-        assert!(matches!(
-            err(bufs.sync_params(dev, &mut comm)),
-            ProtocolError::StaleWeights { .. }
-        ));
+        assert_eq!(bufs.weight_state(g), WeightState::Staged);
+        bufs.sync_params(dev, &mut comm).unwrap();
+        assert_eq!(bufs.weight_state(g), WeightState::Current);
+        assert_eq!(weight_bytes(dev, &bufs), before);
+        for &v in &grads {
+            assert!(dev.read_bytes(v).unwrap().iter().all(|&b| b == 0));
+        }
+        bufs.zero_grad_buffer(dev).unwrap();
 
         // Staged but never gathered, then a backward (bug A2): the first gradient access of the
         // iteration refuses, naming the state.
@@ -133,8 +146,10 @@ fn staging_order_violations_are_refused() {
     });
 }
 
-/// While a prefetched gather is in flight, staging, finishing the gradient sync, resetting the
-/// gather state and zeroing the gradients are all refused (bug F4).
+/// While a prefetched gather is in flight, staging, finishing the gradient sync and resetting
+/// the gather state are refused (bug F4). Zeroing the gradients is not: it keeps the bytes the
+/// gather reads and writes, so the gathered weights are the staged ones, and the gather counts
+/// as the coming iteration's (gathering its group again in it is refused).
 #[test]
 fn operations_during_a_gather_in_flight_are_refused() {
     run(2, |mut comm, mut dev| {
@@ -150,18 +165,33 @@ fn operations_during_a_gather_in_flight_are_refused() {
         assert_eq!(err(r), in_flight("staging"));
         assert_eq!(err(bufs.reset_param_sync()), in_flight("reset_param_sync"));
         assert_eq!(
-            err(bufs.zero_grad_buffer(dev)),
-            ProtocolError::CollectiveInFlight
-        );
-        assert_eq!(
             err(bufs.finish_grad_sync(dev, &mut comm)),
             in_flight("finish_grad_sync")
         );
+        let before = weight_bytes(dev, &bufs);
+        bufs.zero_grad_buffer(dev).unwrap();
+        assert_eq!(bufs.param_gathers_in_flight(), vec![n - 2]);
         // Completing the gather makes everything legal again.
         bufs.complete_param_sync(dev).unwrap();
         assert!(bufs.param_gathers_in_flight().is_empty());
-        bufs.reset_param_sync().unwrap();
+        assert_eq!(weight_bytes(dev, &bufs), before);
+        stage(dev, &mut comm, &mut bufs);
+        assert_eq!(
+            err(bufs.sync_params(dev, &mut comm)),
+            ProtocolError::GatheredTwice { group: n - 2 }
+        );
     });
+}
+
+/// Every parameter's MXFP8 bytes (both copies, data and scales).
+fn weight_bytes(dev: &Device, bufs: &DataParallelBuffers) -> Vec<Vec<u8>> {
+    (0..bufs.specs().len())
+        .flat_map(|p| {
+            let w = bufs.mxfp8_weights(p).expect("MXFP8 storage");
+            [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
+        })
+        .map(|v| dev.read_bytes(v).unwrap())
+        .collect()
 }
 
 /// A communicator that is not the plan's group is refused at the first launch (bug F3): the

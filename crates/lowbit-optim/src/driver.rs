@@ -1,12 +1,13 @@
 //! [`Trainer`]: the training-step protocol as types. An [`Iteration`] exists only between
 //! `begin` and the gradient sync; only a completed sync ([`GradsReady`]) can step; evals and
 //! forced syncs need the trainer back, i.e. no iteration open. So the orders behind Megatron's
-//! staging bugs (stage before zeroing, step before the reduction finished, a forward on weights
-//! the optimizer moved) do not compile, and what the types cannot say is checked at run time
-//! in every build ([`lowbit_buffers::ProtocolError`]).
+//! staging bugs (step before the reduction finished, a forward on weights the optimizer moved,
+//! an eval inside an iteration) do not compile, and what the types cannot say is checked at run
+//! time in every build ([`lowbit_buffers::ProtocolError`]). Zeroing after staging, the order
+//! behind bug A3, is harmless by construction: zeroing keeps staged bytes.
 //!
 //! ```text
-//! let mut it = trainer.begin(dev, comm)?;            // zero grads, stage stale owners
+//! let mut it = trainer.begin(dev, comm)?;            // stage stale owners, first gather, zero grads
 //! for m in 0..microbatches {
 //!     let mut hooks = it.microbatch(comm, m + 1 == microbatches);
 //!     model.forward_backward(dev, &mut hooks, …)?;   // lazy gathers, grad-ready reductions
@@ -69,7 +70,8 @@ impl Trainer {
         })
     }
 
-    /// Starts an iteration: zeroes the gradients, stages the owners whose weights are stale.
+    /// Starts an iteration: stages the owners whose weights are stale, starts the first gather
+    /// (overlapped gathers), zeroes the gradients.
     ///
     /// # Errors
     /// As [`protocol::begin_iteration`].

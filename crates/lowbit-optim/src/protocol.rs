@@ -1,7 +1,7 @@
 //! The training-step protocol as three functions, in the only order that works:
 //!
 //! ```text
-//! begin_iteration   zero the gradients (and the staging views aliasing them), stage stale owners
+//! begin_iteration   stage stale owners, start the first gather (overlap), zero the gradients
 //! microbatches      forward/backward through the hooks (lazy gathers, grad-ready reductions)
 //! finish_grad_sync  (DataParallelBuffers) complete every reduction
 //! step              grad norm, clip, skip, update, stage + gather unless overlapped
@@ -18,10 +18,16 @@ use lowbit_device::{DType, Device};
 use crate::error::Result;
 use crate::optimizer::{Optimizer, StepReport};
 
-/// Starts an iteration: zeroes the gradient buffers (and with them the staging views), then
-/// stages `bf16(master)` for every owner whose low-precision weights are stale, so that the
-/// forward's gathers ship the new values (zero → stage → gather → re-quantize → zero the
-/// group's staging view → backward).
+/// Starts an iteration: stages `bf16(master)` for every owner whose low-precision weights are
+/// stale, starts the first group's gather if gathers are overlapped with the forward, then
+/// zeroes the gradients while it runs (stage → gather → re-quantize → zero the group's staging
+/// view → backward).
+///
+/// Staging first is safe: the gradients are dead after the step, and zeroing keeps the bytes
+/// of staged groups' staging views (their gathers ship them and zero them afterwards), so the
+/// zeroing neither ships zeros (Megatron bug A3) nor has to clear bytes the gathers overwrite
+/// anyway: with bf16 gradients an MXFP8-staged buffer is not zeroed here at all, with fp32
+/// gradients half of it.
 ///
 /// # Errors
 /// Protocol violations (a collective in flight), buffer and device errors.
@@ -32,8 +38,9 @@ pub fn begin_iteration(
     opt: &dyn Optimizer,
 ) -> Result<()> {
     bufs.release_units(dev)?;
-    bufs.zero_grad_buffer(dev)?;
-    opt.stage(dev, comm, bufs, true)
+    opt.stage(dev, comm, bufs, true)?;
+    bufs.begin_iteration(dev, comm)?;
+    Ok(())
 }
 
 /// One optimizer step after `finish_grad_sync`: the global gradient norm over every part and

@@ -366,7 +366,7 @@ pub struct StepRun {
     /// Per iteration: the six phases, with the gather holding the gather and its completion
     /// (`sync_params`) and the re-quantization its replay alone.
     pub phases: Vec<[f64; 6]>,
-    /// Per iteration: zeroing the gradient buffer (`begin_iteration`'s first kernel).
+    /// Per iteration: zeroing the gradient buffer as `begin_iteration` does it (after staging).
     pub zero: Vec<f64>,
     /// Whole steps (`finish_grad_sync` + `protocol::step`), no synchronization inside.
     pub totals: Vec<f64>,
@@ -434,12 +434,13 @@ pub fn step_rank(
         peak = peak.max(dev.allocated_bytes() - own);
         // As `protocol::step` stages: the owners that stepped, fused persistent outputs kept.
         (_, t[3]) = timed(dev, comm, |d, c| Ok(o.stage(d, c, b, true)?))?;
+        // Not a phase of the step: the zeroing of the gradient buffer as `begin_iteration` does
+        // it with overlapped gathers (after staging, the staged bytes kept), a local kernel the
+        // overlap mode cannot hide either.
+        let (_, z) = timed(dev, comm, |d, _| Ok(b.zero_grad_buffer(d)?))?;
         (_, t[4]) = timed(dev, comm, |d, c| Ok(b.sync_params(d, c)?))?;
         peak = peak.max(dev.allocated_bytes() - own);
         (_, t[5]) = timed(dev, comm, |d, _| replay.run(d, b))?;
-        // Not a phase of the step (the next iteration's `begin_iteration` does it): the zeroing
-        // of the gradient buffer, a local kernel the overlap mode cannot hide either.
-        let (_, z) = timed(dev, comm, |d, _| Ok(b.zero_grad_buffer(d)?))?;
         if i >= s.reps.0 {
             phases.push(t);
             zero.push(z);
