@@ -99,7 +99,8 @@ pub(crate) struct BucketGroup {
     pub(crate) golden_counts: Option<Vec<u32>>,
     /// Low-precision weight state (always `Current` for persistent storage).
     pub(crate) weights: WeightState,
-    /// Gathers of this group since the last `zero_grad_buffer` (forced syncs excluded).
+    /// Gathers of this group since its gather was re-armed (`finish_grad_sync`) or the
+    /// gradients were zeroed (a gather in flight then counts as the coming forward's).
     pub(crate) gathers: u32,
     /// Sharded parameters: the gathered unit (transient) while this group's parameters are
     /// in use, and its gather while in flight.

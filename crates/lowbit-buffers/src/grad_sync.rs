@@ -470,7 +470,9 @@ impl DataParallelBuffers {
         self.release_units(dev)?;
         let mut newly_reduced = Vec::new();
         for g in 0..self.groups.len() {
+            // Re-armed: the gathers of the coming step and forward count from here.
             self.groups[g].param_state = ParamSyncState::Idle;
+            self.groups[g].gathers = 0;
             if self.groups[g].grad_reduce_finished {
                 continue;
             }

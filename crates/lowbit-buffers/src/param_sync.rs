@@ -13,7 +13,7 @@ impl DataParallelBuffers {
     /// Launches the parameter all-gather of group `g` (every bucket, coalesced): each rank's
     /// shard of the parameter region goes to every rank. Asynchronous when `asynchronous`;
     /// otherwise completed here, including the re-quantization of low-precision groups.
-    fn start_param_sync_group(
+    pub(crate) fn start_param_sync_group(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use lowbit_comm::{Communicator, Op, ReduceOp};
 use lowbit_device::{Device, View};
-use lowbit_layout::OptimizerId;
+use lowbit_layout::{OptimizerId, ParamGather};
 
 use crate::error::{ConfigError, ProtocolError, Result};
 use crate::storage::TileScaled;
@@ -30,6 +30,10 @@ impl DataParallelBuffers {
     /// forward (or sync) gathers it exactly once. Collective (tile amaxes are MAX-reduced
     /// across ranks): every rank calls it for the same owner. Refuses while a gather of such a
     /// group is in flight.
+    ///
+    /// With overlapped gathers, the first group in forward order may be staged first and its
+    /// gather started at once (see `early_gather`): it is then in flight when this returns,
+    /// and the forward's pre-hook completes it.
     pub fn stage(
         &mut self,
         dev: &mut Device,
@@ -40,10 +44,11 @@ impl DataParallelBuffers {
         self.check_no_gather_in_flight(owner, "staging")?;
         // HFSDP: staging rewrote this rank's part of its parameter shards.
         self.replica_params_stale = true;
+        let early = self.early_gather(owner);
         // Casts into staging views need no collective; consecutive pieces (masters and staging
         // views both continuing the previous piece's) are cast in one launch.
         let mut tiled = Vec::new();
-        let mut casts: Vec<(View, View)> = Vec::new();
+        let (mut first, mut casts): (Vec<(View, View)>, Vec<(View, View)>) = Default::default();
         for piece in pieces {
             let (b, i) = self.plan.location(piece.param);
             let buf = &self.buffers[b];
@@ -53,10 +58,22 @@ impl DataParallelBuffers {
             let start = buf.plan.param_range(i).start;
             let range = start + piece.param_range.start..start + piece.param_range.end;
             if let Some(dst) = buf.storage.staging_view(range.clone())? {
-                casts.push((piece.master, dst));
+                if early == Some(self.group_of[piece.param]) {
+                    first.push((piece.master, dst));
+                } else {
+                    casts.push((piece.master, dst));
+                }
             } else if !buf.storage.stage_cast(dev, range, piece.master)? {
                 tiled.push(piece);
             }
+        }
+        if let Some(g) = early {
+            for (master, dst) in joined_runs(first) {
+                dev.cast(master, dst)?;
+            }
+            self.groups[g].weights = WeightState::Staged;
+            self.groups[g].param_state = ParamSyncState::Idle;
+            self.start_param_sync_group(dev, comm, g, true)?;
         }
         for (master, dst) in joined_runs(casts) {
             dev.cast(master, dst)?;
@@ -64,6 +81,10 @@ impl DataParallelBuffers {
         self.stage_tiled(dev, comm, owner, &tiled)?;
         for g in &mut self.groups {
             let buf = &self.buffers[g.buffer];
+            // The early gather's group is staged already (and in flight).
+            if g.param_work.is_some() {
+                continue;
+            }
             if buf.owner() == owner && buf.storage.is_low_precision() {
                 // Sharded units quantized their rows in place: current, gathered per use.
                 g.weights = if buf.shards_params() {
@@ -140,6 +161,29 @@ impl DataParallelBuffers {
             ))
             .into()),
         }
+    }
+
+    /// The group [`Self::stage`] stages first and starts gathering at once, if any: with
+    /// overlapped gathers, the first group in forward order (the last group) when it is
+    /// `owner`'s, stages by casts into a staging view that aliases the gradients, and has not
+    /// been gathered since the gathers were re-armed (a second gather is left to the gather
+    /// that refuses it). Its gather then runs beside the rest of the staging and the zeroing
+    /// of the gradients (`begin_iteration`) instead of in front of the first forward layer.
+    /// The same on every rank: it depends on the plan and the protocol state only.
+    fn early_gather(&self, owner: OptimizerId) -> Option<usize> {
+        if !self.cfg.overlap.param_gather() {
+            return None;
+        }
+        let g = self.groups.len().checked_sub(1)?;
+        let group = &self.groups[g];
+        let buf = &self.buffers[group.buffer];
+        (buf.owner() == owner
+            && buf.storage.aliases_grads()
+            && !buf.shards_params()
+            && buf.plan.param_gather != ParamGather::None
+            && group.gathers == 0
+            && group.param_work.is_none())
+        .then_some(g)
     }
 
     fn check_no_gather_in_flight(&self, owner: OptimizerId, operation: &'static str) -> Result<()> {

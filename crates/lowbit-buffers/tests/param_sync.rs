@@ -196,13 +196,13 @@ fn prefetch_runs_down_the_groups_with_staged_mxfp8() {
     });
 }
 
-/// `begin_iteration` after staging starts the first group's gather (the last group) before it
-/// zeroes the gradients: the forward then finds it in flight and runs down the groups as
-/// before, and the weights and gradients come out as with the plain order (zero, stage, lazy
-/// gathers), a backward's leftover gradients zeroed. Persistent weights, and any weights
-/// without overlapped gathers, are not gathered early.
+/// With overlapped gathers, staging casts the first group in forward order (the last group)
+/// first and starts its gather at once; `begin_iteration` then zeroes the gradients beside it.
+/// The forward finds it in flight and runs down the groups as before, and the weights and
+/// gradients come out as without overlap (zero, stage, gather everything), a backward's
+/// leftover gradients zeroed. Persistent weights are not gathered early.
 #[test]
-fn begin_iteration_starts_the_first_gather_and_zeroes_beside_it() {
+fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
     let dp = 2;
     let specs = specs(MXFP8);
     let init = new_values(&specs, 0);
@@ -210,8 +210,9 @@ fn begin_iteration_starts_the_first_gather_and_zeroes_beside_it() {
         let dev = &mut dev;
         let rank = comm.rank();
         let mut out = Vec::new();
-        for early in [true, false] {
-            let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg()).unwrap();
+        for overlap in [Overlap::GradReduceAndParamGather, Overlap::GradReduce] {
+            let cfg = cfg().with_overlap(overlap);
+            let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
             bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
             let n = bufs.num_groups();
             bufs.zero_grad_buffer(dev).unwrap();
@@ -220,6 +221,7 @@ fn begin_iteration_starts_the_first_gather_and_zeroes_beside_it() {
             }
             backward(dev, &mut comm, &mut bufs);
             bufs.mark_stale(OptimizerId(0));
+            let early = overlap == Overlap::GradReduceAndParamGather;
             if !early {
                 bufs.zero_grad_buffer(dev).unwrap();
             }
@@ -227,16 +229,19 @@ fn begin_iteration_starts_the_first_gather_and_zeroes_beside_it() {
             bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
             free_pieces(dev, pieces);
             if early {
+                assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
                 bufs.begin_iteration(dev, &mut comm).unwrap();
                 assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
+                for g in (0..n).rev() {
+                    assert_eq!(bufs.weight_state(g), WeightState::Staged);
+                    bufs.finish_param_sync(dev, &mut comm, g).unwrap();
+                    let want: Vec<usize> = g.checked_sub(1).into_iter().collect();
+                    assert_eq!(bufs.param_gathers_in_flight(), want, "after group {g}");
+                    assert_eq!(bufs.weight_state(g), WeightState::Current);
+                }
             } else {
                 assert!(bufs.param_gathers_in_flight().is_empty());
-            }
-            for g in (0..n).rev() {
-                bufs.finish_param_sync(dev, &mut comm, g).unwrap();
-                let want: Vec<usize> = g.checked_sub(1).into_iter().collect();
-                assert_eq!(bufs.param_gathers_in_flight(), want, "after group {g}");
-                assert_eq!(bufs.weight_state(g), WeightState::Current);
+                bufs.sync_params(dev, &mut comm).unwrap();
             }
             // Full verification: every gradient byte is zero at the first backward access.
             bufs.accumulation_view(dev, 0).unwrap();
@@ -249,28 +254,19 @@ fn begin_iteration_starts_the_first_gather_and_zeroes_beside_it() {
                 .collect();
             out.push(weights);
         }
-        assert_eq!(
-            out[0], out[1],
-            "rank {rank}: early gather vs the plain order"
-        );
-        // bf16 weights: no early gather (their forward gathers them); no overlap: none either.
-        for (storage, cfg) in [
-            (ParamStorage::Bf16, cfg()),
-            (MXFP8, cfg().with_overlap(Overlap::GradReduce)),
-        ] {
-            let specs = self::specs(storage);
-            let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
-            bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
-            bufs.mark_stale(OptimizerId(0));
-            let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
-            bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
-            free_pieces(dev, pieces);
-            bufs.begin_iteration(dev, &mut comm).unwrap();
-            assert!(bufs.param_gathers_in_flight().is_empty(), "{storage:?}");
-            bufs.sync_params(dev, &mut comm).unwrap();
-        }
+        assert_eq!(out[0], out[1], "rank {rank}: early gather vs no overlap");
+        // bf16 weights: no early gather (their forward gathers them).
+        let specs = self::specs(ParamStorage::Bf16);
+        let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg()).unwrap();
+        bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+        bufs.mark_stale(OptimizerId(0));
+        let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
+        bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
+        free_pieces(dev, pieces);
+        bufs.begin_iteration(dev, &mut comm).unwrap();
+        assert!(bufs.param_gathers_in_flight().is_empty());
+        bufs.sync_params(dev, &mut comm).unwrap();
         out.swap_remove(0)
     });
-    // The new values reached every rank (not the initial ones, not zeros).
-    assert_eq!(results[0], results[1]);
+    assert_eq!(results[0], results[1], "the ranks' weights differ");
 }
