@@ -48,7 +48,8 @@ impl DataParallelBuffers {
         // Casts into staging views need no collective; consecutive pieces (masters and staging
         // views both continuing the previous piece's) are cast in one launch.
         let mut tiled = Vec::new();
-        let (mut first, mut casts): (Vec<(View, View)>, Vec<(View, View)>) = Default::default();
+        let mut first: Vec<(View, View)> = Vec::new();
+        let mut casts: Vec<(View, View)> = Vec::new();
         for piece in pieces {
             let (b, i) = self.plan.location(piece.param);
             let buf = &self.buffers[b];
