@@ -463,6 +463,39 @@ impl DataParallelBuffers {
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<()> {
+        self.finish_grad_sync_except(dev, comm, None)
+    }
+
+    /// The first half of [`Self::finish_grad_sync`], for work that can start on reduced
+    /// gradients while the last reduction still runs (the gradient norm of every other group):
+    /// completes every reduction except the most recently launched one and returns the groups
+    /// left to complete: that one, or none where no reduction is in flight or where hybrid
+    /// sharding still reduces across replicas (everything is completed here then). Call
+    /// [`Self::finish_grad_sync`] afterwards for the rest, before anything else.
+    pub fn finish_grad_sync_but_last(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<Vec<usize>> {
+        let last = self.grad_reduce_in_flight().last().copied();
+        match last.filter(|_| self.outer.is_none()) {
+            Some(g) => {
+                self.finish_grad_sync_except(dev, comm, Some(g))?;
+                Ok(vec![g])
+            }
+            None => {
+                self.finish_grad_sync(dev, comm)?;
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    fn finish_grad_sync_except(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        except: Option<usize>,
+    ) -> Result<()> {
         // Refuse before touching anything: reducing some groups and then refusing would leave
         // gradients (and the staging views aliasing them) half reduced.
         self.refuse_gather_in_flight("finish_grad_sync")?;
@@ -473,7 +506,7 @@ impl DataParallelBuffers {
             // Re-armed: the gathers of the coming step and forward count from here.
             self.groups[g].param_state = ParamSyncState::Idle;
             self.groups[g].gathers = 0;
-            if self.groups[g].grad_reduce_finished {
+            if self.groups[g].grad_reduce_finished || except == Some(g) {
                 continue;
             }
             let sharded = self.buffers[self.groups[g].buffer].shards_grads();

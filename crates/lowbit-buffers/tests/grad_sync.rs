@@ -4,7 +4,8 @@
 //! rounded once (`GradScaling::PreDivide`); or summed in rank order, divided by `dp` in f32 and
 //! rounded once (`GradScaling::AverageInCollective`). With overlapped reduction the golden
 //! counts come from the first batch, and the second batch launches every bucket group from its
-//! grad-ready reports, in backward order, during the "backward".
+//! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_but_last`
+//! completes all but the last of them.
 
 mod common;
 
@@ -131,6 +132,20 @@ fn check(
             if overlap.grad_reduce() && batch == 1 {
                 let all: Vec<usize> = (0..bufs.num_groups()).collect();
                 assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
+                // The first half completes every reduction but the last launched, whose
+                // groups' gradients are final then.
+                let pending = bufs.finish_grad_sync_but_last(dev, &mut comm).unwrap();
+                assert_eq!(pending, vec![all[all.len() - 1]], "{what}");
+                assert_eq!(bufs.grad_reduce_in_flight(), pending, "{what}");
+                for s in bufs.owned_shards().unwrap() {
+                    if pending.contains(&bufs.group_of(s.param)) {
+                        continue;
+                    }
+                    let want = expected(dp, batch, s.param, specs[s.param].numel, grad, scaling);
+                    let got = download_f32(dev, s.grad_view);
+                    let w = format!("{what}: early, param {} {:?}", s.param, s.param_range);
+                    assert_same_bits(&got, &want[s.param_range.clone()], &w);
+                }
             }
             bufs.finish_grad_sync(dev, &mut comm).unwrap();
             assert!(bufs.grad_reduce_in_flight().is_empty(), "{what}");

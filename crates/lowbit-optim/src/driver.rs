@@ -12,7 +12,7 @@
 //!     let mut hooks = it.microbatch(comm, m + 1 == microbatches);
 //!     model.forward_backward(dev, &mut hooks, …)?;   // lazy gathers, grad-ready reductions
 //! }
-//! let report = it.finish_grad_sync(dev, comm)?.step(dev, comm)?;
+//! let report = it.step(dev, comm)?;                  // = it.finish_grad_sync(..)?.step(..)
 //! ```
 
 use lowbit_buffers::{
@@ -226,6 +226,25 @@ impl<'t> Iteration<'t> {
         Ok(GradsReady {
             trainer: self.trainer,
         })
+    }
+
+    /// Completes every gradient reduction and steps, with the same bits as
+    /// `finish_grad_sync(..)?.step(..)` but faster where reductions overlap the backward: the
+    /// gradient norm of every group already reduced runs while the last reduction does (see
+    /// [`protocol::finish_grad_sync_and_step`]).
+    ///
+    /// # Errors
+    /// As [`Iteration::finish_grad_sync`] and [`GradsReady::step`].
+    pub fn step(self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<StepReport> {
+        if !self.last_seen {
+            return Err(lowbit_buffers::BufferError::from(ProtocolError::NoLastMicrobatch).into());
+        }
+        let t = self.trainer;
+        let report = protocol::finish_grad_sync_and_step(dev, comm, &mut t.bufs, t.opt.as_mut())?;
+        if report.skipped {
+            t.skipped += 1;
+        }
+        Ok(report)
     }
 }
 

@@ -517,6 +517,20 @@ impl Optimizer for Muon {
         crate::optimizer::widened_sum_squares(dev, grads)
     }
 
+    fn local_sum_squares_overlapped(
+        &mut self,
+        dev: &mut Device,
+        reduced: &dyn Fn(usize) -> bool,
+        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+    ) -> Result<f64> {
+        let pieces: Vec<_> = self
+            .shards
+            .iter()
+            .map(|s| (s.param, s.grad_view, s.grad32))
+            .collect();
+        crate::optimizer::widened_sum_squares_overlapped(dev, &pieces, reduced, finish)
+    }
+
     fn clip_grad(&self) -> Option<f32> {
         self.cfg.clip_grad
     }

@@ -237,6 +237,25 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64>;
 
+    /// [`Optimizer::local_sum_squares`] while the last gradient reductions still run:
+    /// `reduced(param)` says whether parameter `param`'s reduced gradient is final already;
+    /// `finish` completes the rest. The same bits as `local_sum_squares` after `finish`. The
+    /// default calls `finish` first; an optimizer whose sum is a fold of per-piece sums sums the
+    /// final pieces first, so that their pass runs beside the last reductions.
+    ///
+    /// # Errors
+    /// Device errors and those of `finish`.
+    fn local_sum_squares_overlapped(
+        &mut self,
+        dev: &mut Device,
+        reduced: &dyn Fn(usize) -> bool,
+        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+    ) -> Result<f64> {
+        let _ = reduced;
+        finish(dev)?;
+        self.local_sum_squares(dev)
+    }
+
     /// The clip value (a chain: the smallest of its parts).
     fn clip_grad(&self) -> Option<f32>;
 
@@ -578,18 +597,45 @@ pub(crate) fn widened_sum_squares(
     dev: &mut Device,
     grads: impl IntoIterator<Item = (View, View)>,
 ) -> Result<f64> {
-    let mut views = Vec::new();
-    for (grad, grad32) in grads {
-        if grad32 != grad {
-            dev.cast(grad, grad32)?;
+    let pieces: Vec<(usize, View, View)> = grads.into_iter().map(|(g, g32)| (0, g, g32)).collect();
+    widened_sum_squares_overlapped(dev, &pieces, &|_| true, &mut |_| Ok(()))
+}
+
+/// [`widened_sum_squares`] of `(param, grad, grad32)` pieces, those whose `reduced(param)`
+/// first, then `finish`, then the rest: each piece's sum is the same whenever it is taken, and
+/// the sums are added in piece order, so the bits do not depend on the split.
+pub(crate) fn widened_sum_squares_overlapped(
+    dev: &mut Device,
+    pieces: &[(usize, View, View)],
+    reduced: &dyn Fn(usize) -> bool,
+    finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+) -> Result<f64> {
+    let (first, rest): (Vec<usize>, Vec<usize>) =
+        (0..pieces.len()).partition(|&i| reduced(pieces[i].0));
+    let mut sums = vec![0.0; pieces.len()];
+    // One wait for the device per part, not per piece.
+    let mut sum = |dev: &mut Device, part: &[usize]| -> Result<()> {
+        let mut views = Vec::with_capacity(part.len());
+        for &i in part {
+            let (_, grad, grad32) = pieces[i];
+            if grad32 != grad {
+                dev.cast(grad, grad32)?;
+            }
+            views.push(grad32);
         }
-        views.push(grad32);
+        for (&i, s) in part.iter().zip(dev.sum_squares_each(&views)?) {
+            sums[i] = s;
+        }
+        Ok(())
+    };
+    if !first.is_empty() {
+        sum(dev, &first)?;
     }
-    // One wait for the device over all pieces; the sums are added in piece order as before.
-    Ok(dev
-        .sum_squares_each(&views)?
-        .into_iter()
-        .fold(0.0, |a, b| a + b))
+    finish(dev)?;
+    if !rest.is_empty() {
+        sum(dev, &rest)?;
+    }
+    Ok(sums.into_iter().fold(0.0, |a, b| a + b))
 }
 
 /// An init callback over full initial values (`init[p]` is parameter `p`, flattened): the
@@ -600,5 +646,41 @@ pub fn init_from_full(init: &[Vec<f32>]) -> impl FnMut(usize, Range<usize>) -> V
             .and_then(|v| v.get(range))
             .map(<[f32]>::to_vec)
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lowbit_device::Device;
+
+    use super::{widened_sum_squares, widened_sum_squares_overlapped};
+
+    /// The pieces' sums are added in piece order whatever the split: 2^53 + 1 + 1 is 2^53 in
+    /// that order (each +1 rounds away) but 2^53 + 2 if the two reduced pieces were added
+    /// first; and `finish` runs after the reduced pieces and before the others.
+    #[test]
+    fn the_split_sum_adds_in_piece_order_and_finishes_between() {
+        let mut dev = Device::cpu();
+        let big = 2f32.powi(26);
+        let views = [
+            lowbit_testkit::upload_f32(&mut dev, &[big, big]),
+            lowbit_testkit::upload_f32(&mut dev, &[1.0]),
+            lowbit_testkit::upload_f32(&mut dev, &[1.0]),
+        ];
+        let pieces: Vec<_> = views.iter().enumerate().map(|(p, &v)| (p, v, v)).collect();
+        let plain = widened_sum_squares(&mut dev, views.iter().map(|&v| (v, v))).unwrap();
+        assert_eq!(plain, 2f64.powi(53));
+        // Piece 0 is still being reduced: its view holds garbage until `finish` writes it.
+        let (late, real) = (views[0], [big, big]);
+        dev.upload(late, &[7.0f32, 7.0]).unwrap();
+        let mut finished = false;
+        let split = widened_sum_squares_overlapped(&mut dev, &pieces, &|p| p != 0, &mut |d| {
+            finished = true;
+            d.upload(late, &real)?;
+            Ok(())
+        })
+        .unwrap();
+        assert!(finished);
+        assert_eq!(split.to_bits(), plain.to_bits());
     }
 }

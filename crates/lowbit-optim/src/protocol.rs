@@ -5,6 +5,7 @@
 //! microbatches      forward/backward through the hooks (lazy gathers, grad-ready reductions)
 //! finish_grad_sync  (DataParallelBuffers) complete every reduction
 //! step              grad norm, clip, skip, update, stage + gather unless overlapped
+//!                   (finish_grad_sync_and_step: both, the norm beside the last reduction)
 //! force_param_sync  (between steps: eval, checkpoint) complete, zero, stage all, gather all
 //! ```
 //!
@@ -56,6 +57,41 @@ pub fn step(
     opt: &mut dyn Optimizer,
 ) -> Result<StepReport> {
     let grad_norm = global_grad_norm(dev, comm, bufs, opt)?;
+    step_with_norm(dev, comm, bufs, opt, grad_norm)
+}
+
+/// `finish_grad_sync` and [`step`] in one, with the same bits: this rank's sum of squares over
+/// every group whose reduction has completed runs while the last reduction (the last bucket of
+/// the backward, launched when its gradients became ready) still does, and only the last
+/// group's pieces are summed after it.
+///
+/// # Errors
+/// As `finish_grad_sync` and [`step`].
+pub fn finish_grad_sync_and_step(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+) -> Result<StepReport> {
+    let pending = bufs.finish_grad_sync_but_last(dev, comm)?;
+    let reduced: Vec<bool> = (0..bufs.specs().len())
+        .map(|p| !pending.contains(&bufs.group_of(p)))
+        .collect();
+    let local = opt.local_sum_squares_overlapped(dev, &|p| reduced[p], &mut |d| {
+        Ok(bufs.finish_grad_sync(d, comm)?)
+    })?;
+    let grad_norm = norm_from_local(dev, comm, bufs, local)?;
+    step_with_norm(dev, comm, bufs, opt, grad_norm)
+}
+
+/// The rest of [`step`] once the gradient norm is known.
+fn step_with_norm(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+    grad_norm: f32,
+) -> Result<StepReport> {
     if !grad_norm.is_finite() {
         return Ok(StepReport {
             grad_norm,
@@ -94,6 +130,17 @@ pub fn global_grad_norm(
     opt: &mut dyn Optimizer,
 ) -> Result<f32> {
     let local = opt.local_sum_squares(dev)?;
+    norm_from_local(dev, comm, bufs, local)
+}
+
+/// The global gradient norm from this rank's sum of squares: the ranks' sums added in rank
+/// order (and the replicas' where they own different pieces).
+fn norm_from_local(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    local: f64,
+) -> Result<f32> {
     let mut total = if bufs.plan().is_sharded() {
         sum_across_ranks(dev, comm, local)?
     } else {

@@ -532,14 +532,13 @@ impl Mark {
 }
 
 /// Where the device's stream spends an overlapped iteration.
-pub const SEGMENTS: [&str; 7] = [
+pub const SEGMENTS: [&str; 6] = [
     "begin",
     "forward_params",
     "forward_compute",
     "backward_compute",
     "backward_grads",
-    "grad_sync_rest",
-    "step",
+    "grad_sync_rest_and_step",
 ];
 
 /// A square f32 product repeated to last about a given time: compute that needs no kernel of
@@ -688,10 +687,10 @@ pub fn overlap_rank(
                 }
                 w.push((Mark::record(d)?, 4));
             }
-            b.finish_grad_sync(d, c)?;
+            // As `Iteration::step`: the norm of the groups already reduced runs beside the
+            // last reduction.
+            protocol::finish_grad_sync_and_step(d, c, b, o)?;
             w.push((Mark::record(d)?, 5));
-            protocol::step(d, c, b, o)?;
-            w.push((Mark::record(d)?, 6));
             Ok(w)
         })?;
         let ((), alone) = timed(dev, comm, |d, _| {

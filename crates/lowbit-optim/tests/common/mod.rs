@@ -218,10 +218,9 @@ pub fn train_step(
         mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0 / microbatches as f32)
             .unwrap();
     }
-    it.finish_grad_sync(dev, comm)
-        .unwrap()
-        .step(dev, comm)
-        .unwrap()
+    // The one-call path (the norm beside the last reduction); `trainer.rs` holds it to the
+    // protocol functions called one by one, bit for bit.
+    it.step(dev, comm).unwrap()
 }
 
 /// Every parameter's weight bytes as compute reads them: the persistent values or the
