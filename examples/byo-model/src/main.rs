@@ -121,7 +121,8 @@ fn rank_main(comm: &mut dyn Communicator, dev: &mut Device) -> Result<Vec<f32>, 
             let (x, t) = batch(first as u64);
             loss += mlp.step(dev, &mut hooks, (&x, &t), 1.0 / MICROBATCHES as f32)?;
         }
-        iteration.finish_grad_sync(dev, comm)?.step(dev, comm)?;
+        // Completes the reductions and steps (the norm overlaps the last reduction).
+        iteration.step(dev, comm)?;
         dev.upload(scalar, &[loss / MICROBATCHES as f32])?;
         comm.all_reduce(dev, scalar, ReduceOp::Avg)?;
         losses.push(dev.download::<f32>(scalar)?[0]);
