@@ -290,3 +290,45 @@ fn invalid_configurations_are_refused_up_front() {
         BufferError::Config(ConfigError::RankOutOfRange { rank: 2, dp: 2 })
     ));
 }
+
+/// `Iteration::step` (this rank's sum of squares over the groups already reduced taken while the
+/// last reduction runs) trains the same bits as `finish_grad_sync` then `GradsReady::step`: one
+/// optimizer or a chain, Muon layer-wise, every overlap mode, clipping on, bf16 and MXFP8 weights.
+#[test]
+fn the_one_call_step_changes_no_bit() {
+    use common::Precision;
+    let mut runs = Vec::new();
+    for dp in [2, 3] {
+        for (og, op) in [(false, false), (true, false), (true, true)] {
+            for (chained, precision) in [
+                (false, Precision::Bf16),
+                (false, Precision::Mxfp8),
+                (true, Precision::Mxfp8),
+            ] {
+                runs.push(Run {
+                    ddp: ddp(true, og, op, Some(300)),
+                    chained,
+                    precision,
+                    param_gather: precision != Precision::Bf16,
+                    clip: Some(1e-3),
+                    ..Run::new(dp)
+                });
+            }
+        }
+    }
+    runs.push(Run {
+        precision: Precision::Mxfp8,
+        param_gather: true,
+        ..Run::muon(2)
+    });
+    for run in runs {
+        let base = train(run);
+        let one = train(Run {
+            one_call_step: true,
+            ..run
+        });
+        assert_ranks_identical(&one);
+        common::assert_same_trajectory(&base, &one, &format!("{run:?}"));
+        assert!(one[0].grads.is_empty() && !base[0].grads.is_empty());
+    }
+}

@@ -2,7 +2,8 @@
 //! `cargo xtask gpu-bundle` on a GPU machine; it fails, not skips, without GPUs): the
 //! primary-weight ON/OFF parity matrix with one rank per GPU through NCCL, `lowbit train`
 //! on CUDA against the same run on the CPU backend, bit for bit, and layer-wise Muon chained with
-//! AdamW and SGD on CUDA against the CPU backend, bit for bit (f32 Newton–Schulz).
+//! AdamW and SGD on CUDA against the CPU backend, bit for bit (f32 Newton–Schulz); the one-call
+//! step (`Iteration::step`) on CUDA against the two-call step on the CPU.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -162,4 +163,36 @@ fn muon_on_cuda_matches_the_cpu_backend() {
         "Muon on CUDA: {cases} cases identical to the CPU backend in {:.1?}",
         start.elapsed()
     );
+}
+
+/// `Iteration::step` on CUDA (the norm of the groups already reduced summed on the device
+/// stream while NCCL runs the last reduction) gives the CPU backend's bits of the two-call step:
+/// overlapped reductions and gathers, MXFP8 and bf16 weights, one optimizer and a chain.
+#[test]
+fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
+    for dp in dps().into_iter().filter(|&d| d <= 2) {
+        for (chained, precision) in [
+            (false, common::Precision::Mxfp8),
+            (true, common::Precision::Bf16),
+        ] {
+            let base = Run {
+                ddp: ddp(true, true, true, Some(300)),
+                chained,
+                precision,
+                param_gather: precision != common::Precision::Bf16,
+                clip: Some(1e-3),
+                ..Run::new(dp)
+            };
+            let cpu = common::train(base);
+            let gpu = common::train(Run {
+                device: TestDevice::Cuda,
+                one_call_step: true,
+                ..base
+            });
+            assert_ranks_identical(&gpu);
+            let what = format!("one-call step {precision:?} dp={dp} chained={chained}");
+            assert_same_trajectory(&cpu, &gpu, &format!("{what}: CUDA vs CPU"));
+            eprintln!("{what}: CUDA = CPU");
+        }
+    }
 }

@@ -121,6 +121,9 @@ pub struct Run {
     pub probe: bool,
     /// Save a checkpoint, or start from one.
     pub ckpt: Option<CkptHook>,
+    /// Step with `Iteration::step` (the norm beside the last reduction) instead of
+    /// `finish_grad_sync` then `GradsReady::step`; the reduced gradients are not recorded then.
+    pub one_call_step: bool,
 }
 
 /// A checkpoint in a run (`lowbit-ckpt`).
@@ -154,6 +157,7 @@ impl Run {
             optimizer: OptimChoice::AdamW,
             probe: false,
             ckpt: None,
+            one_call_step: false,
         }
     }
 
@@ -641,31 +645,36 @@ pub fn rank_main(
             clock.close(Phase::Microbatches, dev, comm, &mut probe);
             probe.after_microbatches = group_states(iteration.buffers());
         }
-        let ready = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
-        let mut grads = Vec::new();
-        for s in ready.buffers().owned_shards().map_err(|x| e(&x))? {
-            let tmp = dev.alloc(DType::F32, s.grad_view.len());
-            dev.cast(s.grad_view, tmp).map_err(|x| e(&x))?;
-            let values: Vec<f32> = dev.download(tmp).map_err(|x| e(&x))?;
-            dev.free(tmp).map_err(|x| e(&x))?;
-            grads.push(MasterShard {
-                param: s.param,
-                range: s.param_range,
-                values,
-            });
-        }
-        out.grads.push(grads);
-        if run.probe {
-            // Downloading the reduced gradients above is not a quantization or a gather.
-            clock = PhaseClock::start(dev, comm);
-        }
-        let report = ready.step(dev, comm).map_err(|x| e(&x))?;
-        out.norms.push(report.grad_norm);
-        if run.probe {
-            clock.close(Phase::Step, dev, comm, &mut probe);
-            probe.after_step = group_states(trainer.buffers());
-            masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
-            clock = PhaseClock::start(dev, comm);
+        if run.one_call_step && !run.probe {
+            let report = iteration.step(dev, comm).map_err(|x| e(&x))?;
+            out.norms.push(report.grad_norm);
+        } else {
+            let ready = iteration.finish_grad_sync(dev, comm).map_err(|x| e(&x))?;
+            let mut grads = Vec::new();
+            for s in ready.buffers().owned_shards().map_err(|x| e(&x))? {
+                let tmp = dev.alloc(DType::F32, s.grad_view.len());
+                dev.cast(s.grad_view, tmp).map_err(|x| e(&x))?;
+                let values: Vec<f32> = dev.download(tmp).map_err(|x| e(&x))?;
+                dev.free(tmp).map_err(|x| e(&x))?;
+                grads.push(MasterShard {
+                    param: s.param,
+                    range: s.param_range,
+                    values,
+                });
+            }
+            out.grads.push(grads);
+            if run.probe {
+                // Downloading the reduced gradients above is not a quantization or a gather.
+                clock = PhaseClock::start(dev, comm);
+            }
+            let report = ready.step(dev, comm).map_err(|x| e(&x))?;
+            out.norms.push(report.grad_norm);
+            if run.probe {
+                clock.close(Phase::Step, dev, comm, &mut probe);
+                probe.after_step = group_states(trainer.buffers());
+                masters = trainer.optimizer().masters(dev).map_err(|x| e(&x))?;
+                clock = PhaseClock::start(dev, comm);
+            }
         }
         if run.force_sync_every_step {
             trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;

@@ -53,6 +53,26 @@ impl Optimizer for ChainedOptimizer {
         }
         Ok(sum)
     }
+    fn local_sum_squares_overlapped(
+        &mut self,
+        dev: &mut Device,
+        reduced: &dyn Fn(usize) -> bool,
+        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+    ) -> Result<f64> {
+        // The first part sums its reduced pieces before `finish`; the sums add as before.
+        let mut finish = Some(finish);
+        let mut sum = 0.0;
+        for p in &mut self.parts {
+            sum += match finish.take() {
+                Some(f) => p.local_sum_squares_overlapped(dev, reduced, f)?,
+                None => p.local_sum_squares(dev)?,
+            };
+        }
+        if let Some(f) = finish {
+            f(dev)?;
+        }
+        Ok(sum)
+    }
     fn clip_grad(&self) -> Option<f32> {
         self.parts
             .iter()
