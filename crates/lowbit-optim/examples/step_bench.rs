@@ -28,6 +28,7 @@
 //! [--nan-check off,grad]
 //! [--also MODEL:PREC:GRADS]…
 //! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--comm-priority high|normal]
+//! [--step-call one|two]
 //! [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
 //! `cargo run --release -p lowbit-optim --example step_bench -- --device cpu --model tiny`.
@@ -544,6 +545,11 @@ fn run() -> Res<()> {
         gpu: device == "cuda",
         compute_us: args.get("--compute-us").map(str::parse).transpose()?,
         bucket: args.get("--bucket").map(str::parse).transpose()?,
+        one_call_step: match args.get("--step-call").unwrap_or("one") {
+            "one" => true,
+            "two" => false,
+            other => return Err(format!("--step-call {other}: one or two").into()),
+        },
     };
     if ranks == 0 || settings.reps.1 == 0 {
         return Err("--ranks and --iters must be at least 1".into());

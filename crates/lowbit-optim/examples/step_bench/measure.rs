@@ -36,6 +36,9 @@ pub struct Settings {
     pub gpu: bool,
     pub compute_us: Option<f64>,
     pub bucket: Option<usize>,
+    /// The overlap mode's step: `Iteration::step`'s one call (the norm beside the last
+    /// reduction), or `finish_grad_sync` then `step` (for comparison).
+    pub one_call_step: bool,
 }
 
 impl Settings {
@@ -689,7 +692,12 @@ pub fn overlap_rank(
             }
             // As `Iteration::step`: the norm of the groups already reduced runs beside the
             // last reduction.
-            protocol::finish_grad_sync_and_step(d, c, b, o)?;
+            if s.one_call_step {
+                protocol::finish_grad_sync_and_step(d, c, b, o)?;
+            } else {
+                b.finish_grad_sync(d, c)?;
+                protocol::step(d, c, b, o)?;
+            }
             w.push((Mark::record(d)?, 5));
             Ok(w)
         })?;
