@@ -169,6 +169,16 @@ fn cast_matches_for_all_pairs() {
                 c.dev.cast(src, dst)?;
             }
         }
+        // f32 -> bf16 at every alignment of both sides and lengths around multiples of eight
+        // (the eight-wide kernel, its head and its tail; the bytes around stay untouched).
+        for (k, (so, dof)) in (0..4).flat_map(|a| (0..8).map(move |b| (a, b))).enumerate() {
+            for n in [7, 64, 1003] {
+                let seed = 1000 + 10 * k as u64 + n as u64;
+                let src = c.rand_mid(DType::F32, n, so + 1, seed);
+                let dst = c.rand_mid(DType::Bf16, n, dof + 1, seed + 5);
+                c.dev.cast(src, dst)?;
+            }
+        }
         // f32 masters -> bf16 staging over the first half of an f32 gradient buffer.
         let m = c.rand(DType::F32, 130, 7);
         let grads = c.rand(DType::F32, 130, 8);
