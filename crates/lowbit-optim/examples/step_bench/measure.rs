@@ -147,7 +147,8 @@ impl Traffic {
         // bf16 output fused for persistent weights; clipping rides along in the kernel.
         let optimizer = (24.0 + g) * all + 2.0 * o[0];
         // Casts of the masters (4 + 2); 2D formats also fold (2) and quantize (2 + 1 or 0.5).
-        let staging = 6.0 * (o[0] + o[1]) + 11.0 * o[2] + 10.5 * o[3];
+        // Persistent weights stage nothing: the fused update wrote them (counted above).
+        let staging = 6.0 * o[1] + 11.0 * o[2] + 10.5 * o[3];
         // Staged MXFP8: read bf16, write both copies and scales, zero the staging view; 2D
         // MXFP8: scales from the tiles; NVFP4: the columnwise copy and both scales.
         let requant = m[1] * (2.0 + 2.0 * (1.0 + 1.0 / 32.0) + 2.0)
