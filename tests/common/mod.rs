@@ -123,6 +123,7 @@ pub struct Run {
     pub ckpt: Option<CkptHook>,
     /// Step with `Iteration::step` (the norm beside the last reduction) instead of
     /// `finish_grad_sync` then `GradsReady::step`; the reduced gradients are not recorded then.
+    /// Ignored with `probe`, which observes the two calls apart.
     pub one_call_step: bool,
 }
 
