@@ -187,30 +187,6 @@ pub(crate) fn add_partials(acc: f64, partials: &[f64]) -> f64 {
     partials.iter().fold(acc, |s, p| s + p)
 }
 
-/// [`add_partials`] for several views at once: `sums[v]` continued with `run` for each
-/// `(v, run)` of `runs` (distinct views). The chains are independent, so they are stepped
-/// together, four at a time, and the CPU overlaps their additions instead of waiting out one
-/// long dependency chain; each chain still adds in index order, so every sum has the bits of
-/// `add_partials`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn add_partials_each(sums: &mut [f64], runs: &[(usize, &[f64])]) {
-    for batch in runs.chunks(4) {
-        let mut acc = [0.0f64; 4];
-        for (a, &(v, _)) in acc.iter_mut().zip(batch) {
-            *a = sums[v];
-        }
-        let common = batch.iter().map(|(_, r)| r.len()).min().unwrap_or(0);
-        for i in 0..common {
-            for (a, (_, run)) in acc.iter_mut().zip(batch) {
-                *a += run[i];
-            }
-        }
-        for (&a, &(v, run)) in acc.iter().zip(batch) {
-            sums[v] = add_partials(a, &run[common..]);
-        }
-    }
-}
-
 /// Chunks of at most [`CHUNK`] elements covering `0..n`, in order.
 pub(crate) fn chunks(n: usize) -> impl Iterator<Item = Range<usize>> {
     (0..n).step_by(CHUNK).map(move |s| s..(s + CHUNK).min(n))
@@ -335,43 +311,5 @@ pub(crate) fn rows_of(what: &'static str, len: usize, cols: usize) -> Result<usi
             what,
             format!("{len} elements are not a whole number of rows of {cols}"),
         )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{add_partials, add_partials_each};
-
-    /// Stepping several views' chains together gives each the bits of its own chain: runs of
-    /// many lengths (0 to 37), continued from earlier sums, magnitudes over 60 binades so that
-    /// the order shows.
-    #[test]
-    fn add_partials_each_has_the_bits_of_add_partials() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        for views in 0..11 {
-            let start: Vec<f64> = (0..views).map(|_| (next() % 1000) as f64 / 7.0).collect();
-            let runs: Vec<Vec<f64>> = (0..views)
-                .map(|_| {
-                    let n = (next() % 38) as usize;
-                    (0..n)
-                        .map(|_| (next() % 1_000_000) as f64 * 2f64.powi((next() % 60) as i32 - 30))
-                        .collect()
-                })
-                .collect();
-            let mut sums = start.clone();
-            let refs: Vec<(usize, &[f64])> =
-                runs.iter().map(|r| r.as_slice()).enumerate().collect();
-            add_partials_each(&mut sums, &refs);
-            for v in 0..views {
-                let want = add_partials(start[v], &runs[v]);
-                assert_eq!(sums[v].to_bits(), want.to_bits(), "{views} views, view {v}");
-            }
-        }
     }
 }

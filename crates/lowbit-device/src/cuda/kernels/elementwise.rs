@@ -147,8 +147,7 @@ impl CudaDevice {
             ));
         }
         // Each view's partials added in index order from +0.0 (`add_partials`), continued
-        // across the copies its partials fall in; the views of a copy are stepped together
-        // (`add_partials_each`).
+        // across the copies its partials fall in.
         let mut sums = vec![0.0f64; views.len()];
         let mut view = 0;
         for (range, ev) in &events {
@@ -157,18 +156,16 @@ impl CudaDevice {
             // SAFETY: this piece's copy finished (its event fired); the range lies inside the
             // `total` f64 of `host`, which nothing writes until the next call.
             let part = unsafe { std::slice::from_raw_parts(host.add(range.start), range.len()) };
-            // The piece's runs, one per view it touches (a view's partials are consecutive).
-            let mut runs = Vec::new();
             let mut at = range.start;
             while at < range.end {
                 while starts[view] + nblocks[view] <= at {
                     view += 1;
                 }
                 let end = (starts[view] + nblocks[view]).min(range.end);
-                runs.push((view, &part[at - range.start..end - range.start]));
+                let run = &part[at - range.start..end - range.start];
+                sums[view] = crate::ops::add_partials(sums[view], run);
                 at = end;
             }
-            crate::ops::add_partials_each(&mut sums, &runs);
         }
         drop(tables);
         drop(s);
