@@ -1,5 +1,6 @@
 //! [`Trainer`]: the training-step protocol as types. An [`Iteration`] exists only between
-//! `begin` and the gradient sync; only a completed sync ([`GradsReady`]) can step; evals and
+//! `begin` and the gradient sync; only a completed sync ([`GradsReady`], or `Iteration::step`,
+//! which completes it first) can step; evals and
 //! forced syncs need the trainer back, i.e. no iteration open. So the orders behind Megatron's
 //! staging bugs (step before the reduction finished, a forward on weights the optimizer moved,
 //! an eval inside an iteration) do not compile, and what the types cannot say is checked at run
@@ -248,7 +249,8 @@ impl<'t> Iteration<'t> {
     }
 }
 
-/// Gradients reduced: the only state from which the optimizer can step.
+/// Gradients reduced: the state from which the optimizer steps (`Iteration::step` passes
+/// through it in one call).
 #[derive(Debug)]
 pub struct GradsReady<'t> {
     trainer: &'t mut Trainer,
