@@ -1,11 +1,11 @@
 //! [`Trainer`]: the training-step protocol as types. An [`Iteration`] exists only between
 //! `begin` and the gradient sync; only a completed sync ([`GradsReady`], or `Iteration::step`,
 //! which completes it first) can step; evals and forced syncs need the trainer back, i.e. no
-//! iteration open. So the orders behind Megatron's
-//! staging bugs (step before the reduction finished, a forward on weights the optimizer moved,
-//! an eval inside an iteration) do not compile, and what the types cannot say is checked at run
-//! time in every build ([`lowbit_buffers::ProtocolError`]). Zeroing after staging, the order
-//! behind bug A3, is harmless by construction: zeroing keeps staged bytes.
+//! iteration open. So the orders behind Megatron's staging bugs (step before the reduction
+//! finished, a forward on weights the optimizer moved, an eval inside an iteration) do not
+//! compile, and what the types cannot say is checked at run time in every build
+//! ([`lowbit_buffers::ProtocolError`]). Zeroing after staging, the order behind bug A3, is
+//! harmless by construction: zeroing keeps staged bytes.
 //!
 //! ```text
 //! let mut it = trainer.begin(dev, comm)?;            // stage stale owners, first gather, zero grads
