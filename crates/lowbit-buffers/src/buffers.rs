@@ -99,8 +99,8 @@ pub(crate) struct BucketGroup {
     pub(crate) golden_counts: Option<Vec<u32>>,
     /// Low-precision weight state (always `Current` for persistent storage).
     pub(crate) weights: WeightState,
-    /// Gathers of this group since its gather was re-armed (`finish_grad_sync`) or the
-    /// gradients were zeroed (a gather in flight then counts as the coming forward's).
+    /// Gathers of this group since the gradients were last zeroed (forced syncs excluded; a
+    /// gather in flight at the zeroing counts as the coming forward's).
     pub(crate) gathers: u32,
     /// Sharded parameters: the gathered unit (transient) while this group's parameters are
     /// in use, and its gather while in flight.

@@ -52,14 +52,25 @@ impl DataParallelBuffers {
         self.zero_grads(dev)
     }
 
-    /// Starts an iteration after staging: [`Self::zero_grad_buffer`], with the first group's
-    /// gather (in forward order) started before the zeroing where gathers overlap the forward,
-    /// so that it runs while the gradients are zeroed and the first forward pre-hook finds it
-    /// under way.
-    pub fn begin_iteration(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+    /// Starts an iteration: [`Self::zero_grad_buffer`] with `stage` (the optimizer's staging
+    /// of its stale owners) run between its checks and its zeroing, and the first group's
+    /// gather (in forward order) started before the zeroing where gathers overlap the forward
+    /// (staging may have started it already), so that it runs while the gradients are zeroed
+    /// and the first forward pre-hook finds it under way. Refuses before `stage` touches
+    /// anything if a collective is in flight.
+    ///
+    /// # Errors
+    /// [`ProtocolError::CollectiveInFlight`], `stage`'s errors, buffer and device errors.
+    pub fn begin_iteration<E: From<crate::BufferError>>(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        stage: impl FnOnce(&mut Device, &mut dyn Communicator, &mut Self) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         self.reset_iteration(dev)?;
+        stage(dev, comm, self)?;
         self.prefetch_first_params(dev, comm)?;
-        self.zero_grads(dev)
+        Ok(self.zero_grads(dev)?)
     }
 
     /// The bookkeeping half of [`Self::zero_grad_buffer`]: refuses collectives in flight that
@@ -503,9 +514,7 @@ impl DataParallelBuffers {
         self.release_units(dev)?;
         let mut newly_reduced = Vec::new();
         for g in 0..self.groups.len() {
-            // Re-armed: the gathers of the coming step and forward count from here.
             self.groups[g].param_state = ParamSyncState::Idle;
-            self.groups[g].gathers = 0;
             if self.groups[g].grad_reduce_finished || except == Some(g) {
                 continue;
             }

@@ -167,7 +167,7 @@ impl DataParallelBuffers {
     /// The group [`Self::stage`] stages first and starts gathering at once, if any: with
     /// overlapped gathers, the first group in forward order (the last group) when it is
     /// `owner`'s, stages by casts into a staging view that aliases the gradients, and has not
-    /// been gathered since the gathers were re-armed (a second gather is left to the gather
+    /// been gathered since the gradients were zeroed (a second gather is left to the gather
     /// that refuses it). Its gather then runs beside the rest of the staging and the zeroing
     /// of the gradients (`begin_iteration`) instead of in front of the first forward layer.
     /// The same on every rank: it depends on the plan and the protocol state only.

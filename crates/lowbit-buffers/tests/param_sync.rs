@@ -12,8 +12,8 @@ use common::{
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
-    ComputeFormat, DataParallelBuffers, DdpConfig, DpHooks, HookMode, HookScratch, Hooks, Overlap,
-    ParamCompute, ParamSyncState, PrecisionPolicy, Usage, Verify, WeightState,
+    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, DpHooks, HookMode, HookScratch,
+    Hooks, Overlap, ParamCompute, ParamSyncState, PrecisionPolicy, Usage, Verify, WeightState,
 };
 use lowbit_comm::{Communicator, LocalComm};
 use lowbit_device::Device;
@@ -226,11 +226,18 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
                 bufs.zero_grad_buffer(dev).unwrap();
             }
             let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
-            bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
-            free_pieces(dev, pieces);
             if early {
-                assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
-                bufs.begin_iteration(dev, &mut comm).unwrap();
+                bufs.begin_iteration(dev, &mut comm, |d, c, b| {
+                    b.stage(d, c, OptimizerId(0), &pieces)?;
+                    assert_eq!(
+                        b.param_gathers_in_flight(),
+                        vec![n - 1],
+                        "staging started it"
+                    );
+                    Ok::<(), BufferError>(())
+                })
+                .unwrap();
+                free_pieces(dev, pieces);
                 assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
                 for g in (0..n).rev() {
                     assert_eq!(bufs.weight_state(g), WeightState::Staged);
@@ -240,6 +247,8 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
                     assert_eq!(bufs.weight_state(g), WeightState::Current);
                 }
             } else {
+                bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
+                free_pieces(dev, pieces);
                 assert!(bufs.param_gathers_in_flight().is_empty());
                 bufs.sync_params(dev, &mut comm).unwrap();
             }
@@ -261,9 +270,11 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
         bufs.mark_stale(OptimizerId(0));
         let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
-        bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
+        let stage = |d: &mut Device, c: &mut dyn Communicator, b: &mut DataParallelBuffers| {
+            b.stage(d, c, OptimizerId(0), &pieces)
+        };
+        bufs.begin_iteration(dev, &mut comm, stage).unwrap();
         free_pieces(dev, pieces);
-        bufs.begin_iteration(dev, &mut comm).unwrap();
         assert!(bufs.param_gathers_in_flight().is_empty());
         bufs.sync_params(dev, &mut comm).unwrap();
         out.swap_remove(0)

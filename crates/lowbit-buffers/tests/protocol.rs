@@ -6,7 +6,7 @@
 mod common;
 
 use common::{MXFP8, free_pieces, protocol_err, run, seed, solo, spec, stage_pieces, values};
-use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ShardingStrategy};
+use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, DdpConfig, Overlap, ProtocolError, Verify,
     WeightState,
@@ -394,5 +394,42 @@ fn a_refused_finish_grad_sync_reduces_nothing() {
             .collect();
         bufs.complete_param_sync(dev).unwrap();
         assert!(before == after, "the refused call reduced gradients");
+    });
+}
+
+/// A forward between the gradient sync and the step would gather the persistent groups a
+/// second time in the iteration (after the step each rank would then compute with the others'
+/// old shards, the step's gather never coming): refused as every second gather is, on every
+/// rank, before anything is launched.
+#[test]
+fn a_second_forward_before_the_step_is_refused() {
+    run(2, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let specs: Vec<ParamSpec> = specs()
+            .into_iter()
+            .map(|s| spec(&s.name, &s.shape, ParamStorage::Bf16, GradDType::F32))
+            .collect();
+        let overlap = Overlap::GradReduceAndParamGather;
+        let cfg = cfg(overlap, Verify::Full);
+        let mut bufs = DataParallelBuffers::new(dev, 2, comm.rank(), specs.clone(), cfg).unwrap();
+        let m = masters();
+        bufs.initialize_all(dev, |p| m[p].clone()).unwrap();
+        let n = bufs.num_groups();
+        bufs.zero_grad_buffer(dev).unwrap();
+        for g in (0..n).rev() {
+            bufs.finish_param_sync(dev, &mut comm, g).unwrap();
+        }
+        for p in (0..specs.len()).rev() {
+            let v = bufs.accumulation_view(dev, p).unwrap();
+            dev.fill(v, 1.0).unwrap();
+            bufs.register_grad_ready(dev, &mut comm, p).unwrap();
+        }
+        bufs.finish_grad_sync(dev, &mut comm).unwrap();
+        let gathers = comm.stats().all_gather.calls;
+        assert_eq!(
+            err(bufs.finish_param_sync(dev, &mut comm, n - 1)),
+            ProtocolError::GatheredTwice { group: n - 1 }
+        );
+        assert_eq!(comm.stats().all_gather.calls, gathers, "nothing launched");
     });
 }

@@ -39,9 +39,7 @@ pub fn begin_iteration(
     opt: &dyn Optimizer,
 ) -> Result<()> {
     bufs.release_units(dev)?;
-    opt.stage(dev, comm, bufs, true)?;
-    bufs.begin_iteration(dev, comm)?;
-    Ok(())
+    bufs.begin_iteration(dev, comm, |d, c, b| opt.stage(d, c, b, true))
 }
 
 /// One optimizer step after `finish_grad_sync`: the global gradient norm over every part and
@@ -77,9 +75,21 @@ pub fn finish_grad_sync_and_step(
     let reduced: Vec<bool> = (0..bufs.specs().len())
         .map(|p| !pending.contains(&bufs.group_of(p)))
         .collect();
-    let local = opt.local_sum_squares_overlapped(dev, &|p| reduced[p], &mut |d| {
+    let is_reduced = |p: usize| reduced.get(p).copied().unwrap_or(false);
+    let local = opt.local_sum_squares_overlapped(dev, &is_reduced, &mut |d| {
         Ok(bufs.finish_grad_sync(d, comm)?)
-    })?;
+    });
+    let local = match local {
+        Ok(l) => l,
+        Err(e) => {
+            // Leave no reduction in flight behind an error (the next `begin` would refuse);
+            // the first error is the one reported.
+            if !bufs.grad_reduce_in_flight().is_empty() {
+                let _ = bufs.finish_grad_sync(dev, comm);
+            }
+            return Err(e);
+        }
+    };
     let grad_norm = norm_from_local(dev, comm, bufs, local)?;
     step_with_norm(dev, comm, bufs, opt, grad_norm)
 }
