@@ -3,7 +3,7 @@
 //! reduction and gathers, it gives bit for bit the masters, state, reports and weights of the
 //! same steps driven by hand. What the types cannot say is refused at run time: an iteration
 //! without a last microbatch, low-precision weights computed with as stored. An eval between
-//! steps changes nothing.
+//! steps changes nothing; an error inside the one-call step leaves no reduction in flight.
 
 mod common;
 
@@ -199,4 +199,105 @@ fn an_eval_between_steps_changes_nothing() {
     };
     let (with, without) = (trace(true), trace(false));
     assert!(with == without, "an eval changed the training run");
+}
+
+/// The chained optimizer, failing the next local sum of squares of a one-call step (before the
+/// last reduction completes) when `fail` is set; otherwise it is the chain.
+#[derive(Debug)]
+struct FailsOnce {
+    inner: lowbit_optim::ChainedOptimizer,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Optimizer for FailsOnce {
+    fn owners(&self) -> Vec<lowbit_buffers::layout::OptimizerId> {
+        self.inner.owners()
+    }
+    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
+        self.inner.local_sum_squares(dev)
+    }
+    fn local_sum_squares_overlapped(
+        &mut self,
+        dev: &mut Device,
+        reduced: &dyn Fn(usize) -> bool,
+        finish: &mut dyn FnMut(&mut Device) -> lowbit_optim::Result<()>,
+    ) -> lowbit_optim::Result<f64> {
+        if self.fail.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Err(lowbit_optim::InvalidInput::LearningRate(f32::NAN).into());
+        }
+        self.inner
+            .local_sum_squares_overlapped(dev, reduced, finish)
+    }
+    fn clip_grad(&self) -> Option<f32> {
+        self.inner.clip_grad()
+    }
+    fn apply(
+        &mut self,
+        dev: &mut Device,
+        bufs: &mut DataParallelBuffers,
+        clip: f32,
+    ) -> lowbit_optim::Result<()> {
+        self.inner.apply(dev, bufs, clip)
+    }
+    fn masters_to_stage(
+        &self,
+    ) -> Vec<(
+        lowbit_buffers::layout::OptimizerId,
+        Vec<lowbit_optim::MasterPiece>,
+    )> {
+        self.inner.masters_to_stage()
+    }
+    fn set_lr(&mut self, lr: f32) -> lowbit_optim::Result<()> {
+        self.inner.set_lr(lr)
+    }
+    fn steps(&self) -> u64 {
+        self.inner.steps()
+    }
+    fn export_state(&self, dev: &Device) -> lowbit_optim::Result<Vec<OptimizerState>> {
+        self.inner.export_state(dev)
+    }
+    fn import_state(
+        &mut self,
+        dev: &mut Device,
+        state: &[OptimizerState],
+    ) -> lowbit_optim::Result<()> {
+        self.inner.import_state(dev, state)
+    }
+    fn memory(&self) -> lowbit_optim::OptimizerMemory {
+        self.inner.memory()
+    }
+}
+
+/// An error while `Iteration::step` sums the squares of the groups already reduced (the last
+/// reduction still in flight) leaves no reduction behind: the error comes back on every rank,
+/// nothing stepped, and the next iteration begins and steps.
+#[test]
+fn an_error_in_the_one_call_step_leaves_no_reduction_in_flight() {
+    run(DP, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let (bufs, init) = new_bufs(dev, &comm);
+        let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let opt = FailsOnce {
+            inner: optimizer(dev, &bufs, &init, true),
+            fail: fail.clone(),
+        };
+        let mut trainer = trainer(dev, bufs, opt, true);
+        let mlp = Mlp::new(dev, &DIMS, BATCH);
+        // The first batch records the golden counts; the second overlaps its reductions.
+        train_step(dev, &mut comm, &mut trainer, &mlp, 0, MICRO, None);
+        fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut it = trainer.begin(dev, &mut comm).unwrap();
+        for m in 0..MICRO {
+            let (x, y) = batch(&mlp, comm.rank(), 1, m, false);
+            let mut hooks = it.microbatch(&mut comm, m + 1 == MICRO);
+            mlp.forward_backward(dev, &mut hooks, &x, &y, 0.5).unwrap();
+        }
+        assert!(!it.buffers().grad_reduce_in_flight().is_empty());
+        let e = it.step(dev, &mut comm).unwrap_err();
+        assert!(matches!(e, OptimError::Invalid(_)), "{e}");
+        assert!(trainer.buffers().grad_reduce_in_flight().is_empty());
+        assert_eq!(trainer.optimizer().steps(), 1);
+        train_step(dev, &mut comm, &mut trainer, &mlp, 2, MICRO, None);
+        assert_eq!(trainer.optimizer().steps(), 2);
+    });
 }
