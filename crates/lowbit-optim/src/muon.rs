@@ -523,12 +523,8 @@ impl Optimizer for Muon {
         reduced: &dyn Fn(usize) -> bool,
         finish: &mut dyn FnMut(&mut Device) -> Result<()>,
     ) -> Result<f64> {
-        let pieces: Vec<_> = self
-            .shards
-            .iter()
-            .map(|s| (s.param, s.grad_view, s.grad32))
-            .collect();
-        crate::optimizer::widened_sum_squares_overlapped(dev, &pieces, reduced, finish)
+        let pieces = self.shards.iter().map(|s| (s.param, s.grad_view, s.grad32));
+        crate::optimizer::widened_sum_squares_overlapped(dev, pieces, reduced, finish)
     }
 
     fn clip_grad(&self) -> Option<f32> {

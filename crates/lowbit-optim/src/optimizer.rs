@@ -597,8 +597,8 @@ pub(crate) fn widened_sum_squares(
     dev: &mut Device,
     grads: impl IntoIterator<Item = (View, View)>,
 ) -> Result<f64> {
-    let pieces: Vec<(usize, View, View)> = grads.into_iter().map(|(g, g32)| (0, g, g32)).collect();
-    widened_sum_squares_overlapped(dev, &pieces, &|_| true, &mut |_| Ok(()))
+    let pieces = grads.into_iter().map(|(g, g32)| (0, g, g32));
+    widened_sum_squares_overlapped(dev, pieces, &|_| true, &mut |_| Ok(()))
 }
 
 /// [`widened_sum_squares`] of `(param, grad, grad32)` pieces, those whose `reduced(param)`
@@ -606,10 +606,11 @@ pub(crate) fn widened_sum_squares(
 /// the sums are added in piece order, so the bits do not depend on the split.
 pub(crate) fn widened_sum_squares_overlapped(
     dev: &mut Device,
-    pieces: &[(usize, View, View)],
+    pieces: impl IntoIterator<Item = (usize, View, View)>,
     reduced: &dyn Fn(usize) -> bool,
     finish: &mut dyn FnMut(&mut Device) -> Result<()>,
 ) -> Result<f64> {
+    let pieces: Vec<(usize, View, View)> = pieces.into_iter().collect();
     let (first, rest): (Vec<usize>, Vec<usize>) =
         (0..pieces.len()).partition(|&i| reduced(pieces[i].0));
     let mut sums = vec![0.0; pieces.len()];
@@ -674,7 +675,7 @@ mod tests {
         let (late, real) = (views[0], [big, big]);
         dev.upload(late, &[7.0f32, 7.0]).unwrap();
         let mut finished = false;
-        let split = widened_sum_squares_overlapped(&mut dev, &pieces, &|p| p != 0, &mut |d| {
+        let split = widened_sum_squares_overlapped(&mut dev, pieces, &|p| p != 0, &mut |d| {
             finished = true;
             d.upload(late, &real)?;
             Ok(())
