@@ -53,11 +53,10 @@ impl DataParallelBuffers {
     }
 
     /// Starts an iteration: [`Self::zero_grad_buffer`] with `stage` (the optimizer's staging
-    /// of its stale owners) run between its checks and its zeroing, and the first group's
-    /// gather (in forward order) started before the zeroing where gathers overlap the forward
-    /// (staging may have started it already), so that it runs while the gradients are zeroed
-    /// and the first forward pre-hook finds it under way. Refuses before `stage` touches
-    /// anything if a collective is in flight.
+    /// of its stale owners) run between its checks and its zeroing. Where gathers overlap the
+    /// forward, staging starts the first group's gather ([`Self::stage`]), so it runs while the
+    /// gradients are zeroed and the first forward pre-hook finds it under way. Refuses before
+    /// `stage` touches anything if a collective is in flight.
     ///
     /// # Errors
     /// [`ProtocolError::CollectiveInFlight`], `stage`'s errors, buffer and device errors.
@@ -69,7 +68,6 @@ impl DataParallelBuffers {
     ) -> std::result::Result<(), E> {
         self.reset_iteration(dev)?;
         stage(dev, comm, self)?;
-        self.prefetch_first_params(dev, comm)?;
         Ok(self.zero_grads(dev)?)
     }
 

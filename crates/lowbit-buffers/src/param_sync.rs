@@ -156,32 +156,6 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// With overlapped gathers, starts the gather of the first group in forward order (the last
-    /// group) if it holds staged low-precision weights (`begin_iteration`). Such a group must
-    /// be gathered before this iteration's backward anyway (bug A2's check), so starting early
-    /// adds no obligation; a persistent group's gather stays with the forward that uses it.
-    pub(crate) fn prefetch_first_params(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-    ) -> Result<()> {
-        if !self.cfg.overlap.param_gather() {
-            return Ok(());
-        }
-        match self.groups.len().checked_sub(1) {
-            Some(g)
-                if self.groups[g].weights == WeightState::Staged
-                    && self.buffers[self.groups[g].buffer]
-                        .storage
-                        .is_low_precision()
-                    && self.needs_gather(g) =>
-            {
-                self.start_param_sync_group(dev, comm, g, true)
-            }
-            _ => Ok(()),
-        }
-    }
-
     /// The bucket groups whose parameter gather is in flight (for tests and diagnostics: after
     /// the pre-forward hook of group `g`, the prefetch is group `g - 1`).
     pub fn param_gathers_in_flight(&self) -> Vec<usize> {

@@ -31,9 +31,9 @@ impl DataParallelBuffers {
     /// across ranks): every rank calls it for the same owner. Refuses while a gather of such a
     /// group is in flight.
     ///
-    /// With overlapped gathers, the first group in forward order may be staged first and its
-    /// gather started at once (see `early_gather`): it is then in flight when this returns,
-    /// and the forward's pre-hook completes it.
+    /// With overlapped gathers, the first group in forward order may have its gather started
+    /// here as soon as it is staged (see `early_gather`): it is then in flight when this
+    /// returns, and the forward's pre-hook completes it.
     pub fn stage(
         &mut self,
         dev: &mut Device,
@@ -45,6 +45,10 @@ impl DataParallelBuffers {
         // HFSDP: staging rewrote this rank's part of its parameter shards.
         self.replica_params_stale = true;
         let early = self.early_gather(owner);
+        // A group staged by casts starts its gather right after its own casts; a tile-scaled
+        // one after the batched quantization of every tile below.
+        let by_casts =
+            early.filter(|&g| self.buffers[self.groups[g].buffer].storage.aliases_grads());
         // Casts into staging views need no collective; consecutive pieces (masters and staging
         // views both continuing the previous piece's) are cast in one launch.
         let mut tiled = Vec::new();
@@ -59,7 +63,7 @@ impl DataParallelBuffers {
             let start = buf.plan.param_range(i).start;
             let range = start + piece.param_range.start..start + piece.param_range.end;
             if let Some(dst) = buf.storage.staging_view(range.clone())? {
-                if early == Some(self.group_of[piece.param]) {
+                if by_casts == Some(self.group_of[piece.param]) {
                     first.push((piece.master, dst));
                 } else {
                     casts.push((piece.master, dst));
@@ -68,7 +72,7 @@ impl DataParallelBuffers {
                 tiled.push(piece);
             }
         }
-        if let Some(g) = early {
+        if let Some(g) = by_casts {
             for (master, dst) in joined_runs(first) {
                 dev.cast(master, dst)?;
             }
@@ -95,6 +99,9 @@ impl DataParallelBuffers {
                 };
                 g.param_state = ParamSyncState::Idle;
             }
+        }
+        if let Some(g) = early.filter(|&g| self.groups[g].param_work.is_none()) {
+            self.start_param_sync_group(dev, comm, g, true)?;
         }
         Ok(())
     }
@@ -164,13 +171,15 @@ impl DataParallelBuffers {
         }
     }
 
-    /// The group [`Self::stage`] stages first and starts gathering at once, if any: with
-    /// overlapped gathers, the first group in forward order (the last group) when it is
-    /// `owner`'s, stages by casts into a staging view that aliases the gradients, and has not
-    /// been gathered since the gradients were zeroed (a second gather is left to the gather
-    /// that refuses it). Its gather then runs beside the rest of the staging and the zeroing
-    /// of the gradients (`begin_iteration`) instead of in front of the first forward layer.
-    /// The same on every rank: it depends on the plan and the protocol state only.
+    /// The group whose gather [`Self::stage`] starts as soon as it is staged, if any: with
+    /// overlapped gathers, the first group in forward order (the last group) when it holds
+    /// `owner`'s low-precision weights (gathered whole, not per use) and has not been gathered
+    /// since the gradients were zeroed (a second gather is left to the gather that refuses
+    /// it). Its gather then runs beside the rest of the staging and the zeroing of the
+    /// gradients (`begin_iteration`) instead of in front of the first forward layer; the
+    /// backward needs it gathered in this iteration anyway (bug A2's check), so starting early
+    /// adds no obligation. The same on every rank: it depends on the plan and the protocol
+    /// state only.
     fn early_gather(&self, owner: OptimizerId) -> Option<usize> {
         if !self.cfg.overlap.param_gather() {
             return None;
@@ -179,7 +188,7 @@ impl DataParallelBuffers {
         let group = &self.groups[g];
         let buf = &self.buffers[group.buffer];
         (buf.owner() == owner
-            && buf.storage.aliases_grads()
+            && buf.storage.is_low_precision()
             && !buf.shards_params()
             && buf.plan.param_gather != ParamGather::None
             && group.gathers == 0
