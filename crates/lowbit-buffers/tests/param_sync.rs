@@ -7,8 +7,8 @@
 mod common;
 
 use common::{
-    MXFP8, bf16_round, bits, download_f32, free_pieces, run, seed, spec, stage_pieces, values,
-    write_fused_outputs,
+    MXFP8, bf16_round, bits, download_f32, free_pieces, mxfp8_bytes, run, seed, spec, stage_pieces,
+    values, write_fused_outputs,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
@@ -80,6 +80,23 @@ fn check_group_order(bufs: &DataParallelBuffers) {
         "groups in forward order: {forward:?}"
     );
     assert_eq!(forward[0], n - 1);
+}
+
+/// The forward pre-hooks of staged groups, in forward order: each group's gather completes,
+/// the next one's is in flight after it (nothing after the last), and its weights are current.
+fn forward_down_staged_groups(
+    dev: &mut Device,
+    comm: &mut LocalComm,
+    bufs: &mut DataParallelBuffers,
+) {
+    for g in (0..bufs.num_groups()).rev() {
+        assert_eq!(bufs.weight_state(g), WeightState::Staged);
+        bufs.finish_param_sync(dev, comm, g).unwrap();
+        let want: Vec<usize> = g.checked_sub(1).into_iter().collect();
+        assert_eq!(bufs.param_gathers_in_flight(), want, "after group {g}");
+        assert_eq!(bufs.weight_state(g), WeightState::Current);
+        assert_eq!(bufs.param_sync_state(g), ParamSyncState::Done);
+    }
 }
 
 /// bf16 parameters through `DpHooks::param` (the model-facing pre-hook), two iterations: the
@@ -173,14 +190,7 @@ fn prefetch_runs_down_the_groups_with_staged_mxfp8() {
         let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
         bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
         free_pieces(dev, pieces);
-        for g in (0..n).rev() {
-            assert_eq!(bufs.weight_state(g), WeightState::Staged);
-            bufs.finish_param_sync(dev, &mut comm, g).unwrap();
-            let want: Vec<usize> = g.checked_sub(1).into_iter().collect();
-            assert_eq!(bufs.param_gathers_in_flight(), want, "after group {g}");
-            assert_eq!(bufs.weight_state(g), WeightState::Current);
-            assert_eq!(bufs.param_sync_state(g), ParamSyncState::Done);
-        }
+        forward_down_staged_groups(dev, &mut comm, &mut bufs);
         // The hooks compute with the gathered weights; a forward through them works.
         let policy =
             PrecisionPolicy::new(vec![
@@ -239,13 +249,7 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
                 .unwrap();
                 free_pieces(dev, pieces);
                 assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
-                for g in (0..n).rev() {
-                    assert_eq!(bufs.weight_state(g), WeightState::Staged);
-                    bufs.finish_param_sync(dev, &mut comm, g).unwrap();
-                    let want: Vec<usize> = g.checked_sub(1).into_iter().collect();
-                    assert_eq!(bufs.param_gathers_in_flight(), want, "after group {g}");
-                    assert_eq!(bufs.weight_state(g), WeightState::Current);
-                }
+                forward_down_staged_groups(dev, &mut comm, &mut bufs);
             } else {
                 bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
                 free_pieces(dev, pieces);
@@ -254,14 +258,7 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
             }
             // Full verification: every gradient byte is zero at the first backward access.
             bufs.accumulation_view(dev, 0).unwrap();
-            let weights: Vec<Vec<u8>> = (0..specs.len())
-                .flat_map(|p| {
-                    let w = bufs.mxfp8_weights(p).unwrap();
-                    [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-                })
-                .map(|v| dev.read_bytes(v).unwrap())
-                .collect();
-            out.push(weights);
+            out.push(mxfp8_bytes(dev, &bufs));
         }
         assert_eq!(out[0], out[1], "rank {rank}: early gather vs no overlap");
         // bf16 weights: no early gather (their forward gathers them).

@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{MXFP8, free_pieces, protocol_err, run, seed, solo, spec, stage_pieces, values};
+use common::{
+    MXFP8, free_pieces, mxfp8_bytes, protocol_err, run, seed, solo, spec, stage_pieces, values,
+};
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, DdpConfig, Overlap, ProtocolError, Verify,
@@ -102,7 +104,7 @@ fn staging_order_violations_are_refused() {
         // values, so the gather ships them and not zeros (the weights are Q(bf16(masters)), as
         // initialized), while every other gradient byte, a backward's leftovers included, is
         // zeroed, and the gathered staging bytes are zeroed by the gather's completion.
-        let before = weight_bytes(dev, &bufs);
+        let before = mxfp8_bytes(dev, &bufs);
         assert!(before.iter().flatten().any(|&b| b != 0));
         bufs.zero_grad_buffer(dev).unwrap();
         let grads: Vec<_> = (0..specs().len())
@@ -117,7 +119,7 @@ fn staging_order_violations_are_refused() {
         assert_eq!(bufs.weight_state(g), WeightState::Staged);
         bufs.sync_params(dev, &mut comm).unwrap();
         assert_eq!(bufs.weight_state(g), WeightState::Current);
-        assert_eq!(weight_bytes(dev, &bufs), before);
+        assert_eq!(mxfp8_bytes(dev, &bufs), before);
         for &v in &grads {
             assert!(dev.read_bytes(v).unwrap().iter().all(|&b| b == 0));
         }
@@ -168,30 +170,19 @@ fn operations_during_a_gather_in_flight_are_refused() {
             err(bufs.finish_grad_sync(dev, &mut comm)),
             in_flight("finish_grad_sync")
         );
-        let before = weight_bytes(dev, &bufs);
+        let before = mxfp8_bytes(dev, &bufs);
         bufs.zero_grad_buffer(dev).unwrap();
         assert_eq!(bufs.param_gathers_in_flight(), vec![n - 2]);
         // Completing the gather makes everything legal again.
         bufs.complete_param_sync(dev).unwrap();
         assert!(bufs.param_gathers_in_flight().is_empty());
-        assert_eq!(weight_bytes(dev, &bufs), before);
+        assert_eq!(mxfp8_bytes(dev, &bufs), before);
         stage(dev, &mut comm, &mut bufs);
         assert_eq!(
             err(bufs.sync_params(dev, &mut comm)),
             ProtocolError::GatheredTwice { group: n - 2 }
         );
     });
-}
-
-/// Every parameter's MXFP8 bytes (both copies, data and scales).
-fn weight_bytes(dev: &Device, bufs: &DataParallelBuffers) -> Vec<Vec<u8>> {
-    (0..bufs.specs().len())
-        .flat_map(|p| {
-            let w = bufs.mxfp8_weights(p).expect("MXFP8 storage");
-            [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
-        })
-        .map(|v| dev.read_bytes(v).unwrap())
-        .collect()
 }
 
 /// A communicator that is not the plan's group is refused at the first launch (bug F3): the

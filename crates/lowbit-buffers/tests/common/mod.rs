@@ -102,3 +102,15 @@ pub fn solo(comm: &mut LocalComm) -> Box<dyn Communicator> {
     let r = comm.rank() as u32;
     comm.split(r, 0).unwrap()
 }
+
+/// Every parameter's MXFP8 bytes (both copies, data and scales), for buffers of MXFP8 staged
+/// weights only.
+pub fn mxfp8_bytes(dev: &Device, bufs: &DataParallelBuffers) -> Vec<Vec<u8>> {
+    (0..bufs.specs().len())
+        .flat_map(|p| {
+            let w = bufs.mxfp8_weights(p).expect("MXFP8 storage");
+            [w.rowwise.0, w.rowwise.1, w.columnwise.0, w.columnwise.1]
+        })
+        .map(|v| dev.read_bytes(v).unwrap())
+        .collect()
+}
