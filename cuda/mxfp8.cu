@@ -412,13 +412,30 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4(
             camax);
 }
 
+// The last matrix whose first CTA is <= b (first[0] == 0): the count of first CTAs <= b,
+// less one, counted by each warp with one ballot per 32 table words. The loads are independent
+// (the unrolled iterations issue together), so a CTA waits for the table about once before its
+// row's load, where a binary search waited log2(items) times in a row (7 dependent L2 reads for
+// 112 matrices, a large part of a CTA that moves one 16 KB tile). Warp-uniform; `items` >= 1.
+__device__ __forceinline__ unsigned many_matrix_of(const unsigned long long* __restrict__ first,
+                                                   unsigned items, unsigned long long b) {
+    const unsigned lane = threadIdx.x % 32;
+    unsigned count = 0;
+#pragma unroll 4
+    for (unsigned base = 0; base < items; base += 32) {
+        const bool le = base + lane < items && first[base + lane] <= b;
+        count += __popc(__ballot_sync(0xFFFFFFFFu, le));
+    }
+    return count - 1;
+}
+
 // Version 4 over many matrices in one launch (the re-quantization of every gathered weight:
 // one launch instead of one per matrix, so the small matrices pay neither a launch each nor a
 // ramp-up and tail each). `table` holds, for `items` matrices, first their first CTA indices
 // (ascending from 0; matrix i owns the CTAs [first[i], first[i + 1])), then 9 words per matrix:
 // x, row_data, row_scales, col_data, col_scales, rows, cols, the tiles across
 // (ceil(cols / 256)) and `vec` (host-checked as for the single kernel). A CTA finds its matrix
-// by binary search, turns its index within it into (bx, by) as the single kernel's grid would,
+// (many_matrix_of), turns its index within it into (bx, by) as the single kernel's grid would,
 // and runs the same tile body: the bytes are those of one single-kernel launch per matrix.
 // 1-D grid of the total CTA count. The host checks that no output overlaps another matrix's
 // input or outputs, so the order in which matrices run does not matter.
@@ -426,11 +443,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_man
     const unsigned long long* __restrict__ table, unsigned items) {
     __shared__ __nv_bfloat162 camax[4][256];
     const unsigned long long b = blockIdx.x;
-    unsigned lo = 0, hi = items;  // the last matrix whose first CTA is <= b (first[0] == 0)
-    while (hi - lo > 1) {
-        unsigned mid = (lo + hi) / 2;
-        if (table[mid] <= b) lo = mid; else hi = mid;
-    }
+    const unsigned lo = many_matrix_of(table, items, b);
     const unsigned long long* t = table + items + 9ull * lo;
     const unsigned long long local = b - table[lo], gx = t[7];
     both_v4(reinterpret_cast<const __nv_bfloat16*>(t[0]), reinterpret_cast<uint8_t*>(t[1]),
