@@ -198,11 +198,12 @@ extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t 
 }
 
 // The blocked f64 sums of squares (lowbit_device::SUM_BLOCK = 4096; ops.rs, BlockedSum):
-// partials[b] = sum over i in block b, in index order from +0.0, of x_i^2 (sum_squares: x read
+// block sum b = sum over i in block b, in index order from +0.0, of x_i^2 (sum_squares: x read
 // as f32, squared exactly in f64) or of (x_i - y_i)^2 (mse_loss: f32 views, difference and
-// square in f64), through __dadd_rn/__dmul_rn/__dsub_rn (never fused). The host adds the
-// partials in index order. One thread per block keeps the order. Each warp owns 32 consecutive
-// blocks and works on its own (no CTA barrier): it stages them through shared memory 32
+// square in f64), through __dadd_rn/__dmul_rn/__dsub_rn (never fused); partials[g] = the block
+// sums of group g (blocks 32g .. 32g + 31, lowbit_device::SUM_GROUP) added in index order from
+// +0.0 (sumsq_group). The host adds the partials in index order. One thread per block keeps the
+// order. Each warp owns one group (32 consecutive blocks) and works on its own (no CTA barrier): it stages them through shared memory 32
 // elements at a time (a step), lane l loading element k + l of each of the 32 blocks
 // (coalesced, 32 independent loads per lane, unconditional when all 32 blocks are whole), then
 // each lane reads its own row (pitch 33: no bank conflicts) and adds it to its block's sum.
@@ -297,7 +298,18 @@ __device__ __forceinline__ double sumsq_chain(const uint8_t* __restrict__ x,
     return acc;
 }
 
-// `warp`: the warp's index within the view's launch (it owns blocks 32·warp ..).
+// The group's partial: the 32 lanes' block sums added in lane (= block) order from +0.0, by
+// every lane alike. A lane past the view's last block holds +0.0 (its elements read as 0), and
+// adding +0.0 to a sum of squares (never -0.0) changes nothing, so a short last group sums as on
+// the CPU (BlockedSum).
+__device__ __forceinline__ double sumsq_group(double acc) {
+    double s = 0.0;
+#pragma unroll
+    for (unsigned r = 0; r < 32; ++r) s = __dadd_rn(s, __shfl_sync(0xffffffffu, acc, r));
+    return s;
+}
+
+// `warp`: the warp's index within the view's launch (it owns group `warp`: blocks 32·warp ..).
 template <int DT, bool MSE>
 __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
                                                  const float* __restrict__ y, u64 n,
@@ -315,7 +327,8 @@ __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
     const double acc = (b0 + 32) * SUMSQ_BLOCK <= n
                            ? sumsq_chain<DT, MSE, true>(x, y, n, b0, lane, tx[w], tyw)
                            : sumsq_chain<DT, MSE, false>(x, y, n, b0, lane, tx[w], tyw);
-    if (b0 + lane < nb) partials[b0 + lane] = acc;
+    const double g = sumsq_group(acc);
+    if (lane == 0) partials[warp] = g;
 }
 
 __device__ __forceinline__ u64 sumsq_warp_index() {
@@ -343,7 +356,8 @@ extern "C" __global__ void __launch_bounds__(128) mse_blocks_f32(
 // Many views of one dtype in one launch (the gradient norm's pieces): a warp's serial chain
 // over its 4096-element blocks takes ~0.1 ms whatever the view's size, so one launch per view
 // costs that per piece, while one launch for all runs every piece's warps side by side. The
-// table holds 4 words per view: address, length, offset of its partials (in f64 words), and
+// table holds 4 words per view: address, length, offset of its partials (in f64 words: one per
+// group, i.e. per warp), and
 // its first global warp (ascending; views own warps [first, next view's first)). Each warp
 // runs the single-view body unchanged, so the partials are those of one launch per view.
 // The table row of the view global warp `gw` works on: the last view whose first warp is
@@ -487,7 +501,7 @@ __device__ __forceinline__ double sumsq2_chain(const uint8_t* __restrict__ x,
     return acc;
 }
 
-// `warp`: the warp's index within the view's launch (it owns blocks 32·warp ..).
+// `warp`: the warp's index within the view's launch (it owns group `warp`: blocks 32·warp ..).
 template <int DT, bool MSE>
 __device__ __forceinline__ void sum_squares_warp_v2(const uint8_t* __restrict__ x,
                                                     const uint8_t* __restrict__ y, u64 n,
@@ -503,7 +517,8 @@ __device__ __forceinline__ void sum_squares_warp_v2(const uint8_t* __restrict__ 
     const double acc = (b0 + 32) * SUMSQ_BLOCK <= n
                            ? sumsq2_chain<DT, MSE, true>(x, y, n, b0, lane, tx[w], tyw)
                            : sumsq2_chain<DT, MSE, false>(x, y, n, b0, lane, tx[w], tyw);
-    if (b0 + lane < nb) partials[b0 + lane] = acc;
+    const double g = sumsq_group(acc);
+    if (lane == 0) partials[warp] = g;
 }
 
 template <bool MSE>

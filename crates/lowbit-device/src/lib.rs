@@ -40,8 +40,9 @@
 //! - The f64 sums of squares ([`Device::sum_squares`], [`Device::mse_loss`]) use one fixed
 //!   *blocked* order instead, which a GPU reproduces in parallel: the terms are cut into
 //!   consecutive blocks of [`SUM_BLOCK`] = 4096 elements of the view (the last block may be
-//!   shorter); each block is summed in index order from `+0.0`; the block sums are then added
-//!   in index order from `+0.0`. Each term (`x²`, or `(p − t)²` with the difference in f64) is
+//!   shorter); each block is summed in index order from `+0.0`; the sums of each run of
+//!   [`SUM_GROUP`] = 32 consecutive blocks are added in index order from `+0.0`; the group sums
+//!   are then added in index order from `+0.0`. Each term (`x²`, or `(p − t)²` with the difference in f64) is
 //!   one f64 operation per step, never fused.
 //! - Per-call scalars derived from hyper-parameters (AdamW's bias corrections, loss scales) are
 //!   computed once in f64 and rounded to f32, as PyTorch does with its Python-float scalars.
@@ -160,7 +161,7 @@ pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{
     AdamW, Format2d, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, Piece2d,
-    SUM_BLOCK, SgdMomentum,
+    SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;

@@ -244,8 +244,8 @@ fn reductions_match() {
     });
 }
 
-/// `sum_squares` in its blocked order (4096-element f64 partials in index order, then the
-/// partials in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
+/// `sum_squares` in its blocked order (4096-element f64 block sums, added 32 at a time, then the
+/// group sums, each level in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
 /// block edges, offsets, every float dtype, ±Inf, NaN, large and subnormal values, and a bf16
 /// view aliasing an f32 buffer. Every kernel version (`set_cuda_kernel_variant("sum_squares",
 /// 0..=2)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1;
@@ -298,6 +298,15 @@ fn sum_squares_bits_match() {
             out.push(c.dev.sum_squares(inf)?);
             let nan = c.buf(DType::F32, &[f32::NAN; 4099]);
             out.push(c.dev.sum_squares(nan)?);
+            // The group level is observable (see the CPU test): 2^54 in block 0, then a 1 in
+            // each later block, whose 32 ones of group 1 meet in their own sum.
+            let mut order = vec![0f32; 64 * 4096];
+            order[0] = 2f32.powi(27);
+            for b in 1..64 {
+                order[b * 4096 + 7] = 1.0;
+            }
+            let order = c.buf(DType::F32, &order);
+            out.push(c.dev.sum_squares(order)?);
             let big: Vec<f32> = (0..9000)
                 .map(|k| match k % 3 {
                     0 => 3.0e38,

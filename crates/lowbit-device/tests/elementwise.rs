@@ -114,7 +114,8 @@ fn fill_and_scale_round_to_the_dtype() {
 }
 
 /// The documented order, written out independently: f64 partial sums of 4096 consecutive
-/// squares, each from +0 in index order, then the partials added from +0 in index order.
+/// squares, each from +0 in index order; the partials of each run of 32 blocks added from +0 in
+/// index order; then those group sums added from +0 in index order.
 fn blocked_reference(xs: &[f32]) -> f64 {
     let partials: Vec<f64> = xs
         .chunks(4096)
@@ -127,8 +128,12 @@ fn blocked_reference(xs: &[f32]) -> f64 {
         })
         .collect();
     let mut total = 0f64;
-    for p in partials {
-        total += p;
+    for group in partials.chunks(32) {
+        let mut g = 0f64;
+        for p in group {
+            g += p;
+        }
+        total += g;
     }
     total
 }
@@ -163,7 +168,18 @@ fn sum_squares_is_blocked_f64_in_index_order() {
     assert_eq!(lowbit_device::SUM_BLOCK, 4096);
     let mut dev = Device::cpu();
     for d in FLOATS {
-        for n in [0, 1, 4095, 4096, 4097, 5000, 3 * 4096 + 17, 40_000] {
+        for n in [
+            0,
+            1,
+            4095,
+            4096,
+            4097,
+            5000,
+            3 * 4096 + 17,
+            40_000,
+            32 * 4096 + 1,
+            300_007,
+        ] {
             let x = upload_as(&mut dev, d, &values(n, 3 + n as u32));
             let xs = download(&dev, x);
             let want = blocked_reference(&xs);
@@ -190,6 +206,20 @@ fn sum_squares_is_blocked_f64_in_index_order() {
         .fold(0f64, |s, &v| s + f64::from(v) * f64::from(v));
     assert_eq!(sequential, 2f64.powi(54));
     assert_eq!(dev.sum_squares(x).unwrap(), 2f64.powi(54) + 8192.0);
+    // The groups are observable: with 2^54 in block 0, each later block's sum of 1 is absorbed
+    // by a running sum of the blocks (ulp 4), but the 32 ones of group 1 (blocks 32..64) meet
+    // in their own sum first.
+    assert_eq!(lowbit_device::SUM_GROUP, 32);
+    let mut vals = vec![0f32; 64 * 4096];
+    vals[0] = 2f32.powi(27);
+    for b in 1..64 {
+        vals[b * 4096 + 7] = 1.0;
+    }
+    let two_levels = (1..64).fold(2f64.powi(54), |s, _| s + 1.0);
+    assert_eq!(two_levels, 2f64.powi(54));
+    let x = upload_as(&mut dev, DType::F32, &vals);
+    assert_eq!(dev.sum_squares(x).unwrap(), 2f64.powi(54) + 32.0);
+    assert_eq!(blocked_reference(&vals), 2f64.powi(54) + 32.0);
     let big = 3.0e38f32;
     let v = upload_as(&mut dev, DType::F32, &[big, big]);
     let sq = f64::from(big) * f64::from(big);

@@ -85,9 +85,10 @@ impl Device {
         })
     }
 
-    /// `Σ xᵢ²` of a float view in f64, in the blocked order of [`crate::SUM_BLOCK`]: each block
-    /// of 4096 consecutive elements is summed in index order from `+0.0`, then the block sums
-    /// are added in index order from `+0.0`. Each square is exact in f64 (a 24-bit significand
+    /// `Σ xᵢ²` of a float view in f64, in the blocked order of [`crate::SUM_BLOCK`] and
+    /// [`crate::SUM_GROUP`]: each block of 4096 consecutive elements is summed in index order
+    /// from `+0.0`, the sums of each run of 32 blocks are added in index order from `+0.0`, then
+    /// the group sums in index order from `+0.0`. Each square is exact in f64 (a 24-bit significand
     /// squared fits in 53 bits), so only the additions round, and both backends add in this
     /// order (a GPU computes the block sums in parallel). Non-finite elements make the result
     /// non-finite. Takes `&mut self` because on a GPU a reduction launches work and uses device

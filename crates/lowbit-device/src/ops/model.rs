@@ -271,8 +271,9 @@ impl Device {
     }
 
     /// Mean squared error `Σ (pred − target)² / N`, with each difference and square in f64,
-    /// summed in f64 in the blocked order of [`crate::SUM_BLOCK`] (as [`Device::sum_squares`]:
-    /// blocks of 4096 in index order, then the block sums in index order), divided by N in f64
+    /// summed in f64 in the blocked order of [`Device::sum_squares`] (blocks of 4096 in index
+    /// order, the block sums of each run of 32 in index order, then the group sums in index
+    /// order), divided by N in f64
     /// and rounded to f32. NaN for N = 0 (as PyTorch).
     pub fn mse_loss(&mut self, pred: View, target: View) -> Result<f32> {
         const WHAT: &str = "mse_loss";

@@ -76,44 +76,37 @@ impl CudaDevice {
         unsafe { self.launch_n("axpy", n, &args) }
     }
 
-    /// [`crate::Device::sum_squares`]: the blocked order of [`crate::SUM_BLOCK`], block sums on
-    /// the device, added in order on the host.
+    /// [`crate::Device::sum_squares`]: the blocked order of [`crate::SUM_BLOCK`] and
+    /// [`crate::SUM_GROUP`], group sums on the device, added in order on the host.
     pub(crate) fn sum_squares(&mut self, view: View) -> Result<f64> {
-        // `sum_squares_each`'s path: page-locked partials, added as their copies arrive.
         Ok(self.sum_squares_each(&[view])?[0])
     }
 
-    /// [`crate::Device::sum_squares_each`]: every view's block sums into one scratch buffer by
-    /// one launch per dtype (`sum_squares_many_*`: the views' warps run side by side; cutting
-    /// the launch into chunks to overlap the host's additions with the kernel starved it of
-    /// warps: 1.27 ms against 0.89 ms for 620M f32 on an H100), then the partials copied into
-    /// page-locked host memory in [`SUMSQ_COPIES`] pieces, each with an event, and each view's
-    /// partials added in order on the host as [`Self::sum_squares`] does, piece by piece as
-    /// they arrive (the serial chain of additions overlaps the rest of the copy).
+    /// [`crate::Device::sum_squares_each`]: every view's group sums into one scratch buffer by
+    /// one launch per dtype (`sum_squares_many_*`: the views' warps run side by side), copied
+    /// into page-locked host memory at once (one f64 per 131072 elements: 38 KB for a
+    /// 620M-element shard) and each view's added in order on the host.
     pub(crate) fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
         let mut ptrs = Vec::with_capacity(views.len());
         for &v in views {
             let ([x], []) = self.ptrs("sum_squares", [v], [])?;
             ptrs.push(x);
         }
-        let nblocks: Vec<usize> = views
-            .iter()
-            .map(|v| v.len().div_ceil(crate::SUM_BLOCK))
-            .collect();
-        let total: usize = nblocks.iter().sum();
+        let ngroups: Vec<usize> = views.iter().map(|v| sum_groups(v.len())).collect();
+        let total: usize = ngroups.iter().sum();
         if total == 0 {
             return Ok(vec![0.0; views.len()]);
         }
-        let starts: Vec<usize> = nblocks
+        let starts: Vec<usize> = ngroups
             .iter()
-            .scan(0, |at, &nb| {
-                *at += nb;
-                Some(*at - nb)
+            .scan(0, |at, &ng| {
+                *at += ng;
+                Some(*at - ng)
             })
             .collect();
         let s = self.scratch(2 * total)?;
         let host = self.partials_host(total)?;
-        // The tables stay alive until the events below have fired.
+        // The tables stay alive until the copy below has completed.
         let mut tables = Vec::new();
         for d in [DType::F32, DType::Bf16, DType::F16] {
             let items = (0..views.len()).filter(|&i| views[i].dtype() == d);
@@ -122,54 +115,28 @@ impl CudaDevice {
                 tables.push(mem);
             }
         }
-        let per_copy = total.div_ceil(SUMSQ_COPIES);
-        let mut events = Vec::with_capacity(SUMSQ_COPIES);
-        for at in (0..total).step_by(per_copy) {
-            let n = per_copy.min(total - at);
-            // SAFETY: `host` holds at least `total` f64 (page-locked; nothing else writes it,
-            // and every earlier call waited for all of its copies before returning); the source
-            // is partials `at .. at + n` of `s`, which lives until after the events below
-            // fired; the copy is ordered after the launches on this stream.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(host.add(at), n);
-                cudarc::driver::result::memcpy_dtoh_async(
-                    dst,
-                    s.ptr + 8 * at as u64,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(crate::cuda::cuda_err("copying block sums to the host"))?;
-            events.push((
-                at..at + n,
-                self.stream
-                    .record_event(None)
-                    .map_err(crate::cuda::cuda_err("recording an event"))?,
-            ));
+        // SAFETY: `host` holds at least `total` f64 (page-locked; nothing else writes it, and
+        // every earlier call waited for its copy before returning); the source is the `total`
+        // partials of `s`, which lives until after the synchronization below; the copy is
+        // ordered after the launches on this stream.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(host, total);
+            cudarc::driver::result::memcpy_dtoh_async(dst, s.ptr, self.stream.cu_stream())
         }
-        // Each view's partials added in index order from +0.0 (`add_partials`), continued
-        // across the copies its partials fall in.
-        let mut sums = vec![0.0f64; views.len()];
-        let mut view = 0;
-        for (range, ev) in &events {
-            ev.synchronize()
-                .map_err(crate::cuda::cuda_err("waiting for the block sums"))?;
-            // SAFETY: this piece's copy finished (its event fired); the range lies inside the
-            // `total` f64 of `host`, which nothing writes until the next call.
-            let part = unsafe { std::slice::from_raw_parts(host.add(range.start), range.len()) };
-            let mut at = range.start;
-            while at < range.end {
-                while starts[view] + nblocks[view] <= at {
-                    view += 1;
-                }
-                let end = (starts[view] + nblocks[view]).min(range.end);
-                let run = &part[at - range.start..end - range.start];
-                sums[view] = crate::ops::add_partials(sums[view], run);
-                at = end;
-            }
-        }
+        .map_err(crate::cuda::cuda_err("copying the group sums to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(crate::cuda::cuda_err("waiting for the group sums"))?;
         drop(tables);
         drop(s);
-        Ok(sums)
+        // SAFETY: the copy has completed (the stream was synchronized); the `total` f64 of
+        // `host` are not written again until the next call.
+        let all = unsafe { std::slice::from_raw_parts(host, total) };
+        Ok(starts
+            .iter()
+            .zip(&ngroups)
+            .map(|(&at, &ng)| crate::ops::add_partials(0.0, &all[at..at + ng]))
+            .collect())
     }
 
     /// The page-locked partials buffer, grown to hold at least `n` f64.
@@ -222,7 +189,7 @@ impl CudaDevice {
         };
         let (mem, t) = self.upload_table(&table.rows)?;
         // SAFETY: every table row addresses `len` elements of a validated view of dtype `d`;
-        // its partials (len.div_ceil(SUM_BLOCK) f64 words at its offset) lie inside the
+        // its partials (`sum_groups(len)` f64 words at its offset) lie inside the
         // caller's buffer at `partials`, which holds every view's; warps past a view's blocks
         // write nothing; the table (4·count words) is returned to the caller, who keeps it until
         // the launch has run. Version 2 reads 16-byte chunks: only chosen when every view's
@@ -239,7 +206,7 @@ impl CudaDevice {
     }
 
     /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
-    /// the f32 elements at `y`), downloads the per-block partials and adds them in index order.
+    /// the f32 elements at `y`), downloads the per-group partials and adds them in index order.
     pub(super) fn blocked_sum_squares(
         &mut self,
         x: u64,
@@ -247,11 +214,11 @@ impl CudaDevice {
         y: Option<u64>,
         n: usize,
     ) -> Result<f64> {
-        let nb = n.div_ceil(crate::SUM_BLOCK);
-        if nb == 0 {
+        let ng = sum_groups(n);
+        if ng == 0 {
             return Ok(0.0);
         }
-        let s = self.scratch(2 * nb)?;
+        let s = self.scratch(2 * ng)?;
         self.launch_sum_squares(x, d, y, n, s.ptr)?;
         Ok(crate::ops::add_partials(
             0.0,
@@ -260,7 +227,7 @@ impl CudaDevice {
     }
 
     /// Launches the blocked sum-of-squares kernel over `n` elements of dtype `d` at `x` (minus
-    /// the f32 elements at `y`), writing `n.div_ceil(SUM_BLOCK)` f64 partials at `partials`
+    /// the f32 elements at `y`), writing [`sum_groups`]`(n)` f64 partials at `partials`
     /// (nothing for `n == 0`).
     fn launch_sum_squares(
         &mut self,
@@ -314,8 +281,9 @@ impl CudaDevice {
         let block = (32 * warps as u32, 1, 1);
         // SAFETY: `x` (and `y`) address `n` elements of validated views of dtype `d` (float:
         // checked by the callers; `y` only with f32), 16-byte aligned for the version-2 kernels
-        // (checked above); `partials` addresses `nb` f64 words of a live scratch buffer and the
-        // kernel writes partials[b] only for b < nb.
+        // (checked above); `partials` addresses `sum_groups(n)` f64 words of a live scratch
+        // buffer and the kernel writes partials[g] only for g < sum_groups(n) (one per warp
+        // that owns a block).
         unsafe { self.launch(name, (grid, 1, 1), block, &args) }
     }
 
@@ -366,12 +334,17 @@ impl CudaDevice {
     }
 }
 
-/// Pieces the partials of `sum_squares_each` are copied in (the host adds one while the next
-/// is copied).
-const SUMSQ_COPIES: usize = 4;
+/// The f64 partials of a blocked sum over `n` elements: one per group of
+/// [`crate::SUM_GROUP`] blocks (a warp's).
+fn sum_groups(n: usize) -> usize {
+    n.div_ceil(crate::SUM_BLOCK * crate::SUM_GROUP)
+}
+
+// The kernels' warps own a group each, a lane per block (`sumsq_group` in `cuda/ops.cu`).
+const _: () = assert!(crate::SUM_GROUP == 32);
 
 /// The launch table of `sum_squares_many_*`: 4 words per view (address, length, offset of its
-/// partials in f64 words, first global warp; views own warps [first, next view's first)).
+/// partials in f64 words, first global warp; a warp per group; views own warps [first, next view's first)).
 struct SumsqTable {
     rows: Vec<u64>,
     warps: usize,
@@ -389,7 +362,7 @@ fn sum_squares_table(views: impl Iterator<Item = (u64, usize, usize)>) -> SumsqT
     for (ptr, len, partials) in views {
         t.rows
             .extend([ptr, len as u64, partials as u64, t.warps as u64]);
-        t.warps += len.div_ceil(crate::SUM_BLOCK).div_ceil(32);
+        t.warps += sum_groups(len);
         // Views that are empty are never read (their warps are none).
         t.aligned &= len == 0 || ptr.is_multiple_of(16);
     }
