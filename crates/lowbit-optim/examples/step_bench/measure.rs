@@ -65,6 +65,21 @@ fn timed<T>(
     Ok((out, t.elapsed().as_secs_f64()))
 }
 
+/// `protocol`'s exchange of one f64 per rank, replicated for the norm diagnostics.
+fn exchange_f64(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Res<f64> {
+    let n = comm.size();
+    let buf = dev.alloc(DType::U8, 8 * n);
+    let mine = buf.slice(8 * comm.rank()..8 * (comm.rank() + 1))?;
+    dev.write_bytes(mine, &local.to_le_bytes())?;
+    comm.start_all_gather(dev, mine, buf)?.wait(dev)?;
+    let bytes = dev.read_bytes(buf)?;
+    dev.free(buf)?;
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .sum())
+}
+
 /// Storage classes of the byte model: persistent bf16, MXFP8 staged, 2D MXFP8, NVFP4.
 fn class(cfg: &Config, p: &Param) -> usize {
     match (p.linear, cfg.precision) {
@@ -424,12 +439,23 @@ pub fn step_rank(
         })?;
         t[1] = secs;
         if std::env::var_os("LOWBIT_STEP_NORM_SPLIT").is_some() {
-            // Diagnostics: the local sum of squares alone (no all-reduce of the result).
+            // Diagnostics: the local sum of squares alone (no exchange of the result), the
+            // exchange alone (as `protocol`'s: a fresh buffer, the rank's 8 bytes written, an
+            // all-gather, the read), and a bare all-gather of those bytes.
             let (_, local) = timed(dev, comm, |d, _| Ok(o.local_sum_squares(d)?))?;
+            let (_, exchange) = timed(dev, comm, |d, c| exchange_f64(d, c, 1.0))?;
+            let buf = dev.alloc(DType::U8, 8 * dp);
+            let mine = buf.slice(8 * rank..8 * (rank + 1))?;
+            let (_, bare) = timed(dev, comm, |d, c| {
+                Ok(c.start_all_gather(d, mine, buf)?.wait(d)?)
+            })?;
+            dev.free(buf)?;
             eprintln!(
-                "rank {rank}: norm {:.3} ms, of which the local sum of squares {:.3} ms",
+                "rank {rank}: norm {:.3} ms, of which the local sum of squares {:.3} ms; exchange alone {:.3} ms, bare all-gather {:.3} ms",
                 secs * 1e3,
-                local * 1e3
+                local * 1e3,
+                exchange * 1e3,
+                bare * 1e3
             );
         }
         let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
