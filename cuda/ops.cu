@@ -219,8 +219,25 @@ extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t 
 // The raw bits of element i (f32 bits, or the 16-bit pattern), converted to f32 only where
 // the sum reads them (sumsq_value): one conversion per element in the adding loop instead of
 // one per load site (the loads are unrolled many times over; f16's conversion is long).
-template <int DT>
+// PF (version 3): the same streaming load with the L2 prefetch-size hint of 256 bytes, so the
+// L2 fetches the 256 contiguous bytes of a block that a warp's two steps in flight read (f32)
+// with one DRAM request instead of two 128-byte ones (predicted, not yet measured).
+template <int DT, bool PF = false>
 __device__ __forceinline__ uint32_t sumsq_load(const uint8_t* __restrict__ x, u64 i) {
+    if (PF) {
+        if (DT == 0) {
+            uint32_t v;
+            asm("ld.global.cs.L2::256B.u32 %0, [%1];"
+                : "=r"(v)
+                : "l"(reinterpret_cast<const unsigned int*>(x) + i));
+            return v;
+        }
+        unsigned short h;
+        asm("ld.global.cs.L2::256B.u16 %0, [%1];"
+            : "=h"(h)
+            : "l"(reinterpret_cast<const unsigned short*>(x) + i));
+        return h;
+    }
     if (DT == 0) return __ldcs(reinterpret_cast<const unsigned int*>(x) + i);
     return __ldcs(reinterpret_cast<const unsigned short*>(x) + i);
 }
@@ -235,7 +252,7 @@ __device__ __forceinline__ float sumsq_value(uint32_t b) {
 // start + k + lane). WHOLE (warp-uniform): all 32 blocks lie inside the view, no bounds check;
 // else elements past n read as 0 (bits 0: +0.0 in every dtype; the warp holding the last,
 // short block).
-template <int DT, bool MSE, bool WHOLE>
+template <int DT, bool MSE, bool WHOLE, bool PF = false>
 __device__ __forceinline__ void sumsq_fetch(const uint8_t* __restrict__ x,
                                             const float* __restrict__ y, u64 n, u64 base,
                                             uint32_t (&v)[32], float (&u)[32]) {
@@ -243,11 +260,11 @@ __device__ __forceinline__ void sumsq_fetch(const uint8_t* __restrict__ x,
     for (unsigned r = 0; r < 32; ++r) {
         u64 i = base + (u64)r * SUMSQ_BLOCK;
         if (WHOLE) {
-            v[r] = sumsq_load<DT>(x, i);
+            v[r] = sumsq_load<DT, PF>(x, i);
             if (MSE) u[r] = __ldcs(y + i);
         } else {
             bool live = i < n;
-            v[r] = live ? sumsq_load<DT>(x, i) : 0u;
+            v[r] = live ? sumsq_load<DT, PF>(x, i) : 0u;
             if (MSE) u[r] = live ? __ldcs(y + i) : 0.0f;
         }
     }
@@ -261,7 +278,7 @@ struct SumsqDepth {
 };
 
 // The 128 steps of one warp (lane = its block b0 + lane), returning the lane's block sum.
-template <int DT, bool MSE, bool WHOLE>
+template <int DT, bool MSE, bool WHOLE, bool PF = false>
 __device__ __forceinline__ double sumsq_chain(const uint8_t* __restrict__ x,
                                               const float* __restrict__ y, u64 n, u64 b0,
                                               unsigned lane, uint32_t (*tx)[33],
@@ -271,7 +288,8 @@ __device__ __forceinline__ double sumsq_chain(const uint8_t* __restrict__ x,
     uint32_t v[D][32];
     float u[D][32];
 #pragma unroll
-    for (unsigned s = 0; s < D; ++s) sumsq_fetch<DT, MSE, WHOLE>(x, y, n, base + 32 * s, v[s], u[s]);
+    for (unsigned s = 0; s < D; ++s)
+        sumsq_fetch<DT, MSE, WHOLE, PF>(x, y, n, base + 32 * s, v[s], u[s]);
     double acc = 0.0;
     for (unsigned k = 0; k < SUMSQ_BLOCK; k += 32 * D) {
 #pragma unroll
@@ -285,7 +303,8 @@ __device__ __forceinline__ double sumsq_chain(const uint8_t* __restrict__ x,
             }
             __syncwarp();
             const unsigned next = k + 32 * (s + D);
-            if (next < SUMSQ_BLOCK) sumsq_fetch<DT, MSE, WHOLE>(x, y, n, base + next, v[s], u[s]);
+            if (next < SUMSQ_BLOCK)
+                sumsq_fetch<DT, MSE, WHOLE, PF>(x, y, n, base + next, v[s], u[s]);
 #pragma unroll 8
             for (unsigned j = 0; j < 32; ++j) {
                 double d = (double)sumsq_value<DT>(tx[lane][j]);
@@ -310,7 +329,7 @@ __device__ __forceinline__ double sumsq_group(double acc) {
 }
 
 // `warp`: the warp's index within the view's launch (it owns group `warp`: blocks 32·warp ..).
-template <int DT, bool MSE>
+template <int DT, bool MSE, bool PF = false>
 __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
                                                  const float* __restrict__ y, u64 n,
                                                  double* __restrict__ partials, u64 warp) {
@@ -325,8 +344,8 @@ __device__ __forceinline__ void sum_squares_warp(const uint8_t* __restrict__ x,
     // flight. (Issued one after another, as this loop once was, they made this warp the
     // kernel's critical path: ~0.1 ms per call whatever its size.)
     const double acc = (b0 + 32) * SUMSQ_BLOCK <= n
-                           ? sumsq_chain<DT, MSE, true>(x, y, n, b0, lane, tx[w], tyw)
-                           : sumsq_chain<DT, MSE, false>(x, y, n, b0, lane, tx[w], tyw);
+                           ? sumsq_chain<DT, MSE, true, PF>(x, y, n, b0, lane, tx[w], tyw)
+                           : sumsq_chain<DT, MSE, false, PF>(x, y, n, b0, lane, tx[w], tyw);
     const double g = sumsq_group(acc);
     if (lane == 0) partials[warp] = g;
 }
@@ -372,13 +391,13 @@ __device__ __forceinline__ const u64* sumsq_view(const u64* __restrict__ table, 
     return table + 4 * lo;
 }
 
-template <int DT>
+template <int DT, bool PF = false>
 __device__ __forceinline__ void sum_squares_many(const u64* __restrict__ table, uint32_t views,
                                                  double* __restrict__ partials) {
     const u64 gw = sumsq_warp_index();
     const u64* t = sumsq_view(table, views, gw);
-    sum_squares_warp<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
-                                partials + t[2], gw - t[3]);
+    sum_squares_warp<DT, false, PF>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
+                                    partials + t[2], gw - t[3]);
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f32(
     const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
@@ -391,6 +410,19 @@ extern "C" __global__ void __launch_bounds__(128) sum_squares_many_bf16(
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16(
     const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
     sum_squares_many<2>(table, views, partials);
+}
+// Version 3: version 1 with the 256-byte L2 prefetch hint (sumsq_load).
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f32_v3(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<0, true>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_bf16_v3(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<1, true>(table, views, partials);
+}
+extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16_v3(
+    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
+    sum_squares_many<2, true>(table, views, partials);
 }
 
 // Version 2 (set_cuda_kernel_variant("sum_squares", 2); predicted, not yet measured, see

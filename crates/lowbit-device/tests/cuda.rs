@@ -248,8 +248,8 @@ fn reductions_match() {
 /// group sums, each level in index order) on the GPU, compared as f64 bits with the CPU: sizes around the
 /// block edges, offsets, every float dtype, ±Inf, NaN, large and subnormal values, and a bf16
 /// view aliasing an f32 buffer. Every kernel version (`set_cuda_kernel_variant("sum_squares",
-/// 0..=2)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1;
-/// 0 picks per dtype).
+/// 0..=3)`; version 2 takes 16-byte aligned views, the misaligned ones fall back to version 1;
+/// 3 is 1 with an L2 prefetch hint; 0 picks per dtype).
 #[test]
 fn sum_squares_bits_match() {
     check_native("sum_squares", true, |c| {
@@ -269,7 +269,7 @@ fn sum_squares_bits_match() {
             128 * 4096 + 1,
             300_007,
         ];
-        for version in [1u32, 2, 0] {
+        for version in [1u32, 2, 3, 0] {
             c.dev.set_cuda_kernel_variant("sum_squares", version)?;
             let v = u64::from(version) * 10_000;
             for (i, d) in FLOATS.into_iter().enumerate() {
@@ -791,8 +791,10 @@ fn carve_mxfp8_views(
 fn mxfp8_many_matches_per_item_and_cpu() {
     check_native("mxfp8 many", false, |c| {
         // (rows, cols, source dtype, source element offset, output alignment)
-        let items_spec: [(usize, usize, DType, usize, usize); 15] = [
+        let items_spec: [(usize, usize, DType, usize, usize); 16] = [
             (2048, 2048, DType::Bf16, 0, 16),
+            // 2048 tiles: more than the persistent v6 grid has CTAs, so each walks several.
+            (4096, 2048, DType::Bf16, 0, 16),
             (512, 2048, DType::Bf16, 0, 16),
             (1024, 2048, DType::Bf16, 0, 16),
             // One layer of Llama-3.2-1B at a quarter of each dimension.
@@ -811,9 +813,13 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             (33, 72, DType::F16, 3, 1),
         ];
         let mut out = Vec::new();
-        for version in [4, 1, 5] {
+        // (single-kernel version, many-kernel version): with single version 4 both many
+        // kernels run (4: a CTA per tile; 6: persistent CTAs, cp.async, the edge and
+        // misaligned items on its non-interior path); versions 1 and 5 take the per-item path.
+        for (version, many) in [(4, 4), (4, 6), (1, 6), (5, 6)] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
-            let seed = 7000 + 100 * u64::from(version);
+            c.dev.set_cuda_kernel_variant("mxfp8_many", many)?;
+            let seed = 7000 + 100 * u64::from(version) + u64::from(many);
             // Versions 1 and 5 take the per-item path: the small items suffice there.
             let spec: Vec<_> = items_spec
                 .iter()

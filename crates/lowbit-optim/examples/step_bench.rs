@@ -28,7 +28,7 @@
 //! [--nan-check off,grad]
 //! [--also MODEL:PREC:GRADS]…
 //! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--comm-priority high|normal]
-//! [--step-call one|two]
+//! [--step-call one|two] [--kernel NAME=VERSION,…]
 //! [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
 //! `cargo run --release -p lowbit-optim --example step_bench -- --device cpu --model tiny`.
@@ -522,6 +522,34 @@ fn configs(args: &Args) -> Res<Vec<Config>> {
     Ok(out)
 }
 
+/// `--kernel NAME=VERSION[,NAME=VERSION…]`: CUDA kernel versions to run the step with (an A/B
+/// of kernel alternatives in the whole step; the same bytes by contract).
+fn parse_variants(list: &str) -> Res<Vec<(String, u32)>> {
+    list.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|kv| {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("--kernel {kv}: NAME=VERSION"))?;
+            Ok((
+                k.to_string(),
+                v.parse().map_err(|e| format!("--kernel {kv}: {e}"))?,
+            ))
+        })
+        .collect()
+}
+
+/// Selects the `--kernel` versions on a rank's device (nothing to select on the CPU).
+fn set_variants(dev: &mut Device, variants: &[(String, u32)]) -> Res<()> {
+    #[cfg(feature = "cuda")]
+    for (k, v) in variants {
+        dev.set_cuda_kernel_variant(k, *v)?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (dev, variants);
+    Ok(())
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("step_bench: {e}");
@@ -559,6 +587,7 @@ fn run() -> Res<()> {
         "normal" => false,
         other => return Err(format!("--comm-priority {other}: high or normal").into()),
     };
+    let variants = parse_variants(args.get("--kernel").unwrap_or(""))?;
     let mut summaries = Vec::new();
     for cfg in configs(&args)? {
         let params = parameter_set(&cfg.model)?;
@@ -568,10 +597,12 @@ fn run() -> Res<()> {
             .sum();
         let (c, p, s) = (&cfg, &params, &settings);
         let runs = run_world(&device, ranks, high, |comm, dev| {
+            set_variants(dev, &variants)?;
             measure::step_rank(comm, dev, c, p, s)
         })?;
         let overlap = match settings.compute_us {
             Some(us) => Some(run_world(&device, ranks, high, |comm, dev| {
+                set_variants(dev, &variants)?;
                 measure::overlap_rank(comm, dev, c, p, s, us)
             })?),
             None => None,

@@ -174,9 +174,16 @@ impl CudaDevice {
             _ => ("sum_squares_many_f16", "sum_squares_many_f16_v2"),
         };
         // Version 2 (16-byte loads) when every view of this dtype is 16-byte aligned: two
-        // warps per CTA; else version 1, four.
+        // warps per CTA; else version 1 (or 3: 1 with the L2 prefetch hint), four.
+        let name_v3 = match d {
+            DType::F32 => "sum_squares_many_f32_v3",
+            DType::Bf16 => "sum_squares_many_bf16_v3",
+            _ => "sum_squares_many_f16_v3",
+        };
         let (name, cta) = if self.sum_squares_v2(d) && table.aligned {
             (name_v2, 64)
+        } else if self.sum_squares_version == 3 {
+            (name_v3, 128)
         } else {
             (name, 128)
         };
