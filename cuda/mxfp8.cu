@@ -446,10 +446,31 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_man
     const unsigned lo = many_matrix_of(table, items, b);
     const unsigned long long* t = table + items + 9ull * lo;
     const unsigned long long local = b - table[lo], gx = t[7];
-    both_v4(reinterpret_cast<const __nv_bfloat16*>(t[0]), reinterpret_cast<uint8_t*>(t[1]),
-            reinterpret_cast<uint8_t*>(t[2]), reinterpret_cast<uint8_t*>(t[3]),
-            reinterpret_cast<uint8_t*>(t[4]), t[5], t[6], (unsigned)t[8], local % gx, local / gx,
-            camax);
+    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(t[0]);
+    uint8_t* rd = reinterpret_cast<uint8_t*>(t[1]);
+    uint8_t* rs = reinterpret_cast<uint8_t*>(t[2]);
+    uint8_t* cd = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* cs = reinterpret_cast<uint8_t*>(t[4]);
+    // Addresses read from the table are generic to the compiler, which then emits generic
+    // loads and stores (LD/ST); they are device allocations, and saying so gets the global
+    // ones (LDG/STG) that the single kernel's parameters get.
+    __builtin_assume(__isGlobal(x));
+    __builtin_assume(__isGlobal(rd));
+    __builtin_assume(__isGlobal(rs));
+    __builtin_assume(__isGlobal(cd));
+    __builtin_assume(__isGlobal(cs));
+    // 32-bit division where the tile index fits (always in practice): the 64-bit one is a long
+    // emulated sequence per CTA.
+    unsigned long long bx, by;
+    if (local <= 0xFFFFFFFFull && gx <= 0xFFFFFFFFull) {
+        const unsigned l32 = (unsigned)local, g32 = (unsigned)gx;
+        bx = l32 % g32;
+        by = l32 / g32;
+    } else {
+        bx = local % gx;
+        by = local / gx;
+    }
+    both_v4(x, rd, rs, cd, cs, t[5], t[6], (unsigned)t[8], bx, by, camax);
 }
 
 // Version 5: two vertically adjacent tiles per CTA (grid.y = ceil(rows / 64)), all eight loads
@@ -478,112 +499,4 @@ extern "C" __global__ void __launch_bounds__(256, 3) mxfp8_both_e4m3_bf16_v5(
     if (r0 + 32 < rows)
         both_tile(b, camax[1], row_data, row_scales, col_data, col_scales, rows, cols, r0 + 32, c,
                   lane, w, vec);
-}
-
-// ---- version 6 of the many-matrix kernel: persistent CTAs, cp.async double buffering ----
-// v4_many gives each CTA one tile: the tile's loads are its only ones in flight, issued after
-// its table lookup, and its registers (64, the cap for four CTAs per SM) hold them, so an SM has
-// at most 4 x 16 KB of loads outstanding and each CTA spends much of its life looking up and
-// quantizing, not loading: latency-bound on an H200's memory. v6 runs min(tiles, SMs x 4) CTAs
-// that walk the same tile index space (tile b of v4_many's grid, b = blockIdx.x + k·gridDim.x)
-// and copy the next tile into shared memory with cp.async (no registers held by the data in
-// flight) while they quantize the current one. Each thread copies and reads back only its own
-// four 16-byte chunks, so the staging buffers need no barrier; `both_tile` does the arithmetic
-// and the stores, so the bytes are v4_many's. Tiles that are not interior are loaded when their
-// turn comes with `both_load` (no prefetch): the matrices' edges, and matrices without `vec`.
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    const unsigned long long g = (unsigned long long)__cvta_generic_to_global(gmem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most one committed group (the newest: the next tile's) is still in flight.
-__device__ __forceinline__ void cp_async_wait_prior() {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-
-// Tile b of v4_many's index space, resolved as v4_many resolves its CTA b. CTA-uniform.
-struct ManyTile {
-    const __nv_bfloat16* x;
-    uint8_t* row_data;
-    uint8_t* row_scales;
-    uint8_t* col_data;
-    uint8_t* col_scales;
-    unsigned long long rows, cols, r0, c0;
-    unsigned vec;
-    bool interior;  // both_v4's condition: the 16-byte loads of the whole tile are in bounds
-};
-
-__device__ __forceinline__ ManyTile many_tile(const unsigned long long* __restrict__ table,
-                                              unsigned items, unsigned long long b) {
-    const unsigned lo = many_matrix_of(table, items, b);
-    const unsigned long long* t = table + items + 9ull * lo;
-    const unsigned long long local = b - table[lo], gx = t[7];
-    ManyTile m;
-    m.x = reinterpret_cast<const __nv_bfloat16*>(t[0]);
-    m.row_data = reinterpret_cast<uint8_t*>(t[1]);
-    m.row_scales = reinterpret_cast<uint8_t*>(t[2]);
-    m.col_data = reinterpret_cast<uint8_t*>(t[3]);
-    m.col_scales = reinterpret_cast<uint8_t*>(t[4]);
-    m.rows = t[5];
-    m.cols = t[6];
-    m.vec = (unsigned)t[8];
-    m.r0 = (local / gx) * 32;
-    m.c0 = (local % gx) * 256;
-    m.interior = m.vec && m.r0 + 32 <= m.rows && m.c0 + 256 <= m.cols;
-    return m;
-}
-
-// Starts the copy of this thread's four chunks of an interior tile (both_load's interior
-// loads: rows w, w+8, w+16, w+24 at columns c..c+8) into `buf`, slot [i][threadIdx.x].
-__device__ __forceinline__ void many_prefetch(const ManyTile& m, uint4 (*buf)[256], unsigned lane,
-                                              unsigned w) {
-    const __nv_bfloat16* src = m.x + (m.r0 + w) * m.cols + m.c0 + lane * 8;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(&buf[i][threadIdx.x], src + 8 * i * m.cols);
-}
-
-// Version 6 over many matrices: `table` and `items` as for v4_many, `tiles` its CTA count (the
-// total tile count); any 1-D grid of at most `tiles` CTAs. Same bytes as v4_many.
-extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v6_many(
-    const unsigned long long* __restrict__ table, unsigned items, unsigned long long tiles) {
-    __shared__ __nv_bfloat162 camax[4][256];
-    __shared__ uint4 stage[2][4][256];  // [buffer][row i][thread]: 2 x 16 KB
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    unsigned long long b = blockIdx.x;
-    ManyTile cur = many_tile(table, items, b);
-    if (cur.interior) many_prefetch(cur, stage[0], lane, w);
-    cp_async_commit();
-    for (unsigned s = 0; b < tiles; s ^= 1) {
-        // The next tile's lookup and copy first: they overlap this tile's copy and work.
-        b += gridDim.x;
-        ManyTile next = cur;
-        if (b < tiles) {
-            next = many_tile(table, items, b);
-            // stage[s ^ 1] held the previous tile, which this thread read back and used before
-            // the barriers: no read of it is pending.
-            if (next.interior) many_prefetch(next, stage[s ^ 1], lane, w);
-        }
-        cp_async_commit();  // also when empty, so that `wait_group 1` always means this tile
-        cp_async_wait_prior();
-        const unsigned long long c = cur.c0 + lane * 8;
-        uint4 raw[4];
-        if (cur.interior) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) raw[i] = stage[s][i][threadIdx.x];
-        } else {
-            both_load(cur.x, cur.rows, cur.cols, cur.r0, c, w, false, cur.vec, raw);
-        }
-        both_tile(raw, camax, cur.row_data, cur.row_scales, cur.col_data, cur.col_scales,
-                  cur.rows, cur.cols, cur.r0, c, lane, w, cur.vec);
-        // `both_tile` reads `camax` after its barrier; the next tile writes it before.
-        __syncthreads();
-        cur = next;
-    }
-    // The last group committed was empty: no copy is in flight at exit.
 }

@@ -527,6 +527,13 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
     uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[5]);
     uint8_t* col_data = reinterpret_cast<uint8_t*>(t[6]);
     uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[7]);
+    // Device allocations: said so, the compiler emits global loads and stores (LDG/STG)
+    // instead of generic ones for addresses read from the table.
+    __builtin_assume(__isGlobal(rowwise));
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_data));
+    __builtin_assume(__isGlobal(col_scales));
     const u64 wpr = cols / 8, tr = rows / 16, tc = (cols + 15) / 16;
     uint32_t in[32];
 #pragma unroll

@@ -8,7 +8,7 @@
 //!   the same bound.
 //! - The same both-copies quantization of the weight matrices of one and of all 16 layers of
 //!   Llama-3.2-1B (the re-quantization after a parameter all-gather), one call per matrix and
-//!   one `quantize_mxfp8_many` (many-kernel v4 and v6), against the same bound.
+//!   one `quantize_mxfp8_many`, against the same bound.
 //! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version.
 //! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm), and of the same
 //!   bytes read as bf16.
@@ -73,10 +73,9 @@ const LLAMA_1B_LAYER: [(usize, usize); 7] = [
 ];
 
 /// Times the MXFP8 both-copies re-quantization of `layers` Llama-3.2-1B layers, one
-/// `quantize_mxfp8` per matrix and one `quantize_mxfp8_many` per many-kernel version (4, then 6,
-/// the default, which stays selected), against the copy bandwidth: the sources are consecutive
-/// views of one bf16 buffer (filled from `x`), the outputs consecutive views of one buffer per
-/// data and scale copy, as a staged storage lays them out.
+/// `quantize_mxfp8` per matrix and one `quantize_mxfp8_many`, against the copy bandwidth: the
+/// sources are consecutive views of one bf16 buffer (filled from `x`), the outputs consecutive
+/// views of one buffer per data and scale copy, as a staged storage lays them out.
 fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, copy_bw: f64) {
     let shapes: Vec<(usize, usize)> = (0..layers).flat_map(|_| LLAMA_1B_LAYER).collect();
     let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
@@ -120,20 +119,10 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
         }
     });
     report(&format!("{what}, one call each)"), t, bytes, copy_bw);
-    // Many-version 4: one CTA per tile; 6 (the default): persistent CTAs, cp.async pipeline.
-    for version in [4, 6] {
-        dev.set_cuda_kernel_variant("mxfp8_many", version)
-            .expect("variant");
-        let t = timed(dev, reps, |d| {
-            d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
-        });
-        report(
-            &format!("{what}, quantize_mxfp8_many (kernel v{version}))"),
-            t,
-            bytes,
-            copy_bw,
-        );
-    }
+    let t = timed(dev, reps, |d| {
+        d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+    });
+    report(&format!("{what}, quantize_mxfp8_many)"), t, bytes, copy_bw);
     dev.free(src).expect("free");
     for b in bufs {
         dev.free(b).expect("free");
@@ -264,8 +253,7 @@ fn main() {
     // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's
     // layers (q, k, v, o, gate, up, down), bf16 views of one staging buffer into views of four
     // output buffers, rowwise + columnwise E4M3 (kernel v4), one `quantize_mxfp8` per matrix
-    // against one `quantize_mxfp8_many` for all (many-kernel v4 and v6), for one layer and for
-    // all 16.
+    // against one `quantize_mxfp8_many` for all, for one layer and for all 16.
     dev.set_cuda_kernel_variant("mxfp8_both", 4)
         .expect("variant");
     for layers in [1, 16] {

@@ -121,12 +121,6 @@ pub(crate) struct CudaDevice {
     /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
     /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
     mxfp8_both_version: u32,
-    /// Which kernel `quantize_mxfp8_many` launches for the matrices that version 4 of the
-    /// both-copies kernel takes: 6 (the default: `mxfp8_both_e4m3_bf16_v6_many`, persistent
-    /// CTAs that copy the next tile into shared memory with `cp.async` while they quantize the
-    /// current one) or 4 (`mxfp8_both_e4m3_bf16_v4_many`, one tile per CTA; 0.64-0.71x of a
-    /// copy on an H200). Same bytes.
-    mxfp8_many_version: u32,
     /// Which kernels run the bf16 amax pass and the NVFP4 codes: 5 (the default: both copies
     /// from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
     /// copy on an H100 with the amax pass), 4 (version 3 with the columnwise copy of
@@ -144,12 +138,14 @@ pub(crate) struct CudaDevice {
     /// (one `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
     nvfp4_finish_version: u32,
     /// Which kernels compute the blocked sums of squares (`sum_squares`, `sum_squares_each`,
-    /// `mse_loss`): 0 (the default) picks per dtype, 1 for f32 and 2 for 16-bit inputs; 1 (each
-    /// warp instruction loads 128 bytes of each of 32 blocks) or 2 (`*_v2`: 512 contiguous
-    /// bytes of one block per instruction, a swizzled shared tile; 16-byte aligned views only,
-    /// version 1 otherwise) for every dtype, or 3 (version 1 with the 256-byte L2 prefetch hint,
-    /// `sum_squares_each` only; the single-view launches run version 1). On an H100, f32: 0.76x
-    /// / 0.74x of a copy; bf16: 0.50x / 0.69x (`cuda_bench`, 1 GiB). Same bits.
+    /// `mse_loss`): 0 (the default) picks per dtype, 3 for f32 and 2 for 16-bit inputs (3 where
+    /// a 16-bit view is not 16-byte aligned); 1 (each warp instruction loads 128 bytes of each
+    /// of 32 blocks), 2 (`*_v2`: 512 contiguous bytes of one block per instruction, a swizzled
+    /// shared tile; 16-byte aligned views only, version 1 otherwise) or 3 (version 1 with the
+    /// 256-byte L2 prefetch hint; the many-view launches of `sum_squares_each` only, the
+    /// single-view ones of `mse_loss` run version 1) for every dtype. On an H200, f32: 0.82x /
+    /// 0.75x / 0.87x of a copy (versions 1 / 2 / 3); bf16: 0.49x / 0.79x / 0.72x (`cuda_bench`,
+    /// 1 GiB). Same bits.
     sum_squares_version: u32,
     /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
@@ -233,7 +229,6 @@ impl CudaDevice {
             tables: None,
             tables_ptr: 0,
             mxfp8_both_version: 4,
-            mxfp8_many_version: 6,
             nvfp4_version: 5,
             nvfp4_finish_version: 2,
             sum_squares_version: 0,
@@ -451,7 +446,6 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
-            ("mxfp8_many", 4 | 6) => self.mxfp8_many_version = version,
             ("nvfp4", 1..=5) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,

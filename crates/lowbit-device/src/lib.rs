@@ -729,9 +729,6 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("mxfp8_many", 4 | 6)`: the kernel of [`Device::quantize_mxfp8_many`] (with
-    /// `mxfp8_both` 4), 6 by default: persistent CTAs that copy the next tile with `cp.async`
-    /// while they quantize the current one, 4: a CTA per tile;
     /// `("nvfp4", 1..=5)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
     /// `("nvfp4_finish_2d", 1 | 2)`: how
@@ -739,9 +736,10 @@ impl Device {
     /// host read, 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
     /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
     /// H100, 0.75x with 2); `("sum_squares", 0..=3)`: the blocked sums of squares, 0 by default
-    /// (1 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp
-    /// instruction, 2 512 contiguous bytes of one block (on an H100: f32 0.76x / 0.74x of a
-    /// copy, bf16 0.50x / 0.69x), 3 is 1 with a 256-byte L2 prefetch hint in `sum_squares_each`).
+    /// (3 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp
+    /// instruction, 2 512 contiguous bytes of one block, 3 is 1 with a 256-byte L2 prefetch hint
+    /// in `sum_squares_each` (on an H200: f32 0.82x / 0.75x / 0.87x of a copy, bf16 0.49x /
+    /// 0.79x / 0.72x)).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -2,11 +2,10 @@
 //! E4M3, 1D) and NVFP4 (1D, round to nearest) quantization, dequantization of one copy, and the
 //! sharded 2D ranges (tile-amax folds, codes of a range, 2D MXFP8 scales).
 
-use cudarc::driver::sys::CUdevice_attribute;
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{blocks, dt, nvfp4_rows_vec};
-use crate::cuda::{Arg, CudaDevice, cuda_err};
+use crate::cuda::{Arg, CudaDevice};
 use crate::ops::Dequant;
 use crate::{DType, Mxfp8Views, Nvfp4Views, Result, View};
 
@@ -44,10 +43,6 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
         && x.is_multiple_of(16)
         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
 }
-
-/// The CTAs per SM of `mxfp8_both_e4m3_bf16_v6_many` (its `__launch_bounds__(256, 4)`: 64
-/// registers, 36 KB of shared memory), which sizes its persistent grid.
-const MXFP8_MANY_V6_CTAS_PER_SM: u32 = 4;
 
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
@@ -166,14 +161,12 @@ impl CudaDevice {
 
     /// [`crate::Device::quantize_mxfp8_many`]'s kernel path: every matrix that
     /// [`CudaDevice::quantize_mxfp8`] would quantize with version 4 of the both-copies kernel
-    /// goes into one launch of `mxfp8_both_e4m3_bf16_v6_many` (many-version 6, the default:
-    /// persistent CTAs walking the tiles) or `mxfp8_both_e4m3_bf16_v4_many` (4: one CTA per
-    /// tile); either runs the single kernel's tile body on each tile of its matrix, so the bytes
-    /// are the single kernel's. Returns the indices of the other items, in order, for the
-    /// caller's one-by-one path — all of them when fewer than two qualify (one matrix is the
-    /// single kernel's) or the tiles exceed v4_many's grid (the same rule for both versions).
-    /// The caller has validated every item as `quantize_mxfp8` does and checked that no item's
-    /// output overlaps another item's views.
+    /// goes into one launch of `mxfp8_both_e4m3_bf16_v4_many` (each CTA runs the single
+    /// kernel's tile body on its matrix, so the bytes are the single kernel's). Returns the
+    /// indices of the other items, in order, for the caller's one-by-one path — all of them
+    /// when fewer than two qualify (one matrix is the single kernel's) or the CTAs exceed the
+    /// grid. The caller has validated every item as `quantize_mxfp8` does and checked that no
+    /// item's output overlaps another item's views.
     pub(crate) fn quantize_mxfp8_many(
         &mut self,
         items: &[Mxfp8Quantize<'_>],
@@ -198,52 +191,29 @@ impl CudaDevice {
         };
         let mut table = firsts;
         table.extend(rows);
-        // v6 is persistent: as many CTAs as fit on the GPU at once (its launch bounds), at most
-        // one per tile; each walks the tiles b, b + grid, ... of v4_many's index space.
-        let v6_grid = if self.mxfp8_many_version == 6 {
-            let sms = self
-                .ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(cuda_err("querying the SM count"))?;
-            let resident = u32::try_from(sms)
-                .unwrap_or(1)
-                .max(1)
-                .saturating_mul(MXFP8_MANY_V6_CTAS_PER_SM);
-            Some(grid.min(resident))
-        } else {
-            None
-        };
         let (mem, t) = self.upload_table(&table)?;
-        let (name, grid, args) = match v6_grid {
-            Some(g) => (
-                "mxfp8_both_e4m3_bf16_v6_many",
-                g,
-                args![t, count, ctas].to_vec(),
-            ),
-            None => (
-                "mxfp8_both_e4m3_bf16_v4_many",
-                grid,
-                args![t, count].to_vec(),
-            ),
-        };
         // SAFETY: each of the `count` table rows holds the addresses of one item's views, which
         // the caller validated as `quantize_mxfp8` does (live, in bounds: rows·cols bf16 in,
         // rows·cols data bytes and rows·ceil(cols/32) resp. ceil(rows/32)·cols scale bytes out,
         // disjoint), with its shape, tiles across and `vec` computed as the single v4 launch
         // computes them (the 16-byte loads and 8-byte stores only with `vec`, whose alignment
-        // `both_vec` checked). Tile b < `ctas` (v4_many: CTA b; v6: one of the tiles
-        // blockIdx.x + k·grid its CTA walks, grid <= `ctas`) is the tile (bx, by) of the matrix
-        // whose range [first, first + gx·gy) holds b, a tile the single kernel's grid (gx, gy)
-        // has, so every access is one that launch makes; v6's `cp.async` copies are the same
-        // 16-byte loads as `both_load`'s interior path, under the same condition, into its
-        // own static shared memory. No item's output overlaps another item's source or outputs
-        // (checked by the caller), so the `__restrict__` promises hold across matrices too,
-        // and v6's copy of the next tile may overlap the stores of the current one. The table
-        // was copied from pageable host memory (staged before `upload_table` returned); `mem`
-        // is dropped right after the launch is enqueued, and cudarc frees it in stream order
-        // (`cuMemFreeAsync` on this stream, or a stream synchronisation before `cuMemFree`
-        // where stream-ordered allocation is missing), so the kernel never reads freed memory.
-        unsafe { self.launch(name, (grid, 1, 1), (256, 1, 1), &args)? };
+        // `both_vec` checked). CTA b runs the tile (bx, by) of the matrix whose CTAs
+        // [first, first + gx·gy) hold it, a tile the single kernel's grid (gx, gy) has, so
+        // every access is one that launch makes. No item's output overlaps another item's
+        // source or outputs (checked by the caller), so the `__restrict__` promises hold
+        // across matrices too. The table was copied from pageable host memory (staged before
+        // `upload_table` returned); `mem` is dropped right after the launch is enqueued, and
+        // cudarc frees it in stream order (`cuMemFreeAsync` on this stream, or a stream
+        // synchronisation before `cuMemFree` where stream-ordered allocation is missing), so
+        // the kernel never reads freed memory.
+        unsafe {
+            self.launch(
+                "mxfp8_both_e4m3_bf16_v4_many",
+                (grid, 1, 1),
+                (256, 1, 1),
+                &args![t, count],
+            )?;
+        }
         drop(mem);
         Ok(rest)
     }
