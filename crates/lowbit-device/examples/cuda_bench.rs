@@ -211,6 +211,35 @@ fn main() {
             dev.free(b).expect("free");
         }
     }
+    // The same both-copies kernel (v4) on matrices of 128M elements and the widths of the
+    // Llama weights (2048 and 8192 columns) against 16384: whether the re-quantization's lower
+    // rate (many 1B matrices) comes from their shapes rather than from the many-matrix launch.
+    dev.set_cuda_kernel_variant("mxfp8_both", 4)
+        .expect("variant");
+    for (rows, cols) in [(65536, 2048), (16384, 8192), (8192, 16384)] {
+        let m = rows * cols;
+        let src = x.slice(0..m).expect("slice");
+        let out = Mxfp8Views {
+            rowwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
+            columnwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
+        };
+        let cfg = Mxfp8Config::default();
+        let t = timed(&mut dev, 50, |d| {
+            d.quantize_mxfp8(src, rows, cols, &cfg, &out)
+                .expect("quantize")
+        });
+        let bytes = m as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
+        report(
+            &format!("mxfp8 rowwise+columnwise {rows}x{cols} (kernel v4)"),
+            t,
+            bytes,
+            copy_bw,
+        );
+        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+            dev.free(a).expect("free");
+            dev.free(b).expect("free");
+        }
+    }
     // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
     // per kernel version (2: generic tile, 3: mxfp8.cu v4's technique, the default; same bytes),
     // against the same bound: read 2, write 1 + 1/32 per element per copy.

@@ -116,8 +116,9 @@
 //!   that its error comes back unchanged.
 //! - **Blocked sums.** `sum_squares` and `mse_loss` compute the per-block f64 sums on the
 //!   device (one thread per 4096-element block, staged through shared memory so the loads
-//!   coalesce) and add the partials on the host in index order, so no gradient is downloaded
-//!   for the grad norm: 8 bytes come back per 4096 elements.
+//!   coalesce), each warp adds its 32 block sums in order, and the host adds those group sums
+//!   in index order, so no gradient is downloaded for the grad norm: 8 bytes come back per
+//!   131072 elements.
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, sum_squares,
 //!   mse_loss, fused AdamW, SGD with momentum, matmul (one thread per output, not a tuned
 //!   GEMM), the model ops, MXFP8 quantization (every mode: rowwise, columnwise, both in one

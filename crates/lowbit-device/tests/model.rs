@@ -232,7 +232,7 @@ fn mse_loss_and_backward() {
     let fd: Vec<f64> = numeric_grad(&p64, |p| 3.0 * mse(p));
     assert_close(&download(&dev, dp), &fd, 1e-5, 1e-7, "dmse");
     // More than one block: the blocked order of `sum_squares` (4096-element f64 partials in
-    // index order, then the partials in index order).
+    // index order, then the partials in index order: one group of 32 blocks here).
     let n2 = 3 * 4096 + 5;
     let (pv2, tv2) = (values(n2, 10, 2.0), values(n2, 11, 2.0));
     let (p2, t2) = (upload(&mut dev, &pv2), upload(&mut dev, &tv2));

@@ -318,8 +318,8 @@ impl Optimizer for DistributedOptimizer {
     }
 
     /// Shards in order; within a shard, `Device::sum_squares`'s blocked order (4096-element
-    /// partials in index order, then the partials in index order), the same bits on every
-    /// backend.
+    /// blocks, their sums 32 at a time, then the group sums, each level in index order), the
+    /// same bits on every backend.
     fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
         let grads = self.shards.iter().map(|s| (s.grad_view, s.grad32));
         crate::optimizer::widened_sum_squares(dev, grads)
