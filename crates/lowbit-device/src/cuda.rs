@@ -500,6 +500,31 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// Launches `name` with one by-value struct parameter whose bytes are `words` (a launch
+    /// table in the kernel's parameter space: the constant bank, read through the SM's
+    /// constant cache).
+    ///
+    /// # Safety
+    /// The kernel's only parameter is a struct of exactly `8 · words.len()` bytes (8-byte
+    /// aligned), and the words satisfy the kernel's contract.
+    pub(crate) unsafe fn launch_words(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        words: &mut [u64],
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        self.bind()?;
+        let mut params: Vec<*mut c_void> = vec![words.as_mut_ptr().cast()];
+        // SAFETY: the one parameter points at `words`, which outlive the call (the driver copies
+        // the parameter's bytes at launch); the caller guarantees its size and contents.
+        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), &mut params) }
+            .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
+    }
+}
+
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         // Finish queued work before the allocations and modules go away; errors cannot be

@@ -781,8 +781,9 @@ fn carve_mxfp8_views(
     )
 }
 
-/// `quantize_mxfp8_many` (one launch of `mxfp8_both_e4m3_bf16_v4_many` for the bf16 items)
-/// equals one `quantize_mxfp8` per item on the same device and the CPU's bytes: a Llama-like
+/// `quantize_mxfp8_many` (launches of `mxfp8_both_e4m3_bf16_v4_many` for the bf16 items, 64 at
+/// most per launch) equals one `quantize_mxfp8` per item on the same device and the CPU's bytes
+/// (150 small matrices check the split over launches): a Llama-like
 /// layer (scaled down), real 2048-column shapes, odd shapes, sources at element offsets inside
 /// one buffer (aligned and misaligned), outputs packed into one buffer at 16-byte aligned and
 /// at odd offsets (guard bytes between them must stay untouched), an f32 and an f16 item (their
@@ -866,6 +867,32 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
             out.push(f64::from(u8::from(a? == b?)));
         }
+        // More matrices than one launch's parameter table holds (64): 150 small ones of three
+        // shapes, split over three launches.
+        c.dev.set_cuda_kernel_variant("mxfp8_both", 4)?;
+        let shapes: Vec<(usize, usize)> = (0..150)
+            .map(|i| [(32, 256), (64, 512), (96, 256)][i % 3])
+            .collect();
+        let n: usize = shapes.iter().map(|s| s.0 * s.1).sum();
+        let src = c.rand(DType::Bf16, n, 7900);
+        let room: usize = shapes.iter().map(|s| 3 * s.0 * s.1 + 64).sum();
+        let bufs = [c.rand(DType::U8, room, 7901), c.rand(DType::U8, room, 7901)];
+        let mut sets = [Vec::new(), Vec::new()];
+        for (set, &buf) in sets.iter_mut().zip(&bufs) {
+            let (mut e, mut at) = (0, 0);
+            for &(rows, cols) in &shapes {
+                let (views, next) = carve_mxfp8_views(buf, at, (0, 16), (rows, cols));
+                set.push((src.slice(e..e + rows * cols)?, rows, cols, views));
+                (e, at) = (e + rows * cols, next);
+            }
+        }
+        let cfg = Mxfp8Config::default();
+        c.dev.quantize_mxfp8_many(&sets[0], &cfg)?;
+        for (src, rows, cols, views) in &sets[1] {
+            c.dev.quantize_mxfp8(*src, *rows, *cols, &cfg, views)?;
+        }
+        let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
+        out.push(f64::from(u8::from(a? == b?)));
         Ok(out)
     });
 }

@@ -44,6 +44,10 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
         && [rd, cd, cs].iter().all(|p| p.is_multiple_of(8))
 }
 
+/// Matrices per launch of `mxfp8_both_e4m3_bf16_v4_many`: its parameter struct's capacity
+/// (`MXFP8_MANY_MAX` in `cuda/mxfp8.cu`; 5128 bytes of parameters).
+const MXFP8_MANY_MAX: usize = 64;
+
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
@@ -161,60 +165,65 @@ impl CudaDevice {
 
     /// [`crate::Device::quantize_mxfp8_many`]'s kernel path: every matrix that
     /// [`CudaDevice::quantize_mxfp8`] would quantize with version 4 of the both-copies kernel
-    /// goes into one launch of `mxfp8_both_e4m3_bf16_v4_many` (each CTA runs the single
-    /// kernel's tile body on its matrix, so the bytes are the single kernel's). Returns the
-    /// indices of the other items, in order, for the caller's one-by-one path — all of them
-    /// when fewer than two qualify (one matrix is the single kernel's) or the CTAs exceed the
-    /// grid. The caller has validated every item as `quantize_mxfp8` does and checked that no
-    /// item's output overlaps another item's views.
+    /// goes into a launch of `mxfp8_both_e4m3_bf16_v4_many`, [`MXFP8_MANY_MAX`] matrices at
+    /// most per launch, its table in the kernel's parameters (each CTA runs the single kernel's
+    /// tile body on its matrix, so the bytes are the single kernel's). Returns the indices of
+    /// the other items, in order, for the caller's one-by-one path — all of them when fewer
+    /// than two qualify (one matrix is the single kernel's). A launch whose CTAs would exceed
+    /// the grid leaves its matrices to that path too. The caller has validated every item as
+    /// `quantize_mxfp8` does and checked that no item's output overlaps another item's views.
     pub(crate) fn quantize_mxfp8_many(
         &mut self,
         items: &[Mxfp8Quantize<'_>],
     ) -> Result<Vec<usize>> {
-        // The first CTA of each matrix taken, then their rows.
-        let (mut firsts, mut rows) = (Vec::new(), Vec::new());
+        let mut rows = Vec::new();
         let mut rest = Vec::new();
-        let mut ctas = 0u64;
         for (i, q) in items.iter().enumerate() {
             match self.mxfp8_both_v4_row(q)? {
-                Some((row, n)) => {
-                    firsts.push(ctas);
-                    rows.extend(row);
-                    ctas += n;
-                }
+                Some(row) => rows.push((i, row)),
                 None => rest.push(i),
             }
         }
-        let grid = usize::try_from(ctas).ok().and_then(|n| blocks(n, 1));
-        let (2.., Some(grid), Ok(count)) = (firsts.len(), grid, u32::try_from(firsts.len())) else {
+        if rows.len() < 2 {
             return Ok((0..items.len()).collect());
-        };
-        let mut table = firsts;
-        table.extend(rows);
-        let (mem, t) = self.upload_table(&table)?;
-        // SAFETY: each of the `count` table rows holds the addresses of one item's views, which
-        // the caller validated as `quantize_mxfp8` does (live, in bounds: rows·cols bf16 in,
-        // rows·cols data bytes and rows·ceil(cols/32) resp. ceil(rows/32)·cols scale bytes out,
-        // disjoint), with its shape, tiles across and `vec` computed as the single v4 launch
-        // computes them (the 16-byte loads and 8-byte stores only with `vec`, whose alignment
-        // `both_vec` checked). CTA b runs the tile (bx, by) of the matrix whose CTAs
-        // [first, first + gx·gy) hold it, a tile the single kernel's grid (gx, gy) has, so
-        // every access is one that launch makes. No item's output overlaps another item's
-        // source or outputs (checked by the caller), so the `__restrict__` promises hold
-        // across matrices too. The table was copied from pageable host memory (staged before
-        // `upload_table` returned); `mem` is dropped right after the launch is enqueued, and
-        // cudarc frees it in stream order (`cuMemFreeAsync` on this stream, or a stream
-        // synchronisation before `cuMemFree` where stream-ordered allocation is missing), so
-        // the kernel never reads freed memory.
-        unsafe {
-            self.launch(
-                "mxfp8_both_e4m3_bf16_v4_many",
-                (grid, 1, 1),
-                (256, 1, 1),
-                &args![t, count],
-            )?;
         }
-        drop(mem);
+        for chunk in rows.chunks(MXFP8_MANY_MAX) {
+            // The kernel's `Mxfp8ManyParams`: the count, the first CTA of each matrix, then
+            // their rows, padded to the struct's fixed size.
+            let mut words = vec![0u64; 1 + MXFP8_MANY_MAX * 10];
+            words[0] = chunk.len() as u64;
+            let mut ctas = 0u64;
+            for (k, (_, (row, n))) in chunk.iter().enumerate() {
+                words[1 + k] = ctas;
+                words[1 + MXFP8_MANY_MAX + 9 * k..][..9].copy_from_slice(row);
+                ctas += n;
+            }
+            let Some(grid) = usize::try_from(ctas).ok().and_then(|n| blocks(n, 1)) else {
+                rest.extend(chunk.iter().map(|(i, _)| *i));
+                continue;
+            };
+            // SAFETY: `words` is exactly `Mxfp8ManyParams` (1 + 64 + 64·9 words, the
+            // kernel's MXFP8_MANY_MAX = 64). Each of its `chunk.len()` rows holds the addresses
+            // of one item's views, which the caller validated as `quantize_mxfp8` does (live,
+            // in bounds: rows·cols bf16 in, rows·cols data bytes and rows·ceil(cols/32) resp.
+            // ceil(rows/32)·cols scale bytes out, disjoint), with its shape, tiles across and
+            // `vec` computed as the single v4 launch computes them (the 16-byte loads and
+            // 8-byte stores only with `vec`, whose alignment `both_vec` checked). CTA b runs
+            // the tile (bx, by) of the matrix whose CTAs [first, first + gx·gy) hold it, a tile
+            // the single kernel's grid (gx, gy) has, so every access is one that launch makes.
+            // No item's output overlaps another item's source or outputs (checked by the
+            // caller), so the `__restrict__` promises hold across matrices too. The driver
+            // copies the parameters at launch.
+            unsafe {
+                self.launch_words(
+                    "mxfp8_both_e4m3_bf16_v4_many",
+                    (grid, 1, 1),
+                    (256, 1, 1),
+                    &mut words,
+                )?;
+            }
+        }
+        rest.sort_unstable();
         Ok(rest)
     }
 
