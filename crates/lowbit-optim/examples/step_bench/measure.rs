@@ -442,6 +442,11 @@ pub fn step_rank(
             // Diagnostics: the local sum of squares alone (no exchange of the result), the
             // exchange alone (as `protocol`'s: a fresh buffer, the rank's 8 bytes written, an
             // all-gather, the read), and a bare all-gather of those bytes.
+            // The norm once more, right after the first: what the first read after the
+            // reduce-scatter costs.
+            let (_, again) = timed(dev, comm, |d, c| {
+                Ok(protocol::global_grad_norm(d, c, b, o)?)
+            })?;
             let (_, local) = timed(dev, comm, |d, _| Ok(o.local_sum_squares(d)?))?;
             let (_, exchange) = timed(dev, comm, |d, c| exchange_f64(d, c, 1.0))?;
             let buf = dev.alloc(DType::U8, 8 * dp);
@@ -459,8 +464,9 @@ pub fn step_rank(
                 exchange_f64(d, c, l)
             })?;
             eprintln!(
-                "rank {rank}: norm {:.3} ms, of which the local sum of squares {:.3} ms; exchange alone {:.3} ms, bare all-gather {:.3} ms; the two in a row {:.3} ms (local {:.3})",
+                "rank {rank}: norm {:.3} ms (again {:.3}), of which the local sum of squares {:.3} ms; exchange alone {:.3} ms, bare all-gather {:.3} ms; the two in a row {:.3} ms (local {:.3})",
                 secs * 1e3,
+                again * 1e3,
                 local * 1e3,
                 exchange * 1e3,
                 bare * 1e3,
