@@ -150,23 +150,29 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     Ok(bytes)
 }
 
-/// Batched 2D MXFP8 scales of every MXFP8 case against one `mxfp8_scales_2d` each.
+/// Batched 2D MXFP8 scales of every MXFP8 case, 14 times over (70 matrices: more than one
+/// launch's table holds), against one `mxfp8_scales_2d` each; every other item's scales start
+/// 3 bytes into their buffer (the kernel's unaligned stores).
 pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     let mut items = Vec::new();
-    for (k, &(format, rows, cols, _, _)) in CASES.iter().enumerate() {
-        let Format2d::Mxfp8(kind) = format else {
-            continue;
-        };
-        let t = rows.div_ceil(32) * cols.div_ceil(32);
-        let tiles = dev.alloc(DType::F32, t);
-        let vals: Vec<f32> = master_values(t, 100 + k as u64)
-            .iter()
-            .map(|v| v.abs())
-            .collect();
-        dev.upload(tiles, &vals)?;
-        let rs = dev.alloc(DType::U8, rows * cols.div_ceil(32));
-        let cs = dev.alloc(DType::U8, rows.div_ceil(32) * cols);
-        items.push((rows, cols, kind, tiles, rs, cs));
+    for rep in 0..14 {
+        for (k, &(format, rows, cols, _, _)) in CASES.iter().enumerate() {
+            let Format2d::Mxfp8(kind) = format else {
+                continue;
+            };
+            let t = rows.div_ceil(32) * cols.div_ceil(32);
+            let tiles = dev.alloc(DType::F32, t);
+            let vals: Vec<f32> = master_values(t, 100 + k as u64 + 17 * rep)
+                .iter()
+                .map(|v| v.abs())
+                .collect();
+            dev.upload(tiles, &vals)?;
+            let at = 3 * (items.len() % 2);
+            let (nr, nc) = (rows * cols.div_ceil(32), rows.div_ceil(32) * cols);
+            let rs = dev.alloc(DType::U8, nr + at).slice(at..at + nr)?;
+            let cs = dev.alloc(DType::U8, nc + at).slice(at..at + nc)?;
+            items.push((rows, cols, kind, tiles, rs, cs));
+        }
     }
     if many {
         dev.mxfp8_scales_2d_many(&items)?;

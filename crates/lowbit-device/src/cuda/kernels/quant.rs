@@ -48,6 +48,10 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
 /// (`MXFP8_MANY_MAX` in `cuda/mxfp8.cu`; 5128 bytes of parameters).
 const MXFP8_MANY_MAX: usize = 64;
 
+/// Matrices per launch of `mxfp8_scales_2d_many`: its parameter struct's capacity
+/// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
+const SCALES2D_MAX: usize = 64;
+
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
@@ -750,15 +754,15 @@ impl CudaDevice {
     }
 
     /// [`crate::Device::mxfp8_scales_2d_many`]: every item whose views `mxfp8_scales_2d` takes
-    /// (the single kernel's checks) in one `mxfp8_scales_2d_many` launch; returns the indices
-    /// of the others, in order, for the single op. The caller checked that no output overlaps
-    /// another item's views.
+    /// (the single kernel's checks) in `mxfp8_scales_2d_many` launches, [`SCALES2D_MAX`] items
+    /// at most per launch, their table in the kernel's parameters; returns the indices of the
+    /// others, in order, for the single op. The caller checked that no output overlaps another
+    /// item's views.
     pub(crate) fn mxfp8_scales_2d_many(
         &mut self,
         items: &[(usize, usize, Fp8Kind, View, View, View)],
     ) -> Result<Vec<usize>> {
-        let (mut firsts, mut rows_of, mut rest) = (Vec::new(), Vec::new(), Vec::new());
-        let mut total = 0u64;
+        let (mut taken, mut rest) = (Vec::new(), Vec::new());
         for (i, &(rows, cols, kind, tiles, rs, cs)) in items.iter().enumerate() {
             let tc = cols.div_ceil(32);
             let (nr, nc) = (rows * tc, rows.div_ceil(32) * cols);
@@ -776,35 +780,49 @@ impl CudaDevice {
                 rest.push(i);
                 continue;
             }
-            firsts.push(total);
-            rows_of.extend([
+            let row = [
                 self.device_ptr(tiles)?,
                 rows as u64,
                 cols as u64,
                 self.device_ptr(rs)?,
                 self.device_ptr(cs)?,
                 u64::from(kind.max_norm_rcp().to_bits()),
-            ]);
-            total += (nr + nc) as u64;
+            ];
+            // Units of 16 scale bytes: the rowwise copy's, then the columnwise copy's.
+            taken.push((row, (nr.div_ceil(16) + nc.div_ceil(16)) as u64));
         }
-        let Ok(count @ 1..) = u32::try_from(firsts.len()) else {
-            return Ok((0..items.len()).collect());
-        };
-        let mut table = firsts;
-        table.extend(rows_of);
-        let (mem, t) = self.upload_table(&table)?;
-        // SAFETY: each of the `count` rows holds one item's views as `mxfp8_scales_2d` checks
-        // them (live, in bounds, disjoint, rows·tc and ceil(rows/32)·cols scale bytes, the tile
-        // count), and the items' index ranges [first, first + nr + nc) partition 0..total, so
-        // every write is a scale byte of its item. `mem` is freed in stream order.
-        unsafe {
-            self.launch_n(
-                "mxfp8_scales_2d_many",
-                total as usize,
-                &args![t, count, total],
-            )?;
+        for chunk in taken.chunks(SCALES2D_MAX) {
+            // The kernel's `Scales2dParams`: the count, the units, each item's first unit, then
+            // the items' rows, padded to the struct's fixed size.
+            let mut words = vec![0u64; 2 + SCALES2D_MAX * 7];
+            let mut units = 0u64;
+            for (k, (row, n)) in chunk.iter().enumerate() {
+                words[2 + k] = units;
+                words[2 + SCALES2D_MAX + 6 * k..][..6].copy_from_slice(row);
+                units += n;
+            }
+            (words[0], words[1]) = (chunk.len() as u64, units);
+            let Ok(n) = usize::try_from(units) else {
+                return Err(crate::DeviceError::Unsupported(format!(
+                    "{units} scale units exceed the address space"
+                )));
+            };
+            // SAFETY: `words` is exactly `Scales2dParams` (2 + 64 + 64·6 words, the kernel's
+            // SCALES2D_MAX = 64). Each of its rows holds one item's views as `mxfp8_scales_2d`
+            // checks them (live, in bounds, disjoint, rows·tc and ceil(rows/32)·cols scale
+            // bytes, the tile count), and the items' units [first, first + ceil(nr/16) +
+            // ceil(nc/16)) partition 0..units; a unit writes the bytes 16k.. of its copy, at most
+            // to its end, with a 16-byte store only where 16-byte aligned. The driver copies the
+            // parameters at launch.
+            unsafe {
+                self.launch_words(
+                    "mxfp8_scales_2d_many",
+                    super::stride_grid(n),
+                    (super::THREADS, 1, 1),
+                    &mut words,
+                )?;
+            }
         }
-        drop(mem);
         Ok(rest)
     }
 }
