@@ -347,7 +347,9 @@ impl Replay {
                 }
             }
         }
-        // NVFP4: as the gather's completion does it, one call for every matrix of a group.
+        // 2D MXFP8 and NVFP4: as the gather's completion does it, one call for every matrix of
+        // a group.
+        let mut direct: BTreeMap<usize, Vec<_>> = BTreeMap::new();
         let mut nvfp4: BTreeMap<usize, Vec<_>> = BTreeMap::new();
         for p in 0..bufs.specs().len() {
             match (bufs.storage_kind(p), bufs.low_precision_weights(p)) {
@@ -358,7 +360,14 @@ impl Replay {
                     };
                     let t = t.slice(0..mxfp8_tile_count(w.rows, w.cols))?;
                     let (rs, cs) = (w.rowwise.1, w.columnwise.1);
-                    dev.mxfp8_scales_2d(w.rows, w.cols, Fp8Kind::E4M3, t, rs, cs)?;
+                    direct.entry(bufs.group_of(p)).or_default().push((
+                        w.rows,
+                        w.cols,
+                        Fp8Kind::E4M3,
+                        t,
+                        rs,
+                        cs,
+                    ));
                 }
                 (StorageKind::Nvfp4Packed, _) => {
                     if let Some((w, _)) = bufs.nvfp4_weights(p) {
@@ -367,6 +376,9 @@ impl Replay {
                 }
                 _ => {}
             }
+        }
+        for items in direct.values() {
+            dev.mxfp8_scales_2d_many(items)?;
         }
         for ws in nvfp4.values() {
             let items: Vec<_> = ws
