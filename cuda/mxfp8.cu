@@ -433,6 +433,8 @@ struct Mxfp8ManyParams {
     unsigned long long first[MXFP8_MANY_MAX];
     unsigned long long rows[MXFP8_MANY_MAX][9];
 };
+// The host passes exactly these bytes (quant.rs, MXFP8_MANY_MAX words of table).
+static_assert(sizeof(Mxfp8ManyParams) == 8 * (1 + MXFP8_MANY_MAX * 10), "parameter layout");
 
 extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_many(
     const Mxfp8ManyParams p) {

@@ -2003,6 +2003,8 @@ struct Scales2dParams {
     u64 first[SCALES2D_MAX];
     u64 rows[SCALES2D_MAX][6];
 };
+// The host passes exactly these bytes (quant.rs, SCALES2D_MAX).
+static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 7), "parameter layout");
 
 // a / b and a % b in 32 bits where both fit (the 64-bit division is a long emulated sequence).
 __device__ __forceinline__ void divmod_u64(u64 a, u64 b, u64& q, u64& r) {
