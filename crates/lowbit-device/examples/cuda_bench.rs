@@ -240,6 +240,39 @@ fn main() {
             dev.free(b).expect("free");
         }
     }
+    // The many-matrix kernel on two such matrices (64M elements each): the same large shapes
+    // as above through `quantize_mxfp8_many`, to tell its code from the small matrices' cost.
+    {
+        let shapes = [(32768, 2048), (8192, 8192)];
+        let mut items = Vec::new();
+        let mut at = 0;
+        for (rows, cols) in shapes {
+            let m = rows * cols;
+            let out = Mxfp8Views {
+                rowwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
+                columnwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
+            };
+            items.push((x.slice(at..at + m).expect("slice"), rows, cols, out));
+            at += m;
+        }
+        let cfg = Mxfp8Config::default();
+        let t = timed(&mut dev, 50, |d| {
+            d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+        });
+        let bytes = at as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
+        report(
+            "mxfp8 rowwise+columnwise 32768x2048 + 8192x8192 (quantize_mxfp8_many)",
+            t,
+            bytes,
+            copy_bw,
+        );
+        for (_, _, _, out) in items {
+            for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+                dev.free(a).expect("free");
+                dev.free(b).expect("free");
+            }
+        }
+    }
     // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
     // per kernel version (2: generic tile, 3: mxfp8.cu v4's technique, the default; same bytes),
     // against the same bound: read 2, write 1 + 1/32 per element per copy.
