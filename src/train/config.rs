@@ -398,9 +398,9 @@ impl TrainConfig {
 
     /// Refuses invalid combinations up front, each with the reason.
     ///
-    /// Every user-given size is bounded ([`limits`]) and every product of them is computed with
-    /// checked arithmetic before anything is allocated, so no flag value overflows, hangs or
-    /// aborts on a failed allocation.
+    /// Every user-given size is bounded (`config::limits`) and every product of them is computed
+    /// with checked arithmetic before anything is allocated, so no flag value overflows, hangs
+    /// or aborts on a failed allocation.
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Invalid(m));
         if self.ranks == 0 || self.ranks > limits::RANKS {

@@ -10,7 +10,7 @@
 //! Expert weights are either one grouped parameter per projection (`[experts, out, in]`,
 //! expert-major) or one parameter per expert ("discrete"); the model computes the same thing in
 //! the same order either way, so the two train to the same bits (the grouped tensor is quantized
-//! per expert, see [`super::hooks`]).
+//! per expert, by `lowbit-buffers`' NVFP4 storage).
 //!
 //! Routing (top-k of the router logits, the softmax over the chosen logits and its backward)
 //! runs on the host over the downloaded `[B, experts]` logits: a few numbers per token, and

@@ -1,8 +1,8 @@
 //! `cargo xtask`: project automation in Rust, so it needs nothing beyond cargo.
 //!
 //! Tasks:
-//! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the README's test
-//!   command), for running locally before a commit.
+//! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the API docs with
+//!   warnings denied, the README's test command), for running locally before a commit.
 //! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by the
 //!   `lowbit-kernels` package in `cuda/`, re-exported as `lowbit_device::ptx`), first installing
 //!   the pinned CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`,
@@ -59,7 +59,7 @@ fn main() -> ExitCode {
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
                 "usage: cargo xtask <task>\n\ntasks:\n  ci          format check, clippy -D \
-                 warnings, tests\n  ptx         cuda/*.cu -> cuda/ptx/*.ptx (pinned CUDA 13.0)\n  \
+                 warnings, docs -D warnings, tests\n  ptx         cuda/*.cu -> cuda/ptx/*.ptx (pinned CUDA 13.0)\n  \
                  gpu-bundle  CUDA executables + run.sh into gpu-bundle/"
             );
             ExitCode::SUCCESS
@@ -72,7 +72,7 @@ fn main() -> ExitCode {
 }
 
 fn run_ci() -> ExitCode {
-    let steps: [&[&str]; 3] = [
+    let steps: [&[&str]; 4] = [
         &["fmt", "--all", "--", "--check"],
         &[
             "clippy",
@@ -83,12 +83,20 @@ fn run_ci() -> ExitCode {
             "-D",
             "warnings",
         ],
+        &["doc", "--workspace", "--no-deps"],
         TEST_COMMAND,
     ];
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for step in steps {
         eprintln!("== cargo {}", step.join(" "));
-        match Command::new(&cargo).args(step).status() {
+        let mut cmd = Command::new(&cargo);
+        cmd.args(step);
+        if step[0] == "doc" {
+            // Broken or private intra-doc links fail the docs step, as in `.ci/run` (only
+            // there: the flag would also apply to the tests' doctests).
+            cmd.env("RUSTDOCFLAGS", "-D warnings");
+        }
+        match cmd.status() {
             Ok(s) if s.success() => {}
             Ok(s) => {
                 eprintln!("error: `cargo {}` failed ({s})", step.join(" "));

@@ -92,7 +92,7 @@ pub struct TensorEntry {
 }
 
 impl TensorEntry {
-    /// Elements of the global tensor (shape checked by [`Manifest::from_json`]).
+    /// Elements of the global tensor (its shape is checked when the manifest is read).
     pub fn numel(&self) -> u64 {
         self.shape.iter().product()
     }

@@ -571,9 +571,10 @@ pub(crate) fn check_plane(
 }
 
 /// 2D MXFP8 computed piecewise, for data-parallel primary weights gathered as fp8 bytes: each
-/// rank folds partial 32x32 tile amaxes of its flat element range ([`fold_tile_amax_2d`]), the
-/// ranks reduce them with MAX, each quantizes its own range ([`quantize_2d_range`]) and the
-/// bytes are gathered; [`scales_2d`] gives both scale tensors. Byte-identical to
+/// rank folds partial 32x32 tile amaxes of its flat element range
+/// ([`sharded::fold_tile_amax_2d`]), the ranks reduce them with MAX, each quantizes its own
+/// range ([`sharded::quantize_2d_range`]) and the bytes are gathered; [`sharded::scales_2d`]
+/// gives both scale tensors. Byte-identical to
 /// [`quantize_mxfp8`] with `two_d` on the whole matrix: each code depends only on its element
 /// and its tile's amax. Both copies are the same bytes, so half the traffic of bf16 staging.
 pub mod sharded {

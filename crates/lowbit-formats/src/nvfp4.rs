@@ -585,11 +585,11 @@ fn dequantize_plane(p: &QuantPlane, rows: usize, cols: usize, amax: f32) -> Vec<
 
 /// 2D NVFP4 computed piecewise, for data-parallel primary weights: each rank holds a flat
 /// element range of a row-major `rows × cols` weight. The ranks fold partial tile amaxes
-/// ([`fold_tile_amax_2d`]), reduce them with MAX (the global amax is the max of the tiles),
-/// quantize their own ranges into packed bytes ([`quantize_2d_range`]) and gather the bytes;
-/// [`from_rowwise_2d`] then rebuilds both copies. The result is byte-identical to
-/// [`quantize_nvfp4`] with `two_d` on the whole matrix, because every code depends only on its
-/// element, its tile's amax and the global amax.
+/// ([`sharded::fold_tile_amax_2d`]), reduce them with MAX (the global amax is the max of the
+/// tiles), quantize their own ranges into packed bytes ([`sharded::quantize_2d_range`]) and
+/// gather the bytes; [`sharded::from_rowwise_2d`] then rebuilds both copies. The result is
+/// byte-identical to [`quantize_nvfp4`] with `two_d` on the whole matrix, because every code
+/// depends only on its element, its tile's amax and the global amax.
 pub mod sharded {
     use super::{BLOCK, Nvfp4Tensor, Params};
     use crate::scalar::e2m1_from_f32;

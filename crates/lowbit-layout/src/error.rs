@@ -87,7 +87,7 @@ pub enum LayoutError {
         /// The replica groups.
         replicas: usize,
     },
-    /// [`packed_layout`] was asked for a buffer that does not hold NVFP4 parameters.
+    /// [`crate::packed_layout`] was asked for a buffer that does not hold NVFP4 parameters.
     #[error("packed layouts exist only for NVFP4 buffers, not {storage:?}")]
     NotNvfp4 {
         /// The buffer's parameter storage.

@@ -483,7 +483,8 @@ impl ShardingPlan {
     /// exactly once.
     ///
     /// # Errors
-    /// As [`Self::owned`]; [`LayoutError::ShardCount`] when a bucket shard does not split evenly.
+    /// As [`Self::owned`]; [`LayoutError::UnevenReplicaSplit`] when a bucket shard does not split
+    /// evenly.
     pub fn owned_hybrid(
         &self,
         rank: usize,

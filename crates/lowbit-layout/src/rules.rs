@@ -272,9 +272,9 @@ pub(crate) fn shard_size(start: usize, end: usize, dp: usize) -> Result<usize, L
 /// Computes the layout of one buffer.
 ///
 /// `params` are the buffer's parameters in **forward** order, all with the same [`BufferKey`]
-/// (one entry of [`group_params`]). The indices in the result ([`ParamRange::param`],
+/// (one entry of [`crate::group_params`]). The indices in the result ([`ParamRange::param`],
 /// [`BucketRange::params`]) refer to positions in `params`. The rules are described in the
-/// [module documentation](self).
+/// crate documentation on bucketing.
 ///
 /// # Errors
 /// - [`LayoutError::ZeroDataParallel`] or [`LayoutError::ZeroBucketSize`] for a bad config.

@@ -16,7 +16,7 @@ pub enum QuantKind {
     /// one byte per element.
     Mxfp8,
     /// NVFP4: E2M1 elements, two per byte. The parameter buffer holds packed bytes (see
-    /// [`packed_layout`]); the gradient buffer keeps one element per parameter element.
+    /// [`crate::packed_layout`]); the gradient buffer keeps one element per parameter element.
     Nvfp4,
 }
 
@@ -125,7 +125,7 @@ impl ParamSpec {
 /// Returns one entry per distinct key, with the indices (into `params`) of its parameters in
 /// forward order. Groups are ordered by the first appearance of their key in `params`, so the
 /// result depends only on the parameter list. Pass each group, in that order, to
-/// [`compute_layout`].
+/// [`crate::compute_layout`].
 pub fn group_params<P: Borrow<ParamSpec>>(params: &[P]) -> Vec<(BufferKey, Vec<usize>)> {
     let mut groups: Vec<(BufferKey, Vec<usize>)> = Vec::new();
     let mut slot: HashMap<BufferKey, usize> = HashMap::new();

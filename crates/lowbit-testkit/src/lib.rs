@@ -13,7 +13,7 @@
 //! - [`assemble`]: full tensors from every rank's owned pieces, each element exactly once;
 //! - [`model::Mlp`]: a tiny model that reads parameters and writes gradients only through
 //!   `Hooks`;
-//! - [`bench`]: criterion set-up, read-back and the timed rank pool of the benchmark mains.
+//! - [`mod@bench`]: criterion set-up, read-back and the timed rank pool of the benchmark mains.
 //!
 //! # Invariants
 //! - Dev-only: a `[dev-dependencies]` path entry without a version (so `cargo package` drops
