@@ -273,8 +273,8 @@ pub(crate) fn shard_size(start: usize, end: usize, dp: usize) -> Result<usize, L
 ///
 /// `params` are the buffer's parameters in **forward** order, all with the same [`BufferKey`]
 /// (one entry of [`crate::group_params`]). The indices in the result ([`ParamRange::param`],
-/// [`BucketRange::params`]) refer to positions in `params`. The rules are described in the
-/// crate documentation on bucketing.
+/// [`BucketRange::params`]) refer to positions in `params`. The rules (Megatron-LM's: padding,
+/// alignment, bucket boundaries) are the crate documentation's invariants.
 ///
 /// # Errors
 /// - [`LayoutError::ZeroDataParallel`] or [`LayoutError::ZeroBucketSize`] for a bad config.
