@@ -2037,43 +2037,27 @@ extern "C" __global__ void mxfp8_scales_2d_many(const Scales2dParams p) {
         const float rcp = __uint_as_float((uint32_t)w[5]);
         const u64 tc = (cols + 31) / 32, nr = rows * tc, nc = ((rows + 31) / 32) * cols;
         const u64 ur = (nr + 15) / 16, k = u - p.first[lo];
+        // Both copies are row-major walks of `width` bytes a row: rowwise, byte i = r·tc + c is
+        // tile (r / 32, c)'s scale; columnwise, byte j = r·cols + c is tile (r, c / 32)'s. The
+        // shifts turn a walk position into its tile.
+        const bool rowwise = k < ur;
+        const u64 i0 = 16 * (rowwise ? k : k - ur), len = rowwise ? nr : nc;
+        const u64 width = rowwise ? tc : cols;
+        const unsigned rshift = rowwise ? 5u : 0u, cshift = rowwise ? 0u : 5u;
+        uint8_t* out = (rowwise ? rs : cs) + i0;
+        const u64 n = len - i0 < 16 ? len - i0 : 16;
+        u64 r, c;
+        divmod_u64(i0, width, r, c);
         uint32_t v[4] = {0u, 0u, 0u, 0u};
-        uint8_t* out;
-        u64 n;
-        if (k < ur) {
-            // Rowwise: byte i = r·tc + c is tile (r / 32, c)'s scale.
-            const u64 i0 = 16 * k;
-            n = nr - i0 < 16 ? nr - i0 : 16;
-            u64 r, c;
-            divmod_u64(i0, tc, r, c);
 #pragma unroll
-            for (unsigned e = 0; e < 16; ++e) {
-                if (e >= n) break;
-                const uint32_t b = e8m0_code(__fmul_rn(tiles[(r / 32) * tc + c], rcp));
-                v[e / 4] |= b << (8 * (e % 4));
-                if (++c == tc) {
-                    c = 0;
-                    ++r;
-                }
+        for (unsigned e = 0; e < 16; ++e) {
+            if (e >= n) break;
+            const uint32_t b = e8m0_code(__fmul_rn(tiles[(r >> rshift) * tc + (c >> cshift)], rcp));
+            v[e / 4] |= b << (8 * (e % 4));
+            if (++c == width) {
+                c = 0;
+                ++r;
             }
-            out = rs + i0;
-        } else {
-            // Columnwise: byte j = rb·cols + c is tile (rb, c / 32)'s scale.
-            const u64 j0 = 16 * (k - ur);
-            n = nc - j0 < 16 ? nc - j0 : 16;
-            u64 rb, c;
-            divmod_u64(j0, cols, rb, c);
-#pragma unroll
-            for (unsigned e = 0; e < 16; ++e) {
-                if (e >= n) break;
-                const uint32_t b = e8m0_code(__fmul_rn(tiles[rb * tc + c / 32], rcp));
-                v[e / 4] |= b << (8 * (e % 4));
-                if (++c == cols) {
-                    c = 0;
-                    ++rb;
-                }
-            }
-            out = cs + j0;
         }
         if (n == 16 && ((uintptr_t)out & 15u) == 0) {
             *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);

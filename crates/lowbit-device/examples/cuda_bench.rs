@@ -61,6 +61,29 @@ fn report(name: &str, secs: f64, bytes: f64, copy_bw: f64) {
     );
 }
 
+/// Fresh output buffers for `copies` of an MXFP8 quantization of `elems` elements whose
+/// dimensions are multiples of 32 (codes, and one scale byte per 32 elements, per copy).
+fn alloc_views(dev: &mut Device, copies: Copies, elems: usize) -> Mxfp8Views {
+    let mut copy = || {
+        (
+            dev.alloc(DType::U8, elems),
+            dev.alloc(DType::U8, elems / 32),
+        )
+    };
+    Mxfp8Views {
+        rowwise: copies.rowwise().then(&mut copy),
+        columnwise: copies.columnwise().then(&mut copy),
+    }
+}
+
+/// Frees the buffers of [`alloc_views`].
+fn free_views(dev: &mut Device, out: Mxfp8Views) {
+    for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
+        dev.free(a).expect("free");
+        dev.free(b).expect("free");
+    }
+}
+
 /// The weight matrices (rows, cols) of one Llama-3.2-1B layer: q, k, v, o, gate, up, down.
 const LLAMA_1B_LAYER: [(usize, usize); 7] = [
     (2048, 2048),
@@ -163,20 +186,6 @@ fn main() {
     );
     dev.free(copy_dst).expect("free");
 
-    let views = |dev: &mut Device, copies: Copies| Mxfp8Views {
-        rowwise: copies.rowwise().then(|| {
-            (
-                dev.alloc(DType::U8, elems),
-                dev.alloc(DType::U8, elems / 32),
-            )
-        }),
-        columnwise: copies.columnwise().then(|| {
-            (
-                dev.alloc(DType::U8, elems),
-                dev.alloc(DType::U8, elems / 32),
-            )
-        }),
-    };
     for (copies, version) in [
         (Copies::Rowwise, 4),
         (Copies::Both, 1),
@@ -185,7 +194,7 @@ fn main() {
     ] {
         dev.set_cuda_kernel_variant("mxfp8_both", version)
             .expect("variant");
-        let out = views(&mut dev, copies);
+        let out = alloc_views(&mut dev, copies, elems);
         let cfg = Mxfp8Config {
             copies,
             ..Mxfp8Config::default()
@@ -206,10 +215,7 @@ fn main() {
             bytes,
             copy_bw,
         );
-        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
-            dev.free(a).expect("free");
-            dev.free(b).expect("free");
-        }
+        free_views(&mut dev, out);
     }
     // The same both-copies kernel (v4) on matrices of 128M elements and the widths of the
     // Llama weights (2048 and 8192 columns) against 16384: whether the re-quantization's lower
@@ -219,10 +225,7 @@ fn main() {
     for (rows, cols) in [(65536, 2048), (16384, 8192), (8192, 16384)] {
         let m = rows * cols;
         let src = x.slice(0..m).expect("slice");
-        let out = Mxfp8Views {
-            rowwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
-            columnwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
-        };
+        let out = alloc_views(&mut dev, Copies::Both, m);
         let cfg = Mxfp8Config::default();
         let t = timed(&mut dev, 50, |d| {
             d.quantize_mxfp8(src, rows, cols, &cfg, &out)
@@ -235,10 +238,7 @@ fn main() {
             bytes,
             copy_bw,
         );
-        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
-            dev.free(a).expect("free");
-            dev.free(b).expect("free");
-        }
+        free_views(&mut dev, out);
     }
     // The many-matrix kernel on two such matrices (64M elements each): the same large shapes
     // as above through `quantize_mxfp8_many`, to tell its code from the small matrices' cost.
@@ -248,10 +248,7 @@ fn main() {
         let mut at = 0;
         for (rows, cols) in shapes {
             let m = rows * cols;
-            let out = Mxfp8Views {
-                rowwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
-                columnwise: Some((dev.alloc(DType::U8, m), dev.alloc(DType::U8, m / 32))),
-            };
+            let out = alloc_views(&mut dev, Copies::Both, m);
             items.push((x.slice(at..at + m).expect("slice"), rows, cols, out));
             at += m;
         }
@@ -267,10 +264,7 @@ fn main() {
             copy_bw,
         );
         for (_, _, _, out) in items {
-            for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
-                dev.free(a).expect("free");
-                dev.free(b).expect("free");
-            }
+            free_views(&mut dev, out);
         }
     }
     // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
@@ -284,7 +278,7 @@ fn main() {
     ] {
         dev.set_cuda_kernel_variant("mxfp8x", version)
             .expect("variant");
-        let out = views(&mut dev, copies);
+        let out = alloc_views(&mut dev, copies, elems);
         let cfg = Mxfp8Config {
             copies,
             two_d,
@@ -306,10 +300,7 @@ fn main() {
             bytes,
             copy_bw,
         );
-        for (a, b) in [out.rowwise, out.columnwise].into_iter().flatten() {
-            dev.free(a).expect("free");
-            dev.free(b).expect("free");
-        }
+        free_views(&mut dev, out);
     }
     dev.set_cuda_kernel_variant("mxfp8x", 3).expect("variant");
     // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's

@@ -482,8 +482,6 @@ impl CudaDevice {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<()> {
-        let f = self.function(name)?;
-        self.bind()?;
         let mut vals: Vec<Arg> = args.to_vec();
         let mut params: Vec<*mut c_void> = vals
             .iter_mut()
@@ -493,14 +491,11 @@ impl CudaDevice {
                 Arg::U32(v) => (v as *mut u32).cast(),
             })
             .collect();
-        // SAFETY: `params` points at `vals`, which outlive the call (the driver copies the
-        // arguments at launch); the caller guarantees the arguments match the kernel.
-        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), &mut params) }
-            .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
+        // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
+        // arguments match the kernel.
+        unsafe { self.launch_params(name, grid, block, &mut params) }
     }
-}
 
-impl CudaDevice {
     /// Launches `name` with one by-value struct parameter whose bytes are `words` (a launch
     /// table in the kernel's parameter space: the constant bank, read through the SM's
     /// constant cache).
@@ -515,12 +510,27 @@ impl CudaDevice {
         block: (u32, u32, u32),
         words: &mut [u64],
     ) -> Result<()> {
+        // SAFETY: the one parameter points at `words`, which outlive the call; the caller
+        // guarantees its size and contents.
+        unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()]) }
+    }
+
+    /// The launch behind [`Self::launch`] and [`Self::launch_words`].
+    ///
+    /// # Safety
+    /// `params` point at the kernel's parameters, in order and of their sizes, alive for the
+    /// call (the driver copies them at launch), with the contract of the callers above.
+    unsafe fn launch_params(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let f = self.function(name)?;
         self.bind()?;
-        let mut params: Vec<*mut c_void> = vec![words.as_mut_ptr().cast()];
-        // SAFETY: the one parameter points at `words`, which outlive the call (the driver copies
-        // the parameter's bytes at launch); the caller guarantees its size and contents.
-        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), &mut params) }
+        // SAFETY: forwarded to the caller.
+        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), params) }
             .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
     }
 }

@@ -857,15 +857,7 @@ fn mxfp8_many_matches_per_item_and_cpu() {
                     set.push((*src, s.0, s.1, views));
                 }
             }
-            let cfg = Mxfp8Config::default();
-            c.dev.quantize_mxfp8_many(&sets[0], &cfg)?;
-            for (src, rows, cols, views) in &sets[1] {
-                c.dev.quantize_mxfp8(*src, *rows, *cols, &cfg, views)?;
-            }
-            // The many call's bytes are the per-item calls' on this device (the CPU comparison
-            // of every recorded buffer follows in `check`).
-            let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
-            out.push(f64::from(u8::from(a? == b?)));
+            out.push(many_matches_per_item(c, bufs, &sets)?);
         }
         // More matrices than one launch's parameter table holds (64): 150 small ones of three
         // shapes, split over three launches.
@@ -886,15 +878,27 @@ fn mxfp8_many_matches_per_item_and_cpu() {
                 (e, at) = (e + rows * cols, next);
             }
         }
-        let cfg = Mxfp8Config::default();
-        c.dev.quantize_mxfp8_many(&sets[0], &cfg)?;
-        for (src, rows, cols, views) in &sets[1] {
-            c.dev.quantize_mxfp8(*src, *rows, *cols, &cfg, views)?;
-        }
-        let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
-        out.push(f64::from(u8::from(a? == b?)));
+        out.push(many_matches_per_item(c, bufs, &sets)?);
         Ok(out)
     });
+}
+
+/// One `quantize_mxfp8_many` of `sets[0]` and one `quantize_mxfp8` per item of `sets[1]`, the
+/// same items carved the same way from the two identical buffers `bufs`: 1.0 when the many
+/// call wrote the per-item calls' bytes on this device (the CPU comparison of every recorded
+/// buffer follows in `check`), else 0.0.
+fn many_matches_per_item(
+    c: &mut Ctx,
+    bufs: [View; 2],
+    sets: &[Vec<(View, usize, usize, Mxfp8Views)>; 2],
+) -> lowbit_device::Result<f64> {
+    let cfg = Mxfp8Config::default();
+    c.dev.quantize_mxfp8_many(&sets[0], &cfg)?;
+    for (src, rows, cols, views) in &sets[1] {
+        c.dev.quantize_mxfp8(*src, *rows, *cols, &cfg, views)?;
+    }
+    let [a, b] = bufs.map(|v| c.dev.read_bytes(v));
+    Ok(f64::from(u8::from(a? == b?)))
 }
 
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the

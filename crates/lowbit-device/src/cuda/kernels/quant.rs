@@ -52,6 +52,29 @@ const MXFP8_MANY_MAX: usize = 64;
 /// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
 const SCALES2D_MAX: usize = 64;
 
+/// The words of a launch table passed as kernel parameters ([`CudaDevice::launch_words`]):
+/// `head` leading words (word 0 the item count, the others the caller's), then `max` first
+/// indices (item k's: the sum of the counts of the items before it), then `max` rows of `W`
+/// words, zero-padded to that fixed size. At most `max` items (the callers pass chunks of
+/// that many). Returns the words and the total count.
+fn param_table<const W: usize>(
+    head: usize,
+    max: usize,
+    items: impl Iterator<Item = ([u64; W], u64)>,
+) -> (Vec<u64>, u64) {
+    let mut words = vec![0u64; head + max * (1 + W)];
+    let mut total = 0u64;
+    let mut count = 0u64;
+    for (k, (row, n)) in items.enumerate() {
+        words[head + k] = total;
+        words[head + max + W * k..][..W].copy_from_slice(&row);
+        total += n;
+        count += 1;
+    }
+    words[0] = count;
+    (words, total)
+}
+
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
@@ -193,15 +216,8 @@ impl CudaDevice {
         }
         for chunk in rows.chunks(MXFP8_MANY_MAX) {
             // The kernel's `Mxfp8ManyParams`: the count, the first CTA of each matrix, then
-            // their rows, padded to the struct's fixed size.
-            let mut words = vec![0u64; 1 + MXFP8_MANY_MAX * 10];
-            words[0] = chunk.len() as u64;
-            let mut ctas = 0u64;
-            for (k, (_, (row, n))) in chunk.iter().enumerate() {
-                words[1 + k] = ctas;
-                words[1 + MXFP8_MANY_MAX + 9 * k..][..9].copy_from_slice(row);
-                ctas += n;
-            }
+            // their rows.
+            let (mut words, ctas) = param_table(1, MXFP8_MANY_MAX, chunk.iter().map(|(_, r)| *r));
             let Some(grid) = usize::try_from(ctas).ok().and_then(|n| blocks(n, 1)) else {
                 rest.extend(chunk.iter().map(|(i, _)| *i));
                 continue;
@@ -793,15 +809,9 @@ impl CudaDevice {
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
             // The kernel's `Scales2dParams`: the count, the units, each item's first unit, then
-            // the items' rows, padded to the struct's fixed size.
-            let mut words = vec![0u64; 2 + SCALES2D_MAX * 7];
-            let mut units = 0u64;
-            for (k, (row, n)) in chunk.iter().enumerate() {
-                words[2 + k] = units;
-                words[2 + SCALES2D_MAX + 6 * k..][..6].copy_from_slice(row);
-                units += n;
-            }
-            (words[0], words[1]) = (chunk.len() as u64, units);
+            // the items' rows.
+            let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
+            words[1] = units;
             let Ok(n) = usize::try_from(units) else {
                 return Err(crate::DeviceError::Unsupported(format!(
                     "{units} scale units exceed the address space"
