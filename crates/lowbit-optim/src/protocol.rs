@@ -191,8 +191,12 @@ pub fn force_param_sync(
 }
 
 /// Adds one f64 per rank in rank order: the values travel as bytes (an all-gather), so the sum
-/// is the same on every rank and independent of timing.
-fn sum_across_ranks(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Result<f64> {
+/// is the same on every rank and independent of timing (the global norm's exchange; public so
+/// that a benchmark can time it alone).
+///
+/// # Errors
+/// Collective and device errors.
+pub fn sum_across_ranks(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Result<f64> {
     let n = comm.size();
     let buf = dev.alloc(DType::U8, 8 * n);
     let mine = buf.slice(8 * comm.rank()..8 * (comm.rank() + 1))?;

@@ -65,21 +65,6 @@ fn timed<T>(
     Ok((out, t.elapsed().as_secs_f64()))
 }
 
-/// `protocol`'s exchange of one f64 per rank, replicated for the norm diagnostics.
-fn exchange_f64(dev: &mut Device, comm: &mut dyn Communicator, local: f64) -> Res<f64> {
-    let n = comm.size();
-    let buf = dev.alloc(DType::U8, 8 * n);
-    let mine = buf.slice(8 * comm.rank()..8 * (comm.rank() + 1))?;
-    dev.write_bytes(mine, &local.to_le_bytes())?;
-    comm.start_all_gather(dev, mine, buf)?.wait(dev)?;
-    let bytes = dev.read_bytes(buf)?;
-    dev.free(buf)?;
-    Ok(bytes
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .sum())
-}
-
 /// Storage classes of the byte model: persistent bf16, MXFP8 staged, 2D MXFP8, NVFP4.
 fn class(cfg: &Config, p: &Param) -> usize {
     match (p.linear, cfg.precision) {
@@ -452,15 +437,16 @@ pub fn step_rank(
         t[1] = secs;
         if std::env::var_os("LOWBIT_STEP_NORM_SPLIT").is_some() {
             // Diagnostics: the local sum of squares alone (no exchange of the result), the
-            // exchange alone (as `protocol`'s: a fresh buffer, the rank's 8 bytes written, an
-            // all-gather, the read), and a bare all-gather of those bytes.
+            // exchange alone (`protocol::sum_across_ranks`: a fresh buffer, the rank's 8 bytes
+            // written, an all-gather, the read), and a bare all-gather of those bytes.
             // The norm once more, right after the first: what the first read after the
             // reduce-scatter costs.
             let (_, again) = timed(dev, comm, |d, c| {
                 Ok(protocol::global_grad_norm(d, c, b, o)?)
             })?;
             let (_, local) = timed(dev, comm, |d, _| Ok(o.local_sum_squares(d)?))?;
-            let (_, exchange) = timed(dev, comm, |d, c| exchange_f64(d, c, 1.0))?;
+            let (_, exchange) =
+                timed(dev, comm, |d, c| Ok(protocol::sum_across_ranks(d, c, 1.0)?))?;
             let buf = dev.alloc(DType::U8, 8 * dp);
             let mine = buf.slice(8 * rank..8 * (rank + 1))?;
             let (_, bare) = timed(dev, comm, |d, c| {
@@ -473,7 +459,7 @@ pub fn step_rank(
                 let t = Instant::now();
                 let l = o.local_sum_squares(d)?;
                 split = t.elapsed().as_secs_f64();
-                exchange_f64(d, c, l)
+                Ok(protocol::sum_across_ranks(d, c, l)?)
             })?;
             eprintln!(
                 "rank {rank}: norm {:.3} ms (again {:.3}), of which the local sum of squares {:.3} ms; exchange alone {:.3} ms, bare all-gather {:.3} ms; the two in a row {:.3} ms (local {:.3})",
