@@ -291,8 +291,8 @@ fn invalid_configurations_are_refused_up_front() {
     ));
 }
 
-/// `Iteration::step` (this rank's sum of squares over the groups already reduced taken while the
-/// last reduction runs) trains the same bits as `finish_grad_sync` then `GradsReady::step`: one
+/// `Iteration::step` (this rank's sum of squares taken group by group as the reductions complete,
+/// beside those still in flight) trains the same bits as `finish_grad_sync` then `GradsReady::step`: one
 /// optimizer or a chain, Muon layer-wise, every overlap mode, clipping on, bf16 and MXFP8 weights.
 #[test]
 fn the_one_call_step_changes_no_bit() {

@@ -165,8 +165,8 @@ fn muon_on_cuda_matches_the_cpu_backend() {
     );
 }
 
-/// `Iteration::step` on CUDA (the norm of the groups already reduced summed on the device
-/// stream while NCCL runs the last reduction) gives the CPU backend's bits of the two-call step:
+/// `Iteration::step` on CUDA (each group's sum of squares launched on the device stream as soon
+/// as its reduction completes, while NCCL runs the later ones) gives the CPU backend's bits of the two-call step:
 /// overlapped reductions and gathers, MXFP8 and bf16 weights, one optimizer and a chain.
 #[test]
 fn the_one_call_step_on_cuda_matches_the_cpu_backend() {

@@ -121,7 +121,7 @@ pub struct Run {
     pub probe: bool,
     /// Save a checkpoint, or start from one.
     pub ckpt: Option<CkptHook>,
-    /// Step with `Iteration::step` (the norm beside the last reduction) instead of
+    /// Step with `Iteration::step` (the norm beside the reductions in flight) instead of
     /// `finish_grad_sync` then `GradsReady::step`; the reduced gradients are not recorded then.
     /// Ignored with `probe`, which observes the two calls apart.
     pub one_call_step: bool,

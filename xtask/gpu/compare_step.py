@@ -128,6 +128,10 @@ def main():
         lines.append(f"peak memory per rank: lowbit {r['peak_bytes'] / 2**30:.2f} GiB "
                      f"(closed form {r['memory']['closed_form_bytes'] / 2**30:.2f} GiB), "
                      f"torch {fmt(tpeak, '.2f')} GiB")
+        if r.get("norm_stepped_ms") is not None:
+            nr = r.get("norm_stepped_ratio")
+            lines.append(f"norm as the one-call step runs it (beside the reductions): "
+                         f"{r['norm_stepped_ms']:.3f} ms ({fmt(nr, '.2f')}x of its bound)")
         low = [p for p in PHASES if r["ratios"].get(p) is not None and r["ratios"][p] < 0.85]
         if low:
             lines.append("phases below 0.85x of their bound: " + ", ".join(

@@ -472,38 +472,48 @@ impl DataParallelBuffers {
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<()> {
-        self.finish_grad_sync_except(dev, comm, None)
+        self.finish_grad_sync_except(dev, comm, &[])
     }
 
     /// The first half of [`Self::finish_grad_sync`], for work that can start on reduced
     /// gradients while the last reduction still runs (the gradient norm of every other group):
-    /// completes every reduction except the most recently launched one and returns the groups
-    /// left to complete: that one, or none where no reduction is in flight or where hybrid
-    /// sharding still reduces across replicas (everything is completed here then). Call
-    /// [`Self::finish_grad_sync`] afterwards for the rest, before anything else.
+    /// [`Self::finish_grad_sync_but`] keeping one reduction in flight.
     pub fn finish_grad_sync_but_last(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<Vec<usize>> {
-        let last = self.grad_reduce_in_flight().last().copied();
-        match last.filter(|_| self.outer.is_none()) {
-            Some(g) => {
-                self.finish_grad_sync_except(dev, comm, Some(g))?;
-                Ok(vec![g])
-            }
-            None => {
-                self.finish_grad_sync(dev, comm)?;
-                Ok(Vec::new())
-            }
-        }
+        self.finish_grad_sync_but(dev, comm, 1)
+    }
+
+    /// [`Self::finish_grad_sync`] in stages, for work that can start on reduced gradients while
+    /// later reductions still run (the gradient norm, group by group): completes every
+    /// reduction except the `keep` most recently launched ones and returns the groups left in
+    /// flight, in launch order: those, or none where no reduction is in flight or where hybrid
+    /// sharding still reduces across replicas (everything is completed here then). Call it
+    /// again with a smaller `keep` to complete the next ones, and [`Self::finish_grad_sync`]
+    /// (or `keep = 0`) at the end, before anything else.
+    pub fn finish_grad_sync_but(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        keep: usize,
+    ) -> Result<Vec<usize>> {
+        let in_flight = self.grad_reduce_in_flight();
+        let kept = if self.outer.is_some() {
+            &[][..]
+        } else {
+            &in_flight[in_flight.len().saturating_sub(keep)..]
+        };
+        self.finish_grad_sync_except(dev, comm, kept)?;
+        Ok(kept.to_vec())
     }
 
     fn finish_grad_sync_except(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
-        except: Option<usize>,
+        except: &[usize],
     ) -> Result<()> {
         // Refuse before touching anything: reducing some groups and then refusing would leave
         // gradients (and the staging views aliasing them) half reduced.
@@ -513,7 +523,7 @@ impl DataParallelBuffers {
         let mut newly_reduced = Vec::new();
         for g in 0..self.groups.len() {
             self.groups[g].param_state = ParamSyncState::Idle;
-            if self.groups[g].grad_reduce_finished || except == Some(g) {
+            if self.groups[g].grad_reduce_finished || except.contains(&g) {
                 continue;
             }
             let sharded = self.buffers[self.groups[g].buffer].shards_grads();

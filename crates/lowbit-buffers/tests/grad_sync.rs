@@ -4,7 +4,8 @@
 //! rounded once (`GradScaling::PreDivide`); or summed in rank order, divided by `dp` in f32 and
 //! rounded once (`GradScaling::AverageInCollective`). With overlapped reduction the golden
 //! counts come from the first batch, and the second batch launches every bucket group from its
-//! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_but_last`
+//! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_but` completes
+//! them in stages (none, then the first launched), and `finish_grad_sync_but_last`
 //! completes all but the last of them.
 
 mod common;
@@ -132,6 +133,18 @@ fn check(
             if overlap.grad_reduce() && batch == 1 {
                 let all: Vec<usize> = (0..bufs.num_groups()).collect();
                 assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
+                // In stages: keeping every reduction in flight completes none; keeping all
+                // but one completes the first launched.
+                let kept = bufs
+                    .finish_grad_sync_but(dev, &mut comm, usize::MAX)
+                    .unwrap();
+                assert_eq!(kept, all, "{what}");
+                assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
+                let kept = bufs
+                    .finish_grad_sync_but(dev, &mut comm, all.len() - 1)
+                    .unwrap();
+                assert_eq!(kept, all[1..], "{what}");
+                assert_eq!(bufs.grad_reduce_in_flight(), kept, "{what}");
                 // The first half completes every reduction but the last launched, whose
                 // groups' gradients are final then.
                 let pending = bufs.finish_grad_sync_but_last(dev, &mut comm).unwrap();

@@ -382,6 +382,27 @@ fn sum_squares_bits_match() {
             ];
             out.extend(c.dev.sum_squares_each(&big)?);
             out.push(c.dev.sum_squares(f)?);
+            // In stages (the gradient norm beside the reductions in flight): each view holds
+            // garbage until `prepare` of its stage writes it, so a sum launched early would
+            // differ; stages 1 and 3 have no views.
+            let lens = [70_001usize, 4096, 5 * 4096 + 3, 33, 0, 3 * 4096];
+            let stage = [2usize, 0, 4, 2, 0, 4];
+            let data: Vec<Vec<f32>> = (0..lens.len())
+                .map(|i| finite(lens[i], v + 30 + i as u64))
+                .collect();
+            let staged: Vec<View> = (0..lens.len())
+                .map(|i| c.buf(DType::F32, &vec![1.0e30; lens[i]]))
+                .collect();
+            let mut seen = Vec::new();
+            out.extend(c.dev.sum_squares_each_staged(&staged, &stage, |d, k| {
+                seen.push(k);
+                for i in (0..lens.len()).filter(|&i| stage[i] == k) {
+                    d.upload(staged[i], &data[i])?;
+                }
+                Ok::<(), DeviceError>(())
+            })?);
+            assert_eq!(seen, [0, 1, 2, 3, 4]);
+            out.extend(c.dev.sum_squares_each(&staged)?);
         }
         c.dev.set_cuda_kernel_variant("sum_squares", 0)?;
         Ok(out)

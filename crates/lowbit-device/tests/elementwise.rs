@@ -163,6 +163,61 @@ fn sum_squares_each_is_sum_squares_per_view() {
     assert!(dev.sum_squares_each(&[views[1], bytes]).is_err());
 }
 
+/// `sum_squares_each_staged` gives `sum_squares_each`'s bits over the final views: `prepare`
+/// runs once per stage in order (empty stages too) before that stage's views are read; its
+/// error is returned as it is, and mismatched lengths are refused before anything runs.
+#[test]
+fn staged_sums_read_each_stage_after_its_prepare() {
+    let mut dev = Device::cpu();
+    let lens = [5000usize, 0, 4097, 9000];
+    let stage = [1usize, 0, 3, 1];
+    let data: Vec<Vec<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| values(n, 40 + i as u32))
+        .collect();
+    let views: Vec<_> = lens
+        .iter()
+        .map(|&n| upload_as(&mut dev, DType::F32, &vec![f32::NAN; n]))
+        .collect();
+    let mut seen = Vec::new();
+    let got = dev
+        .sum_squares_each_staged(&views, &stage, |d, k| {
+            seen.push(k);
+            for i in (0..views.len()).filter(|&i| stage[i] == k) {
+                d.upload(views[i], &data[i])?;
+            }
+            Ok::<(), DeviceError>(())
+        })
+        .unwrap();
+    assert_eq!(seen, [0, 1, 2, 3]);
+    let want = dev.sum_squares_each(&views).unwrap();
+    assert_eq!(
+        got.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
+    );
+    assert!(got.iter().all(|s| s.is_finite()));
+    // An error of `prepare` stops there.
+    let mut calls = 0;
+    let err = dev
+        .sum_squares_each_staged(&views, &stage, |_, k| {
+            calls += 1;
+            if k == 1 {
+                return Err(DeviceError::Unsupported("stop".into()));
+            }
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(matches!(err, DeviceError::Unsupported(ref m) if m == "stop"));
+    assert_eq!(calls, 2);
+    let err = dev
+        .sum_squares_each_staged(&views, &stage[..2], |_, _| -> Result<(), DeviceError> {
+            panic!("prepare must not run")
+        })
+        .unwrap_err();
+    assert!(matches!(err, DeviceError::Length { a: 4, b: 2, .. }));
+}
+
 #[test]
 fn sum_squares_is_blocked_f64_in_index_order() {
     assert_eq!(lowbit_device::SUM_BLOCK, 4096);

@@ -125,6 +125,12 @@ struct Summary {
     gather_requantize_ms: f64,
     /// Zeroing the gradient buffer (not a phase; a local kernel of every iteration).
     zero_ms: f64,
+    /// The norm as the one-call step runs it: `finish_grad_sync_and_norm` less the
+    /// reduce-scatter phase (what the norm adds where each group's share runs beside the later
+    /// reductions).
+    norm_stepped_ms: f64,
+    /// Whether the totals (and the overlap mode) use the one-call step.
+    one_call: bool,
     total_ms: f64,
     bound_ms: [Option<f64>; 6],
     /// Bus bandwidth of the plain reduce-scatter and all-gather; copy bandwidth per phase.
@@ -149,7 +155,13 @@ struct Summary {
 }
 
 impl Summary {
-    fn new(cfg: Config, params: usize, runs: &[StepRun], overlap: Option<&[OverlapRun]>) -> Self {
+    fn new(
+        cfg: Config,
+        params: usize,
+        runs: &[StepRun],
+        overlap: Option<&[OverlapRun]>,
+        one_call: bool,
+    ) -> Self {
         let r0 = &runs[0];
         let world = runs.len();
         let phase = |k: usize| -> Vec<Vec<f64>> {
@@ -232,6 +244,11 @@ impl Summary {
             phases_ms,
             gather_requantize_ms,
             zero_ms: worst_median(&runs.iter().map(|r| r.zero.clone()).collect::<Vec<_>>()),
+            norm_stepped_ms: (worst_median(
+                &runs.iter().map(|r| r.rs_norm.clone()).collect::<Vec<_>>(),
+            ) - phases_ms[RS])
+                .max(0.0),
+            one_call,
             total_ms: worst_median(&runs.iter().map(|r| r.totals.clone()).collect::<Vec<_>>()),
             bound_ms,
             bus_gbs: [bus(t.grad_bytes, rs_ms), bus(t.region_bytes, ag_ms)],
@@ -253,6 +270,12 @@ impl Summary {
     fn ratio(&self, k: usize) -> Option<f64> {
         let b = self.bound_ms[k]?;
         (self.phases_ms[k] > 0.0).then(|| b / self.phases_ms[k])
+    }
+
+    /// The norm's bound over the norm as the one-call step runs it.
+    fn norm_stepped_ratio(&self) -> Option<f64> {
+        let b = self.bound_ms[measure::NORM]?;
+        (self.norm_stepped_ms > 0.0).then(|| b / self.norm_stepped_ms)
     }
 
     fn table(&self) -> String {
@@ -296,6 +319,13 @@ impl Summary {
                 opt(wire, 1),
             );
         }
+        let _ = writeln!(
+            t,
+            "norm as the one-call step runs it (reduce-scatter + norm, less the reduce-scatter phase) {:.3} ms ({} of the norm's bound)",
+            self.norm_stepped_ms,
+            self.norm_stepped_ratio()
+                .map_or("-".into(), |r| format!("{r:.2}x"))
+        );
         let _ = writeln!(
             t,
             "gather + requantize as measured {:.3} ms; zeroing the gradient buffer {:.3} ms; bus bandwidth of the plain collectives: reduce-scatter {:.1} GB/s, all-gather {:.1} GB/s",
@@ -342,13 +372,19 @@ impl Summary {
     }
 
     /// The iteration's local kernels that no overlap can hide (they run between the last
-    /// gradient's reduction and the first gather): norm, optimizer, staging, re-quantization
-    /// and zeroing the gradient buffer, as measured without compute.
+    /// gradient's reduction and the first gather): norm (as the step runs it), optimizer,
+    /// staging, re-quantization and zeroing the gradient buffer, as measured without compute.
     fn local_ms(&self) -> f64 {
+        let norm = if self.one_call {
+            self.norm_stepped_ms
+        } else {
+            self.phases_ms[measure::NORM]
+        };
         (0..PHASES.len())
-            .filter(|&k| k != RS && k != GATHER)
+            .filter(|&k| k != RS && k != GATHER && k != measure::NORM)
             .map(|k| self.phases_ms[k])
             .sum::<f64>()
+            + norm
             + self.zero_ms
     }
 
@@ -395,7 +431,7 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"zero_grad_ms\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"zero_grad_ms\": {}, \"norm_stepped_ms\": {}, \"norm_stepped_ratio\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
@@ -410,6 +446,8 @@ impl Summary {
             num(self.total_ms),
             num(self.gather_requantize_ms),
             num(self.zero_ms),
+            num(self.norm_stepped_ms),
+            opt(self.norm_stepped_ratio()),
             wire.join(", "),
             self.peak,
             self.live,
@@ -607,7 +645,13 @@ fn run() -> Res<()> {
             })?),
             None => None,
         };
-        let summary = Summary::new(cfg, numel, &runs, overlap.as_deref());
+        let summary = Summary::new(
+            cfg,
+            numel,
+            &runs,
+            overlap.as_deref(),
+            settings.one_call_step,
+        );
         print!("{}", summary.table());
         summaries.push(summary);
     }

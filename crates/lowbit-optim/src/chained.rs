@@ -56,21 +56,19 @@ impl Optimizer for ChainedOptimizer {
     fn local_sum_squares_overlapped(
         &mut self,
         dev: &mut Device,
-        reduced: &dyn Fn(usize) -> bool,
-        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+        reductions: &mut crate::StagedReductions<'_>,
     ) -> Result<f64> {
-        // The first part sums its reduced pieces before `finish`; the sums add as before.
-        let mut finish = Some(finish);
+        // The first part sums its pieces stage by stage, completing every stage; the others
+        // sum after; the sums add as before.
         let mut sum = 0.0;
-        for p in &mut self.parts {
-            sum += match finish.take() {
-                Some(f) => p.local_sum_squares_overlapped(dev, reduced, f)?,
-                None => p.local_sum_squares(dev)?,
+        for (i, p) in self.parts.iter_mut().enumerate() {
+            sum += if i == 0 {
+                p.local_sum_squares_overlapped(dev, reductions)?
+            } else {
+                p.local_sum_squares(dev)?
             };
         }
-        if let Some(f) = finish {
-            f(dev)?;
-        }
+        reductions.complete_all(dev)?;
         Ok(sum)
     }
     fn clip_grad(&self) -> Option<f32> {

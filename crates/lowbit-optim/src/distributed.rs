@@ -328,11 +328,10 @@ impl Optimizer for DistributedOptimizer {
     fn local_sum_squares_overlapped(
         &mut self,
         dev: &mut Device,
-        reduced: &dyn Fn(usize) -> bool,
-        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+        reductions: &mut crate::StagedReductions<'_>,
     ) -> Result<f64> {
         let pieces = self.shards.iter().map(|s| (s.param, s.grad_view, s.grad32));
-        crate::optimizer::widened_sum_squares_overlapped(dev, pieces, reduced, finish)
+        crate::optimizer::widened_sum_squares_overlapped(dev, pieces, reductions)
     }
 
     fn clip_grad(&self) -> Option<f32> {

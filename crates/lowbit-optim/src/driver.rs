@@ -230,8 +230,9 @@ impl<'t> Iteration<'t> {
     }
 
     /// Completes every gradient reduction and steps, with the same bits as
-    /// `finish_grad_sync(..)?.step(..)` but faster where reductions overlap the backward: the
-    /// gradient norm of every group already reduced runs while the last reduction does (see
+    /// `finish_grad_sync(..)?.step(..)` but faster where reductions overlap the backward: each
+    /// group's share of the gradient norm runs as soon as its reduction completes, beside the
+    /// reductions still in flight (see
     /// [`protocol::finish_grad_sync_and_step`]).
     ///
     /// # Errors

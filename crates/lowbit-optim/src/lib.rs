@@ -37,6 +37,7 @@ mod muon;
 mod optimizer;
 pub mod protocol;
 mod rule;
+mod staged;
 
 pub use chained::ChainedOptimizer;
 pub use distributed::DistributedOptimizer;
@@ -49,3 +50,4 @@ pub use optimizer::{
     StateTensor, StateView, StateViews, StepReport, init_from_full,
 };
 pub use rule::{AdamW, Sgd, ShardViews, UpdateRule};
+pub use staged::StagedReductions;

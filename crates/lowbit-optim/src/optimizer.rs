@@ -10,7 +10,8 @@ use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
-use crate::error::{InvalidInput, Result};
+use crate::StagedReductions;
+use crate::error::{InvalidInput, OptimError, Result};
 
 /// Learning rate and clipping of one optimizer.
 #[non_exhaustive]
@@ -237,22 +238,21 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64>;
 
-    /// [`Optimizer::local_sum_squares`] while the last gradient reductions still run:
-    /// `reduced(param)` says whether parameter `param`'s reduced gradient is final already;
-    /// `finish` completes the rest. The same bits as `local_sum_squares` after `finish`. The
-    /// default calls `finish` first; an optimizer whose sum is a fold of per-piece sums sums the
-    /// final pieces first, so that their pass runs beside the last reductions.
+    /// [`Optimizer::local_sum_squares`] while gradient reductions still run: `reductions` says
+    /// at which stage each parameter's reduced gradient is final and completes the stages in
+    /// order. The same bits as `local_sum_squares` after every reduction; every stage is
+    /// complete when it returns `Ok`. The default completes them all first; an optimizer whose
+    /// sum is a fold of per-piece sums launches each stage's pieces as soon as that stage is
+    /// final, so that their pass runs beside the later reductions.
     ///
     /// # Errors
-    /// Device errors and those of `finish`.
+    /// Device errors and those of the completion.
     fn local_sum_squares_overlapped(
         &mut self,
         dev: &mut Device,
-        reduced: &dyn Fn(usize) -> bool,
-        finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+        reductions: &mut StagedReductions<'_>,
     ) -> Result<f64> {
-        let _ = reduced;
-        finish(dev)?;
+        reductions.complete_all(dev)?;
         self.local_sum_squares(dev)
     }
 
@@ -598,44 +598,33 @@ pub(crate) fn widened_sum_squares(
     grads: impl IntoIterator<Item = (View, View)>,
 ) -> Result<f64> {
     let pieces = grads.into_iter().map(|(g, g32)| (0, g, g32));
-    widened_sum_squares_overlapped(dev, pieces, &|_| true, &mut |_| Ok(()))
+    let (final_now, mut nothing) = (|_| 0, |_: &mut Device, _| Ok(()));
+    let mut reductions = StagedReductions::new(0, &final_now, &mut nothing);
+    widened_sum_squares_overlapped(dev, pieces, &mut reductions)
 }
 
-/// [`widened_sum_squares`] of `(param, grad, grad32)` pieces, those whose `reduced(param)`
-/// first, then `finish`, then the rest: each piece's sum is the same whenever it is taken, and
-/// the sums are added in piece order, so the bits do not depend on the split.
+/// [`widened_sum_squares`] of `(param, grad, grad32)` pieces, in the stages of `reductions`:
+/// each stage's pieces are widened and their sums launched as soon as the stage is final
+/// (`Device::sum_squares_each_staged`: no wait for the device until the last stage), and the
+/// sums are added in piece order, so the bits do not depend on the stages.
 pub(crate) fn widened_sum_squares_overlapped(
     dev: &mut Device,
     pieces: impl IntoIterator<Item = (usize, View, View)>,
-    reduced: &dyn Fn(usize) -> bool,
-    finish: &mut dyn FnMut(&mut Device) -> Result<()>,
+    reductions: &mut StagedReductions<'_>,
 ) -> Result<f64> {
     let pieces: Vec<(usize, View, View)> = pieces.into_iter().collect();
-    let (first, rest): (Vec<usize>, Vec<usize>) =
-        (0..pieces.len()).partition(|&i| reduced(pieces[i].0));
-    let mut sums = vec![0.0; pieces.len()];
-    // One wait for the device per part, not per piece.
-    let mut sum = |dev: &mut Device, part: &[usize]| -> Result<()> {
-        let mut views = Vec::with_capacity(part.len());
-        for &i in part {
-            let (_, grad, grad32) = pieces[i];
-            if grad32 != grad {
-                dev.cast(grad, grad32)?;
+    let stages: Vec<usize> = pieces.iter().map(|p| reductions.stage_of(p.0)).collect();
+    let views: Vec<View> = pieces.iter().map(|p| p.2).collect();
+    let sums = dev.sum_squares_each_staged(&views, &stages, |d, k| {
+        reductions.complete_through(d, k)?;
+        for (i, &(_, grad, grad32)) in pieces.iter().enumerate() {
+            if stages[i] == k && grad32 != grad {
+                d.cast(grad, grad32)?;
             }
-            views.push(grad32);
         }
-        for (&i, s) in part.iter().zip(dev.sum_squares_each(&views)?) {
-            sums[i] = s;
-        }
-        Ok(())
-    };
-    if !first.is_empty() {
-        sum(dev, &first)?;
-    }
-    finish(dev)?;
-    if !rest.is_empty() {
-        sum(dev, &rest)?;
-    }
+        Ok::<(), OptimError>(())
+    })?;
+    reductions.complete_all(dev)?;
     Ok(sums.into_iter().fold(0.0, |a, b| a + b))
 }
 
@@ -655,33 +644,44 @@ mod tests {
     use lowbit_device::Device;
 
     use super::{widened_sum_squares, widened_sum_squares_overlapped};
+    use crate::StagedReductions;
 
-    /// The pieces' sums are added in piece order whatever the split: 2^53 + 1 + 1 is 2^53 in
-    /// that order (each +1 rounds away) but 2^53 + 2 if the two reduced pieces were added
-    /// first; and `finish` runs after the reduced pieces and before the others.
+    /// The pieces' sums are added in piece order whatever the stages: 2^53 + 1 + 1 is 2^53 in
+    /// that order (each +1 rounds away) but 2^53 + 2 if the two early pieces were added
+    /// first; each stage completes before its pieces are read, and all are complete at the end.
     #[test]
-    fn the_split_sum_adds_in_piece_order_and_finishes_between() {
+    fn the_staged_sum_adds_in_piece_order_and_completes_each_stage_first() {
         let mut dev = Device::cpu();
         let big = 2f32.powi(26);
         let views = [
             lowbit_testkit::upload_f32(&mut dev, &[big, big]),
             lowbit_testkit::upload_f32(&mut dev, &[1.0]),
             lowbit_testkit::upload_f32(&mut dev, &[1.0]),
+            lowbit_testkit::upload_f32(&mut dev, &[3.0]),
         ];
         let pieces: Vec<_> = views.iter().enumerate().map(|(p, &v)| (p, v, v)).collect();
         let plain = widened_sum_squares(&mut dev, views.iter().map(|&v| (v, v))).unwrap();
-        assert_eq!(plain, 2f64.powi(53));
-        // Piece 0 is still being reduced: its view holds garbage until `finish` writes it.
-        let (late, real) = (views[0], [big, big]);
-        dev.upload(late, &[7.0f32, 7.0]).unwrap();
-        let mut finished = false;
-        let split = widened_sum_squares_overlapped(&mut dev, pieces, &|p| p != 0, &mut |d| {
-            finished = true;
-            d.upload(late, &real)?;
+        assert_eq!(plain, 2f64.powi(53) + 9.0);
+        // Piece 0 is still being reduced in stage 2 and piece 3 in stage 3 (never read before
+        // its stage completes: it holds garbage until then); pieces 1 and 2 are final.
+        let real = [vec![big, big], vec![3.0]];
+        dev.upload(views[0], &[7.0f32, 7.0]).unwrap();
+        dev.upload(views[3], &[f32::NAN]).unwrap();
+        let stage_of = |p: usize| [2, 0, 0, 3][p];
+        let mut completed = Vec::new();
+        let mut complete = |d: &mut Device, k: usize| {
+            completed.push(k);
+            match k {
+                2 => d.upload(views[0], &real[0])?,
+                3 => d.upload(views[3], &real[1])?,
+                _ => {}
+            }
             Ok(())
-        })
-        .unwrap();
-        assert!(finished);
+        };
+        let mut reductions = StagedReductions::new(4, &stage_of, &mut complete);
+        let split = widened_sum_squares_overlapped(&mut dev, pieces, &mut reductions).unwrap();
+        drop(reductions);
+        assert_eq!(completed, [1, 2, 3, 4]);
         assert_eq!(split.to_bits(), plain.to_bits());
     }
 }

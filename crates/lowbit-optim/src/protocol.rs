@@ -5,7 +5,7 @@
 //! microbatches      forward/backward through the hooks (lazy gathers, grad-ready reductions)
 //! finish_grad_sync  (DataParallelBuffers) complete every reduction
 //! step              grad norm, clip, skip, update, stage + gather unless overlapped
-//!                   (finish_grad_sync_and_step: both, the norm beside the last reduction)
+//!                   (finish_grad_sync_and_step: both, the norm beside the reductions)
 //! force_param_sync  (between steps: eval, checkpoint) complete, zero, stage all, gather all
 //! ```
 //!
@@ -16,6 +16,7 @@ use lowbit_buffers::DataParallelBuffers;
 use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device};
 
+use crate::StagedReductions;
 use crate::error::Result;
 use crate::optimizer::{Optimizer, StepReport};
 
@@ -58,10 +59,11 @@ pub fn step(
     step_with_norm(dev, comm, bufs, opt, grad_norm)
 }
 
-/// `finish_grad_sync` and [`step`] in one, with the same bits: this rank's sum of squares over
-/// every group whose reduction has completed runs while the last reduction (the last bucket of
-/// the backward, launched when its gradients became ready) still does, and only the last
-/// group's pieces are summed after it.
+/// `finish_grad_sync` and [`step`] in one, with the same bits: the reductions still in flight
+/// complete one bucket group at a time, in launch order, and this rank's sum of squares over
+/// each group's pieces is launched as soon as that group is reduced, so it runs beside the
+/// later reductions; only the last group's pieces are summed after the last reduction (one
+/// wait for the device for all of them).
 ///
 /// # Errors
 /// As `finish_grad_sync` and [`step`].
@@ -71,27 +73,59 @@ pub fn finish_grad_sync_and_step(
     bufs: &mut DataParallelBuffers,
     opt: &mut dyn Optimizer,
 ) -> Result<StepReport> {
-    let pending = bufs.finish_grad_sync_but_last(dev, comm)?;
-    let reduced: Vec<bool> = (0..bufs.specs().len())
-        .map(|p| !pending.contains(&bufs.group_of(p)))
+    let grad_norm = finish_grad_sync_and_norm(dev, comm, bufs, opt)?;
+    step_with_norm(dev, comm, bufs, opt, grad_norm)
+}
+
+/// The first half of [`finish_grad_sync_and_step`]: completes every gradient reduction, each
+/// group's share of the sum of squares launched as soon as it is reduced, and returns the global
+/// gradient norm (the bits of `finish_grad_sync` then [`global_grad_norm`]). Public so that a
+/// benchmark can time it, and for a driver that wants the norm before it steps.
+///
+/// # Errors
+/// As `finish_grad_sync` and [`global_grad_norm`]; after an error no reduction is left in
+/// flight.
+pub fn finish_grad_sync_and_norm(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+) -> Result<f32> {
+    let pending = bufs.finish_grad_sync_but(dev, comm, usize::MAX)?;
+    let stages = pending.len();
+    // A parameter's stage: 0 if its group is reduced already, else its group's place in the
+    // launch order plus one; one it does not know is taken as final last.
+    let stage: Vec<usize> = (0..bufs.specs().len())
+        .map(|p| {
+            let g = bufs.group_of(p);
+            pending.iter().position(|&q| q == g).map_or(0, |i| i + 1)
+        })
         .collect();
-    let is_reduced = |p: usize| reduced.get(p).copied().unwrap_or(false);
-    let local = opt.local_sum_squares_overlapped(dev, &is_reduced, &mut |d| {
-        Ok(bufs.finish_grad_sync(d, comm)?)
-    });
+    let stage_of = |p: usize| stage.get(p).copied().unwrap_or(stages);
+    let mut complete = |d: &mut Device, k: usize| -> Result<()> {
+        bufs.finish_grad_sync_but(d, comm, stages - k)?;
+        Ok(())
+    };
+    let mut reductions = StagedReductions::new(stages, &stage_of, &mut complete);
+    let local = opt.local_sum_squares_overlapped(dev, &mut reductions);
+    drop(reductions);
+    // Every stage is complete after `Ok`; after an error, leave no reduction in flight behind
+    // it (the next `begin` would refuse); the first error is the one reported.
     let local = match local {
         Ok(l) => l,
         Err(e) => {
-            // Leave no reduction in flight behind an error (the next `begin` would refuse);
-            // the first error is the one reported.
             if !bufs.grad_reduce_in_flight().is_empty() {
                 let _ = bufs.finish_grad_sync(dev, comm);
             }
             return Err(e);
         }
     };
-    let grad_norm = norm_from_local(dev, comm, bufs, local)?;
-    step_with_norm(dev, comm, bufs, opt, grad_norm)
+    if !bufs.grad_reduce_in_flight().is_empty() {
+        // An optimizer that returned before completing every stage breaks the trait's
+        // contract; the reductions are completed all the same.
+        bufs.finish_grad_sync(dev, comm)?;
+    }
+    norm_from_local(dev, comm, bufs, local)
 }
 
 /// The rest of [`step`] once the gradient norm is known.

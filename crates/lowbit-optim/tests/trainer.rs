@@ -201,8 +201,8 @@ fn an_eval_between_steps_changes_nothing() {
     assert!(with == without, "an eval changed the training run");
 }
 
-/// The chained optimizer, failing the next local sum of squares of a one-call step (before the
-/// last reduction completes) when `fail` is set; otherwise it is the chain.
+/// The chained optimizer, failing the next local sum of squares of a one-call step (before any
+/// reduction in flight completes) when `fail` is set; otherwise it is the chain.
 #[derive(Debug)]
 struct FailsOnce {
     inner: lowbit_optim::ChainedOptimizer,
@@ -219,14 +219,12 @@ impl Optimizer for FailsOnce {
     fn local_sum_squares_overlapped(
         &mut self,
         dev: &mut Device,
-        reduced: &dyn Fn(usize) -> bool,
-        finish: &mut dyn FnMut(&mut Device) -> lowbit_optim::Result<()>,
+        reductions: &mut lowbit_optim::StagedReductions<'_>,
     ) -> lowbit_optim::Result<f64> {
         if self.fail.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return Err(lowbit_optim::InvalidInput::LearningRate(f32::NAN).into());
         }
-        self.inner
-            .local_sum_squares_overlapped(dev, reduced, finish)
+        self.inner.local_sum_squares_overlapped(dev, reductions)
     }
     fn clip_grad(&self) -> Option<f32> {
         self.inner.clip_grad()

@@ -2,7 +2,7 @@
 
 use super::{BlockedSum, for_each_chunk, map_in_place, map_into, zip_in_place};
 use crate::cpu::{bf16_bits, encode_f32};
-use crate::{DType, Device, Result, View, check_float, check_len};
+use crate::{DType, Device, DeviceError, Result, View, check_float, check_len};
 
 impl Device {
     /// Sets every element of the float view `view` to `value` rounded to its dtype (RNE).
@@ -114,6 +114,67 @@ impl Device {
         }
         on_cuda!(self, g => g.sum_squares_each(views));
         views.iter().map(|&v| self.sum_squares(v)).collect()
+    }
+
+    /// [`Device::sum_squares_each`] launched in stages, for views that become final one group
+    /// at a time (a gradient norm beside the reductions still in flight): view `i` belongs to
+    /// stage `stages[i]`; for each stage `k` from 0 to the largest, `prepare(dev, k)` runs
+    /// (it makes stage `k`'s views final, e.g. waits for their reduction) and then stage `k`'s
+    /// sums are launched. On a GPU nothing waits for the device until every stage has been
+    /// launched, and the partial sums come back in one copy; the results are the bits of
+    /// [`Device::sum_squares_each`] over the final views. `prepare` runs once per stage, also
+    /// for a stage with no views.
+    ///
+    /// # Errors
+    /// `Length` if `stages` and `views` differ in length, the errors of
+    /// [`Device::sum_squares`], and the first error of `prepare` (stages launched before it
+    /// complete on the device; nothing is returned for them).
+    pub fn sum_squares_each_staged<E: From<DeviceError>>(
+        &mut self,
+        views: &[View],
+        stages: &[usize],
+        mut prepare: impl FnMut(&mut Device, usize) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Vec<f64>, E> {
+        if views.len() != stages.len() {
+            return Err(DeviceError::Length {
+                what: "sum_squares_each_staged",
+                a: views.len(),
+                b: stages.len(),
+            }
+            .into());
+        }
+        for &v in views {
+            crate::check_float("reduction", v)?;
+        }
+        let count = stages.iter().max().map_or(0, |&m| m + 1);
+        let of =
+            |k: usize| -> Vec<usize> { (0..views.len()).filter(|&i| stages[i] == k).collect() };
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut() {
+            let mut sums = g.begin_sums(views)?;
+            for k in 0..count {
+                prepare(self, k)?;
+                self.cuda_mut()
+                    .ok_or_else(|| {
+                        DeviceError::Unsupported("`prepare` replaced the CUDA device".into())
+                    })?
+                    .launch_sums(&mut sums, &of(k))?;
+            }
+            let g = self.cuda_mut().ok_or_else(|| {
+                DeviceError::Unsupported("`prepare` replaced the CUDA device".into())
+            })?;
+            return Ok(g.finish_sums(sums)?);
+        }
+        let mut out = vec![0.0; views.len()];
+        for k in 0..count {
+            prepare(self, k)?;
+            let which = of(k);
+            let vs: Vec<View> = which.iter().map(|&i| views[i]).collect();
+            for (i, s) in which.into_iter().zip(self.sum_squares_each(&vs)?) {
+                out[i] = s;
+            }
+        }
+        Ok(out)
     }
 
     /// Whether any element of the float view is NaN or ±Inf.

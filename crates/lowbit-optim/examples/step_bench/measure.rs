@@ -24,6 +24,7 @@ pub const PHASES: [&str; 6] = [
     "requantize",
 ];
 pub const RS: usize = 0;
+pub const NORM: usize = 1;
 pub const GATHER: usize = 4;
 pub const REQUANT: usize = 5;
 
@@ -36,8 +37,8 @@ pub struct Settings {
     pub gpu: bool,
     pub compute_us: Option<f64>,
     pub bucket: Option<usize>,
-    /// The overlap mode's step: `Iteration::step`'s one call (the norm beside the last
-    /// reduction), or `finish_grad_sync` then `step` (for comparison).
+    /// The step: `Iteration::step`'s one call (the norm beside the reductions in flight), or
+    /// `finish_grad_sync` then `step` (for comparison).
     pub one_call_step: bool,
 }
 
@@ -384,7 +385,11 @@ pub struct StepRun {
     pub phases: Vec<[f64; 6]>,
     /// Per iteration: zeroing the gradient buffer as `begin_iteration` does it (after staging).
     pub zero: Vec<f64>,
-    /// Whole steps (`finish_grad_sync` + `protocol::step`), no synchronization inside.
+    /// Per iteration: `protocol::finish_grad_sync_and_norm` (the reduce-scatter and the norm as
+    /// the one-call step runs them).
+    pub rs_norm: Vec<f64>,
+    /// Whole steps (`protocol::finish_grad_sync_and_step`, or with `--step-call two`
+    /// `finish_grad_sync` + `protocol::step`), no synchronization inside.
     pub totals: Vec<f64>,
     pub bounds: Bounds,
     pub traffic: Traffic,
@@ -490,14 +495,36 @@ pub fn step_rank(
             zero.push(z);
         }
     }
+    // The reduce-scatter and the norm as the one-call step runs them (each group's sum of
+    // squares launched as soon as its reduction completes); the rest of the step untimed.
+    let mut rs_norm = Vec::new();
+    for i in 0..s.reps.0 + s.reps.1 {
+        protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        grads.backward(dev, &mut bufs, 0..n)?;
+        let (b, o) = (&mut bufs, &mut opt);
+        let (norm, secs) = timed(dev, comm, |d, c| {
+            Ok(protocol::finish_grad_sync_and_norm(d, c, b, o)?)
+        })?;
+        let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
+        o.apply(dev, b, clip)?;
+        o.stage(dev, comm, b, true)?;
+        b.sync_params(dev, comm)?;
+        if i >= s.reps.0 {
+            rs_norm.push(secs);
+        }
+    }
     let mut totals = Vec::new();
     for i in 0..s.reps.0 + s.reps.1 {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
         grads.backward(dev, &mut bufs, 0..n)?;
         let (b, o) = (&mut bufs, &mut opt);
         let (_, secs) = timed(dev, comm, |d, c| {
-            b.finish_grad_sync(d, c)?;
-            protocol::step(d, c, b, o)?;
+            if s.one_call_step {
+                protocol::finish_grad_sync_and_step(d, c, b, o)?;
+            } else {
+                b.finish_grad_sync(d, c)?;
+                protocol::step(d, c, b, o)?;
+            }
             Ok(())
         })?;
         if i >= s.reps.0 {
@@ -507,6 +534,7 @@ pub fn step_rank(
     Ok(StepRun {
         phases,
         zero,
+        rs_norm,
         totals,
         bounds,
         traffic,

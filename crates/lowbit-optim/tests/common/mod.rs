@@ -218,7 +218,7 @@ pub fn train_step(
         mlp.forward_backward(dev, &mut hooks, &x, &y, 1.0 / microbatches as f32)
             .unwrap();
     }
-    // The one-call path (the norm beside the last reduction); `trainer.rs` holds it to the
+    // The one-call path (the norm beside the reductions in flight); `trainer.rs` holds it to the
     // protocol functions called one by one, bit for bit.
     it.step(dev, comm).unwrap()
 }

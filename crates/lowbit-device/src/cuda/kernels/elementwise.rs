@@ -87,16 +87,23 @@ impl CudaDevice {
     /// into page-locked host memory at once (one f64 per 131072 elements: 38 KB for a
     /// 620M-element shard) and each view's added in order on the host.
     pub(crate) fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
+        let mut sums = self.begin_sums(views)?;
+        let all: Vec<usize> = (0..views.len()).collect();
+        self.launch_sums(&mut sums, &all)?;
+        self.finish_sums(sums)
+    }
+
+    /// The first part of a sum of squares launched in stages
+    /// ([`crate::Device::sum_squares_each_staged`]): validates every view and allocates the
+    /// scratch for all their group sums; nothing is launched yet.
+    pub(crate) fn begin_sums(&mut self, views: &[View]) -> Result<StagedSums> {
         let mut ptrs = Vec::with_capacity(views.len());
         for &v in views {
             let ([x], []) = self.ptrs("sum_squares", [v], [])?;
-            ptrs.push(x);
+            ptrs.push((x, v.dtype(), v.len()));
         }
         let ngroups: Vec<usize> = views.iter().map(|v| sum_groups(v.len())).collect();
         let total: usize = ngroups.iter().sum();
-        if total == 0 {
-            return Ok(vec![0.0; views.len()]);
-        }
         let starts: Vec<usize> = ngroups
             .iter()
             .scan(0, |at, &ng| {
@@ -104,17 +111,55 @@ impl CudaDevice {
                 Some(*at - ng)
             })
             .collect();
-        let s = self.scratch(2 * total)?;
-        let host = self.partials_host(total)?;
-        // The tables stay alive until the copy below has completed.
-        let mut tables = Vec::new();
+        let scratch = if total == 0 {
+            None
+        } else {
+            Some(self.scratch(2 * total)?)
+        };
+        Ok(StagedSums {
+            ptrs,
+            ngroups,
+            starts,
+            total,
+            scratch,
+            tables: Vec::new(),
+        })
+    }
+
+    /// Launches the sums of the views `which` (indices into the `begin_sums` views): one launch
+    /// per dtype, each view's group sums at its own place in the scratch.
+    pub(crate) fn launch_sums(&mut self, sums: &mut StagedSums, which: &[usize]) -> Result<()> {
+        let Some(s) = sums.scratch.as_ref().map(|s| s.ptr) else {
+            return Ok(());
+        };
         for d in [DType::F32, DType::Bf16, DType::F16] {
-            let items = (0..views.len()).filter(|&i| views[i].dtype() == d);
-            let table = sum_squares_table(items.map(|i| (ptrs[i], views[i].len(), starts[i])));
-            if let Some(mem) = self.launch_sum_squares_many(d, &table, s.ptr)? {
-                tables.push(mem);
+            let items = which.iter().filter_map(|&i| {
+                let &(ptr, dtype, len) = sums.ptrs.get(i)?;
+                (dtype == d).then(|| (ptr, len, sums.starts[i]))
+            });
+            let table = sum_squares_table(items);
+            // The tables stay alive until `finish_sums` has waited for the copy.
+            if let Some(mem) = self.launch_sum_squares_many(d, &table, s)? {
+                sums.tables.push(mem);
             }
         }
+        Ok(())
+    }
+
+    /// Copies every group sum to the host at once, waits, and adds each view's in order.
+    pub(crate) fn finish_sums(&mut self, sums: StagedSums) -> Result<Vec<f64>> {
+        let StagedSums {
+            ngroups,
+            starts,
+            total,
+            scratch,
+            tables,
+            ..
+        } = sums;
+        let Some(s) = scratch else {
+            return Ok(vec![0.0; ngroups.len()]);
+        };
+        let host = self.partials_host(total)?;
         // SAFETY: `host` holds at least `total` f64 (page-locked; nothing else writes it, and
         // every earlier call waited for its copy before returning); the source is the `total`
         // partials of `s`, which lives until after the synchronization below; the copy is
@@ -353,6 +398,18 @@ const _: () = assert!(crate::SUM_GROUP == 32);
 
 /// The launch table of `sum_squares_many_*`: 4 words per view (address, length, offset of its
 /// partials in f64 words, first global warp; a warp per group; views own warps [first, next view's first)).
+/// A sum of squares launched in stages: the validated views (address, dtype, elements), where
+/// each view's group sums go in the scratch, and the launch tables, which live until the
+/// group sums have been copied back (dropping it frees both in stream order).
+pub(crate) struct StagedSums {
+    ptrs: Vec<(u64, DType, usize)>,
+    ngroups: Vec<usize>,
+    starts: Vec<usize>,
+    total: usize,
+    scratch: Option<super::Scratch>,
+    tables: Vec<cudarc::driver::CudaSlice<u64>>,
+}
+
 struct SumsqTable {
     rows: Vec<u64>,
     warps: usize,
