@@ -367,6 +367,60 @@ impl DataParallelBuffers {
         comm: &mut dyn Communicator,
         g: usize,
     ) -> Result<()> {
+        self.launch_grad_sync(dev, comm, g)?;
+        if !self.cfg.overlap.grad_reduce() {
+            self.complete_grad_sync(dev, g)?;
+        }
+        Ok(())
+    }
+
+    /// Launches every reduction that [`Self::finish_grad_sync`] would launch and that needs no
+    /// memory of its own (it runs in place on the gradient buffer, or on the bucket it filled
+    /// already), without completing it: a completion in stages
+    /// ([`Self::grad_sync_order`], [`Self::finish_grad_sync_except`]) then finds them all in
+    /// flight, queued on the communicator's stream ahead of whatever follows each completion
+    /// on the device's. A reduction into a transient bucket (another wire dtype) is left to
+    /// its completion, so that at most one such bucket lives at a time, as in
+    /// `finish_grad_sync`; so is everything with hybrid sharding, and a group whose overlapped
+    /// reduction should have been launched by the backward (`finish_grad_sync` refuses it).
+    ///
+    /// # Errors
+    /// Those of `finish_grad_sync`'s launches; a parameter gather in flight is refused.
+    pub fn launch_grad_syncs(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<()> {
+        self.refuse_gather_in_flight("finish_grad_sync")?;
+        if self.outer.is_some() {
+            return Ok(());
+        }
+        for g in 0..self.groups.len() {
+            let group = &self.groups[g];
+            if group.grad_reduce_finished || matches!(group.grad_comm, GradComm::Launched { .. }) {
+                continue;
+            }
+            let ready = if self.buffers[group.buffer].shards_grads() {
+                matches!(group.grad_comm, GradComm::Filling(_))
+            } else {
+                !group.grad_reduce_started
+                    && !(self.cfg.overlap.grad_reduce() && !self.first_batch)
+                    && self.comm_dtype(g) == self.buffers[group.buffer].grads.dtype()
+            };
+            if ready {
+                self.launch_grad_sync(dev, comm, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::start_grad_sync`] without the completion.
+    fn launch_grad_sync(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        g: usize,
+    ) -> Result<()> {
         let (reduce, factor) = match self.cfg.scaling {
             GradScaling::AverageInCollective => (ReduceOp::Avg, None),
             _ => (
@@ -423,9 +477,6 @@ impl DataParallelBuffers {
             work: Some(work),
             seq: self.launches,
         };
-        if !self.cfg.overlap.grad_reduce() {
-            self.complete_grad_sync(dev, g)?;
-        }
         Ok(())
     }
 
@@ -472,44 +523,65 @@ impl DataParallelBuffers {
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<()> {
-        self.finish_grad_sync_except(dev, comm, &[])
+        self.finish_grad_sync_all_but(dev, comm, &[])
     }
 
     /// The first half of [`Self::finish_grad_sync`], for work that can start on reduced
     /// gradients while the last reduction still runs (the gradient norm of every other group):
-    /// [`Self::finish_grad_sync_but`] keeping one reduction in flight.
+    /// completes every reduction except the most recently launched one and returns the groups
+    /// left to complete: that one, or none where no reduction is in flight or where hybrid
+    /// sharding still reduces across replicas (everything is completed here then). Call
+    /// [`Self::finish_grad_sync`] afterwards for the rest, before anything else.
     pub fn finish_grad_sync_but_last(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
     ) -> Result<Vec<usize>> {
-        self.finish_grad_sync_but(dev, comm, 1)
+        let last = self.grad_reduce_in_flight().last().copied();
+        let kept: Vec<usize> = last.filter(|_| self.outer.is_none()).into_iter().collect();
+        self.finish_grad_sync_except(dev, comm, &kept)?;
+        Ok(kept)
     }
 
-    /// [`Self::finish_grad_sync`] in stages, for work that can start on reduced gradients while
-    /// later reductions still run (the gradient norm, group by group): completes every
-    /// reduction except the `keep` most recently launched ones and returns the groups left in
-    /// flight, in launch order: those, or none where no reduction is in flight or where hybrid
-    /// sharding still reduces across replicas (everything is completed here then). Call it
-    /// again with a smaller `keep` to complete the next ones, and [`Self::finish_grad_sync`]
-    /// (or `keep = 0`) at the end, before anything else.
-    pub fn finish_grad_sync_but(
+    /// The bucket groups whose reductions [`Self::finish_grad_sync`] has still to complete, in
+    /// the order to complete them for work that follows each (the gradient norm, group by
+    /// group): those in flight in launch order, then those not launched yet in group order
+    /// (launched when completed). Empty where hybrid sharding reduces across replicas: that
+    /// reduction runs once over every group, so [`Self::finish_grad_sync_except`] of an empty
+    /// list completes everything there.
+    pub fn grad_sync_order(&self) -> Vec<usize> {
+        if self.outer.is_some() {
+            return Vec::new();
+        }
+        let mut order = self.grad_reduce_in_flight();
+        let rest: Vec<usize> = (0..self.groups.len())
+            .filter(|&g| !self.groups[g].grad_reduce_finished && !order.contains(&g))
+            .collect();
+        order.extend(rest);
+        order
+    }
+
+    /// [`Self::finish_grad_sync`] except for the groups `except`: completes (launching first
+    /// where needed) every other group's reduction, in group order. Call it with a shorter
+    /// `except` to complete more (e.g. the tail of [`Self::grad_sync_order`] one group shorter
+    /// at a time), and [`Self::finish_grad_sync`] at the end, before anything else. With hybrid
+    /// sharding the groups left out are completed too where any other group is (the reduction
+    /// across replicas takes every group at once).
+    pub fn finish_grad_sync_except(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
-        keep: usize,
-    ) -> Result<Vec<usize>> {
-        let in_flight = self.grad_reduce_in_flight();
-        let kept = if self.outer.is_some() {
+        except: &[usize],
+    ) -> Result<()> {
+        let except = if self.outer.is_some() {
             &[][..]
         } else {
-            &in_flight[in_flight.len().saturating_sub(keep)..]
+            except
         };
-        self.finish_grad_sync_except(dev, comm, kept)?;
-        Ok(kept.to_vec())
+        self.finish_grad_sync_all_but(dev, comm, except)
     }
 
-    fn finish_grad_sync_except(
+    fn finish_grad_sync_all_but(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,

@@ -4,7 +4,7 @@
 //! rounded once (`GradScaling::PreDivide`); or summed in rank order, divided by `dp` in f32 and
 //! rounded once (`GradScaling::AverageInCollective`). With overlapped reduction the golden
 //! counts come from the first batch, and the second batch launches every bucket group from its
-//! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_but` completes
+//! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_except` completes
 //! them in stages (none, then the first launched), and `finish_grad_sync_but_last`
 //! completes all but the last of them.
 
@@ -133,18 +133,15 @@ fn check(
             if overlap.grad_reduce() && batch == 1 {
                 let all: Vec<usize> = (0..bufs.num_groups()).collect();
                 assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
-                // In stages: keeping every reduction in flight completes none; keeping all
-                // but one completes the first launched.
-                let kept = bufs
-                    .finish_grad_sync_but(dev, &mut comm, usize::MAX)
-                    .unwrap();
-                assert_eq!(kept, all, "{what}");
+                // In stages: every group is in flight, in launch order; leaving them all out
+                // completes none; leaving out all but the first launched completes that one.
+                assert_eq!(bufs.grad_sync_order(), all, "{what}");
+                bufs.finish_grad_sync_except(dev, &mut comm, &all).unwrap();
                 assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
-                let kept = bufs
-                    .finish_grad_sync_but(dev, &mut comm, all.len() - 1)
+                bufs.finish_grad_sync_except(dev, &mut comm, &all[1..])
                     .unwrap();
-                assert_eq!(kept, all[1..], "{what}");
-                assert_eq!(bufs.grad_reduce_in_flight(), kept, "{what}");
+                assert_eq!(bufs.grad_reduce_in_flight(), all[1..], "{what}");
+                assert_eq!(bufs.grad_sync_order(), all[1..], "{what}");
                 // The first half completes every reduction but the last launched, whose
                 // groups' gradients are final then.
                 let pending = bufs.finish_grad_sync_but_last(dev, &mut comm).unwrap();
@@ -159,6 +156,20 @@ fn check(
                     let w = format!("{what}: early, param {} {:?}", s.param, s.param_range);
                     assert_same_bits(&got, &want[s.param_range.clone()], &w);
                 }
+            }
+            if !overlap.grad_reduce() {
+                // Nothing launched yet: the order is every group. Launching ahead puts every
+                // reduction in flight (each runs in place: the wire dtype is the gradients');
+                // completing in stages then takes the first.
+                let all: Vec<usize> = (0..bufs.num_groups()).collect();
+                assert_eq!(bufs.grad_sync_order(), all, "{what}");
+                bufs.launch_grad_syncs(dev, &mut comm).unwrap();
+                assert_eq!(bufs.grad_reduce_in_flight(), all, "{what}");
+                assert_eq!(bufs.grad_sync_order(), all, "{what}");
+                bufs.finish_grad_sync_except(dev, &mut comm, &all[1..])
+                    .unwrap();
+                assert_eq!(bufs.grad_sync_order(), all[1..], "{what}");
+                assert_eq!(bufs.grad_reduce_in_flight(), all[1..], "{what}");
             }
             bufs.finish_grad_sync(dev, &mut comm).unwrap();
             assert!(bufs.grad_reduce_in_flight().is_empty(), "{what}");

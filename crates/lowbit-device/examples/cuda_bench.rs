@@ -142,10 +142,19 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
         }
     });
     report(&format!("{what}, one call each)"), t, bytes, copy_bw);
-    let t = timed(dev, reps, |d| {
-        d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
-    });
-    report(&format!("{what}, quantize_mxfp8_many)"), t, bytes, copy_bw);
+    for many in [1, 2] {
+        dev.set_cuda_kernel_variant("mxfp8_many", many)
+            .expect("variant");
+        let t = timed(dev, reps, |d| {
+            d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+        });
+        report(
+            &format!("{what}, quantize_mxfp8_many v{many})"),
+            t,
+            bytes,
+            copy_bw,
+        );
+    }
     dev.free(src).expect("free");
     for b in bufs {
         dev.free(b).expect("free");
@@ -253,16 +262,22 @@ fn main() {
             at += m;
         }
         let cfg = Mxfp8Config::default();
-        let t = timed(&mut dev, 50, |d| {
-            d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
-        });
         let bytes = at as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
-        report(
-            "mxfp8 rowwise+columnwise 32768x2048 + 8192x8192 (quantize_mxfp8_many)",
-            t,
-            bytes,
-            copy_bw,
-        );
+        for many in [1, 2] {
+            dev.set_cuda_kernel_variant("mxfp8_many", many)
+                .expect("variant");
+            let t = timed(&mut dev, 50, |d| {
+                d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+            });
+            report(
+                &format!(
+                    "mxfp8 rowwise+columnwise 32768x2048 + 8192x8192 (quantize_mxfp8_many v{many})"
+                ),
+                t,
+                bytes,
+                copy_bw,
+            );
+        }
         for (_, _, _, out) in items {
             free_views(&mut dev, out);
         }

@@ -813,7 +813,7 @@ fn carve_mxfp8_views(
 fn mxfp8_many_matches_per_item_and_cpu() {
     check_native("mxfp8 many", false, |c| {
         // (rows, cols, source dtype, source element offset, output alignment)
-        let items_spec: [(usize, usize, DType, usize, usize); 15] = [
+        let items_spec: [(usize, usize, DType, usize, usize); 16] = [
             (2048, 2048, DType::Bf16, 0, 16),
             (512, 2048, DType::Bf16, 0, 16),
             (1024, 2048, DType::Bf16, 0, 16),
@@ -828,14 +828,19 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             // Off the tile grid, misaligned, odd outputs, other dtypes.
             (37, 45, DType::Bf16, 0, 1),
             (64, 256, DType::Bf16, 8, 16),
+            // The same shape misaligned: another launch of the same-shape path (`vec` off).
+            (64, 256, DType::Bf16, 1, 16),
             (96, 512, DType::Bf16, 1, 16),
             (40, 64, DType::F32, 0, 16),
             (33, 72, DType::F16, 3, 1),
         ];
         let mut out = Vec::new();
-        for version in [4, 1, 5] {
+        // (mxfp8_both, mxfp8_many): version 4 in one launch per shape (2) and in one launch
+        // for all (1); versions 1 and 5 take the per-item path.
+        for (version, many) in [(4, 2), (4, 1), (1, 2), (5, 2)] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
-            let seed = 7000 + 100 * u64::from(version);
+            c.dev.set_cuda_kernel_variant("mxfp8_many", many)?;
+            let seed = 7000 + 100 * u64::from(version) + u64::from(many);
             // Versions 1 and 5 take the per-item path: the small items suffice there.
             let spec: Vec<_> = items_spec
                 .iter()
@@ -881,25 +886,31 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             out.push(many_matches_per_item(c, bufs, &sets)?);
         }
         // More matrices than one launch's parameter table holds (64): 150 small ones of three
-        // shapes, split over three launches.
+        // shapes, split over three launches (version 1), and 90 of one shape over two launches
+        // (version 2).
         c.dev.set_cuda_kernel_variant("mxfp8_both", 4)?;
         let shapes: Vec<(usize, usize)> = (0..150)
-            .map(|i| [(32, 256), (64, 512), (96, 256)][i % 3])
+            .map(|i| [(32, 256), (64, 512), (32, 256), (96, 256), (32, 256)][i % 5])
             .collect();
         let n: usize = shapes.iter().map(|s| s.0 * s.1).sum();
         let src = c.rand(DType::Bf16, n, 7900);
         let room: usize = shapes.iter().map(|s| 3 * s.0 * s.1 + 64).sum();
-        let bufs = [c.rand(DType::U8, room, 7901), c.rand(DType::U8, room, 7901)];
-        let mut sets = [Vec::new(), Vec::new()];
-        for (set, &buf) in sets.iter_mut().zip(&bufs) {
-            let (mut e, mut at) = (0, 0);
-            for &(rows, cols) in &shapes {
-                let (views, next) = carve_mxfp8_views(buf, at, (0, 16), (rows, cols));
-                set.push((src.slice(e..e + rows * cols)?, rows, cols, views));
-                (e, at) = (e + rows * cols, next);
+        for many in [1, 2] {
+            c.dev.set_cuda_kernel_variant("mxfp8_many", many)?;
+            // Fresh garbage for each version, so that bytes a launch left out would differ.
+            let seed = 7901 + u64::from(many);
+            let bufs = [c.rand(DType::U8, room, seed), c.rand(DType::U8, room, seed)];
+            let mut sets = [Vec::new(), Vec::new()];
+            for (set, &buf) in sets.iter_mut().zip(&bufs) {
+                let (mut e, mut at) = (0, 0);
+                for &(rows, cols) in &shapes {
+                    let (views, next) = carve_mxfp8_views(buf, at, (0, 16), (rows, cols));
+                    set.push((src.slice(e..e + rows * cols)?, rows, cols, views));
+                    (e, at) = (e + rows * cols, next);
+                }
             }
+            out.push(many_matches_per_item(c, bufs, &sets)?);
         }
-        out.push(many_matches_per_item(c, bufs, &sets)?);
         Ok(out)
     });
 }

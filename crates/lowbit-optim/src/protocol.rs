@@ -59,11 +59,12 @@ pub fn step(
     step_with_norm(dev, comm, bufs, opt, grad_norm)
 }
 
-/// `finish_grad_sync` and [`step`] in one, with the same bits: the reductions still in flight
-/// complete one bucket group at a time, in launch order, and this rank's sum of squares over
-/// each group's pieces is launched as soon as that group is reduced, so it runs beside the
-/// later reductions; only the last group's pieces are summed after the last reduction (one
-/// wait for the device for all of them).
+/// `finish_grad_sync` and [`step`] in one, with the same bits: the reductions complete one
+/// bucket group at a time (`DataParallelBuffers::grad_sync_order`: those in flight in launch
+/// order, then those launched now), and this rank's sum of squares over each group's pieces is
+/// launched as soon as that group is reduced, so it runs beside the later reductions; only the
+/// last group's pieces are summed after the last reduction (one wait for the device for all of
+/// them).
 ///
 /// # Errors
 /// As `finish_grad_sync` and [`step`].
@@ -91,19 +92,24 @@ pub fn finish_grad_sync_and_norm(
     bufs: &mut DataParallelBuffers,
     opt: &mut dyn Optimizer,
 ) -> Result<f32> {
-    let pending = bufs.finish_grad_sync_but(dev, comm, usize::MAX)?;
-    let stages = pending.len();
+    // Stage k completes the k-th group of the order (launching it first if it was not), and
+    // stage 0 everything outside the order (with hybrid sharding: everything).
+    // Every reduction that can is launched first, so that none queues behind a sum.
+    bufs.launch_grad_syncs(dev, comm)?;
+    let order = bufs.grad_sync_order();
+    bufs.finish_grad_sync_except(dev, comm, &order)?;
+    let stages = order.len();
     // A parameter's stage: 0 if its group is reduced already, else its group's place in the
-    // launch order plus one; one it does not know is taken as final last.
+    // order plus one; one it does not know is taken as final last.
     let stage: Vec<usize> = (0..bufs.specs().len())
         .map(|p| {
             let g = bufs.group_of(p);
-            pending.iter().position(|&q| q == g).map_or(0, |i| i + 1)
+            order.iter().position(|&q| q == g).map_or(0, |i| i + 1)
         })
         .collect();
     let stage_of = |p: usize| stage.get(p).copied().unwrap_or(stages);
     let mut complete = |d: &mut Device, k: usize| -> Result<()> {
-        bufs.finish_grad_sync_but(d, comm, stages - k)?;
+        bufs.finish_grad_sync_except(d, comm, &order[k.min(stages)..])?;
         Ok(())
     };
     let mut reductions = StagedReductions::new(stages, &stage_of, &mut complete);

@@ -48,6 +48,10 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
 /// (`MXFP8_MANY_MAX` in `cuda/mxfp8.cu`; 5128 bytes of parameters).
 const MXFP8_MANY_MAX: usize = 64;
 
+/// Matrices per launch of `mxfp8_both_e4m3_bf16_v4_same`: its parameter struct's capacity
+/// (`MXFP8_SAME_MAX` in `cuda/mxfp8.cu`; 2592 bytes of parameters).
+const MXFP8_SAME_MAX: usize = 64;
+
 /// Matrices per launch of `mxfp8_scales_2d_many`: its parameter struct's capacity
 /// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
 const SCALES2D_MAX: usize = 64;
@@ -214,6 +218,23 @@ impl CudaDevice {
         if rows.len() < 2 {
             return Ok((0..items.len()).collect());
         }
+        if self.mxfp8_many_version == 2 {
+            self.launch_mxfp8_same(&rows, &mut rest)?;
+        } else {
+            self.launch_mxfp8_many(&rows, &mut rest)?;
+        }
+        rest.sort_unstable();
+        Ok(rest)
+    }
+
+    /// Version 1 of [`CudaDevice::quantize_mxfp8_many`]'s launches: `rows` (item index, table
+    /// row and CTA count) in launches of `mxfp8_both_e4m3_bf16_v4_many`, [`MXFP8_MANY_MAX`]
+    /// matrices each; the items of a launch whose CTAs would exceed the grid go to `rest`.
+    fn launch_mxfp8_many(
+        &mut self,
+        rows: &[(usize, ([u64; 9], u64))],
+        rest: &mut Vec<usize>,
+    ) -> Result<()> {
         for chunk in rows.chunks(MXFP8_MANY_MAX) {
             // The kernel's `Mxfp8ManyParams`: the count, the first CTA of each matrix, then
             // their rows.
@@ -243,8 +264,64 @@ impl CudaDevice {
                 )?;
             }
         }
-        rest.sort_unstable();
-        Ok(rest)
+        Ok(())
+    }
+
+    /// Version 2 of [`CudaDevice::quantize_mxfp8_many`]'s launches: the matrices of one shape
+    /// and `vec` (in item order) in launches of `mxfp8_both_e4m3_bf16_v4_same`,
+    /// [`MXFP8_SAME_MAX`] matrices each, grid (tiles across, tile rows, matrices) as the single
+    /// kernel's grid per matrix.
+    fn launch_mxfp8_same(
+        &mut self,
+        rows: &[(usize, ([u64; 9], u64))],
+        rest: &mut Vec<usize>,
+    ) -> Result<()> {
+        // Groups of one (rows, cols, vec), in order of first appearance.
+        let mut groups: Vec<([u64; 3], Vec<(usize, [u64; 9])>)> = Vec::new();
+        for &(i, (row, _)) in rows {
+            let key = [row[5], row[6], row[8]];
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, g)) => g.push((i, row)),
+                None => groups.push((key, vec![(i, row)])),
+            }
+        }
+        for (key, group) in &groups {
+            let [r, c, vec] = *key;
+            // Every row of the group has the same tiles across (`row[7]`); the tile rows are
+            // at most 65535 (`mxfp8_both_v4_row`), so neither conversion fails in practice.
+            let (Ok(gx), Ok(gy)) = (u32::try_from(group[0].1[7]), u32::try_from(r.div_ceil(32)))
+            else {
+                rest.extend(group.iter().map(|(i, _)| *i));
+                continue;
+            };
+            for chunk in group.chunks(MXFP8_SAME_MAX) {
+                let mut words = vec![0u64; 4 + 5 * MXFP8_SAME_MAX];
+                words[..4].copy_from_slice(&[r, c, vec, chunk.len() as u64]);
+                for (k, (_, row)) in chunk.iter().enumerate() {
+                    words[4 + 5 * k..][..5].copy_from_slice(&row[..5]);
+                }
+                let z = chunk.len() as u32;
+                // SAFETY: `words` is exactly `Mxfp8SameParams` (4 + 64·5 words, the kernel's
+                // MXFP8_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
+                // one item's views, which the caller validated as `quantize_mxfp8` does (live,
+                // in bounds, disjoint), and every item of the launch has the launch's rows,
+                // cols and `vec` (the single v4 launch's values: 16-byte loads and 8-byte
+                // stores only with `vec`, whose alignment `both_vec` checked). CTA (bx, by, k)
+                // runs the tile (bx, by) of matrix k, a tile of the single kernel's grid
+                // (gx, gy), so every access is one that launch makes. No item's output overlaps
+                // another item's source or outputs (checked by the caller). The driver copies
+                // the parameters at launch.
+                unsafe {
+                    self.launch_words(
+                        "mxfp8_both_e4m3_bf16_v4_same",
+                        (gx, gy, z),
+                        (256, 1, 1),
+                        &mut words,
+                    )?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
