@@ -502,38 +502,23 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
 // 32-byte sector); the two tile rows' scales go to the 8 columns' columnwise scales and (by
 // the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
 // A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
-extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
-    const u64* __restrict__ table, unsigned items) {
-    const u64 b = blockIdx.x;
-    unsigned lo = 0, hi = items;  // the last matrix whose first CTA is <= b (first[0] == 0)
-    while (hi - lo > 1) {
-        unsigned mid = (lo + hi) / 2;
-        if (table[mid] <= b) lo = mid; else hi = mid;
-    }
-    const u64* t = table + items + 9ull * lo;
-    const u64 local = b - table[lo], gx = t[8];
-    const u64 rows = t[3], cols = t[4];
+// The work of one thread of nvfp4x_finish_2d_many and nvfp4x_finish_2d_same: the 32 rows x 8
+// columns of the 64x512 block (bx, by) of one matrix that lane `lane` of warp `w` takes.
+__device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ rowwise,
+                                                const float* __restrict__ tiles,
+                                                const uint32_t* __restrict__ amax_word, u64 rows,
+                                                u64 cols, uint8_t* __restrict__ row_scales,
+                                                uint8_t* __restrict__ col_data,
+                                                uint8_t* __restrict__ col_scales, u64 bx, u64 by) {
     const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    const u64 c0 = (local % gx) * 512 + w * 128 + (lane % 16) * 8;
-    const u64 r0 = (local / gx) * 64 + (lane / 16) * 32;
+    const u64 c0 = bx * 512 + w * 128 + (lane % 16) * 8;
+    const u64 r0 = by * 64 + (lane / 16) * 32;
     if (c0 >= cols || r0 >= rows) return;
-    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
-    const float* tiles = reinterpret_cast<const float*>(t[1]);
     const float flt_max = __uint_as_float(0x7F7FFFFFu);
-    float amax = __uint_as_float(*reinterpret_cast<const uint32_t*>(t[2]));
+    float amax = __uint_as_float(*amax_word);
     float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
     if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
     const float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
-    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[5]);
-    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[6]);
-    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[7]);
-    // Device allocations: said so, the compiler emits global loads and stores (LDG/STG)
-    // instead of generic ones for addresses read from the table.
-    __builtin_assume(__isGlobal(rowwise));
-    __builtin_assume(__isGlobal(tiles));
-    __builtin_assume(__isGlobal(row_scales));
-    __builtin_assume(__isGlobal(col_data));
-    __builtin_assume(__isGlobal(col_scales));
     const u64 wpr = cols / 8, tr = rows / 16, tc = (cols + 15) / 16;
     uint32_t in[32];
 #pragma unroll
@@ -568,4 +553,64 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
 #pragma unroll
         for (int i = 16; i < 32; ++i) row_scales[(r0 + i) * tc + tcol] = s1;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
+    const u64* __restrict__ table, unsigned items) {
+    const u64 b = blockIdx.x;
+    unsigned lo = 0, hi = items;  // the last matrix whose first CTA is <= b (first[0] == 0)
+    while (hi - lo > 1) {
+        unsigned mid = (lo + hi) / 2;
+        if (table[mid] <= b) lo = mid; else hi = mid;
+    }
+    const u64* t = table + items + 9ull * lo;
+    const u64 local = b - table[lo], gx = t[8];
+    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const uint32_t* amax = reinterpret_cast<const uint32_t*>(t[2]);
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[5]);
+    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[6]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[7]);
+    // Device allocations: said so, the compiler emits global loads and stores (LDG/STG)
+    // instead of generic ones for addresses read from the table.
+    __builtin_assume(__isGlobal(rowwise));
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(amax));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_data));
+    __builtin_assume(__isGlobal(col_scales));
+    finish_2d_block(rowwise, tiles, amax, t[3], t[4], row_scales, col_data, col_scales,
+                    local % gx, local / gx);
+}
+
+// nvfp4x_finish_2d_many for matrices of one shape: grid (ceil(cols / 512), ceil(rows / 64),
+// matrices), the matrix blockIdx.z, its pointers in the kernel's parameters (uniform constant
+// reads; the 1-D kernel above finds its matrix by a binary search over a global table, a
+// chain of dependent L2 reads at every CTA's start). `ptrs` per matrix: rowwise, tiles, the
+// amax word, row_scales, col_data, col_scales. Same host checks and bytes as the 1-D kernel.
+#define FINISH2D_SAME_MAX 64
+struct Finish2dSameParams {
+    u64 rows, cols, items, pad;
+    u64 ptrs[FINISH2D_SAME_MAX][6];
+};
+// The host passes exactly these bytes (nvfp4.rs, FINISH2D_SAME_MAX rows).
+static_assert(sizeof(Finish2dSameParams) == 8 * (4 + FINISH2D_SAME_MAX * 6), "parameter layout");
+
+extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_same(
+    const Finish2dSameParams p) {
+    const u64* t = p.ptrs[blockIdx.z];
+    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const uint32_t* amax = reinterpret_cast<const uint32_t*>(t[2]);
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
+    __builtin_assume(__isGlobal(rowwise));
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(amax));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_data));
+    __builtin_assume(__isGlobal(col_scales));
+    finish_2d_block(rowwise, tiles, amax, p.rows, p.cols, row_scales, col_data, col_scales,
+                    blockIdx.x, blockIdx.y);
 }

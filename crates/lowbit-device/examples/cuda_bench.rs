@@ -161,6 +161,58 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
     }
 }
 
+/// Times the completion of gathered 2D NVFP4 weights for 16 Llama-3.2-1B layers (112
+/// matrices, one `nvfp4_finish_2d_many` per version: 3 one launch per shape, 2 one launch for
+/// all), against the copy bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes
+/// (n/64), writes the columnwise codes (n/2) and both scale copies (n/16 each).
+fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
+    let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
+    let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
+    let packed = dev.alloc(DType::U8, elems / 2);
+    dev.zero(packed).expect("zero");
+    let tiles = dev.alloc(DType::F32, elems / 256);
+    dev.fill(tiles, 0.75).expect("fill");
+    let bufs = [elems / 16, elems / 2, elems / 16].map(|n| dev.alloc(DType::U8, n));
+    let (mut e, mut t) = (0, 0);
+    let items: Vec<(usize, usize, lowbit_device::View, Nvfp4Views)> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let n = rows * cols;
+            let view = |b: lowbit_device::View, at: usize, len: usize| {
+                b.slice(at..at + len).expect("slice")
+            };
+            let out = Nvfp4Views {
+                rowwise: Some((view(packed, e / 2, n / 2), view(bufs[0], e / 16, n / 16))),
+                columnwise: Some((view(bufs[1], e / 2, n / 2), view(bufs[2], e / 16, n / 16))),
+            };
+            let item = (rows, cols, view(tiles, t, n / 256), out);
+            (e, t) = (e + n, t + n / 256);
+            item
+        })
+        .collect();
+    let bytes = elems as f64 * (0.5 + 1.0 / 64.0 + 0.5 + 2.0 / 16.0);
+    for version in [3, 2] {
+        dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)
+            .expect("variant");
+        let t = timed(dev, 20, |d| {
+            d.nvfp4_finish_2d_many(&items).expect("finish");
+        });
+        report(
+            &format!(
+                "nvfp4 2D completion Llama-3.2-1B x16 layers (112 matrices, nvfp4_finish_2d_many v{version})"
+            ),
+            t,
+            bytes,
+            copy_bw,
+        );
+    }
+    dev.free(packed).expect("free");
+    dev.free(tiles).expect("free");
+    for b in bufs {
+        dev.free(b).expect("free");
+    }
+}
+
 fn main() {
     let mut dev = Device::cuda(0).expect("a CUDA GPU");
     let n = 16384usize;
@@ -327,6 +379,7 @@ fn main() {
     for layers in [1, 16] {
         llama_requantize(&mut dev, x, layers, copy_bw);
     }
+    llama_nvfp4_finish(&mut dev, copy_bw);
     // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
     // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
     // and writes 0.5 + 1/16 B/element per copy.

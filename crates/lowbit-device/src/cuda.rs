@@ -139,9 +139,11 @@ pub(crate) struct CudaDevice {
     /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
     /// allows it. Same bytes.
     nvfp4_version: u32,
-    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 2 (the default: one
-    /// amax launch, one `nvfp4x_finish_2d_many` launch and one host read for all matrices) or 1
-    /// (one `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
+    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 3 (the default: one
+    /// amax launch, one `nvfp4x_finish_2d_same` launch per shape, the matrix a grid index, and
+    /// one host read for all matrices), 2 (the same with one `nvfp4x_finish_2d_many` launch for
+    /// every shape, each CTA searching its matrix in a global table) or 1 (one
+    /// `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
     nvfp4_finish_version: u32,
     /// Which kernels compute the blocked sums of squares (`sum_squares`, `sum_squares_each`,
     /// `mse_loss`): 0 (the default) picks per dtype, 3 for f32 and 2 for 16-bit inputs (3 where
@@ -237,7 +239,7 @@ impl CudaDevice {
             mxfp8_both_version: 4,
             mxfp8_many_version: 2,
             nvfp4_version: 5,
-            nvfp4_finish_version: 2,
+            nvfp4_finish_version: 3,
             sum_squares_version: 0,
             mxfp8x_version: 3,
             gemm: None,
@@ -455,7 +457,7 @@ impl CudaDevice {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 1 | 2) => self.mxfp8_many_version = version,
             ("nvfp4", 1..=5) => self.nvfp4_version = version,
-            ("nvfp4_finish_2d", 1 | 2) => self.nvfp4_finish_version = version,
+            ("nvfp4_finish_2d", 1..=3) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,

@@ -735,9 +735,10 @@ impl Device {
     /// CTA looks its matrix up);
     /// `("nvfp4", 1..=5)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
-    /// `("nvfp4_finish_2d", 1 | 2)`: how
-    /// [`Device::nvfp4_finish_2d_many`] runs, 2 by default: all matrices in two launches and one
-    /// host read, 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
+    /// `("nvfp4_finish_2d", 1..=3)`: how
+    /// [`Device::nvfp4_finish_2d_many`] runs, 3 by default: one launch per shape and one host
+    /// read, 2: all matrices in one launch (each CTA looks its matrix up), 1: one
+    /// `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
     /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
     /// H100, 0.75x with 2); `("sum_squares", 0..=3)`: the blocked sums of squares, 0 by default
     /// (3 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp

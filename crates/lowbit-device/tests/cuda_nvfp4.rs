@@ -533,23 +533,26 @@ fn nvfp4_finish_2d_matches() {
 
 /// Shapes of `nvfp4_finish_2d_many`: the batched kernel's (rows % 32 == 0, cols % 8 == 0: whole
 /// CTAs, a partial CTA row, a partial CTA column, cols % 16 == 8, a single thread row) and the
-/// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0).
-const FINISH_MANY_SHAPES: [(usize, usize); 8] = [
+/// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0); two shapes twice (one launch of the
+/// same-shape kernel, version 3, holds both).
+const FINISH_MANY_SHAPES: [(usize, usize); 10] = [
     (64, 96),
     (128, 1040),
     (96, 40),
     (32, 8),
     (64, 512),
     (70, 50),
+    (64, 96),
     (33, 34),
     (48, 64),
+    (128, 1040),
 ];
 
 #[test]
 fn nvfp4_finish_2d_many_matches() {
     let o = check("nvfp4 finish 2d many", false, |c| {
         let mut out = Vec::new();
-        for version in [2, 1] {
+        for version in [3, 2, 1] {
             c.dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)?;
             // Every shape from sharded quantization, outputs in fresh buffers.
             let mut parts = Vec::new();

@@ -11,6 +11,10 @@ use super::CudaDevice;
 use super::kernels::{NVFP4_FACTOR_INV, Nvfp4Quantize, capped, dt, nvfp4_rows_vec};
 use crate::{DType, Nvfp4Amax, Result, View};
 
+/// Matrices per launch of `nvfp4x_finish_2d_same`: its parameter struct's capacity
+/// (`FINISH2D_SAME_MAX` in `cuda/nvfp4.cu`; 3104 bytes of parameters).
+const FINISH2D_SAME_MAX: usize = 64;
+
 /// Which variants dispatch to the kernels (each only once bit-exact on a GPU).
 mod enabled {
     /// 2D (16x16 tile) scales.
@@ -237,7 +241,9 @@ impl CudaDevice {
         self.nvfp4_finish_version
     }
 
-    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path: each matrix's global amax (the
+    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 3, the default: the
+    /// qualifying matrices by shape, one `nvfp4x_finish_2d_same` launch per shape and 64
+    /// matrices; version 2: all of them in one `nvfp4x_finish_2d_many` launch): each matrix's global amax (the
     /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
     /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
     /// 16-byte aligned) completed by one `nvfp4x_finish_2d_many` launch, the others by one
@@ -267,6 +273,8 @@ impl CudaDevice {
         // item count is at most 65535 (checked above).
         unsafe { self.launch_u32_max_many(&tiles, amax.ptr)? };
         let (mut firsts, mut rows_of) = (Vec::new(), Vec::new());
+        // Version 3: the qualifying matrices by shape, for `nvfp4x_finish_2d_same`.
+        let mut same: Vec<([u64; 2], Vec<[u64; 6]>)> = Vec::new();
         let mut ctas = 0u64;
         for (i, &([rows, cols], tiles, [rd, rs, cd, cs])) in items.iter().enumerate() {
             let a = amax.ptr + 4 * i as u64;
@@ -278,6 +286,15 @@ impl CudaDevice {
                 && rdp.is_multiple_of(4)
                 && cdp.is_multiple_of(16)
             {
+                if self.nvfp4_finish_version == 3 {
+                    let key = [rows as u64, cols as u64];
+                    let row = [rdp, t, a, rsp, cdp, csp];
+                    match same.iter_mut().find(|(k, _)| *k == key) {
+                        Some((_, g)) => g.push(row),
+                        None => same.push((key, vec![row])),
+                    }
+                    continue;
+                }
                 let gx = cols.div_ceil(512) as u64;
                 firsts.push(ctas);
                 rows_of.extend([rdp, t, a, rows as u64, cols as u64, rsp, cdp, csp, gx]);
@@ -324,6 +341,44 @@ impl CudaDevice {
             return Err(crate::DeviceError::Unsupported(format!(
                 "nvfp4_finish_2d_many: {ctas} CTAs exceed the grid"
             )));
+        }
+        for ([rows, cols], group) in &same {
+            let (Ok(gx), Ok(gy)) = (
+                u32::try_from(cols.div_ceil(512)),
+                u32::try_from(rows.div_ceil(64)),
+            ) else {
+                return Err(crate::DeviceError::Unsupported(format!(
+                    "nvfp4_finish_2d_many: a {rows}x{cols} matrix exceeds the grid"
+                )));
+            };
+            if gy > 65535 {
+                return Err(crate::DeviceError::Unsupported(format!(
+                    "nvfp4_finish_2d_many: a {rows}x{cols} matrix exceeds the grid"
+                )));
+            }
+            for chunk in group.chunks(FINISH2D_SAME_MAX) {
+                let mut words = vec![0u64; 4 + 6 * FINISH2D_SAME_MAX];
+                words[..3].copy_from_slice(&[*rows, *cols, chunk.len() as u64]);
+                for (k, row) in chunk.iter().enumerate() {
+                    words[4 + 6 * k..][..6].copy_from_slice(row);
+                }
+                // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's
+                // FINISH2D_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
+                // one matrix's views of this launch's shape, validated by the caller with the
+                // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
+                // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
+                // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
+                // runs the 64x512 block (bx, by) of matrix k. No output overlaps another
+                // matrix's views (checked by the caller). The driver copies the parameters.
+                unsafe {
+                    self.launch_words(
+                        "nvfp4x_finish_2d_same",
+                        (gx, gy, chunk.len() as u32),
+                        (128, 1, 1),
+                        &mut words,
+                    )?;
+                }
+            }
         }
         let words = self.fetch(&amax)?;
         Ok(Some(words.into_iter().map(f32::from_bits).collect()))
