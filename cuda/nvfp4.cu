@@ -503,7 +503,10 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
 // the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
 // A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
 // The work of one thread of nvfp4x_finish_2d_many and nvfp4x_finish_2d_same: the 32 rows x 8
-// columns of the 64x512 block (bx, by) of one matrix that lane `lane` of warp `w` takes.
+// columns of the 64x512 block (bx, by) of one matrix that lane `lane` of warp `w` takes; with
+// SCALES, their scale bytes too (the same-shape kernel leaves those to nvfp4x_scales_2d_same:
+// written from here, each is a byte of a 32-byte sector that CTAs far apart in time share).
+template <bool SCALES>
 __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ rowwise,
                                                 const float* __restrict__ tiles,
                                                 const uint32_t* __restrict__ amax_word, u64 rows,
@@ -536,6 +539,7 @@ __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ row
         *reinterpret_cast<uint4*>(col_data + (c0 + j) * (rows / 2) + r0 / 2) =
             make_uint4(o[0], o[1], o[2], o[3]);
     }
+    if (!SCALES) return;
     const u64 kb = r0 / 16, tcol = c0 / 16;
     const uint8_t s0 = (uint8_t)e4m3_code(__fmul_rn(tiles[kb * tc + tcol], k));
     const uint8_t s1 = (uint8_t)e4m3_code(__fmul_rn(tiles[(kb + 1) * tc + tcol], k));
@@ -579,8 +583,8 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
     __builtin_assume(__isGlobal(row_scales));
     __builtin_assume(__isGlobal(col_data));
     __builtin_assume(__isGlobal(col_scales));
-    finish_2d_block(rowwise, tiles, amax, t[3], t[4], row_scales, col_data, col_scales,
-                    local % gx, local / gx);
+    finish_2d_block<true>(rowwise, tiles, amax, t[3], t[4], row_scales, col_data, col_scales,
+                          local % gx, local / gx);
 }
 
 // nvfp4x_finish_2d_many for matrices of one shape: grid (ceil(cols / 512), ceil(rows / 64),
@@ -611,6 +615,71 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_same(
     __builtin_assume(__isGlobal(row_scales));
     __builtin_assume(__isGlobal(col_data));
     __builtin_assume(__isGlobal(col_scales));
-    finish_2d_block(rowwise, tiles, amax, p.rows, p.cols, row_scales, col_data, col_scales,
-                    blockIdx.x, blockIdx.y);
+    finish_2d_block<false>(rowwise, tiles, amax, p.rows, p.cols, row_scales, col_data,
+                           col_scales, blockIdx.x, blockIdx.y);
+}
+
+// The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a
+// nvfp4x_finish_2d_same launch (the same parameters; rows % 32 == 0, so tr = rows / 16):
+// thread g of matrix blockIdx.z writes 16 consecutive scale bytes, the row scales' chunks
+// first, then the column scales', as one 16-byte store where the chunk is whole and aligned;
+// each byte is e4m3(tile amax · k) as nvfp4x_finish_2d computes it. Consecutive threads write
+// consecutive bytes, so every sector is written whole by one warp.
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_scales_2d_same(
+    const Finish2dSameParams p) {
+    const u64* t = p.ptrs[blockIdx.z];
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const uint32_t* amax_word = reinterpret_cast<const uint32_t*>(t[2]);
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(amax_word));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_scales));
+    const u64 rows = p.rows, cols = p.cols, tr = rows / 16, tc = (cols + 15) / 16;
+    const u64 nrs = rows * tc, ncs = cols * tr;
+    const u64 rchunks = (nrs + 15) / 16;
+    u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= rchunks + (ncs + 15) / 16) return;
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(*amax_word);
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    const float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    const bool row = g < rchunks;
+    uint8_t* out = row ? row_scales : col_scales;
+    const u64 n = row ? nrs : ncs, g0 = 16 * (row ? g : g - rchunks);
+    // Output byte g0 + j is (major, minor) = divmod(g0 + j, inner): row scales (row, tile
+    // column), tile (row / 16, tile column); column scales (column, tile row), tile (tile row,
+    // column / 16).
+    const u64 inner = row ? tc : tr;
+    // 32-bit division where it fits (always in practice): the 64-bit one is long emulated code.
+    u64 major, minor;
+    if (g0 <= 0xFFFFFFFFull && inner <= 0xFFFFFFFFull) {
+        major = (uint32_t)g0 / (uint32_t)inner;
+        minor = (uint32_t)g0 % (uint32_t)inner;
+    } else {
+        major = g0 / inner;
+        minor = g0 % inner;
+    }
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        if (g0 + j < n) {
+            const u64 tile = row ? (major / 16) * tc + minor : minor * tc + major / 16;
+            w[j / 4] |= (uint32_t)e4m3_code(__fmul_rn(tiles[tile], k)) << (8 * (j % 4));
+        }
+        if (++minor == inner) {
+            minor = 0;
+            ++major;
+        }
+    }
+    uint8_t* o = out + g0;
+    if (g0 + 16 <= n && ((uintptr_t)o & 15u) == 0) {
+        *reinterpret_cast<uint4*>(o) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            if (g0 + j < n) o[j] = (uint8_t)(w[j / 4] >> (8 * (j % 4)));
+    }
 }

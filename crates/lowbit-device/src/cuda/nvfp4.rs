@@ -242,8 +242,10 @@ impl CudaDevice {
     }
 
     /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 3, the default: the
-    /// qualifying matrices by shape, one `nvfp4x_finish_2d_same` launch per shape and 64
-    /// matrices; version 2: all of them in one `nvfp4x_finish_2d_many` launch): each matrix's global amax (the
+    /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same`
+    /// launch for the columnwise codes and one `nvfp4x_scales_2d_same` for both scale copies,
+    /// written 16 contiguous bytes per thread; version 2: all of them in one
+    /// `nvfp4x_finish_2d_many` launch, scales included): each matrix's global amax (the
     /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
     /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
     /// 16-byte aligned) completed by one `nvfp4x_finish_2d_many` launch, the others by one
@@ -375,6 +377,31 @@ impl CudaDevice {
                         "nvfp4x_finish_2d_same",
                         (gx, gy, chunk.len() as u32),
                         (128, 1, 1),
+                        &mut words,
+                    )?;
+                }
+                // The scales of the same matrices: 16 bytes per thread over the row scales
+                // (rows · ceil(cols/16)) and the column scales (cols · rows/16).
+                let chunks =
+                    (rows * cols.div_ceil(16)).div_ceil(16) + (cols * (rows / 16)).div_ceil(16);
+                let Some(sx) = usize::try_from(chunks)
+                    .ok()
+                    .and_then(|n| super::kernels::blocks(n, 256))
+                else {
+                    return Err(crate::DeviceError::Unsupported(format!(
+                        "nvfp4_finish_2d_many: the scales of a {rows}x{cols} matrix exceed the grid"
+                    )));
+                };
+                // SAFETY: the same parameters as the launch above; each matrix's row scales
+                // (rows·ceil(cols/16) bytes) and column scales (cols·rows/16) were validated
+                // by the caller, its tiles (rows/16 · ceil(cols/16) f32) too, and its amax word
+                // is written by `u32_max_many` before in stream order; every byte index the
+                // kernel writes is below those lengths (checked per byte).
+                unsafe {
+                    self.launch_words(
+                        "nvfp4x_scales_2d_same",
+                        (sx, 1, chunk.len() as u32),
+                        (256, 1, 1),
                         &mut words,
                     )?;
                 }
