@@ -14,6 +14,7 @@
 // (the host checks). Dtype codes: 0 = f32, 1 = bf16, 2 = f16.
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 typedef unsigned long long u64;
@@ -1633,6 +1634,20 @@ __device__ __forceinline__ uint32_t e5m2_code(float x) {
     return a > 0x7F800000u ? 0x7Fu : (code | sign);
 }
 
+// Two codes at once by the hardware conversion (cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE,
+// +-Inf and overflow to +-max), a's in the low byte: e4m3_code / e5m2_code's bytes, with E5M2
+// NaN forced to 0x7F as they give it (E4M3's hardware NaN code is 0x7F already; mxfp8x.cu's
+// mx_encode8 does the same and is checked against the CPU on the GPU).
+__device__ __forceinline__ uint32_t fp8x2_code(float a, float b, uint32_t e5m2) {
+    uint32_t p = e5m2 ? __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E5M2)
+                      : __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    if (e5m2) {
+        if (a != a) p = (p & 0xFF00u) | 0x7Fu;
+        if (b != b) p = (p & 0x00FFu) | 0x7F00u;
+    }
+    return p;
+}
+
 // Smallest power of two >= |x| as E8M0 (lowbit_formats::scalar::e8m0_from_f32).
 __device__ __forceinline__ uint32_t e8m0_code(float x) {
     uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
@@ -1917,13 +1932,11 @@ __device__ __forceinline__ void stage2d_mxfp8_unit(const Stage2d& s) {
             uint32_t w[8];
 #pragma unroll
             for (int q = 0; q < 8; ++q) {
-                uint32_t acc = 0;
-#pragma unroll
-                for (int h = 0; h < 4; ++h) {
-                    float y = __fmul_rn(v[4 * q + h], sc);
-                    acc |= (s.e5m2 ? e5m2_code(y) : e4m3_code(y)) << (8 * h);
-                }
-                w[q] = acc;
+                uint32_t lo = fp8x2_code(__fmul_rn(v[4 * q], sc), __fmul_rn(v[4 * q + 1], sc),
+                                         s.e5m2);
+                uint32_t hi = fp8x2_code(__fmul_rn(v[4 * q + 2], sc),
+                                         __fmul_rn(v[4 * q + 3], sc), s.e5m2);
+                w[q] = lo | (hi << 16);
             }
             uint4* p = reinterpret_cast<uint4*>(o);
             p[0] = make_uint4(w[0], w[1], w[2], w[3]);
