@@ -121,11 +121,11 @@ pub(crate) struct CudaDevice {
     /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
     /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
     mxfp8_both_version: u32,
-    /// How `quantize_mxfp8_many` launches version 4: 2 (the default: one launch per group of
-    /// matrices of one shape, `mxfp8_both_e4m3_bf16_v4_same`, grid (tiles across, tile rows,
-    /// matrices): no lookup at CTA start) or 1 (every shape in one launch,
-    /// `mxfp8_both_e4m3_bf16_v4_many`, each CTA searching its matrix in the parameter table).
-    /// Same bytes.
+    /// How `quantize_mxfp8_many` launches version 4: 2 (one launch per group of matrices of
+    /// one shape, `mxfp8_both_e4m3_bf16_v4_same`, grid (tiles across, tile rows, matrices): no
+    /// lookup at CTA start), 1 (every shape in one launch, `mxfp8_both_e4m3_bf16_v4_many`, each
+    /// CTA searching its matrix in the parameter table) or 0 (the default: 2 where its launches
+    /// average at least four matrices, else 1). Same bytes.
     mxfp8_many_version: u32,
     /// Which kernels run the bf16 amax pass and the NVFP4 codes: 5 (the default: both copies
     /// from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
@@ -237,7 +237,7 @@ impl CudaDevice {
             tables: None,
             tables_ptr: 0,
             mxfp8_both_version: 4,
-            mxfp8_many_version: 2,
+            mxfp8_many_version: 0,
             nvfp4_version: 5,
             nvfp4_finish_version: 3,
             sum_squares_version: 0,
@@ -455,7 +455,7 @@ impl CudaDevice {
     pub(crate) fn set_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
-            ("mxfp8_many", 1 | 2) => self.mxfp8_many_version = version,
+            ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
             ("nvfp4", 1..=5) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=3) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,

@@ -730,9 +730,9 @@ impl Device {
 
     /// Selects one of several versions of a CUDA kernel, for benchmarks and tests that compare
     /// them (`("mxfp8_both", 1 | 4 | 5)`: the rowwise + columnwise MXFP8 kernel, 4 by default;
-    /// `("mxfp8_many", 1 | 2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 2 by
-    /// default: one launch per shape (the matrix is a grid index), 1: one launch for all (each
-    /// CTA looks its matrix up);
+    /// `("mxfp8_many", 0..=2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 0 by
+    /// default: 2 where its launches average at least four matrices, else 1; 2: one launch per
+    /// shape (the matrix is a grid index), 1: one launch for all (each CTA looks its matrix up);
     /// `("nvfp4", 1..=5)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
     /// `("nvfp4_finish_2d", 1..=3)`: how

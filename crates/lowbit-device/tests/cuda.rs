@@ -835,9 +835,9 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             (33, 72, DType::F16, 3, 1),
         ];
         let mut out = Vec::new();
-        // (mxfp8_both, mxfp8_many): version 4 in one launch per shape (2) and in one launch
-        // for all (1); versions 1 and 5 take the per-item path.
-        for (version, many) in [(4, 2), (4, 1), (1, 2), (5, 2)] {
+        // (mxfp8_both, mxfp8_many): version 4 in one launch per shape (2), in one launch for
+        // all (1) and as chosen (0); versions 1 and 5 take the per-item path.
+        for (version, many) in [(4, 2), (4, 1), (4, 0), (1, 2), (5, 2)] {
             c.dev.set_cuda_kernel_variant("mxfp8_both", version)?;
             c.dev.set_cuda_kernel_variant("mxfp8_many", many)?;
             let seed = 7000 + 100 * u64::from(version) + u64::from(many);
@@ -895,7 +895,7 @@ fn mxfp8_many_matches_per_item_and_cpu() {
         let n: usize = shapes.iter().map(|s| s.0 * s.1).sum();
         let src = c.rand(DType::Bf16, n, 7900);
         let room: usize = shapes.iter().map(|s| 3 * s.0 * s.1 + 64).sum();
-        for many in [1, 2] {
+        for many in [1, 2, 0] {
             c.dev.set_cuda_kernel_variant("mxfp8_many", many)?;
             // Fresh garbage for each version, so that bytes a launch left out would differ.
             let seed = 7901 + u64::from(many);
@@ -911,6 +911,7 @@ fn mxfp8_many_matches_per_item_and_cpu() {
             }
             out.push(many_matches_per_item(c, bufs, &sets)?);
         }
+        c.dev.set_cuda_kernel_variant("mxfp8_many", 0)?;
         Ok(out)
     });
 }
