@@ -403,8 +403,11 @@ impl DataParallelBuffers {
             let ready = if self.buffers[group.buffer].shards_grads() {
                 matches!(group.grad_comm, GradComm::Filling(_))
             } else {
+                // Not launched, and not one the backward should have launched (refused by
+                // `finish_grad_sync`), and in place.
+                let due_from_backward = self.cfg.overlap.grad_reduce() && !self.first_batch;
                 !group.grad_reduce_started
-                    && !(self.cfg.overlap.grad_reduce() && !self.first_batch)
+                    && !due_from_backward
                     && self.comm_dtype(g) == self.buffers[group.buffer].grads.dtype()
             };
             if ready {

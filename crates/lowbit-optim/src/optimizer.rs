@@ -678,9 +678,12 @@ mod tests {
             }
             Ok(())
         };
-        let mut reductions = StagedReductions::new(4, &stage_of, &mut complete);
-        let split = widened_sum_squares_overlapped(&mut dev, pieces, &mut reductions).unwrap();
-        drop(reductions);
+        let split = widened_sum_squares_overlapped(
+            &mut dev,
+            pieces,
+            &mut StagedReductions::new(4, &stage_of, &mut complete),
+        )
+        .unwrap();
         assert_eq!(completed, [1, 2, 3, 4]);
         assert_eq!(split.to_bits(), plain.to_bits());
     }

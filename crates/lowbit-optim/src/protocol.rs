@@ -112,9 +112,10 @@ pub fn finish_grad_sync_and_norm(
         bufs.finish_grad_sync_except(d, comm, &order[k.min(stages)..])?;
         Ok(())
     };
-    let mut reductions = StagedReductions::new(stages, &stage_of, &mut complete);
-    let local = opt.local_sum_squares_overlapped(dev, &mut reductions);
-    drop(reductions);
+    let local = opt.local_sum_squares_overlapped(
+        dev,
+        &mut StagedReductions::new(stages, &stage_of, &mut complete),
+    );
     // Every stage is complete after `Ok`; after an error, leave no reduction in flight behind
     // it (the next `begin` would refuse); the first error is the one reported.
     let local = match local {

@@ -81,13 +81,14 @@ mod tests {
             Ok(())
         };
         let stage_of = |p: usize| p;
-        let mut r = StagedReductions::new(3, &stage_of, &mut complete);
-        assert_eq!((r.stages(), r.stage_of(1), r.stage_of(9)), (3, 1, 3));
-        r.complete_through(&mut dev, 2).unwrap();
-        r.complete_through(&mut dev, 1).unwrap();
-        r.complete_through(&mut dev, 7).unwrap();
-        r.complete_all(&mut dev).unwrap();
-        drop(r);
+        {
+            let mut r = StagedReductions::new(3, &stage_of, &mut complete);
+            assert_eq!((r.stages(), r.stage_of(1), r.stage_of(9)), (3, 1, 3));
+            r.complete_through(&mut dev, 2).unwrap();
+            r.complete_through(&mut dev, 1).unwrap();
+            r.complete_through(&mut dev, 7).unwrap();
+            r.complete_all(&mut dev).unwrap();
+        }
         assert_eq!(calls, [1, 2, 3]);
     }
 }

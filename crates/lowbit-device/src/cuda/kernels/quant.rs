@@ -52,6 +52,10 @@ const MXFP8_MANY_MAX: usize = 64;
 /// (`MXFP8_SAME_MAX` in `cuda/mxfp8.cu`; 2592 bytes of parameters).
 const MXFP8_SAME_MAX: usize = 64;
 
+/// Matrices of one (rows, cols, `vec`) for `mxfp8_both_e4m3_bf16_v4_same`: the key and each
+/// matrix's item index and table row.
+type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
+
 /// Matrices per launch of `mxfp8_scales_2d_many`: its parameter struct's capacity
 /// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
 const SCALES2D_MAX: usize = 64;
@@ -291,7 +295,7 @@ impl CudaDevice {
         rest: &mut Vec<usize>,
     ) -> Result<()> {
         // Groups of one (rows, cols, vec), in order of first appearance.
-        let mut groups: Vec<([u64; 3], Vec<(usize, [u64; 9])>)> = Vec::new();
+        let mut groups: Vec<SameShape> = Vec::new();
         for &(i, (row, _)) in rows {
             let key = [row[5], row[6], row[8]];
             match groups.iter_mut().find(|(k, _)| *k == key) {
