@@ -587,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
                           local % gx, local / gx);
 }
 
-// nvfp4x_finish_2d_many for matrices of one shape: grid (ceil(cols / 512), ceil(rows / 64),
+// nvfp4x_finish_2d_many for matrices of one shape: grid (ceil(cols / 256), ceil(rows / 256),
 // matrices), the matrix blockIdx.z, its pointers in the kernel's parameters (uniform constant
 // reads; the 1-D kernel above finds its matrix by a binary search over a global table, a
 // chain of dependent L2 reads at every CTA's start). `ptrs` per matrix: rowwise, tiles, the
@@ -600,23 +600,54 @@ struct Finish2dSameParams {
 // The host passes exactly these bytes (nvfp4.rs, FINISH2D_SAME_MAX rows).
 static_assert(sizeof(Finish2dSameParams) == 8 * (4 + FINISH2D_SAME_MAX * 6), "parameter layout");
 
-extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_same(
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     const Finish2dSameParams p) {
+    // The columnwise codes of a 256-row x 256-column tile of matrix blockIdx.z (its scales:
+    // nvfp4x_scales_2d_same). Thread (lane, warp) loads the word of columns 8·lane .. + 7 of
+    // tile rows 32·warp .. + 31 (each warp load reads 128 contiguous bytes of one row),
+    // transposes the 32x8 nibbles in registers as finish_2d_block does, and puts each column's
+    // 16 bytes into a shared tile of 256 columns x 8 chunks of 16 bytes (chunk `warp` of the
+    // column, stored at chunk warp ^ (lane % 8): the 8 lanes of a 16-byte phase then meet 8
+    // distinct bank groups); after a barrier every column's 128 bytes (256 rows) go out as 8
+    // lanes' 16-byte stores, a 128-byte run per column where finish_2d_block writes 32 bytes.
+    // Chunks past `rows` or columns past `cols` are neither loaded nor stored (rows % 32 == 0,
+    // cols % 8 == 0: a chunk or a word lies wholly inside or outside).
+    __shared__ uint4 out[256][8];
     const u64* t = p.ptrs[blockIdx.z];
     const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
-    const float* tiles = reinterpret_cast<const float*>(t[1]);
-    const uint32_t* amax = reinterpret_cast<const uint32_t*>(t[2]);
-    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
     uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
-    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
     __builtin_assume(__isGlobal(rowwise));
-    __builtin_assume(__isGlobal(tiles));
-    __builtin_assume(__isGlobal(amax));
-    __builtin_assume(__isGlobal(row_scales));
     __builtin_assume(__isGlobal(col_data));
-    __builtin_assume(__isGlobal(col_scales));
-    finish_2d_block<false>(rowwise, tiles, amax, p.rows, p.cols, row_scales, col_data,
-                           col_scales, blockIdx.x, blockIdx.y);
+    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 r0 = (u64)blockIdx.y * 256, c0 = (u64)blockIdx.x * 256;
+    const u64 r = r0 + 32 * warp, c = c0 + 8 * lane;
+    if (r < rows && c < cols) {
+        uint32_t in[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t o[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                uint32_t v = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v |= ((in[8 * q + i] >> (4 * j)) & 0xFu) << (4 * i);
+                o[q] = v;
+            }
+            out[8 * lane + j][warp ^ (lane % 8)] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    __syncthreads();
+    const u64 rb = rows / 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const unsigned g = 256 * k + threadIdx.x, cl = g / 8, q = g % 8;
+        const u64 cc = c0 + cl, rr = r0 + 32 * q;
+        if (cc < cols && rr < rows)
+            *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][q ^ ((cl / 8) % 8)];
+    }
 }
 
 // The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a

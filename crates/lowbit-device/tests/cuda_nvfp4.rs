@@ -534,8 +534,10 @@ fn nvfp4_finish_2d_matches() {
 /// Shapes of `nvfp4_finish_2d_many`: the batched kernel's (rows % 32 == 0, cols % 8 == 0: whole
 /// CTAs, a partial CTA row, a partial CTA column, cols % 16 == 8, a single thread row) and the
 /// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0); two shapes twice (one launch of the
-/// same-shape kernel, version 3, holds both).
-const FINISH_MANY_SHAPES: [(usize, usize); 10] = [
+/// same-shape kernel, version 3, holds both); partial 256x256 tiles of version 3 in both
+/// directions (320 x 264).
+const FINISH_MANY_SHAPES: [(usize, usize); 11] = [
+    (320, 264),
     (64, 96),
     (128, 1040),
     (96, 40),

@@ -346,8 +346,8 @@ impl CudaDevice {
         }
         for ([rows, cols], group) in &same {
             let (Ok(gx), Ok(gy)) = (
-                u32::try_from(cols.div_ceil(512)),
-                u32::try_from(rows.div_ceil(64)),
+                u32::try_from(cols.div_ceil(256)),
+                u32::try_from(rows.div_ceil(256)),
             ) else {
                 return Err(crate::DeviceError::Unsupported(format!(
                     "nvfp4_finish_2d_many: a {rows}x{cols} matrix exceeds the grid"
@@ -370,13 +370,14 @@ impl CudaDevice {
                 // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
                 // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
                 // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
-                // runs the 64x512 block (bx, by) of matrix k. No output overlaps another
-                // matrix's views (checked by the caller). The driver copies the parameters.
+                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k. No
+                // output overlaps another matrix's views (checked by the caller). The driver
+                // copies the parameters.
                 unsafe {
                     self.launch_words(
                         "nvfp4x_finish_2d_same",
                         (gx, gy, chunk.len() as u32),
-                        (128, 1, 1),
+                        (256, 1, 1),
                         &mut words,
                     )?;
                 }
