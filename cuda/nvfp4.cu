@@ -502,11 +502,10 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
 // 32-byte sector); the two tile rows' scales go to the 8 columns' columnwise scales and (by
 // the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
 // A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
-// The work of one thread of nvfp4x_finish_2d_many and nvfp4x_finish_2d_same: the 32 rows x 8
-// columns of the 64x512 block (bx, by) of one matrix that lane `lane` of warp `w` takes; with
-// SCALES, their scale bytes too (the same-shape kernel leaves those to nvfp4x_scales_2d_same:
-// written from here, each is a byte of a 32-byte sector that CTAs far apart in time share).
-template <bool SCALES>
+// The work of one thread of nvfp4x_finish_2d_many: the 32 rows x 8 columns of the 64x512 block
+// (bx, by) of one matrix that lane `lane` of warp `w` takes, codes and scale bytes (the
+// same-shape kernels below write 128-byte runs of codes per column and whole sectors of scales
+// instead: here each scale byte shares its sector with CTAs far apart in time).
 __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ rowwise,
                                                 const float* __restrict__ tiles,
                                                 const uint32_t* __restrict__ amax_word, u64 rows,
@@ -539,7 +538,6 @@ __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ row
         *reinterpret_cast<uint4*>(col_data + (c0 + j) * (rows / 2) + r0 / 2) =
             make_uint4(o[0], o[1], o[2], o[3]);
     }
-    if (!SCALES) return;
     const u64 kb = r0 / 16, tcol = c0 / 16;
     const uint8_t s0 = (uint8_t)e4m3_code(__fmul_rn(tiles[kb * tc + tcol], k));
     const uint8_t s1 = (uint8_t)e4m3_code(__fmul_rn(tiles[(kb + 1) * tc + tcol], k));
@@ -583,8 +581,8 @@ extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
     __builtin_assume(__isGlobal(row_scales));
     __builtin_assume(__isGlobal(col_data));
     __builtin_assume(__isGlobal(col_scales));
-    finish_2d_block<true>(rowwise, tiles, amax, t[3], t[4], row_scales, col_data, col_scales,
-                          local % gx, local / gx);
+    finish_2d_block(rowwise, tiles, amax, t[3], t[4], row_scales, col_data, col_scales,
+                    local % gx, local / gx);
 }
 
 // nvfp4x_finish_2d_many for matrices of one shape: grid (ceil(cols / 256), ceil(rows / 256),
