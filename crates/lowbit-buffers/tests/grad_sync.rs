@@ -228,3 +228,67 @@ fn the_reference_distinguishes_the_orders() {
         assert_ne!(bits(&pre), bits(&avg), "{grad:?}");
     }
 }
+
+/// With another wire dtype (fp32 gradients reduced in bf16 through a transient bucket per
+/// group) `launch_grad_syncs` launches nothing ahead (one transient bucket at a time), and a
+/// completion in stages (`grad_sync_order`, `finish_grad_sync_except`) reduces to the bits of
+/// `finish_grad_sync`; with overlapped reduction every group launched by the backward comes
+/// first in the order.
+#[test]
+fn staged_completion_with_a_transient_wire_dtype_gives_the_same_bits() {
+    for overlap in [Overlap::None, Overlap::GradReduce] {
+        let dp = 2;
+        let grads = run(dp, |mut comm, mut dev| {
+            let rank = lowbit_comm::Communicator::rank(&comm);
+            let dev = &mut dev;
+            let mut out = Vec::new();
+            for staged in [false, true] {
+                let cfg = DdpConfig::default()
+                    .with_overlap(overlap)
+                    .with_bucket_size(Some(BUCKET))
+                    .with_grad_comm_dtype(Some(GradDType::Bf16))
+                    .with_verify(Verify::Full);
+                let specs = specs(GradDType::F32);
+                let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
+                let groups: Vec<usize> = (0..bufs.num_groups()).collect();
+                // Two batches: the first collects the golden counts of overlapped reduction.
+                for batch in 0..2 {
+                    bufs.zero_grad_buffer(dev).unwrap();
+                    for p in (0..specs.len()).rev() {
+                        let dst = bufs.accumulation_view(dev, p).unwrap();
+                        add_into(dev, &grad_values(batch, rank, p, specs[p].numel), dst);
+                        if overlap.grad_reduce() {
+                            bufs.register_grad_ready(dev, &mut comm, p).unwrap();
+                        }
+                    }
+                    if staged {
+                        let in_flight = bufs.grad_reduce_in_flight();
+                        bufs.launch_grad_syncs(dev, &mut comm).unwrap();
+                        assert_eq!(bufs.grad_reduce_in_flight(), in_flight, "{overlap:?}");
+                        let order = bufs.grad_sync_order();
+                        assert_eq!(order[..in_flight.len()], in_flight, "{overlap:?}");
+                        let mut sorted = order.clone();
+                        sorted.sort_unstable();
+                        assert_eq!(sorted, groups, "{overlap:?}");
+                        for k in 0..=order.len() {
+                            bufs.finish_grad_sync_except(dev, &mut comm, &order[k..])
+                                .unwrap();
+                            assert_eq!(bufs.grad_sync_order(), order[k..], "{overlap:?}");
+                        }
+                    }
+                    bufs.finish_grad_sync(dev, &mut comm).unwrap();
+                }
+                let mut all = Vec::new();
+                for s in bufs.owned_shards().unwrap() {
+                    all.extend(download_f32(dev, s.grad_view));
+                }
+                out.push(all);
+            }
+            out
+        });
+        for (rank, [plain, staged]) in grads.iter().map(|g| [&g[0], &g[1]]).enumerate() {
+            assert!(!plain.is_empty(), "{overlap:?}, rank {rank}");
+            assert_same_bits(plain, staged, &format!("{overlap:?}, rank {rank}"));
+        }
+    }
+}
