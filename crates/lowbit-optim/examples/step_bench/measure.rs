@@ -386,8 +386,9 @@ pub struct StepRun {
     /// Per iteration: zeroing the gradient buffer as `begin_iteration` does it (after staging).
     pub zero: Vec<f64>,
     /// Per iteration: `protocol::finish_grad_sync_and_norm` (the reduce-scatter and the norm as
-    /// the one-call step runs them).
+    /// the one-call step runs them), and `finish_grad_sync` alone in the iterations between.
     pub rs_norm: Vec<f64>,
+    pub rs_alone: Vec<f64>,
     /// Whole steps (`protocol::finish_grad_sync_and_step`, or with `--step-call two`
     /// `finish_grad_sync` + `protocol::step`), no synchronization inside.
     pub totals: Vec<f64>,
@@ -496,21 +497,33 @@ pub fn step_rank(
         }
     }
     // The reduce-scatter and the norm as the one-call step runs them (each group's sum of
-    // squares launched as soon as its reduction completes); the rest of the step untimed.
-    let mut rs_norm = Vec::new();
-    for i in 0..s.reps.0 + s.reps.1 {
+    // squares launched as soon as its reduction completes), alternating with the
+    // reduce-scatter alone in the same loop, so that the difference of their medians is the
+    // norm's share and not a difference between two loops; the rest of the step untimed.
+    let (mut rs_norm, mut rs_alone) = (Vec::new(), Vec::new());
+    for i in 0..2 * (s.reps.0 + s.reps.1) {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
         grads.backward(dev, &mut bufs, 0..n)?;
         let (b, o) = (&mut bufs, &mut opt);
-        let (norm, secs) = timed(dev, comm, |d, c| {
-            Ok(protocol::finish_grad_sync_and_norm(d, c, b, o)?)
-        })?;
+        let with_norm = i % 2 == 1;
+        let (norm, secs) = if with_norm {
+            timed(dev, comm, |d, c| {
+                Ok(protocol::finish_grad_sync_and_norm(d, c, b, o)?)
+            })?
+        } else {
+            let ((), secs) = timed(dev, comm, |d, c| Ok(b.finish_grad_sync(d, c)?))?;
+            (protocol::global_grad_norm(dev, comm, b, o)?, secs)
+        };
         let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
         o.apply(dev, b, clip)?;
         o.stage(dev, comm, b, true)?;
         b.sync_params(dev, comm)?;
-        if i >= s.reps.0 {
-            rs_norm.push(secs);
+        if i >= 2 * s.reps.0 {
+            if with_norm {
+                rs_norm.push(secs);
+            } else {
+                rs_alone.push(secs);
+            }
         }
     }
     let mut totals = Vec::new();
@@ -535,6 +548,7 @@ pub fn step_rank(
         phases,
         zero,
         rs_norm,
+        rs_alone,
         totals,
         bounds,
         traffic,
