@@ -488,20 +488,6 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
     }
 }
 
-// nvfp4x_finish_2d over many matrices in one launch (the completion of every gathered 2D weight:
-// one launch instead of one per matrix, and no host round trip per matrix: each matrix's global
-// amax is a device word, the max of its tile amaxes from ops.cu's `u32_max_many`, and k is made
-// from it here exactly as `nvfp4_params` makes params[0]). `table` holds, for `items` matrices,
-// first their first CTA indices (ascending from 0), then 9 words per matrix: rowwise, tiles,
-// the amax word's address, rows, cols, row_scales, col_data, col_scales and the CTAs across
-// (ceil(cols / 512)). Host-checked per matrix: rows % 32 == 0, cols % 8 == 0, rowwise 4-byte
-// and col_data 16-byte aligned, every view as for nvfp4x_finish_2d, no output overlapping
-// another matrix's views. A thread takes 32 rows x 8 columns: 32 coalesced word loads (lanes
-// 0-15 read 64 contiguous bytes of a row, lanes 16-31 the row 32 below), the 8x32 nibble
-// transpose in registers, and per column one 16-byte store (two lanes fill a column's
-// 32-byte sector); the two tile rows' scales go to the 8 columns' columnwise scales and (by
-// the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
-// A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
 // The work of one thread of nvfp4x_finish_2d_many: the 32 rows x 8 columns of the 64x512 block
 // (bx, by) of one matrix that lane `lane` of warp `w` takes, codes and scale bytes (the
 // same-shape kernels below write 128-byte runs of codes per column and whole sectors of scales
@@ -557,6 +543,20 @@ __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ row
     }
 }
 
+// nvfp4x_finish_2d over many matrices in one launch (the completion of every gathered 2D weight:
+// one launch instead of one per matrix, and no host round trip per matrix: each matrix's global
+// amax is a device word, the max of its tile amaxes from ops.cu's `u32_max_many`, and k is made
+// from it here exactly as `nvfp4_params` makes params[0]). `table` holds, for `items` matrices,
+// first their first CTA indices (ascending from 0), then 9 words per matrix: rowwise, tiles,
+// the amax word's address, rows, cols, row_scales, col_data, col_scales and the CTAs across
+// (ceil(cols / 512)). Host-checked per matrix: rows % 32 == 0, cols % 8 == 0, rowwise 4-byte
+// and col_data 16-byte aligned, every view as for nvfp4x_finish_2d, no output overlapping
+// another matrix's views. A thread takes 32 rows x 8 columns: 32 coalesced word loads (lanes
+// 0-15 read 64 contiguous bytes of a row, lanes 16-31 the row 32 below), the 8x32 nibble
+// transpose in registers, and per column one 16-byte store (two lanes fill a column's
+// 32-byte sector); the two tile rows' scales go to the 8 columns' columnwise scales and (by
+// the even word column, or both tile rows when it is the last) to the 32 rows' rowwise scales.
+// A CTA (4 warps side by side) covers 64 rows x 512 columns. Same bytes as nvfp4x_finish_2d.
 extern "C" __global__ void __launch_bounds__(128) nvfp4x_finish_2d_many(
     const u64* __restrict__ table, unsigned items) {
     const u64 b = blockIdx.x;

@@ -624,6 +624,38 @@ fn nvfp4_finish_2d_many_matches() {
                     .into_iter()
                     .map(f64::from),
             );
+            // 70 matrices of one shape: more than one launch of the same-shape kernels holds
+            // (64), so version 3 splits them.
+            let (rows, cols, e) = (32, 64, 70);
+            let x = c.buf(DType::Bf16, &values(e * rows * cols, 3100, false));
+            let tiles = c.buf(DType::F32, &vec![0.0; e * 8]);
+            let packed = c.rand(DType::U8, e * rows * cols / 2, 3101);
+            let (n2, n16) = (rows * cols / 2, rows * cols / 16);
+            let rs = c.rand(DType::U8, e * n16, 3102);
+            let cd = c.rand(DType::U8, e * n2, 3103);
+            let cs = c.rand(DType::U8, e * n16, 3104);
+            let mut many = Vec::new();
+            for k in 0..e {
+                let xk = x.slice(k * rows * cols..(k + 1) * rows * cols)?;
+                let tk = tiles.slice(k * 8..(k + 1) * 8)?;
+                c.dev.nvfp4_fold_tile_amax_2d(xk, 0, cols, tk)?;
+                let pk = packed.slice(k * n2..(k + 1) * n2)?;
+                c.dev.nvfp4_quantize_2d_range(xk, 0, cols, tk, pk)?;
+                let views = Nvfp4Views {
+                    rowwise: Some((pk, rs.slice(k * n16..(k + 1) * n16)?)),
+                    columnwise: Some((
+                        cd.slice(k * n2..(k + 1) * n2)?,
+                        cs.slice(k * n16..(k + 1) * n16)?,
+                    )),
+                };
+                many.push((rows, cols, tk, views));
+            }
+            out.extend(
+                c.dev
+                    .nvfp4_finish_2d_many(&many)?
+                    .into_iter()
+                    .map(f64::from),
+            );
             // Nothing to do, and one matrix alone.
             out.extend(c.dev.nvfp4_finish_2d_many(&[])?.into_iter().map(f64::from));
             let one = [experts[0]];

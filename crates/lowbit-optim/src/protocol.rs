@@ -92,9 +92,37 @@ pub fn finish_grad_sync_and_norm(
     bufs: &mut DataParallelBuffers,
     opt: &mut dyn Optimizer,
 ) -> Result<f32> {
-    // Stage k completes the k-th group of the order (launching it first if it was not), and
-    // stage 0 everything outside the order (with hybrid sharding: everything).
-    // Every reduction that can is launched first, so that none queues behind a sum.
+    let local = staged_local_sum_squares(dev, comm, bufs, opt);
+    // Every stage is complete after `Ok`; after an error (a launch's non-finite check, the
+    // optimizer's sum, a completion), leave no reduction in flight behind it (the next `begin`
+    // would refuse); the first error is the one reported.
+    let local = match local {
+        Ok(l) => l,
+        Err(e) => {
+            if !bufs.grad_reduce_in_flight().is_empty() {
+                let _ = bufs.finish_grad_sync(dev, comm);
+            }
+            return Err(e);
+        }
+    };
+    if !bufs.grad_reduce_in_flight().is_empty() {
+        // An optimizer that returned before completing every stage breaks the trait's
+        // contract; the reductions are completed all the same.
+        bufs.finish_grad_sync(dev, comm)?;
+    }
+    norm_from_local(dev, comm, bufs, local)
+}
+
+/// This rank's sum of squares with the reductions completed in stages: every reduction that can
+/// is launched first (so that none queues behind a sum), stage 0 completes everything outside
+/// [`DataParallelBuffers::grad_sync_order`] (with hybrid sharding: everything), stage k the k-th
+/// group of that order, and `opt` sums each stage's pieces as soon as it is complete.
+fn staged_local_sum_squares(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+) -> Result<f64> {
     bufs.launch_grad_syncs(dev, comm)?;
     let order = bufs.grad_sync_order();
     bufs.finish_grad_sync_except(dev, comm, &order)?;
@@ -112,27 +140,10 @@ pub fn finish_grad_sync_and_norm(
         bufs.finish_grad_sync_except(d, comm, &order[k.min(stages)..])?;
         Ok(())
     };
-    let local = opt.local_sum_squares_overlapped(
+    opt.local_sum_squares_overlapped(
         dev,
         &mut StagedReductions::new(stages, &stage_of, &mut complete),
-    );
-    // Every stage is complete after `Ok`; after an error, leave no reduction in flight behind
-    // it (the next `begin` would refuse); the first error is the one reported.
-    let local = match local {
-        Ok(l) => l,
-        Err(e) => {
-            if !bufs.grad_reduce_in_flight().is_empty() {
-                let _ = bufs.finish_grad_sync(dev, comm);
-            }
-            return Err(e);
-        }
-    };
-    if !bufs.grad_reduce_in_flight().is_empty() {
-        // An optimizer that returned before completing every stage breaks the trait's
-        // contract; the reductions are completed all the same.
-        bufs.finish_grad_sync(dev, comm)?;
-    }
-    norm_from_local(dev, comm, bufs, local)
+    )
 }
 
 /// The rest of [`step`] once the gradient norm is known.

@@ -299,3 +299,48 @@ fn an_error_in_the_one_call_step_leaves_no_reduction_in_flight() {
         assert_eq!(trainer.optimizer().steps(), 2);
     });
 }
+
+/// A non-finite gradient found while the one-call step launches the reductions (the first
+/// batch: no golden counts yet, so the backward launched none) leaves no reduction in flight:
+/// the groups launched before the failing one are completed, the error names the parameter on
+/// every rank, and nothing stepped.
+#[test]
+fn a_non_finite_gradient_found_at_launch_leaves_no_reduction_in_flight() {
+    run(DP, |mut comm, mut dev| {
+        let dev = &mut dev;
+        let specs = specs(MXFP8, GradDType::F32, true);
+        let init = init_values(&specs);
+        let cfg =
+            common::ddp(Overlap::GradReduce).with_nan_check(lowbit_buffers::NanCheck::FirstParam);
+        let mut bufs = DataParallelBuffers::new(dev, DP, comm.rank(), specs.clone(), cfg).unwrap();
+        bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
+        let mut opt = optimizer(dev, &bufs, &init, true);
+        let last = bufs.num_groups() - 1;
+        assert!(last >= 2, "{} groups", bufs.num_groups());
+        protocol::begin_iteration(dev, &mut comm, &mut bufs, &opt).unwrap();
+        // The backward: parameters in reverse order; a NaN in one of the last group's.
+        let bad = (0..specs.len())
+            .find(|&p| bufs.group_of(p) == last)
+            .unwrap();
+        for p in (0..specs.len()).rev() {
+            let dst = bufs.accumulation_view(dev, p).unwrap();
+            let mut g = vec![0.25f32; specs[p].numel];
+            if p == bad {
+                g[specs[p].numel / 2] = f32::NAN;
+            }
+            dev.upload(dst, &g).unwrap();
+            bufs.register_grad_ready(dev, &mut comm, p).unwrap();
+        }
+        assert!(bufs.grad_reduce_in_flight().is_empty());
+        let e =
+            protocol::finish_grad_sync_and_step(dev, &mut comm, &mut bufs, &mut opt).unwrap_err();
+        let named = matches!(
+            &e,
+            OptimError::Buffer(BufferError::Protocol(ProtocolError::NonFiniteGrad { names, .. }))
+                if names == &[specs[bad].name.clone()]
+        );
+        assert!(named, "{e}");
+        assert!(bufs.grad_reduce_in_flight().is_empty());
+        assert_eq!(opt.steps(), 0);
+    });
+}

@@ -233,10 +233,10 @@ impl CudaDevice {
 pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
 
 impl CudaDevice {
-    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 2 (the
-    /// default: every matrix's amax in one `u32_max_many` launch, one `nvfp4x_finish_2d_many`
-    /// launch, one host read of all amaxes) or 1 (one `nvfp4_finish_2d` per matrix, each with
-    /// its own host read).
+    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 3 (the
+    /// default: every matrix's amax in one `u32_max_many` launch, two launches per shape, one
+    /// host read of all amaxes), 2 (the same with one `nvfp4x_finish_2d_many` launch for every
+    /// shape) or 1 (one `nvfp4_finish_2d` per matrix, each with its own host read).
     pub(crate) fn nvfp4_finish_version(&self) -> u32 {
         self.nvfp4_finish_version
     }
@@ -248,7 +248,7 @@ impl CudaDevice {
     /// `nvfp4x_finish_2d_many` launch, scales included): each matrix's global amax (the
     /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
     /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
-    /// 16-byte aligned) completed by one `nvfp4x_finish_2d_many` launch, the others by one
+    /// 16-byte aligned) completed by the version's launches, the others by one
     /// `nvfp4x_finish_2d` launch each (tensor factors from their amax word), then one host read
     /// of all amaxes. `Ok(None)` (nothing launched) when the variant is disabled or there are
     /// more than 65535 matrices. The caller has validated every matrix as
@@ -288,7 +288,16 @@ impl CudaDevice {
                 && rdp.is_multiple_of(4)
                 && cdp.is_multiple_of(16)
             {
-                if self.nvfp4_finish_version == 3 {
+                // Version 3 where its grids fit (tile rows on grid y, 16-byte scale chunks on
+                // grid x), so that its launches below cannot fail after others wrote; else the
+                // one-launch kernel takes the matrix.
+                let scale_chunks =
+                    (rows * cols.div_ceil(16)).div_ceil(16) + (cols * rows / 16).div_ceil(16);
+                if self.nvfp4_finish_version == 3
+                    && rows.div_ceil(256) <= 65535
+                    && super::kernels::blocks(scale_chunks, 256).is_some()
+                    && super::kernels::blocks(cols.div_ceil(256), 1).is_some()
+                {
                     let key = [rows as u64, cols as u64];
                     let row = [rdp, t, a, rsp, cdp, csp];
                     match same.iter_mut().find(|(k, _)| *k == key) {

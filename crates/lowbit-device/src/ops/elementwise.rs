@@ -118,12 +118,12 @@ impl Device {
 
     /// [`Device::sum_squares_each`] launched in stages, for views that become final one group
     /// at a time (a gradient norm beside the reductions still in flight): view `i` belongs to
-    /// stage `stages[i]`; for each stage `k` from 0 to the largest, `prepare(dev, k)` runs
-    /// (it makes stage `k`'s views final, e.g. waits for their reduction) and then stage `k`'s
-    /// sums are launched. On a GPU nothing waits for the device until every stage has been
-    /// launched, and the partial sums come back in one copy; the results are the bits of
-    /// [`Device::sum_squares_each`] over the final views. `prepare` runs once per stage, also
-    /// for a stage with no views.
+    /// stage `stages[i]`; for each stage number present, in increasing order, `prepare(dev, k)`
+    /// runs (it makes stage `k`'s views final, e.g. waits for their reduction, and everything
+    /// before it) and then stage `k`'s sums are launched. On a GPU nothing waits for the device
+    /// until every stage has been launched, and the partial sums come back in one copy; the
+    /// results are the bits of [`Device::sum_squares_each`] over the final views. Stage numbers
+    /// need not be consecutive: `prepare` runs once per distinct number, never for a gap.
     ///
     /// # Errors
     /// `Length` if `stages` and `views` differ in length, the errors of
@@ -146,13 +146,15 @@ impl Device {
         for &v in views {
             crate::check_float("reduction", v)?;
         }
-        let count = stages.iter().max().map_or(0, |&m| m + 1);
+        let mut present = stages.to_vec();
+        present.sort_unstable();
+        present.dedup();
         let of =
             |k: usize| -> Vec<usize> { (0..views.len()).filter(|&i| stages[i] == k).collect() };
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut() {
             let mut sums = g.begin_sums(views)?;
-            for k in 0..count {
+            for &k in &present {
                 prepare(self, k)?;
                 self.cuda_mut()
                     .ok_or_else(|| {
@@ -166,7 +168,7 @@ impl Device {
             return Ok(g.finish_sums(sums)?);
         }
         let mut out = vec![0.0; views.len()];
-        for k in 0..count {
+        for &k in &present {
             prepare(self, k)?;
             let which = of(k);
             let vs: Vec<View> = which.iter().map(|&i| views[i]).collect();

@@ -266,9 +266,12 @@ impl Device {
     /// raised, for the first failing item, before anything is written.
     ///
     /// On CUDA, the items that `quantize_mxfp8` would quantize with the default both-copies
-    /// kernel (bf16 → E4M3, both copies, 1D scales, TE NaN policy, kernel version 4) run as one
-    /// launch of `mxfp8_both_e4m3_bf16_v4_many` when there are at least two of them; every other
-    /// item takes `quantize_mxfp8`'s own path. The CPU backend quantizes the items in order.
+    /// kernel (bf16 → E4M3, both copies, 1D scales, TE NaN policy, kernel version 4) run
+    /// together when there are at least two of them: one launch per shape
+    /// (`mxfp8_both_e4m3_bf16_v4_same`) where those launches average at least four matrices,
+    /// else one launch for all (`mxfp8_both_e4m3_bf16_v4_many`), 64 matrices at most per launch
+    /// (variant `mxfp8_many`); every other item takes `quantize_mxfp8`'s own path. The CPU
+    /// backend quantizes the items in order.
     pub fn quantize_mxfp8_many(
         &mut self,
         items: &[(View, usize, usize, Mxfp8Views)],
@@ -684,7 +687,7 @@ impl Device {
     /// [`Device::nvfp4_finish_2d`] of every `(rows, cols, tiles, out)` of `items`, returning
     /// their global amaxes in order: the same bytes and amaxes as one call per item. On a GPU
     /// every item that the single op would complete with its kernel is done together (the
-    /// amaxes in one launch, the matrices in one more, one host read for all of them) instead
+    /// amaxes in one launch, the matrices in two more per shape, one host read for all of them) instead
     /// of a launch sequence and a host round trip per item. When any item would fail alone or
     /// fall back to the host, the items run one by one through the single op (so its errors,
     /// in item order); when all are valid but one's output overlaps another item's views, the

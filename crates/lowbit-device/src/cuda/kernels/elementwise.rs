@@ -396,8 +396,6 @@ fn sum_groups(n: usize) -> usize {
 // The kernels' warps own a group each, a lane per block (`sumsq_group` in `cuda/ops.cu`).
 const _: () = assert!(crate::SUM_GROUP == 32);
 
-/// The launch table of `sum_squares_many_*`: 4 words per view (address, length, offset of its
-/// partials in f64 words, first global warp; a warp per group; views own warps [first, next view's first)).
 /// A sum of squares launched in stages: the validated views (address, dtype, elements), where
 /// each view's group sums go in the scratch, and the launch tables, which live until the
 /// group sums have been copied back (dropping it frees both in stream order).
@@ -410,6 +408,8 @@ pub(crate) struct StagedSums {
     tables: Vec<cudarc::driver::CudaSlice<u64>>,
 }
 
+/// The launch table of `sum_squares_many_*`: 4 words per view (address, length, offset of its
+/// partials in f64 words, first global warp; a warp per group; views own warps [first, next view's first)).
 struct SumsqTable {
     rows: Vec<u64>,
     warps: usize,

@@ -200,9 +200,10 @@ impl CudaDevice {
 
     /// [`crate::Device::quantize_mxfp8_many`]'s kernel path: every matrix that
     /// [`CudaDevice::quantize_mxfp8`] would quantize with version 4 of the both-copies kernel
-    /// goes into a launch of `mxfp8_both_e4m3_bf16_v4_many`, [`MXFP8_MANY_MAX`] matrices at
-    /// most per launch, its table in the kernel's parameters (each CTA runs the single kernel's
-    /// tile body on its matrix, so the bytes are the single kernel's). Returns the indices of
+    /// goes into a launch per shape of `mxfp8_both_e4m3_bf16_v4_same` or into one launch of
+    /// `mxfp8_both_e4m3_bf16_v4_many` (the `mxfp8_many` variant; 64 matrices at most per
+    /// launch), the table in the kernel's parameters (each CTA runs the single kernel's tile
+    /// body on its matrix, so the bytes are the single kernel's). Returns the indices of
     /// the other items, in order, for the caller's one-by-one path — all of them when fewer
     /// than two qualify (one matrix is the single kernel's). A launch whose CTAs would exceed
     /// the grid leaves its matrices to that path too. The caller has validated every item as
