@@ -444,8 +444,15 @@ impl DataParallelBuffers {
         } else {
             (self.buffers[b].grads.slice(range.clone())?, None)
         };
-        if self.cfg.nan_check != NanCheck::Off {
-            self.check_finite(dev, comm, g, src)?;
+        if self.cfg.nan_check != NanCheck::Off
+            && let Err(e) = self.check_finite(dev, comm, g, src)
+        {
+            // Nothing launched: the bucket goes back to the group as it was, so that the next
+            // `zero_grad_buffer` frees it (an aborted iteration's filling bucket).
+            if let Some(v) = bucket {
+                self.groups[g].grad_comm = GradComm::Filling(v);
+            }
+            return Err(e);
         }
         let (src, bucket) = if !sharded && self.comm_dtype(g) != src.dtype() {
             let v = self.alloc_comm_bucket(dev, g)?;

@@ -292,3 +292,40 @@ fn staged_completion_with_a_transient_wire_dtype_gives_the_same_bits() {
         }
     }
 }
+
+/// With sharded gradients a non-finite gradient refused at launch gives its group the filling
+/// bucket back instead of losing it, so the next zeroing frees every transient bucket: device
+/// memory returns to where it was before the backward.
+#[test]
+fn a_refused_launch_leaves_no_transient_bucket_behind() {
+    let dp = 2;
+    run(dp, |mut comm, mut dev| {
+        let rank = lowbit_comm::Communicator::rank(&comm);
+        let dev = &mut dev;
+        let cfg = DdpConfig::default()
+            .with_sharding(ShardingStrategy::OptimGrads)
+            .with_nan_check(lowbit_buffers::NanCheck::FirstParam)
+            .with_verify(Verify::Full);
+        let specs = specs(GradDType::F32);
+        let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
+        bufs.zero_grad_buffer(dev).unwrap();
+        let base = dev.allocated_bytes();
+        for p in (0..specs.len()).rev() {
+            let dst = bufs.accumulation_view(dev, p).unwrap();
+            let mut g = grad_values(0, rank, p, specs[p].numel);
+            if p == specs.len() - 1 {
+                g[1] = f32::NAN;
+            }
+            add_into(dev, &g, dst);
+        }
+        assert!(
+            dev.allocated_bytes() > base,
+            "the backward fills transient buckets"
+        );
+        let e = bufs.finish_grad_sync(dev, &mut comm).unwrap_err();
+        assert!(e.to_string().contains("non-finite"), "{e}");
+        assert!(bufs.grad_reduce_in_flight().is_empty());
+        bufs.zero_grad_buffer(dev).unwrap();
+        assert_eq!(dev.allocated_bytes(), base);
+    });
+}
