@@ -412,6 +412,27 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4(
             camax);
 }
 
+// both_v4 on a launch table's row of addresses: x, row_data, row_scales, col_data,
+// col_scales (the many-matrix kernels). Addresses read from a table are generic to the
+// compiler, which then emits generic loads and stores (LD/ST); they are device allocations,
+// and saying so gets the global ones (LDG/STG) that the single kernel's pointer parameters get.
+__device__ __forceinline__ void both_v4_at(const unsigned long long* t, unsigned long long rows,
+                                           unsigned long long cols, unsigned vec,
+                                           unsigned long long bx, unsigned long long by,
+                                           __nv_bfloat162 (*camax)[256]) {
+    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(t[0]);
+    uint8_t* rd = reinterpret_cast<uint8_t*>(t[1]);
+    uint8_t* rs = reinterpret_cast<uint8_t*>(t[2]);
+    uint8_t* cd = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* cs = reinterpret_cast<uint8_t*>(t[4]);
+    __builtin_assume(__isGlobal(x));
+    __builtin_assume(__isGlobal(rd));
+    __builtin_assume(__isGlobal(rs));
+    __builtin_assume(__isGlobal(cd));
+    __builtin_assume(__isGlobal(cs));
+    both_v4(x, rd, rs, cd, cs, rows, cols, vec, bx, by, camax);
+}
+
 // Version 4 over many matrices in one launch (the re-quantization of every gathered weight:
 // one launch instead of one per matrix, so the small matrices pay neither a launch each nor a
 // ramp-up and tail each). The launch table travels in the kernel's parameter space (the
@@ -447,19 +468,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_man
     }
     const unsigned long long* t = p.rows[lo];
     const unsigned long long local = b - p.first[lo], gx = t[7];
-    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(t[0]);
-    uint8_t* rd = reinterpret_cast<uint8_t*>(t[1]);
-    uint8_t* rs = reinterpret_cast<uint8_t*>(t[2]);
-    uint8_t* cd = reinterpret_cast<uint8_t*>(t[3]);
-    uint8_t* cs = reinterpret_cast<uint8_t*>(t[4]);
-    // Addresses read from the table are generic to the compiler, which then emits generic
-    // loads and stores (LD/ST); they are device allocations, and saying so gets the global
-    // ones (LDG/STG) that the single kernel's pointer parameters get.
-    __builtin_assume(__isGlobal(x));
-    __builtin_assume(__isGlobal(rd));
-    __builtin_assume(__isGlobal(rs));
-    __builtin_assume(__isGlobal(cd));
-    __builtin_assume(__isGlobal(cs));
     // 32-bit division where the tile index fits (always in practice): the 64-bit one is a long
     // emulated sequence per CTA.
     unsigned long long bx, by;
@@ -471,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_man
         bx = local % gx;
         by = local / gx;
     }
-    both_v4(x, rd, rs, cd, cs, t[5], t[6], (unsigned)t[8], bx, by, camax);
+    both_v4_at(t, t[5], t[6], (unsigned)t[8], bx, by, camax);
 }
 
 // Version 4 over many matrices of one shape in one launch: grid (tiles across, tile rows,
@@ -494,19 +502,8 @@ static_assert(sizeof(Mxfp8SameParams) == 8 * (4 + MXFP8_SAME_MAX * 5), "paramete
 extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_both_e4m3_bf16_v4_same(
     const Mxfp8SameParams p) {
     __shared__ __nv_bfloat162 camax[4][256];
-    const unsigned long long* t = p.ptrs[blockIdx.z];
-    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(t[0]);
-    uint8_t* rd = reinterpret_cast<uint8_t*>(t[1]);
-    uint8_t* rs = reinterpret_cast<uint8_t*>(t[2]);
-    uint8_t* cd = reinterpret_cast<uint8_t*>(t[3]);
-    uint8_t* cs = reinterpret_cast<uint8_t*>(t[4]);
-    // Device allocations (see v4_many): global loads and stores.
-    __builtin_assume(__isGlobal(x));
-    __builtin_assume(__isGlobal(rd));
-    __builtin_assume(__isGlobal(rs));
-    __builtin_assume(__isGlobal(cd));
-    __builtin_assume(__isGlobal(cs));
-    both_v4(x, rd, rs, cd, cs, p.rows, p.cols, (unsigned)p.vec, blockIdx.x, blockIdx.y, camax);
+    both_v4_at(p.ptrs[blockIdx.z], p.rows, p.cols, (unsigned)p.vec, blockIdx.x, blockIdx.y,
+               camax);
 }
 
 // Version 5: two vertically adjacent tiles per CTA (grid.y = ceil(rows / 64)), all eight loads

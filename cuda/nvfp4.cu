@@ -488,6 +488,39 @@ extern "C" __global__ void nvfp4x_finish_2d(const uint8_t* __restrict__ rowwise,
     }
 }
 
+// The NVFP4 encode factor k = fl32(S_enc · fl32(1/6)) from a matrix's global amax word,
+// exactly as ops.cu's nvfp4_params makes params[0]: S_enc = min(2688 / amax, FLT_MAX), or 1
+// when amax == 0 or S_enc == 0.
+__device__ __forceinline__ float nvfp4_k_from_amax(const uint32_t* __restrict__ amax_word) {
+    const float flt_max = __uint_as_float(0x7F7FFFFFu);
+    float amax = __uint_as_float(*amax_word);
+    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
+    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    return __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+}
+
+// Rows r .. r + 31 of columns c .. c + 7 of packed rowwise codes (`wpr` words a row; c % 8 == 0)
+// as the columnwise codes of those 8 columns: col[j] holds column c + j's 32 nibbles, row r's
+// in the low nibble of its first byte (32 word loads, the 8x32 nibble transpose in registers).
+__device__ __forceinline__ void nibble_columns_32x8(const uint32_t* __restrict__ rowwise, u64 wpr,
+                                                    u64 r, u64 c, uint4 col[8]) {
+    uint32_t in[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t v = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v |= ((in[8 * q + i] >> (4 * j)) & 0xFu) << (4 * i);
+            o[q] = v;
+        }
+        col[j] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
 // The work of one thread of nvfp4x_finish_2d_many: the 32 rows x 8 columns of the 64x512 block
 // (bx, by) of one matrix that lane `lane` of warp `w` takes, codes and scale bytes (the
 // same-shape kernels below write 128-byte runs of codes per column and whole sectors of scales
@@ -502,28 +535,13 @@ __device__ __forceinline__ void finish_2d_block(const uint32_t* __restrict__ row
     const u64 c0 = bx * 512 + w * 128 + (lane % 16) * 8;
     const u64 r0 = by * 64 + (lane / 16) * 32;
     if (c0 >= cols || r0 >= rows) return;
-    const float flt_max = __uint_as_float(0x7F7FFFFFu);
-    float amax = __uint_as_float(*amax_word);
-    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
-    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    const float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    const float k = nvfp4_k_from_amax(amax_word);
     const u64 wpr = cols / 8, tr = rows / 16, tc = (cols + 15) / 16;
-    uint32_t in[32];
+    uint4 col[8];
+    nibble_columns_32x8(rowwise, wpr, r0, c0, col);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r0 + i) * wpr + c0 / 8);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        uint32_t o[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            uint32_t v = 0;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v |= ((in[8 * q + i] >> (4 * j)) & 0xFu) << (4 * i);
-            o[q] = v;
-        }
-        *reinterpret_cast<uint4*>(col_data + (c0 + j) * (rows / 2) + r0 / 2) =
-            make_uint4(o[0], o[1], o[2], o[3]);
-    }
+    for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<uint4*>(col_data + (c0 + j) * (rows / 2) + r0 / 2) = col[j];
     const u64 kb = r0 / 16, tcol = c0 / 16;
     const uint8_t s0 = (uint8_t)e4m3_code(__fmul_rn(tiles[kb * tc + tcol], k));
     const uint8_t s1 = (uint8_t)e4m3_code(__fmul_rn(tiles[(kb + 1) * tc + tcol], k));
@@ -603,8 +621,8 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     // The columnwise codes of a 256-row x 256-column tile of matrix blockIdx.z (its scales:
     // nvfp4x_scales_2d_same). Thread (lane, warp) loads the word of columns 8·lane .. + 7 of
     // tile rows 32·warp .. + 31 (each warp load reads 128 contiguous bytes of one row),
-    // transposes the 32x8 nibbles in registers as finish_2d_block does, and puts each column's
-    // 16 bytes into a shared tile of 256 columns x 8 chunks of 16 bytes (chunk `warp` of the
+    // transposes the 32x8 nibbles in registers (nibble_columns_32x8, as finish_2d_block), and
+    // puts each column's 16 bytes into a shared tile of 256 columns x 8 chunks of 16 bytes (chunk `warp` of the
     // column, stored at chunk warp ^ (lane % 8): the 8 lanes of a 16-byte phase then meet 8
     // distinct bank groups); after a barrier every column's 128 bytes (256 rows) go out as 8
     // lanes' 16-byte stores, a 128-byte run per column where finish_2d_block writes 32 bytes.
@@ -621,21 +639,10 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     const u64 r0 = (u64)blockIdx.y * 256, c0 = (u64)blockIdx.x * 256;
     const u64 r = r0 + 32 * warp, c = c0 + 8 * lane;
     if (r < rows && c < cols) {
-        uint32_t in[32];
+        uint4 col[8];
+        nibble_columns_32x8(rowwise, wpr, r, c, col);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t o[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                uint32_t v = 0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) v |= ((in[8 * q + i] >> (4 * j)) & 0xFu) << (4 * i);
-                o[q] = v;
-            }
-            out[8 * lane + j][warp ^ (lane % 8)] = make_uint4(o[0], o[1], o[2], o[3]);
-        }
+        for (int j = 0; j < 8; ++j) out[8 * lane + j][warp ^ (lane % 8)] = col[j];
     }
     __syncthreads();
     const u64 rb = rows / 2;
@@ -670,11 +677,7 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_scales_2d_same(
     const u64 rchunks = (nrs + 15) / 16;
     u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= rchunks + (ncs + 15) / 16) return;
-    const float flt_max = __uint_as_float(0x7F7FFFFFu);
-    float amax = __uint_as_float(*amax_word);
-    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
-    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    const float k = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
+    const float k = nvfp4_k_from_amax(amax_word);
     const bool row = g < rchunks;
     uint8_t* out = row ? row_scales : col_scales;
     const u64 n = row ? nrs : ncs, g0 = 16 * (row ? g : g - rchunks);

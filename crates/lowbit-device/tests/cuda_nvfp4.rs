@@ -550,6 +550,55 @@ const FINISH_MANY_SHAPES: [(usize, usize); 11] = [
     (128, 1040),
 ];
 
+/// `e` matrices of `rows x cols` in shared buffers, 2D-quantized from bf16 values (seed
+/// `seed`, specials with `odd`), as `nvfp4_finish_2d_many` items: rowwise codes and tile amaxes
+/// filled, the other outputs random. With `odd`, every scale view and the last matrix's
+/// columnwise data sit one byte in (guard bytes around the outputs; the last matrix then takes
+/// the per-matrix kernel); else all views are packed from offset 0.
+fn grouped_2d(
+    c: &mut Ctx,
+    (rows, cols, e): (usize, usize, usize),
+    seed: u64,
+    odd: bool,
+) -> Result<Vec<(usize, usize, View, Nvfp4Views)>> {
+    let (n, n2, n16, g) = (
+        rows * cols,
+        rows * cols / 2,
+        rows * cols / 16,
+        usize::from(odd),
+    );
+    let nt = n / 256;
+    let x = c.buf(DType::Bf16, &values(e * n, seed, odd));
+    let tiles = c.buf(DType::F32, &vec![0.0; e * nt]);
+    let packed = c.rand(DType::U8, e * n2, seed + 1);
+    for k in 0..e {
+        let xk = x.slice(k * n..(k + 1) * n)?;
+        let tk = tiles.slice(k * nt..(k + 1) * nt)?;
+        c.dev.nvfp4_fold_tile_amax_2d(xk, 0, cols, tk)?;
+        c.dev
+            .nvfp4_quantize_2d_range(xk, 0, cols, tk, packed.slice(k * n2..(k + 1) * n2)?)?;
+    }
+    let rs = c.rand(DType::U8, e * n16 + 2 * g, seed + 2);
+    let cd = c.rand(DType::U8, e * n2 + 2 * g, seed + 3);
+    let cs = c.rand(DType::U8, e * n16 + 2 * g, seed + 4);
+    let mut items = Vec::new();
+    for k in 0..e {
+        let at = g * usize::from(k + 1 == e);
+        let views = Nvfp4Views {
+            rowwise: Some((
+                packed.slice(k * n2..(k + 1) * n2)?,
+                rs.slice(g + k * n16..g + (k + 1) * n16)?,
+            )),
+            columnwise: Some((
+                cd.slice(at + k * n2..at + (k + 1) * n2)?,
+                cs.slice(g + k * n16..g + (k + 1) * n16)?,
+            )),
+        };
+        items.push((rows, cols, tiles.slice(k * nt..(k + 1) * nt)?, views));
+    }
+    Ok(items)
+}
+
 #[test]
 fn nvfp4_finish_2d_many_matches() {
     let o = check("nvfp4 finish 2d many", false, |c| {
@@ -588,36 +637,7 @@ fn nvfp4_finish_2d_many_matches() {
             // Three 64x64 experts of one grouped tensor (views into shared buffers), the
             // columnwise data of the last one at an odd offset (the per-matrix kernel), with
             // guard bytes around every output.
-            let (rows, cols, e) = (64, 64, 3);
-            let x = c.buf(DType::Bf16, &values(e * rows * cols, 3000, true));
-            let tiles = c.buf(DType::F32, &vec![0.0; e * 16]);
-            let packed = c.rand(DType::U8, e * rows * cols / 2, 3001);
-            for k in 0..e {
-                let (xs, t) = (k * rows * cols..(k + 1) * rows * cols, k * 16..(k + 1) * 16);
-                let (xk, tk) = (x.slice(xs.clone())?, tiles.slice(t)?);
-                c.dev.nvfp4_fold_tile_amax_2d(xk, 0, cols, tk)?;
-                let pk = packed.slice(xs.start / 2..xs.end / 2)?;
-                c.dev.nvfp4_quantize_2d_range(xk, 0, cols, tk, pk)?;
-            }
-            let rs = c.rand(DType::U8, e * rows * cols / 16 + 2, 3002);
-            let cd = c.rand(DType::U8, e * rows * cols / 2 + 2, 3003);
-            let cs = c.rand(DType::U8, e * rows * cols / 16 + 2, 3004);
-            let mut experts = Vec::new();
-            for k in 0..e {
-                let (n2, n16) = (rows * cols / 2, rows * cols / 16);
-                let odd = usize::from(k + 1 == e);
-                let views = Nvfp4Views {
-                    rowwise: Some((
-                        packed.slice(k * n2..(k + 1) * n2)?,
-                        rs.slice(1 + k * n16..1 + (k + 1) * n16)?,
-                    )),
-                    columnwise: Some((
-                        cd.slice(odd + k * n2..odd + (k + 1) * n2)?,
-                        cs.slice(1 + k * n16..1 + (k + 1) * n16)?,
-                    )),
-                };
-                experts.push((rows, cols, tiles.slice(k * 16..(k + 1) * 16)?, views));
-            }
+            let experts = grouped_2d(c, (64, 64, 3), 3000, true)?;
             out.extend(
                 c.dev
                     .nvfp4_finish_2d_many(&experts)?
@@ -626,30 +646,7 @@ fn nvfp4_finish_2d_many_matches() {
             );
             // 70 matrices of one shape: more than one launch of the same-shape kernels holds
             // (64), so version 3 splits them.
-            let (rows, cols, e) = (32, 64, 70);
-            let x = c.buf(DType::Bf16, &values(e * rows * cols, 3100, false));
-            let tiles = c.buf(DType::F32, &vec![0.0; e * 8]);
-            let packed = c.rand(DType::U8, e * rows * cols / 2, 3101);
-            let (n2, n16) = (rows * cols / 2, rows * cols / 16);
-            let rs = c.rand(DType::U8, e * n16, 3102);
-            let cd = c.rand(DType::U8, e * n2, 3103);
-            let cs = c.rand(DType::U8, e * n16, 3104);
-            let mut many = Vec::new();
-            for k in 0..e {
-                let xk = x.slice(k * rows * cols..(k + 1) * rows * cols)?;
-                let tk = tiles.slice(k * 8..(k + 1) * 8)?;
-                c.dev.nvfp4_fold_tile_amax_2d(xk, 0, cols, tk)?;
-                let pk = packed.slice(k * n2..(k + 1) * n2)?;
-                c.dev.nvfp4_quantize_2d_range(xk, 0, cols, tk, pk)?;
-                let views = Nvfp4Views {
-                    rowwise: Some((pk, rs.slice(k * n16..(k + 1) * n16)?)),
-                    columnwise: Some((
-                        cd.slice(k * n2..(k + 1) * n2)?,
-                        cs.slice(k * n16..(k + 1) * n16)?,
-                    )),
-                };
-                many.push((rows, cols, tk, views));
-            }
+            let many = grouped_2d(c, (32, 64, 70), 3100, false)?;
             out.extend(
                 c.dev
                     .nvfp4_finish_2d_many(&many)?

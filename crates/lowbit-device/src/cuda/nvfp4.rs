@@ -30,6 +30,24 @@ mod enabled {
     pub(super) const FINISH_2D: bool = true;
 }
 
+/// Version 3's matrices of one shape: `[rows, cols]`, the launches' grids
+/// ([`same_shape_grids`]) and each matrix's row of `Finish2dSameParams`.
+type Finish2dSame = (([u64; 2], [u32; 3]), Vec<[u64; 6]>);
+
+/// The grids of version 3's launches for a `rows x cols` matrix (rows % 32 == 0): 256x256
+/// tiles for `nvfp4x_finish_2d_same` (x across, y down; at most 65535 tile rows) and 16-byte
+/// chunks of both scale copies (rows · ceil(cols/16) + cols · rows/16 bytes) on x for
+/// `nvfp4x_scales_2d_same`, 256 threads a CTA; `None` where one does not fit.
+fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 3]> {
+    let gy = u32::try_from(rows.div_ceil(256))
+        .ok()
+        .filter(|&y| y <= 65535)?;
+    let gx = super::kernels::blocks(cols.div_ceil(256), 1)?;
+    let scale_chunks = (rows * cols.div_ceil(16)).div_ceil(16) + (cols * (rows / 16)).div_ceil(16);
+    let sx = super::kernels::blocks(scale_chunks, 256)?;
+    Some([gx, gy, sx])
+}
+
 impl CudaDevice {
     /// NVFP4 quantization by the kernels of `cuda/nvfp4.cu` for the variants of [`enabled`]
     /// (TE NaN policy, non-empty matrix; the Hadamard transform of a columnwise copy needs
@@ -275,8 +293,9 @@ impl CudaDevice {
         // item count is at most 65535 (checked above).
         unsafe { self.launch_u32_max_many(&tiles, amax.ptr)? };
         let (mut firsts, mut rows_of) = (Vec::new(), Vec::new());
-        // Version 3: the qualifying matrices by shape, for `nvfp4x_finish_2d_same`.
-        let mut same: Vec<([u64; 2], Vec<[u64; 6]>)> = Vec::new();
+        // Version 3: the qualifying matrices by shape and their grids, for
+        // `nvfp4x_finish_2d_same` and `nvfp4x_scales_2d_same`.
+        let mut same: Vec<Finish2dSame> = Vec::new();
         let mut ctas = 0u64;
         for (i, &([rows, cols], tiles, [rd, rs, cd, cs])) in items.iter().enumerate() {
             let a = amax.ptr + 4 * i as u64;
@@ -288,17 +307,11 @@ impl CudaDevice {
                 && rdp.is_multiple_of(4)
                 && cdp.is_multiple_of(16)
             {
-                // Version 3 where its grids fit (tile rows on grid y, 16-byte scale chunks on
-                // grid x), so that its launches below cannot fail after others wrote; else the
-                // one-launch kernel takes the matrix.
-                let scale_chunks =
-                    (rows * cols.div_ceil(16)).div_ceil(16) + (cols * rows / 16).div_ceil(16);
-                if self.nvfp4_finish_version == 3
-                    && rows.div_ceil(256) <= 65535
-                    && super::kernels::blocks(scale_chunks, 256).is_some()
-                    && super::kernels::blocks(cols.div_ceil(256), 1).is_some()
+                // Version 3 where its grids fit, decided here so that its launches below
+                // cannot fail after others wrote; else the one-launch kernel takes the matrix.
+                if let (3, Some(grids)) = (self.nvfp4_finish_version, same_shape_grids(rows, cols))
                 {
-                    let key = [rows as u64, cols as u64];
+                    let key = ([rows as u64, cols as u64], grids);
                     let row = [rdp, t, a, rsp, cdp, csp];
                     match same.iter_mut().find(|(k, _)| *k == key) {
                         Some((_, g)) => g.push(row),
@@ -353,20 +366,8 @@ impl CudaDevice {
                 "nvfp4_finish_2d_many: {ctas} CTAs exceed the grid"
             )));
         }
-        for ([rows, cols], group) in &same {
-            let (Ok(gx), Ok(gy)) = (
-                u32::try_from(cols.div_ceil(256)),
-                u32::try_from(rows.div_ceil(256)),
-            ) else {
-                return Err(crate::DeviceError::Unsupported(format!(
-                    "nvfp4_finish_2d_many: a {rows}x{cols} matrix exceeds the grid"
-                )));
-            };
-            if gy > 65535 {
-                return Err(crate::DeviceError::Unsupported(format!(
-                    "nvfp4_finish_2d_many: a {rows}x{cols} matrix exceeds the grid"
-                )));
-            }
+        for (([rows, cols], [gx, gy, sx]), group) in &same {
+            let (gx, gy, sx) = (*gx, *gy, *sx);
             for chunk in group.chunks(FINISH2D_SAME_MAX) {
                 let mut words = vec![0u64; 4 + 6 * FINISH2D_SAME_MAX];
                 words[..3].copy_from_slice(&[*rows, *cols, chunk.len() as u64]);
@@ -390,18 +391,6 @@ impl CudaDevice {
                         &mut words,
                     )?;
                 }
-                // The scales of the same matrices: 16 bytes per thread over the row scales
-                // (rows · ceil(cols/16)) and the column scales (cols · rows/16).
-                let chunks =
-                    (rows * cols.div_ceil(16)).div_ceil(16) + (cols * (rows / 16)).div_ceil(16);
-                let Some(sx) = usize::try_from(chunks)
-                    .ok()
-                    .and_then(|n| super::kernels::blocks(n, 256))
-                else {
-                    return Err(crate::DeviceError::Unsupported(format!(
-                        "nvfp4_finish_2d_many: the scales of a {rows}x{cols} matrix exceed the grid"
-                    )));
-                };
                 // SAFETY: the same parameters as the launch above; each matrix's row scales
                 // (rows·ceil(cols/16) bytes) and column scales (cols·rows/16) were validated
                 // by the caller, its tiles (rows/16 · ceil(cols/16) f32) too, and its amax word
