@@ -93,24 +93,17 @@ pub fn finish_grad_sync_and_norm(
     opt: &mut dyn Optimizer,
 ) -> Result<f32> {
     let local = staged_local_sum_squares(dev, comm, bufs, opt);
-    // Every stage is complete after `Ok`; after an error (a launch's non-finite check, the
-    // optimizer's sum, a completion), leave no reduction in flight behind it (the next `begin`
-    // would refuse); the first error is the one reported.
-    let local = match local {
-        Ok(l) => l,
-        Err(e) => {
-            if !bufs.grad_reduce_in_flight().is_empty() {
-                let _ = bufs.finish_grad_sync(dev, comm);
-            }
-            return Err(e);
-        }
-    };
+    // Every stage is complete after `Ok` unless the optimizer broke the trait's contract;
+    // after an error (a launch's non-finite check, the optimizer's sum, a completion) leave no
+    // reduction in flight behind it either (the next `begin` would refuse). The first error is
+    // the one reported.
     if !bufs.grad_reduce_in_flight().is_empty() {
-        // An optimizer that returned before completing every stage breaks the trait's
-        // contract; the reductions are completed all the same.
-        bufs.finish_grad_sync(dev, comm)?;
+        let finished = bufs.finish_grad_sync(dev, comm);
+        if local.is_ok() {
+            finished?;
+        }
     }
-    norm_from_local(dev, comm, bufs, local)
+    norm_from_local(dev, comm, bufs, local?)
 }
 
 /// This rank's sum of squares with the reductions completed in stages: every reduction that can
