@@ -80,7 +80,7 @@ impl DataParallelBuffers {
     }
 
     /// Whether group `g` needs a gather before its parameters can be used.
-    fn needs_gather(&self, g: usize) -> bool {
+    pub(crate) fn needs_gather(&self, g: usize) -> bool {
         let group = &self.groups[g];
         if self.buffers[group.buffer].shards_params() {
             return false;
@@ -106,16 +106,25 @@ impl DataParallelBuffers {
     /// Gathers every group that needs it now and completes those in flight (the
     /// non-overlapped path after the optimizer step, and forced syncs). Low-precision groups
     /// must be `Current` or `Staged`; a `Stale` one is an error.
+    ///
+    /// Every gather is launched before any is completed: a launch orders the collective after
+    /// the work already queued on the device's stream, so a gather launched after the previous
+    /// group's completion (re-quantization) would wait for it; launched first, the gathers run
+    /// back to back and each group's re-quantization runs beside the later gathers. Each
+    /// gather writes only its own group's region, which no completion of another group reads
+    /// or writes.
     pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
         // Refuse before gathering anything.
         (0..self.groups.len()).try_for_each(|g| self.check_not_stale(g))?;
         self.complete_param_sync(dev)?;
         for g in 0..self.groups.len() {
             if self.needs_gather(g) {
-                self.start_param_sync_group(dev, comm, g, false)?;
+                // On an error the gathers launched so far stay in flight: the next
+                // `complete_param_sync` (or sync) completes them.
+                self.start_param_sync_group(dev, comm, g, true)?;
             }
         }
-        Ok(())
+        self.complete_param_sync(dev)
     }
 
     /// Waits for every gather in flight and completes it.
@@ -148,10 +157,14 @@ impl DataParallelBuffers {
         }
         if let Some(w) = self.groups[g].param_work.take() {
             w.wait(dev)?;
-            self.after_gather(dev, g)?;
+            // The prefetch before this group's completion: a launch waits for the work queued
+            // on the device's stream, so launched after the re-quantization it would wait for
+            // it; launched here it runs beside it (the prefetched region is group g - 1's,
+            // which the completion of group g does not touch).
             if g > 0 && self.needs_gather(g - 1) {
                 self.start_param_sync_group(dev, comm, g - 1, true)?;
             }
+            self.after_gather(dev, g)?;
         }
         Ok(())
     }
