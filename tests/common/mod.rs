@@ -125,6 +125,10 @@ pub struct Run {
     /// `finish_grad_sync` then `GradsReady::step`; the reduced gradients are not recorded then.
     /// Ignored with `probe`, which observes the two calls apart.
     pub one_call_step: bool,
+    /// Let the distributed optimizers update, stage and gather bucket group by bucket group
+    /// (`DistributedOptimizer::with_pipelined_step`; the default); off: update everything,
+    /// then stage.
+    pub pipelined_step: bool,
 }
 
 /// A checkpoint in a run (`lowbit-ckpt`).
@@ -159,6 +163,7 @@ impl Run {
             probe: false,
             ckpt: None,
             one_call_step: false,
+            pipelined_step: true,
         }
     }
 
@@ -436,7 +441,8 @@ pub fn optimizers(
             adamw(),
             optim(3e-3, run.clip),
             &mut init_from_full(init),
-        )?;
+        )?
+        .with_pipelined_step(run.pipelined_step);
         let sgd = DistributedOptimizer::new(
             dev,
             bufs,
@@ -447,32 +453,39 @@ pub fn optimizers(
             },
             optim(1e-2, run.clip),
             &mut init_from_full(init),
-        )?;
+        )?
+        .with_pipelined_step(run.pipelined_step);
         // Nested: the rest is one chain of its own.
         let rest = ChainedOptimizer::new(vec![Box::new(adamw), Box::new(sgd)])?;
         return ChainedOptimizer::new(vec![Box::new(muon), Box::new(rest)]);
     }
-    let mut parts: Vec<Box<dyn Optimizer>> = vec![Box::new(DistributedOptimizer::new(
-        dev,
-        bufs,
-        OptimizerId(0),
-        adamw(),
-        optim(3e-3, run.clip),
-        &mut init_from_full(init),
-    )?)];
+    let mut parts: Vec<Box<dyn Optimizer>> = vec![Box::new(
+        DistributedOptimizer::new(
+            dev,
+            bufs,
+            OptimizerId(0),
+            adamw(),
+            optim(3e-3, run.clip),
+            &mut init_from_full(init),
+        )?
+        .with_pipelined_step(run.pipelined_step),
+    )];
     if run.chained {
         let sgd = Sgd {
             momentum: 0.9,
             weight_decay: 0.0,
         };
-        parts.push(Box::new(DistributedOptimizer::new(
-            dev,
-            bufs,
-            OptimizerId(1),
-            sgd,
-            optim(1e-2, run.clip),
-            &mut init_from_full(init),
-        )?));
+        parts.push(Box::new(
+            DistributedOptimizer::new(
+                dev,
+                bufs,
+                OptimizerId(1),
+                sgd,
+                optim(1e-2, run.clip),
+                &mut init_from_full(init),
+            )?
+            .with_pipelined_step(run.pipelined_step),
+        ));
     }
     ChainedOptimizer::new(parts)
 }

@@ -108,6 +108,15 @@ pub enum ProtocolError {
         /// What was attempted.
         operation: &'static str,
     },
+    /// A pipelined step's staging of one bucket group that the pipeline does not allow
+    /// (`DataParallelBuffers::stage_and_gather_group`).
+    #[error("bucket group {group}: pipelined staging refused: {what}")]
+    Pipeline {
+        /// The bucket group.
+        group: usize,
+        /// Why.
+        what: &'static str,
+    },
     /// Zeroing the gradients while a collective is in flight.
     #[error("zeroing the gradients while a collective is in flight")]
     CollectiveInFlight,

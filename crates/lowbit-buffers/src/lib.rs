@@ -15,7 +15,9 @@
 //! - [`layout`] (re-exported `lowbit-layout`): the pure plan; nobody here re-derives it.
 //! - `config`: [`DdpConfig`] — every choice an enum, one validity check, one plan translation.
 //! - `storage`: one type per storage kind behind one interface; nothing else asks the kind.
-//! - `buffers`, `grad_sync`, `param_sync`, `stage`, `memory`: [`DataParallelBuffers`] by job.
+//! - `buffers`, `grad_sync`, `param_sync`, `stage`, `pipeline`, `memory`:
+//!   [`DataParallelBuffers`] by job (`pipeline`: staging and gathers group by group for a step
+//!   whose optimizer updates group by group).
 //! - `hooks`, `policy`, `dp_hooks`: the model-facing protocol.
 //!
 //! # Invariants
@@ -31,6 +33,9 @@
 //! - **Explicit dispatch state** per group ([`ParamSyncState`]), reset by
 //!   [`DataParallelBuffers::finish_grad_sync`] and refused while a gather is in flight (C, F4).
 //! - **The communicator is the plan's group**: every launch checks its size and rank (F3).
+//! - **Pipelined staging in element order**: [`DataParallelBuffers::pipeline_groups`] orders a
+//!   buffer's groups by increasing offset, so a staging view that aliases the f32 gradients
+//!   only ever overwrites gradients already read by the update.
 //!
 //! # Non-goals
 //! Optimizer math and the step order (`lowbit-optim`), FSDP's per-unit parameter release
@@ -44,6 +49,7 @@ mod grad_sync;
 mod hooks;
 mod memory;
 mod param_sync;
+mod pipeline;
 mod policy;
 mod stage;
 mod storage;

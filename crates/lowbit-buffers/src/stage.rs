@@ -236,7 +236,7 @@ impl DataParallelBuffers {
 
 /// `(source, destination)` pairs of an element-wise operation, in destination order, with each
 /// pair whose views both continue the previous pair's joined to it: one launch per run.
-fn joined_runs(mut pairs: Vec<(View, View)>) -> Vec<(View, View)> {
+pub(crate) fn joined_runs(mut pairs: Vec<(View, View)>) -> Vec<(View, View)> {
     pairs.sort_by_key(|(_, d)| (d.buffer(), d.byte_offset()));
     let mut runs: Vec<(View, View)> = Vec::new();
     for (s, d) in pairs {

@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 
 use lowbit_buffers::DataParallelBuffers;
+use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
 
@@ -81,6 +82,19 @@ impl Optimizer for ChainedOptimizer {
         self.parts
             .iter_mut()
             .try_for_each(|p| p.apply(dev, bufs, clip))
+    }
+    /// Part by part (each part's own owners and buffers: the same bits as every part's
+    /// update, then every owner's staging).
+    fn apply_and_stage(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        clip: f32,
+    ) -> Result<()> {
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.apply_and_stage(dev, comm, bufs, clip))
     }
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
         self.parts

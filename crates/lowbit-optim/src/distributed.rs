@@ -4,7 +4,8 @@
 
 use std::ops::Range;
 
-use lowbit_buffers::DataParallelBuffers;
+use lowbit_buffers::{DataParallelBuffers, StagePiece};
+use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
@@ -139,6 +140,8 @@ pub struct DistributedOptimizer {
     shards: Vec<Shard>,
     /// The shards joined where consecutive in every view (f32 masters' update launches).
     runs: Vec<Run>,
+    /// Whether `apply_and_stage` pipelines group by group where the buffers allow it.
+    pipelined: bool,
     steps: u64,
     /// f32 scratch the rule updates bf16 masters in (`MasterDtype::Bf16`, `Weights`).
     work: Option<View>,
@@ -266,6 +269,7 @@ impl DistributedOptimizer {
             cfg,
             shards,
             runs,
+            pipelined: true,
             steps: 0,
             work,
         })
@@ -286,6 +290,43 @@ impl DistributedOptimizer {
         } else {
             self.runs.len()
         }
+    }
+
+    /// Whether the step without overlapped gathers updates, stages and gathers bucket group by
+    /// bucket group (`Optimizer::apply_and_stage`; the default, where the buffers allow it) or
+    /// updates everything, then stages (the same bits; for comparisons).
+    pub fn with_pipelined_step(mut self, on: bool) -> Self {
+        self.pipelined = on;
+        self
+    }
+
+    /// The update of one run with f32 masters. Clipping rides along in the update where the
+    /// rule can (AdamW): no pass over the gradients of its own.
+    fn update_run(&self, dev: &mut Device, r: &Run, clip: f32) -> Result<()> {
+        let views = ShardViews {
+            master: r.master,
+            grad: r.grad32,
+            state: &r.state,
+            fused_output: r.fused_output,
+        };
+        let (lr, step) = (self.cfg.lr, self.steps);
+        if clip < 1.0 && self.rule.update_scaled(dev, views, lr, step, clip)? {
+            return Ok(());
+        }
+        if clip < 1.0 {
+            if r.grad32.dtype() != DType::F32 {
+                // Scaling a bf16 gradient in place would round it: a rule that reads
+                // low-precision gradients must scale them itself.
+                return Err(InvalidInput::Hyper {
+                    rule: self.rule.name(),
+                    what: "reads low-precision gradients but left the clip scale to the caller",
+                }
+                .into());
+            }
+            dev.scale(r.grad32, clip)?;
+        }
+        self.rule.update(dev, views, lr, step)?;
+        Ok(())
     }
 
     /// The configuration.
@@ -343,32 +384,8 @@ impl Optimizer for DistributedOptimizer {
         let Some(work) = self.work else {
             // f32 masters: one launch per run of consecutive shards (the rule is element-wise,
             // so the same bits as shard by shard).
-            // Clipping rides along in the update where the rule can (AdamW): no pass over the
-            // gradients of its own.
             for r in &self.runs {
-                let views = ShardViews {
-                    master: r.master,
-                    grad: r.grad32,
-                    state: &r.state,
-                    fused_output: r.fused_output,
-                };
-                let (lr, step) = (self.cfg.lr, self.steps);
-                if clip < 1.0 && self.rule.update_scaled(dev, views, lr, step, clip)? {
-                    continue;
-                }
-                if clip < 1.0 {
-                    if r.grad32.dtype() != DType::F32 {
-                        // Scaling a bf16 gradient in place would round it: a rule that reads
-                        // low-precision gradients must scale them itself.
-                        return Err(InvalidInput::Hyper {
-                            rule: self.rule.name(),
-                            what: "reads low-precision gradients but left the clip scale to the caller",
-                        }
-                        .into());
-                    }
-                    dev.scale(r.grad32, clip)?;
-                }
-                self.rule.update(dev, views, lr, step)?;
+                self.update_run(dev, r, clip)?;
             }
             bufs.mark_stale(self.owner);
             return Ok(());
@@ -391,6 +408,66 @@ impl Optimizer for DistributedOptimizer {
             dev.cast(w, s.master)?;
         }
         bufs.mark_stale(self.owner);
+        Ok(())
+    }
+
+    /// With f32 masters and buffers that allow it (`pipeline_groups`): bucket group by bucket
+    /// group, its shards updated (one launch per run of consecutive shards within the group),
+    /// then staged and its gather launched. The rule is element-wise, so the same bits as
+    /// `apply` then `stage`.
+    fn apply_and_stage(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        clip: f32,
+    ) -> Result<()> {
+        // This rank's shards per group of the order (every shard lies in one of the owner's
+        // groups; otherwise, or without the order, the plain path).
+        let order = self.pipelined.then(|| bufs.pipeline_groups(self.owner));
+        let by_group = match (self.work, order.flatten()) {
+            (None, Some(order)) => {
+                let mut by_group: Vec<(usize, Vec<usize>)> =
+                    order.iter().map(|&g| (g, Vec::new())).collect();
+                let placed = self.shards.iter().enumerate().all(|(i, s)| {
+                    let g = bufs.group_of(s.param);
+                    by_group
+                        .iter_mut()
+                        .find(|(q, _)| *q == g)
+                        .map(|(_, v)| v.push(i))
+                        .is_some()
+                });
+                placed.then_some(by_group)
+            }
+            _ => None,
+        };
+        let Some(by_group) = by_group else {
+            self.apply(dev, bufs, clip)?;
+            return self.stage(dev, comm, bufs, true);
+        };
+        self.steps += 1;
+        // Every group's weights move; each becomes staged as its turn comes.
+        bufs.mark_stale(self.owner);
+        for (g, mut shards) in by_group {
+            shards.sort_by_key(|&i| {
+                let v = self.shards[i].grad_view;
+                (v.buffer(), v.byte_offset())
+            });
+            for r in Run::of(shards.iter().map(|&i| &self.shards[i])) {
+                self.update_run(dev, &r, clip)?;
+            }
+            let pieces: Vec<StagePiece> = shards
+                .iter()
+                .map(|&i| &self.shards[i])
+                .filter(|s| s.fused_output.is_none())
+                .map(|s| StagePiece {
+                    param: s.param,
+                    param_range: s.param_range.clone(),
+                    master: s.master,
+                })
+                .collect();
+            bufs.stage_and_gather_group(dev, comm, self.owner, g, &pieces)?;
+        }
         Ok(())
     }
 

@@ -266,6 +266,27 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()>;
 
+    /// [`Optimizer::apply`] then [`Optimizer::stage`] of the stale owners (the step without
+    /// overlapped gathers), with the same bits. An optimizer that can update bucket group by
+    /// bucket group does so in the order of [`DataParallelBuffers::pipeline_groups`] and hands
+    /// each group to [`DataParallelBuffers::stage_and_gather_group`] as soon as it is updated,
+    /// so that the group's gather runs beside the update of the later groups; the caller's
+    /// `sync_params` completes the gathers in flight and launches the rest. The default
+    /// applies, then stages (every gather is left to `sync_params`).
+    ///
+    /// # Errors
+    /// As `apply` and `stage`.
+    fn apply_and_stage(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        bufs: &mut DataParallelBuffers,
+        clip: f32,
+    ) -> Result<()> {
+        self.apply(dev, bufs, clip)?;
+        self.stage(dev, comm, bufs, true)
+    }
+
     /// This rank's master pieces, per owner, in staging order (a chain: its parts' in order).
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)>;
 

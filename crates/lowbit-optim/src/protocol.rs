@@ -157,13 +157,16 @@ fn step_with_norm(
     let clip_coef = opt
         .clip_grad()
         .map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
-    opt.apply(dev, bufs, clip_coef)?;
-    if !bufs.config().overlap.param_gather() {
-        // Gradients are dead (copied to fp32 or used in place), so the staging views that alias
-        // them can be written now; every part stages before the one gather of each group. Every
-        // owner that stepped is stale; persistent weights were written by the fused update, so
-        // they are not cast again (`only_stale`).
-        opt.stage(dev, comm, bufs, true)?;
+    if bufs.config().overlap.param_gather() {
+        opt.apply(dev, bufs, clip_coef)?;
+    } else {
+        // Gradients are dead once their group is updated (copied to fp32 or used in place), so
+        // the staging views that alias them can be written; every part stages before the one
+        // gather of each group. Every owner that stepped is stale; persistent weights were
+        // written by the fused update, so they are not cast again (`only_stale`). Where the
+        // optimizer pipelines, each group's gather is in flight beside the later groups'
+        // update; `sync_params` completes them.
+        opt.apply_and_stage(dev, comm, bufs, clip_coef)?;
         bufs.sync_params(dev, comm)?;
     }
     Ok(StepReport {

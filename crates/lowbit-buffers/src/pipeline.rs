@@ -1,0 +1,129 @@
+//! The pipelined step's staging and gathers: bucket group by bucket group, so that each group's
+//! parameter gather runs beside the optimizer's update of the groups after it (the step without
+//! overlapped gathers; with them the next forward gathers). The optimizer asks
+//! [`DataParallelBuffers::pipeline_groups`] for the order, and after updating each group hands
+//! its pieces to [`DataParallelBuffers::stage_and_gather_group`]; `sync_params` then completes
+//! the gathers in flight.
+//!
+//! Why the order is safe: an MXFP8 staging view aliases the first half of the f32 gradient
+//! bytes, so staging (and gathering) elements `a..b` of a buffer writes the bytes of the f32
+//! gradients of elements `a/2..b/2`. In increasing element order every such gradient belongs to
+//! a group already updated (or to the group itself, updated just before), and no group after it
+//! reads a byte below `4b`. Each gather writes only its own group's region.
+
+use lowbit_comm::Communicator;
+use lowbit_device::{Device, View};
+use lowbit_layout::{OptimizerId, ParamGather};
+
+use crate::error::{ProtocolError, Result};
+use crate::stage::{StagePiece, joined_runs};
+use crate::{DataParallelBuffers, ParamSyncState, WeightState};
+
+impl DataParallelBuffers {
+    /// The bucket groups of `owner` in the order a pipelined step updates, stages and gathers
+    /// them (per buffer, increasing element offset), or `None` where the step is not pipelined:
+    /// overlapped gathers (the forward gathers), hybrid sharding, sharded parameters (gathered
+    /// per use), tile-scaled weights (staged by one collective per owner), nothing gathered, or
+    /// fewer than two groups. The same on every rank: it depends on the plan only.
+    pub fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
+        if self.cfg.overlap.param_gather() || self.outer.is_some() {
+            return None;
+        }
+        let mut mine: Vec<(usize, usize, usize)> = Vec::new();
+        let mut gathers = false;
+        for (g, group) in self.groups.iter().enumerate() {
+            let buf = &self.buffers[group.buffer];
+            if buf.owner() != owner {
+                continue;
+            }
+            if buf.shards_params() || buf.storage.tile_scaled().is_some() {
+                return None;
+            }
+            gathers |= buf.plan.param_gather != ParamGather::None;
+            let start = group
+                .buckets
+                .iter()
+                .map(|&k| buf.plan.layout.buckets[k].range().start)
+                .min()?;
+            mine.push((group.buffer, start, g));
+        }
+        if !gathers || mine.len() < 2 {
+            return None;
+        }
+        mine.sort_unstable();
+        Some(mine.into_iter().map(|(_, _, g)| g).collect())
+    }
+
+    /// Stages bucket group `g` of `owner` from `pieces` (this rank's owned pieces of the group's
+    /// parameters with their new master values; pieces of persistent weights, which the update
+    /// wrote itself, are ignored) and launches the group's parameter gather, asynchronously:
+    /// [`Self::stage`] and the gather of [`Self::sync_params`] for one group of a pipelined
+    /// step, in the order of [`Self::pipeline_groups`] (which must have returned `g`). The
+    /// group's low-precision weights become `Staged` and its gather is in flight; the next
+    /// `sync_params` or `complete_param_sync` completes it.
+    ///
+    /// # Errors
+    /// `Pipeline` for a group that is not `owner`'s or cannot be pipelined, or a piece outside
+    /// the group; `GatherInFlight` if the group's gather is in flight; buffer, collective and
+    /// device errors.
+    pub fn stage_and_gather_group(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        owner: OptimizerId,
+        g: usize,
+        pieces: &[StagePiece],
+    ) -> Result<()> {
+        let refuse = |what| Err(ProtocolError::Pipeline { group: g, what }.into());
+        let Some(group) = self.groups.get(g) else {
+            return refuse("no such bucket group");
+        };
+        let buf = &self.buffers[group.buffer];
+        if buf.owner() != owner {
+            return refuse("belongs to another optimizer");
+        }
+        if self.cfg.overlap.param_gather()
+            || self.outer.is_some()
+            || buf.shards_params()
+            || buf.storage.tile_scaled().is_some()
+        {
+            return refuse("cannot be pipelined (see pipeline_groups)");
+        }
+        if group.param_state == ParamSyncState::InFlight {
+            return Err(ProtocolError::GatherInFlight {
+                group: g,
+                operation: "staging",
+            }
+            .into());
+        }
+        let low_precision = buf.storage.is_low_precision();
+        let mut casts: Vec<(View, View)> = Vec::new();
+        for piece in pieces {
+            if self.group_of.get(piece.param) != Some(&g) {
+                return refuse("a piece of a parameter outside the group");
+            }
+            if !low_precision {
+                continue;
+            }
+            let (_, i) = self.plan.location(piece.param);
+            let start = buf.plan.param_range(i).start;
+            let range = start + piece.param_range.start..start + piece.param_range.end;
+            if let Some(dst) = buf.storage.staging_view(range.clone())? {
+                casts.push((piece.master, dst));
+            } else if !buf.storage.stage_cast(dev, range, piece.master)? {
+                return refuse("a piece its storage cannot stage by itself");
+            }
+        }
+        for (master, dst) in joined_runs(casts) {
+            dev.cast(master, dst)?;
+        }
+        if low_precision {
+            self.groups[g].weights = WeightState::Staged;
+        }
+        self.groups[g].param_state = ParamSyncState::Idle;
+        if self.needs_gather(g) {
+            self.start_param_sync_group(dev, comm, g, true)?;
+        }
+        Ok(())
+    }
+}
