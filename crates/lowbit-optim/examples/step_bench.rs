@@ -20,14 +20,19 @@
 //!   live memory and the closed form (`estimate_memory`);
 //! - with `--compute-us N`: the step with overlap on (a bucket per layer), interleaved with N µs
 //!   of compute per layer in the forward and 2N in the backward (a repeated f32 product), and
-//!   the same compute alone: exposed = the difference.
+//!   the same compute alone: exposed = the difference;
+//! - with `--step-buckets layer` (or ELEMS), the step without compute in buckets (a layer
+//!   each) instead of one per buffer: the reductions are launched when the step starts, the
+//!   norm trails them group by group, and the optimizer updates, stages and gathers group by
+//!   group (each gather beside the later groups' update); gathers after the step.
 //!
 //! `step_bench [--device cuda|cpu] [--ranks 2] [--model llama-3.2-1b|llama-3-8b-layers|tiny]
 //! [--precision all|bf16,mxfp8,mxfp8-2d,nvfp4] [--grads fp32,bf16]
 //! [--sharding optim,no_shard,optim_grads,optim_grads_params] [--comm grads,bf16,fp32]
 //! [--nan-check off,grad]
 //! [--also MODEL:PREC:GRADS]…
-//! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--comm-priority high|normal]
+//! [--iters 10] [--warmup 2] [--compute-us N] [--bucket ELEMS] [--step-buckets one|layer|ELEMS]
+//! [--comm-priority high|normal]
 //! [--step-call one|two] [--kernel NAME=VERSION,…]
 //! [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
@@ -48,7 +53,7 @@ use lowbit_buffers::layout::GradDType;
 use lowbit_comm::{Communicator, GroupConfig, run_ranks};
 use lowbit_device::Device;
 
-use measure::{GATHER, OverlapRun, PHASES, REQUANT, RS, Settings, StepRun};
+use measure::{GATHER, OverlapRun, PHASES, REQUANT, RS, Settings, StepBuckets, StepRun};
 use setup::{
     Config, Precision, Res, grads_name, parameter_set, parse_grads, parse_sharding, sharding_name,
 };
@@ -131,6 +136,8 @@ struct Summary {
     norm_stepped_ms: f64,
     /// Whether the totals (and the overlap mode) use the one-call step.
     one_call: bool,
+    /// The buckets of the step without compute (`--step-buckets`).
+    step_buckets: StepBuckets,
     total_ms: f64,
     bound_ms: [Option<f64>; 6],
     /// Bus bandwidth of the plain reduce-scatter and all-gather; copy bandwidth per phase.
@@ -161,6 +168,7 @@ impl Summary {
         runs: &[StepRun],
         overlap: Option<&[OverlapRun]>,
         one_call: bool,
+        step_buckets: StepBuckets,
     ) -> Self {
         let r0 = &runs[0];
         let world = runs.len();
@@ -251,6 +259,7 @@ impl Summary {
             ))
             .max(0.0),
             one_call,
+            step_buckets,
             total_ms: worst_median(&runs.iter().map(|r| r.totals.clone()).collect::<Vec<_>>()),
             bound_ms,
             bus_gbs: [bus(t.grad_bytes, rs_ms), bus(t.region_bytes, ag_ms)],
@@ -285,7 +294,7 @@ impl Summary {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}, comm {}, nan check {}, {}x {}: total {:.2} ms (phases {:.2} ms)",
+            "\nlowbit step, {} ({:.1}M params), {} weights, {} grads, {}, comm {}, nan check {}, buckets {}, {}x {}: total {:.2} ms (phases {:.2} ms)",
             self.cfg.model,
             self.params as f64 / 1e6,
             self.cfg.precision.name(),
@@ -293,6 +302,7 @@ impl Summary {
             sharding_name(self.cfg.sharding),
             self.cfg.comm.map_or("as grads", grads_name),
             if self.cfg.nan_check { "on" } else { "off" },
+            self.step_buckets.name(),
             self.world,
             self.card,
             self.total_ms,
@@ -433,7 +443,7 @@ impl Summary {
         });
         let fallbacks: Vec<String> = self.fallbacks.iter().map(|f| format!("\"{f}\"")).collect();
         format!(
-            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"zero_grad_ms\": {}, \"norm_stepped_ms\": {}, \"norm_stepped_ratio\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
+            "{{\"card\": \"{}\", \"world\": {}, \"model\": \"{}\", \"params\": {}, \"grad_dtype\": \"{}\", \"sharding\": \"{}\", \"comm_dtype\": \"{}\", \"nan_check\": {}, \"step_buckets\": \"{}\", \"clipped\": {}, \"precision\": \"{}\", \"phases_ms\": {}, \"total_ms\": {}, \"gather_requantize_ms\": {}, \"zero_grad_ms\": {}, \"norm_stepped_ms\": {}, \"norm_stepped_ratio\": {}, \"wire_bytes\": {{{}}}, \"peak_bytes\": {}, \"memory\": {{\"live_bytes\": {}, \"closed_form_bytes\": {}}}, \"bounds\": {}, \"ratios\": {}, \"kernel_bytes\": {}, \"bandwidth_gbs\": {{\"reduce_scatter_bus\": {}, \"gather_bus\": {}, \"copy\": {}}}, \"overlap\": {overlap}, \"host_fallbacks\": [{}]}}",
             self.card.replace('"', "'"),
             self.world,
             self.cfg.model,
@@ -442,6 +452,7 @@ impl Summary {
             sharding_name(self.cfg.sharding),
             self.cfg.comm.map_or("grads", grads_name),
             self.cfg.nan_check,
+            self.step_buckets.name(),
             self.clipped,
             self.cfg.precision.name(),
             per_phase(&|k| num(self.phases_ms[k])),
@@ -613,6 +624,19 @@ fn run() -> Res<()> {
         gpu: device == "cuda",
         compute_us: args.get("--compute-us").map(str::parse).transpose()?,
         bucket: args.get("--bucket").map(str::parse).transpose()?,
+        step_buckets: match args.get("--step-buckets").unwrap_or("one") {
+            "one" => StepBuckets::One,
+            "layer" => StepBuckets::Layer,
+            n => match n.parse() {
+                Ok(n @ 1..) => StepBuckets::Elems(n),
+                _ => {
+                    return Err(format!(
+                        "--step-buckets {n}: one, layer or a positive element count"
+                    )
+                    .into());
+                }
+            },
+        },
         one_call_step: match args.get("--step-call").unwrap_or("one") {
             "one" => true,
             "two" => false,
@@ -653,6 +677,7 @@ fn run() -> Res<()> {
             &runs,
             overlap.as_deref(),
             settings.one_call_step,
+            settings.step_buckets,
         );
         print!("{}", summary.table());
         summaries.push(summary);

@@ -37,9 +37,44 @@ pub struct Settings {
     pub gpu: bool,
     pub compute_us: Option<f64>,
     pub bucket: Option<usize>,
+    /// The buckets of the step without compute.
+    pub step_buckets: StepBuckets,
     /// The step: `Iteration::step`'s one call (the norm beside the reductions in flight), or
     /// `finish_grad_sync` then `step` (for comparison).
     pub one_call_step: bool,
+}
+
+/// How the step without compute buckets its gradients (`--step-buckets`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepBuckets {
+    /// One bucket per buffer, nothing overlapped (Megatron-LM without overlap).
+    One,
+    /// One transformer layer per bucket, as the overlap mode: reductions in buckets, gathers
+    /// after the step (the norm trails the reductions, each group's gather its update).
+    Layer,
+    /// Buckets of this many elements, otherwise as `Layer`.
+    Elems(usize),
+}
+
+impl StepBuckets {
+    pub fn name(self) -> String {
+        match self {
+            StepBuckets::One => "one".into(),
+            StepBuckets::Layer => "layer".into(),
+            StepBuckets::Elems(n) => n.to_string(),
+        }
+    }
+}
+
+/// The elements of the last transformer layer (a bucket per layer).
+fn layer_numel(params: &[Param]) -> usize {
+    let last = params.iter().map(|p| p.layer).max().unwrap_or(0);
+    params
+        .iter()
+        .filter(|p| p.layer == last)
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum::<usize>()
+        .max(1)
 }
 
 impl Settings {
@@ -414,7 +449,11 @@ pub fn step_rank(
     s: &Settings,
 ) -> Res<StepRun> {
     let (dp, rank) = (comm.size(), comm.rank());
-    let ddp = cfg.ddp(None);
+    let ddp = match s.step_buckets {
+        StepBuckets::One => cfg.ddp(None),
+        StepBuckets::Layer => cfg.ddp_buckets(layer_numel(params)),
+        StepBuckets::Elems(n) => cfg.ddp_buckets(n),
+    };
     let traffic = Traffic::new(cfg, params, &ddp, dp, rank)?;
     let bounds = measure_bounds(dev, comm, &traffic, &traffic.kernel_bytes(), s)?;
     let specs = cfg.specs(params);
@@ -428,15 +467,32 @@ pub fn step_rank(
     let replay = Replay::new(dev, &bufs, &grads)?;
     let own = base + grads.bytes() + replay.bytes();
     let n = bufs.specs().len();
+    // In buckets, the step starts with every gradient reported ready (backward order), as a
+    // backward that wrote them all at once would leave them: each group's reduction launches
+    // at its last report, inside the timed step.
+    let bucketed = s.step_buckets != StepBuckets::One;
+    let ready =
+        |d: &mut Device, c: &mut dyn Communicator, b: &mut DataParallelBuffers| -> Res<()> {
+            if bucketed {
+                for p in (0..n).rev() {
+                    b.register_grad_ready(d, c, p)?;
+                }
+            }
+            Ok(())
+        };
     let (mut peak, mut clipped) = (0, false);
     let (mut phases, mut zero) = (Vec::new(), Vec::new());
     for i in 0..s.reps.0 + s.reps.1 {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        bufs.set_last_microbatch(true);
         grads.backward(dev, &mut bufs, 0..n)?;
         let mut t = [0.0; 6];
         let b = &mut bufs;
         let o = &mut opt;
-        (_, t[0]) = timed(dev, comm, |d, c| Ok(b.finish_grad_sync(d, c)?))?;
+        (_, t[0]) = timed(dev, comm, |d, c| {
+            ready(d, c, b)?;
+            Ok(b.finish_grad_sync(d, c)?)
+        })?;
         let (norm, secs) = timed(dev, comm, |d, c| {
             Ok(protocol::global_grad_norm(d, c, b, o)?)
         })?;
@@ -503,15 +559,20 @@ pub fn step_rank(
     let (mut rs_norm, mut rs_alone) = (Vec::new(), Vec::new());
     for i in 0..2 * (s.reps.0 + s.reps.1) {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        bufs.set_last_microbatch(true);
         grads.backward(dev, &mut bufs, 0..n)?;
         let (b, o) = (&mut bufs, &mut opt);
         let with_norm = i % 2 == 1;
         let (norm, secs) = if with_norm {
             timed(dev, comm, |d, c| {
+                ready(d, c, b)?;
                 Ok(protocol::finish_grad_sync_and_norm(d, c, b, o)?)
             })?
         } else {
-            let ((), secs) = timed(dev, comm, |d, c| Ok(b.finish_grad_sync(d, c)?))?;
+            let ((), secs) = timed(dev, comm, |d, c| {
+                ready(d, c, b)?;
+                Ok(b.finish_grad_sync(d, c)?)
+            })?;
             (protocol::global_grad_norm(dev, comm, b, o)?, secs)
         };
         let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
@@ -529,9 +590,11 @@ pub fn step_rank(
     let mut totals = Vec::new();
     for i in 0..s.reps.0 + s.reps.1 {
         protocol::begin_iteration(dev, comm, &mut bufs, &opt)?;
+        bufs.set_last_microbatch(true);
         grads.backward(dev, &mut bufs, 0..n)?;
         let (b, o) = (&mut bufs, &mut opt);
         let (_, secs) = timed(dev, comm, |d, c| {
+            ready(d, c, b)?;
             if s.one_call_step {
                 protocol::finish_grad_sync_and_step(d, c, b, o)?;
             } else {
@@ -715,14 +778,7 @@ pub fn overlap_rank(
         })
         .collect();
     // One transformer layer per bucket unless told otherwise.
-    let layer_numel = by_layer
-        .last()
-        .map(|ps| {
-            ps.iter()
-                .map(|&p| params[p].shape.iter().product::<usize>())
-        })
-        .map_or(1, Iterator::sum);
-    let ddp = cfg.ddp(Some(s.bucket.unwrap_or(layer_numel)));
+    let ddp = cfg.ddp(Some(s.bucket.unwrap_or_else(|| layer_numel(params))));
     let (mut bufs, mut opt) = build(dev, dp, rank, cfg.specs(params), ddp)?;
     let transient_closed = transient_bound(bufs.plan(), bufs.specs(), &ddp);
     let grads = GradSource::new(dev, s.pattern())?;

@@ -207,6 +207,17 @@ impl Config {
             (Some(_), ShardingStrategy::Replicated) => Overlap::GradReduce,
             (Some(_), _) => Overlap::GradReduceAndParamGather,
         };
+        self.ddp_with(overlap, bucket)
+    }
+
+    /// The step without compute in buckets of `bucket` elements: reductions in buckets (all
+    /// launched when the step starts, as the backward left them), gathers after the step, so
+    /// that the norm trails the reductions and each group's gather its update.
+    pub fn ddp_buckets(&self, bucket: usize) -> DdpConfig {
+        self.ddp_with(Overlap::GradReduce, Some(bucket))
+    }
+
+    fn ddp_with(&self, overlap: Overlap, bucket: Option<usize>) -> DdpConfig {
         let gather = match self.precision {
             Precision::Mxfp8Direct => Mxfp8Gather::Direct2d,
             _ => Mxfp8Gather::Bf16Staging,
