@@ -655,6 +655,116 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     }
 }
 
+// The 8x8 nibble transpose of a[0..7] in place (nibble j of word i <-> nibble i of word j): three
+// exchange steps of the recursive block transpose, 16-bit halves between words 4 apart and bytes
+// between words 2 apart by PRMT, nibbles between neighbours by shifts and masks (36 operations
+// where nibble_columns_32x8's per-nibble moves take ~170).
+__device__ __forceinline__ void nibble_transpose_8x8(uint32_t a[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t x = a[i], y = a[i + 4];
+        a[i] = __byte_perm(x, y, 0x5410);
+        a[i + 4] = __byte_perm(x, y, 0x7632);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (i & 2) continue;
+        const uint32_t x = a[i], y = a[i + 2];
+        a[i] = __byte_perm(x, y, 0x6240);
+        a[i + 2] = __byte_perm(x, y, 0x7351);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        const uint32_t t = ((a[i] >> 4) ^ a[i + 1]) & 0x0F0F0F0Fu;
+        a[i + 1] ^= t;
+        a[i] ^= t << 4;
+    }
+}
+
+// nvfp4x_finish_2d_same with both scale copies in the same launch (version 4): the codes of the
+// 256x256 tile as version 3 writes them, the nibbles transposed by nibble_transpose_8x8 (one
+// 8x8 block per 8 rows: word q of column j is block q's word j); then thread t makes the scale
+// of tile (t / 16, t % 16) of the CTA's 16x16 tiles once (version 3's scales kernel made each
+// of its 512 scale bytes from the tile amax anew) and writes the 16 row-scale bytes of row
+// r0 + t (its tile row's codes) and the 16 column-scale bytes of column c0 + t (its tile
+// column's), one 16-byte store each where whole and aligned (tc and tr multiples of 16), else
+// byte by byte. Same parameters, grid and bytes as version 3's two kernels.
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
+    const Finish2dSameParams p) {
+    __shared__ uint4 out[256][8];
+    __shared__ __align__(16) uint8_t sc[16][16];   // [tile row][tile column]
+    __shared__ __align__(16) uint8_t sct[16][16];  // [tile column][tile row]
+    const u64* t = p.ptrs[blockIdx.z];
+    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const uint32_t* amax_word = reinterpret_cast<const uint32_t*>(t[2]);
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
+    __builtin_assume(__isGlobal(rowwise));
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(amax_word));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_data));
+    __builtin_assume(__isGlobal(col_scales));
+    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
+    const u64 tr = rows / 16, tc = (cols + 15) / 16;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 r0 = (u64)blockIdx.y * 256, c0 = (u64)blockIdx.x * 256;
+    const u64 r = r0 + 32 * warp, c = c0 + 8 * lane;
+    if (r < rows && c < cols) {
+        uint32_t in[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) nibble_transpose_8x8(&in[8 * q]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            out[8 * lane + j][warp ^ (lane % 8)] = make_uint4(in[j], in[8 + j], in[16 + j], in[24 + j]);
+    }
+    {
+        // This thread's tile of the CTA's 16x16 tiles (zero where outside: never stored).
+        const unsigned a = threadIdx.x / 16, b = threadIdx.x % 16;
+        const u64 ti = (u64)blockIdx.y * 16 + a, tj = (u64)blockIdx.x * 16 + b;
+        uint8_t code = 0;
+        if (ti < tr && tj < tc)
+            code = (uint8_t)e4m3_code(__fmul_rn(tiles[ti * tc + tj], nvfp4_k_from_amax(amax_word)));
+        sc[a][b] = code;
+        sct[b][a] = code;
+    }
+    __syncthreads();
+    const u64 rb = rows / 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const unsigned g = 256 * k + threadIdx.x, cl = g / 8, q = g % 8;
+        const u64 cc = c0 + cl, rr = r0 + 32 * q;
+        if (cc < cols && rr < rows)
+            *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][q ^ ((cl / 8) % 8)];
+    }
+    // Row r0 + t: tile columns 16·bx .. of tile row (r0 + t) / 16.
+    const u64 rt = r0 + threadIdx.x, ct = c0 + threadIdx.x;
+    const u64 tj0 = (u64)blockIdx.x * 16, ti0 = (u64)blockIdx.y * 16;
+    if (rt < rows) {
+        uint8_t* o = row_scales + rt * tc + tj0;
+        const uint8_t* src = sc[threadIdx.x / 16];
+        if (tj0 + 16 <= tc && ((uintptr_t)o & 15u) == 0) {
+            *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (unsigned j = 0; j < 16 && tj0 + j < tc; ++j) o[j] = src[j];
+        }
+    }
+    // Column c0 + t: tile rows 16·by .. of tile column (c0 + t) / 16.
+    if (ct < cols) {
+        uint8_t* o = col_scales + ct * tr + ti0;
+        const uint8_t* src = sct[threadIdx.x / 16];
+        if (ti0 + 16 <= tr && ((uintptr_t)o & 15u) == 0) {
+            *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (unsigned i = 0; i < 16 && ti0 + i < tr; ++i) o[i] = src[i];
+        }
+    }
+}
+
 // The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a
 // nvfp4x_finish_2d_same launch (the same parameters; rows % 32 == 0, so tr = rows / 16):
 // thread g of matrix blockIdx.z writes 16 consecutive scale bytes, the row scales' chunks

@@ -162,8 +162,8 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
 }
 
 /// Times the completion of gathered 2D NVFP4 weights for 16 Llama-3.2-1B layers (112
-/// matrices, one `nvfp4_finish_2d_many` per version: 3 one launch per shape, 2 one launch for
-/// all), against the copy bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes
+/// matrices, one `nvfp4_finish_2d_many` per version: 4 one launch per shape, 3 two (codes,
+/// then scales), 2 one launch for all), against the copy bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes
 /// (n/64), writes the columnwise codes (n/2) and both scale copies (n/16 each).
 fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
     let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
@@ -191,7 +191,7 @@ fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
         })
         .collect();
     let bytes = elems as f64 * (0.5 + 1.0 / 64.0 + 0.5 + 2.0 / 16.0);
-    for version in [3, 2] {
+    for version in [4, 3, 2] {
         dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)
             .expect("variant");
         let t = timed(dev, 20, |d| {

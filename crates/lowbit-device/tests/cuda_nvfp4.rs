@@ -535,8 +535,10 @@ fn nvfp4_finish_2d_matches() {
 /// CTAs, a partial CTA row, a partial CTA column, cols % 16 == 8, a single thread row) and the
 /// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0); two shapes twice (one launch of the
 /// same-shape kernel, version 3, holds both); partial 256x256 tiles of version 3 in both
-/// directions (320 x 264).
-const FINISH_MANY_SHAPES: [(usize, usize); 11] = [
+/// directions (320 x 264); whole ones (256 x 512: version 4's 16-byte scale stores of both
+/// copies).
+const FINISH_MANY_SHAPES: [(usize, usize); 12] = [
+    (256, 512),
     (320, 264),
     (64, 96),
     (128, 1040),
@@ -603,7 +605,7 @@ fn grouped_2d(
 fn nvfp4_finish_2d_many_matches() {
     let o = check("nvfp4 finish 2d many", false, |c| {
         let mut out = Vec::new();
-        for version in [3, 2, 1] {
+        for version in [4, 3, 2, 1] {
             c.dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)?;
             // Every shape from sharded quantization, outputs in fresh buffers.
             let mut parts = Vec::new();

@@ -251,18 +251,20 @@ impl CudaDevice {
 pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
 
 impl CudaDevice {
-    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 3 (the
-    /// default: every matrix's amax in one `u32_max_many` launch, two launches per shape, one
-    /// host read of all amaxes), 2 (the same with one `nvfp4x_finish_2d_many` launch for every
+    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 4 (the
+    /// default: version 3 with one launch per shape, `nvfp4x_finish_2d_same_v4`, codes and both
+    /// scale copies), 3 (every matrix's amax in one `u32_max_many` launch, two launches per
+    /// shape, one host read of all amaxes), 2 (the same with one `nvfp4x_finish_2d_many` launch for every
     /// shape) or 1 (one `nvfp4_finish_2d` per matrix, each with its own host read).
     pub(crate) fn nvfp4_finish_version(&self) -> u32 {
         self.nvfp4_finish_version
     }
 
-    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 3, the default: the
-    /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same`
-    /// launch for the columnwise codes and one `nvfp4x_scales_2d_same` for both scale copies,
-    /// written 16 contiguous bytes per thread; version 2: all of them in one
+    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 4, the default: the
+    /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same_v4`
+    /// launch for the columnwise codes and both scale copies; version 3: the same with one
+    /// `nvfp4x_finish_2d_same` launch for the codes and one `nvfp4x_scales_2d_same` for the
+    /// scales, written 16 contiguous bytes per thread; version 2: all of them in one
     /// `nvfp4x_finish_2d_many` launch, scales included): each matrix's global amax (the
     /// raw-bit max of its tiles) into a device word by one `u32_max_many` launch, every matrix
     /// that qualifies (rows % 32 == 0, cols % 8 == 0, rowwise data 4-byte and columnwise data
@@ -293,8 +295,8 @@ impl CudaDevice {
         // item count is at most 65535 (checked above).
         unsafe { self.launch_u32_max_many(&tiles, amax.ptr)? };
         let (mut firsts, mut rows_of) = (Vec::new(), Vec::new());
-        // Version 3: the qualifying matrices by shape and their grids, for
-        // `nvfp4x_finish_2d_same` and `nvfp4x_scales_2d_same`.
+        // Versions 3 and 4: the qualifying matrices by shape and their grids, for
+        // `nvfp4x_finish_2d_same` and `nvfp4x_scales_2d_same` (or `nvfp4x_finish_2d_same_v4`).
         let mut same: Vec<Finish2dSame> = Vec::new();
         let mut ctas = 0u64;
         for (i, &([rows, cols], tiles, [rd, rs, cd, cs])) in items.iter().enumerate() {
@@ -309,7 +311,8 @@ impl CudaDevice {
             {
                 // Version 3 where its grids fit, decided here so that its launches below
                 // cannot fail after others wrote; else the one-launch kernel takes the matrix.
-                if let (3, Some(grids)) = (self.nvfp4_finish_version, same_shape_grids(rows, cols))
+                if let (3 | 4, Some(grids)) =
+                    (self.nvfp4_finish_version, same_shape_grids(rows, cols))
                 {
                     let key = ([rows as u64, cols as u64], grids);
                     let row = [rdp, t, a, rsp, cdp, csp];
@@ -383,6 +386,21 @@ impl CudaDevice {
                 // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k. No
                 // output overlaps another matrix's views (checked by the caller). The driver
                 // copies the parameters.
+                if self.nvfp4_finish_version == 4 {
+                    // SAFETY: as version 3's two launches below, which this kernel's one
+                    // replaces: the same parameters and grid, the codes of each 256x256 tile
+                    // and the scale bytes of its 16x16 tiles (row and column indices checked
+                    // against rows, cols, tr and tc per byte or per whole 16-byte chunk).
+                    unsafe {
+                        self.launch_words(
+                            "nvfp4x_finish_2d_same_v4",
+                            (gx, gy, chunk.len() as u32),
+                            (256, 1, 1),
+                            &mut words,
+                        )?;
+                    }
+                    continue;
+                }
                 unsafe {
                     self.launch_words(
                         "nvfp4x_finish_2d_same",
