@@ -200,40 +200,44 @@ fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
 /// The pipelined step on CUDA (each bucket group's gather on NCCL's stream beside the update of
 /// the later groups on the device's) gives the CPU backend's bits of the plain step (update
 /// everything, then stage): reductions overlapped, gathers after the step, f32 gradients (the
-/// MXFP8 staging view aliases them) and bf16, MXFP8 and bf16 weights, one optimizer and a chain.
+/// MXFP8 staging view aliases them) and bf16, MXFP8, 2D MXFP8 and NVFP4 weights (their tile
+/// amaxes MAX-reduced group by group), one optimizer and a chain.
 #[test]
 fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
+    use common::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
     for dp in dps().into_iter().filter(|&d| d <= 2) {
-        for grad in [GradDType::F32, GradDType::Bf16] {
-            for (chained, precision) in [
-                (false, common::Precision::Mxfp8),
-                (true, common::Precision::Mxfp8),
-                (true, common::Precision::Bf16),
-            ] {
-                let base = Run {
+        for (grad, chained, precision) in [
+            (GradDType::F32, false, Mxfp8),
+            (GradDType::Bf16, false, Mxfp8),
+            (GradDType::F32, true, Mxfp8),
+            (GradDType::Bf16, true, Bf16),
+            (GradDType::F32, false, Mxfp8Direct),
+            (GradDType::F32, false, Nvfp4),
+        ] {
+            let base = variant(
+                Run {
                     ddp: ddp(true, true, false, Some(300)),
                     grad,
                     chained,
                     precision,
-                    param_gather: precision != common::Precision::Bf16,
                     clip: Some(1e-3),
                     ..Run::new(dp)
-                };
-                let cpu = common::train(Run {
-                    pipelined_step: false,
-                    ..base
-                });
-                let gpu = common::train(Run {
-                    device: TestDevice::Cuda,
-                    one_call_step: true,
-                    ..base
-                });
-                assert_ranks_identical(&gpu);
-                let what =
-                    format!("pipelined step {precision:?} {grad:?} dp={dp} chained={chained}");
-                assert_same_trajectory(&cpu, &gpu, &format!("{what}: CUDA vs CPU"));
-                eprintln!("{what}: CUDA = CPU");
-            }
+                },
+                true,
+            );
+            let cpu = common::train(Run {
+                pipelined_step: false,
+                ..base
+            });
+            let gpu = common::train(Run {
+                device: TestDevice::Cuda,
+                one_call_step: true,
+                ..base
+            });
+            assert_ranks_identical(&gpu);
+            let what = format!("pipelined step {precision:?} {grad:?} dp={dp} chained={chained}");
+            assert_same_trajectory(&cpu, &gpu, &format!("{what}: CUDA vs CPU"));
+            eprintln!("{what}: CUDA = CPU");
         }
     }
 }

@@ -23,8 +23,8 @@ impl DataParallelBuffers {
     /// The bucket groups of `owner` in the order a pipelined step updates, stages and gathers
     /// them (per buffer, increasing element offset), or `None` where the step is not pipelined:
     /// overlapped gathers (the forward gathers), hybrid sharding, sharded parameters (gathered
-    /// per use), tile-scaled weights (staged by one collective per owner), nothing gathered, or
-    /// fewer than two groups. The same on every rank: it depends on the plan only.
+    /// per use), nothing gathered, or fewer than two groups. Tile-scaled weights are staged
+    /// group by group too (one MAX-reduction of the group's tile amaxes each). The same on every rank: it depends on the plan only.
     pub fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
         if self.cfg.overlap.param_gather() || self.outer.is_some() {
             return None;
@@ -36,7 +36,7 @@ impl DataParallelBuffers {
             if buf.owner() != owner {
                 continue;
             }
-            if buf.shards_params() || buf.storage.tile_scaled().is_some() {
+            if buf.shards_params() {
                 return None;
             }
             gathers |= buf.plan.param_gather != ParamGather::None;
@@ -82,11 +82,7 @@ impl DataParallelBuffers {
         if buf.owner() != owner {
             return refuse("belongs to another optimizer");
         }
-        if self.cfg.overlap.param_gather()
-            || self.outer.is_some()
-            || buf.shards_params()
-            || buf.storage.tile_scaled().is_some()
-        {
+        if self.cfg.overlap.param_gather() || self.outer.is_some() || buf.shards_params() {
             return refuse("cannot be pipelined (see pipeline_groups)");
         }
         if group.param_state == ParamSyncState::InFlight {
@@ -97,12 +93,18 @@ impl DataParallelBuffers {
             .into());
         }
         let low_precision = buf.storage.is_low_precision();
+        let tiled = buf.storage.tile_scaled().is_some();
         let mut casts: Vec<(View, View)> = Vec::new();
+        let mut tiled_pieces = Vec::new();
         for piece in pieces {
             if self.group_of.get(piece.param) != Some(&g) {
                 return refuse("a piece of a parameter outside the group");
             }
             if !low_precision {
+                continue;
+            }
+            if tiled {
+                tiled_pieces.push(piece);
                 continue;
             }
             let (_, i) = self.plan.location(piece.param);
@@ -116,6 +118,13 @@ impl DataParallelBuffers {
         }
         for (master, dst) in joined_runs(casts) {
             dev.cast(master, dst)?;
+        }
+        if tiled {
+            // The group's tile amaxes, MAX-reduced across ranks (every rank stages the same
+            // groups in the same order), then its pieces quantized.
+            let mut params = self.groups[g].params.clone();
+            params.sort_unstable();
+            self.stage_tiled_params(dev, comm, &params, &tiled_pieces)?;
         }
         if low_precision {
             self.groups[g].weights = WeightState::Staged;

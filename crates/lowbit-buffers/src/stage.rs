@@ -122,6 +122,18 @@ impl DataParallelBuffers {
                 b.owner() == owner && b.storage.tile_scaled().is_some()
             })
             .collect();
+        self.stage_tiled_params(dev, comm, &params, pieces)
+    }
+
+    /// [`Self::stage_tiled`] of the tile-scaled parameters `params` (ascending ids; `pieces`
+    /// lie in them): every rank passes the same `params` (one MAX-reduction of their amaxes).
+    pub(crate) fn stage_tiled_params(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        params: &[usize],
+        pieces: &[&StagePiece],
+    ) -> Result<()> {
         if params.is_empty() {
             return Ok(());
         }
@@ -133,7 +145,7 @@ impl DataParallelBuffers {
             let ts = self.buffers[b].storage.tile_scaled().expect("filtered");
             ts.tiles(i)
         };
-        for &p in &params {
+        for &p in params {
             dev.zero(tiles_of(p))?;
         }
         let mut folds = Vec::with_capacity(pieces.len());

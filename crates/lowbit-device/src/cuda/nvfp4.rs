@@ -377,15 +377,6 @@ impl CudaDevice {
                 for (k, row) in chunk.iter().enumerate() {
                     words[4 + 6 * k..][..6].copy_from_slice(row);
                 }
-                // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's
-                // FINISH2D_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
-                // one matrix's views of this launch's shape, validated by the caller with the
-                // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
-                // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
-                // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
-                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k. No
-                // output overlaps another matrix's views (checked by the caller). The driver
-                // copies the parameters.
                 if self.nvfp4_finish_version == 4 {
                     // SAFETY: as version 3's two launches below, which this kernel's one
                     // replaces: the same parameters and grid, the codes of each 256x256 tile
@@ -401,6 +392,15 @@ impl CudaDevice {
                     }
                     continue;
                 }
+                // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's
+                // FINISH2D_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
+                // one matrix's views of this launch's shape, validated by the caller with the
+                // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
+                // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
+                // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
+                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k. No
+                // output overlaps another matrix's views (checked by the caller). The driver
+                // copies the parameters.
                 unsafe {
                     self.launch_words(
                         "nvfp4x_finish_2d_same",
