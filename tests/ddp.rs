@@ -291,17 +291,19 @@ fn invalid_configurations_are_refused_up_front() {
     ));
 }
 
-/// The step without overlapped gathers updates, stages and gathers bucket group by bucket group
-/// (each group's gather in flight beside the later groups' update) and trains the same bits as
-/// updating everything, then staging: f32 and bf16 gradients (with f32 gradients an MXFP8
+/// The step updates, stages and gathers bucket group by bucket group (each group's gather in
+/// flight beside the later groups' update; with gathers overlapped with the forward, left in
+/// flight for its pre-hooks instead of staged at the next iteration's start) and trains the same
+/// bits as updating everything, then staging: f32 and bf16 gradients (with f32 gradients an MXFP8
 /// staging view aliases the first half of the gradient bytes, so a wrong group order would
 /// stage over gradients not yet read), bf16, MXFP8 and the 2D formats (a MAX-reduction of each
-/// group's tile amaxes), one optimizer or a chain, 2 and 3 ranks.
+/// group's tile amaxes), one optimizer or a chain, 2 and 3 ranks, gathers after the step or
+/// overlapped with the forward.
 #[test]
 fn the_pipelined_step_changes_no_bit() {
     use common::Precision;
     let mut pipelined = 0;
-    for dp in [2, 3] {
+    for (dp, op) in [(2, false), (3, false), (2, true)] {
         for grad in [GradDType::F32, GradDType::Bf16] {
             for (chained, precision) in [
                 (false, Precision::Bf16),
@@ -312,7 +314,7 @@ fn the_pipelined_step_changes_no_bit() {
             ] {
                 let run = common::variant(
                     Run {
-                        ddp: ddp(true, true, false, Some(300)),
+                        ddp: ddp(true, true, op, Some(300)),
                         grad,
                         chained,
                         precision,
@@ -341,20 +343,16 @@ fn the_pipelined_step_changes_no_bit() {
             }
         }
     }
-    assert_eq!(pipelined, 20);
-    // Overlapped gathers (the forward gathers) and one group per buffer are not pipelined.
+    assert_eq!(pipelined, 30);
+    // One group per buffer is not pipelined.
     let mut dev = Device::cpu();
-    for cfg in [
-        ddp(true, true, true, Some(300)),
-        ddp(true, false, false, None),
-    ] {
-        let run = Run {
-            ddp: cfg,
-            ..Run::new(2)
-        };
-        let bufs = DataParallelBuffers::new(&mut dev, 2, 0, specs(&run), cfg).expect("buffers");
-        assert_eq!(bufs.pipeline_groups(OptimizerId(0)), None, "{cfg:?}");
-    }
+    let cfg = ddp(true, false, false, None);
+    let run = Run {
+        ddp: cfg,
+        ..Run::new(2)
+    };
+    let bufs = DataParallelBuffers::new(&mut dev, 2, 0, specs(&run), cfg).expect("buffers");
+    assert_eq!(bufs.pipeline_groups(OptimizerId(0)), None, "{cfg:?}");
 }
 
 /// `Iteration::step` (this rank's sum of squares taken group by group as the reductions complete,

@@ -199,24 +199,27 @@ fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
 
 /// The pipelined step on CUDA (each bucket group's gather on NCCL's stream beside the update of
 /// the later groups on the device's) gives the CPU backend's bits of the plain step (update
-/// everything, then stage): reductions overlapped, gathers after the step, f32 gradients (the
+/// everything, then stage): reductions overlapped, gathers after the step or left in flight for
+/// the forward, f32 gradients (the
 /// MXFP8 staging view aliases them) and bf16, MXFP8, 2D MXFP8 and NVFP4 weights (their tile
 /// amaxes MAX-reduced group by group), one optimizer and a chain.
 #[test]
 fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
     use common::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
     for dp in dps().into_iter().filter(|&d| d <= 2) {
-        for (grad, chained, precision) in [
-            (GradDType::F32, false, Mxfp8),
-            (GradDType::Bf16, false, Mxfp8),
-            (GradDType::F32, true, Mxfp8),
-            (GradDType::Bf16, true, Bf16),
-            (GradDType::F32, false, Mxfp8Direct),
-            (GradDType::F32, false, Nvfp4),
+        for (grad, chained, precision, op) in [
+            (GradDType::F32, false, Mxfp8, false),
+            (GradDType::Bf16, false, Mxfp8, false),
+            (GradDType::F32, true, Mxfp8, false),
+            (GradDType::Bf16, true, Bf16, false),
+            (GradDType::F32, false, Mxfp8Direct, false),
+            (GradDType::F32, false, Nvfp4, false),
+            (GradDType::F32, true, Mxfp8, true),
+            (GradDType::F32, false, Nvfp4, true),
         ] {
             let base = variant(
                 Run {
-                    ddp: ddp(true, true, false, Some(300)),
+                    ddp: ddp(true, true, op, Some(300)),
                     grad,
                     chained,
                     precision,
@@ -235,7 +238,9 @@ fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
                 ..base
             });
             assert_ranks_identical(&gpu);
-            let what = format!("pipelined step {precision:?} {grad:?} dp={dp} chained={chained}");
+            let what = format!(
+                "pipelined step {precision:?} {grad:?} dp={dp} chained={chained} overlapped gathers={op}"
+            );
             assert_same_trajectory(&cpu, &gpu, &format!("{what}: CUDA vs CPU"));
             eprintln!("{what}: CUDA = CPU");
         }

@@ -1,6 +1,6 @@
 //! The pipelined step's staging and gathers: bucket group by bucket group, so that each group's
-//! parameter gather runs beside the optimizer's update of the groups after it (the step without
-//! overlapped gathers; with them the next forward gathers). The optimizer asks
+//! parameter gather runs beside the optimizer's update of the groups after it. Without
+//! overlapped gathers `sync_params` then completes them; with them the forward's pre-hooks do. The optimizer asks
 //! [`DataParallelBuffers::pipeline_groups`] for the order, and after updating each group hands
 //! its pieces to [`DataParallelBuffers::stage_and_gather_group`]; `sync_params` then completes
 //! the gathers in flight.
@@ -22,11 +22,13 @@ use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 impl DataParallelBuffers {
     /// The bucket groups of `owner` in the order a pipelined step updates, stages and gathers
     /// them (per buffer, increasing element offset), or `None` where the step is not pipelined:
-    /// overlapped gathers (the forward gathers), hybrid sharding, sharded parameters (gathered
-    /// per use), nothing gathered, or fewer than two groups. Tile-scaled weights are staged
+    /// hybrid sharding, sharded parameters (gathered per use), nothing gathered, or fewer than
+    /// two groups. With gathers overlapped with the forward, the pipelined step leaves them in
+    /// flight for the forward's pre-hooks (a gather in flight at the zeroing counts as the coming
+    /// forward's). Tile-scaled weights are staged
     /// group by group too (one MAX-reduction of the group's tile amaxes each). The same on every rank: it depends on the plan only.
     pub fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
-        if self.cfg.overlap.param_gather() || self.outer.is_some() {
+        if self.outer.is_some() {
             return None;
         }
         let mut mine: Vec<(usize, usize, usize)> = Vec::new();
@@ -82,7 +84,7 @@ impl DataParallelBuffers {
         if buf.owner() != owner {
             return refuse("belongs to another optimizer");
         }
-        if self.cfg.overlap.param_gather() || self.outer.is_some() || buf.shards_params() {
+        if self.outer.is_some() || buf.shards_params() {
             return refuse("cannot be pipelined (see pipeline_groups)");
         }
         if group.param_state == ParamSyncState::InFlight {
@@ -130,6 +132,10 @@ impl DataParallelBuffers {
             self.groups[g].weights = WeightState::Staged;
         }
         self.groups[g].param_state = ParamSyncState::Idle;
+        // New weights: this is their first gather. (With gathers overlapped with the forward the
+        // group was gathered for this iteration's forward already; this gather is the coming
+        // forward's, and the zeroing counts it so.)
+        self.groups[g].gathers = 0;
         if self.needs_gather(g) {
             self.start_param_sync_group(dev, comm, g, true)?;
         }

@@ -96,6 +96,11 @@ impl Optimizer for ChainedOptimizer {
             .iter_mut()
             .try_for_each(|p| p.apply_and_stage(dev, comm, bufs, clip))
     }
+    /// Every part pipelines (else the chain applies, and stages at the next iteration's
+    /// start where gathers overlap the forward).
+    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
+        !self.parts.is_empty() && self.parts.iter().all(|p| p.pipelines(bufs))
+    }
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
         self.parts
             .iter()

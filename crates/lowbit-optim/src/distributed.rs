@@ -300,6 +300,25 @@ impl DistributedOptimizer {
         self
     }
 
+    /// The pipelined step's plan: per bucket group of `pipeline_groups`' order, this rank's
+    /// shards in it; `None` (the plain path) with bf16 masters, with the pipeline switched off,
+    /// where the buffers do not pipeline, or should a shard lie outside the owner's groups.
+    fn pipeline(&self, bufs: &DataParallelBuffers) -> Option<Vec<(usize, Vec<usize>)>> {
+        if !self.pipelined || self.work.is_some() {
+            return None;
+        }
+        let mut by_group: Vec<(usize, Vec<usize>)> = bufs
+            .pipeline_groups(self.owner)?
+            .into_iter()
+            .map(|g| (g, Vec::new()))
+            .collect();
+        for (i, s) in self.shards.iter().enumerate() {
+            let g = bufs.group_of(s.param);
+            by_group.iter_mut().find(|(q, _)| *q == g)?.1.push(i);
+        }
+        Some(by_group)
+    }
+
     /// The update of one run with f32 masters. Clipping rides along in the update where the
     /// rule can (AdamW): no pass over the gradients of its own.
     fn update_run(&self, dev: &mut Device, r: &Run, clip: f32) -> Result<()> {
@@ -422,26 +441,7 @@ impl Optimizer for DistributedOptimizer {
         bufs: &mut DataParallelBuffers,
         clip: f32,
     ) -> Result<()> {
-        // This rank's shards per group of the order (every shard lies in one of the owner's
-        // groups; otherwise, or without the order, the plain path).
-        let order = self.pipelined.then(|| bufs.pipeline_groups(self.owner));
-        let by_group = match (self.work, order.flatten()) {
-            (None, Some(order)) => {
-                let mut by_group: Vec<(usize, Vec<usize>)> =
-                    order.iter().map(|&g| (g, Vec::new())).collect();
-                let placed = self.shards.iter().enumerate().all(|(i, s)| {
-                    let g = bufs.group_of(s.param);
-                    by_group
-                        .iter_mut()
-                        .find(|(q, _)| *q == g)
-                        .map(|(_, v)| v.push(i))
-                        .is_some()
-                });
-                placed.then_some(by_group)
-            }
-            _ => None,
-        };
-        let Some(by_group) = by_group else {
+        let Some(by_group) = self.pipeline(bufs) else {
             self.apply(dev, bufs, clip)?;
             return self.stage(dev, comm, bufs, true);
         };
@@ -469,6 +469,10 @@ impl Optimizer for DistributedOptimizer {
             bufs.stage_and_gather_group(dev, comm, self.owner, g, &pieces)?;
         }
         Ok(())
+    }
+
+    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
+        self.pipeline(bufs).is_some()
     }
 
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {

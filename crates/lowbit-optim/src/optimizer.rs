@@ -287,6 +287,16 @@ pub trait Optimizer: Debug + Send {
         self.stage(dev, comm, bufs, true)
     }
 
+    /// Whether [`Optimizer::apply_and_stage`] pipelines on `bufs` (group by group, each
+    /// group's gather launched as soon as it is staged). With gathers overlapped with the
+    /// forward, the step then updates and stages through it and leaves the gathers in flight
+    /// for the forward's pre-hooks to complete, instead of staging at the next
+    /// `begin_iteration`. The default: no.
+    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
+        let _ = bufs;
+        false
+    }
+
     /// This rank's master pieces, per owner, in staging order (a chain: its parts' in order).
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)>;
 

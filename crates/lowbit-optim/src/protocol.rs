@@ -5,7 +5,9 @@
 //! microbatches      forward/backward through the hooks (lazy gathers, grad-ready reductions)
 //! finish_grad_sync  (DataParallelBuffers) complete every reduction
 //! step              grad norm, clip, skip, update, stage + gather unless overlapped
-//!                   (finish_grad_sync_and_step: both, the norm beside the reductions)
+//!                   (finish_grad_sync_and_step: both, the norm beside the reductions; an
+//!                   optimizer that pipelines updates, stages and launches gathers group by
+//!                   group, overlapped or not: Optimizer::apply_and_stage)
 //! force_param_sync  (between steps: eval, checkpoint) complete, zero, stage all, gather all
 //! ```
 //!
@@ -158,7 +160,14 @@ fn step_with_norm(
         .clip_grad()
         .map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
     if bufs.config().overlap.param_gather() {
-        opt.apply(dev, bufs, clip_coef)?;
+        if opt.pipelines(bufs) {
+            // Update, stage and gather group by group: the gathers run beside the update and
+            // stay in flight; the forward's pre-hooks complete them (and the next
+            // `begin_iteration` finds nothing stale to stage).
+            opt.apply_and_stage(dev, comm, bufs, clip_coef)?;
+        } else {
+            opt.apply(dev, bufs, clip_coef)?;
+        }
     } else {
         // Gradients are dead once their group is updated (copied to fp32 or used in place), so
         // the staging views that alias them can be written; every part stages before the one
