@@ -1,9 +1,9 @@
 //! The pipelined step's staging and gathers: bucket group by bucket group, so that each group's
-//! parameter gather runs beside the optimizer's update of the groups after it. Without
-//! overlapped gathers `sync_params` then completes them; with them the forward's pre-hooks do. The optimizer asks
-//! [`DataParallelBuffers::pipeline_groups`] for the order, and after updating each group hands
-//! its pieces to [`DataParallelBuffers::stage_and_gather_group`]; `sync_params` then completes
-//! the gathers in flight.
+//! parameter gather runs beside the optimizer's update of the groups after it. The optimizer
+//! asks [`DataParallelBuffers::pipeline_groups`] for the order, and after updating each group
+//! hands its pieces to [`DataParallelBuffers::stage_and_gather_group`]. Without overlapped
+//! gathers `sync_params` then completes the gathers in flight; with them the forward's
+//! pre-hooks do (a gather in flight at the zeroing counts as the coming forward's).
 //!
 //! Why the order is safe: an MXFP8 staging view aliases the first half of the f32 gradient
 //! bytes, so staging (and gathering) elements `a..b` of a buffer writes the bytes of the f32
@@ -23,10 +23,8 @@ impl DataParallelBuffers {
     /// The bucket groups of `owner` in the order a pipelined step updates, stages and gathers
     /// them (per buffer, increasing element offset), or `None` where the step is not pipelined:
     /// hybrid sharding, sharded parameters (gathered per use), nothing gathered, or fewer than
-    /// two groups. With gathers overlapped with the forward, the pipelined step leaves them in
-    /// flight for the forward's pre-hooks (a gather in flight at the zeroing counts as the coming
-    /// forward's). Tile-scaled weights are staged
-    /// group by group too (one MAX-reduction of the group's tile amaxes each). The same on every rank: it depends on the plan only.
+    /// two groups. Tile-scaled weights are staged group by group too (one MAX-reduction of the
+    /// group's tile amaxes each). The same on every rank: it depends on the plan only.
     pub fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
         if self.outer.is_some() {
             return None;
@@ -62,7 +60,7 @@ impl DataParallelBuffers {
     /// [`Self::stage`] and the gather of [`Self::sync_params`] for one group of a pipelined
     /// step, in the order of [`Self::pipeline_groups`] (which must have returned `g`). The
     /// group's low-precision weights become `Staged` and its gather is in flight; the next
-    /// `sync_params` or `complete_param_sync` completes it.
+    /// `sync_params` or `complete_param_sync`, or the group's forward pre-hook, completes it.
     ///
     /// # Errors
     /// `Pipeline` for a group that is not `owner`'s or cannot be pipelined, or a piece outside

@@ -266,13 +266,14 @@ pub trait Optimizer: Debug + Send {
     /// Device errors.
     fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()>;
 
-    /// [`Optimizer::apply`] then [`Optimizer::stage`] of the stale owners (the step without
-    /// overlapped gathers), with the same bits. An optimizer that can update bucket group by
-    /// bucket group does so in the order of [`DataParallelBuffers::pipeline_groups`] and hands
-    /// each group to [`DataParallelBuffers::stage_and_gather_group`] as soon as it is updated,
-    /// so that the group's gather runs beside the update of the later groups; the caller's
-    /// `sync_params` completes the gathers in flight and launches the rest. The default
-    /// applies, then stages (every gather is left to `sync_params`).
+    /// [`Optimizer::apply`] then [`Optimizer::stage`] of the stale owners, with the same bits.
+    /// An optimizer that can update bucket group by bucket group ([`Optimizer::pipelines`])
+    /// does so in the order of [`DataParallelBuffers::pipeline_groups`] and hands each group to
+    /// [`DataParallelBuffers::stage_and_gather_group`] as soon as it is updated, so that the
+    /// group's gather runs beside the update of the later groups; without overlapped gathers
+    /// the caller's `sync_params` completes the gathers in flight and launches the rest, with
+    /// them the forward's pre-hooks complete them. The default applies, then stages (every
+    /// gather is left to the caller).
     ///
     /// # Errors
     /// As `apply` and `stage`.
