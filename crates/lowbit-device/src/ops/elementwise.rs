@@ -154,13 +154,16 @@ impl Device {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut() {
             let mut sums = g.begin_sums(views)?;
+            // Every stage but the last is launched while later stages' reductions may still
+            // run beside it.
+            let last = present.last().copied();
             for &k in &present {
                 prepare(self, k)?;
                 self.cuda_mut()
                     .ok_or_else(|| {
                         DeviceError::Unsupported("`prepare` replaced the CUDA device".into())
                     })?
-                    .launch_sums(&mut sums, &of(k))?;
+                    .launch_sums(&mut sums, &of(k), Some(k) != last)?;
             }
             let g = self.cuda_mut().ok_or_else(|| {
                 DeviceError::Unsupported("`prepare` replaced the CUDA device".into())

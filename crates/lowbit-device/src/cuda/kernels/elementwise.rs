@@ -89,7 +89,7 @@ impl CudaDevice {
     pub(crate) fn sum_squares_each(&mut self, views: &[View]) -> Result<Vec<f64>> {
         let mut sums = self.begin_sums(views)?;
         let all: Vec<usize> = (0..views.len()).collect();
-        self.launch_sums(&mut sums, &all)?;
+        self.launch_sums(&mut sums, &all, false)?;
         self.finish_sums(sums)
     }
 
@@ -127,8 +127,14 @@ impl CudaDevice {
     }
 
     /// Launches the sums of the views `which` (indices into the `begin_sums` views): one launch
-    /// per dtype, each view's group sums at its own place in the scratch.
-    pub(crate) fn launch_sums(&mut self, sums: &mut StagedSums, which: &[usize]) -> Result<()> {
+    /// per dtype, each view's group sums at its own place in the scratch. `beside`: collectives
+    /// run beside these sums (a stage launched while later reductions are in flight).
+    pub(crate) fn launch_sums(
+        &mut self,
+        sums: &mut StagedSums,
+        which: &[usize],
+        beside: bool,
+    ) -> Result<()> {
         let Some(s) = sums.scratch.as_ref().map(|s| s.ptr) else {
             return Ok(());
         };
@@ -139,7 +145,7 @@ impl CudaDevice {
             });
             let table = sum_squares_table(items);
             // The tables stay alive until `finish_sums` has waited for the copy.
-            if let Some(mem) = self.launch_sum_squares_many(d, &table, s)? {
+            if let Some(mem) = self.launch_sum_squares_many(d, &table, s, beside)? {
                 sums.tables.push(mem);
             }
         }
@@ -209,6 +215,7 @@ impl CudaDevice {
         d: DType,
         table: &SumsqTable,
         partials: u64,
+        beside: bool,
     ) -> Result<Option<cudarc::driver::CudaSlice<u64>>> {
         if table.warps == 0 {
             return Ok(None);
@@ -226,7 +233,12 @@ impl CudaDevice {
             DType::Bf16 => "sum_squares_many_bf16_v3",
             _ => "sum_squares_many_f16_v3",
         };
-        let (name, cta) = if self.sum_squares_v2(d) && table.aligned {
+        // Beside collectives the default takes version 3 for 16-bit views too: version 2's
+        // two-warp CTAs of 128 registers and 32 KB slowed NCCL's bf16 reduce-scatter beside
+        // them (2x H200, 1B, bf16 gradients: the norm as the one-call step runs it 0.47 ms with
+        // version 2, 0.28 ms with 3, though version 2 alone is faster, 0.47 against 0.63 ms).
+        let v2 = self.sum_squares_v2(d) && !(beside && self.sum_squares_version == 0);
+        let (name, cta) = if v2 && table.aligned {
             (name_v2, 64)
         } else if matches!(self.sum_squares_version, 0 | 3) {
             (name_v3, 128)
