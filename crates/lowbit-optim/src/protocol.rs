@@ -47,7 +47,10 @@ pub fn begin_iteration(
 
 /// One optimizer step after `finish_grad_sync`: the global gradient norm over every part and
 /// rank, clip, skip if not finite (nothing changes then, not even step counts), update, then
-/// gather parameters unless the gather is overlapped with the next forward.
+/// stage and gather parameters unless the gather is overlapped with the next forward. An
+/// optimizer that pipelines ([`Optimizer::pipelines`]) updates, stages and launches the gathers
+/// group by group in either mode; with overlapped gathers it leaves them in flight for the
+/// forward.
 ///
 /// # Errors
 /// Buffer, collective and device errors.
