@@ -163,10 +163,25 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
 
 /// Times the completion of gathered 2D NVFP4 weights for 16 Llama-3.2-1B layers (112
 /// matrices, one `nvfp4_finish_2d_many` per version: 4 one launch per shape, 3 two (codes,
-/// then scales), 2 one launch for all), against the copy bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes
-/// (n/64), writes the columnwise codes (n/2) and both scale copies (n/16 each).
+/// then scales), 2 one launch for all) and for one 32768x32768 matrix, against the copy
+/// bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes (n/64), writes the
+/// columnwise codes (n/2) and both scale copies (n/16 each).
 fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
     let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
+    nvfp4_finish(
+        dev,
+        copy_bw,
+        &shapes,
+        "Llama-3.2-1B x16 layers (112 matrices",
+    );
+    // One large square matrix (1.2 GB moved, so the call's fixed costs weigh little): whether
+    // the gap to the bound is the kernel's or the shapes'.
+    nvfp4_finish(dev, copy_bw, &[(32768, 32768)], "32768x32768 (one matrix");
+}
+
+/// Times `nvfp4_finish_2d_many` over matrices of `shapes` (every version) against the copy
+/// bandwidth; `what` names them in the report.
+fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what: &str) {
     let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
     let packed = dev.alloc(DType::U8, elems / 2);
     dev.zero(packed).expect("zero");
@@ -198,9 +213,7 @@ fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
             d.nvfp4_finish_2d_many(&items).expect("finish");
         });
         report(
-            &format!(
-                "nvfp4 2D completion Llama-3.2-1B x16 layers (112 matrices, nvfp4_finish_2d_many v{version})"
-            ),
+            &format!("nvfp4 2D completion {what}, nvfp4_finish_2d_many v{version})"),
             t,
             bytes,
             copy_bw,
