@@ -139,9 +139,10 @@ pub(crate) struct CudaDevice {
     /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
     /// allows it. Same bytes.
     nvfp4_version: u32,
-    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 3 (the default: one
-    /// amax launch, one `nvfp4x_finish_2d_same` launch per shape, the matrix a grid index, and
-    /// one host read for all matrices), 2 (the same with one `nvfp4x_finish_2d_many` launch for
+    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 4 (the default: one
+    /// amax launch, one `nvfp4x_finish_2d_same_v4` launch per shape for the codes and both
+    /// scale copies, the matrix a grid index, and one host read for all matrices), 3 (the same
+    /// with the codes and the scales in two launches per shape), 2 (the same with one `nvfp4x_finish_2d_many` launch for
     /// every shape, each CTA searching its matrix in a global table) or 1 (one
     /// `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
     nvfp4_finish_version: u32,
@@ -153,7 +154,9 @@ pub(crate) struct CudaDevice {
     /// 256-byte L2 prefetch hint; the many-view launches of `sum_squares_each` only, the
     /// single-view ones of `mse_loss` run version 1) for every dtype. On an H200, f32: 0.82x /
     /// 0.75x / 0.87x of a copy (versions 1 / 2 / 3); bf16: 0.49x / 0.79x / 0.72x (`cuda_bench`,
-    /// 1 GiB). Same bits.
+    /// 1 GiB). With 0, the stages of a staged norm launched while later reductions run take 3
+    /// for 16-bit views too (version 2's CTAs slowed NCCL's bf16 reduction beside them). Same
+    /// bits.
     sum_squares_version: u32,
     /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per

@@ -377,37 +377,35 @@ impl CudaDevice {
                 for (k, row) in chunk.iter().enumerate() {
                     words[4 + 6 * k..][..6].copy_from_slice(row);
                 }
-                if self.nvfp4_finish_version == 4 {
-                    // SAFETY: as version 3's two launches below, which this kernel's one
-                    // replaces: the same parameters and grid, the codes of each 256x256 tile
-                    // and the scale bytes of its 16x16 tiles (row and column indices checked
-                    // against rows, cols, tr and tc per byte or per whole 16-byte chunk).
-                    unsafe {
-                        self.launch_words(
-                            "nvfp4x_finish_2d_same_v4",
-                            (gx, gy, chunk.len() as u32),
-                            (256, 1, 1),
-                            &mut words,
-                        )?;
-                    }
-                    continue;
-                }
+                // Version 4 writes the codes and both scale copies in one launch; version 3
+                // the codes here and the scales in a second launch below.
+                let v4 = self.nvfp4_finish_version == 4;
+                let codes = if v4 {
+                    "nvfp4x_finish_2d_same_v4"
+                } else {
+                    "nvfp4x_finish_2d_same"
+                };
                 // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's
                 // FINISH2D_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
                 // one matrix's views of this launch's shape, validated by the caller with the
                 // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
                 // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
                 // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
-                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k. No
-                // output overlaps another matrix's views (checked by the caller). The driver
-                // copies the parameters.
+                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k (version
+                // 4 also the scale bytes of its 16x16 tiles, each index checked against rows,
+                // cols, tr and tc per byte or per whole 16-byte chunk). No output overlaps
+                // another matrix's views (checked by the caller). The driver copies the
+                // parameters.
                 unsafe {
                     self.launch_words(
-                        "nvfp4x_finish_2d_same",
+                        codes,
                         (gx, gy, chunk.len() as u32),
                         (256, 1, 1),
                         &mut words,
                     )?;
+                }
+                if v4 {
+                    continue;
                 }
                 // SAFETY: the same parameters as the launch above; each matrix's row scales
                 // (rows·ceil(cols/16) bytes) and column scales (cols·rows/16) were validated
