@@ -765,6 +765,116 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
     }
 }
 
+// nvfp4x_finish_2d_same_v4 over 512x512 blocks (version 5): the codes of the block's four
+// 256x256 tiles in turn, each as version 4 writes them (the next tile's 32 loads issued before
+// the current tile's stores), then the block's 32x32 tile scales, each thread making four once,
+// and the scale copies as whole 32-byte sectors: the 32 row-scale bytes of each of the block's
+// 512 rows and the 32 column-scale bytes of each of its 512 columns, two lanes a sector (16-byte
+// stores where whole and aligned, else bytes). Version 4 wrote 16 bytes per row and per column,
+// half a sector, the other half left to a CTA far away in time: those partial-sector writes
+// cost more than the codes (1x H100: 32768x32768 codes alone 394 us, with version 4's scale
+// stores 684 us, with the same bytes stored contiguously 451 us). Grid (ceil(cols / 512),
+// ceil(rows / 512), matrices); same parameters, host checks and bytes as version 4.
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
+    const Finish2dSameParams p) {
+    __shared__ uint4 out[256][8];
+    __shared__ __align__(16) uint8_t sc[32][32];   // [tile row][tile column]
+    __shared__ __align__(16) uint8_t sct[32][32];  // [tile column][tile row]
+    const u64* t = p.ptrs[blockIdx.z];
+    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    const float* tiles = reinterpret_cast<const float*>(t[1]);
+    const uint32_t* amax_word = reinterpret_cast<const uint32_t*>(t[2]);
+    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
+    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
+    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
+    __builtin_assume(__isGlobal(rowwise));
+    __builtin_assume(__isGlobal(tiles));
+    __builtin_assume(__isGlobal(amax_word));
+    __builtin_assume(__isGlobal(row_scales));
+    __builtin_assume(__isGlobal(col_data));
+    __builtin_assume(__isGlobal(col_scales));
+    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8, rb = rows / 2;
+    const u64 tr = rows / 16, tc = (cols + 15) / 16;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 R0 = (u64)blockIdx.y * 512, C0 = (u64)blockIdx.x * 512;
+    const u64 ti0 = (u64)blockIdx.y * 32, tj0 = (u64)blockIdx.x * 32;
+    {
+        // Tile (a, b) of the block's 32x32 tiles for a = e / 32, b = e % 32, e = t + 256m: a
+        // warp reads 32 consecutive tile amaxes (zero where outside: never stored).
+        const float k = nvfp4_k_from_amax(amax_word);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const unsigned e = threadIdx.x + 256 * m, a = e / 32, b = e % 32;
+            const u64 ti = ti0 + a, tj = tj0 + b;
+            uint8_t code = 0;
+            if (ti < tr && tj < tc) code = (uint8_t)e4m3_code(__fmul_rn(tiles[ti * tc + tj], k));
+            sc[a][b] = code;
+            sct[b][a] = code;
+        }
+    }
+    // Tile q of the block: rows R0 + 256·(q / 2), columns C0 + 256·(q % 2).
+    uint32_t in[32];
+    auto load = [&](int q) {
+        const u64 r = R0 + 256 * (q / 2) + 32 * warp, c = C0 + 256 * (q % 2) + 8 * lane;
+        if (r < rows && c < cols) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
+        }
+    };
+    load(0);
+#pragma unroll 1
+    for (int q = 0; q < 4; ++q) {
+        const u64 r0 = R0 + 256 * (q / 2), c0 = C0 + 256 * (q % 2);
+        if (r0 + 32 * warp < rows && c0 + 8 * lane < cols) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) nibble_transpose_8x8(&in[8 * h]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                out[8 * lane + j][warp ^ (lane % 8)] =
+                    make_uint4(in[j], in[8 + j], in[16 + j], in[24 + j]);
+        }
+        __syncthreads();
+        if (q < 3) load(q + 1);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const unsigned g = 256 * k + threadIdx.x, cl = g / 8, h = g % 8;
+            const u64 cc = c0 + cl, rr = r0 + 32 * h;
+            if (cc < cols && rr < rows)
+                *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][h ^ ((cl / 8) % 8)];
+        }
+        __syncthreads();
+    }
+    // Row R0 + e / 2 (its tile row's 32 bytes, half e % 2), then column C0 + e / 2 likewise.
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const unsigned e = threadIdx.x + 256 * m, i = e / 2, h = e % 2;
+        const u64 rt = R0 + i, j0 = tj0 + 16 * h;
+        if (rt < rows && j0 < tc) {
+            uint8_t* o = row_scales + rt * tc + j0;
+            const uint8_t* src = &sc[i / 16][16 * h];
+            if (j0 + 16 <= tc && ((uintptr_t)o & 15u) == 0) {
+                *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+            } else {
+                for (unsigned j = 0; j < 16 && j0 + j < tc; ++j) o[j] = src[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const unsigned e = threadIdx.x + 256 * m, i = e / 2, h = e % 2;
+        const u64 ct = C0 + i, i0 = ti0 + 16 * h;
+        if (ct < cols && i0 < tr) {
+            uint8_t* o = col_scales + ct * tr + i0;
+            const uint8_t* src = &sct[i / 16][16 * h];
+            if (i0 + 16 <= tr && ((uintptr_t)o & 15u) == 0) {
+                *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+            } else {
+                for (unsigned j = 0; j < 16 && i0 + j < tr; ++j) o[j] = src[j];
+            }
+        }
+    }
+}
+
 // The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a
 // nvfp4x_finish_2d_same launch (the same parameters; rows % 32 == 0, so tr = rows / 16):
 // thread g of matrix blockIdx.z writes 16 consecutive scale bytes, the row scales' chunks

@@ -1367,12 +1367,17 @@ __device__ __forceinline__ void nvfp4c_load_tile(uint32_t (*tile)[NVFP4C_COLS / 
 // ca < cols and rw < rows. Stores per column: the blocks' 32 code bytes as 16-byte units when
 // `flags & 1` and all four (or two) blocks lie inside the matrix, else 8-byte units; the four
 // scale bytes as one 4-byte store when `flags & 2` and all four blocks lie inside, else bytes.
+// With STASH (versions 6), the scale words go to stash[column - c0][slot] in shared memory
+// instead (nvfp4c_store_col_scales writes them out later, 32 bytes a column).
+template <bool STASH = false>
 __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_COLS / 2],
                                                  unsigned lane, unsigned warp, u64 ca, u64 rw,
                                                  u64 rows, float k, const float* __restrict__ rcp,
                                                  const uint4* __restrict__ thr,
                                                  uint8_t* __restrict__ data,
-                                                 uint8_t* __restrict__ scales, uint32_t flags) {
+                                                 uint8_t* __restrict__ scales, uint32_t flags,
+                                                 uint32_t (*stash)[8] = nullptr,
+                                                 unsigned slot = 0) {
     const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     const u64 nbr = rows / 16, rb = rows / 2;
     const u64 left = (rows - rw) / 16;
@@ -1432,6 +1437,10 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
                     make_uint2(codes[h][2 * b], codes[h][2 * b + 1]);
             }
         }
+        if (STASH) {
+            stash[2 * lane + h][slot] = sfs[h];
+            continue;
+        }
         uint8_t* so = scales + c * nbr + rw / 16;
         if ((flags & 2u) && nblk == 4) {
             *reinterpret_cast<uint32_t*>(so) = sfs[h];
@@ -1464,6 +1473,66 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v4(
         const u64 rw = r0 + 64 * warp;  // this warp's first row
         if (ca < cols && rw < rows)
             nvfp4c_cols_part(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales, flags);
+    }
+}
+
+// The columnwise scales that versions 6 stashed for the tile pair tp (tile rows 2·tp and
+// 2·tp + 1: 32 scale bytes per column): thread t writes half t % 2 (16 bytes) of column
+// c0 + t / 2, so the two lanes of a column fill its 32-byte sector in one store instruction
+// where version 4's lanes wrote 4 bytes each, a partial sector per store (1x H100: a 4-byte
+// piece of a sector costs about as much DRAM time as the whole sector). 16-byte stores where
+// whole and aligned, else bytes; nothing at or past scale byte nbr of a column (stale slots of
+// rows past the matrix lie there) or past column `cols`.
+__device__ __forceinline__ void nvfp4c_store_col_scales(const uint32_t (*stash)[8], u64 c0,
+                                                        u64 cols, u64 nbr, u64 tp,
+                                                        uint8_t* __restrict__ scales) {
+    const unsigned cl = threadIdx.x / 2, h = threadIdx.x % 2;
+    const u64 c = c0 + cl, j0 = 32 * tp + 16 * h;
+    if (c >= cols || j0 >= nbr) return;
+    uint8_t* o = scales + c * nbr + j0;
+    const uint4 v = *reinterpret_cast<const uint4*>(&stash[cl][4 * h]);
+    if (j0 + 16 <= nbr && ((uintptr_t)o & 15u) == 0) {
+        *reinterpret_cast<uint4*>(o) = v;
+    } else {
+        for (unsigned j = 0; j < 16 && j0 + j < nbr; ++j) {
+            const uint32_t w = j < 4 ? v.x : j < 8 ? v.y : j < 12 ? v.z : v.w;  // no local array
+            o[j] = (uint8_t)(w >> (8 * (j % 4)));
+        }
+    }
+}
+
+// nvfp4_quantize_cols_v4 over pairs of 256-row tiles (version 6): a CTA codes tile rows 2·tp
+// and 2·tp + 1 as version 4 does (the codes stored as version 4 stores them), keeps their
+// scale words in shared memory and stores each column's 32 scale bytes as one sector
+// (nvfp4c_store_col_scales). Grid y: the tile pairs (strided past 65535). Same conditions and
+// bytes as version 4 (`flags` bit 2 unused: the scale stores check their own alignment).
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v6(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
+    const u64 ca = c0 + 2 * lane;
+    const u64 tiles = (rows + NVFP4C_ROWS - 1) / NVFP4C_ROWS, pairs = (tiles + 1) / 2;
+    for (u64 tp = blockIdx.y; tp < pairs; tp += gridDim.y) {
+        for (unsigned tt = 0; tt < 2; ++tt) {
+            const u64 tr = 2 * tp + tt;
+            if (tr >= tiles) break;
+            const u64 r0 = tr * NVFP4C_ROWS;
+            __syncthreads();  // the previous tile's reads (and the last pair's stash) are done
+            nvfp4c_load_tile(tile, x, r0, c0, rows, cols);
+            __syncthreads();
+            const u64 rw = r0 + 64 * warp;
+            if (ca < cols && rw < rows)
+                nvfp4c_cols_part<true>(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales,
+                                       flags, stash, 4 * tt + warp);
+        }
+        __syncthreads();
+        nvfp4c_store_col_scales(stash, c0, cols, rows / 16, tp, scales);
     }
 }
 
@@ -1518,11 +1587,16 @@ __device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS
 // threshold table; `flags` as v4's) and v3's (cols % 32 == 0, row data 16-byte and row scales
 // 2-byte aligned). Rowwise items past `rows` or `cols` are skipped (cols % 32 == 0: a pair lies
 // wholly inside or outside). 80 registers, no spills, 32 KB shared: six CTAs per SM.
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
+//
+// PAIRS (version 6, nvfp4_quantize_both_v6): a CTA takes tile rows 2·tp and 2·tp + 1 and stores
+// the columnwise scales of both as whole sectors (nvfp4c_store_col_scales), as
+// nvfp4_quantize_cols_v6 does; grid y the tile pairs. Same bytes.
+template <bool PAIRS>
+__device__ __forceinline__ void nvfp4_both_body(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
     uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    u64 rows, u64 cols, uint32_t flags, uint32_t (*tile)[NVFP4C_COLS / 2],
+    uint32_t (*stash)[8]) {
     const float k = params[0];
     const float* rcp = params + 1;
     const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
@@ -1535,39 +1609,68 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
     // (columns cp .. cp + 31), chunk order q ^ xo.
     const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
     const u64 cp = c0 + 32 * pair;
-    for (u64 tr = blockIdx.y; tr < tiles; tr += gridDim.y) {
-        const u64 r0 = tr * NVFP4C_ROWS;
-        __syncthreads();  // the previous tile's reads are done
-        nvfp4c_load_tile_v5(tile, x, r0, c0, rows, cols);
-        __syncthreads();
-        const u64 rw = r0 + 64 * warp;  // this warp's first row
-        if (ca < cols && rw < rows)
-            nvfp4c_cols_part(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales, flags);
-        if (cp >= cols) continue;
+    const u64 per = PAIRS ? 2 : 1, groups = (tiles + per - 1) / per;
+    for (u64 tg = blockIdx.y; tg < groups; tg += gridDim.y) {
+        for (unsigned tt = 0; tt < per; ++tt) {
+            const u64 tr = per * tg + tt;
+            if (tr >= tiles) break;
+            const u64 r0 = tr * NVFP4C_ROWS;
+            __syncthreads();  // the previous tile's reads (and the last pair's stash) are done
+            nvfp4c_load_tile_v5(tile, x, r0, c0, rows, cols);
+            __syncthreads();
+            const u64 rw = r0 + 64 * warp;  // this warp's first row
+            if (ca < cols && rw < rows)
+                nvfp4c_cols_part<PAIRS>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales,
+                                        flags, stash, 4 * tt + warp);
+            if (cp >= cols) continue;
 #pragma unroll
-        for (unsigned j = 0; j < 4; ++j) {
-            const unsigned trow = threadIdx.x / 2 + 64 * j;
-            const u64 r = r0 + trow;
-            if (r >= rows) break;  // r grows with j
-            const uint4* src = reinterpret_cast<const uint4*>(&tile[trow][16 * pair]);
-            uint4 raw[4];
+            for (unsigned j = 0; j < 4; ++j) {
+                const unsigned trow = threadIdx.x / 2 + 64 * j;
+                const u64 r = r0 + trow;
+                if (r >= rows) break;  // r grows with j
+                const uint4* src = reinterpret_cast<const uint4*>(&tile[trow][16 * pair]);
+                uint4 raw[4];
 #pragma unroll
-            for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
-            uint32_t w[4], sf[2];
+                for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
+                uint32_t w[4], sf[2];
 #pragma unroll
-            for (unsigned b = 0; b < 2; ++b)
-                sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
-                                           rcp, thr, &w[2 * b]);
-            // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
-            const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
-            uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
-            uint32_t v2 = s1 ? w[3] : w[2], v3 = s1 ? w[2] : w[3];
-            uint32_t o0 = s2 ? v2 : v0, o1 = s2 ? v3 : v1, o2 = s2 ? v0 : v2, o3 = s2 ? v1 : v3;
-            uint32_t sfs = s2 ? (sf[1] | (sf[0] << 8)) : (sf[0] | (sf[1] << 8));
-            *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
-            *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) = make_uint4(o0, o1, o2, o3);
+                for (unsigned b = 0; b < 2; ++b)
+                    sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
+                                               rcp, thr, &w[2 * b]);
+                // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
+                const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
+                uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
+                uint32_t v2 = s1 ? w[3] : w[2], v3 = s1 ? w[2] : w[3];
+                uint32_t o0 = s2 ? v2 : v0, o1 = s2 ? v3 : v1, o2 = s2 ? v0 : v2, o3 = s2 ? v1 : v3;
+                uint32_t sfs = s2 ? (sf[1] | (sf[0] << 8)) : (sf[0] | (sf[1] << 8));
+                *reinterpret_cast<uint16_t*>(rscales + r * nb + cp / 16) = (uint16_t)sfs;
+                *reinterpret_cast<uint4*>(rdata + r * rbytes + cp / 2) = make_uint4(o0, o1, o2, o3);
+            }
+        }
+        if (PAIRS) {
+            __syncthreads();
+            nvfp4c_store_col_scales(stash, c0, cols, rows / 16, tg, cscales);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    nvfp4_both_body<false>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
+                           nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v6(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_both_body<true>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
+                          stash);
 }
 
 // x86's product of two floats where NaN is involved (mulss returns its first operand's NaN,

@@ -162,8 +162,8 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
 }
 
 /// Times the completion of gathered 2D NVFP4 weights for 16 Llama-3.2-1B layers (112
-/// matrices, one `nvfp4_finish_2d_many` per version: 4 one launch per shape, 3 two (codes,
-/// then scales), 2 one launch for all) and for one 32768x32768 matrix, against the copy
+/// matrices, one `nvfp4_finish_2d_many` per version: 5 one launch per shape over 512x512
+/// blocks, 4 over 256x256 tiles, 3 two (codes, then scales)) and for one 32768x32768 matrix, against the copy
 /// bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes (n/64), writes the
 /// columnwise codes (n/2) and both scale copies (n/16 each).
 fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
@@ -206,7 +206,7 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
         })
         .collect();
     let bytes = elems as f64 * (0.5 + 1.0 / 64.0 + 0.5 + 2.0 / 16.0);
-    for version in [4, 3, 2] {
+    for version in [5, 4, 3] {
         dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)
             .expect("variant");
         let t = timed(dev, 20, |d| {
@@ -430,6 +430,9 @@ fn main() {
         (Copies::Both, 4),
         // Version 5: both copies from one read of X (nvfp4_quantize_both_v5).
         (Copies::Both, 5),
+        // Version 6: 5 and 4 over pairs of 256-row tiles, whole-sector column scale stores.
+        (Copies::Columnwise, 6),
+        (Copies::Both, 6),
     ] {
         if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
             println!("nvfp4 v{version}: skipped ({e})");

@@ -127,8 +127,11 @@ pub(crate) struct CudaDevice {
     /// CTA searching its matrix in the parameter table) or 0 (the default: 2 where its launches
     /// average at least four matrices, else 1). Same bytes.
     mxfp8_many_version: u32,
-    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 5 (the default: both copies
-    /// from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
+    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 6 (the default: 5 and 4 with
+    /// a CTA per pair of 256-row tiles, each column's scales of the pair stored as one 32-byte
+    /// sector where version 4 stored 4-byte pieces, each a partial-sector write; on an H100
+    /// with the amax pass both copies 0.70x of a copy, the columnwise copy 0.88x against 0.76x),
+    /// 5 (both copies from one read of the input, `nvfp4_quantize_both_v5`'s 256x64 shared tile, 0.66x of a
     /// copy on an H100 with the amax pass), 4 (version 3 with the columnwise copy of
     /// `nvfp4_quantize_cols_v4`, both copies 0.59x where version 3 gives 0.36x), 3 (
     /// v2's amax pass and loads, the codes by comparing the bf16 inputs with a per-scale
@@ -139,9 +142,11 @@ pub(crate) struct CudaDevice {
     /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
     /// allows it. Same bytes.
     nvfp4_version: u32,
-    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 4 (the default: one
-    /// amax launch, one `nvfp4x_finish_2d_same_v4` launch per shape for the codes and both
-    /// scale copies, the matrix a grid index, and one host read for all matrices), 3 (the same
+    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 5 (the default: 4 with
+    /// `nvfp4x_finish_2d_same_v5`'s 512x512 blocks, whose scale copies go out in whole 32-byte
+    /// sectors, where a launch has enough of them; 6: wherever it can, for tests), 4 (one amax launch, one
+    /// `nvfp4x_finish_2d_same_v4` launch per shape for the codes and both scale copies, the
+    /// matrix a grid index, and one host read for all matrices), 3 (the same
     /// with the codes and the scales in two launches per shape), 2 (the same with one `nvfp4x_finish_2d_many` launch for
     /// every shape, each CTA searching its matrix in a global table) or 1 (one
     /// `nvfp4_finish_2d` per matrix, a host read each). Same bytes.
@@ -241,8 +246,8 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             mxfp8_many_version: 0,
-            nvfp4_version: 5,
-            nvfp4_finish_version: 4,
+            nvfp4_version: 6,
+            nvfp4_finish_version: 5,
             sum_squares_version: 0,
             mxfp8x_version: 3,
             gemm: None,
@@ -459,8 +464,8 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
-            ("nvfp4", 1..=5) => self.nvfp4_version = version,
-            ("nvfp4_finish_2d", 1..=4) => self.nvfp4_finish_version = version,
+            ("nvfp4", 1..=6) => self.nvfp4_version = version,
+            ("nvfp4_finish_2d", 1..=6) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,

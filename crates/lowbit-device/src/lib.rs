@@ -733,12 +733,15 @@ impl Device {
     /// `("mxfp8_many", 0..=2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 0 by
     /// default: 2 where its launches average at least four matrices, else 1; 2: one launch per
     /// shape (the matrix is a grid index), 1: one launch for all (each CTA looks its matrix up);
-    /// `("nvfp4", 1..=5)`: the bf16 amax pass and the NVFP4 kernels, 5 by default: both copies
-    /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
-    /// `("nvfp4_finish_2d", 1..=3)`: how
-    /// [`Device::nvfp4_finish_2d_many`] runs, 3 by default: one launch per shape and one host
-    /// read, 2: all matrices in one launch (each CTA looks its matrix up), 1: one
-    /// `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
+    /// `("nvfp4", 1..=6)`: the bf16 amax pass and the NVFP4 kernels, 6 by default: 5 over pairs
+    /// of 256-row tiles (whole-sector columnwise scale stores); 5: both copies from one read of
+    /// X; 4: 3 with the shared-memory columnwise kernel;
+    /// `("nvfp4_finish_2d", 1..=6)`: how
+    /// [`Device::nvfp4_finish_2d_many`] runs, 5 by default: one launch per shape (512x512
+    /// blocks, the scale copies in whole 32-byte sectors; 4's tiles where a launch would have
+    /// fewer than 128 blocks; 6: the blocks always) and one host read, 4: the same over
+    /// 256x256 tiles, 3: 4 with the scales in a second launch, 2: all matrices in one launch
+    /// (each CTA looks its matrix up), 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
     /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
     /// H100, 0.75x with 2); `("sum_squares", 0..=3)`: the blocked sums of squares, 0 by default
     /// (3 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp

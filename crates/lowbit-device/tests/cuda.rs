@@ -936,8 +936,9 @@ fn many_matches_per_item(
 
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the
 /// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
-/// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`).
-const NVFP4_VERSIONS: [u32; 5] = [1, 2, 3, 4, 5];
+/// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`),
+/// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores).
+const NVFP4_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -959,6 +960,8 @@ fn nvfp4_kernels_match() {
             (80, 72),
             (288, 136),
             (576, 8),
+            // Version 6's tile pairs whole (16-byte column scale stores).
+            (1024, 128),
         ];
         for (version, (rows, cols)) in NVFP4_VERSIONS
             .into_iter()
@@ -1155,7 +1158,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5] {
+        for version in [3, 4, 5, 6] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

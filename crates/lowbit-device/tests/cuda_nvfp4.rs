@@ -253,7 +253,7 @@ fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
     let o = check("nvfp4 1D columnwise offset views", true, |c| {
         let mut out = Vec::new();
         // Version 5 (the fused both-copies kernel) must leave a columnwise copy alone to v4.
-        for version in [3, 4, 5] {
+        for version in [3, 4, 5, 6] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in [(64usize, 64usize), (320, 72), (96, 8), (48, 136)]
                 .iter()
@@ -385,7 +385,7 @@ fn nvfp4_1d_both_copies_versions_match() {
     ];
     let o = check("nvfp4 1D both copies versions", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5] {
+        for version in [3, 4, 5, 6] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in shapes.iter().enumerate() {
                 let n = rows * cols;
@@ -536,8 +536,9 @@ fn nvfp4_finish_2d_matches() {
 /// per-matrix kernel's (rows % 32 != 0, cols % 8 != 0); two shapes twice (one launch of the
 /// same-shape kernel, version 3, holds both); partial 256x256 tiles of version 3 in both
 /// directions (320 x 264); whole ones (256 x 512: version 4's 16-byte scale stores of both
-/// copies).
-const FINISH_MANY_SHAPES: [(usize, usize); 12] = [
+/// copies); version 5's 512x512 blocks partial both ways, with scale rows and columns that end
+/// inside a 16-byte half (800 x 1304: tr 50, tc 82), and whole (1024 x 1536).
+const FINISH_MANY_SHAPES: [(usize, usize); 14] = [
     (256, 512),
     (320, 264),
     (64, 96),
@@ -550,6 +551,8 @@ const FINISH_MANY_SHAPES: [(usize, usize); 12] = [
     (33, 34),
     (48, 64),
     (128, 1040),
+    (800, 1304),
+    (1024, 1536),
 ];
 
 /// `e` matrices of `rows x cols` in shared buffers, 2D-quantized from bf16 values (seed
@@ -605,7 +608,7 @@ fn grouped_2d(
 fn nvfp4_finish_2d_many_matches() {
     let o = check("nvfp4 finish 2d many", false, |c| {
         let mut out = Vec::new();
-        for version in [4, 3, 2, 1] {
+        for version in [6, 5, 4, 3, 2, 1] {
             c.dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)?;
             // Every shape from sharded quantization, outputs in fresh buffers.
             let mut parts = Vec::new();
@@ -745,7 +748,7 @@ fn nvfp4_timings() {
     }
     // 1D both copies with the columnwise kernel of version 3 (down columns), version 4
     // (shared-memory transpose) and version 5 (both copies in one kernel).
-    for version in [3, 4, 5] {
+    for version in [3, 4, 5, 6] {
         g.set_cuda_kernel_variant("nvfp4", version).unwrap();
         let cfg = Nvfp4Config::default();
         let t = time(&mut g, 10, |g| {

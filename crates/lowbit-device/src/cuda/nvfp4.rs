@@ -30,23 +30,32 @@ mod enabled {
     pub(super) const FINISH_2D: bool = true;
 }
 
-/// Version 3's matrices of one shape: `[rows, cols]`, the launches' grids
+/// Versions 3-5's matrices of one shape: `[rows, cols]`, the launches' grids
 /// ([`same_shape_grids`]) and each matrix's row of `Finish2dSameParams`.
-type Finish2dSame = (([u64; 2], [u32; 3]), Vec<[u64; 6]>);
+type Finish2dSame = (([u64; 2], [u32; 5]), Vec<[u64; 6]>);
 
-/// The grids of version 3's launches for a `rows x cols` matrix (rows % 32 == 0): 256x256
-/// tiles for `nvfp4x_finish_2d_same` (x across, y down; at most 65535 tile rows) and 16-byte
-/// chunks of both scale copies (rows · ceil(cols/16) + cols · rows/16 bytes) on x for
-/// `nvfp4x_scales_2d_same`, 256 threads a CTA; `None` where one does not fit.
-fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 3]> {
+/// The grids of versions 3-5's launches for a `rows x cols` matrix (rows % 32 == 0): 256x256
+/// tiles for `nvfp4x_finish_2d_same` and `_v4` (x across, y down; at most 65535 tile rows),
+/// 16-byte chunks of both scale copies (rows · ceil(cols/16) + cols · rows/16 bytes) on x for
+/// `nvfp4x_scales_2d_same`, 256 threads a CTA, and 512x512 blocks for `_v5`: `[gx, gy, sx,
+/// gx5, gy5]`; `None` where one does not fit.
+fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 5]> {
     let gy = u32::try_from(rows.div_ceil(256))
         .ok()
         .filter(|&y| y <= 65535)?;
     let gx = super::kernels::blocks(cols.div_ceil(256), 1)?;
     let scale_chunks = (rows * cols.div_ceil(16)).div_ceil(16) + (cols * (rows / 16)).div_ceil(16);
     let sx = super::kernels::blocks(scale_chunks, 256)?;
-    Some([gx, gy, sx])
+    let gx5 = super::kernels::blocks(cols.div_ceil(512), 1)?;
+    let gy5 = gy.div_ceil(2);
+    Some([gx, gy, sx, gx5, gy5])
 }
+
+/// Version 5 launches `nvfp4x_finish_2d_same_v5` for a chunk of matrices when its grid has at
+/// least this many CTAs, else `_v4`: a 512x512 block per CTA leaves small launches with too
+/// few CTAs to fill the GPU (1x H100: 2 matrices of 768x2304, 20 CTAs, 14.2 us against v4's
+/// 10.0 us; 32 of 512x2048, 128 CTAs, 17.2 against 17.6 us).
+const FINISH2D_V5_MIN_CTAS: u64 = 128;
 
 impl CudaDevice {
     /// NVFP4 quantization by the kernels of `cuda/nvfp4.cu` for the variants of [`enabled`]
@@ -251,18 +260,21 @@ impl CudaDevice {
 pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
 
 impl CudaDevice {
-    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 4 (the
-    /// default: version 3 with one launch per shape, `nvfp4x_finish_2d_same_v4`, codes and both
-    /// scale copies), 3 (every matrix's amax in one `u32_max_many` launch, two launches per
+    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 5 (the
+    /// default: version 4 over 512x512 blocks, `nvfp4x_finish_2d_same_v5`, whose scale copies go
+    /// out in whole 32-byte sectors; `_v4` for launches of fewer than
+    /// [`FINISH2D_V5_MIN_CTAS`] blocks; 6: `_v5` for every launch, for tests), 4 (version 3 with one launch per shape,
+    /// `nvfp4x_finish_2d_same_v4`, codes and both scale copies), 3 (every matrix's amax in one `u32_max_many` launch, two launches per
     /// shape, one host read of all amaxes), 2 (the same with one `nvfp4x_finish_2d_many` launch for every
     /// shape) or 1 (one `nvfp4_finish_2d` per matrix, each with its own host read).
     pub(crate) fn nvfp4_finish_version(&self) -> u32 {
         self.nvfp4_finish_version
     }
 
-    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 4, the default: the
-    /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same_v4`
-    /// launch for the columnwise codes and both scale copies; version 3: the same with one
+    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 5, the default: the
+    /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same_v5`
+    /// launch (512x512 blocks; `_v4`'s 256x256 tiles where that grid would be small) for the
+    /// columnwise codes and both scale copies; version 4: always `_v4`; version 3: the same with one
     /// `nvfp4x_finish_2d_same` launch for the codes and one `nvfp4x_scales_2d_same` for the
     /// scales, written 16 contiguous bytes per thread; version 2: all of them in one
     /// `nvfp4x_finish_2d_many` launch, scales included): each matrix's global amax (the
@@ -311,7 +323,7 @@ impl CudaDevice {
             {
                 // Version 3 where its grids fit, decided here so that its launches below
                 // cannot fail after others wrote; else the one-launch kernel takes the matrix.
-                if let (3 | 4, Some(grids)) =
+                if let (3..=6, Some(grids)) =
                     (self.nvfp4_finish_version, same_shape_grids(rows, cols))
                 {
                     let key = ([rows as u64, cols as u64], grids);
@@ -369,7 +381,7 @@ impl CudaDevice {
                 "nvfp4_finish_2d_many: {ctas} CTAs exceed the grid"
             )));
         }
-        for (([rows, cols], [gx, gy, sx]), group) in &same {
+        for (([rows, cols], [gx, gy, sx, gx5, gy5]), group) in &same {
             let (gx, gy, sx) = (*gx, *gy, *sx);
             for chunk in group.chunks(FINISH2D_SAME_MAX) {
                 let mut words = vec![0u64; 4 + 6 * FINISH2D_SAME_MAX];
@@ -377,13 +389,17 @@ impl CudaDevice {
                 for (k, row) in chunk.iter().enumerate() {
                     words[4 + 6 * k..][..6].copy_from_slice(row);
                 }
-                // Version 4 writes the codes and both scale copies in one launch; version 3
-                // the codes here and the scales in a second launch below.
-                let v4 = self.nvfp4_finish_version == 4;
-                let codes = if v4 {
-                    "nvfp4x_finish_2d_same_v4"
-                } else {
-                    "nvfp4x_finish_2d_same"
+                // Versions 4 and 5 write the codes and both scale copies in one launch; version
+                // 3 the codes here and the scales in a second launch below.
+                let n = chunk.len() as u32;
+                let v5_ctas = u64::from(*gx5) * u64::from(*gy5) * u64::from(n);
+                let (codes, grid) = match self.nvfp4_finish_version {
+                    6 => ("nvfp4x_finish_2d_same_v5", (*gx5, *gy5, n)),
+                    5 if v5_ctas >= FINISH2D_V5_MIN_CTAS => {
+                        ("nvfp4x_finish_2d_same_v5", (*gx5, *gy5, n))
+                    }
+                    4 | 5 => ("nvfp4x_finish_2d_same_v4", (gx, gy, n)),
+                    _ => ("nvfp4x_finish_2d_same", (gx, gy, n)),
                 };
                 // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's
                 // FINISH2D_SAME_MAX = 64). Each of its `chunk.len()` rows holds the addresses of
@@ -391,20 +407,13 @@ impl CudaDevice {
                 // lengths `nvfp4x_finish_2d` needs, and its amax word (written by
                 // `u32_max_many` above, in stream order); rows % 32 == 0 and cols % 8 == 0 and
                 // the 4-byte loads and 16-byte stores aligned (checked above). CTA (bx, by, k)
-                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k (version
-                // 4 also the scale bytes of its 16x16 tiles, each index checked against rows,
-                // cols, tr and tc per byte or per whole 16-byte chunk). No output overlaps
-                // another matrix's views (checked by the caller). The driver copies the
-                // parameters.
-                unsafe {
-                    self.launch_words(
-                        codes,
-                        (gx, gy, chunk.len() as u32),
-                        (256, 1, 1),
-                        &mut words,
-                    )?;
-                }
-                if v4 {
+                // writes the columnwise codes of the 256x256 tile (bx, by) of matrix k, or
+                // with `_v5` of the 512x512 block (bx, by) (versions 4 and 5 also the scale
+                // bytes of its 16x16 tiles, each index checked against rows, cols, tr and tc
+                // per byte or per whole 16-byte chunk). No output overlaps another matrix's
+                // views (checked by the caller). The driver copies the parameters.
+                unsafe { self.launch_words(codes, grid, (256, 1, 1), &mut words)? };
+                if self.nvfp4_finish_version != 3 {
                     continue;
                 }
                 // SAFETY: the same parameters as the launch above; each matrix's row scales

@@ -394,8 +394,9 @@ impl CudaDevice {
             )?;
         }
         let (r, c) = (rows as u64, cols as u64);
-        // Version 5: both copies from one read of X (nvfp4_quantize_both_v5) where both v3's
-        // rowwise and v4's columnwise conditions hold; else the separate kernels below.
+        // Version 5: both copies from one read of X (nvfp4_quantize_both_v5; version 6
+        // nvfp4_quantize_both_v6) where both v3's rowwise and v4's columnwise conditions hold;
+        // else the separate kernels below.
         let fused = thresholds && self.nvfp4_version >= 5 && self.nvfp4_both_fused(q, x, tp)?;
         let (rowwise, columnwise) = if fused {
             (None, None)
@@ -452,7 +453,15 @@ impl CudaDevice {
                 Some(gx4) if v4 => {
                     let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
                         | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
-                    let gy = u32::try_from(rows.div_ceil(256).min(65535)).unwrap_or(65535);
+                    // Version 6: a CTA per pair of 256-row tiles (whole-sector scale stores).
+                    let v6 = self.nvfp4_version >= 6;
+                    let tile_rows = if v6 { 512 } else { 256 };
+                    let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
+                    let kernel = if v6 {
+                        "nvfp4_quantize_cols_v6"
+                    } else {
+                        "nvfp4_quantize_cols_v4"
+                    };
                     let args = args![x, d, s, tp, r, c, flags];
                     // SAFETY: views validated by the caller (rows·cols bf16 in; cols·rows/2
                     // data and cols·rows/16 scale bytes out). The kernel copies 16-byte chunks
@@ -461,11 +470,11 @@ impl CudaDevice {
                     // codes in 8-byte units (d 8-byte aligned, pitch rows/2 a multiple of 8),
                     // 16-byte units only with flag 1 (rows % 32 == 0, d 16-byte aligned) and
                     // scales as 4-byte words only with flag 2 (rows % 64 == 0, s 4-byte
-                    // aligned), touching nothing past row `rows` or column `cols`; it reads the
+                    // aligned; version 6 stores each column's scales of a tile pair as 16-byte
+                    // units where they are whole and 16-byte aligned, checked per unit, else
+                    // bytes), touching nothing past row `rows` or column `cols`; it reads the
                     // threshold table that nvfp4_params_v3 wrote into `tp` (16-byte aligned).
-                    unsafe {
-                        self.launch("nvfp4_quantize_cols_v4", (gx4, gy, 1), (128, 1, 1), &args)?
-                    };
+                    unsafe { self.launch(kernel, (gx4, gy, 1), (128, 1, 1), &args)? };
                 }
                 _ => {
                     let vec = u32::from(d.is_multiple_of(8));
@@ -482,7 +491,7 @@ impl CudaDevice {
         Ok(Some(a))
     }
 
-    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` when its conditions hold (both copies
+    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`) when its conditions hold (both copies
     /// requested; bf16; cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte
     /// and columnwise data 8-byte aligned; the grid within limits): launches it and returns
     /// `true`, else launches nothing and returns `false`. `x` is the source's address, `tp` the
@@ -509,7 +518,14 @@ impl CudaDevice {
         let (r, c) = (rows as u64, cols as u64);
         let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
             | (u32::from(rows.is_multiple_of(64) && cs.is_multiple_of(4)) << 1);
-        let gy = u32::try_from(rows.div_ceil(256).min(65535)).unwrap_or(65535);
+        let v6 = self.nvfp4_version >= 6;
+        let tile_rows = if v6 { 512 } else { 256 };
+        let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
+        let kernel = if v6 {
+            "nvfp4_quantize_both_v6"
+        } else {
+            "nvfp4_quantize_both_v5"
+        };
         let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
         // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
         // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
@@ -520,13 +536,15 @@ impl CudaDevice {
         // the caller), at scale bytes < 256. Column stores exactly as v4's (8-byte units, `cd`
         // 8-byte aligned with pitch rows/2 a multiple of 8; 16-byte units only with flag 1:
         // rows % 32 == 0 and `cd` 16-byte aligned; 4-byte scale words only with flag 2:
-        // rows % 64 == 0 and `cs` 4-byte aligned; nothing past row `rows` or column `cols`).
+        // rows % 64 == 0 and `cs` 4-byte aligned; version 6: 16-byte units of a column's tile
+        // pair where whole and 16-byte aligned, checked per unit, else bytes; nothing past row
+        // `rows` or column `cols`).
         // Row stores exactly as v3's: for a row r < rows and a block pair starting at column
         // p < cols (p % 32 == 0, so p + 32 <= cols as cols % 32 == 0), 16 code bytes at
         // r·cols/2 + p/2 and 2 scale bytes at r·cols/16 + p/16, inside the views and aligned
         // (`rd` 16-byte and `rs` 2-byte aligned, checked above, pitches cols/2 and cols/16
         // multiples of 16 and 2). The shared-memory words it reads are those it copied.
-        unsafe { self.launch("nvfp4_quantize_both_v5", (gx, gy, 1), (128, 1, 1), &args)? };
+        unsafe { self.launch(kernel, (gx, gy, 1), (128, 1, 1), &args)? };
         Ok(true)
     }
 
