@@ -145,8 +145,26 @@ impl DataParallelBuffers {
             let ts = self.buffers[b].storage.tile_scaled().expect("filtered");
             ts.tiles(i)
         };
-        for &p in params {
-            dev.zero(tiles_of(p))?;
+        // The parameters' tiles as runs of neighbouring views (a tile-scaled storage keeps
+        // them in one allocation), in plan order: the same runs on every rank.
+        let mut views: Vec<(usize, usize, View)> = params
+            .iter()
+            .map(|&p| {
+                let t = tiles_of(p);
+                (self.plan.location(p).0, t.byte_offset(), t)
+            })
+            .collect();
+        views.sort_unstable_by_key(|&(b, at, _)| (b, at));
+        let mut runs: Vec<View> = Vec::with_capacity(views.len());
+        for (_, _, v) in views {
+            let joined = runs.last().and_then(|r| r.joined(&v));
+            match (joined, runs.last_mut()) {
+                (Some(j), Some(last)) => *last = j,
+                _ => runs.push(v),
+            }
+        }
+        for &run in &runs {
+            dev.zero(run)?;
         }
         let mut folds = Vec::with_capacity(pieces.len());
         for piece in pieces {
@@ -154,10 +172,11 @@ impl DataParallelBuffers {
             folds.push(ts.fold_piece(i, piece.master, piece.param_range.start));
         }
         dev.fold_tile_amax_2d_bf16_many(&folds)?;
-        let ops: Vec<Op> = params
+        // The MAX of a run is the MAX of each of its views: the same amaxes.
+        let ops: Vec<Op> = runs
             .iter()
-            .map(|&p| Op::AllReduce {
-                buf: tiles_of(p),
+            .map(|&buf| Op::AllReduce {
+                buf,
                 reduce: ReduceOp::Max,
             })
             .collect();

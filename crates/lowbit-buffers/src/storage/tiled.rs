@@ -37,8 +37,11 @@ pub(super) trait TileFormat: Debug + Send + 'static {
         let _ = spec;
         Ok(())
     }
-    /// Allocates the weights of parameter `spec` around `data`, its slice of the region.
-    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights;
+    /// Tile amaxes of a `rows x cols` parameter.
+    fn tile_count(rows: usize, cols: usize) -> usize;
+    /// Allocates the weights of parameter `spec` around `data`, its slice of the region, and
+    /// `tiles`, its [`TileFormat::tile_count`] f32 tile amaxes.
+    fn allocate(dev: &mut Device, data: View, tiles: View, spec: &ParamSpec) -> Self::Weights;
     /// The tile amaxes.
     fn tiles(w: &Self::Weights) -> View;
     /// The allocated views outside the region.
@@ -85,7 +88,10 @@ impl TileFormat for Mxfp8Tiles {
     fn outside_bytes(r: usize, c: usize) -> usize {
         r * c.div_ceil(32) + r.div_ceil(32) * c + 4 * r.div_ceil(32) * c.div_ceil(32)
     }
-    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights {
+    fn tile_count(rows: usize, cols: usize) -> usize {
+        lowbit_device::mxfp8_tile_count(rows, cols)
+    }
+    fn allocate(dev: &mut Device, data: View, tiles: View, spec: &ParamSpec) -> Self::Weights {
         // Blocks have no global scale: a grouped tensor is its experts by construction.
         let (rows, cols) = matrix_dims(&spec.shape);
         let w = Mxfp8Weights {
@@ -94,7 +100,6 @@ impl TileFormat for Mxfp8Tiles {
             rowwise: (data, dev.alloc(DType::U8, rows * cols.div_ceil(32))),
             columnwise: (data, dev.alloc(DType::U8, rows.div_ceil(32) * cols)),
         };
-        let tiles = dev.alloc(DType::F32, lowbit_device::mxfp8_tile_count(rows, cols));
         (w, tiles)
     }
     fn tiles(w: &Self::Weights) -> View {
@@ -183,7 +188,10 @@ impl TileFormat for Nvfp4Tiles {
         }
         .into())
     }
-    fn allocate(dev: &mut Device, data: View, spec: &ParamSpec) -> Self::Weights {
+    fn tile_count(rows: usize, cols: usize) -> usize {
+        (rows / 16) * (cols / 16)
+    }
+    fn allocate(dev: &mut Device, data: View, tiles: View, spec: &ParamSpec) -> Self::Weights {
         // Per expert, the same sizes as a matrix of its own: the totals do not depend on it.
         let (rows, cols) = matrix_dims(&spec.shape);
         Nvfp4Weights {
@@ -194,7 +202,7 @@ impl TileFormat for Nvfp4Tiles {
                 dev.alloc(DType::U8, rows * cols / 2),
                 dev.alloc(DType::U8, cols * rows / 16),
             ),
-            tiles: dev.alloc(DType::F32, (rows / 16) * (cols / 16)),
+            tiles,
             amaxes: vec![0.0; experts_of(&spec.shape)],
         }
     }
@@ -283,10 +291,23 @@ impl<F: TileFormat> Tiled<F> {
     ) -> Result<Self> {
         Self::check(specs)?;
         let region = dev.alloc(DType::U8, F::region_bytes(plan.layout.numel));
-        let mut weights = Vec::with_capacity(specs.len());
-        for (i, s) in specs.iter().enumerate() {
+        // Every parameter's tile amaxes in one allocation, in layout order, so that the staging
+        // zeroes and MAX-reduces the tiles of neighbouring parameters as one run (one memset
+        // and one all-reduce where it made one per parameter).
+        let counts: Vec<usize> = specs
+            .iter()
+            .map(|s| {
+                let (rows, cols) = matrix_dims(&s.shape);
+                F::tile_count(rows, cols)
+            })
+            .collect();
+        let all_tiles = dev.alloc(DType::F32, counts.iter().sum());
+        let (mut weights, mut at) = (Vec::with_capacity(specs.len()), 0);
+        for (i, (s, n)) in specs.iter().zip(counts).enumerate() {
             let data = region.slice(plan.param_storage_range(i))?;
-            weights.push(F::allocate(dev, data, s));
+            let tiles = all_tiles.slice(at..at + n)?;
+            at += n;
+            weights.push(F::allocate(dev, data, tiles, s));
         }
         Ok(Tiled { region, weights })
     }
