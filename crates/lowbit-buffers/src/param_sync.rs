@@ -53,8 +53,22 @@ impl DataParallelBuffers {
         } else {
             work.wait(dev)?;
             self.after_gather(dev, g)?;
+            self.settle(dev, Some(g))?;
         }
         Ok(())
+    }
+
+    /// Stores what group completions left on the device (NVFP4's global amaxes, read once for
+    /// all of them): group `g`'s storage, or every storage. Called on every path that
+    /// completes a gather before it returns, so no weight is read with a stale amax.
+    fn settle(&mut self, dev: &mut Device, g: Option<usize>) -> Result<()> {
+        match g {
+            Some(g) => self.buffers[self.groups[g].buffer].storage.settle(dev),
+            None => self
+                .buffers
+                .iter_mut()
+                .try_for_each(|b| b.storage.settle(dev)),
+        }
     }
 
     /// Completes a gather: the storage rebuilds the group's weights (re-quantization, scales);
@@ -127,15 +141,24 @@ impl DataParallelBuffers {
         self.complete_param_sync(dev)
     }
 
-    /// Waits for every gather in flight and completes it.
+    /// Waits for every gather in flight and completes it. The completions' host values
+    /// (NVFP4's amaxes) are read once at the end, also when a completion fails (the groups
+    /// after it stay in flight, for the next call).
     pub fn complete_param_sync(&mut self, dev: &mut Device) -> Result<()> {
+        let mut done = Ok(());
         for g in 0..self.groups.len() {
             if let Some(w) = self.groups[g].param_work.take() {
-                w.wait(dev)?;
-                self.after_gather(dev, g)?;
+                done = w
+                    .wait(dev)
+                    .map_err(Into::into)
+                    .and_then(|()| self.after_gather(dev, g));
+                if done.is_err() {
+                    break;
+                }
             }
         }
-        Ok(())
+        let settled = self.settle(dev, None);
+        done.and(settled)
     }
 
     /// The forward pre-hook of the layers whose parameters are in group `g`: refuses stale
@@ -165,6 +188,7 @@ impl DataParallelBuffers {
                 self.start_param_sync_group(dev, comm, g - 1, true)?;
             }
             self.after_gather(dev, g)?;
+            self.settle(dev, Some(g))?;
         }
         Ok(())
     }

@@ -38,6 +38,7 @@ mod mxfp8x;
 mod nvfp4;
 
 pub(crate) use kernels::{Quantize, Range2d};
+pub(crate) use nvfp4::{Finished, PendingWords};
 
 /// A driver error as a [`DeviceError::Cuda`], with what was being done.
 pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {

@@ -47,7 +47,7 @@ pub use matmul::MatmulTcSpec;
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]
 pub(crate) use quant::Dequant;
-pub use quant::{Format2d, Piece2d};
+pub use quant::{Format2d, PendingAmaxes, Piece2d};
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
 #[derive(Clone, Copy, Debug, PartialEq)]

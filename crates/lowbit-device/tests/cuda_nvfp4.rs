@@ -658,6 +658,14 @@ fn nvfp4_finish_2d_many_matches() {
                     .into_iter()
                     .map(f64::from),
             );
+            // Deferred: two groups completed, then their amaxes read (the last first).
+            let (a, b) = many.split_at(30);
+            let (pa, pb) = (
+                c.dev.nvfp4_finish_2d_many_deferred(a)?,
+                c.dev.nvfp4_finish_2d_many_deferred(b)?,
+            );
+            let (vb, va) = (c.dev.read_amaxes(pb)?, c.dev.read_amaxes(pa)?);
+            out.extend(va.into_iter().chain(vb).map(f64::from));
             // Nothing to do, and one matrix alone.
             out.extend(c.dev.nvfp4_finish_2d_many(&[])?.into_iter().map(f64::from));
             let one = [experts[0]];

@@ -732,6 +732,15 @@ fn nvfp4_finish_2d_many_equals_one_call_per_item() {
     }
     assert_eq!(bits(&many), bits(&one));
     assert!(dev.nvfp4_finish_2d_many(&[]).unwrap().is_empty());
+    // Deferred: the same amaxes when read, in item order (two calls read in reverse order).
+    let (first, second) = items.split_at(2);
+    let p1 = dev.nvfp4_finish_2d_many_deferred(first).unwrap();
+    let p2 = dev.nvfp4_finish_2d_many_deferred(second).unwrap();
+    let mut deferred = dev.read_amaxes(p2).unwrap();
+    deferred.splice(0..0, dev.read_amaxes(p1).unwrap());
+    assert_eq!(bits(&deferred), bits(&one));
+    let empty = dev.nvfp4_finish_2d_many_deferred(&[]).unwrap();
+    assert!(dev.read_amaxes(empty).unwrap().is_empty());
 }
 
 #[test]
@@ -744,6 +753,10 @@ fn nvfp4_finish_2d_many_errors() {
     assert!(dev.nvfp4_finish_2d_many(&[good, bad]).is_err());
     // Outputs shared by two valid items: refused (the result would depend on the order).
     let twice = dev.nvfp4_finish_2d_many(&[good, good]).unwrap_err();
+    assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
+    // The deferred call refuses the same, before anything is pending.
+    assert!(dev.nvfp4_finish_2d_many_deferred(&[good, bad]).is_err());
+    let twice = dev.nvfp4_finish_2d_many_deferred(&[good, good]).unwrap_err();
     assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
 }
 

@@ -327,6 +327,14 @@ pub(crate) trait Storage: Debug + Send {
         Ok(AfterGather::Ok)
     }
 
+    /// Stores host values that `after_gather` left on the device (NVFP4's global amaxes): one
+    /// read for every completion since the last call. The protocol calls it before any weight
+    /// of a completed group can be read.
+    fn settle(&mut self, dev: &mut Device) -> Result<()> {
+        let _ = dev;
+        Ok(())
+    }
+
     /// Writes the initial weights of layout index `index` from `values`, its f32 values:
     /// rounded to the storage dtype, or `Q(bf16(values))` (every rank writes every parameter;
     /// no gather needed at iteration 0).

@@ -13,7 +13,7 @@
 use std::fmt::Debug;
 use std::ops::Range;
 
-use lowbit_device::{DType, Device, Format2d, Fp8Kind, Piece2d, View};
+use lowbit_device::{DType, Device, Format2d, Fp8Kind, PendingAmaxes, Piece2d, View};
 use lowbit_layout::{BufferPlan, LayoutError, ParamSpec, expert_slices, matrix_dims};
 
 use super::{
@@ -58,17 +58,30 @@ pub(super) trait TileFormat: Debug + Send + 'static {
     ) -> Result<Vec<(Piece2d, View)>>;
     /// Derives everything else from the gathered bytes and the reduced amaxes.
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()>;
-    /// [`TileFormat::finish`] of `weights[i]` for every `i` of `indices` (distinct).
+    /// Host values that [`TileFormat::finish_many`] left on the device (NVFP4's amaxes), for
+    /// [`TileFormat::settle`].
+    type Pending: Debug + Send;
+    /// [`TileFormat::finish`] of `weights[i]` for every `i` of `indices` (distinct); what it
+    /// leaves pending must be settled before the weights are read.
     fn finish_many(
         dev: &mut Device,
         weights: &mut [Self::Weights],
         indices: &[usize],
-    ) -> Result<()> {
+    ) -> Result<Option<Self::Pending>> {
         for &i in indices {
             if let Some(w) = weights.get_mut(i) {
                 Self::finish(dev, w)?;
             }
         }
+        Ok(None)
+    }
+    /// Stores what a [`TileFormat::finish_many`] left pending.
+    fn settle(
+        dev: &mut Device,
+        weights: &mut [Self::Weights],
+        pending: Self::Pending,
+    ) -> Result<()> {
+        let _ = (dev, weights, pending);
         Ok(())
     }
     /// The weights as compute reads them.
@@ -137,11 +150,12 @@ impl TileFormat for Mxfp8Tiles {
         let (rows, cols, kind) = (w.rows, w.cols, Fp8Kind::E4M3);
         Ok(dev.mxfp8_scales_2d(rows, cols, kind, *t, w.rowwise.1, w.columnwise.1)?)
     }
+    type Pending = ();
     fn finish_many(
         dev: &mut Device,
         weights: &mut [Self::Weights],
         indices: &[usize],
-    ) -> Result<()> {
+    ) -> Result<Option<()>> {
         // Every matrix of the group in one launch (`mxfp8_scales_2d` is tiny per matrix).
         let items: Vec<_> = indices
             .iter()
@@ -151,7 +165,8 @@ impl TileFormat for Mxfp8Tiles {
                 (rows, cols, kind, *t, w.rowwise.1, w.columnwise.1)
             })
             .collect();
-        Ok(dev.mxfp8_scales_2d_many(&items)?)
+        dev.mxfp8_scales_2d_many(&items)?;
+        Ok(None)
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
         LowPrecisionWeights::Mxfp8(w.0)
@@ -253,19 +268,39 @@ impl TileFormat for Nvfp4Tiles {
     fn finish(dev: &mut Device, w: &mut Self::Weights) -> Result<()> {
         super::finish_nvfp4(dev, &mut [w])
     }
+    /// The amaxes of a group's completion, still on the device: the layout indices of the
+    /// weights, in item order (each of its experts an item), and the pending values.
+    type Pending = (Vec<usize>, PendingAmaxes);
     fn finish_many(
         dev: &mut Device,
         weights: &mut [Self::Weights],
         indices: &[usize],
+    ) -> Result<Option<Self::Pending>> {
+        // Every matrix of the group in one device call, the amaxes left on the device: the
+        // completion of several groups in a row reads them once (`settle`), not once per group.
+        let order: Vec<usize> = (0..weights.len()).filter(|i| indices.contains(i)).collect();
+        let mut items = Vec::new();
+        for &i in &order {
+            for x in weights[i].per_expert()? {
+                items.push((x.rows, x.cols, x.tiles, x.views()));
+            }
+        }
+        let pending = dev.nvfp4_finish_2d_many_deferred(&items)?;
+        Ok(Some((order, pending)))
+    }
+    fn settle(
+        dev: &mut Device,
+        weights: &mut [Self::Weights],
+        (order, pending): Self::Pending,
     ) -> Result<()> {
-        // Every matrix of the group in one device call (one host read of the amaxes).
-        let mut ws: Vec<&mut Nvfp4Weights> = weights
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| indices.contains(i))
-            .map(|(_, w)| w)
-            .collect();
-        super::finish_nvfp4(dev, &mut ws)
+        let mut amaxes = dev.read_amaxes(pending)?.into_iter();
+        for i in order {
+            // `per_expert` gave one item per entry of `amaxes`, in this order.
+            for (a, new) in weights[i].amaxes.iter_mut().zip(amaxes.by_ref()) {
+                *a = new;
+            }
+        }
+        Ok(())
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
         LowPrecisionWeights::Nvfp4 {
@@ -281,6 +316,8 @@ pub(super) struct Tiled<F: TileFormat> {
     region: View,
     /// Per layout index.
     weights: Vec<F::Weights>,
+    /// What group completions left on the device, in completion order, until `settle`.
+    pending: Vec<F::Pending>,
 }
 
 impl<F: TileFormat> Tiled<F> {
@@ -309,7 +346,11 @@ impl<F: TileFormat> Tiled<F> {
             at += n;
             weights.push(F::allocate(dev, data, tiles, s));
         }
-        Ok(Tiled { region, weights })
+        Ok(Tiled {
+            region,
+            weights,
+            pending: Vec::new(),
+        })
     }
 
     /// Refuses parameters the format cannot hold (before anything is allocated).
@@ -340,8 +381,16 @@ impl<F: TileFormat> Storage for Tiled<F> {
         Some(self)
     }
     fn after_gather(&mut self, dev: &mut Device, group: Gathered<'_>) -> Result<AfterGather> {
-        F::finish_many(dev, &mut self.weights, group.indices)?;
+        if let Some(p) = F::finish_many(dev, &mut self.weights, group.indices)? {
+            self.pending.push(p);
+        }
         Ok(AfterGather::Ok)
+    }
+    fn settle(&mut self, dev: &mut Device) -> Result<()> {
+        for p in std::mem::take(&mut self.pending) {
+            F::settle(dev, &mut self.weights, p)?;
+        }
+        Ok(())
     }
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
         let w = &mut self.weights[index];

@@ -286,13 +286,16 @@ impl CudaDevice {
     /// more than 65535 matrices. The caller has validated every matrix as
     /// `nvfp4_finish_2d_kernel` does and checked that no output overlaps another matrix's
     /// views.
-    pub(crate) fn nvfp4_finish_2d_many(&mut self, items: &[Finish2d]) -> Result<Option<Vec<f32>>> {
+    ///
+    /// With `defer`, nothing is read back: the amax words stay on the device
+    /// ([`Finished::Pending`], read by [`CudaDevice::read_pending`]).
+    pub(crate) fn nvfp4_finish_2d_many(
+        &mut self,
+        items: &[Finish2d],
+        defer: bool,
+    ) -> Result<Option<Finished>> {
         let Ok(1..=65535) = u32::try_from(items.len()) else {
-            return Ok(if items.is_empty() {
-                Some(Vec::new())
-            } else {
-                None
-            });
+            return Ok(items.is_empty().then(|| Finished::Values(Vec::new())));
         };
         if !enabled::FINISH_2D {
             return Ok(None);
@@ -431,7 +434,33 @@ impl CudaDevice {
                 }
             }
         }
-        let words = self.fetch(&amax)?;
-        Ok(Some(words.into_iter().map(f32::from_bits).collect()))
+        if defer {
+            return Ok(Some(Finished::Pending(PendingWords(amax))));
+        }
+        Ok(Some(Finished::Values(
+            self.read_pending(PendingWords(amax))?,
+        )))
+    }
+
+    /// The amaxes of a deferred `nvfp4_finish_2d_many` (a copy to the host and a stream
+    /// synchronization).
+    pub(crate) fn read_pending(&mut self, words: PendingWords) -> Result<Vec<f32>> {
+        let words = self.fetch(&words.0)?;
+        Ok(words.into_iter().map(f32::from_bits).collect())
+    }
+}
+
+/// What `nvfp4_finish_2d_many` gives back: the amaxes, or their words on the device.
+pub(crate) enum Finished {
+    Values(Vec<f32>),
+    Pending(PendingWords),
+}
+
+/// Amax words on the device, one per matrix, not yet read (freed in stream order when dropped).
+pub(crate) struct PendingWords(super::kernels::Scratch);
+
+impl std::fmt::Debug for PendingWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingWords")
     }
 }

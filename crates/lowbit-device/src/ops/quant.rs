@@ -696,7 +696,48 @@ impl Device {
         &mut self,
         items: &[(usize, usize, View, Nvfp4Views)],
     ) -> Result<Vec<f32>> {
+        let pending = self.finish_2d_many(items, false)?;
+        self.read_amaxes(pending)
+    }
+
+    /// [`Device::nvfp4_finish_2d_many`] without reading the amaxes back yet: on a GPU they stay
+    /// on the device until [`Device::read_amaxes`] (a copy and a stream synchronization), so a
+    /// caller that completes several groups in a row synchronizes once for all of them instead
+    /// of once per call, and the host keeps queueing work meanwhile. The same bytes and amaxes.
+    pub fn nvfp4_finish_2d_many_deferred(
+        &mut self,
+        items: &[(usize, usize, View, Nvfp4Views)],
+    ) -> Result<PendingAmaxes> {
+        self.finish_2d_many(items, true)
+    }
+
+    /// The amaxes of an [`Device::nvfp4_finish_2d_many_deferred`] call, in item order.
+    ///
+    /// # Errors
+    /// [`crate::DeviceError::Unsupported`] for amaxes pending on another kind of device (a
+    /// GPU's, read on the CPU backend); the device's own errors.
+    pub fn read_amaxes(&mut self, pending: PendingAmaxes) -> Result<Vec<f32>> {
+        match pending.0 {
+            Pending::Values(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Pending::Device(words) => match self.cuda_mut() {
+                Some(g) => g.read_pending(words),
+                None => Err(crate::DeviceError::Unsupported(
+                    "read_amaxes: the amaxes are on a CUDA device, this one is not".into(),
+                )),
+            },
+        }
+    }
+
+    /// [`Device::nvfp4_finish_2d_many`]; with `defer`, a GPU leaves the amaxes on the device.
+    fn finish_2d_many(
+        &mut self,
+        items: &[(usize, usize, View, Nvfp4Views)],
+        defer: bool,
+    ) -> Result<PendingAmaxes> {
         const WHAT: &str = "nvfp4_finish_2d";
+        #[cfg(not(feature = "cuda"))]
+        let _ = defer;
         let mut checked = Vec::with_capacity(items.len());
         for (rows, cols, tiles, out) in items {
             match self.finish_2d_views(*rows, *cols, *tiles, out) {
@@ -714,18 +755,22 @@ impl Device {
             #[cfg(feature = "cuda")]
             if let Some(g) = self.cuda_mut()
                 && g.nvfp4_finish_version() != 1
-                && let Some(amaxes) = g.nvfp4_finish_2d_many(&checked)?
+                && let Some(done) = g.nvfp4_finish_2d_many(&checked, defer)?
             {
                 for _ in items {
                     self.count_call(crate::CountedOp::Nvfp4Finish2d);
                 }
-                return Ok(amaxes);
+                return Ok(PendingAmaxes(match done {
+                    crate::cuda::Finished::Values(v) => Pending::Values(v),
+                    crate::cuda::Finished::Pending(w) => Pending::Device(w),
+                }));
             }
         }
-        items
+        let values = items
             .iter()
             .map(|(rows, cols, tiles, out)| self.nvfp4_finish_2d(*rows, *cols, *tiles, out))
-            .collect()
+            .collect::<Result<Vec<f32>>>()?;
+        Ok(PendingAmaxes(Pending::Values(values)))
     }
 
     /// The views `[rowwise data, rowwise scales, columnwise data, columnwise scales]` of a
@@ -1111,4 +1156,19 @@ impl Device {
         }
         Ok(())
     }
+}
+
+/// The global amaxes of a [`Device::nvfp4_finish_2d_many_deferred`] call, possibly still on
+/// the device: [`Device::read_amaxes`] returns them. Dropping it drops the values (device
+/// memory is freed in stream order).
+#[derive(Debug)]
+pub struct PendingAmaxes(Pending);
+
+#[derive(Debug)]
+enum Pending {
+    /// Already on the host (the CPU backend, the host fallback, or no items).
+    Values(Vec<f32>),
+    /// One word per matrix on a CUDA device.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::PendingWords),
 }

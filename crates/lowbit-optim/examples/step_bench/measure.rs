@@ -285,7 +285,8 @@ fn measure_bounds(
 /// values: the staging view is zero again after the gather) and zeroes its staging view; 2D
 /// MXFP8 derives scales from tile amaxes (a scratch of constant amaxes: the reduced ones are
 /// private); NVFP4 finishes every matrix from its own reduced tiles, one
-/// `nvfp4_finish_2d_many` call per bucket group as the gather's completion makes it.
+/// `nvfp4_finish_2d_many_deferred` call per bucket group as the gather's completion makes it,
+/// and reads the amaxes once after the last group, as `sync_params` does.
 struct Replay {
     src: Option<View>,
     tiles: Option<View>,
@@ -401,12 +402,18 @@ impl Replay {
         for items in direct.values() {
             dev.mxfp8_scales_2d_many(items)?;
         }
+        // As `sync_params` completes the groups: the amaxes stay on the device until every
+        // group is done, then one read for all of them.
+        let mut pending = Vec::with_capacity(nvfp4.len());
         for ws in nvfp4.values() {
             let items: Vec<_> = ws
                 .iter()
                 .map(|w| (w.rows, w.cols, w.tiles, w.views()))
                 .collect();
-            dev.nvfp4_finish_2d_many(&items)?;
+            pending.push(dev.nvfp4_finish_2d_many_deferred(&items)?);
+        }
+        for p in pending {
+            dev.read_amaxes(p)?;
         }
         Ok(())
     }
