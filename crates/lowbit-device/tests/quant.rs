@@ -756,7 +756,9 @@ fn nvfp4_finish_2d_many_errors() {
     assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
     // The deferred call refuses the same, before anything is pending.
     assert!(dev.nvfp4_finish_2d_many_deferred(&[good, bad]).is_err());
-    let twice = dev.nvfp4_finish_2d_many_deferred(&[good, good]).unwrap_err();
+    let twice = dev
+        .nvfp4_finish_2d_many_deferred(&[good, good])
+        .unwrap_err();
     assert!(matches!(twice, DeviceError::Overlap(_)), "{twice:?}");
 }
 
