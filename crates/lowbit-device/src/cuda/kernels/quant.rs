@@ -451,12 +451,7 @@ impl CudaDevice {
                 && d.is_multiple_of(8);
             match blocks(cols, 64) {
                 Some(gx4) if v4 => {
-                    let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
-                        | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
-                    // Version 6: a CTA per pair of 256-row tiles (whole-sector scale stores).
-                    let v6 = self.nvfp4_version >= 6;
-                    let tile_rows = if v6 { 512 } else { 256 };
-                    let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
+                    let (flags, gy, v6) = self.nvfp4_cols_launch(rows, d, s);
                     let kernel = if v6 {
                         "nvfp4_quantize_cols_v6"
                     } else {
@@ -491,6 +486,21 @@ impl CudaDevice {
         Ok(Some(a))
     }
 
+    /// What the columnwise part of `nvfp4_quantize_cols_v4|v6` and `nvfp4_quantize_both_v5|v6`
+    /// (`nvfp4c_cols_part`) is launched with, for `rows` and column data / scales at `d` / `s`:
+    /// its store flags (1: 16-byte code units, rows % 32 == 0 and `d` 16-byte aligned; 2: 4-byte
+    /// scale words, rows % 64 == 0 and `s` 4-byte aligned), the grid's rows of CTAs (a 256-row
+    /// tile each, or with version 6 a pair of them; strided past 65535) and whether version 6
+    /// runs.
+    fn nvfp4_cols_launch(&self, rows: usize, d: u64, s: u64) -> (u32, u32, bool) {
+        let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
+            | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
+        let v6 = self.nvfp4_version >= 6;
+        let tile_rows = if v6 { 512 } else { 256 };
+        let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
+        (flags, gy, v6)
+    }
+
     /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`) when its conditions hold (both copies
     /// requested; bf16; cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte
     /// and columnwise data 8-byte aligned; the grid within limits): launches it and returns
@@ -516,11 +526,7 @@ impl CudaDevice {
             return Ok(false);
         };
         let (r, c) = (rows as u64, cols as u64);
-        let flags = u32::from(rows.is_multiple_of(32) && cd.is_multiple_of(16))
-            | (u32::from(rows.is_multiple_of(64) && cs.is_multiple_of(4)) << 1);
-        let v6 = self.nvfp4_version >= 6;
-        let tile_rows = if v6 { 512 } else { 256 };
-        let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
+        let (flags, gy, v6) = self.nvfp4_cols_launch(rows, cd, cs);
         let kernel = if v6 {
             "nvfp4_quantize_both_v6"
         } else {
