@@ -616,6 +616,64 @@ struct Finish2dSameParams {
 // The host passes exactly these bytes (nvfp4.rs, FINISH2D_SAME_MAX rows).
 static_assert(sizeof(Finish2dSameParams) == 8 * (4 + FINISH2D_SAME_MAX * 6), "parameter layout");
 
+// Matrix blockIdx.z's views of a same-shape launch. Device allocations: said so, the compiler
+// emits global loads and stores (LDG/STG) instead of generic ones for addresses read from the
+// parameters.
+struct Finish2dViews {
+    const uint32_t* rowwise;
+    const float* tiles;
+    const uint32_t* amax_word;
+    uint8_t* row_scales;
+    uint8_t* col_data;
+    uint8_t* col_scales;
+};
+
+__device__ __forceinline__ Finish2dViews finish2d_views(const Finish2dSameParams& p) {
+    const u64* t = p.ptrs[blockIdx.z];
+    Finish2dViews v;
+    v.rowwise = reinterpret_cast<const uint32_t*>(t[0]);
+    v.tiles = reinterpret_cast<const float*>(t[1]);
+    v.amax_word = reinterpret_cast<const uint32_t*>(t[2]);
+    v.row_scales = reinterpret_cast<uint8_t*>(t[3]);
+    v.col_data = reinterpret_cast<uint8_t*>(t[4]);
+    v.col_scales = reinterpret_cast<uint8_t*>(t[5]);
+    __builtin_assume(__isGlobal(v.rowwise));
+    __builtin_assume(__isGlobal(v.tiles));
+    __builtin_assume(__isGlobal(v.amax_word));
+    __builtin_assume(__isGlobal(v.row_scales));
+    __builtin_assume(__isGlobal(v.col_data));
+    __builtin_assume(__isGlobal(v.col_scales));
+    return v;
+}
+
+// The shared codes tile of the 256x256 tile at (r0, c0) out to the columnwise data: column cl's
+// 16-byte chunk q (its rows r0 + 32q ..) was stored at chunk q ^ ((cl / 8) % 8); every column's
+// 128 bytes go out as 8 lanes' 16-byte stores. Chunks past `rows`, columns past `cols` are not
+// stored.
+__device__ __forceinline__ void finish2d_store_codes(const uint4 (*out)[8],
+                                                     uint8_t* __restrict__ col_data, u64 rows,
+                                                     u64 cols, u64 r0, u64 c0) {
+    const u64 rb = rows / 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const unsigned g = 256 * k + threadIdx.x, cl = g / 8, q = g % 8;
+        const u64 cc = c0 + cl, rr = r0 + 32 * q;
+        if (cc < cols && rr < rows)
+            *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][q ^ ((cl / 8) % 8)];
+    }
+}
+
+// The 16 scale bytes of `src` (shared memory, 16-byte aligned) for positions at .. at + 15 of
+// a row or column of `len` scale bytes, to `o` (position `at`; at < len): one 16-byte store
+// when all 16 lie inside and `o` is aligned, else the ones inside one by one.
+__device__ __forceinline__ void store_scales16(uint8_t* o, const uint8_t* src, u64 at, u64 len) {
+    if (at + 16 <= len && ((uintptr_t)o & 15u) == 0) {
+        *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+    } else {
+        for (unsigned j = 0; j < 16 && at + j < len; ++j) o[j] = src[j];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     const Finish2dSameParams p) {
     // The columnwise codes of a 256-row x 256-column tile of matrix blockIdx.z (its scales:
@@ -629,30 +687,19 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same(
     // Chunks past `rows` or columns past `cols` are neither loaded nor stored (rows % 32 == 0,
     // cols % 8 == 0: a chunk or a word lies wholly inside or outside).
     __shared__ uint4 out[256][8];
-    const u64* t = p.ptrs[blockIdx.z];
-    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
-    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
-    __builtin_assume(__isGlobal(rowwise));
-    __builtin_assume(__isGlobal(col_data));
+    const Finish2dViews v = finish2d_views(p);
     const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u64 r0 = (u64)blockIdx.y * 256, c0 = (u64)blockIdx.x * 256;
     const u64 r = r0 + 32 * warp, c = c0 + 8 * lane;
     if (r < rows && c < cols) {
         uint4 col[8];
-        nibble_columns_32x8(rowwise, wpr, r, c, col);
+        nibble_columns_32x8(v.rowwise, wpr, r, c, col);
 #pragma unroll
         for (int j = 0; j < 8; ++j) out[8 * lane + j][warp ^ (lane % 8)] = col[j];
     }
     __syncthreads();
-    const u64 rb = rows / 2;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const unsigned g = 256 * k + threadIdx.x, cl = g / 8, q = g % 8;
-        const u64 cc = c0 + cl, rr = r0 + 32 * q;
-        if (cc < cols && rr < rows)
-            *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][q ^ ((cl / 8) % 8)];
-    }
+    finish2d_store_codes(out, v.col_data, rows, cols, r0, c0);
 }
 
 // The 8x8 nibble transpose of a[0..7] in place (nibble j of word i <-> nibble i of word j): three
@@ -681,6 +728,26 @@ __device__ __forceinline__ void nibble_transpose_8x8(uint32_t a[8]) {
     }
 }
 
+// The 32 words of rows r .. r + 31, columns c .. c + 7 (8 nibbles each) of packed rowwise codes
+// with `wpr` words a row: a warp's load reads 128 contiguous bytes of one row.
+__device__ __forceinline__ void finish2d_load(const uint32_t* __restrict__ rowwise, u64 wpr, u64 r,
+                                              u64 c, uint32_t in[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
+}
+
+// Those words as columns (nibble_transpose_8x8 per 8 rows: word q of column j is block q's word
+// j) into the shared codes tile: column 8·lane + j's chunk `warp` at chunk warp ^ (lane % 8), so
+// the 8 lanes of a 16-byte phase meet 8 distinct bank groups (finish2d_store_codes reads it).
+__device__ __forceinline__ void finish2d_stash(uint32_t in[32], uint4 (*out)[8], unsigned lane,
+                                               unsigned warp) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) nibble_transpose_8x8(&in[8 * q]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        out[8 * lane + j][warp ^ (lane % 8)] = make_uint4(in[j], in[8 + j], in[16 + j], in[24 + j]);
+}
+
 // nvfp4x_finish_2d_same with both scale copies in the same launch (version 4): the codes of the
 // 256x256 tile as version 3 writes them, the nibbles transposed by nibble_transpose_8x8 (one
 // 8x8 block per 8 rows: word q of column j is block q's word j); then thread t makes the scale
@@ -694,19 +761,7 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
     __shared__ uint4 out[256][8];
     __shared__ __align__(16) uint8_t sc[16][16];   // [tile row][tile column]
     __shared__ __align__(16) uint8_t sct[16][16];  // [tile column][tile row]
-    const u64* t = p.ptrs[blockIdx.z];
-    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
-    const float* tiles = reinterpret_cast<const float*>(t[1]);
-    const uint32_t* amax_word = reinterpret_cast<const uint32_t*>(t[2]);
-    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
-    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
-    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
-    __builtin_assume(__isGlobal(rowwise));
-    __builtin_assume(__isGlobal(tiles));
-    __builtin_assume(__isGlobal(amax_word));
-    __builtin_assume(__isGlobal(row_scales));
-    __builtin_assume(__isGlobal(col_data));
-    __builtin_assume(__isGlobal(col_scales));
+    const Finish2dViews v = finish2d_views(p);
     const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
     const u64 tr = rows / 16, tc = (cols + 15) / 16;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -714,13 +769,8 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
     const u64 r = r0 + 32 * warp, c = c0 + 8 * lane;
     if (r < rows && c < cols) {
         uint32_t in[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) nibble_transpose_8x8(&in[8 * q]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            out[8 * lane + j][warp ^ (lane % 8)] = make_uint4(in[j], in[8 + j], in[16 + j], in[24 + j]);
+        finish2d_load(v.rowwise, wpr, r, c, in);
+        finish2d_stash(in, out, lane, warp);
     }
     {
         // This thread's tile of the CTA's 16x16 tiles (zero where outside: never stored).
@@ -728,41 +778,19 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
         const u64 ti = (u64)blockIdx.y * 16 + a, tj = (u64)blockIdx.x * 16 + b;
         uint8_t code = 0;
         if (ti < tr && tj < tc)
-            code = (uint8_t)e4m3_code(__fmul_rn(tiles[ti * tc + tj], nvfp4_k_from_amax(amax_word)));
+            code = (uint8_t)e4m3_code(
+                __fmul_rn(v.tiles[ti * tc + tj], nvfp4_k_from_amax(v.amax_word)));
         sc[a][b] = code;
         sct[b][a] = code;
     }
     __syncthreads();
-    const u64 rb = rows / 2;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const unsigned g = 256 * k + threadIdx.x, cl = g / 8, q = g % 8;
-        const u64 cc = c0 + cl, rr = r0 + 32 * q;
-        if (cc < cols && rr < rows)
-            *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][q ^ ((cl / 8) % 8)];
-    }
-    // Row r0 + t: tile columns 16·bx .. of tile row (r0 + t) / 16.
+    finish2d_store_codes(out, v.col_data, rows, cols, r0, c0);
+    // Row r0 + t: tile columns 16·bx .. of tile row (r0 + t) / 16 (tj0 < tc: the CTA exists).
     const u64 rt = r0 + threadIdx.x, ct = c0 + threadIdx.x;
     const u64 tj0 = (u64)blockIdx.x * 16, ti0 = (u64)blockIdx.y * 16;
-    if (rt < rows) {
-        uint8_t* o = row_scales + rt * tc + tj0;
-        const uint8_t* src = sc[threadIdx.x / 16];
-        if (tj0 + 16 <= tc && ((uintptr_t)o & 15u) == 0) {
-            *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (unsigned j = 0; j < 16 && tj0 + j < tc; ++j) o[j] = src[j];
-        }
-    }
-    // Column c0 + t: tile rows 16·by .. of tile column (c0 + t) / 16.
-    if (ct < cols) {
-        uint8_t* o = col_scales + ct * tr + ti0;
-        const uint8_t* src = sct[threadIdx.x / 16];
-        if (ti0 + 16 <= tr && ((uintptr_t)o & 15u) == 0) {
-            *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (unsigned i = 0; i < 16 && ti0 + i < tr; ++i) o[i] = src[i];
-        }
-    }
+    if (rt < rows) store_scales16(v.row_scales + rt * tc + tj0, sc[threadIdx.x / 16], tj0, tc);
+    // Column c0 + t: tile rows 16·by .. of tile column (c0 + t) / 16 (ti0 < tr likewise).
+    if (ct < cols) store_scales16(v.col_scales + ct * tr + ti0, sct[threadIdx.x / 16], ti0, tr);
 }
 
 // nvfp4x_finish_2d_same_v4 over 512x512 blocks (version 5): the codes of the block's four
@@ -780,20 +808,8 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
     __shared__ uint4 out[256][8];
     __shared__ __align__(16) uint8_t sc[32][32];   // [tile row][tile column]
     __shared__ __align__(16) uint8_t sct[32][32];  // [tile column][tile row]
-    const u64* t = p.ptrs[blockIdx.z];
-    const uint32_t* rowwise = reinterpret_cast<const uint32_t*>(t[0]);
-    const float* tiles = reinterpret_cast<const float*>(t[1]);
-    const uint32_t* amax_word = reinterpret_cast<const uint32_t*>(t[2]);
-    uint8_t* row_scales = reinterpret_cast<uint8_t*>(t[3]);
-    uint8_t* col_data = reinterpret_cast<uint8_t*>(t[4]);
-    uint8_t* col_scales = reinterpret_cast<uint8_t*>(t[5]);
-    __builtin_assume(__isGlobal(rowwise));
-    __builtin_assume(__isGlobal(tiles));
-    __builtin_assume(__isGlobal(amax_word));
-    __builtin_assume(__isGlobal(row_scales));
-    __builtin_assume(__isGlobal(col_data));
-    __builtin_assume(__isGlobal(col_scales));
-    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8, rb = rows / 2;
+    const Finish2dViews v = finish2d_views(p);
+    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
     const u64 tr = rows / 16, tc = (cols + 15) / 16;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u64 R0 = (u64)blockIdx.y * 512, C0 = (u64)blockIdx.x * 512;
@@ -801,13 +817,13 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
     {
         // Tile (a, b) of the block's 32x32 tiles for a = e / 32, b = e % 32, e = t + 256m: a
         // warp reads 32 consecutive tile amaxes (zero where outside: never stored).
-        const float k = nvfp4_k_from_amax(amax_word);
+        const float k = nvfp4_k_from_amax(v.amax_word);
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
             const unsigned e = threadIdx.x + 256 * m, a = e / 32, b = e % 32;
             const u64 ti = ti0 + a, tj = tj0 + b;
             uint8_t code = 0;
-            if (ti < tr && tj < tc) code = (uint8_t)e4m3_code(__fmul_rn(tiles[ti * tc + tj], k));
+            if (ti < tr && tj < tc) code = (uint8_t)e4m3_code(__fmul_rn(v.tiles[ti * tc + tj], k));
             sc[a][b] = code;
             sct[b][a] = code;
         }
@@ -816,32 +832,16 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
     uint32_t in[32];
     auto load = [&](int q) {
         const u64 r = R0 + 256 * (q / 2) + 32 * warp, c = C0 + 256 * (q % 2) + 8 * lane;
-        if (r < rows && c < cols) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) in[i] = __ldg(rowwise + (r + i) * wpr + c / 8);
-        }
+        if (r < rows && c < cols) finish2d_load(v.rowwise, wpr, r, c, in);
     };
     load(0);
 #pragma unroll 1
     for (int q = 0; q < 4; ++q) {
         const u64 r0 = R0 + 256 * (q / 2), c0 = C0 + 256 * (q % 2);
-        if (r0 + 32 * warp < rows && c0 + 8 * lane < cols) {
-#pragma unroll
-            for (int h = 0; h < 4; ++h) nibble_transpose_8x8(&in[8 * h]);
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                out[8 * lane + j][warp ^ (lane % 8)] =
-                    make_uint4(in[j], in[8 + j], in[16 + j], in[24 + j]);
-        }
+        if (r0 + 32 * warp < rows && c0 + 8 * lane < cols) finish2d_stash(in, out, lane, warp);
         __syncthreads();
         if (q < 3) load(q + 1);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const unsigned g = 256 * k + threadIdx.x, cl = g / 8, h = g % 8;
-            const u64 cc = c0 + cl, rr = r0 + 32 * h;
-            if (cc < cols && rr < rows)
-                *reinterpret_cast<uint4*>(col_data + cc * rb + rr / 2) = out[cl][h ^ ((cl / 8) % 8)];
-        }
+        finish2d_store_codes(out, v.col_data, rows, cols, r0, c0);
         __syncthreads();
     }
     // Row R0 + e / 2 (its tile row's 32 bytes, half e % 2), then column C0 + e / 2 likewise.
@@ -849,29 +849,15 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
     for (int m = 0; m < 4; ++m) {
         const unsigned e = threadIdx.x + 256 * m, i = e / 2, h = e % 2;
         const u64 rt = R0 + i, j0 = tj0 + 16 * h;
-        if (rt < rows && j0 < tc) {
-            uint8_t* o = row_scales + rt * tc + j0;
-            const uint8_t* src = &sc[i / 16][16 * h];
-            if (j0 + 16 <= tc && ((uintptr_t)o & 15u) == 0) {
-                *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
-            } else {
-                for (unsigned j = 0; j < 16 && j0 + j < tc; ++j) o[j] = src[j];
-            }
-        }
+        if (rt < rows && j0 < tc)
+            store_scales16(v.row_scales + rt * tc + j0, &sc[i / 16][16 * h], j0, tc);
     }
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         const unsigned e = threadIdx.x + 256 * m, i = e / 2, h = e % 2;
         const u64 ct = C0 + i, i0 = ti0 + 16 * h;
-        if (ct < cols && i0 < tr) {
-            uint8_t* o = col_scales + ct * tr + i0;
-            const uint8_t* src = &sct[i / 16][16 * h];
-            if (i0 + 16 <= tr && ((uintptr_t)o & 15u) == 0) {
-                *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
-            } else {
-                for (unsigned j = 0; j < 16 && i0 + j < tr; ++j) o[j] = src[j];
-            }
-        }
+        if (ct < cols && i0 < tr)
+            store_scales16(v.col_scales + ct * tr + i0, &sct[i / 16][16 * h], i0, tr);
     }
 }
 
