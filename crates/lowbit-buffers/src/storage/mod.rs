@@ -83,7 +83,8 @@ use std::fmt::Debug;
 use std::ops::Range;
 
 use lowbit_device::{
-    DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, Piece2d, View,
+    DType, Device, Fp8Kind, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, PendingAmaxes,
+    Piece2d, View,
 };
 use lowbit_layout::{BufferPlan, GradDType, ParamSpec, ParamStorage, QuantKind, expert_slices};
 
@@ -206,20 +207,39 @@ impl Nvfp4Weights {
 /// [`Device::nvfp4_finish_2d_many`] call (on a GPU: two launches and one host read for all of
 /// them, not a host round trip per matrix), and stores each expert's global amax.
 pub(crate) fn finish_nvfp4(dev: &mut Device, ws: &mut [&mut Nvfp4Weights]) -> Result<()> {
+    let pending = start_nvfp4_finish(dev, ws.iter().map(|w| &**w))?;
+    let amaxes = dev.read_amaxes(pending)?;
+    store_nvfp4_amaxes(ws.iter_mut().map(|w| &mut **w), amaxes);
+    Ok(())
+}
+
+/// [`finish_nvfp4`] without the read: one [`Device::nvfp4_finish_2d_many_deferred`] call for
+/// every expert of every matrix of `ws`, in order.
+pub(crate) fn start_nvfp4_finish<'a>(
+    dev: &mut Device,
+    ws: impl Iterator<Item = &'a Nvfp4Weights>,
+) -> Result<PendingAmaxes> {
     let mut items = Vec::new();
-    for w in ws.iter() {
+    for w in ws {
         for x in w.per_expert()? {
             items.push((x.rows, x.cols, x.tiles, x.views()));
         }
     }
-    let mut amaxes = dev.nvfp4_finish_2d_many(&items)?.into_iter();
-    for w in ws.iter_mut() {
+    Ok(dev.nvfp4_finish_2d_many_deferred(&items)?)
+}
+
+/// Stores the amaxes of a [`start_nvfp4_finish`] of the same weights, in the same order.
+pub(crate) fn store_nvfp4_amaxes<'a>(
+    ws: impl Iterator<Item = &'a mut Nvfp4Weights>,
+    amaxes: Vec<f32>,
+) {
+    let mut amaxes = amaxes.into_iter();
+    for w in ws {
         // `per_expert` gave one item per entry of `amaxes`, in this order.
         for (a, new) in w.amaxes.iter_mut().zip(amaxes.by_ref()) {
             *a = new;
         }
     }
-    Ok(())
 }
 
 /// A parameter's low-precision primary weights, as compute reads them.

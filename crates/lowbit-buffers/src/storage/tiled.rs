@@ -279,13 +279,7 @@ impl TileFormat for Nvfp4Tiles {
         // Every matrix of the group in one device call, the amaxes left on the device: the
         // completion of several groups in a row reads them once (`settle`), not once per group.
         let order: Vec<usize> = (0..weights.len()).filter(|i| indices.contains(i)).collect();
-        let mut items = Vec::new();
-        for &i in &order {
-            for x in weights[i].per_expert()? {
-                items.push((x.rows, x.cols, x.tiles, x.views()));
-            }
-        }
-        let pending = dev.nvfp4_finish_2d_many_deferred(&items)?;
+        let pending = super::start_nvfp4_finish(dev, order.iter().map(|&i| &weights[i]))?;
         Ok(Some((order, pending)))
     }
     fn settle(
@@ -293,13 +287,14 @@ impl TileFormat for Nvfp4Tiles {
         weights: &mut [Self::Weights],
         (order, pending): Self::Pending,
     ) -> Result<()> {
-        let mut amaxes = dev.read_amaxes(pending)?.into_iter();
-        for i in order {
-            // `per_expert` gave one item per entry of `amaxes`, in this order.
-            for (a, new) in weights[i].amaxes.iter_mut().zip(amaxes.by_ref()) {
-                *a = new;
-            }
-        }
+        let amaxes = dev.read_amaxes(pending)?;
+        // `order` ascends, so these are the weights `finish_many` started, in its order.
+        let ws = weights
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| order.binary_search(i).is_ok())
+            .map(|(_, w)| w);
+        super::store_nvfp4_amaxes(ws, amaxes);
         Ok(())
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
