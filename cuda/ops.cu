@@ -1174,6 +1174,30 @@ __device__ __forceinline__ uint32_t nvfp4_word_v3(const uint32_t* a, const uint3
     return acc;
 }
 
+// The per-element path of nvfp4_col_words for a block holding a NaN (its 16 bf16 elements in
+// a.w, m = rcp[sf]): the f32 product and e2m1_code_v2 per element. Out of line: NaN blocks are
+// rare, and inlined into every block of the both-copies kernel this path made most of its
+// 7824 SASS instructions, so the hot code's instruction fetches missed (cuda/NOTES.md).
+struct Nvfp4Words8 {
+    uint32_t w[8];
+};
+__device__ __noinline__ uint2 nvfp4_words_nan(Nvfp4Words8 a, float m) {
+    uint32_t out[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t pair = a.w[4 * w + j];
+            uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)pair), m));
+            uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)(pair >> 16)), m));
+            word |= (lo | (hi << 4)) << (8 * j);
+        }
+        out[w] = word;
+    }
+    return make_uint2(out[0], out[1]);
+}
+
 // The two code words of one 1x16 block (a row block of nvfp4_quantize_rows_v3 and
 // nvfp4_quantize_both_v5, a column's block of nvfp4_quantize_cols_v4 and v5): `a` holds its
 // 16 bf16 elements as v3's row block does (word j = elements 2j | 2j + 1 << 16), `sf` its
@@ -1187,19 +1211,12 @@ __device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, 
         out[0] = nvfp4_word_v3(a, t);
         out[1] = nvfp4_word_v3(a + 4, t);
     } else {
-        float m = rcp[sf];
+        Nvfp4Words8 b;
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
-            uint32_t word = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                uint32_t pair = a[4 * w + j];
-                uint32_t lo = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)pair), m));
-                uint32_t hi = e2m1_code_v2(__fmul_rn(bf16_bits_to_f32((uint16_t)(pair >> 16)), m));
-                word |= (lo | (hi << 4)) << (8 * j);
-            }
-            out[w] = word;
-        }
+        for (int j = 0; j < 8; ++j) b.w[j] = a[j];
+        const uint2 o = nvfp4_words_nan(b, rcp[sf]);
+        out[0] = o.x;
+        out[1] = o.y;
     }
 }
 
@@ -1586,7 +1603,8 @@ __device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS
 // Conditions (host-checked): v4's (bf16, x 16-byte and column data 8-byte aligned, the
 // threshold table; `flags` as v4's) and v3's (cols % 32 == 0, row data 16-byte and row scales
 // 2-byte aligned). Rowwise items past `rows` or `cols` are skipped (cols % 32 == 0: a pair lies
-// wholly inside or outside). 80 registers, no spills, 32 KB shared: six CTAs per SM.
+// wholly inside or outside). 80 registers, 32 KB shared: six CTAs per SM (version 6: a 4-byte
+// spill around the out-of-line NaN path).
 //
 // PAIRS (version 6, nvfp4_quantize_both_v6): a CTA takes tile rows 2·tp and 2·tp + 1 and stores
 // the columnwise scales of both as whole sectors (nvfp4c_store_col_scales), as
@@ -1623,7 +1641,9 @@ __device__ __forceinline__ void nvfp4_both_body(
                 nvfp4c_cols_part<PAIRS>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales,
                                         flags, stash, 4 * tt + warp);
             if (cp >= cols) continue;
-#pragma unroll
+            // Not unrolled: the kernel's time goes to issuing ALU instructions, and fetching
+            // them (cuda/NOTES.md); four copies of this body made the code a third longer.
+#pragma unroll 1
             for (unsigned j = 0; j < 4; ++j) {
                 const unsigned trow = threadIdx.x / 2 + 64 * j;
                 const u64 r = r0 + trow;

@@ -1,5 +1,6 @@
 //! GPU timings of the hot CUDA kernels against a device-to-device copy measured in the same run
-//! (`cargo run --release -p lowbit-device --features cuda --example cuda_bench`).
+//! (`cargo run --release -p lowbit-device --features cuda --example cuda_bench [SECTION...]`;
+//! sections `mxfp8`, `nvfp4`, `optim`, all by default).
 //!
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
@@ -227,6 +228,9 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
 }
 
 fn main() {
+    // Sections to run (`mxfp8`, `nvfp4`, `optim`: the sums of squares and AdamW); all if none.
+    let only: Vec<String> = std::env::args().skip(1).collect();
+    let want = |s: &str| only.is_empty() || only.iter().any(|o| o == s);
     let mut dev = Device::cuda(0).expect("a CUDA GPU");
     let n = 16384usize;
     let elems = n * n;
@@ -260,223 +264,227 @@ fn main() {
     );
     dev.free(copy_dst).expect("free");
 
-    for (copies, version) in [
-        (Copies::Rowwise, 4),
-        (Copies::Both, 1),
-        (Copies::Both, 4),
-        (Copies::Both, 5),
-    ] {
-        dev.set_cuda_kernel_variant("mxfp8_both", version)
-            .expect("variant");
-        let out = alloc_views(&mut dev, copies, elems);
-        let cfg = Mxfp8Config {
-            copies,
-            ..Mxfp8Config::default()
-        };
-        let t = timed(&mut dev, 50, |d| {
-            d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
-        });
-        let per_copy = 1.0 + 1.0 / 32.0;
-        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
-        let bytes = elems as f64 * (2.0 + copies_n * per_copy);
-        report(
-            &if copies == Copies::Both {
-                format!("mxfp8 rowwise+columnwise 16384x16384 (kernel v{version})")
-            } else {
-                "mxfp8 rowwise 16384x16384".to_string()
-            },
-            t,
-            bytes,
-            copy_bw,
-        );
-        free_views(&mut dev, out);
-    }
-    // The same both-copies kernel (v4) on matrices of 128M elements and the widths of the
-    // Llama weights (2048 and 8192 columns) against 16384: whether the re-quantization's lower
-    // rate (many 1B matrices) comes from their shapes rather than from the many-matrix launch.
-    dev.set_cuda_kernel_variant("mxfp8_both", 4)
-        .expect("variant");
-    for (rows, cols) in [(65536, 2048), (16384, 8192), (8192, 16384)] {
-        let m = rows * cols;
-        let src = x.slice(0..m).expect("slice");
-        let out = alloc_views(&mut dev, Copies::Both, m);
-        let cfg = Mxfp8Config::default();
-        let t = timed(&mut dev, 50, |d| {
-            d.quantize_mxfp8(src, rows, cols, &cfg, &out)
-                .expect("quantize")
-        });
-        let bytes = m as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
-        report(
-            &format!("mxfp8 rowwise+columnwise {rows}x{cols} (kernel v4)"),
-            t,
-            bytes,
-            copy_bw,
-        );
-        free_views(&mut dev, out);
-    }
-    // The many-matrix kernel on two such matrices (64M elements each): the same large shapes
-    // as above through `quantize_mxfp8_many`, to tell its code from the small matrices' cost.
-    {
-        let shapes = [(32768, 2048), (8192, 8192)];
-        let mut items = Vec::new();
-        let mut at = 0;
-        for (rows, cols) in shapes {
-            let m = rows * cols;
-            let out = alloc_views(&mut dev, Copies::Both, m);
-            items.push((x.slice(at..at + m).expect("slice"), rows, cols, out));
-            at += m;
-        }
-        let cfg = Mxfp8Config::default();
-        let bytes = at as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
-        for many in [1, 2] {
-            dev.set_cuda_kernel_variant("mxfp8_many", many)
+    if want("mxfp8") {
+        for (copies, version) in [
+            (Copies::Rowwise, 4),
+            (Copies::Both, 1),
+            (Copies::Both, 4),
+            (Copies::Both, 5),
+        ] {
+            dev.set_cuda_kernel_variant("mxfp8_both", version)
                 .expect("variant");
+            let out = alloc_views(&mut dev, copies, elems);
+            let cfg = Mxfp8Config {
+                copies,
+                ..Mxfp8Config::default()
+            };
             let t = timed(&mut dev, 50, |d| {
-                d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+                d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
+            });
+            let per_copy = 1.0 + 1.0 / 32.0;
+            let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+            let bytes = elems as f64 * (2.0 + copies_n * per_copy);
+            report(
+                &if copies == Copies::Both {
+                    format!("mxfp8 rowwise+columnwise 16384x16384 (kernel v{version})")
+                } else {
+                    "mxfp8 rowwise 16384x16384".to_string()
+                },
+                t,
+                bytes,
+                copy_bw,
+            );
+            free_views(&mut dev, out);
+        }
+        // The same both-copies kernel (v4) on matrices of 128M elements and the widths of the
+        // Llama weights (2048 and 8192 columns) against 16384: whether the re-quantization's lower
+        // rate (many 1B matrices) comes from their shapes rather than from the many-matrix launch.
+        dev.set_cuda_kernel_variant("mxfp8_both", 4)
+            .expect("variant");
+        for (rows, cols) in [(65536, 2048), (16384, 8192), (8192, 16384)] {
+            let m = rows * cols;
+            let src = x.slice(0..m).expect("slice");
+            let out = alloc_views(&mut dev, Copies::Both, m);
+            let cfg = Mxfp8Config::default();
+            let t = timed(&mut dev, 50, |d| {
+                d.quantize_mxfp8(src, rows, cols, &cfg, &out)
+                    .expect("quantize")
+            });
+            let bytes = m as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
+            report(
+                &format!("mxfp8 rowwise+columnwise {rows}x{cols} (kernel v4)"),
+                t,
+                bytes,
+                copy_bw,
+            );
+            free_views(&mut dev, out);
+        }
+        // The many-matrix kernel on two such matrices (64M elements each): the same large shapes
+        // as above through `quantize_mxfp8_many`, to tell its code from the small matrices' cost.
+        {
+            let shapes = [(32768, 2048), (8192, 8192)];
+            let mut items = Vec::new();
+            let mut at = 0;
+            for (rows, cols) in shapes {
+                let m = rows * cols;
+                let out = alloc_views(&mut dev, Copies::Both, m);
+                items.push((x.slice(at..at + m).expect("slice"), rows, cols, out));
+                at += m;
+            }
+            let cfg = Mxfp8Config::default();
+            let bytes = at as f64 * (2.0 + 2.0 * (1.0 + 1.0 / 32.0));
+            for many in [1, 2] {
+                dev.set_cuda_kernel_variant("mxfp8_many", many)
+                    .expect("variant");
+                let t = timed(&mut dev, 50, |d| {
+                    d.quantize_mxfp8_many(&items, &cfg).expect("quantize many")
+                });
+                report(
+                    &format!(
+                        "mxfp8 rowwise+columnwise 32768x2048 + 8192x8192 (quantize_mxfp8_many v{many})"
+                    ),
+                    t,
+                    bytes,
+                    copy_bw,
+                );
+            }
+            for (_, _, _, out) in items {
+                free_views(&mut dev, out);
+            }
+        }
+        // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
+        // per kernel version (2: generic tile, 3: mxfp8.cu v4's technique, the default; same bytes),
+        // against the same bound: read 2, write 1 + 1/32 per element per copy.
+        for (copies, two_d, version) in [
+            (Copies::Both, true, 2),
+            (Copies::Both, true, 3),
+            (Copies::Columnwise, false, 2),
+            (Copies::Columnwise, false, 3),
+        ] {
+            dev.set_cuda_kernel_variant("mxfp8x", version)
+                .expect("variant");
+            let out = alloc_views(&mut dev, copies, elems);
+            let cfg = Mxfp8Config {
+                copies,
+                two_d,
+                ..Mxfp8Config::default()
+            };
+            let t = timed(&mut dev, 50, |d| {
+                d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
+            });
+            let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+            let bytes = elems as f64 * (2.0 + copies_n * (1.0 + 1.0 / 32.0));
+            let what = if two_d {
+                "2D rowwise+columnwise"
+            } else {
+                "columnwise"
+            };
+            report(
+                &format!("mxfp8x bf16 {what} 16384x16384 (kernel v{version})"),
+                t,
+                bytes,
+                copy_bw,
+            );
+            free_views(&mut dev, out);
+        }
+        dev.set_cuda_kernel_variant("mxfp8x", 3).expect("variant");
+        // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's
+        // layers (q, k, v, o, gate, up, down), bf16 views of one staging buffer into views of four
+        // output buffers, rowwise + columnwise E4M3 (kernel v4), one `quantize_mxfp8` per matrix
+        // against one `quantize_mxfp8_many` for all, for one layer and for all 16.
+        dev.set_cuda_kernel_variant("mxfp8_both", 4)
+            .expect("variant");
+        for layers in [1, 16] {
+            llama_requantize(&mut dev, x, layers, copy_bw);
+        }
+    }
+    if want("nvfp4") {
+        llama_nvfp4_finish(&mut dev, copy_bw);
+        // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
+        // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
+        // and writes 0.5 + 1/16 B/element per copy.
+        dev.set_cuda_kernel_variant("mxfp8_both", 4)
+            .expect("variant");
+        // The amax pass alone (bf16 max_abs, read 2 B/element), per kernel version.
+        for version in [1, 2] {
+            dev.set_cuda_kernel_variant("nvfp4", version)
+                .expect("variant");
+            let t = timed(&mut dev, 30, |d| {
+                d.max_abs(x).expect("max_abs");
             });
             report(
+                &format!("max_abs bf16 16384x16384 (v{version})"),
+                t,
+                elems as f64 * 2.0,
+                copy_bw,
+            );
+        }
+        for (copies, version) in [
+            (Copies::Rowwise, 1),
+            (Copies::Rowwise, 2),
+            (Copies::Rowwise, 3),
+            (Copies::Rowwise, 2),
+            (Copies::Rowwise, 3),
+            (Copies::Both, 1),
+            (Copies::Both, 2),
+            (Copies::Both, 3),
+            // Version 4 = 3 with the shared-memory-transpose columnwise kernel
+            // (nvfp4_quantize_cols_v4); the columnwise copy alone isolates that kernel.
+            (Copies::Both, 4),
+            (Copies::Columnwise, 3),
+            (Copies::Columnwise, 4),
+            (Copies::Both, 3),
+            (Copies::Both, 4),
+            // Version 5: both copies from one read of X (nvfp4_quantize_both_v5).
+            (Copies::Both, 5),
+            // Version 6: 5 and 4 over pairs of 256-row tiles, whole-sector column scale stores.
+            (Copies::Columnwise, 6),
+            (Copies::Both, 6),
+        ] {
+            if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
+                println!("nvfp4 v{version}: skipped ({e})");
+                continue;
+            }
+            let nv = Nvfp4Views {
+                rowwise: copies.rowwise().then(|| {
+                    (
+                        dev.alloc(DType::U8, elems / 2),
+                        dev.alloc(DType::U8, elems / 16),
+                    )
+                }),
+                columnwise: copies.columnwise().then(|| {
+                    (
+                        dev.alloc(DType::U8, elems / 2),
+                        dev.alloc(DType::U8, elems / 16),
+                    )
+                }),
+            };
+            let cfg = Nvfp4Config {
+                copies,
+                ..Nvfp4Config::default()
+            };
+            let t = timed(&mut dev, 30, |d| {
+                d.quantize_nvfp4(x, n, n, &cfg, &nv).expect("nvfp4");
+            });
+            let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
+            let bytes = elems as f64 * (4.0 + copies_n * (0.5 + 1.0 / 16.0));
+            report(
                 &format!(
-                    "mxfp8 rowwise+columnwise 32768x2048 + 8192x8192 (quantize_mxfp8_many v{many})"
+                    "nvfp4 {} with amax 16384x16384 (v{version})",
+                    match copies {
+                        Copies::Both => "rowwise+columnwise",
+                        Copies::Columnwise => "columnwise",
+                        _ => "rowwise",
+                    }
                 ),
                 t,
                 bytes,
                 copy_bw,
             );
-        }
-        for (_, _, _, out) in items {
-            free_views(&mut dev, out);
-        }
-    }
-    // mxfp8x.cu bf16 -> E4M3 2D (32x32 tile scales) rowwise + columnwise and 1D columnwise-only,
-    // per kernel version (2: generic tile, 3: mxfp8.cu v4's technique, the default; same bytes),
-    // against the same bound: read 2, write 1 + 1/32 per element per copy.
-    for (copies, two_d, version) in [
-        (Copies::Both, true, 2),
-        (Copies::Both, true, 3),
-        (Copies::Columnwise, false, 2),
-        (Copies::Columnwise, false, 3),
-    ] {
-        dev.set_cuda_kernel_variant("mxfp8x", version)
-            .expect("variant");
-        let out = alloc_views(&mut dev, copies, elems);
-        let cfg = Mxfp8Config {
-            copies,
-            two_d,
-            ..Mxfp8Config::default()
-        };
-        let t = timed(&mut dev, 50, |d| {
-            d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize")
-        });
-        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
-        let bytes = elems as f64 * (2.0 + copies_n * (1.0 + 1.0 / 32.0));
-        let what = if two_d {
-            "2D rowwise+columnwise"
-        } else {
-            "columnwise"
-        };
-        report(
-            &format!("mxfp8x bf16 {what} 16384x16384 (kernel v{version})"),
-            t,
-            bytes,
-            copy_bw,
-        );
-        free_views(&mut dev, out);
-    }
-    dev.set_cuda_kernel_variant("mxfp8x", 3).expect("variant");
-    // The re-quantization after a parameter all-gather: every weight matrix of Llama-3.2-1B's
-    // layers (q, k, v, o, gate, up, down), bf16 views of one staging buffer into views of four
-    // output buffers, rowwise + columnwise E4M3 (kernel v4), one `quantize_mxfp8` per matrix
-    // against one `quantize_mxfp8_many` for all, for one layer and for all 16.
-    dev.set_cuda_kernel_variant("mxfp8_both", 4)
-        .expect("variant");
-    for layers in [1, 16] {
-        llama_requantize(&mut dev, x, layers, copy_bw);
-    }
-    llama_nvfp4_finish(&mut dev, copy_bw);
-    // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
-    // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
-    // and writes 0.5 + 1/16 B/element per copy.
-    dev.set_cuda_kernel_variant("mxfp8_both", 4)
-        .expect("variant");
-    // The amax pass alone (bf16 max_abs, read 2 B/element), per kernel version.
-    for version in [1, 2] {
-        dev.set_cuda_kernel_variant("nvfp4", version)
-            .expect("variant");
-        let t = timed(&mut dev, 30, |d| {
-            d.max_abs(x).expect("max_abs");
-        });
-        report(
-            &format!("max_abs bf16 16384x16384 (v{version})"),
-            t,
-            elems as f64 * 2.0,
-            copy_bw,
-        );
-    }
-    for (copies, version) in [
-        (Copies::Rowwise, 1),
-        (Copies::Rowwise, 2),
-        (Copies::Rowwise, 3),
-        (Copies::Rowwise, 2),
-        (Copies::Rowwise, 3),
-        (Copies::Both, 1),
-        (Copies::Both, 2),
-        (Copies::Both, 3),
-        // Version 4 = 3 with the shared-memory-transpose columnwise kernel
-        // (nvfp4_quantize_cols_v4); the columnwise copy alone isolates that kernel.
-        (Copies::Both, 4),
-        (Copies::Columnwise, 3),
-        (Copies::Columnwise, 4),
-        (Copies::Both, 3),
-        (Copies::Both, 4),
-        // Version 5: both copies from one read of X (nvfp4_quantize_both_v5).
-        (Copies::Both, 5),
-        // Version 6: 5 and 4 over pairs of 256-row tiles, whole-sector column scale stores.
-        (Copies::Columnwise, 6),
-        (Copies::Both, 6),
-    ] {
-        if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
-            println!("nvfp4 v{version}: skipped ({e})");
-            continue;
-        }
-        let nv = Nvfp4Views {
-            rowwise: copies.rowwise().then(|| {
-                (
-                    dev.alloc(DType::U8, elems / 2),
-                    dev.alloc(DType::U8, elems / 16),
-                )
-            }),
-            columnwise: copies.columnwise().then(|| {
-                (
-                    dev.alloc(DType::U8, elems / 2),
-                    dev.alloc(DType::U8, elems / 16),
-                )
-            }),
-        };
-        let cfg = Nvfp4Config {
-            copies,
-            ..Nvfp4Config::default()
-        };
-        let t = timed(&mut dev, 30, |d| {
-            d.quantize_nvfp4(x, n, n, &cfg, &nv).expect("nvfp4");
-        });
-        let copies_n = if copies == Copies::Both { 2.0 } else { 1.0 };
-        let bytes = elems as f64 * (4.0 + copies_n * (0.5 + 1.0 / 16.0));
-        report(
-            &format!(
-                "nvfp4 {} with amax 16384x16384 (v{version})",
-                match copies {
-                    Copies::Both => "rowwise+columnwise",
-                    Copies::Columnwise => "columnwise",
-                    _ => "rowwise",
-                }
-            ),
-            t,
-            bytes,
-            copy_bw,
-        );
-        for (a, b) in [nv.rowwise, nv.columnwise].into_iter().flatten() {
-            dev.free(a).expect("free");
-            dev.free(b).expect("free");
+            for (a, b) in [nv.rowwise, nv.columnwise].into_iter().flatten() {
+                dev.free(a).expect("free");
+                dev.free(b).expect("free");
+            }
         }
     }
     dev.free(x).expect("free");
@@ -486,6 +494,9 @@ fn main() {
         dev.host_fallback_calls()
     );
 
+    if !want("optim") {
+        return;
+    }
     // AdamW over 256M parameters.
     let p_n = 256usize << 20;
     let [p, g, m, v] = [0; 4].map(|_| dev.alloc(DType::F32, p_n));

@@ -373,6 +373,11 @@ fn nvfp4_1d_both_copies_versions_match() {
         (4144, 192),
         (5152, 64),
         (2064, 96),
+        // Version 6's 512-row tile pairs with a last pair of one block row, over many column
+        // tiles: 528 = 512 + 16 rows by 4096 columns (row scale runs of 256 bytes), 1040 =
+        // 2·512 + 16 rows by 1120 columns (70 scale bytes a row, a half-width last tile).
+        (528, 4096),
+        (1040, 1120),
     ];
     // (source element offset, row data, row scale, column data, column scale byte offsets)
     let offsets = [
