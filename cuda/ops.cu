@@ -1174,6 +1174,52 @@ __device__ __forceinline__ uint32_t nvfp4_word_v3(const uint32_t* a, const uint3
     return acc;
 }
 
+// a * b + c (mod 2^32) as an integer multiply-add (the FMA pipe), kept from being rewritten
+// into shifts and adds (the ALU pipe).
+__device__ __forceinline__ uint32_t imad(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// nvfp4_word_v3's word with its selects and bit merges moved from the ALU to the FMA pipe.
+// A comparison mask m is 0xFFFF per half where true, i.e. m = 0xFFFF · I with I the indicator
+// word (1 per true half). 0xFFFF is odd, so it has an inverse mod 2^32, INV = 0xFFFEFFFF =
+// -0x10001, and m · (INV · X) = I · X (mod 2^32). Hence:
+// - a merge `acc |= m & (0x00010001 << k)` is acc + m · (INV << k): the bits are disjoint, so
+//   the sum is the OR;
+// - a select of duplicated thresholds `m ? B : A` (each half a bf16 magnitude, B >= A per half,
+//   as the table's thresholds do not decrease) is A + m · (A - B): INV · d = -(d · 0x10001),
+//   so m · (A - B) = I · d with d = b - a per half, and each half stays below 2^16 (no carry).
+// Per element pair: two permutes, three compares and one select (the last one chooses
+// between two per-half values) on the ALU, seven multiply-adds on the FMA pipe, where version
+// 3 spends ten ALU instructions (the both-copies kernel waits on the ALU pipe; cuda/NOTES.md).
+// Same words as nvfp4_word_v3.
+__device__ __forceinline__ uint32_t nvfp4_word_v4(const uint32_t* a, const uint32_t* t) {
+    const uint32_t inv = 0xFFFEFFFFu;
+    const uint32_t d51 = t[1] - t[5], d40 = t[0] - t[4], d62 = t[2] - t[6];
+    uint32_t acc = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        uint32_t lo = a[e / 2], hi = a[e / 2 + 2];
+        uint32_t sel = (e % 2) ? 0x7632u : 0x5410u;
+        uint32_t ssel = (e % 2) ? 0xFFBBu : 0xDD99u;
+        uint32_t kr = prmt(lo, hi, sel);
+        __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
+        uint32_t k = *reinterpret_cast<uint32_t*>(&kb);
+        uint32_t s = prmt(lo, hi, ssel);
+        uint32_t m2 = hgt2_mask(k, t[3]);
+        uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
+        uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]
+        uint32_t m0 = hgt2_mask(k, bsel(m1, w, u));
+        acc = imad(m0, inv << (4 * e), acc);
+        acc = imad(m1, inv << (4 * e + 1), acc);
+        acc = imad(m2, inv << (4 * e + 2), acc);
+        acc = imad(s, inv << (4 * e + 3), acc);
+    }
+    return acc;
+}
+
 // The per-element path of nvfp4_col_words for a block holding a NaN (its 16 bf16 elements in
 // a.w, m = rcp[sf]): the f32 product and e2m1_code_v2 per element. Out of line: NaN blocks are
 // rare, and inlined into every block of the both-copies kernel this path made most of its
@@ -1202,14 +1248,15 @@ __device__ __noinline__ uint2 nvfp4_words_nan(Nvfp4Words8 a, float m) {
 // nvfp4_quantize_both_v5, a column's block of nvfp4_quantize_cols_v4 and v5): `a` holds its
 // 16 bf16 elements as v3's row block does (word j = elements 2j | 2j + 1 << 16), `sf` its
 // scale byte, `nan` whether the block holds a NaN. Word w reads only a[4w .. 4w + 3].
+template <int WORD = 3>
 __device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
                                                 const float* __restrict__ rcp,
                                                 const uint4* __restrict__ thr, uint32_t* out) {
     if (!nan) {
         uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
         const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
-        out[0] = nvfp4_word_v3(a, t);
-        out[1] = nvfp4_word_v3(a + 4, t);
+        out[0] = WORD == 4 ? nvfp4_word_v4(a, t) : nvfp4_word_v3(a, t);
+        out[1] = WORD == 4 ? nvfp4_word_v4(a + 4, t) : nvfp4_word_v3(a + 4, t);
     } else {
         Nvfp4Words8 b;
 #pragma unroll
@@ -1225,6 +1272,7 @@ __device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, 
 // block holding a NaN is seen at once: it takes the per-element path of version 2 (NaN-ignoring
 // amax from +0, f32 product, e2m1_code_v2). Writes the two code words to out[0..1] and returns
 // the scale byte.
+template <int WORD = 3>
 __device__ __forceinline__ uint32_t nvfp4_row_block_v3(const uint32_t* a, float k,
                                                        const float* __restrict__ rcp,
                                                        const uint4* __restrict__ thr,
@@ -1243,7 +1291,7 @@ __device__ __forceinline__ uint32_t nvfp4_row_block_v3(const uint32_t* a, float 
     }
     uint32_t amax = __float_as_uint(fmaxf(__low2float(m2), __high2float(m2)));
     uint32_t sf = e4m3_code(__fmul_rn(__uint_as_float(amax), k));
-    nvfp4_col_words(a, sf, has_nan, rcp, thr, out);
+    nvfp4_col_words<WORD>(a, sf, has_nan, rcp, thr, out);
     return sf;
 }
 
@@ -1251,11 +1299,12 @@ __device__ __forceinline__ uint32_t nvfp4_row_block_v3(const uint32_t* a, float 
 // == 0, x and data 16-byte aligned, scales 2-byte aligned; a thread per two 1x16 blocks), the
 // codes from the threshold table of nvfp4_params_v3 (`params`), each block by
 // nvfp4_row_block_v3.
-extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
-                                                  uint8_t* __restrict__ data,
-                                                  uint8_t* __restrict__ scales,
-                                                  const float* __restrict__ params, u64 rows,
-                                                  u64 cols) {
+template <int WORD>
+__device__ __forceinline__ void nvfp4_rows_body(const uint8_t* __restrict__ x,
+                                                uint8_t* __restrict__ data,
+                                                uint8_t* __restrict__ scales,
+                                                const float* __restrict__ params, u64 rows,
+                                                u64 cols) {
     const float k = params[0];
     const float* rcp = params + 1;
     const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
@@ -1270,12 +1319,29 @@ extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
             const uint32_t* a = reinterpret_cast<const uint32_t*>(&raw[2 * b]);
-            sfs |= nvfp4_row_block_v3(a, k, rcp, thr, &words[2 * b]) << (8 * b);
+            sfs |= nvfp4_row_block_v3<WORD>(a, k, rcp, thr, &words[2 * b]) << (8 * b);
         }
         *reinterpret_cast<uint16_t*>(scales + r * nb + kp * 2) = (uint16_t)sfs;
         *reinterpret_cast<uint4*>(data + r * rb + kp * 16) =
             make_uint4(words[0], words[1], words[2], words[3]);
     }
+}
+
+extern "C" __global__ void nvfp4_quantize_rows_v3(const uint8_t* __restrict__ x,
+                                                  uint8_t* __restrict__ data,
+                                                  uint8_t* __restrict__ scales,
+                                                  const float* __restrict__ params, u64 rows,
+                                                  u64 cols) {
+    nvfp4_rows_body<3>(x, data, scales, params, rows, cols);
+}
+
+// Version 4 (`set_cuda_kernel_variant("nvfp4", 7)`): version 3 with nvfp4_word_v4. Same bytes.
+extern "C" __global__ void nvfp4_quantize_rows_v4(const uint8_t* __restrict__ x,
+                                                  uint8_t* __restrict__ data,
+                                                  uint8_t* __restrict__ scales,
+                                                  const float* __restrict__ params, u64 rows,
+                                                  u64 cols) {
+    nvfp4_rows_body<4>(x, data, scales, params, rows, cols);
 }
 
 // NVFP4 columnwise copy straight from X (rows % 16 == 0): the 1x16 blocks of the transpose are
@@ -1386,7 +1452,7 @@ __device__ __forceinline__ void nvfp4c_load_tile(uint32_t (*tile)[NVFP4C_COLS / 
 // scale bytes as one 4-byte store when `flags & 2` and all four blocks lie inside, else bytes.
 // With STASH (versions 6), the scale words go to stash[column - c0][slot] in shared memory
 // instead (nvfp4c_store_col_scales writes them out later, 32 bytes a column).
-template <bool STASH = false>
+template <bool STASH = false, int WORD = 3>
 __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_COLS / 2],
                                                  unsigned lane, unsigned warp, u64 ca, u64 rw,
                                                  u64 rows, float k, const float* __restrict__ rcp,
@@ -1432,8 +1498,8 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
             pa[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x5410u);
             pb[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x7632u);
         }
-        nvfp4_col_words(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
-        nvfp4_col_words(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
+        nvfp4_col_words<WORD>(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
+        nvfp4_col_words<WORD>(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
     }
 #pragma unroll
     for (unsigned h = 0; h < 2; ++h) {
@@ -1523,11 +1589,11 @@ __device__ __forceinline__ void nvfp4c_store_col_scales(const uint32_t (*stash)[
 // scale words in shared memory and stores each column's 32 scale bytes as one sector
 // (nvfp4c_store_col_scales). Grid y: the tile pairs (strided past 65535). Same conditions and
 // bytes as version 4 (`flags` bit 2 unused: the scale stores check their own alignment).
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v6(
+template <int WORD>
+__device__ __forceinline__ void nvfp4_cols_v6_body(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
-    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
-    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags,
+    uint32_t (*tile)[NVFP4C_COLS / 2], uint32_t (*stash)[8]) {
     const float k = params[0];
     const float* rcp = params + 1;
     const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
@@ -1545,12 +1611,29 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v6(
             __syncthreads();
             const u64 rw = r0 + 64 * warp;
             if (ca < cols && rw < rows)
-                nvfp4c_cols_part<true>(tile, lane, warp, ca, rw, rows, k, rcp, thr, data, scales,
-                                       flags, stash, 4 * tt + warp);
+                nvfp4c_cols_part<true, WORD>(tile, lane, warp, ca, rw, rows, k, rcp, thr, data,
+                                             scales, flags, stash, 4 * tt + warp);
         }
         __syncthreads();
         nvfp4c_store_col_scales(stash, c0, cols, rows / 16, tp, scales);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v6(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_cols_v6_body<3>(x, data, scales, params, rows, cols, flags, tile, stash);
+}
+
+// Version 7: version 6 with nvfp4_word_v4. Same bytes.
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_cols_v7(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+    const float* __restrict__ params, u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_cols_v6_body<4>(x, data, scales, params, rows, cols, flags, tile, stash);
 }
 
 // cp_async16 to the shared address s + OFF (an immediate offset).
@@ -1609,7 +1692,7 @@ __device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS
 // PAIRS (version 6, nvfp4_quantize_both_v6): a CTA takes tile rows 2·tp and 2·tp + 1 and stores
 // the columnwise scales of both as whole sectors (nvfp4c_store_col_scales), as
 // nvfp4_quantize_cols_v6 does; grid y the tile pairs. Same bytes.
-template <bool PAIRS>
+template <bool PAIRS, int WORD = 3>
 __device__ __forceinline__ void nvfp4_both_body(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
     uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
@@ -1638,7 +1721,8 @@ __device__ __forceinline__ void nvfp4_both_body(
             __syncthreads();
             const u64 rw = r0 + 64 * warp;  // this warp's first row
             if (ca < cols && rw < rows)
-                nvfp4c_cols_part<PAIRS>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata, cscales,
+                nvfp4c_cols_part<PAIRS, WORD>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata,
+                                              cscales,
                                         flags, stash, 4 * tt + warp);
             if (cp >= cols) continue;
             // Not unrolled: the kernel's time goes to issuing ALU instructions, and fetching
@@ -1655,7 +1739,7 @@ __device__ __forceinline__ void nvfp4_both_body(
                 uint32_t w[4], sf[2];
 #pragma unroll
                 for (unsigned b = 0; b < 2; ++b)
-                    sf[b] = nvfp4_row_block_v3(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
+                    sf[b] = nvfp4_row_block_v3<WORD>(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
                                                rcp, thr, &w[2 * b]);
                 // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
                 const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
@@ -1691,6 +1775,17 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v6(
     __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
     nvfp4_both_body<true>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
                           stash);
+}
+
+// Version 7: version 6 with nvfp4_word_v4 (selects and merges on the FMA pipe). Same bytes.
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v7(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_both_body<true, 4>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
+                             stash);
 }
 
 // x86's product of two floats where NaN is involved (mulss returns its first operand's NaN,

@@ -440,6 +440,10 @@ fn main() {
             // Version 6: 5 and 4 over pairs of 256-row tiles, whole-sector column scale stores.
             (Copies::Columnwise, 6),
             (Copies::Both, 6),
+            // Version 7: 6 and rowwise v3 with nvfp4_word_v4 (selects and merges on the FMA pipe).
+            (Copies::Rowwise, 7),
+            (Copies::Columnwise, 7),
+            (Copies::Both, 7),
         ] {
             if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
                 println!("nvfp4 v{version}: skipped ({e})");

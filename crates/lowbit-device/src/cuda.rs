@@ -247,7 +247,7 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             mxfp8_many_version: 0,
-            nvfp4_version: 6,
+            nvfp4_version: 7,
             nvfp4_finish_version: 5,
             sum_squares_version: 0,
             mxfp8x_version: 3,
@@ -465,7 +465,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
-            ("nvfp4", 1..=6) => self.nvfp4_version = version,
+            ("nvfp4", 1..=7) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=6) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,

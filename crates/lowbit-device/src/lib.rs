@@ -733,9 +733,10 @@ impl Device {
     /// `("mxfp8_many", 0..=2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 0 by
     /// default: 2 where its launches average at least four matrices, else 1; 2: one launch per
     /// shape (the matrix is a grid index), 1: one launch for all (each CTA looks its matrix up);
-    /// `("nvfp4", 1..=6)`: the bf16 amax pass and the NVFP4 kernels, 6 by default: 5 over pairs
-    /// of 256-row tiles (whole-sector columnwise scale stores); 5: both copies from one read of
-    /// X; 4: 3 with the shared-memory columnwise kernel;
+    /// `("nvfp4", 1..=7)`: the bf16 amax pass and the NVFP4 kernels, 7 by default: 6 with the
+    /// codes' selects and bit merges as integer multiply-adds (the FMA pipe instead of the ALU);
+    /// 6: 5 over pairs of 256-row tiles (whole-sector columnwise scale stores); 5: both copies
+    /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
     /// `("nvfp4_finish_2d", 1..=6)`: how
     /// [`Device::nvfp4_finish_2d_many`] runs, 5 by default: one launch per shape (512x512
     /// blocks, the scale copies in whole 32-byte sectors; 4's tiles where a launch would have

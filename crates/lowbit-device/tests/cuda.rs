@@ -937,8 +937,9 @@ fn many_matches_per_item(
 /// The versions of `set_cuda_kernel_variant("nvfp4", _)`: 1-3 differ in the amax pass and the
 /// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
 /// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`),
-/// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores).
-const NVFP4_VERSIONS: [u32; 6] = [1, 2, 3, 4, 5, 6];
+/// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores), 7 is 6 with
+/// `nvfp4_word_v4` (the codes' selects and bit merges as integer multiply-adds).
+const NVFP4_VERSIONS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -1120,10 +1121,16 @@ fn nvfp4_stress(rows: usize, cols: usize, seed: u64, raw_bits: bool) -> Vec<f32>
 
 #[test]
 fn nvfp4_rowwise_versions_match_on_stress_inputs() {
-    // Rowwise bf16 (the vector kernels of versions 2 and 3) against the CPU, strictly.
+    // Rowwise bf16 (the vector kernels of versions 2, 3 and 7, and version 7's both-copies
+    // kernel: nvfp4_word_v4's multiply-add selects and merges) against the CPU, strictly.
     check_native("nvfp4 rowwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [2, 3] {
+        for (version, copies) in [
+            (2, Copies::Rowwise),
+            (3, Copies::Rowwise),
+            (7, Copies::Rowwise),
+            (7, Copies::Both),
+        ] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (256usize, 512usize, false),
@@ -1134,11 +1141,14 @@ fn nvfp4_rowwise_versions_match_on_stress_inputs() {
             .into_iter()
             .enumerate()
             {
+                if copies.columnwise() && !rows.is_multiple_of(16) {
+                    continue;
+                }
                 let seed = 7000 + 10 * k as u64 + u64::from(version);
                 let src = c.buf(DType::Bf16, &nvfp4_stress(rows, cols, seed, raw));
-                let views = nvfp4_views(c, rows, cols, Copies::Rowwise, seed + 1);
+                let views = nvfp4_views(c, rows, cols, copies, seed + 1);
                 let cfg = Nvfp4Config {
-                    copies: Copies::Rowwise,
+                    copies,
                     ..Nvfp4Config::default()
                 };
                 let amax = c.dev.quantize_nvfp4(src, rows, cols, &cfg, &views)?;
@@ -1158,7 +1168,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6] {
+        for version in [3, 4, 5, 6, 7] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

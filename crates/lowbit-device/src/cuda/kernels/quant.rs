@@ -415,15 +415,16 @@ impl CudaDevice {
                 && s.is_multiple_of(2);
             match blocks(cols / 32, 128) {
                 Some(gx2) if v2 => {
-                    let name = if thresholds {
-                        "nvfp4_quantize_rows_v3"
-                    } else {
-                        "nvfp4_quantize_rows_v2"
+                    let name = match (thresholds, self.nvfp4_version) {
+                        (true, 7..) => "nvfp4_quantize_rows_v4",
+                        (true, _) => "nvfp4_quantize_rows_v3",
+                        _ => "nvfp4_quantize_rows_v2",
                     };
                     let args = args![x, d, s, tp, r, c];
                     // SAFETY: as below, with 16-byte loads and code stores and 2-byte scale
                     // stores, whose alignment is checked above (row pitches cols·2, cols/2 and
-                    // cols/16 keep it: cols % 32 == 0); the v3 kernel reads the threshold table
+                    // cols/16 keep it: cols % 32 == 0); the v3 and v4 kernels (the same
+                    // accesses; v4 forms the codes differently) read the threshold table
                     // that nvfp4_params_v3 wrote into `tp` (16-byte aligned, checked above).
                     unsafe { self.launch(name, (gx2, gy, 1), (128, 1, 1), &args)? };
                 }
@@ -452,10 +453,10 @@ impl CudaDevice {
             match blocks(cols, 64) {
                 Some(gx4) if v4 => {
                     let (flags, gy, v6) = self.nvfp4_cols_launch(rows, d, s);
-                    let kernel = if v6 {
-                        "nvfp4_quantize_cols_v6"
-                    } else {
-                        "nvfp4_quantize_cols_v4"
+                    let kernel = match (v6, self.nvfp4_version) {
+                        (true, 7..) => "nvfp4_quantize_cols_v7",
+                        (true, _) => "nvfp4_quantize_cols_v6",
+                        _ => "nvfp4_quantize_cols_v4",
                     };
                     let args = args![x, d, s, tp, r, c, flags];
                     // SAFETY: views validated by the caller (rows·cols bf16 in; cols·rows/2
@@ -527,10 +528,10 @@ impl CudaDevice {
         };
         let (r, c) = (rows as u64, cols as u64);
         let (flags, gy, v6) = self.nvfp4_cols_launch(rows, cd, cs);
-        let kernel = if v6 {
-            "nvfp4_quantize_both_v6"
-        } else {
-            "nvfp4_quantize_both_v5"
+        let kernel = match (v6, self.nvfp4_version) {
+            (true, 7..) => "nvfp4_quantize_both_v7",
+            (true, _) => "nvfp4_quantize_both_v6",
+            _ => "nvfp4_quantize_both_v5",
         };
         let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
         // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
