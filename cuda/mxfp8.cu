@@ -9,22 +9,25 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-// Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF.
+// Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF. Branch-free:
+// (a + 2^23 - 1) >> 23 is the exponent plus one when the mantissa is not zero (a normal number
+// rounds up), and for a subnormal (a < 2^23) (a + 2^22 - 1) >> 23 is 1 exactly when the mantissa
+// exceeds 2^22 (TE's rule: 2^-127 covers up to half of 2^-126); Inf and 0xFE.. give 0xFF, clamped
+// to 0xFE. The branchy form (the rule as lowbit_formats::scalar writes it) cost two branches per
+// scale, and the both-copies kernel computes 12 scales per thread and tile; equal to it for all
+// 2^32 inputs (cuda/check/e8m0_branch_free.c).
 __device__ __forceinline__ uint8_t e8m0_round_up(float x) {
-    uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return 0xFF;
-    uint32_t exp = a >> 23;
-    uint32_t mant = a & 0x7FFFFFu;
-    uint32_t up = (mant != 0u && exp != 0xFEu && !(exp == 0u && mant <= 0x400000u)) ? 1u : 0u;
-    uint32_t code = exp + up;
-    return (uint8_t)(code > 0xFEu ? 0xFEu : code);
+    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
+    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+    const uint32_t code = t < 0xFEu ? t : 0xFEu;
+    return (uint8_t)(a > 0x7F800000u ? 0xFFu : code);
 }
 
-// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN.
-__device__ __forceinline__ float e8m0_rcp(uint8_t e) {
-    if (e == 0xFE) return __uint_as_float(0x00400000u);
-    if (e == 0xFF) return __uint_as_float(0x7FC00000u);
-    return __uint_as_float((254u - (uint32_t)e) << 23);
+// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN (selects, no branches).
+__device__ __forceinline__ float e8m0_rcp(uint8_t e8) {
+    const uint32_t e = e8;
+    const uint32_t n = (254u - e) << 23;
+    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
 }
 
 __device__ __forceinline__ float abs_nan_zero(float v) {

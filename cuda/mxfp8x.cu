@@ -34,21 +34,19 @@ typedef unsigned long long u64;
 #define MX_VEC 8u    // cols % 8 == 0 and aligned pointers: 16-byte loads, 8-byte stores
 
 // Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF
-// (lowbit_formats::scalar::e8m0_from_f32).
+// (lowbit_formats::scalar::e8m0_from_f32), branch-free as mxfp8.cu's e8m0_round_up (equal for
+// all 2^32 inputs: cuda/check/e8m0_branch_free.c).
 __device__ __forceinline__ uint32_t mx_e8m0(float x) {
-    uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    uint32_t exp = a >> 23, mant = a & 0x7FFFFFu;
-    uint32_t up = (mant != 0u && exp != 0xFEu && !(exp == 0u && mant <= 0x400000u)) ? 1u : 0u;
-    uint32_t code = exp + up;
-    code = code < 0xFEu ? code : 0xFEu;
+    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
+    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+    const uint32_t code = t < 0xFEu ? t : 0xFEu;
     return a > 0x7F800000u ? 0xFFu : code;
 }
 
-// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN.
+// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN (selects, no branches).
 __device__ __forceinline__ float mx_rcp(uint32_t e) {
-    if (e == 0xFEu) return __uint_as_float(0x00400000u);
-    if (e == 0xFFu) return __uint_as_float(0x7FC00000u);
-    return __uint_as_float((254u - e) << 23);
+    const uint32_t n = (254u - e) << 23;
+    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
 }
 
 __device__ __forceinline__ uint32_t mx_abs_bits(float v) {

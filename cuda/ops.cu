@@ -1144,18 +1144,44 @@ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32_t b) {
     return (m & a) | (~m & b);
 }
 
+// Where the element pairs (e, e + 4), e < 4, of eight bf16 elements come from: lo(e) and hi(e)
+// hold elements e and e + 4, permute selector sel(e) makes the pair (e in the low half) and
+// ssel(e) its sign masks; row(j) is the row-block word j (elements 2j | 2j + 1 << 16).
+// Nvfp4RowPairs: the elements as a row block holds them, word j of `a` = row(j).
+struct Nvfp4RowPairs {
+    const uint32_t* a;
+    __device__ __forceinline__ uint32_t lo(int e) const { return a[e / 2]; }
+    __device__ __forceinline__ uint32_t hi(int e) const { return a[e / 2 + 2]; }
+    __device__ __forceinline__ uint32_t sel(int e) const { return e % 2 ? 0x7632u : 0x5410u; }
+    __device__ __forceinline__ uint32_t ssel(int e) const { return e % 2 ? 0xFFBBu : 0xDD99u; }
+    __device__ __forceinline__ uint32_t row(int j) const { return a[j]; }
+};
+// Nvfp4ColPairs<H>: column c + H of a staged column pair, word i of `w` holding row i of
+// columns c and c + 1 (the columnwise tiles): a pair is one permute of two tile words, with no
+// permute into row-block order first.
+template <unsigned H>
+struct Nvfp4ColPairs {
+    const uint32_t* w;
+    __device__ __forceinline__ uint32_t lo(int e) const { return w[e]; }
+    __device__ __forceinline__ uint32_t hi(int e) const { return w[e + 4]; }
+    __device__ __forceinline__ uint32_t sel(int) const { return H ? 0x7632u : 0x5410u; }
+    __device__ __forceinline__ uint32_t ssel(int) const { return H ? 0xFFBBu : 0xDD99u; }
+    __device__ __forceinline__ uint32_t row(int j) const { return prmt(w[2 * j], w[2 * j + 1], sel(0)); }
+};
+
 // The 8 nibbles of elements 0..7 (bf16 pairs in words a[0..3], no NaN among them) as one
 // word, element e at bits 4e..4e+3. Elements e and e + 4 are compared as one bf16x2 pair (their
 // nibbles lie 16 bits apart); each comparison gives a full 16-bit mask per element. A binary
 // search over the thresholds t (t[0..6] = t_1..t_7, duplicated per half): bit 2 = |x| > t_4,
 // bit 1 = |x| > (bit 2 ? t_6 : t_2), bit 0 = |x| > the odd threshold between.
-__device__ __forceinline__ uint32_t nvfp4_word_v3(const uint32_t* a, const uint32_t* t) {
+// (The elements come from `p`, Nvfp4RowPairs or Nvfp4ColPairs.)
+template <class P>
+__device__ __forceinline__ uint32_t nvfp4_word_v3(P p, const uint32_t* t) {
     uint32_t acc = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        uint32_t lo = a[e / 2], hi = a[e / 2 + 2];
-        uint32_t sel = (e % 2) ? 0x7632u : 0x5410u;
-        uint32_t ssel = (e % 2) ? 0xFFBBu : 0xDD99u;
+        uint32_t lo = p.lo(e), hi = p.hi(e);
+        uint32_t sel = p.sel(e), ssel = p.ssel(e);
         // |x| through __habs2 (an HFMA2 with an |a| operand: the FMA pipe, not the ALU).
         uint32_t kr = prmt(lo, hi, sel);
         __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
@@ -1195,15 +1221,15 @@ __device__ __forceinline__ uint32_t imad(uint32_t a, uint32_t b, uint32_t c) {
 // between two per-half values) on the ALU, seven multiply-adds on the FMA pipe, where version
 // 3 spends ten ALU instructions (the both-copies kernel waits on the ALU pipe; cuda/NOTES.md).
 // Same words as nvfp4_word_v3.
-__device__ __forceinline__ uint32_t nvfp4_word_v4(const uint32_t* a, const uint32_t* t) {
+template <class P>
+__device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
     const uint32_t inv = 0xFFFEFFFFu;
     const uint32_t d51 = t[1] - t[5], d40 = t[0] - t[4], d62 = t[2] - t[6];
     uint32_t acc = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        uint32_t lo = a[e / 2], hi = a[e / 2 + 2];
-        uint32_t sel = (e % 2) ? 0x7632u : 0x5410u;
-        uint32_t ssel = (e % 2) ? 0xFFBBu : 0xDD99u;
+        uint32_t lo = p.lo(e), hi = p.hi(e);
+        uint32_t sel = p.sel(e), ssel = p.ssel(e);
         uint32_t kr = prmt(lo, hi, sel);
         __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
         uint32_t k = *reinterpret_cast<uint32_t*>(&kb);
@@ -1248,23 +1274,35 @@ __device__ __noinline__ uint2 nvfp4_words_nan(Nvfp4Words8 a, float m) {
 // nvfp4_quantize_both_v5, a column's block of nvfp4_quantize_cols_v4 and v5): `a` holds its
 // 16 bf16 elements as v3's row block does (word j = elements 2j | 2j + 1 << 16), `sf` its
 // scale byte, `nan` whether the block holds a NaN. Word w reads only a[4w .. 4w + 3].
-template <int WORD = 3>
-__device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
-                                                const float* __restrict__ rcp,
-                                                const uint4* __restrict__ thr, uint32_t* out) {
+// (nvfp4_block_words: the same for a block whose two halves of eight elements come from p0
+// and p1, Nvfp4RowPairs or Nvfp4ColPairs.)
+template <int WORD, class P>
+__device__ __forceinline__ void nvfp4_block_words(P p0, P p1, uint32_t sf, bool nan,
+                                                  const float* __restrict__ rcp,
+                                                  const uint4* __restrict__ thr, uint32_t* out) {
     if (!nan) {
         uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
         const uint32_t t[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
-        out[0] = WORD == 4 ? nvfp4_word_v4(a, t) : nvfp4_word_v3(a, t);
-        out[1] = WORD == 4 ? nvfp4_word_v4(a + 4, t) : nvfp4_word_v3(a + 4, t);
+        out[0] = WORD == 4 ? nvfp4_word_v4(p0, t) : nvfp4_word_v3(p0, t);
+        out[1] = WORD == 4 ? nvfp4_word_v4(p1, t) : nvfp4_word_v3(p1, t);
     } else {
         Nvfp4Words8 b;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) b.w[j] = a[j];
+        for (int j = 0; j < 4; ++j) {
+            b.w[j] = p0.row(j);
+            b.w[4 + j] = p1.row(j);
+        }
         const uint2 o = nvfp4_words_nan(b, rcp[sf]);
         out[0] = o.x;
         out[1] = o.y;
     }
+}
+
+template <int WORD = 3>
+__device__ __forceinline__ void nvfp4_col_words(const uint32_t* a, uint32_t sf, bool nan,
+                                                const float* __restrict__ rcp,
+                                                const uint4* __restrict__ thr, uint32_t* out) {
+    nvfp4_block_words<WORD>(Nvfp4RowPairs{a}, Nvfp4RowPairs{a + 4}, sf, nan, rcp, thr, out);
 }
 
 // One 1x16 row block of nvfp4_quantize_rows_v3 (and nvfp4_quantize_both_v5): `a` holds its 16
@@ -1492,14 +1530,11 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
         uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
         sfs[0] |= sfa << (8 * b);
         sfs[1] |= sfb << (8 * b);
-        uint32_t pa[8], pb[8];
-#pragma unroll
-        for (unsigned j = 0; j < 8; ++j) {
-            pa[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x5410u);
-            pb[j] = prmt(wv[2 * j], wv[2 * j + 1], 0x7632u);
-        }
-        nvfp4_col_words<WORD>(pa, sfa, nan_a, rcp, thr, &codes[0][2 * b]);
-        nvfp4_col_words<WORD>(pb, sfb, nan_b, rcp, thr, &codes[1][2 * b]);
+        // Column ca's elements are the low halves of wv, ca + 1's the high halves.
+        nvfp4_block_words<WORD>(Nvfp4ColPairs<0>{wv}, Nvfp4ColPairs<0>{wv + 8}, sfa, nan_a, rcp,
+                                thr, &codes[0][2 * b]);
+        nvfp4_block_words<WORD>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp,
+                                thr, &codes[1][2 * b]);
     }
 #pragma unroll
     for (unsigned h = 0; h < 2; ++h) {
@@ -1866,21 +1901,19 @@ __device__ __forceinline__ uint32_t fp8x2_code(float a, float b, uint32_t e5m2) 
     return p;
 }
 
-// Smallest power of two >= |x| as E8M0 (lowbit_formats::scalar::e8m0_from_f32).
+// Smallest power of two >= |x| as E8M0 (lowbit_formats::scalar::e8m0_from_f32), branch-free as
+// mxfp8.cu's e8m0_round_up (equal for all 2^32 inputs: cuda/check/e8m0_branch_free.c).
 __device__ __forceinline__ uint32_t e8m0_code(float x) {
-    uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    uint32_t exp = a >> 23, mant = a & 0x7FFFFFu;
-    uint32_t up = (mant != 0u && exp != 0xFEu && !(exp == 0u && mant <= 0x400000u)) ? 1u : 0u;
-    uint32_t code = exp + up;
-    code = code < 0xFEu ? code : 0xFEu;
+    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
+    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+    const uint32_t code = t < 0xFEu ? t : 0xFEu;
     return a > 0x7F800000u ? 0xFFu : code;
 }
 
-// 2^(127 - e) (lowbit_formats::scalar::e8m0_rcp): 0xFE -> 2^-127, 0xFF -> NaN.
+// 2^(127 - e) (lowbit_formats::scalar::e8m0_rcp): 0xFE -> 2^-127, 0xFF -> NaN (selects).
 __device__ __forceinline__ float e8m0_reciprocal(uint32_t e) {
-    if (e == 0xFEu) return __uint_as_float(0x00400000u);
-    if (e == 0xFFu) return __uint_as_float(0x7FC00000u);
-    return __uint_as_float((254u - e) << 23);
+    const uint32_t n = (254u - e) << 23;
+    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
 }
 
 // tiles[t] <- max(tiles[t] bits, |x| bits with NaN as 0) over elements start.. of a row-major
