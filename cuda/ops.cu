@@ -1166,7 +1166,9 @@ struct Nvfp4ColPairs {
     __device__ __forceinline__ uint32_t hi(int e) const { return w[e + 4]; }
     __device__ __forceinline__ uint32_t sel(int) const { return H ? 0x7632u : 0x5410u; }
     __device__ __forceinline__ uint32_t ssel(int) const { return H ? 0xFFBBu : 0xDD99u; }
-    __device__ __forceinline__ uint32_t row(int j) const { return prmt(w[2 * j], w[2 * j + 1], sel(0)); }
+    __device__ __forceinline__ uint32_t row(int j) const {
+        return prmt(w[2 * j], w[2 * j + 1], sel(0));
+    }
 };
 
 // The 8 nibbles of elements 0..7 (bf16 pairs in words a[0..3], no NaN among them) as one
@@ -1246,7 +1248,7 @@ __device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
     return acc;
 }
 
-// The per-element path of nvfp4_col_words for a block holding a NaN (its 16 bf16 elements in
+// The per-element path of nvfp4_block_words for a block holding a NaN (its 16 bf16 elements in
 // a.w, m = rcp[sf]): the f32 product and e2m1_code_v2 per element. Out of line: NaN blocks are
 // rare, and inlined into every block of the both-copies kernel this path made most of its
 // 7824 SASS instructions, so the hot code's instruction fetches missed (cuda/NOTES.md).
@@ -1774,8 +1776,8 @@ __device__ __forceinline__ void nvfp4_both_body(
                 uint32_t w[4], sf[2];
 #pragma unroll
                 for (unsigned b = 0; b < 2; ++b)
-                    sf[b] = nvfp4_row_block_v3<WORD>(reinterpret_cast<const uint32_t*>(&raw[2 * b]), k,
-                                               rcp, thr, &w[2 * b]);
+                    sf[b] = nvfp4_row_block_v3<WORD>(
+                        reinterpret_cast<const uint32_t*>(&raw[2 * b]), k, rcp, thr, &w[2 * b]);
                 // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
                 const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
                 uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
