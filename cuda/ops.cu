@@ -1171,6 +1171,18 @@ struct Nvfp4ColPairs {
     }
 };
 
+// Pair e of `p` as the word functions compare it: k = |x| of elements e and e + 4 as one
+// bf16x2 pair (through __habs2: an HFMA2 with an |a| operand, the FMA pipe, not the ALU), s
+// their sign masks (0xFFFF per negative half, -0 included).
+template <class P>
+__device__ __forceinline__ void nvfp4_pair(P p, int e, uint32_t& k, uint32_t& s) {
+    const uint32_t lo = p.lo(e), hi = p.hi(e);
+    uint32_t kr = prmt(lo, hi, p.sel(e));
+    __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
+    k = *reinterpret_cast<uint32_t*>(&kb);
+    s = prmt(lo, hi, p.ssel(e));
+}
+
 // The 8 nibbles of elements 0..7 (bf16 pairs in words a[0..3], no NaN among them) as one
 // word, element e at bits 4e..4e+3. Elements e and e + 4 are compared as one bf16x2 pair (their
 // nibbles lie 16 bits apart); each comparison gives a full 16-bit mask per element. A binary
@@ -1182,13 +1194,8 @@ __device__ __forceinline__ uint32_t nvfp4_word_v3(P p, const uint32_t* t) {
     uint32_t acc = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        uint32_t lo = p.lo(e), hi = p.hi(e);
-        uint32_t sel = p.sel(e), ssel = p.ssel(e);
-        // |x| through __habs2 (an HFMA2 with an |a| operand: the FMA pipe, not the ALU).
-        uint32_t kr = prmt(lo, hi, sel);
-        __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
-        uint32_t k = *reinterpret_cast<uint32_t*>(&kb);
-        uint32_t s = prmt(lo, hi, ssel);
+        uint32_t k, s;
+        nvfp4_pair(p, e, k, s);
         uint32_t m2 = hgt2_mask(k, t[3]);
         uint32_t m1 = hgt2_mask(k, bsel(m2, t[5], t[1]));
         uint32_t tq = bsel(m2, bsel(m1, t[6], t[4]), bsel(m1, t[2], t[0]));
@@ -1230,12 +1237,8 @@ __device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
     uint32_t acc = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        uint32_t lo = p.lo(e), hi = p.hi(e);
-        uint32_t sel = p.sel(e), ssel = p.ssel(e);
-        uint32_t kr = prmt(lo, hi, sel);
-        __nv_bfloat162 kb = __habs2(*reinterpret_cast<__nv_bfloat162*>(&kr));
-        uint32_t k = *reinterpret_cast<uint32_t*>(&kb);
-        uint32_t s = prmt(lo, hi, ssel);
+        uint32_t k, s;
+        nvfp4_pair(p, e, k, s);
         uint32_t m2 = hgt2_mask(k, t[3]);
         uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
         uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]

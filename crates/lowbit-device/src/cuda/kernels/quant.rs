@@ -452,12 +452,16 @@ impl CudaDevice {
                 && d.is_multiple_of(8);
             match blocks(cols, 64) {
                 Some(gx4) if v4 => {
-                    let (flags, gy, v6) = self.nvfp4_cols_launch(rows, d, s);
-                    let kernel = match (v6, self.nvfp4_version) {
-                        (true, 7..) => "nvfp4_quantize_cols_v7",
-                        (true, _) => "nvfp4_quantize_cols_v6",
-                        _ => "nvfp4_quantize_cols_v4",
-                    };
+                    let (flags, gy, kernel) = self.nvfp4_cols_launch(
+                        rows,
+                        d,
+                        s,
+                        [
+                            "nvfp4_quantize_cols_v4",
+                            "nvfp4_quantize_cols_v6",
+                            "nvfp4_quantize_cols_v7",
+                        ],
+                    );
                     let args = args![x, d, s, tp, r, c, flags];
                     // SAFETY: views validated by the caller (rows·cols bf16 in; cols·rows/2
                     // data and cols·rows/16 scale bytes out). The kernel copies 16-byte chunks
@@ -487,25 +491,36 @@ impl CudaDevice {
         Ok(Some(a))
     }
 
-    /// What the columnwise part of `nvfp4_quantize_cols_v4|v6` and `nvfp4_quantize_both_v5|v6`
-    /// (`nvfp4c_cols_part`) is launched with, for `rows` and column data / scales at `d` / `s`:
-    /// its store flags (1: 16-byte code units, rows % 32 == 0 and `d` 16-byte aligned; 2: 4-byte
-    /// scale words, rows % 64 == 0 and `s` 4-byte aligned), the grid's rows of CTAs (a 256-row
-    /// tile each, or with version 6 a pair of them; strided past 65535) and whether version 6
-    /// runs.
-    fn nvfp4_cols_launch(&self, rows: usize, d: u64, s: u64) -> (u32, u32, bool) {
+    /// What a kernel with the columnwise part (`nvfp4c_cols_part`: `nvfp4_quantize_cols_*`,
+    /// `nvfp4_quantize_both_*`) is launched with, for `rows` and column data / scales at `d` /
+    /// `s`: its store flags (1: 16-byte code units, rows % 32 == 0 and `d` 16-byte aligned; 2:
+    /// 4-byte scale words, rows % 64 == 0 and `s` 4-byte aligned), the grid's rows of CTAs (a
+    /// 256-row tile each, or from version 6 a pair of them; strided past 65535) and which of
+    /// `kernels` runs: the single-tile one before version 6, the tile-pair one in version 6,
+    /// the one with `nvfp4_word_v4` from version 7.
+    fn nvfp4_cols_launch(
+        &self,
+        rows: usize,
+        d: u64,
+        s: u64,
+        kernels: [&'static str; 3],
+    ) -> (u32, u32, &'static str) {
         let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
             | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
-        let v6 = self.nvfp4_version >= 6;
-        let tile_rows = if v6 { 512 } else { 256 };
+        let tier = match self.nvfp4_version {
+            7.. => 2,
+            6 => 1,
+            _ => 0,
+        };
+        let tile_rows = if tier > 0 { 512 } else { 256 };
         let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
-        (flags, gy, v6)
+        (flags, gy, kernels[tier])
     }
 
-    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`) when its conditions hold (both copies
-    /// requested; bf16; cols % 32 == 0; x 16-byte, rowwise data 16-byte, rowwise scales 2-byte
-    /// and columnwise data 8-byte aligned; the grid within limits): launches it and returns
-    /// `true`, else launches nothing and returns `false`. `x` is the source's address, `tp` the
+    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`, 7: `_v7`) when its
+    /// conditions hold (both copies requested; bf16; cols % 32 == 0; x 16-byte, rowwise data
+    /// 16-byte, rowwise scales 2-byte and columnwise data 8-byte aligned; the grid within
+    /// limits): launches it and returns `true`, else launches nothing and returns `false`. `x` is the source's address, `tp` the
     /// parameters that `nvfp4_params_v3` wrote (16-byte aligned: the caller checked it), and
     /// the caller validated the views (and `rows % 16 == 0`, as for any columnwise copy).
     fn nvfp4_both_fused(&mut self, q: &Nvfp4Quantize<'_>, x: u64, tp: u64) -> Result<bool> {
@@ -527,12 +542,16 @@ impl CudaDevice {
             return Ok(false);
         };
         let (r, c) = (rows as u64, cols as u64);
-        let (flags, gy, v6) = self.nvfp4_cols_launch(rows, cd, cs);
-        let kernel = match (v6, self.nvfp4_version) {
-            (true, 7..) => "nvfp4_quantize_both_v7",
-            (true, _) => "nvfp4_quantize_both_v6",
-            _ => "nvfp4_quantize_both_v5",
-        };
+        let (flags, gy, kernel) = self.nvfp4_cols_launch(
+            rows,
+            cd,
+            cs,
+            [
+                "nvfp4_quantize_both_v5",
+                "nvfp4_quantize_both_v6",
+                "nvfp4_quantize_both_v7",
+            ],
+        );
         let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
         // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
         // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
