@@ -616,7 +616,8 @@ struct Finish2dSameParams {
 // The host passes exactly these bytes (nvfp4.rs, FINISH2D_SAME_MAX rows).
 static_assert(sizeof(Finish2dSameParams) == 8 * (4 + FINISH2D_SAME_MAX * 6), "parameter layout");
 
-// Matrix blockIdx.z's views of a same-shape launch. Device allocations: said so, the compiler
+// A matrix's views from its row of a launch's parameter table (blockIdx.z's in a same-shape
+// launch). Device allocations: said so, the compiler
 // emits global loads and stores (LDG/STG) instead of generic ones for addresses read from the
 // parameters.
 struct Finish2dViews {
@@ -628,8 +629,7 @@ struct Finish2dViews {
     uint8_t* col_scales;
 };
 
-__device__ __forceinline__ Finish2dViews finish2d_views(const Finish2dSameParams& p) {
-    const u64* t = p.ptrs[blockIdx.z];
+__device__ __forceinline__ Finish2dViews finish2d_views_at(const u64* t) {
     Finish2dViews v;
     v.rowwise = reinterpret_cast<const uint32_t*>(t[0]);
     v.tiles = reinterpret_cast<const float*>(t[1]);
@@ -644,6 +644,10 @@ __device__ __forceinline__ Finish2dViews finish2d_views(const Finish2dSameParams
     __builtin_assume(__isGlobal(v.col_data));
     __builtin_assume(__isGlobal(v.col_scales));
     return v;
+}
+
+__device__ __forceinline__ Finish2dViews finish2d_views(const Finish2dSameParams& p) {
+    return finish2d_views_at(p.ptrs[blockIdx.z]);
 }
 
 // The shared codes tile of the 256x256 tile at (r0, c0) out to the columnwise data: column cl's
@@ -803,17 +807,18 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v4(
 // cost more than the codes (1x H100: 32768x32768 codes alone 394 us, with version 4's scale
 // stores 684 us, with the same bytes stored contiguously 451 us). Grid (ceil(cols / 512),
 // ceil(rows / 512), matrices); same parameters, host checks and bytes as version 4.
-extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
-    const Finish2dSameParams p) {
+// The 512x512 block (bx, by) of matrix `v` ([rows, cols]): the body of
+// nvfp4x_finish_2d_same_v5 and nvfp4x_finish_2d_mixed.
+__device__ __forceinline__ void finish2d_block_v5(const Finish2dViews& v, u64 rows, u64 cols,
+                                                  u64 bx, u64 by) {
     __shared__ uint4 out[256][8];
     __shared__ __align__(16) uint8_t sc[32][32];   // [tile row][tile column]
     __shared__ __align__(16) uint8_t sct[32][32];  // [tile column][tile row]
-    const Finish2dViews v = finish2d_views(p);
-    const u64 rows = p.rows, cols = p.cols, wpr = cols / 8;
+    const u64 wpr = cols / 8;
     const u64 tr = rows / 16, tc = (cols + 15) / 16;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const u64 R0 = (u64)blockIdx.y * 512, C0 = (u64)blockIdx.x * 512;
-    const u64 ti0 = (u64)blockIdx.y * 32, tj0 = (u64)blockIdx.x * 32;
+    const u64 R0 = by * 512, C0 = bx * 512;
+    const u64 ti0 = by * 32, tj0 = bx * 32;
     {
         // Tile (a, b) of the block's 32x32 tiles for a = e / 32, b = e % 32, e = t + 256m: a
         // warp reads 32 consecutive tile amaxes (zero where outside: never stored).
@@ -859,6 +864,41 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
         if (ct < cols && i0 < tr)
             store_scales16(v.col_scales + ct * tr + i0, &sct[i / 16][16 * h], i0, tr);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
+    const Finish2dSameParams p) {
+    finish2d_block_v5(finish2d_views(p), p.rows, p.cols, blockIdx.x, blockIdx.y);
+}
+
+// nvfp4x_finish_2d_same_v5 over matrices of any shapes in one launch (version 7): a 1-D grid of
+// the 512x512 blocks of every matrix, matrix m's ceil(cols / 512) · ceil(rows / 512) blocks
+// from CTA first[m] on (row-major). One launch per bucket group where version 5 made one per
+// shape, each a partial wave with its own ramp and tail (1B's four shapes per group). CTA b
+// finds its matrix by a binary search over `first` in the parameters (uniform across the CTA).
+// `dims`: rows and cols (each below 2^32). Same host checks and bytes as version 5.
+#define FINISH2D_MIXED_MAX 64
+struct Finish2dMixedParams {
+    uint32_t items, pad;
+    uint32_t first[FINISH2D_MIXED_MAX];
+    uint32_t dims[FINISH2D_MIXED_MAX][2];
+    u64 ptrs[FINISH2D_MIXED_MAX][6];
+};
+// The host passes exactly these bytes (nvfp4.rs, FINISH2D_MIXED_MAX rows: 3848 bytes).
+static_assert(sizeof(Finish2dMixedParams) == 8 + 12 * FINISH2D_MIXED_MAX + 48 * FINISH2D_MIXED_MAX,
+              "parameter layout");
+
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_mixed(
+    const Finish2dMixedParams p) {
+    uint32_t lo = 0, hi = p.items;  // the last matrix whose first block is <= blockIdx.x
+    while (hi - lo > 1) {
+        const uint32_t mid = (lo + hi) / 2;
+        if (p.first[mid] <= blockIdx.x) lo = mid; else hi = mid;
+    }
+    const Finish2dViews v = finish2d_views_at(p.ptrs[lo]);
+    const u64 rows = p.dims[lo][0], cols = p.dims[lo][1];
+    const uint32_t local = blockIdx.x - p.first[lo], gx = (uint32_t)((cols + 511) / 512);
+    finish2d_block_v5(v, rows, cols, local % gx, local / gx);
 }
 
 // The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a

@@ -1986,18 +1986,60 @@ extern "C" __global__ void u32_max(const uint32_t* __restrict__ x, u64 n, uint32
     if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
 }
 
+// The max of the raw u32 bits of x[0..n) into *out (atomicMax; `out` zeroed or holding a
+// lower bound): the x blocks of the grid stride over the words. Where they are 16-byte aligned,
+// 16-byte loads four deep per thread: one 4-byte load at a time left each thread's ~32 words a
+// chain of memory latencies (1B's 112 matrices, 15 MB of tiles: 16 us on an H200).
+__device__ __forceinline__ void u32_max_item(const uint32_t* x, u64 n, uint32_t* out) {
+    __builtin_assume(__isGlobal(x));  // a device allocation: global loads, not generic ones
+    uint32_t m = 0;
+    u64 done = 0;
+    const u64 step = (u64)gridDim.x * blockDim.x, start = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (((uintptr_t)x & 15u) == 0) {
+        const uint4* x4 = reinterpret_cast<const uint4*>(x);
+        const u64 n4 = n / 4;
+        u64 i = start;
+        for (; i + 3 * step < n4; i += 4 * step) {
+            uint4 q[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) q[k] = __ldg(x4 + i + k * step);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) m = max(m, max(max(q[k].x, q[k].y), max(q[k].z, q[k].w)));
+        }
+        for (; i < n4; i += step) {
+            const uint4 q = __ldg(x4 + i);
+            m = max(m, max(max(q.x, q.y), max(q.z, q.w)));
+        }
+        done = 4 * n4;
+    }
+    for (u64 i = done + start; i < n; i += step) m = max(m, x[i]);
+    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
+}
+
 // out[i] <- max of the raw u32 bits of item i's words (the NVFP4 global amaxes of many
 // matrices' reduced tiles, or of experts' runs of them), `out` zeroed. `table`: 2 words per item
 // (address, count). Grid (x, items): the x blocks of row y stride over item y's words.
 extern "C" __global__ void u32_max_many(const u64* __restrict__ table, uint32_t* __restrict__ out) {
     const u64 item = blockIdx.y;
-    const uint32_t* x = reinterpret_cast<const uint32_t*>(table[2 * item]);
-    __builtin_assume(__isGlobal(x));  // a device allocation: global loads, not generic ones
-    const u64 n = table[2 * item + 1];
-    uint32_t m = 0;
-    GRID_STRIDE(i, n) m = max(m, x[i]);
-    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out + item, m);
+    u32_max_item(reinterpret_cast<const uint32_t*>(table[2 * item]), table[2 * item + 1],
+                 out + item);
+}
+
+// u32_max_many with its table in the parameters (no upload per call) for at most
+// U32MAX_PARAMS_MAX items: `out` the zeroed words, `rows` (address, count) per item.
+#define U32MAX_PARAMS_MAX 128
+struct U32MaxParams {
+    u64 out, pad;
+    u64 rows[U32MAX_PARAMS_MAX][2];
+};
+// The host passes exactly these bytes (kernels.rs, U32MAX_PARAMS_MAX rows).
+static_assert(sizeof(U32MaxParams) == 8 * (2 + 2 * U32MAX_PARAMS_MAX), "parameter layout");
+
+extern "C" __global__ void u32_max_many_p(const U32MaxParams p) {
+    const u64 item = blockIdx.y;
+    u32_max_item(reinterpret_cast<const uint32_t*>(p.rows[item][0]), p.rows[item][1],
+                 reinterpret_cast<uint32_t*>(p.out) + item);
 }
 
 // NVFP4 packed codes of elements start.. (start and n even) given the reduced 16x16 tile
@@ -2256,15 +2298,18 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 }
 
 // Rowwise and columnwise E8M0 scales of many 2D MXFP8 matrices (mxfp8_scales_2d of each, the
-// same bytes). A thread writes a unit of 16 consecutive scale bytes of one matrix's rowwise or
-// columnwise copy (one 16-byte store where aligned), so the matrix search and the divisions
-// that place the first byte are paid once per 16 bytes, not per byte: one byte per thread made
-// the 2D re-quantization of Llama-3.2-1B take 0.53 ms for 61 MB of scales (0.05x of its bound).
+// same bytes). Every byte of a 32x32 tile's scales is that tile's one E8M0 code, so a thread
+// makes each code once and stores it where it repeats (version 1 made every byte anew, 16 per
+// thread through a walk that carried its row and column: 0.11x of a copy on an H200 for
+// Llama-3.2-1B's 112 matrices). A matrix's units: first 2 per strip of 16 tiles of a tile row
+// (rowwise: the strip's 16 codes, one 16-byte store per row, 16 rows a unit), then one per 64
+// bytes of the columnwise copy (where they are two whole tiles of one tile row: two codes, each
+// stored 32 times as two 16-byte stores; else byte by byte). Tile rows past `rows`, tiles past
+// `tc` and bytes past the copy are not stored.
 // The table travels in the parameters (the constant bank: no upload per call, as
-// mxfp8_both_e4m3_bf16_v4_many): `first` holds each matrix's first unit (ascending from 0; its
-// units: ceil(nr / 16) rowwise, then ceil(nc / 16) columnwise), `rows` 6 words per matrix:
-// [tiles, rows, cols, row_scales, col_scales, the kind's max_norm_rcp bits]. At most
-// SCALES2D_MAX matrices per launch (the host splits longer lists).
+// mxfp8_both_e4m3_bf16_v4_many): `first` holds each matrix's first unit (ascending from 0),
+// `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
+// max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists).
 #define SCALES2D_MAX 64
 struct Scales2dParams {
     u64 items;
@@ -2304,36 +2349,57 @@ extern "C" __global__ void mxfp8_scales_2d_many(const Scales2dParams p) {
         __builtin_assume(__isGlobal(cs));
         const u64 rows = w[1], cols = w[2];
         const float rcp = __uint_as_float((uint32_t)w[5]);
-        const u64 tc = (cols + 31) / 32, nr = rows * tc, nc = ((rows + 31) / 32) * cols;
-        const u64 ur = (nr + 15) / 16, k = u - p.first[lo];
-        // Both copies are row-major walks of `width` bytes a row: rowwise, byte i = r·tc + c is
-        // tile (r / 32, c)'s scale; columnwise, byte j = r·cols + c is tile (r, c / 32)'s. The
-        // shifts turn a walk position into its tile.
-        const bool rowwise = k < ur;
-        const u64 i0 = 16 * (rowwise ? k : k - ur), len = rowwise ? nr : nc;
-        const u64 width = rowwise ? tc : cols;
-        const unsigned rshift = rowwise ? 5u : 0u, cshift = rowwise ? 0u : 5u;
-        uint8_t* out = (rowwise ? rs : cs) + i0;
-        const u64 n = len - i0 < 16 ? len - i0 : 16;
-        u64 r, c;
-        divmod_u64(i0, width, r, c);
-        uint32_t v[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (unsigned e = 0; e < 16; ++e) {
-            if (e >= n) break;
-            const uint32_t b = e8m0_code(__fmul_rn(tiles[(r >> rshift) * tc + (c >> cshift)], rcp));
-            v[e / 4] |= b << (8 * (e % 4));
-            if (++c == width) {
-                c = 0;
-                ++r;
-            }
-        }
-        if (n == 16 && ((uintptr_t)out & 15u) == 0) {
-            *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
-        } else {
+        const u64 tc = (cols + 31) / 32, ns = (tc + 15) / 16;
+        const u64 ur = 2 * ((rows + 31) / 32) * ns, k = u - p.first[lo];
+        if (k < ur) {
+            // Rowwise: strip j of tile row tr, rows 32·tr + 16·(k % 2) .. + 15 (bytes r·tc + 16j ..).
+            u64 tr, j;
+            divmod_u64(k / 2, ns, tr, j);
+            const u64 c0 = 16 * j, n = tc - c0 < 16 ? tc - c0 : 16;
+            const float* t = tiles + tr * tc + c0;
+            uint32_t v[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
             for (unsigned e = 0; e < 16; ++e)
-                if (e < n) out[e] = (uint8_t)(v[e / 4] >> (8 * (e % 4)));
+                if (e < n) v[e / 4] |= e8m0_code(__fmul_rn(t[e], rcp)) << (8 * (e % 4));
+            const u64 r0 = 32 * tr + 16 * (k % 2), r1 = r0 + 16 < rows ? r0 + 16 : rows;
+            uint8_t* o = rs + r0 * tc + c0;
+            // Every row's bytes aligned when the first row's are and tc % 16 == 0.
+            const bool vec = n == 16 && tc % 16 == 0 && ((uintptr_t)o & 15u) == 0;
+            for (u64 r = r0; r < r1; ++r, o += tc) {
+                if (vec) {
+                    *reinterpret_cast<uint4*>(o) = make_uint4(v[0], v[1], v[2], v[3]);
+                } else {
+#pragma unroll
+                    for (unsigned e = 0; e < 16; ++e)
+                        if (e < n) o[e] = (uint8_t)(v[e / 4] >> (8 * (e % 4)));
+                }
+            }
+        } else {
+            // Columnwise: bytes i0 .. i0 + 63 of [ceil(rows / 32), cols], byte r·cols + c tile
+            // (r, c / 32)'s code.
+            const u64 nc = ((rows + 31) / 32) * cols, i0 = 64 * (k - ur);
+            const u64 n = nc - i0 < 64 ? nc - i0 : 64;
+            uint8_t* out = cs + i0;
+            u64 r, c;
+            divmod_u64(i0, cols, r, c);
+            if (n == 64 && c % 32 == 0 && c + 64 <= cols && ((uintptr_t)out & 15u) == 0) {
+                // Two whole tiles of one tile row: two codes, 32 times each.
+                const float* t = tiles + r * tc + c / 32;
+                const uint32_t b0 = e8m0_code(__fmul_rn(t[0], rcp)) * 0x01010101u;
+                const uint32_t b1 = e8m0_code(__fmul_rn(t[1], rcp)) * 0x01010101u;
+                uint4* o = reinterpret_cast<uint4*>(out);
+                o[0] = o[1] = make_uint4(b0, b0, b0, b0);
+                o[2] = o[3] = make_uint4(b1, b1, b1, b1);
+                continue;
+            }
+#pragma unroll 1
+            for (unsigned e = 0; e < n; ++e) {
+                out[e] = (uint8_t)e8m0_code(__fmul_rn(tiles[r * tc + c / 32], rcp));
+                if (++c == cols) {
+                    c = 0;
+                    ++r;
+                }
+            }
         }
     }
 }

@@ -162,6 +162,59 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
     }
 }
 
+/// Times the 2D MXFP8 re-quantization after a gather (`mxfp8_scales_2d_many`: both scale copies
+/// of every matrix from its 32x32 tile amaxes) for 16 Llama-3.2-1B layers (112 matrices), in
+/// one call and in groups of 28 (four layers, as the step's 250M-element bucket groups), against
+/// the copy bandwidth: reads the tile amaxes (4 bytes per 1024 elements), writes one scale byte
+/// per 32 elements per copy.
+fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
+    let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
+    let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
+    let tiles = dev.alloc(DType::F32, elems / 1024);
+    dev.fill(tiles, 0.75).expect("fill");
+    let scales = [elems / 32, elems / 32].map(|n| dev.alloc(DType::U8, n));
+    let (mut e, mut t) = (0, 0);
+    let items: Vec<_> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let n = rows * cols;
+            let view = |b: lowbit_device::View, at: usize, len: usize| {
+                b.slice(at..at + len).expect("slice")
+            };
+            let item = (
+                rows,
+                cols,
+                lowbit_device::Fp8Kind::E4M3,
+                view(tiles, t, n / 1024),
+                view(scales[0], e / 32, n / 32),
+                view(scales[1], e / 32, n / 32),
+            );
+            (e, t) = (e + n, t + n / 1024);
+            item
+        })
+        .collect();
+    let bytes = elems as f64 * (2.0 / 32.0 + 4.0 / 1024.0);
+    for group in [112, 28] {
+        let t = timed(dev, 20, |d| {
+            for g in items.chunks(group) {
+                d.mxfp8_scales_2d_many(g).expect("scales");
+            }
+        });
+        report(
+            &format!(
+                "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many)"
+            ),
+            t,
+            bytes,
+            copy_bw,
+        );
+    }
+    dev.free(tiles).expect("free");
+    for b in scales {
+        dev.free(b).expect("free");
+    }
+}
+
 /// Times the completion of gathered 2D NVFP4 weights for 16 Llama-3.2-1B layers (112
 /// matrices, one `nvfp4_finish_2d_many` per version: 5 one launch per shape over 512x512
 /// blocks, 4 over 256x256 tiles, 3 two (codes, then scales)) and for one 32768x32768 matrix, against the copy
@@ -207,7 +260,7 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
         })
         .collect();
     let bytes = elems as f64 * (0.5 + 1.0 / 64.0 + 0.5 + 2.0 / 16.0);
-    for version in [5, 4, 3] {
+    for version in [7, 5, 4, 3] {
         dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)
             .expect("variant");
         let t = timed(dev, 20, |d| {
@@ -215,6 +268,50 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
         });
         report(
             &format!("nvfp4 2D completion {what}, nvfp4_finish_2d_many v{version})"),
+            t,
+            bytes,
+            copy_bw,
+        );
+    }
+    // The same call deferred, its amaxes read after the timed span: the launches alone, without
+    // the read's copy and stream synchronization (the step reads once per `sync_params`).
+    {
+        dev.set_cuda_kernel_variant("nvfp4_finish_2d", 7)
+            .expect("variant");
+        let mut pending = Vec::new();
+        let t = timed(dev, 20, |d| {
+            pending.push(d.nvfp4_finish_2d_many_deferred(&items).expect("finish"));
+        });
+        for p in pending {
+            dev.read_amaxes(p).expect("amaxes");
+        }
+        report(
+            &format!(
+                "nvfp4 2D completion {what}, deferred: the read outside the timing, nvfp4_finish_2d_many v7)"
+            ),
+            t,
+            bytes,
+            copy_bw,
+        );
+    }
+    // As the step's gather completes bucket groups: one deferred call per group of 28 matrices
+    // (four 1B layers, a 250M-element bucket), one read of every group's amaxes at the end.
+    for version in [7, 5].into_iter().filter(|_| items.len() > 28) {
+        dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)
+            .expect("variant");
+        let t = timed(dev, 20, |d| {
+            let pending: Vec<_> = items
+                .chunks(28)
+                .map(|g| d.nvfp4_finish_2d_many_deferred(g).expect("finish"))
+                .collect();
+            for p in pending {
+                d.read_amaxes(p).expect("amaxes");
+            }
+        });
+        report(
+            &format!(
+                "nvfp4 2D completion {what}, groups of 28 deferred, one read, nvfp4_finish_2d_many v{version})"
+            ),
             t,
             bytes,
             copy_bw,
@@ -397,6 +494,7 @@ fn main() {
         for layers in [1, 16] {
             llama_requantize(&mut dev, x, layers, copy_bw);
         }
+        llama_mxfp8_scales_2d(&mut dev, copy_bw);
     }
     if want("nvfp4") {
         llama_nvfp4_finish(&mut dev, copy_bw);

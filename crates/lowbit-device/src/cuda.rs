@@ -143,7 +143,9 @@ pub(crate) struct CudaDevice {
     /// 256x64 bf16 tile through shared memory (coalesced loads and stores) where the view
     /// allows it. Same bytes.
     nvfp4_version: u32,
-    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 5 (the default: 4 with
+    /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 7 (the default: 5's
+    /// 512x512 blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 64 matrices,
+    /// where the call has at least 128 blocks, else as 5), 5 (4 with
     /// `nvfp4x_finish_2d_same_v5`'s 512x512 blocks, whose scale copies go out in whole 32-byte
     /// sectors, where a launch has enough of them; 6: wherever it can, for tests), 4 (one amax launch, one
     /// `nvfp4x_finish_2d_same_v4` launch per shape for the codes and both scale copies, the
@@ -248,7 +250,7 @@ impl CudaDevice {
             mxfp8_both_version: 4,
             mxfp8_many_version: 0,
             nvfp4_version: 7,
-            nvfp4_finish_version: 5,
+            nvfp4_finish_version: 7,
             sum_squares_version: 0,
             mxfp8x_version: 3,
             gemm: None,
@@ -466,7 +468,7 @@ impl CudaDevice {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
             ("nvfp4", 1..=7) => self.nvfp4_version = version,
-            ("nvfp4_finish_2d", 1..=6) => self.nvfp4_finish_version = version,
+            ("nvfp4_finish_2d", 1..=7) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,

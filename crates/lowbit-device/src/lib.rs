@@ -737,8 +737,10 @@ impl Device {
     /// codes' selects and bit merges as integer multiply-adds (the FMA pipe instead of the ALU);
     /// 6: 5 over pairs of 256-row tiles (whole-sector columnwise scale stores); 5: both copies
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
-    /// `("nvfp4_finish_2d", 1..=6)`: how
-    /// [`Device::nvfp4_finish_2d_many`] runs, 5 by default: one launch per shape (512x512
+    /// `("nvfp4_finish_2d", 1..=7)`: how
+    /// [`Device::nvfp4_finish_2d_many`] runs, 7 by default: one launch for the 512x512 blocks
+    /// of every shape (64 matrices a launch; as 5 where the call has fewer than 128 blocks),
+    /// 5: one launch per shape (512x512
     /// blocks, the scale copies in whole 32-byte sectors; 4's tiles where a launch would have
     /// fewer than 128 blocks; 6: the blocks always) and one host read, 4: the same over
     /// 256x256 tiles, 3: 4 with the scales in a second launch, 2: all matrices in one launch

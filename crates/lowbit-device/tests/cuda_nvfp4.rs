@@ -613,7 +613,7 @@ fn grouped_2d(
 fn nvfp4_finish_2d_many_matches() {
     let o = check("nvfp4 finish 2d many", false, |c| {
         let mut out = Vec::new();
-        for version in [6, 5, 4, 3, 2, 1] {
+        for version in [7, 6, 5, 4, 3, 2, 1] {
             c.dev.set_cuda_kernel_variant("nvfp4_finish_2d", version)?;
             // Every shape from sharded quantization, outputs in fresh buffers.
             let mut parts = Vec::new();
@@ -671,6 +671,18 @@ fn nvfp4_finish_2d_many_matches() {
             );
             let (vb, va) = (c.dev.read_amaxes(pb)?, c.dev.read_amaxes(pa)?);
             out.extend(va.into_iter().chain(vb).map(f64::from));
+            // Three shapes in one call, 172 512x512 blocks (version 7's one launch per 64
+            // matrices: two here), partial blocks in both directions, the last matrix of each
+            // shape's columnwise data at an odd offset (the per-matrix kernel).
+            let mut mixed = grouped_2d(c, (32, 64, 70), 3200, true)?;
+            mixed.extend(grouped_2d(c, (96, 1040, 30), 3300, true)?);
+            mixed.extend(grouped_2d(c, (800, 1312, 2), 3400, false)?);
+            out.extend(
+                c.dev
+                    .nvfp4_finish_2d_many(&mixed)?
+                    .into_iter()
+                    .map(f64::from),
+            );
             // Nothing to do, and one matrix alone.
             out.extend(c.dev.nvfp4_finish_2d_many(&[])?.into_iter().map(f64::from));
             let one = [experts[0]];

@@ -69,6 +69,10 @@ pub(super) struct Scratch {
     pub(super) ptr: u64,
 }
 
+/// Items per launch of `u32_max_many_p` (`U32MAX_PARAMS_MAX` in `cuda/ops.cu`: 2064 bytes of
+/// parameters); longer lists upload their table to `u32_max_many`.
+const U32MAX_PARAMS_MAX: usize = 128;
+
 impl CudaDevice {
     /// Validates an op's views (as the CPU does) and returns their device addresses, inputs
     /// then outputs.
@@ -141,12 +145,27 @@ impl CudaDevice {
         let Some(rows) = u32::try_from(views.len()).ok().filter(|&n| n > 0) else {
             return Ok(());
         };
-        let sizes: Vec<u64> = views.iter().flat_map(|&(p, n)| [p, n as u64]).collect();
         let most = views.iter().map(|v| v.1).max().unwrap_or(0);
         // A CTA per 8192 words of the largest item (at least 32 words a thread): one per 256
         // made ~28k mostly idle CTAs for Llama-3.2-1B's 112 matrices (1x H100: 82.7 us against
         // 12.8 us for the same maxima).
         let gx = capped(most.div_ceil(8192), 1024);
+        if views.len() <= U32MAX_PARAMS_MAX {
+            // The table in the parameters (`U32MaxParams`): no allocation and no copy to the
+            // device, which cost a copy-engine round trip per call (one per bucket group).
+            let mut words = vec![0u64; 2 + 2 * U32MAX_PARAMS_MAX];
+            words[0] = out;
+            for (k, &(p, n)) in views.iter().enumerate() {
+                words[2 + 2 * k..][..2].copy_from_slice(&[p, n as u64]);
+            }
+            // SAFETY: `words` is exactly `U32MaxParams` (2 + 2·128 words, the kernel's
+            // U32MAX_PARAMS_MAX); its first `rows` rows are the callers' live f32 views and
+            // `out` their `rows` words (forwarded from the caller); grid y = rows <= 128.
+            return unsafe {
+                self.launch_words("u32_max_many_p", (gx, rows, 1), (256, 1, 1), &mut words)
+            };
+        }
+        let sizes: Vec<u64> = views.iter().flat_map(|&(p, n)| [p, n as u64]).collect();
         let (sizes_mem, s) = self.upload_table(&sizes)?;
         // SAFETY: forwarded to the caller (live views, `rows` words at `out`, grid y <= 65535);
         // `sizes_mem` is freed in stream order after the launch.

@@ -57,6 +57,51 @@ fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 5]> {
 /// 10.0 us; 32 of 512x2048, 128 CTAs, 17.2 against 17.6 us).
 const FINISH2D_V5_MIN_CTAS: u64 = 128;
 
+/// Matrices per launch of `nvfp4x_finish_2d_mixed`: its parameter struct's capacity
+/// (`FINISH2D_MIXED_MAX` in `cuda/nvfp4.cu`; 3848 bytes of parameters, under the classic 4 KB).
+const FINISH2D_MIXED_MAX: usize = 64;
+
+/// Version 7's launches of `nvfp4x_finish_2d_mixed` for the qualifying matrices of a call
+/// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses), as the kernel's
+/// `Finish2dMixedParams` packed into u64 words (word 0: the item count, and the chunk's CTA
+/// count in its high half, which the kernel reads as padding); `None` where version 5's per-shape
+/// launches take them instead: fewer than [`FINISH2D_V5_MIN_CTAS`] blocks in all (too few to
+/// fill the GPU), or a shape or CTA count past 32 bits.
+fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<Vec<u64>>> {
+    let mut items = Vec::new();
+    for (([rows, cols], [_, _, _, gx5, gy5]), group) in same {
+        let dims = [u32::try_from(*rows).ok()?, u32::try_from(*cols).ok()?];
+        let blocks = u64::from(*gx5) * u64::from(*gy5);
+        items.extend(group.iter().map(|row| (dims, blocks, *row)));
+    }
+    let total: u64 = items.iter().map(|i| i.1).sum();
+    if total < FINISH2D_V5_MIN_CTAS {
+        return None;
+    }
+    // u64 words: [items | ctas << 32], first[64] and dims[64][2] as u32 pairs, ptrs[64][6].
+    const FIRST: usize = 1;
+    const DIMS: usize = FIRST + FINISH2D_MIXED_MAX / 2;
+    const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
+    let mut launches = Vec::new();
+    for chunk in items.chunks(FINISH2D_MIXED_MAX) {
+        let mut words = vec![0u64; PTRS + 6 * FINISH2D_MIXED_MAX];
+        let mut first = 0u64;
+        for (k, (dims, blocks, row)) in chunk.iter().enumerate() {
+            let f = u32::try_from(first).ok()?;
+            words[FIRST + k / 2] |= u64::from(f) << (32 * (k % 2));
+            words[DIMS + k] = u64::from(dims[0]) | u64::from(dims[1]) << 32;
+            words[PTRS + 6 * k..][..6].copy_from_slice(row);
+            first += blocks;
+        }
+        let ctas = u32::try_from(first)
+            .ok()
+            .filter(|&c| c <= i32::MAX as u32)?;
+        words[0] = chunk.len() as u64 | u64::from(ctas) << 32;
+        launches.push(words);
+    }
+    Some(launches)
+}
+
 impl CudaDevice {
     /// NVFP4 quantization by the kernels of `cuda/nvfp4.cu` for the variants of [`enabled`]
     /// (TE NaN policy, non-empty matrix; the Hadamard transform of a columnwise copy needs
@@ -260,8 +305,9 @@ impl CudaDevice {
 pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
 
 impl CudaDevice {
-    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 5 (the
-    /// default: version 4 over 512x512 blocks, `nvfp4x_finish_2d_same_v5`, whose scale copies go
+    /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 7 (the
+    /// default: version 5's blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 64
+    /// matrices, see `mixed_launches`), 5 (version 4 over 512x512 blocks, `nvfp4x_finish_2d_same_v5`, whose scale copies go
     /// out in whole 32-byte sectors; `_v4` for launches of fewer than
     /// [`FINISH2D_V5_MIN_CTAS`] blocks; 6: `_v5` for every launch, for tests), 4 (version 3 with one launch per shape,
     /// `nvfp4x_finish_2d_same_v4`, codes and both scale copies), 3 (every matrix's amax in one `u32_max_many` launch, two launches per
@@ -271,7 +317,10 @@ impl CudaDevice {
         self.nvfp4_finish_version
     }
 
-    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 5, the default: the
+    /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 7, the default: the
+    /// qualifying matrices' 512x512 blocks, every shape in one `nvfp4x_finish_2d_mixed` launch
+    /// per 64 matrices where they make at least [`FINISH2D_V5_MIN_CTAS`] blocks, else as
+    /// version 5; version 5: the
     /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same_v5`
     /// launch (512x512 blocks; `_v4`'s 256x256 tiles where that grid would be small) for the
     /// columnwise codes and both scale copies; version 4: always `_v4`; version 3: the same with one
@@ -326,7 +375,7 @@ impl CudaDevice {
             {
                 // Version 3 where its grids fit, decided here so that its launches below
                 // cannot fail after others wrote; else the one-launch kernel takes the matrix.
-                if let (3..=6, Some(grids)) =
+                if let (3..=7, Some(grids)) =
                     (self.nvfp4_finish_version, same_shape_grids(rows, cols))
                 {
                     let key = ([rows as u64, cols as u64], grids);
@@ -384,6 +433,33 @@ impl CudaDevice {
                 "nvfp4_finish_2d_many: {ctas} CTAs exceed the grid"
             )));
         }
+        if self.nvfp4_finish_version == 7
+            && let Some(launches) = mixed_launches(&same)
+        {
+            for mut words in launches {
+                let ctas = words[0] >> 32;
+                // SAFETY: `words` is exactly `Finish2dMixedParams` (1 + 6·64 + 6·64 u64 words, the
+                // kernel's FINISH2D_MIXED_MAX = 64; see `mixed_launches`). Each of its rows holds
+                // the addresses of one matrix's views, validated by the caller with the lengths
+                // `nvfp4x_finish_2d` needs, and its amax word (written by `u32_max_many` above, in
+                // stream order); rows % 32 == 0 and cols % 8 == 0 (both below 2^32) and the 4-byte
+                // loads and 16-byte stores aligned (checked above). The matrices' first blocks
+                // ascend from 0 and CTA b (below `ctas`, the sum of their ceil(cols/512) ·
+                // ceil(rows/512) blocks) writes the codes and scale bytes of one 512x512 block of
+                // one matrix, each index checked against rows, cols, tr and tc. No output overlaps
+                // another matrix's views (checked by the caller). The driver copies the
+                // parameters.
+                unsafe {
+                    self.launch_words(
+                        "nvfp4x_finish_2d_mixed",
+                        (ctas as u32, 1, 1),
+                        (256, 1, 1),
+                        &mut words,
+                    )?;
+                }
+            }
+            same.clear();
+        }
         for (([rows, cols], [gx, gy, sx, gx5, gy5]), group) in &same {
             let (gx, gy, sx) = (*gx, *gy, *sx);
             for chunk in group.chunks(FINISH2D_SAME_MAX) {
@@ -398,10 +474,10 @@ impl CudaDevice {
                 let v5_ctas = u64::from(*gx5) * u64::from(*gy5) * u64::from(n);
                 let (codes, grid) = match self.nvfp4_finish_version {
                     6 => ("nvfp4x_finish_2d_same_v5", (*gx5, *gy5, n)),
-                    5 if v5_ctas >= FINISH2D_V5_MIN_CTAS => {
+                    5 | 7 if v5_ctas >= FINISH2D_V5_MIN_CTAS => {
                         ("nvfp4x_finish_2d_same_v5", (*gx5, *gy5, n))
                     }
-                    4 | 5 => ("nvfp4x_finish_2d_same_v4", (gx, gy, n)),
+                    4 | 5 | 7 => ("nvfp4x_finish_2d_same_v4", (gx, gy, n)),
                     _ => ("nvfp4x_finish_2d_same", (gx, gy, n)),
                 };
                 // SAFETY: `words` is exactly `Finish2dSameParams` (4 + 64·6 words, the kernel's

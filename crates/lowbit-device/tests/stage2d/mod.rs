@@ -150,13 +150,19 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     Ok(bytes)
 }
 
-/// Batched 2D MXFP8 scales of every MXFP8 case, 14 times over (70 matrices: more than one
-/// launch's table holds), against one `mxfp8_scales_2d` each; every other item's scales start
-/// 3 bytes into their buffer (the kernel's unaligned stores).
+/// Batched 2D MXFP8 scales of every MXFP8 case and of shapes whose tile rows and strips of 16
+/// tiles end part-way (40x1600: 50 tiles a row; 100x544: 17 tiles a row, a last tile row of 4
+/// rows), 10 times over (70 matrices: more than one launch's table holds), against one
+/// `mxfp8_scales_2d` each; every other item's scales start 3 bytes into their buffer (the
+/// kernel's unaligned stores).
 pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
+    let extra = [
+        (Format2d::Mxfp8(Fp8Kind::E4M3), 40, 1600, 1, DType::F32),
+        (Format2d::Mxfp8(Fp8Kind::E5M2), 100, 544, 1, DType::F32),
+    ];
     let mut items = Vec::new();
-    for rep in 0..14 {
-        for (k, &(format, rows, cols, _, _)) in CASES.iter().enumerate() {
+    for rep in 0..10 {
+        for (k, &(format, rows, cols, _, _)) in CASES.iter().chain(&extra).enumerate() {
             let Format2d::Mxfp8(kind) = format else {
                 continue;
             };

@@ -944,8 +944,10 @@ impl CudaDevice {
                 self.device_ptr(cs)?,
                 u64::from(kind.max_norm_rcp().to_bits()),
             ];
-            // Units of 16 scale bytes: the rowwise copy's, then the columnwise copy's.
-            taken.push((row, (nr.div_ceil(16) + nc.div_ceil(16)) as u64));
+            // The kernel's units: two per strip of 16 tiles of a tile row (the rowwise copy,
+            // 16 rows each), then one per 64 bytes of the columnwise copy.
+            let strips = 2 * rows.div_ceil(32) * tc.div_ceil(16);
+            taken.push((row, (strips + nc.div_ceil(64)) as u64));
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
             // The kernel's `Scales2dParams`: the count, the units, each item's first unit, then
@@ -960,10 +962,11 @@ impl CudaDevice {
             // SAFETY: `words` is exactly `Scales2dParams` (2 + 64 + 64·6 words, the kernel's
             // SCALES2D_MAX = 64). Each of its rows holds one item's views as `mxfp8_scales_2d`
             // checks them (live, in bounds, disjoint, rows·tc and ceil(rows/32)·cols scale
-            // bytes, the tile count), and the items' units [first, first + ceil(nr/16) +
-            // ceil(nc/16)) partition 0..units; a unit writes the bytes 16k.. of its copy, at most
-            // to its end, with a 16-byte store only where 16-byte aligned. The driver copies the
-            // parameters at launch.
+            // bytes, the tile count), and the items' units [first, first + 2·ceil(rows/32)·
+            // ceil(tc/16) + ceil(nc/64)) partition 0..units; a rowwise unit writes the bytes of
+            // its strip's tiles (below tc) in its rows (below rows), a columnwise unit the bytes
+            // 64k.. of that copy, at most to its end, 16-byte stores only where 16-byte aligned.
+            // The driver copies the parameters at launch.
             unsafe {
                 self.launch_words(
                     "mxfp8_scales_2d_many",
