@@ -540,3 +540,82 @@ impl std::fmt::Debug for PendingWords {
         f.write_str("PendingWords")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Finish2dSame, mixed_launches};
+
+    /// `count` matrices of `[rows, cols]` whose six addresses are `tag`, `tag + 1`, ...
+    fn shape(rows: u64, cols: u64, count: usize, tag: u64) -> Finish2dSame {
+        let grids = super::same_shape_grids(rows as usize, cols as usize).expect("grids");
+        let rows_of = (0..count as u64)
+            .map(|k| std::array::from_fn(|i| tag + 100 * k + i as u64))
+            .collect();
+        (([rows, cols], grids), rows_of)
+    }
+
+    /// The words of `nvfp4x_finish_2d_mixed`'s `Finish2dMixedParams` as the kernel reads them
+    /// (little-endian u32 halves): the item count, each item's first block, rows and cols, and
+    /// its six addresses.
+    fn unpack(words: &[u64]) -> (u32, u32, Vec<(u32, [u32; 2], [u64; 6])>) {
+        let half = |w: usize, k: usize| (words[w] >> (32 * (k % 2))) as u32;
+        let items = half(0, 0);
+        let rows = (0..items as usize)
+            .map(|k| {
+                (
+                    half(1 + k / 2, k),
+                    [words[33 + k] as u32, (words[33 + k] >> 32) as u32],
+                    std::array::from_fn(|i| words[97 + 6 * k + i]),
+                )
+            })
+            .collect();
+        (items, half(0, 1), rows)
+    }
+
+    #[test]
+    fn mixed_launches_pack_the_kernels_parameters() {
+        // 70 one-block matrices, 30 of three blocks (1040 columns: a partial block), 2 of six
+        // (800 rows: a partial block row): 172 blocks, two launches (64 matrices a launch).
+        let same = [
+            shape(32, 64, 70, 1000),
+            shape(96, 1040, 30, 9000),
+            shape(800, 1312, 2, 20000),
+        ];
+        let launches = mixed_launches(&same).expect("172 blocks take the mixed kernel");
+        assert_eq!(launches.len(), 2);
+        assert!(launches.iter().all(|w| w.len() == 3848 / 8));
+        let (items, ctas, rows) = unpack(&launches[0]);
+        assert_eq!((items, ctas), (64, 64));
+        for (k, (first, dims, ptrs)) in rows.iter().enumerate() {
+            assert_eq!((*first, *dims), (k as u32, [32, 64]));
+            assert_eq!(ptrs[0], 1000 + 100 * k as u64);
+            assert_eq!(ptrs[5], 1005 + 100 * k as u64);
+        }
+        let (items, ctas, rows) = unpack(&launches[1]);
+        assert_eq!((items, ctas), (38, 6 + 30 * 3 + 2 * 6));
+        let firsts: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        let want: Vec<u32> = (0..6)
+            .chain((0..30).map(|k| 6 + 3 * k))
+            .chain([96, 102])
+            .collect();
+        assert_eq!(firsts, want);
+        assert_eq!(rows[6].1, [96, 1040]);
+        assert_eq!(rows[6].2[0], 9000);
+        assert_eq!(rows[37].1, [800, 1312]);
+        assert_eq!(rows[37].2[3], 20103);
+        // Unused rows stay zero (the kernel never reads them).
+        assert!(launches[1][97 + 6 * 38..].iter().all(|&w| w == 0));
+    }
+
+    #[test]
+    fn mixed_launches_leave_small_calls_and_wide_shapes_to_version_5() {
+        // 127 blocks in all: too few to fill the GPU.
+        assert!(mixed_launches(&[shape(32, 64, 127, 0)]).is_none());
+        assert!(mixed_launches(&[shape(32, 64, 128, 0)]).is_some());
+        // A dimension past 32 bits (the kernel's u32 dims).
+        let mut wide = shape(32, 64, 200, 0);
+        wide.0.0 = [32, 1 << 32];
+        assert!(mixed_launches(&[wide]).is_none());
+        assert!(mixed_launches(&[]).is_none());
+    }
+}
