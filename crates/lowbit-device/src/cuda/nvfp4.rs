@@ -554,10 +554,13 @@ mod tests {
         (([rows, cols], grids), rows_of)
     }
 
+    /// An item of a mixed launch: its first block, `[rows, cols]` and its six addresses.
+    type MixedRow = (u32, [u32; 2], [u64; 6]);
+
     /// The words of `nvfp4x_finish_2d_mixed`'s `Finish2dMixedParams` as the kernel reads them
     /// (little-endian u32 halves): the item count, each item's first block, rows and cols, and
     /// its six addresses.
-    fn unpack(words: &[u64]) -> (u32, u32, Vec<(u32, [u32; 2], [u64; 6])>) {
+    fn unpack(words: &[u64]) -> (u32, u32, Vec<MixedRow>) {
         let half = |w: usize, k: usize| (words[w] >> (32 * (k % 2))) as u32;
         let items = half(0, 0);
         let rows = (0..items as usize)
