@@ -10,7 +10,12 @@
 //! - The same both-copies quantization of the weight matrices of one and of all 16 layers of
 //!   Llama-3.2-1B (the re-quantization after a parameter all-gather), one call per matrix and
 //!   one `quantize_mxfp8_many`, against the same bound.
-//! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version.
+//! - The 2D MXFP8 re-quantization (`mxfp8_scales_2d_many`) of those 112 matrices, in one call and
+//!   in calls of 28 (a 250M-element bucket group of the step).
+//! - NVFP4 (the bf16 amax pass alone, then rowwise and both copies with it), per kernel version;
+//!   the completion of gathered 2D NVFP4 weights (`nvfp4_finish_2d_many`) for 1B's 112 matrices
+//!   and one 32768² matrix per version, deferred (the amax read outside the timing), and in
+//!   deferred groups of 28 with one read (as the step's `sync_params`).
 //! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm), and of the same
 //!   bytes read as bf16.
 //! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 grad, bf16 output: 30 bytes
