@@ -18,8 +18,8 @@
 //!   deferred groups of 28 with one read (as the step's `sync_params`).
 //! - The blocked f64 sum of squares of a 1 GiB f32 gradient (the grad norm), and of the same
 //!   bytes read as bf16.
-//! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 grad, bf16 output: 30 bytes
-//!   per parameter) against the same bound.
+//! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 or bf16 grad, bf16 output:
+//!   30 or 28 bytes per parameter) against the same bound, per kernel version.
 //!
 //! Times are medians of CUDA-event timings on the device's stream after warm-up. Prints one
 //! line per measurement and `JSON {...}` lines for machines.
@@ -643,20 +643,35 @@ fn main() {
     dev.set_cuda_kernel_variant("sum_squares", 0)
         .expect("variant");
     dev.zero(m).expect("zero");
+    // AdamW per kernel version (2: four elements a thread, the default; 1: one), with f32
+    // gradients (30 bytes per parameter) and with bf16 gradients (28 bytes; the step with bf16
+    // gradients), those from the first half of the f32 gradient's bytes.
+    let gb = gh.slice(0..p_n).expect("slice");
     let mut step = 0u64;
-    let t = timed(&mut dev, 20, |d| {
-        step += 1;
-        let hp = AdamW {
-            lr: 1e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            step,
-            grad_scale: 1.0,
-        };
-        d.adamw(p, g, m, v, &hp, Some(out)).expect("adamw")
-    });
-    report("adamw 256M f32 + bf16 out", t, (p_n * 30) as f64, copy_bw2);
+    for version in [1, 2] {
+        dev.set_cuda_kernel_variant("adamw", version)
+            .expect("variant");
+        for (what, grad, bytes) in [("f32 grads", g, 30), ("bf16 grads", gb, 28)] {
+            let t = timed(&mut dev, 20, |d| {
+                step += 1;
+                let hp = AdamW {
+                    lr: 1e-4,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                    step,
+                    grad_scale: 1.0,
+                };
+                d.adamw(p, grad, m, v, &hp, Some(out)).expect("adamw")
+            });
+            report(
+                &format!("adamw 256M {what} + bf16 out (v{version})"),
+                t,
+                (p_n * bytes) as f64,
+                copy_bw2,
+            );
+        }
+    }
     assert!(dev.host_fallback_calls().is_empty());
 }

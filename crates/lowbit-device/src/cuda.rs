@@ -166,6 +166,10 @@ pub(crate) struct CudaDevice {
     /// for 16-bit views too (version 2's CTAs slowed NCCL's bf16 reduction beside them). Same
     /// bits.
     sum_squares_version: u32,
+    /// AdamW: 2 (the default: `adamw_x4`, four elements a thread with vector loads and stores,
+    /// where n % 4 == 0 and every view is aligned to its vector width; else 1) or 1 (`adamw`,
+    /// an element a thread). Same bits.
+    adamw_version: u32,
     /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
     /// SM) or 2 (`set_cuda_kernel_variant("mxfp8x", 2 | 3)`; see `cuda/mxfp8x.rs`). Same bytes.
@@ -252,6 +256,7 @@ impl CudaDevice {
             nvfp4_version: 7,
             nvfp4_finish_version: 7,
             sum_squares_version: 0,
+            adamw_version: 2,
             mxfp8x_version: 3,
             gemm: None,
             tc_symmetric: 1,
@@ -470,6 +475,7 @@ impl CudaDevice {
             ("nvfp4", 1..=7) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=7) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
+            ("adamw", 1 | 2) => self.adamw_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             _ => {
