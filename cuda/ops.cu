@@ -656,11 +656,12 @@ extern "C" __global__ void adamw(float* __restrict__ p, const uint8_t* __restric
     }
 }
 
-// `adamw` four elements a thread: 16-byte loads and stores of the f32 state (8-byte ones for
-// 16-bit gradients and outputs), the same bits element for element. One scalar load per 4-byte
-// or 2-byte element left too few bytes in flight: 256M parameters on an H200, f32 gradients 0.91x
-// of a copy, bf16 gradients 0.79x (fewer bytes, more time). The host takes it where n % 4 == 0
-// and every view is aligned to its vector width.
+// `adamw` four elements a thread (version 2, not the default): 16-byte loads and stores of the
+// f32 state (8-byte ones for 16-bit gradients and outputs), the same bits element for element.
+// Alone it is faster (256M parameters on an H200: f32 gradients 0.91 -> 0.98x of a copy, bf16
+// 0.89 -> 0.97x), but beside the one-call step's gathers it slows them more than it gains (2x
+// H200, 1B MXFP8: 17.4-17.5 -> 18.2 ms). The host takes it where n % 4 == 0 and every view is
+// aligned to its vector width.
 extern "C" __global__ void adamw_x4(float* __restrict__ p, const uint8_t* __restrict__ g,
                                     uint32_t gd, float* __restrict__ m, float* __restrict__ v,
                                     uint8_t* __restrict__ out, uint32_t od, u64 n4, float decay,

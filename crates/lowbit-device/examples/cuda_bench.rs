@@ -643,7 +643,7 @@ fn main() {
     dev.set_cuda_kernel_variant("sum_squares", 0)
         .expect("variant");
     dev.zero(m).expect("zero");
-    // AdamW per kernel version (2: four elements a thread, the default; 1: one), with f32
+    // AdamW per kernel version (1: an element a thread, the default; 2: four), with f32
     // gradients (30 bytes per parameter) and with bf16 gradients (28 bytes; the step with bf16
     // gradients), those from the first half of the f32 gradient's bytes.
     let gb = gh.slice(0..p_n).expect("slice");

@@ -166,9 +166,12 @@ pub(crate) struct CudaDevice {
     /// for 16-bit views too (version 2's CTAs slowed NCCL's bf16 reduction beside them). Same
     /// bits.
     sum_squares_version: u32,
-    /// AdamW: 2 (the default: `adamw_x4`, four elements a thread with vector loads and stores,
-    /// where n % 4 == 0 and every view is aligned to its vector width; else 1) or 1 (`adamw`,
-    /// an element a thread). Same bits.
+    /// AdamW: 1 (the default: `adamw`, an element a thread) or 2 (`adamw_x4`, four elements a
+    /// thread with vector loads and stores, where n % 4 == 0 and every view is aligned to its
+    /// vector width; else 1). Same bits. Version 2 is faster alone (H200: 0.91 -> 0.98x of a
+    /// copy with f32 gradients, 0.89 -> 0.97x with bf16) but makes the one-call step slower on
+    /// 2x H200, where the update runs beside the gathers (1B MXFP8 17.4-17.5 -> 18.2 ms; also
+    /// on a grid of four CTAs per multiprocessor: 18.3-18.5 ms). See `cuda/NOTES.md`.
     adamw_version: u32,
     /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
@@ -256,7 +259,7 @@ impl CudaDevice {
             nvfp4_version: 7,
             nvfp4_finish_version: 7,
             sum_squares_version: 0,
-            adamw_version: 2,
+            adamw_version: 1,
             mxfp8x_version: 3,
             gemm: None,
             tc_symmetric: 1,

@@ -750,8 +750,9 @@ impl Device {
     /// (3 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp
     /// instruction, 2 512 contiguous bytes of one block, 3 is 1 with a 256-byte L2 prefetch hint
     /// in `sum_squares_each` (on an H200: f32 0.82x / 0.75x / 0.87x of a copy, bf16 0.49x /
-    /// 0.79x / 0.72x)); `("adamw", 1 | 2)`: 2 by default, four elements a thread with vector
-    /// loads and stores where every view is aligned and n % 4 == 0, 1 an element a thread.
+    /// 0.79x / 0.72x)); `("adamw", 1 | 2)`: 1 by default, an element a thread; 2 four elements
+    /// a thread with vector loads and stores where every view is aligned and n % 4 == 0 (faster
+    /// alone, slower beside the gathers of the one-call step).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -416,12 +416,13 @@ fn sum_squares_bits_match() {
 fn adamw_matches() {
     check_native("adamw", true, |c| {
         let mut k = 0;
-        // 3000 elements: four a thread (`adamw_x4`); 3001, and 3000 with the gradient one
-        // element into its buffer: one a thread.
-        for (n, skew, gd) in [(3000, 0), (3001, 0), (3000, 1)]
+        // Versions 1 (an element a thread) and 2 (four: 3000 elements take `adamw_x4`; 3001,
+        // and 3000 with the gradient one element into its buffer, fall back to one).
+        for (version, n, skew, gd) in [(1, 3001, 0), (2, 3000, 0), (2, 3001, 0), (2, 3000, 1)]
             .into_iter()
-            .flat_map(|(n, skew)| FLOATS.map(|gd| (n, skew, gd)))
+            .flat_map(|(v, n, skew)| FLOATS.map(|gd| (v, n, skew, gd)))
         {
+            c.dev.set_cuda_kernel_variant("adamw", version)?;
             for od in [None, Some(DType::Bf16), Some(DType::F16), Some(DType::F32)] {
                 for (beta1, step, wd, grad_scale) in [
                     (0.9f32, 1u64, 0.01f32, 1.0f32),
