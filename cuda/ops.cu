@@ -2363,8 +2363,8 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 
 // Rowwise and columnwise E8M0 scales of many 2D MXFP8 matrices (mxfp8_scales_2d of each, the
 // same bytes). Every byte of a 32x32 tile's scales is that tile's one E8M0 code, so a thread
-// makes each code once and stores it where it repeats (version 1 made every byte anew, 16 per
-// thread through a walk that carried its row and column: 0.11x of a copy on an H200 for
+// makes each code once and stores it where it repeats (the kernel before made every byte anew,
+// 16 per thread through a walk that carried its row and column: 0.11x of a copy on an H200 for
 // Llama-3.2-1B's 112 matrices). A matrix's units: first 2 per strip of 16 tiles of a tile row
 // (rowwise: the strip's 16 codes, one 16-byte store per row, 16 rows a unit), then one per 64
 // bytes of the columnwise copy (where they are two whole tiles of one tile row: two codes, each
