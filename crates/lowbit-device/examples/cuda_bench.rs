@@ -51,6 +51,11 @@ fn timed(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
     times[reps / 2]
 }
 
+/// Elements `at .. at + len` of `b`.
+fn piece(b: lowbit_device::View, at: usize, len: usize) -> lowbit_device::View {
+    b.slice(at..at + len).expect("slice")
+}
+
 fn report(name: &str, secs: f64, bytes: f64, copy_bw: f64) {
     let bw = bytes / secs;
     println!(
@@ -123,11 +128,9 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
         .iter()
         .map(|&(rows, cols)| {
             let n = rows * cols;
-            let view =
-                |b: usize, at: usize, len: usize| bufs[b].slice(at..at + len).expect("slice");
             let out = Mxfp8Views {
-                rowwise: Some((view(0, e, n), view(1, k, n / 32))),
-                columnwise: Some((view(2, e, n), view(3, k, n / 32))),
+                rowwise: Some((piece(bufs[0], e, n), piece(bufs[1], k, n / 32))),
+                columnwise: Some((piece(bufs[2], e, n), piece(bufs[3], k, n / 32))),
             };
             let item = (src.slice(e..e + n).expect("slice"), rows, cols, out);
             (e, k) = (e + n, k + n / 32);
@@ -183,16 +186,13 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
         .iter()
         .map(|&(rows, cols)| {
             let n = rows * cols;
-            let view = |b: lowbit_device::View, at: usize, len: usize| {
-                b.slice(at..at + len).expect("slice")
-            };
             let item = (
                 rows,
                 cols,
                 lowbit_device::Fp8Kind::E4M3,
-                view(tiles, t, n / 1024),
-                view(scales[0], e / 32, n / 32),
-                view(scales[1], e / 32, n / 32),
+                piece(tiles, t, n / 1024),
+                piece(scales[0], e / 32, n / 32),
+                piece(scales[1], e / 32, n / 32),
             );
             (e, t) = (e + n, t + n / 1024);
             item
@@ -252,14 +252,11 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
         .iter()
         .map(|&(rows, cols)| {
             let n = rows * cols;
-            let view = |b: lowbit_device::View, at: usize, len: usize| {
-                b.slice(at..at + len).expect("slice")
-            };
             let out = Nvfp4Views {
-                rowwise: Some((view(packed, e / 2, n / 2), view(bufs[0], e / 16, n / 16))),
-                columnwise: Some((view(bufs[1], e / 2, n / 2), view(bufs[2], e / 16, n / 16))),
+                rowwise: Some((piece(packed, e / 2, n / 2), piece(bufs[0], e / 16, n / 16))),
+                columnwise: Some((piece(bufs[1], e / 2, n / 2), piece(bufs[2], e / 16, n / 16))),
             };
-            let item = (rows, cols, view(tiles, t, n / 256), out);
+            let item = (rows, cols, piece(tiles, t, n / 256), out);
             (e, t) = (e + n, t + n / 256);
             item
         })

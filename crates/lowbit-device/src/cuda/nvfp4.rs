@@ -62,12 +62,11 @@ const FINISH2D_V5_MIN_CTAS: u64 = 128;
 const FINISH2D_MIXED_MAX: usize = 64;
 
 /// Version 7's launches of `nvfp4x_finish_2d_mixed` for the qualifying matrices of a call
-/// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses), as the kernel's
-/// `Finish2dMixedParams` packed into u64 words (word 0: the item count, and the chunk's CTA
-/// count in its high half, which the kernel reads as padding); `None` where version 5's per-shape
-/// launches take them instead: fewer than [`FINISH2D_V5_MIN_CTAS`] blocks in all (too few to
-/// fill the GPU), or a shape or CTA count past 32 bits.
-fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<Vec<u64>>> {
+/// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses): per launch its CTA
+/// count and the kernel's `Finish2dMixedParams` packed into u64 words; `None` where version 5's
+/// per-shape launches take them instead: fewer than [`FINISH2D_V5_MIN_CTAS`] blocks in all (too
+/// few to fill the GPU), or a shape or CTA count past 32 bits.
+fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(u32, Vec<u64>)>> {
     let mut items = Vec::new();
     for (([rows, cols], [_, _, _, gx5, gy5]), group) in same {
         let dims = [u32::try_from(*rows).ok()?, u32::try_from(*cols).ok()?];
@@ -78,7 +77,7 @@ fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<Vec<u64>>> {
     if total < FINISH2D_V5_MIN_CTAS {
         return None;
     }
-    // u64 words: [items | ctas << 32], first[64] and dims[64][2] as u32 pairs, ptrs[64][6].
+    // u64 words: [items, pad], first[64] and dims[64][2] as u32 pairs, ptrs[64][6].
     const FIRST: usize = 1;
     const DIMS: usize = FIRST + FINISH2D_MIXED_MAX / 2;
     const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
@@ -96,8 +95,8 @@ fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<Vec<u64>>> {
         let ctas = u32::try_from(first)
             .ok()
             .filter(|&c| c <= i32::MAX as u32)?;
-        words[0] = chunk.len() as u64 | u64::from(ctas) << 32;
-        launches.push(words);
+        words[0] = chunk.len() as u64;
+        launches.push((ctas, words));
     }
     Some(launches)
 }
@@ -436,8 +435,7 @@ impl CudaDevice {
         if self.nvfp4_finish_version == 7
             && let Some(launches) = mixed_launches(&same)
         {
-            for mut words in launches {
-                let ctas = words[0] >> 32;
+            for (ctas, mut words) in launches {
                 // SAFETY: `words` is exactly `Finish2dMixedParams` (1 + 6·64 + 6·64 u64 words, the
                 // kernel's FINISH2D_MIXED_MAX = 64; see `mixed_launches`). Each of its rows holds
                 // the addresses of one matrix's views, validated by the caller with the lengths
@@ -452,7 +450,7 @@ impl CudaDevice {
                 unsafe {
                     self.launch_words(
                         "nvfp4x_finish_2d_mixed",
-                        (ctas as u32, 1, 1),
+                        (ctas, 1, 1),
                         (256, 1, 1),
                         &mut words,
                     )?;
@@ -558,8 +556,8 @@ mod tests {
     type MixedRow = (u32, [u32; 2], [u64; 6]);
 
     /// The words of `nvfp4x_finish_2d_mixed`'s `Finish2dMixedParams` as the kernel reads them
-    /// (little-endian u32 halves): the item count, each item's first block, rows and cols, and
-    /// its six addresses.
+    /// (little-endian u32 halves): the item count, the padding, each item's first block, rows
+    /// and cols, and its six addresses.
     fn unpack(words: &[u64]) -> (u32, u32, Vec<MixedRow>) {
         let half = |w: usize, k: usize| (words[w] >> (32 * (k % 2))) as u32;
         let items = half(0, 0);
@@ -586,16 +584,16 @@ mod tests {
         ];
         let launches = mixed_launches(&same).expect("172 blocks take the mixed kernel");
         assert_eq!(launches.len(), 2);
-        assert!(launches.iter().all(|w| w.len() == 3848 / 8));
-        let (items, ctas, rows) = unpack(&launches[0]);
-        assert_eq!((items, ctas), (64, 64));
+        assert!(launches.iter().all(|(_, w)| w.len() == 3848 / 8));
+        let (items, pad, rows) = unpack(&launches[0].1);
+        assert_eq!((items, pad, launches[0].0), (64, 0, 64));
         for (k, (first, dims, ptrs)) in rows.iter().enumerate() {
             assert_eq!((*first, *dims), (k as u32, [32, 64]));
             assert_eq!(ptrs[0], 1000 + 100 * k as u64);
             assert_eq!(ptrs[5], 1005 + 100 * k as u64);
         }
-        let (items, ctas, rows) = unpack(&launches[1]);
-        assert_eq!((items, ctas), (38, 6 + 30 * 3 + 2 * 6));
+        let (items, pad, rows) = unpack(&launches[1].1);
+        assert_eq!((items, pad, launches[1].0), (38, 0, 6 + 30 * 3 + 2 * 6));
         let firsts: Vec<u32> = rows.iter().map(|r| r.0).collect();
         let want: Vec<u32> = (0..6)
             .chain((0..30).map(|k| 6 + 3 * k))
@@ -607,7 +605,7 @@ mod tests {
         assert_eq!(rows[37].1, [800, 1312]);
         assert_eq!(rows[37].2[3], 20103);
         // Unused rows stay zero (the kernel never reads them).
-        assert!(launches[1][97 + 6 * 38..].iter().all(|&w| w == 0));
+        assert!(launches[1].1[97 + 6 * 38..].iter().all(|&w| w == 0));
     }
 
     #[test]
