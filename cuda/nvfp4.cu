@@ -8,7 +8,7 @@
 //
 // Kernel names carry the prefix `nvfp4x_` (the backend looks kernels up by name across every
 // loaded module). The whole-tensor amax (`max_abs_bits`), the max of reduced tile amaxes
-// (`u32_max`) and the tensor factors (`nvfp4_params`) are cuda/ops.cu's, launched from the same
+// (`u32_max_many_p`) and the tensor factors (`nvfp4_params`) are cuda/ops.cu's, launched from the same
 // backend. Views are raw byte addresses; dtype codes: 0 = f32, 1 = bf16, 2 = f16.
 
 #include <stdint.h>

@@ -2042,14 +2042,6 @@ extern "C" __global__ void mxfp8_scales_2d(const float* __restrict__ tiles, u64 
     }
 }
 
-// out[0] <- max of the raw u32 bits of n words (the NVFP4 global amax of reduced tiles).
-extern "C" __global__ void u32_max(const uint32_t* __restrict__ x, u64 n, uint32_t* __restrict__ out) {
-    uint32_t m = 0;
-    GRID_STRIDE(i, n) m = max(m, x[i]);
-    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(out, m);
-}
-
 // The max of the raw u32 bits of x[0..n) into *out (atomicMax; `out` zeroed or holding a
 // lower bound): the x blocks of the grid stride over the words. Where they are 16-byte aligned,
 // 16-byte loads four deep per thread: one 4-byte load at a time left each thread's ~32 words a
@@ -2362,26 +2354,31 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 }
 
 // Rowwise and columnwise E8M0 scales of many 2D MXFP8 matrices (mxfp8_scales_2d of each, the
-// same bytes). Every byte of a 32x32 tile's scales is that tile's one E8M0 code, so a thread
-// makes each code once and stores it where it repeats (the kernel before made every byte anew,
-// 16 per thread through a walk that carried its row and column: 0.11x of a copy on an H200 for
-// Llama-3.2-1B's 112 matrices). A matrix's units: first 2 per strip of 16 tiles of a tile row
-// (rowwise: the strip's 16 codes, one 16-byte store per row, 16 rows a unit), then one per 64
-// bytes of the columnwise copy (where they are two whole tiles of one tile row: two codes, each
-// stored 32 times as two 16-byte stores; else byte by byte). Tile rows past `rows`, tiles past
-// `tc` and bytes past the copy are not stored.
+// same bytes). Every byte of a 32x32 tile's scales is that tile's one E8M0 code, and a band of
+// whole tile rows owns two contiguous runs of output: its rows of the rowwise copy
+// ([rows, tc], 32 rows per tile row) and its tile rows of the columnwise copy
+// ([ceil(rows/32), cols]). A CTA takes one item: up to SCALES2D_CODES tiles (whole tile rows
+// where tc <= SCALES2D_CODES, else a segment of one tile row), makes their codes once into
+// shared memory, then stores both runs as a copy kernel would: consecutive lanes, consecutive
+// 16-byte pieces, whole sectors per store instruction (rowwise a piece is 16 codes of a row,
+// columnwise one code splatted: cols % 16 == 0 keeps a piece inside one tile). Where tc % 16
+// or cols % 16 is not 0 or a copy is not 16-byte aligned, that copy is stored byte by byte.
+// The kernel before gave a thread a strip of 16 tiles (16 row stores of 16 bytes) or 64
+// columnwise bytes, each thread a chain of latencies: 0.46x of a copy on an H200 for
+// Llama-3.2-1B's 112 matrices.
 // The table travels in the parameters (the constant bank: no upload per call, as
-// mxfp8_both_e4m3_bf16_v4_many): `first` holds each matrix's first unit (ascending from 0),
+// mxfp8_both_e4m3_bf16_v4_many): `first` holds each matrix's first item (ascending from 0),
 // `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
 // max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists).
 #define SCALES2D_MAX 64
+#define SCALES2D_CODES 256
 struct Scales2dParams {
     u64 items;
     u64 units;
     u64 first[SCALES2D_MAX];
     u64 rows[SCALES2D_MAX][6];
 };
-// The host passes exactly these bytes (quant.rs, SCALES2D_MAX).
+// The host passes exactly these bytes (quant.rs, SCALES2D_MAX, SCALES2D_CODES).
 static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 7), "parameter layout");
 
 // a / b and a % b in 32 bits where both fit (the 64-bit division is a long emulated sequence).
@@ -2396,74 +2393,113 @@ __device__ __forceinline__ void divmod_u64(u64 a, u64 b, u64& q, u64& r) {
     }
 }
 
-extern "C" __global__ void mxfp8_scales_2d_many(const Scales2dParams p) {
-    GRID_STRIDE(u, p.units) {
-        uint32_t lo = 0, hi = (uint32_t)p.items;  // the last matrix whose first unit is <= u
-        while (hi - lo > 1) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (p.first[mid] <= u) lo = mid; else hi = mid;
-        }
-        const u64* w = p.rows[lo];
-        const float* tiles = reinterpret_cast<const float*>(w[0]);
-        uint8_t* rs = reinterpret_cast<uint8_t*>(w[3]);
-        uint8_t* cs = reinterpret_cast<uint8_t*>(w[4]);
-        // Device allocations: global loads and stores, not generic ones.
-        __builtin_assume(__isGlobal(tiles));
-        __builtin_assume(__isGlobal(rs));
-        __builtin_assume(__isGlobal(cs));
-        const u64 rows = w[1], cols = w[2];
-        const float rcp = __uint_as_float((uint32_t)w[5]);
-        const u64 tc = (cols + 31) / 32, ns = (tc + 15) / 16;
-        const u64 ur = 2 * ((rows + 31) / 32) * ns, k = u - p.first[lo];
-        if (k < ur) {
-            // Rowwise: strip j of tile row tr, rows 32·tr + 16·(k % 2) .. + 15 (bytes r·tc + 16j ..).
-            u64 tr, j;
-            divmod_u64(k / 2, ns, tr, j);
-            const u64 c0 = 16 * j, n = tc - c0 < 16 ? tc - c0 : 16;
-            const float* t = tiles + tr * tc + c0;
-            uint32_t v[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-            for (unsigned e = 0; e < 16; ++e)
-                if (e < n) v[e / 4] |= e8m0_code(__fmul_rn(t[e], rcp)) << (8 * (e % 4));
-            const u64 r0 = 32 * tr + 16 * (k % 2), r1 = r0 + 16 < rows ? r0 + 16 : rows;
-            uint8_t* o = rs + r0 * tc + c0;
-            // Every row's bytes aligned when the first row's are and tc % 16 == 0.
-            const bool vec = n == 16 && tc % 16 == 0 && ((uintptr_t)o & 15u) == 0;
-            for (u64 r = r0; r < r1; ++r, o += tc) {
-                if (vec) {
-                    *reinterpret_cast<uint4*>(o) = make_uint4(v[0], v[1], v[2], v[3]);
-                } else {
-#pragma unroll
-                    for (unsigned e = 0; e < 16; ++e)
-                        if (e < n) o[e] = (uint8_t)(v[e / 4] >> (8 * (e % 4)));
-                }
-            }
-        } else {
-            // Columnwise: bytes i0 .. i0 + 63 of [ceil(rows / 32), cols], byte r·cols + c tile
-            // (r, c / 32)'s code.
-            const u64 nc = ((rows + 31) / 32) * cols, i0 = 64 * (k - ur);
-            const u64 n = nc - i0 < 64 ? nc - i0 : 64;
-            uint8_t* out = cs + i0;
-            u64 r, c;
-            divmod_u64(i0, cols, r, c);
-            if (n == 64 && c % 32 == 0 && c + 64 <= cols && ((uintptr_t)out & 15u) == 0) {
-                // Two whole tiles of one tile row: two codes, 32 times each.
-                const float* t = tiles + r * tc + c / 32;
-                const uint32_t b0 = e8m0_code(__fmul_rn(t[0], rcp)) * 0x01010101u;
-                const uint32_t b1 = e8m0_code(__fmul_rn(t[1], rcp)) * 0x01010101u;
-                uint4* o = reinterpret_cast<uint4*>(out);
-                o[0] = o[1] = make_uint4(b0, b0, b0, b0);
-                o[2] = o[3] = make_uint4(b1, b1, b1, b1);
-                continue;
-            }
-#pragma unroll 1
-            for (unsigned e = 0; e < n; ++e) {
-                out[e] = (uint8_t)e8m0_code(__fmul_rn(tiles[r * tc + c / 32], rcp));
-                if (++c == cols) {
-                    c = 0;
-                    ++r;
-                }
-            }
+// One item of mxfp8_scales_2d_many: a matrix's views and its tile rows tr0 .. tr0 + tb, tile
+// columns c0 .. c0 + nc.
+struct Scales2dItem {
+    const float* tiles;
+    uint8_t* rs;
+    uint8_t* cs;
+    u64 rows, cols, tc, tr0, c0;
+    float rcp;
+    uint32_t tb, nc;
+};
+
+// Item u of the launch, of matrix m.
+__device__ __forceinline__ Scales2dItem scales2d_item(const Scales2dParams& p, uint32_t m, u64 u) {
+    const u64* w = p.rows[m];
+    Scales2dItem it;
+    it.tiles = reinterpret_cast<const float*>(w[0]);
+    it.rs = reinterpret_cast<uint8_t*>(w[3]);
+    it.cs = reinterpret_cast<uint8_t*>(w[4]);
+    it.rows = w[1];
+    it.cols = w[2];
+    it.rcp = __uint_as_float((uint32_t)w[5]);
+    it.tc = (it.cols + 31) / 32;
+    const u64 trows = (it.rows + 31) / 32;
+    const uint32_t n = it.tc < SCALES2D_CODES ? (uint32_t)it.tc : SCALES2D_CODES;
+    const uint32_t per = SCALES2D_CODES / n;  // tile rows per item
+    u64 band, seg;
+    divmod_u64(u - p.first[m], (it.tc + n - 1) / n, band, seg);
+    it.tr0 = band * per;
+    it.c0 = seg * n;
+    it.tb = trows - it.tr0 < per ? (uint32_t)(trows - it.tr0) : per;
+    it.nc = it.tc - it.c0 < n ? (uint32_t)(it.tc - it.c0) : n;
+    return it;
+}
+
+// Thread e's tile of the item (e < tb·nc; 0 past them).
+__device__ __forceinline__ float scales2d_tile(const Scales2dItem& it, uint32_t e) {
+    // Device allocations: global loads, not generic ones.
+    __builtin_assume(__isGlobal(it.tiles));
+    if (e >= it.tb * it.nc) return 0.0f;
+    const uint32_t r = e / it.nc, c = e - r * it.nc;
+    return __ldg(it.tiles + (it.tr0 + r) * it.tc + it.c0 + c);
+}
+
+// Walks the chunks i = threadIdx.x, + blockDim.x, ... of a grid `per` chunks wide as (row,
+// column): one division per walk rather than per chunk.
+struct ChunkWalk {
+    uint32_t r, c, dr, dc, per;
+    __device__ __forceinline__ explicit ChunkWalk(uint32_t per_) : per(per_) {
+        r = threadIdx.x / per;
+        c = threadIdx.x - r * per;
+        dr = blockDim.x / per;
+        dc = blockDim.x - dr * per;
+    }
+    __device__ __forceinline__ void next() {
+        r += dr;
+        c += dc;
+        if (c >= per) {
+            c -= per;
+            ++r;
         }
     }
+};
+
+// Both scale runs of the item from its codes.
+__device__ __forceinline__ void scales2d_store(const Scales2dItem& it, const uint8_t* code) {
+    __builtin_assume(__isGlobal(it.rs));
+    __builtin_assume(__isGlobal(it.cs));
+    const u64 tc = it.tc, cols = it.cols;
+    const uint32_t nc = it.nc, tb = it.tb;
+    // Rowwise: rows 32·tr0 .. r1, bytes c0 .. c0 + nc of each (contiguous where nc == tc).
+    const u64 r1 = 32 * (it.tr0 + tb) < it.rows ? 32 * (it.tr0 + tb) : it.rows;
+    const uint32_t nr = (uint32_t)(r1 - 32 * it.tr0);
+    uint8_t* ro = it.rs + 32 * it.tr0 * tc + it.c0;
+    if (tc % 16 == 0 && ((uintptr_t)it.rs & 15u) == 0) {
+        // nc % 16 == 0: n and tc - c0 are multiples of 16
+        for (ChunkWalk w(nc / 16); w.r < nr; w.next())
+            *reinterpret_cast<uint4*>(ro + (u64)w.r * tc + 16 * w.c) =
+                *reinterpret_cast<const uint4*>(code + (w.r / 32) * nc + 16 * w.c);
+    } else {
+        for (ChunkWalk w(nc); w.r < nr; w.next()) ro[(u64)w.r * tc + w.c] = code[(w.r / 32) * nc + w.c];
+    }
+    // Columnwise: tile rows tr0 .. tr0 + tb, columns 32·c0 .. + wb of each.
+    const u64 cb = 32 * it.c0;
+    const uint32_t wb = cols - cb < 32 * (u64)nc ? (uint32_t)(cols - cb) : 32 * nc;
+    uint8_t* co = it.cs + it.tr0 * cols + cb;
+    if (cols % 16 == 0 && ((uintptr_t)it.cs & 15u) == 0) {
+        // wb % 16 == 0: 32·nc and cols - 32·c0 are
+        for (ChunkWalk w(wb / 16); w.r < tb; w.next()) {
+            const uint32_t b = code[w.r * nc + w.c / 2] * 0x01010101u;
+            *reinterpret_cast<uint4*>(co + (u64)w.r * cols + 16 * w.c) = make_uint4(b, b, b, b);
+        }
+    } else {
+        for (ChunkWalk w(wb); w.r < tb; w.next()) co[(u64)w.r * cols + w.c] = code[w.r * nc + w.c / 32];
+    }
+}
+
+// Grid (the most items of a matrix, matrices): CTA (x, m) takes item x of matrix m, or exits
+// where matrix m has fewer. A 1-D grid found each CTA's matrix by a binary search in the
+// parameters, six dependent reads of the constant bank that missed its cache. Exactly
+// SCALES2D_CODES threads a CTA (thread e codes tile e).
+extern "C" __global__ void __launch_bounds__(SCALES2D_CODES) mxfp8_scales_2d_many(const Scales2dParams p) {
+    __shared__ __align__(16) uint8_t code[SCALES2D_CODES];
+    const uint32_t m = blockIdx.y;
+    const u64 u = p.first[m] + blockIdx.x, end = m + 1 < p.items ? p.first[m + 1] : p.units;
+    if (u >= end) return;
+    const Scales2dItem it = scales2d_item(p, m, u);
+    code[threadIdx.x] = (uint8_t)e8m0_code(__fmul_rn(scales2d_tile(it, threadIdx.x), it.rcp));
+    __syncthreads();
+    scales2d_store(it, code);
 }

@@ -1,7 +1,9 @@
 //! GPU timings of the hot CUDA kernels against a device-to-device copy measured in the same run
 //! (`cargo run --release -p lowbit-device --features cuda --example cuda_bench [SECTION...]`;
-//! sections `mxfp8`, `nvfp4`, `optim`, all by default).
+//! sections `launch`, `mxfp8`, `nvfp4`, `optim`, all by default).
 //!
+//! - `launch`: the host's time to enqueue a one-kernel op with scalar parameters and one with a
+//!   parameter table (`mxfp8_scales_2d_many`, 1 to 64 tiny matrices).
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
@@ -213,6 +215,23 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
             bytes,
             copy_bw,
         );
+        // The host's share: the calls' checks, tables and launches, timed on the host with the
+        // GPU idle before (the part of the above that no kernel runs beside).
+        let mut host: Vec<f64> = (0..20)
+            .map(|_| {
+                dev.synchronize().expect("sync");
+                let t0 = std::time::Instant::now();
+                for g in items.chunks(group) {
+                    dev.mxfp8_scales_2d_many(g).expect("scales");
+                }
+                t0.elapsed().as_secs_f64()
+            })
+            .collect();
+        host.sort_by(f64::total_cmp);
+        println!(
+            "mxfp8 2D scales, calls of {group}: host time to enqueue {:.1} us",
+            host[host.len() / 2] * 1e6
+        );
     }
     dev.free(tiles).expect("free");
     for b in scales {
@@ -326,8 +345,56 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
     }
 }
 
+/// Host time to enqueue one call (the mean of 200, the GPU idle before): a one-kernel op with
+/// a few scalar parameters (`fill`) against `mxfp8_scales_2d_many` (3.6 KB of parameters) with
+/// 1, 28 and 64 tiny matrices: what a launch with a parameter table costs the host beside its
+/// checks.
+fn launch_costs(dev: &mut Device) {
+    let v = dev.alloc(DType::F32, 1024);
+    let tiles = dev.alloc(DType::F32, 64);
+    let scales = [
+        dev.alloc(DType::U8, 64 * 1024),
+        dev.alloc(DType::U8, 64 * 1024),
+    ];
+    let items: Vec<_> = (0..64)
+        .map(|k| {
+            (
+                32,
+                32,
+                lowbit_device::Fp8Kind::E4M3,
+                piece(tiles, k, 1),
+                piece(scales[0], 32 * k, 32),
+                piece(scales[1], 32 * k, 32),
+            )
+        })
+        .collect();
+    let mut per_call = |name: &str, f: &mut dyn FnMut(&mut Device)| {
+        dev.synchronize().expect("sync");
+        let t0 = std::time::Instant::now();
+        for _ in 0..200 {
+            f(dev);
+        }
+        let us = t0.elapsed().as_secs_f64() / 200.0 * 1e6;
+        dev.synchronize().expect("sync");
+        println!("host time to enqueue {name}: {us:.2} us per call");
+    };
+    per_call("fill (one launch, 3 scalar parameters)", &mut |d| {
+        d.fill(v, 1.0).expect("fill")
+    });
+    for n in [1, 28, 64] {
+        per_call(
+            &format!("mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, 3.6 KB parameters)"),
+            &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
+        );
+    }
+    for b in [v, tiles, scales[0], scales[1]] {
+        dev.free(b).expect("free");
+    }
+}
+
 fn main() {
-    // Sections to run (`mxfp8`, `nvfp4`, `optim`: the sums of squares and AdamW); all if none.
+    // Sections to run (`launch`, `mxfp8`, `nvfp4`, `optim`: the sums of squares and AdamW); all
+    // if none.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let want = |s: &str| only.is_empty() || only.iter().any(|o| o == s);
     let mut dev = Device::cuda(0).expect("a CUDA GPU");
@@ -363,6 +430,9 @@ fn main() {
     );
     dev.free(copy_dst).expect("free");
 
+    if want("launch") {
+        launch_costs(&mut dev);
+    }
     if want("mxfp8") {
         for (copies, version) in [
             (Copies::Rowwise, 4),

@@ -220,8 +220,9 @@ impl CudaDevice {
     /// at `tiles`, `n` of them) and the tensor factors made from it.
     pub(super) fn nvfp4_tile_params(&mut self, tiles: u64, n: usize) -> Result<[Scratch; 2]> {
         let amax = self.scratch(1)?;
-        // SAFETY: `tiles` addresses `n` f32 words of a validated view; `amax` is one zeroed word.
-        unsafe { self.launch_n("u32_max", n, &args![tiles, n, amax.ptr])? };
+        // SAFETY: `tiles` addresses `n` f32 words of a validated view; `amax` is one zeroed
+        // word; one item.
+        unsafe { self.launch_u32_max_many(&[(tiles, n)], amax.ptr)? };
         let params = self.nvfp4_params(amax.ptr)?;
         Ok([amax, params])
     }

@@ -4,6 +4,7 @@
 use lowbit_formats::mxfp8::{self, Mxfp8Config, Mxfp8Tensor};
 use lowbit_formats::nvfp4::{self, Nvfp4Config, Nvfp4Tensor};
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::ops::Range;
 
 use lowbit_formats::{Copies, Fp8Kind, Matrix, NanPolicy, QuantPlane, Source};
@@ -111,7 +112,7 @@ const MXFP8_WHAT: &str = "quantize_mxfp8";
 /// [`crate::DeviceError::Overlap`] — by sorting the byte ranges of each buffer instead of
 /// comparing every pair (a whole model's weights are hundreds of views).
 fn check_overlap_sorted(what: &'static str, ins: &[View], outs: &[View]) -> Result<()> {
-    let mut by_buffer: HashMap<BufferId, Vec<(Range<usize>, bool)>> = HashMap::new();
+    let mut by_buffer: IdMap<Vec<(Range<usize>, bool)>> = HashMap::default();
     let tagged = ins.iter().map(|v| (v, false));
     for (v, out) in tagged.chain(outs.iter().map(|v| (v, true))) {
         by_buffer
@@ -144,6 +145,35 @@ fn check_overlap_sorted(what: &'static str, ins: &[View], outs: &[View]) -> Resu
         }
     }
     Ok(())
+}
+
+/// A hasher for [`BufferId`]s (small integers from this process, not attacker-chosen keys): a
+/// multiply per word where SipHash took ~20 ns a view, half of [`check_overlap_sorted`]'s time
+/// for a whole model's views, on the host path of every batched call.
+#[derive(Default)]
+struct IdHasher(u64);
+
+/// A map keyed by buffer, hashed by [`IdHasher`].
+type IdMap<T> = HashMap<BufferId, T, BuildHasherDefault<IdHasher>>;
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
 }
 
 /// Checks one copy's destination views: present exactly when the copy is requested, u8, and of

@@ -150,15 +150,22 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     Ok(bytes)
 }
 
-/// Batched 2D MXFP8 scales of every MXFP8 case and of shapes whose tile rows and strips of 16
-/// tiles end part-way (40x1600: 50 tiles a row; 100x544: 17 tiles a row, a last tile row of 4
-/// rows), 10 times over (70 matrices: more than one launch's table holds), against one
+/// Batched 2D MXFP8 scales of every MXFP8 case and of shapes that end the kernel's items
+/// part-way: 40x1600 (50 tiles a row: byte-wise rowwise stores), 100x544 (17 tiles a row, a
+/// last tile row of 4 rows), 33x16384 (512 tiles a row: two segments per tile row, a last tile
+/// row of one row), 70x8224 (257 tiles a row: a segment of one tile), 50x1000 (columns not a
+/// multiple of 16: byte-wise columnwise stores), 1100x512 (16 tile rows an item, the last of
+/// 3); 10 times over (110 matrices: more than one launch's table holds), against one
 /// `mxfp8_scales_2d` each; every other item's scales start 3 bytes into their buffer (the
-/// kernel's unaligned stores).
+/// kernel's unaligned stores; 11 shapes a round, so each shape is stored both ways).
 pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     let extra = [
         (Format2d::Mxfp8(Fp8Kind::E4M3), 40, 1600, 1, DType::F32),
         (Format2d::Mxfp8(Fp8Kind::E5M2), 100, 544, 1, DType::F32),
+        (Format2d::Mxfp8(Fp8Kind::E4M3), 33, 16384, 1, DType::F32),
+        (Format2d::Mxfp8(Fp8Kind::E5M2), 70, 8224, 1, DType::F32),
+        (Format2d::Mxfp8(Fp8Kind::E4M3), 50, 1000, 1, DType::F32),
+        (Format2d::Mxfp8(Fp8Kind::E4M3), 1100, 512, 1, DType::F32),
     ];
     let mut items = Vec::new();
     for rep in 0..10 {

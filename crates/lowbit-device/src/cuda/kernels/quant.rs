@@ -60,6 +60,10 @@ type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
 /// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
 const SCALES2D_MAX: usize = 64;
 
+/// Tiles per CTA item of `mxfp8_scales_2d_many`, and its threads per CTA (`SCALES2D_CODES` in
+/// `cuda/ops.cu`).
+const SCALES2D_CODES: usize = 256;
+
 /// The words of a launch table passed as kernel parameters ([`CudaDevice::launch_words`]):
 /// `head` leading words (word 0 the item count, the others the caller's), then `max` first
 /// indices (item k's: the sum of the counts of the items before it), then `max` rows of `W`
@@ -910,10 +914,10 @@ impl CudaDevice {
     }
 
     /// [`crate::Device::mxfp8_scales_2d_many`]: every item whose views `mxfp8_scales_2d` takes
-    /// (the single kernel's checks) in `mxfp8_scales_2d_many` launches, [`SCALES2D_MAX`] items
-    /// at most per launch, their table in the kernel's parameters; returns the indices of the
-    /// others, in order, for the single op. The caller checked that no output overlaps another
-    /// item's views.
+    /// (the single kernel's checks but overlap) in `mxfp8_scales_2d_many` launches,
+    /// [`SCALES2D_MAX`] items at most per launch, their table in the kernel's parameters;
+    /// returns the indices of the others, in order, for the single op. The caller checked that
+    /// no output overlaps another output or an input, of its own item or another.
     pub(crate) fn mxfp8_scales_2d_many(
         &mut self,
         items: &[(usize, usize, Fp8Kind, View, View, View)],
@@ -928,50 +932,58 @@ impl CudaDevice {
                 && cs.dtype() == DType::U8
                 && rs.len() == nr
                 && cs.len() == nc
-                && nr + nc > 0
-                && self
-                    .check_views("mxfp8_scales_2d", &[tiles], &[rs, cs])
-                    .is_ok();
-            if !ok {
+                && nr + nc > 0;
+            // Live and in bounds (the caller checked every view against the others' overlap).
+            let ptrs = [tiles, rs, cs].map(|v| self.device_ptr(v));
+            let (true, [Ok(t), Ok(r), Ok(c)]) = (ok, ptrs) else {
+                rest.push(i);
+                continue;
+            };
+            let row = [
+                t,
+                rows as u64,
+                cols as u64,
+                r,
+                c,
+                u64::from(kind.max_norm_rcp().to_bits()),
+            ];
+            // The kernel's items: SCALES2D_CODES tiles at most, whole tile rows where a tile
+            // row has no more, else segments of one tile row.
+            // A matrix's items are one row of the grid: at most 2^31 - 1 of them (beyond, the
+            // single op's grid-stride kernel takes it).
+            let n = tc.min(SCALES2D_CODES);
+            let items = rows.div_ceil(32).div_ceil(SCALES2D_CODES / n) * tc.div_ceil(n);
+            if items > (u32::MAX >> 1) as usize {
                 rest.push(i);
                 continue;
             }
-            let row = [
-                self.device_ptr(tiles)?,
-                rows as u64,
-                cols as u64,
-                self.device_ptr(rs)?,
-                self.device_ptr(cs)?,
-                u64::from(kind.max_norm_rcp().to_bits()),
-            ];
-            // The kernel's units: two per strip of 16 tiles of a tile row (the rowwise copy,
-            // 16 rows each), then one per 64 bytes of the columnwise copy.
-            let strips = 2 * rows.div_ceil(32) * tc.div_ceil(16);
-            taken.push((row, (strips + nc.div_ceil(64)) as u64));
+            taken.push((row, items as u64));
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
             // The kernel's `Scales2dParams`: the count, the units, each item's first unit, then
             // the items' rows.
             let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
             words[1] = units;
-            let Ok(n) = usize::try_from(units) else {
-                return Err(crate::DeviceError::Unsupported(format!(
-                    "{units} scale units exceed the address space"
-                )));
-            };
+            // Grid (the most items of a matrix, matrices): a CTA per item, found without a
+            // search; the CTAs past a shorter matrix's items exit at once.
+            let most = chunk.iter().map(|c| c.1).max().unwrap_or(0);
+            let grid = (most as u32, chunk.len() as u32, 1);
             // SAFETY: `words` is exactly `Scales2dParams` (2 + 64 + 64·6 words, the kernel's
-            // SCALES2D_MAX = 64). Each of its rows holds one item's views as `mxfp8_scales_2d`
-            // checks them (live, in bounds, disjoint, rows·tc and ceil(rows/32)·cols scale
-            // bytes, the tile count), and the items' units [first, first + 2·ceil(rows/32)·
-            // ceil(tc/16) + ceil(nc/64)) partition 0..units; a rowwise unit writes the bytes of
-            // its strip's tiles (below tc) in its rows (below rows), a columnwise unit the bytes
-            // 64k.. of that copy, at most to its end, 16-byte stores only where 16-byte aligned.
+            // SCALES2D_MAX = 64). Each of its rows holds one matrix's views as `mxfp8_scales_2d`
+            // checks them (live, in bounds, disjoint by the caller's check, rows·tc and ceil(rows/32)·cols scale
+            // bytes, the tile count), and the matrices' items [first, first + bands·segments)
+            // partition 0..units; an item reads the tiles of its tile rows (below
+            // ceil(rows/32)) and tile columns (below tc) and writes those tiles' scale bytes
+            // (rows below `rows`, columns below `cols`), 16-byte stores only where 16-byte
+            // aligned. CTA (x, m) takes item x of matrix m where m has it (grid y = the chunk's
+            // matrices, at most 64; grid x = the most items, below 2^31), each CTA of exactly
+            // SCALES2D_CODES threads (the kernel's launch bound and its one tile a thread).
             // The driver copies the parameters at launch.
             unsafe {
                 self.launch_words(
                     "mxfp8_scales_2d_many",
-                    super::stride_grid(n),
-                    (super::THREADS, 1, 1),
+                    grid,
+                    (SCALES2D_CODES as u32, 1, 1),
                     &mut words,
                 )?;
             }
