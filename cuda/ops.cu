@@ -2372,6 +2372,7 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 // max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists).
 #define SCALES2D_MAX 64
 #define SCALES2D_CODES 256
+#define SCALES2D_THREADS 256
 struct Scales2dParams {
     u64 items;
     u64 units;
@@ -2492,14 +2493,21 @@ __device__ __forceinline__ void scales2d_store(const Scales2dItem& it, const uin
 // Grid (the most items of a matrix, matrices): CTA (x, m) takes item x of matrix m, or exits
 // where matrix m has fewer. A 1-D grid found each CTA's matrix by a binary search in the
 // parameters, six dependent reads of the constant bank that missed its cache. Exactly
-// SCALES2D_CODES threads a CTA (thread e codes tile e).
-extern "C" __global__ void __launch_bounds__(SCALES2D_CODES) mxfp8_scales_2d_many(const Scales2dParams p) {
+// SCALES2D_THREADS threads a CTA (thread e codes tiles e, e + SCALES2D_THREADS, ...).
+extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS) mxfp8_scales_2d_many(const Scales2dParams p) {
+    constexpr uint32_t K = SCALES2D_CODES / SCALES2D_THREADS;  // tiles a thread
+    static_assert(K * SCALES2D_THREADS == SCALES2D_CODES, "whole tiles a thread");
     __shared__ __align__(16) uint8_t code[SCALES2D_CODES];
     const uint32_t m = blockIdx.y;
     const u64 u = p.first[m] + blockIdx.x, end = m + 1 < p.items ? p.first[m + 1] : p.units;
     if (u >= end) return;
     const Scales2dItem it = scales2d_item(p, m, u);
-    code[threadIdx.x] = (uint8_t)e8m0_code(__fmul_rn(scales2d_tile(it, threadIdx.x), it.rcp));
+    float t[K];
+#pragma unroll
+    for (uint32_t k = 0; k < K; ++k) t[k] = scales2d_tile(it, threadIdx.x + k * SCALES2D_THREADS);
+#pragma unroll
+    for (uint32_t k = 0; k < K; ++k)
+        code[threadIdx.x + k * SCALES2D_THREADS] = (uint8_t)e8m0_code(__fmul_rn(t[k], it.rcp));
     __syncthreads();
     scales2d_store(it, code);
 }

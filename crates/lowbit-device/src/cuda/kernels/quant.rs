@@ -60,9 +60,12 @@ type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
 /// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
 const SCALES2D_MAX: usize = 64;
 
-/// Tiles per CTA item of `mxfp8_scales_2d_many`, and its threads per CTA (`SCALES2D_CODES` in
-/// `cuda/ops.cu`).
+/// Tiles per CTA item of `mxfp8_scales_2d_many` (`SCALES2D_CODES` in `cuda/ops.cu`).
 const SCALES2D_CODES: usize = 256;
+
+/// Threads per CTA of `mxfp8_scales_2d_many` (`SCALES2D_THREADS` in `cuda/ops.cu`, its launch
+/// bound).
+const SCALES2D_THREADS: u32 = 256;
 
 /// The words of a launch table passed as kernel parameters ([`CudaDevice::launch_words`]):
 /// `head` leading words (word 0 the item count, the others the caller's), then `max` first
@@ -977,13 +980,13 @@ impl CudaDevice {
             // (rows below `rows`, columns below `cols`), 16-byte stores only where 16-byte
             // aligned. CTA (x, m) takes item x of matrix m where m has it (grid y = the chunk's
             // matrices, at most 64; grid x = the most items, below 2^31), each CTA of exactly
-            // SCALES2D_CODES threads (the kernel's launch bound and its one tile a thread).
+            // SCALES2D_THREADS threads (the kernel's launch bound).
             // The driver copies the parameters at launch.
             unsafe {
                 self.launch_words(
                     "mxfp8_scales_2d_many",
                     grid,
-                    (SCALES2D_CODES as u32, 1, 1),
+                    (SCALES2D_THREADS, 1, 1),
                     &mut words,
                 )?;
             }
