@@ -2367,8 +2367,8 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 // columnwise bytes, each thread a chain of latencies: 0.46x of a copy on an H200 for
 // Llama-3.2-1B's 112 matrices.
 // The table travels in the parameters (the constant bank: no upload per call, as
-// mxfp8_both_e4m3_bf16_v4_many): `first` holds each matrix's first item (ascending from 0),
-// `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
+// mxfp8_both_e4m3_bf16_v4_many): `items` the matrices, `units` the items of all of them,
+// `first` each matrix's first item (ascending from 0), `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
 // max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists).
 #define SCALES2D_MAX 64
 #define SCALES2D_CODES 256

@@ -775,6 +775,50 @@ fn bf16_many_2d_ops_equal_a_cast_and_one_call_per_piece() {
     assert_eq!(many, stage2d::scales(&mut Device::cpu(), false).unwrap());
 }
 
+/// 2D MXFP8 scales of shapes whose sizes pass `usize`, or whose views are too short, are
+/// errors that name the op, never a wrapped size or a panic; a batched call with one such item
+/// writes nothing for the good ones.
+#[test]
+fn scales_2d_bad_shapes_are_errors_and_write_nothing() {
+    let mut dev = Device::cpu();
+    let tiles = dev.alloc(DType::F32, 4);
+    dev.upload(tiles, &[0.5f32, 1.0, 2.0, 4.0]).unwrap();
+    let rs = dev.alloc(DType::U8, 128);
+    let cs = dev.alloc(DType::U8, 128);
+    let (e4m3, huge) = (Fp8Kind::E4M3, usize::MAX);
+    for (rows, cols) in [(huge, huge), (huge, 64), (64, huge), (huge / 2, 33)] {
+        let err = dev
+            .mxfp8_scales_2d(rows, cols, e4m3, tiles, rs, cs)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DeviceError::Invalid {
+                    what: "mxfp8_scales_2d",
+                    ..
+                }
+            ),
+            "{rows}x{cols}: {err:?}"
+        );
+    }
+    let good = (64, 64, e4m3, tiles, rs, cs);
+    let other = [
+        dev.alloc(DType::F32, 4),
+        dev.alloc(DType::U8, 8),
+        dev.alloc(DType::U8, 8),
+    ];
+    for bad in [
+        (huge, huge, e4m3, other[0], other[1], other[2]),
+        (64, 64, e4m3, other[0], other[1], other[2]),
+    ] {
+        assert!(dev.mxfp8_scales_2d_many(&[good, bad]).is_err());
+        assert!(dev.download::<u8>(rs).unwrap().iter().all(|&b| b == 0));
+        assert!(dev.download::<u8>(cs).unwrap().iter().all(|&b| b == 0));
+    }
+    dev.mxfp8_scales_2d_many(&[good]).unwrap();
+    assert!(dev.download::<u8>(rs).unwrap().iter().any(|&b| b != 0));
+}
+
 #[test]
 fn bf16_many_2d_errors_write_nothing() {
     use lowbit_device::{Format2d, Piece2d};

@@ -890,6 +890,7 @@ impl Device {
     ) -> Result<()> {
         const WHAT: &str = "mxfp8_scales_2d";
         self.count_call(crate::CountedOp::Mxfp8Scales2d);
+        check_scales_2d(rows, cols, tiles, row_scales, col_scales)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut()
             && g.mxfp8_scales_2d([rows, cols], kind, tiles, [row_scales, col_scales])?
@@ -910,6 +911,32 @@ impl Device {
         self.write_bytes(row_scales, &r)?;
         self.write_bytes(col_scales, &c)
     }
+}
+
+/// The lengths [`Device::mxfp8_scales_2d`] needs of a `rows × cols` matrix's views (tile
+/// amaxes, rowwise and columnwise scales; their dtypes are the kernels' and the host copy's
+/// concern), with shapes whose sizes pass `usize` named rather than wrapped.
+fn check_scales_2d(rows: usize, cols: usize, tiles: View, rs: View, cs: View) -> Result<()> {
+    const WHAT: &str = "mxfp8_scales_2d";
+    let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
+    let (Some(nt), Some(nr), Some(nc)) = (
+        tr.checked_mul(tc),
+        rows.checked_mul(tc),
+        tr.checked_mul(cols),
+    ) else {
+        return Err(invalid(
+            WHAT,
+            format!("a {rows}x{cols} matrix's scales exceed the address space"),
+        ));
+    };
+    if tiles.len() != nt {
+        return Err(invalid(
+            WHAT,
+            format!("{} tiles for {rows}x{cols}", tiles.len()),
+        ));
+    }
+    check_len(WHAT, rs.len(), nr)?;
+    check_len(WHAT, cs.len(), nc)
 }
 
 /// Checks that `tiles` covers the flat range `start .. start + len` of a matrix with `cols`
@@ -1166,6 +1193,10 @@ impl Device {
         items: &[(usize, usize, Fp8Kind, View, View, View)],
     ) -> Result<()> {
         const WHAT: &str = "mxfp8_scales_2d";
+        // Every item's shape before anything is written: a bad item fails the call whole.
+        for &(rows, cols, _, tiles, rs, cs) in items {
+            check_scales_2d(rows, cols, tiles, rs, cs)?;
+        }
         let ins: Vec<View> = items.iter().map(|i| i.3).collect();
         let outs: Vec<View> = items.iter().flat_map(|i| [i.4, i.5]).collect();
         check_overlap_sorted(WHAT, &ins, &outs)?;

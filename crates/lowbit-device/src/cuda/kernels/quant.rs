@@ -927,10 +927,18 @@ impl CudaDevice {
     ) -> Result<Vec<usize>> {
         let (mut taken, mut rest) = (Vec::new(), Vec::new());
         for (i, &(rows, cols, kind, tiles, rs, cs)) in items.iter().enumerate() {
-            let tc = cols.div_ceil(32);
-            let (nr, nc) = (rows * tc, rows.div_ceil(32) * cols);
+            let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
+            // Absurd shapes (products past usize) go to the single op, which names them.
+            let (Some(nr), Some(nc), Some(nt)) = (
+                rows.checked_mul(tc),
+                tr.checked_mul(cols),
+                tr.checked_mul(tc),
+            ) else {
+                rest.push(i);
+                continue;
+            };
             let ok = tiles.dtype() == DType::F32
-                && tiles.len() == rows.div_ceil(32) * tc
+                && tiles.len() == nt
                 && rs.dtype() == DType::U8
                 && cs.dtype() == DType::U8
                 && rs.len() == nr
@@ -951,11 +959,11 @@ impl CudaDevice {
                 u64::from(kind.max_norm_rcp().to_bits()),
             ];
             // The kernel's items: SCALES2D_CODES tiles at most, whole tile rows where a tile
-            // row has no more, else segments of one tile row.
-            // A matrix's items are one row of the grid: at most 2^31 - 1 of them (beyond, the
-            // single op's grid-stride kernel takes it).
+            // row has no more, else segments of one tile row. A matrix's items are one row of
+            // the grid, so at most 2^31 - 1 of them (beyond, the single op's grid-stride kernel
+            // takes the matrix).
             let n = tc.min(SCALES2D_CODES);
-            let items = rows.div_ceil(32).div_ceil(SCALES2D_CODES / n) * tc.div_ceil(n);
+            let items = tr.div_ceil(SCALES2D_CODES / n) * tc.div_ceil(n);
             if items > (u32::MAX >> 1) as usize {
                 rest.push(i);
                 continue;
@@ -963,8 +971,8 @@ impl CudaDevice {
             taken.push((row, items as u64));
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
-            // The kernel's `Scales2dParams`: the count, the units, each item's first unit, then
-            // the items' rows.
+            // The kernel's `Scales2dParams`: the matrix count, the item count, each matrix's
+            // first item, then the matrices' rows.
             let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
             words[1] = units;
             // Grid (the most items of a matrix, matrices): a CTA per item, found without a
@@ -973,15 +981,15 @@ impl CudaDevice {
             let grid = (most as u32, chunk.len() as u32, 1);
             // SAFETY: `words` is exactly `Scales2dParams` (2 + 64 + 64·6 words, the kernel's
             // SCALES2D_MAX = 64). Each of its rows holds one matrix's views as `mxfp8_scales_2d`
-            // checks them (live, in bounds, disjoint by the caller's check, rows·tc and ceil(rows/32)·cols scale
-            // bytes, the tile count), and the matrices' items [first, first + bands·segments)
-            // partition 0..units; an item reads the tiles of its tile rows (below
-            // ceil(rows/32)) and tile columns (below tc) and writes those tiles' scale bytes
-            // (rows below `rows`, columns below `cols`), 16-byte stores only where 16-byte
-            // aligned. CTA (x, m) takes item x of matrix m where m has it (grid y = the chunk's
-            // matrices, at most 64; grid x = the most items, below 2^31), each CTA of exactly
-            // SCALES2D_THREADS threads (the kernel's launch bound).
-            // The driver copies the parameters at launch.
+            // checks them (live, in bounds, disjoint by the caller's check, rows·tc and
+            // ceil(rows/32)·cols scale bytes, the tile count), and the matrices' items [first,
+            // first + bands·segments) partition 0..units; an item reads the tiles of its tile
+            // rows (below ceil(rows/32)) and tile columns (below tc) and writes those tiles'
+            // scale bytes (rows below `rows`, columns below `cols`), 16-byte stores only where
+            // 16-byte aligned. CTA (x, m) takes item x of matrix m where m has it (grid y = the
+            // chunk's matrices, at most 64; grid x = the most items, below 2^31), each CTA of
+            // exactly SCALES2D_THREADS threads (the kernel's launch bound). The driver copies
+            // the parameters at launch.
             unsafe {
                 self.launch_words(
                     "mxfp8_scales_2d_many",
