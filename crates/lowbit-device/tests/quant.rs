@@ -819,6 +819,27 @@ fn scales_2d_bad_shapes_are_errors_and_write_nothing() {
     assert!(dev.download::<u8>(rs).unwrap().iter().any(|&b| b != 0));
 }
 
+/// Completing 2D NVFP4 weights of a shape whose size passes `usize` is an error, not a panic
+/// (the rowwise length was compared with an unchecked `rows · cols`).
+#[test]
+fn nvfp4_finish_2d_absurd_shapes_are_errors() {
+    let mut dev = Device::cpu();
+    let tiles = dev.alloc(DType::F32, 4);
+    let b = [64, 64, 64, 64].map(|n| dev.alloc(DType::U8, n));
+    let out = Nvfp4Views {
+        rowwise: Some((b[0], b[1])),
+        columnwise: Some((b[2], b[3])),
+    };
+    let h = usize::MAX;
+    for (rows, cols) in [(h, 64), (64, h), (h, h), (h / 4, 8)] {
+        assert!(dev.nvfp4_finish_2d(rows, cols, tiles, &out).is_err());
+        assert!(
+            dev.nvfp4_finish_2d_many(&[(rows, cols, tiles, out)])
+                .is_err()
+        );
+    }
+}
+
 #[test]
 fn bf16_many_2d_errors_write_nothing() {
     use lowbit_device::{Format2d, Piece2d};

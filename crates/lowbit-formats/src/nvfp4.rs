@@ -665,7 +665,7 @@ pub mod sharded {
             reason,
         };
         if !cols.is_multiple_of(2)
-            || rowwise.len() * 2 != rows * cols
+            || Some(rowwise.len() * 2) != rows.checked_mul(cols)
             || tiles.len() != tile_count(rows, cols)
         {
             return Err(bad(format!(

@@ -264,12 +264,12 @@ impl CudaDevice {
             && cols > 0
             && cols.is_multiple_of(2)
             && tiles.dtype() == DType::F32
-            && tiles.len() == tr * tc
+            && Some(tiles.len()) == tr.checked_mul(tc)
             && [rd, rs, cd, cs].iter().all(|v| v.dtype() == DType::U8)
-            && rd.len() * 2 == rows * cols
-            && rs.len() == rows * tc
-            && cd.len() == cols * rows.div_ceil(2)
-            && cs.len() == cols * tr
+            && rd.len().checked_mul(2) == rows.checked_mul(cols)
+            && Some(rs.len()) == rows.checked_mul(tc)
+            && Some(cd.len()) == cols.checked_mul(rows.div_ceil(2))
+            && Some(cs.len()) == cols.checked_mul(tr)
             && self
                 .check_views("nvfp4_finish_2d", &[tiles, rd], &[rs, cd, cs])
                 .is_ok();
