@@ -624,6 +624,10 @@ pub mod sharded {
 
     /// The rowwise (`[rows, ceil(cols/32)]`) and columnwise (`[ceil(rows/32), cols]`) E8M0
     /// scales of a 2D-quantized matrix with the reduced tile amaxes `tiles`.
+    ///
+    /// # Panics
+    /// If `tiles.len()` is not [`tile_count`]`(rows, cols)` or the scale sizes pass `usize`
+    /// (callers check the shape first, as `lowbit_device::Device::mxfp8_scales_2d` does).
     pub fn scales_2d(rows: usize, cols: usize, kind: Fp8Kind, tiles: &[f32]) -> (Vec<u8>, Vec<u8>) {
         let rcp = kind.max_norm_rcp();
         let tc = cols.div_ceil(BLOCK);
