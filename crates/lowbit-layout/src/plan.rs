@@ -368,7 +368,8 @@ impl ShardingPlan {
     ///
     /// # Errors
     /// [`LayoutError::ZeroDataParallel`], [`LayoutError::ZeroBucketSize`],
-    /// [`LayoutError::NoParams`], [`LayoutError::MixedStrategies`] (replicated and sharded
+    /// [`LayoutError::NoParams`], [`LayoutError::ShapeMismatch`] (a shape whose product is not
+    /// `numel` or passes usize), [`LayoutError::MixedStrategies`] (replicated and sharded
     /// owners in one plan: the gradient norm would mix local and rank-summed parts),
     /// [`LayoutError::QuantizedNeedsGather`] (low-precision storage under a replicated
     /// strategy), [`LayoutError::Nvfp4Tiles`], and those of the layout rules.
@@ -383,7 +384,17 @@ impl ShardingPlan {
             return Err(LayoutError::NoParams);
         }
         let mut sharded = None;
-        for spec in specs {
+        for (index, spec) in specs.iter().enumerate() {
+            // Every later size derives from the shape: one whose size passes usize (or
+            // disagrees with `numel`) is named here, before any of them.
+            if spec.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(spec.numel) {
+                return Err(LayoutError::ShapeMismatch {
+                    index,
+                    name: spec.name.clone(),
+                    numel: spec.numel,
+                    shape: spec.shape.clone(),
+                });
+            }
             let strategy = cfg.strategy_of(spec.owner());
             match sharded {
                 None => sharded = Some(strategy.is_sharded()),
@@ -581,6 +592,13 @@ impl ShardingPlan {
 pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
     match shape.split_last() {
         None => (1, 1),
-        Some((&last, lead)) => (lead.iter().product(), last),
+        // Saturating: a shape whose size passes usize is rejected by the layouts' shape check
+        // (`LayoutError::ShapeMismatch`), not by a panic here.
+        Some((&last, lead)) => (
+            lead.iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .unwrap_or(usize::MAX),
+            last,
+        ),
     }
 }

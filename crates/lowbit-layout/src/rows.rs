@@ -12,14 +12,16 @@ use crate::{BucketRange, BufferLayout, LayoutError, ParamRange, ParamSpec, matri
 
 /// Rows per chunk of a matrix of `rows` rows over `dp` ranks, in whole blocks of `block` rows.
 pub fn chunk_rows(rows: usize, dp: usize, block: usize) -> usize {
-    rows.div_ceil(dp * block) * block
+    // Saturating: where dp·block passes usize it exceeds `rows`, and ceil(rows / it) is 1 (0
+    // for no rows) either way.
+    rows.div_ceil(dp.saturating_mul(block)) * block
 }
 
 /// The row-aligned layout of `params` (forward order; buckets in reverse, as every layout) over
 /// `dp` ranks in blocks of `block` rows.
 ///
 /// # Errors
-/// [`LayoutError::EmptyParam`], [`LayoutError::Overflow`].
+/// [`LayoutError::ShapeMismatch`], [`LayoutError::EmptyParam`], [`LayoutError::Overflow`].
 pub fn compute_row_aligned_layout<P: Borrow<ParamSpec>>(
     params: &[P],
     dp: usize,
@@ -39,6 +41,14 @@ pub fn compute_row_aligned_layout<P: Borrow<ParamSpec>>(
     let mut at = 0usize;
     for (i, p) in params.iter().enumerate().rev() {
         let p = p.borrow();
+        if p.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(p.numel) {
+            return Err(LayoutError::ShapeMismatch {
+                index: i,
+                name: p.name.clone(),
+                numel: p.numel,
+                shape: p.shape.clone(),
+            });
+        }
         if p.numel == 0 {
             return Err(LayoutError::EmptyParam {
                 index: i,

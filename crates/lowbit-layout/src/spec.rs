@@ -96,12 +96,16 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
-    /// A parameter of the given shape (`numel` is the product of `shape`), not a shared
+    /// A parameter of the given shape (`numel` is the product of `shape`, or `usize::MAX` where
+    /// the product overflows, which every layout rejects as a shape mismatch), not a shared
     /// embedding.
     pub fn new(name: impl Into<String>, shape: Vec<usize>, key: BufferKey) -> Self {
         Self {
             name: name.into(),
-            numel: shape.iter().product(),
+            numel: shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .unwrap_or(usize::MAX),
             shape,
             key,
             shared_embedding: false,

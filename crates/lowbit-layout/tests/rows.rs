@@ -52,3 +52,54 @@ fn shards_are_whole_row_blocks_and_cover_every_element_once() {
         }
     }
 }
+
+/// Shapes whose sizes pass usize and data-parallel sizes near usize::MAX are errors that name
+/// the problem, under every strategy and storage, never a panic (`ParamSpec::new`'s product,
+/// `matrix_dims`' leading product and `chunk_rows`' `dp · block` overflowed).
+#[test]
+fn absurd_sizes_are_errors_not_panics() {
+    use lowbit_layout::LayoutError;
+    let h = usize::MAX;
+    assert_eq!(matrix_dims(&[h, 2, 16]), (h, 16));
+    assert_eq!(chunk_rows(64, h, 32), 32);
+    let storages = [
+        ParamStorage::Bf16,
+        ParamStorage::Quantized(QuantKind::Mxfp8),
+        ParamStorage::Quantized(QuantKind::Nvfp4),
+    ];
+    let cases: [(&[usize], usize); 5] = [
+        (&[h, 2], 2),
+        (&[h, 2, 16], 2),
+        (&[1 << 40, 1 << 40, 16], 2),
+        (&[64, 64], h),
+        (&[64, 64], h / 2),
+    ];
+    for (shape, dp) in cases {
+        for storage in storages {
+            for strategy in [
+                ShardingStrategy::Distributed,
+                ShardingStrategy::OptimGradsParams,
+            ] {
+                let key = BufferKey::new(storage, GradDType::F32, OptimizerId(0));
+                let spec = ParamSpec::new("w", shape.to_vec(), key);
+                let cfg = PlanConfig::new(dp, strategy);
+                let err = ShardingPlan::new(&[spec], &cfg).unwrap_err();
+                let overflowed = shape
+                    .iter()
+                    .try_fold(1usize, |n, &d| n.checked_mul(d))
+                    .is_none();
+                if overflowed {
+                    assert!(
+                        matches!(err, LayoutError::ShapeMismatch { .. }),
+                        "{shape:?} {storage:?} {strategy:?}: {err}"
+                    );
+                } else {
+                    assert!(
+                        matches!(err, LayoutError::Overflow),
+                        "{shape:?} dp {dp} {storage:?} {strategy:?}: {err}"
+                    );
+                }
+            }
+        }
+    }
+}
