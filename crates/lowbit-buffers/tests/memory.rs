@@ -146,3 +146,30 @@ fn weight_bytes_match_a_hand_derivation() {
         }
     }
 }
+
+/// Parameter sets whose buffers no machine could hold are errors from the estimate and from
+/// the allocation alike, under every strategy and storage, never an overflowed byte count (the
+/// closed forms multiplied element counts by byte sizes unchecked).
+#[test]
+fn absurd_sizes_are_errors_not_panics() {
+    let h = usize::MAX;
+    for shape in [vec![h / 2], vec![1usize << 40, 1 << 20], vec![h / 64, 64]] {
+        for storage in [ParamStorage::Bf16, ParamStorage::F32, MXFP8, NVFP4] {
+            for sharding in [
+                ShardingStrategy::Distributed,
+                ShardingStrategy::OptimGradsParams,
+                ShardingStrategy::Replicated,
+            ] {
+                let cfg = DdpConfig::default().with_sharding(sharding);
+                let specs = vec![spec("w", &shape, storage, GradDType::F32)];
+                let what = format!("{shape:?} {storage:?} {sharding:?}");
+                assert!(estimate_buffer_memory(&specs, 2, &cfg).is_err(), "{what}");
+                let mut dev = Device::cpu();
+                assert!(
+                    DataParallelBuffers::new(&mut dev, 2, 0, specs, cfg).is_err(),
+                    "{what}"
+                );
+            }
+        }
+    }
+}

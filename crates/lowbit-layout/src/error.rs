@@ -50,6 +50,13 @@ pub enum LayoutError {
     /// An offset computation overflowed `usize`.
     #[error("buffer offsets overflow usize")]
     Overflow,
+    /// A buffer past [`crate::plan::MAX_BUFFER_NUMEL`] elements: its bytes would pass what an
+    /// allocation can address.
+    #[error("a buffer of {numel} elements is larger than this machine can address")]
+    TooLarge {
+        /// The buffer's elements (padding included).
+        numel: usize,
+    },
     /// A rank outside `0..dp`.
     #[error("rank {rank} is out of range for {dp} shards")]
     RankOutOfRange {

@@ -122,8 +122,8 @@ pub use packed::{
     packed_shard_range,
 };
 pub use plan::{
-    BufferPlan, GradReduce, GroupId, OwnedPiece, ParamGather, PlanConfig, ShardingPlan,
-    ShardingStrategy, matrix_dims, row_block,
+    BufferPlan, GradReduce, GroupId, MAX_BUFFER_NUMEL, OwnedPiece, ParamGather, PlanConfig,
+    ShardingPlan, ShardingStrategy, matrix_dims, row_block,
 };
 pub use rows::{chunk_rows, compute_row_aligned_layout};
 pub use rules::*;

@@ -363,6 +363,12 @@ pub struct ShardingPlan {
     location: Vec<(usize, usize)>,
 }
 
+/// The most elements a planned buffer may have: `isize::MAX / 16`, so that any buffer's bytes
+/// at up to 16 bytes an element (the widest state a buffer's element carries, summed) fit what
+/// an allocation can address, and every byte count made from it fits `usize` (2^59 elements on
+/// a 64-bit target: far past any device's memory, so only absurd inputs meet it).
+pub const MAX_BUFFER_NUMEL: usize = isize::MAX as usize / 16;
+
 impl ShardingPlan {
     /// Plans `specs` (forward order) under `cfg`.
     ///
@@ -372,7 +378,8 @@ impl ShardingPlan {
     /// `numel` or passes usize), [`LayoutError::MixedStrategies`] (replicated and sharded
     /// owners in one plan: the gradient norm would mix local and rank-summed parts),
     /// [`LayoutError::QuantizedNeedsGather`] (low-precision storage under a replicated
-    /// strategy), [`LayoutError::Nvfp4Tiles`], and those of the layout rules.
+    /// strategy), [`LayoutError::Nvfp4Tiles`], [`LayoutError::TooLarge`] (a buffer past
+    /// [`MAX_BUFFER_NUMEL`] elements), and those of the layout rules.
     pub fn new(specs: &[ParamSpec], cfg: &PlanConfig) -> Result<Self, LayoutError> {
         if cfg.dp == 0 {
             return Err(LayoutError::ZeroDataParallel);
@@ -448,6 +455,11 @@ impl ShardingPlan {
             } else {
                 layout
             };
+            if layout.numel > MAX_BUFFER_NUMEL {
+                return Err(LayoutError::TooLarge {
+                    numel: layout.numel,
+                });
+            }
             let packed = (key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4))
                 .then(|| packed_layout(&layout))
                 .transpose()?;
