@@ -215,8 +215,9 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
             bytes,
             copy_bw,
         );
-        // The host's share: the calls' checks, tables and launches, timed on the host with the
-        // GPU idle before (the part of the above that no kernel runs beside).
+        // The host's share: the calls' checks, tables and launches, timed on the host from an
+        // idle GPU (which stays idle until the first launch: in the times above, that part
+        // runs beside no kernel).
         let mut host: Vec<f64> = (0..20)
             .map(|_| {
                 dev.synchronize().expect("sync");

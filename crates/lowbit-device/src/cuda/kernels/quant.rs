@@ -928,7 +928,8 @@ impl CudaDevice {
         let (mut taken, mut rest) = (Vec::new(), Vec::new());
         for (i, &(rows, cols, kind, tiles, rs, cs)) in items.iter().enumerate() {
             let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
-            // Absurd shapes (products past usize) go to the single op, which names them.
+            // Products past usize cannot come from `Device::mxfp8_scales_2d_many` (it checks
+            // every shape first); checked here too so that nothing below can wrap.
             let (Some(nr), Some(nc), Some(nt)) = (
                 rows.checked_mul(tc),
                 tr.checked_mul(cols),
