@@ -50,11 +50,11 @@ pub enum LayoutError {
     /// An offset computation overflowed `usize`.
     #[error("buffer offsets overflow usize")]
     Overflow,
-    /// A buffer past [`crate::plan::MAX_BUFFER_NUMEL`] elements: its bytes would pass what an
-    /// allocation can address.
-    #[error("a buffer of {numel} elements is larger than this machine can address")]
+    /// Buffers of more than [`crate::plan::MAX_PLAN_NUMEL`] elements together: their bytes
+    /// would pass what this machine can address.
+    #[error("buffers of {numel} elements or more are larger than this machine can address")]
     TooLarge {
-        /// The buffer's elements (padding included).
+        /// The elements planned when the limit was passed (padding included).
         numel: usize,
     },
     /// A rank outside `0..dp`.

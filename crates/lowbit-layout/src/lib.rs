@@ -122,7 +122,7 @@ pub use packed::{
     packed_shard_range,
 };
 pub use plan::{
-    BufferPlan, GradReduce, GroupId, MAX_BUFFER_NUMEL, OwnedPiece, ParamGather, PlanConfig,
+    BufferPlan, GradReduce, GroupId, MAX_PLAN_NUMEL, OwnedPiece, ParamGather, PlanConfig,
     ShardingPlan, ShardingStrategy, matrix_dims, row_block,
 };
 pub use rows::{chunk_rows, compute_row_aligned_layout};

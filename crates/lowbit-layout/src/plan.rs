@@ -363,11 +363,12 @@ pub struct ShardingPlan {
     location: Vec<(usize, usize)>,
 }
 
-/// The most elements a planned buffer may have: `isize::MAX / 16`, so that any buffer's bytes
-/// at up to 16 bytes an element (the widest state a buffer's element carries, summed) fit what
-/// an allocation can address, and every byte count made from it fits `usize` (2^59 elements on
-/// a 64-bit target: far past any device's memory, so only absurd inputs meet it).
-pub const MAX_BUFFER_NUMEL: usize = isize::MAX as usize / 16;
+/// The most elements a plan's buffers may hold together: `isize::MAX / 16`, so that their bytes
+/// at up to 16 bytes an element (the widest state an element carries, summed over what the
+/// buffers and optimizers keep) fit what an allocation can address, and every byte count or
+/// sum of them made from a plan fits `usize` (2^59 elements on a 64-bit target: far past any
+/// device's memory, so only absurd inputs meet it).
+pub const MAX_PLAN_NUMEL: usize = isize::MAX as usize / 16;
 
 impl ShardingPlan {
     /// Plans `specs` (forward order) under `cfg`.
@@ -378,8 +379,8 @@ impl ShardingPlan {
     /// `numel` or passes usize), [`LayoutError::MixedStrategies`] (replicated and sharded
     /// owners in one plan: the gradient norm would mix local and rank-summed parts),
     /// [`LayoutError::QuantizedNeedsGather`] (low-precision storage under a replicated
-    /// strategy), [`LayoutError::Nvfp4Tiles`], [`LayoutError::TooLarge`] (a buffer past
-    /// [`MAX_BUFFER_NUMEL`] elements), and those of the layout rules.
+    /// strategy), [`LayoutError::Nvfp4Tiles`], [`LayoutError::TooLarge`] (buffers of more
+    /// than [`MAX_PLAN_NUMEL`] elements together), and those of the layout rules.
     pub fn new(specs: &[ParamSpec], cfg: &PlanConfig) -> Result<Self, LayoutError> {
         if cfg.dp == 0 {
             return Err(LayoutError::ZeroDataParallel);
@@ -428,6 +429,8 @@ impl ShardingPlan {
         }
         let mut buffers = Vec::new();
         let mut location = vec![(0, 0); specs.len()];
+        // The buffers' elements so far (padding included), against MAX_PLAN_NUMEL.
+        let mut total = 0usize;
         for (key, members) in group_params(specs) {
             let strategy = cfg.strategy_of(key.owner);
             let lcfg = LayoutConfig {
@@ -455,10 +458,9 @@ impl ShardingPlan {
             } else {
                 layout
             };
-            if layout.numel > MAX_BUFFER_NUMEL {
-                return Err(LayoutError::TooLarge {
-                    numel: layout.numel,
-                });
+            total = total.saturating_add(layout.numel);
+            if total > MAX_PLAN_NUMEL {
+                return Err(LayoutError::TooLarge { numel: total });
             }
             let packed = (key.param_storage == ParamStorage::Quantized(QuantKind::Nvfp4))
                 .then(|| packed_layout(&layout))

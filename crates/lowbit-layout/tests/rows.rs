@@ -103,3 +103,21 @@ fn absurd_sizes_are_errors_not_panics() {
         }
     }
 }
+
+/// Buffers that each fit but together pass `MAX_PLAN_NUMEL` are `TooLarge`: every sum of their
+/// byte counts (a rank's memory) must fit `usize` too.
+#[test]
+fn buffers_too_large_together_are_refused() {
+    use lowbit_layout::{LayoutError, MAX_PLAN_NUMEL};
+    let each = MAX_PLAN_NUMEL / 4 + 1;
+    let specs: Vec<ParamSpec> = (0..4)
+        .map(|owner| {
+            let key = BufferKey::new(ParamStorage::Bf16, GradDType::F32, OptimizerId(owner));
+            ParamSpec::new(format!("w{owner}"), vec![each], key)
+        })
+        .collect();
+    let cfg = PlanConfig::new(1, ShardingStrategy::Distributed);
+    assert!(ShardingPlan::new(&specs[..3], &cfg).is_ok());
+    let err = ShardingPlan::new(&specs, &cfg).unwrap_err();
+    assert!(matches!(err, LayoutError::TooLarge { .. }), "{err}");
+}
