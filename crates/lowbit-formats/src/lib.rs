@@ -407,6 +407,40 @@ pub(crate) fn thread_count(requested: usize) -> usize {
     }
 }
 
+/// Whether `tiles` tiles (of a layout whose count for a `rows × cols` matrix is
+/// `tile_count(rows, cols)`) cover the flat range `start .. start + len` of a row-major matrix
+/// with `cols` columns: the sharded 2D helpers index a tile for every element and divide by
+/// `cols`. An empty range needs nothing.
+pub(crate) fn check_tile_cover(
+    name: &str,
+    (start, len, cols): (usize, usize, usize),
+    tiles: usize,
+    tile_count: fn(usize, usize) -> usize,
+) -> Result<(), FormatError> {
+    let bad = |reason: String| {
+        Err(FormatError::Unsupported {
+            name: name.into(),
+            reason,
+        })
+    };
+    if len == 0 {
+        return Ok(());
+    }
+    let Some(end) = start.checked_add(len) else {
+        return bad(format!("the range {start} + {len} passes usize"));
+    };
+    if cols == 0 {
+        return bad("a matrix of zero columns has no elements".into());
+    }
+    // ceil(end / cols) rows of `cols`: the tile count is about end / 256 at most, no overflow.
+    if tiles < tile_count(end.div_ceil(cols), cols) {
+        return bad(format!(
+            "{tiles} tiles cannot cover elements {start}..{end} of a matrix of {cols} columns"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

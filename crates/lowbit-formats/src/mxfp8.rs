@@ -592,11 +592,27 @@ pub mod sharded {
 
     /// Folds the magnitudes of elements `start ..` (flat, row-major, `cols` columns) into the
     /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
-    pub fn fold_tile_amax_2d(values: &[f32], start: usize, cols: usize, tiles: &mut [f32]) {
+    ///
+    /// # Errors
+    /// [`FormatError::Unsupported`] where `tiles` does not cover the range (or `cols` is 0, or
+    /// the range passes `usize`); nothing is folded then.
+    pub fn fold_tile_amax_2d(
+        values: &[f32],
+        start: usize,
+        cols: usize,
+        tiles: &mut [f32],
+    ) -> Result<(), FormatError> {
+        crate::check_tile_cover(
+            "mxfp8 shard",
+            (start, values.len(), cols),
+            tiles.len(),
+            tile_count,
+        )?;
         for (i, &v) in values.iter().enumerate() {
             let t = tile_of(start + i, cols);
             tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
         }
+        Ok(())
     }
 
     /// fp8 codes of elements `start ..` (one byte each) given the reduced tile amaxes.
@@ -614,6 +630,12 @@ pub mod sharded {
                 reason: format!("{} values for {} bytes", values.len(), out.len()),
             });
         }
+        crate::check_tile_cover(
+            "mxfp8 shard",
+            (start, values.len(), cols),
+            tiles.len(),
+            tile_count,
+        )?;
         let rcp = kind.max_norm_rcp();
         for (i, (o, &v)) in out.iter_mut().zip(values).enumerate() {
             let (_, s) = scale_of(tiles[tile_of(start + i, cols)].to_bits(), rcp);
@@ -625,19 +647,41 @@ pub mod sharded {
     /// The rowwise (`[rows, ceil(cols/32)]`) and columnwise (`[ceil(rows/32), cols]`) E8M0
     /// scales of a 2D-quantized matrix with the reduced tile amaxes `tiles`.
     ///
-    /// # Panics
-    /// If `tiles.len()` is not [`tile_count`]`(rows, cols)` or the scale sizes pass `usize`
-    /// (callers check the shape first, as `lowbit_device::Device::mxfp8_scales_2d` does).
-    pub fn scales_2d(rows: usize, cols: usize, kind: Fp8Kind, tiles: &[f32]) -> (Vec<u8>, Vec<u8>) {
+    /// # Errors
+    /// [`FormatError::Unsupported`] where `tiles` is not [`tile_count`]`(rows, cols)` long or
+    /// the scale sizes pass `usize`.
+    pub fn scales_2d(
+        rows: usize,
+        cols: usize,
+        kind: Fp8Kind,
+        tiles: &[f32],
+    ) -> Result<(Vec<u8>, Vec<u8>), FormatError> {
+        let (tr, tc) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
+        let sizes = (
+            tr.checked_mul(tc),
+            rows.checked_mul(tc),
+            tr.checked_mul(cols),
+        );
+        let (Some(n), Some(_), Some(_)) = sizes else {
+            return Err(FormatError::Unsupported {
+                name: "mxfp8 shard".into(),
+                reason: format!("a {rows}x{cols} matrix's scales pass usize"),
+            });
+        };
+        if tiles.len() != n {
+            return Err(FormatError::Unsupported {
+                name: "mxfp8 shard".into(),
+                reason: format!("{} tiles for a {rows}x{cols} matrix", tiles.len()),
+            });
+        }
         let rcp = kind.max_norm_rcp();
-        let tc = cols.div_ceil(BLOCK);
         let e: Vec<u8> = tiles.iter().map(|t| scale_of(t.to_bits(), rcp).0).collect();
         let row = (0..rows * tc)
             .map(|i| e[(i / tc / BLOCK) * tc + i % tc])
             .collect();
-        let col = (0..rows.div_ceil(BLOCK) * cols)
+        let col = (0..tr * cols)
             .map(|i| e[(i / cols) * tc + (i % cols) / BLOCK])
             .collect();
-        (row, col)
+        Ok((row, col))
     }
 }

@@ -602,13 +602,29 @@ pub mod sharded {
 
     /// Folds the magnitudes of elements `start ..` (flat, row-major, `cols` columns) into the
     /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
-    pub fn fold_tile_amax_2d(values: &[f32], start: usize, cols: usize, tiles: &mut [f32]) {
+    ///
+    /// # Errors
+    /// [`FormatError::Unsupported`] where `tiles` does not cover the range (or `cols` is 0, or
+    /// the range passes `usize`); nothing is folded then.
+    pub fn fold_tile_amax_2d(
+        values: &[f32],
+        start: usize,
+        cols: usize,
+        tiles: &mut [f32],
+    ) -> Result<(), FormatError> {
+        crate::check_tile_cover(
+            "nvfp4 shard",
+            (start, values.len(), cols),
+            tiles.len(),
+            tile_count,
+        )?;
         let tc = cols.div_ceil(BLOCK);
         for (i, &v) in values.iter().enumerate() {
             let flat = start + i;
             let t = (flat / cols / BLOCK) * tc + (flat % cols) / BLOCK;
             tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
         }
+        Ok(())
     }
 
     /// Packed codes (element `2i` in the low nibble) of elements `start ..` given the reduced
@@ -633,6 +649,12 @@ pub mod sharded {
                 ),
             });
         }
+        crate::check_tile_cover(
+            "nvfp4 shard",
+            (start, values.len(), cols),
+            tiles.len(),
+            tile_count,
+        )?;
         let p = Params::new(global_amax(tiles));
         let tc = cols.div_ceil(BLOCK);
         let code = |flat: usize, v: f32| {

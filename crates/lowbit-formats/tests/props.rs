@@ -514,7 +514,7 @@ proptest! {
         let mut tiles = vec![0f32; tile_count(rows, cols)];
         for w in bounds.windows(2) {
             let mut part = vec![0f32; tile_count(rows, cols)];
-            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut part);
+            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut part).unwrap();
             for (t, p) in tiles.iter_mut().zip(&part) {
                 *t = t.max(*p);
             }
@@ -543,13 +543,13 @@ proptest! {
         bounds.dedup();
         let mut tiles = vec![0f32; tile_count(rows, cols)];
         for w in bounds.windows(2) {
-            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut tiles);
+            fold_tile_amax_2d(&x[w[0]..w[1]], w[0], cols, &mut tiles).unwrap();
         }
         let mut bytes = vec![0u8; n];
         for w in bounds.windows(2) {
             quantize_2d_range(&x[w[0]..w[1]], w[0], cols, Fp8Kind::E4M3, &tiles, &mut bytes[w[0]..w[1]]).unwrap();
         }
-        let (rs, cs) = scales_2d(rows, cols, Fp8Kind::E4M3, &tiles);
+        let (rs, cs) = scales_2d(rows, cols, Fp8Kind::E4M3, &tiles).unwrap();
         let want = mx(rows, cols, &x, Mxfp8Config { two_d: true, ..Default::default() });
         let (wr, wc) = (want.rowwise.unwrap(), want.columnwise.unwrap());
         prop_assert_eq!(&bytes, &wr.data);

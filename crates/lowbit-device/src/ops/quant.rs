@@ -897,17 +897,10 @@ impl Device {
         {
             return Ok(());
         }
+        // The tile count and both scale lengths were checked above (`check_scales_2d`).
         let t: Vec<f32> = self.download(tiles)?;
-        if t.len() != mxfp8::sharded::tile_count(rows, cols) {
-            return Err(invalid(
-                WHAT,
-                format!("{} tiles for {rows}x{cols}", t.len()),
-            ));
-        }
         self.note_fallback(WHAT);
-        let (r, c) = mxfp8::sharded::scales_2d(rows, cols, kind, &t);
-        check_len(WHAT, row_scales.len(), r.len())?;
-        check_len(WHAT, col_scales.len(), c.len())?;
+        let (r, c) = mxfp8::sharded::scales_2d(rows, cols, kind, &t)?;
         self.write_bytes(row_scales, &r)?;
         self.write_bytes(col_scales, &c)
     }
@@ -939,6 +932,9 @@ fn check_scales_2d(rows: usize, cols: usize, tiles: View, rs: View, cs: View) ->
     check_len(WHAT, cs.len(), nc)
 }
 
+/// A format's sharded tile-amax fold (`lowbit_formats::{mxfp8,nvfp4}::sharded::fold_tile_amax_2d`).
+type FoldTiles = fn(&[f32], usize, usize, &mut [f32]) -> Result<(), lowbit_formats::FormatError>;
+
 /// Checks that `tiles` covers the flat range `start .. start + len` of a matrix with `cols`
 /// columns (and that `cols > 0`).
 fn check_tiles_cover(
@@ -966,7 +962,7 @@ impl Device {
         what: &'static str,
         (src, start, cols, tiles, tile): (View, usize, usize, View, usize),
         tile_count: fn(usize, usize) -> usize,
-        fold: fn(&[f32], usize, usize, &mut [f32]),
+        fold: FoldTiles,
     ) -> Result<()> {
         check_float(what, src)?;
         check_dtype(what, tiles, DType::F32)?;
@@ -978,7 +974,7 @@ impl Device {
         let values = self.read_f32(src)?;
         self.note_fallback(what);
         let mut t: Vec<f32> = self.download(tiles)?;
-        fold(&values, start, cols, &mut t);
+        fold(&values, start, cols, &mut t)?;
         self.upload(tiles, &t)
     }
 
@@ -1103,7 +1099,7 @@ impl Device {
                 Format2d::Nvfp4 => {
                     nvfp4::sharded::fold_tile_amax_2d(&values, p.start, p.cols, &mut t)
                 }
-            }
+            }?;
             self.upload(p.tiles, &t)?;
         }
         Ok(())
