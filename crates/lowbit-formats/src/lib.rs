@@ -407,11 +407,16 @@ pub(crate) fn thread_count(requested: usize) -> usize {
     }
 }
 
-/// Whether `tiles` tiles (of a layout whose count for a `rows × cols` matrix is
-/// `tile_count(rows, cols)`) cover the flat range `start .. start + len` of a row-major matrix
-/// with `cols` columns: the sharded 2D helpers index a tile for every element and divide by
-/// `cols`. An empty range needs nothing.
-pub(crate) fn check_tile_cover(
+/// The tile-cover rule of the sharded 2D helpers (`mxfp8::sharded`, `nvfp4::sharded`), which
+/// index a tile for every element and divide by `cols`: `tiles` tiles (of a layout counting
+/// `tile_count(rows, cols)` for a `rows × cols` matrix) cover the flat range `start .. start +
+/// len` of a row-major matrix with `cols` columns. Callers that accept an empty range do so
+/// before asking (the helpers do; `lowbit_device`'s folds do not).
+///
+/// # Errors
+/// [`FormatError::Unsupported`] (tensor `name`) for a range past `usize`, zero columns, or too
+/// few tiles.
+pub fn check_tile_cover(
     name: &str,
     (start, len, cols): (usize, usize, usize),
     tiles: usize,
@@ -423,9 +428,6 @@ pub(crate) fn check_tile_cover(
             reason,
         })
     };
-    if len == 0 {
-        return Ok(());
-    }
     let Some(end) = start.checked_add(len) else {
         return bad(format!("the range {start} + {len} passes usize"));
     };
@@ -437,6 +439,35 @@ pub(crate) fn check_tile_cover(
         return bad(format!(
             "{tiles} tiles cannot cover elements {start}..{end} of a matrix of {cols} columns"
         ));
+    }
+    Ok(())
+}
+
+/// The tile of flat element `flat` of a row-major matrix with `cols` columns under square
+/// tiles of `BLOCK` (row-major tiles, `ceil(cols / BLOCK)` a tile row; a constant, so the
+/// divisions by it are shifts).
+pub(crate) fn tile_of<const BLOCK: usize>(flat: usize, cols: usize) -> usize {
+    (flat / cols / BLOCK) * cols.div_ceil(BLOCK) + (flat % cols) / BLOCK
+}
+
+/// The sharded helpers' fold (both formats; `BLOCK` and `tile_count` the format's): the
+/// magnitudes of elements `start ..` into their tiles' amaxes (u32-bit max, NaN as 0), after
+/// [`check_tile_cover`] for a non-empty range.
+pub(crate) fn fold_tile_amax_2d<const BLOCK: usize>(
+    name: &str,
+    tile_count: fn(usize, usize) -> usize,
+    values: &[f32],
+    start: usize,
+    cols: usize,
+    tiles: &mut [f32],
+) -> Result<(), FormatError> {
+    if values.is_empty() {
+        return Ok(());
+    }
+    check_tile_cover(name, (start, values.len(), cols), tiles.len(), tile_count)?;
+    for (i, &v) in values.iter().enumerate() {
+        let t = tile_of::<BLOCK>(start + i, cols);
+        tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
     }
     Ok(())
 }

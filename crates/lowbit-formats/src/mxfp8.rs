@@ -579,40 +579,26 @@ pub(crate) fn check_plane(
 /// and its tile's amax. Both copies are the same bytes, so half the traffic of bf16 staging.
 pub mod sharded {
     use super::{BLOCK, scale_of};
-    use crate::{FormatError, Fp8Kind, abs_bits_nan_zero};
+    use crate::{FormatError, Fp8Kind};
 
     /// Tiles of a `rows × cols` matrix: `ceil(rows/32) · ceil(cols/32)`.
     pub fn tile_count(rows: usize, cols: usize) -> usize {
         rows.div_ceil(BLOCK) * cols.div_ceil(BLOCK)
     }
 
-    fn tile_of(flat: usize, cols: usize) -> usize {
-        (flat / cols / BLOCK) * cols.div_ceil(BLOCK) + (flat % cols) / BLOCK
-    }
-
     /// Folds the magnitudes of elements `start ..` (flat, row-major, `cols` columns) into the
     /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
     ///
     /// # Errors
-    /// [`FormatError::Unsupported`] where `tiles` does not cover the range (or `cols` is 0, or
-    /// the range passes `usize`); nothing is folded then.
+    /// [`FormatError::Unsupported`] where `tiles` does not cover a non-empty range (or `cols`
+    /// is 0, or the range passes `usize`; [`crate::check_tile_cover`]); nothing is folded then.
     pub fn fold_tile_amax_2d(
         values: &[f32],
         start: usize,
         cols: usize,
         tiles: &mut [f32],
     ) -> Result<(), FormatError> {
-        crate::check_tile_cover(
-            "mxfp8 shard",
-            (start, values.len(), cols),
-            tiles.len(),
-            tile_count,
-        )?;
-        for (i, &v) in values.iter().enumerate() {
-            let t = tile_of(start + i, cols);
-            tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
-        }
-        Ok(())
+        crate::fold_tile_amax_2d::<BLOCK>("mxfp8 shard", tile_count, values, start, cols, tiles)
     }
 
     /// fp8 codes of elements `start ..` (one byte each) given the reduced tile amaxes.
@@ -630,6 +616,9 @@ pub mod sharded {
                 reason: format!("{} values for {} bytes", values.len(), out.len()),
             });
         }
+        if values.is_empty() {
+            return Ok(());
+        }
         crate::check_tile_cover(
             "mxfp8 shard",
             (start, values.len(), cols),
@@ -638,7 +627,10 @@ pub mod sharded {
         )?;
         let rcp = kind.max_norm_rcp();
         for (i, (o, &v)) in out.iter_mut().zip(values).enumerate() {
-            let (_, s) = scale_of(tiles[tile_of(start + i, cols)].to_bits(), rcp);
+            let (_, s) = scale_of(
+                tiles[crate::tile_of::<BLOCK>(start + i, cols)].to_bits(),
+                rcp,
+            );
             *o = kind.encode(v * s);
         }
         Ok(())

@@ -593,7 +593,7 @@ fn dequantize_plane(p: &QuantPlane, rows: usize, cols: usize, amax: f32) -> Vec<
 pub mod sharded {
     use super::{BLOCK, Nvfp4Tensor, Params};
     use crate::scalar::e2m1_from_f32;
-    use crate::{FormatError, QuantPlane, abs_bits_nan_zero};
+    use crate::{FormatError, QuantPlane};
 
     /// Tiles of a `rows × cols` matrix: `ceil(rows/16) · ceil(cols/16)`.
     pub fn tile_count(rows: usize, cols: usize) -> usize {
@@ -604,27 +604,15 @@ pub mod sharded {
     /// per-tile amaxes `tiles` (non-negative f32, NaN ignored).
     ///
     /// # Errors
-    /// [`FormatError::Unsupported`] where `tiles` does not cover the range (or `cols` is 0, or
-    /// the range passes `usize`); nothing is folded then.
+    /// [`FormatError::Unsupported`] where `tiles` does not cover a non-empty range (or `cols`
+    /// is 0, or the range passes `usize`; [`crate::check_tile_cover`]); nothing is folded then.
     pub fn fold_tile_amax_2d(
         values: &[f32],
         start: usize,
         cols: usize,
         tiles: &mut [f32],
     ) -> Result<(), FormatError> {
-        crate::check_tile_cover(
-            "nvfp4 shard",
-            (start, values.len(), cols),
-            tiles.len(),
-            tile_count,
-        )?;
-        let tc = cols.div_ceil(BLOCK);
-        for (i, &v) in values.iter().enumerate() {
-            let flat = start + i;
-            let t = (flat / cols / BLOCK) * tc + (flat % cols) / BLOCK;
-            tiles[t] = f32::from_bits(tiles[t].to_bits().max(abs_bits_nan_zero(v)));
-        }
-        Ok(())
+        crate::fold_tile_amax_2d::<BLOCK>("nvfp4 shard", tile_count, values, start, cols, tiles)
     }
 
     /// Packed codes (element `2i` in the low nibble) of elements `start ..` given the reduced
@@ -649,6 +637,9 @@ pub mod sharded {
                 ),
             });
         }
+        if values.is_empty() {
+            return Ok(());
+        }
         crate::check_tile_cover(
             "nvfp4 shard",
             (start, values.len(), cols),
@@ -656,10 +647,8 @@ pub mod sharded {
             tile_count,
         )?;
         let p = Params::new(global_amax(tiles));
-        let tc = cols.div_ceil(BLOCK);
         let code = |flat: usize, v: f32| {
-            let t = (flat / cols / BLOCK) * tc + (flat % cols) / BLOCK;
-            let (_, rcp) = p.block(tiles[t].to_bits());
+            let (_, rcp) = p.block(tiles[crate::tile_of::<BLOCK>(flat, cols)].to_bits());
             e2m1_from_f32(v * rcp)
         };
         for (j, (o, pair)) in out.iter_mut().zip(values.chunks_exact(2)).enumerate() {

@@ -936,23 +936,18 @@ fn check_scales_2d(rows: usize, cols: usize, tiles: View, rs: View, cs: View) ->
 type FoldTiles = fn(&[f32], usize, usize, &mut [f32]) -> Result<(), lowbit_formats::FormatError>;
 
 /// Checks that `tiles` covers the flat range `start .. start + len` of a matrix with `cols`
-/// columns (and that `cols > 0`).
+/// columns (and that `cols > 0`), even an empty one: the formats' rule
+/// ([`lowbit_formats::check_tile_cover`]), as this op's [`crate::DeviceError::Invalid`].
 fn check_tiles_cover(
     what: &'static str,
-    (start, len, cols): (usize, usize, usize),
+    cover: (usize, usize, usize),
     tiles: View,
     tile_count: fn(usize, usize) -> usize,
 ) -> Result<()> {
-    let end = start
-        .checked_add(len)
-        .ok_or_else(|| invalid(what, format!("range {start} + {len} overflows usize")))?;
-    if cols == 0 || tiles.len() < tile_count(end.div_ceil(cols), cols) {
-        return Err(invalid(
-            what,
-            format!("{} tiles cannot cover the range", tiles.len()),
-        ));
-    }
-    Ok(())
+    lowbit_formats::check_tile_cover(what, cover, tiles.len(), tile_count).map_err(|e| match e {
+        lowbit_formats::FormatError::Unsupported { reason, .. } => invalid(what, reason),
+        other => other.into(),
+    })
 }
 
 /// The shared bodies of the sharded 2D ops: view checks, host round trip, the format's function.
