@@ -877,14 +877,15 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
 // shape, each a partial wave with its own ramp and tail (1B's four shapes per group). CTA b
 // finds its matrix by a binary search over `first` in the parameters (uniform across the CTA).
 // `dims`: rows and cols (each below 2^32). Same host checks and bytes as version 5.
-#define FINISH2D_MIXED_MAX 64
+#define FINISH2D_MIXED_MAX 128
 struct Finish2dMixedParams {
     uint32_t items, pad;
     uint32_t first[FINISH2D_MIXED_MAX];
     uint32_t dims[FINISH2D_MIXED_MAX][2];
     u64 ptrs[FINISH2D_MIXED_MAX][6];
 };
-// The host passes exactly these bytes (nvfp4.rs, FINISH2D_MIXED_MAX rows: 3848 bytes).
+// The host passes exactly these bytes (nvfp4.rs, FINISH2D_MIXED_MAX rows: 7688 bytes, within
+// the 32764 a launch may pass since CUDA 12.1).
 static_assert(sizeof(Finish2dMixedParams) == 8 + 12 * FINISH2D_MIXED_MAX + 48 * FINISH2D_MIXED_MAX,
               "parameter layout");
 

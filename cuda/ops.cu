@@ -2368,19 +2368,23 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 // Llama-3.2-1B's 112 matrices.
 // The table travels in the parameters (the constant bank: no upload per call, as
 // mxfp8_both_e4m3_bf16_v4_many): `items` the matrices, `units` the items of all of them,
-// `first` each matrix's first item (ascending from 0), `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
-// max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists).
-#define SCALES2D_MAX 64
+// `first` each matrix's first item (ascending from 0), `slot` each grid row's first matrix
+// (ascending from 0; a row holds matrices slot[y] .. slot[y + 1], or .. items for the last),
+// `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
+// max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists;
+// 8208 bytes of parameters, within the 32764 a launch may pass since CUDA 12.1).
+#define SCALES2D_MAX 128
 #define SCALES2D_CODES 256
 #define SCALES2D_THREADS 256
 struct Scales2dParams {
     u64 items;
     u64 units;
     u64 first[SCALES2D_MAX];
+    u64 slot[SCALES2D_MAX];
     u64 rows[SCALES2D_MAX][6];
 };
 // The host passes exactly these bytes (quant.rs, SCALES2D_MAX, SCALES2D_CODES).
-static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 7), "parameter layout");
+static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 8), "parameter layout");
 
 // a / b and a % b in 32 bits where both fit (the 64-bit division is a long emulated sequence).
 __device__ __forceinline__ void divmod_u64(u64 a, u64 b, u64& q, u64& r) {
@@ -2490,17 +2494,24 @@ __device__ __forceinline__ void scales2d_store(const Scales2dItem& it, const uin
     }
 }
 
-// Grid (the most items of a matrix, matrices): CTA (x, m) takes item x of matrix m, or exits
-// where matrix m has fewer. A 1-D grid found each CTA's matrix by a binary search in the
+// Grid (the width, slots): a slot is a run of consecutive matrices whose items together are
+// at most the width (the host packs them), and CTA (x, y) takes item x of slot y, or exits
+// past the slot's items. The CTA finds its matrix by a scan over the slot's few matrices, all
+// threads reading the same parameter words. One grid row per matrix (the version before)
+// left half of Llama-3.2-1B's CTAs empty (a row as wide as the largest matrix's 64 items for
+// matrices of 4 and 16); a 1-D grid found each CTA's matrix by a binary search in the
 // parameters, six dependent reads of the constant bank that missed its cache. Exactly
 // SCALES2D_THREADS threads a CTA (thread e codes tiles e, e + SCALES2D_THREADS, ...).
 extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS) mxfp8_scales_2d_many(const Scales2dParams p) {
     constexpr uint32_t K = SCALES2D_CODES / SCALES2D_THREADS;  // tiles a thread
     static_assert(K * SCALES2D_THREADS == SCALES2D_CODES, "whole tiles a thread");
     __shared__ __align__(16) uint8_t code[SCALES2D_CODES];
-    const uint32_t m = blockIdx.y;
-    const u64 u = p.first[m] + blockIdx.x, end = m + 1 < p.items ? p.first[m + 1] : p.units;
+    const uint32_t y = blockIdx.y;
+    uint32_t m = (uint32_t)p.slot[y];
+    const uint32_t last = y + 1 < gridDim.y ? (uint32_t)p.slot[y + 1] : (uint32_t)p.items;
+    const u64 u = p.first[m] + blockIdx.x, end = last < p.items ? p.first[last] : p.units;
     if (u >= end) return;
+    while (m + 1 < last && p.first[m + 1] <= u) ++m;
     const Scales2dItem it = scales2d_item(p, m, u);
     float t[K];
 #pragma unroll

@@ -34,7 +34,7 @@ pub struct Module {
 }
 
 /// Every embedded module, in file-name order. A new `.cu` file needs an entry here.
-pub const MODULES: &[Module] = &[
+pub static MODULES: &[Module] = &[
     Module {
         name: "mxfp8",
         arch: "sm_90",
@@ -71,4 +71,46 @@ pub fn source_hash(bytes: &[u8]) -> u64 {
 pub fn recorded_hash(ptx: &str) -> Option<u64> {
     let line = ptx.lines().next()?;
     u64::from_str_radix(line.strip_prefix(HASH_HEADER)?.trim(), 16).ok()
+}
+
+/// The byte size of `kernel`'s parameter where the kernel takes exactly one and it is a byte
+/// array (a struct passed by value, as the launch tables of `lowbit-device` are), read from the
+/// embedded PTX's `.entry` declaration; `None` for a kernel that is in no module or takes
+/// other parameters. `lowbit-device` checks the tables it builds against this size before
+/// launching, so a host table and a kernel struct that disagree (a capacity changed on one
+/// side only) fail as an error, not as a launch that reads or writes the wrong addresses.
+pub fn struct_param_bytes(kernel: &str) -> Option<usize> {
+    static TABLE: std::sync::OnceLock<std::collections::HashMap<&'static str, usize>> =
+        std::sync::OnceLock::new();
+    TABLE
+        .get_or_init(|| MODULES.iter().flat_map(|m| struct_params(m.ptx)).collect())
+        .get(kernel)
+        .copied()
+}
+
+/// The kernels of one PTX module that take one `.b8` array parameter, with its byte size.
+fn struct_params(ptx: &'static str) -> impl Iterator<Item = (&'static str, usize)> {
+    let mut lines = ptx.lines();
+    std::iter::from_fn(move || {
+        loop {
+            let line = lines.next()?;
+            let Some(rest) = line.split_once(".entry ").map(|(_, r)| r) else {
+                continue;
+            };
+            let name = rest.strip_suffix('(')?.trim();
+            // `.param .align A .b8 NAME_param_0[N]` then `)`: one array parameter.
+            let param = lines.next()?.trim();
+            let size = param
+                .strip_prefix(".param ")
+                .and_then(|p| p.split_once(".b8 "))
+                .and_then(|(_, decl)| decl.strip_prefix(name))
+                .and_then(|d| d.strip_prefix("_param_0["))
+                .and_then(|d| d.strip_suffix(']'))
+                .and_then(|n| n.parse().ok());
+            match (size, lines.next().map(str::trim)) {
+                (Some(n), Some(")")) => return Some((name, n)),
+                _ => continue,
+            }
+        }
+    })
 }

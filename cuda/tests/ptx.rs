@@ -61,3 +61,27 @@ fn recorded_hash_reads_the_header_line_only() {
     assert_eq!(recorded_hash(""), None);
     assert_eq!(recorded_hash(&format!("{HASH_HEADER}xyz\n")), None);
 }
+
+/// The launch tables' kernels declare their one struct parameter with its size; kernels with
+/// other parameters, and names no module has, have none.
+#[test]
+fn struct_param_bytes_reads_the_entry_declarations() {
+    use lowbit_kernels::struct_param_bytes;
+    for kernel in [
+        "mxfp8_scales_2d_many",
+        "nvfp4x_finish_2d_mixed",
+        "mxfp8_both_e4m3_bf16_v4_many",
+        "u32_max_many_p",
+    ] {
+        let n = struct_param_bytes(kernel).unwrap_or_else(|| panic!("{kernel}: no size"));
+        assert!(n > 0 && n.is_multiple_of(8), "{kernel}: {n} bytes");
+    }
+    // The size the kernel's own static_assert fixes.
+    assert_eq!(
+        struct_param_bytes("mxfp8_both_e4m3_bf16_v4_many"),
+        Some(5128)
+    );
+    assert_eq!(struct_param_bytes("no_such_kernel"), None);
+    // A kernel of several scalar parameters.
+    assert_eq!(struct_param_bytes("mxfp8_scales_2d"), None);
+}

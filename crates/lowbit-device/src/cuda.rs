@@ -144,7 +144,7 @@ pub(crate) struct CudaDevice {
     /// allows it. Same bytes.
     nvfp4_version: u32,
     /// How `nvfp4_finish_2d_many` completes gathered 2D NVFP4 weights: 7 (the default: 5's
-    /// 512x512 blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 64 matrices,
+    /// 512x512 blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 128 matrices,
     /// where the call has at least 128 blocks, else as 5), 5 (4 with
     /// `nvfp4x_finish_2d_same_v5`'s 512x512 blocks, whose scale copies go out in whole 32-byte
     /// sectors, where a launch has enough of them; 6: wherever it can, for tests), 4 (one amax launch, one
@@ -530,9 +530,13 @@ impl CudaDevice {
     /// table in the kernel's parameter space: the constant bank, read through the SM's
     /// constant cache).
     ///
+    /// # Errors
+    /// The kernel does not take exactly one struct parameter of `8 · words.len()` bytes (as its
+    /// PTX declares it: a host table and a kernel struct that disagree), or the launch fails.
+    ///
     /// # Safety
-    /// The kernel's only parameter is a struct of exactly `8 · words.len()` bytes (8-byte
-    /// aligned), and the words satisfy the kernel's contract.
+    /// The kernel's only parameter is a struct of 8-byte aligned words, and the words satisfy
+    /// the kernel's contract.
     pub(crate) unsafe fn launch_words(
         &mut self,
         name: &'static str,
@@ -540,8 +544,18 @@ impl CudaDevice {
         block: (u32, u32, u32),
         words: &mut [u64],
     ) -> Result<()> {
-        // SAFETY: the one parameter points at `words`, which outlive the call; the caller
-        // guarantees its size and contents.
+        let bytes = 8 * words.len();
+        match crate::ptx::struct_param_bytes(name) {
+            Some(n) if n == bytes => {}
+            n => {
+                return Err(DeviceError::Cuda(format!(
+                    "launching {name}: the host built {bytes} parameter bytes, the kernel takes {}",
+                    n.map_or("other parameters".into(), |n| format!("{n} bytes"))
+                )));
+            }
+        }
+        // SAFETY: the one parameter points at `words`, which outlive the call, and is as long
+        // as the kernel's parameter (checked above); the caller guarantees its contents.
         unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()]) }
     }
 

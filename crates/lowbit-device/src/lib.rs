@@ -739,7 +739,7 @@ impl Device {
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;
     /// `("nvfp4_finish_2d", 1..=7)`: how
     /// [`Device::nvfp4_finish_2d_many`] runs, 7 by default: one launch for the 512x512 blocks
-    /// of every shape (64 matrices a launch; as 5 where the call has fewer than 128 blocks),
+    /// of every shape (128 matrices a launch; as 5 where the call has fewer than 128 blocks),
     /// 5: one launch per shape (512x512
     /// blocks, the scale copies in whole 32-byte sectors; 4's tiles where a launch would have
     /// fewer than 128 blocks; 6: the blocks always) and one host read, 4: the same over

@@ -7,4 +7,6 @@
 //! `lowbit-kernels`' tests fail when a `.cu` file changed without its PTX being rebuilt
 //! (`cargo xtask ptx`).
 
-pub use lowbit_kernels::{HASH_HEADER, MODULES, Module, recorded_hash, source_hash};
+pub use lowbit_kernels::{
+    HASH_HEADER, MODULES, Module, recorded_hash, source_hash, struct_param_bytes,
+};

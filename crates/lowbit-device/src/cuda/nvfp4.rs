@@ -58,8 +58,9 @@ fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 5]> {
 const FINISH2D_V5_MIN_CTAS: u64 = 128;
 
 /// Matrices per launch of `nvfp4x_finish_2d_mixed`: its parameter struct's capacity
-/// (`FINISH2D_MIXED_MAX` in `cuda/nvfp4.cu`; 3848 bytes of parameters, under the classic 4 KB).
-const FINISH2D_MIXED_MAX: usize = 64;
+/// (`FINISH2D_MIXED_MAX` in `cuda/nvfp4.cu`; 7688 bytes of parameters, so that Llama-3.2-1B's
+/// 112 matrices take one launch).
+const FINISH2D_MIXED_MAX: usize = 128;
 
 /// Version 7's launches of `nvfp4x_finish_2d_mixed` for the qualifying matrices of a call
 /// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses): per launch its CTA
@@ -77,7 +78,7 @@ fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(u32, Vec<u64>)>> {
     if total < FINISH2D_V5_MIN_CTAS {
         return None;
     }
-    // u64 words: [items, pad], first[64] and dims[64][2] as u32 pairs, ptrs[64][6].
+    // u64 words: [items, pad], first[128] and dims[128][2] as u32 pairs, ptrs[128][6].
     const FIRST: usize = 1;
     const DIMS: usize = FIRST + FINISH2D_MIXED_MAX / 2;
     const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
@@ -305,7 +306,7 @@ pub(crate) type Finish2d = ([usize; 2], View, [View; 4]);
 
 impl CudaDevice {
     /// Which path completes gathered 2D NVFP4 weights in `nvfp4_finish_2d_many`: 7 (the
-    /// default: version 5's blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 64
+    /// default: version 5's blocks of every shape in one `nvfp4x_finish_2d_mixed` launch per 128
     /// matrices, see `mixed_launches`), 5 (version 4 over 512x512 blocks, `nvfp4x_finish_2d_same_v5`, whose scale copies go
     /// out in whole 32-byte sectors; `_v4` for launches of fewer than
     /// [`FINISH2D_V5_MIN_CTAS`] blocks; 6: `_v5` for every launch, for tests), 4 (version 3 with one launch per shape,
@@ -318,7 +319,7 @@ impl CudaDevice {
 
     /// [`crate::Device::nvfp4_finish_2d_many`]'s kernel path (version 7, the default: the
     /// qualifying matrices' 512x512 blocks, every shape in one `nvfp4x_finish_2d_mixed` launch
-    /// per 64 matrices where they make at least [`FINISH2D_V5_MIN_CTAS`] blocks, else as
+    /// per 128 matrices where they make at least [`FINISH2D_V5_MIN_CTAS`] blocks, else as
     /// version 5; version 5: the
     /// qualifying matrices by shape, per shape and 64 matrices one `nvfp4x_finish_2d_same_v5`
     /// launch (512x512 blocks; `_v4`'s 256x256 tiles where that grid would be small) for the
@@ -436,8 +437,8 @@ impl CudaDevice {
             && let Some(launches) = mixed_launches(&same)
         {
             for (ctas, mut words) in launches {
-                // SAFETY: `words` is exactly `Finish2dMixedParams` (1 + 6·64 + 6·64 u64 words, the
-                // kernel's FINISH2D_MIXED_MAX = 64; see `mixed_launches`). Each of its rows holds
+                // SAFETY: `words` is exactly `Finish2dMixedParams` (1 + 1.5·128 + 6·128 u64 words,
+                // the kernel's FINISH2D_MIXED_MAX = 128; see `mixed_launches`). Each of its rows holds
                 // the addresses of one matrix's views, validated by the caller with the lengths
                 // `nvfp4x_finish_2d` needs, and its amax word (written by `u32_max_many` above, in
                 // stream order); rows % 32 == 0 and cols % 8 == 0 (both below 2^32) and the 4-byte
@@ -541,7 +542,7 @@ impl std::fmt::Debug for PendingWords {
 
 #[cfg(test)]
 mod tests {
-    use super::{Finish2dSame, mixed_launches};
+    use super::{FINISH2D_MIXED_MAX, Finish2dSame, mixed_launches};
 
     /// `count` matrices of `[rows, cols]` whose six addresses are `tag`, `tag + 1`, ...
     fn shape(rows: u64, cols: u64, count: usize, tag: u64) -> Finish2dSame {
@@ -559,14 +560,16 @@ mod tests {
     /// (little-endian u32 halves): the item count, the padding, each item's first block, rows
     /// and cols, and its six addresses.
     fn unpack(words: &[u64]) -> (u32, u32, Vec<MixedRow>) {
+        const DIMS: usize = 1 + FINISH2D_MIXED_MAX / 2;
+        const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
         let half = |w: usize, k: usize| (words[w] >> (32 * (k % 2))) as u32;
         let items = half(0, 0);
         let rows = (0..items as usize)
             .map(|k| {
                 (
                     half(1 + k / 2, k),
-                    [words[33 + k] as u32, (words[33 + k] >> 32) as u32],
-                    std::array::from_fn(|i| words[97 + 6 * k + i]),
+                    [words[DIMS + k] as u32, (words[DIMS + k] >> 32) as u32],
+                    std::array::from_fn(|i| words[PTRS + 6 * k + i]),
                 )
             })
             .collect();
@@ -575,18 +578,23 @@ mod tests {
 
     #[test]
     fn mixed_launches_pack_the_kernels_parameters() {
-        // 70 one-block matrices, 30 of three blocks (1040 columns: a partial block), 2 of six
-        // (800 rows: a partial block row): 172 blocks, two launches (64 matrices a launch).
+        // 134 one-block matrices, 30 of three blocks (1040 columns: a partial block), 2 of six
+        // (800 rows: a partial block row): 236 blocks, two launches (128 matrices a launch).
         let same = [
-            shape(32, 64, 70, 1000),
+            shape(32, 64, 134, 1000),
             shape(96, 1040, 30, 9000),
             shape(800, 1312, 2, 20000),
         ];
         let launches = mixed_launches(&same).expect("172 blocks take the mixed kernel");
         assert_eq!(launches.len(), 2);
-        assert!(launches.iter().all(|(_, w)| w.len() == 3848 / 8));
+        assert!(launches.iter().all(|(_, w)| w.len() == 7688 / 8));
+        // The kernel's struct, as its PTX declares it.
+        assert_eq!(
+            crate::ptx::struct_param_bytes("nvfp4x_finish_2d_mixed"),
+            Some(7688)
+        );
         let (items, pad, rows) = unpack(&launches[0].1);
-        assert_eq!((items, pad, launches[0].0), (64, 0, 64));
+        assert_eq!((items, pad, launches[0].0), (128, 0, 128));
         for (k, (first, dims, ptrs)) in rows.iter().enumerate() {
             assert_eq!((*first, *dims), (k as u32, [32, 64]));
             assert_eq!(ptrs[0], 1000 + 100 * k as u64);
@@ -605,7 +613,11 @@ mod tests {
         assert_eq!(rows[37].1, [800, 1312]);
         assert_eq!(rows[37].2[3], 20103);
         // Unused rows stay zero (the kernel never reads them).
-        assert!(launches[1].1[97 + 6 * 38..].iter().all(|&w| w == 0));
+        assert!(
+            launches[1].1[1 + 64 + 128 + 6 * 38..]
+                .iter()
+                .all(|&w| w == 0)
+        );
     }
 
     #[test]

@@ -57,8 +57,9 @@ const MXFP8_SAME_MAX: usize = 64;
 type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
 
 /// Matrices per launch of `mxfp8_scales_2d_many`: its parameter struct's capacity
-/// (`SCALES2D_MAX` in `cuda/ops.cu`; 3600 bytes of parameters).
-const SCALES2D_MAX: usize = 64;
+/// (`SCALES2D_MAX` in `cuda/ops.cu`; 8208 bytes of parameters, so that Llama-3.2-1B's 112
+/// matrices take one launch).
+const SCALES2D_MAX: usize = 128;
 
 /// Tiles per CTA item of `mxfp8_scales_2d_many` (`SCALES2D_CODES` in `cuda/ops.cu`).
 const SCALES2D_CODES: usize = 256;
@@ -88,6 +89,40 @@ fn param_table<const W: usize>(
     }
     words[0] = count;
     (words, total)
+}
+
+/// `mxfp8_scales_2d_many`'s `Scales2dParams` for at most [`SCALES2D_MAX`] matrices (each its
+/// six words and its item count) and the launch's grid: the matrix count, the item count,
+/// each matrix's first item, each slot's first matrix, then the matrices' rows. A slot is a
+/// run of consecutive matrices whose items together fit the grid's width (the most items of
+/// one matrix), packed greedily in order: a grid row per slot, not per matrix, so small
+/// matrices share a row instead of leaving most of theirs empty.
+fn scales2d_table(chunk: &[([u64; 6], u64)]) -> (Vec<u64>, (u32, u32, u32)) {
+    debug_assert!(chunk.len() <= SCALES2D_MAX);
+    let width = chunk.iter().map(|c| c.1).max().unwrap_or(0);
+    let mut words = vec![0u64; 2 + SCALES2D_MAX * 8];
+    let (mut units, mut slots, mut fill) = (0u64, 0usize, 0u64);
+    for (k, (row, n)) in chunk.iter().enumerate() {
+        if k == 0 || fill + n > width {
+            words[2 + SCALES2D_MAX + slots] = k as u64;
+            slots += 1;
+            fill = 0;
+        }
+        fill += n;
+        words[2 + k] = units;
+        words[2 + 2 * SCALES2D_MAX + 6 * k..][..6].copy_from_slice(row);
+        units += n;
+    }
+    words[0] = chunk.len() as u64;
+    words[1] = units;
+    // The width is one matrix's item count (below 2^31, checked where the items were made)
+    // and the slots at most SCALES2D_MAX.
+    let grid = (
+        u32::try_from(width).unwrap_or(u32::MAX),
+        u32::try_from(slots).unwrap_or(u32::MAX),
+        1,
+    );
+    (words, grid)
 }
 
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
@@ -960,7 +995,7 @@ impl CudaDevice {
                 u64::from(kind.max_norm_rcp().to_bits()),
             ];
             // The kernel's items: SCALES2D_CODES tiles at most, whole tile rows where a tile
-            // row has no more, else segments of one tile row. A matrix's items are one row of
+            // row has no more, else segments of one tile row. A matrix's items fit one row of
             // the grid, so at most 2^31 - 1 of them (beyond, the single op's grid-stride kernel
             // takes the matrix).
             let n = tc.min(SCALES2D_CODES);
@@ -972,25 +1007,19 @@ impl CudaDevice {
             taken.push((row, items as u64));
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
-            // The kernel's `Scales2dParams`: the matrix count, the item count, each matrix's
-            // first item, then the matrices' rows.
-            let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
-            words[1] = units;
-            // Grid (the most items of a matrix, matrices): a CTA per item, found without a
-            // search; the CTAs past a shorter matrix's items exit at once.
-            let most = chunk.iter().map(|c| c.1).max().unwrap_or(0);
-            let grid = (most as u32, chunk.len() as u32, 1);
-            // SAFETY: `words` is exactly `Scales2dParams` (2 + 64 + 64·6 words, the kernel's
-            // SCALES2D_MAX = 64). Each of its rows holds one matrix's views as `mxfp8_scales_2d`
-            // checks them (live, in bounds, disjoint by the caller's check, rows·tc and
-            // ceil(rows/32)·cols scale bytes, the tile count), and the matrices' items [first,
-            // first + bands·segments) partition 0..units; an item reads the tiles of its tile
-            // rows (below ceil(rows/32)) and tile columns (below tc) and writes those tiles'
-            // scale bytes (rows below `rows`, columns below `cols`), 16-byte stores only where
-            // 16-byte aligned. CTA (x, m) takes item x of matrix m where m has it (grid y = the
-            // chunk's matrices, at most 64; grid x = the most items, below 2^31), each CTA of
-            // exactly SCALES2D_THREADS threads (the kernel's launch bound). The driver copies
-            // the parameters at launch.
+            let (mut words, grid) = scales2d_table(chunk);
+            // SAFETY: `words` is exactly `Scales2dParams` (2 + 2·128 + 128·6 words, the
+            // kernel's SCALES2D_MAX = 128). Each of its rows holds one matrix's views as
+            // `mxfp8_scales_2d` checks them (live, in bounds, disjoint by the caller's check,
+            // rows·tc and ceil(rows/32)·cols scale bytes, the tile count), and the matrices'
+            // items [first, first + bands·segments) partition 0..units; an item reads the
+            // tiles of its tile rows (below ceil(rows/32)) and tile columns (below tc) and
+            // writes those tiles' scale bytes (rows below `rows`, columns below `cols`),
+            // 16-byte stores only where 16-byte aligned. The slots partition the matrices in
+            // order, each slot's items at most the grid's width (below 2^31), one grid row a
+            // slot (at most 128); CTA (x, y) takes item x of slot y where the slot has it, each
+            // CTA of exactly SCALES2D_THREADS threads (the kernel's launch bound). The driver
+            // copies the parameters at launch.
             unsafe {
                 self.launch_words(
                     "mxfp8_scales_2d_many",
@@ -1001,5 +1030,71 @@ impl CudaDevice {
             }
         }
         Ok(rest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SCALES2D_MAX, scales2d_table};
+
+    /// A matrix row tagged `t` (its six words `t, t + 1, ...`) with `n` items.
+    fn item(t: u64, n: u64) -> ([u64; 6], u64) {
+        (std::array::from_fn(|i| t + i as u64), n)
+    }
+
+    #[test]
+    fn scales2d_table_packs_small_matrices_into_shared_grid_rows() {
+        // One Llama-3.2-1B layer as `mxfp8_scales_2d_many` sees it (q, k, v, o, gate, up,
+        // down: 16, 4, 4, 16, 64, 64, 64 items), twice: q to o share a row, each large matrix
+        // has its own; the grid is 64 wide and 8 rows, not 14.
+        let layer = [16, 4, 4, 16, 64, 64, 64];
+        let chunk: Vec<_> = (0..14)
+            .map(|k| item(100 * k, layer[k as usize % 7]))
+            .collect();
+        let (words, grid) = scales2d_table(&chunk);
+        assert_eq!(words.len(), 2 + 8 * SCALES2D_MAX);
+        // The kernel's struct, as its PTX declares it.
+        assert_eq!(
+            crate::ptx::struct_param_bytes("mxfp8_scales_2d_many"),
+            Some(8 * words.len())
+        );
+        assert_eq!(grid, (64, 8, 1));
+        assert_eq!((words[0], words[1]), (14, 2 * 232));
+        let first: Vec<u64> = words[2..16].to_vec();
+        assert_eq!(
+            first,
+            [
+                0, 16, 20, 24, 40, 104, 168, 232, 248, 252, 256, 272, 336, 400
+            ]
+        );
+        let slot = &words[2 + SCALES2D_MAX..][..9];
+        assert_eq!(slot, [0, 4, 5, 6, 7, 11, 12, 13, 0]);
+        let rows = &words[2 + 2 * SCALES2D_MAX..];
+        assert_eq!(rows[..6], [0, 1, 2, 3, 4, 5]);
+        assert_eq!(rows[6 * 13..][..6], [1300, 1301, 1302, 1303, 1304, 1305]);
+        // Every slot's items fit the width.
+        let ends: Vec<usize> = slot[1..8].iter().map(|&s| s as usize).chain([14]).collect();
+        for (y, &end) in ends.iter().enumerate() {
+            let start = slot[y] as usize;
+            let units: u64 = chunk[start..end].iter().map(|c| c.1).sum();
+            assert!(units <= 64, "slot {y}: {units} items");
+        }
+    }
+
+    #[test]
+    fn scales2d_table_gives_a_lone_large_matrix_its_own_row() {
+        // A matrix as wide as the grid between small ones: the small ones before it share a
+        // row, it takes the next, the ones after it share the last.
+        let chunk = [
+            item(0, 3),
+            item(10, 5),
+            item(20, 9),
+            item(30, 1),
+            item(40, 8),
+        ];
+        let (words, grid) = scales2d_table(&chunk);
+        assert_eq!(grid, (9, 3, 1));
+        assert_eq!(words[2 + SCALES2D_MAX..][..3], [0, 2, 3]);
+        assert_eq!(words[1], 26);
     }
 }
