@@ -88,29 +88,22 @@ pub fn struct_param_bytes(kernel: &str) -> Option<usize> {
         .copied()
 }
 
-/// The kernels of one PTX module that take one `.b8` array parameter, with its byte size.
+/// The kernels of one PTX module that take one `.b8` array parameter, with its byte size. A
+/// search for each `.entry ` (a byte search, not a walk over the ~150k lines of a module).
 fn struct_params(ptx: &'static str) -> impl Iterator<Item = (&'static str, usize)> {
-    let mut lines = ptx.lines();
-    std::iter::from_fn(move || {
-        loop {
-            let line = lines.next()?;
-            let Some(rest) = line.split_once(".entry ").map(|(_, r)| r) else {
-                continue;
-            };
-            let name = rest.strip_suffix('(')?.trim();
-            // `.param .align A .b8 NAME_param_0[N]` then `)`: one array parameter.
-            let param = lines.next()?.trim();
-            let size = param
-                .strip_prefix(".param ")
-                .and_then(|p| p.split_once(".b8 "))
-                .and_then(|(_, decl)| decl.strip_prefix(name))
-                .and_then(|d| d.strip_prefix("_param_0["))
-                .and_then(|d| d.strip_suffix(']'))
-                .and_then(|n| n.parse().ok());
-            match (size, lines.next().map(str::trim)) {
-                (Some(n), Some(")")) => return Some((name, n)),
-                _ => continue,
-            }
-        }
+    ptx.match_indices(".entry ").filter_map(|(at, _)| {
+        let mut lines = ptx[at + ".entry ".len()..].lines();
+        let name = lines.next()?.strip_suffix('(')?.trim();
+        // `.param .align A .b8 NAME_param_0[N]` then `)`: one array parameter.
+        let size = lines
+            .next()?
+            .trim()
+            .strip_prefix(".param ")
+            .and_then(|p| p.split_once(".b8 "))
+            .and_then(|(_, decl)| decl.strip_prefix(name))
+            .and_then(|d| d.strip_prefix("_param_0["))
+            .and_then(|d| d.strip_suffix(']'))
+            .and_then(|n| n.parse().ok())?;
+        (lines.next()?.trim() == ")").then_some((name, size))
     })
 }

@@ -326,9 +326,7 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
                 .chunks(28)
                 .map(|g| d.nvfp4_finish_2d_many_deferred(g).expect("finish"))
                 .collect();
-            for p in pending {
-                d.read_amaxes(p).expect("amaxes");
-            }
+            d.read_amaxes_many(pending).expect("amaxes");
         });
         report(
             &format!(

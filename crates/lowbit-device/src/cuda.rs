@@ -268,6 +268,9 @@ impl CudaDevice {
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
         }
+        // The table `launch_words` checks against, read from the PTX (~10 ms, once per
+        // process): here, beside the modules' load, not in the first launch of a table.
+        let _ = crate::ptx::struct_param_bytes("");
         let values: Vec<u32> = (0..=255u8)
             .map(lowbit_formats::scalar::e4m3_to_f32)
             .chain((0..=255u8).map(lowbit_formats::scalar::e5m2_to_f32))

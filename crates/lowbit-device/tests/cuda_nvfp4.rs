@@ -671,6 +671,16 @@ fn nvfp4_finish_2d_many_matches() {
             );
             let (vb, va) = (c.dev.read_amaxes(pb)?, c.dev.read_amaxes(pa)?);
             out.extend(va.into_iter().chain(vb).map(f64::from));
+            // The same two groups and an empty call read together (one wait), in the order
+            // given.
+            let (pa, pb) = (
+                c.dev.nvfp4_finish_2d_many_deferred(a)?,
+                c.dev.nvfp4_finish_2d_many_deferred(b)?,
+            );
+            let p0 = c.dev.nvfp4_finish_2d_many_deferred(&[])?;
+            let read = c.dev.read_amaxes_many(vec![pb, p0, pa])?;
+            assert_eq!(read.iter().map(Vec::len).collect::<Vec<_>>(), [40, 0, 30]);
+            out.extend(read[2].iter().chain(&read[0]).map(|&v| f64::from(v)));
             // Three shapes in one call, 172 512x512 blocks (version 7's one launch per 64
             // matrices: two here), partial blocks in both directions, the last matrix of each
             // shape's columnwise data at an odd offset (the per-matrix kernel).
@@ -716,6 +726,39 @@ fn nvfp4_finish_2d_many_matches() {
         Ok(messages(&errs))
     });
     fallbacks_only(&o, &["nvfp4_finish_2d"]);
+}
+
+/// Amaxes left pending by one device are refused by another (its stream is not ordered after
+/// the kernels that wrote them), and read by their own, alone or together with others.
+#[test]
+fn pending_amaxes_are_read_on_their_own_device() {
+    let (mut a, mut b) = (gpu(), gpu());
+    // A 32x64 matrix the kernel path takes (rows % 32 == 0, cols % 8 == 0): 8 tile amaxes.
+    let item = |dev: &mut Device, amax: f32| {
+        let tiles = dev.alloc(DType::F32, 8);
+        dev.fill(tiles, amax).expect("fill");
+        let views = Nvfp4Views {
+            rowwise: Some((dev.alloc(DType::U8, 1024), dev.alloc(DType::U8, 128))),
+            columnwise: Some((dev.alloc(DType::U8, 1024), dev.alloc(DType::U8, 128))),
+        };
+        (32, 64, tiles, views)
+    };
+    let (x, y) = (item(&mut a, 0.5), item(&mut a, 3.0));
+    let p = a.nvfp4_finish_2d_many_deferred(&[x]).expect("finish");
+    let err = b.read_amaxes(p).expect_err("read on another device");
+    assert!(err.to_string().contains("another device"), "{err}");
+    let p = a.nvfp4_finish_2d_many_deferred(&[y]).expect("finish");
+    let q = a.nvfp4_finish_2d_many_deferred(&[x, y]).expect("finish");
+    assert!(b.read_amaxes_many(vec![q]).is_err());
+    let p2 = a.nvfp4_finish_2d_many_deferred(&[x]).expect("finish");
+    let read = a.read_amaxes_many(vec![p, p2]).expect("read");
+    assert_eq!(read, [vec![3.0], vec![0.5]]);
+    // The kernels took every call (a pending on the host would be readable anywhere).
+    assert!(
+        a.host_fallback_calls().is_empty(),
+        "{:?}",
+        a.host_fallback_calls()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -741,6 +741,16 @@ fn nvfp4_finish_2d_many_equals_one_call_per_item() {
     assert_eq!(bits(&deferred), bits(&one));
     let empty = dev.nvfp4_finish_2d_many_deferred(&[]).unwrap();
     assert!(dev.read_amaxes(empty).unwrap().is_empty());
+    // Several calls read together: each call's amaxes, in the order given, an empty call kept.
+    let p1 = dev.nvfp4_finish_2d_many_deferred(first).unwrap();
+    let p0 = dev.nvfp4_finish_2d_many_deferred(&[]).unwrap();
+    let p2 = dev.nvfp4_finish_2d_many_deferred(second).unwrap();
+    let read = dev.read_amaxes_many(vec![p2, p0, p1]).unwrap();
+    assert_eq!(read.len(), 3);
+    assert_eq!(bits(&read[0]), bits(&one[2..]));
+    assert!(read[1].is_empty());
+    assert_eq!(bits(&read[2]), bits(&one[..2]));
+    assert!(dev.read_amaxes_many(Vec::new()).unwrap().is_empty());
 }
 
 #[test]

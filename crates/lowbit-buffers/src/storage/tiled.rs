@@ -75,11 +75,12 @@ pub(super) trait TileFormat: Debug + Send + 'static {
         }
         Ok(None)
     }
-    /// Stores what a [`TileFormat::finish_many`] left pending.
+    /// Stores what the [`TileFormat::finish_many`] calls since the last settle left pending,
+    /// in completion order (all at once, so that a device reads them with one wait).
     fn settle(
         dev: &mut Device,
         weights: &mut [Self::Weights],
-        pending: Self::Pending,
+        pending: Vec<Self::Pending>,
     ) -> Result<()> {
         let _ = (dev, weights, pending);
         Ok(())
@@ -285,16 +286,19 @@ impl TileFormat for Nvfp4Tiles {
     fn settle(
         dev: &mut Device,
         weights: &mut [Self::Weights],
-        (order, pending): Self::Pending,
+        pending: Vec<Self::Pending>,
     ) -> Result<()> {
-        let amaxes = dev.read_amaxes(pending)?;
-        // `order` ascends, so these are the weights `finish_many` started, in its order.
-        let ws = weights
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| order.binary_search(i).is_ok())
-            .map(|(_, w)| w);
-        super::store_nvfp4_amaxes(ws, amaxes);
+        let (orders, pending): (Vec<_>, Vec<_>) = pending.into_iter().unzip();
+        // Every group's amaxes with one wait for the device (not one per group).
+        for (order, amaxes) in orders.into_iter().zip(dev.read_amaxes_many(pending)?) {
+            // `order` ascends, so these are the weights `finish_many` started, in its order.
+            let ws = weights
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| order.binary_search(i).is_ok())
+                .map(|(_, w)| w);
+            super::store_nvfp4_amaxes(ws, amaxes);
+        }
         Ok(())
     }
     fn compute(w: &Self::Weights) -> LowPrecisionWeights {
@@ -382,10 +386,11 @@ impl<F: TileFormat> Storage for Tiled<F> {
         Ok(AfterGather::Ok)
     }
     fn settle(&mut self, dev: &mut Device) -> Result<()> {
-        for p in std::mem::take(&mut self.pending) {
-            F::settle(dev, &mut self.weights, p)?;
+        let pending = std::mem::take(&mut self.pending);
+        if pending.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        F::settle(dev, &mut self.weights, pending)
     }
     fn initialize(&mut self, dev: &mut Device, index: usize, values: View) -> Result<()> {
         let w = &mut self.weights[index];

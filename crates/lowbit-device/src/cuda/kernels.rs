@@ -69,6 +69,19 @@ pub(super) struct Scratch {
     pub(super) ptr: u64,
 }
 
+impl Scratch {
+    /// Its u32 words.
+    pub(super) fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Whether it was allocated on `stream` (so work queued there is ordered after the
+    /// kernels that wrote it).
+    pub(super) fn is_on(&self, stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> bool {
+        std::sync::Arc::ptr_eq(self.mem.stream(), stream)
+    }
+}
+
 /// Items per launch of `u32_max_many_p` (`U32MAX_PARAMS_MAX` in `cuda/ops.cu`: 2064 bytes of
 /// parameters); longer lists upload their table to `u32_max_many`.
 const U32MAX_PARAMS_MAX: usize = 128;

@@ -520,8 +520,60 @@ impl CudaDevice {
     /// The amaxes of a deferred `nvfp4_finish_2d_many` (a copy to the host and a stream
     /// synchronization).
     pub(crate) fn read_pending(&mut self, words: PendingWords) -> Result<Vec<f32>> {
-        let words = self.fetch(&words.0)?;
-        Ok(words.into_iter().map(f32::from_bits).collect())
+        let mut all = self.read_pending_many(vec![words])?;
+        Ok(all.pop().unwrap_or_default())
+    }
+
+    /// The amaxes of several deferred `nvfp4_finish_2d_many` calls, in order: every copy
+    /// queued into page-locked memory, then one stream synchronization for all of them (a
+    /// copy into pageable memory waits for the stream each time).
+    pub(crate) fn read_pending_many(&mut self, words: Vec<PendingWords>) -> Result<Vec<Vec<f32>>> {
+        // Another device's words: its kernels are not ordered before this stream's copies
+        // (and may be on another GPU).
+        if words.iter().any(|w| !w.0.is_on(self.stream())) {
+            return Err(crate::DeviceError::Unsupported(
+                "read_amaxes: the amaxes are pending on another device".into(),
+            ));
+        }
+        let lens: Vec<usize> = words.iter().map(|w| w.0.len()).collect();
+        let total: usize = lens.iter().sum();
+        if total == 0 {
+            return Ok(lens.iter().map(|_| Vec::new()).collect());
+        }
+        let host = self.partials_host(total.div_ceil(2))?.cast::<u32>();
+        let mut at = 0;
+        for (w, &len) in words.iter().zip(&lens) {
+            // SAFETY: `host` holds at least `total` u32 (page-locked, 8-byte aligned; nothing
+            // else uses it until this call returns, and every earlier user waited for its
+            // copies); `[at, at + len)` lies within it and the ranges of the copies are
+            // disjoint; the source is `len` words of a live scratch buffer, kept until after
+            // the synchronization below; the copy is ordered after the kernels that wrote them.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(host.add(at), len);
+                cudarc::driver::result::memcpy_dtoh_async(dst, w.0.ptr, self.stream().cu_stream())
+            }
+            .map_err(super::cuda_err("copying the amaxes to the host"))?;
+            at += len;
+        }
+        self.stream()
+            .synchronize()
+            .map_err(super::cuda_err("waiting for the amaxes"))?;
+        drop(words);
+        // SAFETY: the copies have completed (the stream was synchronized); the `total` words
+        // are not written again until the next call.
+        let all = unsafe { std::slice::from_raw_parts(host, total) };
+        let mut out = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for len in lens {
+            out.push(
+                all[at..at + len]
+                    .iter()
+                    .map(|&w| f32::from_bits(w))
+                    .collect(),
+            );
+            at += len;
+        }
+        Ok(out)
     }
 }
 

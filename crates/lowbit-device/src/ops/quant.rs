@@ -747,16 +747,44 @@ impl Device {
     /// [`crate::DeviceError::Unsupported`] for amaxes pending on another kind of device (a
     /// GPU's, read on the CPU backend); the device's own errors.
     pub fn read_amaxes(&mut self, pending: PendingAmaxes) -> Result<Vec<f32>> {
-        match pending.0 {
-            Pending::Values(v) => Ok(v),
-            #[cfg(feature = "cuda")]
-            Pending::Device(words) => match self.cuda_mut() {
-                Some(g) => g.read_pending(words),
-                None => Err(crate::DeviceError::Unsupported(
-                    "read_amaxes: the amaxes are on a CUDA device, this one is not".into(),
-                )),
-            },
+        let mut all = self.read_amaxes_many(vec![pending])?;
+        Ok(all.pop().unwrap_or_default())
+    }
+
+    /// The amaxes of several [`Device::nvfp4_finish_2d_many_deferred`] calls, each in item
+    /// order, the calls in the order given: on a GPU every copy is queued first and the stream
+    /// synchronized once (one wait for all the groups `sync_params` completed, where reading
+    /// them one by one waits once per group).
+    ///
+    /// # Errors
+    /// As [`Device::read_amaxes`]; nothing is returned for any call when one fails.
+    pub fn read_amaxes_many(&mut self, pending: Vec<PendingAmaxes>) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Option<Vec<f32>>> = Vec::with_capacity(pending.len());
+        #[cfg(feature = "cuda")]
+        let mut on_device = Vec::new();
+        for p in pending {
+            match p.0 {
+                Pending::Values(v) => out.push(Some(v)),
+                #[cfg(feature = "cuda")]
+                Pending::Device(words) => {
+                    on_device.push(words);
+                    out.push(None);
+                }
+            }
         }
+        #[cfg(feature = "cuda")]
+        if !on_device.is_empty() {
+            let Some(g) = self.cuda_mut() else {
+                return Err(crate::DeviceError::Unsupported(
+                    "read_amaxes: the amaxes are on a CUDA device, this one is not".into(),
+                ));
+            };
+            let mut read = g.read_pending_many(on_device)?.into_iter();
+            for slot in out.iter_mut().filter(|s| s.is_none()) {
+                *slot = read.next();
+            }
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
     }
 
     /// [`Device::nvfp4_finish_2d_many`]; with `defer`, a GPU leaves the amaxes on the device.

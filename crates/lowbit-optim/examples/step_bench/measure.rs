@@ -286,7 +286,8 @@ fn measure_bounds(
 /// MXFP8 derives scales from tile amaxes (a scratch of constant amaxes: the reduced ones are
 /// private); NVFP4 finishes every matrix from its own reduced tiles, one
 /// `nvfp4_finish_2d_many_deferred` call per bucket group as the gather's completion makes it,
-/// and reads the amaxes once after the last group, as `sync_params` does.
+/// and reads the amaxes of every group after the last one with one wait
+/// (`read_amaxes_many`), as `sync_params` does.
 struct Replay {
     src: Option<View>,
     tiles: Option<View>,
@@ -412,9 +413,7 @@ impl Replay {
                 .collect();
             pending.push(dev.nvfp4_finish_2d_many_deferred(&items)?);
         }
-        for p in pending {
-            dev.read_amaxes(p)?;
-        }
+        dev.read_amaxes_many(pending)?;
         Ok(())
     }
 }

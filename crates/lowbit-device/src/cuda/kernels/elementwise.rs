@@ -190,8 +190,10 @@ impl CudaDevice {
             .collect())
     }
 
-    /// The page-locked partials buffer, grown to hold at least `n` f64.
-    fn partials_host(&mut self, n: usize) -> Result<*mut f64> {
+    /// The page-locked host buffer of small reads (the sums' partials, pending amaxes), grown
+    /// to hold at least `n` f64. Free between calls: every user waits for its copies before
+    /// returning.
+    pub(in crate::cuda) fn partials_host(&mut self, n: usize) -> Result<*mut f64> {
         if self.partials_host.as_ref().is_none_or(|h| h.len() < n) {
             self.partials_host = None;
             // Room to grow: the next, slightly larger shard reuses it.
