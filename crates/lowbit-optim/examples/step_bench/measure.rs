@@ -471,6 +471,15 @@ pub fn step_rank(
     let live = memory_report(&bufs, &opt).total();
     let grads = GradSource::new(dev, s.pattern())?;
     let replay = Replay::new(dev, &bufs, &grads)?;
+    // Diagnostics (`LOWBIT_STEP_NORM_SPIN=us`): that much compute between the reduce-scatter
+    // and the timed norm, the device synchronized after it, so that the norm starts as it does
+    // after a backward (busy SMs) rather than after the collectives alone. The phase is then
+    // not the default measurement; for telling the first read's extra cost apart (clocks vs
+    // memory state), not for the tables.
+    let norm_spin = match std::env::var("LOWBIT_STEP_NORM_SPIN").ok() {
+        Some(us) => Some((Spin::new(dev, s.spin_dim())?, us.parse::<f64>()?)),
+        None => None,
+    };
     let own = base + grads.bytes() + replay.bytes();
     let n = bufs.specs().len();
     // In buckets, the step starts with every gradient reported ready (backward order), as a
@@ -499,6 +508,9 @@ pub fn step_rank(
             ready(d, c, b)?;
             Ok(b.finish_grad_sync(d, c)?)
         })?;
+        if let Some((spin, us)) = &norm_spin {
+            spin.run(dev, *us)?;
+        }
         let (norm, secs) = timed(dev, comm, |d, c| {
             Ok(protocol::global_grad_norm(d, c, b, o)?)
         })?;
