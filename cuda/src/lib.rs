@@ -14,6 +14,9 @@
 //! - Each PTX file starts with [`HASH_HEADER`] followed by the FNV-1a hash ([`source_hash`]) of
 //!   the source it was compiled from; `tests/ptx.rs` fails when a `.cu` changed without its PTX
 //!   being rebuilt (`cargo xtask ptx`), so the embedded code is always the code in the sources.
+//! - A kernel that takes a launch table (a struct passed by value) declares it as its only
+//!   parameter, so [`struct_param_bytes`] reads its size from the PTX and `lowbit-device`
+//!   refuses a host table of any other size before launching.
 //! - The package is self-contained: sources, PTX and the freshness test all live inside it, so
 //!   `cargo package` ships (and can verify) all of them.
 //!
