@@ -345,7 +345,7 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
 }
 
 /// Host time to enqueue one call (the mean of 200, the GPU idle before): a one-kernel op with
-/// a few scalar parameters (`fill`) against `mxfp8_scales_2d_many` (3.6 KB of parameters) with
+/// a few scalar parameters (`fill`) against `mxfp8_scales_2d_many` (8.2 KB of parameters) with
 /// 1, 28 and 64 tiny matrices: what a launch with a parameter table costs the host beside its
 /// checks.
 fn launch_costs(dev: &mut Device) {
@@ -382,7 +382,7 @@ fn launch_costs(dev: &mut Device) {
     });
     for n in [1, 28, 64] {
         per_call(
-            &format!("mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, 3.6 KB parameters)"),
+            &format!("mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, 8.2 KB parameters)"),
             &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
         );
     }

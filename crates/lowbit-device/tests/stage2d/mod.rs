@@ -155,7 +155,7 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
 /// last tile row of 4 rows), 33x16384 (512 tiles a row: two segments per tile row, a last tile
 /// row of one row), 70x8224 (257 tiles a row: a segment of one tile), 50x1000 (columns not a
 /// multiple of 16: byte-wise columnwise stores), 1100x512 (16 tile rows an item, the last of
-/// 3); 10 times over (110 matrices: more than one launch's table holds), against one
+/// 3); 13 times over (143 matrices: more than one launch's table holds, 128), against one
 /// `mxfp8_scales_2d` each; every other item's scales start 3 bytes into their buffer (the
 /// kernel's unaligned stores; 11 shapes a round, so each shape is stored both ways).
 pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
@@ -168,7 +168,7 @@ pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
         (Format2d::Mxfp8(Fp8Kind::E4M3), 1100, 512, 1, DType::F32),
     ];
     let mut items = Vec::new();
-    for rep in 0..10 {
+    for rep in 0..13 {
         for (k, &(format, rows, cols, _, _)) in CASES.iter().chain(&extra).enumerate() {
             let Format2d::Mxfp8(kind) = format else {
                 continue;
