@@ -2368,10 +2368,10 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 // Llama-3.2-1B's 112 matrices.
 // The table travels in the parameters (the constant bank: no upload per call, as
 // mxfp8_both_e4m3_bf16_v4_many): `items` the matrices, `units` the items of all of them,
-// `first` each matrix's first item (ascending from 0), `slot` each grid row's first matrix
-// (ascending from 0; a row holds matrices slot[y] .. slot[y + 1], or .. items for the last),
-// `rows` 6 words per matrix: [tiles, rows, cols, row_scales, col_scales, the kind's
-// max_norm_rcp bits]. At most SCALES2D_MAX matrices per launch (the host splits longer lists;
+// `first` each matrix's first item (ascending from 0), `rows` 6 words per matrix: [tiles, rows,
+// cols, row_scales, col_scales, the kind's max_norm_rcp bits], `slot` each grid row's first
+// matrix (ascending from 0; a row holds matrices slot[y] .. slot[y + 1], or .. items for the
+// last). At most SCALES2D_MAX matrices per launch (the host splits longer lists;
 // 8208 bytes of parameters, within the 32764 a launch may pass since CUDA 12.1).
 #define SCALES2D_MAX 128
 #define SCALES2D_CODES 256
@@ -2380,8 +2380,8 @@ struct Scales2dParams {
     u64 items;
     u64 units;
     u64 first[SCALES2D_MAX];
-    u64 slot[SCALES2D_MAX];
     u64 rows[SCALES2D_MAX][6];
+    u64 slot[SCALES2D_MAX];
 };
 // The host passes exactly these bytes (quant.rs, SCALES2D_MAX, SCALES2D_CODES).
 static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 8), "parameter layout");

@@ -934,17 +934,24 @@ impl Device {
     }
 }
 
+/// The element counts of a `rows × cols` 2D MXFP8 matrix's tile amaxes, rowwise scales
+/// (`[rows, ceil(cols/32)]`) and columnwise scales (`[ceil(rows/32), cols]`); `None` where one
+/// passes `usize`.
+pub(crate) fn scales_2d_lens(rows: usize, cols: usize) -> Option<[usize; 3]> {
+    let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
+    Some([
+        tr.checked_mul(tc)?,
+        rows.checked_mul(tc)?,
+        tr.checked_mul(cols)?,
+    ])
+}
+
 /// The lengths [`Device::mxfp8_scales_2d`] needs of a `rows × cols` matrix's views (tile
 /// amaxes, rowwise and columnwise scales; their dtypes are the kernels' and the host copy's
 /// concern), with shapes whose sizes pass `usize` named rather than wrapped.
 fn check_scales_2d(rows: usize, cols: usize, tiles: View, rs: View, cs: View) -> Result<()> {
     const WHAT: &str = "mxfp8_scales_2d";
-    let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
-    let (Some(nt), Some(nr), Some(nc)) = (
-        tr.checked_mul(tc),
-        rows.checked_mul(tc),
-        tr.checked_mul(cols),
-    ) else {
+    let Some([nt, nr, nc]) = scales_2d_lens(rows, cols) else {
         return Err(invalid(
             WHAT,
             format!("a {rows}x{cols} matrix's scales exceed the address space"),

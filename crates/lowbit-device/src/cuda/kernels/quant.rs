@@ -92,29 +92,27 @@ fn param_table<const W: usize>(
 }
 
 /// `mxfp8_scales_2d_many`'s `Scales2dParams` for at most [`SCALES2D_MAX`] matrices (each its
-/// six words and its item count) and the launch's grid: the matrix count, the item count,
-/// each matrix's first item, each slot's first matrix, then the matrices' rows. A slot is a
-/// run of consecutive matrices whose items together fit the grid's width (the most items of
-/// one matrix), packed greedily in order: a grid row per slot, not per matrix, so small
-/// matrices share a row instead of leaving most of theirs empty.
+/// six words and its item count) and the launch's grid: [`param_table`]'s words (the matrix
+/// count, the item count, each matrix's first item, the matrices' rows), then each slot's first
+/// matrix. A slot is a run of consecutive matrices whose items together fit the grid's width
+/// (the most items of one matrix), packed greedily in order: a grid row per slot, not per
+/// matrix, so small matrices share a row instead of leaving most of theirs empty.
 fn scales2d_table(chunk: &[([u64; 6], u64)]) -> (Vec<u64>, (u32, u32, u32)) {
     debug_assert!(chunk.len() <= SCALES2D_MAX);
     let width = chunk.iter().map(|c| c.1).max().unwrap_or(0);
-    let mut words = vec![0u64; 2 + SCALES2D_MAX * 8];
-    let (mut units, mut slots, mut fill) = (0u64, 0usize, 0u64);
-    for (k, (row, n)) in chunk.iter().enumerate() {
+    let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
+    words[1] = units;
+    let mut slot = vec![0u64; SCALES2D_MAX];
+    let (mut slots, mut fill) = (0usize, 0u64);
+    for (k, &(_, n)) in chunk.iter().enumerate() {
         if k == 0 || fill + n > width {
-            words[2 + SCALES2D_MAX + slots] = k as u64;
+            slot[slots] = k as u64;
             slots += 1;
             fill = 0;
         }
         fill += n;
-        words[2 + k] = units;
-        words[2 + 2 * SCALES2D_MAX + 6 * k..][..6].copy_from_slice(row);
-        units += n;
     }
-    words[0] = chunk.len() as u64;
-    words[1] = units;
+    words.extend(slot);
     // The width is one matrix's item count (below 2^31, checked where the items were made)
     // and the slots at most SCALES2D_MAX.
     let grid = (
@@ -965,11 +963,7 @@ impl CudaDevice {
             let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
             // Products past usize cannot come from `Device::mxfp8_scales_2d_many` (it checks
             // every shape first); checked here too so that nothing below can wrap.
-            let (Some(nr), Some(nc), Some(nt)) = (
-                rows.checked_mul(tc),
-                tr.checked_mul(cols),
-                tr.checked_mul(tc),
-            ) else {
+            let Some([nt, nr, nc]) = crate::ops::scales_2d_lens(rows, cols) else {
                 rest.push(i);
                 continue;
             };
@@ -1008,8 +1002,8 @@ impl CudaDevice {
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
             let (mut words, grid) = scales2d_table(chunk);
-            // SAFETY: `words` is exactly `Scales2dParams` (2 + 2·128 + 128·6 words, the
-            // kernel's SCALES2D_MAX = 128). Each of its rows holds one matrix's views as
+            // SAFETY: `words` is exactly `Scales2dParams` (2 + 128·7 + 128 words, the kernel's
+            // SCALES2D_MAX = 128). Each of its rows holds one matrix's views as
             // `mxfp8_scales_2d` checks them (live, in bounds, disjoint by the caller's check,
             // rows·tc and ceil(rows/32)·cols scale bytes, the tile count), and the matrices'
             // items [first, first + bands·segments) partition 0..units; an item reads the
@@ -1067,9 +1061,9 @@ mod tests {
                 0, 16, 20, 24, 40, 104, 168, 232, 248, 252, 256, 272, 336, 400
             ]
         );
-        let slot = &words[2 + SCALES2D_MAX..][..9];
+        let slot = &words[2 + 7 * SCALES2D_MAX..][..9];
         assert_eq!(slot, [0, 4, 5, 6, 7, 11, 12, 13, 0]);
-        let rows = &words[2 + 2 * SCALES2D_MAX..];
+        let rows = &words[2 + SCALES2D_MAX..];
         assert_eq!(rows[..6], [0, 1, 2, 3, 4, 5]);
         assert_eq!(rows[6 * 13..][..6], [1300, 1301, 1302, 1303, 1304, 1305]);
         // Every slot's items fit the width.
@@ -1094,7 +1088,7 @@ mod tests {
         ];
         let (words, grid) = scales2d_table(&chunk);
         assert_eq!(grid, (9, 3, 1));
-        assert_eq!(words[2 + SCALES2D_MAX..][..3], [0, 2, 3]);
+        assert_eq!(words[2 + 7 * SCALES2D_MAX..][..3], [0, 2, 3]);
         assert_eq!(words[1], 26);
     }
 }
