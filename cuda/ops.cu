@@ -393,38 +393,44 @@ __device__ __forceinline__ const u64* sumsq_view(const u64* __restrict__ table, 
     return table + 4 * lo;
 }
 
+// `warps`: the table's warps (the last view's first warp plus its groups). A grid with fewer
+// warps strides over them (a launch beside collectives keeps to a few SMs, see
+// `sum_squares_beside` in cuda/kernels/elementwise.rs); each global warp still runs the
+// single-view body once, so the partials are the same.
 template <int DT, bool PF = false>
 __device__ __forceinline__ void sum_squares_many(const u64* __restrict__ table, uint32_t views,
-                                                 double* __restrict__ partials) {
-    const u64 gw = sumsq_warp_index();
-    const u64* t = sumsq_view(table, views, gw);
-    sum_squares_warp<DT, false, PF>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
-                                    partials + t[2], gw - t[3]);
+                                                 u64 warps, double* __restrict__ partials) {
+    const u64 stride = (u64)gridDim.x * SUMSQ_WARPS;
+    for (u64 gw = sumsq_warp_index(); gw < warps; gw += stride) {
+        const u64* t = sumsq_view(table, views, gw);
+        sum_squares_warp<DT, false, PF>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
+                                        partials + t[2], gw - t[3]);
+    }
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f32(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<0>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<0>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_bf16(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<1>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<1>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<2>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<2>(table, views, warps, partials);
 }
 // Version 3: version 1 with the 256-byte L2 prefetch hint (sumsq_load).
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f32_v3(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<0, true>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<0, true>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_bf16_v3(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<1, true>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<1, true>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(128) sum_squares_many_f16_v3(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many<2, true>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many<2, true>(table, views, warps, partials);
 }
 
 // Version 2 (set_cuda_kernel_variant("sum_squares", 2); predicted, not yet measured, see
@@ -580,26 +586,29 @@ extern "C" __global__ void __launch_bounds__(32) mse_blocks_f32_v2(
 }
 
 // sum_squares_many_* with the version-2 body (every view 16-byte aligned: the host checks).
+// `warps` as in sum_squares_many.
 template <int DT>
 __device__ __forceinline__ void sum_squares_many_v2(const u64* __restrict__ table,
-                                                    uint32_t views,
+                                                    uint32_t views, u64 warps,
                                                     double* __restrict__ partials) {
-    const u64 gw = sumsq2_warp_index<false>();
-    const u64* t = sumsq_view(table, views, gw);
-    sum_squares_warp_v2<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
-                                   partials + t[2], gw - t[3]);
+    const u64 stride = (u64)gridDim.x * Sumsq2<false>::WARPS;
+    for (u64 gw = sumsq2_warp_index<false>(); gw < warps; gw += stride) {
+        const u64* t = sumsq_view(table, views, gw);
+        sum_squares_warp_v2<DT, false>(reinterpret_cast<const uint8_t*>(t[0]), nullptr, t[1],
+                                       partials + t[2], gw - t[3]);
+    }
 }
 extern "C" __global__ void __launch_bounds__(64) sum_squares_many_f32_v2(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many_v2<0>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many_v2<0>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(64) sum_squares_many_bf16_v2(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many_v2<1>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many_v2<1>(table, views, warps, partials);
 }
 extern "C" __global__ void __launch_bounds__(64) sum_squares_many_f16_v2(
-    const u64* __restrict__ table, uint32_t views, double* __restrict__ partials) {
-    sum_squares_many_v2<2>(table, views, partials);
+    const u64* __restrict__ table, uint32_t views, u64 warps, double* __restrict__ partials) {
+    sum_squares_many_v2<2>(table, views, warps, partials);
 }
 
 // out[0] <- 1 if any element is NaN or infinite.

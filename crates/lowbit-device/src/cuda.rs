@@ -166,6 +166,14 @@ pub(crate) struct CudaDevice {
     /// for 16-bit views too (version 2's CTAs slowed NCCL's bf16 reduction beside them). Same
     /// bits.
     sum_squares_version: u32,
+    /// The most CTAs of a sum-of-squares launch that runs beside collectives (a staged norm's
+    /// stages before the last), striding over the warps; 0: no cap
+    /// (`set_cuda_kernel_variant("sum_squares_beside", N)`). By default a quarter of the
+    /// multiprocessors: a launch as wide as the work put a CTA on nearly every SM, and NCCL's
+    /// reduce-scatter beside it slowed (4x H200, Llama-3-8B layers: the norm as the one-call
+    /// step ran it 0.96-0.97 ms; 32 CTAs 0.12-0.25 ms, 8 CTAs 1.12-1.14 ms: too slow to keep
+    /// up with the reductions). See `cuda/NOTES.md`.
+    sum_squares_beside: u32,
     /// AdamW: 1 (the default: `adamw`, an element a thread) or 2 (`adamw_x4`, four elements a
     /// thread with vector loads and stores, where n % 4 == 0 and every view is aligned to its
     /// vector width; else 1). Same bits. Version 2 is faster alone (H200: 0.91 -> 0.98x of a
@@ -245,6 +253,9 @@ impl CudaDevice {
             keep_pool_memory(&ctx)?;
         }
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
         let mut dev = CudaDevice {
             ctx,
             stream,
@@ -259,6 +270,7 @@ impl CudaDevice {
             nvfp4_version: 7,
             nvfp4_finish_version: 7,
             sum_squares_version: 0,
+            sum_squares_beside: u32::try_from(sms / 4).unwrap_or(0).max(1),
             adamw_version: 1,
             mxfp8x_version: 3,
             gemm: None,
@@ -481,6 +493,7 @@ impl CudaDevice {
             ("nvfp4", 1..=7) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=7) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
+            ("sum_squares_beside", _) => self.sum_squares_beside = version,
             ("adamw", 1 | 2) => self.adamw_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,

@@ -468,8 +468,10 @@ pub struct Device {
 #[derive(Debug)]
 enum Backend {
     Cpu(cpu::CpuDevice),
+    /// Boxed: a CUDA device's handles, tables and kernel choices are several times the CPU
+    /// backend's size.
     #[cfg(feature = "cuda")]
-    Cuda(cuda::CudaDevice),
+    Cuda(Box<cuda::CudaDevice>),
 }
 
 impl Device {
@@ -490,7 +492,7 @@ impl Device {
     #[cfg(feature = "cuda")]
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Ok(Device {
-            backend: Backend::Cuda(cuda::CudaDevice::new(ordinal)?),
+            backend: Backend::Cuda(Box::new(cuda::CudaDevice::new(ordinal)?)),
             calls: counters::OpCalls::default(),
             peak: 0,
         })
@@ -752,7 +754,10 @@ impl Device {
     /// in `sum_squares_each` (on an H200: f32 0.82x / 0.75x / 0.87x of a copy, bf16 0.49x /
     /// 0.79x / 0.72x)); `("adamw", 1 | 2)`: 1 by default, an element a thread; 2 four elements
     /// a thread with vector loads and stores where every view is aligned and n % 4 == 0 (faster
-    /// alone, slower beside the gathers of the one-call step).
+    /// alone, slower beside the gathers of the one-call step); `("sum_squares_beside", N)`: the
+    /// most CTAs of a staged sum of squares launched beside collectives (every stage of
+    /// [`Device::sum_squares_each_staged`] but the last), which then stride over the warps; 0:
+    /// no cap; by default a quarter of the multiprocessors (NCCL's CTAs keep the rest).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

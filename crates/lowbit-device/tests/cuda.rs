@@ -385,24 +385,39 @@ fn sum_squares_bits_match() {
             // In stages (the gradient norm beside the reductions in flight): each view holds
             // garbage until `prepare` of its stage writes it, so a sum launched early would
             // differ; stages 1 and 3 have no views, so `prepare` never sees them.
-            let lens = [70_001usize, 4096, 5 * 4096 + 3, 33, 0, 3 * 4096];
-            let stage = [2usize, 0, 4, 2, 0, 4];
+            // Then with the stages before the last (launched beside collectives) on one CTA
+            // that strides over their warps (`sum_squares_beside`): stage 0's 11-group view and
+            // stage 2's views take 12 warps, three rounds of its four.
+            let lens = [
+                70_001usize,
+                4096,
+                5 * 4096 + 3,
+                33,
+                0,
+                3 * 4096,
+                11 * 131_072 - 5,
+            ];
+            let stage = [2usize, 0, 4, 2, 0, 4, 0];
             let data: Vec<Vec<f32>> = (0..lens.len())
                 .map(|i| finite(lens[i], v + 30 + i as u64))
                 .collect();
-            let staged: Vec<View> = (0..lens.len())
-                .map(|i| c.buf(DType::F32, &vec![1.0e30; lens[i]]))
-                .collect();
-            let mut seen = Vec::new();
-            out.extend(c.dev.sum_squares_each_staged(&staged, &stage, |d, k| {
-                seen.push(k);
-                for i in (0..lens.len()).filter(|&i| stage[i] == k) {
-                    d.upload(staged[i], &data[i])?;
-                }
-                Ok::<(), DeviceError>(())
-            })?);
-            assert_eq!(seen, [0, 2, 4]);
-            out.extend(c.dev.sum_squares_each(&staged)?);
+            for cap in [0, 1] {
+                c.dev.set_cuda_kernel_variant("sum_squares_beside", cap)?;
+                let staged: Vec<View> = (0..lens.len())
+                    .map(|i| c.buf(DType::F32, &vec![1.0e30; lens[i]]))
+                    .collect();
+                let mut seen = Vec::new();
+                out.extend(c.dev.sum_squares_each_staged(&staged, &stage, |d, k| {
+                    seen.push(k);
+                    for i in (0..lens.len()).filter(|&i| stage[i] == k) {
+                        d.upload(staged[i], &data[i])?;
+                    }
+                    Ok::<(), DeviceError>(())
+                })?);
+                assert_eq!(seen, [0, 2, 4]);
+                out.extend(c.dev.sum_squares_each(&staged)?);
+            }
+            c.dev.set_cuda_kernel_variant("sum_squares_beside", 0)?;
         }
         c.dev.set_cuda_kernel_variant("sum_squares", 0)?;
         Ok(out)

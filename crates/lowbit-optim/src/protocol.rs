@@ -122,6 +122,12 @@ fn staged_local_sum_squares(
     opt: &mut dyn Optimizer,
 ) -> Result<f64> {
     bufs.launch_grad_syncs(dev, comm)?;
+    if comm.size() == 1 {
+        // Nothing runs beside the sums on one rank, so stages would only split one launch
+        // into several (the early ones on a quarter of a GPU): the same bits in one.
+        bufs.finish_grad_sync(dev, comm)?;
+        return opt.local_sum_squares(dev);
+    }
     let order = bufs.grad_sync_order();
     bufs.finish_grad_sync_except(dev, comm, &order)?;
     let stages = order.len();

@@ -124,6 +124,10 @@ impl Device {
     /// until every stage has been launched, and the partial sums come back in one copy; the
     /// results are the bits of [`Device::sum_squares_each`] over the final views. Stage numbers
     /// need not be consecutive: `prepare` runs once per distinct number, never for a gap.
+    /// Every stage but the last is taken to run beside collectives: on a GPU it keeps to a
+    /// quarter of the multiprocessors (`set_cuda_kernel_variant("sum_squares_beside", N)` sets
+    /// another cap), so call this only where something does run beside it (with nothing in
+    /// flight, one [`Device::sum_squares_each`] is faster).
     ///
     /// # Errors
     /// `Length` if `stages` and `views` differ in length, the errors of

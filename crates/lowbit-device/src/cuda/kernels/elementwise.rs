@@ -248,6 +248,10 @@ impl CudaDevice {
             (name, 128)
         };
         let grid = blocks(table.warps.saturating_mul(32), cta);
+        // Beside collectives, at most `sum_squares_beside` CTAs (0: no cap) stride over the
+        // warps, leaving the other multiprocessors to NCCL's CTAs.
+        let cap = self.sum_squares_beside;
+        let grid = grid.map(|g| if beside && cap > 0 { g.min(cap) } else { g });
         let (Some(grid), Ok(count)) = (grid, u32::try_from(table.rows.len() / 4)) else {
             return Err(DeviceError::Unsupported(format!(
                 "a sum of squares over {} views exceeds the grid",
@@ -266,7 +270,7 @@ impl CudaDevice {
                 name,
                 (grid, 1, 1),
                 (cta as u32, 1, 1),
-                &args![t, count, partials],
+                &args![t, count, table.warps as u64, partials],
             )?
         };
         Ok(Some(mem))
