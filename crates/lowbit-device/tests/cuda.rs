@@ -385,9 +385,11 @@ fn sum_squares_bits_match() {
             // In stages (the gradient norm beside the reductions in flight): each view holds
             // garbage until `prepare` of its stage writes it, so a sum launched early would
             // differ; stages 1 and 3 have no views, so `prepare` never sees them.
-            // Then with the stages before the last (launched beside collectives) on one CTA
+            // With the default cap of the stages launched beside collectives (every stage but
+            // the last; a quarter of the SMs, more than these stages need), then with one CTA
             // that strides over their warps (`sum_squares_beside`): stage 0's 11-group view and
-            // stage 2's views take 12 warps, three rounds of its four.
+            // stage 2's views take 12 warps, three rounds of its four. (Each check has its own
+            // device, so the cap ends with it.)
             let lens = [
                 70_001usize,
                 4096,
@@ -401,8 +403,10 @@ fn sum_squares_bits_match() {
             let data: Vec<Vec<f32>> = (0..lens.len())
                 .map(|i| finite(lens[i], v + 30 + i as u64))
                 .collect();
-            for cap in [0, 1] {
-                c.dev.set_cuda_kernel_variant("sum_squares_beside", cap)?;
+            for cap in [None, Some(1)] {
+                if let Some(cap) = cap {
+                    c.dev.set_cuda_kernel_variant("sum_squares_beside", cap)?;
+                }
                 let staged: Vec<View> = (0..lens.len())
                     .map(|i| c.buf(DType::F32, &vec![1.0e30; lens[i]]))
                     .collect();
@@ -417,7 +421,6 @@ fn sum_squares_bits_match() {
                 assert_eq!(seen, [0, 2, 4]);
                 out.extend(c.dev.sum_squares_each(&staged)?);
             }
-            c.dev.set_cuda_kernel_variant("sum_squares_beside", 0)?;
         }
         c.dev.set_cuda_kernel_variant("sum_squares", 0)?;
         Ok(out)
