@@ -84,8 +84,9 @@ pub fn finish_grad_sync_and_step(
 }
 
 /// The first half of [`finish_grad_sync_and_step`]: completes every gradient reduction, each
-/// group's share of the sum of squares launched as soon as it is reduced, and returns the global
-/// gradient norm (the bits of `finish_grad_sync` then [`global_grad_norm`]). Public so that a
+/// group's share of the sum of squares launched as soon as it is reduced (on one rank, where
+/// nothing runs beside them, all at once after the reductions), and returns the global gradient
+/// norm (the bits of `finish_grad_sync` then [`global_grad_norm`]). Public so that a
 /// benchmark can time it, and for a driver that wants the norm before it steps.
 ///
 /// # Errors
