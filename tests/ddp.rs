@@ -356,13 +356,14 @@ fn the_pipelined_step_changes_no_bit() {
 }
 
 /// `Iteration::step` (this rank's sum of squares taken group by group as the reductions complete,
-/// beside those still in flight) trains the same bits as `finish_grad_sync` then `GradsReady::step`: one
-/// optimizer or a chain, Muon layer-wise, every overlap mode, clipping on, bf16 and MXFP8 weights.
+/// beside those still in flight; on one rank all at once after them) trains the same bits as
+/// `finish_grad_sync` then `GradsReady::step`: one optimizer or a chain, Muon layer-wise, every
+/// overlap mode, clipping on, bf16 and MXFP8 weights, one to three ranks.
 #[test]
 fn the_one_call_step_changes_no_bit() {
     use common::Precision;
     let mut runs = Vec::new();
-    for dp in [2, 3] {
+    for dp in [1, 2, 3] {
         for (og, op) in [(false, false), (true, false), (true, true)] {
             for (chained, precision) in [
                 (false, Precision::Bf16),
