@@ -646,6 +646,22 @@ fn run() -> Res<()> {
     if ranks == 0 || settings.reps.1 == 0 {
         return Err("--ranks and --iters must be at least 1".into());
     }
+    // Absurd sizes are refused here rather than left to exhaust the machine (a thread and a
+    // model's buffers per CPU rank) or run for days; the same rank limit as `lowbit train`.
+    if ranks > 64 {
+        return Err(format!("--ranks {ranks}: 1..=64").into());
+    }
+    if settings.reps.0 > 100_000 || settings.reps.1 > 100_000 {
+        return Err("--warmup and --iters must be at most 100000".into());
+    }
+    if let Some(us) = settings.compute_us
+        && !(us > 0.0 && us <= 1e6)
+    {
+        return Err(format!("--compute-us {us}: a duration in (0, 1e6] microseconds").into());
+    }
+    if settings.bucket == Some(0) {
+        return Err("--bucket 0: a positive element count".into());
+    }
     let high = match args.get("--comm-priority").unwrap_or("high") {
         "high" => true,
         "normal" => false,
