@@ -112,6 +112,17 @@ fn args() -> Args {
             _ => usage(&format!("unknown flag {flag}")),
         }
     }
+    // Absurd sizes are refused here, not met as an aborted allocation (the state is built in
+    // host memory first: 12 bytes a parameter) or a thread per rank by the thousand.
+    if a.params > 4 << 30 {
+        usage(&format!("--params {}: at most 4G", a.params));
+    }
+    if a.ranks > 64 {
+        usage(&format!("--ranks {}: 1..=64", a.ranks));
+    }
+    if a.reps > 1000 {
+        usage(&format!("--reps {}: at most 1000", a.reps));
+    }
     a
 }
 

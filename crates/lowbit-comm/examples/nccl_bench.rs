@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use lowbit_comm::Communicator;
 use lowbit_comm::nccl::{NcclConfig, run_local_ranks_with};
+use lowbit_dev_support::cli::bounded_or_exit;
 use lowbit_device::cudarc::driver::sys::CUevent_flags;
 use lowbit_device::{DType, Device, View};
 
@@ -42,9 +43,13 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let min_mib: usize = flag("--min-mib").map_or(1, |v| v.parse().expect("--min-mib N"));
-    let max_mib: usize = flag("--max-mib").map_or(1024, |v| v.parse().expect("--max-mib N"));
-    let gpus: usize = flag("--gpus").map_or(2, |v| v.parse().expect("--gpus N"));
+    let num = |name: &str, default: usize, range| {
+        flag(name).map_or(default, |v| bounded_or_exit("nccl_bench", name, &v, range))
+    };
+    // Up to 64 GiB a collective (`max_mib` doubles up to it: an absurd value wrapped and looped).
+    let min_mib = num("--min-mib", 1, 1..=65536);
+    let max_mib = num("--max-mib", 1024, 1..=65536);
+    let gpus = num("--gpus", 2, 1..=64);
     let json = flag("--json");
 
     let mut sizes = Vec::new();

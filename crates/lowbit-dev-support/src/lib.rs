@@ -4,6 +4,7 @@
 //! Benchmarks and tests of different packages cannot share a module except through a crate, and
 //! `#[path]` includes across package boundaries break `cargo package` and make crates depend on
 //! the repository layout. This crate holds what they share:
+//! - [`cli`]: the benchmark binaries' numeric flags, checked against a range;
 //! - [`criterion_estimates`]: where criterion writes its results and the median time of a
 //!   benchmark this run measured, for the benchmark mains that print a ratio to a baseline of the
 //!   same run (`lowbit-formats`, `lowbit-device`, `lowbit-comm` and the root `formats` bench);
@@ -26,6 +27,7 @@
 //! A general JSON library (no serialisation, numbers are `f64`, no streaming); anything a
 //! library crate needs at run time; publication (`publish = false`).
 
+pub mod cli;
 pub mod cpu_load;
 pub mod criterion_estimates;
 pub mod json;

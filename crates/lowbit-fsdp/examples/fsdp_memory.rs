@@ -70,10 +70,9 @@ fn layout(m: (&str, usize, usize, usize, usize, usize), matrices: ParamStorage) 
 }
 
 fn main() {
-    let dp: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(8);
+    let dp = std::env::args().nth(1).map_or(8, |a| {
+        lowbit_dev_support::cli::bounded_or_exit("fsdp_memory", "DP", &a, 1..=65536)
+    });
     for m in MODELS {
         let (_, _, h, f, kv, _) = m;
         let unit = (h + 2 * kv) * h + h * h + 3 * f * h;

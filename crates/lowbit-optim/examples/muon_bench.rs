@@ -34,6 +34,7 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
 use lowbit_comm::Communicator;
 use lowbit_comm::nccl::{NcclConfig, run_local_ranks_with};
+use lowbit_dev_support::cli::bounded_or_exit;
 use lowbit_device::{DType, Device, MatmulTcSpec, View, bf16};
 use lowbit_optim::{Muon, MuonConfig, NsMode, OptimConfig, Optimizer, protocol};
 
@@ -757,8 +758,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let json_path = arg(&args, "--json");
     let torch_script = arg(&args, "--torch");
-    let gpus: usize = arg(&args, "--gpus").map_or(2, |v| v.parse().expect("--gpus N"));
-    let layers: usize = arg(&args, "--layers").map_or(8, |v| v.parse().expect("--layers N"));
+    let gpus =
+        arg(&args, "--gpus").map_or(2, |v| bounded_or_exit("muon_bench", "--gpus", &v, 1..=64));
+    let layers =
+        arg(&args, "--layers").map_or(8, |v| bounded_or_exit("muon_bench", "--layers", &v, 1..=64));
     let card = card_name(0);
     println!("card: {card}");
 
