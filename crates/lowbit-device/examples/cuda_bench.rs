@@ -396,7 +396,10 @@ fn main() {
     // if none.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let want = |s: &str| only.is_empty() || only.iter().any(|o| o == s);
-    let mut dev = Device::cuda(0).expect("a CUDA GPU");
+    let mut dev = Device::cuda(0).unwrap_or_else(|e| {
+        eprintln!("cuda_bench: needs a CUDA GPU: {e}");
+        std::process::exit(2)
+    });
     let n = 16384usize;
     let elems = n * n;
     // Random-ish bf16 input (a cheap generator; the values only need a spread of exponents).
