@@ -70,7 +70,8 @@ fn usage(msg: &str) -> ! {
     std::process::exit(2)
 }
 
-fn count(s: &str) -> usize {
+/// `s` as a count (an optional K, M or G suffix) in `range`, else the usage and exit.
+fn count(s: &str, range: std::ops::RangeInclusive<usize>) -> usize {
     let (digits, mul) = match s.chars().last() {
         Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
         Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
@@ -81,8 +82,14 @@ fn count(s: &str) -> usize {
         .parse::<usize>()
         .ok()
         .and_then(|n| n.checked_mul(mul))
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| usage(&format!("`{s}` is not a positive count")))
+        .filter(|n| range.contains(n))
+        .unwrap_or_else(|| {
+            usage(&format!(
+                "`{s}` is not a count in {}..={}",
+                range.start(),
+                range.end()
+            ))
+        })
 }
 
 fn args() -> Args {
@@ -103,25 +110,16 @@ fn args() -> Args {
             .next()
             .unwrap_or_else(|| usage(&format!("{flag} needs a value")));
         match flag.as_str() {
-            "--params" => a.params = count(&value),
-            "--ranks" => a.ranks = count(&value),
-            "--reps" => a.reps = count(&value),
+            // Absurd sizes are refused, not met as an aborted allocation (the state is built
+            // in host memory first: 12 bytes a parameter) or a thread per rank by the thousand.
+            "--params" => a.params = count(&value, 1..=4 << 30),
+            "--ranks" => a.ranks = count(&value, 1..=64),
+            "--reps" => a.reps = count(&value, 1..=1000),
             "--dir" => a.dir = value.into(),
             "--json" => a.json = Some(value.into()),
             "--device" => a.device = value,
             _ => usage(&format!("unknown flag {flag}")),
         }
-    }
-    // Absurd sizes are refused here, not met as an aborted allocation (the state is built in
-    // host memory first: 12 bytes a parameter) or a thread per rank by the thousand.
-    if a.params > 4 << 30 {
-        usage(&format!("--params {}: at most 4G", a.params));
-    }
-    if a.ranks > 64 {
-        usage(&format!("--ranks {}: 1..=64", a.ranks));
-    }
-    if a.reps > 1000 {
-        usage(&format!("--reps {}: at most 1000", a.reps));
     }
     a
 }

@@ -490,13 +490,16 @@ impl Args {
     fn get(&self, name: &str) -> Option<&str> {
         self.all(name).last().copied()
     }
-    fn num<T: std::str::FromStr>(&self, name: &str, default: T) -> Res<T> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(v) => v
-                .parse()
-                .map_err(|_| format!("{name} {v}: not a number").into()),
-        }
+    /// A whole number in `range` (`lowbit_dev_support::cli::bounded`), else `default`.
+    fn bounded(
+        &self,
+        name: &str,
+        default: usize,
+        range: std::ops::RangeInclusive<usize>,
+    ) -> Res<usize> {
+        self.get(name).map_or(Ok(default), |v| {
+            Ok(lowbit_dev_support::cli::bounded(name, v, range)?)
+        })
     }
 }
 
@@ -618,12 +621,20 @@ fn run() -> Res<()> {
             "cpu"
         })
         .to_string();
-    let ranks: usize = args.num("--ranks", 2)?;
+    // Absurd sizes are refused here rather than left to exhaust the machine (a thread and a
+    // model's buffers per CPU rank) or run for days; the same rank limit as `lowbit train`.
+    let ranks = args.bounded("--ranks", 2, 1..=64)?;
     let settings = Settings {
-        reps: (args.num("--warmup", 2)?, args.num("--iters", 10)?),
+        reps: (
+            args.bounded("--warmup", 2, 0..=100_000)?,
+            args.bounded("--iters", 10, 1..=100_000)?,
+        ),
         gpu: device == "cuda",
         compute_us: args.get("--compute-us").map(str::parse).transpose()?,
-        bucket: args.get("--bucket").map(str::parse).transpose()?,
+        bucket: args
+            .get("--bucket")
+            .map(|v| lowbit_dev_support::cli::bounded("--bucket", v, 1..=usize::MAX))
+            .transpose()?,
         step_buckets: match args.get("--step-buckets").unwrap_or("one") {
             "one" => StepBuckets::One,
             "layer" => StepBuckets::Layer,
@@ -643,24 +654,10 @@ fn run() -> Res<()> {
             other => return Err(format!("--step-call {other}: one or two").into()),
         },
     };
-    if ranks == 0 || settings.reps.1 == 0 {
-        return Err("--ranks and --iters must be at least 1".into());
-    }
-    // Absurd sizes are refused here rather than left to exhaust the machine (a thread and a
-    // model's buffers per CPU rank) or run for days; the same rank limit as `lowbit train`.
-    if ranks > 64 {
-        return Err(format!("--ranks {ranks}: 1..=64").into());
-    }
-    if settings.reps.0 > 100_000 || settings.reps.1 > 100_000 {
-        return Err("--warmup and --iters must be at most 100000".into());
-    }
     if let Some(us) = settings.compute_us
         && !(us > 0.0 && us <= 1e6)
     {
         return Err(format!("--compute-us {us}: a duration in (0, 1e6] microseconds").into());
-    }
-    if settings.bucket == Some(0) {
-        return Err("--bucket 0: a positive element count".into());
     }
     let high = match args.get("--comm-priority").unwrap_or("high") {
         "high" => true,
