@@ -1200,6 +1200,40 @@ extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bit
     thr[i] = lo | (lo << 16);
 }
 
+// The class table's place in the parameters (words from `params`; the full table starts at 260).
+#define NVFP4_CLASS_WORD 2308u
+#define NVFP4_SFLO_WORD 2372u
+
+// The class table of version 9 (Nvfp4Thr) from the full table that nvfp4_params_v3 wrote into
+// `params` (launch after it, one block of 128 threads). Class c's reference is the largest
+// scale byte of its mantissa, ref = 8·15 + c (8·14 + 7 for c = 7: 0x7F is E4M3's NaN, never a
+// scale); word i of class c is full[ref][i] - E_ref · 0x00800080 (mod 2^32), so that
+// cls[c][i] + E · 0x00800080 is the prediction for sf = 8·E + c. Thread sf compares the
+// prediction with full[sf] for i < 7 (equal 32-bit words mean equal thresholds: 0x10001 is
+// odd); sf_lo (word NVFP4_SFLO_WORD) is one above the largest scale byte that differs, so the
+// predictions hold for every sf in sf_lo ..= 0x7E (0 when none differs).
+extern "C" __global__ void nvfp4_params_classes(float* __restrict__ params) {
+    const uint32_t* full = reinterpret_cast<const uint32_t*>(params) + 260;
+    uint32_t* out = reinterpret_cast<uint32_t*>(params);
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = -1;
+    __syncthreads();
+    const uint32_t sf = threadIdx.x, c = sf & 7u, ref = c == 7u ? 0x77u : 0x78u + c;
+    const uint32_t base = (ref >> 3) * 0x00800080u;
+    if (sf <= 0x7Eu) {
+        const uint32_t e = (sf >> 3) * 0x00800080u;
+        bool ok = true;
+        for (uint32_t i = 0; i < 7; ++i) ok = ok && full[8 * ref + i] - base + e == full[8 * sf + i];
+        if (!ok) atomicMax(&bad, (int)sf);
+    }
+    if (sf < 8) {
+        for (uint32_t i = 0; i < 7; ++i) out[NVFP4_CLASS_WORD + 8 * sf + i] = full[8 * ref + i] - base;
+        out[NVFP4_CLASS_WORD + 8 * sf + 7] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out[NVFP4_SFLO_WORD] = (uint32_t)(bad + 1);
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -1541,6 +1575,261 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+// ---- NVFP4 both copies, version 8: shorter chains per block, fewer instructions ----
+//
+// Version 7 spends ~25 instructions per element and waits on dependent chains (cuda/NOTES.md,
+// session 3): per block a sequential amax chain, ~17 integer operations of e4m3_code per scale
+// byte, then the threshold loads that depend on it. Version 8 (`set_cuda_kernel_variant("nvfp4",
+// 8)`) keeps version 7's tile, loads, stores and word arithmetic, and changes what feeds it:
+// - the scale bytes of two blocks come from one `cvt.rn.satfinite.e4m3x2.f32` (e4m3x2_code);
+// - the block amaxes are trees of NaN-propagating maxima on |x| (depth 3 for 16 words);
+// - |x| is taken once per word and serves both the amax and the codes (version 7 took it again
+//   per element pair), the sign bits are merged first (nvfp4_signs) from the raw words, which
+//   are then overwritten by their magnitudes (no second set of registers);
+// - a block (or rowwise item) holding a NaN is recomputed from the staged tile by version 7's
+//   code, out of line (nvfp4c_block_nan, nvfp4r_item_nan): the same bytes, off the hot path.
+
+// The E4M3 codes of two non-NaN f32 values >= 0 (+Inf saturates to 448), lo | hi << 8: one
+// hardware conversion. Equal to e4m3_code on every non-NaN f32 (cuda/check/e4m3_cvt.cu compares
+// all 2^32 inputs on the GPU); the scale products here are never NaN (a block's amax is taken
+// NaN-free first, and k is finite and positive).
+__device__ __forceinline__ uint32_t e4m3x2_code(float lo, float hi) {
+    uint16_t d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The sign bits of the eight elements of `p` (raw bf16 words) placed as a code word's nibble
+// bit 3 (element e at bit 4e + 3), as nvfp4_word_v4 merges them.
+template <class P>
+__device__ __forceinline__ uint32_t nvfp4_signs(P p) {
+    const uint32_t inv = 0xFFFEFFFFu;
+    uint32_t acc = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc = imad(prmt(p.lo(e), p.hi(e), p.ssel(e)), inv << (4 * e + 3), acc);
+    return acc;
+}
+
+// nvfp4_word_v4's magnitude bits for the elements of `p`, whose words already hold |x|
+// (habs2), added to `acc` (the sign bits from nvfp4_signs). Same word as nvfp4_word_v4.
+template <class P>
+__device__ __forceinline__ uint32_t nvfp4_word_v5(P p, const uint32_t* t, uint32_t acc) {
+    const uint32_t inv = 0xFFFEFFFFu;
+    const uint32_t d51 = t[1] - t[5], d40 = t[0] - t[4], d62 = t[2] - t[6];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const uint32_t k = prmt(p.lo(e), p.hi(e), p.sel(e));
+        uint32_t m2 = hgt2_mask(k, t[3]);
+        uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
+        uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]
+        uint32_t m0 = hgt2_mask(k, bsel(m1, w, u));
+        acc = imad(m0, inv << (4 * e), acc);
+        acc = imad(m1, inv << (4 * e + 1), acc);
+        acc = imad(m2, inv << (4 * e + 2), acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ uint32_t habs2_bits(uint32_t w) {
+    __nv_bfloat162 b = __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    return *reinterpret_cast<uint32_t*>(&b);
+}
+
+__device__ __forceinline__ uint32_t hmax2_nan_bits(uint32_t a, uint32_t b) {
+    __nv_bfloat162 m = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<uint32_t*>(&m);
+}
+
+// The NaN-propagating maximum of a[0..N-1] (bf16 pairs, each >= +0), as a tree.
+template <int N>
+__device__ __forceinline__ uint32_t hmax2_nan_tree(const uint32_t* a) {
+    if constexpr (N == 1) {
+        return a[0];
+    } else {
+        return hmax2_nan_bits(hmax2_nan_tree<N / 2>(a), hmax2_nan_tree<N - N / 2>(a + N / 2));
+    }
+}
+
+// Whether either half of a bf16 pair of magnitudes is a NaN.
+__device__ __forceinline__ bool bf16x2_has_nan(uint32_t m) {
+    return (m & 0x7FFFu) > 0x7F80u || (m >> 16) > 0x7F80u;
+}
+
+struct Nvfp4Words16 {
+    uint32_t w[16];
+};
+// A column pair's block (Nvfp4ColBlock: codes of column ca words 0 and 1, then of ca + 1; scale
+// bytes sfa | sfb << 8) or a rowwise item's two blocks (Nvfp4RowItem: the four code words and
+// the scale pair, both in the item's chunk order).
+struct Nvfp4Out5 {
+    uint32_t c[4];
+    uint32_t sf;
+};
+
+// Version 7's code for one column pair's block holding a NaN (16 raw tile words, rows 0..15),
+// out of line: the NaN-ignoring amaxes from +0, e4m3_code, nvfp4_block_words per column.
+__device__ __noinline__ Nvfp4Out5 nvfp4c_block_nan(Nvfp4Words16 a, float k,
+                                                    const float* __restrict__ rcp,
+                                                    const uint4* __restrict__ thr) {
+    const uint32_t* wv = a.w;
+    __nv_bfloat162 m2 = __floats2bfloat162_rn(0.0f, 0.0f);
+#pragma unroll
+    for (unsigned i = 0; i < 16; ++i)
+        m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+    const uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+    // Which halves hold a NaN (the NaN-ignoring maximum above cannot tell).
+    __nv_bfloat162 n2 = __floats2bfloat162_rn(0.0f, 0.0f);
+#pragma unroll
+    for (unsigned i = 0; i < 16; ++i)
+        n2 = __hmax2_nan(n2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+    const uint32_t nb = *reinterpret_cast<uint32_t*>(&n2);
+    const bool nan_a = (nb & 0x7FFFu) > 0x7F80u, nan_b = ((nb >> 16) & 0x7FFFu) > 0x7F80u;
+    const uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
+    const uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
+    Nvfp4Out5 o;
+    nvfp4_block_words<4>(Nvfp4ColPairs<0>{wv}, Nvfp4ColPairs<0>{wv + 8}, sfa, nan_a, rcp, thr,
+                         &o.c[0]);
+    nvfp4_block_words<4>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp, thr,
+                         &o.c[2]);
+    o.sf = sfa | (sfb << 8);
+    return o;
+}
+
+// Version 7's code for a rowwise item (two 1x16 blocks, 16 raw words in v3's row layout) one
+// of whose blocks holds a NaN, out of line.
+__device__ __noinline__ Nvfp4Out5 nvfp4r_item_nan(Nvfp4Words16 a, float k,
+                                                   const float* __restrict__ rcp,
+                                                   const uint4* __restrict__ thr) {
+    Nvfp4Out5 o;
+    const uint32_t s0 = nvfp4_row_block_v3<4>(a.w, k, rcp, thr, &o.c[0]);
+    const uint32_t s1 = nvfp4_row_block_v3<4>(a.w + 8, k, rcp, thr, &o.c[2]);
+    o.sf = s0 | (s1 << 8);
+    return o;
+}
+
+// The threshold words of scale byte sf (nvfp4_params_v3's table).
+__device__ __forceinline__ void nvfp4_thresholds(const uint4* __restrict__ thr, uint32_t sf,
+                                                 uint32_t* t) {
+    const uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
+    t[0] = t0.x, t[1] = t0.y, t[2] = t0.z, t[3] = t0.w, t[4] = t1.x, t[5] = t1.y, t[6] = t1.z;
+}
+
+// Where versions 8 and 9 take a block's threshold words (Nvfp4Thr::get): version 8 from the
+// full table of nvfp4_params_v3 (`full`, 32 bytes per scale byte: a warp's loads gather from
+// as many sectors as its lanes have distinct scale bytes, which made the L1 data pipe the
+// busiest unit of the both-copies kernel, cuda/NOTES.md); version 9 (CLASSES) from the 8-entry
+// class table of nvfp4_params_classes, which every lane of a warp reads within 256 bytes: a
+// scale byte sf = 8·E + c (E4M3 exponent field E, mantissa c) at or above `sf_lo` has the
+// threshold words cls[c][i] + E · 0x00800080 (the thresholds scale with the block scale's
+// power of two; nvfp4_params_classes checked that equality, word for word, for every sf >=
+// sf_lo), anything below takes the full table.
+template <bool CLASSES>
+struct Nvfp4Thr {
+    const uint4* __restrict__ full;
+    const uint4* __restrict__ cls;
+    uint32_t sf_lo;
+    __device__ __forceinline__ void get(uint32_t sf, uint32_t* t) const {
+        if (CLASSES && sf >= sf_lo) {
+            const uint32_t c = sf & 7u, e = (sf & 0x78u) * 0x00100010u;  // E · 0x00800080
+            const uint4 t0 = cls[2 * c], t1 = cls[2 * c + 1];
+            t[0] = imad(1u, t0.x, e), t[1] = imad(1u, t0.y, e), t[2] = imad(1u, t0.z, e);
+            t[3] = imad(1u, t0.w, e), t[4] = imad(1u, t1.x, e), t[5] = imad(1u, t1.y, e);
+            t[6] = imad(1u, t1.z, e);
+        } else {
+            nvfp4_thresholds(full, sf, t);
+        }
+    }
+};
+
+template <bool CLASSES>
+__device__ __forceinline__ Nvfp4Thr<CLASSES> nvfp4_thr(const uint4* __restrict__ thr) {
+    Nvfp4Thr<CLASSES> t;
+    t.full = thr;
+    t.cls = thr + (NVFP4_CLASS_WORD - 260u) / 4u;
+    t.sf_lo = CLASSES ? __ldg(reinterpret_cast<const uint32_t*>(thr) + (NVFP4_SFLO_WORD - 260u))
+                      : 0u;
+    return t;
+}
+
+// One column pair's block of version 8's columnwise part: wv[16] the raw tile words of rows
+// 0..15 (column ca low, ca + 1 high). Writes the codes to ca[0..1] and cb[0..1] and returns
+// sfa | sfb << 8; when the block holds a NaN, returns version 7's bytes through
+// nvfp4c_block_nan (reading the raw words again from `src`, a pointer to the tile's word of
+// row 0 of this block and this lane, row pitch NVFP4C_COLS / 2 words).
+template <bool CLASSES>
+__device__ __forceinline__ uint32_t nvfp4c_block_v8(uint32_t* wv, const uint32_t* src, float k,
+                                                    const float* __restrict__ rcp,
+                                                    const Nvfp4Thr<CLASSES>& th, uint32_t* ca,
+                                                    uint32_t* cb) {
+    const uint4* __restrict__ thr = th.full;
+    uint32_t acc[4];
+    acc[0] = nvfp4_signs(Nvfp4ColPairs<0>{wv});
+    acc[1] = nvfp4_signs(Nvfp4ColPairs<0>{wv + 8});
+    acc[2] = nvfp4_signs(Nvfp4ColPairs<1>{wv});
+    acc[3] = nvfp4_signs(Nvfp4ColPairs<1>{wv + 8});
+#pragma unroll
+    for (unsigned i = 0; i < 16; ++i) wv[i] = habs2_bits(wv[i]);
+    const uint32_t mb = hmax2_nan_tree<16>(wv);
+    if (bf16x2_has_nan(mb)) {
+        // Volatile: read again, so that the raw words need not stay in registers meanwhile.
+        const volatile uint32_t* vs = src;
+        Nvfp4Words16 a;
+#pragma unroll
+        for (unsigned i = 0; i < 16; ++i) a.w[i] = vs[i * (NVFP4C_COLS / 2)];
+        const Nvfp4Out5 o = nvfp4c_block_nan(a, k, rcp, thr);
+        ca[0] = o.c[0], ca[1] = o.c[1], cb[0] = o.c[2], cb[1] = o.c[3];
+        return o.sf;
+    }
+    const uint32_t sf2 = e4m3x2_code(__fmul_rn(__uint_as_float(mb << 16), k),
+                                     __fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
+    uint32_t t[7];
+    th.get(sf2 & 0xFFu, t);
+    ca[0] = nvfp4_word_v5(Nvfp4ColPairs<0>{wv}, t, acc[0]);
+    ca[1] = nvfp4_word_v5(Nvfp4ColPairs<0>{wv + 8}, t, acc[1]);
+    th.get(sf2 >> 8, t);
+    cb[0] = nvfp4_word_v5(Nvfp4ColPairs<1>{wv}, t, acc[2]);
+    cb[1] = nvfp4_word_v5(Nvfp4ColPairs<1>{wv + 8}, t, acc[3]);
+    return sf2;
+}
+
+// A rowwise item of version 8: a[16] the item's raw words (v3's row layout: block 0 in a[0..7],
+// block 1 in a[8..15]). Writes the four code words to w and returns the scale pair
+// (block 0 | block 1 << 8); when a block holds a NaN, version 7's bytes through
+// nvfp4r_item_nan (the raw words read again by `reload`).
+template <bool CLASSES, class Reload>
+__device__ __forceinline__ uint32_t nvfp4r_item_v8(uint32_t* a, Reload reload, float k,
+                                                   const float* __restrict__ rcp,
+                                                   const Nvfp4Thr<CLASSES>& th, uint32_t* w) {
+    const uint4* __restrict__ thr = th.full;
+    uint32_t acc[4];
+#pragma unroll
+    for (unsigned j = 0; j < 4; ++j) acc[j] = nvfp4_signs(Nvfp4RowPairs{a + 4 * j});
+#pragma unroll
+    for (unsigned i = 0; i < 16; ++i) a[i] = habs2_bits(a[i]);
+    const uint32_t m0 = hmax2_nan_tree<8>(a), m1 = hmax2_nan_tree<8>(a + 8);
+    if (bf16x2_has_nan(m0) || bf16x2_has_nan(m1)) {
+        Nvfp4Words16 r;
+        reload(r.w);
+        const Nvfp4Out5 o = nvfp4r_item_nan(r, k, rcp, thr);
+#pragma unroll
+        for (unsigned j = 0; j < 4; ++j) w[j] = o.c[j];
+        return o.sf;
+    }
+    // (block 0's amax | block 1's << 16): the larger half of each pair (both >= +0, no NaN).
+    const uint32_t z = hmax2_nan_bits(prmt(m0, m1, 0x5410u), prmt(m0, m1, 0x7632u));
+    const uint32_t sf2 = e4m3x2_code(__fmul_rn(__uint_as_float(z << 16), k),
+                                     __fmul_rn(__uint_as_float(z & 0xFFFF0000u), k));
+    uint32_t t[7];
+    th.get(sf2 & 0xFFu, t);
+    w[0] = nvfp4_word_v5(Nvfp4RowPairs{a}, t, acc[0]);
+    w[1] = nvfp4_word_v5(Nvfp4RowPairs{a + 4}, t, acc[1]);
+    th.get(sf2 >> 8, t);
+    w[2] = nvfp4_word_v5(Nvfp4RowPairs{a + 8}, t, acc[2]);
+    w[3] = nvfp4_word_v5(Nvfp4RowPairs{a + 12}, t, acc[3]);
+    return sf2;
+}
+
 // Stages the tile of rows r0 .. r0 + 255 and columns c0 .. c0 + 63 (nvfp4_quantize_cols_v4;
 // nvfp4c_load_tile_v5 issues the same copies for version 5): 256 rows x 8 chunks of 16 bytes;
 // chunk q = threadIdx.x + 128 i is row q / 8, columns c0 + 8 (q % 8) .. + 7 (consecutive
@@ -1576,7 +1865,8 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
                                                  uint8_t* __restrict__ data,
                                                  uint8_t* __restrict__ scales, uint32_t flags,
                                                  uint32_t (*stash)[8] = nullptr,
-                                                 unsigned slot = 0) {
+                                                 unsigned slot = 0,
+                                                 Nvfp4Thr<(WORD == 6)> th = {}) {
     const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     const u64 nbr = rows / 16, rb = rows / 2;
     const u64 left = (rows - rw) / 16;
@@ -1589,6 +1879,13 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
         uint32_t wv[16];
 #pragma unroll
         for (unsigned i = 0; i < 16; ++i) wv[i] = tile[64 * warp + 16 * b + i][lane];
+        if constexpr (WORD >= 5) {
+            const uint32_t sf2 = nvfp4c_block_v8(wv, &tile[64 * warp + 16 * b][lane], k, rcp, th,
+                                                 &codes[0][2 * b], &codes[1][2 * b]);
+            sfs[0] |= (sf2 & 0xFFu) << (8 * b);
+            sfs[1] |= (sf2 >> 8) << (8 * b);
+            continue;
+        }
         __nv_bfloat162 m2 = zero2;
 #pragma unroll
         for (unsigned i = 0; i < 16; ++i)
@@ -1614,11 +1911,38 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
         nvfp4_block_words<WORD>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp,
                                 thr, &codes[1][2 * b]);
     }
+    // Version 9, a warp whose 64 columns lie inside the matrix (flag 4, warp-uniform) with four
+    // whole blocks and 16-byte code units: each column's 32 code bytes are stored by two
+    // neighbouring lanes in one instruction (the pair's lanes swap the halves they do not own
+    // by a shuffle), so every store covers whole 32-byte sectors of 16 columns; version 7's
+    // lanes each stored 16 bytes of 32 columns, half a sector per lane, twice per column.
+    const bool pairs_store = WORD == 6 && (flags & 5u) == 5u && nblk == 4;
+    if (pairs_store) {
+        const bool odd = (lane & 1u) != 0;
+        const u64 c0 = ca - 2 * lane;
+#pragma unroll
+        for (unsigned h = 0; h < 2; ++h) {
+            uint32_t r[4];
+#pragma unroll
+            for (unsigned i = 0; i < 4; ++i)
+                r[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? codes[h][i] : codes[h][4 + i], 1);
+            // The pair's even lane's column, then its odd lane's; this lane writes half `odd`.
+            const u64 ce = c0 + 2 * (lane & ~1u) + h, co = ce + 2;
+            const uint4 ve = odd ? make_uint4(r[0], r[1], r[2], r[3])
+                                 : make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
+            const uint4 vo = odd ? make_uint4(codes[h][4], codes[h][5], codes[h][6], codes[h][7])
+                                 : make_uint4(r[0], r[1], r[2], r[3]);
+            *reinterpret_cast<uint4*>(data + ce * rb + rw / 2 + 16 * odd) = ve;
+            *reinterpret_cast<uint4*>(data + co * rb + rw / 2 + 16 * odd) = vo;
+        }
+    }
 #pragma unroll
     for (unsigned h = 0; h < 2; ++h) {
         const u64 c = ca + h;
         uint8_t* out = data + c * rb + rw / 2;
-        if ((flags & 1u) && nblk == 4) {
+        if (pairs_store) {
+            // Stored above.
+        } else if ((flags & 1u) && nblk == 4) {
             uint4* o = reinterpret_cast<uint4*>(out);
             o[0] = make_uint4(codes[h][0], codes[h][1], codes[h][2], codes[h][3]);
             o[1] = make_uint4(codes[h][4], codes[h][5], codes[h][6], codes[h][7]);
@@ -1824,6 +2148,14 @@ __device__ __forceinline__ void nvfp4_both_body(
     const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
     const u64 cp = c0 + 32 * pair;
     const u64 per = PAIRS ? 2 : 1, groups = (tiles + per - 1) / per;
+    // Version 9: the class table (256 bytes) copied into shared memory once (the barrier at
+    // the top of the tile loop orders the copy before any use).
+    __shared__ __align__(16) uint4 cls_s[WORD == 6 ? 16 : 1];
+    Nvfp4Thr<(WORD == 6)> th = nvfp4_thr<(WORD == 6)>(thr);
+    if constexpr (WORD == 6) {
+        if (threadIdx.x < 16) cls_s[threadIdx.x] = __ldg(th.cls + threadIdx.x);
+        th.cls = cls_s;
+    }
     for (u64 tg = blockIdx.y; tg < groups; tg += gridDim.y) {
         for (unsigned tt = 0; tt < per; ++tt) {
             const u64 tr = per * tg + tt;
@@ -1835,8 +2167,8 @@ __device__ __forceinline__ void nvfp4_both_body(
             const u64 rw = r0 + 64 * warp;  // this warp's first row
             if (ca < cols && rw < rows)
                 nvfp4c_cols_part<PAIRS, WORD>(tile, lane, warp, ca, rw, rows, k, rcp, thr, cdata,
-                                              cscales,
-                                        flags, stash, 4 * tt + warp);
+                                              cscales, flags | (c0 + 64 <= cols ? 4u : 0u),
+                                              stash, 4 * tt + warp, th);
             if (cp >= cols) continue;
             // Not unrolled: the kernel's time goes to issuing ALU instructions, and fetching
             // them (cuda/NOTES.md); four copies of this body made the code a third longer.
@@ -1850,10 +2182,25 @@ __device__ __forceinline__ void nvfp4_both_body(
 #pragma unroll
                 for (unsigned q = 0; q < 4; ++q) raw[q] = src[q ^ xo];
                 uint32_t w[4], sf[2];
+                if constexpr (WORD >= 5) {
+                    // Volatile: read again, not kept in registers (nvfp4c_block_v8).
+                    auto reload = [&](uint32_t* r) {
+                        const volatile uint32_t* vs = reinterpret_cast<const uint32_t*>(src);
 #pragma unroll
-                for (unsigned b = 0; b < 2; ++b)
-                    sf[b] = nvfp4_row_block_v3<WORD>(
-                        reinterpret_cast<const uint32_t*>(&raw[2 * b]), k, rcp, thr, &w[2 * b]);
+                        for (unsigned q = 0; q < 4; ++q)
+#pragma unroll
+                            for (unsigned i = 0; i < 4; ++i) r[4 * q + i] = vs[4 * (q ^ xo) + i];
+                    };
+                    const uint32_t sf2 = nvfp4r_item_v8(reinterpret_cast<uint32_t*>(raw), reload,
+                                                        k, rcp, th, w);
+                    sf[0] = sf2 & 0xFFu, sf[1] = sf2 >> 8;
+                } else {
+#pragma unroll
+                    for (unsigned b = 0; b < 2; ++b)
+                        sf[b] = nvfp4_row_block_v3<WORD>(
+                            reinterpret_cast<const uint32_t*>(&raw[2 * b]), k, rcp, thr,
+                            &w[2 * b]);
+                }
                 // w[q] is chunk q ^ xo's code word, sf[b] block b ^ (xo >> 1)'s scale.
                 const bool s1 = (xo & 1u) != 0, s2 = (xo & 2u) != 0;
                 uint32_t v0 = s1 ? w[1] : w[0], v1 = s1 ? w[0] : w[1];
@@ -1898,6 +2245,30 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v7(
     __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
     __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
     nvfp4_both_body<true, 4>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
+                             stash);
+}
+
+// Version 8: version 7 with shorter chains per block (nvfp4c_block_v8, nvfp4r_item_v8). Same
+// bytes.
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v8(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_both_body<true, 5>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
+                             stash);
+}
+
+// Version 9: version 8 with the thresholds of the class table (Nvfp4Thr<true>; the parameters
+// of nvfp4_params_v3 followed by nvfp4_params_classes). Same bytes.
+extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v9(
+    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
+    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
+    u64 rows, u64 cols, uint32_t flags) {
+    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
+    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
+    nvfp4_both_body<true, 6>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
                              stash);
 }
 

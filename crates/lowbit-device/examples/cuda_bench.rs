@@ -616,6 +616,13 @@ fn main() {
             (Copies::Rowwise, 7),
             (Copies::Columnwise, 7),
             (Copies::Both, 7),
+            // Version 8: both copies with shorter chains per block; 9: 8 with the class table
+            // of thresholds; 7, 8 and 9 alternated twice.
+            (Copies::Both, 8),
+            (Copies::Both, 9),
+            (Copies::Both, 7),
+            (Copies::Both, 8),
+            (Copies::Both, 9),
         ] {
             if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
                 println!("nvfp4 v{version}: skipped ({e})");

@@ -267,7 +267,7 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             mxfp8_many_version: 0,
-            nvfp4_version: 7,
+            nvfp4_version: 9,
             nvfp4_finish_version: 7,
             sum_squares_version: 0,
             sum_squares_beside: u32::try_from(sms / 4).unwrap_or(0).max(1),
@@ -490,7 +490,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
-            ("nvfp4", 1..=7) => self.nvfp4_version = version,
+            ("nvfp4", 1..=9) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=7) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("sum_squares_beside", _) => self.sum_squares_beside = version,

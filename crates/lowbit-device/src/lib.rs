@@ -735,7 +735,11 @@ impl Device {
     /// `("mxfp8_many", 0..=2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 0 by
     /// default: 2 where its launches average at least four matrices, else 1; 2: one launch per
     /// shape (the matrix is a grid index), 1: one launch for all (each CTA looks its matrix up);
-    /// `("nvfp4", 1..=7)`: the bf16 amax pass and the NVFP4 kernels, 7 by default: 6 with the
+    /// `("nvfp4", 1..=9)`: the bf16 amax pass and the NVFP4 kernels, 9 by default: 8 with
+    /// the thresholds from a table of the 8 scale mantissas in shared memory and each column's
+    /// codes stored by two lanes in one instruction; 8: 7 with
+    /// shorter dependent chains per block in the both-copies kernel (one conversion for two
+    /// scale bytes, amax trees, |x| taken once); 7: 6 with the
     /// codes' selects and bit merges as integer multiply-adds (the FMA pipe instead of the ALU);
     /// 6: 5 over pairs of 256-row tiles (whole-sector columnwise scale stores); 5: both copies
     /// from one read of X; 4: 3 with the shared-memory columnwise kernel;

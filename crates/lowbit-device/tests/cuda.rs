@@ -963,8 +963,10 @@ fn many_matches_per_item(
 /// rowwise kernel, 4 is 3 with the shared-memory-transpose columnwise kernel
 /// (`nvfp4_quantize_cols_v4`), 5 writes both copies from one read (`nvfp4_quantize_both_v5`),
 /// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores), 7 is 6 with
-/// `nvfp4_word_v4` (the codes' selects and bit merges as integer multiply-adds).
-const NVFP4_VERSIONS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
+/// `nvfp4_word_v4` (the codes' selects and bit merges as integer multiply-adds), 8 is 7 with
+/// `nvfp4_quantize_both_v8` (one conversion for two scale bytes, amax trees, NaN blocks out of
+/// line), 9 is 8 with the thresholds of the class table (`nvfp4_params_classes`).
+const NVFP4_VERSIONS: [u32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -1155,6 +1157,8 @@ fn nvfp4_rowwise_versions_match_on_stress_inputs() {
             (3, Copies::Rowwise),
             (7, Copies::Rowwise),
             (7, Copies::Both),
+            (8, Copies::Both),
+            (9, Copies::Both),
         ] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
@@ -1193,7 +1197,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6, 7] {
+        for version in [3, 4, 5, 6, 7, 8, 9] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

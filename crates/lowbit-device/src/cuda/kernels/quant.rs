@@ -410,10 +410,11 @@ impl CudaDevice {
         // Versions 3 to 5 also build the E2M1 threshold table (8 words per scale byte from
         // word 260, which the 16-byte loads of nvfp4_quantize_rows_v3, nvfp4_quantize_cols_v4
         // and nvfp4_quantize_both_v5 need 16-byte aligned).
-        let params = self.scratch(if self.nvfp4_version >= 3 {
-            260 + 8 * 256
-        } else {
-            257
+        // Version 9 adds the class table (8 x 8 words) and its lower bound after it.
+        let params = self.scratch(match self.nvfp4_version {
+            9.. => 260 + 8 * 256 + 8 * 8 + 1,
+            3.. => 260 + 8 * 256,
+            _ => 257,
         })?;
         let tp = params.ptr;
         let thresholds = self.nvfp4_version >= 3 && tp.is_multiple_of(16);
@@ -432,6 +433,14 @@ impl CudaDevice {
                 (256, 1, 1),
                 &args![amax.ptr, self.tables_ptr, tp],
             )?;
+        }
+        if thresholds && self.nvfp4_version >= 9 {
+            // SAFETY: `tp` holds 2373 words (allocated above for version 9): the kernel reads
+            // the full table (words 260..2308) that nvfp4_params_v3 just wrote, and writes
+            // words 2308..=2372; one block of 128 threads.
+            unsafe {
+                self.launch("nvfp4_params_classes", (1, 1, 1), (128, 1, 1), &args![tp])?;
+            }
         }
         let (r, c) = (rows as u64, cols as u64);
         // Version 5: both copies from one read of X (nvfp4_quantize_both_v5; version 6
@@ -592,6 +601,14 @@ impl CudaDevice {
                 "nvfp4_quantize_both_v7",
             ],
         );
+        // Version 8: version 7's launch with shorter chains per block (the same accesses).
+        // Version 9: 8 with the class table of thresholds (nvfp4_params_classes, launched by
+        // the caller for version 9).
+        let kernel = match self.nvfp4_version {
+            9.. => "nvfp4_quantize_both_v9",
+            8 => "nvfp4_quantize_both_v8",
+            _ => kernel,
+        };
         let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
         // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
         // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
