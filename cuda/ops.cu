@@ -1207,8 +1207,8 @@ extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bit
 // The class table of version 9 (Nvfp4Thr) from the full table that nvfp4_params_v3 wrote into
 // `params` (launch after it, one block of 128 threads). Class c's reference is the largest
 // scale byte of its mantissa, ref = 8·15 + c (8·14 + 7 for c = 7: 0x7F is E4M3's NaN, never a
-// scale); word i of class c is full[ref][i] - E_ref · 0x00800080 (mod 2^32), so that
-// cls[c][i] + E · 0x00800080 is the prediction for sf = 8·E + c. Thread sf compares the
+// scale); the prediction for sf = 8·E + c of its threshold word i is
+// full[ref][i] - E_ref · 0x00800080 + E · 0x00800080 (mod 2^32). Thread sf compares the
 // prediction with full[sf] for i < 7 (equal 32-bit words mean equal thresholds: 0x10001 is
 // odd); sf_lo (word NVFP4_SFLO_WORD) is one above the largest scale byte that differs, so the
 // predictions hold for every sf in sf_lo ..= 0x7E (0 when none differs).
@@ -1227,8 +1227,12 @@ extern "C" __global__ void nvfp4_params_classes(float* __restrict__ params) {
         if (!ok) atomicMax(&bad, (int)sf);
     }
     if (sf < 8) {
-        for (uint32_t i = 0; i < 7; ++i) out[NVFP4_CLASS_WORD + 8 * sf + i] = full[8 * ref + i] - base;
-        out[NVFP4_CLASS_WORD + 8 * sf + 7] = 0;
+        // nvfp4_thresholds' select form: t_1..t_4 less the reference's exponent, then the
+        // differences (the same for every sf of the class that the predictions hold for).
+        const uint32_t* r = full + 8 * ref;
+        uint32_t* o = out + NVFP4_CLASS_WORD + 8 * sf;
+        for (uint32_t i = 0; i < 4; ++i) o[i] = r[i] - base;
+        o[4] = r[1] - r[5], o[5] = r[0] - r[4], o[6] = r[2] - r[6], o[7] = 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) out[NVFP4_SFLO_WORD] = (uint32_t)(bad + 1);
@@ -1611,11 +1615,13 @@ __device__ __forceinline__ uint32_t nvfp4_signs(P p) {
 }
 
 // nvfp4_word_v4's magnitude bits for the elements of `p`, whose words already hold |x|
-// (habs2), added to `acc` (the sign bits from nvfp4_signs). Same word as nvfp4_word_v4.
+// (habs2), added to `acc` (the sign bits from nvfp4_signs). Same word as nvfp4_word_v4. `t` is
+// in the select form of nvfp4_thresholds: t_1..t_4 (t[0..3]), then t_2 - t_6, t_1 - t_5 and
+// t_3 - t_7 (the differences the multiply-add selects take; t_5..t_7 are used only there).
 template <class P>
 __device__ __forceinline__ uint32_t nvfp4_word_v5(P p, const uint32_t* t, uint32_t acc) {
     const uint32_t inv = 0xFFFEFFFFu;
-    const uint32_t d51 = t[1] - t[5], d40 = t[0] - t[4], d62 = t[2] - t[6];
+    const uint32_t d51 = t[4], d40 = t[5], d62 = t[6];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const uint32_t k = prmt(p.lo(e), p.hi(e), p.sel(e));
@@ -1708,22 +1714,25 @@ __device__ __noinline__ Nvfp4Out5 nvfp4r_item_nan(Nvfp4Words16 a, float k,
     return o;
 }
 
-// The threshold words of scale byte sf (nvfp4_params_v3's table).
+// The threshold words of scale byte sf (nvfp4_params_v3's table) in nvfp4_word_v5's select
+// form: t_1..t_4, then t_2 - t_6, t_1 - t_5, t_3 - t_7 (words 1 - 5, 0 - 4, 2 - 6 of the row).
 __device__ __forceinline__ void nvfp4_thresholds(const uint4* __restrict__ thr, uint32_t sf,
                                                  uint32_t* t) {
     const uint4 t0 = __ldg(thr + 2 * sf), t1 = __ldg(thr + 2 * sf + 1);
-    t[0] = t0.x, t[1] = t0.y, t[2] = t0.z, t[3] = t0.w, t[4] = t1.x, t[5] = t1.y, t[6] = t1.z;
+    t[0] = t0.x, t[1] = t0.y, t[2] = t0.z, t[3] = t0.w;
+    t[4] = t0.y - t1.y, t[5] = t0.x - t1.x, t[6] = t0.z - t1.z;
 }
 
 // Where versions 8 and 9 take a block's threshold words (Nvfp4Thr::get): version 8 from the
 // full table of nvfp4_params_v3 (`full`, 32 bytes per scale byte: a warp's loads gather from
 // as many sectors as its lanes have distinct scale bytes, which made the L1 data pipe the
 // busiest unit of the both-copies kernel, cuda/NOTES.md); version 9 (CLASSES) from the 8-entry
-// class table of nvfp4_params_classes, which every lane of a warp reads within 256 bytes: a
+// class table of nvfp4_params_classes (256 bytes, copied to shared memory by the caller): a
 // scale byte sf = 8·E + c (E4M3 exponent field E, mantissa c) at or above `sf_lo` has the
-// threshold words cls[c][i] + E · 0x00800080 (the thresholds scale with the block scale's
-// power of two; nvfp4_params_classes checked that equality, word for word, for every sf >=
-// sf_lo), anything below takes the full table.
+// threshold words t_1..t_4 = cls[c][i] + E · 0x00800080 and the class's differences (the
+// thresholds scale with the block scale's power of two; nvfp4_params_classes checked that, word
+// for word, for every sf >= sf_lo); anything below takes the full table. Both in
+// nvfp4_thresholds' select form.
 template <bool CLASSES>
 struct Nvfp4Thr {
     const uint4* __restrict__ full;
@@ -1731,11 +1740,11 @@ struct Nvfp4Thr {
     uint32_t sf_lo;
     __device__ __forceinline__ void get(uint32_t sf, uint32_t* t) const {
         if (CLASSES && sf >= sf_lo) {
+            // Only t_1..t_4 move with E: the differences are the class's.
             const uint32_t c = sf & 7u, e = (sf & 0x78u) * 0x00100010u;  // E · 0x00800080
             const uint4 t0 = cls[2 * c], t1 = cls[2 * c + 1];
             t[0] = imad(1u, t0.x, e), t[1] = imad(1u, t0.y, e), t[2] = imad(1u, t0.z, e);
-            t[3] = imad(1u, t0.w, e), t[4] = imad(1u, t1.x, e), t[5] = imad(1u, t1.y, e);
-            t[6] = imad(1u, t1.z, e);
+            t[3] = imad(1u, t0.w, e), t[4] = t1.x, t[5] = t1.y, t[6] = t1.z;
         } else {
             nvfp4_thresholds(full, sf, t);
         }
