@@ -2165,7 +2165,10 @@ __device__ __forceinline__ void nvfp4_both_body(
         if (threadIdx.x < 16) cls_s[threadIdx.x] = __ldg(th.cls + threadIdx.x);
         th.cls = cls_s;
     }
-    for (u64 tg = blockIdx.y; tg < groups; tg += gridDim.y) {
+    for (u64 it = blockIdx.y; it < groups; it += gridDim.y) {
+        // Version 9 walks the tile groups from the last: the amax pass read X just before, and
+        // the L2 still holds its tail (the first wave of CTAs reads ~48 MB of 16384² bf16).
+        const u64 tg = WORD == 6 ? groups - 1 - it : it;
         for (unsigned tt = 0; tt < per; ++tt) {
             const u64 tr = per * tg + tt;
             if (tr >= tiles) break;
