@@ -1169,15 +1169,15 @@ __constant__ float NVFP4_STEPS[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0
 // t_1..t_7 as bf16 magnitudes duplicated in both halves of a word, then 0x7F7F7F7F. Launch
 // with 8 blocks of 256 threads: thread (sf, i) = (global id / 8, global id % 8) finds t_{i+1}
 // by bisection over the bf16 magnitudes 0..0x7F80 (cond(0) false; cond(Inf) true).
-extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bits,
-                                           const float* __restrict__ e4m3,
-                                           float* __restrict__ params) {
+// Thread g's part of nvfp4_params_v3 (and of nvfp4_params_v9, which runs it for two g each).
+__device__ __forceinline__ void nvfp4_params_v3_part(const uint32_t* __restrict__ amax_bits,
+                                                     const float* __restrict__ e4m3,
+                                                     float* __restrict__ params, unsigned g) {
     const float flt_max = __uint_as_float(0x7F7FFFFFu);
     float amax = __uint_as_float(amax_bits[0]);
     float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
     if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
     float s_dec = __fdiv_rn(1.0f, s_enc);
-    unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned sf = g / 8, i = g % 8;
     if (sf >= 256) return;
     float m = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf], s_dec)), flt_max);
@@ -1200,19 +1200,26 @@ extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bit
     thr[i] = lo | (lo << 16);
 }
 
+extern "C" __global__ void nvfp4_params_v3(const uint32_t* __restrict__ amax_bits,
+                                           const float* __restrict__ e4m3,
+                                           float* __restrict__ params) {
+    nvfp4_params_v3_part(amax_bits, e4m3, params, blockIdx.x * blockDim.x + threadIdx.x);
+}
+
 // The class table's place in the parameters (words from `params`; the full table starts at 260).
 #define NVFP4_CLASS_WORD 2308u
 #define NVFP4_SFLO_WORD 2372u
 
-// The class table of version 9 (Nvfp4Thr) from the full table that nvfp4_params_v3 wrote into
-// `params` (launch after it, one block of 128 threads). Class c's reference is the largest
+// The class table of version 9 (Nvfp4Thr) from the full table of nvfp4_params_v3_part, which
+// this block wrote into `params` (nvfp4_params_v9 runs it after a barrier; any block size of at
+// least 128 threads). Class c's reference is the largest
 // scale byte of its mantissa, ref = 8·15 + c (8·14 + 7 for c = 7: 0x7F is E4M3's NaN, never a
 // scale); the prediction for sf = 8·E + c of its threshold word i is
 // full[ref][i] - E_ref · 0x00800080 + E · 0x00800080 (mod 2^32). Thread sf compares the
 // prediction with full[sf] for i < 7 (equal 32-bit words mean equal thresholds: 0x10001 is
 // odd); sf_lo (word NVFP4_SFLO_WORD) is one above the largest scale byte that differs, so the
 // predictions hold for every sf in sf_lo ..= 0x7E (0 when none differs).
-extern "C" __global__ void nvfp4_params_classes(float* __restrict__ params) {
+__device__ __forceinline__ void nvfp4_params_classes_part(float* __restrict__ params) {
     const uint32_t* full = reinterpret_cast<const uint32_t*>(params) + 260;
     uint32_t* out = reinterpret_cast<uint32_t*>(params);
     __shared__ int bad;
@@ -1236,6 +1243,18 @@ extern "C" __global__ void nvfp4_params_classes(float* __restrict__ params) {
     }
     __syncthreads();
     if (threadIdx.x == 0) out[NVFP4_SFLO_WORD] = (uint32_t)(bad + 1);
+}
+
+// Version 9's parameters: nvfp4_params_v3's and the class table in one launch, one block of 1024
+// threads: thread t the parts g = t and t + 1024 of nvfp4_params_v3, then (the table visible
+// to the block after a barrier) the class table.
+extern "C" __global__ void __launch_bounds__(1024) nvfp4_params_v9(
+    const uint32_t* __restrict__ amax_bits, const float* __restrict__ e4m3,
+    float* __restrict__ params) {
+    nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x);
+    nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x + 1024);
+    __syncthreads();
+    nvfp4_params_classes_part(params);
 }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -1727,10 +1746,10 @@ __device__ __forceinline__ void nvfp4_thresholds(const uint4* __restrict__ thr, 
 // full table of nvfp4_params_v3 (`full`, 32 bytes per scale byte: a warp's loads gather from
 // as many sectors as its lanes have distinct scale bytes, which made the L1 data pipe the
 // busiest unit of the both-copies kernel, cuda/NOTES.md); version 9 (CLASSES) from the 8-entry
-// class table of nvfp4_params_classes (256 bytes, copied to shared memory by the caller): a
+// class table of nvfp4_params_v9 (256 bytes, copied to shared memory by the caller): a
 // scale byte sf = 8·E + c (E4M3 exponent field E, mantissa c) at or above `sf_lo` has the
 // threshold words t_1..t_4 = cls[c][i] + E · 0x00800080 and the class's differences (the
-// thresholds scale with the block scale's power of two; nvfp4_params_classes checked that, word
+// thresholds scale with the block scale's power of two; nvfp4_params_v9 checked that, word
 // for word, for every sf >= sf_lo); anything below takes the full table. Both in
 // nvfp4_thresholds' select form.
 template <bool CLASSES>
@@ -2273,7 +2292,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v8(
 }
 
 // Version 9: version 8 with the thresholds of the class table (Nvfp4Thr<true>; the parameters
-// of nvfp4_params_v3 followed by nvfp4_params_classes). Same bytes.
+// of nvfp4_params_v9). Same bytes.
 extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v9(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
     uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,

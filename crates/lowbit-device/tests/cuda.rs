@@ -965,7 +965,7 @@ fn many_matches_per_item(
 /// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores), 7 is 6 with
 /// `nvfp4_word_v4` (the codes' selects and bit merges as integer multiply-adds), 8 is 7 with
 /// `nvfp4_quantize_both_v8` (one conversion for two scale bytes, amax trees, NaN blocks out of
-/// line), 9 is 8 with the thresholds of the class table (`nvfp4_params_classes`).
+/// line), 9 is 8 with the thresholds of the class table (`nvfp4_params_v9`).
 const NVFP4_VERSIONS: [u32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
 
 #[test]

@@ -418,29 +418,18 @@ impl CudaDevice {
         })?;
         let tp = params.ptr;
         let thresholds = self.nvfp4_version >= 3 && tp.is_multiple_of(16);
-        let (name, grid) = if thresholds {
-            ("nvfp4_params_v3", (8, 1, 1))
-        } else {
-            ("nvfp4_params", (1, 1, 1))
+        // Version 9 builds the class table in the same launch (one block of 1024 threads).
+        let (name, grid, block) = match (thresholds, self.nvfp4_version) {
+            (true, 9..) => ("nvfp4_params_v9", (1, 1, 1), (1024, 1, 1)),
+            (true, _) => ("nvfp4_params_v3", (8, 1, 1), (256, 1, 1)),
+            _ => ("nvfp4_params", (1, 1, 1), (256, 1, 1)),
         };
         // SAFETY: `amax` holds one word, `tp` 257 (260 + 2048 for the table of the v3 kernel,
-        // whose 8 x 256 threads write words 0..=256 and 260..2308), the tables 512 floats
-        // (E4M3 first).
+        // whose 8 x 256 threads write words 0..=256 and 260..2308; 2373 for the v9 kernel,
+        // which also writes the class table, words 2308..=2372), the tables 512 floats (E4M3
+        // first).
         unsafe {
-            self.launch(
-                name,
-                grid,
-                (256, 1, 1),
-                &args![amax.ptr, self.tables_ptr, tp],
-            )?;
-        }
-        if thresholds && self.nvfp4_version >= 9 {
-            // SAFETY: `tp` holds 2373 words (allocated above for version 9): the kernel reads
-            // the full table (words 260..2308) that nvfp4_params_v3 just wrote, and writes
-            // words 2308..=2372; one block of 128 threads.
-            unsafe {
-                self.launch("nvfp4_params_classes", (1, 1, 1), (128, 1, 1), &args![tp])?;
-            }
+            self.launch(name, grid, block, &args![amax.ptr, self.tables_ptr, tp])?;
         }
         let (r, c) = (rows as u64, cols as u64);
         // Version 5: both copies from one read of X (nvfp4_quantize_both_v5; version 6
@@ -602,8 +591,8 @@ impl CudaDevice {
             ],
         );
         // Version 8: version 7's launch with shorter chains per block (the same accesses).
-        // Version 9: 8 with the class table of thresholds (nvfp4_params_classes, launched by
-        // the caller for version 9).
+        // Version 9: 8 with the class table of thresholds (written by nvfp4_params_v9, which
+        // the caller launched for version 9).
         let kernel = match self.nvfp4_version {
             9.. => "nvfp4_quantize_both_v9",
             8 => "nvfp4_quantize_both_v8",
