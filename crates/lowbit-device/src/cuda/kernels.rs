@@ -207,9 +207,16 @@ impl CudaDevice {
         Ok(v)
     }
 
-    /// The first word of a scratch buffer (synchronising).
+    /// The first word of a scratch buffer (synchronising; only that word is copied).
     pub(super) fn fetch_word(&self, s: &Scratch) -> Result<u32> {
-        Ok(self.fetch(s)?.first().copied().unwrap_or(0))
+        let v = self
+            .stream
+            .clone_dtoh(&s.mem.slice(0..1))
+            .map_err(super::cuda_err("copying to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(super::cuda_err("waiting for the stream"))?;
+        Ok(v.first().copied().unwrap_or(0))
     }
 
     /// The NVFP4 tensor factors (k and the 256-entry reciprocal table) from the amax word at

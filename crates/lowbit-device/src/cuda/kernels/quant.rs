@@ -405,18 +405,20 @@ impl CudaDevice {
         let xd = dt(src.dtype());
         // Global amax, then the tensor-level factors, both on the device: no host round trip
         // before the quantization kernels; the amax comes back at the end.
-        let amax = self.scratch(1)?;
-        self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
-        // Versions 3 to 5 also build the E2M1 threshold table (8 words per scale byte from
-        // word 260, which the 16-byte loads of nvfp4_quantize_rows_v3, nvfp4_quantize_cols_v4
-        // and nvfp4_quantize_both_v5 need 16-byte aligned).
-        // Version 9 adds the class table (8 x 8 words) and its lower bound after it.
-        let params = self.scratch(match self.nvfp4_version {
+        // One zeroed scratch for both: the amax word first, the parameters from word 4 (16
+        // bytes in). Versions 3 to 5 also build the E2M1 threshold table (8 words per scale
+        // byte from parameter word 260, which the 16-byte loads of nvfp4_quantize_rows_v3,
+        // nvfp4_quantize_cols_v4 and nvfp4_quantize_both_v5 need 16-byte aligned); version 9
+        // adds the class table (8 x 8 words) and its lower bound after it.
+        let params_words = match self.nvfp4_version {
             9.. => 260 + 8 * 256 + 8 * 8 + 1,
             3.. => 260 + 8 * 256,
             _ => 257,
-        })?;
-        let tp = params.ptr;
+        };
+        let scratch = self.scratch(4 + params_words)?;
+        let amax = &scratch;
+        self.launch_max_abs(x, src.dtype(), src.len(), amax.ptr)?;
+        let tp = scratch.ptr + 16;
         let thresholds = self.nvfp4_version >= 3 && tp.is_multiple_of(16);
         // Version 9 builds the class table in the same launch (one block of 1024 threads).
         let (name, grid, block) = match (thresholds, self.nvfp4_version) {
@@ -424,7 +426,8 @@ impl CudaDevice {
             (true, _) => ("nvfp4_params_v3", (8, 1, 1), (256, 1, 1)),
             _ => ("nvfp4_params", (1, 1, 1), (256, 1, 1)),
         };
-        // SAFETY: `amax` holds one word, `tp` 257 (260 + 2048 for the table of the v3 kernel,
+        // SAFETY: `amax` holds one word, then `tp` (the same scratch, 16 bytes in, so the two
+        // do not overlap) 257 (260 + 2048 for the table of the v3 kernel,
         // whose 8 x 256 threads write words 0..=256 and 260..2308; 2373 for the v9 kernel,
         // which also writes the class table, words 2308..=2372), the tables 512 floats (E4M3
         // first).
@@ -524,8 +527,8 @@ impl CudaDevice {
                 }
             }
         }
-        let a = f32::from_bits(self.fetch_word(&amax)?);
-        drop(params);
+        let a = f32::from_bits(self.fetch_word(amax)?);
+        drop(scratch);
         Ok(Some(a))
     }
 
