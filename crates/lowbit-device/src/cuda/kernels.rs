@@ -197,26 +197,24 @@ impl CudaDevice {
 
     /// Copies a scratch buffer to the host (synchronising).
     pub(super) fn fetch(&self, s: &Scratch) -> Result<Vec<u32>> {
+        self.fetch_words(s, s.len())
+    }
+
+    /// The first word of a scratch buffer (synchronising; only that word is copied).
+    pub(super) fn fetch_word(&self, s: &Scratch) -> Result<u32> {
+        Ok(self.fetch_words(s, 1)?.first().copied().unwrap_or(0))
+    }
+
+    /// The first `n` words of a scratch buffer (synchronising).
+    fn fetch_words(&self, s: &Scratch, n: usize) -> Result<Vec<u32>> {
         let v = self
             .stream
-            .clone_dtoh(&s.mem)
+            .clone_dtoh(&s.mem.slice(0..n.min(s.len())))
             .map_err(super::cuda_err("copying to the host"))?;
         self.stream
             .synchronize()
             .map_err(super::cuda_err("waiting for the stream"))?;
         Ok(v)
-    }
-
-    /// The first word of a scratch buffer (synchronising; only that word is copied).
-    pub(super) fn fetch_word(&self, s: &Scratch) -> Result<u32> {
-        let v = self
-            .stream
-            .clone_dtoh(&s.mem.slice(0..1))
-            .map_err(super::cuda_err("copying to the host"))?;
-        self.stream
-            .synchronize()
-            .map_err(super::cuda_err("waiting for the stream"))?;
-        Ok(v.first().copied().unwrap_or(0))
     }
 
     /// The NVFP4 tensor factors (k and the 256-entry reciprocal table) from the amax word at

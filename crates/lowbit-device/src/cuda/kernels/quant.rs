@@ -497,7 +497,7 @@ impl CudaDevice {
                         rows,
                         d,
                         s,
-                        [
+                        &[
                             "nvfp4_quantize_cols_v4",
                             "nvfp4_quantize_cols_v6",
                             "nvfp4_quantize_cols_v7",
@@ -537,28 +537,27 @@ impl CudaDevice {
     /// `s`: its store flags (1: 16-byte code units, rows % 32 == 0 and `d` 16-byte aligned; 2:
     /// 4-byte scale words, rows % 64 == 0 and `s` 4-byte aligned), the grid's rows of CTAs (a
     /// 256-row tile each, or from version 6 a pair of them; strided past 65535) and which of
-    /// `kernels` runs: the single-tile one before version 6, the tile-pair one in version 6,
-    /// the one with `nvfp4_word_v4` from version 7.
+    /// `kernels` runs: the single-tile one before version 6, then one per version from 6 (the
+    /// tile-pair kernels; a version past the list takes its last, as columnwise-only does from
+    /// version 7).
     fn nvfp4_cols_launch(
         &self,
         rows: usize,
         d: u64,
         s: u64,
-        kernels: [&'static str; 3],
+        kernels: &[&'static str],
     ) -> (u32, u32, &'static str) {
         let flags = u32::from(rows.is_multiple_of(32) && d.is_multiple_of(16))
             | (u32::from(rows.is_multiple_of(64) && s.is_multiple_of(4)) << 1);
-        let tier = match self.nvfp4_version {
-            7.. => 2,
-            6 => 1,
-            _ => 0,
-        };
+        // Version 5 (or below) takes kernels[0], 6 kernels[1], and so on; a version past the
+        // list takes its last kernel.
+        let tier = (self.nvfp4_version.max(5) - 5) as usize;
         let tile_rows = if tier > 0 { 512 } else { 256 };
         let gy = u32::try_from(rows.div_ceil(tile_rows).min(65535)).unwrap_or(65535);
-        (flags, gy, kernels[tier])
+        (flags, gy, kernels[tier.min(kernels.len() - 1)])
     }
 
-    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`, 7: `_v7`) when its
+    /// Both NVFP4 copies with `nvfp4_quantize_both_v5` (version 6: `_v6`, ..., 9: `_v9`) when its
     /// conditions hold (both copies requested; bf16; cols % 32 == 0; x 16-byte, rowwise data
     /// 16-byte, rowwise scales 2-byte and columnwise data 8-byte aligned; the grid within
     /// limits): launches it and returns `true`, else launches nothing and returns `false`. `x` is the source's address, `tp` the
@@ -587,20 +586,16 @@ impl CudaDevice {
             rows,
             cd,
             cs,
-            [
+            // Versions 8 and 9 launch as 7 does (the same accesses); 9 reads the class table
+            // of thresholds that nvfp4_params_v9 wrote (the caller launched it for version 9).
+            &[
                 "nvfp4_quantize_both_v5",
                 "nvfp4_quantize_both_v6",
                 "nvfp4_quantize_both_v7",
+                "nvfp4_quantize_both_v8",
+                "nvfp4_quantize_both_v9",
             ],
         );
-        // Version 8: version 7's launch with shorter chains per block (the same accesses).
-        // Version 9: 8 with the class table of thresholds (written by nvfp4_params_v9, which
-        // the caller launched for version 9).
-        let kernel = match self.nvfp4_version {
-            9.. => "nvfp4_quantize_both_v9",
-            8 => "nvfp4_quantize_both_v8",
-            _ => kernel,
-        };
         let args = args![x, rd, rs, cd, cs, tp, r, c, flags];
         // SAFETY: views validated by the caller (rows·cols bf16 in; rows·cols/2 row data and
         // rows·cols/16 row scale bytes, cols·rows/2 column data and cols·rows/16 column scale
