@@ -1169,7 +1169,7 @@ __constant__ float NVFP4_STEPS[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0
 // t_1..t_7 as bf16 magnitudes duplicated in both halves of a word, then 0x7F7F7F7F. Launch
 // with 8 blocks of 256 threads: thread (sf, i) = (global id / 8, global id % 8) finds t_{i+1}
 // by bisection over the bf16 magnitudes 0..0x7F80 (cond(0) false; cond(Inf) true).
-// Thread g's part of nvfp4_params_v3 (nvfp4_params_v9 computes the same for two g a thread).
+// Thread g's part of nvfp4_params_v3 (nvfp4_params_v9 runs it for two g a thread).
 __device__ __forceinline__ void nvfp4_params_v3_part(const uint32_t* __restrict__ amax_bits,
                                                      const float* __restrict__ e4m3,
                                                      float* __restrict__ params, unsigned g) {
@@ -1248,47 +1248,13 @@ __device__ __forceinline__ void nvfp4_params_classes_part(float* __restrict__ pa
 }
 
 // Version 9's parameters: nvfp4_params_v3's and the class table in one launch, one block of 1024
-// threads: thread t the values of nvfp4_params_v3's threads g = t and t + 1024, then (the table
-// visible to the block after a barrier) the class table.
+// threads: thread t the parts g = t and t + 1024 of nvfp4_params_v3, then (the table visible
+// to the block after a barrier) the class table.
 extern "C" __global__ void __launch_bounds__(1024) nvfp4_params_v9(
     const uint32_t* __restrict__ amax_bits, const float* __restrict__ e4m3,
     float* __restrict__ params) {
-    // nvfp4_params_v3_part's values for g = t and t + 1024 (scale bytes sf and sf + 128, the
-    // same i), its operations in the same order, the two bisections interleaved (one after the
-    // other they were the kernel's time: 6.9 us on an H200).
-    const float flt_max = __uint_as_float(0x7F7FFFFFu);
-    const float amax = __uint_as_float(amax_bits[0]);
-    float s_enc = fminf(__fdiv_rn(2688.0f, amax), flt_max);
-    if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    const float s_dec = __fdiv_rn(1.0f, s_enc);
-    const unsigned sf0 = threadIdx.x / 8, sf1 = sf0 + 128, i = threadIdx.x % 8;
-    const float m0 = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf0], s_dec)), flt_max);
-    const float m1 = fminf(__fdiv_rn(1.0f, __fmul_rn(e4m3[sf1], s_dec)), flt_max);
-    if (threadIdx.x == 0) params[0] = __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu));
-    if (i == 0) params[1 + sf0] = m0, params[1 + sf1] = m1;
-    uint32_t* thr = reinterpret_cast<uint32_t*>(params) + 260;
-    if (i == 7) {
-        thr[8 * sf0 + 7] = 0x7F7F7F7Fu;
-        thr[8 * sf1 + 7] = 0x7F7F7F7Fu;
-    } else {
-        const float step = NVFP4_STEPS[i];
-        const bool strict = (i % 2) == 0;
-        uint32_t lo0 = 0, hi0 = 0x7F80u, lo1 = 0, hi1 = 0x7F80u;
-        while (hi0 - lo0 > 1 || hi1 - lo1 > 1) {
-            if (hi0 - lo0 > 1) {
-                const uint32_t mid = (lo0 + hi0) / 2;
-                const float v = __fmul_rn(__uint_as_float(mid << 16), m0);
-                if (strict ? v > step : v >= step) hi0 = mid; else lo0 = mid;
-            }
-            if (hi1 - lo1 > 1) {
-                const uint32_t mid = (lo1 + hi1) / 2;
-                const float v = __fmul_rn(__uint_as_float(mid << 16), m1);
-                if (strict ? v > step : v >= step) hi1 = mid; else lo1 = mid;
-            }
-        }
-        thr[8 * sf0 + i] = lo0 | (lo0 << 16);
-        thr[8 * sf1 + i] = lo1 | (lo1 << 16);
-    }
+    nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x);
+    nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x + 1024);
     __syncthreads();
     nvfp4_params_classes_part(params);
 }
@@ -2294,50 +2260,29 @@ extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v5(
                            nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v6(
-    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
-    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
-    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
-    nvfp4_both_body<true>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
-                          stash);
-}
+// The tile-pair kernels of both copies (versions 6 to 9): nvfp4_both_body over pairs of
+// 256-row tiles with the column scales' stash, WORD choosing the codes (3: nvfp4_word_v3).
+#define NVFP4_BOTH_PAIRS_KERNEL(name, WORD)                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 6) name(                                  \
+        const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata,                             \
+        uint8_t* __restrict__ rscales, uint8_t* __restrict__ cdata,                             \
+        uint8_t* __restrict__ cscales, const float* __restrict__ params, u64 rows, u64 cols,    \
+        uint32_t flags) {                                                                       \
+        __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];                   \
+        __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];                                \
+        nvfp4_both_body<true, WORD>(x, rdata, rscales, cdata, cscales, params, rows, cols,      \
+                                    flags, tile, stash);                                        \
+    }
 
+NVFP4_BOTH_PAIRS_KERNEL(nvfp4_quantize_both_v6, 3)
 // Version 7: version 6 with nvfp4_word_v4 (selects and merges on the FMA pipe). Same bytes.
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v7(
-    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
-    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
-    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
-    nvfp4_both_body<true, 4>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
-                             stash);
-}
-
+NVFP4_BOTH_PAIRS_KERNEL(nvfp4_quantize_both_v7, 4)
 // Version 8: version 7 with shorter chains per block (nvfp4c_block_v8, nvfp4r_item_v8). Same
 // bytes.
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v8(
-    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
-    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
-    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
-    nvfp4_both_body<true, 5>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
-                             stash);
-}
-
+NVFP4_BOTH_PAIRS_KERNEL(nvfp4_quantize_both_v8, 5)
 // Version 9: version 8 with the thresholds of the class table (Nvfp4Thr<true>; the parameters
 // of nvfp4_params_v9). Same bytes.
-extern "C" __global__ void __launch_bounds__(128, 6) nvfp4_quantize_both_v9(
-    const uint8_t* __restrict__ x, uint8_t* __restrict__ rdata, uint8_t* __restrict__ rscales,
-    uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
-    u64 rows, u64 cols, uint32_t flags) {
-    __shared__ __align__(16) uint32_t tile[NVFP4C_ROWS][NVFP4C_COLS / 2];
-    __shared__ __align__(16) uint32_t stash[NVFP4C_COLS][8];
-    nvfp4_both_body<true, 6>(x, rdata, rscales, cdata, cscales, params, rows, cols, flags, tile,
-                             stash);
-}
+NVFP4_BOTH_PAIRS_KERNEL(nvfp4_quantize_both_v9, 6)
 
 // x86's product of two floats where NaN is involved (mulss returns its first operand's NaN,
 // else the second's, and makes the negative default NaN 0xFFC00000 for 0 * Inf), so that
