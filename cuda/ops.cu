@@ -1151,6 +1151,18 @@ extern "C" __global__ void nvfp4_quantize_rows_v2(const uint8_t* __restrict__ x,
     }
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
+// serialization may start while the kernel before it on the stream still runs; it must wait
+// (griddepcontrol.wait: that kernel has completed and its writes are visible) before reading
+// anything that kernel writes. Launched without the attribute, the wait returns at once. The
+// kernel before it lets its dependents start early with launch_dependents.
+__device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // ---- NVFP4 rowwise, version 3: E2M1 codes by comparing the bf16 inputs with per-scale
 // thresholds (no f32 product per element) ----
 //
@@ -1253,6 +1265,9 @@ __device__ __forceinline__ void nvfp4_params_classes_part(float* __restrict__ pa
 extern "C" __global__ void __launch_bounds__(1024) nvfp4_params_v9(
     const uint32_t* __restrict__ amax_bits, const float* __restrict__ e4m3,
     float* __restrict__ params) {
+    // Version 10 launches the both-copies kernel as this one's programmatic dependent: its CTAs
+    // may start now (they copy their first tile, then wait for this kernel to complete).
+    grid_dependents_launch();
     nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x);
     nvfp4_params_v3_part(amax_bits, e4m3, params, threadIdx.x + 1024);
     __syncthreads();
@@ -1694,32 +1709,47 @@ struct Nvfp4Out5 {
     uint32_t sf;
 };
 
+// Versions 4 to 7's code for one column pair's block: wv[16] the raw tile words of rows 0..15
+// (column ca low, ca + 1 high). Writes the codes to ca[0..1] and cb[0..1] and returns
+// sfa | sfb << 8. The amaxes propagate NaN first; a block holding one takes them again,
+// NaN-ignoring from +0 (an all-NaN block has amax 0), as abs_bits_nan_zero.
+template <int WORD>
+__device__ __forceinline__ uint32_t nvfp4c_block_v7(const uint32_t* wv, float k,
+                                                    const float* __restrict__ rcp,
+                                                    const uint4* __restrict__ thr, uint32_t* ca,
+                                                    uint32_t* cb) {
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+    __nv_bfloat162 m2 = zero2;
+#pragma unroll
+    for (unsigned i = 0; i < 16; ++i)
+        m2 = __hmax2_nan(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+    uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
+    const bool nan_a = (mb & 0x7FFFu) > 0x7F80u, nan_b = ((mb >> 16) & 0x7FFFu) > 0x7F80u;
+    if (nan_a || nan_b) {
+        m2 = zero2;
+#pragma unroll
+        for (unsigned i = 0; i < 16; ++i)
+            m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
+        mb = *reinterpret_cast<uint32_t*>(&m2);
+    }
+    // bf16 -> f32 is exact: the amax of column ca is the low half, of ca + 1 the high.
+    const uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
+    const uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
+    // Column ca's elements are the low halves of wv, ca + 1's the high halves.
+    nvfp4_block_words<WORD>(Nvfp4ColPairs<0>{wv}, Nvfp4ColPairs<0>{wv + 8}, sfa, nan_a, rcp, thr,
+                            ca);
+    nvfp4_block_words<WORD>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp, thr,
+                            cb);
+    return sfa | (sfb << 8);
+}
+
 // Version 7's code for one column pair's block holding a NaN (16 raw tile words, rows 0..15),
-// out of line: the NaN-ignoring amaxes from +0, e4m3_code, nvfp4_block_words per column.
+// out of line: versions 8 and 9 take it for such blocks (nvfp4c_block_v8).
 __device__ __noinline__ Nvfp4Out5 nvfp4c_block_nan(Nvfp4Words16 a, float k,
                                                     const float* __restrict__ rcp,
                                                     const uint4* __restrict__ thr) {
-    const uint32_t* wv = a.w;
-    __nv_bfloat162 m2 = __floats2bfloat162_rn(0.0f, 0.0f);
-#pragma unroll
-    for (unsigned i = 0; i < 16; ++i)
-        m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-    const uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
-    // Which halves hold a NaN (the NaN-ignoring maximum above cannot tell).
-    __nv_bfloat162 n2 = __floats2bfloat162_rn(0.0f, 0.0f);
-#pragma unroll
-    for (unsigned i = 0; i < 16; ++i)
-        n2 = __hmax2_nan(n2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-    const uint32_t nb = *reinterpret_cast<uint32_t*>(&n2);
-    const bool nan_a = (nb & 0x7FFFu) > 0x7F80u, nan_b = ((nb >> 16) & 0x7FFFu) > 0x7F80u;
-    const uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
-    const uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
     Nvfp4Out5 o;
-    nvfp4_block_words<4>(Nvfp4ColPairs<0>{wv}, Nvfp4ColPairs<0>{wv + 8}, sfa, nan_a, rcp, thr,
-                         &o.c[0]);
-    nvfp4_block_words<4>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp, thr,
-                         &o.c[2]);
-    o.sf = sfa | (sfb << 8);
+    o.sf = nvfp4c_block_v7<4>(a.w, k, rcp, thr, &o.c[0], &o.c[2]);
     return o;
 }
 
@@ -1777,7 +1807,9 @@ __device__ __forceinline__ Nvfp4Thr<CLASSES> nvfp4_thr(const uint4* __restrict__
     Nvfp4Thr<CLASSES> t;
     t.full = thr;
     t.cls = thr + (NVFP4_CLASS_WORD - 260u) / 4u;
-    t.sf_lo = CLASSES ? __ldg(reinterpret_cast<const uint32_t*>(thr) + (NVFP4_SFLO_WORD - 260u))
+    // Not __ldg: a read-only (non-coherent) load of a fixed address may be hoisted above the
+    // caller's grid_dependency_wait, before the parameters kernel wrote the word.
+    t.sf_lo = CLASSES ? __ldcg(reinterpret_cast<const uint32_t*>(thr) + (NVFP4_SFLO_WORD - 260u))
                       : 0u;
     return t;
 }
@@ -1897,7 +1929,6 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
                                                  uint32_t (*stash)[8] = nullptr,
                                                  unsigned slot = 0,
                                                  Nvfp4Thr<(WORD == 6)> th = {}) {
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     const u64 nbr = rows / 16, rb = rows / 2;
     const u64 left = (rows - rw) / 16;
     const unsigned nblk = left < 4 ? (unsigned)left : 4u;  // warp-uniform
@@ -1909,37 +1940,14 @@ __device__ __forceinline__ void nvfp4c_cols_part(const uint32_t (*tile)[NVFP4C_C
         uint32_t wv[16];
 #pragma unroll
         for (unsigned i = 0; i < 16; ++i) wv[i] = tile[64 * warp + 16 * b + i][lane];
-        if constexpr (WORD >= 5) {
-            const uint32_t sf2 = nvfp4c_block_v8(wv, &tile[64 * warp + 16 * b][lane], k, rcp, th,
-                                                 &codes[0][2 * b], &codes[1][2 * b]);
-            sfs[0] |= (sf2 & 0xFFu) << (8 * b);
-            sfs[1] |= (sf2 >> 8) << (8 * b);
-            continue;
-        }
-        __nv_bfloat162 m2 = zero2;
-#pragma unroll
-        for (unsigned i = 0; i < 16; ++i)
-            m2 = __hmax2_nan(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-        uint32_t mb = *reinterpret_cast<uint32_t*>(&m2);
-        bool nan_a = (mb & 0x7FFFu) > 0x7F80u, nan_b = ((mb >> 16) & 0x7FFFu) > 0x7F80u;
-        if (nan_a || nan_b) {
-            // NaN-ignoring from +0 (an all-NaN block has amax 0), as abs_bits_nan_zero.
-            m2 = zero2;
-#pragma unroll
-            for (unsigned i = 0; i < 16; ++i)
-                m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&wv[i])));
-            mb = *reinterpret_cast<uint32_t*>(&m2);
-        }
-        // bf16 -> f32 is exact: the amax of column ca is the low half, of ca + 1 the high.
-        uint32_t sfa = e4m3_code(__fmul_rn(__uint_as_float(mb << 16), k));
-        uint32_t sfb = e4m3_code(__fmul_rn(__uint_as_float(mb & 0xFFFF0000u), k));
-        sfs[0] |= sfa << (8 * b);
-        sfs[1] |= sfb << (8 * b);
-        // Column ca's elements are the low halves of wv, ca + 1's the high halves.
-        nvfp4_block_words<WORD>(Nvfp4ColPairs<0>{wv}, Nvfp4ColPairs<0>{wv + 8}, sfa, nan_a, rcp,
-                                thr, &codes[0][2 * b]);
-        nvfp4_block_words<WORD>(Nvfp4ColPairs<1>{wv}, Nvfp4ColPairs<1>{wv + 8}, sfb, nan_b, rcp,
-                                thr, &codes[1][2 * b]);
+        uint32_t sf2;
+        if constexpr (WORD >= 5)
+            sf2 = nvfp4c_block_v8(wv, &tile[64 * warp + 16 * b][lane], k, rcp, th,
+                                  &codes[0][2 * b], &codes[1][2 * b]);
+        else
+            sf2 = nvfp4c_block_v7<WORD>(wv, k, rcp, thr, &codes[0][2 * b], &codes[1][2 * b]);
+        sfs[0] |= (sf2 & 0xFFu) << (8 * b);
+        sfs[1] |= (sf2 >> 8) << (8 * b);
     }
     // Version 9, a warp whose 64 columns lie inside the matrix (flag 4, warp-uniform) with four
     // whole blocks and 16-byte code units: each column's 32 code bytes are stored by two
@@ -2125,12 +2133,18 @@ __device__ __forceinline__ void nvfp4c_load_chunks_v5(uint32_t s, const uint8_t*
 
 // nvfp4c_load_tile (the same copies) with one shared address register: the 16 shared
 // addresses held in registers across the tile loop made nvfp4_quantize_both_v5 spill at 80.
-__device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS / 2],
-                                                    const uint8_t* __restrict__ x, u64 r0, u64 c0,
-                                                    u64 rows, u64 cols) {
+// nvfp4c_issue_tile_v5 only issues the copies (the caller waits with cp_async_wait_all).
+__device__ __forceinline__ void nvfp4c_issue_tile_v5(uint32_t (*tile)[NVFP4C_COLS / 2],
+                                                     const uint8_t* __restrict__ x, u64 r0,
+                                                     u64 c0, u64 rows, u64 cols) {
     const unsigned tr_row = threadIdx.x / 8, ch = threadIdx.x % 8;
     const uint32_t s = (uint32_t)__cvta_generic_to_shared(&tile[tr_row][4 * ch]);
     nvfp4c_load_chunks_v5<0>(s, x, r0 + tr_row, c0 + 8 * ch, rows, cols);
+}
+__device__ __forceinline__ void nvfp4c_load_tile_v5(uint32_t (*tile)[NVFP4C_COLS / 2],
+                                                    const uint8_t* __restrict__ x, u64 r0, u64 c0,
+                                                    u64 rows, u64 cols) {
+    nvfp4c_issue_tile_v5(tile, x, r0, c0, rows, cols);
     cp_async_wait_all();
 }
 
@@ -2165,9 +2179,6 @@ __device__ __forceinline__ void nvfp4_both_body(
     uint8_t* __restrict__ cdata, uint8_t* __restrict__ cscales, const float* __restrict__ params,
     u64 rows, u64 cols, uint32_t flags, uint32_t (*tile)[NVFP4C_COLS / 2],
     uint32_t (*stash)[8]) {
-    const float k = params[0];
-    const float* rcp = params + 1;
-    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u64 c0 = (u64)blockIdx.x * NVFP4C_COLS;
     const u64 ca = c0 + 2 * lane;  // this lane's column pair (ca, ca + 1)
@@ -2178,12 +2189,26 @@ __device__ __forceinline__ void nvfp4_both_body(
     const unsigned pair = threadIdx.x & 1u, xo = (threadIdx.x >> 1) & 3u;
     const u64 cp = c0 + 32 * pair;
     const u64 per = PAIRS ? 2 : 1, groups = (tiles + per - 1) / per;
+    // Version 9 issues its first tile's copy before it reads the parameters, then waits for
+    // the kernel that writes them (grid_dependency_wait): launched as that kernel's
+    // programmatic dependent (version 10), the copy overlaps it; launched plainly, the wait
+    // returns at once. The tile loop then only waits for the copy.
+    const u64 tg0 = WORD == 6 ? groups - 1 - blockIdx.y : blockIdx.y;
+    const bool preloaded = WORD == 6 && blockIdx.y < groups && per * tg0 < tiles;
+    if (preloaded) nvfp4c_issue_tile_v5(tile, x, per * tg0 * NVFP4C_ROWS, c0, rows, cols);
+    if constexpr (WORD == 6) grid_dependency_wait();
+    const float k = params[0];
+    const float* rcp = params + 1;
+    const uint4* thr = reinterpret_cast<const uint4*>(params + 260);
     // Version 9: the class table (256 bytes) copied into shared memory once (the barrier at
-    // the top of the tile loop orders the copy before any use).
+    // the top of the tile loop orders the copy before any use). Plain loads after the wait:
+    // the compiler moved an __ldg of this fixed address above it (version 10 then read the
+    // table before nvfp4_params_v9 wrote it). The loop's __ldg reads of the parameters
+    // (the full table, rcp) have addresses from the tile's data, so they cannot move up.
     __shared__ __align__(16) uint4 cls_s[WORD == 6 ? 16 : 1];
     Nvfp4Thr<(WORD == 6)> th = nvfp4_thr<(WORD == 6)>(thr);
     if constexpr (WORD == 6) {
-        if (threadIdx.x < 16) cls_s[threadIdx.x] = __ldg(th.cls + threadIdx.x);
+        if (threadIdx.x < 16) cls_s[threadIdx.x] = __ldcg(th.cls + threadIdx.x);
         th.cls = cls_s;
     }
     for (u64 it = blockIdx.y; it < groups; it += gridDim.y) {
@@ -2195,7 +2220,10 @@ __device__ __forceinline__ void nvfp4_both_body(
             if (tr >= tiles) break;
             const u64 r0 = tr * NVFP4C_ROWS;
             __syncthreads();  // the previous tile's reads (and the last pair's stash) are done
-            nvfp4c_load_tile_v5(tile, x, r0, c0, rows, cols);
+            if (preloaded && it == blockIdx.y && tt == 0)
+                cp_async_wait_all();  // the copy issued before the parameters' wait
+            else
+                nvfp4c_load_tile_v5(tile, x, r0, c0, rows, cols);
             __syncthreads();
             const u64 rw = r0 + 64 * warp;  // this warp's first row
             if (ca < cols && rw < rows)

@@ -367,6 +367,15 @@ fn launch_costs(dev: &mut Device) {
             )
         })
         .collect();
+    // A tiny NVFP4 input for the synchronous calls below.
+    let xb = dev.alloc(DType::Bf16, 64 * 64);
+    dev.fill(xb, 0.5).expect("fill");
+    let planes = [0; 4].map(|_| dev.alloc(DType::U8, 64 * 32));
+    let nv = Nvfp4Views {
+        rowwise: Some((planes[0], piece(planes[1], 0, 64 * 4))),
+        columnwise: Some((planes[2], piece(planes[3], 0, 64 * 4))),
+    };
+    let cfg = Nvfp4Config::default();
     let mut per_call = |name: &str, f: &mut dyn FnMut(&mut Device)| {
         dev.synchronize().expect("sync");
         let t0 = std::time::Instant::now();
@@ -386,7 +395,25 @@ fn launch_costs(dev: &mut Device) {
             &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
         );
     }
-    for b in [v, tiles, scales[0], scales[1]] {
+    // Synchronous calls that return a value: the whole round trip per call (the host's checks
+    // and enqueue, the kernels on a tiny input, the copy back and the wait), so what a call costs
+    // beyond its kernels.
+    per_call(
+        "max_abs of 1024 f32 (synchronous: one launch, one word back)",
+        &mut |d| {
+            d.max_abs(v).expect("max_abs");
+        },
+    );
+    per_call(
+        "quantize_nvfp4 both copies of 64x64 bf16 (synchronous: four launches, the amax back)",
+        &mut |d| {
+            d.quantize_nvfp4(xb, 64, 64, &cfg, &nv).expect("nvfp4");
+        },
+    );
+    for b in [v, tiles, scales[0], scales[1], xb]
+        .into_iter()
+        .chain(planes)
+    {
         dev.free(b).expect("free");
     }
 }
@@ -623,6 +650,11 @@ fn main() {
             (Copies::Both, 7),
             (Copies::Both, 8),
             (Copies::Both, 9),
+            // Version 10: 9 with the both-copies kernel as the parameters kernel's programmatic
+            // dependent; 9 and 10 alternated.
+            (Copies::Both, 10),
+            (Copies::Both, 9),
+            (Copies::Both, 10),
         ] {
             if let Err(e) = dev.set_cuda_kernel_variant("nvfp4", version) {
                 println!("nvfp4 v{version}: skipped ({e})");

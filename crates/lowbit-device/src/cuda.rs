@@ -128,7 +128,10 @@ pub(crate) struct CudaDevice {
     /// CTA searching its matrix in the parameter table) or 0 (the default: 2 where its launches
     /// average at least four matrices, else 1). Same bytes.
     mxfp8_many_version: u32,
-    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 6 (the default: 5 and 4 with
+    /// Which kernels run the bf16 amax pass and the NVFP4 codes: 10 (the default: 9's kernels,
+    /// the both-copies one launched as the parameters kernel's programmatic dependent), 9 and 8
+    /// (see `Device::set_cuda_kernel_variant`), 7 (6 with the codes' selects and bit merges as
+    /// integer multiply-adds), 6 (5 and 4 with
     /// a CTA per pair of 256-row tiles, each column's scales of the pair stored as one 32-byte
     /// sector where version 4 stored 4-byte pieces, each a partial-sector write; on an H100
     /// with the amax pass both copies 0.70x of a copy, the columnwise copy 0.88x against 0.76x),
@@ -225,6 +228,17 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     .map_err(cuda_err("setting the memory pool's release threshold"))
 }
 
+/// Pointers to each argument's value, as a launch takes them (`vals` must outlive the launch).
+fn arg_ptrs(vals: &mut [Arg]) -> Vec<*mut c_void> {
+    vals.iter_mut()
+        .map(|a| match a {
+            Arg::U64(v) => (v as *mut u64).cast(),
+            Arg::F32(v) => (v as *mut f32).cast(),
+            Arg::U32(v) => (v as *mut u32).cast(),
+        })
+        .collect()
+}
+
 // SAFETY: the raw module and function handles are plain driver handles, valid in the context
 // they were loaded in from any thread; every driver call below binds that context to the
 // calling thread first. The device is used by one thread at a time (`&mut self`), it is not
@@ -267,7 +281,7 @@ impl CudaDevice {
             tables_ptr: 0,
             mxfp8_both_version: 4,
             mxfp8_many_version: 0,
-            nvfp4_version: 9,
+            nvfp4_version: 10,
             nvfp4_finish_version: 7,
             sum_squares_version: 0,
             sum_squares_beside: u32::try_from(sms / 4).unwrap_or(0).max(1),
@@ -490,7 +504,7 @@ impl CudaDevice {
         match (kernel, version) {
             ("mxfp8_both", 1 | 4 | 5) => self.mxfp8_both_version = version,
             ("mxfp8_many", 0..=2) => self.mxfp8_many_version = version,
-            ("nvfp4", 1..=9) => self.nvfp4_version = version,
+            ("nvfp4", 1..=10) => self.nvfp4_version = version,
             ("nvfp4_finish_2d", 1..=7) => self.nvfp4_finish_version = version,
             ("sum_squares", 0..=3) => self.sum_squares_version = version,
             ("sum_squares_beside", _) => self.sum_squares_beside = version,
@@ -529,17 +543,10 @@ impl CudaDevice {
         args: &[Arg],
     ) -> Result<()> {
         let mut vals: Vec<Arg> = args.to_vec();
-        let mut params: Vec<*mut c_void> = vals
-            .iter_mut()
-            .map(|a| match a {
-                Arg::U64(v) => (v as *mut u64).cast(),
-                Arg::F32(v) => (v as *mut f32).cast(),
-                Arg::U32(v) => (v as *mut u32).cast(),
-            })
-            .collect();
+        let mut params = arg_ptrs(&mut vals);
         // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
         // arguments match the kernel.
-        unsafe { self.launch_params(name, grid, block, &mut params) }
+        unsafe { self.launch_params(name, grid, block, &mut params, false) }
     }
 
     /// Launches `name` with one by-value struct parameter whose bytes are `words` (a launch
@@ -572,10 +579,35 @@ impl CudaDevice {
         }
         // SAFETY: the one parameter points at `words`, which outlive the call, and is as long
         // as the kernel's parameter (checked above); the caller guarantees its contents.
-        unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()]) }
+        unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()], false) }
     }
 
-    /// The launch behind [`Self::launch`] and [`Self::launch_words`].
+    /// [`Self::launch`] as the programmatic dependent of the kernel queued just before it on
+    /// the stream (programmatic stream serialization, sm_90): its CTAs may start while that
+    /// kernel still runs, once its CTAs have executed `griddepcontrol.launch_dependents` (or
+    /// exited), so its prologue and the launch overlap that kernel's end.
+    ///
+    /// # Safety
+    /// As [`Self::launch`], and the kernel executes `griddepcontrol.wait` before it reads
+    /// anything the kernel before it writes, and writes nothing that kernel reads or writes
+    /// (everything queued before that kernel has completed when it starts: only that kernel
+    /// may still run).
+    pub(crate) unsafe fn launch_dependent(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        let mut vals: Vec<Arg> = args.to_vec();
+        let mut params = arg_ptrs(&mut vals);
+        // SAFETY: `params` points at `vals`, which outlive the call; the kernel's contract is
+        // the caller's.
+        unsafe { self.launch_params(name, grid, block, &mut params, true) }
+    }
+
+    /// The launch behind [`Self::launch`], [`Self::launch_words`] and
+    /// [`Self::launch_dependent`] (`dependent`: with programmatic stream serialization).
     ///
     /// # Safety
     /// `params` point at the kernel's parameters, in order and of their sizes, alive for the
@@ -586,12 +618,42 @@ impl CudaDevice {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         params: &mut [*mut c_void],
+        dependent: bool,
     ) -> Result<()> {
         let f = self.function(name)?;
         self.bind()?;
-        // SAFETY: forwarded to the caller.
-        unsafe { result::launch_kernel(f.0, grid, block, 0, self.stream.cu_stream(), params) }
-            .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
+        let stream = self.stream.cu_stream();
+        let launched = if dependent {
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            };
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: 0,
+                hStream: stream,
+                attrs: &raw mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: `config` and its one attribute outlive the call; the rest is forwarded
+            // to the caller.
+            unsafe {
+                sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut())
+            }
+            .result()
+        } else {
+            // SAFETY: forwarded to the caller.
+            unsafe { result::launch_kernel(f.0, grid, block, 0, stream, params) }
+        };
+        launched.map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
     }
 }
 

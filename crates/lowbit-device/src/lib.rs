@@ -735,7 +735,9 @@ impl Device {
     /// `("mxfp8_many", 0..=2)`: how [`Device::quantize_mxfp8_many`] launches version 4, 0 by
     /// default: 2 where its launches average at least four matrices, else 1; 2: one launch per
     /// shape (the matrix is a grid index), 1: one launch for all (each CTA looks its matrix up);
-    /// `("nvfp4", 1..=9)`: the bf16 amax pass and the NVFP4 kernels, 9 by default: 8 with
+    /// `("nvfp4", 1..=10)`: the bf16 amax pass and the NVFP4 kernels, 10 by default: 9 with
+    /// its both-copies kernel launched as the parameters kernel's programmatic dependent (its
+    /// CTAs copy their first tile while the parameters are made); 9: 8 with
     /// the thresholds from a table of the 8 scale mantissas in shared memory and each column's
     /// codes stored by two lanes in one instruction; 8: 7 with
     /// shorter dependent chains per block in the both-copies kernel (one conversion for two

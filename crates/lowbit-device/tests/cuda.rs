@@ -965,8 +965,9 @@ fn many_matches_per_item(
 /// 6 is 5 and 4 over pairs of 256-row tiles (whole-sector column scale stores), 7 is 6 with
 /// `nvfp4_word_v4` (the codes' selects and bit merges as integer multiply-adds), 8 is 7 with
 /// `nvfp4_quantize_both_v8` (one conversion for two scale bytes, amax trees, NaN blocks out of
-/// line), 9 is 8 with the thresholds of the class table (`nvfp4_params_v9`).
-const NVFP4_VERSIONS: [u32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+/// line), 9 is 8 with the thresholds of the class table (`nvfp4_params_v9`), 10 is 9 with its
+/// both-copies kernel launched as the parameters kernel's programmatic dependent.
+const NVFP4_VERSIONS: [u32; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 
 #[test]
 fn nvfp4_kernels_match() {
@@ -1197,7 +1198,7 @@ fn nvfp4_columnwise_versions_match_on_stress_inputs() {
     // patterns. Shapes: whole tiles, partial tiles in both directions, rows % 32 != 0.
     check_native("nvfp4 columnwise stress", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6, 7, 8, 9] {
+        for version in [3, 4, 5, 6, 7, 8, 9, 10] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, (rows, cols, raw)) in [
                 (512usize, 256usize, false),

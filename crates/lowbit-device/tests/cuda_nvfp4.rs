@@ -253,7 +253,7 @@ fn nvfp4_1d_columnwise_versions_match_on_offset_views() {
     let o = check("nvfp4 1D columnwise offset views", true, |c| {
         let mut out = Vec::new();
         // Version 5 (the fused both-copies kernel) must leave a columnwise copy alone to v4.
-        for version in [3, 4, 5, 6, 7, 8, 9] {
+        for version in [3, 4, 5, 6, 7, 8, 9, 10] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in [(64usize, 64usize), (320, 72), (96, 8), (48, 136)]
                 .iter()
@@ -390,7 +390,7 @@ fn nvfp4_1d_both_copies_versions_match() {
     ];
     let o = check("nvfp4 1D both copies versions", true, |c| {
         let mut out = Vec::new();
-        for version in [3, 4, 5, 6, 7, 8, 9] {
+        for version in [3, 4, 5, 6, 7, 8, 9, 10] {
             c.dev.set_cuda_kernel_variant("nvfp4", version)?;
             for (k, &(rows, cols)) in shapes.iter().enumerate() {
                 let n = rows * cols;
@@ -816,7 +816,7 @@ fn nvfp4_timings() {
     }
     // 1D both copies with the columnwise kernel of version 3 (down columns), version 4
     // (shared-memory transpose) and version 5 (both copies in one kernel).
-    for version in [3, 4, 5, 6, 7, 8, 9] {
+    for version in [3, 4, 5, 6, 7, 8, 9, 10] {
         g.set_cuda_kernel_variant("nvfp4", version).unwrap();
         let cfg = Nvfp4Config::default();
         let t = time(&mut g, 10, |g| {

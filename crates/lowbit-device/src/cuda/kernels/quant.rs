@@ -614,7 +614,20 @@ impl CudaDevice {
         // r·cols/2 + p/2 and 2 scale bytes at r·cols/16 + p/16, inside the views and aligned
         // (`rd` 16-byte and `rs` 2-byte aligned, checked above, pitches cols/2 and cols/16
         // multiples of 16 and 2). The shared-memory words it reads are those it copied.
-        unsafe { self.launch(kernel, (gx, gy, 1), (128, 1, 1), &args)? };
+        // Version 10 launches version 9's kernel as the programmatic dependent of
+        // nvfp4_params_v9, the kernel just before it (its CTAs copy their first tile while the
+        // parameters are made, and wait for them with griddepcontrol.wait before reading `tp`;
+        // they write only the outputs, which that kernel does not touch).
+        let dependent = self.nvfp4_version >= 10 && kernel == "nvfp4_quantize_both_v9";
+        // SAFETY: as above; a dependent launch only for version 9's kernel, whose loop reads
+        // `tp` after that wait.
+        unsafe {
+            if dependent {
+                self.launch_dependent(kernel, (gx, gy, 1), (128, 1, 1), &args)?
+            } else {
+                self.launch(kernel, (gx, gy, 1), (128, 1, 1), &args)?
+            }
+        };
         Ok(true)
     }
 
