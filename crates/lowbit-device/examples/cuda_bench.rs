@@ -53,6 +53,40 @@ fn timed(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
     times[reps / 2]
 }
 
+/// Seconds per call in steady state: `calls` calls of `f` back to back with no wait between
+/// them (the host queues the next call while the GPU runs this one, as a training step issues
+/// them), then `finish` with what they returned (one read of deferred results), timed with
+/// events from before the first call to after `finish`; the median of five such runs. `f` must
+/// not wait for the device itself.
+fn timed_steady<T>(
+    dev: &mut Device,
+    calls: usize,
+    mut f: impl FnMut(&mut Device) -> T,
+    mut finish: impl FnMut(&mut Device, Vec<T>),
+) -> f64 {
+    use lowbit_device::cudarc::driver::sys::CUevent_flags;
+    let warm: Vec<T> = (0..3).map(|_| f(dev)).collect();
+    finish(dev, warm);
+    dev.synchronize().expect("warm-up");
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let stream = dev.cuda_stream().expect("a CUDA device").clone();
+            let a = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .expect("event");
+            let out: Vec<T> = (0..calls).map(|_| f(dev)).collect();
+            finish(dev, out);
+            let b = stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .expect("event");
+            b.synchronize().expect("event sync");
+            f64::from(a.elapsed_ms(&b).expect("elapsed")) * 1e-3 / calls as f64
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[2]
+}
+
 /// Elements `at .. at + len` of `b`.
 fn piece(b: lowbit_device::View, at: usize, len: usize) -> lowbit_device::View {
     b.slice(at..at + len).expect("slice")
@@ -177,7 +211,7 @@ fn llama_requantize(dev: &mut Device, x: lowbit_device::View, layers: usize, cop
 /// one call and in groups of 28 (four layers, as the step's 250M-element bucket groups), against
 /// the copy bandwidth: reads the tile amaxes (4 bytes per 1024 elements), writes one scale byte
 /// per 32 elements per copy.
-fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
+fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64, steady_bw: f64) {
     let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
     let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
     let tiles = dev.alloc(DType::F32, elems / 1024);
@@ -215,6 +249,26 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
             bytes,
             copy_bw,
         );
+        // Steady state: 20 such rounds back to back (the host's checks of one round beside
+        // the kernels of the one before).
+        let t = timed_steady(
+            dev,
+            20,
+            |d| {
+                for g in items.chunks(group) {
+                    d.mxfp8_scales_2d_many(g).expect("scales");
+                }
+            },
+            |_, _| {},
+        );
+        report(
+            &format!(
+                "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many, steady state)"
+            ),
+            t,
+            bytes,
+            steady_bw,
+        );
         // The host's share: the calls' checks, tables and launches, timed on the host from an
         // idle GPU (which stays idle until the first launch: in the times above, that part
         // runs beside no kernel).
@@ -245,22 +299,32 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64) {
 /// blocks, 4 over 256x256 tiles, 3 two (codes, then scales)) and for one 32768x32768 matrix, against the copy
 /// bandwidth: reads the rowwise codes (n/2 bytes) and the tile amaxes (n/64), writes the
 /// columnwise codes (n/2) and both scale copies (n/16 each).
-fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64) {
+fn llama_nvfp4_finish(dev: &mut Device, copy_bw: f64, steady_bw: f64) {
     let shapes: Vec<(usize, usize)> = (0..16).flat_map(|_| LLAMA_1B_LAYER).collect();
     nvfp4_finish(
         dev,
-        copy_bw,
+        [copy_bw, steady_bw],
         &shapes,
         "Llama-3.2-1B x16 layers (112 matrices",
     );
     // One large square matrix (1.2 GB moved, so the call's fixed costs weigh little): whether
     // the gap to the bound is the kernel's or the shapes'.
-    nvfp4_finish(dev, copy_bw, &[(32768, 32768)], "32768x32768 (one matrix");
+    nvfp4_finish(
+        dev,
+        [copy_bw, steady_bw],
+        &[(32768, 32768)],
+        "32768x32768 (one matrix",
+    );
 }
 
 /// Times `nvfp4_finish_2d_many` over matrices of `shapes` (every version) against the copy
-/// bandwidth; `what` names them in the report.
-fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what: &str) {
+/// bandwidth (`[lone call, steady state]`); `what` names them in the report.
+fn nvfp4_finish(
+    dev: &mut Device,
+    [copy_bw, steady_bw]: [f64; 2],
+    shapes: &[(usize, usize)],
+    what: &str,
+) {
     let elems: usize = shapes.iter().map(|(r, c)| r * c).sum();
     let packed = dev.alloc(DType::U8, elems / 2);
     dev.zero(packed).expect("zero");
@@ -314,6 +378,27 @@ fn nvfp4_finish(dev: &mut Device, copy_bw: f64, shapes: &[(usize, usize)], what:
             t,
             bytes,
             copy_bw,
+        );
+    }
+    // Steady state: 10 deferred calls back to back, one read of all their amaxes.
+    {
+        dev.set_cuda_kernel_variant("nvfp4_finish_2d", 7)
+            .expect("variant");
+        let t = timed_steady(
+            dev,
+            10,
+            |d| d.nvfp4_finish_2d_many_deferred(&items).expect("finish"),
+            |d, pending| {
+                d.read_amaxes_many(pending).expect("amaxes");
+            },
+        );
+        report(
+            &format!(
+                "nvfp4 2D completion {what}, deferred, steady state, nvfp4_finish_2d_many v7)"
+            ),
+            t,
+            bytes,
+            steady_bw,
         );
     }
     // As the step's gather completes bucket groups: one deferred call per group of 28 matrices
@@ -457,6 +542,19 @@ fn main() {
         t_copy * 1e6,
         copy_bw / 1e9
     );
+    // The same copy in steady state (20 back to back): the bound of the steady-state rows.
+    let t_copy_steady = timed_steady(
+        &mut dev,
+        20,
+        |d| d.copy(x, copy_dst).expect("copy"),
+        |_, _| {},
+    );
+    let steady_bw = (2 * elems * 2) as f64 / t_copy_steady;
+    println!(
+        "copy bf16 {n}x{n}, steady state: {:.1} us, {:.0} GB/s (read + write)",
+        t_copy_steady * 1e6,
+        steady_bw / 1e9
+    );
     dev.free(copy_dst).expect("free");
 
     if want("launch") {
@@ -492,6 +590,20 @@ fn main() {
                 bytes,
                 copy_bw,
             );
+            if copies == Copies::Both && version == 4 {
+                let t = timed_steady(
+                    &mut dev,
+                    20,
+                    |d| d.quantize_mxfp8(x, n, n, &cfg, &out).expect("quantize"),
+                    |_, _| {},
+                );
+                report(
+                    "mxfp8 rowwise+columnwise 16384x16384 (kernel v4, steady state)",
+                    t,
+                    bytes,
+                    steady_bw,
+                );
+            }
             free_views(&mut dev, out);
         }
         // The same both-copies kernel (v4) on matrices of 128M elements and the widths of the
@@ -595,10 +707,10 @@ fn main() {
         for layers in [1, 16] {
             llama_requantize(&mut dev, x, layers, copy_bw);
         }
-        llama_mxfp8_scales_2d(&mut dev, copy_bw);
+        llama_mxfp8_scales_2d(&mut dev, copy_bw, steady_bw);
     }
     if want("nvfp4") {
-        llama_nvfp4_finish(&mut dev, copy_bw);
+        llama_nvfp4_finish(&mut dev, copy_bw, steady_bw);
         // NVFP4 rowwise (global amax pass, host sync for the tensor scale, quantization) and both
         // copies. Byte bound: the amax pass reads X (2 B/element), the quantization reads it again
         // and writes 0.5 + 1/16 B/element per copy.
@@ -696,6 +808,28 @@ fn main() {
                 bytes,
                 copy_bw,
             );
+            // Steady state: 10 deferred calls back to back, one read of their amaxes.
+            if copies == Copies::Both && version >= 9 {
+                let t = timed_steady(
+                    &mut dev,
+                    10,
+                    |d| {
+                        d.quantize_nvfp4_deferred(x, n, n, &cfg, &nv)
+                            .expect("nvfp4")
+                    },
+                    |d, pending| {
+                        d.read_nvfp4_amaxes(pending).expect("amaxes");
+                    },
+                );
+                report(
+                    &format!(
+                        "nvfp4 rowwise+columnwise with amax 16384x16384 (v{version}, deferred, steady state)"
+                    ),
+                    t,
+                    bytes,
+                    steady_bw,
+                );
+            }
             for (a, b) in [nv.rowwise, nv.columnwise].into_iter().flatten() {
                 dev.free(a).expect("free");
                 dev.free(b).expect("free");

@@ -162,7 +162,7 @@ pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{
     AdamW, Format2d, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, PendingAmaxes,
-    Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
+    PendingNvfp4Amax, Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;

@@ -47,7 +47,7 @@ pub use matmul::MatmulTcSpec;
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]
 pub(crate) use quant::{Dequant, scales_2d_lens};
-pub use quant::{Format2d, PendingAmaxes, Piece2d};
+pub use quant::{Format2d, PendingAmaxes, PendingNvfp4Amax, Piece2d};
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -119,7 +119,7 @@ pub struct Nvfp4Views {
 
 /// The global amaxes an NVFP4 quantization derived its tensor scales from; dequantization needs
 /// the one of the copy it reads.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Nvfp4Amax {
     /// Amax of the input (NaN ignored): the rowwise copy's.
     pub rowwise: f32,

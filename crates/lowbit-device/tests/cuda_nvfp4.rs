@@ -761,6 +761,57 @@ fn pending_amaxes_are_read_on_their_own_device() {
     );
 }
 
+#[test]
+fn nvfp4_deferred_calls_match() {
+    // Deferred NVFP4 quantizations read back in one go equal the CPU's synchronous ones, byte
+    // for byte and amax for amax: the 1D kernels of version 9 and 10 (their amax word left on
+    // the device) on shapes whose amaxes differ, the Hadamard and 2D variants (read at once,
+    // pending on the host) between them, and a matrix the both-copies kernel declines (cols
+    // % 32 != 0). Each pending read comes back in call order; a second read of none is empty.
+    let name = "nvfp4 deferred";
+    let o = check(name, true, |c| {
+        let mut out = Vec::new();
+        let mut pending = Vec::new();
+        let rht = Nvfp4Config {
+            rht: true,
+            ..Nvfp4Config::default()
+        };
+        let two_d = Nvfp4Config {
+            two_d: true,
+            ..Nvfp4Config::default()
+        };
+        let cases = [
+            (9, (1024usize, 128usize), Nvfp4Config::default(), 0.5f32),
+            (10, (1024, 128), Nvfp4Config::default(), 4.0),
+            (10, (48, 64), rht, 2.0),
+            (10, (512, 1024), Nvfp4Config::default(), 1e-3),
+            (10, (64, 72), Nvfp4Config::default(), 300.0),
+            (9, (80, 48), two_d, 8.0),
+            (10, (16, 32), Nvfp4Config::default(), 0.0),
+        ];
+        for (k, &(version, (rows, cols), cfg, scale)) in cases.iter().enumerate() {
+            c.dev.set_cuda_kernel_variant("nvfp4", version)?;
+            let seed = 9000 + 10 * k as u64;
+            let vals: Vec<f32> = block_cases(rows, cols, seed, k % 2 == 1, false)
+                .into_iter()
+                .map(|v| v * scale)
+                .collect();
+            let src = c.buf(DType::Bf16, &vals);
+            let views = nvfp4_views(c, rows, cols, cfg.copies, seed + 1);
+            pending.push(
+                c.dev
+                    .quantize_nvfp4_deferred(src, rows, cols, &cfg, &views)?,
+            );
+        }
+        for a in c.dev.read_nvfp4_amaxes(pending)? {
+            out.extend([f64::from(a.rowwise), f64::from(a.columnwise)]);
+        }
+        out.push(c.dev.read_nvfp4_amaxes(Vec::new())?.len() as f64);
+        Ok(out)
+    });
+    native_nvfp4(&o, name);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timings
 

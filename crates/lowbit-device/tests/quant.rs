@@ -187,6 +187,71 @@ fn nvfp4_bit_equal_to_the_library() {
 }
 
 #[test]
+fn nvfp4_deferred_equals_the_synchronous_call() {
+    // Deferred calls read back together give the synchronous call's bytes and amaxes, in call
+    // order, whatever the configuration (1D, 2D, Hadamard); bad views are refused as the
+    // synchronous call refuses them, before anything is written.
+    let cases = [
+        ((32usize, 48usize), Nvfp4Config::default(), 1.0f32),
+        (
+            (16, 16),
+            Nvfp4Config {
+                rht: true,
+                ..Nvfp4Config::default()
+            },
+            40.0,
+        ),
+        (
+            (48, 17),
+            Nvfp4Config {
+                two_d: true,
+                ..Nvfp4Config::default()
+            },
+            1e-3,
+        ),
+    ];
+    let mut dev = Device::cpu();
+    let mut pending = Vec::new();
+    let mut want = Vec::new();
+    for (k, &((rows, cols), cfg, scale)) in cases.iter().enumerate() {
+        let x: Vec<f32> = values(rows * cols, 40 + k as u64)
+            .iter()
+            .map(|v| v * scale)
+            .collect();
+        let src = upload_as(&mut dev, DType::Bf16, &x);
+        let sync = nvfp4_views(&mut dev, rows, cols, cfg.copies);
+        let deferred = nvfp4_views(&mut dev, rows, cols, cfg.copies);
+        let amax = dev.quantize_nvfp4(src, rows, cols, &cfg, &sync).unwrap();
+        pending.push(
+            dev.quantize_nvfp4_deferred(src, rows, cols, &cfg, &deferred)
+                .unwrap(),
+        );
+        assert_eq!(bytes(&dev, deferred.rowwise), bytes(&dev, sync.rowwise));
+        assert_eq!(
+            bytes(&dev, deferred.columnwise),
+            bytes(&dev, sync.columnwise)
+        );
+        want.push(amax);
+    }
+    let got = dev.read_nvfp4_amaxes(pending).unwrap();
+    assert_eq!(got, want);
+    assert_ne!(got[0].rowwise, got[1].rowwise);
+    assert!(dev.read_nvfp4_amaxes(Vec::new()).unwrap().is_empty());
+
+    let src = upload_as(&mut dev, DType::Bf16, &values(32 * 32, 9));
+    let out = nvfp4_views(&mut dev, 32, 33, Copies::Both);
+    assert!(matches!(
+        dev.quantize_nvfp4_deferred(src, 32, 32, &Nvfp4Config::default(), &out),
+        Err(DeviceError::Length {
+            what: "quantize_nvfp4 rowwise data",
+            ..
+        })
+    ));
+    let (d, _) = out.rowwise.unwrap();
+    assert!(dev.read_bytes(d).unwrap().iter().all(|&b| b == 0));
+}
+
+#[test]
 fn quantize_view_errors_write_nothing() {
     let mut dev = Device::cpu();
     let (rows, cols) = (4, 40);

@@ -510,10 +510,11 @@ impl CudaDevice {
             }
         }
         if defer {
-            return Ok(Some(Finished::Pending(PendingWords(amax))));
+            let n = items.len();
+            return Ok(Some(Finished::Pending(PendingWords::new(amax, n))));
         }
         Ok(Some(Finished::Values(
-            self.read_pending(PendingWords(amax))?,
+            self.read_pending(PendingWords::new(amax, items.len()))?,
         )))
     }
 
@@ -535,7 +536,7 @@ impl CudaDevice {
                 "read_amaxes: the amaxes are pending on another device".into(),
             ));
         }
-        let lens: Vec<usize> = words.iter().map(|w| w.0.len()).collect();
+        let lens: Vec<usize> = words.iter().map(|w| w.1).collect();
         let total: usize = lens.iter().sum();
         if total == 0 {
             return Ok(lens.iter().map(|_| Vec::new()).collect());
@@ -583,8 +584,17 @@ pub(crate) enum Finished {
     Pending(PendingWords),
 }
 
-/// Amax words on the device, one per matrix, not yet read (freed in stream order when dropped).
-pub(crate) struct PendingWords(super::kernels::Scratch);
+/// Amax words on the device not yet read: the first `len` words of a scratch (one per matrix;
+/// freed in stream order when dropped).
+pub(crate) struct PendingWords(super::kernels::Scratch, usize);
+
+impl PendingWords {
+    /// The first `len` words of `scratch` (at most its length).
+    pub(super) fn new(scratch: super::kernels::Scratch, len: usize) -> Self {
+        let len = len.min(scratch.len());
+        Self(scratch, len)
+    }
+}
 
 impl std::fmt::Debug for PendingWords {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -452,10 +452,74 @@ impl Device {
         cfg: &Nvfp4Config,
         out: &Nvfp4Views,
     ) -> Result<Nvfp4Amax> {
-        const WHAT: &str = "quantize_nvfp4";
+        let pending = self.quantize_nvfp4_inner("quantize_nvfp4", src, [rows, cols], cfg, out)?;
+        Ok(self
+            .read_nvfp4_amaxes(vec![pending])?
+            .pop()
+            .unwrap_or_default())
+    }
+
+    /// [`Device::quantize_nvfp4`] without waiting for the amaxes: on a GPU whose kernels take
+    /// the configuration (1D, round to nearest, no Hadamard transform) the launches are queued
+    /// and the global amax stays on the device until [`Device::read_nvfp4_amaxes`] (a copy and
+    /// one stream synchronization for every pending call), so a caller that quantizes several
+    /// matrices in a row waits once, and the host queues the next call while the GPU runs this
+    /// one. Elsewhere the call completes as [`Device::quantize_nvfp4`] does. The same bytes and
+    /// amaxes; the outputs are written in stream order (read them on this device's stream, or
+    /// after [`Device::read_nvfp4_amaxes`] or [`Device::synchronize`]).
+    pub fn quantize_nvfp4_deferred(
+        &mut self,
+        src: View,
+        rows: usize,
+        cols: usize,
+        cfg: &Nvfp4Config,
+        out: &Nvfp4Views,
+    ) -> Result<PendingNvfp4Amax> {
+        const WHAT: &str = "quantize_nvfp4_deferred";
+        self.quantize_nvfp4_inner(WHAT, src, [rows, cols], cfg, out)
+    }
+
+    /// The amaxes of [`Device::quantize_nvfp4_deferred`] calls, in the order given: every copy
+    /// queued first, then one stream synchronization.
+    ///
+    /// # Errors
+    /// [`crate::DeviceError::Unsupported`] for amaxes pending on another kind of device (a
+    /// GPU's, read on the CPU backend) or on another GPU; the device's own errors. Nothing is
+    /// returned for any call when one fails.
+    pub fn read_nvfp4_amaxes(&mut self, pending: Vec<PendingNvfp4Amax>) -> Result<Vec<Nvfp4Amax>> {
+        // One word per call on the device (both copies share the amax there).
+        let words = pending
+            .into_iter()
+            .map(|p| match p.0 {
+                PendingNvfp4::Values(a) => {
+                    PendingAmaxes(Pending::Values(vec![a.rowwise, a.columnwise]))
+                }
+                #[cfg(feature = "cuda")]
+                PendingNvfp4::Device(w) => PendingAmaxes(Pending::Device(w)),
+            })
+            .collect();
+        Ok(self
+            .read_amaxes_many(words)?
+            .into_iter()
+            .map(|v| Nvfp4Amax {
+                rowwise: v.first().copied().unwrap_or(0.0),
+                columnwise: v.last().copied().unwrap_or(0.0),
+            })
+            .collect())
+    }
+
+    /// [`Device::quantize_nvfp4`] and [`Device::quantize_nvfp4_deferred`] (errors name `what`).
+    fn quantize_nvfp4_inner(
+        &mut self,
+        what: &'static str,
+        src: View,
+        [rows, cols]: [usize; 2],
+        cfg: &Nvfp4Config,
+        out: &Nvfp4Views,
+    ) -> Result<PendingNvfp4Amax> {
         self.count_call(crate::CountedOp::QuantizeNvfp4);
         let copies = [out.rowwise, out.columnwise];
-        self.check_quantize(WHAT, src, [rows, cols], cfg.copies, copies, &NVFP4_PLANES)?;
+        self.check_quantize(what, src, [rows, cols], cfg.copies, copies, &NVFP4_PLANES)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = self.cuda_mut() {
             let q = crate::cuda::Quantize {
@@ -464,27 +528,24 @@ impl Device {
                 cfg,
                 out,
             };
-            if let Some(amax) = g.quantize_nvfp4(&q)? {
-                return Ok(Nvfp4Amax {
-                    rowwise: amax,
-                    columnwise: amax,
-                });
+            if let Some(words) = g.quantize_nvfp4(&q)? {
+                return Ok(PendingNvfp4Amax(PendingNvfp4::Device(words)));
             }
             if let Some(amax) = g.nvfp4_quantize_variants(&q)? {
-                return Ok(amax);
+                return Ok(PendingNvfp4Amax(PendingNvfp4::Values(amax)));
             }
         }
-        let host = HostValues::read(self, WHAT, src)?;
+        let host = HostValues::read(self, what, src)?;
         let t = lowbit_formats::quantize_nvfp4(
             &Matrix::new(TENSOR_NAME, rows, cols, host.source())?,
             cfg,
         )?;
         self.write_plane(out.rowwise, t.rowwise.as_ref())?;
         self.write_plane(out.columnwise, t.columnwise.as_ref())?;
-        Ok(Nvfp4Amax {
+        Ok(PendingNvfp4Amax(PendingNvfp4::Values(Nvfp4Amax {
             rowwise: t.amax_rowwise,
             columnwise: t.amax_columnwise,
-        })
+        })))
     }
 
     /// Dequantizes an NVFP4 rowwise copy (packed `data` `rows·ceil(cols/2)`, E4M3 `scales`
@@ -1250,6 +1311,21 @@ impl Device {
 /// memory is freed in stream order).
 #[derive(Debug)]
 pub struct PendingAmaxes(Pending);
+
+/// The global amaxes of a [`Device::quantize_nvfp4_deferred`] call, possibly still on the
+/// device: [`Device::read_nvfp4_amaxes`] returns them. Dropping it drops the values (device
+/// memory is freed in stream order).
+#[derive(Debug)]
+pub struct PendingNvfp4Amax(PendingNvfp4);
+
+#[derive(Debug)]
+enum PendingNvfp4 {
+    /// Already on the host (the CPU backend, the host fallback, the kernels of the variants).
+    Values(Nvfp4Amax),
+    /// One amax word on a CUDA device, both copies'.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::PendingWords),
+}
 
 #[derive(Debug)]
 enum Pending {

@@ -385,8 +385,12 @@ impl CudaDevice {
 
     /// NVFP4 with the kernels when the configuration is theirs (1D blocks, round to nearest,
     /// no Hadamard transform, TE NaN policy; a columnwise copy needs `rows % 16 == 0`), else
-    /// `Ok(None)` for the host fallback. Returns the global amax (both copies share it).
-    pub(crate) fn quantize_nvfp4(&mut self, q: &Nvfp4Quantize<'_>) -> Result<Option<f32>> {
+    /// `Ok(None)` for the host fallback. The launches are queued, nothing waits: the global
+    /// amax (both copies share it) stays on the device, one pending word.
+    pub(crate) fn quantize_nvfp4(
+        &mut self,
+        q: &Nvfp4Quantize<'_>,
+    ) -> Result<Option<crate::cuda::PendingWords>> {
         let (src, [rows, cols], cfg, out) = (q.src, q.shape, q.cfg, q.out);
         if cfg.two_d
             || cfg.rht
@@ -527,9 +531,7 @@ impl CudaDevice {
                 }
             }
         }
-        let a = f32::from_bits(self.fetch_word(amax)?);
-        drop(scratch);
-        Ok(Some(a))
+        Ok(Some(crate::cuda::PendingWords::new(scratch, 1)))
     }
 
     /// What a kernel with the columnwise part (`nvfp4c_cols_part`: `nvfp4_quantize_cols_*`,
