@@ -753,6 +753,32 @@ fn pending_amaxes_are_read_on_their_own_device() {
     let p2 = a.nvfp4_finish_2d_many_deferred(&[x]).expect("finish");
     let read = a.read_amaxes_many(vec![p, p2]).expect("read");
     assert_eq!(read, [vec![3.0], vec![0.5]]);
+    // A deferred 1D quantization's amax likewise: refused on the other GPU and on a CPU
+    // device, read on its own.
+    let x = a.alloc(DType::Bf16, 32 * 64);
+    a.fill(x, -1.5).expect("fill");
+    let views = Nvfp4Views {
+        rowwise: Some((a.alloc(DType::U8, 1024), a.alloc(DType::U8, 128))),
+        columnwise: Some((a.alloc(DType::U8, 1024), a.alloc(DType::U8, 128))),
+    };
+    let cfg = Nvfp4Config::default();
+    let p = a
+        .quantize_nvfp4_deferred(x, 32, 64, &cfg, &views)
+        .expect("quantize");
+    let err = b
+        .read_nvfp4_amaxes(vec![p])
+        .expect_err("read on another device");
+    assert!(err.to_string().contains("another device"), "{err}");
+    let p = a
+        .quantize_nvfp4_deferred(x, 32, 64, &cfg, &views)
+        .expect("quantize");
+    assert!(Device::cpu().read_nvfp4_amaxes(vec![p]).is_err());
+    let p = a
+        .quantize_nvfp4_deferred(x, 32, 64, &cfg, &views)
+        .expect("quantize");
+    let read = a.read_nvfp4_amaxes(vec![p]).expect("read");
+    assert_eq!(read[0].rowwise, 1.5);
+    assert_eq!(read[0].columnwise, 1.5);
     // The kernels took every call (a pending on the host would be readable anywhere).
     assert!(
         a.host_fallback_calls().is_empty(),
