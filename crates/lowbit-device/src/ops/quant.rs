@@ -508,7 +508,9 @@ impl Device {
             .collect())
     }
 
-    /// [`Device::quantize_nvfp4`] and [`Device::quantize_nvfp4_deferred`] (errors name `what`).
+    /// [`Device::quantize_nvfp4`] and [`Device::quantize_nvfp4_deferred`] (`what` names the op
+    /// in the host fallback and the view checks that name one; the planes' length errors keep
+    /// `quantize_nvfp4`'s names).
     fn quantize_nvfp4_inner(
         &mut self,
         what: &'static str,
