@@ -3,7 +3,8 @@
 //! sections `launch`, `mxfp8`, `nvfp4`, `optim`, all by default).
 //!
 //! - `launch`: the host's time to enqueue a one-kernel op with scalar parameters and one with a
-//!   parameter table (`mxfp8_scales_2d_many`, 1 to 64 tiny matrices).
+//!   parameter table (`mxfp8_scales_2d_many`, 1 to 64 tiny matrices), and the whole round trip
+//!   of two synchronous calls on tiny inputs (`max_abs`, `quantize_nvfp4`).
 //! - MXFP8 rowwise and rowwise + columnwise (one pass) of a 16384x16384 bf16 matrix: bytes moved
 //!   (read 2, write 1 + 1/32 per element per copy) over time, as a fraction of the copy
 //!   bandwidth (a copy of the same bf16 matrix: read + write).
@@ -23,8 +24,11 @@
 //! - Fused AdamW over 256M parameters (f32 master, f32 moments, f32 or bf16 grad, bf16 output:
 //!   30 or 28 bytes per parameter) against the same bound, per kernel version.
 //!
-//! Times are medians of CUDA-event timings on the device's stream after warm-up. Prints one
-//! line per measurement and `JSON {...}` lines for machines.
+//! Times are medians of CUDA-event timings on the device's stream after warm-up, each of one call
+//! from an idle GPU ("lone call": what a single synchronous call costs); rows marked "steady
+//! state" time calls back to back (deferred amaxes read once at the end) against a copy timed
+//! the same way, what the calls cost where a step issues them in a row. Prints one line per
+//! measurement and `JSON {...}` lines for machines.
 
 use lowbit_device::{AdamW, DType, Device, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, bf16};
 use lowbit_formats::Copies;
