@@ -2792,19 +2792,27 @@ extern "C" __global__ void stage2d_quantize_many(const u64* __restrict__ table, 
 // cols, row_scales, col_scales, the kind's max_norm_rcp bits], `slot` each grid row's first
 // matrix (ascending from 0; a row holds matrices slot[y] .. slot[y + 1], or .. items for the
 // last). At most SCALES2D_MAX matrices per launch (the host splits longer lists;
-// 8208 bytes of parameters, within the 32764 a launch may pass since CUDA 12.1).
+// 8208 bytes of parameters, within the 32764 a launch may pass since CUDA 12.1), or
+// SCALES2D_SMALL with mxfp8_scales_2d_many_32 (2064 bytes): a launch's parameters past 4 KB
+// cost the host ~3 us more to enqueue, which the step's calls of 28 matrices (a bucket group of
+// Llama-3.2-1B) paid beside ~5 us of kernel.
 #define SCALES2D_MAX 128
+#define SCALES2D_SMALL 32
 #define SCALES2D_CODES 256
 #define SCALES2D_THREADS 256
-struct Scales2dParams {
+template <int MAX>
+struct Scales2dParamsT {
     u64 items;
     u64 units;
-    u64 first[SCALES2D_MAX];
-    u64 rows[SCALES2D_MAX][6];
-    u64 slot[SCALES2D_MAX];
+    u64 first[MAX];
+    u64 rows[MAX][6];
+    u64 slot[MAX];
 };
-// The host passes exactly these bytes (quant.rs, SCALES2D_MAX, SCALES2D_CODES).
+using Scales2dParams = Scales2dParamsT<SCALES2D_MAX>;
+// The host passes exactly these bytes (quant.rs, SCALES2D_MAX, SCALES2D_SMALL, SCALES2D_CODES).
 static_assert(sizeof(Scales2dParams) == 8 * (2 + SCALES2D_MAX * 8), "parameter layout");
+static_assert(sizeof(Scales2dParamsT<SCALES2D_SMALL>) == 8 * (2 + SCALES2D_SMALL * 8),
+              "parameter layout");
 
 // a / b and a % b in 32 bits where both fit (the 64-bit division is a long emulated sequence).
 __device__ __forceinline__ void divmod_u64(u64 a, u64 b, u64& q, u64& r) {
@@ -2830,7 +2838,8 @@ struct Scales2dItem {
 };
 
 // Item u of the launch, of matrix m.
-__device__ __forceinline__ Scales2dItem scales2d_item(const Scales2dParams& p, uint32_t m, u64 u) {
+template <class P>
+__device__ __forceinline__ Scales2dItem scales2d_item(const P& p, uint32_t m, u64 u) {
     const u64* w = p.rows[m];
     Scales2dItem it;
     it.tiles = reinterpret_cast<const float*>(w[0]);
@@ -2922,7 +2931,8 @@ __device__ __forceinline__ void scales2d_store(const Scales2dItem& it, const uin
 // matrices of 4 and 16); a 1-D grid found each CTA's matrix by a binary search in the
 // parameters, six dependent reads of the constant bank that missed its cache. Exactly
 // SCALES2D_THREADS threads a CTA (thread e codes tiles e, e + SCALES2D_THREADS, ...).
-extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS) mxfp8_scales_2d_many(const Scales2dParams p) {
+template <class P>
+__device__ __forceinline__ void mxfp8_scales_2d_body(const P& p) {
     constexpr uint32_t K = SCALES2D_CODES / SCALES2D_THREADS;  // tiles a thread
     static_assert(K * SCALES2D_THREADS == SCALES2D_CODES, "whole tiles a thread");
     __shared__ __align__(16) uint8_t code[SCALES2D_CODES];
@@ -2941,4 +2951,14 @@ extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS) mxfp8_scales_2d_m
         code[threadIdx.x + k * SCALES2D_THREADS] = (uint8_t)e8m0_code(__fmul_rn(t[k], it.rcp));
     __syncthreads();
     scales2d_store(it, code);
+}
+
+extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS) mxfp8_scales_2d_many(const Scales2dParams p) {
+    mxfp8_scales_2d_body(p);
+}
+
+// The same for at most SCALES2D_SMALL matrices (a quarter of the parameter bytes).
+extern "C" __global__ void __launch_bounds__(SCALES2D_THREADS)
+    mxfp8_scales_2d_many_32(const Scales2dParamsT<SCALES2D_SMALL> p) {
+    mxfp8_scales_2d_body(p);
 }

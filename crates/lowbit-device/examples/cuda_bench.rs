@@ -434,8 +434,8 @@ fn nvfp4_finish(
 }
 
 /// Host time to enqueue one call (the mean of 200, the GPU idle before): a one-kernel op with
-/// a few scalar parameters (`fill`) against `mxfp8_scales_2d_many` (8.2 KB of parameters) with
-/// 1, 28 and 64 tiny matrices: what a launch with a parameter table costs the host beside its
+/// a few scalar parameters (`fill`) against `mxfp8_scales_2d_many` (2.1 KB of parameters up to
+/// 32 matrices, else 8.2 KB) with 1, 28 and 64 tiny matrices: what a launch with a parameter table costs the host beside its
 /// checks.
 fn launch_costs(dev: &mut Device) {
     let v = dev.alloc(DType::F32, 1024);
@@ -480,7 +480,10 @@ fn launch_costs(dev: &mut Device) {
     });
     for n in [1, 28, 64] {
         per_call(
-            &format!("mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, 8.2 KB parameters)"),
+            &format!(
+                "mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, {} KB parameters)",
+                if n <= 32 { "2.1" } else { "8.2" }
+            ),
             &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
         );
     }

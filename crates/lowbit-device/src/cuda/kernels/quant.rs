@@ -61,6 +61,11 @@ type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
 /// matrices take one launch).
 const SCALES2D_MAX: usize = 128;
 
+/// The capacity of `mxfp8_scales_2d_many_32`, which takes launches of at most this many
+/// matrices (`SCALES2D_SMALL` in `cuda/ops.cu`; 2064 bytes of parameters: past 4 KB a launch
+/// costs the host ~3 us more, as much as the kernel of a bucket group's 28 matrices).
+const SCALES2D_SMALL: usize = 32;
+
 /// Tiles per CTA item of `mxfp8_scales_2d_many` (`SCALES2D_CODES` in `cuda/ops.cu`).
 const SCALES2D_CODES: usize = 256;
 
@@ -91,18 +96,19 @@ fn param_table<const W: usize>(
     (words, total)
 }
 
-/// `mxfp8_scales_2d_many`'s `Scales2dParams` for at most [`SCALES2D_MAX`] matrices (each its
+/// `mxfp8_scales_2d_many`'s `Scales2dParams` (`capacity` [`SCALES2D_MAX`]; or
+/// `mxfp8_scales_2d_many_32`'s, [`SCALES2D_SMALL`]) for at most `capacity` matrices (each its
 /// six words and its item count) and the launch's grid: [`param_table`]'s words (the matrix
 /// count, the item count, each matrix's first item, the matrices' rows), then each slot's first
 /// matrix. A slot is a run of consecutive matrices whose items together fit the grid's width
 /// (the most items of one matrix), packed greedily in order: a grid row per slot, not per
 /// matrix, so small matrices share a row instead of leaving most of theirs empty.
-fn scales2d_table(chunk: &[([u64; 6], u64)]) -> (Vec<u64>, (u32, u32, u32)) {
-    debug_assert!(chunk.len() <= SCALES2D_MAX);
+fn scales2d_table(chunk: &[([u64; 6], u64)], capacity: usize) -> (Vec<u64>, (u32, u32, u32)) {
+    debug_assert!(chunk.len() <= capacity);
     let width = chunk.iter().map(|c| c.1).max().unwrap_or(0);
-    let (mut words, units) = param_table(2, SCALES2D_MAX, chunk.iter().copied());
+    let (mut words, units) = param_table(2, capacity, chunk.iter().copied());
     words[1] = units;
-    let mut slot = vec![0u64; SCALES2D_MAX];
+    let mut slot = vec![0u64; capacity];
     let (mut slots, mut fill) = (0usize, 0u64);
     for (k, &(_, n)) in chunk.iter().enumerate() {
         if k == 0 || fill + n > width {
@@ -1020,9 +1026,15 @@ impl CudaDevice {
             taken.push((row, items as u64));
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
-            let (mut words, grid) = scales2d_table(chunk);
-            // SAFETY: `words` is exactly `Scales2dParams` (2 + 128·7 + 128 words, the kernel's
-            // SCALES2D_MAX = 128). Each of its rows holds one matrix's views as
+            let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
+                ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
+            } else {
+                ("mxfp8_scales_2d_many", SCALES2D_MAX)
+            };
+            let (mut words, grid) = scales2d_table(chunk, capacity);
+            // SAFETY: `words` is exactly the kernel's `Scales2dParamsT` (2 + 8·capacity words:
+            // SCALES2D_MAX = 128, or SCALES2D_SMALL = 32 for `_32`; `launch_words` checks the
+            // size against the PTX). Each of its rows holds one matrix's views as
             // `mxfp8_scales_2d` checks them (live, in bounds, disjoint by the caller's check,
             // rows·tc and ceil(rows/32)·cols scale bytes, the tile count), and the matrices'
             // items [first, first + bands·segments) partition 0..units; an item reads the
@@ -1034,12 +1046,7 @@ impl CudaDevice {
             // CTA of exactly SCALES2D_THREADS threads (the kernel's launch bound). The driver
             // copies the parameters at launch.
             unsafe {
-                self.launch_words(
-                    "mxfp8_scales_2d_many",
-                    grid,
-                    (SCALES2D_THREADS, 1, 1),
-                    &mut words,
-                )?;
+                self.launch_words(name, grid, (SCALES2D_THREADS, 1, 1), &mut words)?;
             }
         }
         Ok(rest)
@@ -1048,7 +1055,7 @@ impl CudaDevice {
 
 #[cfg(test)]
 mod tests {
-    use super::{SCALES2D_MAX, scales2d_table};
+    use super::{SCALES2D_MAX, SCALES2D_SMALL, scales2d_table};
 
     /// A matrix row tagged `t` (its six words `t, t + 1, ...`) with `n` items.
     fn item(t: u64, n: u64) -> ([u64; 6], u64) {
@@ -1064,12 +1071,28 @@ mod tests {
         let chunk: Vec<_> = (0..14)
             .map(|k| item(100 * k, layer[k as usize % 7]))
             .collect();
-        let (words, grid) = scales2d_table(&chunk);
+        let (words, grid) = scales2d_table(&chunk, SCALES2D_MAX);
         assert_eq!(words.len(), 2 + 8 * SCALES2D_MAX);
-        // The kernel's struct, as its PTX declares it.
+        // The kernels' structs, as their PTX declares them.
         assert_eq!(
             crate::ptx::struct_param_bytes("mxfp8_scales_2d_many"),
             Some(8 * words.len())
+        );
+        let (small, small_grid) = scales2d_table(&chunk, SCALES2D_SMALL);
+        assert_eq!(
+            crate::ptx::struct_param_bytes("mxfp8_scales_2d_many_32"),
+            Some(8 * small.len())
+        );
+        // The same table at the smaller capacity: the same head, firsts, rows and slots.
+        assert_eq!(small_grid, grid);
+        assert_eq!(small[..2 + 14], words[..2 + 14]);
+        assert_eq!(
+            small[2 + SCALES2D_SMALL..][..6 * 14],
+            words[2 + SCALES2D_MAX..][..6 * 14]
+        );
+        assert_eq!(
+            small[2 + 7 * SCALES2D_SMALL..][..9],
+            words[2 + 7 * SCALES2D_MAX..][..9]
         );
         assert_eq!(grid, (64, 8, 1));
         assert_eq!((words[0], words[1]), (14, 2 * 232));
@@ -1105,7 +1128,7 @@ mod tests {
             item(30, 1),
             item(40, 8),
         ];
-        let (words, grid) = scales2d_table(&chunk);
+        let (words, grid) = scales2d_table(&chunk, SCALES2D_MAX);
         assert_eq!(grid, (9, 3, 1));
         assert_eq!(words[2 + 7 * SCALES2D_MAX..][..3], [0, 2, 3]);
         assert_eq!(words[1], 26);
