@@ -877,20 +877,29 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_same_v5(
 // shape, each a partial wave with its own ramp and tail (1B's four shapes per group). CTA b
 // finds its matrix by a binary search over `first` in the parameters (uniform across the CTA).
 // `dims`: rows and cols (each below 2^32). Same host checks and bytes as version 5.
+// nvfp4x_finish_2d_mixed_32 takes at most FINISH2D_MIXED_SMALL matrices (1928 bytes of
+// parameters: past 4 KB a launch costs the host ~3 us more, and the step completes its bucket
+// groups of 28 matrices one launch each).
 #define FINISH2D_MIXED_MAX 128
-struct Finish2dMixedParams {
+#define FINISH2D_MIXED_SMALL 32
+template <int MAX>
+struct Finish2dMixedParamsT {
     uint32_t items, pad;
-    uint32_t first[FINISH2D_MIXED_MAX];
-    uint32_t dims[FINISH2D_MIXED_MAX][2];
-    u64 ptrs[FINISH2D_MIXED_MAX][6];
+    uint32_t first[MAX];
+    uint32_t dims[MAX][2];
+    u64 ptrs[MAX][6];
 };
+using Finish2dMixedParams = Finish2dMixedParamsT<FINISH2D_MIXED_MAX>;
 // The host passes exactly these bytes (nvfp4.rs, FINISH2D_MIXED_MAX rows: 7688 bytes, within
-// the 32764 a launch may pass since CUDA 12.1).
+// the 32764 a launch may pass since CUDA 12.1; FINISH2D_MIXED_SMALL rows: 1928 bytes).
 static_assert(sizeof(Finish2dMixedParams) == 8 + 12 * FINISH2D_MIXED_MAX + 48 * FINISH2D_MIXED_MAX,
               "parameter layout");
+static_assert(sizeof(Finish2dMixedParamsT<FINISH2D_MIXED_SMALL>) ==
+                  8 + 12 * FINISH2D_MIXED_SMALL + 48 * FINISH2D_MIXED_SMALL,
+              "parameter layout");
 
-extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_mixed(
-    const Finish2dMixedParams p) {
+template <class P>
+__device__ __forceinline__ void finish2d_mixed_body(const P& p) {
     uint32_t lo = 0, hi = p.items;  // the last matrix whose first block is <= blockIdx.x
     while (hi - lo > 1) {
         const uint32_t mid = (lo + hi) / 2;
@@ -900,6 +909,16 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_mixed(
     const u64 rows = p.dims[lo][0], cols = p.dims[lo][1];
     const uint32_t local = blockIdx.x - p.first[lo], gx = (uint32_t)((cols + 511) / 512);
     finish2d_block_v5(v, rows, cols, local % gx, local / gx);
+}
+
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_mixed(
+    const Finish2dMixedParams p) {
+    finish2d_mixed_body(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) nvfp4x_finish_2d_mixed_32(
+    const Finish2dMixedParamsT<FINISH2D_MIXED_SMALL> p) {
+    finish2d_mixed_body(p);
 }
 
 // The rowwise scales [rows, tc] and columnwise scales [cols, tr] of the matrices of a

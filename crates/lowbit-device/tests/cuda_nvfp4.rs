@@ -693,6 +693,15 @@ fn nvfp4_finish_2d_many_matches() {
                     .into_iter()
                     .map(f64::from),
             );
+            // A bucket group's worth: 20 matrices of 256x4096, 160 blocks (version 7's launch
+            // of at most 32 matrices, `nvfp4x_finish_2d_mixed_32`).
+            let group = grouped_2d(c, (256, 4096, 20), 3500, false)?;
+            out.extend(
+                c.dev
+                    .nvfp4_finish_2d_many(&group)?
+                    .into_iter()
+                    .map(f64::from),
+            );
             // Nothing to do, and one matrix alone.
             out.extend(c.dev.nvfp4_finish_2d_many(&[])?.into_iter().map(f64::from));
             let one = [experts[0]];

@@ -62,12 +62,19 @@ const FINISH2D_V5_MIN_CTAS: u64 = 128;
 /// 112 matrices take one launch).
 const FINISH2D_MIXED_MAX: usize = 128;
 
+/// The capacity of `nvfp4x_finish_2d_mixed_32`, which takes launches of at most this many
+/// matrices (`FINISH2D_MIXED_SMALL` in `cuda/nvfp4.cu`; 1928 bytes of parameters: past 4 KB a
+/// launch costs the host ~3 us more, and the step completes its bucket groups of 28 matrices
+/// one call each).
+const FINISH2D_MIXED_SMALL: usize = 32;
+
 /// Version 7's launches of `nvfp4x_finish_2d_mixed` for the qualifying matrices of a call
-/// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses): per launch its CTA
-/// count and the kernel's `Finish2dMixedParams` packed into u64 words; `None` where version 5's
+/// (`same`: grouped by shape, each row `Finish2dSameParams`' six addresses): per launch the
+/// kernel (`nvfp4x_finish_2d_mixed_32` for at most [`FINISH2D_MIXED_SMALL`] matrices), its CTA
+/// count and its `Finish2dMixedParamsT` packed into u64 words; `None` where version 5's
 /// per-shape launches take them instead: fewer than [`FINISH2D_V5_MIN_CTAS`] blocks in all (too
 /// few to fill the GPU), or a shape or CTA count past 32 bits.
-fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(u32, Vec<u64>)>> {
+fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(&'static str, u32, Vec<u64>)>> {
     let mut items = Vec::new();
     for (([rows, cols], [_, _, _, gx5, gy5]), group) in same {
         let dims = [u32::try_from(*rows).ok()?, u32::try_from(*cols).ok()?];
@@ -78,26 +85,31 @@ fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(u32, Vec<u64>)>> {
     if total < FINISH2D_V5_MIN_CTAS {
         return None;
     }
-    // u64 words: [items, pad], first[128] and dims[128][2] as u32 pairs, ptrs[128][6].
+    // u64 words: [items, pad], first[cap] and dims[cap][2] as u32 pairs, ptrs[cap][6].
     const FIRST: usize = 1;
-    const DIMS: usize = FIRST + FINISH2D_MIXED_MAX / 2;
-    const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
     let mut launches = Vec::new();
     for chunk in items.chunks(FINISH2D_MIXED_MAX) {
-        let mut words = vec![0u64; PTRS + 6 * FINISH2D_MIXED_MAX];
+        let (name, cap) = if chunk.len() <= FINISH2D_MIXED_SMALL {
+            ("nvfp4x_finish_2d_mixed_32", FINISH2D_MIXED_SMALL)
+        } else {
+            ("nvfp4x_finish_2d_mixed", FINISH2D_MIXED_MAX)
+        };
+        let dims_at = FIRST + cap / 2;
+        let ptrs_at = dims_at + cap;
+        let mut words = vec![0u64; ptrs_at + 6 * cap];
         let mut first = 0u64;
         for (k, (dims, blocks, row)) in chunk.iter().enumerate() {
             let f = u32::try_from(first).ok()?;
             words[FIRST + k / 2] |= u64::from(f) << (32 * (k % 2));
-            words[DIMS + k] = u64::from(dims[0]) | u64::from(dims[1]) << 32;
-            words[PTRS + 6 * k..][..6].copy_from_slice(row);
+            words[dims_at + k] = u64::from(dims[0]) | u64::from(dims[1]) << 32;
+            words[ptrs_at + 6 * k..][..6].copy_from_slice(row);
             first += blocks;
         }
         let ctas = u32::try_from(first)
             .ok()
             .filter(|&c| c <= i32::MAX as u32)?;
         words[0] = chunk.len() as u64;
-        launches.push((ctas, words));
+        launches.push((name, ctas, words));
     }
     Some(launches)
 }
@@ -436,9 +448,11 @@ impl CudaDevice {
         if self.nvfp4_finish_version == 7
             && let Some(launches) = mixed_launches(&same)
         {
-            for (ctas, mut words) in launches {
-                // SAFETY: `words` is exactly `Finish2dMixedParams` (1 + 1.5·128 + 6·128 u64 words,
-                // the kernel's FINISH2D_MIXED_MAX = 128; see `mixed_launches`). Each of its rows holds
+            for (name, ctas, mut words) in launches {
+                // SAFETY: `words` is exactly the kernel's `Finish2dMixedParamsT` (1 + 1.5·cap +
+                // 6·cap u64 words: FINISH2D_MIXED_MAX = 128, or FINISH2D_MIXED_SMALL = 32 for
+                // `_32`; see `mixed_launches`; `launch_words` checks the size against the
+                // PTX). Each of its rows holds
                 // the addresses of one matrix's views, validated by the caller with the lengths
                 // `nvfp4x_finish_2d` needs, and its amax word (written by `u32_max_many` above, in
                 // stream order); rows % 32 == 0 and cols % 8 == 0 (both below 2^32) and the 4-byte
@@ -448,14 +462,7 @@ impl CudaDevice {
                 // one matrix, each index checked against rows, cols, tr and tc. No output overlaps
                 // another matrix's views (checked by the caller). The driver copies the
                 // parameters.
-                unsafe {
-                    self.launch_words(
-                        "nvfp4x_finish_2d_mixed",
-                        (ctas, 1, 1),
-                        (256, 1, 1),
-                        &mut words,
-                    )?;
-                }
+                unsafe { self.launch_words(name, (ctas, 1, 1), (256, 1, 1), &mut words)? };
             }
             same.clear();
         }
@@ -604,7 +611,7 @@ impl std::fmt::Debug for PendingWords {
 
 #[cfg(test)]
 mod tests {
-    use super::{FINISH2D_MIXED_MAX, Finish2dSame, mixed_launches};
+    use super::{FINISH2D_MIXED_MAX, FINISH2D_MIXED_SMALL, Finish2dSame, mixed_launches};
 
     /// `count` matrices of `[rows, cols]` whose six addresses are `tag`, `tag + 1`, ...
     fn shape(rows: u64, cols: u64, count: usize, tag: u64) -> Finish2dSame {
@@ -621,17 +628,16 @@ mod tests {
     /// The words of `nvfp4x_finish_2d_mixed`'s `Finish2dMixedParams` as the kernel reads them
     /// (little-endian u32 halves): the item count, the padding, each item's first block, rows
     /// and cols, and its six addresses.
-    fn unpack(words: &[u64]) -> (u32, u32, Vec<MixedRow>) {
-        const DIMS: usize = 1 + FINISH2D_MIXED_MAX / 2;
-        const PTRS: usize = DIMS + FINISH2D_MIXED_MAX;
+    fn unpack(words: &[u64], cap: usize) -> (u32, u32, Vec<MixedRow>) {
+        let (dims_at, ptrs_at) = (1 + cap / 2, 1 + cap / 2 + cap);
         let half = |w: usize, k: usize| (words[w] >> (32 * (k % 2))) as u32;
         let items = half(0, 0);
         let rows = (0..items as usize)
             .map(|k| {
                 (
                     half(1 + k / 2, k),
-                    [words[DIMS + k] as u32, (words[DIMS + k] >> 32) as u32],
-                    std::array::from_fn(|i| words[PTRS + 6 * k + i]),
+                    [words[dims_at + k] as u32, (words[dims_at + k] >> 32) as u32],
+                    std::array::from_fn(|i| words[ptrs_at + 6 * k + i]),
                 )
             })
             .collect();
@@ -649,21 +655,25 @@ mod tests {
         ];
         let launches = mixed_launches(&same).expect("172 blocks take the mixed kernel");
         assert_eq!(launches.len(), 2);
-        assert!(launches.iter().all(|(_, w)| w.len() == 7688 / 8));
+        assert!(
+            launches
+                .iter()
+                .all(|(n, _, w)| *n == "nvfp4x_finish_2d_mixed" && w.len() == 7688 / 8)
+        );
         // The kernel's struct, as its PTX declares it.
         assert_eq!(
             crate::ptx::struct_param_bytes("nvfp4x_finish_2d_mixed"),
             Some(7688)
         );
-        let (items, pad, rows) = unpack(&launches[0].1);
-        assert_eq!((items, pad, launches[0].0), (128, 0, 128));
+        let (items, pad, rows) = unpack(&launches[0].2, FINISH2D_MIXED_MAX);
+        assert_eq!((items, pad, launches[0].1), (128, 0, 128));
         for (k, (first, dims, ptrs)) in rows.iter().enumerate() {
             assert_eq!((*first, *dims), (k as u32, [32, 64]));
             assert_eq!(ptrs[0], 1000 + 100 * k as u64);
             assert_eq!(ptrs[5], 1005 + 100 * k as u64);
         }
-        let (items, pad, rows) = unpack(&launches[1].1);
-        assert_eq!((items, pad, launches[1].0), (38, 0, 6 + 30 * 3 + 2 * 6));
+        let (items, pad, rows) = unpack(&launches[1].2, FINISH2D_MIXED_MAX);
+        assert_eq!((items, pad, launches[1].1), (38, 0, 6 + 30 * 3 + 2 * 6));
         let firsts: Vec<u32> = rows.iter().map(|r| r.0).collect();
         let want: Vec<u32> = (0..6)
             .chain((0..30).map(|k| 6 + 3 * k))
@@ -676,10 +686,43 @@ mod tests {
         assert_eq!(rows[37].2[3], 20103);
         // Unused rows stay zero (the kernel never reads them).
         assert!(
-            launches[1].1[1 + 64 + 128 + 6 * 38..]
+            launches[1].2[1 + 64 + 128 + 6 * 38..]
                 .iter()
                 .all(|&w| w == 0)
         );
+    }
+
+    #[test]
+    fn mixed_launches_of_a_bucket_group_take_the_small_table() {
+        // A bucket group of Llama-3.2-1B (four layers: 28 matrices, 928 blocks): one launch of
+        // the 32-matrix kernel, whose struct its PTX declares 1928 bytes.
+        let layer = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048)];
+        let mut same: Vec<Finish2dSame> = layer
+            .iter()
+            .enumerate()
+            .map(|(k, &(r, c))| shape(r, c, 4, 1000 * k as u64))
+            .collect();
+        same.push(shape(8192, 2048, 8, 9000));
+        same.push(shape(2048, 8192, 4, 20000));
+        let launches = mixed_launches(&same).expect("enough blocks");
+        assert_eq!(launches.len(), 1);
+        let (name, ctas, words) = &launches[0];
+        assert_eq!(*name, "nvfp4x_finish_2d_mixed_32");
+        assert_eq!(
+            crate::ptx::struct_param_bytes("nvfp4x_finish_2d_mixed_32"),
+            Some(8 * words.len())
+        );
+        assert_eq!(
+            8 * words.len(),
+            8 + 12 * FINISH2D_MIXED_SMALL + 48 * FINISH2D_MIXED_SMALL
+        );
+        let (items, _, rows) = unpack(words, FINISH2D_MIXED_SMALL);
+        assert_eq!(items, 28);
+        let blocks = 4 * 16 + 4 * 4 + 4 * 4 + 4 * 16 + 8 * 64 + 4 * 64;
+        assert_eq!(*ctas, blocks);
+        assert_eq!(rows[16].0, 4 * 16 + 4 * 4 + 4 * 4 + 4 * 16);
+        assert_eq!(rows[16].1, [8192, 2048]);
+        assert_eq!(rows[27].2[0], 20300);
     }
 
     #[test]
