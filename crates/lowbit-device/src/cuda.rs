@@ -542,11 +542,8 @@ impl CudaDevice {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<()> {
-        let mut vals: Vec<Arg> = args.to_vec();
-        let mut params = arg_ptrs(&mut vals);
-        // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
-        // arguments match the kernel.
-        unsafe { self.launch_params(name, grid, block, &mut params, false) }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.launch_with(name, grid, block, args, false) }
     }
 
     /// Launches `name` with one by-value struct parameter whose bytes are `words` (a launch
@@ -582,32 +579,34 @@ impl CudaDevice {
         unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()], false) }
     }
 
-    /// [`Self::launch`] as the programmatic dependent of the kernel queued just before it on
-    /// the stream (programmatic stream serialization, sm_90): its CTAs may start while that
-    /// kernel still runs, once its CTAs have executed `griddepcontrol.launch_dependents` (or
-    /// exited), so its prologue and the launch overlap that kernel's end.
+    /// [`Self::launch`], and with `dependent` as the programmatic dependent of the kernel queued
+    /// just before it on the stream (programmatic stream serialization, sm_90): its CTAs may
+    /// start while that kernel still runs, once its CTAs have executed
+    /// `griddepcontrol.launch_dependents` (or exited), so its prologue and the launch overlap
+    /// that kernel's end.
     ///
     /// # Safety
-    /// As [`Self::launch`], and the kernel executes `griddepcontrol.wait` before it reads
-    /// anything the kernel before it writes, and writes nothing that kernel reads or writes
-    /// (everything queued before that kernel has completed when it starts: only that kernel
-    /// may still run).
-    pub(crate) unsafe fn launch_dependent(
+    /// As [`Self::launch`]; with `dependent`, also: the kernel executes `griddepcontrol.wait`
+    /// before it reads anything the kernel before it writes, and writes nothing that kernel
+    /// reads or writes (everything queued before that kernel has completed when it starts: only
+    /// that kernel may still run).
+    pub(crate) unsafe fn launch_with(
         &mut self,
         name: &'static str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         args: &[Arg],
+        dependent: bool,
     ) -> Result<()> {
         let mut vals: Vec<Arg> = args.to_vec();
         let mut params = arg_ptrs(&mut vals);
-        // SAFETY: `params` points at `vals`, which outlive the call; the kernel's contract is
-        // the caller's.
-        unsafe { self.launch_params(name, grid, block, &mut params, true) }
+        // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
+        // arguments match the kernel, and the dependent contract where it asks for one.
+        unsafe { self.launch_params(name, grid, block, &mut params, dependent) }
     }
 
-    /// The launch behind [`Self::launch`], [`Self::launch_words`] and
-    /// [`Self::launch_dependent`] (`dependent`: with programmatic stream serialization).
+    /// The launch behind [`Self::launch_with`] and [`Self::launch_words`] (`dependent`: with
+    /// programmatic stream serialization).
     ///
     /// # Safety
     /// `params` point at the kernel's parameters, in order and of their sizes, alive for the

@@ -629,13 +629,7 @@ impl CudaDevice {
         let dependent = self.nvfp4_version >= 10 && kernel == "nvfp4_quantize_both_v9";
         // SAFETY: as above; a dependent launch only for version 9's kernel, whose loop reads
         // `tp` after that wait.
-        unsafe {
-            if dependent {
-                self.launch_dependent(kernel, (gx, gy, 1), (128, 1, 1), &args)?
-            } else {
-                self.launch(kernel, (gx, gy, 1), (128, 1, 1), &args)?
-            }
-        };
+        unsafe { self.launch_with(kernel, (gx, gy, 1), (128, 1, 1), &args, dependent)? };
         Ok(true)
     }
 
