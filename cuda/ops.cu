@@ -1364,6 +1364,25 @@ __device__ __forceinline__ uint32_t imad(uint32_t a, uint32_t b, uint32_t c) {
     return d;
 }
 
+// The magnitude code bits of element pair e (k: the pair's |x| as bf16 halves) added to `acc`
+// at nibbles 2e and 2e + 1: the binary search over the thresholds t_1..t_4 (t[0..3]) and, by
+// multiply-add selects on the masks, t_5..t_7 (from the differences d51 = t_2 - t_6, d40 =
+// t_1 - t_5, d62 = t_3 - t_7), each mask's bits merged by an integer multiply-add (the FMA
+// pipe; nvfp4_word_v4's comment below derives both forms). nvfp4_word_v4 and nvfp4_word_v5
+// share it.
+__device__ __forceinline__ uint32_t nvfp4_pair_bits(uint32_t k, const uint32_t* t, uint32_t d51,
+                                                    uint32_t d40, uint32_t d62, int e,
+                                                    uint32_t acc) {
+    const uint32_t inv = 0xFFFEFFFFu;
+    const uint32_t m2 = hgt2_mask(k, t[3]);
+    const uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
+    const uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]
+    const uint32_t m0 = hgt2_mask(k, bsel(m1, w, u));
+    acc = imad(m0, inv << (4 * e), acc);
+    acc = imad(m1, inv << (4 * e + 1), acc);
+    return imad(m2, inv << (4 * e + 2), acc);
+}
+
 // nvfp4_word_v3's word with its selects and bit merges moved from the ALU to the FMA pipe.
 // A comparison mask m is 0xFFFF per half where true, i.e. m = 0xFFFF · I with I the indicator
 // word (1 per true half). 0xFFFF is odd, so it has an inverse mod 2^32, INV = 0xFFFEFFFF =
@@ -1386,13 +1405,7 @@ __device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
     for (int e = 0; e < 4; ++e) {
         uint32_t k, s;
         nvfp4_pair(p, e, k, s);
-        uint32_t m2 = hgt2_mask(k, t[3]);
-        uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
-        uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]
-        uint32_t m0 = hgt2_mask(k, bsel(m1, w, u));
-        acc = imad(m0, inv << (4 * e), acc);
-        acc = imad(m1, inv << (4 * e + 1), acc);
-        acc = imad(m2, inv << (4 * e + 2), acc);
+        acc = nvfp4_pair_bits(k, t, d51, d40, d62, e, acc);
         acc = imad(s, inv << (4 * e + 3), acc);
     }
     return acc;
@@ -1656,19 +1669,10 @@ __device__ __forceinline__ uint32_t nvfp4_signs(P p) {
 // t_3 - t_7 (the differences the multiply-add selects take; t_5..t_7 are used only there).
 template <class P>
 __device__ __forceinline__ uint32_t nvfp4_word_v5(P p, const uint32_t* t, uint32_t acc) {
-    const uint32_t inv = 0xFFFEFFFFu;
     const uint32_t d51 = t[4], d40 = t[5], d62 = t[6];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const uint32_t k = prmt(p.lo(e), p.hi(e), p.sel(e));
-        uint32_t m2 = hgt2_mask(k, t[3]);
-        uint32_t m1 = hgt2_mask(k, imad(m2, d51, t[1]));            // m2 ? t[5] : t[1]
-        uint32_t u = imad(m2, d40, t[0]), w = imad(m2, d62, t[2]);  // m2 ? t[4] : t[0], t[6] : t[2]
-        uint32_t m0 = hgt2_mask(k, bsel(m1, w, u));
-        acc = imad(m0, inv << (4 * e), acc);
-        acc = imad(m1, inv << (4 * e + 1), acc);
-        acc = imad(m2, inv << (4 * e + 2), acc);
-    }
+    for (int e = 0; e < 4; ++e)
+        acc = nvfp4_pair_bits(prmt(p.lo(e), p.hi(e), p.sel(e)), t, d51, d40, d62, e, acc);
     return acc;
 }
 
