@@ -33,26 +33,29 @@
 use lowbit_device::{AdamW, DType, Device, Mxfp8Config, Mxfp8Views, Nvfp4Config, Nvfp4Views, bf16};
 use lowbit_formats::Copies;
 
+/// Seconds between events recorded on the device's stream before and after `f` (waits for the
+/// second).
+fn event_span(dev: &mut Device, f: impl FnOnce(&mut Device)) -> f64 {
+    use lowbit_device::cudarc::driver::sys::CUevent_flags;
+    let stream = dev.cuda_stream().expect("a CUDA device").clone();
+    let a = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
+    f(dev);
+    let b = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
+    b.synchronize().expect("event sync");
+    f64::from(a.elapsed_ms(&b).expect("elapsed")) * 1e-3
+}
+
 /// Median seconds of `reps` runs of `f`, timed with events on the device's stream.
 fn timed(dev: &mut Device, reps: usize, mut f: impl FnMut(&mut Device)) -> f64 {
-    use lowbit_device::cudarc::driver::sys::CUevent_flags;
     for _ in 0..3 {
         f(dev);
     }
     dev.synchronize().expect("warm-up");
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let stream = dev.cuda_stream().expect("a CUDA device").clone();
-        let a = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event");
-        f(dev);
-        let b = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event");
-        b.synchronize().expect("event sync");
-        times.push(f64::from(a.elapsed_ms(&b).expect("elapsed")) * 1e-3);
-    }
+    let mut times: Vec<f64> = (0..reps).map(|_| event_span(dev, &mut f)).collect();
     times.sort_by(f64::total_cmp);
     times[reps / 2]
 }
@@ -68,23 +71,16 @@ fn timed_steady<T>(
     mut f: impl FnMut(&mut Device) -> T,
     mut finish: impl FnMut(&mut Device, Vec<T>),
 ) -> f64 {
-    use lowbit_device::cudarc::driver::sys::CUevent_flags;
     let warm: Vec<T> = (0..3).map(|_| f(dev)).collect();
     finish(dev, warm);
     dev.synchronize().expect("warm-up");
     let mut times: Vec<f64> = (0..5)
         .map(|_| {
-            let stream = dev.cuda_stream().expect("a CUDA device").clone();
-            let a = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            let out: Vec<T> = (0..calls).map(|_| f(dev)).collect();
-            finish(dev, out);
-            let b = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            b.synchronize().expect("event sync");
-            f64::from(a.elapsed_ms(&b).expect("elapsed")) * 1e-3 / calls as f64
+            let span = event_span(dev, |d| {
+                let out: Vec<T> = (0..calls).map(|_| f(d)).collect();
+                finish(d, out);
+            });
+            span / calls as f64
         })
         .collect();
     times.sort_by(f64::total_cmp);
