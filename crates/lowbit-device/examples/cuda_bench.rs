@@ -235,58 +235,64 @@ fn llama_mxfp8_scales_2d(dev: &mut Device, copy_bw: f64, steady_bw: f64) {
         })
         .collect();
     let bytes = elems as f64 * (2.0 / 32.0 + 4.0 / 1024.0);
-    for group in [112, 28] {
-        let t = timed(dev, 20, |d| {
-            for g in items.chunks(group) {
-                d.mxfp8_scales_2d_many(g).expect("scales");
-            }
-        });
-        report(
-            &format!(
-                "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many)"
-            ),
-            t,
-            bytes,
-            copy_bw,
-        );
-        // Steady state: 20 such rounds back to back (the host's checks of one round beside
-        // the kernels of the one before).
-        let t = timed_steady(
-            dev,
-            20,
-            |d| {
+    // Fresh calls (every call checks its items and passes its table as parameters), then
+    // prepared ones (the same items again: the table of the first call, in device memory).
+    for (prepared, how) in [(0, "fresh"), (1, "prepared")] {
+        dev.set_cuda_kernel_variant("prepared", prepared)
+            .expect("variant");
+        for group in [112, 28] {
+            let t = timed(dev, 20, |d| {
                 for g in items.chunks(group) {
                     d.mxfp8_scales_2d_many(g).expect("scales");
                 }
-            },
-            |_, _| {},
-        );
-        report(
-            &format!(
-                "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many, steady state)"
-            ),
-            t,
-            bytes,
-            steady_bw,
-        );
-        // The host's share: the calls' checks, tables and launches, timed on the host from an
-        // idle GPU (which stays idle until the first launch: in the times above, that part
-        // runs beside no kernel).
-        let mut host: Vec<f64> = (0..20)
-            .map(|_| {
-                dev.synchronize().expect("sync");
-                let t0 = std::time::Instant::now();
-                for g in items.chunks(group) {
-                    dev.mxfp8_scales_2d_many(g).expect("scales");
-                }
-                t0.elapsed().as_secs_f64()
-            })
-            .collect();
-        host.sort_by(f64::total_cmp);
-        println!(
-            "mxfp8 2D scales, calls of {group}: host time to enqueue {:.1} us",
-            host[host.len() / 2] * 1e6
-        );
+            });
+            report(
+                &format!(
+                    "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many, {how})"
+                ),
+                t,
+                bytes,
+                copy_bw,
+            );
+            // Steady state: 20 such rounds back to back (the host's checks of one round beside
+            // the kernels of the one before).
+            let t = timed_steady(
+                dev,
+                20,
+                |d| {
+                    for g in items.chunks(group) {
+                        d.mxfp8_scales_2d_many(g).expect("scales");
+                    }
+                },
+                |_, _| {},
+            );
+            report(
+                &format!(
+                    "mxfp8 2D scales, Llama-3.2-1B x16 layers (112 matrices, calls of {group}, mxfp8_scales_2d_many, {how}, steady state)"
+                ),
+                t,
+                bytes,
+                steady_bw,
+            );
+            // The host's share: the calls' checks, tables and launches, timed on the host from an
+            // idle GPU (which stays idle until the first launch: in the times above, that part
+            // runs beside no kernel).
+            let mut host: Vec<f64> = (0..20)
+                .map(|_| {
+                    dev.synchronize().expect("sync");
+                    let t0 = std::time::Instant::now();
+                    for g in items.chunks(group) {
+                        dev.mxfp8_scales_2d_many(g).expect("scales");
+                    }
+                    t0.elapsed().as_secs_f64()
+                })
+                .collect();
+            host.sort_by(f64::total_cmp);
+            println!(
+                "mxfp8 2D scales, calls of {group}, {how}: host time to enqueue {:.1} us",
+                host[host.len() / 2] * 1e6
+            );
+        }
     }
     dev.free(tiles).expect("free");
     for b in scales {
@@ -461,7 +467,7 @@ fn launch_costs(dev: &mut Device) {
         columnwise: Some((planes[2], piece(planes[3], 0, 64 * 4))),
     };
     let cfg = Nvfp4Config::default();
-    let mut per_call = |name: &str, f: &mut dyn FnMut(&mut Device)| {
+    let per_call = |dev: &mut Device, name: &str, f: &mut dyn FnMut(&mut Device)| {
         dev.synchronize().expect("sync");
         let t0 = std::time::Instant::now();
         for _ in 0..200 {
@@ -471,28 +477,41 @@ fn launch_costs(dev: &mut Device) {
         dev.synchronize().expect("sync");
         println!("host time to enqueue {name}: {us:.2} us per call");
     };
-    per_call("fill (one launch, 3 scalar parameters)", &mut |d| {
+    per_call(dev, "fill (one launch, 3 scalar parameters)", &mut |d| {
         d.fill(v, 1.0).expect("fill")
     });
     for n in [1, 28, 64] {
+        dev.set_cuda_kernel_variant("prepared", 0).expect("variant");
         per_call(
+            dev,
             &format!(
                 "mxfp8_scales_2d_many of {n} 32x32 matrices (one launch, {} KB parameters)",
                 if n <= 32 { "2.1" } else { "8.2" }
             ),
             &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
         );
+        for (prepared, how) in [(1, "table in memory"), (2, "as parameters"), (3, "graph")] {
+            dev.set_cuda_kernel_variant("prepared", prepared)
+                .expect("variant");
+            per_call(
+                dev,
+                &format!("mxfp8_scales_2d_many of {n} 32x32 matrices (prepared, {how})"),
+                &mut |d| d.mxfp8_scales_2d_many(&items[..n]).expect("scales"),
+            );
+        }
     }
     // Synchronous calls that return a value: the whole round trip per call (the host's checks
     // and enqueue, the kernels on a tiny input, the copy back and the wait), so what a call costs
     // beyond its kernels.
     per_call(
+        dev,
         "max_abs of 1024 f32 (synchronous: one launch, one word back)",
         &mut |d| {
             d.max_abs(v).expect("max_abs");
         },
     );
     per_call(
+        dev,
         "quantize_nvfp4 both copies of 64x64 bf16 (synchronous: four launches, the amax back)",
         &mut |d| {
             d.quantize_nvfp4(xb, 64, 64, &cfg, &nv).expect("nvfp4");

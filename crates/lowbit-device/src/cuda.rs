@@ -36,6 +36,7 @@ mod gemm;
 mod kernels;
 mod mxfp8x;
 mod nvfp4;
+mod prepared;
 
 pub(crate) use kernels::{Quantize, Range2d};
 pub(crate) use nvfp4::{Finished, PendingWords};
@@ -199,6 +200,14 @@ pub(crate) struct CudaDevice {
     /// piece (grown on demand, kept between calls; not write-combined: the host reads it).
     /// Boxed: the device is one variant of `Device`'s backend enum, kept small.
     partials_host: Option<Box<cudarc::driver::PinnedHostSlice<f64>>>,
+    /// Whether batched calls that repeat launch the graphs an earlier call prepared
+    /// (`prepared.rs`): 1 (the default) or 0 (every call fresh;
+    /// `set_cuda_kernel_variant("prepared", 0 | 1)`).
+    prepare: bool,
+    /// The prepared calls of `mxfp8_scales_2d_many`.
+    scales2d_prepared: prepared::Cache<crate::ops::Scales2dItem>,
+    /// Calls that launched prepared tables (`Device::prepared_calls`).
+    prepared_calls: u64,
 }
 
 /// Lets the device's default memory pool (where stream-ordered allocations come from) keep
@@ -226,6 +235,18 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     }
     .result()
     .map_err(cuda_err("setting the memory pool's release threshold"))
+}
+
+/// That kernel `name` takes one struct parameter of `words` 8-byte words, as its PTX declares.
+fn check_struct_param(name: &'static str, words: usize) -> Result<()> {
+    let bytes = 8 * words;
+    match crate::ptx::struct_param_bytes(name) {
+        Some(n) if n == bytes => Ok(()),
+        n => Err(DeviceError::Cuda(format!(
+            "launching {name}: the host built {bytes} parameter bytes, the kernel takes {}",
+            n.map_or("other parameters".into(), |n| format!("{n} bytes"))
+        ))),
+    }
 }
 
 /// Pointers to each argument's value, as a launch takes them (`vals` must outlive the launch).
@@ -290,6 +311,9 @@ impl CudaDevice {
             gemm: None,
             tc_symmetric: 1,
             partials_host: None,
+            prepare: true,
+            scales2d_prepared: prepared::Cache::default(),
+            prepared_calls: 0,
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -511,6 +535,10 @@ impl CudaDevice {
             ("adamw", 1 | 2) => self.adamw_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
+            ("prepared", 0 | 1) => {
+                self.prepare = version == 1;
+                self.scales2d_prepared.clear();
+            }
             _ => {
                 return Err(DeviceError::Unsupported(format!(
                     "no version {version} of kernel {kernel}"
@@ -522,6 +550,10 @@ impl CudaDevice {
 
     pub(crate) fn note_fallback(&mut self, what: &'static str) {
         *self.fallbacks.entry(what).or_insert(0) += 1;
+    }
+
+    pub(crate) fn prepared_calls(&self) -> u64 {
+        self.prepared_calls
     }
 
     pub(crate) fn fallback_calls(&self) -> Vec<(&'static str, u64)> {
@@ -564,16 +596,7 @@ impl CudaDevice {
         block: (u32, u32, u32),
         words: &mut [u64],
     ) -> Result<()> {
-        let bytes = 8 * words.len();
-        match crate::ptx::struct_param_bytes(name) {
-            Some(n) if n == bytes => {}
-            n => {
-                return Err(DeviceError::Cuda(format!(
-                    "launching {name}: the host built {bytes} parameter bytes, the kernel takes {}",
-                    n.map_or("other parameters".into(), |n| format!("{n} bytes"))
-                )));
-            }
-        }
+        check_struct_param(name, words.len())?;
         // SAFETY: the one parameter points at `words`, which outlive the call, and is as long
         // as the kernel's parameter (checked above); the caller guarantees its contents.
         unsafe { self.launch_params(name, grid, block, &mut [words.as_mut_ptr().cast()], false) }
@@ -603,6 +626,85 @@ impl CudaDevice {
         // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
         // arguments match the kernel, and the dependent contract where it asks for one.
         unsafe { self.launch_params(name, grid, block, &mut params, dependent) }
+    }
+
+    /// A CUDA graph of one launch of `name` with one by-value struct parameter whose bytes
+    /// are `words` (copied into the graph's node: a launch of the graph passes them without
+    /// copying them again), instantiated for this device's stream.
+    ///
+    /// # Errors
+    /// As [`Self::launch_words`]: the kernel does not take exactly these parameter bytes; or
+    /// the driver refuses the graph.
+    ///
+    /// # Safety
+    /// As [`Self::launch_words`], for every launch of the graph: the words' addresses stay
+    /// valid while the graph may be launched.
+    pub(in crate::cuda) unsafe fn kernel_graph(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        words: &mut [u64],
+    ) -> Result<prepared::KernelGraph> {
+        check_struct_param(name, words.len())?;
+        let f = self.function(name)?;
+        self.bind()?;
+        let err = |what: &'static str, e: sys::CUresult| {
+            DeviceError::Cuda(format!("{what} of {name}: {e:?}"))
+        };
+        let mut params: [*mut c_void; 1] = [words.as_mut_ptr().cast()];
+        let node = sys::CUDA_KERNEL_NODE_PARAMS {
+            func: f.0,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            kernelParams: params.as_mut_ptr(),
+            extra: std::ptr::null_mut(),
+            kern: std::ptr::null_mut(),
+            ctx: std::ptr::null_mut(),
+        };
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: a valid out pointer; flags must be 0.
+        let r = unsafe { sys::cuGraphCreate(&mut graph, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("creating a graph", r));
+        }
+        let mut g = prepared::KernelGraph {
+            graph,
+            exec: std::ptr::null_mut(),
+        };
+        let mut n: sys::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: `node` describes a launch of a function of this context, its one parameter
+        // pointing at `words` (copied by the driver during the call; the caller guarantees
+        // their contents); no dependencies.
+        let r =
+            unsafe { sys::cuGraphAddKernelNode_v2(&mut n, g.graph, std::ptr::null(), 0, &node) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(err("adding the kernel node", r));
+        }
+        // SAFETY: a graph of one kernel node, instantiated into a valid out pointer.
+        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut g.exec, g.graph, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            g.exec = std::ptr::null_mut();
+            return Err(err("instantiating the graph", r));
+        }
+        Ok(g)
+    }
+
+    /// Launches an instantiated graph on this device's stream.
+    ///
+    /// # Safety
+    /// The graph's launches satisfy their kernels' contracts now ([`Self::kernel_graph`]).
+    pub(in crate::cuda) unsafe fn launch_graph(&mut self, g: &prepared::KernelGraph) -> Result<()> {
+        self.bind()?;
+        // SAFETY: an executable graph of this context; forwarded to the caller.
+        unsafe { sys::cuGraphLaunch(g.exec, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| DeviceError::Cuda(format!("launching a graph: {e}")))
     }
 
     /// The launch behind [`Self::launch_with`] and [`Self::launch_words`] (`dependent`: with
@@ -664,6 +766,8 @@ impl Drop for CudaDevice {
             let _ = self.stream.synchronize();
         }
         self.slots.clear();
+        // The prepared graphs before the modules whose kernels they launch.
+        self.scales2d_prepared.clear();
         for m in self.modules.drain(..) {
             // SAFETY: the module was loaded by this device and is unloaded once; no kernel of
             // it is queued any more (the stream was synchronised).

@@ -699,6 +699,17 @@ impl Device {
         }
     }
 
+    /// How many batched calls on this device launched tables an earlier call with the same
+    /// items prepared, skipping their checks and table building (0 on the CPU backend, which
+    /// prepares nothing; see [`Device::mxfp8_scales_2d_many`]).
+    pub fn prepared_calls(&self) -> u64 {
+        match &self.backend {
+            Backend::Cpu(_) => 0,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.prepared_calls(),
+        }
+    }
+
     /// The stream every op of this CUDA device is enqueued on (`None` on the CPU). Work another
     /// stream does on this device's memory must be ordered against it with events.
     #[cfg(feature = "cuda")]
@@ -763,7 +774,10 @@ impl Device {
     /// alone, slower beside the gathers of the one-call step); `("sum_squares_beside", N)`: the
     /// most CTAs of a staged sum of squares launched beside collectives (every stage of
     /// [`Device::sum_squares_each_staged`] but the last), which then stride over the warps; 0:
-    /// no cap; by default a quarter of the multiprocessors (NCCL's CTAs keep the rest).
+    /// no cap; by default a quarter of the multiprocessors (NCCL's CTAs keep the rest);
+    /// `("prepared", 0 | 1)`: 1 by default, a batched call with the items of an earlier one
+    /// launches the table that call left in device memory ([`Device::prepared_calls`]); 0
+    /// makes every call fresh (and drops the prepared tables).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -46,7 +46,7 @@ pub use matmul::MatmulTcSpec;
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]
-pub(crate) use quant::{Dequant, scales_2d_lens};
+pub(crate) use quant::{Dequant, Scales2dItem, scales_2d_lens};
 pub use quant::{Format2d, PendingAmaxes, PendingNvfp4Amax, Piece2d};
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).

@@ -19,6 +19,7 @@ use lowbit_device::{
 use lowbit_formats::{Copies, NanPolicy};
 
 mod support;
+use stage2d::ScalesCalls;
 use support::*;
 mod stage2d;
 
@@ -1364,13 +1365,63 @@ fn stage_2d_many_matches_per_piece_and_cpu() {
         g.host_fallback_calls()
     );
     assert_eq!(stage2d::run(&mut g, false).unwrap(), cpu);
-    let cpu = stage2d::scales(&mut Device::cpu(), false).unwrap();
-    assert_eq!(stage2d::scales(&mut g, true).unwrap(), cpu);
+    let cpu = stage2d::scales(&mut Device::cpu(), ScalesCalls::One).unwrap();
+    // Fresh calls (the tables in the parameters), then a call prepared and its repeat (the
+    // tables in device memory): a round of 143 matrices is two launches either way.
+    g.set_cuda_kernel_variant("prepared", 0).unwrap();
+    assert_eq!(stage2d::scales(&mut g, ScalesCalls::Many).unwrap(), cpu);
+    assert_eq!(
+        stage2d::scales(&mut g, ScalesCalls::ManyTwice).unwrap(),
+        cpu
+    );
+    assert_eq!(g.prepared_calls(), 0);
+    for version in 1..=3 {
+        g.set_cuda_kernel_variant("prepared", version).unwrap();
+        let before = g.prepared_calls();
+        assert_eq!(stage2d::scales(&mut g, ScalesCalls::Many).unwrap(), cpu);
+        assert_eq!(g.prepared_calls(), before);
+        assert_eq!(
+            stage2d::scales(&mut g, ScalesCalls::ManyTwice).unwrap(),
+            cpu
+        );
+        assert_eq!(g.prepared_calls(), before + 1, "version {version}");
+    }
     assert!(
         g.host_fallback_calls().is_empty(),
         "{:?}",
         g.host_fallback_calls()
     );
+}
+
+/// A prepared `mxfp8_scales_2d_many` call (the items of an earlier call) whose buffers are no
+/// longer all allocated is a fresh call: it fails as one (the freed view), launching nothing
+/// prepared; the same items without the freed one are prepared anew.
+#[test]
+fn prepared_scales_2d_refuse_freed_buffers() {
+    let mut g = gpu();
+    let items: Vec<_> = (0..3)
+        .map(|k| {
+            let tiles = g.alloc(DType::F32, 4);
+            g.upload(tiles, &[1.0, 2.0, 3.0, 4.0 + k as f32]).unwrap();
+            let (rs, cs) = (g.alloc(DType::U8, 128), g.alloc(DType::U8, 128));
+            (64, 64, Fp8Kind::E4M3, tiles, rs, cs)
+        })
+        .collect();
+    g.mxfp8_scales_2d_many(&items).unwrap();
+    g.mxfp8_scales_2d_many(&items).unwrap();
+    assert_eq!(g.prepared_calls(), 1);
+    let first = g.read_bytes(items[0].4).unwrap();
+    g.free(items[1].5).unwrap();
+    let err = g.mxfp8_scales_2d_many(&items).unwrap_err();
+    assert!(matches!(err, DeviceError::Freed(_)), "{err:?}");
+    assert_eq!(g.prepared_calls(), 1);
+    let rest = [items[0], items[2]];
+    g.zero(items[0].4).unwrap();
+    g.mxfp8_scales_2d_many(&rest).unwrap();
+    g.zero(items[0].4).unwrap();
+    g.mxfp8_scales_2d_many(&rest).unwrap();
+    assert_eq!(g.prepared_calls(), 2);
+    assert_eq!(g.read_bytes(items[0].4).unwrap(), first);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1277,11 +1277,25 @@ impl Device {
     /// call per item when no item's scales share a byte with another item's views (else
     /// [`crate::DeviceError::Overlap`], nothing written); an item the kernel does not take runs
     /// through the single op.
+    ///
+    /// On a GPU a call with exactly the items of an earlier call that the kernel took whole
+    /// (the step's bucket groups, every step) launches the table that call left in device
+    /// memory, after checking only that the buffers it points into are still allocated: the
+    /// other checks are functions of the items, which passed them then.
     pub fn mxfp8_scales_2d_many(
         &mut self,
         items: &[(usize, usize, Fp8Kind, View, View, View)],
     ) -> Result<()> {
         const WHAT: &str = "mxfp8_scales_2d";
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.cuda_mut()
+            && g.mxfp8_scales_2d_prepared(items)?
+        {
+            for _ in items {
+                self.count_call(crate::CountedOp::Mxfp8Scales2d);
+            }
+            return Ok(());
+        }
         // Every item's shape before anything is written: a bad item fails the call whole.
         for &(rows, cols, _, tiles, rs, cs) in items {
             check_scales_2d(rows, cols, tiles, rs, cs)?;
@@ -1307,6 +1321,10 @@ impl Device {
         Ok(())
     }
 }
+
+/// One matrix of [`Device::mxfp8_scales_2d_many`]: `(rows, cols, kind, tiles, row_scales,
+/// col_scales)`.
+pub(crate) type Scales2dItem = (usize, usize, Fp8Kind, View, View, View);
 
 /// The global amaxes of a [`Device::nvfp4_finish_2d_many_deferred`] call, possibly still on
 /// the device: [`Device::read_amaxes`] returns them. Dropping it drops the values (device

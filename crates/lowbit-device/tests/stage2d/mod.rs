@@ -150,6 +150,18 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
     Ok(bytes)
 }
 
+/// How [`scales`] computes the scales.
+#[derive(Clone, Copy, Debug)]
+pub enum ScalesCalls {
+    /// One `mxfp8_scales_2d` call per matrix.
+    One,
+    /// One `mxfp8_scales_2d_many` call.
+    Many,
+    /// One `mxfp8_scales_2d_many` call, the scales zeroed, the same call again (on a GPU a
+    /// prepared call: the table the first one left in device memory).
+    ManyTwice,
+}
+
 /// Batched 2D MXFP8 scales of every MXFP8 case and of shapes that end the kernel's items
 /// part-way: 40x1600 (50 tiles a row: byte-wise rowwise stores), 100x544 (17 tiles a row, a
 /// last tile row of 4 rows), 33x16384 (512 tiles a row: two segments per tile row, a last tile
@@ -158,7 +170,7 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
 /// 3); 13 times over (143 matrices: more than one launch's table holds, 128), against one
 /// `mxfp8_scales_2d` each; every other item's scales start 3 bytes into their buffer (the
 /// kernel's unaligned stores; 11 shapes a round, so each shape is stored both ways).
-pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
+pub fn scales(dev: &mut Device, calls: ScalesCalls) -> Result<Vec<Vec<u8>>> {
     let extra = [
         (Format2d::Mxfp8(Fp8Kind::E4M3), 40, 1600, 1, DType::F32),
         (Format2d::Mxfp8(Fp8Kind::E5M2), 100, 544, 1, DType::F32),
@@ -187,11 +199,20 @@ pub fn scales(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
             items.push((rows, cols, kind, tiles, rs, cs));
         }
     }
-    if many {
-        dev.mxfp8_scales_2d_many(&items)?;
-    } else {
-        for &(r, c, kind, t, rs, cs) in &items {
-            dev.mxfp8_scales_2d(r, c, kind, t, rs, cs)?;
+    match calls {
+        ScalesCalls::One => {
+            for &(r, c, kind, t, rs, cs) in &items {
+                dev.mxfp8_scales_2d(r, c, kind, t, rs, cs)?;
+            }
+        }
+        ScalesCalls::Many => dev.mxfp8_scales_2d_many(&items)?,
+        ScalesCalls::ManyTwice => {
+            dev.mxfp8_scales_2d_many(&items)?;
+            for &(_, _, _, _, rs, cs) in &items {
+                dev.zero(rs)?;
+                dev.zero(cs)?;
+            }
+            dev.mxfp8_scales_2d_many(&items)?;
         }
     }
     let mut bytes = Vec::new();

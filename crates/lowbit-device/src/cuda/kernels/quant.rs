@@ -6,7 +6,7 @@ use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{blocks, dt, nvfp4_rows_vec};
 use crate::cuda::{Arg, CudaDevice};
-use crate::ops::Dequant;
+use crate::ops::{Dequant, Scales2dItem};
 use crate::{DType, Mxfp8Views, Nvfp4Views, Result, View};
 
 /// A quantization's arguments as the op received them (validated by it): the row-major
@@ -973,10 +973,7 @@ impl CudaDevice {
     /// [`SCALES2D_MAX`] items at most per launch, their table in the kernel's parameters;
     /// returns the indices of the others, in order, for the single op. The caller checked that
     /// no output overlaps another output or an input, of its own item or another.
-    pub(crate) fn mxfp8_scales_2d_many(
-        &mut self,
-        items: &[(usize, usize, Fp8Kind, View, View, View)],
-    ) -> Result<Vec<usize>> {
+    pub(crate) fn mxfp8_scales_2d_many(&mut self, items: &[Scales2dItem]) -> Result<Vec<usize>> {
         let (mut taken, mut rest) = (Vec::new(), Vec::new());
         for (i, &(rows, cols, kind, tiles, rs, cs)) in items.iter().enumerate() {
             let (tr, tc) = (rows.div_ceil(32), cols.div_ceil(32));
@@ -1019,6 +1016,9 @@ impl CudaDevice {
             }
             taken.push((row, items as u64));
         }
+        if rest.is_empty() && self.prepare {
+            return self.mxfp8_scales_2d_prepare(items, &taken).map(|()| rest);
+        }
         for chunk in taken.chunks(SCALES2D_MAX) {
             let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
                 ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
@@ -1044,6 +1044,68 @@ impl CudaDevice {
             }
         }
         Ok(rest)
+    }
+
+    /// The launches of `mxfp8_scales_2d_many` for `items`, every one of which the kernel takes
+    /// (`taken`, in order), as one-kernel graphs (`cuda/prepared.rs`), launched and kept for
+    /// later calls with the same items ([`Self::mxfp8_scales_2d_prepared`]).
+    fn mxfp8_scales_2d_prepare(
+        &mut self,
+        items: &[Scales2dItem],
+        taken: &[([u64; 6], u64)],
+    ) -> Result<()> {
+        let mut graphs = Vec::new();
+        for chunk in taken.chunks(SCALES2D_MAX) {
+            let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
+                ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
+            } else {
+                ("mxfp8_scales_2d_many", SCALES2D_MAX)
+            };
+            let (mut words, grid) = scales2d_table(chunk, capacity);
+            // SAFETY: the table of `mxfp8_scales_2d_many`'s launch (see there) for every
+            // launch of the graph: `mxfp8_scales_2d_prepared` launches it again only for the
+            // same items while every buffer its addresses point into is live.
+            graphs.push(unsafe {
+                self.kernel_graph(name, grid, (SCALES2D_THREADS, 1, 1), &mut words)?
+            });
+        }
+        for g in &graphs {
+            // SAFETY: built from these items, which passed the checks of
+            // `mxfp8_scales_2d_many`, a moment ago.
+            unsafe { self.launch_graph(g)? };
+        }
+        let views = items.iter().flat_map(|i| [i.3, i.4, i.5]);
+        self.scales2d_prepared.insert(items, views, graphs);
+        Ok(())
+    }
+
+    /// [`crate::Device::mxfp8_scales_2d_many`] of items an earlier call prepared
+    /// ([`Self::mxfp8_scales_2d_prepare`]) whose buffers are all still allocated: launches its
+    /// tables and returns `true`; `false` (nothing launched) for a fresh call.
+    pub(crate) fn mxfp8_scales_2d_prepared(&mut self, items: &[Scales2dItem]) -> Result<bool> {
+        if !self.prepare {
+            return Ok(false);
+        }
+        // Taken out while its launches run (they borrow the device).
+        let mut cache = std::mem::take(&mut self.scales2d_prepared);
+        let slots = &self.slots;
+        let launched = match cache.find(items, |b| slots.get(b).is_ok()) {
+            Some(graphs) => graphs.iter().try_for_each(|g| {
+                // SAFETY: the graph was built from items that passed every check of
+                // `mxfp8_scales_2d_many` (the same items as this call's), and every buffer its
+                // addresses point into is the allocation it was then (`find` checked: a freed
+                // buffer's id is never live again), so it is that call's launch again.
+                unsafe { self.launch_graph(g) }
+            }),
+            None => {
+                self.scales2d_prepared = cache;
+                return Ok(false);
+            }
+        };
+        self.scales2d_prepared = cache;
+        launched?;
+        self.prepared_calls += 1;
+        Ok(true)
     }
 }
 
