@@ -699,9 +699,10 @@ impl Device {
         }
     }
 
-    /// How many batched calls on this device launched tables an earlier call with the same
-    /// items prepared, skipping their checks and table building (0 on the CPU backend, which
-    /// prepares nothing; see [`Device::mxfp8_scales_2d_many`]).
+    /// How many batched calls on this device launched CUDA graphs prepared for their items
+    /// (made by the second call with the same items, launched by it and every later one, which
+    /// skip their checks and table building; 0 on the CPU backend, which prepares nothing; see
+    /// [`Device::mxfp8_scales_2d_many`]).
     pub fn prepared_calls(&self) -> u64 {
         match &self.backend {
             Backend::Cpu(_) => 0,
@@ -775,9 +776,9 @@ impl Device {
     /// most CTAs of a staged sum of squares launched beside collectives (every stage of
     /// [`Device::sum_squares_each_staged`] but the last), which then stride over the warps; 0:
     /// no cap; by default a quarter of the multiprocessors (NCCL's CTAs keep the rest);
-    /// `("prepared", 0 | 1)`: 1 by default, a batched call with the items of an earlier one
-    /// launches the table that call left in device memory ([`Device::prepared_calls`]); 0
-    /// makes every call fresh (and drops the prepared tables).
+    /// `("prepared", 0 | 1)`: 1 by default, a batched call with the items of earlier ones
+    /// launches the CUDA graphs prepared for them ([`Device::prepared_calls`]); 0 makes every
+    /// call fresh (and drops the prepared graphs).
     /// Every version gives the same bytes (and the same sums).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]

@@ -5,10 +5,12 @@
 //! matrices after its gather). A fresh call checks every item (shapes, overlap, liveness),
 //! builds its table and passes it as 2–8 KB of kernel parameters: for the 2D MXFP8 scales of a
 //! Llama-3.2-1B bucket group (28 matrices) that host work (8.6–12.6 µs a call on an H200's
-//! host) outlasted the kernel. A prepared call finds the items in the cache, checks that every
+//! host) outlasted the kernel. A call finds its items in the cache and checks that every
 //! buffer its launches point into is still the allocation it was (buffer ids carry a
-//! generation, so a freed and reallocated slot is another id), and launches the graph the
-//! first call made of each launch, whose node holds the table (1.7–2.9 µs a call).
+//! generation, so a freed and reallocated slot is another id). The first call with some items
+//! runs fresh and notes them; the second makes a graph of each of its launches, whose node
+//! holds the table, and launches those; later calls launch the graphs (1.7–2.9 µs a call). A
+//! call made once (over transient buffers) thus never pays for making a graph.
 //!
 //! Two other forms were measured and dropped (`cuda/NOTES.md`, session 10): the table in
 //! device memory, its address the kernel's one parameter (host 4.3–6.1 µs, but the kernel's
@@ -59,13 +61,26 @@ impl Drop for KernelGraph {
     }
 }
 
-/// A call's items and its launches.
+/// A call's items and, from its second call on, its launches.
 #[derive(Debug)]
 struct Entry<K, L> {
     items: Vec<K>,
-    /// The buffers the tables point into, each once.
+    /// The buffers the launches point into, each once.
     buffers: Vec<BufferId>,
-    launches: Vec<L>,
+    /// `None` after the first call: a call made once (a transient buffer's) never pays for
+    /// making graphs.
+    launches: Option<Vec<L>>,
+}
+
+/// What [`Cache::find`] knows of a call's items.
+#[derive(Debug, PartialEq)]
+pub(in crate::cuda) enum Found<'a, L> {
+    /// Never seen, or seen with a buffer since freed: a fresh call.
+    New,
+    /// Seen once: a fresh call that should prepare its launches ([`Cache::insert`] them).
+    Seen,
+    /// Prepared: launch these.
+    Prepared(&'a [L]),
 }
 
 /// The prepared calls of one kind of call: items `K`, launches `L` ([`KernelGraph`]; generic
@@ -84,31 +99,40 @@ impl<K, L> Default for Cache<K, L> {
 }
 
 impl<K: PartialEq + Clone, L> Cache<K, L> {
-    /// The launches of the entry for exactly `items` whose buffers `live` all accepts; an
+    /// What is known of exactly `items`, with every buffer of its entry accepted by `live`; an
     /// entry with a buffer gone is dropped (the call then runs fresh, with its checks).
     pub(in crate::cuda) fn find(
         &mut self,
         items: &[K],
         live: impl Fn(BufferId) -> bool,
-    ) -> Option<&[L]> {
-        let i = self.entries.iter().position(|e| e.items == items)?;
+    ) -> Found<'_, L> {
+        let Some(i) = self.entries.iter().position(|e| e.items == items) else {
+            return Found::New;
+        };
         if !self.entries[i].buffers.iter().all(|&b| live(b)) {
             self.entries.remove(i);
-            return None;
+            return Found::New;
         }
-        Some(&self.entries[i].launches)
+        match &self.entries[i].launches {
+            Some(l) => Found::Prepared(l),
+            None => Found::Seen,
+        }
     }
 
-    /// Keeps `launches` for later calls with `items`, whose views are `views`.
+    /// Notes a call with `items`, whose views are `views`, and its `launches` (`None` for a
+    /// first call), replacing what was known of them; the oldest entry goes when full.
     pub(in crate::cuda) fn insert(
         &mut self,
         items: &[K],
         views: impl Iterator<Item = View>,
-        launches: Vec<L>,
+        launches: Option<Vec<L>>,
     ) {
         let mut buffers: Vec<BufferId> = views.map(|v| v.buffer()).collect();
         buffers.sort_unstable();
         buffers.dedup();
+        if let Some(i) = self.entries.iter().position(|e| e.items == items) {
+            self.entries.remove(i);
+        }
         if self.entries.len() == CAPACITY {
             self.entries.pop_front();
         }
@@ -119,7 +143,7 @@ impl<K: PartialEq + Clone, L> Cache<K, L> {
         });
     }
 
-    /// Drops every entry (their tables are freed in stream order).
+    /// Drops every entry (graphs in flight are freed when they complete).
     pub(in crate::cuda) fn clear(&mut self) {
         self.entries.clear();
     }
@@ -127,7 +151,7 @@ impl<K: PartialEq + Clone, L> Cache<K, L> {
 
 #[cfg(test)]
 mod tests {
-    use super::{CAPACITY, Cache};
+    use super::{CAPACITY, Cache, Found};
     use crate::{BufferId, DType, View};
 
     fn view(buffer: u32, offset: usize) -> View {
@@ -145,31 +169,41 @@ mod tests {
     }
 
     #[test]
-    fn a_call_is_found_only_with_the_same_items_and_live_buffers() {
+    fn a_call_is_prepared_on_its_second_sighting_with_the_same_items_and_live_buffers() {
         let mut c: Cache<(usize, View), u32> = Cache::default();
         let items = [(3, view(1, 0)), (5, view(2, 64))];
-        c.insert(&items, items.iter().map(|i| i.1), vec![7, 8]);
-        assert_eq!(c.find(&items, |_| true), Some(&[7, 8][..]));
+        let views = || items.iter().map(|i| i.1);
+        assert_eq!(c.find(&items, |_| true), Found::New);
+        c.insert(&items, views(), None);
+        assert_eq!(c.find(&items, |_| true), Found::Seen);
+        c.insert(&items, views(), Some(vec![7, 8]));
+        assert_eq!(c.find(&items, |_| true), Found::Prepared(&[7, 8][..]));
         // Another order, one item less, another view: fresh calls.
-        assert_eq!(c.find(&[items[1], items[0]], |_| true), None);
-        assert_eq!(c.find(&items[..1], |_| true), None);
-        assert_eq!(c.find(&[items[0], (5, view(2, 68))], |_| true), None);
-        // A buffer gone: not found, and the entry dropped (found no more when it is back).
+        assert_eq!(c.find(&[items[1], items[0]], |_| true), Found::New);
+        assert_eq!(c.find(&items[..1], |_| true), Found::New);
+        assert_eq!(c.find(&[items[0], (5, view(2, 68))], |_| true), Found::New);
+        // A buffer gone: new, and the entry dropped (new also when the buffer is back).
         let gone = items[1].1.buffer();
-        assert_eq!(c.find(&items, |b| b != gone), None);
-        assert_eq!(c.find(&items, |_| true), None);
+        assert_eq!(c.find(&items, |b| b != gone), Found::New);
+        assert_eq!(c.find(&items, |_| true), Found::New);
     }
 
     #[test]
     fn the_oldest_call_goes_first() {
         let mut c: Cache<usize, usize> = Cache::default();
         for k in 0..=CAPACITY {
-            c.insert(&[k], std::iter::once(view(1, 0)), vec![k]);
+            c.insert(&[k], std::iter::once(view(1, 0)), Some(vec![k]));
         }
-        assert_eq!(c.find(&[0], |_| true), None);
-        assert_eq!(c.find(&[1], |_| true), Some(&[1][..]));
-        assert_eq!(c.find(&[CAPACITY], |_| true), Some(&[CAPACITY][..]));
+        assert_eq!(c.find(&[0], |_| true), Found::New);
+        assert_eq!(c.find(&[1], |_| true), Found::Prepared(&[1][..]));
+        assert_eq!(
+            c.find(&[CAPACITY], |_| true),
+            Found::Prepared(&[CAPACITY][..])
+        );
+        // Noting a known call again replaces it (no second entry).
+        c.insert(&[1], std::iter::once(view(1, 0)), None);
+        assert_eq!(c.find(&[1], |_| true), Found::Seen);
         c.clear();
-        assert_eq!(c.find(&[1], |_| true), None);
+        assert_eq!(c.find(&[1], |_| true), Found::New);
     }
 }

@@ -1278,10 +1278,12 @@ impl Device {
     /// [`crate::DeviceError::Overlap`], nothing written); an item the kernel does not take runs
     /// through the single op.
     ///
-    /// On a GPU a call with exactly the items of an earlier call that the kernel took whole
-    /// (the step's bucket groups, every step) launches the table that call left in device
-    /// memory, after checking only that the buffers it points into are still allocated: the
-    /// other checks are functions of the items, which passed them then.
+    /// On a GPU, calls that repeat (the step's bucket groups, every step) are prepared: the
+    /// second call with exactly the items of an earlier one that the kernel took whole makes
+    /// a CUDA graph of each of its launches (the table in the node's parameters), and later
+    /// calls with those items launch the graphs after checking only that the buffers they
+    /// point into are still allocated: the other checks are functions of the items, which
+    /// passed them then. The same bytes as a fresh call.
     pub fn mxfp8_scales_2d_many(
         &mut self,
         items: &[(usize, usize, Fp8Kind, View, View, View)],

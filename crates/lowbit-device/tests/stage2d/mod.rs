@@ -155,11 +155,9 @@ pub fn run(dev: &mut Device, many: bool) -> Result<Vec<Vec<u8>>> {
 pub enum ScalesCalls {
     /// One `mxfp8_scales_2d` call per matrix.
     One,
-    /// One `mxfp8_scales_2d_many` call.
-    Many,
-    /// One `mxfp8_scales_2d_many` call, the scales zeroed, the same call again (on a GPU a
-    /// prepared call: the table the first one left in device memory).
-    ManyTwice,
+    /// The same `mxfp8_scales_2d_many` call this many times, the scales zeroed before each
+    /// (on a GPU the first runs fresh, the second makes its graphs, later ones launch them).
+    Many(usize),
 }
 
 /// Batched 2D MXFP8 scales of every MXFP8 case and of shapes that end the kernel's items
@@ -169,7 +167,8 @@ pub enum ScalesCalls {
 /// multiple of 16: byte-wise columnwise stores), 1100x512 (16 tile rows an item, the last of
 /// 3); 13 times over (143 matrices: more than one launch's table holds, 128), against one
 /// `mxfp8_scales_2d` each; every other item's scales start 3 bytes into their buffer (the
-/// kernel's unaligned stores; 11 shapes a round, so each shape is stored both ways).
+/// kernel's unaligned stores; 11 shapes a round, so each shape is stored both ways). The bytes
+/// of every call (`calls`), one after the other.
 pub fn scales(dev: &mut Device, calls: ScalesCalls) -> Result<Vec<Vec<u8>>> {
     let extra = [
         (Format2d::Mxfp8(Fp8Kind::E4M3), 40, 1600, 1, DType::F32),
@@ -199,26 +198,28 @@ pub fn scales(dev: &mut Device, calls: ScalesCalls) -> Result<Vec<Vec<u8>>> {
             items.push((rows, cols, kind, tiles, rs, cs));
         }
     }
-    match calls {
-        ScalesCalls::One => {
-            for &(r, c, kind, t, rs, cs) in &items {
-                dev.mxfp8_scales_2d(r, c, kind, t, rs, cs)?;
-            }
-        }
-        ScalesCalls::Many => dev.mxfp8_scales_2d_many(&items)?,
-        ScalesCalls::ManyTwice => {
-            dev.mxfp8_scales_2d_many(&items)?;
-            for &(_, _, _, _, rs, cs) in &items {
-                dev.zero(rs)?;
-                dev.zero(cs)?;
-            }
-            dev.mxfp8_scales_2d_many(&items)?;
-        }
-    }
     let mut bytes = Vec::new();
-    for &(_, _, _, _, rs, cs) in &items {
-        bytes.push(dev.read_bytes(rs)?);
-        bytes.push(dev.read_bytes(cs)?);
+    let rounds = match calls {
+        ScalesCalls::One => 1,
+        ScalesCalls::Many(n) => n,
+    };
+    for _ in 0..rounds {
+        for &(_, _, _, _, rs, cs) in &items {
+            dev.zero(rs)?;
+            dev.zero(cs)?;
+        }
+        match calls {
+            ScalesCalls::One => {
+                for &(r, c, kind, t, rs, cs) in &items {
+                    dev.mxfp8_scales_2d(r, c, kind, t, rs, cs)?;
+                }
+            }
+            ScalesCalls::Many(_) => dev.mxfp8_scales_2d_many(&items)?,
+        }
+        for &(_, _, _, _, rs, cs) in &items {
+            bytes.push(dev.read_bytes(rs)?);
+            bytes.push(dev.read_bytes(cs)?);
+        }
     }
     Ok(bytes)
 }

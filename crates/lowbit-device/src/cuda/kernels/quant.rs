@@ -5,6 +5,7 @@
 use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, NanPolicy, Nvfp4Config};
 
 use super::{blocks, dt, nvfp4_rows_vec};
+use crate::cuda::prepared;
 use crate::cuda::{Arg, CudaDevice};
 use crate::ops::{Dequant, Scales2dItem};
 use crate::{DType, Mxfp8Views, Nvfp4Views, Result, View};
@@ -1017,7 +1018,14 @@ impl CudaDevice {
             taken.push((row, items as u64));
         }
         if rest.is_empty() && self.prepare {
-            return self.mxfp8_scales_2d_prepare(items, &taken).map(|()| rest);
+            // The second call with these items makes their graphs; the first only notes them.
+            let slots = &self.slots;
+            let found = self.scales2d_prepared.find(items, |b| slots.get(b).is_ok());
+            if !matches!(found, prepared::Found::New) {
+                return self.mxfp8_scales_2d_prepare(items, &taken).map(|()| rest);
+            }
+            let views = items.iter().flat_map(|i| [i.3, i.4, i.5]);
+            self.scales2d_prepared.insert(items, views, None);
         }
         for chunk in taken.chunks(SCALES2D_MAX) {
             let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
@@ -1046,9 +1054,10 @@ impl CudaDevice {
         Ok(rest)
     }
 
-    /// The launches of `mxfp8_scales_2d_many` for `items`, every one of which the kernel takes
-    /// (`taken`, in order), as one-kernel graphs (`cuda/prepared.rs`), launched and kept for
-    /// later calls with the same items ([`Self::mxfp8_scales_2d_prepared`]).
+    /// The launches of `mxfp8_scales_2d_many` for `items` (seen before), every one of which
+    /// the kernel takes (`taken`, in order), as one-kernel graphs (`cuda/prepared.rs`),
+    /// launched and kept for later calls with the same items
+    /// ([`Self::mxfp8_scales_2d_prepared`]).
     fn mxfp8_scales_2d_prepare(
         &mut self,
         items: &[Scales2dItem],
@@ -1075,13 +1084,14 @@ impl CudaDevice {
             unsafe { self.launch_graph(g)? };
         }
         let views = items.iter().flat_map(|i| [i.3, i.4, i.5]);
-        self.scales2d_prepared.insert(items, views, graphs);
+        self.scales2d_prepared.insert(items, views, Some(graphs));
+        self.prepared_calls += 1;
         Ok(())
     }
 
     /// [`crate::Device::mxfp8_scales_2d_many`] of items an earlier call prepared
     /// ([`Self::mxfp8_scales_2d_prepare`]) whose buffers are all still allocated: launches its
-    /// tables and returns `true`; `false` (nothing launched) for a fresh call.
+    /// graphs and returns `true`; `false` (nothing launched) for a fresh call.
     pub(crate) fn mxfp8_scales_2d_prepared(&mut self, items: &[Scales2dItem]) -> Result<bool> {
         if !self.prepare {
             return Ok(false);
@@ -1090,14 +1100,14 @@ impl CudaDevice {
         let mut cache = std::mem::take(&mut self.scales2d_prepared);
         let slots = &self.slots;
         let launched = match cache.find(items, |b| slots.get(b).is_ok()) {
-            Some(graphs) => graphs.iter().try_for_each(|g| {
+            prepared::Found::Prepared(graphs) => graphs.iter().try_for_each(|g| {
                 // SAFETY: the graph was built from items that passed every check of
                 // `mxfp8_scales_2d_many` (the same items as this call's), and every buffer its
                 // addresses point into is the allocation it was then (`find` checked: a freed
                 // buffer's id is never live again), so it is that call's launch again.
                 unsafe { self.launch_graph(g) }
             }),
-            None => {
+            prepared::Found::New | prepared::Found::Seen => {
                 self.scales2d_prepared = cache;
                 return Ok(false);
             }
