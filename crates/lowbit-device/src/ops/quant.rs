@@ -1325,7 +1325,8 @@ impl Device {
 }
 
 /// One matrix of [`Device::mxfp8_scales_2d_many`]: `(rows, cols, kind, tiles, row_scales,
-/// col_scales)`.
+/// col_scales)` (the key of its prepared calls on a GPU).
+#[cfg(feature = "cuda")]
 pub(crate) type Scales2dItem = (usize, usize, Fp8Kind, View, View, View);
 
 /// The global amaxes of a [`Device::nvfp4_finish_2d_many_deferred`] call, possibly still on
