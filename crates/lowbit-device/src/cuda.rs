@@ -206,7 +206,7 @@ pub(crate) struct CudaDevice {
     prepare: bool,
     /// The prepared calls of `mxfp8_scales_2d_many`.
     scales2d_prepared: prepared::Cache<crate::ops::Scales2dItem>,
-    /// Calls that launched prepared tables (`Device::prepared_calls`).
+    /// Calls that launched prepared graphs (`Device::prepared_calls`).
     prepared_calls: u64,
 }
 

@@ -51,11 +51,13 @@ unsafe impl Send for KernelGraph {}
 
 impl Drop for KernelGraph {
     fn drop(&mut self) {
-        // SAFETY: both handles were created by `CudaDevice::kernel_graph` and are destroyed
-        // once; an executable graph still in flight is freed when it completes (the driver's
+        // SAFETY: both handles were created by `CudaDevice::kernel_graph` (the executable one
+        // null where instantiation failed) and are destroyed once; an executable graph still in flight is freed when it completes (the driver's
         // contract for cuGraphExecDestroy). Errors cannot be reported from here.
         unsafe {
-            let _ = sys::cuGraphExecDestroy(self.exec);
+            if !self.exec.is_null() {
+                let _ = sys::cuGraphExecDestroy(self.exec);
+            }
             let _ = sys::cuGraphDestroy(self.graph);
         }
     }
