@@ -537,6 +537,8 @@ impl CudaDevice {
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             ("prepared", 0 | 1) => {
                 self.prepare = version == 1;
+                // Bound: dropping the entries destroys their graphs.
+                self.bind()?;
                 self.scales2d_prepared.clear();
             }
             _ => {

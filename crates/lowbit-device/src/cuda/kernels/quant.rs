@@ -1019,6 +1019,8 @@ impl CudaDevice {
         }
         if rest.is_empty() && self.prepare {
             // The second call with these items makes their graphs; the first only notes them.
+            // Bound first: noting may evict (destroy) another call's graphs.
+            self.bind()?;
             let slots = &self.slots;
             let found = self.scales2d_prepared.find(items, |b| slots.get(b).is_ok());
             let views = items.iter().flat_map(|i| [i.3, i.4, i.5]);
