@@ -1104,6 +1104,8 @@ impl CudaDevice {
         if !self.prepare {
             return Ok(false);
         }
+        // Bound first: `find` drops (destroys) an entry whose buffers are gone.
+        self.bind()?;
         // Taken out while its launches run (they borrow the device).
         let mut cache = std::mem::take(&mut self.scales2d_prepared);
         let slots = &self.slots;
