@@ -136,7 +136,8 @@
 //! reference: each op runs on the calling thread (parallelism comes from one device per rank
 //! thread), and `matmul` is a plain triple loop, not a tuned GEMM; the CUDA `matmul` is its
 //! bit-exact counterpart (one thread per output, k in order), not cuBLAS. Multi-stream
-//! scheduling inside one device, and CUDA graphs, are not attempted.
+//! scheduling inside one device is not attempted, and CUDA graphs only as one-kernel graphs of
+//! a batched call that repeats ([`Device::prepared_calls`]), not of whole steps.
 
 mod counters;
 mod cpu;
