@@ -1017,7 +1017,7 @@ impl CudaDevice {
             }
             taken.push((row, items as u64));
         }
-        if rest.is_empty() && self.prepare {
+        if rest.is_empty() && !taken.is_empty() && self.prepare {
             // The second call with these items makes their graphs; the first only notes them.
             // Bound first: noting may evict (destroy) another call's graphs.
             self.bind()?;
