@@ -697,16 +697,22 @@ impl CudaDevice {
         Ok(g)
     }
 
-    /// Launches an instantiated graph on this device's stream.
+    /// Launches instantiated graphs on this device's stream, in order.
     ///
     /// # Safety
-    /// The graph's launches satisfy their kernels' contracts now ([`Self::kernel_graph`]).
-    pub(in crate::cuda) unsafe fn launch_graph(&mut self, g: &prepared::KernelGraph) -> Result<()> {
+    /// The graphs' launches satisfy their kernels' contracts now ([`Self::kernel_graph`]).
+    pub(in crate::cuda) unsafe fn launch_graphs(
+        &mut self,
+        graphs: &[prepared::KernelGraph],
+    ) -> Result<()> {
         self.bind()?;
-        // SAFETY: an executable graph of this context; forwarded to the caller.
-        unsafe { sys::cuGraphLaunch(g.exec, self.stream.cu_stream()) }
-            .result()
-            .map_err(|e| DeviceError::Cuda(format!("launching a graph: {e}")))
+        for g in graphs {
+            // SAFETY: an executable graph of this context; forwarded to the caller.
+            unsafe { sys::cuGraphLaunch(g.exec, self.stream.cu_stream()) }
+                .result()
+                .map_err(|e| DeviceError::Cuda(format!("launching a graph: {e}")))?;
+        }
+        Ok(())
     }
 
     /// The launch behind [`Self::launch_with`] and [`Self::launch_words`] (`dependent`: with

@@ -130,6 +130,24 @@ fn scales2d_table(chunk: &[([u64; 6], u64)], capacity: usize) -> (Vec<u64>, (u32
     (words, grid)
 }
 
+/// The launches of `mxfp8_scales_2d_many` for `taken` (each matrix's six words and its item
+/// count): per [`SCALES2D_MAX`] matrices the kernel (`_32` where the chunk fits
+/// [`SCALES2D_SMALL`]), its [`scales2d_table`] and grid. Fresh calls launch them; prepared
+/// calls make graphs of them.
+fn scales2d_launches(
+    taken: &[([u64; 6], u64)],
+) -> impl Iterator<Item = (&'static str, Vec<u64>, (u32, u32, u32))> + '_ {
+    taken.chunks(SCALES2D_MAX).map(|chunk| {
+        let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
+            ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
+        } else {
+            ("mxfp8_scales_2d_many", SCALES2D_MAX)
+        };
+        let (words, grid) = scales2d_table(chunk, capacity);
+        (name, words, grid)
+    })
+}
+
 /// NVFP4's `1 / (6 · 448)`, rounded to f32 (the dequantization kernels' factor).
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
@@ -1029,11 +1047,9 @@ impl CudaDevice {
             } else {
                 match self.mxfp8_scales_2d_graphs(&taken) {
                     Ok(graphs) => {
-                        for g in &graphs {
-                            // SAFETY: built from these items, which passed the checks of
-                            // `mxfp8_scales_2d_many`, a moment ago.
-                            unsafe { self.launch_graph(g)? };
-                        }
+                        // SAFETY: built from these items, which passed the checks of
+                        // `mxfp8_scales_2d_many`, a moment ago.
+                        unsafe { self.launch_graphs(&graphs)? };
                         self.scales2d_prepared.insert(items, views, Some(graphs));
                         self.prepared_calls += 1;
                         return Ok(rest);
@@ -1044,13 +1060,7 @@ impl CudaDevice {
                 }
             }
         }
-        for chunk in taken.chunks(SCALES2D_MAX) {
-            let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
-                ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
-            } else {
-                ("mxfp8_scales_2d_many", SCALES2D_MAX)
-            };
-            let (mut words, grid) = scales2d_table(chunk, capacity);
+        for (name, mut words, grid) in scales2d_launches(&taken) {
             // SAFETY: `words` is exactly the kernel's `Scales2dParamsT` (2 + 8·capacity words:
             // SCALES2D_MAX = 128, or SCALES2D_SMALL = 32 for `_32`; `launch_words` checks the
             // size against the PTX). Each of its rows holds one matrix's views as
@@ -1079,13 +1089,7 @@ impl CudaDevice {
         taken: &[([u64; 6], u64)],
     ) -> Result<Vec<prepared::KernelGraph>> {
         let mut graphs = Vec::new();
-        for chunk in taken.chunks(SCALES2D_MAX) {
-            let (name, capacity) = if chunk.len() <= SCALES2D_SMALL {
-                ("mxfp8_scales_2d_many_32", SCALES2D_SMALL)
-            } else {
-                ("mxfp8_scales_2d_many", SCALES2D_MAX)
-            };
-            let (mut words, grid) = scales2d_table(chunk, capacity);
+        for (name, mut words, grid) in scales2d_launches(taken) {
             // SAFETY: the table of `mxfp8_scales_2d_many`'s launch (see there) for every
             // launch of the graph: it is launched for the items it was built from, now and
             // by `mxfp8_scales_2d_prepared` while every buffer its addresses point into is
@@ -1110,13 +1114,11 @@ impl CudaDevice {
         let mut cache = std::mem::take(&mut self.scales2d_prepared);
         let slots = &self.slots;
         let launched = match cache.find(items, |b| slots.get(b).is_ok()) {
-            prepared::Found::Prepared(graphs) => graphs.iter().try_for_each(|g| {
-                // SAFETY: the graph was built from items that passed every check of
-                // `mxfp8_scales_2d_many` (the same items as this call's), and every buffer its
-                // addresses point into is the allocation it was then (`find` checked: a freed
-                // buffer's id is never live again), so it is that call's launch again.
-                unsafe { self.launch_graph(g) }
-            }),
+            // SAFETY: the graphs were built from items that passed every check of
+            // `mxfp8_scales_2d_many` (the same items as this call's), and every buffer their
+            // addresses point into is the allocation it was then (`find` checked: a freed
+            // buffer's id is never live again), so they are that call's launches again.
+            prepared::Found::Prepared(graphs) => unsafe { self.launch_graphs(graphs) },
             prepared::Found::New | prepared::Found::Seen => {
                 self.scales2d_prepared = cache;
                 return Ok(false);
