@@ -213,7 +213,7 @@ mod tests {
         let c = values(10, ROWS * OUT);
         let mut hooks = TestHooks::new(&mut dev, &[w.clone(), b.clone()]);
         let (xv, dy) = (upload(&mut dev, &x), upload(&mut dev, &c));
-        let dx = upload(&mut dev, &vec![0.5; ROWS * IN]);
+        let dx = upload(&mut dev, &[0.5; ROWS * IN]);
         let s = scratch(&mut dev, OUT * IN);
         let l = layer();
         l.backward(&mut dev, &mut hooks, xv, dy, InputGrad::Add(dx), ROWS, s)

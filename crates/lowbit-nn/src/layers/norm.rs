@@ -103,7 +103,7 @@ mod tests {
     fn forward_scales_rows_by_their_inverse_rms_and_the_gain() {
         let mut dev = Device::cpu();
         let (g, x) = (values(1, F), values(2, ROWS * F));
-        let mut hooks = TestHooks::new(&mut dev, &[g.clone()]);
+        let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&g));
         let (xv, y) = (upload(&mut dev, &x), dev.alloc(DType::F32, ROWS * F));
         let (rstd, s) = (dev.alloc(DType::F32, ROWS), scratch(&mut dev, F));
         let n = RmsNorm::new(0, F).with_eps(1e-5);
@@ -124,7 +124,7 @@ mod tests {
     fn backward_matches_central_differences() {
         let mut dev = Device::cpu();
         let (g, x, c) = (values(3, F), values(4, ROWS * F), values(5, ROWS * F));
-        let mut hooks = TestHooks::new(&mut dev, &[g.clone()]);
+        let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&g));
         let (xv, y) = (upload(&mut dev, &x), dev.alloc(DType::F32, ROWS * F));
         let (rstd, s) = (dev.alloc(DType::F32, ROWS), scratch(&mut dev, F));
         let n = RmsNorm::new(0, F);
