@@ -7,6 +7,12 @@
 //!   → RMSNorm → head Linear(h → V) → softmax cross-entropy
 //! ```
 //!
+//! The linear layers, the norms, the GELUs and the loss are `lowbit-nn`'s layers. The embedding
+//! (rows cast straight from the table, their gradients summed per token) and the experts (all
+//! experts' weights loaded once, each expert's GEMMs over the rows routed to it, the weight
+//! gradients accumulated after the last expert) are this model's own code: their op order is not
+//! a plain layer's.
+//!
 //! Expert weights are either one grouped parameter per projection (`[experts, out, in]`,
 //! expert-major) or one parameter per expert ("discrete"); the model computes the same thing in
 //! the same order either way, so the two train to the same bits (the grouped tensor is quantized
