@@ -1,6 +1,6 @@
 //! A small regression model on the device layer, with a hand-written backward, used by the
 //! integration tests of the data-parallel machinery (`lowbit train` uses the MoE language model
-//! in `train::lm`). It is written against `lowbit-buffers`' public [`Hooks`] only, as any
+//! in `train::lm`). It is built from `lowbit-nn`'s layers over the public [`Hooks`] only, as any
 //! outside model would be.
 //!
 //! `x [B, d] → Linear(d→h)+bias → K × [Linear(h→h)+bias → RMSNorm → GELU] → Linear(h→o)+bias`,
@@ -12,8 +12,8 @@
 //! for), accumulates each gradient into the view the hooks give, and reports the parameter as
 //! ready right after (the backward hook, where a bucket's reduction may start).
 
-use lowbit_buffers::BufferError;
-use lowbit_device::{DType, Device, DeviceError, MatmulSpec, View};
+use lowbit_device::{DType, Device, View};
+use lowbit_nn::layers::{Gelu, InputGrad, Linear, Mse, RmsNorm, Scratch};
 
 /// The model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,21 +28,12 @@ pub struct MlpShape {
     pub output: usize,
 }
 
-pub use lowbit_buffers::{Hooks, Usage};
+pub use lowbit_nn::layers::{accumulate, load_f32};
+pub use lowbit_nn::{Hooks, Usage};
 
-/// Errors of the models.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// A device operation failed.
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    /// A hook failed (buffers, collectives, protocol violations), with its typed source.
-    #[error(transparent)]
-    Buffer(#[from] BufferError),
-    /// Bad input to a model (token ids, batch shapes).
-    #[error("{0}")]
-    Input(String),
-}
+/// Errors of the models: the layers' errors (device and hook failures with their typed source,
+/// bad input).
+pub use lowbit_nn::NnError as ModelError;
 
 impl MlpShape {
     /// `(name, shape)` of every parameter, in forward order.
@@ -172,28 +163,29 @@ impl Mlp {
         self.batch
     }
 
-    /// Loads parameter `p` as f32 into the weight scratch.
-    fn load(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        p: usize,
-        usage: Usage,
-    ) -> Result<View, ModelError> {
-        load_f32(dev, hooks, p, usage, self.wbuf)
+    /// Linear layer `l` of the model: 0 is the input layer, `1..=blocks` the blocks', then the
+    /// output layer.
+    fn linear(&self, l: usize) -> Linear {
+        let (d, h, o) = (self.shape.input, self.shape.hidden, self.shape.output);
+        let nb = self.shape.blocks;
+        let (pw, i, n) = match l {
+            0 => (0, d, h),
+            l if l == nb + 1 => (2 + 3 * nb, h, o),
+            l => (2 + 3 * (l - 1), h, h),
+        };
+        Linear::new(pw, i, n).with_bias(pw + 1)
     }
 
-    /// `y = a·Wᵀ + b` for layer parameters `(pw, pb)`.
-    fn linear(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        (pw, pb): (usize, usize),
-        a: View,
-        y: View,
-        (k, n): (usize, usize),
-    ) -> Result<(), ModelError> {
-        linear(dev, hooks, (pw, pb), a, y, (self.batch, k, n), self.wbuf)
+    /// Block `k`'s norm.
+    fn norm(&self, k: usize) -> RmsNorm {
+        RmsNorm::new(2 + 3 * k + 2, self.shape.hidden)
+    }
+
+    fn scratch(&self) -> Scratch {
+        Scratch {
+            param: self.wbuf,
+            grad: self.gbuf,
+        }
     }
 
     /// Forward and backward of one microbatch; gradients are accumulated (scaled by
@@ -206,178 +198,56 @@ impl Mlp {
         target: &[f32],
         loss_scale: f32,
     ) -> Result<f32, ModelError> {
-        let (d, h, o) = (self.shape.input, self.shape.hidden, self.shape.output);
         let nb = self.shape.blocks;
+        let (b, s) = (self.batch, self.scratch());
         dev.upload(self.acts[0], x)?;
         let tgt = dev.alloc(DType::F32, target.len());
         dev.upload(tgt, target)?;
         // Forward.
-        self.linear(dev, hooks, (0, 1), self.acts[0], self.acts[1], (d, h))?;
+        self.linear(0)
+            .forward(dev, hooks, self.acts[0], self.acts[1], b, s)?;
         for k in 0..nb {
-            let base = 2 + 3 * k;
-            self.linear(
-                dev,
-                hooks,
-                (base, base + 1),
-                self.acts[k + 1],
-                self.z[k],
-                (h, h),
-            )?;
-            let g = self.load(dev, hooks, base + 2, Usage::Forward)?;
-            dev.rms_norm(self.z[k], g, self.n[k], self.rstd[k], 1e-6)?;
-            dev.gelu(self.n[k], self.acts[k + 2])?;
+            self.linear(k + 1)
+                .forward(dev, hooks, self.acts[k + 1], self.z[k], b, s)?;
+            self.norm(k)
+                .forward(dev, hooks, self.z[k], self.n[k], self.rstd[k], s)?;
+            Gelu.forward(dev, self.n[k], self.acts[k + 2])?;
         }
-        let pout = 2 + 3 * nb;
-        self.linear(
-            dev,
-            hooks,
-            (pout, pout + 1),
-            self.acts[nb + 1],
-            self.out,
-            (h, o),
-        )?;
-        let loss = dev.mse_loss(self.out, tgt)?;
+        self.linear(nb + 1)
+            .forward(dev, hooks, self.acts[nb + 1], self.out, b, s)?;
+        let loss = Mse.forward(dev, self.out, tgt)?;
         // Backward.
-        dev.mse_loss_backward(self.out, tgt, self.dout, loss_scale)?;
+        Mse.backward(dev, self.out, tgt, self.dout, loss_scale)?;
         dev.free(tgt)?;
         let mut dy = self.dout;
-        let mut dy_width = o;
         for layer in (0..=nb + 1).rev() {
-            let (pw, in_width) = match layer {
-                0 => (0, d),
-                l if l == nb + 1 => (pout, h),
-                l => (2 + 3 * (l - 1), h),
-            };
-            // Weight and bias gradients of this linear layer.
-            self.weight_grad(
-                dev,
-                hooks,
-                (pw, pw + 1),
-                dy,
-                self.acts[layer],
-                (dy_width, in_width),
-            )?;
-            if layer == 0 {
-                break;
-            }
-            // Gradient w.r.t. the layer input, dA = dY·W, into the scratch dY does not use.
+            // Weight and bias gradients of this linear layer, then the gradient w.r.t. its input
+            // (dA = dY·W) into the scratch dY does not use.
             let (da, spare) = if dy == self.dh[0] {
                 (self.dh[1], self.dh[0])
             } else {
                 (self.dh[0], self.dh[1])
             };
-            let w = self.load(dev, hooks, pw, Usage::Backward)?;
-            let spec = MatmulSpec {
-                m: self.batch,
-                n: in_width,
-                k: dy_width,
-                trans_a: false,
-                trans_b: false,
-                accumulate: false,
+            let dx = if layer == 0 {
+                InputGrad::Skip
+            } else {
+                InputGrad::Write(da)
             };
-            dev.matmul(dy, w, da, &spec)?;
+            self.linear(layer)
+                .backward(dev, hooks, self.acts[layer], dy, dx, b, s)?;
+            if layer == 0 {
+                break;
+            }
             if layer >= 2 {
                 // Back through block (layer − 2)'s GELU and RMSNorm to its pre-norm output;
                 // dY is dead by now, so its scratch holds the intermediate.
                 let k = layer - 2;
-                let pg = 2 + 3 * k + 2;
-                dev.gelu_backward(self.n[k], da, spare)?;
-                let g = self.load(dev, hooks, pg, Usage::Backward)?;
-                let dg = self.gbuf.slice(0..h)?;
-                dev.zero(dg)?;
-                dev.rms_norm_backward(self.z[k], g, self.rstd[k], spare, da, dg)?;
-                self.accumulate(dev, hooks, pg, dg)?;
+                Gelu.backward(dev, self.n[k], da, spare)?;
+                self.norm(k)
+                    .backward(dev, hooks, self.z[k], self.rstd[k], spare, da, s)?;
             }
             dy = da;
-            dy_width = in_width;
         }
         Ok(loss)
     }
-
-    fn weight_grad(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        (pw, pb): (usize, usize),
-        dy: View,
-        a: View,
-        (out_w, in_w): (usize, usize),
-    ) -> Result<(), ModelError> {
-        let db = self.gbuf.slice(0..out_w)?;
-        dev.bias_grad(dy, db, false)?;
-        self.accumulate(dev, hooks, pb, db)?;
-        let dw = self.gbuf.slice(0..out_w * in_w)?;
-        let spec = MatmulSpec {
-            m: out_w,
-            n: in_w,
-            k: self.batch,
-            trans_a: true,
-            trans_b: false,
-            accumulate: false,
-        };
-        dev.matmul(dy, a, dw, &spec)?;
-        self.accumulate(dev, hooks, pw, dw)
-    }
-
-    fn accumulate(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        p: usize,
-        g: View,
-    ) -> Result<(), ModelError> {
-        accumulate(dev, hooks, p, g)
-    }
-}
-
-/// Parameter `p` from the hooks, cast to f32 into the head of `scratch`.
-pub fn load_f32(
-    dev: &mut Device,
-    hooks: &mut dyn Hooks,
-    p: usize,
-    usage: Usage,
-    scratch: View,
-) -> Result<View, ModelError> {
-    let v = hooks.param(dev, p, usage)?;
-    let w = scratch.slice(0..v.len())?;
-    dev.cast(v, w)?;
-    Ok(w)
-}
-
-/// Adds the f32 gradient `g` into the hooks' gradient `p` and reports `p` ready.
-pub fn accumulate(
-    dev: &mut Device,
-    hooks: &mut dyn Hooks,
-    p: usize,
-    g: View,
-) -> Result<(), ModelError> {
-    let dst = hooks.grad(dev, p)?;
-    dev.add(g, dst)?;
-    Ok(hooks.grad_ready(dev, p)?)
-}
-
-/// `y[m, n] = a[m, k] · Wᵀ + b` for the layer parameters `(pw, pb)`, loading each through
-/// `scratch`.
-pub fn linear(
-    dev: &mut Device,
-    hooks: &mut dyn Hooks,
-    (pw, pb): (usize, usize),
-    a: View,
-    y: View,
-    (m, k, n): (usize, usize, usize),
-    scratch: View,
-) -> Result<(), ModelError> {
-    let w = load_f32(dev, hooks, pw, Usage::Forward, scratch)?;
-    let spec = MatmulSpec {
-        m,
-        n,
-        k,
-        trans_a: false,
-        trans_b: true,
-        accumulate: false,
-    };
-    dev.matmul(a, w, y, &spec)?;
-    let b = load_f32(dev, hooks, pb, Usage::Forward, scratch)?;
-    dev.add_bias(y, b)?;
-    Ok(())
 }

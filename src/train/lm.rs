@@ -7,6 +7,12 @@
 //!   → RMSNorm → head Linear(h → V) → softmax cross-entropy
 //! ```
 //!
+//! The linear layers, the norms, the GELUs and the loss are `lowbit-nn`'s layers. The embedding
+//! (rows cast straight from the table, their gradients summed per token) and the experts (all
+//! experts' weights loaded once, each expert's GEMMs over the rows routed to it, the weight
+//! gradients accumulated after the last expert) are this model's own code: their op order is not
+//! a plain layer's.
+//!
 //! Expert weights are either one grouped parameter per projection (`[experts, out, in]`,
 //! expert-major) or one parameter per expert ("discrete"); the model computes the same thing in
 //! the same order either way, so the two train to the same bits (the grouped tensor is quantized
@@ -18,8 +24,11 @@
 //! no load-balancing loss and no capacity limit (every routed token is computed).
 
 use lowbit_device::{DType, Device, MatmulSpec, View};
+use lowbit_nn::layers::{
+    Gelu, InputGrad, Linear, RmsNorm, Scratch, SoftmaxCrossEntropy, accumulate, load_f32,
+};
 
-use crate::model::{self, Hooks, ModelError, SplitMix64, Usage};
+use crate::model::{Hooks, ModelError, SplitMix64, Usage};
 
 /// The model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,23 +72,28 @@ pub struct ParamInfo {
     pub decay: bool,
 }
 
-/// A dense block's parameters: norm, fc1 (weight, bias), fc2 (weight, bias).
-type BlockIds = (usize, (usize, usize), (usize, usize));
+/// A dense block's layers: `x + fc2(GELU(fc1(norm x)))`.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    norm: RmsNorm,
+    fc1: Linear,
+    fc2: Linear,
+}
 
-/// Parameter indices, in forward order.
+/// The layers (their parameter indices, in forward order) and the experts' parameter indices.
+/// The embedding and the experts are this model's own code.
 #[derive(Clone, Debug)]
 struct Ids {
     embed: usize,
-    input: (usize, usize),
-    /// Per block: norm, fc1 (w, b), fc2 (w, b).
-    blocks: Vec<BlockIds>,
-    moe_norm: usize,
-    router: usize,
+    input: Linear,
+    blocks: Vec<Block>,
+    moe_norm: RmsNorm,
+    router: Linear,
     /// Grouped: one id each; discrete: one per expert.
     fc1: Vec<usize>,
     fc2: Vec<usize>,
-    final_norm: usize,
-    head: (usize, usize),
+    final_norm: RmsNorm,
+    head: Linear,
 }
 
 impl LmShape {
@@ -179,13 +193,19 @@ impl LmShape {
             next += 1;
             next - 1
         };
+        let (h, f) = (self.hidden, self.ffn);
+        // Ids are taken in the order written: a layer's weight before its bias.
         let embed = take();
-        let input = (take(), take());
+        let input = Linear::new(take(), self.context * self.embed, h).with_bias(take());
         let blocks = (0..self.blocks)
-            .map(|_| (take(), (take(), take()), (take(), take())))
+            .map(|_| Block {
+                norm: RmsNorm::new(take(), h),
+                fc1: Linear::new(take(), h, f).with_bias(take()),
+                fc2: Linear::new(take(), f, h).with_bias(take()),
+            })
             .collect();
-        let moe_norm = take();
-        let router = take();
+        let moe_norm = RmsNorm::new(take(), h);
+        let router = Linear::new(take(), h, self.experts);
         let n = if self.grouped { 1 } else { self.experts };
         let fc1 = (0..n).map(|_| take()).collect();
         let fc2 = (0..n).map(|_| take()).collect();
@@ -197,8 +217,8 @@ impl LmShape {
             router,
             fc1,
             fc2,
-            final_norm: take(),
-            head: (take(), take()),
+            final_norm: RmsNorm::new(take(), h),
+            head: Linear::new(take(), h, self.vocab).with_bias(take()),
         }
     }
 
@@ -415,27 +435,25 @@ impl Lm {
         &self,
         dev: &mut Device,
         hooks: &mut dyn Hooks,
-        (pn, fc1): (usize, (usize, usize)),
+        block: Block,
         k: usize,
     ) -> Result<usize, ModelError> {
-        let (h, f) = (self.shape.hidden, self.shape.ffn);
-        let j = self.slot(k);
-        let g = self.load(dev, hooks, pn, Usage::Forward)?;
-        dev.rms_norm(self.res[k], g, self.norm[j], self.rstd[j], 1e-6)?;
-        self.linear(dev, hooks, fc1, self.norm[j], self.h1[j], (h, f))?;
-        dev.gelu(self.h1[j], self.g1[j])?;
+        let (j, s) = (self.slot(k), self.scratch());
+        let (x, n) = (self.res[k], self.norm[j]);
+        block.norm.forward(dev, hooks, x, n, self.rstd[j], s)?;
+        block
+            .fc1
+            .forward(dev, hooks, n, self.h1[j], self.batch, s)?;
+        Gelu.forward(dev, self.h1[j], self.g1[j])?;
         Ok(j)
     }
 
-    /// Parameter `p` as f32, in the weight scratch.
-    fn load(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        p: usize,
-        usage: Usage,
-    ) -> Result<View, ModelError> {
-        model::load_f32(dev, hooks, p, usage, self.wbuf)
+    /// The layers' scratch: parameters cast into `wbuf`, gradients computed into `gbuf`.
+    fn scratch(&self) -> Scratch {
+        Scratch {
+            param: self.wbuf,
+            grad: self.gbuf,
+        }
     }
 
     /// Every expert's weights of one projection into `dst` (expert-major), from the grouped
@@ -450,21 +468,9 @@ impl Lm {
     ) -> Result<(), ModelError> {
         let per = dst.len() / ids.len();
         for (i, &p) in ids.iter().enumerate() {
-            let v = hooks.param(dev, p, usage)?;
-            dev.cast(v, dst.slice(i * per..(i + 1) * per)?)?;
+            load_f32(dev, hooks, p, usage, dst.slice(i * per..(i + 1) * per)?)?;
         }
         Ok(())
-    }
-
-    /// Adds `g` (f32 scratch) into gradient `p` and reports it ready.
-    fn accumulate(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        p: usize,
-        g: View,
-    ) -> Result<(), ModelError> {
-        model::accumulate(dev, hooks, p, g)
     }
 
     fn accumulate_experts(
@@ -476,47 +482,7 @@ impl Lm {
     ) -> Result<(), ModelError> {
         let per = g.len() / ids.len();
         for (i, &p) in ids.iter().enumerate() {
-            self.accumulate(dev, hooks, p, g.slice(i * per..(i + 1) * per)?)?;
-        }
-        Ok(())
-    }
-
-    /// `y = a·Wᵀ + b`.
-    #[allow(clippy::too_many_arguments)]
-    fn linear(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        (pw, pb): (usize, usize),
-        a: View,
-        y: View,
-        (k, n): (usize, usize),
-    ) -> Result<(), ModelError> {
-        model::linear(dev, hooks, (pw, pb), a, y, (self.batch, k, n), self.wbuf)
-    }
-
-    /// Backward of `y = a·Wᵀ + b` given `dy`: accumulates dW and db, and writes `da = dy·W`
-    /// unless `da` is `None`.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        (pw, pb): (usize, usize),
-        a: View,
-        dy: View,
-        da: Option<View>,
-        (k, n): (usize, usize),
-    ) -> Result<(), ModelError> {
-        let db = self.gbuf.slice(0..n)?;
-        dev.bias_grad(dy, db, false)?;
-        self.accumulate(dev, hooks, pb, db)?;
-        let dw = self.gbuf.slice(0..n * k)?;
-        dev.matmul(dy, a, dw, &mm(n, k, self.batch, true, false, false))?;
-        self.accumulate(dev, hooks, pw, dw)?;
-        if let Some(da) = da {
-            let w = self.load(dev, hooks, pw, Usage::Backward)?;
-            dev.matmul(dy, w, da, &mm(self.batch, k, n, false, false, false))?;
+            accumulate(dev, hooks, p, g.slice(i * per..(i + 1) * per)?)?;
         }
         Ok(())
     }
@@ -547,7 +513,7 @@ impl Lm {
         self.forward(dev, hooks, tokens)?;
         let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
         dev.upload(self.targets, &t)?;
-        let loss = dev.softmax_cross_entropy(self.logits, self.targets)?;
+        let loss = SoftmaxCrossEntropy.forward(dev, self.logits, self.targets)?;
         let Some(scale) = loss_scale else {
             return Ok(loss);
         };
@@ -573,7 +539,7 @@ impl Lm {
         tokens: &[u32],
     ) -> Result<(), ModelError> {
         let s = self.shape;
-        let (b, h, f) = (self.batch, s.hidden, s.ffn);
+        let b = self.batch;
         let (c, emb, v) = (s.context, s.embed, s.vocab);
         if tokens.len() != b * c {
             return Err(ModelError::Input(format!(
@@ -596,19 +562,22 @@ impl Lm {
                 self.x0.slice(i * emb..(i + 1) * emb)?,
             )?;
         }
-        self.linear(dev, hooks, ids.input, self.x0, self.res[0], (c * emb, h))?;
-        for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate() {
-            let j = self.block_activations(dev, hooks, (pn, fc1), k)?;
+        let sc = self.scratch();
+        ids.input.forward(dev, hooks, self.x0, self.res[0], b, sc)?;
+        for (k, &block) in ids.blocks.iter().enumerate() {
+            let j = self.block_activations(dev, hooks, block, k)?;
             let y = self.dtmp;
-            self.linear(dev, hooks, fc2, self.g1[j], y, (f, h))?;
+            block.fc2.forward(dev, hooks, self.g1[j], y, b, sc)?;
             dev.copy(self.res[k], self.res[k + 1])?;
             dev.add(y, self.res[k + 1])?;
         }
         self.moe_forward(dev, hooks)?;
         let nb = s.blocks;
-        let g = self.load(dev, hooks, ids.final_norm, Usage::Forward)?;
-        dev.rms_norm(self.res[nb + 1], g, self.final_norm, self.final_rstd, 1e-6)?;
-        self.linear(dev, hooks, ids.head, self.final_norm, self.logits, (h, v))
+        let (x, n) = (self.res[nb + 1], self.final_norm);
+        ids.final_norm
+            .forward(dev, hooks, x, n, self.final_rstd, sc)?;
+        ids.head.forward(dev, hooks, n, self.logits, b, sc)?;
+        Ok(())
     }
 
     /// The backward after [`Lm::forward`] and the loss, accumulating `scale ·` gradients.
@@ -620,66 +589,48 @@ impl Lm {
         scale: f32,
     ) -> Result<(), ModelError> {
         let s = self.shape;
-        let (b, h, f) = (self.batch, s.hidden, s.ffn);
-        let (c, emb, v) = (s.context, s.embed, s.vocab);
+        let b = self.batch;
+        let (c, emb) = (s.context, s.embed);
         let nb = s.blocks;
         let ids = self.ids.clone();
-        dev.softmax_cross_entropy_backward(self.logits, self.targets, self.dlogits, scale)?;
-        self.linear_backward(
-            dev,
-            hooks,
-            ids.head,
-            self.final_norm,
-            self.dlogits,
-            Some(self.dn),
-            (h, v),
-        )?;
-        let g = self.load(dev, hooks, ids.final_norm, Usage::Backward)?;
-        let dg = self.gbuf.slice(0..h)?;
-        dev.zero(dg)?;
-        dev.rms_norm_backward(self.res[nb + 1], g, self.final_rstd, self.dn, self.dr, dg)?;
-        self.accumulate(dev, hooks, ids.final_norm, dg)?;
+        let sc = self.scratch();
+        let (logits, targets, dlogits) = (self.logits, self.targets, self.dlogits);
+        SoftmaxCrossEntropy.backward(dev, logits, targets, dlogits, scale)?;
+        let dn = InputGrad::Write(self.dn);
+        ids.head
+            .backward(dev, hooks, self.final_norm, dlogits, dn, b, sc)?;
+        let (x, rstd) = (self.res[nb + 1], self.final_rstd);
+        ids.final_norm
+            .backward(dev, hooks, x, rstd, self.dn, self.dr, sc)?;
         self.moe_backward(dev, hooks)?;
-        for (k, &(pn, fc1, fc2)) in ids.blocks.iter().enumerate().rev() {
+        for (k, &block) in ids.blocks.iter().enumerate().rev() {
             let j = if self.recompute {
                 // The slot holds another block's activations (or none): recompute this one's
                 // from its input, with the forward's weights.
-                self.block_activations(dev, hooks, (pn, fc1), k)?
+                self.block_activations(dev, hooks, block, k)?
             } else {
                 k
             };
-            self.linear_backward(
-                dev,
-                hooks,
-                fc2,
-                self.g1[j],
-                self.dr,
-                Some(self.df[0]),
-                (f, h),
-            )?;
-            dev.gelu_backward(self.h1[j], self.df[0], self.df[1])?;
-            self.linear_backward(
-                dev,
-                hooks,
-                fc1,
-                self.norm[j],
-                self.df[1],
-                Some(self.dn),
-                (h, f),
-            )?;
-            self.norm_backward(dev, hooks, pn, k, j)?;
+            let df0 = InputGrad::Write(self.df[0]);
+            block
+                .fc2
+                .backward(dev, hooks, self.g1[j], self.dr, df0, b, sc)?;
+            Gelu.backward(dev, self.h1[j], self.df[0], self.df[1])?;
+            block
+                .fc1
+                .backward(dev, hooks, self.norm[j], self.df[1], dn, b, sc)?;
+            self.norm_backward(dev, hooks, block.norm, k, j)?;
         }
+        // The input layer's gradients go through their own scratch: dx0 is the head of the
+        // gradient scratch.
         let dx0 = self.gbuf.slice(0..b * c * emb)?;
-        // The input layer's weight gradient first; then dx0 reuses the gradient scratch.
-        let (pw, pb) = ids.input;
-        let db = self.dtmp.slice(0..h)?;
-        dev.bias_grad(self.dr, db, false)?;
-        self.accumulate(dev, hooks, pb, db)?;
-        let dw = self.dw_in;
-        dev.matmul(self.dr, self.x0, dw, &mm(h, c * emb, b, true, false, false))?;
-        self.accumulate(dev, hooks, pw, dw)?;
-        let w = self.load(dev, hooks, pw, Usage::Backward)?;
-        dev.matmul(self.dr, w, dx0, &mm(b, c * emb, h, false, false, false))?;
+        let input_scratch = Scratch {
+            param: self.wbuf,
+            grad: self.dw_in,
+        };
+        let dx = InputGrad::Write(dx0);
+        ids.input
+            .backward(dev, hooks, self.x0, self.dr, dx, b, input_scratch)?;
         // Embedding gradient: rows summed in f32 in sample order, then added once.
         let ge = self.g_embed;
         dev.zero(ge)?;
@@ -691,7 +642,7 @@ impl Lm {
                 ge.slice(t * emb..(t + 1) * emb)?,
             )?;
         }
-        self.accumulate(dev, hooks, ids.embed, ge)
+        accumulate(dev, hooks, ids.embed, ge)
     }
 
     /// `dr ← dr + RMSNorm backward(dn)` of the norm of `res[k]` (inverse RMS in slot `j`) and
@@ -700,16 +651,12 @@ impl Lm {
         &self,
         dev: &mut Device,
         hooks: &mut dyn Hooks,
-        pn: usize,
+        norm: RmsNorm,
         k: usize,
         j: usize,
     ) -> Result<(), ModelError> {
-        let h = self.shape.hidden;
-        let g = self.load(dev, hooks, pn, Usage::Backward)?;
-        let dg = self.gbuf.slice(0..h)?;
-        dev.zero(dg)?;
-        dev.rms_norm_backward(self.res[k], g, self.rstd[j], self.dn, self.dtmp, dg)?;
-        self.accumulate(dev, hooks, pn, dg)?;
+        let (x, rstd) = (self.res[k], self.rstd[j]);
+        norm.backward(dev, hooks, x, rstd, self.dn, self.dtmp, self.scratch())?;
         dev.add(self.dtmp, self.dr)?;
         Ok(())
     }
@@ -721,15 +668,11 @@ impl Lm {
         let ms = self.moe_slot();
         let (x, out) = (self.res[nb], self.res[nb + 1]);
         let ids = self.ids.clone();
-        let g = self.load(dev, hooks, ids.moe_norm, Usage::Forward)?;
-        dev.rms_norm(x, g, self.norm[ms], self.rstd[ms], 1e-6)?;
-        let wr = self.load(dev, hooks, ids.router, Usage::Forward)?;
-        dev.matmul(
-            self.norm[ms],
-            wr,
-            self.router_logits,
-            &mm(b, e, h, false, true, false),
-        )?;
+        let sc = self.scratch();
+        ids.moe_norm
+            .forward(dev, hooks, x, self.norm[ms], self.rstd[ms], sc)?;
+        ids.router
+            .forward(dev, hooks, self.norm[ms], self.router_logits, b, sc)?;
         let logits: Vec<f32> = dev.download(self.router_logits)?;
         self.routes.clear();
         self.assigned.iter_mut().for_each(Vec::clear);
@@ -761,7 +704,7 @@ impl Lm {
             let w1 = self.w1.slice(ex * fe * h..(ex + 1) * fe * h)?;
             let w2 = self.w2.slice(ex * h * fe..(ex + 1) * h * fe)?;
             dev.matmul(xe, w1, he, &mm(n, fe, h, false, true, false))?;
-            dev.gelu(he, ae)?;
+            Gelu.forward(dev, he, ae)?;
             dev.matmul(ae, w2, ye, &mm(n, h, fe, false, true, false))?;
         }
         // Combine in row order, slots in order: out = x + Σ gate · y.
@@ -851,7 +794,7 @@ impl Lm {
             let dxe = self.dxe.slice(0..n * h)?;
             dev.matmul(dye, ae, gw2, &mm(h, fe, n, true, false, false))?;
             dev.matmul(dye, w2, dae, &mm(n, fe, h, false, false, false))?;
-            dev.gelu_backward(he, dae, dhe)?;
+            Gelu.backward(dev, he, dae, dhe)?;
             dev.matmul(dhe, xe, gw1, &mm(fe, h, n, true, false, false))?;
             dev.matmul(dhe, w1, dxe, &mm(n, h, fe, false, false, false))?;
             for (i, &(r, _)) in self.assigned[ex].iter().enumerate() {
@@ -866,21 +809,10 @@ impl Lm {
         self.accumulate_experts(dev, hooks, &ids.fc2, self.gw2)?;
         // Router: dWr = dLogitsᵀ · n, dn += dLogits · Wr.
         dev.upload(self.router_logits, &dlogits)?;
-        let dwr = self.gbuf.slice(0..e * h)?;
-        dev.matmul(
-            self.router_logits,
-            self.norm[ms],
-            dwr,
-            &mm(e, h, b, true, false, false),
-        )?;
-        self.accumulate(dev, hooks, ids.router, dwr)?;
-        let wr = self.load(dev, hooks, ids.router, Usage::Backward)?;
-        dev.matmul(
-            self.router_logits,
-            wr,
-            self.dn,
-            &mm(b, h, e, false, false, true),
-        )?;
+        let dn = InputGrad::Add(self.dn);
+        let (x, dy) = (self.norm[ms], self.router_logits);
+        ids.router
+            .backward(dev, hooks, x, dy, dn, b, self.scratch())?;
         self.norm_backward(dev, hooks, ids.moe_norm, nb, ms)
     }
 }

@@ -1,11 +1,12 @@
-//! A tiny multi-layer perceptron (linear layers with biases, GELU between them, MSE loss) with a
-//! hand-written backward on `lowbit_device` ops. It owns no parameter or gradient memory: every
-//! parameter comes from [`Hooks::param`] and every gradient goes through [`Hooks::accumulate`],
-//! in backward order (last layer first, bias before weight), which is the order the buffers'
-//! buckets are laid out in. The `lowbit-buffers` and `lowbit-optim` tests train it.
+//! A tiny multi-layer perceptron (linear layers with biases, GELU between them, MSE loss) built
+//! from `lowbit-nn`'s layers. It owns no parameter or gradient memory: every parameter comes from
+//! [`Hooks::param`] and every gradient goes through [`Hooks::accumulate`], in backward order
+//! (last layer first, bias before weight), which is the order the buffers' buckets are laid out
+//! in. The `lowbit-buffers` and `lowbit-optim` tests train it.
 
-use lowbit_buffers::{Hooks, Result, Usage};
-use lowbit_device::{DType, Device, MatmulSpec, View};
+use lowbit_device::{DType, Device, View};
+use lowbit_nn::layers::{Gelu, InputGrad, Linear, Mse, Scratch};
+use lowbit_nn::{Hooks, Result};
 
 /// See the module docs. Parameters, in forward order: `w0 [d1, d0]`, `b0 [d1]`, `w1 [d2, d1]`,
 /// `b1 [d2]`, …
@@ -70,17 +71,9 @@ impl Mlp {
         (self.dims[0], *self.dims.last().unwrap())
     }
 
-    fn load(
-        &self,
-        dev: &mut Device,
-        hooks: &mut dyn Hooks,
-        p: usize,
-        usage: Usage,
-    ) -> Result<View> {
-        let v = hooks.param(dev, p, usage)?;
-        let w = self.wscratch.slice(0..v.len())?;
-        dev.cast(v, w)?;
-        Ok(w)
+    /// Linear layer `l`: `w{l}` (`dims[l + 1] × dims[l]`) with bias `b{l}`.
+    fn linear(&self, l: usize) -> Linear {
+        Linear::new(2 * l, self.dims[l], self.dims[l + 1]).with_bias(2 * l + 1)
     }
 
     /// One forward and backward of `scale · mse(model(x), target)`; gradients accumulate through
@@ -95,67 +88,43 @@ impl Mlp {
     ) -> Result<f32> {
         let layers = self.dims.len() - 1;
         let b = self.batch;
+        let s = Scratch {
+            param: self.wscratch,
+            grad: self.gscratch,
+        };
         dev.upload(self.input, x)?;
         dev.upload(self.target, target)?;
         let input_of = |l: usize| if l == 0 { self.input } else { self.act[l - 1] };
         for l in 0..layers {
-            let (i, o) = (self.dims[l], self.dims[l + 1]);
-            let w = self.load(dev, hooks, 2 * l, Usage::Forward)?;
-            let spec = MatmulSpec {
-                m: b,
-                n: o,
-                k: i,
-                trans_a: false,
-                trans_b: true,
-                accumulate: false,
-            };
-            dev.matmul(input_of(l), w, self.pre[l], &spec)?;
-            let bias = self.load(dev, hooks, 2 * l + 1, Usage::Forward)?;
-            dev.add_bias(self.pre[l], bias)?;
+            self.linear(l)
+                .forward(dev, hooks, input_of(l), self.pre[l], b, s)?;
             if l + 1 < layers {
-                dev.gelu(self.pre[l], self.act[l])?;
+                Gelu.forward(dev, self.pre[l], self.act[l])?;
             }
         }
         let out = self.pre[layers - 1];
-        let loss = dev.mse_loss(out, self.target)?;
+        let loss = Mse.forward(dev, out, self.target)?;
         // dY always lives in the first scratch, dA in the second.
         let [dy_buf, da_buf] = self.dx;
         let mut dy = dy_buf.slice(0..b * self.dims[layers])?;
-        dev.mse_loss_backward(out, self.target, dy, scale)?;
+        Mse.backward(dev, out, self.target, dy, scale)?;
         for l in (0..layers).rev() {
-            let (i, o) = (self.dims[l], self.dims[l + 1]);
-            let db = self.gscratch.slice(0..o)?;
-            dev.bias_grad(dy, db, false)?;
-            hooks.accumulate(dev, 2 * l + 1, db)?;
-            let dw = self.gscratch.slice(0..o * i)?;
-            let spec = MatmulSpec {
-                m: o,
-                n: i,
-                k: b,
-                trans_a: true,
-                trans_b: false,
-                accumulate: false,
+            let i = self.dims[l];
+            let da = da_buf.slice(0..b * i)?;
+            let dx = if l == 0 {
+                InputGrad::Skip
+            } else {
+                InputGrad::Write(da)
             };
-            dev.matmul(dy, input_of(l), dw, &spec)?;
-            hooks.accumulate(dev, 2 * l, dw)?;
+            self.linear(l)
+                .backward(dev, hooks, input_of(l), dy, dx, b, s)?;
             if l == 0 {
                 break;
             }
-            // dA = dY·W, then back through the GELU of layer l − 1 into dY's scratch (dY is
-            // dead once dA is computed).
-            let w = self.load(dev, hooks, 2 * l, Usage::Backward)?;
-            let da = da_buf.slice(0..b * i)?;
-            let spec = MatmulSpec {
-                m: b,
-                n: i,
-                k: o,
-                trans_a: false,
-                trans_b: false,
-                accumulate: false,
-            };
-            dev.matmul(dy, w, da, &spec)?;
+            // Back through the GELU of layer l − 1 into dY's scratch (dY is dead once dA is
+            // computed).
             let dz = dy_buf.slice(0..b * i)?;
-            dev.gelu_backward(self.pre[l - 1], da, dz)?;
+            Gelu.backward(dev, self.pre[l - 1], da, dz)?;
             dy = dz;
         }
         Ok(loss)

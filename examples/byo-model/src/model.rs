@@ -1,9 +1,11 @@
 //! The model, written as any outside project would write its own: a two-layer MLP regressor
-//! `y = W2·gelu(W1·x + b1) + b2` with a hand-written backward on `lowbit-device` ops. It owns
-//! activations and scratch, never parameters or gradients: it asks the [`Hooks`] for them.
+//! `y = W2·gelu(W1·x + b1) + b2` from `lowbit-nn`'s layers, the backward called by hand in
+//! reverse order. It owns activations and scratch, never parameters or gradients: the layers ask
+//! the [`Hooks`] for them.
 
-use lowbit_buffers::{Hooks, Result, Usage};
-use lowbit_device::{DType, Device, MatmulSpec, View};
+use lowbit_device::{DType, Device, View};
+use lowbit_nn::layers::{Gelu, InputGrad, Linear, Mse, Scratch};
+use lowbit_nn::{Hooks, Result};
 
 /// Inputs, hidden width, outputs.
 pub const DIMS: (usize, usize, usize) = (32, 64, 32);
@@ -33,15 +35,13 @@ pub struct Mlp {
     g: View,
 }
 
-fn mm(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) -> MatmulSpec {
-    MatmulSpec {
-        m,
-        n,
-        k,
-        trans_a,
-        trans_b,
-        accumulate: false,
-    }
+/// The layers: `fc1` (parameters 0 and 1) and `fc2` (2 and 3).
+fn layers() -> [Linear; 2] {
+    let (d, h, o) = DIMS;
+    [
+        Linear::new(0, d, h).with_bias(1),
+        Linear::new(2, h, o).with_bias(3),
+    ]
 }
 
 impl Mlp {
@@ -63,14 +63,6 @@ impl Mlp {
         }
     }
 
-    /// A parameter as f32 (whatever the hooks hand out: dequantized MXFP8, bf16 biases).
-    fn load(&self, dev: &mut Device, hooks: &mut dyn Hooks, p: usize, u: Usage) -> Result<View> {
-        let v = hooks.param(dev, p, u)?;
-        let w = self.w.slice(0..v.len())?;
-        dev.cast(v, w)?;
-        Ok(w)
-    }
-
     /// Forward and backward of one batch; gradients of `scale · loss` go into the hooks.
     pub fn step(
         &self,
@@ -79,42 +71,26 @@ impl Mlp {
         (x, t): (&[f32], &[f32]),
         scale: f32,
     ) -> Result<f32> {
-        let ((d, h, o), b) = (DIMS, self.rows);
+        let [fc1, fc2] = layers();
+        let b = self.rows;
+        // Parameters are cast to f32 (whatever the hooks hand out: dequantized MXFP8, bf16
+        // biases) into `w`; gradients are computed into `g` before the hooks add them.
+        let s = Scratch {
+            param: self.w,
+            grad: self.g,
+        };
         dev.upload(self.x, x)?;
         dev.upload(self.t, t)?;
-        let w1 = self.load(dev, hooks, 0, Usage::Forward)?;
-        dev.matmul(self.x, w1, self.h, &mm(b, h, d, false, true))?;
-        let b1 = self.load(dev, hooks, 1, Usage::Forward)?;
-        dev.add_bias(self.h, b1)?;
-        dev.gelu(self.h, self.a)?;
-        let w2 = self.load(dev, hooks, 2, Usage::Forward)?;
-        dev.matmul(self.a, w2, self.y, &mm(b, o, h, false, true))?;
-        let b2 = self.load(dev, hooks, 3, Usage::Forward)?;
-        dev.add_bias(self.y, b2)?;
-        let loss = dev.mse_loss(self.y, self.t)?;
+        fc1.forward(dev, hooks, self.x, self.h, b, s)?;
+        Gelu.forward(dev, self.h, self.a)?;
+        fc2.forward(dev, hooks, self.a, self.y, b, s)?;
+        let loss = Mse.forward(dev, self.y, self.t)?;
         // Backward, last layer first (the order bucket reductions expect).
-        dev.mse_loss_backward(self.y, self.t, self.dy, scale)?;
-        dev.bias_grad(self.dy, self.g.slice(0..o)?, false)?;
-        hooks.accumulate(dev, 3, self.g.slice(0..o)?)?;
-        dev.matmul(
-            self.dy,
-            self.a,
-            self.g.slice(0..o * h)?,
-            &mm(o, h, b, true, false),
-        )?;
-        hooks.accumulate(dev, 2, self.g.slice(0..o * h)?)?;
-        let w2 = self.load(dev, hooks, 2, Usage::Backward)?;
-        dev.matmul(self.dy, w2, self.da, &mm(b, h, o, false, false))?;
-        dev.gelu_backward(self.h, self.da, self.a)?; // `a` is dead: it holds dh now
-        dev.bias_grad(self.a, self.g.slice(0..h)?, false)?;
-        hooks.accumulate(dev, 1, self.g.slice(0..h)?)?;
-        dev.matmul(
-            self.a,
-            self.x,
-            self.g.slice(0..h * d)?,
-            &mm(h, d, b, true, false),
-        )?;
-        hooks.accumulate(dev, 0, self.g.slice(0..h * d)?)?;
+        Mse.backward(dev, self.y, self.t, self.dy, scale)?;
+        let da = InputGrad::Write(self.da);
+        fc2.backward(dev, hooks, self.a, self.dy, da, b, s)?;
+        Gelu.backward(dev, self.h, self.da, self.a)?; // `a` is dead: it holds dh now
+        fc1.backward(dev, hooks, self.x, self.a, InputGrad::Skip, b, s)?;
         Ok(loss)
     }
 }

@@ -1,0 +1,274 @@
+//! The linear layer `y = x·Wᵀ (+ b)`, `W: [out, in]` (PyTorch's `nn.Linear` layout).
+
+use lowbit_device::{Device, MatmulSpec, View};
+
+use super::{Scratch, accumulate, load_f32};
+use crate::error::check_len;
+use crate::{Hooks, Result, Usage};
+
+/// A linear layer: parameter ids and widths. `weight` is `[out_features, in_features]`, `bias`
+/// (if any) `[out_features]`.
+///
+/// The forward fetches the weight with [`Usage::Forward`] and the backward with
+/// [`Usage::Backward`], so a low-precision weight is used rowwise for `x·Wᵀ` and columnwise for
+/// `dY·W`, as block-scaled GEMMs do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Linear {
+    /// The weight's parameter id.
+    pub weight: usize,
+    /// The bias's parameter id, if the layer has one.
+    pub bias: Option<usize>,
+    /// Input features (columns of the weight).
+    pub in_features: usize,
+    /// Output features (rows of the weight).
+    pub out_features: usize,
+}
+
+/// Where [`Linear::backward`] puts the gradient of the layer's input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputGrad {
+    /// Not computed (the first layer of a model; the weight is not fetched again).
+    Skip,
+    /// Written over the view (`dx = dY·W`).
+    Write(View),
+    /// Added into the view (`dx += dY·W`), for an input that feeds several layers.
+    Add(View),
+}
+
+fn spec(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, acc: bool) -> MatmulSpec {
+    MatmulSpec {
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+        accumulate: acc,
+    }
+}
+
+impl Linear {
+    /// A layer without bias.
+    pub fn new(weight: usize, in_features: usize, out_features: usize) -> Linear {
+        Linear {
+            weight,
+            bias: None,
+            in_features,
+            out_features,
+        }
+    }
+
+    /// The layer with bias parameter `bias`.
+    pub fn with_bias(self, bias: usize) -> Linear {
+        Linear {
+            bias: Some(bias),
+            ..self
+        }
+    }
+
+    /// `y[rows, out] = x[rows, in]·Wᵀ`, then `+ b` per row. Ops: the weight cast into
+    /// `scratch.param`, one matmul, then the bias cast into the same scratch and `add_bias`.
+    pub fn forward(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        y: View,
+        rows: usize,
+        scratch: Scratch,
+    ) -> Result<()> {
+        let (i, o) = (self.in_features, self.out_features);
+        check_len("linear input", x.len(), rows * i)?;
+        check_len("linear output", y.len(), rows * o)?;
+        let w = load_f32(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+        check_len("linear weight", w.len(), o * i)?;
+        dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
+        if let Some(pb) = self.bias {
+            let b = load_f32(dev, hooks, pb, Usage::Forward, scratch.param)?;
+            check_len("linear bias", b.len(), o)?;
+            dev.add_bias(y, b)?;
+        }
+        Ok(())
+    }
+
+    /// The backward of [`Linear::forward`] given `dy[rows, out]` and the forward's input `x`:
+    /// the bias gradient (column sums of `dy`) accumulated and reported ready, then the weight
+    /// gradient `dYᵀ·x` accumulated and reported ready, then the input gradient `dY·W` as `dx`
+    /// asks (the weight fetched again, for the backward). Both gradients pass through
+    /// `scratch.grad`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        dy: View,
+        dx: InputGrad,
+        rows: usize,
+        scratch: Scratch,
+    ) -> Result<()> {
+        let (i, o) = (self.in_features, self.out_features);
+        check_len("linear input", x.len(), rows * i)?;
+        check_len("linear output gradient", dy.len(), rows * o)?;
+        if let Some(pb) = self.bias {
+            let db = scratch.grad.slice(0..o)?;
+            dev.bias_grad(dy, db, false)?;
+            accumulate(dev, hooks, pb, db)?;
+        }
+        let dw = scratch.grad.slice(0..o * i)?;
+        dev.matmul(dy, x, dw, &spec(o, i, rows, true, false, false))?;
+        accumulate(dev, hooks, self.weight, dw)?;
+        let (dx, add) = match dx {
+            InputGrad::Skip => return Ok(()),
+            InputGrad::Write(v) => (v, false),
+            InputGrad::Add(v) => (v, true),
+        };
+        check_len("linear input gradient", dx.len(), rows * i)?;
+        let w = load_f32(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
+        check_len("linear weight", w.len(), o * i)?;
+        dev.matmul(dy, w, dx, &spec(rows, i, o, false, false, add))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lowbit_device::DType;
+
+    use super::*;
+    use crate::testing::{
+        Call, TestHooks, assert_close, central_diff, dot, scratch, upload, values,
+    };
+
+    const ROWS: usize = 3;
+    const IN: usize = 4;
+    const OUT: usize = 2;
+
+    fn layer() -> Linear {
+        Linear::new(0, IN, OUT).with_bias(1)
+    }
+
+    /// `Σ c ⊙ (x·Wᵀ + b)` with the layer's forward on the device.
+    fn probe(dev: &mut Device, w: &[f32], b: &[f32], x: &[f32], c: &[f32]) -> f32 {
+        let mut hooks = TestHooks::new(dev, &[w.to_vec(), b.to_vec()]);
+        let (xv, y, s) = (
+            upload(dev, x),
+            dev.alloc(DType::F32, ROWS * OUT),
+            scratch(dev, 8),
+        );
+        layer().forward(dev, &mut hooks, xv, y, ROWS, s).unwrap();
+        dot(&dev.download::<f32>(y).unwrap(), c)
+    }
+
+    #[test]
+    fn forward_is_x_times_w_transposed_plus_bias() {
+        let mut dev = Device::cpu();
+        let (w, b, x) = (values(1, OUT * IN), values(2, OUT), values(3, ROWS * IN));
+        let mut hooks = TestHooks::new(&mut dev, &[w.clone(), b.clone()]);
+        let (xv, y) = (upload(&mut dev, &x), dev.alloc(DType::F32, ROWS * OUT));
+        let s = scratch(&mut dev, OUT * IN);
+        layer()
+            .forward(&mut dev, &mut hooks, xv, y, ROWS, s)
+            .unwrap();
+        let want: Vec<f32> = (0..ROWS * OUT)
+            .map(|e| {
+                let (r, o) = (e / OUT, e % OUT);
+                dot(&x[r * IN..(r + 1) * IN], &w[o * IN..(o + 1) * IN]) + b[o]
+            })
+            .collect();
+        assert_close("y", &dev.download::<f32>(y).unwrap(), &want, 1e-6);
+        let fwd = Usage::Forward;
+        assert_eq!(hooks.calls, [Call::Param(0, fwd), Call::Param(1, fwd)]);
+    }
+
+    #[test]
+    fn forward_computes_with_the_storage_the_hooks_hand_out() {
+        // A bf16 weight computes exactly as its values in f32 do: the layer casts, never
+        // assumes f32.
+        let mut dev = Device::cpu();
+        let (w, b, x) = (values(4, OUT * IN), values(5, OUT), values(6, ROWS * IN));
+        let mut hooks = TestHooks::new(&mut dev, &[w, b.clone()]);
+        let bf = dev.alloc(DType::Bf16, OUT * IN);
+        dev.cast(hooks.params[0], bf).unwrap();
+        hooks.params[0] = bf;
+        let rounded = dev.alloc(DType::F32, OUT * IN);
+        dev.cast(bf, rounded).unwrap();
+        let rounded: Vec<f32> = dev.download(rounded).unwrap();
+        let mut plain = TestHooks::new(&mut dev, &[rounded, b]);
+        let xv = upload(&mut dev, &x);
+        let s = scratch(&mut dev, OUT * IN);
+        let mut out = Vec::new();
+        for h in [&mut hooks, &mut plain] {
+            let y = dev.alloc(DType::F32, ROWS * OUT);
+            layer().forward(&mut dev, h, xv, y, ROWS, s).unwrap();
+            out.push(dev.download::<f32>(y).unwrap());
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out[0]), bits(&out[1]));
+    }
+
+    #[test]
+    fn backward_matches_central_differences() {
+        let mut dev = Device::cpu();
+        let (w, b, x) = (values(7, OUT * IN), values(8, OUT), values(9, ROWS * IN));
+        let c = values(10, ROWS * OUT);
+        let mut hooks = TestHooks::new(&mut dev, &[w.clone(), b.clone()]);
+        let (xv, dy) = (upload(&mut dev, &x), upload(&mut dev, &c));
+        let dx = upload(&mut dev, &[0.5; ROWS * IN]);
+        let s = scratch(&mut dev, OUT * IN);
+        let l = layer();
+        l.backward(&mut dev, &mut hooks, xv, dy, InputGrad::Add(dx), ROWS, s)
+            .unwrap();
+        let (bwd, fwd) = (Usage::Backward, Usage::Forward);
+        let order = [Call::Grad(1), Call::Ready(1), Call::Grad(0), Call::Ready(0)];
+        assert_eq!(hooks.calls[..4], order);
+        assert_eq!(hooks.calls[4..], [Call::Param(0, bwd)]);
+        let h = 1e-2;
+        let dw = central_diff(&w, h, |w| probe(&mut dev, w, &b, &x, &c));
+        let db = central_diff(&b, h, |b| probe(&mut dev, &w, b, &x, &c));
+        let dxn = central_diff(&x, h, |x| probe(&mut dev, &w, &b, x, &c));
+        assert_close("dW", &hooks.grad_of(&dev, 0), &dw, 1e-3);
+        assert_close("db", &hooks.grad_of(&dev, 1), &db, 1e-3);
+        let added: Vec<f32> = dxn.iter().map(|g| g + 0.5).collect();
+        assert_close(
+            "dx (added)",
+            &dev.download::<f32>(dx).unwrap(),
+            &added,
+            1e-3,
+        );
+        // Written, and skipped: the weight is not fetched again.
+        hooks.calls.clear();
+        l.backward(&mut dev, &mut hooks, xv, dy, InputGrad::Write(dx), ROWS, s)
+            .unwrap();
+        assert_close("dx", &dev.download::<f32>(dx).unwrap(), &dxn, 1e-3);
+        hooks.calls.clear();
+        l.backward(&mut dev, &mut hooks, xv, dy, InputGrad::Skip, ROWS, s)
+            .unwrap();
+        assert_eq!(hooks.calls, order);
+        assert!(!hooks.calls.contains(&Call::Param(0, fwd)));
+    }
+
+    #[test]
+    fn shapes_are_checked_before_any_op() {
+        let mut dev = Device::cpu();
+        let mut hooks = TestHooks::new(&mut dev, &[values(1, OUT * IN), values(2, OUT)]);
+        let (x, y) = (
+            dev.alloc(DType::F32, ROWS * IN + 1),
+            dev.alloc(DType::F32, ROWS * OUT),
+        );
+        let s = scratch(&mut dev, OUT * IN);
+        let e = layer()
+            .forward(&mut dev, &mut hooks, x, y, ROWS, s)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                crate::NnError::Shape {
+                    what: "linear input",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(hooks.calls.is_empty());
+    }
+}
