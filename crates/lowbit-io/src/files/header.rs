@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 
-use super::{json_string, push_json_string};
+use super::json_string;
+use crate::json::{push_string, push_string_serde};
 
 /// safetensors' limit on the header length.
 pub const MAX_HEADER: u64 = 100_000_000;
@@ -248,9 +249,9 @@ pub fn layout(specs: &[Spec], metadata: &HashMap<String, String>) -> Option<(Vec
             if i > 0 {
                 json.push(',');
             }
-            push_json_string(&mut json, k, false);
+            push_string(&mut json, k);
             json.push(':');
-            push_json_string(&mut json, v, false);
+            push_string(&mut json, v);
         }
         json.push('}');
     }
@@ -262,7 +263,7 @@ pub fn layout(specs: &[Spec], metadata: &HashMap<String, String>) -> Option<(Vec
         if json.len() > 1 {
             json.push(',');
         }
-        push_json_string(&mut json, &s.name, true);
+        push_string_serde(&mut json, &s.name);
         let dims: Vec<String> = s.shape.iter().map(usize::to_string).collect();
         json.push_str(&format!(
             r#":{{"dtype":"{}","shape":[{}],"data_offsets":[{offset},{end}]}}"#,
