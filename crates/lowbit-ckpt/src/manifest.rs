@@ -466,3 +466,49 @@ fn strings(v: &Json, key: &str) -> Result<BTreeMap<String, String>, String> {
         _ => Err(format!("`{key}` missing or not an object")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A manifest whose members are listed out of key order (hand-edited, or another writer).
+    /// Its scalars hash was computed outside this crate, by the canonicalization manifests have
+    /// always had (keys sorted at every depth, the diffable writer): older manifests verify.
+    const UNSORTED: &str = r#"{"version":1,"format":"lowbit-ckpt","step":7,"hash":"fnv1a64",
+"config":{"z":"1","a":"b"},"data":{},"rng":{"seed":"42"},
+"optimizers":[{"steps":7,"rule":"adamw","owner":0}],
+"files":[{"name":"rank-0.safetensors","bytes":64}],
+"tensors":[{"name":"w/master","param":"w","state":"master","owner":0,"shape":[2],"dtype":"F32",
+ "pieces":[{"file":"rank-0.safetensors","key":"k","start":0,"end":2,"offset":8,
+ "fnv1a64":"0000000000000000"}]}],
+"scalars_fnv1a64":"3e6d6ef685119d82"}"#;
+
+    #[test]
+    fn the_scalars_hash_is_of_the_canonical_text() {
+        let m = Manifest::from_json(&Json::parse(UNSORTED).unwrap()).unwrap();
+        assert_eq!(m.meta.step, 7);
+        // Written back, the manifest is in key order and carries the same hash.
+        let text = m.to_json().to_text();
+        assert!(
+            text.contains("\"scalars_fnv1a64\": \"3e6d6ef685119d82\""),
+            "{text}"
+        );
+        assert!(text.find("\"config\"") < text.find("\"data\""), "{text}");
+        let again = Manifest::from_json(&Json::parse(&text).unwrap()).unwrap();
+        assert_eq!(again, m);
+        let tampered = UNSORTED.replace("\"step\":7", "\"step\":8");
+        let err = Manifest::from_json(&Json::parse(&tampered).unwrap()).unwrap_err();
+        assert!(
+            matches!(&err, Err(msg) if msg.contains("corrupted")),
+            "{err:?}"
+        );
+        // Numbers the JSON reader accepts but a count is not are refused by the manifest.
+        for bad in ["\"step\":7.5", "\"step\":-7", "\"step\":7e0"] {
+            let text = UNSORTED.replace("\"step\":7", bad);
+            assert!(
+                Manifest::from_json(&Json::parse(&text).unwrap()).is_err(),
+                "{bad}"
+            );
+        }
+    }
+}
