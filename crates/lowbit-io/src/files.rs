@@ -560,12 +560,8 @@ impl Input {
             Err(E::MetadataIncompleteBuffer) => {
                 let text =
                     std::str::from_utf8(&buf[8..]).map_err(|e| parse_err(E::InvalidHeader(e)))?;
-                let (mut infos, metadata) = header::tensors(text).ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "{}: internal error: a header safetensors accepts could not be read",
-                        path.display()
-                    ))
-                })?;
+                let (mut infos, metadata) = header::tensors(text)
+                    .map_err(|e| Error::Invalid(format!("cannot parse {}: {e}", path.display())))?;
                 infos.sort_by_key(|(_, i)| i.data_offsets);
                 let md = safetensors::tensor::Metadata::new(metadata, infos.clone())
                     .map_err(parse_err)?;
