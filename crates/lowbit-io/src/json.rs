@@ -17,6 +17,7 @@
 //! Strings are escaped per RFC 8259 §7 (quote, backslash and every control character below
 //! U+0020); `\u` escapes are read with surrogate pairs, and a lone surrogate is refused.
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 
@@ -53,21 +54,35 @@ impl Object {
         Object(Vec::new())
     }
 
-    /// The member `key`, if present.
-    pub fn get(&self, key: &str) -> Option<&Json> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    /// The member `key`, if present (looked up as in a `BTreeMap<String, Json>`).
+    pub fn get<Q>(&self, key: &Q) -> Option<&Json>
+    where
+        String: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
+        self.0
+            .iter()
+            .find(|(k, _)| k.borrow() == key)
+            .map(|(_, v)| v)
     }
 
     /// The member `key`, mutably, if present.
-    pub fn get_mut(&mut self, key: &str) -> Option<&mut Json> {
-        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
+    pub fn get_mut<Q>(&mut self, key: &Q) -> Option<&mut Json>
+    where
+        String: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
+        self.0
+            .iter_mut()
+            .find(|(k, _)| k.borrow() == key)
+            .map(|(_, v)| v)
     }
 
     /// Sets `key` to `value`: replaces the member in place if present, else appends it. Returns
     /// the value replaced.
     pub fn insert(&mut self, key: impl Into<String>, value: Json) -> Option<Json> {
         let key = key.into();
-        match self.get_mut(&key) {
+        match self.get_mut(key.as_str()) {
             Some(v) => Some(std::mem::replace(v, value)),
             None => {
                 self.0.push((key, value));
@@ -523,7 +538,7 @@ impl Parser<'_> {
                         return self.err("expected `:`");
                     }
                     let v = self.value(depth + 1)?;
-                    if m.get(&k).is_some() {
+                    if m.get(k.as_str()).is_some() {
                         return self.err_at(&format!("duplicate key `{k}`"), at);
                     }
                     m.0.push((k, v));
