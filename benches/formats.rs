@@ -61,6 +61,7 @@ use lowbit_formats::nvfp4::Nvfp4Config;
 use lowbit_formats::{
     Copies, Fp8Kind, Matrix, Source, bf16, quantize_mxfp8, quantize_mxfp8_into, quantize_nvfp4,
 };
+use lowbit_io::SplitMix64;
 
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
@@ -319,28 +320,11 @@ fn cases() -> Vec<Case> {
     v
 }
 
-/// splitmix64: a tiny deterministic generator for the input tensor.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 24 random bits.
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
-    }
-
-    /// Roughly standard normal: the centred sum of four uniforms, scaled to unit variance.
-    fn normalish(&mut self) -> f32 {
-        let s: f32 = (0..4).map(|_| self.uniform()).sum();
-        (s - 2.0) * 3.0f32.sqrt()
-    }
+/// Roughly standard normal: the centred sum of four uniforms in `[0, 1)` (24 random bits each),
+/// scaled to unit variance.
+fn normalish(g: &mut SplitMix64) -> f32 {
+    let s: f32 = (0..4).map(|_| g.unit_f32()).sum();
+    (s - 2.0) * 3.0f32.sqrt()
 }
 
 /// The benchmark inputs: the bf16 tensor and the same values as f32.
@@ -351,7 +335,7 @@ struct Inputs {
 
 fn inputs() -> Inputs {
     let mut g = SplitMix64(0x5EED_1234_ABCD_0001);
-    let bf16: Vec<bf16> = (0..N).map(|_| bf16::from_f32(g.normalish())).collect();
+    let bf16: Vec<bf16> = (0..N).map(|_| bf16::from_f32(normalish(&mut g))).collect();
     let f32 = bf16.iter().map(|v| v.to_f32()).collect();
     Inputs { bf16, f32 }
 }

@@ -6,17 +6,18 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand, ValueEnum};
 use lowbit::ckpt::{Checkpoint, LoadOptions, Manifest};
-use lowbit::train::json::Json;
 use lowbit::train::{layout_options, shape_of};
+use lowbit_io::json::Json;
 use safetensors::Dtype;
 
 use lowbit::formats::{Copies, NanPolicy, ScaleLayout};
 
 use crate::error::CliError;
-use crate::files::{self, OutTensor};
-use crate::quantize;
+use lowbit_io::files::{self, OutTensor};
+use lowbit_io::quantize;
+use lowbit_io::schema::{Recipe, Settings};
+
 use crate::report::{self, escape};
-use crate::schema::{Recipe, Settings};
 use crate::train_cmd::shape_text;
 
 /// Arguments of `lowbit ckpt`.

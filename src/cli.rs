@@ -7,11 +7,12 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
 
-use crate::dequantize::{self, OutDtype};
+use lowbit_io::dequantize::{self, OutDtype};
+use lowbit_io::quantize::{self, Options};
+use lowbit_io::schema::{Recipe, Settings};
+
 use crate::error::CliError;
-use crate::quantize::{self, Options};
 use crate::report;
-use crate::schema::{Recipe, Settings};
 
 /// lowbit: low-precision (MXFP8 / NVFP4) weights with Transformer Engine's exact bits.
 #[derive(Debug, Parser)]

@@ -9,34 +9,18 @@ use std::path::PathBuf;
 use lowbit_formats::{bf16, f16};
 use safetensors::Dtype;
 
-use crate::dequantize;
+use lowbit_io::SplitMix64;
+use lowbit_io::dequantize;
+use lowbit_io::files::{self, OutTensor};
+use lowbit_io::quantize::{self, Options};
+
 use crate::error::CliError;
-use crate::files::{self, OutTensor};
-use crate::quantize::{self, Options};
 use crate::report;
 
-/// SplitMix64: tiny, deterministic and good enough for example data.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1]: never 0, so `ln` below stays finite.
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-    }
+/// A standard normal from `rng` (Box–Muller over two uniforms in (0, 1], so `ln` stays finite).
+fn normal(rng: &mut SplitMix64) -> f64 {
+    let (u, v) = (rng.unit_open_f64(), rng.unit_open_f64());
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
 /// The directory the demo writes into.
@@ -49,22 +33,26 @@ fn demo_dir() -> PathBuf {
 
 /// The example checkpoint: a bf16 weight, an odd-shaped f32 tensor, an f16 bias, an f32 tensor
 /// of special values and an I64 step counter (copied through).
-pub fn example_file() -> Result<Vec<u8>, CliError> {
+pub fn example_file() -> Result<Vec<u8>, lowbit_io::Error> {
     let mut rng = SplitMix64(0x6C6F_7762_6974);
     let weight: Vec<u8> = (0..256 * 512)
-        .flat_map(|_| bf16::from_f64(0.02 * rng.normal()).to_bits().to_le_bytes())
+        .flat_map(|_| {
+            bf16::from_f64(0.02 * normal(&mut rng))
+                .to_bits()
+                .to_le_bytes()
+        })
         .collect();
     // Per-row magnitudes spanning four decades, so blocks get different scales.
     let odd: Vec<u8> = (0..3 * 37 * 45)
         .flat_map(|i| {
             let row = i / 45;
             let mag = 10f64.powf((row % 37) as f64 / 9.0 - 2.0);
-            ((mag * rng.normal()) as f32).to_le_bytes()
+            ((mag * normal(&mut rng)) as f32).to_le_bytes()
         })
         .collect();
     let bias: Vec<u8> = (0..100)
         .flat_map(|_| {
-            f16::from_f64(0.1 * rng.normal() + 0.05)
+            f16::from_f64(0.1 * normal(&mut rng) + 0.05)
                 .to_bits()
                 .to_le_bytes()
         })
@@ -83,7 +71,7 @@ pub fn example_file() -> Result<Vec<u8>, CliError> {
         -2.5,
         0.125,
     ];
-    special.extend((0..52).map(|_| rng.normal() as f32));
+    special.extend((0..52).map(|_| normal(&mut rng) as f32));
     let special: Vec<u8> = special.iter().flat_map(|v| v.to_le_bytes()).collect();
     let step = 1000i64.to_le_bytes().to_vec();
 

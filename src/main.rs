@@ -4,7 +4,8 @@
 //! ranks with low-precision primary weights, on the CPU or, built with `--features cuda`, on
 //! GPUs; `src/train_cmd.rs`). `lowbit quantize` and `lowbit dequantize` convert safetensors
 //! checkpoints to and from MXFP8 / NVFP4 with Transformer Engine's exact bits
-//! (`lowbit quantize --demo` runs on generated data). Subcommands are variants of
+//! (`lowbit quantize --demo` runs on generated data); the conversions, the file format and
+//! the streaming file I/O are `lowbit_io`'s, and these commands only parse flags and print. Subcommands are variants of
 //! [`cli::Command`].
 //!
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
@@ -13,12 +14,8 @@
 mod ckpt_cmd;
 mod cli;
 mod demo;
-mod dequantize;
 mod error;
-mod files;
-mod quantize;
 mod report;
-mod schema;
 mod train_cmd;
 
 use std::process::ExitCode;

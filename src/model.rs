@@ -73,24 +73,8 @@ impl MlpShape {
     }
 }
 
-/// A small deterministic generator for initial values and data.
-#[derive(Clone, Copy, Debug)]
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
+/// The deterministic generator of initial values and data (`lowbit_io`'s SplitMix64).
+pub use lowbit_io::rng::SplitMix64;
 
 /// Synthetic regression data: sample `i` is a pure function of `(seed, i)`, so any split of a
 /// global batch over ranks sees the same samples. Target: `tanh` of a fixed random projection.

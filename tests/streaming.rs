@@ -19,16 +19,11 @@ use std::time::{Duration, Instant};
 
 use lowbit_dev_support::rng::{XorShift64, unit24};
 use lowbit_dev_support::tempdir::TempDir;
+// FNV-1a 64: enough to pin bytes in a test.
+use lowbit_io::fnv1a64 as fnv;
 
 fn bin() -> String {
     std::env::var("LOWBIT_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_lowbit").to_owned())
-}
-
-/// FNV-1a, 64 bits: enough to pin bytes in a test.
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// A safetensors file of `(name, dtype, shape, bytes)`, written by hand (no metadata).

@@ -101,9 +101,9 @@ fn packages(root: &Path, cargo: &str) -> Result<Vec<Package>, String> {
         .arr()
         .iter()
         .map(|p| Package {
-            name: p.get("name").str().unwrap_or("").to_string(),
-            id: p.get("id").str().unwrap_or("").to_string(),
-            manifest_dir: Path::new(p.get("manifest_path").str().unwrap_or(""))
+            name: p.get("name").as_str().unwrap_or("").to_string(),
+            id: p.get("id").as_str().unwrap_or("").to_string(),
+            manifest_dir: Path::new(p.get("manifest_path").as_str().unwrap_or(""))
                 .parent()
                 .unwrap_or(Path::new("."))
                 .to_path_buf(),
@@ -163,23 +163,23 @@ fn build(
         let Ok(msg) = Json::parse(&line) else {
             continue;
         };
-        if msg.get("reason").str() != Some("compiler-artifact") {
+        if msg.get("reason").as_str() != Some("compiler-artifact") {
             continue;
         }
-        let Some(exe) = msg.get("executable").str() else {
+        let Some(exe) = msg.get("executable").as_str() else {
             continue;
         };
         if !seen.insert(exe.to_string()) {
             continue;
         }
-        let id = msg.get("package_id").str().unwrap_or("");
+        let id = msg.get("package_id").as_str().unwrap_or("");
         let Some(pkg) = pkgs.iter().find(|p| p.id == id) else {
             continue;
         };
         let target = msg.get("target");
         let kind = target.get("kind");
-        let tname = target.get("name").str().unwrap_or("?").to_string();
-        let src = PathBuf::from(target.get("src_path").str().unwrap_or(""));
+        let tname = target.get("name").as_str().unwrap_or("?").to_string();
+        let src = PathBuf::from(target.get("src_path").as_str().unwrap_or(""));
         let needs_cuda =
             target.get("required-features").contains_str("cuda") || mentions_cuda(&read(&src));
         let test = msg.get("profile").get("test").is_true();

@@ -59,9 +59,9 @@
 //! first refuses a corrupt checkpoint before anything is written).
 
 mod async_save;
+mod bytes;
 mod convert;
 mod error;
-pub mod json;
 mod load;
 pub mod manifest;
 mod read;
@@ -69,6 +69,10 @@ mod read_views;
 mod save;
 mod tidy;
 mod write;
+
+/// The manifest's JSON codec (`lowbit_io`'s one codec), re-exported for tools that edit
+/// manifests.
+pub use lowbit_io::json;
 
 pub use async_save::AsyncSaver;
 pub use convert::{Alias, LoadOptions, Segment};

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::json::Json;
+use lowbit_io::json::{Json, Object};
 
 /// The format version this build writes and reads.
 pub const FORMAT_VERSION: u64 = 1;
@@ -22,14 +22,7 @@ pub const SCALARS_HASH: &str = "scalars_fnv1a64";
 
 /// FNV-1a, 64 bits (offset basis 0xcbf29ce484222325, prime 0x100000001b3), over the piece's
 /// bytes as stored (little-endian f32). Detects torn writes and bit rot, not tampering.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+pub use lowbit_io::hash::fnv1a64;
 
 /// Free-form run metadata carried by a checkpoint and given back on load.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -121,15 +114,19 @@ pub struct Manifest {
 }
 
 fn str_map(m: &BTreeMap<String, String>) -> Json {
-    Json::Object(
+    Json::Obj(
         m.iter()
             .map(|(k, v)| (k.clone(), Json::Str(v.clone())))
             .collect(),
     )
 }
 
-fn obj(pairs: Vec<(&str, Json)>) -> Json {
-    Json::Object(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+/// An object with its members in key order (the canonical order of manifests and rank
+/// indexes).
+pub(crate) fn obj(pairs: Vec<(&str, Json)>) -> Json {
+    let sorted: BTreeMap<String, Json> =
+        pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    Json::Obj(sorted.into())
 }
 
 fn hex(h: u64) -> Json {
@@ -148,14 +145,18 @@ fn parse_hex(h: &str) -> Option<u64> {
 /// the listed file sizes, exact tiling), names and shapes against the loading model.
 fn scalars_hash(v: &Json) -> u64 {
     let head = match v {
-        Json::Object(m) => m
+        Json::Obj(m) => m
             .iter()
             .filter(|(k, _)| *k != "tensors" && *k != SCALARS_HASH)
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
-        _ => BTreeMap::new(),
+        _ => Object::new(),
     };
-    fnv1a64(Json::Object(head).to_text().as_bytes())
+    // Keys in order at every depth, whatever order the file listed them in: the hash is of the
+    // canonical text.
+    let mut head = Json::Obj(head);
+    head.sort_keys();
+    fnv1a64(head.to_text().as_bytes())
 }
 
 /// A plain file name: no separators, not `.`/`..`, not empty, printable ASCII.
@@ -217,10 +218,10 @@ impl Manifest {
                     ("owner", Json::UInt(u64::from(t.owner))),
                     (
                         "shape",
-                        Json::Array(t.shape.iter().map(|&d| Json::UInt(d)).collect()),
+                        Json::Arr(t.shape.iter().map(|&d| Json::UInt(d)).collect()),
                     ),
                     ("dtype", Json::Str(t.dtype.clone())),
-                    ("pieces", Json::Array(pieces)),
+                    ("pieces", Json::Arr(pieces)),
                 ])
             })
             .collect();
@@ -232,21 +233,22 @@ impl Manifest {
             ("data", str_map(&self.meta.data)),
             ("rng", str_map(&self.meta.rng)),
             ("hash", Json::Str("fnv1a64".into())),
-            ("optimizers", Json::Array(optimizers)),
-            ("files", Json::Array(files)),
-            ("tensors", Json::Array(tensors)),
+            ("optimizers", Json::Arr(optimizers)),
+            ("files", Json::Arr(files)),
+            ("tensors", Json::Arr(tensors)),
         ]);
         let h = hex(scalars_hash(&v));
-        if let Json::Object(m) = &mut v {
-            m.insert(SCALARS_HASH.to_string(), h);
+        if let Json::Obj(m) = &mut v {
+            m.insert(SCALARS_HASH, h);
         }
+        v.sort_keys();
         v
     }
 
     /// Parses and validates a manifest. `Err(Ok(version))` is a well-formed manifest of another
     /// format version; `Err(Err(msg))` anything else wrong.
     pub(crate) fn from_json(v: &Json) -> Result<Manifest, Result<u64, String>> {
-        if v.get("format") != Some(&Json::Str(FORMAT_NAME.into())) {
+        if v.member("format") != Some(&Json::Str(FORMAT_NAME.into())) {
             return Err(Err(format!("`format` is not \"{FORMAT_NAME}\"")));
         }
         let version = uint(v, "version").map_err(Err)?;
@@ -257,7 +259,7 @@ impl Manifest {
     }
 
     fn parse_v1(v: &Json) -> Result<Manifest, String> {
-        if v.get("hash") != Some(&Json::Str("fnv1a64".into())) {
+        if v.member("hash") != Some(&Json::Str("fnv1a64".into())) {
             return Err("`hash` is not \"fnv1a64\"".into());
         }
         let meta = Meta {
@@ -428,7 +430,7 @@ impl Manifest {
 }
 
 fn uint(v: &Json, key: &str) -> Result<u64, String> {
-    match v.get(key) {
+    match v.member(key) {
         Some(Json::UInt(n)) => Ok(*n),
         _ => Err(format!("`{key}` missing or not a non-negative integer")),
     }
@@ -439,22 +441,22 @@ fn owner(v: &Json) -> Result<u32, String> {
 }
 
 fn string(v: &Json, key: &str) -> Result<String, String> {
-    match v.get(key) {
+    match v.member(key) {
         Some(Json::Str(s)) => Ok(s.clone()),
         _ => Err(format!("`{key}` missing or not a string")),
     }
 }
 
 fn array<'a>(v: &'a Json, key: &str) -> Result<&'a [Json], String> {
-    match v.get(key) {
-        Some(Json::Array(a)) => Ok(a),
+    match v.member(key) {
+        Some(Json::Arr(a)) => Ok(a),
         _ => Err(format!("`{key}` missing or not an array")),
     }
 }
 
 fn strings(v: &Json, key: &str) -> Result<BTreeMap<String, String>, String> {
-    match v.get(key) {
-        Some(Json::Object(m)) => m
+    match v.member(key) {
+        Some(Json::Obj(m)) => m
             .iter()
             .map(|(k, v)| match v {
                 Json::Str(s) => Ok((k.clone(), s.clone())),
@@ -462,5 +464,51 @@ fn strings(v: &Json, key: &str) -> Result<BTreeMap<String, String>, String> {
             })
             .collect(),
         _ => Err(format!("`{key}` missing or not an object")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A manifest whose members are listed out of key order (hand-edited, or another writer).
+    /// Its scalars hash was computed outside this crate, by the canonicalization manifests have
+    /// always had (keys sorted at every depth, the diffable writer): older manifests verify.
+    const UNSORTED: &str = r#"{"version":1,"format":"lowbit-ckpt","step":7,"hash":"fnv1a64",
+"config":{"z":"1","a":"b"},"data":{},"rng":{"seed":"42"},
+"optimizers":[{"steps":7,"rule":"adamw","owner":0}],
+"files":[{"name":"rank-0.safetensors","bytes":64}],
+"tensors":[{"name":"w/master","param":"w","state":"master","owner":0,"shape":[2],"dtype":"F32",
+ "pieces":[{"file":"rank-0.safetensors","key":"k","start":0,"end":2,"offset":8,
+ "fnv1a64":"0000000000000000"}]}],
+"scalars_fnv1a64":"3e6d6ef685119d82"}"#;
+
+    #[test]
+    fn the_scalars_hash_is_of_the_canonical_text() {
+        let m = Manifest::from_json(&Json::parse(UNSORTED).unwrap()).unwrap();
+        assert_eq!(m.meta.step, 7);
+        // Written back, the manifest is in key order and carries the same hash.
+        let text = m.to_json().to_text();
+        assert!(
+            text.contains("\"scalars_fnv1a64\": \"3e6d6ef685119d82\""),
+            "{text}"
+        );
+        assert!(text.find("\"config\"") < text.find("\"data\""), "{text}");
+        let again = Manifest::from_json(&Json::parse(&text).unwrap()).unwrap();
+        assert_eq!(again, m);
+        let tampered = UNSORTED.replace("\"step\":7", "\"step\":8");
+        let err = Manifest::from_json(&Json::parse(&tampered).unwrap()).unwrap_err();
+        assert!(
+            matches!(&err, Err(msg) if msg.contains("corrupted")),
+            "{err:?}"
+        );
+        // Numbers the JSON reader accepts but a count is not are refused by the manifest.
+        for bad in ["\"step\":7.5", "\"step\":-7", "\"step\":7e0"] {
+            let text = UNSORTED.replace("\"step\":7", bad);
+            assert!(
+                Manifest::from_json(&Json::parse(&text).unwrap()).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

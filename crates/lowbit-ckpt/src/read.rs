@@ -15,7 +15,9 @@ use std::sync::atomic::AtomicUsize;
 
 use crate::error::{CkptError, Result, io};
 use crate::manifest::{Piece, TensorEntry};
-use crate::save::{FNV_BASIS, LANES, hash_lanes, raw_bytes, raw_bytes_mut};
+use lowbit_io::hash::FNV_BASIS;
+
+use crate::bytes::{LANES, hash_lanes, raw_bytes, raw_bytes_mut};
 
 /// Stored tensors and element ranges of them whose concatenation is a logical tensor.
 pub(crate) type Parts<'t> = Vec<(&'t TensorEntry, Range<u64>)>;

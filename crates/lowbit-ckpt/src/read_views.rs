@@ -21,7 +21,9 @@ use lowbit_device::{DType, Device, View, bf16};
 use crate::error::{CkptError, Result, io};
 use crate::manifest::{Piece, TensorEntry};
 use crate::read::{piece_len, segments};
-use crate::save::{FNV_BASIS, fnv1a64_continue, raw_bytes};
+use lowbit_io::hash::{FNV_BASIS, fnv1a64_continue};
+
+use crate::bytes::raw_bytes;
 use crate::write::{CHUNK_BYTES, read_at, workers};
 
 const CHUNK_ELEMS: usize = CHUNK_BYTES / 4;

@@ -5,17 +5,18 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
+use lowbit_io::json::Json;
 use lowbit_layout::ParamSpec;
 use lowbit_optim::{Optimizer, OptimizerState, StateViews};
 
 use crate::error::{CkptError, Result, io};
-use crate::json::Json;
-use crate::manifest::{DTYPE_F32, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry};
-use crate::write::{OutPiece, Source, obj, write_file};
+use crate::manifest::{
+    DTYPE_F32, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry, obj,
+};
+use crate::write::{OutPiece, Source, write_file};
 
 /// The file holding the `latest` pointer (the name of the newest committed `step-N`).
 pub const LATEST: &str = "latest";
@@ -276,97 +277,6 @@ impl Target {
     }
 }
 
-/// The memory of `values` as bytes: on a little-endian host, the values as stored.
-pub(crate) fn raw_bytes(values: &[f32]) -> &[u8] {
-    // SAFETY: `values` is a live, initialized `[f32]`; u8 has alignment 1 and no invalid bit
-    // patterns, the length is the slice's size in bytes (it cannot overflow: the slice exists),
-    // and the borrow ties the result to `values`.
-    unsafe {
-        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
-    }
-}
-
-/// The memory of `values` as writable bytes, so a read lands in the f32 buffer itself.
-pub(crate) fn raw_bytes_mut(values: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as `raw_bytes`, with the exclusive borrow of `values` for the result's lifetime;
-    // every bit pattern is a valid f32, so whatever bytes are written leave valid values.
-    unsafe {
-        std::slice::from_raw_parts_mut(
-            values.as_mut_ptr().cast::<u8>(),
-            std::mem::size_of_val(values),
-        )
-    }
-}
-
-/// [`crate::fnv1a64`] of `bytes` continued from the hash `h` of what came before them.
-pub(crate) fn fnv1a64_continue(h: u64, bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
-}
-
-/// Slices hashed side by side by one core.
-pub(crate) const LANES: usize = 4;
-/// Bytes hashed per lane between refills (bounds the dummy input of idle lanes).
-const BLOCK: usize = 1 << 18;
-pub(crate) const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-/// One worker: keeps [`LANES`] slices in flight, taking the next from `next` when one ends;
-/// idle lanes hash zeros into a state that is thrown away. Returns `(slice, hash)`. Slice `i`
-/// is hashed on from the state `start(i)` ([`FNV_BASIS`] for a whole slice; a hash so far to
-/// continue it).
-pub(crate) fn hash_lanes(
-    slices: &[&[u8]],
-    next: &AtomicUsize,
-    start: impl Fn(usize) -> u64,
-) -> Vec<(usize, u64)> {
-    let idle = vec![0u8; BLOCK];
-    let mut lanes: [Option<(usize, &[u8], usize)>; LANES] = Default::default();
-    let mut h = [FNV_BASIS; LANES];
-    let mut done = Vec::new();
-    loop {
-        for (lane, state) in lanes.iter_mut().zip(&mut h) {
-            while lane.is_none() {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&bytes) = slices.get(i) else { break };
-                if bytes.is_empty() {
-                    done.push((i, start(i)));
-                } else {
-                    *lane = Some((i, bytes, 0));
-                    *state = start(i);
-                }
-            }
-        }
-        let Some(step) = lanes
-            .iter()
-            .flatten()
-            .map(|(_, b, at)| (b.len() - at).min(BLOCK))
-            .min()
-        else {
-            return done;
-        };
-        let input: [&[u8]; LANES] = std::array::from_fn(|l| match &lanes[l] {
-            Some((_, b, at)) => &b[*at..*at + step],
-            None => &idle[..step],
-        });
-        for (((a, b), c), d) in input[0].iter().zip(input[1]).zip(input[2]).zip(input[3]) {
-            for (state, byte) in h.iter_mut().zip([a, b, c, d]) {
-                *state = (*state ^ u64::from(*byte)).wrapping_mul(FNV_PRIME);
-            }
-        }
-        for (lane, state) in lanes.iter_mut().zip(&h) {
-            if let Some((i, b, at)) = lane {
-                *at += step;
-                if *at == b.len() {
-                    done.push((*i, *state));
-                    *lane = None;
-                }
-            }
-        }
-    }
-}
-
 /// One leaf optimizer as a rank index records it.
 struct LeafEntry<'a> {
     owner: u32,
@@ -540,8 +450,8 @@ fn write_rank(
     let index = obj(vec![
         ("file", Json::Str(file)),
         ("bytes", Json::UInt(written.bytes)),
-        ("optimizers", Json::Array(optimizers)),
-        ("pieces", Json::Array(entries)),
+        ("optimizers", Json::Arr(optimizers)),
+        ("pieces", Json::Arr(entries)),
     ]);
     write_synced(&tmp.join(index_file(rank)), index.to_text().as_bytes())
 }
@@ -574,16 +484,16 @@ fn commit(
         let path = tmp.join(index_file(r));
         let text = fs::read_to_string(&path).map_err(io("read", &path))?;
         let v = Json::parse(&text).map_err(|m| bad(&path, m))?;
-        let get_u = |v: &Json, k: &str| match v.get(k) {
+        let get_u = |v: &Json, k: &str| match v.member(k) {
             Some(Json::UInt(n)) => Ok(*n),
             _ => Err(bad(&path, format!("`{k}`"))),
         };
-        let get_s = |v: &Json, k: &str| match v.get(k) {
+        let get_s = |v: &Json, k: &str| match v.member(k) {
             Some(Json::Str(s)) => Ok(s.clone()),
             _ => Err(bad(&path, format!("`{k}`"))),
         };
-        let get_a = |v: &Json, k: &str| match v.get(k) {
-            Some(Json::Array(a)) => Ok(a.clone()),
+        let get_a = |v: &Json, k: &str| match v.member(k) {
+            Some(Json::Arr(a)) => Ok(a.clone()),
             _ => Err(bad(&path, format!("`{k}`"))),
         };
         let file = get_s(&v, "file")?;
@@ -756,27 +666,4 @@ pub fn prune(root: &Path, keep: usize, current: &str) -> Result<()> {
         fs::remove_dir_all(&doomed).map_err(io("remove", &doomed))?;
     }
     sync_dir(root)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::manifest::fnv1a64;
-
-    /// A hash continued block by block from the state so far (what a load does) is the hash of
-    /// the whole, in any lane arrangement.
-    #[test]
-    fn hashing_in_blocks_continues_the_hash() {
-        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let whole = fnv1a64(&data);
-        let (a, rest) = data.split_at(33_333);
-        let (b, c) = rest.split_at(40_000);
-        let mut h = FNV_BASIS;
-        for block in [a, b, &[][..], c] {
-            let blocks = [&data[..10], block, &data[5..]];
-            let got = hash_lanes(&blocks, &AtomicUsize::new(0), |i| [7, h, 9][i]);
-            h = got.iter().find(|x| x.0 == 1).map(|x| x.1).unwrap();
-        }
-        assert_eq!(h, whole);
-    }
 }

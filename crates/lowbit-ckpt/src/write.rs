@@ -20,8 +20,11 @@ use std::sync::mpsc;
 use lowbit_device::{DType, Device, View, bf16};
 
 use crate::error::{CkptError, Result, io};
-use crate::json::Json;
-use crate::save::{FNV_BASIS, fnv1a64_continue, raw_bytes, raw_bytes_mut};
+use lowbit_io::hash::{FNV_BASIS, fnv1a64_continue};
+use lowbit_io::json::Json;
+
+use crate::bytes::{raw_bytes, raw_bytes_mut};
+use crate::manifest::obj;
 
 /// Bytes per chunk handed from the producer to a worker.
 pub(crate) const CHUNK_BYTES: usize = 8 << 20;
@@ -116,19 +119,16 @@ pub(crate) fn write_file(
             p.key.clone(),
             obj(vec![
                 ("dtype", Json::Str("F32".into())),
-                (
-                    "shape",
-                    Json::Array(vec![Json::UInt(p.source.len() as u64)]),
-                ),
+                ("shape", Json::Arr(vec![Json::UInt(p.source.len() as u64)])),
                 (
                     "data_offsets",
-                    Json::Array(vec![Json::UInt(at), Json::UInt(at + len)]),
+                    Json::Arr(vec![Json::UInt(at), Json::UInt(at + len)]),
                 ),
             ]),
         );
         at += len;
     }
-    let mut text = Json::Object(header).to_text().into_bytes();
+    let mut text = Json::Obj(header.into()).to_text().into_bytes();
     // Readers expect the data 8-byte aligned: pad the header with spaces, as safetensors does.
     text.resize(text.len().next_multiple_of(8), b' ');
     let n = text.len() as u64;
@@ -379,8 +379,4 @@ fn start_writeback(f: &File, offset: u64, len: u64) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (f, offset, len);
-}
-
-pub(crate) fn obj(pairs: Vec<(&str, Json)>) -> Json {
-    Json::Object(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
 }

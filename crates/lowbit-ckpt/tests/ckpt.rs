@@ -608,7 +608,7 @@ fn open_edited(dir: &Path, edit: impl FnOnce(&mut Json)) -> Result<Checkpoint, C
 /// Appends a copy of the first element of the array at `path`.
 fn push_copy_of_first(v: &mut Json, path: &[&str]) {
     let first = field(v, &[path, &["0"]].concat()).clone();
-    if let Json::Array(a) = field(v, path) {
+    if let Json::Arr(a) = field(v, path) {
         a.push(first);
     }
 }
@@ -617,8 +617,8 @@ fn field<'a>(v: &'a mut Json, path: &[&str]) -> &'a mut Json {
     let mut v = v;
     for k in path {
         v = match v {
-            Json::Object(m) => m.get_mut(*k).unwrap(),
-            Json::Array(a) => &mut a[k.parse::<usize>().unwrap()],
+            Json::Obj(m) => m.get_mut(*k).unwrap(),
+            Json::Arr(a) => &mut a[k.parse::<usize>().unwrap()],
             _ => panic!("no {k}"),
         };
     }
@@ -642,7 +642,7 @@ fn hostile_manifests_are_typed_errors() {
             "absurd shape",
             Box::new(|v| {
                 *field(v, &["tensors", "0", "shape"]) =
-                    Json::Array(vec![Json::UInt(1 << 40), Json::UInt(1 << 40)])
+                    Json::Arr(vec![Json::UInt(1 << 40), Json::UInt(1 << 40)])
             }),
             "absurd",
         ),
@@ -666,7 +666,7 @@ fn hostile_manifests_are_typed_errors() {
         (
             "missing piece",
             Box::new(|v| {
-                if let Json::Array(a) = field(v, &["tensors", "0", "pieces"]) {
+                if let Json::Arr(a) = field(v, &["tensors", "0", "pieces"]) {
                     a.remove(0);
                 }
             }),

@@ -29,20 +29,17 @@ fn cargo_metadata_target_dir() -> Option<PathBuf> {
         .output()
         .ok()?;
     let meta = Json::parse(std::str::from_utf8(&out.stdout).ok()?).ok()?;
-    meta.get("target_directory").str().map(PathBuf::from)
+    meta.get("target_directory").as_str().map(PathBuf::from)
 }
 
 /// The `point_estimate` of statistic `stat` (`"median"`, `"mean"`, …) in the text of a
 /// criterion `estimates.json`.
 pub fn point_estimate(estimates_json: &str, stat: &str) -> Option<f64> {
-    match Json::parse(estimates_json)
+    Json::parse(estimates_json)
         .ok()?
         .get(stat)
         .get("point_estimate")
-    {
-        Json::Num(x) => Some(*x),
-        _ => None,
-    }
+        .as_f64()
 }
 
 /// Median time in ns of benchmark `group/id`, if this run (started at `since`) wrote its

@@ -11,21 +11,23 @@
 //! - [`tempdir`]: a per-test scratch directory removed on drop;
 //! - [`cpu_load`]: how many cores other processes kept busy while a benchmark ran (Linux), so
 //!   a table says when its figures were taken on a loaded machine;
-//! - [`json`]: a small JSON reader for cargo's machine-readable output (`xtask`) and for
+//! - [`json`]: `lowbit_io`'s JSON codec, for cargo's machine-readable output (`xtask`) and
 //!   `lowbit train --json` (the root package's `tests/train.rs`);
-//! - [`rng`]: the deterministic generators (splitmix64, xorshift) behind test inputs and
-//!   benchmark data;
+//! - [`rng`]: the deterministic generators behind test inputs and benchmark data (xorshift
+//!   here, splitmix64 re-exported from `lowbit_io`);
 //! - [`fuzz_cases`]: the case count of the byte-mutation fuzz tests (`LOWBIT_FUZZ_CASES`).
 //!
 //! # Invariants
-//! - No dependencies, so adding it as a dev-dependency costs nothing in build time.
+//! - One dependency, `lowbit-io` without its default features (its JSON codec, hash and
+//!   generator: nothing but `thiserror`), so adding it as a dev-dependency costs little build
+//!   time.
 //! - It is a dev-dependency of every library that uses it (`xtask`, never packaged, is the one
 //!   normal user), and its workspace entry has no version, so `cargo package` drops it from the
 //!   packaged manifests.
 //!
 //! # Non-goals
-//! A general JSON library (no serialisation, numbers are `f64`, no streaming); anything a
-//! library crate needs at run time; publication (`publish = false`).
+//! Code of its own for what `lowbit-io` holds (JSON, SplitMix64); anything a library crate
+//! needs at run time; publication (`publish = false`).
 
 pub mod cli;
 pub mod cpu_load;

@@ -1,20 +1,11 @@
 //! Deterministic pseudo-random streams for test inputs and benchmark data: no state outside the
 //! caller's, the same values on every machine and run.
 //!
-//! Each test or benchmark keeps its own seed scrambling (so its inputs stay what they were);
-//! the generators and the conversion of bits to floats are here once.
+//! Each test or benchmark keeps its own seed scrambling (so its inputs stay what they were).
+//! SplitMix64 is `lowbit_io`'s (re-exported here with its reference-stream test there); the
+//! xorshift generators and the conversion of bits to floats are here once.
 
-/// The golden-ratio increment of splitmix64, also a common seed scrambler.
-pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// splitmix64 (Steele, Lea and Flood): the finalizer of `x + GOLDEN_GAMMA`. Called on a counter
-/// it is a stream; called on a hash of small integers it is a seed mixer.
-pub fn splitmix64(x: u64) -> u64 {
-    let x = x.wrapping_add(GOLDEN_GAMMA);
-    let x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    let x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+pub use lowbit_io::rng::{GOLDEN_GAMMA, SplitMix64, splitmix64};
 
 /// The top 24 bits of `x` as an f32 in `[0, 1)` (exact: every such value is an f32).
 pub fn unit24(x: u64) -> f32 {
@@ -68,13 +59,6 @@ pub fn xorshift32_signed(state: u32, n: usize, scale: f32) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn splitmix64_matches_the_reference_stream() {
-        // The first outputs of the reference splitmix64 seeded with 0 (state += gamma, then mix).
-        assert_eq!(splitmix64(0), 0xE220_A839_7B1D_CDAF);
-        assert_eq!(splitmix64(GOLDEN_GAMMA), 0x6E78_9E6A_A1B9_65F4);
-    }
 
     #[test]
     fn xorshift_states_follow_the_recurrences() {

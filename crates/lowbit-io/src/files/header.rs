@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 
-use super::{json_string, push_json_string};
+use crate::json::{Json, Limits, push_string, push_string_serde};
 
 /// safetensors' limit on the header length.
 pub const MAX_HEADER: u64 = 100_000_000;
@@ -46,171 +46,66 @@ const DTYPES: [Dtype; 22] = [
     Dtype::U64,
 ];
 
-/// The tensors and `__metadata__` of a header text, in file order. `None` where the text is not
-/// what `safetensors` accepts; callers run this only on text it has accepted, so `None` means
-/// the two readers disagree.
+/// The tensors and `__metadata__` of a header text, in file order, read by [`crate::json`].
+/// Callers run this only on text `safetensors` has accepted, so an error means the two readers
+/// disagree (this one refuses a key twice in one object, where `serde_json` keeps the last).
 #[allow(clippy::type_complexity)]
-pub fn tensors(json: &str) -> Option<(Vec<(String, TensorInfo)>, Option<HashMap<String, String>>)> {
-    let mut c = Cursor { s: json, i: 0 };
+pub fn tensors(
+    json: &str,
+) -> Result<(Vec<(String, TensorInfo)>, Option<HashMap<String, String>>), String> {
+    // serde_json's recursion limit and safetensors' length limit: what they accepted fits.
+    let limits = Limits {
+        max_depth: 128,
+        max_len: MAX_HEADER as usize,
+    };
+    let Json::Obj(top) = Json::parse_with(json, limits).map_err(|e| e.to_string())? else {
+        return Err("the header is not a JSON object".into());
+    };
     let (mut tensors, mut metadata) = (Vec::new(), None);
-    c.object(|c, key| {
+    for (key, v) in top {
         if key == "__metadata__" {
-            metadata = c.string_map()?;
+            metadata = match v {
+                Json::Null => None,
+                Json::Obj(m) => Some(
+                    m.into_iter()
+                        .map(|(k, v)| match v {
+                            Json::Str(s) => Ok((k, s)),
+                            _ => Err(format!("metadata `{k}` is not a string")),
+                        })
+                        .collect::<Result<_, _>>()?,
+                ),
+                _ => return Err("`__metadata__` is not an object".into()),
+            };
         } else {
-            tensors.push((key, c.tensor_info()?));
+            let info = tensor_info(&v).ok_or_else(|| format!("tensor `{key}`: bad entry"))?;
+            tensors.push((key, info));
         }
-        Some(())
-    })?;
-    c.ws();
-    (c.i == json.len()).then_some((tensors, metadata))
+    }
+    Ok((tensors, metadata))
 }
 
-/// A reader over JSON text that is already known to be valid.
-struct Cursor<'a> {
-    s: &'a str,
-    i: usize,
-}
-
-impl Cursor<'_> {
-    fn ws(&mut self) {
-        while self
-            .s
-            .as_bytes()
-            .get(self.i)
-            .is_some_and(|b| b.is_ascii_whitespace())
-        {
-            self.i += 1;
+/// A tensor entry: `dtype`, `shape` and `data_offsets` (other members are ignored, as
+/// `safetensors` ignores them).
+fn tensor_info(v: &Json) -> Option<TensorInfo> {
+    let name = v.member("dtype")?.as_str()?;
+    let dtype = *DTYPES.iter().find(|d| d.to_string() == name)?;
+    let uints = |key: &str| -> Option<Vec<usize>> {
+        match v.member(key)? {
+            Json::Arr(a) => a
+                .iter()
+                .map(|d| usize::try_from(d.as_u64()?).ok())
+                .collect(),
+            _ => None,
         }
-    }
-
-    /// Consumes `b` (after whitespace) if it is next.
-    fn eat(&mut self, b: u8) -> bool {
-        self.ws();
-        let hit = self.s.as_bytes().get(self.i) == Some(&b);
-        self.i += usize::from(hit);
-        hit
-    }
-
-    fn string(&mut self) -> Option<String> {
-        self.ws();
-        let (text, next) = json_string(self.s, self.i)?;
-        self.i = next;
-        Some(text)
-    }
-
-    /// `{ "k": v, … }`, calling `value` with each key while the cursor is before its value.
-    fn object(&mut self, mut value: impl FnMut(&mut Self, String) -> Option<()>) -> Option<()> {
-        if !self.eat(b'{') {
-            return None;
-        }
-        if self.eat(b'}') {
-            return Some(());
-        }
-        loop {
-            let key = self.string()?;
-            self.eat(b':').then_some(())?;
-            value(self, key)?;
-            if self.eat(b'}') {
-                return Some(());
-            }
-            self.eat(b',').then_some(())?;
-        }
-    }
-
-    /// `[ n, … ]` of unsigned integers.
-    fn uints(&mut self) -> Option<Vec<usize>> {
-        if !self.eat(b'[') {
-            return None;
-        }
-        let mut out = Vec::new();
-        if self.eat(b']') {
-            return Some(out);
-        }
-        loop {
-            self.ws();
-            let digits = self.s[self.i..]
-                .bytes()
-                .take_while(u8::is_ascii_digit)
-                .count();
-            out.push(self.s.get(self.i..self.i + digits)?.parse().ok()?);
-            self.i += digits;
-            if self.eat(b']') {
-                return Some(out);
-            }
-            self.eat(b',').then_some(())?;
-        }
-    }
-
-    /// Skips any value (fields of a tensor entry that safetensors ignores).
-    fn skip(&mut self) -> Option<()> {
-        self.ws();
-        match *self.s.as_bytes().get(self.i)? {
-            b'"' => self.string().map(drop),
-            b'{' => self.object(|c, _| c.skip()),
-            b'[' => {
-                self.i += 1;
-                if self.eat(b']') {
-                    return Some(());
-                }
-                loop {
-                    self.skip()?;
-                    if self.eat(b']') {
-                        return Some(());
-                    }
-                    self.eat(b',').then_some(())?;
-                }
-            }
-            _ => {
-                // A number, true, false or null.
-                let n = self.s[self.i..]
-                    .bytes()
-                    .take_while(|b| b.is_ascii_alphanumeric() || b"+-.".contains(b))
-                    .count();
-                self.i += n;
-                (n > 0).then_some(())
-            }
-        }
-    }
-
-    /// `null` or an object of strings.
-    fn string_map(&mut self) -> Option<Option<HashMap<String, String>>> {
-        self.ws();
-        if self.s[self.i..].starts_with("null") {
-            self.i += 4;
-            return Some(None);
-        }
-        let mut map = HashMap::new();
-        self.object(|c, k| {
-            map.insert(k, c.string()?);
-            Some(())
-        })?;
-        Some(Some(map))
-    }
-
-    fn tensor_info(&mut self) -> Option<TensorInfo> {
-        let (mut dtype, mut shape, mut offsets) = (None, None, None);
-        self.object(|c, k| {
-            match k.as_str() {
-                "dtype" => {
-                    let name = c.string()?;
-                    dtype = Some(*DTYPES.iter().find(|d| d.to_string() == name)?);
-                }
-                "shape" => shape = Some(c.uints()?),
-                "data_offsets" => offsets = Some(c.uints()?),
-                _ => c.skip()?,
-            }
-            Some(())
-        })?;
-        let offsets = offsets?;
-        let &[start, end] = offsets.as_slice() else {
-            return None;
-        };
-        Some(TensorInfo {
-            dtype: dtype?,
-            shape: shape?,
-            data_offsets: (start, end),
-        })
-    }
+    };
+    let &[start, end] = uints("data_offsets")?.as_slice() else {
+        return None;
+    };
+    Some(TensorInfo {
+        dtype,
+        shape: uints("shape")?,
+        data_offsets: (start, end),
+    })
 }
 
 /// A tensor of a file to be written: its size is known before its bytes.
@@ -248,9 +143,9 @@ pub fn layout(specs: &[Spec], metadata: &HashMap<String, String>) -> Option<(Vec
             if i > 0 {
                 json.push(',');
             }
-            push_json_string(&mut json, k, false);
+            push_string(&mut json, k);
             json.push(':');
-            push_json_string(&mut json, v, false);
+            push_string(&mut json, v);
         }
         json.push('}');
     }
@@ -262,7 +157,7 @@ pub fn layout(specs: &[Spec], metadata: &HashMap<String, String>) -> Option<(Vec
         if json.len() > 1 {
             json.push(',');
         }
-        push_json_string(&mut json, &s.name, true);
+        push_string_serde(&mut json, &s.name);
         let dims: Vec<String> = s.shape.iter().map(usize::to_string).collect();
         json.push_str(&format!(
             r#":{{"dtype":"{}","shape":[{}],"data_offsets":[{offset},{end}]}}"#,
@@ -355,7 +250,7 @@ mod tests {
             (t[0].1.dtype, t[0].1.shape.clone(), t[0].1.data_offsets),
             (Dtype::F32, vec![2], (0, 8))
         );
-        assert!(tensors(r#"{"t":{"dtype":"F32","shape":[2]}}"#).is_none());
+        assert!(tensors(r#"{"t":{"dtype":"F32","shape":[2]}}"#).is_err());
         assert!(tensors(r#"{"__metadata__":null}"#).unwrap().1.is_none());
     }
 }

@@ -23,7 +23,7 @@ use lowbit_formats::{
 };
 use safetensors::Dtype;
 
-use crate::error::CliError;
+use crate::error::Error;
 use crate::files::{self, Entry, Input, Output, pipeline};
 use crate::report::{self, Align, Progress, Stats, Table, bytes_str, human_bytes, sci};
 use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
@@ -72,11 +72,11 @@ impl Plan {
 }
 
 /// Quantizes `input` into `output` and returns the report to print.
-pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<Table, CliError> {
+pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<Table, Error> {
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
     let s = &opts.settings;
-    let ctx = |m: String| CliError::Msg(format!("{}: {m}", input.display()));
+    let ctx = |m: String| Error::Invalid(format!("{}: {m}", input.display()));
 
     // Validate every tensor and lay out the output before any data is read, so a bad tensor
     // late in a large file fails fast.
@@ -287,7 +287,7 @@ enum Elements {
 
 impl Elements {
     /// `n` elements of `dtype` at `offset`; `None` for a dtype that is not quantized.
-    fn read(src: &Input, dtype: Dtype, offset: u64, n: usize) -> Option<Result<Self, CliError>> {
+    fn read(src: &Input, dtype: Dtype, offset: u64, n: usize) -> Option<Result<Self, Error>> {
         Some(match dtype {
             Dtype::F32 => src.read_elems(offset, n).map(Elements::F32),
             Dtype::BF16 => src.read_elems(offset, n).map(Elements::Bf16),
@@ -394,7 +394,7 @@ struct Job<'a> {
 
 impl Job<'_> {
     /// Quantizes, writes and measures the tensor; returns its round-trip statistics.
-    fn run(self, threads: usize) -> Result<Stats, CliError> {
+    fn run(self, threads: usize) -> Result<Stats, Error> {
         let (rows, cols) = (self.rows, self.cols);
         let workers = pipeline::threads(threads);
         let chunks = pipeline::Chunks::new(rows, cols, workers);
@@ -403,7 +403,7 @@ impl Job<'_> {
         let lib_threads = (workers / n).max(1);
         let ahead = workers + 1;
         // Chunk k: its first row, its row count and its elements.
-        let read = |k: usize| -> Result<(usize, usize, Elements), CliError> {
+        let read = |k: usize| -> Result<(usize, usize, Elements), Error> {
             let (r0, r1) = chunks.range(k);
             let size = self.e.dtype.bitsize() / 8;
             let offset = self.e.offset + (r0 * cols * size) as u64;
@@ -492,7 +492,7 @@ impl Job<'_> {
     }
 
     /// Chunk `x` of `rows` rows as the library's input.
-    fn matrix<'x>(&'x self, rows: usize, x: &'x Elements) -> Result<Matrix<'x>, CliError> {
+    fn matrix<'x>(&'x self, rows: usize, x: &'x Elements) -> Result<Matrix<'x>, Error> {
         Matrix::new(&self.e.name, rows, self.cols, x.source()).map_err(|f| self.format_error(f))
     }
 
@@ -529,7 +529,7 @@ impl Job<'_> {
     }
 
     /// Writes (or gathers) chunk `t` of `rows` rows starting at row `r0`.
-    fn store(&self, t: &Quantized, r0: usize, rows: usize) -> Result<(), CliError> {
+    fn store(&self, t: &Quantized, r0: usize, rows: usize) -> Result<(), Error> {
         for c in &self.copies {
             let p = t
                 .plane(c.which)
@@ -580,15 +580,15 @@ impl Job<'_> {
         Ok(())
     }
 
-    fn internal(&self, msg: String) -> CliError {
-        CliError::Msg(format!(
+    fn internal(&self, msg: String) -> Error {
+        Error::Invalid(format!(
             "{}: tensor {}: internal error: {msg}",
             self.src.path().display(),
             self.e.name
         ))
     }
 
-    fn format_error(&self, f: FormatError) -> CliError {
+    fn format_error(&self, f: FormatError) -> Error {
         format_error(self.src.path(), &self.e.shape, f)
     }
 }
@@ -616,7 +616,7 @@ fn is_quantized(name: &str, dtype: Dtype) -> Result<bool, String> {
 
 /// A library error with the file as context; a non-finite element of a tensor that is not 2D
 /// also gets its index in the original shape (the library reports matrix coordinates).
-fn format_error(input: &Path, shape: &[usize], source: lowbit_formats::FormatError) -> CliError {
+fn format_error(input: &Path, shape: &[usize], source: lowbit_formats::FormatError) -> Error {
     if let lowbit_formats::FormatError::NonFinite { flat, .. } = source
         && shape.len() != 2
     {
@@ -628,14 +628,14 @@ fn format_error(input: &Path, shape: &[usize], source: lowbit_formats::FormatErr
                 rest /= d;
             }
         }
-        return CliError::Msg(format!(
+        return Error::Invalid(format!(
             "{}: {source}, i.e. element {} of the {} tensor (--nan-policy error)",
             input.display(),
             schema::shape_str(&index),
             schema::shape_str(shape)
         ));
     }
-    CliError::Format {
+    Error::Format {
         path: input.to_owned(),
         source,
     }

@@ -11,17 +11,17 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use clap::ValueEnum;
 use lowbit_formats::{Mxfp8Tensor, Nvfp4Tensor, QuantPlane, bf16, f16};
 use safetensors::Dtype;
 
-use crate::error::CliError;
+use crate::error::Error;
 use crate::files::{self, Entry, Input, Output, Spec, pipeline};
 use crate::report::{self, Align, Progress, Table, bytes_str};
 use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
 
 /// Element type of dequantized tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum OutDtype {
     /// bfloat16 (round to nearest even).
     Bf16,
@@ -44,10 +44,10 @@ pub fn run(
     output: &Path,
     dtype: Option<OutDtype>,
     force: bool,
-) -> Result<Table, CliError> {
+) -> Result<Table, Error> {
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
-    let ctx = |m: String| CliError::Msg(format!("{}: {m}", input.display()));
+    let ctx = |m: String| Error::Invalid(format!("{}: {m}", input.display()));
     if !src.metadata.contains_key(schema::KEY_VERSION) {
         return Err(ctx(format!(
             "not a lowbit-quantized file (its __metadata__ has no {} key); dequantize reads \

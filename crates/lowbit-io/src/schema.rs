@@ -21,7 +21,6 @@
 
 use std::collections::HashMap;
 
-use clap::ValueEnum;
 use lowbit_formats::{Copies, Fp8Kind, NanPolicy, ScaleLayout, layout};
 use safetensors::Dtype;
 
@@ -60,16 +59,17 @@ pub const ALL_SUFFIXES: [&str; 5] = [
 ];
 
 /// The quantization recipe.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Recipe {
     /// MXFP8 with E4M3 elements and one E8M0 scale per 32 elements (TE's default).
-    #[value(name = "mxfp8")]
+    #[cfg_attr(feature = "clap", value(name = "mxfp8"))]
     Mxfp8,
     /// MXFP8 with E5M2 elements (wider range, less precision).
-    #[value(name = "mxfp8-e5m2")]
+    #[cfg_attr(feature = "clap", value(name = "mxfp8-e5m2"))]
     Mxfp8E5m2,
     /// NVFP4: E2M1 elements, an E4M3 scale per 16 elements and a global fp32 amax.
-    #[value(name = "nvfp4")]
+    #[cfg_attr(feature = "clap", value(name = "nvfp4"))]
     Nvfp4,
 }
 

@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors, View};
 
-use crate::error::CliError;
+use crate::error::Error;
 
 mod header;
 pub mod pipeline;
 
-pub use header::Spec;
+pub use header::{MAX_HEADER, Spec};
 
 /// A tensor to be written: borrowed from the input (pass-through) or freshly computed.
 #[derive(Clone, Debug)]
@@ -141,30 +141,30 @@ fn json_string(json: &str, start: usize) -> Option<(String, usize)> {
 /// Checks the input/output pair before any work: the input must exist, the output must not be
 /// the input (not even with `--force`), and an existing output needs `force` and must be a
 /// regular file (a device node, FIFO, socket, directory or symlink is never replaced).
-pub fn check_paths(input: &Path, output: &Path, force: bool) -> Result<(), CliError> {
-    let input_real = fs::canonicalize(input).map_err(|e| CliError::io("read", input, e))?;
+pub fn check_paths(input: &Path, output: &Path, force: bool) -> Result<(), Error> {
+    let input_real = fs::canonicalize(input).map_err(|e| Error::io("read", input, e))?;
     if fs::metadata(&input_real).is_ok_and(|m| m.is_dir()) {
-        return Err(CliError::Msg(format!(
+        return Err(Error::Invalid(format!(
             "cannot read {}: is a directory",
             input.display()
         )));
     }
     // canonicalize fails when the output does not exist yet; then it cannot be the input.
     if fs::canonicalize(output).is_ok_and(|o| o == input_real) {
-        return Err(CliError::Msg(format!(
+        return Err(Error::Invalid(format!(
             "output path {} is the input path; choose another output file",
             output.display()
         )));
     }
     if let Ok(m) = fs::symlink_metadata(output) {
         if !force {
-            return Err(CliError::Msg(format!(
+            return Err(Error::Invalid(format!(
                 "output {} already exists (pass --force to overwrite it)",
                 output.display()
             )));
         }
         if !m.file_type().is_file() {
-            return Err(CliError::Msg(format!(
+            return Err(Error::Invalid(format!(
                 "output {} exists and is not a regular file ({}); --force replaces only \
                  regular files",
                 output.display(),
@@ -330,145 +330,8 @@ fn create_temp(
     }
 }
 
-/// Removal of the temporary file when SIGINT, SIGTERM or SIGHUP arrives during the write.
-///
-/// Without a dependency there is no `libc` crate, so the three C functions are declared here;
-/// std links the C library on every Unix anyway. The handler is async-signal-safe: it takes the
-/// path (a C string registered by [`signals::arm`]) with one atomic swap, `unlink`s it, then hands
-/// the signal to the handler installed before it (the liveness channel's goodbye to the peers of
-/// a rank, say) or, if there was none, restores the default action and re-raises the signal, so
-/// the process still dies of it. SIGKILL cannot be caught: its temporaries are removed by the next
-/// run ([`remove_stale_temps`]).
 #[cfg(any(target_os = "linux", target_os = "macos"))]
-mod signals {
-    use std::ffi::{CString, c_char, c_int};
-    use std::path::Path;
-    use std::sync::Once;
-    use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-
-    /// The temporary to remove, or null.
-    static TEMP: AtomicPtr<c_char> = AtomicPtr::new(std::ptr::null_mut());
-    /// The handler each of [`SIGNALS`] had before ours (`SIG_DFL` if none).
-    static PREVIOUS: [AtomicUsize; 3] = [const { AtomicUsize::new(SIG_DFL) }; 3];
-
-    // The same numbers on Linux and macOS.
-    const SIGHUP: c_int = 1;
-    const SIGINT: c_int = 2;
-    const SIGTERM: c_int = 15;
-    const SIGNALS: [c_int; 3] = [SIGHUP, SIGINT, SIGTERM];
-    const SIG_DFL: usize = 0;
-    const SIG_IGN: usize = 1;
-    const SIG_ERR: usize = usize::MAX;
-
-    // SAFETY: these are the C library's declarations of `signal`, `unlink` and `raise` (a
-    // handler is passed as its address, `sighandler_t`).
-    unsafe extern "C" {
-        fn signal(signum: c_int, handler: usize) -> usize;
-        fn unlink(path: *const c_char) -> c_int;
-        fn raise(sig: c_int) -> c_int;
-    }
-
-    extern "C" fn on_signal(sig: c_int) {
-        let p = TEMP.swap(std::ptr::null_mut(), Ordering::SeqCst);
-        if !p.is_null() {
-            // SAFETY: `p` came from `CString::into_raw` in `arm` and, swapped out here, can no
-            // longer be freed by `disarm`; `unlink` is async-signal-safe.
-            unsafe { unlink(p) };
-        }
-        let previous = SIGNALS
-            .iter()
-            .position(|&s| s == sig)
-            .map_or(SIG_DFL, |i| PREVIOUS[i].load(Ordering::SeqCst));
-        if previous == SIG_DFL || previous == SIG_ERR {
-            // SAFETY: restoring the default action and re-raising are async-signal-safe; the
-            // signal then terminates the process as it would have without this handler.
-            unsafe {
-                signal(sig, SIG_DFL);
-                raise(sig);
-            }
-        } else {
-            // SAFETY: `previous` is the address of the handler `signal` replaced in `arm`, an
-            // `extern "C" fn(c_int)` installed by this process (SIG_IGN is never stored).
-            let f = unsafe { std::mem::transmute::<usize, extern "C" fn(c_int)>(previous) };
-            f(sig);
-        }
-    }
-
-    /// Registers `path` for removal on a signal (installing the handlers once).
-    pub fn arm(path: &Path) {
-        static INSTALL: Once = Once::new();
-        INSTALL.call_once(|| {
-            for (slot, &sig) in PREVIOUS.iter().zip(&SIGNALS) {
-                // SAFETY: `on_signal` is an `extern "C" fn(c_int)` that only calls
-                // async-signal-safe functions.
-                match unsafe { signal(sig, on_signal as extern "C" fn(c_int) as usize) } {
-                    // SAFETY: an ignored signal gets its disposition back (it must not start
-                    // removing files and killing the process).
-                    SIG_IGN => unsafe { signal(sig, SIG_IGN) },
-                    previous => slot.swap(previous, Ordering::SeqCst),
-                };
-            }
-        });
-        use std::os::unix::ffi::OsStrExt;
-        if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
-            let old = TEMP.swap(c.into_raw(), Ordering::SeqCst);
-            free(old);
-        }
-    }
-
-    /// Unregisters the temporary (it has been renamed or removed).
-    pub fn disarm() {
-        free(TEMP.swap(std::ptr::null_mut(), Ordering::SeqCst));
-    }
-
-    fn free(p: *mut c_char) {
-        if !p.is_null() {
-            // SAFETY: `p` came from `CString::into_raw` and was swapped out of `TEMP`, so
-            // nothing else holds it.
-            drop(unsafe { CString::from_raw(p) });
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-        use std::sync::atomic::AtomicI32;
-
-        static SEEN: AtomicI32 = AtomicI32::new(0);
-
-        extern "C" fn earlier(sig: c_int) {
-            SEEN.store(sig, Ordering::SeqCst);
-        }
-
-        /// A handler installed before ours (the liveness channel's goodbye) still runs: ours
-        /// removes the temporary, then hands the signal on instead of re-raising it. The handler
-        /// is called directly with `earlier` as SIGHUP's previous handler, so no disposition of
-        /// the test process changes.
-        #[test]
-        fn the_handler_removes_the_temp_then_chains_to_the_earlier_one() {
-            let dir = std::env::temp_dir().join(format!("lowbit-sig-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
-            let tmp = dir.join("partial");
-            std::fs::write(&tmp, b"x").unwrap();
-            let slot = SIGNALS.iter().position(|&s| s == SIGHUP).unwrap();
-            PREVIOUS[slot].store(earlier as extern "C" fn(c_int) as usize, Ordering::SeqCst);
-            let old = TEMP.swap(
-                CString::new(tmp.to_str().unwrap()).unwrap().into_raw(),
-                Ordering::SeqCst,
-            );
-            on_signal(SIGHUP);
-            PREVIOUS[slot].store(SIG_DFL, Ordering::SeqCst);
-            free(old);
-            assert_eq!(
-                SEEN.load(Ordering::SeqCst),
-                SIGHUP,
-                "the earlier handler did not run"
-            );
-            assert!(!tmp.exists(), "the temporary was not removed");
-            std::fs::remove_dir_all(&dir).unwrap();
-        }
-    }
-}
+mod signals;
 
 #[cfg(not(any(target_os = "linux", target_os = "macos")))]
 mod signals {
@@ -497,9 +360,9 @@ pub struct Output {
 
 impl Output {
     /// Creates the temporary for `path`.
-    pub fn create(path: &Path) -> Result<Self, CliError> {
+    pub fn create(path: &Path) -> Result<Self, Error> {
         if path.file_name().is_none() {
-            return Err(CliError::Msg(format!(
+            return Err(Error::Invalid(format!(
                 "output {} is not a file path",
                 path.display()
             )));
@@ -513,8 +376,7 @@ impl Output {
             .ok()
             .filter(|m| m.file_type().is_file())
             .map(|m| m.permissions());
-        let (tmp, file) =
-            create_temp(dir, temp_name).map_err(|e| CliError::io("write", path, e))?;
+        let (tmp, file) = create_temp(dir, temp_name).map_err(|e| Error::io("write", path, e))?;
         Ok(Output {
             path: path.to_owned(),
             guard: TempGuard(Some(tmp.clone())),
@@ -526,27 +388,27 @@ impl Output {
 
     /// Writes `bytes` at byte `offset`; errors name the output the user asked for, not the
     /// hidden temporary.
-    pub fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), CliError> {
+    pub fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), Error> {
         positioned::write_all_at(&self.file, offset, bytes)
-            .map_err(|e| CliError::io("write", &self.path, e))
+            .map_err(|e| Error::io("write", &self.path, e))
     }
 
     /// Syncs the file, gives it the replaced file's permissions and renames it into place.
-    pub fn commit(mut self) -> Result<(), CliError> {
+    pub fn commit(mut self) -> Result<(), Error> {
         let finish = || -> std::io::Result<()> {
             if let Some(p) = &self.old_perms {
                 self.file.set_permissions(p.clone())?;
             }
             self.file.sync_all()
         };
-        finish().map_err(|e| CliError::io("write", &self.path, e))?;
+        finish().map_err(|e| Error::io("write", &self.path, e))?;
         let renamed = fs::rename(&self.tmp, &self.path);
         if renamed.is_ok() {
             // Disarm before anything else can be created at the temporary's name.
             signals::disarm();
             self.guard.0 = None;
         }
-        renamed.map_err(|e| CliError::io("write", &self.path, e))
+        renamed.map_err(|e| Error::io("write", &self.path, e))
     }
 }
 
@@ -555,7 +417,7 @@ pub fn commit_reported(
     out: Output,
     len: usize,
     mut table: crate::report::Table,
-) -> Result<crate::report::Table, CliError> {
+) -> Result<crate::report::Table, Error> {
     let line = format!(
         "wrote {} ({})",
         out.path.display(),
@@ -567,7 +429,7 @@ pub fn commit_reported(
 }
 
 /// Writes `bytes` to `path` atomically (see [`Output`]).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     let out = Output::create(path)?;
     out.write_at(0, bytes)?;
     out.commit()
@@ -579,8 +441,8 @@ pub fn layout(
     path: &Path,
     specs: &[Spec],
     metadata: &HashMap<String, String>,
-) -> Result<(Vec<u8>, Vec<u64>), CliError> {
-    header::layout(specs, metadata).ok_or_else(|| CliError::Serialize {
+) -> Result<(Vec<u8>, Vec<u64>), Error> {
+    header::layout(specs, metadata).ok_or_else(|| Error::Serialize {
         path: path.to_owned(),
         source: safetensors::SafeTensorError::HeaderTooLarge,
     })
@@ -592,7 +454,7 @@ pub fn serialize(
     path: &Path,
     tensors: Vec<(String, OutTensor<'_>)>,
     metadata: HashMap<String, String>,
-) -> Result<Vec<u8>, CliError> {
+) -> Result<Vec<u8>, Error> {
     let specs: Vec<Spec> = tensors
         .iter()
         .map(|(name, t)| Spec {
@@ -648,16 +510,16 @@ impl Input {
     /// shapes and offsets that tile the data region exactly to the end of the file. Only the
     /// header's bytes are read. Inputs must be regular files (a FIFO or device has no size to
     /// check against, and could block or never end).
-    pub fn open(path: &Path) -> Result<Self, CliError> {
-        let io = |e| CliError::io("read", path, e);
-        let parse_err = |source| CliError::Parse {
+    pub fn open(path: &Path) -> Result<Self, Error> {
+        let io = |e| Error::io("read", path, e);
+        let parse_err = |source| Error::Parse {
             path: path.to_owned(),
             source,
         };
         let file = fs::File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.file_type().is_file() {
-            return Err(CliError::Msg(format!(
+            return Err(Error::Invalid(format!(
                 "cannot read {}: not a regular file ({})",
                 path.display(),
                 file_kind(&meta.file_type())
@@ -683,7 +545,7 @@ impl Input {
         // serde_json keeps the last of two equal keys, so a header naming a tensor twice would
         // parse as the last; it is refused first.
         if let Some(dup) = std::str::from_utf8(&buf[8..]).ok().and_then(duplicate_key) {
-            return Err(CliError::Msg(format!(
+            return Err(Error::Invalid(format!(
                 "cannot parse {}: the header names `{}` more than once",
                 path.display(),
                 crate::report::escape(&dup)
@@ -698,12 +560,8 @@ impl Input {
             Err(E::MetadataIncompleteBuffer) => {
                 let text =
                     std::str::from_utf8(&buf[8..]).map_err(|e| parse_err(E::InvalidHeader(e)))?;
-                let (mut infos, metadata) = header::tensors(text).ok_or_else(|| {
-                    CliError::Msg(format!(
-                        "{}: internal error: a header safetensors accepts could not be read",
-                        path.display()
-                    ))
-                })?;
+                let (mut infos, metadata) = header::tensors(text)
+                    .map_err(|e| Error::Invalid(format!("cannot parse {}: {e}", path.display())))?;
                 infos.sort_by_key(|(_, i)| i.data_offsets);
                 let md = safetensors::tensor::Metadata::new(metadata, infos.clone())
                     .map_err(parse_err)?;
@@ -752,13 +610,13 @@ impl Input {
     }
 
     /// Fills `buf` from byte `offset` of the file (safe to call from several threads).
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), CliError> {
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
         positioned::read_exact_at(&self.file, offset, buf)
-            .map_err(|e| CliError::io("read", &self.path, e))
+            .map_err(|e| Error::io("read", &self.path, e))
     }
 
     /// `len` bytes from `offset`, freshly allocated.
-    pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, CliError> {
+    pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, Error> {
         let mut buf = vec![0u8; len];
         self.read_at(offset, &mut buf)?;
         Ok(buf)
@@ -766,7 +624,7 @@ impl Input {
 
     /// `n` little-endian elements from `offset`, read straight into their typed buffer (no
     /// byte buffer, no decoding pass).
-    pub fn read_elems<T: Plain>(&self, offset: u64, n: usize) -> Result<Vec<T>, CliError> {
+    pub fn read_elems<T: Plain>(&self, offset: u64, n: usize) -> Result<Vec<T>, Error> {
         let mut v = vec![T::default(); n];
         let len = std::mem::size_of_val(v.as_slice());
         // SAFETY: the bytes of `v`'s `n` initialized elements, viewed as `u8` (alignment 1);
@@ -787,7 +645,7 @@ impl Input {
         len: usize,
         out: &Output,
         out_offset: u64,
-    ) -> Result<(), CliError> {
+    ) -> Result<(), Error> {
         const STEP: usize = 8 << 20;
         let mut buf = vec![0u8; len.min(STEP)];
         for start in (0..len).step_by(STEP) {
@@ -856,28 +714,6 @@ mod positioned {
         f.seek(SeekFrom::Start(offset))?;
         f.write_all(buf)
     }
-}
-
-/// Appends `s` as a JSON string literal. `serde` escapes backspace and form feed as `\b` and
-/// `\f` (tensor names went through `serde_json`); the metadata writer always used `\u00XX`.
-fn push_json_string(out: &mut String, s: &str, serde: bool) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' if serde => out.push_str("\\b"),
-            '\u{c}' if serde => out.push_str("\\f"),
-            c if u32::from(c) < 0x20 => {
-                let _ = std::fmt::Write::write_fmt(out, format_args!("\\u{:04x}", u32::from(c)));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 /// Decodes little-endian f32 bytes.
