@@ -3,11 +3,13 @@
 //! Tasks:
 //! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the API docs with
 //!   warnings denied, the README's test command), for running locally before a commit.
-//! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by the
-//!   `lowbit-kernels` package in `cuda/`, re-exported as `lowbit_device::ptx`), first installing
-//!   the pinned CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`,
-//!   default `target/cuda-toolchain-13.0`). Newer compilers write PTX that the GPUs' CUDA 13.0
-//!   driver cannot load, hence the pins.
+//! - `ptx`: compiles `crates/lowbit-kernels/*.cu` (which include the shared headers of its
+//!   `include/`) to PTX for sm_90 into `crates/lowbit-kernels/ptx/` (committed, embedded by the
+//!   `lowbit-kernels` package, re-exported as `lowbit_device::ptx`), each file headed by the hash
+//!   of its source and the headers (`lowbit_kernels::module_hash`), first installing the pinned
+//!   CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`, default
+//!   `target/cuda-toolchain-13.0`). Newer compilers write PTX that the GPUs' CUDA 13.0 driver
+//!   cannot load, hence the pins.
 //! - `gpu-bundle`: release build (`--features cuda`) of every CUDA test, bench and example
 //!   executable and the `lowbit` binary into the git-ignored `gpu-bundle/`, with `run.sh`, which
 //!   runs the GPU matrix there and writes results to `$OUT` (see `gpu_bundle` and
@@ -59,7 +61,7 @@ fn main() -> ExitCode {
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
                 "usage: cargo xtask <task>\n\ntasks:\n  ci          format check, clippy -D \
-                 warnings, docs -D warnings, tests\n  ptx         cuda/*.cu -> cuda/ptx/*.ptx (pinned CUDA 13.0)\n  \
+                 warnings, docs -D warnings, tests\n  ptx         crates/lowbit-kernels/*.cu -> its ptx/*.ptx (pinned CUDA 13.0)\n  \
                  gpu-bundle  CUDA executables + run.sh into gpu-bundle/"
             );
             ExitCode::SUCCESS
@@ -147,10 +149,14 @@ fn ensure_toolchain() -> Result<PathBuf, String> {
     Ok(nvcc)
 }
 
-/// Compiles every `cuda/*.cu` to `cuda/ptx/<stem>.<ARCH>.ptx`, prefixed with the source hash.
+/// The `lowbit-kernels` package: the kernel sources, `include/` and `ptx/`.
+const KERNELS_DIR: &str = "crates/lowbit-kernels";
+
+/// Compiles every `*.cu` of [`KERNELS_DIR`] to its `ptx/<stem>.<ARCH>.ptx`, prefixed with the
+/// hash of the source and the shared headers.
 fn build_ptx() -> Result<(), String> {
     let nvcc = ensure_toolchain()?;
-    let cuda = repo_root().join("cuda");
+    let cuda = repo_root().join(KERNELS_DIR);
     let out_dir = cuda.join("ptx");
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&cuda)
@@ -164,7 +170,9 @@ fn build_ptx() -> Result<(), String> {
             .file_stem()
             .and_then(|s| s.to_str())
             .ok_or("bad file name")?;
-        let bytes = std::fs::read(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+        // Hashed before compiling, so a source edited while nvcc runs reads as stale.
+        let hash =
+            lowbit_kernels::module_hash(&cuda, stem).map_err(|e| format!("{e}: {}", e.source))?;
         let tmp = out_dir.join(format!(".{stem}.ptx.tmp"));
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", &format!("-arch={ARCH}")])
@@ -178,11 +186,7 @@ fn build_ptx() -> Result<(), String> {
         }
         let ptx = std::fs::read_to_string(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
         std::fs::remove_file(&tmp).ok();
-        let header = format!(
-            "{}{:016x}\n",
-            lowbit_device::ptx::HASH_HEADER,
-            lowbit_device::ptx::source_hash(&bytes)
-        );
+        let header = format!("{}{hash:016x}\n", lowbit_kernels::HASH_HEADER);
         let out = out_dir.join(format!("{stem}.{ARCH}.ptx"));
         std::fs::write(&out, header + &ptx).map_err(|e| format!("{}: {e}", out.display()))?;
         eprintln!("wrote {}", out.display());
