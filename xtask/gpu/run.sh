@@ -42,14 +42,14 @@ STEPS+=(
   # test-lowbit-gpu step runs one of each). Opt-in (the `opt-` prefix): runs only when a FILTER
   # is its whole name.
   "opt-full-parity-matrix|900|LOWBIT_FULL_MATRIX=1 bin/test-lowbit-gpu --test-threads=1 parity_matrix"
-  "bench-nccl|600|bin/nccl_bench --json \$STEP_JSON"
+  "bench-nccl|600|bin/bench-lowbit-comm-nccl_bench --json \$STEP_JSON"
   "bench-torch-collectives|600|torchrun --nproc-per-node 2 gpu/torch_collectives.py --json \$STEP_JSON"
   "compare-collectives|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl.json \$WORK/bench-torch-collectives.json"
-  "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/nccl_bench --json \$STEP_JSON"
+  "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/bench-lowbit-comm-nccl_bench --json \$STEP_JSON"
   "compare-collectives-on-torch-nccl|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl-on-torch-nccl.json \$WORK/bench-torch-collectives.json"
   # Kernels against the device copy of the same run, then the PyTorch baselines (eager and
   # torch.compile reference quantizers, fused AdamW + bf16 copy) on the same card.
-  "example-cuda_bench|300|set -o pipefail; bin/cuda_bench | tee \$STEP_SUMMARY"
+  "bench-cuda-kernels|300|set -o pipefail; bin/bench-lowbit-device-cuda_bench | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU (issue 12 item 7): matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
   # library path) against the CPU, then the muon_bench example: fast vs exact Newton-Schulz,
@@ -133,7 +133,7 @@ STEPS+=(
   # parameters (3 GiB) against the disk's own write/read bandwidth in the same directory and run,
   # the asynchronous save's cost to the step, then torch.distributed.checkpoint on the same
   # tensors, directory and size (its table shows lowbit over DCP).
-  "ckpt-bench|1200|set -o pipefail; bin/ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --threads 8 --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp8.json | tee -a \$STEP_SUMMARY"
+  "ckpt-bench|1200|set -o pipefail; bin/bench-lowbit-ckpt-ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --threads 8 --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp8.json | tee -a \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------
 

@@ -229,6 +229,79 @@ mod tests {
         assert!(repo_file("xtask/gpu/run.sh").contains("export NCCL_NVLS_ENABLE=0"));
     }
 
+    /// Every `bin/NAME` that run.sh and its helper scripts call is a binary the bundle makes:
+    /// `lowbit`, `test-PKG-T` / `bench-PKG-T` for `tests/T` / `benches/T` of package PKG,
+    /// `unit-PKG`, or an example's own name; a renamed or moved target fails here, not on a GPU.
+    #[test]
+    fn gpu_scripts_name_targets_that_exist() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut packages = vec![("lowbit".to_string(), root.clone())];
+        for dir in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
+            let manifest =
+                std::fs::read_to_string(dir.path().join("Cargo.toml")).unwrap_or_default();
+            let name = manifest
+                .lines()
+                .find_map(|l| l.strip_prefix("name = \""))
+                .and_then(|l| l.strip_suffix('"'));
+            if let Some(name) = name {
+                packages.push((name.to_string(), dir.path()));
+            }
+        }
+        let target = |dir: &std::path::Path, kind: &str, t: &str| {
+            dir.join(kind).join(format!("{t}.rs")).is_file()
+                || dir.join(kind).join(t).join("main.rs").is_file()
+        };
+        let exists = |name: &str| {
+            if name == "lowbit" {
+                return root.join("src/main.rs").is_file();
+            }
+            for (kind, prefix) in [("tests", "test-"), ("benches", "bench-")] {
+                if let Some(rest) = name.strip_prefix(prefix) {
+                    return packages.iter().any(|(p, dir)| {
+                        rest.strip_prefix(p.as_str())
+                            .and_then(|r| r.strip_prefix('-'))
+                            .is_some_and(|t| target(dir, kind, t))
+                    });
+                }
+            }
+            if let Some(p) = name.strip_prefix("unit-") {
+                return packages.iter().any(|(q, _)| q == p);
+            }
+            packages
+                .iter()
+                .any(|(_, dir)| target(dir, "examples", name))
+        };
+        let mut seen = 0;
+        for script in std::fs::read_dir(root.join("xtask/gpu")).unwrap().flatten() {
+            let path = script.path();
+            if path.extension().is_none_or(|x| x != "sh") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (at, _) in text.match_indices("bin/") {
+                // `bin/` at the start of a word (not `/usr/bin/env`, not `sbin/`).
+                let before = text[..at].chars().next_back();
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '/' || c == '_') {
+                    continue;
+                }
+                let name: String = text[at + 4..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
+                    .collect();
+                if name.is_empty() {
+                    continue;
+                }
+                seen += 1;
+                assert!(
+                    exists(&name),
+                    "{} runs bin/{name}, which no workspace target builds",
+                    path.display()
+                );
+            }
+        }
+        assert!(seen > 10, "only {seen} bin/ references found");
+    }
+
     /// CI must run exactly the test command the README documents.
     #[test]
     fn readme_and_ci_share_the_test_command() {

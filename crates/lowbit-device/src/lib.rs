@@ -127,7 +127,7 @@
 //!   stochastic rounding, the Hadamard transform) and dequantization, and the sharded 2D
 //!   primary-weight ops (tile-amax folds, MXFP8 and NVFP4 range codes, MXFP8 2D scales).
 //! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
-//!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
+//!   byte; it needs a GPU (it fails, never skips, without one). `benches/cuda_bench.rs` times
 //!   the hot kernels against a device-to-device copy of the same run.
 //!
 //! # Non-goals

@@ -2,7 +2,7 @@
 //! directory (issue 14, item 9), and the cost of an asynchronous save to the training step.
 //!
 //! ```text
-//! cargo run --release -p lowbit-ckpt --example ckpt_bench -- \
+//! cargo bench -p lowbit-ckpt --bench ckpt_bench -- \
 //!     [--params 256M] [--ranks 4] [--reps 3] [--dir DIR] [--json OUT.json] [--device cpu|cuda]
 //! ```
 //!
