@@ -1,5 +1,5 @@
 //! `lowbit quantize` and `lowbit dequantize` against `cp` + `sync` of the same file, in the same
-//! run (issue 15, item 5): wall time ratio and the child's peak resident memory beside the input
+//! run: wall time ratio and the child's peak resident memory beside the input
 //! file's size, for (a) one 8192x8192 bf16 tensor (128 MiB) and (b) a 256 MiB file of two
 //! tensors (an 8192x8192 bf16 and a 4096x8192 f32 one).
 //!

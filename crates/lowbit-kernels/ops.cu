@@ -1509,8 +1509,8 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // ---- NVFP4 both copies, version 8: shorter chains per block, fewer instructions ----
 //
-// Version 7 spends ~25 instructions per element and waits on dependent chains (crates/lowbit-kernels/NOTES.md,
-// session 3): per block a sequential amax chain, ~17 integer operations of e4m3_code per scale
+// Version 7 spends ~25 instructions per element and waits on dependent chains (NOTES.md, "NVFP4
+// both copies is instruction-bound, not store-bound"): per block a sequential amax chain, ~17 integer operations of e4m3_code per scale
 // byte, then the threshold loads that depend on it. Version 8 (`set_cuda_kernel_variant("nvfp4",
 // 8)`) keeps version 7's tile, loads, stores and word arithmetic, and changes what feeds it:
 // - the scale bytes of two blocks come from one `cvt.rn.satfinite.e4m3x2.f32` (e4m3x2_code);

@@ -1,4 +1,4 @@
-// What partial-sector writes cost (crates/lowbit-kernels/NOTES.md, 2026-11-27 session 2): 256 MB written in
+// What partial-sector writes cost (crates/lowbit-kernels/NOTES.md, "partial-sector writes"): 256 MB written in
 // P-byte pieces, the 32/P pieces of each 32-byte sector stored by different CTAs D launch
 // positions apart (D = 0: by consecutive lanes of one store instruction), each thread storing R
 // pieces; times against 16-byte contiguous stores of the same bytes. Modes: plain; a
