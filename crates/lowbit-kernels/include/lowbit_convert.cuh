@@ -131,6 +131,8 @@ __device__ __forceinline__ uint32_t e2m1_code(float x) {
     return a > 0x7F800000u ? 7u : (code | sign);
 }
 
+// |v|'s bits with NaN as 0: the amax reductions compare u32 bits (order-independent, so atomics
+// and parallel maxima give the library's result).
 __device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
     uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
     return a > 0x7F800000u ? 0u : a;
@@ -139,8 +141,9 @@ __device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
 // Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF
 // (lowbit_formats::scalar::e8m0_from_f32). Branch-free: (a + 2^23 - 1) >> 23 is the exponent plus
 // one when the mantissa is not zero (a normal number rounds up), and for a subnormal (a < 2^23)
-// (a + 2^22 - 1) >> 23 is 1 exactly when the mantissa exceeds 2^22 (TE's rule: 2^-127 covers up
-// to half of 2^-126); Inf and 0xFE.. give 0xFF, clamped to 0xFE. The branchy form (the rule as
+// (a + 2^22 - 1) >> 23 is 1 exactly when the mantissa exceeds 2^22 (Transformer Engine's
+// float_to_e8m0 fallback, common/util/ptx_arch_spec.cuh and tests/cpp/test_common.h: 2^-127
+// covers subnormals up to half of 2^-126); Inf and 0xFE.. give 0xFF, clamped to 0xFE. The branchy form (the rule as
 // lowbit_formats::scalar writes it) costs two branches per scale; this one is equal to it for all
 // 2^32 inputs (check/e8m0_branch_free.c) and to the rule transcribed in tests/e8m0.rs.
 __device__ __forceinline__ uint32_t e8m0_code(float x) {
