@@ -6,7 +6,7 @@ both JSON files of one run.
 One table per lowbit configuration (model, precision, gradient dtype): each phase's time in
 lowbit and torch (the same model, gradient dtype and world size), torch / lowbit (> 1: lowbit
 is faster), and lowbit's ratio to the bound measured in the same run (NCCL bus bandwidth for
-the collectives, device copy bandwidth for the kernels; target >= 0.85). Then the issue-16
+the collectives, device copy bandwidth for the kernels; target >= 0.85). Then the step's
 targets: >= 1.4x faster than torch for 2 GPUs, MXFP8 staged, fp32 gradients; exposed
 communication <= 10% of the step with compute. Prints (and writes to $STEP_SUMMARY, if set);
 exits 1 if OURS or TORCH is missing or unreadable (further lowbit files are optional).

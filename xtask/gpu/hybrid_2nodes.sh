@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two torchrun "nodes" of 2 GPUs each on one 4-GPU host (issue 13 item 9): node 0 on GPUs 0-1,
+# Two torchrun "nodes" of 2 GPUs each on one 4-GPU host: node 0 on GPUs 0-1,
 # node 1 on GPUs 2-3, one static rendezvous on 127.0.0.1, NCCL forced onto its socket
 # transport (no P2P, no shared memory) so the replica groups, which span the nodes, go over
 # the network path. Node 0's rank 0 prints the JSON report on stdout.

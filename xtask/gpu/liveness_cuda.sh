@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 item 7 on two GPUs: a dead rank is noticed in seconds. Runs `lowbit train --device
+# On two GPUs: a dead rank is noticed in seconds. Runs `lowbit train --device
 # cuda` as two processes, kills rank 1 mid-run and checks that rank 0 exits non-zero within
 # BOUND seconds with a message naming rank 1. Four cases: SIGKILL and SIGTERM, each with
 # torchrun's variables set directly (no agent: nothing but lowbit stops rank 0) and under

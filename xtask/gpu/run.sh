@@ -42,22 +42,22 @@ STEPS+=(
   # test-lowbit-gpu step runs one of each). Opt-in (the `opt-` prefix): runs only when a FILTER
   # is its whole name.
   "opt-full-parity-matrix|900|LOWBIT_FULL_MATRIX=1 bin/test-lowbit-gpu --test-threads=1 parity_matrix"
-  "bench-nccl|600|bin/nccl_bench --json \$STEP_JSON"
+  "bench-nccl|600|bin/bench-lowbit-comm-nccl_bench --json \$STEP_JSON"
   "bench-torch-collectives|600|torchrun --nproc-per-node 2 gpu/torch_collectives.py --json \$STEP_JSON"
   "compare-collectives|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl.json \$WORK/bench-torch-collectives.json"
-  "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/nccl_bench --json \$STEP_JSON"
+  "bench-nccl-on-torch-nccl|600|gpu/with_torch_nccl.sh bin/bench-lowbit-comm-nccl_bench --json \$STEP_JSON"
   "compare-collectives-on-torch-nccl|60|python3 gpu/compare_collectives.py \$WORK/bench-nccl-on-torch-nccl.json \$WORK/bench-torch-collectives.json"
   # Kernels against the device copy of the same run, then the PyTorch baselines (eager and
   # torch.compile reference quantizers, fused AdamW + bf16 copy) on the same card.
-  "example-cuda_bench|300|set -o pipefail; bin/cuda_bench | tee \$STEP_SUMMARY"
+  "bench-cuda-kernels|300|set -o pipefail; bin/bench-lowbit-device-cuda_bench | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
-  # Muon on the GPU (issue 12 item 7): matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
+  # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
   # library path) against the CPU, then the muon_bench example: fast vs exact Newton-Schulz,
   # one Llama-3-8B layer (exact extrapolated, fast, torch.optim.Muon on the same card in the
   # same run) and layer-wise over 1 and 2 GPUs.
   "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
   "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
-  # The data-parallel step at real scale (issue 16): lowbit's step per phase against bounds of
+  # The data-parallel step at real scale: lowbit's step per phase against bounds of
   # the same run (plain NCCL collectives, device copies of the same bytes) on 2 GPUs, every
   # precision and gradient dtype of Llama-3.2-1B and the 8B layer stack for MXFP8 staged; the
   # step with 1.5 ms of compute per layer and overlap on (exposed communication); the PyTorch
@@ -70,7 +70,7 @@ STEPS+=(
   # (gpu-wheels/ of the checkout), installed into \$WORK/pyao (pip, else unzipped); without it
   # the script says SKIPPED and writes {"skipped": reason}.
   "bench-torch-fsdp2|600|set -o pipefail; for w in wheels/torchao-*.whl; do [[ -f \$w ]] || continue; python3 -m pip install -q --no-deps --no-index --target \$WORK/pyao \$w || python3 -m zipfile -e \$w \$WORK/pyao; done; PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON | tee \$STEP_SUMMARY && PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --reshard false --compile --json \$WORK/bench-torch-fsdp2-compiled.json | tee -a \$STEP_SUMMARY"
-  # The same step on one GPU of the host (issue 16: 1, 2 and 4 GPUs).
+  # The same step on one GPU of the host (the step is measured on 1, 2 and 4 GPUs).
   "bench-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 bin/step_bench --ranks 1 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --step-buckets 250000000 --json \$STEP_JSON"
   "bench-torch-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON"
   "compare-step-1gpu|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step-1gpu.json \$WORK/bench-torch-step-1gpu.json | tee \$STEP_SUMMARY"
@@ -87,13 +87,13 @@ STEPS+=(
   # rendezvous; rank 0 prints), against the CPU run.
   "train-cuda-torchrun|600|torchrun --no-python --nproc-per-node 2 bin/lowbit train --device cuda --json > \$STEP_JSON"
   "compare-train-torchrun|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-2rank.json \$WORK/train-cuda-torchrun.json | tee \$STEP_SUMMARY"
-  # NVFP4 primary storage of grouped expert tensors (one global amax per expert; issue 14
-  # item 6) on 2 GPUs with buckets that cut through experts, grouped and discrete, against the CPU.
+  # NVFP4 primary storage of grouped expert tensors (one global amax per expert) on 2
+  # GPUs with buckets that cut through experts, grouped and discrete, against the CPU.
   "train-cpu-nvfp4-2|600|bin/lowbit train --ranks 2 --precision nvfp4 --bucket-size 5000 --json > \$STEP_JSON"
   "train-cuda-nvfp4-2|600|bin/lowbit train --device cuda --ranks 2 --precision nvfp4 --bucket-size 5000 --json > \$STEP_JSON"
   "train-cuda-nvfp4-discrete-2|600|bin/lowbit train --device cuda --ranks 2 --precision nvfp4 --bucket-size 5000 --discrete-experts --json > \$STEP_JSON"
   "compare-train-nvfp4|60|set -o pipefail; python3 gpu/compare_train.py \$WORK/train-cpu-nvfp4-2.json \$WORK/train-cuda-nvfp4-2.json \$WORK/train-cuda-nvfp4-discrete-2.json | tee \$STEP_SUMMARY"
-  # FSDP (issue 13): every sharding strategy on 2 GPUs against the CPU at 2 ranks, bit for bit
+  # FSDP: every sharding strategy on 2 GPUs against the CPU at 2 ranks, bit for bit
   # (MXFP8 weights gathered as such under optim and optim_grads; bf16 weights quantized on the
   # fly under no_shard and optim_grads_params, which cannot hold low-precision storage), and the
   # Llama-3.2-1B-shaped step of each strategy with 1.5 ms of compute per layer: exposed
@@ -102,7 +102,7 @@ STEPS+=(
   "train-cuda-fsdp|900|bash gpu/train_fsdp.sh cuda"
   "compare-train-fsdp|60|set -o pipefail; for v in \$(bash gpu/train_fsdp.sh --list); do echo \"== \$v\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$v.json \$WORK/train-cuda-fsdp-\$v.json || exit 1; done | tee \$STEP_SUMMARY"
   "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY && bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding optim,optim_grads --nan-check off,grad --iters 6 --json \$WORK/bench-nan-check.json | tee -a \$STEP_SUMMARY"
-  # Hybrid sharding (issue 13 item 5) on 4 GPUs (HSDP, and HFSDP: optimizer state split across
+  # Hybrid sharding on 4 GPUs (HSDP, and HFSDP: optimizer state split across
   # the replica groups): 2 replica groups of 2 sharded ranks against
   # the CPU at 4 ranks (every collective of the trainer runs over 2 ranks, which NCCL reduces in
   # the CPU's order), once in one process and once as two torchrun "nodes" of 2 GPUs each (one
@@ -117,23 +117,23 @@ STEPS+=(
   "x4-bench-step|300|bin/step_bench --ranks 4 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32,bf16 --step-buckets 250000000 --json \$STEP_JSON"
   "x4-bench-torch-step|300|torchrun --nproc-per-node 4 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 bf16 --json \$STEP_JSON"
   "x4-compare-step|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/x4-bench-step.json \$WORK/x4-bench-torch-step.json | tee \$STEP_SUMMARY"
-  # Checkpoints across backends (issue 14): 60 steps saved every 20 on the CPU and on 2 GPUs
+  # Checkpoints across backends: 60 steps saved every 20 on the CPU and on 2 GPUs
   # (saving changes nothing: CUDA = CPU), then resumes CPU -> CUDA at step 20, CUDA -> CPU and
   # CUDA -> CUDA at step 40, each equal to the straight run from its step on, bit for bit.
   "ckpt-cpu-straight|600|bin/lowbit train --ranks 2 --steps 60 --save \$WORK/ck-cpu --save-every 20 --json > \$STEP_JSON"
   "ckpt-cuda-straight|600|bin/lowbit train --device cuda --ranks 2 --steps 60 --save \$WORK/ck-cuda --save-every 20 --json > \$STEP_JSON"
   "ckpt-cuda-resume|600|bin/lowbit train --device cuda --ranks 2 --steps 60 --resume \$WORK/ck-cpu/step-20 --json > \$WORK/ckpt-cuda-from-cpu-20.json && bin/lowbit train --ranks 2 --steps 60 --resume \$WORK/ck-cuda/step-40 --json > \$WORK/ckpt-cpu-from-cuda-40.json && bin/lowbit train --device cuda --ranks 2 --steps 60 --resume \$WORK/ck-cuda/step-40 --json > \$WORK/ckpt-cuda-from-cuda-40.json"
   "compare-ckpt|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/ckpt-cpu-straight.json \$WORK/ckpt-cuda-straight.json && python3 gpu/compare_resume.py \$WORK/ckpt-cpu-straight.json \$WORK/ckpt-cuda-from-cpu-20.json \$WORK/ckpt-cpu-from-cuda-40.json \$WORK/ckpt-cuda-from-cuda-40.json; } | tee \$STEP_SUMMARY"
-  # A dead rank is noticed in seconds (issue 15 item 7): rank 1 of a two-process run killed
+  # A dead rank is noticed in seconds: rank 1 of a two-process run killed
   # mid-run (SIGKILL, SIGTERM; without and with torchrun's agent); rank 0 must exit non-zero
   # within 10 s naming rank 1 (prints PASS/FAIL and the seconds per case).
   "liveness-cuda|400|set -o pipefail; bash gpu/liveness_cuda.sh | tee \$STEP_SUMMARY"
   "train-cuda-table|600|set -o pipefail; bin/lowbit train --device cuda | tee \$STEP_SUMMARY"
-  # Checkpoint throughput (issue 14 item 9): lowbit's save and load of AdamW state for 256M
+  # Checkpoint throughput: lowbit's save and load of AdamW state for 256M
   # parameters (3 GiB) against the disk's own write/read bandwidth in the same directory and run,
   # the asynchronous save's cost to the step, then torch.distributed.checkpoint on the same
   # tensors, directory and size (its table shows lowbit over DCP).
-  "ckpt-bench|1200|set -o pipefail; bin/ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --threads 8 --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp8.json | tee -a \$STEP_SUMMARY"
+  "ckpt-bench|1200|set -o pipefail; bin/bench-lowbit-ckpt-ckpt_bench --params 256M --ranks 4 --device cuda --dir \$WORK --json \$STEP_JSON | tee \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp.json | tee -a \$STEP_SUMMARY && python3 gpu/torch_dcp.py --params 256M --device cuda --threads 8 --dir \$WORK --lowbit-json \$STEP_JSON --json \$WORK/ckpt-bench-dcp8.json | tee -a \$STEP_SUMMARY"
 )
 # ---------------------------------------------------------------------------------------------
 

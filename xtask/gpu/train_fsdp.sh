@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FSDP runs of `lowbit train` on 2 ranks (issue 13): every sharding strategy, MXFP8 weights
+# FSDP runs of `lowbit train` on 2 ranks: every sharding strategy, MXFP8 weights
 # gathered as such where the strategy holds them (optim, optim_grads, optim_grads_params with
 # both copies and fine-grained), bf16 weights quantized on the fly otherwise; NVFP4 units of
 # optim_grads_params; bf16 gradient communication.

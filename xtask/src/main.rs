@@ -3,11 +3,13 @@
 //! Tasks:
 //! - `ci`: what `.ci/run` does (format check, clippy with warnings denied, the API docs with
 //!   warnings denied, the README's test command), for running locally before a commit.
-//! - `ptx`: compiles `cuda/*.cu` to PTX for sm_90 into `cuda/ptx/` (committed, embedded by the
-//!   `lowbit-kernels` package in `cuda/`, re-exported as `lowbit_device::ptx`), first installing
-//!   the pinned CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`,
-//!   default `target/cuda-toolchain-13.0`). Newer compilers write PTX that the GPUs' CUDA 13.0
-//!   driver cannot load, hence the pins.
+//! - `ptx`: compiles `crates/lowbit-kernels/*.cu` (which include the shared headers of its
+//!   `include/`) to PTX for sm_90 into `crates/lowbit-kernels/ptx/` (committed, embedded by the
+//!   `lowbit-kernels` package, re-exported as `lowbit_device::ptx`), each file headed by the hash
+//!   of its source and the headers (`lowbit_kernels::module_hash`), first installing the pinned
+//!   CUDA 13.0 compiler from PyPI into a cache folder (`$LOWBIT_CUDA_TOOLCHAIN`, default
+//!   `target/cuda-toolchain-13.0`). Newer compilers write PTX that the GPUs' CUDA 13.0 driver
+//!   cannot load, hence the pins.
 //! - `gpu-bundle`: release build (`--features cuda`) of every CUDA test, bench and example
 //!   executable and the `lowbit` binary into the git-ignored `gpu-bundle/`, with `run.sh`, which
 //!   runs the GPU matrix there and writes results to `$OUT` (see `gpu_bundle` and
@@ -59,7 +61,7 @@ fn main() -> ExitCode {
         Some("help") | Some("--help") | Some("-h") | None => {
             eprintln!(
                 "usage: cargo xtask <task>\n\ntasks:\n  ci          format check, clippy -D \
-                 warnings, docs -D warnings, tests\n  ptx         cuda/*.cu -> cuda/ptx/*.ptx (pinned CUDA 13.0)\n  \
+                 warnings, docs -D warnings, tests\n  ptx         crates/lowbit-kernels/*.cu -> its ptx/*.ptx (pinned CUDA 13.0)\n  \
                  gpu-bundle  CUDA executables + run.sh into gpu-bundle/"
             );
             ExitCode::SUCCESS
@@ -147,10 +149,14 @@ fn ensure_toolchain() -> Result<PathBuf, String> {
     Ok(nvcc)
 }
 
-/// Compiles every `cuda/*.cu` to `cuda/ptx/<stem>.<ARCH>.ptx`, prefixed with the source hash.
+/// The `lowbit-kernels` package: the kernel sources, `include/` and `ptx/`.
+const KERNELS_DIR: &str = "crates/lowbit-kernels";
+
+/// Compiles every `*.cu` of [`KERNELS_DIR`] to its `ptx/<stem>.<ARCH>.ptx`, prefixed with the
+/// hash of the source and the shared headers.
 fn build_ptx() -> Result<(), String> {
     let nvcc = ensure_toolchain()?;
-    let cuda = repo_root().join("cuda");
+    let cuda = repo_root().join(KERNELS_DIR);
     let out_dir = cuda.join("ptx");
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&cuda)
@@ -164,7 +170,9 @@ fn build_ptx() -> Result<(), String> {
             .file_stem()
             .and_then(|s| s.to_str())
             .ok_or("bad file name")?;
-        let bytes = std::fs::read(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+        // Hashed before compiling, so a source edited while nvcc runs reads as stale.
+        let hash =
+            lowbit_kernels::module_hash(&cuda, stem).map_err(|e| format!("{e}: {}", e.source))?;
         let tmp = out_dir.join(format!(".{stem}.ptx.tmp"));
         let status = Command::new(&nvcc)
             .args(["-ptx", "-O3", &format!("-arch={ARCH}")])
@@ -178,11 +186,7 @@ fn build_ptx() -> Result<(), String> {
         }
         let ptx = std::fs::read_to_string(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
         std::fs::remove_file(&tmp).ok();
-        let header = format!(
-            "{}{:016x}\n",
-            lowbit_device::ptx::HASH_HEADER,
-            lowbit_device::ptx::source_hash(&bytes)
-        );
+        let header = format!("{}{hash:016x}\n", lowbit_kernels::HASH_HEADER);
         let out = out_dir.join(format!("{stem}.{ARCH}.ptx"));
         std::fs::write(&out, header + &ptx).map_err(|e| format!("{}: {e}", out.display()))?;
         eprintln!("wrote {}", out.display());
@@ -223,6 +227,79 @@ mod tests {
         assert_eq!(names[0], "test-a");
         assert!(names.contains(&"bench-nccl") && names.contains(&"compare-collectives"));
         assert!(repo_file("xtask/gpu/run.sh").contains("export NCCL_NVLS_ENABLE=0"));
+    }
+
+    /// Every `bin/NAME` that run.sh and its helper scripts call is a binary the bundle makes:
+    /// `lowbit`, `test-PKG-T` / `bench-PKG-T` for `tests/T` / `benches/T` of package PKG,
+    /// `unit-PKG`, or an example's own name; a renamed or moved target fails here, not on a GPU.
+    #[test]
+    fn gpu_scripts_name_targets_that_exist() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut packages = vec![("lowbit".to_string(), root.clone())];
+        for dir in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
+            let manifest =
+                std::fs::read_to_string(dir.path().join("Cargo.toml")).unwrap_or_default();
+            let name = manifest
+                .lines()
+                .find_map(|l| l.strip_prefix("name = \""))
+                .and_then(|l| l.strip_suffix('"'));
+            if let Some(name) = name {
+                packages.push((name.to_string(), dir.path()));
+            }
+        }
+        let target = |dir: &std::path::Path, kind: &str, t: &str| {
+            dir.join(kind).join(format!("{t}.rs")).is_file()
+                || dir.join(kind).join(t).join("main.rs").is_file()
+        };
+        let exists = |name: &str| {
+            if name == "lowbit" {
+                return root.join("src/main.rs").is_file();
+            }
+            for (kind, prefix) in [("tests", "test-"), ("benches", "bench-")] {
+                if let Some(rest) = name.strip_prefix(prefix) {
+                    return packages.iter().any(|(p, dir)| {
+                        rest.strip_prefix(p.as_str())
+                            .and_then(|r| r.strip_prefix('-'))
+                            .is_some_and(|t| target(dir, kind, t))
+                    });
+                }
+            }
+            if let Some(p) = name.strip_prefix("unit-") {
+                return packages.iter().any(|(q, _)| q == p);
+            }
+            packages
+                .iter()
+                .any(|(_, dir)| target(dir, "examples", name))
+        };
+        let mut seen = 0;
+        for script in std::fs::read_dir(root.join("xtask/gpu")).unwrap().flatten() {
+            let path = script.path();
+            if path.extension().is_none_or(|x| x != "sh") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (at, _) in text.match_indices("bin/") {
+                // `bin/` at the start of a word (not `/usr/bin/env`, not `sbin/`).
+                let before = text[..at].chars().next_back();
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '/' || c == '_') {
+                    continue;
+                }
+                let name: String = text[at + 4..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
+                    .collect();
+                if name.is_empty() {
+                    continue;
+                }
+                seen += 1;
+                assert!(
+                    exists(&name),
+                    "{} runs bin/{name}, which no workspace target builds",
+                    path.display()
+                );
+            }
+        }
+        assert!(seen > 10, "only {seen} bin/ references found");
     }
 
     /// CI must run exactly the test command the README documents.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """torch.distributed.checkpoint saving and loading the tensors lowbit's ckpt_bench saves.
 
-The same fp32 tensors as `crates/lowbit-ckpt/examples/ckpt_bench.rs`: for --params parameters
+The same fp32 tensors as `crates/lowbit-ckpt/benches/ckpt_bench.rs`: for --params parameters
 in matrices of 4096 columns (4096 rows each, the last one shorter), a master, `exp_avg` and
 `exp_avg_sq` each (12 bytes a parameter), on --device (the host by default; `cuda` as for
 ckpt_bench --device cuda, so both saves include the copy to the host). One process, no process group

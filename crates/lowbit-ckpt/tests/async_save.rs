@@ -1,7 +1,7 @@
 //! Asynchronous saves: the same bytes as a synchronous save, a snapshot that later steps do not
 //! reach, errors at the wait on every rank (no rank left waiting), one pending save at a time.
 
-#[path = "../examples/support/mod.rs"]
+#[path = "../benches/support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;

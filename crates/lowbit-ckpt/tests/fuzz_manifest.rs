@@ -11,7 +11,7 @@
 //! sets the number of cases per target, as for the root's `tests/fuzz_files.rs` (CI runs the
 //! default). A crash found here becomes its own regression test below.
 
-#[path = "../examples/support/mod.rs"]
+#[path = "../benches/support/mod.rs"]
 mod support;
 
 use std::cell::{Cell, RefCell};

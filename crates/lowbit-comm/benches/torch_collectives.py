@@ -1,5 +1,5 @@
 """torch.distributed (NCCL) all-gather and reduce-scatter, measured exactly as
-examples/nccl_bench.rs measures lowbit's NcclComm, for a same-run baseline.
+benches/nccl_bench.rs measures lowbit's NcclComm, for a same-run baseline.
 
     torchrun --nproc-per-node 2 torch_collectives.py [--json PATH] [--min-mib N] [--max-mib N]
 

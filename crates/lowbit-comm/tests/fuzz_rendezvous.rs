@@ -1,4 +1,4 @@
-//! Fuzzing the rank-0 rendezvous server (issue 15, item 6) on loopback: a proptest
+//! Fuzzing the rank-0 rendezvous server on loopback: a proptest
 //! byte-mutation harness feeds one long-lived server garbage, mutated and truncated hellos, and
 //! a real client's hello and proof mutated in flight by a relay (the challenge–response), and
 //! asserts that the server never panics, drops every such peer within its handshake deadline

@@ -1,11 +1,11 @@
-//! A dead rank is noticed in seconds (issue 15, item 7), without GPUs:
+//! A dead rank is noticed in seconds (within 10 s), without GPUs:
 //! - rank threads of the in-process group: a rank that drops out (returns an error, panics)
 //!   makes the others' blocked collectives fail with `CommError::PeerLost` naming it;
 //! - processes: this test binary runs itself as the ranks of a world of three that meet through
 //!   the rendezvous and keep its connections as the liveness channel; one is killed (SIGKILL,
 //!   SIGTERM, SIGSTOP), and the survivors must name it within the bound.
 //!
-//! The bound is a correctness bound (the issue's 10 s), not a benchmark; the measured times are
+//! The bound is a correctness bound (10 s: a dead rank must stop the job within it), not a benchmark; the measured times are
 //! printed.
 
 use std::io::{BufRead, BufReader};
@@ -20,7 +20,7 @@ use lowbit_comm::liveness::{LivenessConfig, PeerEvent, install_signal_goodbye};
 use lowbit_comm::rendezvous::RendezvousEnv;
 use lowbit_comm::{CommError, Communicator, DType, GroupConfig, ReduceOp, run_ranks};
 
-/// The issue's bound.
+/// The bound on noticing a dead rank.
 const BOUND: Duration = Duration::from_secs(10);
 const CHILD: &str = "LOWBIT_LIVENESS_TEST_CHILD";
 const STUCK: &str = "LOWBIT_LIVENESS_TEST_STUCK";

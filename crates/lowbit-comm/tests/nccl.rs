@@ -592,7 +592,7 @@ fn multi_process_child() {
 
 const LIVENESS_CHILD: &str = "LOWBIT_NCCL_LIVENESS_CHILD";
 
-/// Issue 15 item 7 on two GPUs through the library: two processes (this binary as
+/// A dead rank noticed within seconds, on two GPUs through the library: two processes (this binary as
 /// `liveness_child`) all-reduce in a loop; rank 1 is killed (SIGKILL) mid-run, and rank 0 must
 /// end within 10 s naming it: `CommError::PeerLost { lost: 1 }` from its collective (exit 3),
 /// or the liveness channel's exit backstop (status 1, its message on stderr).

@@ -1,4 +1,4 @@
-//! Attacks on the rank-0 rendezvous over loopback (issue 15): garbage, HTTP, connect-and-close,
+//! Attacks on the rank-0 rendezvous over loopback: garbage, HTTP, connect-and-close,
 //! half-open and silent connections, impostors before and after the real rank, one client
 //! claiming several ranks, a fake rank 0, a wrong token, an old client, a flood past the
 //! connection limit. Each asserts the real ranks still complete well under the deadline and no

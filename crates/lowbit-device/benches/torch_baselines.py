@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch baselines for lowbit's CUDA kernels, run in the same GPU matrix call as
-`examples/cuda_bench.rs` (the bundle runs both): a device copy, reference MXFP8 and NVFP4
+`benches/cuda_bench.rs` (the bundle runs both): a device copy, reference MXFP8 and NVFP4
 quantizers written in PyTorch (eager and torch.compile), and torch.optim.AdamW(fused=True)
 followed by the bf16 copy of the weights.
 

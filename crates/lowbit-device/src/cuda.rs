@@ -121,7 +121,7 @@ pub(crate) struct CudaDevice {
     /// amaxes on packed bf16 pairs, an interior tile's four loads issued together, streaming;
     /// 0.86x copy bandwidth on an H200), 5 (two tiles per CTA, eight loads in flight, 0.82x) or
     /// 1 (shared-memory tile, 0.40x; also the path for unaligned views). All give the same
-    /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `cuda/NOTES.md` has them.)
+    /// bytes. (Versions 2 and 3, at 0.58x and 0.69x, were removed; `crates/lowbit-kernels/NOTES.md` has them.)
     mxfp8_both_version: u32,
     /// How `quantize_mxfp8_many` launches version 4: 2 (one launch per group of matrices of
     /// one shape, `mxfp8_both_e4m3_bf16_v4_same`, grid (tiles across, tile rows, matrices): no
@@ -176,16 +176,16 @@ pub(crate) struct CudaDevice {
     /// multiprocessors: a launch as wide as the work put a CTA on nearly every SM, and NCCL's
     /// reduce-scatter beside it slowed (4x H200, Llama-3-8B layers: the norm as the one-call
     /// step ran it 0.96-0.97 ms; 32 CTAs 0.12-0.25 ms, 8 CTAs 1.12-1.14 ms: too slow to keep
-    /// up with the reductions). See `cuda/NOTES.md`.
+    /// up with the reductions). See `crates/lowbit-kernels/NOTES.md`.
     sum_squares_beside: u32,
     /// AdamW: 1 (the default: `adamw`, an element a thread) or 2 (`adamw_x4`, four elements a
     /// thread with vector loads and stores, where n % 4 == 0 and every view is aligned to its
     /// vector width; else 1). Same bits. Version 2 is faster alone (H200: 0.91 -> 0.98x of a
     /// copy with f32 gradients, 0.89 -> 0.97x with bf16) but makes the one-call step slower on
     /// 2x H200, where the update runs beside the gathers (1B MXFP8 17.4-17.5 -> 18.2 ms; also
-    /// on a grid of four CTAs per multiprocessor: 18.3-18.5 ms). See `cuda/NOTES.md`.
+    /// on a grid of four CTAs per multiprocessor: 18.3-18.5 ms). See `crates/lowbit-kernels/NOTES.md`.
     adamw_version: u32,
-    /// Which kernels of `cuda/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
+    /// Which kernels of `crates/lowbit-kernels/mxfp8x.cu` take bf16 inputs: 3 (the default, mxfp8.cu v4's
     /// technique: an interior tile's loads issued together, packed bf16 amaxes, four CTAs per
     /// SM) or 2 (`set_cuda_kernel_variant("mxfp8x", 2 | 3)`; see `cuda/mxfp8x.rs`). Same bytes.
     mxfp8x_version: u32,

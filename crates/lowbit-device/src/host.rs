@@ -14,7 +14,7 @@
 use crate::{Device, Result, View};
 
 /// Ops (or op variants) that run as a host fallback on a GPU device. Keep in sync with the
-/// kernels in `cuda/*.cu` (a GPU test checks that the listed ops count fallbacks and the others
+/// kernels in `crates/lowbit-kernels/*.cu` (a GPU test checks that the listed ops count fallbacks and the others
 /// do not).
 pub(crate) const FALLBACK_OPS: &[&str] = &[
     "quantize_mxfp8 (with the Error NaN policy, or more than 65535 x 32 rows)",

@@ -96,7 +96,7 @@
 //!   stream, the ordinal and validated raw addresses from `Device::cuda_stream`,
 //!   `Device::cuda_ordinal` and `Device::cuda_device_ptr`, and order themselves with
 //!   events.
-//! - **Bit-exact with the CPU.** Kernels (`cuda/ops.cu`, `cuda/mxfp8.cu`, and `cuda/nvfp4.cu` for
+//! - **Bit-exact with the CPU.** Kernels (`crates/lowbit-kernels/ops.cu`, `crates/lowbit-kernels/mxfp8.cu`, and `crates/lowbit-kernels/nvfp4.cu` for
 //!   NVFP4 2D scales, stochastic rounding, the Hadamard transform and `nvfp4_finish_2d`; PTX
 //!   embedded by [`ptx`]) follow the arithmetic contract above operation for operation: `_rn`
 //!   intrinsics (never contracted into FMA), conversions as integer code reproducing `half` and
@@ -127,7 +127,7 @@
 //!   stochastic rounding, the Hadamard transform) and dequantization, and the sharded 2D
 //!   primary-weight ops (tile-amax folds, MXFP8 and NVFP4 range codes, MXFP8 2D scales).
 //! - `crates/lowbit-device/tests/cuda.rs` runs every op on both backends and compares every
-//!   byte; it needs a GPU (it fails, never skips, without one). `examples/cuda_bench.rs` times
+//!   byte; it needs a GPU (it fails, never skips, without one). `benches/cuda_bench.rs` times
 //!   the hot kernels against a device-to-device copy of the same run.
 //!
 //! # Non-goals
@@ -766,7 +766,7 @@ impl Device {
     /// fewer than 128 blocks; 6: the blocks always) and one host read, 4: the same over
     /// 256x256 tiles, 3: 4 with the scales in a second launch, 2: all matrices in one launch
     /// (each CTA looks its matrix up), 1: one `nvfp4_finish_2d` per matrix; `("mxfp8x", 2 | 3)`: the bf16 kernels of
-    /// `cuda/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
+    /// `crates/lowbit-kernels/mxfp8x.cu`, 3 by default, v4's technique (columnwise-only 0.99x of a copy on an
     /// H100, 0.75x with 2); `("sum_squares", 0..=3)`: the blocked sums of squares, 0 by default
     /// (3 for f32 views, 2 for 16-bit ones), 1 loads 128 bytes of each of 32 blocks per warp
     /// instruction, 2 512 contiguous bytes of one block, 3 is 1 with a 256-byte L2 prefetch hint

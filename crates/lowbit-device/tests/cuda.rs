@@ -1268,7 +1268,7 @@ fn nvfp4_fallback_variants_match() {
         }
         Ok(out)
     });
-    // 2D, the Hadamard transform and stochastic rounding have kernels (cuda/nvfp4.cu).
+    // 2D, the Hadamard transform and stochastic rounding have kernels (crates/lowbit-kernels/nvfp4.cu).
 }
 
 /// The sharded 2D primary-weight ops: tile amaxes folded shard by shard (shard boundaries

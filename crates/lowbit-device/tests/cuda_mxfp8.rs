@@ -1,4 +1,4 @@
-//! The MXFP8 kernels of `cuda/mxfp8x.cu` (columnwise-only copies, 2D 32x32 scales, E5M2
+//! The MXFP8 kernels of `crates/lowbit-kernels/mxfp8x.cu` (columnwise-only copies, 2D 32x32 scales, E5M2
 //! elements, f32 / f16 / bf16 inputs) against the CPU backend (the oracle): every byte of every
 //! output buffer, guard bytes around the views included, must match, and no MXFP8 call may take
 //! the host fallback.

@@ -1,4 +1,4 @@
-//! The NVFP4 kernels of `cuda/nvfp4.cu` (2D scales, stochastic rounding, the Hadamard
+//! The NVFP4 kernels of `crates/lowbit-kernels/nvfp4.cu` (2D scales, stochastic rounding, the Hadamard
 //! transform and its dequantization, columnwise copies of any row count, `nvfp4_finish_2d`)
 //! against the CPU backend (the oracle): every byte of every buffer and every returned value
 //! must match; quantized bytes strictly, dequantized floats with NaN as a class.

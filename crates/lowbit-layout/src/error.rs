@@ -77,7 +77,7 @@ pub enum LayoutError {
         /// The shard count.
         dp: usize,
     },
-    /// The layout's shard count differs from the collective group size (Megatron bug F3: some
+    /// The layout's shard count differs from the collective group size (Megatron-LM PR #6048: some
     /// shards would be owned by no rank, or ranks would read past their shard).
     #[error("layout has {layout} shards per bucket but the collective group has {group} ranks")]
     ShardCountMismatch {

@@ -24,12 +24,14 @@
 //!   configuration; never of hashing, threads or addresses.
 //! - **One buffer key per buffer.** All parameters of a buffer share one [`BufferKey`]
 //!   (storage, gradient dtype, expert flag, owning optimizer), so no bucket, and no bucket group
-//!   built from one buffer, mixes optimizer owners (Megatron bug class D).
+//!   built from one buffer, mixes optimizer owners (Megatron-LM's mixed bucket groups: PR #6754 partitions bucket groups by
+//!   owning optimizer, PR #4769/#4800 syncs each chained optimizer's groups once).
 //! - **Every element owned exactly once.** Under every strategy the owned pieces of all ranks
 //!   cover every element of every parameter exactly once (the tests check it exhaustively);
 //!   under [`ShardingStrategy::LayerWise`] every parameter is owned whole by one rank.
 //! - **Shard count = group size.** A plan records its group size; the buffers check it against
-//!   the communicator at every launch (Megatron bug F3).
+//!   the communicator at every launch (Megatron-LM PR #6048: a shard count other than the
+//!   collective group size left parameters owned by no rank).
 //! - **Alignment.** Sharded layouts start parameters at multiples of 64 elements and end buckets
 //!   at multiples of `lcm(dp, 128)` (or `lcm(dp, 128, 2^16)`); the replicated layout has no
 //!   padding.

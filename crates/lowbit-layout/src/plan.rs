@@ -583,7 +583,7 @@ impl ShardingPlan {
     }
 
     /// Checks that a communicator of `size` ranks, this one being `rank`, is the group the plan
-    /// was made for (the "shard count equals group size" invariant, Megatron bug F3).
+    /// was made for (the "shard count equals group size" invariant, Megatron-LM PR #6048).
     ///
     /// # Errors
     /// [`LayoutError::ShardCountMismatch`] or [`LayoutError::RankOutOfRange`].

@@ -460,7 +460,7 @@ pub fn param_shard_ranges(
 /// Checks that the layout's shard count equals the size of the group its collectives run on.
 ///
 /// A layout sharded for the full DP group but reduced over a smaller group (or the reverse)
-/// leaves elements owned by no rank (Megatron bug F3).
+/// leaves elements owned by no rank (Megatron-LM PR #6048).
 ///
 /// # Errors
 /// [`LayoutError::ShardCountMismatch`] if they differ.

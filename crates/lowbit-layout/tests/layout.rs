@@ -339,7 +339,8 @@ fn compute_layout_validates_its_input() {
 
 #[test]
 fn bucket_local_ranges_include_padding() {
-    // Megatron bug F1. Forward [y 3, z 10, a 100, b 16, c 4], bucket 100, dp 1:
+    // Megatron-LM PR #3007 (`param_to_index` ignored padding, so the MXFP8 copy-back read the
+    // wrong slice). Forward [y 3, z 10, a 100, b 16, c 4], bucket 100, dp 1:
     // c 0..4, b 64..80, a 128..228 (close, end 256); z 256..266, y pad64(266) = 320..323,
     // end 384. Bucket-local: z (0, 10), y (64, 67), not the packed (10, 13).
     let params = [

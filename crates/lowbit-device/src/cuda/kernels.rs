@@ -1,4 +1,4 @@
-//! Host side of the kernels of `cuda/ops.cu` and `cuda/mxfp8.cu`, by op family
+//! Host side of the kernels of `crates/lowbit-kernels/ops.cu` and `crates/lowbit-kernels/mxfp8.cu`, by op family
 //! ([`elementwise`], [`optim`], [`model`], [`quant`]), and the launch helpers every host side
 //! shares: grid shapes, dtype codes, view checks, scratch buffers. Callers have validated
 //! dtypes, lengths and shapes; each method validates its views (liveness, bounds, overlap)
@@ -82,7 +82,7 @@ impl Scratch {
     }
 }
 
-/// Items per launch of `u32_max_many_p` (`U32MAX_PARAMS_MAX` in `cuda/ops.cu`: 2064 bytes of
+/// Items per launch of `u32_max_many_p` (`U32MAX_PARAMS_MAX` in `crates/lowbit-kernels/ops.cu`: 2064 bytes of
 /// parameters); longer lists upload their table to `u32_max_many`.
 const U32MAX_PARAMS_MAX: usize = 128;
 

@@ -1,5 +1,5 @@
-//! Host side of `cuda/mxfp8x.cu`: the MXFP8 quantization variants the kernels of
-//! `cuda/mxfp8.cu` do not take — a columnwise-only copy, 2D (32x32 tile) scales shared by both
+//! Host side of `crates/lowbit-kernels/mxfp8x.cu`: the MXFP8 quantization variants the kernels of
+//! `crates/lowbit-kernels/mxfp8.cu` do not take — a columnwise-only copy, 2D (32x32 tile) scales shared by both
 //! copies, E5M2 elements, f32 and f16 inputs (and any bf16 → E4M3 call the `mxfp8.cu` path
 //! declines). [`CudaDevice::mxfp8x_quantize`] returns `Ok(false)` for the arguments it does not
 //! take, so the caller's host fallback runs (and reports the library's errors). Callers have
@@ -56,7 +56,7 @@ fn kernel(dtype: DType, kind: Fp8Kind, version: u32) -> Option<&'static str> {
 }
 
 impl CudaDevice {
-    /// MXFP8 quantization by the kernels of `cuda/mxfp8x.cu` for the variants of [`enabled`]
+    /// MXFP8 quantization by the kernels of `crates/lowbit-kernels/mxfp8x.cu` for the variants of [`enabled`]
     /// (TE NaN policy; the grid's limits: `ceil(rows/32) <= 65535`), else `Ok(false)`. An empty
     /// matrix writes nothing (every output view is empty). Views validated by the caller,
     /// present exactly for the copies `cfg.copies` asks for.

@@ -1,4 +1,4 @@
-//! Host side of `cuda/nvfp4.cu`: the NVFP4 variants the 1D kernels of `cuda/ops.cu` do not
+//! Host side of `crates/lowbit-kernels/nvfp4.cu`: the NVFP4 variants the 1D kernels of `crates/lowbit-kernels/ops.cu` do not
 //! cover — 2D (16x16) scales with their tile-amax pass, stochastic rounding, the Hadamard
 //! transform of the columnwise copy (and its dequantization), a columnwise copy of any row
 //! count, and `nvfp4_finish_2d`. Each entry point returns `None` (or `false`) for the arguments
@@ -12,7 +12,7 @@ use super::kernels::{NVFP4_FACTOR_INV, Nvfp4Quantize, capped, dt, nvfp4_rows_vec
 use crate::{DType, Nvfp4Amax, Result, View};
 
 /// Matrices per launch of `nvfp4x_finish_2d_same`: its parameter struct's capacity
-/// (`FINISH2D_SAME_MAX` in `cuda/nvfp4.cu`; 3104 bytes of parameters).
+/// (`FINISH2D_SAME_MAX` in `crates/lowbit-kernels/nvfp4.cu`; 3104 bytes of parameters).
 const FINISH2D_SAME_MAX: usize = 64;
 
 /// Which variants dispatch to the kernels (each only once bit-exact on a GPU).
@@ -58,12 +58,12 @@ fn same_shape_grids(rows: usize, cols: usize) -> Option<[u32; 5]> {
 const FINISH2D_V5_MIN_CTAS: u64 = 128;
 
 /// Matrices per launch of `nvfp4x_finish_2d_mixed`: its parameter struct's capacity
-/// (`FINISH2D_MIXED_MAX` in `cuda/nvfp4.cu`; 7688 bytes of parameters, so that Llama-3.2-1B's
+/// (`FINISH2D_MIXED_MAX` in `crates/lowbit-kernels/nvfp4.cu`; 7688 bytes of parameters, so that Llama-3.2-1B's
 /// 112 matrices take one launch).
 const FINISH2D_MIXED_MAX: usize = 128;
 
 /// The capacity of `nvfp4x_finish_2d_mixed_32`, which takes launches of at most this many
-/// matrices (`FINISH2D_MIXED_SMALL` in `cuda/nvfp4.cu`; 1928 bytes of parameters: past 4 KB a
+/// matrices (`FINISH2D_MIXED_SMALL` in `crates/lowbit-kernels/nvfp4.cu`; 1928 bytes of parameters: past 4 KB a
 /// launch costs the host ~3 us more, and the step completes its bucket groups of 28 matrices
 /// one call each).
 const FINISH2D_MIXED_SMALL: usize = 32;
@@ -115,7 +115,7 @@ fn mixed_launches(same: &[Finish2dSame]) -> Option<Vec<(&'static str, u32, Vec<u
 }
 
 impl CudaDevice {
-    /// NVFP4 quantization by the kernels of `cuda/nvfp4.cu` for the variants of [`enabled`]
+    /// NVFP4 quantization by the kernels of `crates/lowbit-kernels/nvfp4.cu` for the variants of [`enabled`]
     /// (TE NaN policy, non-empty matrix; the Hadamard transform of a columnwise copy needs
     /// `rows % 16 == 0` and no 2D scales), else `Ok(None)`. Views validated by the caller.
     pub(crate) fn nvfp4_quantize_variants(

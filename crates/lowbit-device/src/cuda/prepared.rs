@@ -12,7 +12,8 @@
 //! holds the table, and launches those; later calls launch the graphs (1.7–2.9 µs a call). A
 //! call made once (over transient buffers) thus never pays for making a graph.
 //!
-//! Two other forms were measured and dropped (`cuda/NOTES.md`, session 10): the table in
+//! Two other forms were measured and dropped (`crates/lowbit-kernels/NOTES.md`, "prepared
+//! launches of the 2D MXFP8 scales"): the table in
 //! device memory, its address the kernel's one parameter (host 4.3–6.1 µs, but the kernel's
 //! chain of dependent table reads from memory made it 10–15% slower than from the parameter
 //! bank), and the kept words passed as parameters again (4.7–6.1 µs).

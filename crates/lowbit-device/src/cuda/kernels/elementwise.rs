@@ -411,7 +411,7 @@ fn sum_groups(n: usize) -> usize {
     n.div_ceil(crate::SUM_BLOCK * crate::SUM_GROUP)
 }
 
-// The kernels' warps own a group each, a lane per block (`sumsq_group` in `cuda/ops.cu`).
+// The kernels' warps own a group each, a lane per block (`sumsq_group` in `crates/lowbit-kernels/ops.cu`).
 const _: () = assert!(crate::SUM_GROUP == 32);
 
 /// A sum of squares launched in stages: the validated views (address, dtype, elements), where

@@ -1,4 +1,4 @@
-//! Launches of the quantization kernels of `cuda/mxfp8.cu` and `cuda/ops.cu`: MXFP8 (bf16 →
+//! Launches of the quantization kernels of `crates/lowbit-kernels/mxfp8.cu` and `crates/lowbit-kernels/ops.cu`: MXFP8 (bf16 →
 //! E4M3, 1D) and NVFP4 (1D, round to nearest) quantization, dequantization of one copy, and the
 //! sharded 2D ranges (tile-amax folds, codes of a range, 2D MXFP8 scales).
 
@@ -25,7 +25,7 @@ pub(crate) type Mxfp8Quantize<'a> = Quantize<'a, Mxfp8Config, Mxfp8Views>;
 /// The arguments of an NVFP4 quantization.
 pub(crate) type Nvfp4Quantize<'a> = Quantize<'a, Nvfp4Config, Nvfp4Views>;
 
-/// Whether a quantization is for the kernels of `cuda/mxfp8.cu` at all: bf16 input, E4M3, 1D
+/// Whether a quantization is for the kernels of `crates/lowbit-kernels/mxfp8.cu` at all: bf16 input, E4M3, 1D
 /// blocks, TE NaN policy, a non-empty matrix (the copies and the grid are checked by each path).
 fn mxfp8_kernels_take(q: &Mxfp8Quantize<'_>) -> bool {
     let cfg = q.cfg;
@@ -46,11 +46,11 @@ fn both_vec(cols: usize, [x, rd, cd, cs]: [u64; 4]) -> bool {
 }
 
 /// Matrices per launch of `mxfp8_both_e4m3_bf16_v4_many`: its parameter struct's capacity
-/// (`MXFP8_MANY_MAX` in `cuda/mxfp8.cu`; 5128 bytes of parameters).
+/// (`MXFP8_MANY_MAX` in `crates/lowbit-kernels/mxfp8.cu`; 5128 bytes of parameters).
 const MXFP8_MANY_MAX: usize = 64;
 
 /// Matrices per launch of `mxfp8_both_e4m3_bf16_v4_same`: its parameter struct's capacity
-/// (`MXFP8_SAME_MAX` in `cuda/mxfp8.cu`; 2592 bytes of parameters).
+/// (`MXFP8_SAME_MAX` in `crates/lowbit-kernels/mxfp8.cu`; 2592 bytes of parameters).
 const MXFP8_SAME_MAX: usize = 64;
 
 /// Matrices of one (rows, cols, `vec`) for `mxfp8_both_e4m3_bf16_v4_same`: the key and each
@@ -58,19 +58,19 @@ const MXFP8_SAME_MAX: usize = 64;
 type SameShape = ([u64; 3], Vec<(usize, [u64; 9])>);
 
 /// Matrices per launch of `mxfp8_scales_2d_many`: its parameter struct's capacity
-/// (`SCALES2D_MAX` in `cuda/ops.cu`; 8208 bytes of parameters, so that Llama-3.2-1B's 112
+/// (`SCALES2D_MAX` in `crates/lowbit-kernels/ops.cu`; 8208 bytes of parameters, so that Llama-3.2-1B's 112
 /// matrices take one launch).
 const SCALES2D_MAX: usize = 128;
 
 /// The capacity of `mxfp8_scales_2d_many_32`, which takes launches of at most this many
-/// matrices (`SCALES2D_SMALL` in `cuda/ops.cu`; 2064 bytes of parameters: past 4 KB a launch
+/// matrices (`SCALES2D_SMALL` in `crates/lowbit-kernels/ops.cu`; 2064 bytes of parameters: past 4 KB a launch
 /// costs the host ~3 us more, as much as the kernel of a bucket group's 28 matrices).
 const SCALES2D_SMALL: usize = 32;
 
-/// Tiles per CTA item of `mxfp8_scales_2d_many` (`SCALES2D_CODES` in `cuda/ops.cu`).
+/// Tiles per CTA item of `mxfp8_scales_2d_many` (`SCALES2D_CODES` in `crates/lowbit-kernels/ops.cu`).
 const SCALES2D_CODES: usize = 256;
 
-/// Threads per CTA of `mxfp8_scales_2d_many` (`SCALES2D_THREADS` in `cuda/ops.cu`, its launch
+/// Threads per CTA of `mxfp8_scales_2d_many` (`SCALES2D_THREADS` in `crates/lowbit-kernels/ops.cu`, its launch
 /// bound).
 const SCALES2D_THREADS: u32 = 256;
 
@@ -152,7 +152,7 @@ fn scales2d_launches(
 pub(in crate::cuda) const NVFP4_FACTOR_INV: f32 = (1.0f64 / (6.0 * 448.0)) as f32;
 
 impl CudaDevice {
-    /// MXFP8 with the kernels of `cuda/mxfp8.cu` when the configuration is theirs (bf16 input,
+    /// MXFP8 with the kernels of `crates/lowbit-kernels/mxfp8.cu` when the configuration is theirs (bf16 input,
     /// E4M3, 1D blocks, TE NaN policy, rowwise or both copies, the vector paths' alignment);
     /// `Ok(false)` when it is not, for the caller's host fallback. Views are validated first.
     pub(crate) fn quantize_mxfp8(&mut self, q: &Mxfp8Quantize<'_>) -> Result<bool> {

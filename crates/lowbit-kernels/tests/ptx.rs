@@ -1,7 +1,8 @@
 //! The committed PTX is fresh: every `*.cu` of this package has an embedded module whose recorded
-//! source hash matches the file, and every embedded module has its source.
+//! hash matches the file and the shared headers of `include/`, and every embedded module has its
+//! source.
 
-use lowbit_kernels::{HASH_HEADER, MODULES, recorded_hash, source_hash};
+use lowbit_kernels::{HASH_HEADER, MODULES, module_hash, recorded_hash, source_hash};
 
 #[test]
 fn every_kernel_source_has_fresh_ptx() {
@@ -22,22 +23,55 @@ fn every_kernel_source_has_fresh_ptx() {
         let module = MODULES
             .iter()
             .find(|m| m.name == stem)
-            .unwrap_or_else(|| panic!("cuda/{stem}.cu has no embedded PTX: run `cargo xtask ptx`"));
-        let want = source_hash(&std::fs::read(src).unwrap());
+            .unwrap_or_else(|| panic!("{stem}.cu has no embedded PTX: run `cargo xtask ptx`"));
+        let want = module_hash(cuda, stem).unwrap();
         assert_eq!(
             recorded_hash(module.ptx),
             Some(want),
-            "cuda/{stem}.cu changed since its PTX was built: run `cargo xtask ptx`"
+            "{stem}.cu or a header of include/ changed since its PTX was built: run `cargo xtask ptx`"
         );
         assert!(module.ptx.contains(&format!(".target {}", module.arch)));
     }
     for m in MODULES {
         assert!(
             sources.iter().any(|s| s.file_stem().unwrap() == m.name),
-            "embedded PTX `{}` has no source in cuda/",
+            "embedded PTX `{}` has no source in the package",
             m.name
         );
     }
+}
+
+/// The recorded hash covers the source and every shared header: editing, adding or renaming a
+/// header changes it, as editing the source does.
+#[test]
+fn module_hash_covers_the_shared_headers() {
+    let dir = std::env::temp_dir().join(format!("lowbit-kernels-hash-{}", std::process::id()));
+    let include = dir.join("include");
+    std::fs::create_dir_all(&include).unwrap();
+    std::fs::write(dir.join("k.cu"), "#include \"include/a.cuh\"\n").unwrap();
+    let alone = module_hash(&dir, "k").unwrap();
+    assert_eq!(alone, source_hash(b"#include \"include/a.cuh\"\n"));
+    std::fs::write(include.join("a.cuh"), "// a\n").unwrap();
+    let with_a = module_hash(&dir, "k").unwrap();
+    std::fs::write(include.join("a.cuh"), "// a, changed\n").unwrap();
+    let edited = module_hash(&dir, "k").unwrap();
+    std::fs::rename(include.join("a.cuh"), include.join("b.cuh")).unwrap();
+    let renamed = module_hash(&dir, "k").unwrap();
+    std::fs::write(include.join("notes.txt"), "not a header").unwrap();
+    let with_other_file = module_hash(&dir, "k").unwrap();
+    std::fs::write(dir.join("k.cu"), "// edited\n").unwrap();
+    let source_edited = module_hash(&dir, "k").unwrap();
+    let missing = module_hash(&dir, "absent");
+    std::fs::remove_dir_all(&dir).ok();
+    let all = [alone, with_a, edited, renamed, source_edited];
+    for (i, a) in all.iter().enumerate() {
+        for b in &all[i + 1..] {
+            assert_ne!(a, b, "two different trees hash alike");
+        }
+    }
+    assert_eq!(with_other_file, renamed, "only *.cuh files count");
+    let err = missing.unwrap_err();
+    assert!(err.path.ends_with("absent.cu"), "{}", err.path.display());
 }
 
 #[test]

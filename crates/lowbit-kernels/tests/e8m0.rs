@@ -1,7 +1,8 @@
-//! The kernels' branch-free E8M0 helpers (`e8m0_round_up` / `e8m0_rcp` in `mxfp8.cu`,
-//! `mx_e8m0` / `mx_rcp` in `mxfp8x.cu`, `e8m0_code` / `e8m0_reciprocal` in `ops.cu`) against
+//! The kernels' branch-free E8M0 helpers (`e8m0_code` / `e8m0_reciprocal` in
+//! `include/lowbit_convert.cuh`, which `mxfp8.cu`, `mxfp8x.cu` and `ops.cu` include) against
 //! `lowbit_formats::scalar`, the oracle every kernel reproduces. The formula is transcribed here
-//! and each source is checked to still spell it, so a change to either side fails this test.
+//! and the header is checked to still spell it (and the sources to use the header rather than a
+//! copy of their own), so a change to either side fails this test.
 //! (`check/e8m0_branch_free.c` runs the same comparison over all 2^32 inputs on the host.)
 
 use lowbit_formats::scalar::{e8m0_from_f32, e8m0_rcp};
@@ -53,19 +54,32 @@ fn the_branch_free_rule_is_the_scalar_rule() {
 }
 
 #[test]
-fn every_kernel_source_spells_the_branch_free_rule() {
+fn the_shared_header_spells_the_branch_free_rule() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lines = [
+        "const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;",
+        "const uint32_t code = t < 0xFEu ? t : 0xFEu;",
+        "e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n",
+        "const uint32_t n = (254u - e) << 23;",
+    ];
+    let header = std::fs::read_to_string(dir.join("include/lowbit_convert.cuh"))
+        .expect("the header is readable");
+    for line in lines {
+        assert!(
+            header.contains(line),
+            "include/lowbit_convert.cuh no longer has `{line}`: update tests/e8m0.rs"
+        );
+    }
     for file in ["mxfp8.cu", "mxfp8x.cu", "ops.cu"] {
         let src = std::fs::read_to_string(dir.join(file)).expect("the source is readable");
-        for line in [
-            "const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;",
-            "const uint32_t code = t < 0xFEu ? t : 0xFEu;",
-            "e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n",
-            "const uint32_t n = (254u - e) << 23;",
-        ] {
+        assert!(
+            src.contains("#include \"include/lowbit_convert.cuh\""),
+            "{file} no longer includes the shared conversions: update tests/e8m0.rs"
+        );
+        for line in lines {
             assert!(
-                src.contains(line),
-                "cuda/{file} no longer has `{line}`: update tests/e8m0.rs"
+                !src.contains(line),
+                "{file} has its own copy of the E8M0 rule (`{line}`): use the header's"
             );
         }
     }

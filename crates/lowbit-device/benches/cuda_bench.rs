@@ -1,5 +1,5 @@
 //! GPU timings of the hot CUDA kernels against a device-to-device copy measured in the same run
-//! (`cargo run --release -p lowbit-device --features cuda --example cuda_bench [SECTION...]`;
+//! (`cargo bench -p lowbit-device --features cuda --bench cuda_bench -- [SECTION...]`;
 //! sections `launch`, `mxfp8`, `nvfp4`, `optim`, all by default).
 //!
 //! - `launch`: the host's time to enqueue a one-kernel op with scalar parameters and one with a
@@ -525,7 +525,11 @@ fn launch_costs(dev: &mut Device) {
 fn main() {
     // Sections to run (`launch`, `mxfp8`, `nvfp4`, `optim`: the sums of squares and AdamW); all
     // if none.
-    let only: Vec<String> = std::env::args().skip(1).collect();
+    // (`--bench` is what `cargo bench` passes to every bench target.)
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let want = |s: &str| only.is_empty() || only.iter().any(|o| o == s);
     let mut dev = Device::cuda(0).unwrap_or_else(|e| {
         eprintln!("cuda_bench: needs a CUDA GPU: {e}");

@@ -1,15 +1,15 @@
 //! `lowbit quantize` and `lowbit dequantize` against `cp` + `sync` of the same file, in the same
-//! run (issue 15, item 5): wall time ratio and the child's peak resident memory beside the input
+//! run: wall time ratio and the child's peak resident memory beside the input
 //! file's size, for (a) one 8192x8192 bf16 tensor (128 MiB) and (b) a 256 MiB file of two
 //! tensors (an 8192x8192 bf16 and a 4096x8192 f32 one).
 //!
 //! ```sh
-//! cargo build --release --bin lowbit && cargo run --release --example quantize_bench \
-//!     [-- --bin PATH] [--dir DIR] [--reps N] [--json]
+//! cargo build --release --bin lowbit && cargo bench --bench quantize_bench -- \
+//!     [--bin PATH] [--dir DIR] [--reps N] [--json]
 //! ```
 //!
-//! `--bin` picks the binary (default: `lowbit` beside this example's directory, i.e. the release
-//! build), so an older build can be measured the same way. Inputs go to `--dir` (default: the
+//! `--bin` picks the binary (default: `lowbit` in the folder above this program's, i.e. the
+//! release build: benches run from `target/release/deps/`), so an older build can be measured the same way. Inputs go to `--dir` (default: the
 //! system temporary directory) and are removed afterwards. Each figure is the median of `--reps`
 //! runs (default 3). The peak memory comes from `wait4`'s resource usage of the child itself,
 //! so the binary needs no instrumentation and older builds are measured alike.

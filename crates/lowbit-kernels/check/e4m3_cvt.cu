@@ -3,7 +3,7 @@
 // on every non-NaN f32, in both halves of the pair: all 2^32 bit patterns, NaNs counted apart
 // (the scale products are never NaN). Build and run on the GPU machine (or build here with the
 // pinned toolchain of `cargo xtask ptx` and carry the binary):
-//   nvcc -O3 -arch=sm_90 -o e4m3_cvt cuda/check/e4m3_cvt.cu && ./e4m3_cvt
+//   nvcc -O3 -arch=sm_90 -o e4m3_cvt crates/lowbit-kernels/check/e4m3_cvt.cu && ./e4m3_cvt
 // Prints the mismatch count (0 expected) and exits 1 on any mismatch.
 #include "../ops.cu"
 #include <cstdio>

@@ -1,10 +1,10 @@
-// What partial-sector writes cost (cuda/NOTES.md, 2026-11-27 session 2): 256 MB written in
+// What partial-sector writes cost (crates/lowbit-kernels/NOTES.md, "partial-sector writes"): 256 MB written in
 // P-byte pieces, the 32/P pieces of each 32-byte sector stored by different CTAs D launch
 // positions apart (D = 0: by consecutive lanes of one store instruction), each thread storing R
 // pieces; times against 16-byte contiguous stores of the same bytes. Modes: plain; a
 // `prefetch.global.L2` of the sector before the store; a load of the sector's first word before
 // the store. Build and run on the GPU machine (nvcc is there):
-//   nvcc -O3 -arch=sm_90 -o partial_sectors cuda/microbench/partial_sectors.cu && ./partial_sectors
+//   nvcc -O3 -arch=sm_90 -o partial_sectors crates/lowbit-kernels/microbench/partial_sectors.cu && ./partial_sectors
 #include <cstdio>
 #include <cstdint>
 #include <vector>

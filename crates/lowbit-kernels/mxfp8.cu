@@ -9,26 +9,13 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-// Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF. Branch-free:
-// (a + 2^23 - 1) >> 23 is the exponent plus one when the mantissa is not zero (a normal number
-// rounds up), and for a subnormal (a < 2^23) (a + 2^22 - 1) >> 23 is 1 exactly when the mantissa
-// exceeds 2^22 (TE's rule: 2^-127 covers up to half of 2^-126); Inf and 0xFE.. give 0xFF, clamped
-// to 0xFE. The branchy form (the rule as lowbit_formats::scalar writes it) cost two branches per
-// scale, and the both-copies kernel computes 12 scales per thread and tile; equal to it for all
-// 2^32 inputs (cuda/check/e8m0_branch_free.c).
-__device__ __forceinline__ uint8_t e8m0_round_up(float x) {
-    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
-    const uint32_t code = t < 0xFEu ? t : 0xFEu;
-    return (uint8_t)(a > 0x7F800000u ? 0xFFu : code);
-}
+#include "include/lowbit_convert.cuh"
 
-// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN (selects, no branches).
-__device__ __forceinline__ float e8m0_rcp(uint8_t e8) {
-    const uint32_t e = e8;
-    const uint32_t n = (254u - e) << 23;
-    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
-}
+// The E8M0 rule of include/lowbit_convert.cuh with the scale arrays' byte type: the kernels here
+// keep the code in a byte (their PTX stores it with st.u8 from a 16-bit register).
+__device__ __forceinline__ uint8_t e8m0_round_up(float x) { return (uint8_t)e8m0_code(x); }
+
+__device__ __forceinline__ float e8m0_rcp(uint8_t e8) { return e8m0_reciprocal(e8); }
 
 __device__ __forceinline__ float abs_nan_zero(float v) {
     float a = fabsf(v);
@@ -243,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(256) mxfp8_both_e4m3_bf16(
 }
 
 // ---- versions 4 and 5 of the one-pass rowwise + columnwise kernel ----
-// (Versions 2 and 3, register-resident predecessors, are described in cuda/NOTES.md; v4
+// (Versions 2 and 3, register-resident predecessors, are described in crates/lowbit-kernels/NOTES.md; v4
 // superseded them and they were removed.) One 256-thread CTA per 32-row x 256-column tile; each
 // thread keeps 4 rows x 8 columns as raw bf16 in registers (lane l owns columns 8l..8l+7, warp w
 // rows w, w+8, w+16, w+24). Column amaxes are reduced across the 8 warps in shared memory, row

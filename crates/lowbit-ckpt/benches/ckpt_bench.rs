@@ -1,8 +1,8 @@
 //! Checkpoint throughput against the disk's own bandwidth, measured in the same run and the same
-//! directory (issue 14, item 9), and the cost of an asynchronous save to the training step.
+//! directory, and the cost of an asynchronous save to the training step.
 //!
 //! ```text
-//! cargo run --release -p lowbit-ckpt --example ckpt_bench -- \
+//! cargo bench -p lowbit-ckpt --bench ckpt_bench -- \
 //!     [--params 256M] [--ranks 4] [--reps 3] [--dir DIR] [--json OUT.json] [--device cpu|cuda]
 //! ```
 //!
@@ -31,7 +31,7 @@
 //!   (`Optimizer::apply`, synchronized) without a save and while the background write runs.
 //!
 //! Times are medians of `--reps`; GB/s are `B / t` (10^9 bytes); `ratio` is the bound's time
-//! over the row's: save over `disk_write` and load over `disk_read` (the issue asks ≥ 0.8). The table goes to stdout and
+//! over the row's: save over `disk_write` and load over `disk_read` (the target is ≥ 0.8). The table goes to stdout and
 //! the same numbers as JSON to `--json`. `crates/lowbit-ckpt/benches/torch_dcp.py` writes the
 //! same tensors with `torch.distributed.checkpoint` (the GPU bundle's `ckpt-bench` step runs
 //! both). With `--device cuda` (feature `cuda`) the one-rank optimizer lives on GPU 0, so the

@@ -1,7 +1,8 @@
-// The branch-free E8M0 helpers of cuda/mxfp8.cu (e8m0_round_up, e8m0_rcp) against the rule as
+// The branch-free E8M0 helpers of crates/lowbit-kernels/include/lowbit_convert.cuh (e8m0_code,
+// e8m0_reciprocal; every kernel source includes them) against the rule as
 // lowbit_formats::scalar writes it, for every f32 bit pattern and every scale byte. Plain C on
 // the host (the helpers are integer arithmetic on the bits):
-//   gcc -O2 -o /tmp/e8m0 cuda/check/e8m0_branch_free.c && /tmp/e8m0
+//   gcc -O2 -o /tmp/e8m0 crates/lowbit-kernels/check/e8m0_branch_free.c && /tmp/e8m0
 // prints "mismatches 0" (about ten seconds) and exits 0.
 #include <stdint.h>
 #include <stdio.h>

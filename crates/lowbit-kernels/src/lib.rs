@@ -1,5 +1,5 @@
-//! The CUDA kernels of lowbit: the `.cu` sources in this package's root, and their PTX for
-//! sm_90 in `ptx/`, embedded here as strings.
+//! The CUDA kernels of lowbit: the `.cu` sources in this package's root, the headers they share
+//! in `include/`, and their PTX for sm_90 in `ptx/`, embedded here as strings.
 //!
 //! # Purpose
 //! `lowbit-device`'s CUDA backend loads these modules through the driver at device creation
@@ -11,9 +11,11 @@
 //! # Invariants
 //! - Every `<name>.cu` in the package root has exactly one [`Module`] in [`MODULES`] with the
 //!   same `name`, and every module has its source.
-//! - Each PTX file starts with [`HASH_HEADER`] followed by the FNV-1a hash ([`source_hash`]) of
-//!   the source it was compiled from; `tests/ptx.rs` fails when a `.cu` changed without its PTX
-//!   being rebuilt (`cargo xtask ptx`), so the embedded code is always the code in the sources.
+//! - Each PTX file starts with [`HASH_HEADER`] followed by [`module_hash`]: the FNV-1a hash of
+//!   the source it was compiled from and of every shared header in [`INCLUDE_DIR`] (the
+//!   bit-exact conversions the sources include); `tests/ptx.rs` fails when a `.cu` or a header
+//!   changed without the PTX being rebuilt (`cargo xtask ptx`), so the embedded code is always
+//!   the code in the sources.
 //! - A kernel that takes a launch table (a struct passed by value) declares it as its only
 //!   parameter, so [`struct_param_bytes`] reads its size from the PTX and `lowbit-device`
 //!   refuses a host table of any other size before launching.
@@ -28,7 +30,8 @@
 /// One embedded PTX module.
 #[derive(Clone, Copy, Debug)]
 pub struct Module {
-    /// The kernel file's stem (`<name>.cu` in this package, `cuda/` in the repository).
+    /// The kernel file's stem (`<name>.cu` in this package, `crates/lowbit-kernels/` in the
+    /// repository).
     pub name: &'static str,
     /// The target architecture the PTX was built for.
     pub arch: &'static str,
@@ -65,9 +68,84 @@ pub const HASH_HEADER: &str = "// lowbit-source-fnv1a64: ";
 
 /// FNV-1a (64-bit) of a kernel source: small, dependency-free and stable across platforms.
 pub fn source_hash(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+    fnv1a_extend(FNV_OFFSET, bytes)
+}
+
+/// FNV-1a's offset basis (64-bit).
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a (64-bit) continued from `hash` over `bytes`.
+fn fnv1a_extend(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// The folder of the headers the kernel sources share, relative to the package root.
+pub const INCLUDE_DIR: &str = "include";
+
+/// A kernel source or shared header that [`module_hash`] could not read.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read {}", path.display())]
+pub struct ModuleHashError {
+    /// The file or folder that could not be read.
+    pub path: std::path::PathBuf,
+    /// What the file system said.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// The hash recorded in the PTX of `<stem>.cu` of the package folder `dir`: FNV-1a over the
+/// source's bytes followed, for every `*.cuh` of [`INCLUDE_DIR`] in file-name order, by the
+/// header's file name, a NUL byte and its bytes. Every header counts for every module (not only
+/// the ones a source includes), so a change to a shared header makes all modules stale rather
+/// than relying on a parse of `#include` lines. `cargo xtask ptx` records it and `tests/ptx.rs`
+/// recomputes it, both through this one function.
+pub fn module_hash(dir: &std::path::Path, stem: &str) -> Result<u64, ModuleHashError> {
+    let read = |path: std::path::PathBuf| {
+        std::fs::read(&path).map_err(|source| ModuleHashError { path, source })
+    };
+    let mut hash = fnv1a_extend(FNV_OFFSET, &read(dir.join(format!("{stem}.cu")))?);
+    for header in headers(dir)? {
+        let name = header
+            .file_name()
+            .unwrap_or_default()
+            .as_encoded_bytes()
+            .to_vec();
+        hash = fnv1a_extend(hash, &name);
+        hash = fnv1a_extend(hash, &[0]);
+        hash = fnv1a_extend(hash, &read(header)?);
+    }
+    Ok(hash)
+}
+
+/// The `*.cuh` files of `dir`'s [`INCLUDE_DIR`] in file-name order (none when it is absent).
+pub fn headers(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>, ModuleHashError> {
+    let include = dir.join(INCLUDE_DIR);
+    let entries = match std::fs::read_dir(&include) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(ModuleHashError {
+                path: include,
+                source,
+            });
+        }
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let path = entry
+            .map_err(|source| ModuleHashError {
+                path: include.clone(),
+                source,
+            })?
+            .path();
+        if path.extension().is_some_and(|x| x == "cuh") {
+            found.push(path);
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 /// The source hash recorded in a PTX module's first line, if any.

@@ -25,34 +25,13 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-typedef unsigned long long u64;
+#include "include/lowbit_convert.cuh"
 
 // Flags (CTA-uniform).
 #define MX_ROW 1u    // write the rowwise copy
 #define MX_COL 2u    // write the columnwise copy
 #define MX_2D 4u     // one scale per 32x32 tile
 #define MX_VEC 8u    // cols % 8 == 0 and aligned pointers: 16-byte loads, 8-byte stores
-
-// Smallest power of two >= |x| as E8M0, clamped to [2^-127, 2^127]; NaN -> 0xFF
-// (lowbit_formats::scalar::e8m0_from_f32), branch-free as mxfp8.cu's e8m0_round_up (equal for
-// all 2^32 inputs: cuda/check/e8m0_branch_free.c).
-__device__ __forceinline__ uint32_t mx_e8m0(float x) {
-    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
-    const uint32_t code = t < 0xFEu ? t : 0xFEu;
-    return a > 0x7F800000u ? 0xFFu : code;
-}
-
-// 2^(127 - e) exactly: 0xFE -> 2^-127 (subnormal), 0xFF -> NaN (selects, no branches).
-__device__ __forceinline__ float mx_rcp(uint32_t e) {
-    const uint32_t n = (254u - e) << 23;
-    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
-}
-
-__device__ __forceinline__ uint32_t mx_abs_bits(float v) {
-    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
-    return a > 0x7F800000u ? 0u : a;
-}
 
 __device__ __forceinline__ float mx_f32(float v) { return v; }
 __device__ __forceinline__ float mx_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -146,7 +125,7 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            uint32_t a = mx_abs_bits(mx_get<T>(raw[i], j));
+            uint32_t a = abs_bits_nan_zero(mx_get<T>(raw[i], j));
             ra[i] = a > ra[i] ? a : ra[i];
             cm[j] = a > cm[j] ? a : cm[j];
         }
@@ -173,8 +152,8 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
         for (int j = 0; j < 8; ++j) t = cm[j] > t ? cm[j] : t;
         t = max(t, __shfl_xor_sync(0xFFFFFFFFu, t, 1));
         t = max(t, __shfl_xor_sync(0xFFFFFFFFu, t, 2));
-        const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(t), rcp));
-        const float sc = mx_rcp(e);
+        const uint32_t e = e8m0_code(__fmul_rn(__uint_as_float(t), rcp));
+        const float sc = e8m0_reciprocal(e);
 #pragma unroll
         for (int j = 0; j < 8; ++j) s[j] = sc;
         if (col && w == 0 && c < cols)
@@ -194,8 +173,8 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
         u64 cscale = 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(cm[j]), rcp));
-            s[j] = mx_rcp(e);
+            const uint32_t e = e8m0_code(__fmul_rn(__uint_as_float(cm[j]), rcp));
+            s[j] = e8m0_reciprocal(e);
             cscale |= (u64)e << (8 * j);
         }
         if (w == 0 && c < cols) mx_store8(col_scales + (r0 / 32) * cols + c, cscale, c, cols, vec);
@@ -208,8 +187,8 @@ __device__ __forceinline__ void mxfp8x_body(const T* __restrict__ x, uint8_t* __
         a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
         if (r >= rows || c >= cols) continue;
         if (row) {
-            const uint32_t e = mx_e8m0(__fmul_rn(__uint_as_float(a), rcp));
-            const float sr = mx_rcp(e);
+            const uint32_t e = e8m0_code(__fmul_rn(__uint_as_float(a), rcp));
+            const float sr = e8m0_reciprocal(e);
             float rs[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) rs[j] = sr;
@@ -289,8 +268,8 @@ __device__ __forceinline__ void mxfp8x_bf16_v3_body(const __nv_bfloat16* __restr
         float t = fmaxf(__low2float(m2), __high2float(m2));
         t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, 1));
         t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, 2));
-        const uint32_t e = mx_e8m0(__fmul_rn(t, rcp));
-        const float sc = mx_rcp(e);
+        const uint32_t e = e8m0_code(__fmul_rn(t, rcp));
+        const float sc = e8m0_reciprocal(e);
 #pragma unroll
         for (int j = 0; j < 8; ++j) s[j] = sc;
         if (col && w == 0 && c < cols)
@@ -310,10 +289,10 @@ __device__ __forceinline__ void mxfp8x_bf16_v3_body(const __nv_bfloat16* __restr
         u64 cscale = 0;
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const uint32_t e0 = mx_e8m0(__fmul_rn(__low2float(cm[p]), rcp));
-            const uint32_t e1 = mx_e8m0(__fmul_rn(__high2float(cm[p]), rcp));
-            s[2 * p] = mx_rcp(e0);
-            s[2 * p + 1] = mx_rcp(e1);
+            const uint32_t e0 = e8m0_code(__fmul_rn(__low2float(cm[p]), rcp));
+            const uint32_t e1 = e8m0_code(__fmul_rn(__high2float(cm[p]), rcp));
+            s[2 * p] = e8m0_reciprocal(e0);
+            s[2 * p + 1] = e8m0_reciprocal(e1);
             cscale |= ((u64)e0 | ((u64)e1 << 8)) << (16 * p);
         }
         if (w == 0 && c < cols) mx_store8(col_scales + (r0 / 32) * cols + c, cscale, c, cols, vec);
@@ -326,8 +305,8 @@ __device__ __forceinline__ void mxfp8x_bf16_v3_body(const __nv_bfloat16* __restr
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
         if (r >= rows || c >= cols) continue;
         if (row) {
-            const uint32_t e = mx_e8m0(__fmul_rn(a, rcp));
-            const float sr = mx_rcp(e);
+            const uint32_t e = e8m0_code(__fmul_rn(a, rcp));
+            const float sr = e8m0_reciprocal(e);
             float rs[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) rs[j] = sr;

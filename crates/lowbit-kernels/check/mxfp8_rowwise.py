@@ -1,8 +1,8 @@
-"""GPU check of cuda/mxfp8.cu: bit-exactness against the CPU library and a timing.
+"""GPU check of crates/lowbit-kernels/mxfp8.cu: bit-exactness against the CPU library and a timing.
 
 Runs on the device machine (PyTorch for memory and events, libcuda through ctypes for the PTX).
 Inputs and the CPU reference are safetensors files written by `lowbit quantize` on the CPU:
-  python3 cuda/check/mxfp8_rowwise.py IN.safetensors ROWWISE.safetensors BOTH.safetensors
+  python3 crates/lowbit-kernels/check/mxfp8_rowwise.py IN.safetensors ROWWISE.safetensors BOTH.safetensors
 Prints one line per tensor (bytes equal or not) and a timing line for a 16384x16384 bf16 tensor
 against a device-to-device copy of the same bytes measured in the same run.
 """
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-PTX = "cuda/ptx/mxfp8.sm_90.ptx"
+PTX = "crates/lowbit-kernels/ptx/mxfp8.sm_90.ptx"
 KERNEL = b"mxfp8_rowwise_e4m3_bf16"
 
 

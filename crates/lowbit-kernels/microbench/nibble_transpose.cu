@@ -1,10 +1,10 @@
 // The 4-bit transpose of the 2D NVFP4 completion (rowwise codes [rows][cols/2] -> columnwise
 // codes [cols][rows/2]) alone, in variants, against a copy of the same bytes and a classic f32
-// transpose (cuda/NOTES.md, 2026-11-27 session 2: the codes transpose alone runs at a copy's
-// speed; t0 is the backend's codes kernel, the others variants of it, checked byte for byte
+// transpose (crates/lowbit-kernels/NOTES.md, "the 2D NVFP4 completion at 0.9x": the codes
+// transpose alone runs at a copy's speed; t0 is the backend's codes kernel, the others variants of it, checked byte for byte
 // against it). `./nibble_transpose ncu` runs one shape once, for a profiler. Build on the GPU
 // machine, from the repository root:
-//   nvcc -O3 -arch=sm_90 -o nibble_transpose cuda/microbench/nibble_transpose.cu
+//   nvcc -O3 -arch=sm_90 -o nibble_transpose crates/lowbit-kernels/microbench/nibble_transpose.cu
 #include "../nvfp4.cu"  // nibble_transpose_8x8, Finish2dSameParams, nvfp4x_finish_2d_same
 #include <cstdio>
 #include <cstdint>

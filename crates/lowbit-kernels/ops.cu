@@ -17,87 +17,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-typedef unsigned long long u64;
-
-// ---- conversions (the `half` crate's, bit for bit) ----
-
-__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
-    uint32_t x = __float_as_uint(v);
-    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
-    uint32_t nan = (x >> 16) | 0x40u;
-    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-}
-
-__device__ __forceinline__ float bf16_bits_to_f32(uint16_t b) {
-    return __uint_as_float(((uint32_t)b) << 16);
-}
-
-// half::f16::from_f32 (software fallback; identical to F16C's vcvtps2ph with RNE).
-__device__ __forceinline__ uint16_t f32_to_f16_bits(float value) {
-    uint32_t x = __float_as_uint(value);
-    uint32_t sign = x & 0x80000000u;
-    uint32_t exp = x & 0x7F800000u;
-    uint32_t man = x & 0x007FFFFFu;
-    if (exp == 0x7F800000u) {
-        uint32_t nan_bit = man == 0 ? 0u : 0x0200u;
-        return (uint16_t)((sign >> 16) | 0x7C00u | nan_bit | (man >> 13));
-    }
-    uint32_t half_sign = sign >> 16;
-    int unbiased_exp = (int)(exp >> 23) - 127;
-    int half_exp = unbiased_exp + 15;
-    if (half_exp >= 0x1F) return (uint16_t)(half_sign | 0x7C00u);
-    if (half_exp <= 0) {
-        if (14 - half_exp > 24) return (uint16_t)half_sign;
-        uint32_t m = man | 0x00800000u;
-        uint32_t half_man = m >> (14 - half_exp);
-        uint32_t round_bit = 1u << (13 - half_exp);
-        if ((m & round_bit) != 0 && (m & (3u * round_bit - 1u)) != 0) half_man += 1;
-        return (uint16_t)(half_sign | half_man);
-    }
-    uint32_t he = ((uint32_t)half_exp) << 10;
-    uint32_t half_man = man >> 13;
-    uint32_t round_bit = 0x00001000u;
-    if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0)
-        return (uint16_t)((half_sign | he | half_man) + 1u);
-    return (uint16_t)(half_sign | he | half_man);
-}
-
-// half::f16::to_f32 (exact; NaN keeps its payload with the quiet bit set).
-__device__ __forceinline__ float f16_bits_to_f32(uint16_t i) {
-    if ((i & 0x7FFFu) == 0) return __uint_as_float(((uint32_t)i) << 16);
-    uint32_t half_sign = (uint32_t)(i & 0x8000u);
-    uint32_t half_exp = (uint32_t)(i & 0x7C00u);
-    uint32_t half_man = (uint32_t)(i & 0x03FFu);
-    if (half_exp == 0x7C00u) {
-        if (half_man == 0) return __uint_as_float((half_sign << 16) | 0x7F800000u);
-        return __uint_as_float((half_sign << 16) | 0x7FC00000u | (half_man << 13));
-    }
-    uint32_t sign = half_sign << 16;
-    int unbiased_exp = ((int)half_exp >> 10) - 15;
-    if (half_exp == 0) {
-        int e = __clz(half_man) - 16 - 6;
-        uint32_t ex = (uint32_t)(127 - 15 - e) << 23;
-        uint32_t m = (half_man << (14 + e)) & 0x7FFFFFu;
-        return __uint_as_float(sign | ex | m);
-    }
-    uint32_t ex = ((uint32_t)(unbiased_exp + 127)) << 23;
-    uint32_t m = half_man << 13;
-    return __uint_as_float(sign | ex | m);
-}
-
-__device__ __forceinline__ float load(const uint8_t* __restrict__ p, uint32_t dt, u64 i) {
-    if (dt == 0) return reinterpret_cast<const float*>(p)[i];
-    uint16_t b = reinterpret_cast<const uint16_t*>(p)[i];
-    return dt == 1 ? bf16_bits_to_f32(b) : f16_bits_to_f32(b);
-}
-
-__device__ __forceinline__ void store(uint8_t* __restrict__ p, uint32_t dt, u64 i, float v) {
-    if (dt == 0) {
-        reinterpret_cast<float*>(p)[i] = v;
-    } else {
-        reinterpret_cast<uint16_t*>(p)[i] = dt == 1 ? f32_to_bf16_bits(v) : f32_to_f16_bits(v);
-    }
-}
+#include "include/lowbit_convert.cuh"
 
 // Elements of a dtype in 16 bytes.
 __device__ __forceinline__ u64 dt_elems_per_16(uint32_t dt) { return dt == 0 ? 4 : 8; }
@@ -158,10 +78,6 @@ extern "C" __global__ void axpy(const uint8_t* __restrict__ x, uint32_t xd, uint
 // out[0] <- max over |x| bit patterns with NaN as 0 (order-independent, so parallel). With `vec`
 // (a 16-byte aligned view), whole 16-byte chunks are read with vector loads and the tail element
 // by element. One atomic per block.
-__device__ __forceinline__ uint32_t amax_bits_of(float v) {
-    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
-    return a > 0x7F800000u ? 0u : a;
-}
 
 extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t xd, u64 n,
                                         uint32_t* __restrict__ out, uint32_t vec) {
@@ -176,19 +92,19 @@ extern "C" __global__ void max_abs_bits(const uint8_t* __restrict__ x, uint32_t 
             if (xd == 0) {
                 const float* f = reinterpret_cast<const float*>(&raw);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) m = max(m, amax_bits_of(f[j]));
+                for (int j = 0; j < 4; ++j) m = max(m, abs_bits_nan_zero(f[j]));
             } else {
                 const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw);
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-                    m = max(m, amax_bits_of(xd == 1 ? bf16_bits_to_f32(h[j]) : f16_bits_to_f32(h[j])));
+                    m = max(m, abs_bits_nan_zero(xd == 1 ? bf16_bits_to_f32(h[j]) : f16_bits_to_f32(h[j])));
             }
         }
         done = chunks * per;
     }
     for (u64 i = done + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x)
-        m = max(m, amax_bits_of(load(x, xd, i)));
+        m = max(m, abs_bits_nan_zero(load(x, xd, i)));
     for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
@@ -912,45 +828,8 @@ extern "C" __global__ void softmax_xent_backward(const float* __restrict__ x,
     }
 }
 
-// ---- quantization formats (lowbit_formats::scalar, bit for bit) ----
-
-// Round-to-nearest-even magnitude code of fp32 bits `a` in a format with `mbits` mantissa bits
-// and exponent bias `bias` (lowbit_formats::scalar::rne_magnitude): normal results by integer
-// rounding of the bits, subnormal results by letting the fp32 adder round.
-__device__ __forceinline__ uint32_t rne_magnitude(uint32_t a, uint32_t mbits, uint32_t bias) {
-    uint32_t shift = 23 - mbits;
-    uint32_t min_normal_bits = (127 - bias + 1) << 23;
-    uint32_t odd = (a >> shift) & 1u;
-    uint32_t normal = ((a + (1u << (shift - 1)) - 1u + odd) >> shift) - ((127 - bias) << mbits);
-    float magic = __uint_as_float((127 + 24 - bias - mbits) << 23);
-    uint32_t sub = __float_as_uint(__fadd_rn(__uint_as_float(a), magic)) - __float_as_uint(magic);
-    return a >= min_normal_bits ? normal : sub;
-}
-
-// fp32 -> E4M3 (saturating, NaN -> 0x7F): the NVFP4 block-scale encoder.
-__device__ __forceinline__ uint32_t e4m3_code(float x) {
-    uint32_t bits = __float_as_uint(x);
-    uint32_t a = bits & 0x7FFFFFFFu;
-    uint32_t sign = (bits >> 24) & 0x80u;
-    uint32_t code = rne_magnitude(a < 0x44000000u ? a : 0x44000000u, 3, 7);
-    code = code < 0x7Eu ? code : 0x7Eu;
-    return a > 0x7F800000u ? 0x7Fu : (code | sign);
-}
-
-// fp32 -> E2M1 nibble (saturating to 6, NaN -> +6, -0 -> 0x8).
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
-    uint32_t bits = __float_as_uint(x);
-    uint32_t a = bits & 0x7FFFFFFFu;
-    uint32_t sign = (bits >> 28) & 0x8u;
-    uint32_t code = rne_magnitude(a < 0x41000000u ? a : 0x41000000u, 1, 1);
-    code = code < 7u ? code : 7u;
-    return a > 0x7F800000u ? 7u : (code | sign);
-}
-
-__device__ __forceinline__ uint32_t abs_bits_nan_zero(float v) {
-    uint32_t a = __float_as_uint(v) & 0x7FFFFFFFu;
-    return a > 0x7F800000u ? 0u : a;
-}
+// ---- quantization formats (lowbit_formats::scalar, bit for bit; the encoders are in
+// include/lowbit_convert.cuh) ----
 
 // The tensor-level NVFP4 factors from the global amax bits `amax_bits[0]`, with
 // lowbit_formats::nvfp4's f32 operations: params[0] = k = fl32(S_enc * fl32(1/6)),
@@ -1091,7 +970,7 @@ extern "C" __global__ void max_abs_bits_bf16_v2(const uint8_t* __restrict__ x, u
     uint32_t m = max(mb << 16, mb & 0xFFFF0000u);
     const uint16_t* h = reinterpret_cast<const uint16_t*>(x);
     for (u64 j = chunks * 8 + (u64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += T)
-        m = max(m, amax_bits_of(bf16_bits_to_f32(h[j])));
+        m = max(m, abs_bits_nan_zero(bf16_bits_to_f32(h[j])));
     for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
@@ -1394,7 +1273,7 @@ __device__ __forceinline__ uint32_t nvfp4_pair_bits(uint32_t k, const uint32_t* 
 //   so m · (A - B) = I · d with d = b - a per half, and each half stays below 2^16 (no carry).
 // Per element pair: two permutes, three compares and one select (the last one chooses
 // between two per-half values) on the ALU, seven multiply-adds on the FMA pipe, where version
-// 3 spends ten ALU instructions (the both-copies kernel waits on the ALU pipe; cuda/NOTES.md).
+// 3 spends ten ALU instructions (the both-copies kernel waits on the ALU pipe; crates/lowbit-kernels/NOTES.md).
 // Same words as nvfp4_word_v3.
 template <class P>
 __device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
@@ -1414,7 +1293,7 @@ __device__ __forceinline__ uint32_t nvfp4_word_v4(P p, const uint32_t* t) {
 // The per-element path of nvfp4_block_words for a block holding a NaN (its 16 bf16 elements in
 // a.w, m = rcp[sf]): the f32 product and e2m1_code_v2 per element. Out of line: NaN blocks are
 // rare, and inlined into every block of the both-copies kernel this path made most of its
-// 7824 SASS instructions, so the hot code's instruction fetches missed (cuda/NOTES.md).
+// 7824 SASS instructions, so the hot code's instruction fetches missed (crates/lowbit-kernels/NOTES.md).
 struct Nvfp4Words8 {
     uint32_t w[8];
 };
@@ -1630,8 +1509,8 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // ---- NVFP4 both copies, version 8: shorter chains per block, fewer instructions ----
 //
-// Version 7 spends ~25 instructions per element and waits on dependent chains (cuda/NOTES.md,
-// session 3): per block a sequential amax chain, ~17 integer operations of e4m3_code per scale
+// Version 7 spends ~25 instructions per element and waits on dependent chains (NOTES.md, "NVFP4
+// both copies is instruction-bound, not store-bound"): per block a sequential amax chain, ~17 integer operations of e4m3_code per scale
 // byte, then the threshold loads that depend on it. Version 8 (`set_cuda_kernel_variant("nvfp4",
 // 8)`) keeps version 7's tile, loads, stores and word arithmetic, and changes what feeds it:
 // - the scale bytes of two blocks come from one `cvt.rn.satfinite.e4m3x2.f32` (e4m3x2_code);
@@ -1643,7 +1522,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 //   code, out of line (nvfp4c_block_nan, nvfp4r_item_nan): the same bytes, off the hot path.
 
 // The E4M3 codes of two non-NaN f32 values >= 0 (+Inf saturates to 448), lo | hi << 8: one
-// hardware conversion. Equal to e4m3_code on every non-NaN f32 (cuda/check/e4m3_cvt.cu compares
+// hardware conversion. Equal to e4m3_code on every non-NaN f32 (crates/lowbit-kernels/check/e4m3_cvt.cu compares
 // all 2^32 inputs on the GPU); the scale products here are never NaN (a block's amax is taken
 // NaN-free first, and k is finite and positive).
 __device__ __forceinline__ uint32_t e4m3x2_code(float lo, float hi) {
@@ -1781,7 +1660,7 @@ __device__ __forceinline__ void nvfp4_thresholds(const uint4* __restrict__ thr, 
 // Where versions 8 and 9 take a block's threshold words (Nvfp4Thr::get): version 8 from the
 // full table of nvfp4_params_v3 (`full`, 32 bytes per scale byte: a warp's loads gather from
 // as many sectors as its lanes have distinct scale bytes, which made the L1 data pipe the
-// busiest unit of the both-copies kernel, cuda/NOTES.md); version 9 (CLASSES) from the 8-entry
+// busiest unit of the both-copies kernel, crates/lowbit-kernels/NOTES.md); version 9 (CLASSES) from the 8-entry
 // class table of nvfp4_params_v9 (256 bytes, copied to shared memory by the caller): a
 // scale byte sf = 8·E + c (E4M3 exponent field E, mantissa c) at or above `sf_lo` has the
 // threshold words t_1..t_4 = cls[c][i] + E · 0x00800080 and the class's differences (the
@@ -2236,7 +2115,7 @@ __device__ __forceinline__ void nvfp4_both_body(
                                               stash, 4 * tt + warp, th);
             if (cp >= cols) continue;
             // Not unrolled: the kernel's time goes to issuing ALU instructions, and fetching
-            // them (cuda/NOTES.md); four copies of this body made the code a third longer.
+            // them (crates/lowbit-kernels/NOTES.md); four copies of this body made the code a third longer.
 #pragma unroll 1
             for (unsigned j = 0; j < 4; ++j) {
                 const unsigned trow = threadIdx.x / 2 + 64 * j;
@@ -2392,21 +2271,6 @@ __device__ __forceinline__ uint32_t fp8x2_code(float a, float b, uint32_t e5m2) 
         if (b != b) p = (p & 0x00FFu) | 0x7F00u;
     }
     return p;
-}
-
-// Smallest power of two >= |x| as E8M0 (lowbit_formats::scalar::e8m0_from_f32), branch-free as
-// mxfp8.cu's e8m0_round_up (equal for all 2^32 inputs: cuda/check/e8m0_branch_free.c).
-__device__ __forceinline__ uint32_t e8m0_code(float x) {
-    const uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
-    const uint32_t t = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
-    const uint32_t code = t < 0xFEu ? t : 0xFEu;
-    return a > 0x7F800000u ? 0xFFu : code;
-}
-
-// 2^(127 - e) (lowbit_formats::scalar::e8m0_rcp): 0xFE -> 2^-127, 0xFF -> NaN (selects).
-__device__ __forceinline__ float e8m0_reciprocal(uint32_t e) {
-    const uint32_t n = (254u - e) << 23;
-    return __uint_as_float(e == 0xFEu ? 0x00400000u : e == 0xFFu ? 0x7FC00000u : n);
 }
 
 // tiles[t] <- max(tiles[t] bits, |x| bits with NaN as 0) over elements start.. of a row-major
