@@ -527,23 +527,6 @@ impl DataParallelBuffers {
         self.finish_grad_sync_all_but(dev, comm, &[])
     }
 
-    /// The first half of [`Self::finish_grad_sync`], for work that can start on reduced
-    /// gradients while the last reduction still runs (the gradient norm of every other group):
-    /// completes every reduction except the most recently launched one and returns the groups
-    /// left to complete: that one, or none where no reduction is in flight or where hybrid
-    /// sharding still reduces across replicas (everything is completed here then). Call
-    /// [`Self::finish_grad_sync`] afterwards for the rest, before anything else.
-    pub fn finish_grad_sync_but_last(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-    ) -> Result<Vec<usize>> {
-        let last = self.grad_reduce_in_flight().last().copied();
-        let kept: Vec<usize> = last.filter(|_| self.outer.is_none()).into_iter().collect();
-        self.finish_grad_sync_except(dev, comm, &kept)?;
-        Ok(kept)
-    }
-
     /// The bucket groups whose reductions [`Self::finish_grad_sync`] has still to complete, in
     /// the order to complete them for work that follows each (the gradient norm, group by
     /// group): those in flight in launch order, then those not launched yet in group order

@@ -44,7 +44,7 @@ pub struct HybridGroups {
     /// The ranks of this replica group: the buffers' plan group.
     pub shard: Box<dyn Communicator>,
     /// This rank's counterparts in every replica group
-    /// ([`lowbit_buffers::DataParallelBuffers::set_outer_group`]).
+    /// ([`lowbit_buffers::DataParallelBuffers::set_replica_group`]).
     pub replicas: Box<dyn Communicator>,
 }
 
