@@ -34,9 +34,6 @@ pub enum LaunchError {
         /// The rule it breaks.
         why: String,
     },
-    /// `WORLD_SIZE` without `RANK`.
-    #[error("WORLD_SIZE is set but RANK is not (a launcher sets both)")]
-    MissingRank,
     /// A collective between the ranks failed.
     #[error(transparent)]
     Comm(#[from] lowbit_comm::CommError),
@@ -50,7 +47,7 @@ pub enum LaunchError {
 pub struct LaunchEnv {
     /// `WORLD_SIZE`: processes in the world (one rank each).
     pub world_size: usize,
-    /// `RANK`: this process's rank.
+    /// `RANK`: this process's rank (0 when unset: a world of one needs no `RANK`).
     pub rank: usize,
     /// `LOCAL_RANK`: this process's GPU on its host (`RANK` when unset).
     pub local_rank: usize,
@@ -71,7 +68,7 @@ impl LaunchEnv {
     /// # Errors
     /// [`LaunchError::Malformed`] for a value that is not plain decimal digits (`abc`, `-1`,
     /// `0x2`, ` 2`, empty), [`LaunchError::OutOfRange`] for `WORLD_SIZE=0` or a `RANK` /
-    /// `LOCAL_RANK` not below `WORLD_SIZE`, [`LaunchError::MissingRank`].
+    /// `LOCAL_RANK` not below `WORLD_SIZE`.
     pub fn from_lookup(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<LaunchEnv>, LaunchError> {
@@ -98,7 +95,7 @@ impl LaunchEnv {
                 why: "is an empty world".into(),
             });
         }
-        let rank = number("RANK")?.ok_or(LaunchError::MissingRank)?;
+        let rank = number("RANK")?.unwrap_or(0);
         let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
         for (var, value) in [("RANK", rank), ("LOCAL_RANK", local_rank)] {
             if value >= world_size {
@@ -343,7 +340,8 @@ mod tests {
         assert!(e.to_string().contains("WORLD_SIZE=\"abc\""), "{e}");
     }
 
-    /// An empty world, `RANK >= WORLD_SIZE`, `LOCAL_RANK >= WORLD_SIZE` and a missing `RANK`.
+    /// An empty world, `RANK >= WORLD_SIZE` and `LOCAL_RANK >= WORLD_SIZE` are refused; a
+    /// missing `RANK` is rank 0.
     #[test]
     fn out_of_range_and_missing() {
         let var = |r: Result<Option<LaunchEnv>, LaunchError>| match r {
@@ -358,9 +356,7 @@ mod tests {
         assert_eq!(var(parse(&[("WORLD_SIZE", "2"), ("RANK", "7")])), "RANK");
         let r = parse(&[("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "2")]);
         assert_eq!(var(r), "LOCAL_RANK");
-        assert!(matches!(
-            parse(&[("WORLD_SIZE", "2")]),
-            Err(LaunchError::MissingRank)
-        ));
+        let env = parse(&[("WORLD_SIZE", "2")]).unwrap().unwrap();
+        assert_eq!((env.rank, env.local_rank), (0, 0));
     }
 }
