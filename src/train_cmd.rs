@@ -441,9 +441,9 @@ impl TrainArgs {
                 DeviceArg::Cpu => d.ranks,
                 // Under a launcher, its world; else every local GPU, at least one, so that a
                 // machine without GPUs gets the device's own error.
-                DeviceArg::Cuda => {
-                    train::launched_world_size().unwrap_or_else(|| train::gpu_count().max(1))
-                }
+                DeviceArg::Cuda => train::launched_world_size()
+                    .map_err(|e| CliError::Msg(e.to_string()))?
+                    .unwrap_or_else(|| train::gpu_count().max(1)),
             }),
             precision,
             param_gather: self
@@ -500,8 +500,9 @@ impl TrainArgs {
 /// Runs `lowbit train`.
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let cfg = args.config()?;
+    let launched = train::launched_world_size().map_err(|e| CliError::Msg(e.to_string()))?;
     if cfg.device == DeviceChoice::Cpu
-        && let Some(world) = train::launched_world_size()
+        && let Some(world) = launched
         && world > 1
     {
         // Each of the launcher's processes would run the same whole job: N duplicate runs.
@@ -511,7 +512,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
              the same job; launch one process and pass --ranks {world}, or use --device cuda"
         )));
     }
-    if cfg.device == DeviceChoice::Cuda && train::launched_world_size().is_some() {
+    if cfg.device == DeviceChoice::Cuda && launched.is_some() {
         // One rank per process: a rank ended by SIGINT/SIGTERM/SIGHUP tells its peers so on its
         // way out, over the liveness channel (`lowbit_comm::liveness`).
         lowbit::comm::liveness::install_signal_goodbye();
@@ -539,7 +540,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     };
     let report = train::train_with(&cfg, &args.checkpointing(), &progress)
         .map_err(|e| CliError::Msg(e.to_string()))?;
-    if cfg.device == train::DeviceChoice::Cuda && train::launched_rank() != 0 {
+    if cfg.device == train::DeviceChoice::Cuda
+        && train::launched_rank().map_err(|e| CliError::Msg(e.to_string()))? != 0
+    {
         // One process per rank under a launcher: rank 0 reports for the world.
         return Ok(());
     }

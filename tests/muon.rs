@@ -31,8 +31,9 @@ use lowbit::device::{CountedOp, DType, Device, Mxfp8Views, bf16};
 use lowbit::layout::LayoutError;
 use lowbit::optim::{
     ChainedOptimizer, DistributedOptimizer, InvalidInput, Muon, NsDtype, OptimError, Optimizer,
-    Trainer, init_from_full, protocol,
+    UpdateScope, init_from_full,
 };
+use lowbit_train::{Trainer, protocol};
 
 /// Muon on the hidden matrices only: AdamW owns the input and output matrices, in low precision
 /// too, so both owners have low-precision bucket groups.
@@ -307,11 +308,11 @@ fn apply_never_quantizes_and_stage_only_its_own_pieces() {
                     .filter(|s| bufs.is_low_precision(s.param))
                     .count() as u64;
                 let before = op_counts(dev);
-                opt.local_sum_squares(dev).unwrap();
-                opt.apply(dev, &mut bufs, 1.0).unwrap();
+                protocol::local_sum_squares(dev, &opt).unwrap();
+                apply(dev, &mut bufs, &mut opt);
                 assert_eq!(counts_since(dev, before), [0; 6], "{what}: apply quantized");
                 let before = op_counts(dev);
-                opt.stage(dev, &mut comm, &mut bufs, false).unwrap();
+                protocol::stage(dev, &mut comm, &mut bufs, &opt, false).unwrap();
                 let mut want = [0; 6];
                 if let Some(op) = pre {
                     want[idx(op)] = pieces;
@@ -430,9 +431,9 @@ fn staging_holds_bf16_of_the_updated_masters_before_the_gather() {
             let dev = &mut dev;
             let (mut bufs, mut opt) = until_update(&run, &mut comm, dev);
             let what = format!("dp={dp} rank {}", comm.rank());
-            opt.local_sum_squares(dev).unwrap();
-            opt.apply(dev, &mut bufs, 1.0).unwrap();
-            opt.stage(dev, &mut comm, &mut bufs, false).unwrap();
+            protocol::local_sum_squares(dev, &opt).unwrap();
+            apply(dev, &mut bufs, &mut opt);
+            protocol::stage(dev, &mut comm, &mut bufs, &opt, false).unwrap();
             let masters = opt.masters(dev).unwrap();
             let owned = bufs.owned_shards().unwrap();
             let mut checked = 0;
@@ -673,8 +674,8 @@ fn a_group_is_gathered_only_after_its_own_owner_staged() {
                         "{what}: group {g} mixes owners"
                     );
                 }
-                opt.local_sum_squares(dev).unwrap();
-                opt.apply(dev, &mut bufs, 1.0).unwrap();
+                protocol::local_sum_squares(dev, &opt).unwrap();
+                apply(dev, &mut bufs, &mut opt);
                 for &g in muon_groups.iter().chain(&adamw_groups) {
                     assert_eq!(
                         bufs.weight_state(g),
@@ -688,9 +689,7 @@ fn a_group_is_gathered_only_after_its_own_owner_staged() {
                     .map(|p| dev.read_bytes(bufs.param_view(p).unwrap()).unwrap())
                     .collect();
                 // Muon stages: its groups only.
-                opt.parts()[0]
-                    .stage(dev, &mut comm, &mut bufs, false)
-                    .unwrap();
+                protocol::stage(dev, &mut comm, &mut bufs, opt.parts()[0].as_ref(), false).unwrap();
                 for &g in &muon_groups {
                     assert_eq!(bufs.weight_state(g), WeightState::Staged, "{what}: {g}");
                 }
@@ -742,9 +741,7 @@ fn a_group_is_gathered_only_after_its_own_owner_staged() {
                     }
                 }
                 // AdamW (and SGD) stage: now every group gathers, once.
-                opt.parts()[1]
-                    .stage(dev, &mut comm, &mut bufs, false)
-                    .unwrap();
+                protocol::stage(dev, &mut comm, &mut bufs, opt.parts()[1].as_ref(), false).unwrap();
                 bufs.sync_params(dev, &mut comm).unwrap();
                 let gathered = comm.stats().all_gather.calls - gathers;
                 for g in 0..groups {
@@ -760,7 +757,7 @@ fn a_group_is_gathered_only_after_its_own_owner_staged() {
                 let gathers = comm.stats().all_gather.calls;
                 bufs.sync_params(dev, &mut comm).unwrap();
                 assert_eq!(comm.stats().all_gather.calls, gathers, "{what}: regathered");
-                opt.stage(dev, &mut comm, &mut bufs, false).unwrap();
+                protocol::stage(dev, &mut comm, &mut bufs, &opt, false).unwrap();
                 let err = bufs.sync_params(dev, &mut comm).unwrap_err();
                 assert!(
                     matches!(
@@ -1122,4 +1119,14 @@ fn bf16_gradients_train_with_muon() {
     });
     assert_ranks_identical(&bf16g);
     assert_ne!(bits(&f32g[0].losses), bits(&bf16g[0].losses));
+}
+
+/// The update as the driver runs it when nothing is pipelined: the step counted, every piece
+/// updated, every owner's low-precision weights marked stale (the staging is left to the test).
+fn apply(dev: &mut Device, bufs: &mut DataParallelBuffers, opt: &mut dyn Optimizer) {
+    opt.begin_step();
+    opt.update(dev, 1.0, UpdateScope::All).unwrap();
+    for owner in opt.owners() {
+        bufs.mark_stale(owner);
+    }
 }

@@ -18,7 +18,8 @@ use lowbit::buffers::{BufferError, DataParallelBuffers, Mxfp8Gather, ProtocolErr
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::Device;
 use lowbit::layout::LayoutError;
-use lowbit::optim::{OptimError, Optimizer, protocol};
+use lowbit::optim::OptimError;
+use lowbit_train::protocol;
 
 /// The protocol violation inside an error, or a panic naming what came instead.
 fn protocol_err(e: BufferError) -> ProtocolError {
@@ -226,7 +227,7 @@ fn wrong_orders_are_refused() {
         assert!(err.is_ok(), "a forced sync restages and regathers: {err:?}");
         let err = {
             // Staged again without zeroing: its gather count is still 1 this iteration.
-            opt.stage(dev, &mut comm, &mut bufs, false).unwrap();
+            protocol::stage(dev, &mut comm, &mut bufs, &opt, false).unwrap();
             bufs.sync_params(dev, &mut comm).unwrap_err()
         };
         assert!(matches!(

@@ -9,11 +9,11 @@ use lowbit_buffers::layout::{
     ShardingPlan, ShardingStrategy,
 };
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
-use lowbit_fsdp::{
+use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
+use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, OuterSharding, Sharding,
 };
-use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 
 use super::lm::{LmShape, ParamInfo};
 
@@ -692,13 +692,9 @@ impl TrainConfig {
 
     /// The learning rate of `step` (from 0): linear warmup over the first 5% of the steps,
     /// then cosine decay to a tenth. Computed in f64, rounded once.
+    /// (`lowbit_train::schedule::WarmupCosine` over the run's steps.)
     pub fn lr_at(&self, step: usize) -> f32 {
-        let warmup = (self.steps / 20).max(1) as f64;
-        let s = step as f64;
-        let ramp = ((s + 1.0) / warmup).min(1.0);
-        let progress = s / self.steps.max(1) as f64;
-        let cosine = 0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-        (f64::from(self.lr) * ramp * cosine) as f32
+        lowbit_train::schedule::WarmupCosine::new(self.lr, self.steps).lr_at(step)
     }
 
     /// The FSDP configuration: strategy, precision policy, overlap and buckets (today's

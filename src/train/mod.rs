@@ -34,12 +34,14 @@ use std::time::{Duration, Instant};
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingPlan};
 use lowbit_buffers::{DataParallelBuffers, Overlap, ReplicaMode};
 use lowbit_ckpt::{Checkpoint, LoadOptions};
-use lowbit_comm::{CommStats, Communicator, GroupConfig, run_ranks};
+use lowbit_comm::{CommStats, Communicator};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
     ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, OptimConfig, Optimizer, RankMemory,
-    Trainer, estimate_memory, init_from_full, memory_report,
+    estimate_memory, init_from_full, memory_report,
 };
+use lowbit_train::Trainer;
+use lowbit_train::launch::{self, LaunchEnv, LaunchError, RankFailure, World};
 
 pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
 pub use config::{
@@ -50,7 +52,7 @@ pub use config::{
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use lm::{Lm, ParamInfo};
 pub use lowbit_buffers::NanCheck;
-pub use lowbit_fsdp::{
+pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, Sharding,
 };
@@ -212,7 +214,7 @@ pub fn train_with(
         }
         None => None,
     };
-    if launched_rank() == 0 {
+    if launched_rank()? == 0 {
         // One process tidies and checks the save root (under a launcher every process runs
         // this function).
         ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
@@ -384,24 +386,38 @@ struct Job<'a> {
 
 fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
     let cfg = job.cfg;
-    let results: Vec<Result<RankOutcome, TrainError>> = match cfg.device {
-        DeviceChoice::Cpu => {
-            let config = GroupConfig::default().with_timeout(Duration::from_secs(120));
-            run_ranks(cfg.ranks, config, |mut comm, mut dev| {
-                rank_main(job, &mut comm, &mut dev)
-            })
-            .into_iter()
-            .map(|r| {
-                r.map_err(|e| TrainError::Rank {
-                    rank: e.rank,
-                    message: format!("panicked: {}", e.message),
-                })
-                .and_then(|x| x)
-            })
-            .collect()
-        }
-        DeviceChoice::Cuda => cuda::run(job),
+    let world = match cfg.device {
+        DeviceChoice::Cpu => World::CpuThreads(cfg.ranks),
+        DeviceChoice::Cuda => match launched_env()? {
+            Some(env) if env.world_size != cfg.ranks => {
+                return Err(TrainError::Invalid(format!(
+                    "--ranks {} does not match the launcher's WORLD_SIZE {}",
+                    cfg.ranks, env.world_size
+                )));
+            }
+            Some(env) => World::CudaProcess(env),
+            None => World::CudaLocal(cfg.ranks),
+        },
     };
+    #[cfg(not(feature = "cuda"))]
+    if cfg.device == DeviceChoice::Cuda {
+        return Err(TrainError::Invalid(
+            "--device cuda needs a build with the CUDA backend (--features cuda)".into(),
+        ));
+    }
+    let results: Vec<Result<RankOutcome, TrainError>> =
+        launch::run(world, Duration::from_secs(120), |comm, dev| {
+            let mut own = rank_main(job, comm, dev)?;
+            if world.is_process() {
+                // One rank per process: every rank's masters, gathered after the run (so the
+                // collective counts are the run's own), make the report and its checksum the same
+                // as a one-process run's.
+                let all = launch::all_gather_bytes(comm, dev, &encode_shards(&own.masters))
+                    .map_err(|x| err(comm.rank())(&x))?;
+                own.masters = all.iter().flat_map(|b| decode_shards(b)).collect();
+            }
+            Ok(own)
+        });
     // The first failing rank's error is the cause; the others usually report the abort or the
     // lost peer it caused.
     let mut out = Vec::with_capacity(results.len());
@@ -424,104 +440,37 @@ fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
     }
 }
 
-/// The world size a process launcher (torchrun, or anything that sets its variables) gave this
-/// process, if any: `WORLD_SIZE`. With `--device cuda`, the process then runs one rank of that
-/// world on GPU `LOCAL_RANK` instead of one thread per local GPU.
-pub fn launched_world_size() -> Option<usize> {
-    std::env::var("WORLD_SIZE").ok()?.trim().parse().ok()
-}
-
-/// This process's rank under a launcher (`RANK`, read as the rendezvous reads it), 0
-/// otherwise: only rank 0 prints.
-pub fn launched_rank() -> usize {
-    lowbit_comm::rendezvous::RendezvousEnv::from_env().map_or(0, |e| e.rank)
-}
-
-#[cfg(not(feature = "cuda"))]
-mod cuda {
-    use super::*;
-    pub(super) fn run(_job: &Job) -> Vec<Result<RankOutcome, TrainError>> {
-        vec![Err(TrainError::Invalid(
-            "--device cuda needs a build with the CUDA backend (--features cuda)".into(),
-        ))]
+impl From<RankFailure> for TrainError {
+    fn from(f: RankFailure) -> Self {
+        TrainError::Rank {
+            rank: f.rank,
+            message: f.message,
+        }
     }
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use super::*;
-    use lowbit_comm::nccl::{NcclComm, NcclConfig};
-    use lowbit_comm::rendezvous::RendezvousEnv;
+/// The launcher's variables (torchrun, or anything that sets them), parsed strictly: `None`
+/// without `WORLD_SIZE`.
+fn launched_env() -> Result<Option<LaunchEnv>, TrainError> {
+    LaunchEnv::from_env().map_err(|e: LaunchError| TrainError::Invalid(e.to_string()))
+}
 
-    pub(super) fn run(job: &Job) -> Vec<Result<RankOutcome, TrainError>> {
-        if super::launched_world_size().is_some() {
-            return vec![run_process(job)];
-        }
-        match lowbit_comm::nccl::run_local_ranks(job.cfg.ranks, |comm, dev| {
-            rank_main(job, comm, dev)
-        }) {
-            Ok(v) => v,
-            Err(e) => vec![Err(TrainError::Rank {
-                rank: 0,
-                message: e.to_string(),
-            })],
-        }
-    }
+/// The world size a process launcher gave this process, if any: `WORLD_SIZE`. With `--device
+/// cuda`, the process then runs one rank of that world on GPU `LOCAL_RANK` instead of one
+/// thread per local GPU.
+///
+/// # Errors
+/// Malformed launcher variables ([`LaunchEnv::from_lookup`]), naming the variable.
+pub fn launched_world_size() -> Result<Option<usize>, TrainError> {
+    Ok(launched_env()?.map(|e| e.world_size))
+}
 
-    /// This process's rank of a world started by a launcher (torchrun's variables): GPU
-    /// `LOCAL_RANK`, the NCCL id through the TCP rendezvous. The outcome is this rank's, with the
-    /// masters of every rank (gathered after the run, so the collective counts are the run's
-    /// own), so that the report and its checksum are the same as a one-process run's.
-    fn run_process(job: &Job) -> Result<RankOutcome, TrainError> {
-        let env = RendezvousEnv::from_env().map_err(|x| err(0)(&x))?;
-        let e = err(env.rank);
-        if env.world_size != job.cfg.ranks {
-            return Err(TrainError::Invalid(format!(
-                "--ranks {} does not match the launcher's WORLD_SIZE {}",
-                job.cfg.ranks, env.world_size
-            )));
-        }
-        let mut dev = Device::cuda(env.local_rank).map_err(|x| e(&x))?;
-        let mut comm = NcclComm::from_env(&dev, &env, NcclConfig::default()).map_err(|x| e(&x))?;
-        let mut own = rank_main(job, &mut comm, &mut dev)?;
-        own.masters = gather_masters(&mut comm, &mut dev, &own.masters).map_err(|x| e(&x))?;
-        Ok(own)
-    }
-
-    /// Every rank's master shards, in rank order: each rank serializes its own, the lengths are
-    /// all-gathered to agree on the longest, and the padded byte strings are all-gathered.
-    fn gather_masters(
-        comm: &mut NcclComm,
-        dev: &mut Device,
-        own: &[MasterShard],
-    ) -> Result<Vec<MasterShard>, Box<dyn std::error::Error>> {
-        let mut bytes = super::encode_shards(own);
-        let ranks = comm.size();
-        let (len, lens) = (dev.alloc(DType::U8, 8), dev.alloc(DType::U8, 8 * ranks));
-        dev.upload(len, &(bytes.len() as u64).to_le_bytes())?;
-        comm.all_gather(dev, len, lens)?;
-        let max = dev
-            .download::<u8>(lens)?
-            .chunks_exact(8)
-            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-            .max()
-            .unwrap_or(0);
-        dev.free(len)?;
-        dev.free(lens)?;
-        bytes.resize(max, 0);
-        let input = dev.alloc(DType::U8, max);
-        let output = dev.alloc(DType::U8, max * ranks);
-        dev.upload(input, &bytes)?;
-        comm.all_gather(dev, input, output)?;
-        let all = dev.download::<u8>(output)?;
-        dev.free(input)?;
-        dev.free(output)?;
-        let shards = all
-            .chunks(max.max(1))
-            .flat_map(super::decode_shards)
-            .collect();
-        Ok(shards)
-    }
+/// This process's rank under a launcher (`RANK`), 0 otherwise: only rank 0 prints.
+///
+/// # Errors
+/// As [`launched_world_size`].
+pub fn launched_rank() -> Result<usize, TrainError> {
+    Ok(launched_env()?.map_or(0, |e| e.rank))
 }
 
 /// Cross-entropy of one row of logits against a target, in f64 (log-softmax with the max
@@ -546,7 +495,6 @@ fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
     }
 }
 
-#[cfg(any(feature = "cuda", test))]
 /// Master shards as bytes for a gather between processes: per shard, its parameter id, range
 /// start and end as u64, then its values as f32, all little-endian.
 fn encode_shards(shards: &[MasterShard]) -> Vec<u8> {
@@ -560,7 +508,6 @@ fn encode_shards(shards: &[MasterShard]) -> Vec<u8> {
     bytes
 }
 
-#[cfg(any(feature = "cuda", test))]
 /// The shards of [`encode_shards`]' bytes, which may carry zero padding after the last shard.
 fn decode_shards(bytes: &[u8]) -> Vec<MasterShard> {
     let mut shards = Vec::new();
@@ -717,7 +664,8 @@ fn rank_main(
         // Masters and state from the checkpoint (resharded to this plan, expert layout
         // converted), then a forced sync: every weight is Q(bf16(loaded master)).
         let t = Instant::now();
-        c.load_trainer_with(dev, tcomm(&mut shard, comm), &mut trainer, &job.load)
+        trainer
+            .load_checkpoint(dev, tcomm(&mut shard, comm), c, &job.load)
             .map_err(|x| e(&x))?;
         phases.checkpoint += t.elapsed();
     }

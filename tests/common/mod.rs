@@ -23,8 +23,9 @@ use lowbit::layout::LayoutError;
 use lowbit::model::{Mlp, MlpShape, sample};
 use lowbit::optim::{
     AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, Muon, MuonConfig, NsDtype,
-    OptimConfig, Optimizer, Sgd, Trainer, init_from_full,
+    OptimConfig, Optimizer, Sgd, init_from_full,
 };
+use lowbit_train::Trainer;
 
 /// Matrix dimensions are multiples of 16 so that NVFP4's 16x16 tiles cover them; 40 columns
 /// would leave MXFP8 blocks partial, which `props.rs` in `lowbit-formats` covers.
@@ -607,7 +608,8 @@ pub fn rank_main(
     if let Some(CkptHook::ResumeFrom(n, root)) = run.ckpt {
         let dir = root.join(lowbit::ckpt::step_dir_name(n as u64));
         let ck = lowbit::ckpt::Checkpoint::open(&dir).map_err(|x| e(&x))?;
-        ck.load_trainer(dev, comm, &mut trainer)
+        trainer
+            .load_checkpoint(dev, comm, &ck, &lowbit::ckpt::LoadOptions::default())
             .map_err(|x| e(&x))?;
         first = n;
     }

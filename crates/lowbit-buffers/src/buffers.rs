@@ -111,7 +111,7 @@ pub(crate) struct BucketGroup {
 ///
 /// A "rank" here is one `DataParallelBuffers` with its own [`Device`] and [`Communicator`]; all
 /// ranks must make the same calls in the same order, as with any collective code. Most callers
-/// drive it through `lowbit-optim`'s step driver rather than call the protocol methods directly.
+/// drive it through `lowbit-train`'s step driver rather than call the protocol methods directly.
 #[derive(Debug)]
 pub struct DataParallelBuffers {
     pub(crate) cfg: DdpConfig,
@@ -313,16 +313,10 @@ impl DataParallelBuffers {
     /// staging, the norm over owned shards) stays in the shard group: replicas hold the same
     /// reduced gradients and masters, so they take the same steps.
     ///
-    /// # Errors
-    /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight.
-    pub fn set_outer_group(&mut self, outer: Box<dyn Communicator>) -> Result<()> {
-        self.set_replica_group(outer, ReplicaMode::Replicate)
-    }
-
-    /// [`Self::set_outer_group`] with what the replica groups share: with
-    /// [`ReplicaMode::ShardOptimizer`] (HFSDP) every buffer must shard parameters
-    /// (`optim_grads_params`) with bf16/f16/f32 weights, and the plan must split bucket shards
-    /// across as many replica groups (`PlanConfig::outer_shards`).
+    /// [`ReplicaMode::Replicate`] is that (HSDP); with [`ReplicaMode::ShardOptimizer`] (HFSDP)
+    /// every buffer must shard parameters (`optim_grads_params`) with bf16/f16/f32 weights, and
+    /// the plan must split bucket shards across as many replica groups
+    /// (`PlanConfig::outer_shards`).
     ///
     /// # Errors
     /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight;
@@ -434,7 +428,7 @@ impl DataParallelBuffers {
     }
 
     /// The size of the outer (replica) group: 1 without hybrid sharding.
-    pub fn outer_size(&self) -> usize {
+    pub(crate) fn outer_size(&self) -> usize {
         self.outer.as_ref().map_or(1, |c| c.size())
     }
 

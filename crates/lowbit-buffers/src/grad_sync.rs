@@ -42,7 +42,8 @@ impl DataParallelBuffers {
     /// no backward can write gradients before that (a backward needs every low-precision group
     /// current: bug A2). So zeroing after staging cannot make a deferred gather ship zeros
     /// (Megatron bug A3), and an iteration can stage first, then start the first gather and
-    /// zero the rest of the gradients while it runs ([`Self::begin_iteration`]). For the same
+    /// zero the rest of the gradients while it runs ([`Self::reset_iteration`], stage, then
+    /// [`Self::zero_grads`]). For the same
     /// reason a parameter gather in flight is allowed here: it reads and writes only such bytes
     /// or a parameter region apart from the gradients, and it counts as the coming iteration's
     /// gather of its group. Gradient reductions and unit gathers in flight are refused
@@ -52,28 +53,15 @@ impl DataParallelBuffers {
         self.zero_grads(dev)
     }
 
-    /// Starts an iteration: [`Self::zero_grad_buffer`] with `stage` (the optimizer's staging
-    /// of its stale owners) run between its checks and its zeroing. Where gathers overlap the
-    /// forward, staging starts the first group's gather ([`Self::stage`]), so it runs while the
-    /// gradients are zeroed and the first forward pre-hook finds it under way. Refuses before
-    /// `stage` touches anything if a collective is in flight.
+    /// The first half of [`Self::zero_grad_buffer`], for a driver that stages between the two
+    /// halves (stage, start the first gather, then zero while it runs): refuses collectives in
+    /// flight that zeroing would race ([`ProtocolError::CollectiveInFlight`], before anything
+    /// is touched), frees leftover transient buckets and resets the iteration's counts. Follow
+    /// it with [`Self::zero_grads`].
     ///
     /// # Errors
-    /// [`ProtocolError::CollectiveInFlight`], `stage`'s errors, buffer and device errors.
-    pub fn begin_iteration<E: From<crate::BufferError>>(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        stage: impl FnOnce(&mut Device, &mut dyn Communicator, &mut Self) -> std::result::Result<(), E>,
-    ) -> std::result::Result<(), E> {
-        self.reset_iteration(dev)?;
-        stage(dev, comm, self)?;
-        Ok(self.zero_grads(dev)?)
-    }
-
-    /// The bookkeeping half of [`Self::zero_grad_buffer`]: refuses collectives in flight that
-    /// zeroing would race, frees leftover transient buckets, resets the iteration's counts.
-    fn reset_iteration(&mut self, dev: &mut Device) -> Result<()> {
+    /// [`ProtocolError::CollectiveInFlight`], device errors.
+    pub fn reset_iteration(&mut self, dev: &mut Device) -> Result<()> {
         if self
             .groups
             .iter()
@@ -104,9 +92,12 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// The memory half of [`Self::zero_grad_buffer`]: every gradient byte but the staging views
-    /// of staged groups.
-    fn zero_grads(&self, dev: &mut Device) -> Result<()> {
+    /// The second half of [`Self::zero_grad_buffer`] (after [`Self::reset_iteration`]): zeroes
+    /// every gradient byte but the staging views of staged groups.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn zero_grads(&self, dev: &mut Device) -> Result<()> {
         for (bi, b) in self.buffers.iter().enumerate() {
             // The memory the staging view lies in: bf16 memory of its own where gradients are
             // sharded, the gradients themselves otherwise.
@@ -534,23 +525,6 @@ impl DataParallelBuffers {
         comm: &mut dyn Communicator,
     ) -> Result<()> {
         self.finish_grad_sync_all_but(dev, comm, &[])
-    }
-
-    /// The first half of [`Self::finish_grad_sync`], for work that can start on reduced
-    /// gradients while the last reduction still runs (the gradient norm of every other group):
-    /// completes every reduction except the most recently launched one and returns the groups
-    /// left to complete: that one, or none where no reduction is in flight or where hybrid
-    /// sharding still reduces across replicas (everything is completed here then). Call
-    /// [`Self::finish_grad_sync`] afterwards for the rest, before anything else.
-    pub fn finish_grad_sync_but_last(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-    ) -> Result<Vec<usize>> {
-        let last = self.grad_reduce_in_flight().last().copied();
-        let kept: Vec<usize> = last.filter(|_| self.outer.is_none()).into_iter().collect();
-        self.finish_grad_sync_except(dev, comm, &kept)?;
-        Ok(kept)
     }
 
     /// The bucket groups whose reductions [`Self::finish_grad_sync`] has still to complete, in

@@ -8,8 +8,13 @@
 //! reads and gradient it writes. This crate puts the values there: it gathers parameters
 //! lazily (MXFP8 staged through bf16, 2D MXFP8 or NVFP4 as bytes, or bf16 as is), dequantizes
 //! them for compute, accumulates gradients into flat buffers and reduces them bucket by bucket
-//! as they become ready. The optimizer side (`lowbit-optim`) reads the reduced shards and
-//! stages new weights through [`DataParallelBuffers::stage`]; its step driver encodes the order.
+//! as they become ready. Optimizers (`lowbit-optim`) read the reduced shards; the step driver
+//! (`lowbit-train`) decides the order: it resets and zeroes an iteration
+//! ([`DataParallelBuffers::reset_iteration`], [`DataParallelBuffers::zero_grads`]), completes
+//! the reductions, marks owners stale and stages their new weights
+//! ([`DataParallelBuffers::stage`], or group by group with
+//! [`DataParallelBuffers::stage_and_gather_group`]) and syncs parameters. Nothing here calls
+//! back into an optimizer or a driver: the buffers act when told and refuse wrong orders.
 //!
 //! # Modules
 //! - [`layout`] (re-exported `lowbit-layout`): the pure plan; nobody here re-derives it.
@@ -38,8 +43,8 @@
 //!   only ever overwrites gradients already read by the update.
 //!
 //! # Non-goals
-//! Optimizer math and the step order (`lowbit-optim`), FSDP's per-unit parameter release
-//! (`lowbit-fsdp`), checkpoints, tensor/expert parallel groups.
+//! Optimizer math (`lowbit-optim`), the step order and the FSDP configuration (`lowbit-train`),
+//! checkpoints, tensor/expert parallel groups.
 
 mod buffers;
 mod config;

@@ -1,7 +1,7 @@
 //! The pipelined step's staging and gathers: bucket group by bucket group, so that each group's
-//! parameter gather runs beside the optimizer's update of the groups after it. The optimizer
-//! asks [`DataParallelBuffers::pipeline_groups`] for the order, and after updating each group
-//! hands its pieces to [`DataParallelBuffers::stage_and_gather_group`]. Without overlapped
+//! parameter gather runs beside the optimizer's update of the groups after it. The step driver
+//! asks [`DataParallelBuffers::pipeline_groups`] for the order, has the optimizer update each
+//! group and hands the updated pieces to [`DataParallelBuffers::stage_and_gather_group`]. Without overlapped
 //! gathers `sync_params` then completes the gathers in flight; with them the forward's
 //! pre-hooks do (a gather in flight at the zeroing counts as the coming forward's).
 //!

@@ -5,8 +5,7 @@
 //! rounded once (`GradScaling::AverageInCollective`). With overlapped reduction the golden
 //! counts come from the first batch, and the second batch launches every bucket group from its
 //! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_except` completes
-//! them in stages (none, then the first launched), and `finish_grad_sync_but_last`
-//! completes all but the last of them.
+//! them in stages (none, then the first launched, then all but the last launched).
 
 mod common;
 
@@ -142,9 +141,11 @@ fn check(
                     .unwrap();
                 assert_eq!(bufs.grad_reduce_in_flight(), all[1..], "{what}");
                 assert_eq!(bufs.grad_sync_order(), all[1..], "{what}");
-                // The first half completes every reduction but the last launched, whose
-                // groups' gradients are final then.
-                let pending = bufs.finish_grad_sync_but_last(dev, &mut comm).unwrap();
+                // Completing every reduction but the last launched makes the other groups'
+                // gradients final.
+                let pending = vec![all[all.len() - 1]];
+                bufs.finish_grad_sync_except(dev, &mut comm, &pending)
+                    .unwrap();
                 assert_eq!(pending, vec![all[all.len() - 1]], "{what}");
                 assert_eq!(bufs.grad_reduce_in_flight(), pending, "{what}");
                 for s in bufs.owned_shards().unwrap() {

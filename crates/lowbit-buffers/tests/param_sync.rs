@@ -12,8 +12,8 @@ use common::{
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
 use lowbit_buffers::{
-    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, DpHooks, HookMode, HookScratch,
-    Hooks, Overlap, ParamCompute, ParamSyncState, PrecisionPolicy, Usage, Verify, WeightState,
+    ComputeFormat, DataParallelBuffers, DdpConfig, DpHooks, HookMode, HookScratch, Hooks, Overlap,
+    ParamCompute, ParamSyncState, PrecisionPolicy, Usage, Verify, WeightState,
 };
 use lowbit_comm::{Communicator, LocalComm};
 use lowbit_device::Device;
@@ -207,7 +207,8 @@ fn prefetch_runs_down_the_groups_with_staged_mxfp8() {
 }
 
 /// With overlapped gathers, staging casts the first group in forward order (the last group)
-/// first and starts its gather at once; `begin_iteration` then zeroes the gradients beside it.
+/// first and starts its gather at once; `zero_grads` then zeroes the gradients beside it (the
+/// driver's `begin_iteration`).
 /// The forward finds it in flight and runs down the groups as before, and the weights and
 /// gradients come out as without overlap (zero, stage, gather everything), a backward's
 /// leftover gradients zeroed. Persistent weights are not gathered early.
@@ -237,16 +238,15 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
             }
             let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
             if early {
-                bufs.begin_iteration(dev, &mut comm, |d, c, b| {
-                    b.stage(d, c, OptimizerId(0), &pieces)?;
-                    assert_eq!(
-                        b.param_gathers_in_flight(),
-                        vec![n - 1],
-                        "staging started it"
-                    );
-                    Ok::<(), BufferError>(())
-                })
-                .unwrap();
+                // What the driver's `begin_iteration` does: reset, stage, then zero.
+                bufs.reset_iteration(dev).unwrap();
+                bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
+                assert_eq!(
+                    bufs.param_gathers_in_flight(),
+                    vec![n - 1],
+                    "staging started it"
+                );
+                bufs.zero_grads(dev).unwrap();
                 free_pieces(dev, pieces);
                 assert_eq!(bufs.param_gathers_in_flight(), vec![n - 1]);
                 forward_down_staged_groups(dev, &mut comm, &mut bufs);
@@ -267,10 +267,9 @@ fn staging_starts_the_first_gather_and_the_zeroing_runs_beside_it() {
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
         bufs.mark_stale(OptimizerId(0));
         let pieces = stage_pieces(dev, &bufs, &new_values(&specs, 1));
-        let stage = |d: &mut Device, c: &mut dyn Communicator, b: &mut DataParallelBuffers| {
-            b.stage(d, c, OptimizerId(0), &pieces)
-        };
-        bufs.begin_iteration(dev, &mut comm, stage).unwrap();
+        bufs.reset_iteration(dev).unwrap();
+        bufs.stage(dev, &mut comm, OptimizerId(0), &pieces).unwrap();
+        bufs.zero_grads(dev).unwrap();
         free_pieces(dev, pieces);
         assert!(bufs.param_gathers_in_flight().is_empty());
         bufs.sync_params(dev, &mut comm).unwrap();

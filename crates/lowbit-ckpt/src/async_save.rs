@@ -87,17 +87,18 @@ impl Drop for PendingSave {
 /// # fn demo(
 /// #     dev: &mut lowbit_device::Device,
 /// #     comm: &mut dyn lowbit_comm::Communicator,
-/// #     trainer: &mut lowbit_optim::Trainer,
+/// #     bufs: &lowbit_buffers::DataParallelBuffers,
+/// #     opt: &dyn lowbit_optim::Optimizer,
 /// # ) -> lowbit_ckpt::Result<()> {
 /// use lowbit_ckpt::{AsyncSaver, Meta, SaveOptions};
 /// let mut saver = AsyncSaver::new();
-/// let specs = trainer.buffers().specs().to_vec();
+/// let specs = bufs.specs().to_vec();
 /// for step in 1..=100u64 {
 ///     // ... one training step ...
 ///     if step % 10 == 0 {
 ///         let meta = Meta { step, ..Meta::default() };
 ///         // Snapshot now; write while the next steps run; commit at the next save or wait.
-///         saver.save(dev, comm, std::path::Path::new("ckpt"), &meta, &specs, trainer.optimizer(),
+///         saver.save(dev, comm, std::path::Path::new("ckpt"), &meta, &specs, opt,
 ///                    SaveOptions::default())?;
 ///     }
 /// }

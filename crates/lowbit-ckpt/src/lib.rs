@@ -49,7 +49,8 @@
 //! [`Checkpoint::open`] validates the manifest (hostile input is a typed error, never a panic)
 //! and data file sizes; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
-//! strategy), checking every piece's hash; [`Checkpoint::load_trainer`] adds the forced sync.
+//! strategy), checking every piece's hash; the step driver adds the forced parameter sync
+//! (`lowbit-train`'s `Trainer::load_checkpoint`: this crate sits below the driver).
 //! Every piece a load needs is read once, chunk by chunk, by worker threads that hash it, and
 //! uploaded by the device's thread into every view it overlaps (streaming: the optimizer's
 //! [`lowbit_optim::Optimizer::state_views`]; an optimizer without views gets its export

@@ -6,10 +6,9 @@ use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::ParamSpec;
-use lowbit_optim::{Optimizer, StateViews, Trainer};
+use lowbit_optim::{Optimizer, StateViews};
 
 use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
@@ -143,7 +142,7 @@ impl Checkpoint {
     /// into its [`Optimizer::state_views`] (or, without views, into its export template, then
     /// [`Optimizer::import_state`]), and step counts are restored. Parameters are matched by
     /// name, shapes must be equal, rules must be equal. The weights are not touched: follow
-    /// with a forced parameter sync ([`Checkpoint::load_trainer`] does).
+    /// with a forced parameter sync (the step driver's `Trainer::load_checkpoint` does).
     ///
     /// # Errors
     /// [`CkptError::Mismatch`] (nothing is written then); [`CkptError::Hash`] and I/O errors
@@ -261,37 +260,6 @@ impl Checkpoint {
             )));
         }
         Ok(entry)
-    }
-
-    /// [`Checkpoint::load_optimizer`] into the trainer's optimizer, then a forced parameter
-    /// sync (collective), so every weight is `Q(bf16(master))` of the loaded masters.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::load_optimizer`]; buffer and collective errors of the sync.
-    pub fn load_trainer(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        trainer: &mut Trainer,
-    ) -> Result<()> {
-        self.load_trainer_with(dev, comm, trainer, &LoadOptions::default())
-    }
-
-    /// [`Checkpoint::load_trainer`] with `options` (see [`Checkpoint::load_optimizer_with`]).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::load_trainer`].
-    pub fn load_trainer_with(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        trainer: &mut Trainer,
-        options: &LoadOptions,
-    ) -> Result<()> {
-        let specs = trainer.buffers().specs().to_vec();
-        self.load_optimizer_with(dev, &specs, trainer.optimizer_mut(), options)?;
-        trainer.force_param_sync(dev, comm)?;
-        Ok(())
     }
 
     /// The whole tensor `{param}/{state}` of global shape `shape` (flattened), through

@@ -19,10 +19,11 @@ use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
     AdamW, ChainedOptimizer, DistributedOptimizer, Muon, MuonConfig, NsDtype, OptimConfig,
-    Optimizer, OptimizerState, Sgd, Trainer, init_from_full,
+    Optimizer, OptimizerState, Sgd, init_from_full,
 };
 use lowbit_testkit::model::Mlp;
 use lowbit_testkit::{bits, run, seed, values, weight_parts};
+use lowbit_train::Trainer;
 
 const DIMS: [usize; 4] = [32, 64, 32, 32];
 const BATCH: usize = 4;
@@ -273,7 +274,8 @@ fn load_states_with(
         let dev = &mut dev;
         let ck = Checkpoint::open(root).unwrap();
         let mut t = make_with(dev, dp, comm.rank(), strategy, &other, muon);
-        ck.load_trainer(dev, &mut comm, &mut t).unwrap();
+        t.load_checkpoint(dev, &mut comm, &ck, &LoadOptions::default())
+            .unwrap();
         t.optimizer().export_state(dev).unwrap()
     })
 }
@@ -348,7 +350,9 @@ fn resume_is_bit_for_bit() {
             drop(first);
             let mut resumed = make(dev, dp, rank, strategy, &other);
             let ck = Checkpoint::open(&root).unwrap();
-            ck.load_trainer(dev, &mut comm, &mut resumed).unwrap();
+            resumed
+                .load_checkpoint(dev, &mut comm, &ck, &LoadOptions::default())
+                .unwrap();
             let next = ck.meta().data["next_step"].parse::<usize>().unwrap();
             for s in next..2 * n {
                 got.push(step(dev, &mut comm, &mut resumed, &mlp, s));
@@ -404,9 +408,13 @@ fn loaded_weights_are_quantized_masters() {
         let mut fresh = make(dev, 2, comm.rank(), ShardingStrategy::Distributed, &masters);
         fresh.force_param_sync(dev, &mut comm).unwrap();
         let mut loaded = make(dev, 2, comm.rank(), ShardingStrategy::Distributed, &other);
-        Checkpoint::open(&root)
-            .unwrap()
-            .load_trainer(dev, &mut comm, &mut loaded)
+        loaded
+            .load_checkpoint(
+                dev,
+                &mut comm,
+                &Checkpoint::open(&root).unwrap(),
+                &LoadOptions::default(),
+            )
             .unwrap();
         assert!(weights(dev, &fresh) == weights(dev, &loaded));
     });
@@ -880,19 +888,25 @@ impl Optimizer for NoViews<'_> {
     fn owners(&self) -> Vec<OptimizerId> {
         self.0.owners()
     }
-    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
-        self.0.local_sum_squares(dev)
+    fn grad_pieces(&self) -> Vec<lowbit_optim::GradPiece> {
+        self.0.grad_pieces()
+    }
+    fn fold_sum_squares(&self, sums: &[f64]) -> f64 {
+        self.0.fold_sum_squares(sums)
     }
     fn clip_grad(&self) -> Option<f32> {
         self.0.clip_grad()
     }
-    fn apply(
+    fn begin_step(&mut self) {
+        self.0.begin_step();
+    }
+    fn update(
         &mut self,
         dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
         clip: f32,
-    ) -> lowbit_optim::Result<()> {
-        self.0.apply(dev, bufs, clip)
+        scope: lowbit_optim::UpdateScope<'_>,
+    ) -> lowbit_optim::Result<Vec<lowbit_optim::MasterPiece>> {
+        self.0.update(dev, clip, scope)
     }
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<lowbit_optim::MasterPiece>)> {
         self.0.masters_to_stage()

@@ -31,7 +31,7 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Verify};
 use lowbit_dev_support::rng::xorshift32_signed;
 use lowbit_device::{DType, Device};
-use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer};
+use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer, UpdateScope};
 use lowbit_testkit::bench::{BenchRun, print_bound_table, print_load_average};
 use lowbit_testkit::upload_f32;
 
@@ -134,7 +134,11 @@ fn main() {
     let mut g = c.benchmark_group(GROUP);
     g.throughput(Throughput::Bytes((BYTES_PER_ELEM * N) as u64));
     g.bench_function(CASES[0], |b| {
-        b.iter(|| opt.apply(dev, &mut bufs, black_box(1.0)).expect("apply"))
+        b.iter(|| {
+            opt.begin_step();
+            opt.update(dev, black_box(1.0), UpdateScope::All)
+                .expect("update")
+        })
     });
     let mut step = 0u64;
     g.bench_function(CASES[1], |b| {

@@ -36,7 +36,8 @@ use lowbit_comm::Communicator;
 use lowbit_comm::nccl::{NcclConfig, run_local_ranks_with};
 use lowbit_dev_support::cli::bounded_or_exit;
 use lowbit_device::{DType, Device, MatmulTcSpec, View, bf16};
-use lowbit_optim::{Muon, MuonConfig, NsMode, OptimConfig, Optimizer, protocol};
+use lowbit_optim::{Muon, MuonConfig, NsMode, OptimConfig, Optimizer, UpdateScope};
+use lowbit_train::protocol;
 
 /// The matrices of one Llama-3-8B layer: (name, rows = out, cols = in).
 const LAYER: [(&str, usize, usize); 7] = [
@@ -469,7 +470,10 @@ fn one_gpu(comm: &mut dyn Communicator, dev: &mut Device) -> OneGpu {
         write_grads(dev, &mut bufs, &grads);
         let cfg = MuonConfig::default().with_ns_mode(NsMode::Fast);
         let mut opt = muon(dev, &bufs, cfg, 0.02, &init);
-        let mut step = |d: &mut Device| opt.apply(d, &mut bufs, 1.0).expect("apply");
+        let mut step = |d: &mut Device| {
+            opt.begin_step();
+            opt.update(d, 1.0, UpdateScope::All).expect("update");
+        };
         out.fast_ms = 1e3 * time(dev, 3, 10, &mut step);
         println!("fast Muon step, one layer: {:.2} ms", out.fast_ms);
         if out.symmetric_blocks {

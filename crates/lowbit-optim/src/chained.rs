@@ -1,17 +1,17 @@
 //! [`ChainedOptimizer`]: several optimizers over one set of buffers (AdamW for matrices and
 //! another configuration for biases; later Muon layer-wise plus AdamW), stepped together: one
-//! global gradient norm, one clip factor, one skip decision, then one parameter sync after every
-//! part stepped (so no bucket group is gathered before its owner updated it: bug class D).
+//! global gradient norm, one clip factor, one skip decision. The driver stages and gathers a
+//! bucket group only after the part that owns it updated it (bug class D).
 
 use std::borrow::Cow;
 
-use lowbit_buffers::DataParallelBuffers;
-use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
-use crate::optimizer::{MasterPiece, Optimizer, OptimizerMemory, OptimizerState, StateViews};
+use crate::optimizer::{
+    GradPiece, MasterPiece, Optimizer, OptimizerMemory, OptimizerState, StateViews, UpdateScope,
+};
 
 /// See the module docs. A chain is an [`Optimizer`] itself, so chains nest.
 #[derive(Debug)]
@@ -47,30 +47,19 @@ impl Optimizer for ChainedOptimizer {
     fn owners(&self) -> Vec<OptimizerId> {
         self.parts.iter().flat_map(|p| p.owners()).collect()
     }
-    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
-        let mut sum = 0.0;
-        for p in &mut self.parts {
-            sum += p.local_sum_squares(dev)?;
-        }
-        Ok(sum)
+    fn grad_pieces(&self) -> Vec<GradPiece> {
+        self.parts.iter().flat_map(|p| p.grad_pieces()).collect()
     }
-    fn local_sum_squares_overlapped(
-        &mut self,
-        dev: &mut Device,
-        reductions: &mut crate::StagedReductions<'_>,
-    ) -> Result<f64> {
-        // The first part sums its pieces stage by stage, completing every stage; the others
-        // sum after; the sums add as before.
+    /// Each part folds its own pieces' sums; the parts' sums are added in order.
+    fn fold_sum_squares(&self, sums: &[f64]) -> f64 {
         let mut sum = 0.0;
-        for (i, p) in self.parts.iter_mut().enumerate() {
-            sum += if i == 0 {
-                p.local_sum_squares_overlapped(dev, reductions)?
-            } else {
-                p.local_sum_squares(dev)?
-            };
+        let mut at = 0;
+        for p in &self.parts {
+            let n = p.grad_pieces().len().min(sums.len() - at);
+            sum += p.fold_sum_squares(&sums[at..at + n]);
+            at += n;
         }
-        reductions.complete_all(dev)?;
-        Ok(sum)
+        sum
     }
     fn clip_grad(&self) -> Option<f32> {
         self.parts
@@ -78,28 +67,28 @@ impl Optimizer for ChainedOptimizer {
             .filter_map(|p| p.clip_grad())
             .reduce(f32::min)
     }
-    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
-        self.parts
-            .iter_mut()
-            .try_for_each(|p| p.apply(dev, bufs, clip))
+    fn begin_step(&mut self) {
+        self.parts.iter_mut().for_each(|p| p.begin_step());
     }
-    /// Part by part (each part's own owners and buffers: the same bits as every part's
-    /// update, then every owner's staging).
-    fn apply_and_stage(
+    /// Part by part, in order.
+    fn update(
         &mut self,
         dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
         clip: f32,
-    ) -> Result<()> {
-        self.parts
-            .iter_mut()
-            .try_for_each(|p| p.apply_and_stage(dev, comm, bufs, clip))
+        scope: UpdateScope<'_>,
+    ) -> Result<Vec<MasterPiece>> {
+        let mut updated = Vec::new();
+        for p in &mut self.parts {
+            updated.extend(p.update(dev, clip, scope)?);
+        }
+        Ok(updated)
     }
-    /// Every part pipelines (else the chain applies, and stages at the next iteration's
-    /// start where gathers overlap the forward).
-    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
-        !self.parts.is_empty() && self.parts.iter().all(|p| p.pipelines(bufs))
+    /// As the part that holds `owner` says.
+    fn updates_in_parts(&self, owner: OptimizerId) -> bool {
+        self.parts
+            .iter()
+            .find(|p| p.owners().contains(&owner))
+            .is_some_and(|p| p.updates_in_parts(owner))
     }
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
         self.parts

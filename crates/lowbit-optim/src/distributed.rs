@@ -4,16 +4,15 @@
 
 use std::ops::Range;
 
-use lowbit_buffers::{DataParallelBuffers, StagePiece};
-use lowbit_comm::Communicator;
+use lowbit_buffers::DataParallelBuffers;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::memory::RuleMemory;
 use crate::optimizer::{
-    Leaf, MasterDtype, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
-    StateViews,
+    GradPiece, Leaf, MasterDtype, MasterPiece, OptimConfig, Optimizer, OptimizerMemory,
+    OptimizerState, StateViews, UpdateScope,
 };
 use crate::rule::{ShardViews, UpdateRule};
 
@@ -140,7 +139,8 @@ pub struct DistributedOptimizer {
     shards: Vec<Shard>,
     /// The shards joined where consecutive in every view (f32 masters' update launches).
     runs: Vec<Run>,
-    /// Whether `apply_and_stage` pipelines group by group where the buffers allow it.
+    /// Whether the driver may update this optimizer bucket group by bucket group
+    /// ([`Optimizer::updates_in_parts`]).
     pipelined: bool,
     steps: u64,
     /// f32 scratch the rule updates bf16 masters in (`MasterDtype::Bf16`, `Weights`).
@@ -292,31 +292,22 @@ impl DistributedOptimizer {
         }
     }
 
-    /// Whether the step without overlapped gathers updates, stages and gathers bucket group by
-    /// bucket group (`Optimizer::apply_and_stage`; the default, where the buffers allow it) or
-    /// updates everything, then stages (the same bits; for comparisons).
+    /// Whether the driver may update, stage and gather bucket group by bucket group
+    /// ([`Optimizer::updates_in_parts`]; the default, with f32 masters) or must update
+    /// everything, then stage (the same bits; for comparisons).
     pub fn with_pipelined_step(mut self, on: bool) -> Self {
         self.pipelined = on;
         self
     }
 
-    /// The pipelined step's plan: per bucket group of `pipeline_groups`' order, this rank's
-    /// shards in it; `None` (the plain path) with bf16 masters, with the pipeline switched off,
-    /// where the buffers do not pipeline, or should a shard lie outside the owner's groups.
-    fn pipeline(&self, bufs: &DataParallelBuffers) -> Option<Vec<(usize, Vec<usize>)>> {
-        if !self.pipelined || self.work.is_some() {
-            return None;
+    /// The piece of shard `s`, as the driver stages it.
+    fn piece(s: &Shard) -> MasterPiece {
+        MasterPiece {
+            param: s.param,
+            range: s.param_range.clone(),
+            master: s.master,
+            fused_output: s.fused_output,
         }
-        let mut by_group: Vec<(usize, Vec<usize>)> = bufs
-            .pipeline_groups(self.owner)?
-            .into_iter()
-            .map(|g| (g, Vec::new()))
-            .collect();
-        for (i, s) in self.shards.iter().enumerate() {
-            let g = bufs.group_of(s.param);
-            by_group.iter_mut().find(|(q, _)| *q == g)?.1.push(i);
-        }
-        Some(by_group)
     }
 
     /// The update of one run with f32 masters. Clipping rides along in the update where the
@@ -377,39 +368,64 @@ impl Optimizer for DistributedOptimizer {
         vec![self.owner]
     }
 
-    /// Shards in order; within a shard, `Device::sum_squares`'s blocked order (4096-element
-    /// blocks, their sums 32 at a time, then the group sums, each level in index order), the
-    /// same bits on every backend.
-    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
-        let grads = self.shards.iter().map(|s| (s.grad_view, s.grad32));
-        crate::optimizer::widened_sum_squares(dev, grads)
-    }
-
-    fn local_sum_squares_overlapped(
-        &mut self,
-        dev: &mut Device,
-        reductions: &mut crate::StagedReductions<'_>,
-    ) -> Result<f64> {
-        let pieces = self.shards.iter().map(|s| (s.param, s.grad_view, s.grad32));
-        crate::optimizer::widened_sum_squares_overlapped(dev, pieces, reductions)
+    /// Shards in order (the driver sums each in `Device::sum_squares`'s blocked order:
+    /// 4096-element blocks, their sums 32 at a time, then the group sums, each level in index
+    /// order; the same bits on every backend).
+    fn grad_pieces(&self) -> Vec<GradPiece> {
+        let pieces = self.shards.iter().map(|s| GradPiece {
+            param: s.param,
+            grad: s.grad_view,
+            grad32: s.grad32,
+        });
+        pieces.collect()
     }
 
     fn clip_grad(&self) -> Option<f32> {
         self.cfg.clip_grad
     }
 
-    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
+    fn begin_step(&mut self) {
         self.steps += 1;
+    }
+
+    /// With f32 masters: one launch per run of consecutive shards in scope (every shard in
+    /// scope: the runs built at construction; a part of them: the runs of those shards in
+    /// buffer order). The rule is element-wise, so the same bits whatever the scope.
+    fn update(
+        &mut self,
+        dev: &mut Device,
+        clip: f32,
+        scope: UpdateScope<'_>,
+    ) -> Result<Vec<MasterPiece>> {
+        let mut mine: Vec<usize> = (0..self.shards.len())
+            .filter(|&i| scope.covers(self.owner, self.shards[i].param))
+            .collect();
+        if mine.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Buffer order: the order of the runs (and of a group's pieces when it is staged).
+        mine.sort_by_key(|&i| {
+            let v = self.shards[i].grad_view;
+            (v.buffer(), v.byte_offset())
+        });
+        let updated = mine.iter().map(|&i| Self::piece(&self.shards[i])).collect();
         let Some(work) = self.work else {
-            // f32 masters: one launch per run of consecutive shards (the rule is element-wise,
-            // so the same bits as shard by shard).
-            for r in &self.runs {
-                self.update_run(dev, r, clip)?;
+            if mine.len() == self.shards.len() {
+                for r in &self.runs {
+                    self.update_run(dev, r, clip)?;
+                }
+            } else {
+                for r in Run::of(mine.iter().map(|&i| &self.shards[i])) {
+                    self.update_run(dev, &r, clip)?;
+                }
             }
-            bufs.mark_stale(self.owner);
-            return Ok(());
+            return Ok(updated);
         };
-        for s in &self.shards {
+        for s in self
+            .shards
+            .iter()
+            .filter(|s| scope.covers(self.owner, s.param))
+        {
             if clip < 1.0 {
                 dev.scale(s.grad32, clip)?;
             }
@@ -426,63 +442,16 @@ impl Optimizer for DistributedOptimizer {
             self.rule.update(dev, views, self.cfg.lr, self.steps)?;
             dev.cast(w, s.master)?;
         }
-        bufs.mark_stale(self.owner);
-        Ok(())
+        Ok(updated)
     }
 
-    /// With f32 masters and buffers that allow it (`pipeline_groups`): bucket group by bucket
-    /// group, its shards updated (one launch per run of consecutive shards within the group),
-    /// then staged and its gather launched. The rule is element-wise, so the same bits as
-    /// `apply` then `stage`.
-    fn apply_and_stage(
-        &mut self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
-        clip: f32,
-    ) -> Result<()> {
-        let Some(by_group) = self.pipeline(bufs) else {
-            self.apply(dev, bufs, clip)?;
-            return self.stage(dev, comm, bufs, true);
-        };
-        self.steps += 1;
-        // Every group's weights move; each becomes staged as its turn comes.
-        bufs.mark_stale(self.owner);
-        for (g, mut shards) in by_group {
-            shards.sort_by_key(|&i| {
-                let v = self.shards[i].grad_view;
-                (v.buffer(), v.byte_offset())
-            });
-            for r in Run::of(shards.iter().map(|&i| &self.shards[i])) {
-                self.update_run(dev, &r, clip)?;
-            }
-            let pieces: Vec<StagePiece> = shards
-                .iter()
-                .map(|&i| &self.shards[i])
-                .filter(|s| s.fused_output.is_none())
-                .map(|s| StagePiece {
-                    param: s.param,
-                    param_range: s.param_range.clone(),
-                    master: s.master,
-                })
-                .collect();
-            bufs.stage_and_gather_group(dev, comm, self.owner, g, &pieces)?;
-        }
-        Ok(())
-    }
-
-    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
-        self.pipeline(bufs).is_some()
+    /// With f32 masters, unless switched off ([`DistributedOptimizer::with_pipelined_step`]).
+    fn updates_in_parts(&self, owner: OptimizerId) -> bool {
+        owner == self.owner && self.pipelined && self.work.is_none()
     }
 
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
-        let pieces = self.shards.iter().map(|s| MasterPiece {
-            param: s.param,
-            range: s.param_range.clone(),
-            master: s.master,
-            fused_output: s.fused_output,
-        });
-        vec![(self.owner, pieces.collect())]
+        vec![(self.owner, self.shards.iter().map(Self::piece).collect())]
     }
 
     fn set_lr(&mut self, lr: f32) -> Result<()> {

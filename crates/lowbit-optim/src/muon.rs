@@ -34,7 +34,8 @@ use lowbit_layout::OptimizerId;
 
 use crate::error::{InvalidInput, Result};
 use crate::optimizer::{
-    Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState, StateViews,
+    GradPiece, Leaf, MasterPiece, OptimConfig, Optimizer, OptimizerMemory, OptimizerState,
+    StateViews, UpdateScope,
 };
 use newton_schulz::{NsParams, NsScratch};
 
@@ -410,8 +411,24 @@ impl Muon {
         self.muon
     }
 
+    /// The piece of shard `s` (a whole parameter), as the driver stages it.
+    fn piece(s: &Shard) -> MasterPiece {
+        MasterPiece {
+            param: s.param,
+            range: 0..s.numel,
+            master: s.master,
+            fused_output: s.fused_output,
+        }
+    }
+
     /// One update of one whole parameter (the gradient clipped already).
-    fn update(dev: &mut Device, m: &MuonConfig, lr: f32, s: &Shard, sc: &Scratch) -> Result<()> {
+    fn update_matrix(
+        dev: &mut Device,
+        m: &MuonConfig,
+        lr: f32,
+        s: &Shard,
+        sc: &Scratch,
+    ) -> Result<()> {
         let n = s.numel;
         let (g, buf) = (s.grad32, s.momentum);
         let diff = sc.diff.slice(0..n)?;
@@ -511,50 +528,53 @@ impl Optimizer for Muon {
         vec![self.owner]
     }
 
-    /// Parameters in order; within one, `Device::sum_squares`'s blocked order.
-    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64> {
-        let grads = self.shards.iter().map(|s| (s.grad_view, s.grad32));
-        crate::optimizer::widened_sum_squares(dev, grads)
-    }
-
-    fn local_sum_squares_overlapped(
-        &mut self,
-        dev: &mut Device,
-        reductions: &mut crate::StagedReductions<'_>,
-    ) -> Result<f64> {
-        let pieces = self.shards.iter().map(|s| (s.param, s.grad_view, s.grad32));
-        crate::optimizer::widened_sum_squares_overlapped(dev, pieces, reductions)
+    /// Parameters in order (each summed in `Device::sum_squares`'s blocked order).
+    fn grad_pieces(&self) -> Vec<GradPiece> {
+        let pieces = self.shards.iter().map(|s| GradPiece {
+            param: s.param,
+            grad: s.grad_view,
+            grad32: s.grad32,
+        });
+        pieces.collect()
     }
 
     fn clip_grad(&self) -> Option<f32> {
         self.cfg.clip_grad
     }
 
-    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()> {
+    fn begin_step(&mut self) {
         self.steps += 1;
+    }
+
+    /// Parameter by parameter, in order (each matrix on its own: the same bits whatever the
+    /// scope).
+    fn update(
+        &mut self,
+        dev: &mut Device,
+        clip: f32,
+        scope: UpdateScope<'_>,
+    ) -> Result<Vec<MasterPiece>> {
+        let mut updated = Vec::new();
         if let Some(sc) = &self.scratch {
-            for s in &self.shards {
+            for s in self
+                .shards
+                .iter()
+                .filter(|s| scope.covers(self.owner, s.param))
+            {
                 if clip < 1.0 {
                     dev.scale(s.grad32, clip)?;
                 }
-                Self::update(dev, &self.muon, self.cfg.lr, s, sc)?;
+                Self::update_matrix(dev, &self.muon, self.cfg.lr, s, sc)?;
+                updated.push(Self::piece(s));
             }
         }
-        bufs.mark_stale(self.owner);
-        Ok(())
+        Ok(updated)
     }
 
-    /// Collective even on a rank that owns none of the owner's parameters (its piece list is
-    /// empty), as [`DataParallelBuffers::stage`] requires. Without `only_stale` (forced syncs)
-    /// persistent weights are rewritten from the masters too.
+    /// One entry for the owner even on a rank that owns none of its parameters (an empty piece
+    /// list): staging is collective, so every rank stages every owner.
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)> {
-        let pieces = self.shards.iter().map(|s| MasterPiece {
-            param: s.param,
-            range: 0..s.numel,
-            master: s.master,
-            fused_output: s.fused_output,
-        });
-        vec![(self.owner, pieces.collect())]
+        vec![(self.owner, self.shards.iter().map(Self::piece).collect())]
     }
 
     fn set_lr(&mut self, lr: f32) -> Result<()> {

@@ -1,17 +1,15 @@
-//! The optimizer interface the step driver uses: per-shard work (local sum of squares, apply,
-//! stage through the buffers' API), state export/import and memory. [`crate::ChainedOptimizer`]
+//! The optimizer interface the step driver uses: per-piece work (the gradient pieces whose
+//! squares the driver sums, the update of the pieces in a scope), state export/import and
+//! memory. [`crate::ChainedOptimizer`]
 //! holds trait objects and is one itself, so chains nest.
 
 use std::fmt::Debug;
 use std::ops::Range;
 
-use lowbit_buffers::{DataParallelBuffers, StagePiece};
-use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, View};
 use lowbit_layout::OptimizerId;
 
-use crate::StagedReductions;
-use crate::error::{InvalidInput, OptimError, Result};
+use crate::error::{InvalidInput, Result};
 
 /// Learning rate and clipping of one optimizer.
 #[non_exhaustive]
@@ -220,127 +218,99 @@ pub struct StepReport {
     pub clip_coef: f32,
 }
 
+/// One reduced-gradient piece an optimizer reads: what the step driver sums the squares of for
+/// the global gradient norm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GradPiece {
+    /// Global parameter id (the driver asks the buffers when its reduction is final).
+    pub param: usize,
+    /// The reduced gradient in the buffers (bf16, f16 or f32).
+    pub grad: View,
+    /// The fp32 gradient the update reads: `grad` itself, or the optimizer's f32 copy, into
+    /// which the driver widens `grad` before summing its squares (and before the update).
+    pub grad32: View,
+}
+
+/// Which pieces one [`Optimizer::update`] call updates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpdateScope<'a> {
+    /// Every piece of every owner.
+    All,
+    /// Every piece of one owner (nothing when the optimizer does not hold it).
+    Owner(OptimizerId),
+    /// The pieces of these parameters (global ids; one bucket group of a pipelined step).
+    Params(&'a [usize]),
+}
+
+impl UpdateScope<'_> {
+    /// Whether a piece of `param`, held for `owner`, is in scope.
+    pub fn covers(&self, owner: OptimizerId, param: usize) -> bool {
+        match *self {
+            UpdateScope::All => true,
+            UpdateScope::Owner(o) => o == owner,
+            UpdateScope::Params(ps) => ps.contains(&param),
+        }
+    }
+}
+
 /// An optimizer over this rank's owned shards of some owners' parameters.
 ///
-/// The step driver ([`crate::Trainer`], or [`crate::protocol`] for callers that drive the
-/// buffers themselves) calls, per step: [`Optimizer::local_sum_squares`] on every rank, then
-/// (unless the global norm is not finite) [`Optimizer::apply`], then [`Optimizer::stage`] before
-/// the parameter gather. Masters always come from the high-precision initial values, never from
-/// the (rounded or quantized) parameter storage.
+/// It updates the pieces it owns and nothing else: it never sees a communicator, never stages
+/// weights into the buffers, never marks them stale and never starts a gather. The step driver
+/// (`lowbit-train`) calls, per step: [`Optimizer::grad_pieces`] (the driver widens and sums
+/// their squares as their reductions complete) and [`Optimizer::fold_sum_squares`] on every
+/// rank, then, unless the global norm is not finite, [`Optimizer::begin_step`] and
+/// [`Optimizer::update`] (all at once, owner by owner, or bucket group by bucket group where
+/// [`Optimizer::updates_in_parts`]), and stages [`Optimizer::masters_to_stage`] (or the pieces
+/// `update` returned) before the parameter gather. Masters always come from the
+/// high-precision initial values, never from the (rounded or quantized) parameter storage.
 pub trait Optimizer: Debug + Send {
     /// The owners whose parameters this optimizer updates.
     fn owners(&self) -> Vec<OptimizerId>;
 
-    /// Copies the reduced gradients into fp32 and returns this rank's sum of their squares (f64,
-    /// in a fixed order).
-    ///
-    /// # Errors
-    /// Device errors.
-    fn local_sum_squares(&mut self, dev: &mut Device) -> Result<f64>;
+    /// This rank's reduced-gradient pieces, in the fixed order of the sum of squares (a chain:
+    /// its parts' in order).
+    fn grad_pieces(&self) -> Vec<GradPiece>;
 
-    /// [`Optimizer::local_sum_squares`] while gradient reductions still run: `reductions` says
-    /// at which stage each parameter's reduced gradient is final and completes the stages in
-    /// order. The same bits as `local_sum_squares` after every reduction; every stage is
-    /// complete when it returns `Ok`. The default completes them all first; an optimizer whose
-    /// sum is a fold of per-piece sums launches each stage's pieces as soon as that stage is
-    /// final, so that their pass runs beside the later reductions.
-    ///
-    /// # Errors
-    /// Device errors and those of the completion.
-    fn local_sum_squares_overlapped(
-        &mut self,
-        dev: &mut Device,
-        reductions: &mut StagedReductions<'_>,
-    ) -> Result<f64> {
-        reductions.complete_all(dev)?;
-        self.local_sum_squares(dev)
+    /// This rank's sum of squares from the per-piece sums `sums` (one per
+    /// [`Optimizer::grad_pieces`] entry, in that order), added in the fixed order: the pieces
+    /// in order from 0 (a chain: each part's fold, the parts' folds added in order).
+    fn fold_sum_squares(&self, sums: &[f64]) -> f64 {
+        sums.iter().fold(0.0, |a, b| a + b)
     }
 
     /// The clip value (a chain: the smallest of its parts).
     fn clip_grad(&self) -> Option<f32>;
 
-    /// Clips by the coefficient `clip` (at most 1), updates the masters (and fused parameter outputs), counts the step
-    /// and marks the owners' low-precision weights stale in `bufs`.
+    /// Counts a step that is taken (every leaf; skipped steps are not counted): the step number
+    /// the following [`Optimizer::update`] calls use.
+    fn begin_step(&mut self);
+
+    /// Clips by the coefficient `clip` (at most 1) and updates the masters (and fused
+    /// parameter outputs) of the pieces in `scope`, each piece once per step. Returns the
+    /// updated pieces in the order they were updated (the driver stages those of low-precision
+    /// storage: `fused_output` `None`).
     ///
     /// # Errors
     /// Device errors.
-    fn apply(&mut self, dev: &mut Device, bufs: &mut DataParallelBuffers, clip: f32) -> Result<()>;
-
-    /// [`Optimizer::apply`] then [`Optimizer::stage`] of the stale owners, with the same bits.
-    /// An optimizer that can update bucket group by bucket group ([`Optimizer::pipelines`])
-    /// does so in the order of [`DataParallelBuffers::pipeline_groups`] and hands each group to
-    /// [`DataParallelBuffers::stage_and_gather_group`] as soon as it is updated, so that the
-    /// group's gather runs beside the update of the later groups; without overlapped gathers
-    /// the caller's `sync_params` completes the gathers in flight and launches the rest, with
-    /// them the forward's pre-hooks complete them. The default applies, then stages (every
-    /// gather is left to the caller).
-    ///
-    /// # Errors
-    /// As `apply` and `stage`.
-    fn apply_and_stage(
+    fn update(
         &mut self,
         dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
         clip: f32,
-    ) -> Result<()> {
-        self.apply(dev, bufs, clip)?;
-        self.stage(dev, comm, bufs, true)
-    }
+        scope: UpdateScope<'_>,
+    ) -> Result<Vec<MasterPiece>>;
 
-    /// Whether [`Optimizer::apply_and_stage`] pipelines on `bufs` (group by group, each
-    /// group's gather launched as soon as it is staged). With gathers overlapped with the
-    /// forward, the step then updates and stages through it and leaves the gathers in flight
-    /// for the forward's pre-hooks to complete, instead of staging at the next
-    /// `begin_iteration`. The default: no.
-    fn pipelines(&self, bufs: &DataParallelBuffers) -> bool {
-        let _ = bufs;
+    /// Whether `owner`'s pieces may be updated bucket group by bucket group
+    /// ([`UpdateScope::Params`] per group) with one launch per run of consecutive pieces within
+    /// the group: what lets the driver gather each group beside the update of the later ones.
+    /// The same bits as updating all at once either way; the default: no.
+    fn updates_in_parts(&self, owner: OptimizerId) -> bool {
+        let _ = owner;
         false
     }
 
     /// This rank's master pieces, per owner, in staging order (a chain: its parts' in order).
     fn masters_to_stage(&self) -> Vec<(OptimizerId, Vec<MasterPiece>)>;
-
-    /// Stages the owners' weights from the masters (collective): low-precision weights through
-    /// [`DataParallelBuffers::stage`]; with `only_stale`, only owners whose weights are stale.
-    /// Without `only_stale` (forced syncs) persistent weights are rewritten from the masters too,
-    /// so that a forced sync after an import makes every weight reflect the masters. Every rank
-    /// stages every owner, also one it holds no piece of (the staging may be collective).
-    ///
-    /// # Errors
-    /// Buffer errors (protocol violations included).
-    fn stage(
-        &self,
-        dev: &mut Device,
-        comm: &mut dyn Communicator,
-        bufs: &mut DataParallelBuffers,
-        only_stale: bool,
-    ) -> Result<()> {
-        for (owner, pieces) in self.masters_to_stage() {
-            if only_stale && !bufs.has_stale(owner) {
-                continue;
-            }
-            let mut low = Vec::with_capacity(pieces.len());
-            for piece in pieces {
-                match piece.fused_output {
-                    // The rounding the fused update wrote, so after a normal step this changes
-                    // no bit; after an import it brings persistent weights to the masters.
-                    // (Compute weights used as masters are already the stored values.)
-                    Some(out) if !only_stale && out != piece.master => {
-                        dev.cast(piece.master, out)?
-                    }
-                    Some(_) => {}
-                    None => low.push(StagePiece {
-                        param: piece.param,
-                        param_range: piece.range,
-                        master: piece.master,
-                    }),
-                }
-            }
-            bufs.stage(dev, comm, owner, &low)?;
-        }
-        Ok(())
-    }
 
     /// Sets the learning rate of every part; nothing changes if it is invalid.
     ///
@@ -621,45 +591,6 @@ pub(crate) fn upload_values(dev: &mut Device, view: View, values: &[f32]) -> Res
     }
 }
 
-/// Widens each reduced gradient to its fp32 copy (nothing to do when the gradient is fp32 and
-/// used in place) and returns the sum of the squares, pieces in order and each in
-/// `Device::sum_squares`' blocked order: the same bits on every backend. What every
-/// `local_sum_squares` over `(gradient, fp32 gradient)` pairs does.
-pub(crate) fn widened_sum_squares(
-    dev: &mut Device,
-    grads: impl IntoIterator<Item = (View, View)>,
-) -> Result<f64> {
-    let pieces = grads.into_iter().map(|(g, g32)| (0, g, g32));
-    let (final_now, mut nothing) = (|_| 0, |_: &mut Device, _| Ok(()));
-    let mut reductions = StagedReductions::new(0, &final_now, &mut nothing);
-    widened_sum_squares_overlapped(dev, pieces, &mut reductions)
-}
-
-/// [`widened_sum_squares`] of `(param, grad, grad32)` pieces, in the stages of `reductions`:
-/// each stage's pieces are widened and their sums launched as soon as the stage is final
-/// (`Device::sum_squares_each_staged`: no wait for the device until the last stage), and the
-/// sums are added in piece order, so the bits do not depend on the stages.
-pub(crate) fn widened_sum_squares_overlapped(
-    dev: &mut Device,
-    pieces: impl IntoIterator<Item = (usize, View, View)>,
-    reductions: &mut StagedReductions<'_>,
-) -> Result<f64> {
-    let pieces: Vec<(usize, View, View)> = pieces.into_iter().collect();
-    let stages: Vec<usize> = pieces.iter().map(|p| reductions.stage_of(p.0)).collect();
-    let views: Vec<View> = pieces.iter().map(|p| p.2).collect();
-    let sums = dev.sum_squares_each_staged(&views, &stages, |d, k| {
-        reductions.complete_through(d, k)?;
-        for (i, &(_, grad, grad32)) in pieces.iter().enumerate() {
-            if stages[i] == k && grad32 != grad {
-                d.cast(grad, grad32)?;
-            }
-        }
-        Ok::<(), OptimError>(())
-    })?;
-    reductions.complete_all(dev)?;
-    Ok(sums.into_iter().fold(0.0, |a, b| a + b))
-}
-
 /// An init callback over full initial values (`init[p]` is parameter `p`, flattened): the
 /// piece `range` of parameter `p`. For tests and small models; large models produce pieces.
 pub fn init_from_full(init: &[Vec<f32>]) -> impl FnMut(usize, Range<usize>) -> Vec<f32> + '_ {
@@ -668,55 +599,5 @@ pub fn init_from_full(init: &[Vec<f32>]) -> impl FnMut(usize, Range<usize>) -> V
             .and_then(|v| v.get(range))
             .map(<[f32]>::to_vec)
             .unwrap_or_default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use lowbit_device::Device;
-
-    use super::{widened_sum_squares, widened_sum_squares_overlapped};
-    use crate::StagedReductions;
-
-    /// The pieces' sums are added in piece order whatever the stages: 2^53 + 1 + 1 is 2^53 in
-    /// that order (each +1 rounds away) but 2^53 + 2 if the two early pieces were added
-    /// first; each stage completes before its pieces are read, and all are complete at the end.
-    #[test]
-    fn the_staged_sum_adds_in_piece_order_and_completes_each_stage_first() {
-        let mut dev = Device::cpu();
-        let big = 2f32.powi(26);
-        let views = [
-            lowbit_testkit::upload_f32(&mut dev, &[big, big]),
-            lowbit_testkit::upload_f32(&mut dev, &[1.0]),
-            lowbit_testkit::upload_f32(&mut dev, &[1.0]),
-            lowbit_testkit::upload_f32(&mut dev, &[3.0]),
-        ];
-        let pieces: Vec<_> = views.iter().enumerate().map(|(p, &v)| (p, v, v)).collect();
-        let plain = widened_sum_squares(&mut dev, views.iter().map(|&v| (v, v))).unwrap();
-        assert_eq!(plain, 2f64.powi(53) + 9.0);
-        // Piece 0 is still being reduced in stage 2 and piece 3 in stage 3 (never read before
-        // its stage completes: it holds garbage until then); pieces 1 and 2 are final.
-        let real = [vec![big, big], vec![3.0]];
-        dev.upload(views[0], &[7.0f32, 7.0]).unwrap();
-        dev.upload(views[3], &[f32::NAN]).unwrap();
-        let stage_of = |p: usize| [2, 0, 0, 3][p];
-        let mut completed = Vec::new();
-        let mut complete = |d: &mut Device, k: usize| {
-            completed.push(k);
-            match k {
-                2 => d.upload(views[0], &real[0])?,
-                3 => d.upload(views[3], &real[1])?,
-                _ => {}
-            }
-            Ok(())
-        };
-        let split = widened_sum_squares_overlapped(
-            &mut dev,
-            pieces,
-            &mut StagedReductions::new(4, &stage_of, &mut complete),
-        )
-        .unwrap();
-        assert_eq!(completed, [1, 2, 3, 4]);
-        assert_eq!(split.to_bits(), plain.to_bits());
     }
 }

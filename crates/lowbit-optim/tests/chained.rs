@@ -16,8 +16,9 @@ use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
     ChainedOptimizer, InvalidInput, MasterShard, OptimConfig, OptimError, Optimizer,
-    OptimizerMemory, OptimizerState, Trainer,
+    OptimizerMemory, OptimizerState,
 };
+use lowbit_train::Trainer;
 
 fn bufs(dev: &mut Device, dp: usize, rank: usize, overlap: Overlap) -> DataParallelBuffers {
     let specs = specs(ParamStorage::Bf16, GradDType::F32, true);

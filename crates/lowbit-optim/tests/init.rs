@@ -11,9 +11,8 @@ use lowbit_buffers::layout::{GradDType, OptimizerId, ParamStorage};
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
 use lowbit_device::{Device, bf16};
-use lowbit_optim::{
-    DistributedOptimizer, InvalidInput, OptimConfig, OptimError, Optimizer, protocol,
-};
+use lowbit_optim::{DistributedOptimizer, InvalidInput, OptimConfig, OptimError, Optimizer};
+use lowbit_train::protocol;
 
 /// High-precision initial values that bf16 cannot represent (2^-20 steps around 1) and that
 /// differ from what the buffers were initialized with.

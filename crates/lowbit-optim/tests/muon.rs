@@ -26,8 +26,9 @@ use lowbit_comm::{Communicator, GroupConfig, LocalComm, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_optim::{
     InvalidInput, Muon, MuonConfig, MuonLrScale, NsDtype, OptimConfig, OptimError, Optimizer,
-    OptimizerState, init_from_full, protocol,
+    OptimizerState, init_from_full,
 };
+use lowbit_train::protocol;
 
 // ---- the goldens ------------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ use lowbit_comm::{GroupConfig, run_ranks};
 use lowbit_device::Device;
 use lowbit_optim::{
     InvalidInput, Muon, MuonConfig, NsDtype, NsMode, OptimConfig, OptimError, Optimizer,
-    init_from_full, protocol,
+    init_from_full,
 };
+use lowbit_train::protocol;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -18,9 +18,8 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
 use lowbit_comm::Communicator;
 use lowbit_device::bf16;
-use lowbit_optim::{
-    AdamW, DistributedOptimizer, OptimConfig, Optimizer, Sgd, init_from_full, protocol,
-};
+use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer, Sgd, init_from_full};
+use lowbit_train::protocol;
 
 const STEPS: usize = 6;
 const LR: f32 = 1e-2;

@@ -319,7 +319,7 @@ fn a_forced_sync_after_import_makes_persistent_weights_the_masters() {
             other.export_state(dev).unwrap()
         };
         opt.import_state(dev, &state).unwrap();
-        lowbit_optim::protocol::force_param_sync(dev, &mut comm, &mut b, &opt).unwrap();
+        lowbit_train::protocol::force_param_sync(dev, &mut comm, &mut b, &opt).unwrap();
         for m in opt.masters(dev).unwrap() {
             let got = common::download_f32(dev, b.param_view(m.param).unwrap());
             let want: Vec<f32> = m

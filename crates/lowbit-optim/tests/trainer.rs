@@ -19,7 +19,8 @@ use lowbit_buffers::{
 };
 use lowbit_comm::{Communicator, LocalComm};
 use lowbit_device::Device;
-use lowbit_optim::{OptimError, Optimizer, OptimizerState, Trainer, protocol};
+use lowbit_optim::{OptimError, Optimizer, OptimizerState};
+use lowbit_train::{Trainer, protocol};
 
 const DP: usize = 2;
 const STEPS: usize = 4;
@@ -201,41 +202,51 @@ fn an_eval_between_steps_changes_nothing() {
     assert!(with == without, "an eval changed the training run");
 }
 
-/// The chained optimizer, failing the next local sum of squares of a one-call step (before any
-/// reduction in flight completes) when `fail` is set; otherwise it is the chain.
+/// The chained optimizer, whose next gradient pieces (asked for by a one-call step before any
+/// reduction in flight completes) include one the device cannot sum when `fail` is set;
+/// otherwise it is the chain.
 #[derive(Debug)]
 struct FailsOnce {
     inner: lowbit_optim::ChainedOptimizer,
     fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// A byte view: not a float gradient, so its sum of squares is refused.
+    not_a_gradient: lowbit_device::View,
 }
 
 impl Optimizer for FailsOnce {
     fn owners(&self) -> Vec<lowbit_buffers::layout::OptimizerId> {
         self.inner.owners()
     }
-    fn local_sum_squares(&mut self, dev: &mut Device) -> lowbit_optim::Result<f64> {
-        self.inner.local_sum_squares(dev)
-    }
-    fn local_sum_squares_overlapped(
-        &mut self,
-        dev: &mut Device,
-        reductions: &mut lowbit_optim::StagedReductions<'_>,
-    ) -> lowbit_optim::Result<f64> {
+    fn grad_pieces(&self) -> Vec<lowbit_optim::GradPiece> {
+        let mut pieces = self.inner.grad_pieces();
         if self.fail.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            return Err(lowbit_optim::InvalidInput::LearningRate(f32::NAN).into());
+            pieces.push(lowbit_optim::GradPiece {
+                param: 0,
+                grad: self.not_a_gradient,
+                grad32: self.not_a_gradient,
+            });
         }
-        self.inner.local_sum_squares_overlapped(dev, reductions)
+        pieces
+    }
+    fn fold_sum_squares(&self, sums: &[f64]) -> f64 {
+        self.inner.fold_sum_squares(sums)
     }
     fn clip_grad(&self) -> Option<f32> {
         self.inner.clip_grad()
     }
-    fn apply(
+    fn begin_step(&mut self) {
+        self.inner.begin_step();
+    }
+    fn update(
         &mut self,
         dev: &mut Device,
-        bufs: &mut DataParallelBuffers,
         clip: f32,
-    ) -> lowbit_optim::Result<()> {
-        self.inner.apply(dev, bufs, clip)
+        scope: lowbit_optim::UpdateScope<'_>,
+    ) -> lowbit_optim::Result<Vec<lowbit_optim::MasterPiece>> {
+        self.inner.update(dev, clip, scope)
+    }
+    fn updates_in_parts(&self, owner: lowbit_buffers::layout::OptimizerId) -> bool {
+        self.inner.updates_in_parts(owner)
     }
     fn masters_to_stage(
         &self,
@@ -278,6 +289,7 @@ fn an_error_in_the_one_call_step_leaves_no_reduction_in_flight() {
         let opt = FailsOnce {
             inner: optimizer(dev, &bufs, &init, true),
             fail: fail.clone(),
+            not_a_gradient: dev.alloc(lowbit_device::DType::U8, 4),
         };
         let mut trainer = trainer(dev, bufs, opt, true);
         let mlp = Mlp::new(dev, &DIMS, BATCH);
@@ -292,7 +304,7 @@ fn an_error_in_the_one_call_step_leaves_no_reduction_in_flight() {
         }
         assert!(!it.buffers().grad_reduce_in_flight().is_empty());
         let e = it.step(dev, &mut comm).unwrap_err();
-        assert!(matches!(e, OptimError::Invalid(_)), "{e}");
+        assert!(matches!(e, OptimError::Device(_)), "{e}");
         assert!(trainer.buffers().grad_reduce_in_flight().is_empty());
         assert_eq!(trainer.optimizer().steps(), 1);
         train_step(dev, &mut comm, &mut trainer, &mlp, 2, MICRO, None);

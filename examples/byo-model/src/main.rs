@@ -11,9 +11,8 @@ use lowbit_buffers::{ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, Pre
 use lowbit_comm::{Communicator, GroupConfig, ReduceOp, run_ranks};
 use lowbit_device::{DType, Device};
 use lowbit_layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind};
-use lowbit_optim::{
-    AdamW, ChainedOptimizer, DistributedOptimizer, OptimConfig, Optimizer, Trainer,
-};
+use lowbit_optim::{AdamW, ChainedOptimizer, DistributedOptimizer, OptimConfig, Optimizer};
+use lowbit_train::Trainer;
 
 const STEPS: usize = 60;
 const MICROBATCHES: usize = 2;

@@ -111,6 +111,24 @@ pub enum StorageKind {
     Nvfp4Rows,
 }
 
+impl StorageKind {
+    /// The compute format low-precision storage fixes: the stored copies are what the forward
+    /// dequantizes, so a policy naming another recipe (or "as stored") would silently compute
+    /// with something else. `None` where the storage does not fix it: persistent storage, and
+    /// NVFP4 rows (not checked against the policy).
+    pub fn compute_format(self) -> Option<crate::ComputeFormat> {
+        use crate::ComputeFormat;
+        match self {
+            StorageKind::Mxfp8Staged | StorageKind::Mxfp8Rows => {
+                Some(ComputeFormat::Mxfp8 { two_d: false })
+            }
+            StorageKind::Mxfp8Direct => Some(ComputeFormat::Mxfp8 { two_d: true }),
+            StorageKind::Nvfp4Packed => Some(ComputeFormat::Nvfp4),
+            StorageKind::Persistent | StorageKind::Nvfp4Rows => None,
+        }
+    }
+}
+
 /// The MXFP8 storage of one parameter (both copies, compact scales).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mxfp8Weights {

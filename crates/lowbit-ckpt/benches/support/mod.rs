@@ -5,7 +5,7 @@
 use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage};
 use lowbit_buffers::{DataParallelBuffers, DdpConfig};
 use lowbit_device::Device;
-use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer};
+use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer, UpdateScope};
 use lowbit_testkit::{seed, values};
 
 /// Parameters `(name, shape)` as specs of one owner.
@@ -19,6 +19,8 @@ pub fn specs(params: &[(String, Vec<usize>)]) -> Vec<ParamSpec> {
 
 /// Rank `rank` of `dp`: its buffers and its AdamW over its owned shards.
 pub struct Rank {
+    /// Held, never read: the optimizer's gradient views lie in these buffers.
+    #[allow(dead_code)]
     pub bufs: DataParallelBuffers,
     pub opt: DistributedOptimizer,
     pub specs: Vec<ParamSpec>,
@@ -55,7 +57,8 @@ impl Rank {
 
     /// One optimizer step (every master and moment changes), finished on the device.
     pub fn step(&mut self, dev: &mut Device) {
-        self.opt.apply(dev, &mut self.bufs, 1.0).expect("apply");
+        self.opt.begin_step();
+        self.opt.update(dev, 1.0, UpdateScope::All).expect("update");
         dev.synchronize().expect("synchronize");
     }
 }

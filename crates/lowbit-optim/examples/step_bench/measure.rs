@@ -10,7 +10,8 @@ use lowbit_buffers::{
 };
 use lowbit_comm::{Communicator, ReduceOp};
 use lowbit_device::{DType, Device, Fp8Kind, MatmulSpec, View, mxfp8_tile_count};
-use lowbit_optim::{MasterDtype, Optimizer, RuleMemory, estimate_memory, memory_report, protocol};
+use lowbit_optim::{MasterDtype, Optimizer, RuleMemory, estimate_memory, memory_report};
+use lowbit_train::protocol;
 
 use crate::setup::{Config, GradSource, Param, Precision, Res, build};
 
@@ -524,7 +525,7 @@ pub fn step_rank(
             let (_, again) = timed(dev, comm, |d, c| {
                 Ok(protocol::global_grad_norm(d, c, b, o)?)
             })?;
-            let (_, local) = timed(dev, comm, |d, _| Ok(o.local_sum_squares(d)?))?;
+            let (_, local) = timed(dev, comm, |d, _| Ok(protocol::local_sum_squares(d, o)?))?;
             let (_, exchange) =
                 timed(dev, comm, |d, c| Ok(protocol::sum_across_ranks(d, c, 1.0)?))?;
             let buf = dev.alloc(DType::U8, 8 * dp);
@@ -537,7 +538,7 @@ pub fn step_rank(
             let mut split = 0.0;
             let (_, both) = timed(dev, comm, |d, c| {
                 let t = Instant::now();
-                let l = o.local_sum_squares(d)?;
+                let l = protocol::local_sum_squares(d, o)?;
                 split = t.elapsed().as_secs_f64();
                 Ok(protocol::sum_across_ranks(d, c, l)?)
             })?;
@@ -552,12 +553,12 @@ pub fn step_rank(
                 split * 1e3
             );
         }
-        let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
+        let clip = protocol::clip_or_skip(norm, o.clip_grad()).unwrap_or(1.0);
         clipped = clip < 1.0;
-        (_, t[2]) = timed(dev, comm, |d, _| Ok(o.apply(d, b, clip)?))?;
+        (_, t[2]) = timed(dev, comm, |d, _| apply(d, b, o, clip))?;
         peak = peak.max(dev.allocated_bytes() - own);
         // As `protocol::step` stages: the owners that stepped, fused persistent outputs kept.
-        (_, t[3]) = timed(dev, comm, |d, c| Ok(o.stage(d, c, b, true)?))?;
+        (_, t[3]) = timed(dev, comm, |d, c| Ok(protocol::stage(d, c, b, o, true)?))?;
         // Not a phase of the step: the zeroing of the gradient buffer as `begin_iteration` does
         // it with overlapped gathers (after staging, the staged bytes kept), a local kernel the
         // overlap mode cannot hide either.
@@ -593,9 +594,9 @@ pub fn step_rank(
             })?;
             (protocol::global_grad_norm(dev, comm, b, o)?, secs)
         };
-        let clip = o.clip_grad().map_or(1.0, |c| (c / (norm + 1e-6)).min(1.0));
-        o.apply(dev, b, clip)?;
-        o.stage(dev, comm, b, true)?;
+        let clip = protocol::clip_or_skip(norm, o.clip_grad()).unwrap_or(1.0);
+        apply(dev, b, o, clip)?;
+        protocol::stage(dev, comm, b, o, true)?;
         b.sync_params(dev, comm)?;
         if i >= 2 * s.reps.0 {
             if with_norm {
@@ -885,4 +886,21 @@ pub fn overlap_rank(
         transient_peak: dev.peak_allocated_bytes() - before,
         transient_closed,
     })
+}
+
+/// The update of every piece as the driver runs it when nothing is pipelined: the step counted,
+/// every piece updated, every owner's low-precision weights marked stale (timed apart from the
+/// staging).
+fn apply(
+    dev: &mut Device,
+    bufs: &mut DataParallelBuffers,
+    opt: &mut dyn Optimizer,
+    clip: f32,
+) -> Res<()> {
+    opt.begin_step();
+    opt.update(dev, clip, lowbit_optim::UpdateScope::All)?;
+    for owner in opt.owners() {
+        bufs.mark_stale(owner);
+    }
+    Ok(())
 }

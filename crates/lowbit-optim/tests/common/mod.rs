@@ -20,9 +20,10 @@ use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
     AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, OptimError, Optimizer,
-    Sgd, StepReport, Trainer, init_from_full,
+    Sgd, StepReport, init_from_full,
 };
 use lowbit_testkit::weight_parts;
+use lowbit_train::Trainer;
 
 use model::Mlp;
 

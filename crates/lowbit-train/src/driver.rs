@@ -18,13 +18,12 @@
 
 use lowbit_buffers::{
     ComputeFormat, DataParallelBuffers, DpHooks, HookMode, HookScratch, PrecisionPolicy,
-    ProtocolError, StorageKind,
+    ProtocolError,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
+use lowbit_optim::{InvalidInput, Optimizer, Result, StepReport};
 
-use crate::error::{InvalidInput, Result};
-use crate::optimizer::{Optimizer, StepReport};
 use crate::protocol;
 
 /// The buffers, the optimizer and the precision policy of one rank, driven in protocol order.
@@ -132,6 +131,61 @@ impl Trainer {
     pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
         self.opt.as_mut()
     }
+    /// The buffers and the optimizer together, the optimizer mutably: what a checkpoint load
+    /// fills (the forced parameter sync after it is the trainer's:
+    /// [`Trainer::load_checkpoint`]).
+    pub fn parts_mut(&mut self) -> (&DataParallelBuffers, &mut dyn Optimizer) {
+        (&self.bufs, self.opt.as_mut())
+    }
+
+    /// Loads `ckpt`'s optimizer state (resharded to this rank's plan) into the optimizer, then
+    /// forces a parameter sync (collective), so every weight is `Q(bf16(master))` of the loaded
+    /// masters.
+    ///
+    /// # Errors
+    /// As `Checkpoint::load_optimizer_with`; buffer and collective errors of the sync.
+    pub fn load_checkpoint(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        ckpt: &lowbit_ckpt::Checkpoint,
+        options: &lowbit_ckpt::LoadOptions,
+    ) -> std::result::Result<(), lowbit_ckpt::CkptError> {
+        ckpt.load_optimizer_with(dev, self.bufs.specs(), self.opt.as_mut(), options)?;
+        self.force_param_sync(dev, comm)?;
+        Ok(())
+    }
+
+    /// One whole training step, the order of the protocol in one place. `forward_backward(dev,
+    /// hooks, m)` runs microbatch `m` of `microbatches` through the hooks.
+    ///
+    /// # Errors
+    /// The closure's errors; as [`Trainer::begin`] and [`Iteration::step`].
+    pub fn train_step<E: From<lowbit_optim::OptimError>>(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+        microbatches: usize,
+        mut forward_backward: impl FnMut(
+            &mut Device,
+            &mut DpHooks<'_>,
+            usize,
+        ) -> std::result::Result<(), E>,
+    ) -> std::result::Result<StepReport, E> {
+        // Reset the iteration, stage the owners the last step left stale (the first gather
+        // starts where gathers overlap the forward), zero the gradients beside it.
+        let mut it = self.begin(dev, comm)?;
+        // Forward and backward: each group's gather completes in its forward pre-hook; the
+        // last microbatch's grad-ready hooks launch the reductions.
+        for m in 0..microbatches {
+            let mut hooks = it.microbatch(comm, m + 1 == microbatches);
+            forward_backward(dev, &mut hooks, m)?;
+        }
+        // Reductions completed group by group, each group's share of the norm launched as
+        // soon as it is reduced; clip or skip; per group: update, stage, gather.
+        Ok(it.step(dev, comm)?)
+    }
+
     /// Steps skipped because the gradient norm was not finite.
     pub fn skipped_steps(&self) -> u64 {
         self.skipped
@@ -163,29 +217,25 @@ impl Trainer {
     }
 }
 
-/// Low-precision primary weights are computed with in their own recipe: the stored copies are
-/// what the forward dequantizes, so a policy naming another recipe (or "as stored") would
-/// silently compute with something else.
+/// Low-precision primary weights are computed with in their own recipe (the storage says
+/// which: `StorageKind::compute_format`), so a policy naming another recipe (or "as stored")
+/// would silently compute with something else.
 fn check_policy_fits_storage(
     bufs: &DataParallelBuffers,
     p: usize,
     format: ComputeFormat,
 ) -> Result<()> {
-    let want = match bufs.storage_kind(p) {
-        StorageKind::Mxfp8Staged | StorageKind::Mxfp8Rows => ComputeFormat::Mxfp8 { two_d: false },
-        StorageKind::Mxfp8Direct => ComputeFormat::Mxfp8 { two_d: true },
-        StorageKind::Nvfp4Packed => ComputeFormat::Nvfp4,
-        _ => return Ok(()),
-    };
-    if format == want {
-        return Ok(());
+    let kind = bufs.storage_kind(p);
+    match kind.compute_format() {
+        Some(want) if want != format => {
+            let name = &bufs.specs()[p].name;
+            let msg = format!(
+                "`{name}` is stored as {kind:?}, so it is computed with as {want:?}, not {format:?}"
+            );
+            Err(lowbit_buffers::BufferError::from(lowbit_buffers::ConfigError::Policy(msg)).into())
+        }
+        _ => Ok(()),
     }
-    let name = &bufs.specs()[p].name;
-    let msg = format!(
-        "`{name}` is stored as {:?}, so it is computed with as {want:?}, not {format:?}",
-        bufs.storage_kind(p)
-    );
-    Err(lowbit_buffers::BufferError::from(lowbit_buffers::ConfigError::Policy(msg)).into())
 }
 
 /// An open iteration: gradients zeroed, stale owners staged; microbatches run through it.

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{Setup, Trace, train};
-use lowbit_fsdp::Sharding;
+use lowbit_train::fsdp::Sharding;
 
 fn f32s(bits: &[u32]) -> Vec<f32> {
     bits.iter().map(|&b| f32::from_bits(b)).collect()
@@ -71,7 +71,7 @@ fn two_replica_groups_match_flat_sharding_within_tolerance() {
 /// bit.
 #[test]
 fn optimizer_state_sharded_across_replica_groups_matches_flat_sharding() {
-    use lowbit_fsdp::OuterSharding;
+    use lowbit_train::fsdp::OuterSharding;
     let setup = |outer: usize| {
         let mut s = Setup::new(4, Sharding::OptimGradsParams);
         s.cfg = s

@@ -14,9 +14,10 @@ use lowbit_buffers::{
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
-use lowbit_fsdp::{FsdpConfig, FsdpMemory, Sharding, estimate_memory};
-use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Trainer, init_from_full};
+use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, init_from_full};
 use lowbit_testkit::model::Mlp;
+use lowbit_train::Trainer;
+use lowbit_train::fsdp::{FsdpConfig, FsdpMemory, Sharding, estimate_memory};
 
 /// Layer widths: 32x32 tiles, several buckets of [`BUCKET`] elements.
 pub const DIMS: [usize; 5] = [32, 64, 64, 32, 32];

@@ -4,13 +4,13 @@
 //! transformer layer, overlap on). bf16 weights with fp32 main gradients and communication;
 //! then MXFP8 primary weights (`no_shard` cannot hold them: nothing would gather them).
 //!
-//! `cargo run --release -p lowbit-fsdp --example fsdp_memory [-- DP]`
+//! `cargo run --release -p lowbit-train --example fsdp_memory [-- DP]`
 
 use lowbit_buffers::Overlap;
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit_fsdp::{FsdpConfig, Sharding, estimate_memory};
+use lowbit_train::fsdp::{FsdpConfig, Sharding, estimate_memory};
 
 /// A decoder: (name, layers, hidden, ffn, kv width, vocab); embeddings and norms bf16.
 const MODELS: [(&str, usize, usize, usize, usize, usize); 2] = [

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use lowbit_layout::ShardingStrategy;
 
-use crate::FsdpError;
+use super::FsdpError;
 
 /// What the data-parallel ranks shard (Megatron-FSDP's `data_parallel_sharding_strategy`).
 #[non_exhaustive]

@@ -15,8 +15,8 @@ use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, Param
 use lowbit_buffers::{DataParallelBuffers, Overlap, Verify};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
-use lowbit_fsdp::{CommDtype, FsdpConfig, MainGradsDtype, MixedPrecisionPolicy, Sharding};
 use lowbit_testkit::{assert_same_bits, download_f32, run, seed, upload_f32, values};
+use lowbit_train::fsdp::{CommDtype, FsdpConfig, MainGradsDtype, MixedPrecisionPolicy, Sharding};
 
 const BUCKET: usize = 1500;
 

@@ -1,4 +1,4 @@
-//! FSDP over lowbit's buffers: the four sharding strategies of Megatron-FSDP, the
+//! FSDP configuration over lowbit's buffers: the four sharding strategies of Megatron-FSDP, the
 //! mixed-precision policy, and the memory each costs.
 //!
 //! # Purpose
@@ -16,7 +16,7 @@
 //!   never added, Megatron-FSDP's `optim` double gradient), and the transient gathered unit of
 //!   sharded parameters (gathered before use, released when another unit is used, the next one
 //!   prefetched);
-//! - the step driver (`lowbit-optim`): one reduction per optimization cycle for `no_shard` and
+//! - the step driver ([`crate::Trainer`]): one reduction per optimization cycle for `no_shard` and
 //!   `optim`, units released before every step.
 //!
 //! # Invariants

@@ -1,4 +1,4 @@
-//! Memory per strategy: the live buffers equal the closed form ([`lowbit_fsdp::estimate_memory`])
+//! Memory per strategy: the live buffers equal the closed form ([`lowbit_train::fsdp::estimate_memory`])
 //! byte for byte, and the device's allocation peak during training steps, above what was
 //! allocated before them, equals the closed-form transient bytes (communication buckets and
 //! gathered units; the gradient norm's 16 bytes where there are none). Units of sharded parameters are
@@ -9,7 +9,7 @@ mod common;
 
 use common::{Setup, overlaps, train};
 use lowbit_buffers::Overlap;
-use lowbit_fsdp::{CommDtype, FineGrainedGather, MixedPrecisionPolicy, Sharding};
+use lowbit_train::fsdp::{CommDtype, FineGrainedGather, MixedPrecisionPolicy, Sharding};
 
 /// Bytes the step allocates besides the buffers' transients: the gradient norm's f64 per rank
 /// (allocated after the transients are freed, so it shows only where there are none).
@@ -90,7 +90,8 @@ fn sharding_shrinks_the_persistent_buffers() {
         bytes(Sharding::OptimGrads),
         bytes(Sharding::OptimGradsParams),
     );
-    let sum = |m: &lowbit_fsdp::FsdpMemory, f: fn(&lowbit_buffers::BufferMemory) -> usize| {
+    let sum = |m: &lowbit_train::fsdp::FsdpMemory,
+               f: fn(&lowbit_buffers::BufferMemory) -> usize| {
         m.buffers.iter().map(f).sum::<usize>()
     };
     assert_eq!(sum(&grads, |b| b.grads) * dp, sum(&optim, |b| b.grads));

@@ -7,7 +7,7 @@ mod common;
 
 use common::{Setup, Trace, overlaps, specs, train};
 use lowbit_buffers::layout::{ParamStorage, QuantKind};
-use lowbit_fsdp::{FsdpError, MainParamsDtype, MixedPrecisionPolicy, Sharding};
+use lowbit_train::fsdp::{FsdpError, MainParamsDtype, MixedPrecisionPolicy, Sharding};
 
 fn with(sharding: Sharding, main: MainParamsDtype) -> Setup {
     let mut s = Setup::new(2, sharding);

@@ -3,7 +3,7 @@
 
 use lowbit_layout::{GradDType, ParamStorage};
 
-/// The dtype of the main (optimizer) parameters ([`crate::FsdpConfig::master_dtype`]).
+/// The dtype of the main (optimizer) parameters ([`super::FsdpConfig::master_dtype`]).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum MainParamsDtype {
@@ -70,7 +70,7 @@ impl CommDtype {
 }
 
 /// The three dtypes. The policy may change between iterations (rebuild the buffers' config
-/// with [`crate::FsdpConfig::ddp_config`]; the communication dtype is read at every reduction).
+/// with [`super::FsdpConfig::ddp_config`]; the communication dtype is read at every reduction).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MixedPrecisionPolicy {

@@ -14,8 +14,8 @@ use lowbit_buffers::{
 };
 use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, Mxfp8Views, Nvfp4Views, View};
-use lowbit_fsdp::{FineGrainedGather, FsdpConfig, Sharding};
 use lowbit_testkit::{run, seed, upload_f32, values};
+use lowbit_train::fsdp::{FineGrainedGather, FsdpConfig, Sharding};
 
 const MXFP8: ParamStorage = ParamStorage::Quantized(QuantKind::Mxfp8);
 

@@ -10,7 +10,7 @@ use lowbit_buffers::layout::{ParamStorage, QuantKind};
 use lowbit_buffers::{DataParallelBuffers, NanCheck, Overlap, ProtocolError};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
-use lowbit_fsdp::{
+use lowbit_train::fsdp::{
     FineGrainedGather, FsdpConfig, FsdpError, MainParamsDtype, MixedPrecisionPolicy, OuterSharding,
     Sharding,
 };

@@ -10,8 +10,8 @@ use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, Param
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
-use lowbit_fsdp::{CommDtype, FsdpConfig, MainGradsDtype, MixedPrecisionPolicy, Sharding};
 use lowbit_testkit::{download_f32, run, upload_f32};
+use lowbit_train::fsdp::{CommDtype, FsdpConfig, MainGradsDtype, MixedPrecisionPolicy, Sharding};
 
 #[test]
 fn each_rank_main_gradient_is_the_reduced_mean_once() {

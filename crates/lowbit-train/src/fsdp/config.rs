@@ -6,11 +6,11 @@ use lowbit_comm::Communicator;
 use lowbit_layout::{ParamSpec, ParamStorage, PlanConfig};
 use lowbit_optim::MasterDtype;
 
-use crate::policy::{MainParamsDtype, MixedPrecisionPolicy};
-use crate::{FsdpError, Sharding};
+use super::policy::{MainParamsDtype, MixedPrecisionPolicy};
+use super::{FsdpError, Sharding};
 
 /// Whether forward and backward gather only the copy they compute with (rowwise / columnwise)
-/// of MXFP8 weights (seed 002).
+/// of MXFP8 weights.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FineGrainedGather {
@@ -19,7 +19,7 @@ pub enum FineGrainedGather {
     /// Forward gathers rowwise, backward columnwise.
     On,
     /// On exactly when MXFP8 primary weights, low-precision gather and activation recompute
-    /// meet (seed 002's rule); [`FsdpConfig::fine_grained`] says which.
+    /// meet; [`FsdpConfig::fine_grained`] says which.
     #[default]
     Auto,
 }
@@ -44,7 +44,7 @@ pub struct HybridGroups {
     /// The ranks of this replica group: the buffers' plan group.
     pub shard: Box<dyn Communicator>,
     /// This rank's counterparts in every replica group
-    /// ([`lowbit_buffers::DataParallelBuffers::set_outer_group`]).
+    /// ([`lowbit_buffers::DataParallelBuffers::set_replica_group`]).
     pub replicas: Box<dyn Communicator>,
 }
 
@@ -132,7 +132,7 @@ impl FsdpConfig {
             })
     }
 
-    /// Whether fine-grained gathers are on for `specs`, and why (seed 002's rule: MXFP8
+    /// Whether fine-grained gathers are on for `specs`, and why (the rule: MXFP8
     /// primary weights gathered in low precision, with activation recompute). Only units of
     /// MXFP8 weights sharded by `optim_grads_params` gather copies, so only they are affected.
     pub fn fine_grained(&self, specs: &[ParamSpec]) -> (bool, &'static str) {

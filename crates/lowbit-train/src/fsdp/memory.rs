@@ -4,7 +4,7 @@
 use lowbit_buffers::{BufferMemory, plan_buffer_memory, transient_bound};
 use lowbit_layout::{ParamSpec, ShardingPlan};
 
-use crate::{FsdpConfig, FsdpError};
+use super::{FsdpConfig, FsdpError};
 
 /// One rank's buffer memory.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -6,7 +6,9 @@ mod common;
 
 use common::{Setup, Trace, overlaps, train};
 use lowbit_buffers::Overlap;
-use lowbit_fsdp::{CommDtype, FineGrainedGather, MainGradsDtype, MixedPrecisionPolicy, Sharding};
+use lowbit_train::fsdp::{
+    CommDtype, FineGrainedGather, MainGradsDtype, MixedPrecisionPolicy, Sharding,
+};
 
 fn trace(s: Setup) -> Trace {
     train(&s).0
