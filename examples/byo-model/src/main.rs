@@ -1,7 +1,8 @@
 //! Bring your own model: the MLP in `model.rs` (its own parameter list, its own forward and
 //! backward) trained by 4 data-parallel ranks with MXFP8 primary weights, bf16 staging,
 //! overlapped gradient reduction and parameter gather, and a sharded AdamW — through the public
-//! API of `lowbit-comm`, `lowbit-layout`, `lowbit-buffers` and `lowbit-optim` only.
+//! APIs of `lowbit-comm`, `lowbit-layout`, `lowbit-buffers`, `lowbit-nn` (its layers),
+//! `lowbit-optim` and `lowbit-train` (the step driver) only.
 //!
 //! `cargo run --release -p byo-model [-- RANKS]`
 
