@@ -6,9 +6,8 @@
 //! step (`Iteration::step`) on CUDA against the two-call step on the CPU.
 #![cfg(feature = "cuda")]
 
-mod common;
-
-use common::{
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
     LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Run, TestDevice, assert_ranks_identical,
     assert_same_trajectory, ddp, parity_matrix, variant,
 };
@@ -115,8 +114,8 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                 };
                 let what = format!("Muon {precision:?} dp={dp} overlap=({og},{op})");
                 let on = variant(base, true);
-                let cpu = common::train(on);
-                let gpu = common::train(Run {
+                let cpu = harness::train(on);
+                let gpu = harness::train(Run {
                     device: TestDevice::Cuda,
                     ..on
                 });
@@ -132,8 +131,8 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                         assert_eq!(pg.staged_pieces_checked, pc.staged_pieces_checked);
                     }
                     let post = match precision {
-                        common::Precision::Mxfp8 => CountedOp::QuantizeMxfp8,
-                        common::Precision::Mxfp8Direct => CountedOp::Mxfp8Scales2d,
+                        harness::Precision::Mxfp8 => CountedOp::QuantizeMxfp8,
+                        harness::Precision::Mxfp8Direct => CountedOp::Mxfp8Scales2d,
                         _ => CountedOp::Nvfp4Finish2d,
                     };
                     // The weights were rebuilt on the GPU too (the counters are not vacuous).
@@ -149,7 +148,7 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                         .sum();
                     assert!(rebuilt > 0, "{what} rank {rank}");
                 }
-                let off = common::train(Run {
+                let off = harness::train(Run {
                     device: TestDevice::Cuda,
                     ..variant(base, false)
                 });
@@ -172,19 +171,19 @@ fn muon_on_cuda_matches_the_cpu_backend() {
 fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
     for dp in dps().into_iter().filter(|&d| d <= 2) {
         for (chained, precision) in [
-            (false, common::Precision::Mxfp8),
-            (true, common::Precision::Bf16),
+            (false, harness::Precision::Mxfp8),
+            (true, harness::Precision::Bf16),
         ] {
             let base = Run {
                 ddp: ddp(true, true, true, Some(300)),
                 chained,
                 precision,
-                param_gather: precision != common::Precision::Bf16,
+                param_gather: precision != harness::Precision::Bf16,
                 clip: Some(1e-3),
                 ..Run::new(dp)
             };
-            let cpu = common::train(base);
-            let gpu = common::train(Run {
+            let cpu = harness::train(base);
+            let gpu = harness::train(Run {
                 device: TestDevice::Cuda,
                 one_call_step: true,
                 ..base
@@ -205,7 +204,7 @@ fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
 /// amaxes MAX-reduced group by group), one optimizer and a chain.
 #[test]
 fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
-    use common::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
+    use harness::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
     for dp in dps().into_iter().filter(|&d| d <= 2) {
         for (grad, chained, precision, op) in [
             (GradDType::F32, false, Mxfp8, false),
@@ -228,11 +227,11 @@ fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
                 },
                 true,
             );
-            let cpu = common::train(Run {
+            let cpu = harness::train(Run {
                 pipelined_step: false,
                 ..base
             });
-            let gpu = common::train(Run {
+            let gpu = harness::train(Run {
                 device: TestDevice::Cuda,
                 one_call_step: true,
                 ..base

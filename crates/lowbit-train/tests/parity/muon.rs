@@ -14,22 +14,21 @@
 //!
 //! Every run is tiny (the test MLP, a few steps); the file runs in a few seconds.
 
-mod common;
-
-use common::{
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
     LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Precision, Run, SHAPE, assert_ranks_identical,
     assert_same_trajectory, bits, ddp, full_masters, muon_parity_matrix, op_counts, specs, train,
     variant,
 };
-use lowbit::buffers::layout::{GradDType, OptimizerId, ShardingPlan};
-use lowbit::buffers::{
+use lowbit_buffers::layout::{GradDType, OptimizerId, ShardingPlan};
+use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, Mxfp8Gather, ParamSyncState, ProtocolError,
     StorageKind, WeightState, mxfp8_weight_config,
 };
-use lowbit::comm::{Communicator, GroupConfig, LocalComm, run_ranks};
-use lowbit::device::{CountedOp, DType, Device, Mxfp8Views, bf16};
-use lowbit::layout::LayoutError;
-use lowbit::optim::{
+use lowbit_comm::{Communicator, GroupConfig, LocalComm, run_ranks};
+use lowbit_device::{CountedOp, DType, Device, Mxfp8Views, bf16};
+use lowbit_layout::LayoutError;
+use lowbit_optim::{
     ChainedOptimizer, DistributedOptimizer, InvalidInput, Muon, NsDtype, OptimError, Optimizer,
     UpdateScope, init_from_full,
 };
@@ -78,14 +77,14 @@ fn protocol_err(e: OptimError) -> ProtocolError {
 /// Muon + AdamW + SGD, parameter gather ON vs OFF, bitwise: losses, grad norms, reduced
 /// gradients, masters and weights, for MXFP8 staged, MXFP8 direct 2D and NVFP4, every overlap
 /// mode, one bucket and small buckets, dp 1–4, fused and unfused accumulation, f32 and bf16
-/// gradients, Muon on every matrix or on the hidden ones (see `common::muon_parity_matrix`).
+/// gradients, Muon on every matrix or on the hidden ones (see `harness::muon_parity_matrix`).
 #[test]
 fn muon_parity_matrix_on_vs_off_is_bitwise() {
     let start = std::time::Instant::now();
     let cases = muon_parity_matrix(
         &[1, 2, 3, 4],
         4,
-        common::TestDevice::Cpu,
+        harness::TestDevice::Cpu,
         &[None, Some(256)],
     );
     assert_eq!(cases, 3 * 3 * 2 * 4);
@@ -118,7 +117,7 @@ fn bf16_newton_schulz_on_vs_off_is_bitwise() {
         let off = train(variant(base, false));
         assert_ranks_identical(&on);
         let what = format!("bf16 NS {precision:?} dp={dp} ({og},{op})");
-        common::assert_parity(&on, &off, &what);
+        harness::assert_parity(&on, &off, &what);
         // ... and bf16 NS is really another trajectory than f32 NS.
         let f32_ns = train(variant(
             Run {
@@ -166,7 +165,7 @@ fn muon_trains_whole_matrices_on_their_owners() {
             .params()
             .iter()
             .enumerate()
-            .filter(|(_, (name, _))| common::owner_of(&run, name) == 0)
+            .filter(|(_, (name, _))| harness::owner_of(&run, name) == 0)
             .map(|(p, _)| p)
             .collect();
         for &p in &muon_params {
@@ -256,8 +255,8 @@ fn until_update(
     dev: &mut Device,
 ) -> (DataParallelBuffers, ChainedOptimizer) {
     let rank = comm.rank();
-    let mut bufs = common::buffers(run, dev, rank).unwrap();
-    let opt = common::optimizers(run, dev, &bufs, &SHAPE.init(7)).unwrap();
+    let mut bufs = harness::buffers(run, dev, rank).unwrap();
+    let opt = harness::optimizers(run, dev, &bufs, &SHAPE.init(7)).unwrap();
     protocol::begin_iteration(dev, comm, &mut bufs, &opt).unwrap();
     for (p, s) in bufs.specs().to_vec().iter().enumerate() {
         let v = bufs.accumulation_view(dev, p).unwrap();
@@ -267,7 +266,7 @@ fn until_update(
     (bufs, opt)
 }
 
-fn counts_since(dev: &Device, before: common::OpCounts) -> common::OpCounts {
+fn counts_since(dev: &Device, before: harness::OpCounts) -> harness::OpCounts {
     let now = op_counts(dev);
     std::array::from_fn(|i| now[i] - before[i])
 }
@@ -333,7 +332,7 @@ fn apply_never_quantizes_and_stage_only_its_own_pieces() {
 
 /// The expected counted calls per phase of step `t` of a probed run (see
 /// `one_quantization_per_low_precision_parameter_per_gather`).
-fn expected_quant(run: &Run, o: &common::Outcome, t: usize) -> [common::OpCounts; 4] {
+fn expected_quant(run: &Run, o: &harness::Outcome, t: usize) -> [harness::OpCounts; 4] {
     let (pre, post) = quant_ops(run.precision);
     let lp = o.low_precision_params as u64;
     let pieces = o.owned_low_precision_pieces as u64;
@@ -915,7 +914,7 @@ fn configurations_that_cannot_work_are_refused_up_front() {
                 let init = SHAPE.init(7);
                 bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
                 let before = dev.allocated_bytes();
-                let err = common::optimizers(&run, dev, &bufs, &init).unwrap_err();
+                let err = harness::optimizers(&run, dev, &bufs, &init).unwrap_err();
                 assert_eq!(dev.allocated_bytes(), before, "dp={dp}: a refusal leaked");
                 err
             });
@@ -944,7 +943,7 @@ fn configurations_that_cannot_work_are_refused_up_front() {
     };
     let mut dev = Device::cpu();
     let bufs = DataParallelBuffers::new(&mut dev, 1, 0, specs(&dp1), dp1.ddp).unwrap();
-    common::optimizers(&dp1, &mut dev, &bufs, &SHAPE.init(7)).unwrap();
+    harness::optimizers(&dp1, &mut dev, &bufs, &SHAPE.init(7)).unwrap();
 
     // Muon owning a bias.
     let all_muon = Run {
@@ -952,9 +951,9 @@ fn configurations_that_cannot_work_are_refused_up_front() {
         ..Run::muon(2)
     };
     let mut dev = Device::cpu();
-    let bufs = common::buffers(&all_muon, &mut dev, 0).unwrap();
+    let bufs = harness::buffers(&all_muon, &mut dev, 0).unwrap();
     let before = dev.allocated_bytes();
-    match common::optimizers(&all_muon, &mut dev, &bufs, &SHAPE.init(7)) {
+    match harness::optimizers(&all_muon, &mut dev, &bufs, &SHAPE.init(7)) {
         Err(OptimError::Invalid(InvalidInput::NotAMatrix { name, shape })) => {
             assert_eq!((name.as_str(), shape), ("in.bias", vec![SHAPE.hidden]));
         }
@@ -968,7 +967,7 @@ fn configurations_that_cannot_work_are_refused_up_front() {
         ..Run::muon(2)
     };
     assert_eq!(
-        common::plan(&mixed).unwrap_err(),
+        harness::plan(&mixed).unwrap_err(),
         LayoutError::MixedStrategies
     );
     // Low-precision weights need the gather: refused by the plan whoever owns them.
@@ -986,7 +985,7 @@ fn configurations_that_cannot_work_are_refused_up_front() {
     }
     // Overlapped param gather needs a sharded plan.
     let cfg = ddp(false, true, false, None)
-        .with_overlap(lowbit::buffers::Overlap::GradReduceAndParamGather);
+        .with_overlap(lowbit_buffers::Overlap::GradReduceAndParamGather);
     assert!(matches!(
         cfg.validate(),
         Err(BufferError::Config(
@@ -997,17 +996,17 @@ fn configurations_that_cannot_work_are_refused_up_front() {
     // Two optimizers for the matrices; an optimizer missing for AdamW's parameters.
     let run = Run::muon(2);
     let mut dev = Device::cpu();
-    let bufs = common::buffers(&run, &mut dev, 0).unwrap();
+    let bufs = harness::buffers(&run, &mut dev, 0).unwrap();
     let init = SHAPE.init(7);
     let muon = || {
         let mut dev = Device::cpu();
-        let bufs = common::buffers(&run, &mut dev, 0).unwrap();
+        let bufs = harness::buffers(&run, &mut dev, 0).unwrap();
         let m = Muon::new(
             &mut dev,
             &bufs,
             OptimizerId(0),
-            common::muon_config(MuonRun::F32),
-            common::optim(common::MUON_LR, None),
+            harness::muon_config(MuonRun::F32),
+            harness::optim(harness::MUON_LR, None),
             &mut init_from_full(&init),
         )
         .unwrap();
@@ -1017,8 +1016,8 @@ fn configurations_that_cannot_work_are_refused_up_front() {
         &mut dev,
         &bufs,
         OptimizerId(0),
-        common::adamw(),
-        common::optim(3e-3, None),
+        harness::adamw(),
+        harness::optim(3e-3, None),
         &mut init_from_full(&init),
     )
     .unwrap();
@@ -1028,20 +1027,20 @@ fn configurations_that_cannot_work_are_refused_up_front() {
         other => panic!("{other:?}"),
     }
     let (mut dev, bufs, m) = muon();
-    match Trainer::new(&mut dev, bufs, Box::new(m), common::policy(&run)) {
+    match Trainer::new(&mut dev, bufs, Box::new(m), harness::policy(&run)) {
         Err(OptimError::Invalid(InvalidInput::Unowned { name, owner })) => {
             assert_eq!((name.as_str(), owner), ("in.bias", OptimizerId(1)));
         }
         other => panic!("{other:?}"),
     }
     let mut dev = Device::cpu();
-    let bufs = common::buffers(&run, &mut dev, 0).unwrap();
+    let bufs = harness::buffers(&run, &mut dev, 0).unwrap();
     let r = Muon::new(
         &mut dev,
         &bufs,
         OptimizerId(0),
-        common::muon_config(MuonRun::F32).with_ns_steps(0),
-        common::optim(common::MUON_LR, None),
+        harness::muon_config(MuonRun::F32).with_ns_steps(0),
+        harness::optim(harness::MUON_LR, None),
         &mut init_from_full(&init),
     );
     assert!(
@@ -1085,9 +1084,9 @@ fn a_policy_that_disagrees_with_the_storage_recipe_is_refused() {
             ..run
         };
         let mut dev = Device::cpu();
-        let bufs = common::buffers(&run, &mut dev, 0).unwrap();
-        let opt = common::optimizers(&run, &mut dev, &bufs, &SHAPE.init(7)).unwrap();
-        let policy = common::policy(&Run {
+        let bufs = harness::buffers(&run, &mut dev, 0).unwrap();
+        let opt = harness::optimizers(&run, &mut dev, &bufs, &SHAPE.init(7)).unwrap();
+        let policy = harness::policy(&Run {
             precision: computed,
             ..run
         });

@@ -5,20 +5,19 @@
 //!
 //! `LOWBIT_FULL_MATRIX=1` widens the matrix (more steps, dp 3).
 
-mod common;
-
-use common::{
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
     Precision, Run, TestDevice, assert_same_trajectory, ddp, full_masters, parity_matrix, specs,
     train, variant,
 };
-use lowbit::buffers::layout::{
+use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
-use lowbit::buffers::{BufferError, DataParallelBuffers, Mxfp8Gather, ProtocolError, WeightState};
-use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::Device;
-use lowbit::layout::LayoutError;
-use lowbit::optim::OptimError;
+use lowbit_buffers::{BufferError, DataParallelBuffers, Mxfp8Gather, ProtocolError, WeightState};
+use lowbit_comm::{Communicator, GroupConfig, run_ranks};
+use lowbit_device::Device;
+use lowbit_layout::LayoutError;
+use lowbit_optim::OptimError;
 use lowbit_train::protocol;
 
 /// The protocol violation inside an error, or a panic naming what came instead.
@@ -80,7 +79,7 @@ fn masters_at_step_zero_are_bitwise_equal() {
         let off = train(variant(base, false));
         assert_eq!(full_masters(&on), full_masters(&off));
         // ... and they are the high-precision initial values, not dequantized weights.
-        let init = common::SHAPE.init(7);
+        let init = harness::SHAPE.init(7);
         assert_eq!(full_masters(&on), init);
         assert_eq!(on[0].weights, off[0].weights);
     }
@@ -116,8 +115,8 @@ fn train_eval_train_equals_train_only() {
                 ..variant(base, false)
             });
             assert_eq!(
-                common::bits(&with_eval[0].eval_losses),
-                common::bits(&off_eval[0].eval_losses)
+                harness::bits(&with_eval[0].eval_losses),
+                harness::bits(&off_eval[0].eval_losses)
             );
             for o in &mut with_eval {
                 o.eval_losses.clear();
@@ -178,9 +177,9 @@ fn wrong_orders_are_refused() {
         let dev = &mut dev;
         let mut bufs =
             DataParallelBuffers::new(dev, 2, comm.rank(), mxfp8_specs(), run.ddp).unwrap();
-        let init = common::SHAPE.init(7);
+        let init = harness::SHAPE.init(7);
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
-        let opt = common::optimizers(&run, dev, &bufs, &init).unwrap();
+        let opt = harness::optimizers(&run, dev, &bufs, &init).unwrap();
         let g = bufs.group_of(0);
         assert_eq!(
             bufs.weight_state(g),
@@ -273,7 +272,7 @@ fn staging_aliases_the_gradient_buffer() {
             .collect();
         let before = dev.allocated_bytes();
         let bufs =
-            DataParallelBuffers::new(&mut dev, 2, 0, specs, common::ddp(true, true, true, None))
+            DataParallelBuffers::new(&mut dev, 2, 0, specs, harness::ddp(true, true, true, None))
                 .unwrap();
         let staging = bufs.param_view(0).unwrap();
         let grads = bufs.grad_view(0).unwrap();
@@ -364,7 +363,7 @@ fn unsupported_configurations_are_refused() {
 /// allocation count, for every rank of several configurations.
 #[test]
 fn memory_report_matches_the_closed_form() {
-    use lowbit::optim::{MasterDtype, RuleMemory, estimate_memory, memory_report};
+    use lowbit_optim::{MasterDtype, RuleMemory, estimate_memory, memory_report};
     for (gather, grad, dp, precision) in [
         (true, GradDType::F32, 1, Precision::Mxfp8),
         (true, GradDType::F32, 4, Precision::Mxfp8),
@@ -383,13 +382,13 @@ fn memory_report_matches_the_closed_form() {
             let before = dev.allocated_bytes();
             let mut bufs =
                 DataParallelBuffers::new(dev, dp, comm.rank(), specs(&run), run.ddp).unwrap();
-            let init = common::SHAPE.init(7);
+            let init = harness::SHAPE.init(7);
             bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
             // AdamW for owner 0 (two state tensors), SGD with momentum for owner 1 (one).
-            let opt = common::optimizers(&run, dev, &bufs, &init).unwrap();
+            let opt = harness::optimizers(&run, dev, &bufs, &init).unwrap();
             let live = memory_report(&bufs, &opt);
             // AdamW reads bf16 gradients as they are (no f32 copy); SGD widens them.
-            let adamw = RuleMemory::of(&common::adamw(), MasterDtype::F32);
+            let adamw = RuleMemory::of(&harness::adamw(), MasterDtype::F32);
             let states = |o: OptimizerId| {
                 if o == OptimizerId(0) {
                     adamw
@@ -412,7 +411,7 @@ fn memory_report_matches_the_closed_form() {
 /// `+ (4 + 8)/dp` (master, moments; fp32 gradients are used in place) bytes.
 #[test]
 fn memory_per_parameter_closed_form() {
-    use lowbit::optim::estimate_memory;
+    use lowbit_optim::estimate_memory;
     let spec = |name: &str, storage| {
         ParamSpec::new(
             name,

@@ -3,6 +3,11 @@
 //! [`Hooks::param`] and every gradient goes through [`Hooks::accumulate`], in backward order
 //! (last layer first, bias before weight), which is the order the buffers' buckets are laid out
 //! in. The `lowbit-buffers` and `lowbit-optim` tests train it.
+//!
+//! [`regression`] is the larger model of the parity suites (RMSNorm blocks, named parameters,
+//! deterministic samples), the one [`crate::harness`] trains.
+
+pub mod regression;
 
 use lowbit_device::{DType, Device, View};
 use lowbit_nn::layers::{Gelu, InputGrad, Linear, Mse, Scratch};

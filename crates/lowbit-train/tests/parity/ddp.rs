@@ -2,17 +2,16 @@
 //! `lowbit-buffers` (buckets, grad sync, param sync) and `lowbit-optim` (distributed AdamW and
 //! SGD, chained), all through the harness in `common`.
 
-mod common;
-
+use lowbit_testkit::harness;
 use std::time::{Duration, Instant};
 
-use common::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};
-use lowbit::buffers::layout::{GradDType, OptimizerId};
-use lowbit::buffers::{
+use lowbit_testkit::harness::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};
+use lowbit_buffers::layout::{GradDType, OptimizerId};
+use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, GradScaling, Overlap, ProtocolError,
 };
-use lowbit::comm::{Communicator, GroupConfig, run_ranks};
-use lowbit::device::Device;
+use lowbit_comm::{Communicator, GroupConfig, run_ranks};
+use lowbit_device::Device;
 
 #[test]
 fn n_ranks_match_one_rank() {
@@ -62,7 +61,7 @@ fn overlap_and_bucketing_do_not_change_a_bit() {
                     });
                     let what = format!("dp={dp} {grad:?} overlap=({og},{op}) bucket={bucket:?}");
                     assert_ranks_identical(&outs);
-                    common::assert_same_trajectory(&outs, &base, &what);
+                    harness::assert_same_trajectory(&outs, &base, &what);
                 }
             }
         }
@@ -301,7 +300,7 @@ fn invalid_configurations_are_refused_up_front() {
 /// overlapped with the forward.
 #[test]
 fn the_pipelined_step_changes_no_bit() {
-    use common::Precision;
+    use harness::Precision;
     let mut pipelined = 0;
     for (dp, op) in [(2, false), (3, false), (2, true)] {
         for grad in [GradDType::F32, GradDType::Bf16] {
@@ -312,7 +311,7 @@ fn the_pipelined_step_changes_no_bit() {
                 (false, Precision::Mxfp8Direct),
                 (false, Precision::Nvfp4),
             ] {
-                let run = common::variant(
+                let run = harness::variant(
                     Run {
                         ddp: ddp(true, true, op, Some(300)),
                         grad,
@@ -339,7 +338,7 @@ fn the_pipelined_step_changes_no_bit() {
                 });
                 let piped = train(run);
                 assert_ranks_identical(&piped);
-                common::assert_same_trajectory(&plain, &piped, &format!("{run:?}"));
+                harness::assert_same_trajectory(&plain, &piped, &format!("{run:?}"));
             }
         }
     }
@@ -361,7 +360,7 @@ fn the_pipelined_step_changes_no_bit() {
 /// overlap mode, clipping on, bf16 and MXFP8 weights, one to three ranks.
 #[test]
 fn the_one_call_step_changes_no_bit() {
-    use common::Precision;
+    use harness::Precision;
     let mut runs = Vec::new();
     for dp in [1, 2, 3] {
         for (og, op) in [(false, false), (true, false), (true, true)] {
@@ -393,7 +392,7 @@ fn the_one_call_step_changes_no_bit() {
             ..run
         });
         assert_ranks_identical(&one);
-        common::assert_same_trajectory(&base, &one, &format!("{run:?}"));
+        harness::assert_same_trajectory(&base, &one, &format!("{run:?}"));
         assert!(one[0].grads.is_empty() && !base[0].grads.is_empty());
     }
 }
