@@ -24,8 +24,10 @@ use lowbit::train::{
 };
 use lowbit_dev_support::json::Json;
 
-use lowbit_testkit::harness::{CkptHook, Run, assert_same_from, assert_same_trajectory, ddp, variant};
 use lowbit_dev_support::tempdir::TempDir;
+use lowbit_testkit::harness::{
+    CkptHook, Run, assert_same_from, assert_same_trajectory, ddp, variant,
+};
 
 /// 6 steps of 128 samples at 4 ranks, evals of 256 samples every 2 steps.
 fn small() -> TrainConfig {

@@ -6,14 +6,14 @@
 //! step (`Iteration::step`) on CUDA against the two-call step on the CPU.
 #![cfg(feature = "cuda")]
 
+use lowbit::buffers::layout::GradDType;
+use lowbit::device::CountedOp;
+use lowbit::train::{DeviceChoice, Precision, TrainConfig, gpu_count, train};
 use lowbit_testkit::harness;
 use lowbit_testkit::harness::{
     LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Run, TestDevice, assert_ranks_identical,
     assert_same_trajectory, ddp, parity_matrix, variant,
 };
-use lowbit::buffers::layout::GradDType;
-use lowbit::device::CountedOp;
-use lowbit::train::{DeviceChoice, Precision, TrainConfig, gpu_count, train};
 
 /// The data-parallel sizes this machine can run, one GPU per rank.
 fn dps() -> Vec<usize> {

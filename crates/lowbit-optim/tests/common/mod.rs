@@ -10,19 +10,19 @@ pub use lowbit_testkit::{assert_same_bits, bits, download_f32, model, run, seed,
 use std::ops::Range;
 
 use lowbit_buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
+    GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingStrategy,
 };
 use lowbit_buffers::{
-    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, ParamCompute,
-    PrecisionPolicy, ProtocolError, Verify,
+    BufferError, ComputeFormat, DataParallelBuffers, DdpConfig, Overlap, PrecisionPolicy,
+    ProtocolError, Verify,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
 use lowbit_optim::{
-    AdamW, ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, OptimError, Optimizer,
-    Sgd, StepReport, init_from_full,
+    ChainedOptimizer, DistributedOptimizer, MasterShard, OptimConfig, OptimError, Optimizer, Sgd,
+    StepReport, init_from_full,
 };
-use lowbit_testkit::weight_parts;
+use lowbit_testkit::{harness, weight_parts};
 use lowbit_train::Trainer;
 
 use model::Mlp;
@@ -38,41 +38,23 @@ pub const MXFP8: ParamStorage = ParamStorage::Quantized(QuantKind::Mxfp8);
 /// The model's parameters: matrices in `matrices` storage owned by optimizer 0, biases in bf16
 /// owned by optimizer 1 when `chained` (else 0).
 pub fn specs(matrices: ParamStorage, grad: GradDType, chained: bool) -> Vec<ParamSpec> {
-    Mlp::params(&DIMS)
-        .into_iter()
-        .map(|(name, shape)| {
-            let matrix = shape.len() == 2;
-            let storage = if matrix { matrices } else { ParamStorage::Bf16 };
-            let owner = OptimizerId(u32::from(chained && !matrix));
-            ParamSpec::new(name, shape, BufferKey::new(storage, grad, owner))
-        })
-        .collect()
+    harness::tiny_specs(&DIMS, matrices, grad, |matrix| {
+        OptimizerId(u32::from(chained && !matrix))
+    })
 }
 
 /// Matrices computed with MXFP8 (their stored copies when they have MXFP8 storage, quantized
 /// on the fly otherwise) or as stored; biases as stored.
 pub fn policy(specs: &[ParamSpec], mxfp8: bool) -> PrecisionPolicy {
-    PrecisionPolicy::new(
-        specs
-            .iter()
-            .map(|s| {
-                if mxfp8 && s.shape.len() == 2 {
-                    ParamCompute::new(ComputeFormat::Mxfp8 { two_d: false })
-                } else {
-                    ParamCompute::AS_STORED
-                }
-            })
-            .collect(),
+    harness::matrix_policy(
+        specs,
+        mxfp8.then_some(ComputeFormat::Mxfp8 { two_d: false }),
     )
 }
 
 /// The initial values of every parameter.
 pub fn init_values(specs: &[ParamSpec]) -> Vec<Vec<f32>> {
-    specs
-        .iter()
-        .enumerate()
-        .map(|(p, s)| values(seed(&[p as u64, 1234]), s.numel, 0.25))
-        .collect()
+    harness::init_values(specs, 1234)
 }
 
 /// The buffers' configuration used by most tests.
@@ -100,14 +82,7 @@ pub fn buffers(
 }
 
 /// AdamW for the matrices.
-pub fn adamw() -> AdamW {
-    AdamW {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
-}
+pub use harness::tiny_adamw as adamw;
 
 /// SGD with momentum for the biases.
 pub fn sgd() -> Sgd {
@@ -246,11 +221,7 @@ pub fn master_bits(dev: &Device, opt: &dyn Optimizer) -> Vec<(usize, usize, Vec<
 
 /// Full parameters assembled from every rank's pieces, each element exactly once.
 pub fn assemble(sizes: &[usize], pieces: &[Vec<MasterShard>]) -> Vec<Vec<f32>> {
-    let pieces = pieces.iter().flatten();
-    lowbit_testkit::assemble(
-        sizes,
-        pieces.map(|s| (s.param, s.range.clone(), &s.values[..])),
-    )
+    harness::assemble_shards(sizes, pieces.iter().flatten())
 }
 
 /// The protocol violation inside an optimizer error.

@@ -9,13 +9,17 @@
 //!   [`CkptHook`]), the outcome record ([`Outcome`], [`StepProbe`]) and the builders of specs,
 //!   plan, buffers, policy and optimizers a run implies;
 //! - [`mod@run`]: one rank's loop ([`rank_main`]) and the launch ([`train`], threads or NCCL);
-//! - [`mod@parity`]: bitwise trajectory assertions and the parity matrices.
+//! - [`mod@parity`]: bitwise trajectory assertions and the parity matrices;
+//! - [`mod@tiny`]: the builders the tests of the tiny [`crate::model::Mlp`] share (the
+//!   `lowbit-optim` tests and the FSDP tests of `lowbit-train`).
 
-mod parity;
-mod run;
+pub mod parity;
+pub mod run;
+pub mod tiny;
 
 pub use parity::*;
 pub use run::*;
+pub use tiny::*;
 
 /// The bitwise comparison every parity assertion uses (one definition, the crate root's).
 pub use crate::bits;

@@ -211,25 +211,7 @@ fn assemble<'a>(pieces: impl Iterator<Item = &'a [MasterShard]>) -> Vec<Vec<f32>
         .iter()
         .map(|(_, s)| s.iter().product())
         .collect();
-    let mut full: Vec<Vec<Option<f32>>> = sizes.iter().map(|&n| vec![None; n]).collect();
-    for shards in pieces {
-        for m in shards {
-            let p = m.param;
-            for (i, v) in m.range.clone().zip(&m.values) {
-                assert!(full[p][i].is_none(), "param {p} element {i} owned twice");
-                full[p][i] = Some(*v);
-            }
-        }
-    }
-    full.into_iter()
-        .enumerate()
-        .map(|(p, v)| {
-            v.into_iter()
-                .enumerate()
-                .map(|(i, x)| x.unwrap_or_else(|| panic!("param {p} element {i} owned by nobody")))
-                .collect()
-        })
-        .collect()
+    assemble_shards(&sizes, pieces.flatten())
 }
 
 #[cfg(feature = "cuda")]

@@ -1,20 +1,20 @@
 //! The FSDP tests' one harness: the `lowbit-testkit` MLP trained by `dp` rank threads through
 //! the public step driver under an [`FsdpConfig`], returning every bit a comparison needs.
 
-#![allow(dead_code)] // each test file uses part of the harness
+#![allow(dead_code, unused_imports)] // each test file uses part of the harness
 
 pub use lowbit_testkit::{bits, run, seed, values};
 
 use lowbit_buffers::layout::{
-    BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
+    GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
 };
 use lowbit_buffers::{
-    ComputeFormat, DataParallelBuffers, Hooks, Overlap, ParamCompute, PrecisionPolicy, ReplicaMode,
-    Verify,
+    ComputeFormat, DataParallelBuffers, Hooks, Overlap, PrecisionPolicy, ReplicaMode, Verify,
 };
 use lowbit_comm::Communicator;
 use lowbit_device::Device;
-use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, init_from_full};
+use lowbit_optim::{DistributedOptimizer, OptimConfig, init_from_full};
+use lowbit_testkit::harness;
 use lowbit_testkit::model::Mlp;
 use lowbit_train::Trainer;
 use lowbit_train::fsdp::{FsdpConfig, FsdpMemory, Sharding, estimate_memory};
@@ -78,56 +78,35 @@ pub struct Memory {
     pub units_seen: usize,
 }
 
+/// The run's parameter specs: matrices in MXFP8 or NVFP4 primary storage when
+/// `mxfp8_storage`, else bf16; f32 gradients; one optimizer; the FSDP configuration applied.
 pub fn specs(s: &Setup) -> Vec<ParamSpec> {
-    let mut specs: Vec<ParamSpec> = Mlp::params(&DIMS)
-        .into_iter()
-        .map(|(name, shape)| {
-            let q = if s.nvfp4 {
-                QuantKind::Nvfp4
-            } else {
-                QuantKind::Mxfp8
-            };
-            let storage = if s.mxfp8_storage && shape.len() == 2 {
-                ParamStorage::Quantized(q)
-            } else {
-                ParamStorage::Bf16
-            };
-            ParamSpec::new(
-                name,
-                shape,
-                BufferKey::new(storage, GradDType::F32, OptimizerId(0)),
-            )
-        })
-        .collect();
+    let q = if s.nvfp4 {
+        QuantKind::Nvfp4
+    } else {
+        QuantKind::Mxfp8
+    };
+    let storage = if s.mxfp8_storage {
+        ParamStorage::Quantized(q)
+    } else {
+        ParamStorage::Bf16
+    };
+    let mut specs = harness::tiny_specs(&DIMS, storage, GradDType::F32, |_| OptimizerId(0));
     s.cfg.apply(&mut specs);
     specs
 }
 
 fn policy(specs: &[ParamSpec], quantized: bool, nvfp4: bool) -> PrecisionPolicy {
-    PrecisionPolicy::new(
-        specs
-            .iter()
-            .map(|s| {
-                if quantized && s.shape.len() == 2 {
-                    ParamCompute::new(if nvfp4 {
-                        ComputeFormat::Nvfp4
-                    } else {
-                        ComputeFormat::Mxfp8 { two_d: false }
-                    })
-                } else {
-                    ParamCompute::AS_STORED
-                }
-            })
-            .collect(),
-    )
+    let format = if nvfp4 {
+        ComputeFormat::Nvfp4
+    } else {
+        ComputeFormat::Mxfp8 { two_d: false }
+    };
+    harness::matrix_policy(specs, quantized.then_some(format))
 }
 
 fn init(specs: &[ParamSpec]) -> Vec<Vec<f32>> {
-    specs
-        .iter()
-        .enumerate()
-        .map(|(p, s)| values(seed(&[p as u64, 77]), s.numel, 0.25))
-        .collect()
+    harness::init_values(specs, 77)
 }
 
 /// Trains `s` and returns the trace and rank 0's memory figures.
@@ -160,17 +139,11 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         }
         bufs.initialize_all(dev, |p| init[p].clone()).unwrap();
         let live_persistent: usize = bufs.memory().iter().map(|m| m.persistent()).sum();
-        let adamw = AdamW {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
         let opt = DistributedOptimizer::new(
             dev,
             &bufs,
             OptimizerId(0),
-            adamw,
+            harness::tiny_adamw(),
             OptimConfig::new(1e-2).with_master_dtype(s.cfg.master_dtype()),
             &mut init_from_full(&init),
         )
@@ -230,11 +203,7 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
     } else {
         shard
     };
-    let pieces = out[..ranks].iter().flat_map(|o| o.3.iter());
-    let masters = lowbit_testkit::assemble(
-        &sizes,
-        pieces.map(|m| (m.param, m.range.clone(), &m.values[..])),
-    );
+    let masters = harness::assemble_shards(&sizes, out[..ranks].iter().flat_map(|o| o.3.iter()));
     let mut raw = specs.clone();
     raw.iter_mut()
         .for_each(|x| x.key.grad_dtype = GradDType::F32);

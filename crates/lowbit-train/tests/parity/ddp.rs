@@ -5,13 +5,15 @@
 use lowbit_testkit::harness;
 use std::time::{Duration, Instant};
 
-use lowbit_testkit::harness::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};
 use lowbit_buffers::layout::{GradDType, OptimizerId};
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, GradScaling, Overlap, ProtocolError,
 };
 use lowbit_comm::{Communicator, GroupConfig, run_ranks};
 use lowbit_device::Device;
+use lowbit_testkit::harness::{
+    Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train,
+};
 
 #[test]
 fn n_ranks_match_one_rank() {

@@ -14,12 +14,6 @@
 //!
 //! Every run is tiny (the test MLP, a few steps); the file runs in a few seconds.
 
-use lowbit_testkit::harness;
-use lowbit_testkit::harness::{
-    LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Precision, Run, SHAPE, assert_ranks_identical,
-    assert_same_trajectory, bits, ddp, full_masters, muon_parity_matrix, op_counts, specs, train,
-    variant,
-};
 use lowbit_buffers::layout::{GradDType, OptimizerId, ShardingPlan};
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, Mxfp8Gather, ParamSyncState, ProtocolError,
@@ -31,6 +25,12 @@ use lowbit_layout::LayoutError;
 use lowbit_optim::{
     ChainedOptimizer, DistributedOptimizer, InvalidInput, Muon, NsDtype, OptimError, Optimizer,
     UpdateScope, init_from_full,
+};
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
+    LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Precision, Run, SHAPE, assert_ranks_identical,
+    assert_same_trajectory, bits, ddp, full_masters, muon_parity_matrix, op_counts, specs, train,
+    variant,
 };
 use lowbit_train::{Trainer, protocol};
 

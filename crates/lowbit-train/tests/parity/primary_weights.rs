@@ -5,11 +5,6 @@
 //!
 //! `LOWBIT_FULL_MATRIX=1` widens the matrix (more steps, dp 3).
 
-use lowbit_testkit::harness;
-use lowbit_testkit::harness::{
-    Precision, Run, TestDevice, assert_same_trajectory, ddp, full_masters, parity_matrix, specs,
-    train, variant,
-};
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
@@ -18,6 +13,11 @@ use lowbit_comm::{Communicator, GroupConfig, run_ranks};
 use lowbit_device::Device;
 use lowbit_layout::LayoutError;
 use lowbit_optim::OptimError;
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
+    Precision, Run, TestDevice, assert_same_trajectory, ddp, full_masters, parity_matrix, specs,
+    train, variant,
+};
 use lowbit_train::protocol;
 
 /// The protocol violation inside an error, or a panic naming what came instead.

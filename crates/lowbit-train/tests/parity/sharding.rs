@@ -2,12 +2,12 @@
 //! parameters per rank) against the distributed rule, and unfused gradient accumulation against
 //! fused, over precisions, gradient dtypes and overlap modes.
 
+use lowbit_buffers::GradAccumulation;
+use lowbit_buffers::layout::GradDType;
 use lowbit_testkit::harness::{
     Precision, Run, assert_ranks_identical, assert_same_trajectory, bits, ddp, full_masters, train,
     variant,
 };
-use lowbit_buffers::GradAccumulation;
-use lowbit_buffers::layout::GradDType;
 
 const PRECISIONS: [Precision; 4] = [
     Precision::Bf16,
