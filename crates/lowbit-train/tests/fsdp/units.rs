@@ -4,8 +4,6 @@
 //! amax per expert), at every rank count, for matrices whose rows do not fill the chunks.
 //! Fine-grained gathers bring only the copy a use reads.
 
-mod common;
-
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };

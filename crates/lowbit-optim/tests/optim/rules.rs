@@ -9,7 +9,7 @@
 //! - the fused bf16 parameter output is `bf16(master)`, and the exported moments are the
 //!   reference's.
 
-mod common;
+use crate::common;
 
 use common::{assert_same_bits, download_f32, run, seed, values};
 use lowbit_buffers::layout::{

@@ -3,7 +3,7 @@
 //! of `((a0 + a1) + a2) + a3`): stated tolerance below; one replica group is flat sharding bit
 //! for bit. The gradient norm is taken over the shard group (replicas are not counted twice).
 
-mod common;
+use crate::common;
 
 use common::{Setup, Trace, train};
 use lowbit_train::fsdp::Sharding;

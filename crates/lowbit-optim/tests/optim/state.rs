@@ -3,7 +3,7 @@
 //! match (another owner, another rule, another shard layout, a wrong length, an owner the chain
 //! does not hold) is refused with `InvalidInput::StateMismatch` and changes nothing.
 
-mod common;
+use crate::common;
 
 use std::sync::{Barrier, Mutex};
 

@@ -2,7 +2,7 @@
 //! whatever the overlap, with low-precision gather on or off, with evals between steps; over
 //! several microbatches and with bf16 communication they stay within stated tolerances.
 
-mod common;
+use crate::common;
 
 use common::{Setup, Trace, overlaps, train};
 use lowbit_buffers::Overlap;

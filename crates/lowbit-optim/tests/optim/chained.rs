@@ -3,7 +3,7 @@
 //! clipping uses one global norm over every part and rank and one clip factor; an invalid
 //! learning rate changes nothing.
 
-mod common;
+use crate::common;
 
 use common::model::Mlp;
 use common::{

@@ -3,7 +3,7 @@
 //! every strategy, stay within a stated tolerance of fp32 masters, cost what they should, and
 //! `none` is refused for low-precision weights.
 
-mod common;
+use crate::common;
 
 use common::{Setup, Trace, overlaps, specs, train};
 use lowbit_buffers::layout::{ParamStorage, QuantKind};

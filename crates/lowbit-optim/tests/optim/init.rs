@@ -2,7 +2,7 @@
 //! pieces of the optimizer's owner (so no rank needs a full model copy), never from the rounded
 //! or quantized parameter storage (bug class E).
 
-mod common;
+use crate::common;
 
 use std::ops::Range;
 

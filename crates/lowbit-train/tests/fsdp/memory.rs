@@ -5,7 +5,7 @@
 //! gathered at most two at a time with overlapped gathers (the one in use and the prefetched
 //! one), one at a time without.
 
-mod common;
+use crate::common;
 
 use common::{Setup, overlaps, train};
 use lowbit_buffers::Overlap;

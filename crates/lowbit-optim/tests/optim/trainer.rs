@@ -5,7 +5,7 @@
 //! without a last microbatch, low-precision weights computed with as stored. An eval between
 //! steps changes nothing; an error inside the one-call step leaves no reduction in flight.
 
-mod common;
+use crate::common;
 
 use common::model::Mlp;
 use common::{

@@ -3,7 +3,7 @@
 //! are exactly those of a run that never saw the poisoned batch (AdamW's bias correction reads
 //! the step count, so a skip that still counted a step would show in every later master).
 
-mod common;
+use crate::common;
 
 use common::{
     BATCH, DIMS, MXFP8, buffers, init_values, master_bits, optimizer, run, specs, train_step,

@@ -105,7 +105,7 @@ impl GoldenConfig {
 }
 
 fn goldens() -> Vec<GoldenConfig> {
-    let doc = Json::parse(include_str!("golden/muon.json")).expect("the golden file parses");
+    let doc = Json::parse(include_str!("../golden/muon.json")).expect("the golden file parses");
     let coefs: Vec<f32> = doc
         .get("ns_coefficients")
         .arr()

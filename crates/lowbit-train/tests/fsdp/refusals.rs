@@ -3,7 +3,7 @@
 //! parameters of a sharded unit are not readable outside the hooks; whole main gradients do not
 //! exist where they are sharded.
 
-mod common;
+use crate::common;
 
 use common::{Setup, run, specs};
 use lowbit_buffers::layout::{ParamStorage, QuantKind};
