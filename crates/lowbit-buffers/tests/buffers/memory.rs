@@ -3,7 +3,7 @@
 //! by exactly the weights plus gradients it reports (a staging view costs nothing: it is the
 //! gradient memory), for every storage kind, gradient dtype and group size.
 
-mod common;
+use crate::common;
 
 use common::{MXFP8, NVFP4, spec};
 use lowbit_buffers::layout::{GradDType, ParamSpec, ParamStorage, ShardingStrategy};

@@ -3,7 +3,7 @@
 //! `Verify::Full` adds the checks that read memory (gradients zero at the first backward
 //! access); `Verify::Cheap` skips exactly those.
 
-mod common;
+use crate::common;
 
 use common::{
     MXFP8, free_pieces, mxfp8_bytes, protocol_err, run, seed, solo, spec, stage_pieces, values,

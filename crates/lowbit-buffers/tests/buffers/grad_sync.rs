@@ -7,7 +7,7 @@
 //! grad-ready reports, in backward order, during the "backward"; `finish_grad_sync_except` completes
 //! them in stages (none, then the first launched, then all but the last launched).
 
-mod common;
+use crate::common;
 
 use common::{add_into, assert_same_bits, bits, download_f32, round_to, run, seed, spec, values};
 use lowbit_buffers::layout::{GradDType, ParamSpec, ParamStorage, ShardingStrategy};

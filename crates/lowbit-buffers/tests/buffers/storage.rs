@@ -6,7 +6,7 @@
 //! The staging view aliases the gradient buffer, holds `bf16(master)` of the owned pieces
 //! between staging and gather, and is zero after the gather.
 
-mod common;
+use crate::common;
 
 use common::{
     MXFP8, NVFP4, bf16_round, bits, download_f32, free_pieces, run, seed, spec, stage_pieces,

@@ -3,7 +3,7 @@
 //! `shard_buffer`; `distrib_optimizer.py`: `_compute_per_buffer_param_layout`,
 //! `_build_model_gbuf_param_range_map`), never from this implementation's output.
 
-mod common;
+use crate::common;
 
 use common::{bf16, key_of, nvfp4, param, ranges};
 use lowbit_layout::{

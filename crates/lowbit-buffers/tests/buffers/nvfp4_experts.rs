@@ -7,7 +7,7 @@
 //! parameters. Tiles that would straddle experts, policies that count other experts and
 //! tampered weights are typed errors; memory equals its closed form and the allocations.
 
-mod common;
+use crate::common;
 
 use common::{
     NVFP4, download_f32, free_pieces, run, seed, spec, stage_pieces, upload_f32, values,

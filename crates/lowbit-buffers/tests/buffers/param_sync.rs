@@ -4,7 +4,7 @@
 //! hook of group `g` is exactly group `g - 1`; nothing is in flight after the last hook. The
 //! gathered values are the owners' new values on every rank.
 
-mod common;
+use crate::common;
 
 use common::{
     MXFP8, bf16_round, bits, download_f32, free_pieces, mxfp8_bytes, run, seed, spec, stage_pieces,

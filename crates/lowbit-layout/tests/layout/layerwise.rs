@@ -6,7 +6,7 @@
 //! `1.3 * chunk_numel / dp`; `cost` is `max(m, n) * min(m, n)^2` for matrices, numel otherwise.
 //! "Walk order" is reverse forward order.
 
-mod common;
+use crate::common;
 
 use common::{bf16, mat, nvfp4, param, ranges};
 use lowbit_layout::{

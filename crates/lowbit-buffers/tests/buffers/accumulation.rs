@@ -4,7 +4,7 @@
 //! model trained through `DpHooks` over several microbatches, for f32 and bf16 gradients, on
 //! every byte of every rank's gradient buffer after the reduction.
 
-mod common;
+use crate::common;
 
 use common::model::Mlp;
 use common::{run, spec};

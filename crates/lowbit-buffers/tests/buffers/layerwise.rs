@@ -4,7 +4,7 @@
 //! (pre-scaled by `1/dp`, summed in rank order, bit for bit), and the gather spreads the owner's
 //! new values to every rank.
 
-mod common;
+use crate::common;
 
 use common::{
     add_into, assert_same_bits, bf16_round, download_f32, run, seed, spec, values,
