@@ -309,7 +309,7 @@ fn asynchronous_saves_write_the_synchronous_bytes() {
     assert_eq!(resumed.master_checksum, sync.master_checksum);
 }
 
-/// The MLP harness of `tests/common` on paths `lowbit train` does not take: 2D MXFP8 gathered
+/// The MLP harness of `lowbit_testkit::harness` on paths `lowbit train` does not take: 2D MXFP8 gathered
 /// as fp8 bytes, NVFP4 packed gathers saved overlapped and resumed without overlap, the
 /// distributed strategy saved and the replicated one (classic DDP) resumed, AdamW owning whole
 /// matrices (layer-wise) chained with SGD on bf16 gradients with evals. Each: saving changes nothing, and the resumed run

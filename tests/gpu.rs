@@ -29,7 +29,7 @@ fn parity_matrix_on_cuda_is_bitwise() {
     // Every precision and overlap mode; by default one gradient dtype and bucketing (each run
     // opens an NCCL world, which costs about a second). LOWBIT_FULL_MATRIX=1 (the bundle's
     // `test-lowbit-gpu-full-matrix` step) runs every gradient dtype and bucketing, as the CPU
-    // matrix of tests/primary_weights.rs does.
+    // matrix of lowbit-train's tests/parity/primary_weights.rs does.
     let full = std::env::var_os("LOWBIT_FULL_MATRIX").is_some();
     let (grads, buckets): (&[GradDType], &[Option<usize>]) = if full {
         (&[GradDType::F32, GradDType::Bf16], &[None, Some(500)])

@@ -5,7 +5,7 @@
 //! in. The `lowbit-buffers` and `lowbit-optim` tests train it.
 //!
 //! [`regression`] is the larger model of the parity suites (RMSNorm blocks, named parameters,
-//! deterministic samples), the one [`crate::harness`] trains.
+//! deterministic samples), the one the `harness` module (feature `harness`) trains.
 
 pub mod regression;
 

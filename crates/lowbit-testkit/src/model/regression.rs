@@ -1,5 +1,5 @@
 //! A small regression model on the device layer, with a hand-written backward, used by the
-//! parity suites of the data-parallel machinery through [`crate::harness`] (`lowbit train` uses
+//! parity suites of the data-parallel machinery through the `harness` module (`lowbit train` uses
 //! the MoE language model in the `lowbit` package's `train::lm`). It is built from `lowbit-nn`'s layers over the public [`Hooks`] only, as any
 //! outside model would be.
 //!

@@ -1,6 +1,6 @@
 //! Data parallelism end to end on CPU: the test model trained by N rank threads through
 //! `lowbit-buffers` (buckets, grad sync, param sync) and `lowbit-optim` (distributed AdamW and
-//! SGD, chained), all through the harness in `common`.
+//! SGD, chained), all through `lowbit_testkit::harness`.
 
 use lowbit_testkit::harness;
 use std::time::{Duration, Instant};
