@@ -11,5 +11,6 @@
 
 mod ddp;
 mod muon;
+mod muon_refusals;
 mod primary_weights;
 mod sharding;
