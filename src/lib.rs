@@ -1,6 +1,7 @@
-//! The `lowbit` package: the command line (`src/main.rs`) and, as a library, the pieces the
-//! command line and the integration tests share: the test model (`model`) and `lowbit train`'s
-//! model, data and training loop (`train`).
+//! The `lowbit` package: the command line (`src/main.rs`) and, as a library, `lowbit train`'s
+//! model, data and training loop (`train`), the model-writing surface it uses (`model`: hooks,
+//! usage, errors, RNG) and re-exports of the workspace crates. The test-only regression model and
+//! the training harness of the parity suites are in `lowbit-testkit`.
 
 pub mod model;
 pub mod train;

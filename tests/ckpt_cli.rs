@@ -13,6 +13,7 @@
 //! - eval schedule: evals every 2 steps, saved after step 3 (between two evals);
 //! - experts: seed 004's save-only, save-grouped-load-discrete, save-discrete-load-grouped.
 
+use lowbit_testkit::harness;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -23,9 +24,10 @@ use lowbit::train::{
 };
 use lowbit_dev_support::json::Json;
 
-mod common;
-use common::{CkptHook, Run, assert_same_from, assert_same_trajectory, ddp, variant};
 use lowbit_dev_support::tempdir::TempDir;
+use lowbit_testkit::harness::{
+    CkptHook, Run, assert_same_from, assert_same_trajectory, ddp, variant,
+};
 
 /// 6 steps of 128 samples at 4 ranks, evals of 256 samples every 2 steps.
 fn small() -> TrainConfig {
@@ -212,7 +214,7 @@ fn grouped_and_discrete_experts_convert_on_load_both_ways() {
                 ck.read_param(&name, state, &[64, 64], &none).unwrap()
             })
             .collect();
-        assert_eq!(common::bits(&whole), common::bits(&parts), "{state}");
+        assert_eq!(harness::bits(&whole), harness::bits(&parts), "{state}");
     }
     // Without the alias the grouped tensor is absent: a typed error naming it, not a guess.
     let e = ck
@@ -307,14 +309,14 @@ fn asynchronous_saves_write_the_synchronous_bytes() {
     assert_eq!(resumed.master_checksum, sync.master_checksum);
 }
 
-/// The MLP harness of `tests/common` on paths `lowbit train` does not take: 2D MXFP8 gathered
+/// The MLP harness of `lowbit_testkit::harness` on paths `lowbit train` does not take: 2D MXFP8 gathered
 /// as fp8 bytes, NVFP4 packed gathers saved overlapped and resumed without overlap, the
 /// distributed strategy saved and the replicated one (classic DDP) resumed, AdamW owning whole
 /// matrices (layer-wise) chained with SGD on bf16 gradients with evals. Each: saving changes nothing, and the resumed run
 /// is the straight run in the loading configuration from the next step on.
 #[test]
 fn the_harness_resumes_bit_for_bit_on_the_other_paths() {
-    use common::Precision::{Mxfp8Direct, Nvfp4};
+    use harness::Precision::{Mxfp8Direct, Nvfp4};
     let nvfp4 = variant(
         Run {
             precision: Nvfp4,
@@ -359,17 +361,17 @@ fn the_harness_resumes_bit_for_bit_on_the_other_paths() {
     for (what, save, load) in cases {
         let dir = TempDir::new("ckpt-harness");
         let root: &'static Path = Box::leak(dir.dir().to_path_buf().into_boxed_path());
-        let saved = common::train(Run {
+        let saved = harness::train(Run {
             ckpt: Some(CkptHook::SaveAfter(n, root)),
             ..save
         });
-        assert_same_trajectory(&common::train(save), &saved, &format!("{what}: saving"));
-        let resumed = common::train(Run {
+        assert_same_trajectory(&harness::train(save), &saved, &format!("{what}: saving"));
+        let resumed = harness::train(Run {
             ckpt: Some(CkptHook::ResumeFrom(n, root)),
             ..load
         });
         let evals = load.eval_after.iter().filter(|&&e| e < n).count();
-        assert_same_from(&common::train(load), n, evals, &resumed, what);
+        assert_same_from(&harness::train(load), n, evals, &resumed, what);
     }
 }
 

@@ -6,15 +6,14 @@
 //! step (`Iteration::step`) on CUDA against the two-call step on the CPU.
 #![cfg(feature = "cuda")]
 
-mod common;
-
-use common::{
-    LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Run, TestDevice, assert_ranks_identical,
-    assert_same_trajectory, ddp, parity_matrix, variant,
-};
 use lowbit::buffers::layout::GradDType;
 use lowbit::device::CountedOp;
 use lowbit::train::{DeviceChoice, Precision, TrainConfig, gpu_count, train};
+use lowbit_testkit::harness;
+use lowbit_testkit::harness::{
+    LOW_PRECISIONS, MuonRun, OptimChoice, Phase, Run, TestDevice, assert_ranks_identical,
+    assert_same_trajectory, ddp, parity_matrix, variant,
+};
 
 /// The data-parallel sizes this machine can run, one GPU per rank.
 fn dps() -> Vec<usize> {
@@ -30,7 +29,7 @@ fn parity_matrix_on_cuda_is_bitwise() {
     // Every precision and overlap mode; by default one gradient dtype and bucketing (each run
     // opens an NCCL world, which costs about a second). LOWBIT_FULL_MATRIX=1 (the bundle's
     // `test-lowbit-gpu-full-matrix` step) runs every gradient dtype and bucketing, as the CPU
-    // matrix of tests/primary_weights.rs does.
+    // matrix of lowbit-train's tests/parity/primary_weights.rs does.
     let full = std::env::var_os("LOWBIT_FULL_MATRIX").is_some();
     let (grads, buckets): (&[GradDType], &[Option<usize>]) = if full {
         (&[GradDType::F32, GradDType::Bf16], &[None, Some(500)])
@@ -115,8 +114,8 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                 };
                 let what = format!("Muon {precision:?} dp={dp} overlap=({og},{op})");
                 let on = variant(base, true);
-                let cpu = common::train(on);
-                let gpu = common::train(Run {
+                let cpu = harness::train(on);
+                let gpu = harness::train(Run {
                     device: TestDevice::Cuda,
                     ..on
                 });
@@ -132,8 +131,8 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                         assert_eq!(pg.staged_pieces_checked, pc.staged_pieces_checked);
                     }
                     let post = match precision {
-                        common::Precision::Mxfp8 => CountedOp::QuantizeMxfp8,
-                        common::Precision::Mxfp8Direct => CountedOp::Mxfp8Scales2d,
+                        harness::Precision::Mxfp8 => CountedOp::QuantizeMxfp8,
+                        harness::Precision::Mxfp8Direct => CountedOp::Mxfp8Scales2d,
                         _ => CountedOp::Nvfp4Finish2d,
                     };
                     // The weights were rebuilt on the GPU too (the counters are not vacuous).
@@ -149,7 +148,7 @@ fn muon_on_cuda_matches_the_cpu_backend() {
                         .sum();
                     assert!(rebuilt > 0, "{what} rank {rank}");
                 }
-                let off = common::train(Run {
+                let off = harness::train(Run {
                     device: TestDevice::Cuda,
                     ..variant(base, false)
                 });
@@ -172,19 +171,19 @@ fn muon_on_cuda_matches_the_cpu_backend() {
 fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
     for dp in dps().into_iter().filter(|&d| d <= 2) {
         for (chained, precision) in [
-            (false, common::Precision::Mxfp8),
-            (true, common::Precision::Bf16),
+            (false, harness::Precision::Mxfp8),
+            (true, harness::Precision::Bf16),
         ] {
             let base = Run {
                 ddp: ddp(true, true, true, Some(300)),
                 chained,
                 precision,
-                param_gather: precision != common::Precision::Bf16,
+                param_gather: precision != harness::Precision::Bf16,
                 clip: Some(1e-3),
                 ..Run::new(dp)
             };
-            let cpu = common::train(base);
-            let gpu = common::train(Run {
+            let cpu = harness::train(base);
+            let gpu = harness::train(Run {
                 device: TestDevice::Cuda,
                 one_call_step: true,
                 ..base
@@ -205,7 +204,7 @@ fn the_one_call_step_on_cuda_matches_the_cpu_backend() {
 /// amaxes MAX-reduced group by group), one optimizer and a chain.
 #[test]
 fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
-    use common::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
+    use harness::Precision::{Bf16, Mxfp8, Mxfp8Direct, Nvfp4};
     for dp in dps().into_iter().filter(|&d| d <= 2) {
         for (grad, chained, precision, op) in [
             (GradDType::F32, false, Mxfp8, false),
@@ -228,11 +227,11 @@ fn the_pipelined_step_on_cuda_matches_the_cpu_backend() {
                 },
                 true,
             );
-            let cpu = common::train(Run {
+            let cpu = harness::train(Run {
                 pipelined_step: false,
                 ..base
             });
-            let gpu = common::train(Run {
+            let gpu = harness::train(Run {
                 device: TestDevice::Cuda,
                 one_call_step: true,
                 ..base

@@ -12,15 +12,34 @@
 //!   parameter ([`weight_parts`]);
 //! - [`assemble`]: full tensors from every rank's owned pieces, each element exactly once;
 //! - [`model::Mlp`]: a tiny model that reads parameters and writes gradients only through
-//!   `Hooks`;
+//!   `Hooks`, and [`model::regression`], the regression MLP of the parity suites;
+//! - `harness` (feature `harness`): the one training harness of the parity suites — the run
+//!   description, the spec/plan/buffer/policy/optimizer builders, the rank loop through the
+//!   public driver (`lowbit_train::Trainer`), the outcome record, bitwise trajectory assertions
+//!   and the parity matrices;
 //! - [`mod@bench`]: criterion set-up, read-back and the timed rank pool of the benchmark mains.
 //!
 //! # Invariants
 //! - Dev-only: a `[dev-dependencies]` path entry without a version (so `cargo package` drops
 //!   it), never a normal dependency. The crates it depends on may dev-depend on it: their
 //!   integration tests and benchmarks link the same library this crate links, so types unify.
-//! - It does not depend on `lowbit-optim`, so a change there cannot break the tests of the
-//!   crates below it.
+//! - Without the `harness` feature it does not depend on `lowbit-optim`, `lowbit-train` or
+//!   `lowbit-ckpt`, so `cargo test -p lowbit-device` (or comm, buffers, …) builds none of them
+//!   and a change there cannot break the tests of the crates below them. Only the crates whose
+//!   tests run whole steps (`lowbit-train`, `lowbit-optim`, the root package) turn it on.
+//! - Feature unification: in a workspace build (`cargo test --workspace`, clippy
+//!   `--workspace`) cargo builds this crate once, with the union of the features its dependents
+//!   ask for, so the crates below also link a testkit with `harness` on (and with `cuda` on
+//!   under `--features cuda`). That is harmless — it adds code their tests do not call, never
+//!   changes what the rest of the crate does — but it is why nothing outside `harness` may be
+//!   gated on the feature: a test of a lower crate must mean the same in both builds.
+//!
+//! # Non-goals
+//! Not a library for users: no stability promise, no typed errors (helpers panic with the
+//! failing case, as a test should). Not a benchmark harness beyond [`mod@bench`]'s set-up.
+
+#[cfg(feature = "harness")]
+pub mod harness;
 
 pub mod bench;
 pub mod model;

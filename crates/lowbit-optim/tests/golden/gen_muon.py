@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Golden vectors for lowbit-optim's `Muon` from PyTorch's own `torch.optim.Muon` (PyTorch >= 2.9,
-on the CPU). Writes `muon.json` beside this script; `crates/lowbit-optim/tests/muon.rs` reads it.
+on the CPU). Writes `muon.json` beside this script; `crates/lowbit-optim/tests/optim/muon.rs` reads it.
 
 Run (any PyTorch >= 2.9; the committed file was made with the version recorded in it):
 
