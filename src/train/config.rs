@@ -11,20 +11,21 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 use lowbit_train::fsdp::{
-    CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
+    CommDtype, FineGrainedGather, FsdpConfig, MainParamsDtype,
     MixedPrecisionPolicy, OuterSharding, Sharding,
 };
 
 use super::lm::{LmShape, ParamInfo};
 
-/// How GEMM weights are stored and computed with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How GEMM weights are stored and computed with (`--precision`; the value names are
+/// [`Precision::name`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precision {
     /// bf16 weights.
     Bf16,
-    /// MXFP8 (E4M3, 1x32 blocks) weights.
+    /// MXFP8 weights: E4M3, 1x32 block scales.
     Mxfp8,
-    /// NVFP4 (2D 16x16 blocks, two-level scales) weights.
+    /// NVFP4 weights: 16x16 block scales and a per-tensor scale.
     Nvfp4,
 }
 
@@ -122,68 +123,6 @@ impl MuonSettings {
     }
 }
 
-/// The name of a learning-rate scale rule, as the command line spells it.
-pub fn lr_scale_name(s: MuonLrScale) -> &'static str {
-    match s {
-        MuonLrScale::MatchRmsAdamW => "match_rms_adamw",
-        MuonLrScale::Spectral => "spectral",
-        _ => "original",
-    }
-}
-
-/// The name of a Newton–Schulz dtype, as the command line spells it.
-pub fn ns_dtype_name(d: NsDtype) -> &'static str {
-    match d {
-        NsDtype::Bf16 => "bf16",
-        _ => "f32",
-    }
-}
-
-/// The name of a main-parameter dtype, as the command line spells it.
-pub fn main_params_name(d: MainParamsDtype) -> &'static str {
-    match d {
-        MainParamsDtype::Bf16 => "bf16",
-        MainParamsDtype::None => "none",
-        _ => "fp32",
-    }
-}
-
-/// The name of a main-gradient dtype, as the command line spells it.
-pub fn main_grads_name(d: MainGradsDtype) -> &'static str {
-    match d {
-        MainGradsDtype::Bf16 => "bf16",
-        MainGradsDtype::Compute => "compute",
-        _ => "fp32",
-    }
-}
-
-/// The name of a gradient communication dtype, as the command line spells it.
-pub fn comm_name(d: CommDtype) -> &'static str {
-    match d {
-        CommDtype::Fp32 => "fp32",
-        CommDtype::Bf16 => "bf16",
-        _ => "auto",
-    }
-}
-
-/// The name of a NaN check, as the command line spells it.
-pub fn nan_check_name(c: NanCheck) -> &'static str {
-    match c {
-        NanCheck::FirstParam => "grad",
-        NanCheck::EveryParam => "param",
-        _ => "off",
-    }
-}
-
-/// The name of a fine-grained gather setting, as the command line spells it.
-pub fn fine_grained_name(f: FineGrainedGather) -> &'static str {
-    match f {
-        FineGrainedGather::On => "on",
-        FineGrainedGather::Off => "off",
-        _ => "auto",
-    }
-}
-
 /// The owner ids of `lowbit train`'s optimizers.
 pub mod owners {
     use lowbit_buffers::layout::OptimizerId;
@@ -195,13 +134,23 @@ pub mod owners {
     pub const MUON: OptimizerId = OptimizerId(2);
 }
 
-/// Which backend the ranks run on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which backend the ranks run on (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceChoice {
     /// Ranks are threads on the CPU reference backend.
     Cpu,
-    /// One rank per GPU, NCCL between them.
+    /// One rank per GPU through NCCL (needs a build with --features cuda).
     Cuda,
+}
+
+impl DeviceChoice {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        }
+    }
 }
 
 /// Everything a run depends on.
@@ -233,7 +182,7 @@ pub struct TrainConfig {
     pub outer_dp: usize,
     /// What the replica groups shard (`--outer-sharding`; only meaningful with `outer_dp > 1`;
     /// `None`: not asked for).
-    pub outer_sharding: Option<Sharding>,
+    pub outer_sharding: Option<OuterSharding>,
     /// Activation recompute of the dense blocks in the backward (`--recompute`; same bits).
     pub recompute: bool,
     /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
@@ -490,7 +439,10 @@ impl TrainConfig {
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("learning rate {} must be positive", self.lr));
+            return bad(format!(
+                "--lr {} must be a positive finite number",
+                self.lr
+            ));
         }
         if let Some(m) = self.optimizer.muon() {
             if !(m.lr.is_finite() && m.lr > 0.0) {
@@ -585,10 +537,10 @@ impl TrainConfig {
             // Name the flag, in the order the library checks.
             let mp = self.mixed_precision.main_params_dtype;
             let flag = if mp != MainParamsDtype::Fp32 {
-                format!("--main-params-dtype {}", main_params_name(mp))
+                format!("--main-params-dtype {}", mp.name())
             } else if self.outer_dp == 0 || !self.ranks.is_multiple_of(self.outer_dp) {
                 format!("--outer-dp {}", self.outer_dp)
-            } else if self.outer_dp > 1 && self.outer_sharding == Some(Sharding::Optim) {
+            } else if self.outer_dp > 1 && self.outer_sharding == Some(OuterSharding::Optim) {
                 "--outer-sharding optim".to_string()
             } else if self.fine_grained == FineGrainedGather::On {
                 "--fine-grained-param-gather on".to_string()
@@ -603,7 +555,7 @@ impl TrainConfig {
             return bad(format!(
                 "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
                  only",
-                main_params_name(self.mixed_precision.main_params_dtype)
+                self.mixed_precision.main_params_dtype.name()
             ));
         }
         if self.outer_dp > 1 && self.optimizer.muon().is_some() {
@@ -713,10 +665,7 @@ impl TrainConfig {
             .with_nan_check(self.nan_check)
             .with_fine_grained(self.fine_grained)
             .with_outer_dp(self.outer_dp)
-            .with_outer_sharding(match self.outer_sharding {
-                Some(Sharding::Optim) => OuterSharding::Optim,
-                _ => OuterSharding::NoShard,
-            })
+            .with_outer_sharding(self.outer_sharding.unwrap_or_default())
             .with_recompute(self.recompute)
     }
 
@@ -728,8 +677,8 @@ impl TrainConfig {
     /// the main-gradient dtype's name.
     pub fn comm_dtype_name(&self) -> &'static str {
         match self.mixed_precision.grad_comm_dtype {
-            CommDtype::MainGrads => main_grads_name(self.mixed_precision.main_grads_dtype),
-            c => comm_name(c),
+            CommDtype::MainGrads => self.mixed_precision.main_grads_dtype.name(),
+            c => c.name(),
         }
     }
 
