@@ -11,8 +11,8 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 use lowbit_train::fsdp::{
-    CommDtype, FineGrainedGather, FsdpConfig, MainParamsDtype,
-    MixedPrecisionPolicy, OuterSharding, Sharding,
+    CommDtype, FineGrainedGather, FsdpConfig, MainParamsDtype, MixedPrecisionPolicy, OuterSharding,
+    Sharding,
 };
 
 use super::lm::{LmShape, ParamInfo};
@@ -439,10 +439,7 @@ impl TrainConfig {
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!(
-                "--lr {} must be a positive finite number",
-                self.lr
-            ));
+            return bad(format!("--lr {} must be a positive finite number", self.lr));
         }
         if let Some(m) = self.optimizer.muon() {
             if !(m.lr.is_finite() && m.lr > 0.0) {

@@ -95,14 +95,20 @@ pub enum GradAccumulation {
 pub enum NanCheck {
     /// No check: non-finite gradients reach the norm, which skips the step.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "off"))]
+    #[cfg_attr(feature = "clap", value(name = "off", help = "No check"))]
     Off,
     /// One pass per bucket group before its reduction; a non-finite group is searched for the
     /// first non-finite parameter, and the error names it and the rank.
-    #[cfg_attr(feature = "clap", value(name = "grad"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "grad", help = "Name the first non-finite parameter")
+    )]
     FirstParam,
     /// As [`Self::FirstParam`], but the error lists every non-finite parameter of the group.
-    #[cfg_attr(feature = "clap", value(name = "param"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "param", help = "Name every non-finite parameter")
+    )]
     EveryParam,
 }
 

@@ -18,7 +18,10 @@
 pub enum ScaleLayout {
     /// Row-major `[rows, blocks]`, no padding.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "compact"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "compact", help = "Row-major [rows, blocks], no padding")
+    )]
     Compact,
     /// Padded to 128x4 tiles and swizzled as cuBLAS block-scaled GEMMs read them.
     #[cfg_attr(feature = "clap", value(name = "swizzled"))]

@@ -110,10 +110,22 @@ pub enum NanPolicy {
     /// return the other operand when one is NaN), a NaN element encodes as NaN (E2M1, which has
     /// no NaN: +6), an Inf amax saturates the scale.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "te"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "te",
+            help = "Transformer Engine's behaviour: NaN encodes as NaN, Inf saturates its block"
+        )
+    )]
     Te,
     /// Reject any non-finite input with [`FormatError::NonFinite`].
-    #[cfg_attr(feature = "clap", value(name = "error"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "error",
+            help = "Fail on the first NaN or ±Inf, naming the tensor and index"
+        )
+    )]
     Error,
 }
 
@@ -122,14 +134,26 @@ pub enum NanPolicy {
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Copies {
     /// Blocks along the last dimension only.
-    #[cfg_attr(feature = "clap", value(name = "rowwise"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "rowwise",
+            help = "1x32 / 1x16 blocks along the last dimension (what a forward GEMM reads)"
+        )
+    )]
     Rowwise,
     /// Blocks down the rows only.
-    #[cfg_attr(feature = "clap", value(name = "columnwise"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "columnwise",
+            help = "Blocks down the columns (what the backward GEMMs read)"
+        )
+    )]
     Columnwise,
     /// Both, from one pass over the input.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "both"))]
+    #[cfg_attr(feature = "clap", value(name = "both", help = "Both copies"))]
     Both,
 }
 

@@ -48,11 +48,23 @@ pub enum MuonLrScale {
     /// `sqrt(max(1, rows / cols))`: Keller Jordan's original rule, PyTorch's
     /// `adjust_lr_fn=None` / `"original"` (`torch/optim/_muon.py`, `_adjust_lr`).
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "original"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "original",
+            help = "max(1, out/in)^0.5 (Keller Jordan; torch.optim.Muon's default)"
+        )
+    )]
     Original,
     /// `0.2 · sqrt(max(rows, cols))`: Moonshot's rule matching AdamW's update RMS, PyTorch's
     /// `adjust_lr_fn="match_rms_adamw"`.
-    #[cfg_attr(feature = "clap", value(name = "match_rms_adamw"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "match_rms_adamw",
+            help = "0.2 max(out, in)^0.5 (Moonshot: AdamW's update RMS)"
+        )
+    )]
     MatchRmsAdamW,
     /// `sqrt(max(rows, cols))`: Megatron-LM's default `muon_scale_mode="spectral"` (with
     /// `muon_extra_scale_factor` 1). Megatron's `TensorParallelMuon`
@@ -61,7 +73,10 @@ pub enum MuonLrScale {
     /// Emerging-Optimizers (`emerging_optimizers/orthogonalized_optimizers/muon.py`), which
     /// returns `max(size_out, size_in) ** 0.5`, with the sizes of the whole (unsharded) matrix;
     /// `OrthogonalizedOptimizer.step` then adds the update at `-lr`.
-    #[cfg_attr(feature = "clap", value(name = "spectral"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "spectral", help = "max(out, in)^0.5 (Megatron-LM's default)")
+    )]
     Spectral,
 }
 
@@ -92,12 +107,18 @@ impl MuonLrScale {
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum NsDtype {
     /// f32 throughout (every GEMM result rounded to f32).
-    #[cfg_attr(feature = "clap", value(name = "f32"))]
+    #[cfg_attr(feature = "clap", value(name = "f32", help = "f32 throughout"))]
     F32,
     /// As `torch.optim.Muon`: the input, the normalized iterate and every GEMM result (`A`,
     /// `B`, the next `X`) rounded to bf16; sums in f32.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "bf16"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "bf16",
+            help = "bf16 iterate and GEMM results, f32 sums (torch.optim.Muon)"
+        )
+    )]
     Bf16,
 }
 

@@ -16,15 +16,30 @@ use super::{FsdpError, Sharding};
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum FineGrainedGather {
     /// Both copies in one gather.
-    #[cfg_attr(feature = "clap", value(name = "off"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "off", help = "Both copies in one gather")
+    )]
     Off,
     /// Forward gathers rowwise, backward columnwise.
-    #[cfg_attr(feature = "clap", value(name = "on"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "on",
+            help = "Rowwise copy for the forward, columnwise for the backward"
+        )
+    )]
     On,
     /// On exactly when MXFP8 primary weights, low-precision gather and activation recompute
     /// meet; [`FsdpConfig::fine_grained`] says which.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "auto"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "auto",
+            help = "On where it applies (MXFP8 primary weights gathered per use, with --recompute on)"
+        )
+    )]
     Auto,
 }
 
@@ -47,12 +62,21 @@ pub enum OuterSharding {
     /// Nothing (HSDP): replicas hold the same shards; reduced shards are all-reduced across
     /// them once per step.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "no_shard"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "no_shard", help = "Replica groups hold the same state (HSDP)")
+    )]
     NoShard,
     /// Optimizer state over outer × shard ranks (HFSDP): needs `optim_grads_params` inside;
     /// reduced shards are reduce-scattered across replicas and updated parameter parts
     /// all-gathered back.
-    #[cfg_attr(feature = "clap", value(name = "optim"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "optim",
+            help = "Replica groups shard the optimizer state (HFSDP)"
+        )
+    )]
     Optim,
 }
 

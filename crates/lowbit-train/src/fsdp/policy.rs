@@ -17,7 +17,13 @@ pub enum MainParamsDtype {
     Bf16,
     /// No masters of their own: the (bf16) compute weights are the main parameters; refused
     /// for low-precision weights, which cannot hold them.
-    #[cfg_attr(feature = "clap", value(name = "none"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "none",
+            help = "No masters: the bf16 compute weights are the main parameters"
+        )
+    )]
     None,
 }
 
@@ -46,7 +52,13 @@ pub enum MainGradsDtype {
     Bf16,
     /// The compute dtype: the parameter's dtype, bf16 for low-precision parameters (Megatron's
     /// rule for quantized parameters).
-    #[cfg_attr(feature = "clap", value(name = "compute"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "compute",
+            help = "The compute dtype (bf16 for bf16 and low-precision weights)"
+        )
+    )]
     Compute,
 }
 
@@ -80,7 +92,10 @@ impl MainGradsDtype {
 pub enum CommDtype {
     /// The main-gradient dtype: no extra bucket.
     #[default]
-    #[cfg_attr(feature = "clap", value(name = "auto"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "auto", help = "The main-gradient dtype")
+    )]
     MainGrads,
     /// fp32.
     #[cfg_attr(feature = "clap", value(name = "fp32"))]
