@@ -11,8 +11,8 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 use lowbit_train::fsdp::{
-    CommDtype, FineGrainedGather, FsdpConfig, MainParamsDtype, MixedPrecisionPolicy, OuterSharding,
-    Sharding,
+    CommDtype, Conflict, FineGrainedGather, FsdpConfig, MainParamsDtype, MixedPrecisionPolicy,
+    OuterSharding, Sharding,
 };
 
 use super::lm::{LmShape, ParamInfo};
@@ -498,40 +498,30 @@ impl TrainConfig {
         self.check_fsdp()
     }
 
-    /// The sharding strategy and precision policy: the trainer's own refusals first (they name
-    /// the flag to change), then [`FsdpConfig::validate`]'s, with its reason.
+    /// The sharding strategy, precision policy and owners: the library's rules
+    /// ([`FsdpConfig::check_no_shard`], [`FsdpConfig::validate`],
+    /// [`FsdpConfig::check_layer_wise`]), each refusal in words that name the flags, and the
+    /// checks of flags that only the command line has.
     fn check_fsdp(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Invalid(m));
-        let no_shard = self.sharding == Sharding::NoShard;
-        if no_shard && self.param_gather {
-            return bad(format!(
-                "--sharding no_shard with {} primary weights stored as such (--param-gather on): \
-                 low-precision weights are only refreshed by the gather after the step, and \
-                 no_shard gathers nothing; pass --param-gather off (bf16 weights quantized on \
-                 the fly), or shard with --sharding optim",
-                self.precision.name()
-            ));
+        let specs = self.specs(&self.shape.params());
+        let fsdp = self.fsdp();
+        let layer_wise: &[OptimizerId] = match self.optimizer {
+            OptimizerChoice::Muon(_) => &[owners::MUON],
+            OptimizerChoice::AdamW => &[],
+        };
+        if let Err(c) = fsdp.check_no_shard(&specs, layer_wise) {
+            return bad(self.conflict_message(&c));
         }
-        if no_shard && self.optimizer.muon().is_some() {
-            return bad(
-                "--sharding no_shard with --optimizer muon: Muon's matrices are owned whole by \
-                 one rank each (the layer-wise rule, which shards the optimizer state), so the \
-                 plan would mix replicated and sharded owners; use --sharding optim (or \
-                 --optimizer adamw)"
-                    .into(),
-            );
-        }
-        if no_shard && self.overlap_param_gather {
+        if self.sharding == Sharding::NoShard && self.overlap_param_gather {
             return bad(
                 "--overlap-param-gather on with --sharding no_shard: no_shard has no parameter \
                  gather to overlap (pass --overlap-param-gather off)"
                     .into(),
             );
         }
-        let specs = self.specs(&self.shape.params());
-        let fsdp = self.fsdp();
         if let Err(e) = fsdp.validate(&specs, self.ranks) {
-            // Name the flag, in the order the library checks.
+            // The library's reason is text: name the flag, in the order the library checks.
             let mp = self.mixed_precision.main_params_dtype;
             let flag = if mp != MainParamsDtype::Fp32 {
                 format!("--main-params-dtype {}", mp.name())
@@ -546,21 +536,8 @@ impl TrainConfig {
             };
             return bad(format!("{flag}: {e}"));
         }
-        if self.mixed_precision.main_params_dtype != MainParamsDtype::Fp32
-            && self.optimizer.muon().is_some()
-        {
-            return bad(format!(
-                "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
-                 only",
-                self.mixed_precision.main_params_dtype.name()
-            ));
-        }
-        if self.outer_dp > 1 && self.optimizer.muon().is_some() {
-            // Muon's layer-wise owners would need their own replica rule.
-            return bad(format!(
-                "--outer-dp {}: hybrid sharding with Muon is not built yet; use --outer-dp 1",
-                self.outer_dp
-            ));
+        if let Err(c) = fsdp.check_layer_wise(&specs, layer_wise) {
+            return bad(self.conflict_message(&c));
         }
         if self.outer_sharding.is_some() && self.outer_dp == 1 {
             return bad(
@@ -570,6 +547,35 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+
+    /// A library [`Conflict`] in the command line's words: the flags to change.
+    fn conflict_message(&self, c: &Conflict) -> String {
+        match c {
+            Conflict::NoShardQuantized { .. } => format!(
+                "--sharding no_shard with {} primary weights stored as such (--param-gather on): \
+                 low-precision weights are only refreshed by the gather after the step, and \
+                 no_shard gathers nothing; pass --param-gather off (bf16 weights quantized on \
+                 the fly), or shard with --sharding optim",
+                self.precision.name()
+            ),
+            Conflict::NoShardLayerWise => "--sharding no_shard with --optimizer muon: Muon's \
+                 matrices are owned whole by one rank each (the layer-wise rule, which shards \
+                 the optimizer state), so the plan would mix replicated and sharded owners; use \
+                 --sharding optim (or --optimizer adamw)"
+                .into(),
+            Conflict::LayerWiseMasters { dtype } => format!(
+                "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
+                 only",
+                dtype.name()
+            ),
+            // Muon's layer-wise owners would need their own replica rule.
+            Conflict::HybridLayerWise { outer_dp } => format!(
+                "--outer-dp {outer_dp}: hybrid sharding with Muon is not built yet; use \
+                 --outer-dp 1"
+            ),
+            other => format!("invalid sharding for these parameters: {other}"),
+        }
     }
 
     /// The model's parameter count and per-microbatch activation sizes, computed with checked
