@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
 
 use lowbit_io::dequantize::{self, OutDtype};
@@ -86,18 +86,18 @@ pub struct QuantizeArgs {
     #[arg(long, value_enum, default_value_t = Recipe::Mxfp8)]
     pub recipe: Recipe,
     /// Which quantized copies to write.
-    #[arg(long, value_enum, default_value_t = CopiesArg::Both)]
-    pub copies: CopiesArg,
+    #[arg(long, value_enum, default_value_t = Copies::Both)]
+    pub copies: Copies,
     /// One scale per 32x32 (MXFP8) or 16x16 (NVFP4) tile, shared by both copies (TE's weight
     /// option).
     #[arg(long = "2d")]
     pub two_d: bool,
     /// Memory layout of the scale tensors.
-    #[arg(long, value_enum, default_value_t = LayoutArg::Compact)]
-    pub scale_layout: LayoutArg,
+    #[arg(long, value_enum, default_value_t = ScaleLayout::Compact)]
+    pub scale_layout: ScaleLayout,
     /// What to do with NaN and ±Inf inputs.
-    #[arg(long, value_enum, default_value_t = NanPolicyArg::Te)]
-    pub nan_policy: NanPolicyArg,
+    #[arg(long, value_enum, default_value_t = NanPolicy::Te)]
+    pub nan_policy: NanPolicy,
     /// Worker threads (0 = all cores, at most 1024). The output does not depend on it.
     // Bounded because the library spawns up to this many OS threads per pass.
     #[arg(long, value_name = "N", default_value_t = 0,
@@ -133,54 +133,15 @@ pub struct DequantizeArgs {
     pub force: bool,
 }
 
-/// `--copies`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CopiesArg {
-    /// 1x32 / 1x16 blocks along the last dimension (what a forward GEMM reads).
-    Rowwise,
-    /// Blocks down the columns (what the backward GEMMs read).
-    Columnwise,
-    /// Both copies.
-    Both,
-}
-
-/// `--scale-layout`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LayoutArg {
-    /// Row-major [rows, blocks], no padding.
-    Compact,
-    /// Padded to 128x4 tiles and swizzled as cuBLAS block-scaled GEMMs read them.
-    Swizzled,
-}
-
-/// `--nan-policy`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NanPolicyArg {
-    /// Transformer Engine's behaviour: NaN encodes as NaN, Inf saturates its block.
-    Te,
-    /// Fail on the first NaN or ±Inf, naming the tensor and index.
-    Error,
-}
-
 impl QuantizeArgs {
     fn options(&self) -> Options {
         Options {
             settings: Settings {
                 recipe: self.recipe,
-                copies: match self.copies {
-                    CopiesArg::Rowwise => Copies::Rowwise,
-                    CopiesArg::Columnwise => Copies::Columnwise,
-                    CopiesArg::Both => Copies::Both,
-                },
+                copies: self.copies,
                 two_d: self.two_d,
-                layout: match self.scale_layout {
-                    LayoutArg::Compact => ScaleLayout::Compact,
-                    LayoutArg::Swizzled => ScaleLayout::Swizzled,
-                },
-                nan_policy: match self.nan_policy {
-                    NanPolicyArg::Te => NanPolicy::Te,
-                    NanPolicyArg::Error => NanPolicy::Error,
-                },
+                layout: self.scale_layout,
+                nan_policy: self.nan_policy,
             },
             threads: usize::from(self.threads),
             only: None,

@@ -9,9 +9,8 @@ use lowbit::optim::{MuonLrScale, NsDtype, RankMemory};
 use lowbit::train::json::Json;
 use lowbit::train::{
     self, CommDtype, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
-    MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, ParamOwner, Precision, Sharding,
-    StepLog, TrainConfig, TrainReport, comm_name, fine_grained_name, lr_scale_name,
-    main_grads_name, main_params_name, nan_check_name, ns_dtype_name,
+    MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, OuterSharding, ParamOwner,
+    Precision, Sharding, StepLog, TrainConfig, TrainReport,
 };
 
 use crate::error::CliError;
@@ -30,8 +29,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Weight precision of the GEMMs.
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Mxfp8)]
-    pub precision: PrecisionArg,
+    #[arg(long, value_enum, default_value_t = Precision::Mxfp8)]
+    pub precision: Precision,
     /// Keep low-precision primary weights and gather them as such (staged in the gradient
     /// buffer); off: bf16 weights quantized on the fly [default: on for mxfp8/nvfp4, off for
     /// bf16].
@@ -48,37 +47,43 @@ pub struct TrainArgs {
     /// gradients all-reduced), optim (optimizer state: the distributed optimizer), optim_grads
     /// (and gradients, reduce-scattered every microbatch), optim_grads_params (and parameters,
     /// gathered per use).
-    #[arg(long, value_enum, default_value_t = ShardingArg::Optim)]
-    pub sharding: ShardingArg,
-    /// dtype of the main (optimizer) parameters; only fp32 is built.
-    #[arg(long, value_enum, default_value_t = MainParamsArg::Fp32)]
-    pub main_params_dtype: MainParamsArg,
+    #[arg(long, value_enum, default_value_t = Sharding::Optim)]
+    pub sharding: Sharding,
+    /// dtype of the main (optimizer) parameters: fp32, bf16 (half the bytes; each step's result
+    /// is rounded to bf16) or none (the bf16 compute weights are the main parameters: needs
+    /// weights stored in bf16, --precision bf16 or --param-gather off); --optimizer muon keeps
+    /// fp32.
+    #[arg(long, value_enum, default_value_t = MainParamsDtype::Fp32)]
+    pub main_params_dtype: MainParamsDtype,
     /// dtype of the main gradients (the gradient buffers, where microbatches accumulate):
     /// fp32, bf16, or compute (the weights' compute dtype: bf16 here) [default: fp32].
     #[arg(long, value_enum)]
-    pub main_grads_dtype: Option<MainGradsArg>,
+    pub main_grads_dtype: Option<MainGradsDtype>,
     /// Alias of --main-grads-dtype (fp32 or bf16); give one of the two.
     #[arg(long, value_enum)]
     pub grad_dtype: Option<GradArg>,
     /// dtype gradients are reduced in (auto: the main-gradient dtype; bf16 halves the bytes on
     /// the wire, summed in f32 and rounded once).
-    #[arg(long, value_enum, default_value_t = CommArg::Auto)]
-    pub grad_comm_dtype: CommArg,
+    #[arg(long, value_enum, default_value_t = CommDtype::MainGrads)]
+    pub grad_comm_dtype: CommDtype,
     /// Check gradients for NaN/Inf before each reduction: grad (the error names the first
     /// non-finite parameter and the rank), param (every non-finite parameter), or off.
-    #[arg(long, value_enum, default_value_t = NanCheckArg::Off)]
-    pub nan_check: NanCheckArg,
+    #[arg(long, value_enum, default_value_t = NanCheck::Off)]
+    pub nan_check: NanCheck,
     /// Gather only the rowwise (forward) or columnwise (backward) copy of MXFP8 weights gathered
     /// per use by optim_grads_params (auto: on with --recompute on).
-    #[arg(long, value_enum, default_value_t = FineGrainedArg::Auto)]
-    pub fine_grained_param_gather: FineGrainedArg,
-    /// Replica groups of hybrid sharding (1: flat sharding; more is not wired into lowbit
-    /// train yet).
+    #[arg(long, value_enum, default_value_t = FineGrainedGather::Auto)]
+    pub fine_grained_param_gather: FineGrainedGather,
+    /// Replica groups of hybrid sharding: N must divide --ranks, which split into N groups of
+    /// --ranks/N, each sharding as --sharding and reducing across the groups as
+    /// --outer-sharding says (1: flat sharding; not with --optimizer muon).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub outer_dp: usize,
-    /// What the replica groups of hybrid sharding shard [needs --outer-dp > 1].
+    /// What the replica groups of hybrid sharding shard: no_shard (HSDP) or optim (HFSDP: needs
+    /// --sharding optim_grads_params and bf16 weights) [default: no_shard; needs --outer-dp >
+    /// 1].
     #[arg(long, value_enum)]
-    pub outer_sharding: Option<OuterShardingArg>,
+    pub outer_sharding: Option<OuterSharding>,
     /// Recompute the dense blocks' activations in the backward instead of keeping them (same
     /// bits, less activation memory).
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
@@ -106,8 +111,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = TrainConfig::default().seed)]
     pub seed: u64,
     /// Backend.
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
     /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the
     /// Markov source.
     #[arg(long, value_name = "FILE")]
@@ -135,11 +140,11 @@ pub struct TrainArgs {
     /// match_rms_adamw = 0.2 max(out, in)^0.5, spectral = max(out, in)^0.5 (Megatron)
     /// [default: original].
     #[arg(long, value_enum, value_name = "RULE")]
-    pub muon_lr_scale: Option<LrScaleArg>,
+    pub muon_lr_scale: Option<MuonLrScale>,
     /// dtype of the Newton-Schulz iterate: f32 (bit-identical on CPU and CUDA) or bf16
     /// (torch.optim.Muon's roundings) [default: f32].
     #[arg(long, value_enum, value_name = "DTYPE")]
-    pub muon_ns_dtype: Option<NsDtypeArg>,
+    pub muon_ns_dtype: Option<NsDtype>,
     /// Muon's decoupled weight decay, finite and >= 0 [default: 0].
     #[arg(long, value_name = "X")]
     pub muon_weight_decay: Option<f32>,
@@ -176,7 +181,7 @@ pub struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// `on` / `off`.
+/// `on` / `off`: the command line's spelling of the library's booleans (no library enum).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OnOff {
     /// Enabled.
@@ -191,18 +196,8 @@ impl OnOff {
     }
 }
 
-/// `--precision`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PrecisionArg {
-    /// bf16 weights.
-    Bf16,
-    /// MXFP8 E4M3 weights, 1x32 block scales.
-    Mxfp8,
-    /// NVFP4 weights, 16x16 block scales and a per-tensor scale.
-    Nvfp4,
-}
-
-/// `--grad-dtype`.
+/// `--grad-dtype`: the older spelling of `--main-grads-dtype`, kept to the two dtypes it always
+/// took (the library's `MainGradsDtype` adds `compute`, which only the new flag accepts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum GradArg {
     /// fp32 gradient buffers.
@@ -211,128 +206,14 @@ pub enum GradArg {
     Bf16,
 }
 
-/// `--main-grads-dtype`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MainGradsArg {
-    /// fp32 gradient buffers.
-    Fp32,
-    /// bf16 gradient buffers.
-    Bf16,
-    /// The compute dtype (bf16 for bf16 and low-precision weights).
-    Compute,
-}
-
-/// `--sharding`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ShardingArg {
-    /// Nothing sharded.
-    #[value(name = "no_shard")]
-    NoShard,
-    /// Optimizer state (the distributed optimizer).
-    #[value(name = "optim")]
-    Optim,
-    /// Optimizer state and gradients.
-    #[value(name = "optim_grads")]
-    OptimGrads,
-    /// Optimizer state, gradients and parameters.
-    #[value(name = "optim_grads_params")]
-    OptimGradsParams,
-}
-
-/// `--outer-sharding`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum OuterShardingArg {
-    /// Replica groups hold the same state.
-    #[value(name = "no_shard")]
-    NoShard,
-    /// Replica groups shard the optimizer state.
-    #[value(name = "optim")]
-    Optim,
-}
-
-/// `--main-params-dtype`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MainParamsArg {
-    /// fp32 masters.
-    Fp32,
-    /// bf16 masters (not built).
-    Bf16,
-    /// No masters (not built).
-    None,
-}
-
-/// `--grad-comm-dtype`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CommArg {
-    /// The main-gradient dtype.
-    Auto,
-    /// fp32.
-    Fp32,
-    /// bf16.
-    Bf16,
-}
-
-/// `--nan-check`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NanCheckArg {
-    /// No check.
-    Off,
-    /// Name the first non-finite parameter.
-    Grad,
-    /// Name every non-finite parameter.
-    Param,
-}
-
-/// `--fine-grained-param-gather`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum FineGrainedArg {
-    /// Rowwise copy for the forward, columnwise for the backward.
-    On,
-    /// Both copies in one gather.
-    Off,
-    /// On where it applies.
-    Auto,
-}
-
-/// `--optimizer`.
+/// `--optimizer`. A command-line tag, not a library enum: the library's choice
+/// ([`OptimizerChoice`]) carries Muon's settings, which come from the `--muon-*` flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerArg {
     /// Distributed AdamW on every parameter.
     Adamw,
     /// Muon (layer-wise) on the hidden matrices and experts, distributed AdamW on the rest.
     Muon,
-}
-
-/// `--muon-lr-scale`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LrScaleArg {
-    /// max(1, out/in)^0.5 (Keller Jordan; torch.optim.Muon's default).
-    #[value(name = "original")]
-    Original,
-    /// 0.2 max(out, in)^0.5 (Moonshot: AdamW's update RMS).
-    #[value(name = "match_rms_adamw")]
-    MatchRmsAdamw,
-    /// max(out, in)^0.5 (Megatron-LM's default).
-    #[value(name = "spectral")]
-    Spectral,
-}
-
-/// `--muon-ns-dtype`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NsDtypeArg {
-    /// f32 throughout.
-    F32,
-    /// bf16 iterate and GEMM results, f32 sums (torch.optim.Muon).
-    Bf16,
-}
-
-/// `--device`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DeviceArg {
-    /// Ranks are threads on the CPU reference backend.
-    Cpu,
-    /// One rank per GPU through NCCL (needs a build with --features cuda).
-    Cuda,
 }
 
 impl TrainArgs {
@@ -372,15 +253,8 @@ impl TrainArgs {
             lr: self.muon_lr.unwrap_or(d.lr),
             momentum: self.muon_momentum.unwrap_or(d.momentum),
             ns_steps: self.muon_ns_steps.unwrap_or(d.ns_steps),
-            lr_scale: self.muon_lr_scale.map_or(d.lr_scale, |s| match s {
-                LrScaleArg::Original => MuonLrScale::Original,
-                LrScaleArg::MatchRmsAdamw => MuonLrScale::MatchRmsAdamW,
-                LrScaleArg::Spectral => MuonLrScale::Spectral,
-            }),
-            ns_dtype: self.muon_ns_dtype.map_or(d.ns_dtype, |t| match t {
-                NsDtypeArg::F32 => NsDtype::F32,
-                NsDtypeArg::Bf16 => NsDtype::Bf16,
-            }),
+            lr_scale: self.muon_lr_scale.unwrap_or(d.lr_scale),
+            ns_dtype: self.muon_ns_dtype.unwrap_or(d.ns_dtype),
             weight_decay: self.muon_weight_decay.unwrap_or(d.weight_decay),
         }))
     }
@@ -396,24 +270,14 @@ impl TrainArgs {
                         .into(),
                 ));
             }
-            (Some(MainGradsArg::Fp32), None) | (None, Some(GradArg::Fp32)) | (None, None) => {
-                MainGradsDtype::Fp32
-            }
-            (Some(MainGradsArg::Bf16), None) | (None, Some(GradArg::Bf16)) => MainGradsDtype::Bf16,
-            (Some(MainGradsArg::Compute), None) => MainGradsDtype::Compute,
+            (Some(m), None) => m,
+            (None, Some(GradArg::Fp32)) | (None, None) => MainGradsDtype::Fp32,
+            (None, Some(GradArg::Bf16)) => MainGradsDtype::Bf16,
         };
         Ok(MixedPrecisionPolicy::default()
-            .with_main_params_dtype(match self.main_params_dtype {
-                MainParamsArg::Fp32 => MainParamsDtype::Fp32,
-                MainParamsArg::Bf16 => MainParamsDtype::Bf16,
-                MainParamsArg::None => MainParamsDtype::None,
-            })
+            .with_main_params_dtype(self.main_params_dtype)
             .with_main_grads_dtype(main_grads)
-            .with_grad_comm_dtype(match self.grad_comm_dtype {
-                CommArg::Auto => CommDtype::MainGrads,
-                CommArg::Fp32 => CommDtype::Fp32,
-                CommArg::Bf16 => CommDtype::Bf16,
-            }))
+            .with_grad_comm_dtype(self.grad_comm_dtype))
     }
 
     /// The run these arguments describe.
@@ -422,26 +286,16 @@ impl TrainArgs {
     /// `--muon-*` flags without `--optimizer muon`; both `--main-grads-dtype` and
     /// `--grad-dtype`.
     pub fn config(&self) -> Result<TrainConfig, CliError> {
-        let precision = match self.precision {
-            PrecisionArg::Bf16 => Precision::Bf16,
-            PrecisionArg::Mxfp8 => Precision::Mxfp8,
-            PrecisionArg::Nvfp4 => Precision::Nvfp4,
-        };
-        let sharding = match self.sharding {
-            ShardingArg::NoShard => Sharding::NoShard,
-            ShardingArg::Optim => Sharding::Optim,
-            ShardingArg::OptimGrads => Sharding::OptimGrads,
-            ShardingArg::OptimGradsParams => Sharding::OptimGradsParams,
-        };
+        let (precision, sharding) = (self.precision, self.sharding);
         let d = TrainConfig::default();
         let mut shape = d.shape;
         shape.grouped = !self.discrete_experts;
         Ok(TrainConfig {
             ranks: self.ranks.unwrap_or(match self.device {
-                DeviceArg::Cpu => d.ranks,
+                DeviceChoice::Cpu => d.ranks,
                 // Under a launcher, its world; else every local GPU, at least one, so that a
                 // machine without GPUs gets the device's own error.
-                DeviceArg::Cuda => train::launched_world_size()
+                DeviceChoice::Cuda => train::launched_world_size()
                     .map_err(|e| CliError::Msg(e.to_string()))?
                     .unwrap_or_else(|| train::gpu_count().max(1)),
             }),
@@ -457,21 +311,10 @@ impl TrainArgs {
             ),
             sharding,
             mixed_precision: self.mixed_precision()?,
-            nan_check: match self.nan_check {
-                NanCheckArg::Off => NanCheck::Off,
-                NanCheckArg::Grad => NanCheck::FirstParam,
-                NanCheckArg::Param => NanCheck::EveryParam,
-            },
-            fine_grained: match self.fine_grained_param_gather {
-                FineGrainedArg::On => FineGrainedGather::On,
-                FineGrainedArg::Off => FineGrainedGather::Off,
-                FineGrainedArg::Auto => FineGrainedGather::Auto,
-            },
+            nan_check: self.nan_check,
+            fine_grained: self.fine_grained_param_gather,
             outer_dp: self.outer_dp,
-            outer_sharding: self.outer_sharding.map(|o| match o {
-                OuterShardingArg::NoShard => Sharding::NoShard,
-                OuterShardingArg::Optim => Sharding::Optim,
-            }),
+            outer_sharding: self.outer_sharding,
             recompute: self.recompute.on(),
             bucket_size: match self.bucket_size {
                 Some(b) => Some(b),
@@ -483,10 +326,7 @@ impl TrainArgs {
             steps: self.steps,
             eval_every: self.eval_every,
             seed: self.seed,
-            device: match self.device {
-                DeviceArg::Cpu => DeviceChoice::Cpu,
-                DeviceArg::Cuda => DeviceChoice::Cuda,
-            },
+            device: self.device,
             data: self.data.clone(),
             lr: self.lr,
             allow_non_finite: self.allow_non_finite,
@@ -596,10 +436,10 @@ fn describe_optimizer(cfg: &TrainConfig) -> String {
             "Muon layer-wise (lr {}, {} scale, momentum {} Nesterov, {} NS steps {}, weight \
              decay {}) + distributed AdamW",
             m.lr,
-            lr_scale_name(m.lr_scale),
+            m.lr_scale.name(),
             m.momentum,
             m.ns_steps,
-            ns_dtype_name(m.ns_dtype),
+            m.ns_dtype.name(),
             m.weight_decay
         ),
     }
@@ -613,20 +453,17 @@ fn describe(cfg: &TrainConfig) -> String {
          {}, grads {}, grad comm {}, overlap grad reduce {} / param gather {}, recompute {}, \
          nan check {}, {}",
         cfg.ranks,
-        match cfg.device {
-            DeviceChoice::Cpu => "cpu",
-            DeviceChoice::Cuda => "cuda",
-        },
+        cfg.device.name(),
         cfg.sharding,
         cfg.precision.name(),
         on(cfg.param_gather),
-        main_params_name(mp.main_params_dtype),
-        main_grads_name(mp.main_grads_dtype),
+        mp.main_params_dtype.name(),
+        mp.main_grads_dtype.name(),
         cfg.comm_dtype_name(),
         on(cfg.overlap_grad_reduce),
         on(cfg.overlap_param_gather),
         on(cfg.recompute),
-        nan_check_name(cfg.nan_check),
+        cfg.nan_check.name(),
         describe_optimizer(cfg),
     )
 }
@@ -636,24 +473,18 @@ fn fsdp_json(cfg: &TrainConfig) -> Json {
     let mp = &cfg.mixed_precision;
     Json::obj([
         ("sharding", Json::str(cfg.sharding.as_str())),
-        (
-            "main_params_dtype",
-            Json::str(main_params_name(mp.main_params_dtype)),
-        ),
-        (
-            "main_grads_dtype",
-            Json::str(main_grads_name(mp.main_grads_dtype)),
-        ),
-        ("grad_comm_dtype", Json::str(comm_name(mp.grad_comm_dtype))),
+        ("main_params_dtype", Json::str(mp.main_params_dtype.name())),
+        ("main_grads_dtype", Json::str(mp.main_grads_dtype.name())),
+        ("grad_comm_dtype", Json::str(mp.grad_comm_dtype.name())),
         // `auto` resolved: the dtype the reduction rounds to.
         (
             "grad_comm_dtype_effective",
             Json::str(cfg.comm_dtype_name()),
         ),
-        ("nan_check", Json::str(nan_check_name(cfg.nan_check))),
+        ("nan_check", Json::str(cfg.nan_check.name())),
         (
             "fine_grained_param_gather",
-            Json::str(fine_grained_name(cfg.fine_grained)),
+            Json::str(cfg.fine_grained.name()),
         ),
         (
             "fine_grained_effective",
@@ -663,7 +494,7 @@ fn fsdp_json(cfg: &TrainConfig) -> Json {
         (
             "outer_sharding",
             cfg.outer_sharding
-                .map_or(Json::Null, |s| Json::str(s.as_str())),
+                .map_or(Json::Null, |s| Json::str(s.name())),
         ),
         ("recompute", Json::Bool(cfg.recompute)),
     ])
@@ -951,8 +782,8 @@ pub fn to_json(r: &TrainReport) -> Json {
             ("momentum", Json::F32(m.momentum)),
             ("nesterov", Json::Bool(true)),
             ("ns_steps", Json::uint(m.ns_steps)),
-            ("ns_dtype", Json::str(ns_dtype_name(m.ns_dtype))),
-            ("lr_scale", Json::str(lr_scale_name(m.lr_scale))),
+            ("ns_dtype", Json::str(m.ns_dtype.name())),
+            ("lr_scale", Json::str(m.lr_scale.name())),
             ("weight_decay", Json::F32(m.weight_decay)),
             ("sharding", Json::str("layer_wise")),
         ]),

@@ -1074,6 +1074,66 @@ fn help_texts_and_usage_errors() {
 }
 
 #[test]
+fn train_help_is_true_and_every_flag_has_a_line() {
+    let out = lowbit(&["train", "--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    // Both were false: hybrid sharding runs, and bf16 / none main parameters are built.
+    for stale in ["not wired", "only fp32 is built", "(not built)"] {
+        assert!(
+            !help.contains(stale),
+            "train help still says {stale:?}:\n{help}"
+        );
+    }
+    let lines: Vec<&str> = help.lines().collect();
+    let mut flags = 0;
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        if !(t.starts_with("--") || (t.starts_with('-') && t.len() > 1 && !t.starts_with("- "))) {
+            continue;
+        }
+        flags += 1;
+        // Long help: the flag on its own line, its help on the next, indented further.
+        let next = lines.get(i + 1).map_or("", |l| l.trim());
+        assert!(
+            !next.is_empty() && !next.starts_with('-'),
+            "{t} has no help line:\n{help}"
+        );
+    }
+    assert!(flags > 30, "{flags} flags in:\n{help}");
+    // Every value list keeps its names (the library's enums, under the spellings of old).
+    for value in [
+        "no_shard",
+        "optim_grads_params",
+        "match_rms_adamw",
+        "spectral",
+        "compute",
+        "auto",
+        "grad",
+        "param",
+        "nvfp4",
+    ] {
+        assert!(help.contains(value), "train help lacks {value}");
+    }
+}
+
+#[test]
+fn train_refusals_name_the_flag() {
+    for (args, flag) in [
+        (&["--lr", "inf"][..], "--lr"),
+        (&["--lr=0"][..], "--lr"),
+        (&["--lr=-1"][..], "--lr"),
+        (&["--ranks", "0"][..], "--ranks"),
+        (&["--outer-dp", "3"][..], "--outer-dp"),
+    ] {
+        let out = lowbit(&[&["train"][..], args].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?} does not name {flag}: {err}");
+    }
+}
+
+#[test]
 fn demo_writes_quantizes_and_dequantizes_its_example() {
     let dir = TempDir::new("cli-demo");
     let target = dir.path("target");

@@ -19,10 +19,7 @@ use std::path::{Path, PathBuf};
 
 use lowbit_ckpt::{Alias, Checkpoint, LoadOptions, Meta, SaveOptions};
 
-use super::config::{
-    DeviceChoice, TrainConfig, TrainError, lr_scale_name, main_grads_name, nan_check_name,
-    ns_dtype_name,
-};
+use super::config::{TrainConfig, TrainError};
 use super::lm::LmShape;
 
 /// Checkpointing of a run: where to save, how often, how many to keep, where to resume from.
@@ -116,11 +113,8 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     // Under the key `--grad-dtype` always had (its alias); `compute` is kept as such.
-    let grad = main_grads_name(cfg.mixed_precision.main_grads_dtype);
-    let device = match cfg.device {
-        DeviceChoice::Cpu => "cpu",
-        DeviceChoice::Cuda => "cuda",
-    };
+    let grad = cfg.mixed_precision.main_grads_dtype.name();
+    let device = cfg.device.name();
     let layout = if s.grouped { "grouped" } else { "discrete" };
     let bucket = cfg.bucket_size.map_or("none".into(), |b| b.to_string());
     let texts = [
@@ -131,7 +125,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         // Where the masters live changes the arithmetic (bf16 rounding every step).
         (
             "main_params_dtype",
-            super::config::main_params_name(cfg.mixed_precision.main_params_dtype).into(),
+            cfg.mixed_precision.main_params_dtype.name().into(),
         ),
         ("seed", cfg.seed.to_string()),
         ("lr", cfg.lr.to_string()),
@@ -147,7 +141,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("sharding", cfg.sharding.to_string()),
         ("outer_dp", cfg.outer_dp.to_string()),
         ("recompute", on(cfg.recompute)),
-        ("nan_check", nan_check_name(cfg.nan_check).into()),
+        ("nan_check", cfg.nan_check.name().into()),
     ];
     m.extend(texts.into_iter().map(|(k, v)| (k.to_string(), v)));
     if let Some(mu) = cfg.optimizer.muon() {
@@ -163,8 +157,8 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
             mu.lr.to_string(),
             mu.momentum.to_string(),
             mu.ns_steps.to_string(),
-            lr_scale_name(mu.lr_scale).to_string(),
-            ns_dtype_name(mu.ns_dtype).to_string(),
+            mu.lr_scale.name().to_string(),
+            mu.ns_dtype.name().to_string(),
             mu.weight_decay.to_string(),
         ];
         m.extend(keys.iter().map(|k| k.to_string()).zip(values));

@@ -11,20 +11,21 @@ use lowbit_buffers::layout::{
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 use lowbit_train::fsdp::{
-    CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
-    MixedPrecisionPolicy, OuterSharding, Sharding,
+    CommDtype, Conflict, FineGrainedGather, FsdpConfig, MainParamsDtype, MixedPrecisionPolicy,
+    OuterSharding, Sharding,
 };
 
 use super::lm::{LmShape, ParamInfo};
 
-/// How GEMM weights are stored and computed with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How GEMM weights are stored and computed with (`--precision`; the value names are
+/// [`Precision::name`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precision {
     /// bf16 weights.
     Bf16,
-    /// MXFP8 (E4M3, 1x32 blocks) weights.
+    /// MXFP8 weights: E4M3, 1x32 block scales.
     Mxfp8,
-    /// NVFP4 (2D 16x16 blocks, two-level scales) weights.
+    /// NVFP4 weights: 16x16 block scales and a per-tensor scale.
     Nvfp4,
 }
 
@@ -122,68 +123,6 @@ impl MuonSettings {
     }
 }
 
-/// The name of a learning-rate scale rule, as the command line spells it.
-pub fn lr_scale_name(s: MuonLrScale) -> &'static str {
-    match s {
-        MuonLrScale::MatchRmsAdamW => "match_rms_adamw",
-        MuonLrScale::Spectral => "spectral",
-        _ => "original",
-    }
-}
-
-/// The name of a Newton–Schulz dtype, as the command line spells it.
-pub fn ns_dtype_name(d: NsDtype) -> &'static str {
-    match d {
-        NsDtype::Bf16 => "bf16",
-        _ => "f32",
-    }
-}
-
-/// The name of a main-parameter dtype, as the command line spells it.
-pub fn main_params_name(d: MainParamsDtype) -> &'static str {
-    match d {
-        MainParamsDtype::Bf16 => "bf16",
-        MainParamsDtype::None => "none",
-        _ => "fp32",
-    }
-}
-
-/// The name of a main-gradient dtype, as the command line spells it.
-pub fn main_grads_name(d: MainGradsDtype) -> &'static str {
-    match d {
-        MainGradsDtype::Bf16 => "bf16",
-        MainGradsDtype::Compute => "compute",
-        _ => "fp32",
-    }
-}
-
-/// The name of a gradient communication dtype, as the command line spells it.
-pub fn comm_name(d: CommDtype) -> &'static str {
-    match d {
-        CommDtype::Fp32 => "fp32",
-        CommDtype::Bf16 => "bf16",
-        _ => "auto",
-    }
-}
-
-/// The name of a NaN check, as the command line spells it.
-pub fn nan_check_name(c: NanCheck) -> &'static str {
-    match c {
-        NanCheck::FirstParam => "grad",
-        NanCheck::EveryParam => "param",
-        _ => "off",
-    }
-}
-
-/// The name of a fine-grained gather setting, as the command line spells it.
-pub fn fine_grained_name(f: FineGrainedGather) -> &'static str {
-    match f {
-        FineGrainedGather::On => "on",
-        FineGrainedGather::Off => "off",
-        _ => "auto",
-    }
-}
-
 /// The owner ids of `lowbit train`'s optimizers.
 pub mod owners {
     use lowbit_buffers::layout::OptimizerId;
@@ -195,13 +134,23 @@ pub mod owners {
     pub const MUON: OptimizerId = OptimizerId(2);
 }
 
-/// Which backend the ranks run on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which backend the ranks run on (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceChoice {
     /// Ranks are threads on the CPU reference backend.
     Cpu,
-    /// One rank per GPU, NCCL between them.
+    /// One rank per GPU through NCCL (needs a build with --features cuda).
     Cuda,
+}
+
+impl DeviceChoice {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        }
+    }
 }
 
 /// Everything a run depends on.
@@ -233,7 +182,7 @@ pub struct TrainConfig {
     pub outer_dp: usize,
     /// What the replica groups shard (`--outer-sharding`; only meaningful with `outer_dp > 1`;
     /// `None`: not asked for).
-    pub outer_sharding: Option<Sharding>,
+    pub outer_sharding: Option<OuterSharding>,
     /// Activation recompute of the dense blocks in the backward (`--recompute`; same bits).
     pub recompute: bool,
     /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
@@ -490,7 +439,7 @@ impl TrainConfig {
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("learning rate {} must be positive", self.lr));
+            return bad(format!("--lr {} must be a positive finite number", self.lr));
         }
         if let Some(m) = self.optimizer.muon() {
             if !(m.lr.is_finite() && m.lr > 0.0) {
@@ -549,46 +498,36 @@ impl TrainConfig {
         self.check_fsdp()
     }
 
-    /// The sharding strategy and precision policy: the trainer's own refusals first (they name
-    /// the flag to change), then [`FsdpConfig::validate`]'s, with its reason.
+    /// The sharding strategy, precision policy and owners: the library's rules
+    /// ([`FsdpConfig::check_no_shard`], [`FsdpConfig::validate`],
+    /// [`FsdpConfig::check_layer_wise`]), each refusal in words that name the flags, and the
+    /// checks of flags that only the command line has.
     fn check_fsdp(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Invalid(m));
-        let no_shard = self.sharding == Sharding::NoShard;
-        if no_shard && self.param_gather {
-            return bad(format!(
-                "--sharding no_shard with {} primary weights stored as such (--param-gather on): \
-                 low-precision weights are only refreshed by the gather after the step, and \
-                 no_shard gathers nothing; pass --param-gather off (bf16 weights quantized on \
-                 the fly), or shard with --sharding optim",
-                self.precision.name()
-            ));
+        let specs = self.specs(&self.shape.params());
+        let fsdp = self.fsdp();
+        let layer_wise: &[OptimizerId] = match self.optimizer {
+            OptimizerChoice::Muon(_) => &[owners::MUON],
+            OptimizerChoice::AdamW => &[],
+        };
+        if let Err(c) = fsdp.check_no_shard(&specs, layer_wise) {
+            return bad(self.conflict_message(&c));
         }
-        if no_shard && self.optimizer.muon().is_some() {
-            return bad(
-                "--sharding no_shard with --optimizer muon: Muon's matrices are owned whole by \
-                 one rank each (the layer-wise rule, which shards the optimizer state), so the \
-                 plan would mix replicated and sharded owners; use --sharding optim (or \
-                 --optimizer adamw)"
-                    .into(),
-            );
-        }
-        if no_shard && self.overlap_param_gather {
+        if self.sharding == Sharding::NoShard && self.overlap_param_gather {
             return bad(
                 "--overlap-param-gather on with --sharding no_shard: no_shard has no parameter \
                  gather to overlap (pass --overlap-param-gather off)"
                     .into(),
             );
         }
-        let specs = self.specs(&self.shape.params());
-        let fsdp = self.fsdp();
         if let Err(e) = fsdp.validate(&specs, self.ranks) {
-            // Name the flag, in the order the library checks.
+            // The library's reason is text: name the flag, in the order the library checks.
             let mp = self.mixed_precision.main_params_dtype;
             let flag = if mp != MainParamsDtype::Fp32 {
-                format!("--main-params-dtype {}", main_params_name(mp))
+                format!("--main-params-dtype {}", mp.name())
             } else if self.outer_dp == 0 || !self.ranks.is_multiple_of(self.outer_dp) {
                 format!("--outer-dp {}", self.outer_dp)
-            } else if self.outer_dp > 1 && self.outer_sharding == Some(Sharding::Optim) {
+            } else if self.outer_dp > 1 && self.outer_sharding == Some(OuterSharding::Optim) {
                 "--outer-sharding optim".to_string()
             } else if self.fine_grained == FineGrainedGather::On {
                 "--fine-grained-param-gather on".to_string()
@@ -597,21 +536,8 @@ impl TrainConfig {
             };
             return bad(format!("{flag}: {e}"));
         }
-        if self.mixed_precision.main_params_dtype != MainParamsDtype::Fp32
-            && self.optimizer.muon().is_some()
-        {
-            return bad(format!(
-                "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
-                 only",
-                main_params_name(self.mixed_precision.main_params_dtype)
-            ));
-        }
-        if self.outer_dp > 1 && self.optimizer.muon().is_some() {
-            // Muon's layer-wise owners would need their own replica rule.
-            return bad(format!(
-                "--outer-dp {}: hybrid sharding with Muon is not built yet; use --outer-dp 1",
-                self.outer_dp
-            ));
+        if let Err(c) = fsdp.check_layer_wise(&specs, layer_wise) {
+            return bad(self.conflict_message(&c));
         }
         if self.outer_sharding.is_some() && self.outer_dp == 1 {
             return bad(
@@ -621,6 +547,35 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+
+    /// A library [`Conflict`] in the command line's words: the flags to change.
+    fn conflict_message(&self, c: &Conflict) -> String {
+        match c {
+            Conflict::NoShardQuantized { .. } => format!(
+                "--sharding no_shard with {} primary weights stored as such (--param-gather on): \
+                 low-precision weights are only refreshed by the gather after the step, and \
+                 no_shard gathers nothing; pass --param-gather off (bf16 weights quantized on \
+                 the fly), or shard with --sharding optim",
+                self.precision.name()
+            ),
+            Conflict::NoShardLayerWise => "--sharding no_shard with --optimizer muon: Muon's \
+                 matrices are owned whole by one rank each (the layer-wise rule, which shards \
+                 the optimizer state), so the plan would mix replicated and sharded owners; use \
+                 --sharding optim (or --optimizer adamw)"
+                .into(),
+            Conflict::LayerWiseMasters { dtype } => format!(
+                "--main-params-dtype {} with --optimizer muon: Muon keeps fp32 main parameters \
+                 only",
+                dtype.name()
+            ),
+            // Muon's layer-wise owners would need their own replica rule.
+            Conflict::HybridLayerWise { outer_dp } => format!(
+                "--outer-dp {outer_dp}: hybrid sharding with Muon is not built yet; use \
+                 --outer-dp 1"
+            ),
+            other => format!("invalid sharding for these parameters: {other}"),
+        }
     }
 
     /// The model's parameter count and per-microbatch activation sizes, computed with checked
@@ -713,10 +668,7 @@ impl TrainConfig {
             .with_nan_check(self.nan_check)
             .with_fine_grained(self.fine_grained)
             .with_outer_dp(self.outer_dp)
-            .with_outer_sharding(match self.outer_sharding {
-                Some(Sharding::Optim) => OuterSharding::Optim,
-                _ => OuterSharding::NoShard,
-            })
+            .with_outer_sharding(self.outer_sharding.unwrap_or_default())
             .with_recompute(self.recompute)
     }
 
@@ -728,8 +680,8 @@ impl TrainConfig {
     /// the main-gradient dtype's name.
     pub fn comm_dtype_name(&self) -> &'static str {
         match self.mixed_precision.grad_comm_dtype {
-            CommDtype::MainGrads => main_grads_name(self.mixed_precision.main_grads_dtype),
-            c => comm_name(c),
+            CommDtype::MainGrads => self.mixed_precision.main_grads_dtype.name(),
+            c => c.name(),
         }
     }
 

@@ -46,15 +46,14 @@ use lowbit_train::launch::{self, LaunchEnv, LaunchError, RankFailure, World};
 pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
 pub use config::{
     DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
-    comm_name, fine_grained_name, gpu_count, lr_scale_name, main_grads_name, main_params_name,
-    nan_check_name, ns_dtype_name, owners,
+    gpu_count, owners,
 };
 use data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use lm::{Lm, ParamInfo};
 pub use lowbit_buffers::NanCheck;
 pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
-    MixedPrecisionPolicy, Sharding,
+    MixedPrecisionPolicy, OuterSharding, Sharding,
 };
 
 /// Progress of one step, as rank 0 reports it.

@@ -91,15 +91,37 @@ pub enum GradAccumulation {
 /// more, so it costs one reduction pass over the gradients per reduction.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum NanCheck {
     /// No check: non-finite gradients reach the norm, which skips the step.
     #[default]
+    #[cfg_attr(feature = "clap", value(name = "off", help = "No check"))]
     Off,
     /// One pass per bucket group before its reduction; a non-finite group is searched for the
     /// first non-finite parameter, and the error names it and the rank.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "grad", help = "Name the first non-finite parameter")
+    )]
     FirstParam,
     /// As [`Self::FirstParam`], but the error lists every non-finite parameter of the group.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "param", help = "Name every non-finite parameter")
+    )]
     EveryParam,
+}
+
+impl NanCheck {
+    /// The command line's spelling: `off`, `grad` (the first non-finite parameter, Megatron's
+    /// `check_for_nan_in_grad`), `param` (every one, `report_nan_in_param_grad`).
+    pub fn name(self) -> &'static str {
+        match self {
+            NanCheck::Off => "off",
+            NanCheck::FirstParam => "grad",
+            NanCheck::EveryParam => "param",
+        }
+    }
 }
 
 /// What a unit of low-precision parameters sharded by `optim_grads_params` gathers.

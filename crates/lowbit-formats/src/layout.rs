@@ -14,12 +14,28 @@
 
 /// Where block scales live in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ScaleLayout {
     /// Row-major `[rows, blocks]`, no padding.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "compact", help = "Row-major [rows, blocks], no padding")
+    )]
     Compact,
-    /// Padded to 128x4 tiles and swizzled for cuBLAS.
+    /// Padded to 128x4 tiles and swizzled as cuBLAS block-scaled GEMMs read them.
+    #[cfg_attr(feature = "clap", value(name = "swizzled"))]
     Swizzled,
+}
+
+impl ScaleLayout {
+    /// The lower-case name (the command line's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleLayout::Compact => "compact",
+            ScaleLayout::Swizzled => "swizzled",
+        }
+    }
 }
 
 /// `(padded rows, padded cols)` of a swizzled `rows × cols` scale matrix.

@@ -104,29 +104,79 @@ pub enum FormatError {
 
 /// What to do with NaN and ±Inf inputs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum NanPolicy {
     /// TE's behaviour: the block amax ignores NaN (TE takes it with `fmaxf` / `__hmax`, which
     /// return the other operand when one is NaN), a NaN element encodes as NaN (E2M1, which has
     /// no NaN: +6), an Inf amax saturates the scale.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "te",
+            help = "Transformer Engine's behaviour: NaN encodes as NaN, Inf saturates its block"
+        )
+    )]
     Te,
     /// Reject any non-finite input with [`FormatError::NonFinite`].
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "error",
+            help = "Fail on the first NaN or ±Inf, naming the tensor and index"
+        )
+    )]
     Error,
 }
 
 /// Which quantized copies to produce.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Copies {
     /// Blocks along the last dimension only.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "rowwise",
+            help = "1x32 / 1x16 blocks along the last dimension (what a forward GEMM reads)"
+        )
+    )]
     Rowwise,
     /// Blocks down the rows only.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "columnwise",
+            help = "Blocks down the columns (what the backward GEMMs read)"
+        )
+    )]
     Columnwise,
     /// Both, from one pass over the input.
     #[default]
+    #[cfg_attr(feature = "clap", value(name = "both", help = "Both copies"))]
     Both,
 }
 
+impl NanPolicy {
+    /// The lower-case name (the command line's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            NanPolicy::Te => "te",
+            NanPolicy::Error => "error",
+        }
+    }
+}
+
 impl Copies {
+    /// The lower-case name (the command line's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            Copies::Rowwise => "rowwise",
+            Copies::Columnwise => "columnwise",
+            Copies::Both => "both",
+        }
+    }
+
     /// Whether the rowwise copy is produced.
     pub fn rowwise(self) -> bool {
         matches!(self, Copies::Rowwise | Copies::Both)

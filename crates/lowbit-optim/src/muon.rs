@@ -43,13 +43,28 @@ use newton_schulz::{NsParams, NsScratch};
 /// grouped tensor on its own).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum MuonLrScale {
     /// `sqrt(max(1, rows / cols))`: Keller Jordan's original rule, PyTorch's
     /// `adjust_lr_fn=None` / `"original"` (`torch/optim/_muon.py`, `_adjust_lr`).
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "original",
+            help = "max(1, out/in)^0.5 (Keller Jordan; torch.optim.Muon's default)"
+        )
+    )]
     Original,
     /// `0.2 · sqrt(max(rows, cols))`: Moonshot's rule matching AdamW's update RMS, PyTorch's
     /// `adjust_lr_fn="match_rms_adamw"`.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "match_rms_adamw",
+            help = "0.2 max(out, in)^0.5 (Moonshot: AdamW's update RMS)"
+        )
+    )]
     MatchRmsAdamW,
     /// `sqrt(max(rows, cols))`: Megatron-LM's default `muon_scale_mode="spectral"` (with
     /// `muon_extra_scale_factor` 1). Megatron's `TensorParallelMuon`
@@ -58,10 +73,23 @@ pub enum MuonLrScale {
     /// Emerging-Optimizers (`emerging_optimizers/orthogonalized_optimizers/muon.py`), which
     /// returns `max(size_out, size_in) ** 0.5`, with the sizes of the whole (unsharded) matrix;
     /// `OrthogonalizedOptimizer.step` then adds the update at `-lr`.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "spectral", help = "max(out, in)^0.5 (Megatron-LM's default)")
+    )]
     Spectral,
 }
 
 impl MuonLrScale {
+    /// PyTorch's spelling (the command line's).
+    pub fn name(self) -> &'static str {
+        match self {
+            MuonLrScale::Original => "original",
+            MuonLrScale::MatchRmsAdamW => "match_rms_adamw",
+            MuonLrScale::Spectral => "spectral",
+        }
+    }
+
     /// The factor for a `rows x cols` matrix, in f64 (PyTorch's and Megatron's Python floats).
     pub fn factor(self, rows: usize, cols: usize) -> f64 {
         let (r, c) = (rows as f64, cols as f64);
@@ -76,13 +104,32 @@ impl MuonLrScale {
 /// The dtype of the Newton–Schulz iterate.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum NsDtype {
     /// f32 throughout (every GEMM result rounded to f32).
+    #[cfg_attr(feature = "clap", value(name = "f32", help = "f32 throughout"))]
     F32,
     /// As `torch.optim.Muon`: the input, the normalized iterate and every GEMM result (`A`,
     /// `B`, the next `X`) rounded to bf16; sums in f32.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "bf16",
+            help = "bf16 iterate and GEMM results, f32 sums (torch.optim.Muon)"
+        )
+    )]
     Bf16,
+}
+
+impl NsDtype {
+    /// The lower-case name (the command line's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            NsDtype::F32 => "f32",
+            NsDtype::Bf16 => "bf16",
+        }
+    }
 }
 
 /// How the Newton–Schulz GEMMs run.

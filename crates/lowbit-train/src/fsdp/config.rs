@@ -13,29 +13,81 @@ use super::{FsdpError, Sharding};
 /// of MXFP8 weights.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum FineGrainedGather {
     /// Both copies in one gather.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "off", help = "Both copies in one gather")
+    )]
     Off,
     /// Forward gathers rowwise, backward columnwise.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "on",
+            help = "Rowwise copy for the forward, columnwise for the backward"
+        )
+    )]
     On,
     /// On exactly when MXFP8 primary weights, low-precision gather and activation recompute
     /// meet; [`FsdpConfig::fine_grained`] says which.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "auto",
+            help = "On where it applies (MXFP8 primary weights gathered per use, with --recompute on)"
+        )
+    )]
     Auto,
+}
+
+impl FineGrainedGather {
+    /// The lower-case name (the command line's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            FineGrainedGather::Off => "off",
+            FineGrainedGather::On => "on",
+            FineGrainedGather::Auto => "auto",
+        }
+    }
 }
 
 /// What the outer (replica) groups of hybrid sharding shard.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum OuterSharding {
     /// Nothing (HSDP): replicas hold the same shards; reduced shards are all-reduced across
     /// them once per step.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "no_shard", help = "Replica groups hold the same state (HSDP)")
+    )]
     NoShard,
     /// Optimizer state over outer × shard ranks (HFSDP): needs `optim_grads_params` inside;
     /// reduced shards are reduce-scattered across replicas and updated parameter parts
     /// all-gathered back.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "optim",
+            help = "Replica groups shard the optimizer state (HFSDP)"
+        )
+    )]
     Optim,
+}
+
+impl OuterSharding {
+    /// The Megatron-FSDP spelling (the command line's).
+    pub fn name(self) -> &'static str {
+        match self {
+            OuterSharding::NoShard => "no_shard",
+            OuterSharding::Optim => "optim",
+        }
+    }
 }
 
 /// One rank's two groups under hybrid sharding ([`FsdpConfig::split_groups`]).

@@ -17,6 +17,9 @@ pub enum FsdpError {
     /// A combination that cannot work, or that is not built yet, with the reason.
     #[error("{0}")]
     Unsupported(String),
+    /// A combination of strategy, storage and owners that cannot work ([`super::Conflict`]).
+    #[error(transparent)]
+    Conflict(#[from] super::Conflict),
     /// Splitting the world into shard and replica groups failed.
     #[error(transparent)]
     Comm(#[from] lowbit_comm::CommError),

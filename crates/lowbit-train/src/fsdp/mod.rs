@@ -60,12 +60,14 @@ mod config;
 mod error;
 mod memory;
 mod policy;
+mod rules;
 mod strategy;
 
 pub use config::{FineGrainedGather, FsdpConfig, HybridGroups, OuterSharding};
 pub use error::FsdpError;
 pub use memory::{FsdpMemory, estimate_memory};
 pub use policy::{CommDtype, MainGradsDtype, MainParamsDtype, MixedPrecisionPolicy};
+pub use rules::Conflict;
 pub use strategy::Sharding;
 
 pub use lowbit_buffers::DdpConfig;

@@ -10,18 +10,38 @@ use super::FsdpError;
 /// What the data-parallel ranks shard (Megatron-FSDP's `data_parallel_sharding_strategy`).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Sharding {
     /// Nothing: every rank holds everything; gradients are all-reduced once per step.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "no_shard", help = "Nothing sharded; gradients all-reduced")
+    )]
     NoShard,
     /// Optimizer state (ZeRO-1, the distributed optimizer): gradients reduce-scattered once
     /// per step; lowbit's default.
     #[default]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "optim", help = "Optimizer state (the distributed optimizer)")
+    )]
     Optim,
     /// Optimizer state and gradients (ZeRO-2): each unit's gradients are reduce-scattered every
     /// microbatch and added into the rank's shard.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "optim_grads", help = "Optimizer state and gradients")
+    )]
     OptimGrads,
     /// Optimizer state, gradients and parameters (ZeRO-3): units are gathered before use and
     /// released after.
+    #[cfg_attr(
+        feature = "clap",
+        value(
+            name = "optim_grads_params",
+            help = "Optimizer state, gradients and parameters"
+        )
+    )]
     OptimGradsParams,
 }
 
