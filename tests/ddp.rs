@@ -4,6 +4,7 @@
 
 mod common;
 
+use lowbit::buffers::protocol::StepProtocol;
 use std::time::{Duration, Instant};
 
 use common::{Run, SHAPE, assert_ranks_identical, ddp, full_masters, rank_main, specs, train};

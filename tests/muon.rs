@@ -22,6 +22,7 @@ use common::{
     variant,
 };
 use lowbit::buffers::layout::{GradDType, OptimizerId, ShardingPlan};
+use lowbit::buffers::protocol::StepProtocol;
 use lowbit::buffers::{
     BufferError, ConfigError, DataParallelBuffers, Mxfp8Gather, ParamSyncState, ProtocolError,
     StorageKind, WeightState, mxfp8_weight_config,

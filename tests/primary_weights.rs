@@ -14,6 +14,7 @@ use common::{
 use lowbit::buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
+use lowbit::buffers::protocol::StepProtocol;
 use lowbit::buffers::{BufferError, DataParallelBuffers, Mxfp8Gather, ProtocolError, WeightState};
 use lowbit::comm::{Communicator, GroupConfig, run_ranks};
 use lowbit::device::Device;

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)] // each test file uses part of the harness
 
+use lowbit::buffers::protocol::StepProtocol;
 use std::path::Path;
 use std::time::Duration;
 

@@ -24,6 +24,7 @@
 //! [--torch gpu/torch_muon.py] [--gpus 2] [--layers 8]`. Needs cuBLASLt on the library path
 //! (`gpu/with_cublas.sh` finds it). Prints a table last; `--json` writes every number.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::fmt::Write as _;
 use std::time::Instant;
 
