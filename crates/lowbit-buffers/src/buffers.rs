@@ -311,7 +311,7 @@ impl DataParallelBuffers {
     /// `outer` holds this rank's counterparts in the other replica groups. Gradients are then
     /// reduced in the shard group (scaled by `1/(dp · outer size)`), and each rank's reduced
     /// shards all-reduced across `outer` once per step, in
-    /// [`Self::finish_grad_sync`] (in the main-gradient dtype). Everything else (gathers,
+    /// [`StepProtocol::finish_grad_sync`] (in the main-gradient dtype). Everything else (gathers,
     /// staging, the norm over owned shards) stays in the shard group: replicas hold the same
     /// reduced gradients and masters, so they take the same steps.
     ///
