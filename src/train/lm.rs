@@ -269,7 +269,7 @@ fn discrete_name(grouped: &str, e: usize) -> String {
 }
 
 fn fnv(bytes: &[u8]) -> u64 {
-    lowbit_device::ptx::source_hash(bytes)
+    lowbit_io::fnv1a64(bytes)
 }
 
 /// Scratch memory of one forward/backward for batches of `batch` rows.

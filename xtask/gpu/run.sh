@@ -52,18 +52,18 @@ STEPS+=(
   "bench-cuda-kernels|300|set -o pipefail; bin/bench-lowbit-device-cuda_bench | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
-  # library path) against the CPU, then the muon_bench example: fast vs exact Newton-Schulz,
+  # library path) against the CPU, then the muon_bench benchmark: fast vs exact Newton-Schulz,
   # one Llama-3-8B layer (exact extrapolated, fast, torch.optim.Muon on the same card in the
   # same run) and layer-wise over 1 and 2 GPUs.
   "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
-  "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/bench-lowbit-optim-muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # The data-parallel step at real scale: lowbit's step per phase against bounds of
   # the same run (plain NCCL collectives, device copies of the same bytes) on 2 GPUs, every
   # precision and gradient dtype of Llama-3.2-1B and the 8B layer stack for MXFP8 staged; the
   # step with 1.5 ms of compute per layer and overlap on (exposed communication); the PyTorch
   # pipeline on the same GPUs; the comparison (target: >= 1.4x torch, MXFP8 staged, fp32 grads).
-  "bench-step|420|bin/step_bench --ranks 2 --model llama-3.2-1b --precision all --grads fp32,bf16 --also llama-3-8b-layers:mxfp8:fp32 --step-buckets 250000000 --json \$STEP_JSON"
-  "bench-step-overlap|240|bin/step_bench --ranks 2 --model llama-3.2-1b --precision mxfp8 --grads fp32 --compute-us 1500 --json \$STEP_JSON"
+  "bench-step|420|bin/bench-lowbit-optim-step_bench --ranks 2 --model llama-3.2-1b --precision all --grads fp32,bf16 --also llama-3-8b-layers:mxfp8:fp32 --step-buckets 250000000 --json \$STEP_JSON"
+  "bench-step-overlap|240|bin/bench-lowbit-optim-step_bench --ranks 2 --model llama-3.2-1b --precision mxfp8 --grads fp32 --compute-us 1500 --json \$STEP_JSON"
   "bench-torch-step|600|torchrun --nproc-per-node 2 gpu/torch_step.py --model llama-3.2-1b llama-3-8b-layers --grad-dtype fp32 bf16 --json \$STEP_JSON"
   # FSDP2 with torchao's float8 training and float8 all-gather on the same parameter set, a tiny
   # batch (ZeRO-3 and reshard_after_forward=False). torchao comes from the bundle's wheels/
@@ -71,7 +71,7 @@ STEPS+=(
   # the script says SKIPPED and writes {"skipped": reason}.
   "bench-torch-fsdp2|600|set -o pipefail; for w in wheels/torchao-*.whl; do [[ -f \$w ]] || continue; python3 -m pip install -q --no-deps --no-index --target \$WORK/pyao \$w || python3 -m zipfile -e \$w \$WORK/pyao; done; PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON | tee \$STEP_SUMMARY && PYTHONPATH=\$WORK/pyao\${PYTHONPATH:+:\$PYTHONPATH} torchrun --nproc-per-node 2 gpu/torch_fsdp2_step.py --model llama-3.2-1b --grad-dtype fp32 --reshard false --compile --json \$WORK/bench-torch-fsdp2-compiled.json | tee -a \$STEP_SUMMARY"
   # The same step on one GPU of the host (the step is measured on 1, 2 and 4 GPUs).
-  "bench-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 bin/step_bench --ranks 1 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --step-buckets 250000000 --json \$STEP_JSON"
+  "bench-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 bin/bench-lowbit-optim-step_bench --ranks 1 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32 --step-buckets 250000000 --json \$STEP_JSON"
   "bench-torch-step-1gpu|300|CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 --json \$STEP_JSON"
   "compare-step-1gpu|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/bench-step-1gpu.json \$WORK/bench-torch-step-1gpu.json | tee \$STEP_SUMMARY"
   "compare-step|60|set -o pipefail; fsdp2=(); [[ -f \$WORK/bench-torch-fsdp2.json ]] && fsdp2=(--fsdp2 \$WORK/bench-torch-fsdp2.json); python3 gpu/compare_step.py \$WORK/bench-step.json \$WORK/bench-torch-step.json \$WORK/bench-step-overlap.json \"\${fsdp2[@]}\""
@@ -101,7 +101,7 @@ STEPS+=(
   "train-cpu-fsdp|900|bash gpu/train_fsdp.sh cpu"
   "train-cuda-fsdp|900|bash gpu/train_fsdp.sh cuda"
   "compare-train-fsdp|60|set -o pipefail; for v in \$(bash gpu/train_fsdp.sh --list); do echo \"== \$v\"; python3 gpu/compare_train.py \$WORK/train-cpu-fsdp-\$v.json \$WORK/train-cuda-fsdp-\$v.json || exit 1; done | tee \$STEP_SUMMARY"
-  "bench-fsdp|600|set -o pipefail; bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY && bin/step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding optim,optim_grads --nan-check off,grad --iters 6 --json \$WORK/bench-nan-check.json | tee -a \$STEP_SUMMARY"
+  "bench-fsdp|600|set -o pipefail; bin/bench-lowbit-optim-step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding no_shard,optim,optim_grads,optim_grads_params --comm grads,bf16 --compute-us 1500 --iters 6 --json \$STEP_JSON | tee \$STEP_SUMMARY && bin/bench-lowbit-optim-step_bench --ranks 2 --model llama-3.2-1b --precision bf16 --grads fp32 --sharding optim,optim_grads --nan-check off,grad --iters 6 --json \$WORK/bench-nan-check.json | tee -a \$STEP_SUMMARY"
   # Hybrid sharding on 4 GPUs (HSDP, and HFSDP: optimizer state split across
   # the replica groups): 2 replica groups of 2 sharded ranks against
   # the CPU at 4 ranks (every collective of the trainer runs over 2 ranks, which NCCL reduces in
@@ -114,7 +114,7 @@ STEPS+=(
   "x4-hfsdp-cpu|600|bin/lowbit train --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
   "x4-hfsdp-cuda|600|bin/lowbit train --device cuda --ranks 4 --outer-dp 2 --outer-sharding optim --sharding optim_grads_params --param-gather off --steps 60 --json > \$STEP_JSON"
   "x4-compare-hybrid|60|set -o pipefail; { python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda.json && python3 gpu/compare_train.py \$WORK/x4-hybrid-cpu.json \$WORK/x4-hybrid-cuda-2nodes.json && python3 gpu/compare_train.py \$WORK/x4-hfsdp-cpu.json \$WORK/x4-hfsdp-cuda.json; } | tee \$STEP_SUMMARY"
-  "x4-bench-step|300|bin/step_bench --ranks 4 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32,bf16 --step-buckets 250000000 --json \$STEP_JSON"
+  "x4-bench-step|300|bin/bench-lowbit-optim-step_bench --ranks 4 --model llama-3.2-1b --precision bf16,mxfp8 --grads fp32,bf16 --step-buckets 250000000 --json \$STEP_JSON"
   "x4-bench-torch-step|300|torchrun --nproc-per-node 4 gpu/torch_step.py --model llama-3.2-1b --grad-dtype fp32 bf16 --json \$STEP_JSON"
   "x4-compare-step|60|set -o pipefail; python3 gpu/compare_step.py \$WORK/x4-bench-step.json \$WORK/x4-bench-torch-step.json | tee \$STEP_SUMMARY"
   # Checkpoints across backends: 60 steps saved every 20 on the CPU and on 2 GPUs

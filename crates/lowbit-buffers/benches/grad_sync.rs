@@ -36,6 +36,7 @@
 //! Run with `cargo bench -p lowbit-buffers --bench grad_sync` (well under a minute plus the
 //! build on two cores).
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::hint::black_box;
 use std::time::Duration;
 

@@ -10,6 +10,8 @@ use lowbit_layout::{BufferPlan, OptimizerId, ParamSpec, PlanConfig, ShardingPlan
 
 use crate::config::DdpConfig;
 use crate::error::{BufferError, ConfigError, ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::storage::{self, LowPrecisionWeights, Storage, StorageKind};
 
 /// Param-gather dispatch state of one bucket group.
@@ -168,7 +170,7 @@ pub struct OwnedShard {
     pub grad_view: View,
     /// Where the optimizer writes the rounded new values fused into its update (persistent
     /// storage); `None` when the weights are low precision and go through
-    /// [`DataParallelBuffers::stage`] instead.
+    /// [`StepProtocol::stage`] instead.
     pub fused_output: Option<View>,
 }
 
@@ -309,7 +311,7 @@ impl DataParallelBuffers {
     /// `outer` holds this rank's counterparts in the other replica groups. Gradients are then
     /// reduced in the shard group (scaled by `1/(dp · outer size)`), and each rank's reduced
     /// shards all-reduced across `outer` once per step, in
-    /// [`Self::finish_grad_sync`] (in the main-gradient dtype). Everything else (gathers,
+    /// [`StepProtocol::finish_grad_sync`] (in the main-gradient dtype). Everything else (gathers,
     /// staging, the norm over owned shards) stays in the shard group: replicas hold the same
     /// reduced gradients and masters, so they take the same steps.
     ///
@@ -361,14 +363,13 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// HFSDP: whether ranks of different replica groups own different pieces (the gradient
-    /// norm then sums over the replica group too: [`Self::replica_group`]).
-    pub fn optimizer_sharded_across_replicas(&self) -> bool {
+    /// The body of [`StepProtocol::optimizer_sharded_across_replicas`].
+    pub(crate) fn optimizer_sharded_across_replicas(&self) -> bool {
         self.replica_mode == ReplicaMode::ShardOptimizer && self.outer.is_some()
     }
 
-    /// The replica group of hybrid sharding, if any.
-    pub fn replica_group(&mut self) -> Option<&mut dyn Communicator> {
+    /// The body of [`StepProtocol::replica_group`].
+    pub(crate) fn replica_group(&mut self) -> Option<&mut dyn Communicator> {
         match &mut self.outer {
             Some(c) => Some(c.as_mut()),
             None => None,
@@ -409,13 +410,11 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Changes the dtype gradients are reduced in (`grad_comm_dtype`; `None`: the gradients'
-    /// own) between iterations: the policy may change, the buffers do not.
-    ///
-    /// # Errors
-    /// [`ProtocolError::CollectiveInFlight`] while a reduction is in flight or gradients of an
-    /// unfinished iteration wait in a communication bucket.
-    pub fn set_grad_comm_dtype(&mut self, dtype: Option<lowbit_layout::GradDType>) -> Result<()> {
+    /// The body of [`StepProtocol::set_grad_comm_dtype`].
+    pub(crate) fn set_grad_comm_dtype(
+        &mut self,
+        dtype: Option<lowbit_layout::GradDType>,
+    ) -> Result<()> {
         if self
             .groups
             .iter()
@@ -464,12 +463,12 @@ impl DataParallelBuffers {
     pub fn group_params(&self, g: usize) -> &[usize] {
         &self.groups[g].params
     }
-    /// The param-gather state of bucket group `g`.
-    pub fn param_sync_state(&self, g: usize) -> ParamSyncState {
+    /// The body of [`StepProtocol::param_sync_state`].
+    pub(crate) fn param_sync_state(&self, g: usize) -> ParamSyncState {
         self.groups[g].param_state
     }
-    /// The low-precision weight state of group `g`.
-    pub fn weight_state(&self, g: usize) -> WeightState {
+    /// The body of [`StepProtocol::weight_state`].
+    pub(crate) fn weight_state(&self, g: usize) -> WeightState {
         self.groups[g].weights
     }
     /// The storage kind of parameter `p`'s buffer.

@@ -109,7 +109,7 @@ pub enum ProtocolError {
         operation: &'static str,
     },
     /// A pipelined step's staging of one bucket group that the pipeline does not allow
-    /// (`DataParallelBuffers::stage_and_gather_group`).
+    /// (`StepProtocol::stage_and_gather_group`).
     #[error("bucket group {group}: pipelined staging refused: {what}")]
     Pipeline {
         /// The bucket group.

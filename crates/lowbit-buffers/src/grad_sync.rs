@@ -20,48 +20,26 @@ use lowbit_layout::GradReduce;
 use crate::buffers::GradComm;
 use crate::config::{GradScaling, NanCheck, Verify};
 use crate::error::{ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::storage;
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
 impl DataParallelBuffers {
-    /// Marks whether the coming backward is the last microbatch of the step (Megatron's
-    /// `no_sync`): only then do whole gradients become ready for reduction. Call it before
-    /// every microbatch (the step driver does): where gradients are sharded it is also the
-    /// microbatch boundary, at which the previous microbatch's unreduced gradients are reduced.
-    pub fn set_last_microbatch(&mut self, last: bool) {
+    /// The body of [`StepProtocol::set_last_microbatch`].
+    pub(crate) fn set_last_microbatch(&mut self, last: bool) {
         self.last_microbatch = last;
         self.microbatch_due = true;
     }
 
-    /// Zeroes every gradient buffer and resets the per-iteration grad-sync state. The first call
-    /// after the first batch freezes that batch's ready counts as the golden counts.
-    ///
-    /// Staged weights survive it. Where a staging view aliases the gradients (MXFP8 staged
-    /// through bf16), the bytes under the staging view of every [`WeightState::Staged`] group
-    /// are left as they are: that group's gather ships them and its completion zeroes them, and
-    /// no backward can write gradients before that (a backward needs every low-precision group
-    /// current: bug A2). So zeroing after staging cannot make a deferred gather ship zeros
-    /// (Megatron bug A3), and an iteration can stage first, then start the first gather and
-    /// zero the rest of the gradients while it runs ([`Self::reset_iteration`], stage, then
-    /// [`Self::zero_grads`]). For the same
-    /// reason a parameter gather in flight is allowed here: it reads and writes only such bytes
-    /// or a parameter region apart from the gradients, and it counts as the coming iteration's
-    /// gather of its group. Gradient reductions and unit gathers in flight are refused
-    /// ([`ProtocolError::CollectiveInFlight`]).
-    pub fn zero_grad_buffer(&mut self, dev: &mut Device) -> Result<()> {
+    /// The body of [`StepProtocol::zero_grad_buffer`].
+    pub(crate) fn zero_grad_buffer(&mut self, dev: &mut Device) -> Result<()> {
         self.reset_iteration(dev)?;
         self.zero_grads(dev)
     }
 
-    /// The first half of [`Self::zero_grad_buffer`], for a driver that stages between the two
-    /// halves (stage, start the first gather, then zero while it runs): refuses collectives in
-    /// flight that zeroing would race ([`ProtocolError::CollectiveInFlight`], before anything
-    /// is touched), frees leftover transient buckets and resets the iteration's counts. Follow
-    /// it with [`Self::zero_grads`].
-    ///
-    /// # Errors
-    /// [`ProtocolError::CollectiveInFlight`], device errors.
-    pub fn reset_iteration(&mut self, dev: &mut Device) -> Result<()> {
+    /// The body of [`StepProtocol::reset_iteration`].
+    pub(crate) fn reset_iteration(&mut self, dev: &mut Device) -> Result<()> {
         if self
             .groups
             .iter()
@@ -92,12 +70,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// The second half of [`Self::zero_grad_buffer`] (after [`Self::reset_iteration`]): zeroes
-    /// every gradient byte but the staging views of staged groups.
-    ///
-    /// # Errors
-    /// Device errors.
-    pub fn zero_grads(&self, dev: &mut Device) -> Result<()> {
+    /// The body of [`StepProtocol::zero_grads`].
+    pub(crate) fn zero_grads(&self, dev: &mut Device) -> Result<()> {
         for (bi, b) in self.buffers.iter().enumerate() {
             // The memory the staging view lies in: bf16 memory of its own where gradients are
             // sharded, the gradients themselves otherwise.
@@ -134,11 +108,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// The gradient view of `p` for accumulation in the backward. The first call after
-    /// `zero_grad_buffer` checks that every low-precision group is gathered (bug A2) and, with
-    /// [`Verify::Full`], that the gradient buffers are zero. Where gradients are sharded the
-    /// view is `p`'s slice of its group's transient bucket for this microbatch.
-    pub fn accumulation_view(&mut self, dev: &mut Device, p: usize) -> Result<View> {
+    /// The body of [`StepProtocol::accumulation_view`].
+    pub(crate) fn accumulation_view(&mut self, dev: &mut Device, p: usize) -> Result<View> {
         if self.check_before_backward {
             self.check_before_backward = false;
             for (gi, g) in self.groups.iter().enumerate() {
@@ -228,10 +199,8 @@ impl DataParallelBuffers {
         Ok(dev.try_alloc(self.comm_dtype(g), len)?)
     }
 
-    /// Reduces the gradients the last microbatch left where gradients are sharded, once per
-    /// microbatch boundary (announced by [`Self::set_last_microbatch`]); the hooks call it
-    /// before anything else of a microbatch.
-    pub fn begin_microbatch(
+    /// The body of [`StepProtocol::begin_microbatch`].
+    pub(crate) fn begin_microbatch(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -256,11 +225,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Called from the backward hook when parameter `p`'s gradient is complete for this
-    /// microbatch. A group's reduction starts once all of its parameters reported as often as
-    /// in the first batch, on the last microbatch of a step after the first; where gradients
-    /// are sharded, in every microbatch once all of them reported.
-    pub fn register_grad_ready(
+    /// The body of [`StepProtocol::register_grad_ready`].
+    pub(crate) fn register_grad_ready(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -365,19 +331,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Launches every reduction that [`Self::finish_grad_sync`] would launch and that needs no
-    /// memory of its own (it runs in place on the gradient buffer, or on the bucket it filled
-    /// already), without completing it: a completion in stages
-    /// ([`Self::grad_sync_order`], [`Self::finish_grad_sync_except`]) then finds them all in
-    /// flight, queued on the communicator's stream ahead of whatever follows each completion
-    /// on the device's. A reduction into a transient bucket (another wire dtype) is left to
-    /// its completion, so that at most one such bucket lives at a time, as in
-    /// `finish_grad_sync`; so is everything with hybrid sharding, and a group whose overlapped
-    /// reduction should have been launched by the backward (`finish_grad_sync` refuses it).
-    ///
-    /// # Errors
-    /// Those of `finish_grad_sync`'s launches; a parameter gather in flight is refused.
-    pub fn launch_grad_syncs(
+    /// The body of [`StepProtocol::launch_grad_syncs`].
+    pub(crate) fn launch_grad_syncs(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -517,9 +472,8 @@ impl DataParallelBuffers {
         r
     }
 
-    /// Completes every group's gradient reduction (launching those not started yet) and re-arms
-    /// the next forward's parameter gather. Idempotent within an iteration.
-    pub fn finish_grad_sync(
+    /// The body of [`StepProtocol::finish_grad_sync`].
+    pub(crate) fn finish_grad_sync(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -527,13 +481,8 @@ impl DataParallelBuffers {
         self.finish_grad_sync_all_but(dev, comm, &[])
     }
 
-    /// The bucket groups whose reductions [`Self::finish_grad_sync`] has still to complete, in
-    /// the order to complete them for work that follows each (the gradient norm, group by
-    /// group): those in flight in launch order, then those not launched yet in group order
-    /// (launched when completed). Empty where hybrid sharding reduces across replicas: that
-    /// reduction runs once over every group, so [`Self::finish_grad_sync_except`] of an empty
-    /// list completes everything there.
-    pub fn grad_sync_order(&self) -> Vec<usize> {
+    /// The body of [`StepProtocol::grad_sync_order`].
+    pub(crate) fn grad_sync_order(&self) -> Vec<usize> {
         if self.outer.is_some() {
             return Vec::new();
         }
@@ -545,13 +494,8 @@ impl DataParallelBuffers {
         order
     }
 
-    /// [`Self::finish_grad_sync`] except for the groups `except`: completes (launching first
-    /// where needed) every other group's reduction, in group order. Call it with a shorter
-    /// `except` to complete more (e.g. the tail of [`Self::grad_sync_order`] one group shorter
-    /// at a time), and [`Self::finish_grad_sync`] at the end, before anything else. With hybrid
-    /// sharding the groups left out are completed too where any other group is (the reduction
-    /// across replicas takes every group at once).
-    pub fn finish_grad_sync_except(
+    /// The body of [`StepProtocol::finish_grad_sync_except`].
+    pub(crate) fn finish_grad_sync_except(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -637,9 +581,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// The bucket groups whose gradient reduction is in flight, in launch order (for tests and
-    /// diagnostics of the overlap).
-    pub fn grad_reduce_in_flight(&self) -> Vec<usize> {
+    /// The body of [`StepProtocol::grad_reduce_in_flight`].
+    pub(crate) fn grad_reduce_in_flight(&self) -> Vec<usize> {
         let mut launched: Vec<(u64, usize)> = (0..self.groups.len())
             .filter_map(|g| match self.groups[g].grad_comm {
                 GradComm::Launched { seq, .. } => Some((seq, g)),

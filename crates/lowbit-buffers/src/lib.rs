@@ -9,12 +9,22 @@
 //! lazily (MXFP8 staged through bf16, 2D MXFP8 or NVFP4 as bytes, or bf16 as is), dequantizes
 //! them for compute, accumulates gradients into flat buffers and reduces them bucket by bucket
 //! as they become ready. Optimizers (`lowbit-optim`) read the reduced shards; the step driver
-//! (`lowbit-train`) decides the order: it resets and zeroes an iteration
-//! ([`DataParallelBuffers::reset_iteration`], [`DataParallelBuffers::zero_grads`]), completes
-//! the reductions, marks owners stale and stages their new weights
-//! ([`DataParallelBuffers::stage`], or group by group with
-//! [`DataParallelBuffers::stage_and_gather_group`]) and syncs parameters. Nothing here calls
-//! back into an optimizer or a driver: the buffers act when told and refuse wrong orders.
+//! (`lowbit-train`) decides the order: it resets and zeroes an iteration, completes the
+//! reductions, marks owners stale and stages their new weights (all at once or group by group)
+//! and syncs parameters. Nothing here calls back into an optimizer or a driver: the buffers act
+//! when told and refuse wrong orders.
+//!
+//! # Two surfaces: a model uses the inherent methods, the driver uses [`protocol::StepProtocol`]
+//! - **A model** (and an optimizer's constructor, a checkpoint) sees [`DataParallelBuffers`]'s
+//!   inherent methods: construction ([`DataParallelBuffers::new`],
+//!   [`DataParallelBuffers::with_plan`], the replica group), the plan and the specs, parameter
+//!   and gradient views, the low-precision weights, owned shards, initialization, memory; and it
+//!   reads parameters and writes gradients through [`DpHooks`] ([`Hooks`]).
+//! - **The step driver** (`lowbit-train`, and tests or benchmarks that drive a step by hand)
+//!   imports [`protocol::StepProtocol`], implemented for [`DataParallelBuffers`]: zeroing and
+//!   resetting an iteration, microbatch boundaries, gradient readiness and reductions, staging,
+//!   parameter gathers and their completion, FSDP unit release, the gradient wire dtype and the
+//!   per-group states the protocol checks. Everything else is `pub(crate)`.
 //!
 //! # Modules
 //! - [`layout`] (re-exported `lowbit-layout`): the pure plan; nobody here re-derives it.
@@ -24,6 +34,7 @@
 //!   [`DataParallelBuffers`] by job (`pipeline`: staging and gathers group by group for a step
 //!   whose optimizer updates group by group).
 //! - `hooks`, `policy`, `dp_hooks`: the model-facing protocol.
+//! - [`protocol`]: [`protocol::StepProtocol`], the driver-facing protocol.
 //!
 //! # Invariants
 //! - **One owner per bucket group**: groups are built per buffer and a buffer's key includes
@@ -36,9 +47,9 @@
 //!   `Current`; a group gathered twice in an iteration is an error. These make
 //!   Megatron's staging bugs (A1–A3, C, E) errors in every build profile ([`ProtocolError`]).
 //! - **Explicit dispatch state** per group ([`ParamSyncState`]), reset by
-//!   [`DataParallelBuffers::finish_grad_sync`] and refused while a gather is in flight (C, F4).
+//!   [`protocol::StepProtocol::finish_grad_sync`] and refused while a gather is in flight (C, F4).
 //! - **The communicator is the plan's group**: every launch checks its size and rank (F3).
-//! - **Pipelined staging in element order**: [`DataParallelBuffers::pipeline_groups`] orders a
+//! - **Pipelined staging in element order**: [`protocol::StepProtocol::pipeline_groups`] orders a
 //!   buffer's groups by increasing offset, so a staging view that aliases the f32 gradients
 //!   only ever overwrites gradients already read by the update.
 //!
@@ -56,6 +67,7 @@ mod memory;
 mod param_sync;
 mod pipeline;
 mod policy;
+pub mod protocol;
 mod stage;
 mod storage;
 mod units;

@@ -6,6 +6,8 @@ use lowbit_device::Device;
 use lowbit_layout::ParamGather;
 
 use crate::error::{ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::storage::{AfterGather, Gathered};
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
@@ -117,17 +119,12 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Gathers every group that needs it now and completes those in flight (the
-    /// non-overlapped path after the optimizer step, and forced syncs). Low-precision groups
-    /// must be `Current` or `Staged`; a `Stale` one is an error.
-    ///
-    /// Every gather is launched before any is completed: a launch orders the collective after
-    /// the work already queued on the device's stream, so a gather launched after the previous
-    /// group's completion (re-quantization) would wait for it; launched first, the gathers run
-    /// back to back and each group's re-quantization runs beside the later gathers. Each
-    /// gather writes only its own group's region, which no completion of another group reads
-    /// or writes.
-    pub fn sync_params(&mut self, dev: &mut Device, comm: &mut dyn Communicator) -> Result<()> {
+    /// The body of [`StepProtocol::sync_params`].
+    pub(crate) fn sync_params(
+        &mut self,
+        dev: &mut Device,
+        comm: &mut dyn Communicator,
+    ) -> Result<()> {
         // Refuse before gathering anything.
         (0..self.groups.len()).try_for_each(|g| self.check_not_stale(g))?;
         self.complete_param_sync(dev)?;
@@ -141,10 +138,8 @@ impl DataParallelBuffers {
         self.complete_param_sync(dev)
     }
 
-    /// Waits for every gather in flight and completes it. The completions' host values
-    /// (NVFP4's amaxes) are read once at the end, also when a completion fails (the groups
-    /// after it stay in flight, for the next call).
-    pub fn complete_param_sync(&mut self, dev: &mut Device) -> Result<()> {
+    /// The body of [`StepProtocol::complete_param_sync`].
+    pub(crate) fn complete_param_sync(&mut self, dev: &mut Device) -> Result<()> {
         let mut done = Ok(());
         for g in 0..self.groups.len() {
             if let Some(w) = self.groups[g].param_work.take() {
@@ -161,11 +156,8 @@ impl DataParallelBuffers {
         done.and(settled)
     }
 
-    /// The forward pre-hook of the layers whose parameters are in group `g`: refuses stale
-    /// weights; with overlapped gather, dispatches the group's gather if nobody has, waits for
-    /// it, completes it and prefetches the next group's (groups were created in backward order,
-    /// so forward order runs down).
-    pub fn finish_param_sync(
+    /// The body of [`StepProtocol::finish_param_sync`].
+    pub(crate) fn finish_param_sync(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -193,9 +185,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// The bucket groups whose parameter gather is in flight (for tests and diagnostics: after
-    /// the pre-forward hook of group `g`, the prefetch is group `g - 1`).
-    pub fn param_gathers_in_flight(&self) -> Vec<usize> {
+    /// The body of [`StepProtocol::param_gathers_in_flight`].
+    pub(crate) fn param_gathers_in_flight(&self) -> Vec<usize> {
         self.groups_where(|g| g.param_state == ParamSyncState::InFlight)
     }
 
@@ -207,9 +198,8 @@ impl DataParallelBuffers {
         }
     }
 
-    /// Resets every group's gather state to idle (after staging new values); refuses while a
-    /// gather is in flight.
-    pub fn reset_param_sync(&mut self) -> Result<()> {
+    /// The body of [`StepProtocol::reset_param_sync`].
+    pub(crate) fn reset_param_sync(&mut self) -> Result<()> {
         self.refuse_gather_in_flight("reset_param_sync")?;
         self.groups
             .iter_mut()

@@ -1,7 +1,7 @@
 //! The pipelined step's staging and gathers: bucket group by bucket group, so that each group's
 //! parameter gather runs beside the optimizer's update of the groups after it. The step driver
-//! asks [`DataParallelBuffers::pipeline_groups`] for the order, has the optimizer update each
-//! group and hands the updated pieces to [`DataParallelBuffers::stage_and_gather_group`]. Without overlapped
+//! asks [`StepProtocol::pipeline_groups`] for the order, has the optimizer update each
+//! group and hands the updated pieces to [`StepProtocol::stage_and_gather_group`]. Without overlapped
 //! gathers `sync_params` then completes the gathers in flight; with them the forward's
 //! pre-hooks do (a gather in flight at the zeroing counts as the coming forward's).
 //!
@@ -16,16 +16,14 @@ use lowbit_device::{Device, View};
 use lowbit_layout::{OptimizerId, ParamGather};
 
 use crate::error::{ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::stage::{StagePiece, joined_runs};
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
 impl DataParallelBuffers {
-    /// The bucket groups of `owner` in the order a pipelined step updates, stages and gathers
-    /// them (per buffer, increasing element offset), or `None` where the step is not pipelined:
-    /// hybrid sharding, sharded parameters (gathered per use), nothing gathered, or fewer than
-    /// two groups. Tile-scaled weights are staged group by group too (one MAX-reduction of the
-    /// group's tile amaxes each). The same on every rank: it depends on the plan only.
-    pub fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
+    /// The body of [`StepProtocol::pipeline_groups`].
+    pub(crate) fn pipeline_groups(&self, owner: OptimizerId) -> Option<Vec<usize>> {
         if self.outer.is_some() {
             return None;
         }
@@ -54,19 +52,8 @@ impl DataParallelBuffers {
         Some(mine.into_iter().map(|(_, _, g)| g).collect())
     }
 
-    /// Stages bucket group `g` of `owner` from `pieces` (this rank's owned pieces of the group's
-    /// parameters with their new master values; pieces of persistent weights, which the update
-    /// wrote itself, are ignored) and launches the group's parameter gather, asynchronously:
-    /// [`Self::stage`] and the gather of [`Self::sync_params`] for one group of a pipelined
-    /// step, in the order of [`Self::pipeline_groups`] (which must have returned `g`). The
-    /// group's low-precision weights become `Staged` and its gather is in flight; the next
-    /// `sync_params` or `complete_param_sync`, or the group's forward pre-hook, completes it.
-    ///
-    /// # Errors
-    /// `Pipeline` for a group that is not `owner`'s or cannot be pipelined, or a piece outside
-    /// the group; `GatherInFlight` if the group's gather is in flight; buffer, collective and
-    /// device errors.
-    pub fn stage_and_gather_group(
+    /// The body of [`StepProtocol::stage_and_gather_group`].
+    pub(crate) fn stage_and_gather_group(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,

@@ -1,5 +1,5 @@
 //! Staging: how an optimizer hands new master values to low-precision storage. One entry point,
-//! [`DataParallelBuffers::stage`], whatever the storage: a bf16 cast into the staging view, or a
+//! [`StepProtocol::stage`], whatever the storage: a bf16 cast into the staging view, or a
 //! shard-by-shard quantization after a MAX-reduction of tile amaxes (collective).
 
 use std::ops::Range;
@@ -9,6 +9,8 @@ use lowbit_device::{Device, View};
 use lowbit_layout::{OptimizerId, ParamGather};
 
 use crate::error::{ConfigError, ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::storage::TileScaled;
 use crate::{DataParallelBuffers, ParamSyncState, WeightState};
 
@@ -24,17 +26,8 @@ pub struct StagePiece {
 }
 
 impl DataParallelBuffers {
-    /// Stages `owner`'s new weights from its masters: `pieces` are this rank's owned pieces of
-    /// `owner`'s low-precision parameters (others are ignored). Afterwards every low-precision
-    /// group of `owner` is [`WeightState::Staged`] with its gather re-armed, so the next
-    /// forward (or sync) gathers it exactly once. Collective (tile amaxes are MAX-reduced
-    /// across ranks): every rank calls it for the same owner. Refuses while a gather of such a
-    /// group is in flight.
-    ///
-    /// With overlapped gathers, the first group in forward order may have its gather started
-    /// here as soon as it is staged (see `early_gather`): it is then in flight when this
-    /// returns, and the forward's pre-hook completes it.
-    pub fn stage(
+    /// The body of [`StepProtocol::stage`].
+    pub(crate) fn stage(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -244,8 +237,8 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Marks the low-precision groups of `owner` stale: its masters moved.
-    pub fn mark_stale(&mut self, owner: OptimizerId) {
+    /// The body of [`StepProtocol::mark_stale`].
+    pub(crate) fn mark_stale(&mut self, owner: OptimizerId) {
         // HFSDP: the optimizer wrote only this rank's part of its parameter shards.
         self.replica_params_stale = true;
         for g in &mut self.groups {
@@ -256,8 +249,8 @@ impl DataParallelBuffers {
         }
     }
 
-    /// Whether any low-precision group of `owner` is stale.
-    pub fn has_stale(&self, owner: OptimizerId) -> bool {
+    /// The body of [`StepProtocol::has_stale`].
+    pub(crate) fn has_stale(&self, owner: OptimizerId) -> bool {
         self.groups.iter().any(|g| {
             let b = &self.buffers[g.buffer];
             b.storage.is_low_precision() && b.owner() == owner && g.weights == WeightState::Stale

@@ -9,8 +9,8 @@
 //! [`UnitGather::PerUsage`] (fine-grained, seed 002) only the one the use reads: rowwise for a
 //! forward, columnwise for a backward.
 //!
-//! A gathered unit is never stale: units are released by [`DataParallelBuffers::finish_grad_sync`],
-//! [`DataParallelBuffers::release_units`] (called by forced syncs and at the start of an iteration),
+//! A gathered unit is never stale: units are released by [`StepProtocol::finish_grad_sync`],
+//! [`StepProtocol::release_units`] (called by forced syncs and at the start of an iteration),
 //! so no unit survives an optimizer step.
 
 use lowbit_comm::{Communicator, Op};
@@ -18,6 +18,8 @@ use lowbit_device::{DType, Device, View};
 
 use crate::config::UnitGather;
 use crate::error::{ProtocolError, Result};
+#[cfg(doc)]
+use crate::protocol::StepProtocol;
 use crate::storage::{Mxfp8Weights, Nvfp4Rows, Nvfp4Weights, UnitParts};
 use crate::{DataParallelBuffers, Usage, matrix_dims};
 
@@ -82,10 +84,8 @@ impl DataParallelBuffers {
         }
     }
 
-    /// The pre-hook of a parameter of group `g` used for `usage`: a sharded-parameter unit is
-    /// gathered (or its prefetch awaited), every other unit but the next one is released, and
-    /// the next one is prefetched; other groups go through [`Self::finish_param_sync`].
-    pub fn prepare_params(
+    /// The body of [`StepProtocol::prepare_params`].
+    pub(crate) fn prepare_params(
         &mut self,
         dev: &mut Device,
         comm: &mut dyn Communicator,
@@ -253,20 +253,18 @@ impl DataParallelBuffers {
         Ok(())
     }
 
-    /// Releases every gathered unit (waiting for gathers in flight).
-    pub fn release_units(&mut self, dev: &mut Device) -> Result<()> {
+    /// The body of [`StepProtocol::release_units`].
+    pub(crate) fn release_units(&mut self, dev: &mut Device) -> Result<()> {
         (0..self.groups.len()).try_for_each(|g| self.release_unit(dev, g))
     }
 
-    /// The units gathered now (for tests and diagnostics: at most the one in use and the
-    /// prefetched one).
-    pub fn gathered_units(&self) -> Vec<usize> {
+    /// The body of [`StepProtocol::gathered_units`].
+    pub(crate) fn gathered_units(&self) -> Vec<usize> {
         self.groups_where(|g| !g.unit.is_empty())
     }
 
-    /// The copies unit `g` holds now: (rowwise, columnwise) of a low-precision unit (for tests
-    /// of fine-grained gathers).
-    pub fn unit_copies(&self, g: usize) -> (bool, bool) {
+    /// The body of [`StepProtocol::unit_copies`].
+    pub(crate) fn unit_copies(&self, g: usize) -> (bool, bool) {
         let c = &self.groups[g].unit.copies;
         (c[0].is_some(), c[1].is_some())
     }

@@ -12,7 +12,7 @@ use lowbit_optim::{Optimizer, StateViews};
 
 use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
-use crate::json::Json;
+use crate::json::{Json, Limits};
 use crate::manifest::{Manifest, Meta, OptimizerEntry, TensorEntry};
 use crate::read::{Parts, Request};
 use crate::read_views::ViewRequest;
@@ -68,7 +68,8 @@ impl Checkpoint {
             msg,
         };
         let text = String::from_utf8(bytes).map_err(|_| bad("not UTF-8".into()))?;
-        let json = Json::parse(&text).map_err(bad)?;
+        // The message is the parser's: the problem and its byte offset.
+        let json = Json::parse_with(&text, Limits::default()).map_err(|e| bad(e.to_string()))?;
         let manifest = match Manifest::from_json(&json) {
             Ok(m) => m,
             Err(Ok(found)) => {

@@ -483,7 +483,7 @@ fn commit(
     for r in 0..size {
         let path = tmp.join(index_file(r));
         let text = fs::read_to_string(&path).map_err(io("read", &path))?;
-        let v = Json::parse(&text).map_err(|m| bad(&path, m))?;
+        let v = Json::parse(&text).map_err(|e| bad(&path, e.to_string()))?;
         let get_u = |v: &Json, k: &str| match v.member(k) {
             Some(Json::UInt(n)) => Ok(*n),
             _ => Err(bad(&path, format!("`{k}`"))),
@@ -589,7 +589,7 @@ fn commit(
     let text = manifest.to_json().to_text();
     let mpath = tmp.join(MANIFEST);
     // What is written must be what a loader accepts: coverage, ranges, names.
-    let check = Json::parse(&text).map_err(|m| bad(&mpath, m))?;
+    let check = Json::parse(&text).map_err(|e| bad(&mpath, e.to_string()))?;
     Manifest::from_json(&check).map_err(|e| {
         bad(
             &mpath,

@@ -190,10 +190,9 @@ impl Json {
     /// Parses `text` (one value, surrounding whitespace allowed) within the default [`Limits`].
     ///
     /// # Errors
-    /// The message of a [`ParseError`] (the problem and its byte offset); see
-    /// [`Json::parse_with`] for the typed error.
-    pub fn parse(text: &str) -> Result<Json, String> {
-        Json::parse_with(text, Limits::default()).map_err(|e| e.to_string())
+    /// The first problem and its byte offset, as for [`Json::parse_with`].
+    pub fn parse(text: &str) -> Result<Json, ParseError> {
+        Json::parse_with(text, Limits::default())
     }
 
     /// Parses `text` (one value, surrounding whitespace allowed) within `limits`.

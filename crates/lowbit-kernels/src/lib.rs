@@ -66,19 +66,11 @@ pub static MODULES: &[Module] = &[
 /// The prefix of the first PTX line, followed by the source hash in hex.
 pub const HASH_HEADER: &str = "// lowbit-source-fnv1a64: ";
 
-/// FNV-1a (64-bit) of a kernel source: small, dependency-free and stable across platforms.
+/// FNV-1a (64-bit) of a kernel source: [`lowbit_io::fnv1a64`], the workspace's one FNV-1a
+/// (small, dependency-free and stable across platforms), so the PTX headers, checkpoint
+/// manifests and the command line's seeds all hash with the same bits.
 pub fn source_hash(bytes: &[u8]) -> u64 {
-    fnv1a_extend(FNV_OFFSET, bytes)
-}
-
-/// FNV-1a's offset basis (64-bit).
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// FNV-1a (64-bit) continued from `hash` over `bytes`.
-fn fnv1a_extend(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    lowbit_io::fnv1a64(bytes)
 }
 
 /// The folder of the headers the kernel sources share, relative to the package root.
@@ -105,16 +97,16 @@ pub fn module_hash(dir: &std::path::Path, stem: &str) -> Result<u64, ModuleHashE
     let read = |path: std::path::PathBuf| {
         std::fs::read(&path).map_err(|source| ModuleHashError { path, source })
     };
-    let mut hash = fnv1a_extend(FNV_OFFSET, &read(dir.join(format!("{stem}.cu")))?);
+    let mut hash = source_hash(&read(dir.join(format!("{stem}.cu")))?);
     for header in headers(dir)? {
         let name = header
             .file_name()
             .unwrap_or_default()
             .as_encoded_bytes()
             .to_vec();
-        hash = fnv1a_extend(hash, &name);
-        hash = fnv1a_extend(hash, &[0]);
-        hash = fnv1a_extend(hash, &read(header)?);
+        hash = lowbit_io::hash::fnv1a64_continue(hash, &name);
+        hash = lowbit_io::hash::fnv1a64_continue(hash, &[0]);
+        hash = lowbit_io::hash::fnv1a64_continue(hash, &read(header)?);
     }
     Ok(hash)
 }

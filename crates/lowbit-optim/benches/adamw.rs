@@ -21,6 +21,7 @@
 //!
 //! Run with `cargo bench -p lowbit-optim --bench adamw` (about 20 s plus the build).
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::hint::black_box;
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torch.optim.Muon on the matrices of one Llama-3-8B layer: the baseline of lowbit's
-`muon_bench` (crates/lowbit-optim/examples/muon_bench.rs), run by it on the same card.
+`muon_bench` (crates/lowbit-optim/benches/muon_bench.rs), run by it on the same card.
 
 q, o 4096x4096; k, v 1024x4096; gate, up 14336x4096; down 4096x14336; f32 parameters and
 gradients on the GPU; PyTorch's defaults (momentum 0.95, Nesterov, 5 Newton-Schulz steps in bf16,

@@ -16,6 +16,7 @@
 //! let report = it.step(dev, comm)?;                  // = it.finish_grad_sync(..)?.step(..)
 //! ```
 
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     ComputeFormat, DataParallelBuffers, DpHooks, HookMode, HookScratch, PrecisionPolicy,
     ProtocolError,
@@ -192,7 +193,7 @@ impl Trainer {
     }
     /// Changes the gradient communication dtype for the next iterations (the mixed-precision
     /// policy may change between iterations; see
-    /// [`DataParallelBuffers::set_grad_comm_dtype`]).
+    /// [`StepProtocol::set_grad_comm_dtype`]).
     ///
     /// # Errors
     /// A reduction still in flight.

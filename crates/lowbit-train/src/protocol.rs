@@ -19,6 +19,7 @@
 //! module is the only place that decides when a gather runs: optimizers update, buffers stage
 //! and gather when told.
 
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, StagePiece};
 use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, View};
@@ -51,7 +52,7 @@ pub fn begin_iteration(
 }
 
 /// Stages every owner's weights from `opt`'s masters (collective): low-precision weights
-/// through [`DataParallelBuffers::stage`]; with `only_stale`, only owners whose weights are
+/// through [`StepProtocol::stage`]; with `only_stale`, only owners whose weights are
 /// stale. Without `only_stale` (forced syncs) persistent weights are rewritten from the masters
 /// too, so that a forced sync after an import makes every weight reflect the masters. Every
 /// rank stages every owner, also one it holds no piece of (the staging may be collective).
@@ -270,7 +271,7 @@ fn stage_owner(
 /// wants the norm before it steps.
 ///
 /// The reductions complete one bucket group at a time
-/// (`DataParallelBuffers::grad_sync_order`: those in flight in launch order, then those
+/// (`StepProtocol::grad_sync_order`: those in flight in launch order, then those
 /// launched now); only the last group's pieces are summed after the last reduction (one wait
 /// for the device for all of them).
 ///
@@ -298,7 +299,7 @@ pub fn finish_grad_sync_and_norm(
 
 /// This rank's sum of squares with the reductions completed in stages: every reduction that can
 /// is launched first (so that none queues behind a sum), stage 0 completes everything outside
-/// [`DataParallelBuffers::grad_sync_order`] (with hybrid sharding: everything), stage k the
+/// [`StepProtocol::grad_sync_order`] (with hybrid sharding: everything), stage k the
 /// k-th group of that order, and each stage's pieces are widened and summed as soon as it is
 /// complete.
 fn staged_local_sum_squares(

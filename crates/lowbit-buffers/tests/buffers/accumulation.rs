@@ -9,6 +9,7 @@ use crate::common;
 use common::model::Mlp;
 use common::{run, spec};
 use lowbit_buffers::layout::{GradDType, ParamSpec, ParamStorage, ShardingStrategy};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     DataParallelBuffers, DdpConfig, DpHooks, GradAccumulation, HookMode, HookScratch, Overlap,
     PrecisionPolicy, Verify,

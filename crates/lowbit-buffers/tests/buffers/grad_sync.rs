@@ -11,6 +11,7 @@ use crate::common;
 
 use common::{add_into, assert_same_bits, bits, download_f32, round_to, run, seed, spec, values};
 use lowbit_buffers::layout::{GradDType, ParamSpec, ParamStorage, ShardingStrategy};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, GradScaling, Overlap, Verify};
 
 /// Elements per bucket: small enough for several bucket groups at every dp.

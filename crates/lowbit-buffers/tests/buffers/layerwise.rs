@@ -12,6 +12,7 @@ use common::{
 };
 use lowbit_buffers::layout::ShardingStrategy;
 use lowbit_buffers::layout::{GradDType, ParamSpec, ParamStorage, PlanConfig, ShardingPlan};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
 use lowbit_comm::Communicator;
 

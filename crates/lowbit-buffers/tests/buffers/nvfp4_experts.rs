@@ -14,6 +14,7 @@ use common::{
     write_fused_outputs,
 };
 use lowbit_buffers::layout::{GradDType, LayoutError, OptimizerId, ParamSpec, ParamStorage};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     BufferError, ComputeFormat, ConfigError, DataParallelBuffers, DdpConfig, DpHooks, HookMode,
     HookScratch, Hooks, Overlap, ParamCompute, PrecisionPolicy, Usage, Verify, dequant_nvfp4,

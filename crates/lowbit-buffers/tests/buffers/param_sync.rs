@@ -11,6 +11,7 @@ use common::{
     values, write_fused_outputs,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     ComputeFormat, DataParallelBuffers, DdpConfig, DpHooks, HookMode, HookScratch, Hooks, Overlap,
     ParamCompute, ParamSyncState, PrecisionPolicy, Usage, Verify, WeightState,

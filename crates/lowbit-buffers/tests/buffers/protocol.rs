@@ -9,6 +9,7 @@ use common::{
     MXFP8, free_pieces, mxfp8_bytes, protocol_err, run, seed, solo, spec, stage_pieces, values,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, DdpConfig, Overlap, ProtocolError, Verify,
     WeightState,

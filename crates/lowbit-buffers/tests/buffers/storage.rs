@@ -13,6 +13,7 @@ use common::{
     upload_f32, values, weight_parts, write_fused_outputs,
 };
 use lowbit_buffers::layout::{GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     DataParallelBuffers, DdpConfig, Mxfp8Gather, Overlap, StorageKind, Verify, WeightState,
     mxfp8_weight_config, nvfp4_weight_config,

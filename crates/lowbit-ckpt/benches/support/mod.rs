@@ -3,6 +3,7 @@
 //! step is `Optimizer::apply` over fixed gradients, which changes every master and moment.
 
 use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, DdpConfig};
 use lowbit_device::Device;
 use lowbit_optim::{AdamW, DistributedOptimizer, OptimConfig, Optimizer, UpdateScope};

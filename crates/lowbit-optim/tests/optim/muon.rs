@@ -13,6 +13,7 @@
 //!   gradient before the momentum; memory is masters + momentum + scratch;
 //! - refusals: a plan that splits a parameter, a non-matrix parameter, bad hyper-parameters.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::time::Duration;
 
 use lowbit_dev_support::json::Json;

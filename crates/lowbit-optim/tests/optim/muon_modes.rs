@@ -3,6 +3,7 @@
 //! an f32 iterate is refused (tensor-core inputs are bf16). The GPU side (Fast on cuBLASLt, its
 //! deviation from Exact) is `examples/muon_bench.rs`.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::time::Duration;
 
 use lowbit_buffers::layout::{

@@ -15,6 +15,7 @@ use common::{assert_same_bits, download_f32, run, seed, values};
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, ShardingStrategy,
 };
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, DdpConfig, Overlap, Verify};
 use lowbit_comm::Communicator;
 use lowbit_device::bf16;

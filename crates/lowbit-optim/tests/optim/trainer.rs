@@ -13,6 +13,7 @@ use common::{
     run, specs, train_step, trainer, weight_bytes,
 };
 use lowbit_buffers::layout::GradDType;
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     BufferError, ConfigError, DataParallelBuffers, DpHooks, HookMode, HookScratch, Hooks, Overlap,
     PrecisionPolicy, ProtocolError, Usage,

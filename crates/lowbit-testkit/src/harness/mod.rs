@@ -24,6 +24,7 @@ pub use tiny::*;
 /// The bitwise comparison every parity assertion uses (one definition, the crate root's).
 pub use crate::bits;
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::path::Path;
 use std::time::Duration;
 

@@ -7,6 +7,7 @@
 //! 1/dp on the wrong tensor). Prints one line per case.
 
 use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, Overlap};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;

@@ -12,6 +12,7 @@
 //!   `M(M(y[0]) + y[1] …)`.
 
 use lowbit_buffers::layout::{BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, Overlap, Verify};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;

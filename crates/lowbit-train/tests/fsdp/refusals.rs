@@ -7,6 +7,7 @@ use crate::common;
 
 use common::{Setup, run, specs};
 use lowbit_buffers::layout::{ParamStorage, QuantKind};
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, NanCheck, Overlap, ProtocolError};
 use lowbit_comm::Communicator;
 use lowbit_device::Device;

@@ -7,6 +7,7 @@
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     DataParallelBuffers, ProtocolError, Usage, mxfp8_weight_config, nvfp4_weight_config,
 };

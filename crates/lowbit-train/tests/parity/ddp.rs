@@ -2,6 +2,7 @@
 //! `lowbit-buffers` (buckets, grad sync, param sync) and `lowbit-optim` (distributed AdamW and
 //! SGD, chained), all through `lowbit_testkit::harness`.
 
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_testkit::harness;
 use std::time::{Duration, Instant};
 

@@ -16,6 +16,7 @@
 //! (4a/4b) and the gradient-dtype check are in `muon_refusals.rs`.
 
 use lowbit_buffers::layout::OptimizerId;
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     BufferError, DataParallelBuffers, ParamSyncState, ProtocolError, StorageKind, WeightState,
     mxfp8_weight_config,

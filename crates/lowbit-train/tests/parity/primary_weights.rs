@@ -8,6 +8,7 @@
 use lowbit_buffers::layout::{
     BufferKey, GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind,
 };
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{BufferError, DataParallelBuffers, Mxfp8Gather, ProtocolError, WeightState};
 use lowbit_comm::{Communicator, GroupConfig, run_ranks};
 use lowbit_device::Device;

@@ -8,6 +8,7 @@ pub use lowbit_testkit::{bits, run, seed, values};
 use lowbit_buffers::layout::{
     GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
 };
+use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{
     ComputeFormat, DataParallelBuffers, Hooks, Overlap, PrecisionPolicy, ReplicaMode, Verify,
 };

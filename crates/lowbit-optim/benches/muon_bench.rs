@@ -20,10 +20,11 @@
 //!    (`protocol::step`: grad norm, update, bf16 write-back, all-gather of the parameters), and
 //!    the gradient sync before it timed separately.
 //!
-//! `cargo run --release -p lowbit-optim --features cuda --example muon_bench -- [--json PATH]
+//! `cargo bench -p lowbit-optim --features cuda --bench muon_bench -- [--json PATH]
 //! [--torch gpu/torch_muon.py] [--gpus 2] [--layers 8]`. Needs cuBLASLt on the library path
 //! (`gpu/with_cublas.sh` finds it). Prints a table last; `--json` writes every number.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -759,7 +760,8 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
+    // `cargo bench` appends `--bench` to every bench target's arguments; it is not a flag here.
+    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
     let json_path = arg(&args, "--json");
     let torch_script = arg(&args, "--torch");
     let gpus =

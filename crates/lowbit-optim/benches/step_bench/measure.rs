@@ -1,6 +1,7 @@
 //! What one rank measures: the bounds (plain collectives and device copies of the step's
 //! sizes), the step phase by phase and whole, and the step interleaved with compute.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::collections::BTreeMap;
 use std::time::Instant;
 

@@ -36,7 +36,7 @@
 //! [--step-call one|two] [--kernel NAME=VERSION,…]
 //! [--json OUT]`: the cross
 //! product of the lists, plus each `--also`. Without GPUs:
-//! `cargo run --release -p lowbit-optim --example step_bench -- --device cpu --model tiny`.
+//! `cargo bench -p lowbit-optim --bench step_bench -- --device cpu --model tiny`.
 //! `--json` writes `{"impl", "card", "world", "runs": [...]}`, each run with the keys of
 //! `torch_step.py`'s JSON plus `precision`, `bounds` and `ratios` (`xtask/gpu/compare_step.py`
 //! puts the two side by side).
@@ -612,7 +612,13 @@ fn main() {
 }
 
 fn run() -> Res<()> {
-    let args = Args(std::env::args().skip(1).collect());
+    // `cargo bench` appends `--bench` to every bench target's arguments; it is not a flag here.
+    let args = Args(
+        std::env::args()
+            .skip(1)
+            .filter(|a| a != "--bench")
+            .collect(),
+    );
     let device = args
         .get("--device")
         .unwrap_or(if cfg!(feature = "cuda") {

@@ -2,6 +2,7 @@
 //! `benches/torch_step.py`'s `parameter_set()`), the precision of the primary weights, the
 //! buffers and distributed AdamW built from them, and the gradients a kernel writes.
 
+use lowbit_buffers::protocol::StepProtocol;
 use std::error::Error;
 use std::ops::Range;
 
