@@ -1,7 +1,7 @@
 //! Checkpoints of `lowbit train` end to end: resume parity (training 2N steps straight equals
 //! training N, saving, resuming and training to 2N — losses, grad norms, evals and the final
-//! masters bit for bit) along each axis once, saving every step changes nothing (seed 000),
-//! grouped ↔ discrete experts on load (seed 004), resharding 4 → 2 → 3 ranks, refusals of a
+//! masters bit for bit) along each axis once, saving every step changes nothing (Megatron-LM PR #4994),
+//! grouped ↔ discrete experts on load (Megatron-LM PR #5464), resharding 4 → 2 → 3 ranks, refusals of a
 //! mismatched resume, `lowbit ckpt inspect/verify/export`, and kill -9 at many instants.
 //!
 //! Parity axes (one test each, not the cross product; all at 4 ranks, 2 microbatches, 128
@@ -11,7 +11,7 @@
 //! - overlap: saved with both overlaps on → resumed with both off, and the reverse;
 //! - optimizer: Muon layer-wise (mxfp8, grouped), and Muon saved grouped → resumed discrete;
 //! - eval schedule: evals every 2 steps, saved after step 3 (between two evals);
-//! - experts: seed 004's save-only, save-grouped-load-discrete, save-discrete-load-grouped.
+//! - experts: Megatron-LM PR #5464's save-only, save-grouped-load-discrete, save-discrete-load-grouped.
 
 use lowbit_testkit::harness;
 use std::path::{Path, PathBuf};

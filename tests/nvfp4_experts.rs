@@ -1,5 +1,5 @@
 //! `lowbit train --precision nvfp4` with grouped expert weights (`[experts, out, in]`) in NVFP4
-//! primary storage, one global amax per expert (seed 004): at 1 to 4 ranks, with buckets whose
+//! primary storage, one global amax per expert (Megatron-LM PR #5464): at 1 to 4 ranks, with buckets whose
 //! shards cut through experts, the four ways to compute the same arithmetic train to the same
 //! bits — grouped with the gather on (packed NVFP4 storage) and off (bf16 weights quantized
 //! expert by expert on the fly), and discrete per-expert weights with the gather on and off:

@@ -270,7 +270,7 @@ impl Source {
             Source::Text(t) => format!(
                 "text {} bytes fnv1a64 {:016x}",
                 t.bytes.len(),
-                lowbit_device::ptx::source_hash(&t.bytes)
+                lowbit_io::fnv1a64(&t.bytes)
             ),
         }
     }

@@ -552,7 +552,7 @@ fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [Mast
         .flatten()
         .flat_map(|v| v.to_le_bytes())
         .collect();
-    lowbit_device::ptx::source_hash(&bytes)
+    lowbit_io::fnv1a64(&bytes)
 }
 
 fn err(rank: usize) -> impl Fn(&dyn std::fmt::Display) -> TrainError {
@@ -766,7 +766,7 @@ fn rank_main(
             && job.ck.saves_after(step + 1, cfg.steps)
             && writes_checkpoints
         {
-            // A save right after the step under overlapped gathers: sync first (seed 000), so
+            // A save right after the step under overlapped gathers: sync first (Megatron-LM PR #4994), so
             // the weights are Q(bf16) of the masters being saved and the next step's gathers
             // start from a clean state; the run's bits do not change.
             let t = Instant::now();

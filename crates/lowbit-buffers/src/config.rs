@@ -73,7 +73,7 @@ pub enum Mxfp8Gather {
     Direct2d,
 }
 
-/// Where the backward accumulates each parameter's gradient (seed 004's test axis).
+/// Where the backward accumulates each parameter's gradient (Megatron-LM PR #5464's test axis).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum GradAccumulation {
@@ -131,7 +131,7 @@ pub enum UnitGather {
     /// Both MXFP8 copies at once (more memory, fewer collectives).
     #[default]
     BothCopies,
-    /// Fine-grained (seed 002): the rowwise copy for a forward, the columnwise copy for a
+    /// Fine-grained (Megatron-LM PR #4181): the rowwise copy for a forward, the columnwise copy for a
     /// backward.
     PerUsage,
 }

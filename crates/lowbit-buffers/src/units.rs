@@ -6,7 +6,7 @@
 //!
 //! A unit of bf16/f32 parameters gathers the values. A unit of MXFP8 parameters (sharded by
 //! rows, `storage/mxfp8_rows.rs`) gathers the quantized copies: both at once, or with
-//! [`UnitGather::PerUsage`] (fine-grained, seed 002) only the one the use reads: rowwise for a
+//! [`UnitGather::PerUsage`] (fine-grained, Megatron-LM PR #4181) only the one the use reads: rowwise for a
 //! forward, columnwise for a backward.
 //!
 //! A gathered unit is never stale: units are released by [`StepProtocol::finish_grad_sync`],

@@ -1,6 +1,6 @@
 //! Layout conversion on load: a parameter the model asks for that the checkpoint does not hold
 //! can be assembled from element ranges of parameters it does hold ([`Alias`]). One rule covers
-//! both directions of grouped ↔ per-expert weights (seed 004): a per-expert tensor is one slice
+//! both directions of grouped ↔ per-expert weights (Megatron-LM PR #5464): a per-expert tensor is one slice
 //! of the grouped `[experts, out, in]` tensor, and a grouped tensor is the concatenation of the
 //! per-expert ones, state by state (masters and every optimizer state tensor alike).
 

@@ -134,7 +134,7 @@ impl NsDtype {
 
 /// How the Newton–Schulz GEMMs run.
 ///
-/// **Fast vs exact**, measured by `examples/muon_bench.rs` on an NVIDIA H200 (CUDA 13 cuBLASLt,
+/// **Fast vs exact**, measured by `benches/muon_bench.rs` on an NVIDIA H200 (CUDA 13 cuBLASLt,
 /// 2026-11-26): one Muon step (PyTorch's defaults, bf16 iterate, 5 NS steps) on a Gaussian
 /// gradient, the orthogonalized update `O` of the two modes compared.
 ///
@@ -175,7 +175,7 @@ pub enum NsMode {
     /// **On the CPU backend Fast runs [`NsMode::Exact`]** (the CPU has no tensor cores, and the
     /// exact path is its fastest): a CPU run with Fast is bit-identical to one with Exact.
     ///
-    /// Speed (`examples/muon_bench.rs`, one H200, one step over the seven matrices of a
+    /// Speed (`benches/muon_bench.rs`, one H200, one step over the seven matrices of a
     /// Llama-3-8B layer, f32 parameters and gradients): Fast 33.4 ms, `torch.optim.Muon` (2.11)
     /// 35.5 ms on the same card in the same run, Exact 21.8 s.
     Fast,

@@ -1,4 +1,4 @@
-//! NVFP4 primary storage of grouped expert tensors (`[experts, out, in]`, seed 004): every
+//! NVFP4 primary storage of grouped expert tensors (`[experts, out, in]`, Megatron-LM PR #5464): every
 //! expert is a 2D NVFP4 matrix of its own with its own global amax. After `initialize` and
 //! after a stage + gather from owned pieces that cut through experts (dp 1 to 4), each expert's
 //! copies and amax equal quantizing that expert's `bf16(values)` alone; what compute reads

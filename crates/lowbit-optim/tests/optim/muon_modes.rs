@@ -1,7 +1,7 @@
 //! Muon's Newton–Schulz modes on the CPU: `NsMode::Fast` falls back to the exact mode there, bit
 //! for bit (wide, tall and square matrices, a grouped expert tensor, three steps), and Fast with
 //! an f32 iterate is refused (tensor-core inputs are bf16). The GPU side (Fast on cuBLASLt, its
-//! deviation from Exact) is `examples/muon_bench.rs`.
+//! deviation from Exact) is `benches/muon_bench.rs`.
 
 use lowbit_buffers::protocol::StepProtocol;
 use std::time::Duration;

@@ -129,7 +129,7 @@ pub fn rank_main(
         if let Some(CkptHook::SaveAfter(n, root)) = run.ckpt
             && n == step + 1
         {
-            // Right after the step (under overlapped gathers: staged, not gathered): seed 000.
+            // Right after the step (under overlapped gathers: staged, not gathered): Megatron-LM PR #4994.
             trainer.force_param_sync(dev, comm).map_err(|x| e(&x))?;
             let meta = lowbit_ckpt::Meta {
                 step: n as u64,

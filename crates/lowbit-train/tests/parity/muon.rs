@@ -1,5 +1,5 @@
 //! Muon on whole matrices (the layer-wise plan rule) chained with distributed AdamW and SGD on
-//! shared buffers, under MXFP8 (staged and direct 2D) and NVFP4 primary weights: seed 001's gaps
+//! shared buffers, under MXFP8 (staged and direct 2D) and NVFP4 primary weights: Megatron-LM PR #4987's gaps
 //! (Megatron-LM PR 4987) as invariants, each with the test that fails without it, and the ON/OFF
 //! parity matrix.
 //!

@@ -77,7 +77,7 @@ fn layerwise_ownership_trains_the_same_bits_as_distributed() {
     }
 }
 
-/// Gradient-accumulation fusion (seed 004's axis): accumulating straight into the buffer or into
+/// Gradient-accumulation fusion (Megatron-LM PR #5464's axis): accumulating straight into the buffer or into
 /// a per-parameter f32 gradient added when the parameter is ready gives the same bits, for every
 /// precision, gradient dtype and overlap mode, with several microbatches.
 #[test]
