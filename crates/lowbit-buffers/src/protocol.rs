@@ -68,7 +68,7 @@ pub trait StepProtocol {
 
     /// The gradient view of `p` for accumulation in the backward. The first call after
     /// `zero_grad_buffer` checks that every low-precision group is gathered (bug A2) and, with
-    /// [`Verify::Full`], that the gradient buffers are zero. Where gradients are sharded the
+    /// [`Verify::Full`](crate::Verify::Full), that the gradient buffers are zero. Where gradients are sharded the
     /// view is `p`'s slice of its group's transient bucket for this microbatch.
     fn accumulation_view(&mut self, dev: &mut Device, p: usize) -> Result<View>;
 

@@ -436,7 +436,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
 }
 
 /// The header of a file of `specs` and `metadata` and each spec's data offset
-/// ([`header::layout`]); a header over safetensors' size limit is refused.
+/// (`header::layout`); a header over safetensors' size limit is refused.
 pub fn layout(
     path: &Path,
     specs: &[Spec],
@@ -449,7 +449,7 @@ pub fn layout(
 }
 
 /// Serializes tensors and metadata into a safetensors byte buffer, deterministically: the
-/// metadata keys are sorted ([`header::layout`]), so identical inputs give identical files.
+/// metadata keys are sorted (`header::layout`), so identical inputs give identical files.
 pub fn serialize(
     path: &Path,
     tensors: Vec<(String, OutTensor<'_>)>,

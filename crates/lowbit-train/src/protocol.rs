@@ -175,7 +175,7 @@ fn owner_groups(
 /// Counts the step, updates every owner's pieces and stages the new weights: the driver's
 /// half of a step after the norm.
 ///
-/// - Where gathers overlap the forward and every owner pipelines ([`owner_groups`]): per
+/// - Where gathers overlap the forward and every owner pipelines (`owner_groups`): per
 ///   group, update, stage, launch its gather; the gathers stay in flight and the forward's
 ///   pre-hooks complete them (the next `begin_iteration` finds nothing stale).
 /// - Where gathers overlap the forward otherwise: update everything; the next

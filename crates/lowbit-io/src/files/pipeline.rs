@@ -24,7 +24,7 @@ const FLIGHT_ELEMS: usize = 12 << 20;
 pub const BAND: usize = 32;
 
 /// The row chunks of a `rows × cols` matrix for `workers` threads: whole bands, about
-/// [`FLIGHT_ELEMS`] / (2 · workers + 1) elements each (`LOWBIT_CHUNK_ELEMS` overrides that, so
+/// `FLIGHT_ELEMS` / (2 · workers + 1) elements each (`LOWBIT_CHUNK_ELEMS` overrides that, so
 /// tests cross many chunk boundaries on small files); one chunk when the matrix is empty.
 #[derive(Clone, Copy, Debug)]
 pub struct Chunks {
