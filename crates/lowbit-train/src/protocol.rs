@@ -23,7 +23,10 @@ use lowbit_buffers::protocol::StepProtocol;
 use lowbit_buffers::{DataParallelBuffers, StagePiece};
 use lowbit_comm::Communicator;
 use lowbit_device::{DType, Device, View};
-use lowbit_optim::{GradPiece, OptimError, Optimizer, Result, StepReport, UpdateScope};
+use lowbit_layout::OptimizerId;
+use lowbit_optim::{
+    GradPiece, MasterPiece, OptimError, Optimizer, Result, StepReport, UpdateScope,
+};
 
 /// Starts an iteration: stages `bf16(master)` for every owner whose low-precision weights are
 /// stale, starts the first group's gather if gathers are overlapped with the forward, then
@@ -66,8 +69,20 @@ pub fn stage(
     opt: &dyn Optimizer,
     only_stale: bool,
 ) -> Result<()> {
+    stage_where(dev, comm, bufs, opt, only_stale, |_| true)
+}
+
+/// [`stage`] of the owners `which` selects.
+fn stage_where(
+    dev: &mut Device,
+    comm: &mut dyn Communicator,
+    bufs: &mut DataParallelBuffers,
+    opt: &dyn Optimizer,
+    only_stale: bool,
+    which: impl Fn(OptimizerId) -> bool,
+) -> Result<()> {
     for (owner, pieces) in opt.masters_to_stage() {
-        if only_stale && !bufs.has_stale(owner) {
+        if !which(owner) || (only_stale && !bufs.has_stale(owner)) {
             continue;
         }
         let mut low = Vec::with_capacity(pieces.len());
@@ -78,16 +93,22 @@ pub fn stage(
                 // (Compute weights used as masters are already the stored values.)
                 Some(out) if !only_stale && out != piece.master => dev.cast(piece.master, out)?,
                 Some(_) => {}
-                None => low.push(StagePiece {
-                    param: piece.param,
-                    param_range: piece.range,
-                    master: piece.master,
-                }),
+                None => low.extend(staged(piece)),
             }
         }
         bufs.stage(dev, comm, owner, &low)?;
     }
     Ok(())
+}
+
+/// What the buffers stage of an updated piece: low-precision pieces only (persistent storage
+/// took the rounded values in the fused update).
+fn staged(piece: MasterPiece) -> Option<StagePiece> {
+    piece.fused_output.is_none().then_some(StagePiece {
+        param: piece.param,
+        param_range: piece.range,
+        master: piece.master,
+    })
 }
 
 /// One optimizer step after `finish_grad_sync`: the global gradient norm over every part and
@@ -156,7 +177,7 @@ pub fn clip_or_skip(grad_norm: f32, clip_grad: Option<f32>) -> Option<f32> {
 fn owner_groups(
     bufs: &DataParallelBuffers,
     opt: &dyn Optimizer,
-    owner: lowbit_layout::OptimizerId,
+    owner: OptimizerId,
 ) -> Option<Vec<usize>> {
     if !opt.updates_in_parts(owner) {
         return None;
@@ -214,21 +235,13 @@ pub fn update_and_stage(
                 for g in groups {
                     let updated =
                         opt.update(dev, clip, UpdateScope::Params(bufs.group_params(g)))?;
-                    let pieces: Vec<StagePiece> = updated
-                        .into_iter()
-                        .filter(|p| p.fused_output.is_none())
-                        .map(|p| StagePiece {
-                            param: p.param,
-                            param_range: p.range,
-                            master: p.master,
-                        })
-                        .collect();
+                    let pieces: Vec<StagePiece> = updated.into_iter().filter_map(staged).collect();
                     bufs.stage_and_gather_group(dev, comm, owner, g, &pieces)?;
                 }
             }
             None => {
                 opt.update(dev, clip, UpdateScope::Owner(owner))?;
-                stage_owner(dev, comm, bufs, opt, owner)?;
+                stage_where(dev, comm, bufs, opt, true, |o| o == owner)?;
             }
         }
     }
@@ -236,32 +249,6 @@ pub fn update_and_stage(
         bufs.sync_params(dev, comm)?;
     }
     Ok(())
-}
-
-/// [`stage`] of one stale owner (after its update).
-fn stage_owner(
-    dev: &mut Device,
-    comm: &mut dyn Communicator,
-    bufs: &mut DataParallelBuffers,
-    opt: &dyn Optimizer,
-    owner: lowbit_layout::OptimizerId,
-) -> Result<()> {
-    if !bufs.has_stale(owner) {
-        return Ok(());
-    }
-    let low: Vec<StagePiece> = opt
-        .masters_to_stage()
-        .into_iter()
-        .filter(|(o, _)| *o == owner)
-        .flat_map(|(_, pieces)| pieces)
-        .filter(|p| p.fused_output.is_none())
-        .map(|p| StagePiece {
-            param: p.param,
-            param_range: p.range,
-            master: p.master,
-        })
-        .collect();
-    Ok(bufs.stage(dev, comm, owner, &low)?)
 }
 
 /// Completes every gradient reduction, each group's share of this rank's sum of squares
@@ -309,7 +296,6 @@ fn staged_local_sum_squares(
     opt: &dyn Optimizer,
 ) -> Result<f64> {
     bufs.launch_grad_syncs(dev, comm)?;
-    let pieces = opt.grad_pieces();
     if comm.size() == 1 {
         // Nothing runs beside the sums on one rank, so stages would only split one launch
         // into several (the early ones on a quarter of a GPU): the same bits in one.
@@ -319,6 +305,7 @@ fn staged_local_sum_squares(
     let order = bufs.grad_sync_order();
     bufs.finish_grad_sync_except(dev, comm, &order)?;
     let stages = order.len();
+    let pieces = opt.grad_pieces();
     // A piece's stage: 0 if its group is reduced already, else its group's place in the order
     // plus one.
     let stage_of: Vec<usize> = pieces
@@ -329,18 +316,16 @@ fn staged_local_sum_squares(
         })
         .collect();
     let mut done = 0;
-    let sums = widened_sums(dev, &pieces, &stage_of, |d, k| {
-        // Complete every stage up to `k` not completed yet, once each, in order.
+    // Completes every stage up to `k` not completed yet, once each, in order.
+    let mut complete_through = |d: &mut Device, k: usize| -> Result<()> {
         while done < k.min(stages) {
             done += 1;
             bufs.finish_grad_sync_except(d, comm, &order[done..])?;
         }
         Ok(())
-    })?;
-    while done < stages {
-        done += 1;
-        bufs.finish_grad_sync_except(dev, comm, &order[done..])?;
-    }
+    };
+    let sums = widened_sums(dev, &pieces, &stage_of, &mut complete_through)?;
+    complete_through(dev, stages)?;
     Ok(opt.fold_sum_squares(&sums))
 }
 
