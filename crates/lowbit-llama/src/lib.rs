@@ -1,0 +1,37 @@
+//! A Llama-3-style decoder built on lowbit's crates, as a downstream project would build it: only
+//! their public APIs (`lowbit-nn`'s layers over `lowbit-buffers`' hooks, `lowbit-device`'s ops).
+//!
+//! # Purpose
+//! - [`config`]: the model's shape ([`LlamaConfig`]), the presets (`llama-tiny`, `llama-125m`,
+//!   `llama-1b`, `llama-8b-layers`) and config files (TOML, unknown keys and wrong types refused).
+//! - [`params`]: every parameter with its Hugging Face Llama name and shape, in forward order, and
+//!   the deterministic initialization.
+//! - [`model`]: [`Llama`], the forward and hand-written backward of the decoder over a batch of
+//!   token sequences (embedding, RMSNorm, RoPE, causal GQA attention, SwiGLU, a tied or untied
+//!   head with a chunked cross-entropy), eval losses and next-token logits.
+//! - [`generate`]: greedy and temperature sampling from next-token logits.
+//! - [`data`]: tokenizers (GPT-2 BPE, bytes), token shards on disk with a manifest, memory-mapped
+//!   reading and a deterministic sample order.
+//!
+//! # Invariants
+//! - The model owns activations and scratch only; parameters and gradients are the hooks'. Its
+//!   op sequence depends on the configuration and the batch shape only, so every trajectory is
+//!   the same whatever storage (bf16, MXFP8, NVFP4) or sharding the hooks implement.
+//! - Every GEMM weight (the attention and MLP projections) is a matrix parameter that a precision
+//!   policy may store in low precision; the embedding, the norms and the head are not.
+//!
+//! # Non-goals
+//! Training loops, optimizers, ranks and checkpoints (those are `lowbit-train` and below, and the
+//! command line); fast kernels (the exact ops here are the reference).
+
+pub mod config;
+pub mod data;
+pub mod generate;
+pub mod model;
+pub mod params;
+
+mod error;
+
+pub use config::LlamaConfig;
+pub use error::{LlamaError, Result};
+pub use model::Llama;
