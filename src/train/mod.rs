@@ -27,6 +27,7 @@ mod config;
 pub mod data;
 pub mod json;
 pub mod lm;
+mod models;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -48,8 +49,8 @@ pub use config::{
     DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
     gpu_count, owners,
 };
-use data::{EvalItem, MarkovSource, Source, Target, TextSource};
-use lm::{Lm, ParamInfo};
+use lm::ParamInfo;
+use models::JobModel;
 pub use lowbit_buffers::NanCheck;
 pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
@@ -196,15 +197,9 @@ pub fn train_with(
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
-    let source = match &cfg.data {
-        Some(path) => {
-            Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
-        }
-        None => Source::Markov(MarkovSource::new(cfg.shape.vocab, cfg.seed)),
-    };
     let mut cfg = cfg.clone();
-    cfg.shape.vocab = source.vocab();
-    let data_id = source.fingerprint();
+    let model = JobModel::build(&mut cfg)?;
+    let data_id = model.fingerprint();
     let resume = match &ck.resume {
         Some(path) => {
             let c = Checkpoint::open(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
@@ -218,7 +213,7 @@ pub fn train_with(
         // this function).
         ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
     }
-    let info = cfg.shape.params();
+    let info = model.params(&cfg);
     let specs = cfg.specs(&info);
     // The plan is pure: make it once here for the report (and to refuse a bad one up front);
     // every rank makes the same one.
@@ -226,21 +221,10 @@ pub fn train_with(
         .plan(&specs)
         .map_err(|e| TrainError::Invalid(format!("sharding plan: {e}")))?;
     let (owners, muon_ranks) = ownership(&cfg, &info, &specs, &plan)?;
-    // The eval set, padded with weightless items to whole batches on every rank.
-    let (mut eval_items, eval_exact) =
-        source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
-    let eval_len = eval_items.len();
-    let split = cfg.ranks * cfg.rows();
-    let pad = EvalItem {
-        weight: 0.0,
-        ..eval_items[0].clone()
-    };
-    eval_items.resize(eval_len.div_ceil(split) * split, pad);
     let job = Job {
         cfg: &cfg,
-        source: &source,
+        model: &model,
         info: &info,
-        eval: &eval_items,
         progress,
         ck,
         data_id: &data_id,
@@ -281,8 +265,8 @@ pub fn train_with(
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
-        floor: source.floor(),
-        eval_set: (eval_len, eval_exact),
+        floor: model.floor(),
+        eval_set: model.eval_set(),
         params: info.iter().map(|p| p.shape.iter().product::<usize>()).sum(),
         master_checksum: checksum,
         memory: o0.memory.clone(),
@@ -365,10 +349,9 @@ const ADAMW_DECAY: f32 = 0.1;
 /// What every rank of a run shares.
 struct Job<'a> {
     cfg: &'a TrainConfig,
-    source: &'a Source,
+    /// The model and its data.
+    model: &'a JobModel,
     info: &'a [ParamInfo],
-    /// The eval set, a whole number of batches per rank.
-    eval: &'a [EvalItem],
     /// Called by rank 0 after every step.
     progress: &'a (dyn Fn(&StepLog) + Sync),
     /// Where and when to save.
@@ -470,28 +453,6 @@ pub fn launched_world_size() -> Result<Option<usize>, TrainError> {
 /// As [`launched_world_size`].
 pub fn launched_rank() -> Result<usize, TrainError> {
     Ok(launched_env()?.map_or(0, |e| e.rank))
-}
-
-/// Cross-entropy of one row of logits against a target, in f64 (log-softmax with the max
-/// subtracted).
-fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
-    let mx = logits
-        .iter()
-        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
-    let lse = mx
-        + logits
-            .iter()
-            .map(|&x| (f64::from(x) - mx).exp())
-            .sum::<f64>()
-            .ln();
-    match target {
-        Target::Token(t) => lse - f64::from(logits[*t as usize]),
-        Target::Dist(p) => p
-            .iter()
-            .zip(logits)
-            .map(|(q, &x)| q * (lse - f64::from(x)))
-            .sum(),
-    }
 }
 
 /// Master shards as bytes for a gather between processes: per shard, its parameter id, range
@@ -600,7 +561,7 @@ fn rank_main(
 ) -> Result<RankOutcome, TrainError> {
     let Job {
         cfg,
-        source,
+        model,
         info,
         progress,
         ..
@@ -630,7 +591,7 @@ fn rank_main(
         bufs.set_replica_group(r, cfg.fsdp().replica_mode())
             .map_err(|x| e(&x))?;
     }
-    let init = cfg.shape.init(cfg.seed);
+    let init = model.init(cfg);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
     let optim = OptimConfig::new(cfg.lr).with_master_dtype(cfg.fsdp().master_dtype());
@@ -671,19 +632,9 @@ fn rank_main(
     let mut saved = Vec::new();
     let mut saver = lowbit_ckpt::AsyncSaver::new();
     let rows = cfg.rows();
-    let mut lm = Lm::new(dev, cfg.shape, rows)
-        .with_recompute(dev, cfg.recompute)
-        .map_err(|x| e(&x))?;
+    let mut lm = model.rank(cfg, dev, rows).map_err(|x| e(&x))?;
     let scalar = dev.alloc(DType::F32, 1);
     let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
-    let context = cfg.shape.context;
-    let batch_of = |first: u64| {
-        let (mut t, mut y) = (Vec::new(), Vec::new());
-        for i in 0..rows as u64 {
-            source.sample(cfg.seed, first + i, false, context, &mut t, &mut y);
-        }
-        (t, y)
-    };
     // The mean over the world of one value per rank: all-gathered and added in rank order on
     // the host, as the CPU backend's `Avg` adds (then divided in f32), so a reported loss has
     // the same bits at any rank count on any backend (NCCL's all-reduce order beyond 2 ranks is
@@ -696,8 +647,7 @@ fn rank_main(
         let sum = all[1..].iter().fold(all[0], |a, &b| a + b);
         Ok::<f32, TrainError>(sum / all.len() as f32)
     };
-    let per_rank = job.eval.len() / cfg.ranks;
-    let vocab = cfg.shape.vocab;
+    let per_rank = model.eval_items() / cfg.ranks;
     let start = Instant::now();
     for step in job.start..cfg.steps {
         trainer
@@ -715,10 +665,9 @@ fn rank_main(
             let mut hooks =
                 iteration.microbatch(tcomm(&mut shard, comm), m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
-            let (tokens, targets) = batch_of(first);
             let scale = 1.0 / cfg.microbatches as f32;
             loss += lm
-                .step(dev, &mut hooks, &tokens, &targets, Some(scale))
+                .train(dev, &mut hooks, first, scale)
                 .map_err(|x| e(&x))?;
         }
         phases.forward_backward += t.elapsed();
@@ -747,14 +696,9 @@ fn rank_main(
                 .map_err(|x| e(&x))?;
             phases.param_sync += t.elapsed();
             let t = Instant::now();
-            let mut total = 0f64;
-            for chunk in job.eval[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
-                let tokens: Vec<u32> = chunk.iter().flat_map(|i| i.tokens.clone()).collect();
-                let logits = lm.logits(dev, &mut hooks, &tokens).map_err(|x| e(&x))?;
-                for (item, row) in chunk.iter().zip(logits.chunks_exact(vocab)) {
-                    total += item.weight * cross_entropy(row, &item.target);
-                }
-            }
+            let total = lm
+                .eval(dev, &mut hooks, rank * per_rank..(rank + 1) * per_rank)
+                .map_err(|x| e(&x))?;
             // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
             let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
             diverged(cfg, "eval loss", v, step)?;
@@ -815,7 +759,9 @@ fn rank_main(
                 steps: cfg.steps,
                 loss,
                 eval,
-                tokens_per_s: ((step + 1 - job.start) * cfg.batch) as f64 / secs,
+                tokens_per_s: ((step + 1 - job.start) * cfg.batch * model.tokens_per_sample())
+                    as f64
+                    / secs,
             });
         }
     }
