@@ -70,6 +70,11 @@ pub enum Command {
     /// fp32 masters and optimizer state per rank) and a `latest` pointer; every command takes
     /// the root (its latest) or a `step-N` directory.
     Ckpt(crate::ckpt_cmd::CkptArgs),
+    /// Evaluate a checkpoint's weights on held-out data: the mean validation loss.
+    ///
+    /// The run is rebuilt from the checkpoint's manifest (model, precision, optimizer), so the
+    /// weights are exactly those the training run evaluated after that step.
+    Eval(crate::eval_cmd::EvalArgs),
 }
 
 /// Arguments of `lowbit quantize`.
@@ -172,5 +177,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Train(args) => crate::train_cmd::run(&args),
         Command::Ckpt(args) => crate::ckpt_cmd::run(&args),
+        Command::Eval(args) => crate::eval_cmd::run_eval(&args),
     }
 }

@@ -15,6 +15,7 @@ mod ckpt_cmd;
 mod cli;
 mod demo;
 mod error;
+mod eval_cmd;
 mod report;
 mod train_cmd;
 

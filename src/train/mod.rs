@@ -44,18 +44,20 @@ use lowbit_optim::{
 use lowbit_train::Trainer;
 use lowbit_train::launch::{self, LaunchEnv, LaunchError, RankFailure, World};
 
-pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
+pub use ckpt::{
+    Checkpointing, MAY_CHANGE, apply_model_settings, config_map, layout_options, shape_of,
+};
 pub use config::{
     DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
     gpu_count, owners,
 };
 use lm::ParamInfo;
-use models::JobModel;
 pub use lowbit_buffers::NanCheck;
 pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, OuterSharding, Sharding,
 };
+use models::{JobModel, RankModel};
 
 /// Progress of one step, as rank 0 reports it.
 #[derive(Clone, Copy, Debug)]
@@ -101,6 +103,8 @@ pub struct TrainReport {
     pub resumed_from: Option<PathBuf>,
     /// The checkpoints this run saved, in order.
     pub saved: Vec<PathBuf>,
+    /// The token ids [`RunMode::Generate`] sampled (empty otherwise).
+    pub generated: Vec<u32>,
     /// Every step's mean training loss.
     pub losses: Vec<f32>,
     /// Every step's global gradient norm.
@@ -177,6 +181,7 @@ struct RankOutcome {
     phases: Phases,
     wall: Duration,
     saved: Vec<PathBuf>,
+    generated: Vec<u32>,
 }
 
 /// Runs `cfg` and reports; `progress` is called by rank 0 after every step.
@@ -196,6 +201,68 @@ pub fn train_with(
     ck: &Checkpointing,
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
+    execute(cfg, ck, &RunMode::Train, progress)
+}
+
+/// What a run does once its weights are loaded.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunMode {
+    /// Train from the (resumed) step to `--steps`.
+    Train,
+    /// Only evaluate the checkpoint's weights (`lowbit eval`): the report's `evals` holds one
+    /// entry, at the checkpoint's step. Data other than the training data are allowed.
+    Eval,
+    /// Only sample a continuation of a prompt with the checkpoint's weights (`lowbit
+    /// generate`): the report's `generated` holds the new token ids.
+    Generate(Sampling),
+}
+
+/// A generation request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_new: usize,
+    /// 0 for greedy decoding, else the softmax temperature.
+    pub temperature: f32,
+    /// Sample only among the k most likely tokens (`None`: all).
+    pub top_k: Option<usize>,
+    /// Seed of the sampler.
+    pub seed: u64,
+    /// Stop at this token (the tokenizer's end of text), if given.
+    pub stop: Option<u32>,
+}
+
+/// Evaluates, or samples from, the weights of checkpoint `ckpt` under `cfg` (which must describe
+/// the checkpoint's model and precision; `--steps` is set to the checkpoint's step). Weights are
+/// exactly the training run's after that step: Q(bf16(master)) through the same buffers.
+///
+/// # Errors
+/// As [`train_with`]; [`TrainError::Invalid`] for `mode` [`RunMode::Train`].
+pub fn from_checkpoint(
+    cfg: &TrainConfig,
+    ckpt: &std::path::Path,
+    mode: &RunMode,
+) -> Result<TrainReport, TrainError> {
+    if *mode == RunMode::Train {
+        return Err(TrainError::Invalid(
+            "from_checkpoint evaluates or generates; train with train_with".into(),
+        ));
+    }
+    let ck = Checkpointing {
+        resume: Some(ckpt.to_path_buf()),
+        ..Checkpointing::default()
+    };
+    execute(cfg, &ck, mode, &|_| {})
+}
+
+fn execute(
+    cfg: &TrainConfig,
+    ck: &Checkpointing,
+    mode: &RunMode,
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
     let mut cfg = cfg.clone();
     let model = JobModel::build(&mut cfg)?;
@@ -203,12 +270,20 @@ pub fn train_with(
     let resume = match &ck.resume {
         Some(path) => {
             let c = Checkpoint::open(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-            let step = ckpt::check_resume(&cfg, &data_id, &c)?;
+            let step = if *mode == RunMode::Train {
+                ckpt::check_resume(&cfg, &data_id, &c)?
+            } else {
+                ckpt::checkpoint_step(&c)?
+            };
+            if *mode != RunMode::Train {
+                // Nothing to train: the schedule ends at the checkpoint.
+                cfg.steps = step;
+            }
             Some((c, step))
         }
         None => None,
     };
-    if launched_rank()? == 0 {
+    if launched_rank()? == 0 && *mode == RunMode::Train {
         // One process tidies and checks the save root (under a launcher every process runs
         // this function).
         ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
@@ -231,6 +306,7 @@ pub fn train_with(
         resume: resume.as_ref().map(|(c, _)| c),
         load: ckpt::layout_options(&cfg.shape),
         start: resume.as_ref().map_or(0, |(_, s)| *s),
+        mode,
     };
     let outcomes = run(&job)?;
     let o0 = &outcomes[0];
@@ -262,6 +338,7 @@ pub fn train_with(
         first_step: job.start,
         resumed_from: job.resume.map(|c| c.dir().to_path_buf()),
         saved: o0.saved.clone(),
+        generated: o0.generated.clone(),
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
@@ -364,6 +441,8 @@ struct Job<'a> {
     load: LoadOptions,
     /// Steps done before this run.
     start: usize,
+    /// Train, or only evaluate or generate.
+    mode: &'a RunMode,
 }
 
 fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
@@ -648,6 +727,51 @@ fn rank_main(
         Ok::<f32, TrainError>(sum / all.len() as f32)
     };
     let per_rank = model.eval_items() / cfg.ranks;
+    // One evaluation of the current weights over the eval set, the loss averaged over the world.
+    let evaluate = |dev: &mut Device,
+                    comm: &mut dyn Communicator,
+                    shard: &mut Option<Box<dyn Communicator>>,
+                    trainer: &mut Trainer,
+                    lm: &mut RankModel,
+                    phases: &mut Phases,
+                    step: usize| {
+        // `eval` forces a parameter sync first (timed as such), so the forward reads the
+        // weights of the step just taken.
+        let t = Instant::now();
+        let mut hooks = trainer.eval(dev, tcomm(shard, comm)).map_err(|x| e(&x))?;
+        phases.param_sync += t.elapsed();
+        let t = Instant::now();
+        let total = lm
+            .eval(dev, &mut hooks, rank * per_rank..(rank + 1) * per_rank)
+            .map_err(|x| e(&x))?;
+        // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
+        let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
+        diverged(cfg, "eval loss", v, step)?;
+        phases.eval += t.elapsed();
+        Ok::<f32, TrainError>(v)
+    };
+    let mut generated = Vec::new();
+    match job.mode {
+        RunMode::Train => {}
+        RunMode::Eval => {
+            let v = evaluate(
+                dev,
+                comm,
+                &mut shard,
+                &mut trainer,
+                &mut lm,
+                &mut phases,
+                job.start,
+            )?;
+            evals.push((job.start, v));
+        }
+        RunMode::Generate(sampling) => {
+            let mut hooks = trainer
+                .eval(dev, tcomm(&mut shard, comm))
+                .map_err(|x| e(&x))?;
+            generated = lm.generate(dev, &mut hooks, sampling).map_err(|x| e(&x))?;
+        }
+    }
     let start = Instant::now();
     for step in job.start..cfg.steps {
         trainer
@@ -666,9 +790,7 @@ fn rank_main(
                 iteration.microbatch(tcomm(&mut shard, comm), m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
             let scale = 1.0 / cfg.microbatches as f32;
-            loss += lm
-                .train(dev, &mut hooks, first, scale)
-                .map_err(|x| e(&x))?;
+            loss += lm.train(dev, &mut hooks, first, scale).map_err(|x| e(&x))?;
         }
         phases.forward_backward += t.elapsed();
         let t = Instant::now();
@@ -688,23 +810,17 @@ fn rank_main(
         let last = step + 1 == cfg.steps;
         let mut eval = None;
         if last || (cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every)) {
-            // `eval` forces a parameter sync first (timed as such), so the forward reads the
-            // weights of the step just taken.
-            let t = Instant::now();
-            let mut hooks = trainer
-                .eval(dev, tcomm(&mut shard, comm))
-                .map_err(|x| e(&x))?;
-            phases.param_sync += t.elapsed();
-            let t = Instant::now();
-            let total = lm
-                .eval(dev, &mut hooks, rank * per_rank..(rank + 1) * per_rank)
-                .map_err(|x| e(&x))?;
-            // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
-            let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
-            diverged(cfg, "eval loss", v, step)?;
+            let v = evaluate(
+                dev,
+                comm,
+                &mut shard,
+                &mut trainer,
+                &mut lm,
+                &mut phases,
+                step,
+            )?;
             evals.push((step + 1, v));
             eval = Some(v);
-            phases.eval += t.elapsed();
         }
         if let Some(root) = &job.ck.save
             && job.ck.saves_after(step + 1, cfg.steps)
@@ -789,6 +905,7 @@ fn rank_main(
         phases,
         wall,
         saved,
+        generated,
     })
 }
 

@@ -158,7 +158,14 @@ impl RankModel<'_> {
             } => {
                 let (mut t, mut y) = (Vec::new(), Vec::new());
                 for i in 0..*rows as u64 {
-                    source.sample(cfg.seed, first + i, false, cfg.shape.context, &mut t, &mut y);
+                    source.sample(
+                        cfg.seed,
+                        first + i,
+                        false,
+                        cfg.shape.context,
+                        &mut t,
+                        &mut y,
+                    );
                 }
                 lm.step(dev, hooks, &t, &y, Some(scale))
                     .map_err(|e| e.to_string())
@@ -193,6 +200,24 @@ impl RankModel<'_> {
                 }
                 Ok(total)
             }
+        }
+    }
+}
+
+impl RankModel<'_> {
+    /// Samples `sampling.max_new` tokens after the prompt with the hooks' weights.
+    pub(crate) fn generate(
+        &mut self,
+        _dev: &mut Device,
+        _hooks: &mut dyn Hooks,
+        _sampling: &super::Sampling,
+    ) -> Result<Vec<u32>, String> {
+        match self {
+            RankModel::Reference { .. } => Err(
+                "generation needs a decoder (--model llama-*); the reference model predicts one \
+                 token from a fixed context"
+                    .into(),
+            ),
         }
     }
 }
