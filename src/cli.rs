@@ -20,6 +20,8 @@ use crate::report;
     name = "lowbit",
     version,
     propagate_version = true,
+    // A flag given twice keeps its last value, so the command line overrides `--config`'s.
+    args_override_self = true,
     after_help = "Examples:\n  \
         lowbit quantize model.safetensors model.mxfp8.safetensors --recipe mxfp8\n  \
         lowbit quantize model.safetensors w.nvfp4.safetensors --recipe nvfp4 --scale-layout swizzled\n  \

@@ -9,12 +9,13 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::{Args, Parser};
+
 use lowbit::ckpt::Checkpoint;
 use lowbit::train::json::Json;
 use lowbit::train::{self, DeviceChoice, RunMode, TrainConfig};
 
 use crate::error::CliError;
-use crate::train_cmd::TrainArgs;
+use crate::train_cmd::TrainFlags;
 
 /// Arguments of `lowbit eval`.
 #[derive(Debug, Args)]
@@ -64,14 +65,6 @@ pub struct GenerateArgs {
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
-}
-
-/// The flags of `lowbit train` as a parser of their own, to read a checkpoint's settings back.
-#[derive(Debug, Parser)]
-#[command(name = "lowbit train", no_binary_name = true)]
-struct TrainFlags {
-    #[command(flatten)]
-    train: TrainArgs,
 }
 
 /// Settings of a manifest that are not `lowbit train` flags of the same name, or that an eval

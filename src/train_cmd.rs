@@ -23,6 +23,11 @@ use crate::report;
 /// defaults are [`MuonSettings::default`], the values tuned on the reference task.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
+    /// Read flags from FILE.toml: its [train] table holds flags by their long names (`steps =
+    /// 400`, `precision = "nvfp4"`, `param_gather = false`), its [model] table a decoder's shape;
+    /// flags on the command line win.
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<PathBuf>,
     /// Data-parallel ranks: threads on the CPU [default: 4], GPUs with --device cuda [default:
     /// every visible GPU; under a launcher such as torchrun, its WORLD_SIZE, one rank per
     /// process].
@@ -179,6 +184,16 @@ pub struct TrainArgs {
     /// --discrete-experts, --recompute, --nan-check and --device may change.
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+}
+
+/// The flags of `lowbit train` as a parser of their own: to check a config file's flags, and to
+/// read a checkpoint's settings back.
+#[derive(Debug, clap::Parser)]
+#[command(name = "lowbit train", no_binary_name = true)]
+pub struct TrainFlags {
+    /// The flags.
+    #[command(flatten)]
+    pub train: TrainArgs,
 }
 
 /// `on` / `off`: the command line's spelling of the library's booleans (no library enum).
