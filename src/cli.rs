@@ -65,7 +65,7 @@ pub enum Command {
     /// beside the floor, memory per rank beside a bf16 unsharded baseline, bytes per collective
     /// and time per phase (or, with --json, one JSON object with every step's loss and grad norm
     /// as decimals and f32 bit patterns, and a checksum of the final fp32 masters).
-    Train(crate::train_cmd::TrainArgs),
+    Train(Box<crate::train_cmd::TrainArgs>),
     /// Inspect, verify or export a checkpoint written by `lowbit train --save DIR`.
     ///
     /// A checkpoint root holds `step-N` directories (a manifest.json and one safetensors file of
