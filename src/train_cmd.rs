@@ -8,7 +8,7 @@ use lowbit::comm::CommStats;
 use lowbit::optim::{MuonLrScale, NsDtype, RankMemory};
 use lowbit::train::json::Json;
 use lowbit::train::{
-    self, CommDtype, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
+    self, CommDtype, Compute, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, OuterSharding, ParamOwner,
     Precision, Sharding, StepLog, TrainConfig, TrainReport,
 };
@@ -118,6 +118,11 @@ pub struct TrainArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
     pub device: DeviceChoice,
+    /// How the model's GEMMs compute: exact (the reference f32 products, the same bits on the
+    /// CPU and CUDA) or bf16 (bf16 operands on the tensor cores, f32 accumulation: the fast
+    /// mode).
+    #[arg(long, value_enum, default_value_t = Compute::Exact)]
+    pub compute: Compute,
     /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the
     /// Markov source.
     #[arg(long, value_name = "FILE")]
@@ -346,6 +351,7 @@ impl TrainArgs {
             lr: self.lr,
             allow_non_finite: self.allow_non_finite,
             optimizer: self.optimizer()?,
+            compute: self.compute,
             shape,
             ..d
         })
@@ -466,7 +472,7 @@ fn describe(cfg: &TrainConfig) -> String {
     format!(
         "{} ranks on {}, sharding {}, {} weights (primary low-precision gather {}), main params \
          {}, grads {}, grad comm {}, overlap grad reduce {} / param gather {}, recompute {}, \
-         nan check {}, {}",
+         nan check {}, {}, compute {}",
         cfg.ranks,
         cfg.device.name(),
         cfg.sharding,
@@ -480,6 +486,7 @@ fn describe(cfg: &TrainConfig) -> String {
         on(cfg.recompute),
         cfg.nan_check.name(),
         describe_optimizer(cfg),
+        cfg.compute.name(),
     )
 }
 
@@ -812,6 +819,7 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("muon_ranks", Json::Arr(muon_ranks)),
         ("ranks", Json::uint(c.ranks)),
         ("precision", Json::str(c.precision.name())),
+        ("compute", Json::str(c.compute.name())),
         ("param_gather", Json::Bool(c.param_gather)),
         ("sharding", Json::str(c.sharding.as_str())),
         ("fsdp", fsdp_json(c)),

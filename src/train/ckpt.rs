@@ -131,6 +131,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("lr", cfg.lr.to_string()),
         ("data", data.to_string()),
         ("optimizer", cfg.optimizer.name().to_string()),
+        ("compute", cfg.compute.name().to_string()),
         // These may change (MAY_CHANGE).
         ("param_gather", on(cfg.param_gather)),
         ("overlap_grad_reduce", on(cfg.overlap_grad_reduce)),
@@ -261,6 +262,11 @@ pub(super) fn check_resume(
         if k == "main_params_dtype" && b.is_none() {
             // Checkpoints from before `--main-params-dtype` kept fp32 masters.
             b = Some(&fp32);
+        }
+        let exact = "exact".to_string();
+        if k == "compute" && b.is_none() {
+            // Checkpoints from before `--compute` computed exactly.
+            b = Some(&exact);
         }
         if a != b {
             let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());

@@ -48,8 +48,8 @@ pub use ckpt::{
     Checkpointing, MAY_CHANGE, apply_model_settings, config_map, layout_options, shape_of,
 };
 pub use config::{
-    DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
-    gpu_count, owners,
+    Compute, DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig,
+    TrainError, gpu_count, owners,
 };
 use lm::ParamInfo;
 pub use lowbit_buffers::NanCheck;
@@ -647,6 +647,7 @@ fn rank_main(
     } = *job;
     let rank = comm.rank();
     let e = err(rank);
+    dev.set_matmul_mode(cfg.compute.matmul_mode());
     // Hybrid sharding: the buffers, the optimizer and checkpoints live in this rank's replica
     // group (`shard`), the reduced gradients are all-reduced across replicas; data, the loss
     // and the eval stay over the world (`comm`).

@@ -162,8 +162,8 @@ pub use counters::CountedOp;
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{
-    AdamW, Format2d, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, PendingAmaxes,
-    PendingNvfp4Amax, Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
+    AdamW, Format2d, MatmulMode, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views,
+    PendingAmaxes, PendingNvfp4Amax, Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;
@@ -464,6 +464,8 @@ pub struct Device {
     calls: counters::OpCalls,
     /// The largest [`Device::allocated_bytes`] seen since creation or [`Device::reset_peak`].
     peak: usize,
+    /// How [`Device::matmul`] computes.
+    matmul_mode: MatmulMode,
 }
 
 #[derive(Debug)]
@@ -482,6 +484,7 @@ impl Device {
             backend: Backend::Cpu(cpu::CpuDevice::new()),
             calls: counters::OpCalls::default(),
             peak: 0,
+            matmul_mode: MatmulMode::Exact,
         }
     }
 
@@ -496,6 +499,7 @@ impl Device {
             backend: Backend::Cuda(Box::new(cuda::CudaDevice::new(ordinal)?)),
             calls: counters::OpCalls::default(),
             peak: 0,
+            matmul_mode: MatmulMode::Exact,
         })
     }
 

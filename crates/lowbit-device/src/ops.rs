@@ -42,7 +42,7 @@ mod model;
 mod optim;
 mod quant;
 
-pub use matmul::MatmulTcSpec;
+pub use matmul::{MatmulMode, MatmulTcSpec};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]
