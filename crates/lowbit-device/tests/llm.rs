@@ -122,7 +122,7 @@ fn embedding_backward_scatter_adds_in_row_order() {
 fn rope_ref(x: &[f32], cos: &[f32], sin: &[f32], spec: &RopeSpec) -> Vec<f32> {
     let (hd, half) = (spec.head_dim, spec.head_dim / 2);
     let mut y = vec![0f32; x.len()];
-    for e in 0..x.len() {
+    for (e, y) in y.iter_mut().enumerate() {
         let row = e / (spec.heads * hd);
         let i = e % hd;
         let base = e - i;
@@ -131,7 +131,7 @@ fn rope_ref(x: &[f32], cos: &[f32], sin: &[f32], spec: &RopeSpec) -> Vec<f32> {
         let (a, b) = (x[base + j], x[base + j + half]);
         let (c, s) = (cos[pos * half + j], sin[pos * half + j]);
         let sign = if spec.inverse { -1.0 } else { 1.0 };
-        y[e] = if i < half {
+        *y = if i < half {
             a * c - sign * (b * s)
         } else {
             b * c + sign * (a * s)
