@@ -79,7 +79,9 @@
 //! [`Device::add_bias`], [`Device::bias_grad`], [`Device::rms_norm`],
 //! [`Device::rms_norm_backward`], [`Device::gelu`], [`Device::gelu_backward`],
 //! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],
-//! [`Device::softmax_cross_entropy_backward`].
+//! [`Device::softmax_cross_entropy_backward`]. Decoder ops (f32 activations, ids as integer-valued
+//! f32): [`Device::embedding`], [`Device::embedding_backward`], [`Device::rope`],
+//! [`Device::swiglu`], [`Device::swiglu_backward`], [`Device::cross_entropy_rows`].
 //! Counters: [`Device::op_calls`] counts the calls of every quantization entry point
 //! ([`CountedOp`]) on every backend, so tests can state how often a step quantizes.
 //!
@@ -163,7 +165,7 @@ pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{
     AdamW, Format2d, MatmulMode, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views,
-    PendingAmaxes, PendingNvfp4Amax, Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
+    PendingAmaxes, PendingNvfp4Amax, Piece2d, RopeSpec, SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;

@@ -17,8 +17,9 @@
 //! calling thread.
 //!
 //! The ops live in submodules by family: [`elementwise`] (fill, cast, scale, axpy, add and the
-//! reductions), [`quant`] (MXFP8 and NVFP4), [`optim`] (AdamW, SGD with momentum), [`matmul`]
-//! and [`model`] (bias, RMSNorm, GELU, losses).
+//! reductions), [`quant`] (MXFP8 and NVFP4), [`optim`] (AdamW, SGD with momentum), [`matmul`],
+//! [`model`] (bias, RMSNorm, GELU, losses) and [`llm`] (embedding, RoPE, SwiGLU, per-row
+//! cross-entropy).
 
 use std::ops::Range;
 
@@ -37,11 +38,13 @@ macro_rules! on_cuda {
 }
 
 mod elementwise;
+mod llm;
 mod matmul;
 mod model;
 mod optim;
 mod quant;
 
+pub use llm::RopeSpec;
 pub use matmul::{MatmulMode, MatmulTcSpec};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
