@@ -36,12 +36,14 @@ macro_rules! on_cuda {
     };
 }
 
+mod attention;
 mod elementwise;
 mod matmul;
 mod model;
 mod optim;
 mod quant;
 
+pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
 pub use matmul::MatmulTcSpec;
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;

@@ -2,11 +2,13 @@
 //! parameter as f32 ([`load_f32`]) and handing a gradient back ([`accumulate`]).
 
 mod activation;
+mod attention;
 mod linear;
 mod loss;
 mod norm;
 
 pub use activation::Gelu;
+pub use attention::Attention;
 pub use linear::{InputGrad, Linear};
 pub use loss::{Mse, SoftmaxCrossEntropy};
 pub use norm::RmsNorm;
