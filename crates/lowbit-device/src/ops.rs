@@ -37,6 +37,7 @@ macro_rules! on_cuda {
     };
 }
 
+mod attention;
 mod elementwise;
 mod llm;
 mod matmul;
@@ -44,6 +45,7 @@ mod model;
 mod optim;
 mod quant;
 
+pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
 pub use llm::RopeSpec;
 pub use matmul::{MatmulMode, MatmulTcSpec};
 #[cfg(feature = "cuda")]

@@ -2,6 +2,7 @@
 //! parameter as f32 ([`load_f32`]) and handing a gradient back ([`accumulate`]).
 
 mod activation;
+mod attention;
 mod chunked_loss;
 mod embedding;
 mod linear;
@@ -11,6 +12,7 @@ mod rope;
 mod swiglu;
 
 pub use activation::Gelu;
+pub use attention::Attention;
 pub use chunked_loss::{ChunkedCrossEntropy, HeadGrad, LossScratch};
 pub use embedding::{Embedding, GradStart};
 pub use linear::{InputGrad, Linear};
