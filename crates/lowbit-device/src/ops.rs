@@ -45,6 +45,8 @@ mod optim;
 mod quant;
 
 pub use llm::RopeSpec;
+#[cfg(feature = "cuda")]
+pub(crate) use llm::id_groups;
 pub use matmul::MatmulTcSpec;
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
