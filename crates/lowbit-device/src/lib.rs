@@ -123,7 +123,7 @@
 //!   131072 elements.
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, sum_squares,
 //!   mse_loss, fused AdamW, SGD with momentum, matmul (one thread per output, not a tuned
-//!   GEMM), the model ops, MXFP8 quantization (every mode: rowwise, columnwise, both in one
+//!   GEMM), the model ops, the decoder ops (`crates/lowbit-kernels/llm.cu`), MXFP8 quantization (every mode: rowwise, columnwise, both in one
 //!   pass, 2D; E4M3 and E5M2; bf16, f16 and f32 inputs) and dequantization, NVFP4
 //!   quantization (1D and 2D with the amax pass on the device, transposed columnwise copy,
 //!   stochastic rounding, the Hadamard transform) and dequantization, and the sharded 2D

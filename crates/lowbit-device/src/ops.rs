@@ -47,6 +47,8 @@ mod quant;
 
 pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
 pub use llm::RopeSpec;
+#[cfg(feature = "cuda")]
+pub(crate) use llm::id_groups;
 pub use matmul::{MatmulMode, MatmulTcSpec};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;

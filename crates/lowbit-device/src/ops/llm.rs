@@ -211,6 +211,7 @@ impl Device {
         all_f32(WHAT, &[ids, out])?;
         let (dim, vocab) = embedding_shape(WHAT, ids, out, table)?;
         let id = int_ids(WHAT, "id", &self.read_f32(ids)?, vocab)?;
+        on_cuda!(self, g => g.embedding(table, ids, out, dim));
         self.host_op(WHAT, [table, ids], [out], |[tb, _], [ob]| {
             let td = table.dtype();
             let row_bytes = dim * td.size();
@@ -232,6 +233,7 @@ impl Device {
         all_f32(WHAT, &[ids, dy, grad])?;
         let (dim, vocab) = embedding_shape(WHAT, ids, dy, grad)?;
         let id = int_ids(WHAT, "id", &self.read_f32(ids)?, vocab)?;
+        on_cuda!(self, g => g.embedding_backward([ids, dy, grad], &id, dim));
         self.host_op(WHAT, [ids, dy], [grad], |[_, dyb], [gb]| {
             let dys = decode_f32(DType::F32, dyb);
             for (v, rows) in id_groups(&id) {
@@ -264,6 +266,7 @@ impl Device {
     pub fn rope(&mut self, x: View, y: View, cos: View, sin: View, spec: &RopeSpec) -> Result<()> {
         const WHAT: &str = "rope";
         rope_shape(WHAT, x, y, cos, sin, spec)?;
+        on_cuda!(self, g => g.rope([x, y, cos, sin], spec));
         let spec = *spec;
         if x == y {
             self.host_op(WHAT, [cos, sin], [y], |[cb, sb], [yb]| {
@@ -294,6 +297,7 @@ impl Device {
         all_f32(WHAT, &[gate, up, out])?;
         check_len(WHAT, gate.len(), up.len())?;
         check_len(WHAT, gate.len(), out.len())?;
+        on_cuda!(self, g => g.swiglu(gate, up, out));
         self.host_op(WHAT, [gate, up], [out], |[gb, ub], [ob]| {
             super::zip_into(
                 (DType::F32, gb),
@@ -321,6 +325,7 @@ impl Device {
         for v in [up, dout, dgate, dup] {
             check_len(WHAT, gate.len(), v.len())?;
         }
+        on_cuda!(self, g => g.swiglu_backward([gate, up, dout], [dgate, dup]));
         self.host_op(
             WHAT,
             [gate, up, dout],
@@ -358,6 +363,7 @@ impl Device {
         check_len(WHAT, losses.len(), rows)?;
         let classes = rows_of(WHAT, logits.len(), rows)?;
         let t = int_ids(WHAT, "target", &self.read_f32(targets)?, classes)?;
+        on_cuda!(self, g => g.cross_entropy_rows([logits, targets, losses], classes, grad));
         let body = |x: &mut [f32], ls: &mut [u8]| {
             let mut e = vec![0f32; classes];
             let l: Vec<f32> = x
