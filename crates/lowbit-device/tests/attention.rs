@@ -396,3 +396,50 @@ fn bad_shapes_are_errors_and_write_nothing() {
     let z = dev.alloc(lowbit_device::DType::F32, 0);
     dev.attention(z, z, z, z, z, &empty).unwrap();
 }
+
+/// Writes CPU cases (inputs and every output, f32 little-endian, and `cases.txt`) into the
+/// folder `$LOWBIT_ATTENTION_DUMP` for `crates/lowbit-kernels/check/attention_emu.cpp`, the host
+/// emulation of the CUDA kernels, which compares its bytes with them.
+#[test]
+#[ignore = "writes files for the kernels' host emulation"]
+fn dump_cases_for_the_kernel_emulation() {
+    let dir = std::env::var("LOWBIT_ATTENTION_DUMP").expect("LOWBIT_ATTENTION_DUMP names a folder");
+    let write = |name: String, v: &[f32]| {
+        let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(format!("{dir}/{name}.bin"), b).unwrap();
+    };
+    let shapes = [
+        (1, 1, 1, 1, 16),
+        (2, 1, 4, 2, 64),
+        (1, 17, 2, 2, 16),
+        (2, 37, 4, 1, 64),
+        (1, 67, 8, 2, 128),
+        (3, 65, 4, 4, 64),
+        (1, 129, 2, 1, 32),
+        (2, 19, 4, 2, 3),
+        (1, 9, 2, 1, 1),
+        (1, 33, 2, 1, 256),
+        (1, 70, 4, 2, 8),
+    ];
+    let mut list = String::new();
+    for (n, &(b, sq, h, g, hd)) in shapes.iter().enumerate() {
+        let s = spec(b, sq, h, g, hd);
+        // The last case's scores lie far beyond exp's range.
+        let x = inputs(&s, 10 * n as u32 + 1, if n == 10 { 30.0 } else { 2.0 });
+        let got = run(&mut Device::cpu(), &s, &x);
+        for (name, v) in [("q", &x.q), ("k", &x.k), ("v", &x.v), ("dout", &x.dout)] {
+            write(format!("c{n}_{name}"), v);
+        }
+        for (name, v) in [
+            ("out", &got.0),
+            ("lse", &got.1),
+            ("dq", &got.2),
+            ("dk", &got.3),
+            ("dv", &got.4),
+        ] {
+            write(format!("c{n}_{name}"), v);
+        }
+        list += &format!("{n} {b} {sq} {h} {g} {hd} {}\n", s.scale.to_bits());
+    }
+    std::fs::write(format!("{dir}/cases.txt"), list).unwrap();
+}

@@ -9,6 +9,7 @@ use cudarc::driver::CudaSlice;
 use super::{Arg, CudaDevice};
 use crate::{DType, Result, View};
 
+mod attention;
 mod elementwise;
 mod llm;
 mod model;

@@ -330,6 +330,7 @@ impl Device {
                 (lse, Which::Lse, "lse"),
             ],
         )?;
+        on_cuda!(self, g => g.attention([q, k, v], [out, lse], spec));
         let sp = *spec;
         self.host_op(WHAT, [q, k, v], [out, lse], |[qb, kb, vb], [ob, lb]| {
             let [qs, ks, vs] = [qb, kb, vb].map(|b| decode_f32(DType::F32, b));
@@ -390,6 +391,7 @@ impl Device {
                 (dv, Which::Kv, "dv"),
             ],
         )?;
+        on_cuda!(self, g => g.attention_backward([q, k, v, out, lse, dout], [dq, dk, dv], spec));
         let sp = *spec;
         self.host_op(
             WHAT,
