@@ -32,6 +32,6 @@ pub mod params;
 
 mod error;
 
-pub use config::LlamaConfig;
+pub use config::{Llama3RopeScaling, LlamaConfig, presets};
 pub use error::{LlamaError, Result};
 pub use model::Llama;
