@@ -20,6 +20,8 @@ use crate::report;
     name = "lowbit",
     version,
     propagate_version = true,
+    // A flag given twice keeps its last value, so the command line overrides `--config`'s.
+    args_override_self = true,
     after_help = "Examples:\n  \
         lowbit quantize model.safetensors model.mxfp8.safetensors --recipe mxfp8\n  \
         lowbit quantize model.safetensors w.nvfp4.safetensors --recipe nvfp4 --scale-layout swizzled\n  \
@@ -63,13 +65,18 @@ pub enum Command {
     /// beside the floor, memory per rank beside a bf16 unsharded baseline, bytes per collective
     /// and time per phase (or, with --json, one JSON object with every step's loss and grad norm
     /// as decimals and f32 bit patterns, and a checksum of the final fp32 masters).
-    Train(crate::train_cmd::TrainArgs),
+    Train(Box<crate::train_cmd::TrainArgs>),
     /// Inspect, verify or export a checkpoint written by `lowbit train --save DIR`.
     ///
     /// A checkpoint root holds `step-N` directories (a manifest.json and one safetensors file of
     /// fp32 masters and optimizer state per rank) and a `latest` pointer; every command takes
     /// the root (its latest) or a `step-N` directory.
     Ckpt(crate::ckpt_cmd::CkptArgs),
+    /// Evaluate a checkpoint's weights on held-out data: the mean validation loss.
+    ///
+    /// The run is rebuilt from the checkpoint's manifest (model, precision, optimizer), so the
+    /// weights are exactly those the training run evaluated after that step.
+    Eval(crate::eval_cmd::EvalArgs),
 }
 
 /// Arguments of `lowbit quantize`.
@@ -172,5 +179,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Train(args) => crate::train_cmd::run(&args),
         Command::Ckpt(args) => crate::ckpt_cmd::run(&args),
+        Command::Eval(args) => crate::eval_cmd::run_eval(&args),
     }
 }

@@ -13,8 +13,10 @@
 
 mod ckpt_cmd;
 mod cli;
+mod config_file;
 mod demo;
 mod error;
+mod eval_cmd;
 mod report;
 mod train_cmd;
 
@@ -23,15 +25,22 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let args = match config_file::expand(std::env::args().collect()) {
+        Ok(a) => a,
+        Err(e) => return fail(&e),
+    };
+    let cli = cli::Cli::parse_from(args);
     match cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // Control characters from file contents (tensor names) are escaped, line by line.
-            let text = e.to_string();
-            let lines: Vec<_> = text.split('\n').map(report::escape).collect();
-            eprintln!("error: {}", lines.join("\n"));
-            ExitCode::FAILURE
-        }
+        Err(e) => fail(&e),
     }
+}
+
+/// Prints `e` as one `error: …` line (control characters from file contents, such as tensor
+/// names, escaped line by line) and gives the failure status.
+fn fail(e: &error::CliError) -> ExitCode {
+    let text = e.to_string();
+    let lines: Vec<_> = text.split('\n').map(report::escape).collect();
+    eprintln!("error: {}", lines.join("\n"));
+    ExitCode::FAILURE
 }

@@ -8,7 +8,7 @@ use lowbit::comm::CommStats;
 use lowbit::optim::{MuonLrScale, NsDtype, RankMemory};
 use lowbit::train::json::Json;
 use lowbit::train::{
-    self, CommDtype, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
+    self, CommDtype, Compute, DeviceChoice, FineGrainedGather, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, OuterSharding, ParamOwner,
     Precision, Sharding, StepLog, TrainConfig, TrainReport,
 };
@@ -23,6 +23,11 @@ use crate::report;
 /// defaults are [`MuonSettings::default`], the values tuned on the reference task.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
+    /// Read flags from FILE.toml: its [train] table holds flags by their long names (`steps =
+    /// 400`, `precision = "nvfp4"`, `param_gather = false`), its [model] table a decoder's shape;
+    /// flags on the command line win.
+    #[arg(long, value_name = "FILE.toml")]
+    pub config: Option<PathBuf>,
     /// Data-parallel ranks: threads on the CPU [default: 4], GPUs with --device cuda [default:
     /// every visible GPU; under a launcher such as torchrun, its WORLD_SIZE, one rank per
     /// process].
@@ -113,6 +118,11 @@ pub struct TrainArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
     pub device: DeviceChoice,
+    /// How the model's GEMMs compute: exact (the reference f32 products, the same bits on the
+    /// CPU and CUDA) or bf16 (bf16 operands on the tensor cores, f32 accumulation: the fast
+    /// mode).
+    #[arg(long, value_enum, default_value_t = Compute::Exact)]
+    pub compute: Compute,
     /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the
     /// Markov source.
     #[arg(long, value_name = "FILE")]
@@ -179,6 +189,16 @@ pub struct TrainArgs {
     /// --discrete-experts, --recompute, --nan-check and --device may change.
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+}
+
+/// The flags of `lowbit train` as a parser of their own: to check a config file's flags, and to
+/// read a checkpoint's settings back.
+#[derive(Debug, clap::Parser)]
+#[command(name = "lowbit train", no_binary_name = true)]
+pub struct TrainFlags {
+    /// The flags.
+    #[command(flatten)]
+    pub train: TrainArgs,
 }
 
 /// `on` / `off`: the command line's spelling of the library's booleans (no library enum).
@@ -331,6 +351,7 @@ impl TrainArgs {
             lr: self.lr,
             allow_non_finite: self.allow_non_finite,
             optimizer: self.optimizer()?,
+            compute: self.compute,
             shape,
             ..d
         })
@@ -451,7 +472,7 @@ fn describe(cfg: &TrainConfig) -> String {
     format!(
         "{} ranks on {}, sharding {}, {} weights (primary low-precision gather {}), main params \
          {}, grads {}, grad comm {}, overlap grad reduce {} / param gather {}, recompute {}, \
-         nan check {}, {}",
+         nan check {}, {}, compute {}",
         cfg.ranks,
         cfg.device.name(),
         cfg.sharding,
@@ -465,6 +486,7 @@ fn describe(cfg: &TrainConfig) -> String {
         on(cfg.recompute),
         cfg.nan_check.name(),
         describe_optimizer(cfg),
+        cfg.compute.name(),
     )
 }
 
@@ -797,6 +819,7 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("muon_ranks", Json::Arr(muon_ranks)),
         ("ranks", Json::uint(c.ranks)),
         ("precision", Json::str(c.precision.name())),
+        ("compute", Json::str(c.compute.name())),
         ("param_gather", Json::Bool(c.param_gather)),
         ("sharding", Json::str(c.sharding.as_str())),
         ("fsdp", fsdp_json(c)),

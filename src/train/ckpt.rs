@@ -131,6 +131,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("lr", cfg.lr.to_string()),
         ("data", data.to_string()),
         ("optimizer", cfg.optimizer.name().to_string()),
+        ("compute", cfg.compute.name().to_string()),
         // These may change (MAY_CHANGE).
         ("param_gather", on(cfg.param_gather)),
         ("overlap_grad_reduce", on(cfg.overlap_grad_reduce)),
@@ -201,6 +202,23 @@ pub(super) fn meta(cfg: &TrainConfig, data: &str, done: usize) -> Meta {
     m
 }
 
+/// The step `ckpt` was saved after, bounded by `--steps`' limit.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] for a step out of range.
+pub(super) fn checkpoint_step(ckpt: &Checkpoint) -> Result<usize, TrainError> {
+    let step = ckpt.meta().step;
+    usize::try_from(step)
+        .ok()
+        .filter(|&s| s <= super::config::limits::STEPS)
+        .ok_or_else(|| {
+            TrainError::Checkpoint(format!(
+                "{}: step {step} is out of range",
+                ckpt.dir().display()
+            ))
+        })
+}
+
 /// Checks that `ckpt` can resume `cfg` (see the module docs); returns its step.
 ///
 /// # Errors
@@ -217,10 +235,7 @@ pub(super) fn check_resume(
             ckpt.dir().display()
         ))
     };
-    let step = usize::try_from(meta.step)
-        .ok()
-        .filter(|&s| s <= super::config::limits::STEPS)
-        .ok_or_else(|| refuse(format!("step {} is out of range", meta.step)))?;
+    let step = checkpoint_step(ckpt)?;
     if cfg.steps < step {
         return Err(refuse(format!(
             "--steps {} is before the checkpoint's step {step} (--steps is the run's total)",
@@ -247,6 +262,11 @@ pub(super) fn check_resume(
         if k == "main_params_dtype" && b.is_none() {
             // Checkpoints from before `--main-params-dtype` kept fp32 masters.
             b = Some(&fp32);
+        }
+        let exact = "exact".to_string();
+        if k == "compute" && b.is_none() {
+            // Checkpoints from before `--compute` computed exactly.
+            b = Some(&exact);
         }
         if a != b {
             let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());
@@ -311,6 +331,26 @@ pub fn shape_of(config: &BTreeMap<String, String>, grouped: bool) -> Option<LmSh
         expert_ffn: n("expert_ffn")?,
         grouped,
     })
+}
+
+/// Sets `cfg`'s model from a checkpoint's `config` (the manifest's record of the run).
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] when the record names no model this build knows.
+pub fn apply_model_settings(
+    cfg: &mut TrainConfig,
+    config: &BTreeMap<String, String>,
+) -> Result<(), TrainError> {
+    let grouped = config.get("experts_layout").is_none_or(|l| l != "discrete");
+    match shape_of(config, grouped) {
+        Some(shape) => {
+            cfg.shape = shape;
+            Ok(())
+        }
+        None => Err(TrainError::Checkpoint(
+            "the checkpoint records no model of `lowbit train` (model.* settings)".into(),
+        )),
+    }
 }
 
 /// Before a saving run: removes what killed saves left in the save root

@@ -212,6 +212,37 @@ pub struct TrainConfig {
     pub optimizer: OptimizerChoice,
     /// Model shape (`vocab` is set from the data source).
     pub shape: LmShape,
+    /// How the model's GEMMs compute.
+    pub compute: Compute,
+}
+
+/// How the model's GEMMs compute (`--compute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Compute {
+    /// The reference f32 products (the same bits on the CPU and CUDA).
+    #[default]
+    Exact,
+    /// bf16 operands on the tensor cores, f32 accumulation (`lowbit_device::MatmulMode::Bf16`):
+    /// the fast mode, as bf16 autocast computes.
+    Bf16,
+}
+
+impl Compute {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compute::Exact => "exact",
+            Compute::Bf16 => "bf16",
+        }
+    }
+
+    /// The device's matmul mode.
+    pub fn matmul_mode(self) -> lowbit_device::MatmulMode {
+        match self {
+            Compute::Exact => lowbit_device::MatmulMode::Exact,
+            Compute::Bf16 => lowbit_device::MatmulMode::Bf16,
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -253,6 +284,7 @@ impl Default for TrainConfig {
                 expert_ffn: 64,
                 grouped: true,
             },
+            compute: Compute::Exact,
         }
     }
 }

@@ -27,6 +27,7 @@ mod config;
 pub mod data;
 pub mod json;
 pub mod lm;
+mod models;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -43,18 +44,20 @@ use lowbit_optim::{
 use lowbit_train::Trainer;
 use lowbit_train::launch::{self, LaunchEnv, LaunchError, RankFailure, World};
 
-pub use ckpt::{Checkpointing, MAY_CHANGE, config_map, layout_options, shape_of};
-pub use config::{
-    DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig, TrainError,
-    gpu_count, owners,
+pub use ckpt::{
+    Checkpointing, MAY_CHANGE, apply_model_settings, config_map, layout_options, shape_of,
 };
-use data::{EvalItem, MarkovSource, Source, Target, TextSource};
-use lm::{Lm, ParamInfo};
+pub use config::{
+    Compute, DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig,
+    TrainError, gpu_count, owners,
+};
+use lm::ParamInfo;
 pub use lowbit_buffers::NanCheck;
 pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, OuterSharding, Sharding,
 };
+use models::{JobModel, RankModel};
 
 /// Progress of one step, as rank 0 reports it.
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +103,8 @@ pub struct TrainReport {
     pub resumed_from: Option<PathBuf>,
     /// The checkpoints this run saved, in order.
     pub saved: Vec<PathBuf>,
+    /// The token ids [`RunMode::Generate`] sampled (empty otherwise).
+    pub generated: Vec<u32>,
     /// Every step's mean training loss.
     pub losses: Vec<f32>,
     /// Every step's global gradient norm.
@@ -176,6 +181,7 @@ struct RankOutcome {
     phases: Phases,
     wall: Duration,
     saved: Vec<PathBuf>,
+    generated: Vec<u32>,
 }
 
 /// Runs `cfg` and reports; `progress` is called by rank 0 after every step.
@@ -195,30 +201,94 @@ pub fn train_with(
     ck: &Checkpointing,
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
-    cfg.validate()?;
-    let source = match &cfg.data {
-        Some(path) => {
-            Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
-        }
-        None => Source::Markov(MarkovSource::new(cfg.shape.vocab, cfg.seed)),
+    execute(cfg, ck, &RunMode::Train, progress)
+}
+
+/// What a run does once its weights are loaded.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunMode {
+    /// Train from the (resumed) step to `--steps`.
+    Train,
+    /// Only evaluate the checkpoint's weights (`lowbit eval`): the report's `evals` holds one
+    /// entry, at the checkpoint's step. Data other than the training data are allowed.
+    Eval,
+    /// Only sample a continuation of a prompt with the checkpoint's weights (`lowbit
+    /// generate`): the report's `generated` holds the new token ids.
+    Generate(Sampling),
+}
+
+/// A generation request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_new: usize,
+    /// 0 for greedy decoding, else the softmax temperature.
+    pub temperature: f32,
+    /// Sample only among the k most likely tokens (`None`: all).
+    pub top_k: Option<usize>,
+    /// Seed of the sampler.
+    pub seed: u64,
+    /// Stop at this token (the tokenizer's end of text), if given.
+    pub stop: Option<u32>,
+}
+
+/// Evaluates, or samples from, the weights of checkpoint `ckpt` under `cfg` (which must describe
+/// the checkpoint's model and precision; `--steps` is set to the checkpoint's step). Weights are
+/// exactly the training run's after that step: Q(bf16(master)) through the same buffers.
+///
+/// # Errors
+/// As [`train_with`]; [`TrainError::Invalid`] for `mode` [`RunMode::Train`].
+pub fn from_checkpoint(
+    cfg: &TrainConfig,
+    ckpt: &std::path::Path,
+    mode: &RunMode,
+) -> Result<TrainReport, TrainError> {
+    if *mode == RunMode::Train {
+        return Err(TrainError::Invalid(
+            "from_checkpoint evaluates or generates; train with train_with".into(),
+        ));
+    }
+    let ck = Checkpointing {
+        resume: Some(ckpt.to_path_buf()),
+        ..Checkpointing::default()
     };
+    execute(cfg, &ck, mode, &|_| {})
+}
+
+fn execute(
+    cfg: &TrainConfig,
+    ck: &Checkpointing,
+    mode: &RunMode,
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<TrainReport, TrainError> {
+    cfg.validate()?;
     let mut cfg = cfg.clone();
-    cfg.shape.vocab = source.vocab();
-    let data_id = source.fingerprint();
+    let model = JobModel::build(&mut cfg)?;
+    let data_id = model.fingerprint();
     let resume = match &ck.resume {
         Some(path) => {
             let c = Checkpoint::open(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-            let step = ckpt::check_resume(&cfg, &data_id, &c)?;
+            let step = if *mode == RunMode::Train {
+                ckpt::check_resume(&cfg, &data_id, &c)?
+            } else {
+                ckpt::checkpoint_step(&c)?
+            };
+            if *mode != RunMode::Train {
+                // Nothing to train: the schedule ends at the checkpoint.
+                cfg.steps = step;
+            }
             Some((c, step))
         }
         None => None,
     };
-    if launched_rank()? == 0 {
+    if launched_rank()? == 0 && *mode == RunMode::Train {
         // One process tidies and checks the save root (under a launcher every process runs
         // this function).
         ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
     }
-    let info = cfg.shape.params();
+    let info = model.params(&cfg);
     let specs = cfg.specs(&info);
     // The plan is pure: make it once here for the report (and to refuse a bad one up front);
     // every rank makes the same one.
@@ -226,27 +296,17 @@ pub fn train_with(
         .plan(&specs)
         .map_err(|e| TrainError::Invalid(format!("sharding plan: {e}")))?;
     let (owners, muon_ranks) = ownership(&cfg, &info, &specs, &plan)?;
-    // The eval set, padded with weightless items to whole batches on every rank.
-    let (mut eval_items, eval_exact) =
-        source.eval_set(cfg.seed, cfg.shape.context, cfg.eval_samples);
-    let eval_len = eval_items.len();
-    let split = cfg.ranks * cfg.rows();
-    let pad = EvalItem {
-        weight: 0.0,
-        ..eval_items[0].clone()
-    };
-    eval_items.resize(eval_len.div_ceil(split) * split, pad);
     let job = Job {
         cfg: &cfg,
-        source: &source,
+        model: &model,
         info: &info,
-        eval: &eval_items,
         progress,
         ck,
         data_id: &data_id,
         resume: resume.as_ref().map(|(c, _)| c),
         load: ckpt::layout_options(&cfg.shape),
         start: resume.as_ref().map_or(0, |(_, s)| *s),
+        mode,
     };
     let outcomes = run(&job)?;
     let o0 = &outcomes[0];
@@ -278,11 +338,12 @@ pub fn train_with(
         first_step: job.start,
         resumed_from: job.resume.map(|c| c.dir().to_path_buf()),
         saved: o0.saved.clone(),
+        generated: o0.generated.clone(),
         losses: o0.losses.clone(),
         grad_norms: o0.norms.clone(),
         evals: o0.evals.clone(),
-        floor: source.floor(),
-        eval_set: (eval_len, eval_exact),
+        floor: model.floor(),
+        eval_set: model.eval_set(),
         params: info.iter().map(|p| p.shape.iter().product::<usize>()).sum(),
         master_checksum: checksum,
         memory: o0.memory.clone(),
@@ -365,10 +426,9 @@ const ADAMW_DECAY: f32 = 0.1;
 /// What every rank of a run shares.
 struct Job<'a> {
     cfg: &'a TrainConfig,
-    source: &'a Source,
+    /// The model and its data.
+    model: &'a JobModel,
     info: &'a [ParamInfo],
-    /// The eval set, a whole number of batches per rank.
-    eval: &'a [EvalItem],
     /// Called by rank 0 after every step.
     progress: &'a (dyn Fn(&StepLog) + Sync),
     /// Where and when to save.
@@ -381,6 +441,8 @@ struct Job<'a> {
     load: LoadOptions,
     /// Steps done before this run.
     start: usize,
+    /// Train, or only evaluate or generate.
+    mode: &'a RunMode,
 }
 
 fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
@@ -470,28 +532,6 @@ pub fn launched_world_size() -> Result<Option<usize>, TrainError> {
 /// As [`launched_world_size`].
 pub fn launched_rank() -> Result<usize, TrainError> {
     Ok(launched_env()?.map_or(0, |e| e.rank))
-}
-
-/// Cross-entropy of one row of logits against a target, in f64 (log-softmax with the max
-/// subtracted).
-fn cross_entropy(logits: &[f32], target: &Target) -> f64 {
-    let mx = logits
-        .iter()
-        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
-    let lse = mx
-        + logits
-            .iter()
-            .map(|&x| (f64::from(x) - mx).exp())
-            .sum::<f64>()
-            .ln();
-    match target {
-        Target::Token(t) => lse - f64::from(logits[*t as usize]),
-        Target::Dist(p) => p
-            .iter()
-            .zip(logits)
-            .map(|(q, &x)| q * (lse - f64::from(x)))
-            .sum(),
-    }
 }
 
 /// Master shards as bytes for a gather between processes: per shard, its parameter id, range
@@ -600,13 +640,14 @@ fn rank_main(
 ) -> Result<RankOutcome, TrainError> {
     let Job {
         cfg,
-        source,
+        model,
         info,
         progress,
         ..
     } = *job;
     let rank = comm.rank();
     let e = err(rank);
+    dev.set_matmul_mode(cfg.compute.matmul_mode());
     // Hybrid sharding: the buffers, the optimizer and checkpoints live in this rank's replica
     // group (`shard`), the reduced gradients are all-reduced across replicas; data, the loss
     // and the eval stay over the world (`comm`).
@@ -630,7 +671,7 @@ fn rank_main(
         bufs.set_replica_group(r, cfg.fsdp().replica_mode())
             .map_err(|x| e(&x))?;
     }
-    let init = cfg.shape.init(cfg.seed);
+    let init = model.init(cfg);
     bufs.initialize_all(dev, |p| init[p].clone())
         .map_err(|x| e(&x))?;
     let optim = OptimConfig::new(cfg.lr).with_master_dtype(cfg.fsdp().master_dtype());
@@ -671,19 +712,9 @@ fn rank_main(
     let mut saved = Vec::new();
     let mut saver = lowbit_ckpt::AsyncSaver::new();
     let rows = cfg.rows();
-    let mut lm = Lm::new(dev, cfg.shape, rows)
-        .with_recompute(dev, cfg.recompute)
-        .map_err(|x| e(&x))?;
+    let mut lm = model.rank(cfg, dev, rows).map_err(|x| e(&x))?;
     let scalar = dev.alloc(DType::F32, 1);
     let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
-    let context = cfg.shape.context;
-    let batch_of = |first: u64| {
-        let (mut t, mut y) = (Vec::new(), Vec::new());
-        for i in 0..rows as u64 {
-            source.sample(cfg.seed, first + i, false, context, &mut t, &mut y);
-        }
-        (t, y)
-    };
     // The mean over the world of one value per rank: all-gathered and added in rank order on
     // the host, as the CPU backend's `Avg` adds (then divided in f32), so a reported loss has
     // the same bits at any rank count on any backend (NCCL's all-reduce order beyond 2 ranks is
@@ -696,8 +727,52 @@ fn rank_main(
         let sum = all[1..].iter().fold(all[0], |a, &b| a + b);
         Ok::<f32, TrainError>(sum / all.len() as f32)
     };
-    let per_rank = job.eval.len() / cfg.ranks;
-    let vocab = cfg.shape.vocab;
+    let per_rank = model.eval_items() / cfg.ranks;
+    // One evaluation of the current weights over the eval set, the loss averaged over the world.
+    let evaluate = |dev: &mut Device,
+                    comm: &mut dyn Communicator,
+                    shard: &mut Option<Box<dyn Communicator>>,
+                    trainer: &mut Trainer,
+                    lm: &mut RankModel,
+                    phases: &mut Phases,
+                    step: usize| {
+        // `eval` forces a parameter sync first (timed as such), so the forward reads the
+        // weights of the step just taken.
+        let t = Instant::now();
+        let mut hooks = trainer.eval(dev, tcomm(shard, comm)).map_err(|x| e(&x))?;
+        phases.param_sync += t.elapsed();
+        let t = Instant::now();
+        let total = lm
+            .eval(dev, &mut hooks, rank * per_rank..(rank + 1) * per_rank)
+            .map_err(|x| e(&x))?;
+        // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
+        let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
+        diverged(cfg, "eval loss", v, step)?;
+        phases.eval += t.elapsed();
+        Ok::<f32, TrainError>(v)
+    };
+    let mut generated = Vec::new();
+    match job.mode {
+        RunMode::Train => {}
+        RunMode::Eval => {
+            let v = evaluate(
+                dev,
+                comm,
+                &mut shard,
+                &mut trainer,
+                &mut lm,
+                &mut phases,
+                job.start,
+            )?;
+            evals.push((job.start, v));
+        }
+        RunMode::Generate(sampling) => {
+            let mut hooks = trainer
+                .eval(dev, tcomm(&mut shard, comm))
+                .map_err(|x| e(&x))?;
+            generated = lm.generate(dev, &mut hooks, sampling).map_err(|x| e(&x))?;
+        }
+    }
     let start = Instant::now();
     for step in job.start..cfg.steps {
         trainer
@@ -715,11 +790,8 @@ fn rank_main(
             let mut hooks =
                 iteration.microbatch(tcomm(&mut shard, comm), m + 1 == cfg.microbatches);
             let first = (step * cfg.batch + (m * cfg.ranks + rank) * rows) as u64;
-            let (tokens, targets) = batch_of(first);
             let scale = 1.0 / cfg.microbatches as f32;
-            loss += lm
-                .step(dev, &mut hooks, &tokens, &targets, Some(scale))
-                .map_err(|x| e(&x))?;
+            loss += lm.train(dev, &mut hooks, first, scale).map_err(|x| e(&x))?;
         }
         phases.forward_backward += t.elapsed();
         let t = Instant::now();
@@ -739,28 +811,17 @@ fn rank_main(
         let last = step + 1 == cfg.steps;
         let mut eval = None;
         if last || (cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every)) {
-            // `eval` forces a parameter sync first (timed as such), so the forward reads the
-            // weights of the step just taken.
-            let t = Instant::now();
-            let mut hooks = trainer
-                .eval(dev, tcomm(&mut shard, comm))
-                .map_err(|x| e(&x))?;
-            phases.param_sync += t.elapsed();
-            let t = Instant::now();
-            let mut total = 0f64;
-            for chunk in job.eval[rank * per_rank..(rank + 1) * per_rank].chunks(rows) {
-                let tokens: Vec<u32> = chunk.iter().flat_map(|i| i.tokens.clone()).collect();
-                let logits = lm.logits(dev, &mut hooks, &tokens).map_err(|x| e(&x))?;
-                for (item, row) in chunk.iter().zip(logits.chunks_exact(vocab)) {
-                    total += item.weight * cross_entropy(row, &item.target);
-                }
-            }
-            // The weights sum to 1 over all ranks: the mean of the partial sums times ranks.
-            let v = all_reduce_mean(dev, comm, total as f32)? * cfg.ranks as f32;
-            diverged(cfg, "eval loss", v, step)?;
+            let v = evaluate(
+                dev,
+                comm,
+                &mut shard,
+                &mut trainer,
+                &mut lm,
+                &mut phases,
+                step,
+            )?;
             evals.push((step + 1, v));
             eval = Some(v);
-            phases.eval += t.elapsed();
         }
         if let Some(root) = &job.ck.save
             && job.ck.saves_after(step + 1, cfg.steps)
@@ -815,7 +876,9 @@ fn rank_main(
                 steps: cfg.steps,
                 loss,
                 eval,
-                tokens_per_s: ((step + 1 - job.start) * cfg.batch) as f64 / secs,
+                tokens_per_s: ((step + 1 - job.start) * cfg.batch * model.tokens_per_sample())
+                    as f64
+                    / secs,
             });
         }
     }
@@ -843,6 +906,7 @@ fn rank_main(
         phases,
         wall,
         saved,
+        generated,
     })
 }
 

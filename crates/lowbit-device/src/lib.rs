@@ -79,7 +79,9 @@
 //! [`Device::add_bias`], [`Device::bias_grad`], [`Device::rms_norm`],
 //! [`Device::rms_norm_backward`], [`Device::gelu`], [`Device::gelu_backward`],
 //! [`Device::mse_loss`], [`Device::mse_loss_backward`], [`Device::softmax_cross_entropy`],
-//! [`Device::softmax_cross_entropy_backward`].
+//! [`Device::softmax_cross_entropy_backward`]. Decoder ops (f32 activations, ids as integer-valued
+//! f32): [`Device::embedding`], [`Device::embedding_backward`], [`Device::rope`],
+//! [`Device::swiglu`], [`Device::swiglu_backward`], [`Device::cross_entropy_rows`].
 //! Counters: [`Device::op_calls`] counts the calls of every quantization entry point
 //! ([`CountedOp`]) on every backend, so tests can state how often a step quantizes.
 //!
@@ -121,7 +123,7 @@
 //!   131072 elements.
 //! - **Kernels:** fill, cast, scale, axpy, add, max_abs, has_non_finite, sum_squares,
 //!   mse_loss, fused AdamW, SGD with momentum, matmul (one thread per output, not a tuned
-//!   GEMM), the model ops, MXFP8 quantization (every mode: rowwise, columnwise, both in one
+//!   GEMM), the model ops, the decoder ops (`crates/lowbit-kernels/llm.cu`), MXFP8 quantization (every mode: rowwise, columnwise, both in one
 //!   pass, 2D; E4M3 and E5M2; bf16, f16 and f32 inputs) and dequantization, NVFP4
 //!   quantization (1D and 2D with the amax pass on the device, transposed columnwise copy,
 //!   stochastic rounding, the Hadamard transform) and dequantization, and the sharded 2D
@@ -161,9 +163,10 @@ pub mod codec {
 pub use counters::CountedOp;
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
+pub use ops::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
 pub use ops::{
-    AdamW, Format2d, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views, PendingAmaxes,
-    PendingNvfp4Amax, Piece2d, SUM_BLOCK, SUM_GROUP, SgdMomentum,
+    AdamW, Format2d, MatmulMode, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views,
+    PendingAmaxes, PendingNvfp4Amax, Piece2d, RopeSpec, SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;
@@ -464,6 +467,8 @@ pub struct Device {
     calls: counters::OpCalls,
     /// The largest [`Device::allocated_bytes`] seen since creation or [`Device::reset_peak`].
     peak: usize,
+    /// How [`Device::matmul`] computes.
+    matmul_mode: MatmulMode,
 }
 
 #[derive(Debug)]
@@ -482,6 +487,7 @@ impl Device {
             backend: Backend::Cpu(cpu::CpuDevice::new()),
             calls: counters::OpCalls::default(),
             peak: 0,
+            matmul_mode: MatmulMode::Exact,
         }
     }
 
@@ -496,6 +502,7 @@ impl Device {
             backend: Backend::Cuda(Box::new(cuda::CudaDevice::new(ordinal)?)),
             calls: counters::OpCalls::default(),
             peak: 0,
+            matmul_mode: MatmulMode::Exact,
         })
     }
 

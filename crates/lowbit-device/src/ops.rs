@@ -17,8 +17,9 @@
 //! calling thread.
 //!
 //! The ops live in submodules by family: [`elementwise`] (fill, cast, scale, axpy, add and the
-//! reductions), [`quant`] (MXFP8 and NVFP4), [`optim`] (AdamW, SGD with momentum), [`matmul`]
-//! and [`model`] (bias, RMSNorm, GELU, losses).
+//! reductions), [`quant`] (MXFP8 and NVFP4), [`optim`] (AdamW, SGD with momentum), [`matmul`],
+//! [`model`] (bias, RMSNorm, GELU, losses) and [`llm`] (embedding, RoPE, SwiGLU, per-row
+//! cross-entropy).
 
 use std::ops::Range;
 
@@ -36,13 +37,19 @@ macro_rules! on_cuda {
     };
 }
 
+mod attention;
 mod elementwise;
+mod llm;
 mod matmul;
 mod model;
 mod optim;
 mod quant;
 
-pub use matmul::MatmulTcSpec;
+pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
+pub use llm::RopeSpec;
+#[cfg(feature = "cuda")]
+pub(crate) use llm::id_groups;
+pub use matmul::{MatmulMode, MatmulTcSpec};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{round_to, upload_as};
-use lowbit_device::{DType, Device, DeviceError, MatmulSpec, View};
+use lowbit_device::{DType, Device, DeviceError, MatmulMode, MatmulSpec, View};
 use proptest::prelude::*;
 
 /// Element (i, j) of op(X) for X stored row-major `[r, c]` of op(X) or its transpose.
@@ -56,6 +56,36 @@ proptest! {
                 prop_assert!((f64::from(got[i * n + j]) - want64).abs() <= tol);
             }
         }
+    }
+
+    /// `MatmulMode::Bf16`: the operands rounded to bf16 first, then the exact k-ordered f32
+    /// product (on the CPU; CUDA sums the same products in cuBLAS's order).
+    #[test]
+    fn bf16_mode_is_the_product_of_rounded_operands(
+        m in 1usize..6, n in 1usize..6, k in 1usize..9,
+        trans_a in any::<bool>(), trans_b in any::<bool>(), accumulate in any::<bool>(),
+        seed in proptest::collection::vec(-8.0f32..8.0, 200),
+    ) {
+        let mut dev = Device::cpu();
+        dev.set_matmul_mode(MatmulMode::Bf16);
+        prop_assert_eq!(dev.matmul_mode(), MatmulMode::Bf16);
+        let (a, _) = upload(&mut dev, DType::F32, &seed[..m * k]);
+        let (b, _) = upload(&mut dev, DType::F32, &seed[100..100 + k * n]);
+        let c0: Vec<f32> = seed[60..60 + m * n].to_vec();
+        let (c, _) = upload(&mut dev, DType::F32, &c0);
+        let spec = MatmulSpec { m, n, k, trans_a, trans_b, accumulate };
+        let live = dev.allocated_bytes();
+        dev.matmul(a, b, c, &spec).unwrap();
+        prop_assert_eq!(dev.allocated_bytes(), live, "temporaries freed");
+        let got = dev.download::<f32>(c).unwrap();
+        let mut exact = Device::cpu();
+        let (ar, _) = upload(&mut exact, DType::Bf16, &seed[..m * k]);
+        let (br, _) = upload(&mut exact, DType::Bf16, &seed[100..100 + k * n]);
+        let (cr, _) = upload(&mut exact, DType::F32, &c0);
+        exact.matmul(ar, br, cr, &spec).unwrap();
+        let want = exact.download::<f32>(cr).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&got), bits(&want));
     }
 }
 

@@ -42,6 +42,11 @@ pub struct Module {
 /// Every embedded module, in file-name order. A new `.cu` file needs an entry here.
 pub static MODULES: &[Module] = &[
     Module {
+        name: "llm",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/llm.sm_90.ptx"),
+    },
+    Module {
         name: "mxfp8",
         arch: "sm_90",
         ptx: include_str!("../ptx/mxfp8.sm_90.ptx"),

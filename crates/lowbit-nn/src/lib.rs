@@ -31,7 +31,11 @@
 //! - **Layers allocate nothing.** Views and scratch ([`layers::Scratch`]) come from the model, so
 //!   a model sizes and reuses its memory; scratch is overwritten, never read before written.
 //! - **No f64 and no host arithmetic**: everything a layer computes runs as device ops, so the
-//!   CPU and CUDA backends give the same bits.
+//!   CPU and CUDA backends give the same bits. The one exception is the mean of
+//!   [`layers::ChunkedCrossEntropy`]'s per-row losses, summed in f64 on the host in row order
+//!   from the downloaded losses (exactly what [`lowbit_device::Device::softmax_cross_entropy`]
+//!   does inside), which is backend-independent too. [`layers::rope_tables`] is host code
+//!   that builds constant tables in f64 once, before any step.
 //!
 //! # Adding a layer
 //! One file per layer family under `layers/` (≲ 800 lines), a descriptor with the parameter ids
@@ -42,8 +46,9 @@
 //! # Non-goals
 //! Layers do not own parameters, schedule communication, fuse across layers, or decide precision
 //! (that is the buffers' policy behind the hooks). There is no autograd: a model calls the
-//! backwards itself, in reverse order. Embedding, RoPE, attention, SwiGLU, chunked cross-entropy
-//! and grouped experts are not here yet; the models that need them keep their own code.
+//! backwards itself, in reverse order. The decoder layers ([`layers::Embedding`], [`layers::Rope`],
+//! [`layers::SwiGlu`], [`layers::ChunkedCrossEntropy`]) run in the exact arithmetic of the device
+//! ops, not with fused or tensor-core kernels; grouped experts are not here.
 
 pub mod layers;
 

@@ -1,5 +1,5 @@
 //! Host side of the kernels of `crates/lowbit-kernels/ops.cu` and `crates/lowbit-kernels/mxfp8.cu`, by op family
-//! ([`elementwise`], [`optim`], [`model`], [`quant`]), and the launch helpers every host side
+//! ([`elementwise`], [`optim`], [`model`], [`llm`], [`quant`]), and the launch helpers every host side
 //! shares: grid shapes, dtype codes, view checks, scratch buffers. Callers have validated
 //! dtypes, lengths and shapes; each method validates its views (liveness, bounds, overlap)
 //! before launching anything.
@@ -10,6 +10,7 @@ use super::{Arg, CudaDevice};
 use crate::{DType, Result, View};
 
 mod elementwise;
+mod llm;
 mod model;
 mod optim;
 mod quant;

@@ -1,5 +1,6 @@
-//! The reference matrix product ([`Device::matmul`]) and the tensor-core product
-//! ([`Device::matmul_tc`]).
+//! The reference matrix product ([`Device::matmul`]), the tensor-core product
+//! ([`Device::matmul_tc`]), and the mode that routes the first through the second
+//! ([`MatmulMode`]).
 
 use super::{invalid, shape_len};
 use crate::cpu::{decode_f32, decode_into, encode_f32};
@@ -48,6 +49,20 @@ impl MatmulTcSpec {
     }
 }
 
+/// How [`Device::matmul`] computes (set per device with [`Device::set_matmul_mode`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulMode {
+    /// The reference arithmetic of [`Device::matmul`]: f32 products summed in index order, the
+    /// same bits on every backend.
+    #[default]
+    Exact,
+    /// Operands rounded to bf16 (RNE; a bf16 operand as it is) and multiplied by
+    /// [`Device::matmul_tc`] into the f32 C (`accumulate`: `C ← op(A)·op(B) + C`): cuBLASLt on
+    /// the tensor cores on CUDA, the same rounded operands summed in index order on the CPU. The
+    /// fast mode of a model's GEMMs, as bf16 autocast computes them.
+    Bf16,
+}
+
 /// `op(X)` as a row-major `[rows, cols]` f32 matrix, from `x` stored `[rows, cols]`, or
 /// `[cols, rows]` when `trans`.
 fn op_matrix(x: Vec<f32>, rows: usize, cols: usize, trans: bool) -> Vec<f32> {
@@ -81,6 +96,9 @@ impl Device {
         check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
         check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
         check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
+        if self.matmul_mode == MatmulMode::Bf16 && k > 0 && m > 0 && n > 0 {
+            return self.matmul_bf16(a, b, c, spec);
+        }
         on_cuda!(self, g => g.matmul(a, b, c, spec));
         self.host_op(WHAT, [a, b], [c], |[ab, bb], [cb]| {
             let opa = op_matrix(decode_f32(a.dtype(), ab), m, k, spec.trans_a);
@@ -105,6 +123,44 @@ impl Device {
             }
             Ok(())
         })
+    }
+
+    /// Sets how [`Device::matmul`] computes from now on ([`MatmulMode`]).
+    pub fn set_matmul_mode(&mut self, mode: MatmulMode) {
+        self.matmul_mode = mode;
+    }
+
+    /// How [`Device::matmul`] computes.
+    pub fn matmul_mode(&self) -> MatmulMode {
+        self.matmul_mode
+    }
+
+    /// [`MatmulMode::Bf16`]'s product: operands cast to bf16 temporaries (unless bf16 already),
+    /// then one [`Device::matmul_tc`] into `c`.
+    fn matmul_bf16(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
+        let mut temps = Vec::new();
+        let mut bf16 = |dev: &mut Device, x: View| -> Result<View> {
+            if x.dtype() == DType::Bf16 {
+                return Ok(x);
+            }
+            let t = dev.try_alloc(DType::Bf16, x.len())?;
+            dev.cast(x, t)?;
+            temps.push(t);
+            Ok(t)
+        };
+        let (ab, bb) = (bf16(self, a)?, bf16(self, b)?);
+        let tc = MatmulTcSpec {
+            trans_a: spec.trans_a,
+            trans_b: spec.trans_b,
+            beta: if spec.accumulate { 1.0 } else { 0.0 },
+            ..MatmulTcSpec::new(spec.m, spec.n, spec.k)
+        };
+        let cin = spec.accumulate.then_some(c);
+        let out = self.matmul_tc(ab, bb, cin, c, &tc);
+        for t in temps {
+            self.free(t)?;
+        }
+        out
     }
 
     /// The tensor-core matrix product: `D[m, n] = alpha·op(A)[m, k]·op(B)[k, n] + beta·C[m, n]`
