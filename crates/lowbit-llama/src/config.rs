@@ -15,35 +15,21 @@
 //! [`LlamaConfig::validate`]d, so a file can only describe a model that can be built. When
 //! `dim` or `heads` is given without `head_dim`, `head_dim = dim / heads` (which must divide).
 
+use lowbit_device::ATTENTION_MAX_HEAD_DIM;
 use serde::Deserialize;
 
 use crate::{LlamaError, Result};
 
-/// The Llama 3 RoPE frequency scaling (Hugging Face transformers'
-/// `_compute_llama3_parameters`, `rope_type = "llama3"`): wavelengths longer than
-/// `original_max_position / low_freq_factor` are divided by `factor`, shorter than
-/// `original_max_position / high_freq_factor` are kept, and those between interpolate smoothly.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Llama3RopeScaling {
-    /// Divisor of the low frequencies (Llama-3.1-8B: 8, Llama-3.2-1B: 32).
-    pub factor: f64,
-    /// Wavelengths above `original_max_position / low_freq_factor` are fully scaled (1).
-    pub low_freq_factor: f64,
-    /// Wavelengths below `original_max_position / high_freq_factor` are not scaled (4).
-    pub high_freq_factor: f64,
-    /// The context length the frequencies were trained for (8192).
-    pub original_max_position: usize,
-}
+pub use lowbit_nn::layers::Llama3RopeScaling;
 
-impl Llama3RopeScaling {
-    /// Llama 3.1/3.2's values with this `factor`: low 1, high 4, original context 8192.
-    pub fn llama3(factor: f64) -> Llama3RopeScaling {
-        Llama3RopeScaling {
-            factor,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 8192,
-        }
+/// Llama 3.1/3.2's RoPE scaling with this `factor` (8 for Llama-3.1-8B, 32 for Llama-3.2-1B):
+/// low frequency factor 1, high 4, original context 8192 (their `config.json`s).
+pub fn llama3_scaling(factor: f64) -> Llama3RopeScaling {
+    Llama3RopeScaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192,
     }
 }
 
@@ -93,7 +79,7 @@ pub const MAX_TENSOR: usize = 1 << 40;
 
 /// The named shapes.
 pub mod presets {
-    use super::{Llama3RopeScaling, LlamaConfig};
+    use super::{LlamaConfig, llama3_scaling};
 
     /// The preset names [`by_name`] knows.
     pub const NAMES: [&str; 4] = ["llama-tiny", "llama-125m", "llama-1b", "llama-8b-layers"];
@@ -156,7 +142,7 @@ pub mod presets {
             head_dim: 64,
             ffn: 8192,
             rope_theta: 500_000.0,
-            rope_scaling: Some(Llama3RopeScaling::llama3(32.0)),
+            rope_scaling: Some(llama3_scaling(32.0)),
             rms_eps: 1e-5,
             tied: true,
             max_seq: 131_072,
@@ -177,7 +163,7 @@ pub mod presets {
             head_dim: 128,
             ffn: 14_336,
             rope_theta: 500_000.0,
-            rope_scaling: Some(Llama3RopeScaling::llama3(8.0)),
+            rope_scaling: Some(llama3_scaling(8.0)),
             rms_eps: 1e-5,
             tied: false,
             max_seq: 131_072,
@@ -230,7 +216,7 @@ impl LlamaConfig {
     }
 
     /// Checks that the shape can be built: every size positive, `heads % kv_heads == 0`, an even
-    /// `head_dim`, a vocabulary within [`MAX_VOCAB`], `max_seq` within [`MAX_SEQ`], every
+    /// `head_dim` within the attention ops' [`ATTENTION_MAX_HEAD_DIM`], a vocabulary within [`MAX_VOCAB`], `max_seq` within [`MAX_SEQ`], every
     /// parameter within [`MAX_TENSOR`] elements and the total count within `usize`, a finite
     /// `rope_theta > 1`, sane llama3 scaling values, a finite `rms_eps > 0` and `init_std > 0`.
     /// The error names the key.
@@ -260,6 +246,12 @@ impl LlamaConfig {
         if !self.head_dim.is_multiple_of(2) {
             return Err(config_err(format!(
                 "head_dim: rotary embedding rotates halves, so head_dim must be even, got {}",
+                self.head_dim
+            )));
+        }
+        if self.head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(config_err(format!(
+                "head_dim: {} is above the attention kernels' limit of {ATTENTION_MAX_HEAD_DIM}",
                 self.head_dim
             )));
         }
@@ -549,6 +541,13 @@ mod tests {
             ),
             (
                 LlamaConfig {
+                    head_dim: 512,
+                    ..base.clone()
+                },
+                "head_dim: 512 is above",
+            ),
+            (
+                LlamaConfig {
                     ffn: 0,
                     ..base.clone()
                 },
@@ -586,7 +585,7 @@ mod tests {
                 LlamaConfig {
                     rope_scaling: Some(Llama3RopeScaling {
                         high_freq_factor: 1.0,
-                        ..Llama3RopeScaling::llama3(8.0)
+                        ..llama3_scaling(8.0)
                     }),
                     ..base.clone()
                 },
@@ -626,7 +625,7 @@ mod tests {
         let want = LlamaConfig {
             layers: 2,
             vocab: 50304,
-            rope_scaling: Some(Llama3RopeScaling::llama3(16.0)),
+            rope_scaling: Some(llama3_scaling(16.0)),
             rms_eps: 1e-6,
             ..presets::llama_8b_layers(2)
         };

@@ -218,6 +218,17 @@ pub(crate) fn checked_param_count(cfg: &LlamaConfig) -> Result<usize> {
         })
 }
 
+/// The largest parameter's element count (the embedding's or the head's for any real vocabulary):
+/// the size of the layers' f32 scratch.
+pub fn params_max_numel(cfg: &LlamaConfig) -> usize {
+    let (qw, kw) = cfg.qkv_widths();
+    [cfg.vocab, qw, kw, cfg.ffn]
+        .iter()
+        .map(|&rows| rows * cfg.dim)
+        .max()
+        .unwrap_or(0)
+}
+
 /// The generator of parameter `p`'s initial values: SplitMix64 seeded with
 /// `splitmix64(seed ^ splitmix64(p))`, so each parameter's stream is independent of the others
 /// (a rank can initialize the parameters it owns alone).
