@@ -9,7 +9,8 @@
 //! - [`model`]: [`Llama`], the forward and hand-written backward of the decoder over a batch of
 //!   token sequences (embedding, RMSNorm, RoPE, causal GQA attention, SwiGLU, a tied or untied
 //!   head with a chunked cross-entropy), eval losses and next-token logits.
-//! - [`generate`]: greedy and temperature sampling from next-token logits.
+//! - [`generate`]: greedy and temperature (top-k) sampling from next-token logits with a seeded
+//!   generator, and the generation loop over any next-logits function.
 //! - [`data`]: tokenizers (GPT-2 BPE, bytes), token shards on disk with a manifest, memory-mapped
 //!   reading and a deterministic sample order.
 //!
@@ -19,10 +20,17 @@
 //!   the same whatever storage (bf16, MXFP8, NVFP4) or sharding the hooks implement.
 //! - Every GEMM weight (the attention and MLP projections) is a matrix parameter that a precision
 //!   policy may store in low precision; the embedding, the norms and the head are not.
+//! - Parameters are reported ready exactly once per microbatch, in the reverse of their id order
+//!   ([`params::params`]), which is the order a bucketed reduction wants.
+//! - Bad input (ids at or above the vocabulary, wrong lengths, a sequence over `max_seq`, a
+//!   config that cannot be built) is a typed error ([`LlamaError`]) before any device op.
+//! - `tests/gradcheck.rs` holds an independent f64 implementation of the whole forward; the
+//!   model's gradients of every parameter element agree with its central differences.
 //!
 //! # Non-goals
 //! Training loops, optimizers, ranks and checkpoints (those are `lowbit-train` and below, and the
-//! command line); fast kernels (the exact ops here are the reference).
+//! command line); fast kernels (the exact ops here are the reference); activation recomputation
+//! (every activation of a microbatch is kept); KV caches (generation reruns the window).
 
 pub mod config;
 pub mod data;
@@ -32,6 +40,6 @@ pub mod params;
 
 mod error;
 
-pub use config::LlamaConfig;
+pub use config::{Llama3RopeScaling, LlamaConfig, presets};
 pub use error::{LlamaError, Result};
 pub use model::Llama;

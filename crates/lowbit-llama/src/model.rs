@@ -1,5 +1,574 @@
-//! The decoder (being written).
+//! The decoder: [`Llama`], its forward over `lowbit-nn`'s layers and its hand-written backward.
+//!
+//! Per layer `l` (pre-norm, as Hugging Face's `LlamaDecoderLayer`):
+//! `n₁ = RMSNorm(x)`, `q = rope(n₁·W_qᵀ)`, `k = rope(n₁·W_kᵀ)`, `v = n₁·W_vᵀ`,
+//! `h = o_proj(attn(q, k, v)) + x`, `x' = down(silu(gate(n₂)) · up(n₂)) + h` with `n₂ =
+//! RMSNorm(h)`; then the final RMSNorm and the head (the embedding when tied), whose
+//! cross-entropy runs in chunks of rows so that the `[rows, vocab]` logits never exist at once.
+//!
+//! The backward runs the layers in reverse; the residual stream's gradient is one buffer that
+//! each block's two branches add into. Parameters are reported ready in exactly the reverse of
+//! [`crate::params::params`]' order.
+//!
+//! All activations and scratch live in one f32 device buffer carved once by [`Llama::new`]
+//! ([`Llama::activation_bytes`] is its size), so a step allocates nothing.
 
-/// The decoder's activations and scratch (being written).
+use lowbit_device::{DType, Device, View};
+use lowbit_nn::Hooks;
+use lowbit_nn::layers::{
+    Attention, ChunkedCrossEntropy, Embedding, GradStart, HeadGrad, InputGrad, Linear, LossScratch,
+    RmsNorm, Rope, Scratch, SwiGlu, SwiGluActs, rope_tables,
+};
+
+use crate::config::LlamaConfig;
+use crate::params::{self, EMBEDDING, LayerIds};
+use crate::{LlamaError, Result};
+
+/// The f32 logits of one chunk of the chunked cross-entropy stay within this many bytes.
+pub const LOGITS_CHUNK_BYTES: usize = 64 << 20;
+
+/// One layer's saved activations (views into the arena).
+#[derive(Clone, Copy, Debug)]
+struct LayerActs {
+    /// `RMSNorm(x)`, the q/k/v projections' input.
+    n1: View,
+    rstd1: View,
+    /// Post-RoPE queries and keys, values (attention's inputs).
+    q: View,
+    k: View,
+    v: View,
+    /// Attention's output (o_proj's input) and its log-sum-exps.
+    att: View,
+    lse: View,
+    /// The residual after attention, and its norm.
+    h: View,
+    n2: View,
+    rstd2: View,
+    /// The MLP's gate, up and `silu(gate)·up`.
+    gate: View,
+    up: View,
+    act: View,
+}
+
+/// Views carved from one buffer in order.
+struct Arena {
+    buf: View,
+    next: usize,
+}
+
+impl Arena {
+    fn take(&mut self, n: usize) -> Result<View> {
+        let v = self.buf.slice(self.next..self.next + n)?;
+        self.next += n;
+        Ok(v)
+    }
+}
+
+/// The element counts [`Llama::new`] carves, in its order; `None` on overflow.
+fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize) -> Option<Vec<usize>> {
+    let rows = batch.checked_mul(seq)?;
+    let (d, f, v) = (cfg.dim, cfg.ffn, cfg.vocab);
+    let (qw, kw) = cfg.qkv_widths();
+    let rd = rows.checked_mul(d)?;
+    let rq = rows.checked_mul(qw)?;
+    let rk = rows.checked_mul(kw)?;
+    let rf = rows.checked_mul(f)?;
+    let vd = v.checked_mul(d)?;
+    let half = cfg.head_dim / 2;
+    let mut s = vec![rows, rows, seq.checked_mul(half)?, seq.checked_mul(half)?];
+    for _ in 0..=cfg.layers {
+        s.push(rd);
+    }
+    let lse = rows.checked_mul(cfg.heads)?;
+    for _ in 0..cfg.layers {
+        s.extend([rd, rows, rq, rk, rk, rq, lse, rd, rd, rows, rf, rf, rf]);
+    }
+    // Final norm; backward buffers; the loss's; the layers' scratch; the tied head's gradient.
+    s.extend([rd, rows, rd, rd, rd, rq, rq, rk, rk, rf, rf]);
+    let chunk = chunk_rows(cfg, rows);
+    let biggest = params::params_max_numel(cfg);
+    s.extend([chunk.checked_mul(v)?, rows, vd, vd, biggest, biggest]);
+    if cfg.tied {
+        s.push(vd);
+    }
+    Some(s)
+}
+
+/// Rows per cross-entropy chunk: as many as keep `chunk·vocab` f32 within
+/// [`LOGITS_CHUNK_BYTES`], at least 1, at most `rows`.
+fn chunk_rows(cfg: &LlamaConfig, rows: usize) -> usize {
+    (LOGITS_CHUNK_BYTES / 4 / cfg.vocab).clamp(1, rows.max(1))
+}
+
+/// The decoder's activations and scratch for batches of `batch` sequences of `seq` tokens, and
+/// its forward and backward over parameters the hooks hold.
 #[derive(Debug)]
-pub struct Llama {}
+pub struct Llama {
+    cfg: LlamaConfig,
+    batch: usize,
+    seq: usize,
+    chunk_rows: usize,
+    arena: View,
+    ids: View,
+    targets: View,
+    cos: View,
+    sin: View,
+    /// The residual stream entering each layer; `x[layers]` enters the final norm.
+    x: Vec<View>,
+    acts: Vec<LayerActs>,
+    nf: View,
+    rstdf: View,
+    /// Backward: the residual stream's gradient and two of the same width.
+    dres: View,
+    dn: View,
+    dtmp: View,
+    datt: View,
+    dq: View,
+    dk: View,
+    dv: View,
+    work: [View; 2],
+    loss: LossScratch,
+    scratch: Scratch,
+    /// The tied head's gradient, which the embedding's backward completes.
+    embed_grad: Option<View>,
+}
+
+impl Llama {
+    /// Device bytes [`Llama::new`] allocates for this shape (activations, scratch, the chunked
+    /// loss's buffers, two f32 copies of the head's weight), or [`LlamaError::Config`] for an
+    /// invalid config or a count that overflows. For a memory check before building.
+    pub fn activation_bytes(cfg: &LlamaConfig, batch: usize, seq: usize) -> Result<usize> {
+        cfg.validate()?;
+        arena_sizes(cfg, batch, seq)
+            .and_then(|s| s.iter().try_fold(0usize, |a, &n| a.checked_add(n)))
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| {
+                LlamaError::Config(format!(
+                    "batch {batch} × seq {seq}: the activations' size overflows"
+                ))
+            })
+    }
+
+    /// Validates `cfg` and the batch shape (`batch, seq > 0`, `seq ≤ max_seq`), allocates every
+    /// activation and scratch buffer once, and uploads the RoPE tables for positions
+    /// `0..seq`.
+    pub fn new(dev: &mut Device, cfg: &LlamaConfig, batch: usize, seq: usize) -> Result<Llama> {
+        cfg.validate()?;
+        if batch == 0 || seq == 0 {
+            return Err(LlamaError::Input(format!(
+                "batch {batch} × seq {seq}: both must be positive"
+            )));
+        }
+        if seq > cfg.max_seq {
+            return Err(LlamaError::Input(format!(
+                "seq {seq} is longer than the model's max_seq {} (its RoPE table)",
+                cfg.max_seq
+            )));
+        }
+        let total = Self::activation_bytes(cfg, batch, seq)? / 4;
+        let buf = dev.try_alloc(DType::F32, total)?;
+        let mut a = Arena { buf, next: 0 };
+        let rows = batch * seq;
+        let (d, f, v) = (cfg.dim, cfg.ffn, cfg.vocab);
+        let (qw, kw) = cfg.qkv_widths();
+        let half = cfg.head_dim / 2;
+        let (ids, targets) = (a.take(rows)?, a.take(rows)?);
+        let (cos, sin) = (a.take(seq * half)?, a.take(seq * half)?);
+        let x = (0..=cfg.layers)
+            .map(|_| a.take(rows * d))
+            .collect::<Result<Vec<_>>>()?;
+        let mut acts = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            acts.push(LayerActs {
+                n1: a.take(rows * d)?,
+                rstd1: a.take(rows)?,
+                q: a.take(rows * qw)?,
+                k: a.take(rows * kw)?,
+                v: a.take(rows * kw)?,
+                att: a.take(rows * qw)?,
+                lse: a.take(rows * cfg.heads)?,
+                h: a.take(rows * d)?,
+                n2: a.take(rows * d)?,
+                rstd2: a.take(rows)?,
+                gate: a.take(rows * f)?,
+                up: a.take(rows * f)?,
+                act: a.take(rows * f)?,
+            });
+        }
+        let (nf, rstdf) = (a.take(rows * d)?, a.take(rows)?);
+        let (dres, dn, dtmp) = (a.take(rows * d)?, a.take(rows * d)?, a.take(rows * d)?);
+        let (datt, dq) = (a.take(rows * qw)?, a.take(rows * qw)?);
+        let (dk, dv) = (a.take(rows * kw)?, a.take(rows * kw)?);
+        let work = [a.take(rows * f)?, a.take(rows * f)?];
+        let chunk = chunk_rows(cfg, rows);
+        let loss = LossScratch {
+            logits: a.take(chunk * v)?,
+            losses: a.take(rows)?,
+            weight_fwd: a.take(v * d)?,
+            weight_bwd: a.take(v * d)?,
+        };
+        let biggest = params::params_max_numel(cfg);
+        let scratch = Scratch {
+            param: a.take(biggest)?,
+            grad: a.take(biggest)?,
+        };
+        let embed_grad = if cfg.tied { Some(a.take(v * d)?) } else { None };
+        debug_assert_eq!(a.next, total, "arena_sizes and new carve the same views");
+        let (c, s) = rope_tables(cfg.rope_theta, cfg.head_dim, seq, cfg.rope_scaling.as_ref());
+        dev.upload(cos, &c)?;
+        dev.upload(sin, &s)?;
+        Ok(Llama {
+            cfg: cfg.clone(),
+            batch,
+            seq,
+            chunk_rows: chunk,
+            arena: buf,
+            ids,
+            targets,
+            cos,
+            sin,
+            x,
+            acts,
+            nf,
+            rstdf,
+            dres,
+            dn,
+            dtmp,
+            datt,
+            dq,
+            dk,
+            dv,
+            work,
+            loss,
+            scratch,
+            embed_grad,
+        })
+    }
+
+    /// Frees the model's device memory.
+    pub fn free(self, dev: &mut Device) -> Result<()> {
+        Ok(dev.free(self.arena)?)
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Sequences per batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Tokens per sequence.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// Rows per chunk of the cross-entropy.
+    pub fn chunk_rows(&self) -> usize {
+        self.chunk_rows
+    }
+
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    fn embedding(&self) -> Embedding {
+        Embedding {
+            weight: EMBEDDING,
+            vocab: self.cfg.vocab,
+            dim: self.cfg.dim,
+        }
+    }
+
+    fn norm(&self, weight: usize) -> RmsNorm {
+        RmsNorm::new(weight, self.cfg.dim).with_eps(self.cfg.rms_eps)
+    }
+
+    fn head(&self) -> ChunkedCrossEntropy {
+        ChunkedCrossEntropy {
+            head: Linear::new(params::head_id(&self.cfg), self.cfg.dim, self.cfg.vocab),
+            chunk_rows: self.chunk_rows,
+        }
+    }
+
+    fn attention(&self) -> Attention {
+        Attention {
+            heads: self.cfg.heads,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    fn ropes(&self) -> (Rope, Rope) {
+        let r = |heads| Rope {
+            heads,
+            head_dim: self.cfg.head_dim,
+        };
+        (r(self.cfg.heads), r(self.cfg.kv_heads))
+    }
+
+    fn projections(&self, ids: &LayerIds) -> [Linear; 4] {
+        let d = self.cfg.dim;
+        let (qw, kw) = self.cfg.qkv_widths();
+        [
+            Linear::new(ids.q, d, qw),
+            Linear::new(ids.k, d, kw),
+            Linear::new(ids.v, d, kw),
+            Linear::new(ids.o, qw, d),
+        ]
+    }
+
+    fn mlp(&self, ids: &LayerIds) -> SwiGlu {
+        SwiGlu::new(ids.gate, ids.up, ids.down, self.cfg.dim, self.cfg.ffn)
+    }
+
+    /// Checks token ids against the vocabulary and uploads them (as f32) into the head of `dst`.
+    fn upload_ids(&self, dev: &mut Device, what: &str, ids: &[u32], dst: View) -> Result<()> {
+        if let Some(i) = ids.iter().position(|&t| t as usize >= self.cfg.vocab) {
+            return Err(LlamaError::Input(format!(
+                "{what}[{i}] = {} is not below the vocabulary size {}",
+                ids[i], self.cfg.vocab
+            )));
+        }
+        let vals: Vec<f32> = ids.iter().map(|&t| t as f32).collect();
+        Ok(dev.upload(dst.slice(0..ids.len())?, &vals)?)
+    }
+
+    /// Checks a batch's lengths and ids, then uploads tokens and targets.
+    fn upload_batch(&self, dev: &mut Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
+        let rows = self.rows();
+        for (what, v) in [("tokens", tokens), ("targets", targets)] {
+            if v.len() != rows {
+                return Err(LlamaError::Input(format!(
+                    "{what}: {} ids where the model's batch {} × seq {} needs {rows}",
+                    v.len(),
+                    self.batch,
+                    self.seq
+                )));
+            }
+        }
+        // Validate both before uploading either, so bad input changes nothing.
+        for (what, v) in [("tokens", tokens), ("targets", targets)] {
+            if let Some(i) = v.iter().position(|&t| t as usize >= self.cfg.vocab) {
+                return Err(LlamaError::Input(format!(
+                    "{what}[{i}] = {} is not below the vocabulary size {}",
+                    v[i], self.cfg.vocab
+                )));
+            }
+        }
+        self.upload_ids(dev, "tokens", tokens, self.ids)?;
+        self.upload_ids(dev, "targets", targets, self.targets)
+    }
+
+    /// The forward up to the final norm's output (`nf`) over the first `batch·seq` rows.
+    fn trunk(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        batch: usize,
+        seq: usize,
+    ) -> Result<()> {
+        let rows = batch * seq;
+        let head = |v: View, width: usize| v.slice(0..rows * width);
+        let (d, f) = (self.cfg.dim, self.cfg.ffn);
+        let (qw, kw) = self.cfg.qkv_widths();
+        let s = self.scratch;
+        let (rq, rk) = self.ropes();
+        let ids = head(self.ids, 1)?;
+        self.embedding()
+            .forward(dev, hooks, ids, head(self.x[0], d)?, rows)?;
+        for (l, a) in self.acts.iter().enumerate() {
+            let p = params::layer_ids(l);
+            let (x, x_next) = (head(self.x[l], d)?, head(self.x[l + 1], d)?);
+            let (n1, q, k, v) = (
+                head(a.n1, d)?,
+                head(a.q, qw)?,
+                head(a.k, kw)?,
+                head(a.v, kw)?,
+            );
+            let (att, h, n2) = (head(a.att, qw)?, head(a.h, d)?, head(a.n2, d)?);
+            let [wq, wk, wv, wo] = self.projections(&p);
+            self.norm(p.input_norm)
+                .forward(dev, hooks, x, n1, head(a.rstd1, 1)?, s)?;
+            wq.forward(dev, hooks, n1, q, rows, s)?;
+            wk.forward(dev, hooks, n1, k, rows, s)?;
+            wv.forward(dev, hooks, n1, v, rows, s)?;
+            rq.forward(dev, q, q, seq, self.cos, self.sin)?;
+            rk.forward(dev, k, k, seq, self.cos, self.sin)?;
+            let lse = head(a.lse, self.cfg.heads)?;
+            self.attention()
+                .forward(dev, q, k, v, att, lse, batch, seq)?;
+            wo.forward(dev, hooks, att, h, rows, s)?;
+            dev.add(x, h)?;
+            self.norm(p.post_norm)
+                .forward(dev, hooks, h, n2, head(a.rstd2, 1)?, s)?;
+            let acts = SwiGluActs {
+                gate: head(a.gate, f)?,
+                up: head(a.up, f)?,
+                act: head(a.act, f)?,
+            };
+            self.mlp(&p)
+                .forward(dev, hooks, n2, x_next, rows, acts, s)?;
+            dev.add(h, x_next)?;
+        }
+        let last = head(self.x[self.cfg.layers], d)?;
+        self.norm(params::final_norm_id(&self.cfg)).forward(
+            dev,
+            hooks,
+            last,
+            head(self.nf, d)?,
+            head(self.rstdf, 1)?,
+            s,
+        )?;
+        Ok(())
+    }
+
+    /// One microbatch: the mean cross-entropy of predicting `targets` from `tokens` (each
+    /// `batch·seq` ids, sequence-major), returned, and the gradients of `scale · loss`
+    /// accumulated through the hooks, each parameter reported ready once, in the reverse of the
+    /// forward order. Ids at or above the vocabulary are refused before any op.
+    pub fn forward_backward(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+        targets: &[u32],
+        scale: f32,
+    ) -> Result<f32> {
+        self.upload_batch(dev, tokens, targets)?;
+        let (batch, seq, rows) = (self.batch, self.seq, self.rows());
+        self.trunk(dev, hooks, batch, seq)?;
+        let s = self.scratch;
+        let head_grad = match self.embed_grad {
+            Some(g) => HeadGrad::Keep(g),
+            None => HeadGrad::Report,
+        };
+        let loss = self.head().forward_backward(
+            dev,
+            hooks,
+            self.nf,
+            self.targets,
+            self.dn,
+            rows,
+            scale,
+            self.loss,
+            s,
+            head_grad,
+        )?;
+        let last = self.x[self.cfg.layers];
+        self.norm(params::final_norm_id(&self.cfg))
+            .backward(dev, hooks, last, self.rstdf, self.dn, self.dres, s)?;
+        let (rq, rk) = self.ropes();
+        for (l, a) in self.acts.iter().enumerate().rev() {
+            let p = params::layer_ids(l);
+            let [wq, wk, wv, wo] = self.projections(&p);
+            // MLP branch: dres holds dL/dx'; dh = dres + n₂'s backward of the MLP's dx.
+            let acts = SwiGluActs {
+                gate: a.gate,
+                up: a.up,
+                act: a.act,
+            };
+            self.mlp(&p).backward(
+                dev,
+                hooks,
+                a.n2,
+                self.dres,
+                InputGrad::Write(self.dn),
+                rows,
+                acts,
+                self.work,
+                s,
+            )?;
+            self.norm(p.post_norm)
+                .backward(dev, hooks, a.h, a.rstd2, self.dn, self.dtmp, s)?;
+            dev.add(self.dtmp, self.dres)?;
+            // Attention branch: dres holds dL/dh.
+            wo.backward(
+                dev,
+                hooks,
+                a.att,
+                self.dres,
+                InputGrad::Write(self.datt),
+                rows,
+                s,
+            )?;
+            self.attention().backward(
+                dev, a.q, a.k, a.v, a.att, a.lse, self.datt, self.dq, self.dk, self.dv, batch, seq,
+            )?;
+            rq.backward(dev, self.dq, self.dq, seq, self.cos, self.sin)?;
+            rk.backward(dev, self.dk, self.dk, seq, self.cos, self.sin)?;
+            wv.backward(
+                dev,
+                hooks,
+                a.n1,
+                self.dv,
+                InputGrad::Write(self.dn),
+                rows,
+                s,
+            )?;
+            wk.backward(dev, hooks, a.n1, self.dk, InputGrad::Add(self.dn), rows, s)?;
+            wq.backward(dev, hooks, a.n1, self.dq, InputGrad::Add(self.dn), rows, s)?;
+            self.norm(p.input_norm)
+                .backward(dev, hooks, self.x[l], a.rstd1, self.dn, self.dtmp, s)?;
+            dev.add(self.dtmp, self.dres)?;
+        }
+        let v_d = self.cfg.vocab * self.cfg.dim;
+        let (grad_buf, start) = match self.embed_grad {
+            Some(g) => (g, GradStart::Add),
+            None => (s.grad.slice(0..v_d)?, GradStart::Zero),
+        };
+        self.embedding()
+            .backward(dev, hooks, self.ids, self.dres, rows, grad_buf, start)?;
+        Ok(loss)
+    }
+
+    /// The mean cross-entropy of a batch without gradients (no parameter is reported); the
+    /// per-row losses stay on the device for [`Llama::row_losses`].
+    pub fn eval_loss(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> Result<f32> {
+        self.upload_batch(dev, tokens, targets)?;
+        self.trunk(dev, hooks, self.batch, self.seq)?;
+        Ok(self
+            .head()
+            .forward(dev, hooks, self.nf, self.targets, self.rows(), self.loss)?)
+    }
+
+    /// The per-row losses of the last [`Llama::eval_loss`] or [`Llama::forward_backward`]
+    /// (`batch·seq`, sequence-major).
+    pub fn row_losses(&self, dev: &Device) -> Result<Vec<f32>> {
+        Ok(dev.download(self.loss.losses)?)
+    }
+
+    /// The logits (`vocab` values) predicting the token after `tokens`, one sequence of
+    /// `1..=seq` tokens: the forward over those positions only, then the head on the last.
+    pub fn next_logits(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        if n == 0 || n > self.seq {
+            return Err(LlamaError::Input(format!(
+                "next_logits: {n} tokens where the model takes 1..={}",
+                self.seq
+            )));
+        }
+        self.upload_ids(dev, "tokens", tokens, self.ids)?;
+        self.trunk(dev, hooks, 1, n)?;
+        let d = self.cfg.dim;
+        let last = self.nf.slice((n - 1) * d..n * d)?;
+        let logits = self.loss.logits.slice(0..self.cfg.vocab)?;
+        self.head()
+            .head
+            .forward(dev, hooks, last, logits, 1, self.scratch)?;
+        Ok(dev.download(logits)?)
+    }
+}
