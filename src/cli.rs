@@ -77,6 +77,9 @@ pub enum Command {
     /// The run is rebuilt from the checkpoint's manifest (model, precision, optimizer), so the
     /// weights are exactly those the training run evaluated after that step.
     Eval(crate::eval_cmd::EvalArgs),
+    /// Continue a prompt with a decoder checkpoint's weights (greedy or sampled), so a person
+    /// can see what the model learned.
+    Generate(crate::eval_cmd::GenerateArgs),
 }
 
 /// Arguments of `lowbit quantize`.
@@ -180,5 +183,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Train(args) => crate::train_cmd::run(&args),
         Command::Ckpt(args) => crate::ckpt_cmd::run(&args),
         Command::Eval(args) => crate::eval_cmd::run_eval(&args),
+        Command::Generate(args) => crate::eval_cmd::run_generate(&args),
     }
 }

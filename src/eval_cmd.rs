@@ -12,7 +12,7 @@ use clap::{Args, Parser};
 
 use lowbit::ckpt::Checkpoint;
 use lowbit::train::json::Json;
-use lowbit::train::{self, DeviceChoice, RunMode, TrainConfig};
+use lowbit::train::{self, DeviceChoice, RunMode, Sampling, TrainConfig};
 
 use crate::error::CliError;
 use crate::train_cmd::TrainFlags;
@@ -158,4 +158,46 @@ pub fn run_eval(a: &EvalArgs) -> Result<(), CliError> {
         )
     };
     crate::report::print(&text)
+}
+
+/// Runs `lowbit generate`.
+pub fn run_generate(a: &GenerateArgs) -> Result<(), CliError> {
+    let mut cfg = config_of(&a.checkpoint, None, a.device, 1)?;
+    let tokenizer = train::tokenizer_of(&cfg).map_err(|e| CliError::Msg(e.to_string()))?;
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        return Err(CliError::Msg(format!(
+            "--temperature {} must be a finite number >= 0 (0: greedy)",
+            a.temperature
+        )));
+    }
+    let prompt = tokenizer
+        .encode(&a.prompt)
+        .map_err(|e| CliError::Msg(format!("--prompt: {e}")))?;
+    let sampling = Sampling {
+        prompt: prompt.clone(),
+        max_new: a.max_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        stop: Some(tokenizer.eot()),
+    };
+    cfg.eval_samples = 1;
+    let report = train::from_checkpoint(&cfg, &a.checkpoint, &RunMode::Generate(sampling))
+        .map_err(|e| CliError::Msg(e.to_string()))?;
+    let text = tokenizer
+        .decode(&report.generated)
+        .map_err(|e| CliError::Msg(e.to_string()))?;
+    let out = if a.json {
+        let ids = report.generated.iter().map(|&t| Json::uint(t));
+        let obj = Json::obj([
+            ("prompt", Json::str(a.prompt.clone())),
+            ("prompt_tokens", Json::uint(prompt.len())),
+            ("text", Json::str(text)),
+            ("tokens", Json::Arr(ids.collect())),
+        ]);
+        format!("{obj}\n")
+    } else {
+        format!("{}{text}\n", a.prompt)
+    };
+    crate::report::print(&out)
 }

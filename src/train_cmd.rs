@@ -12,6 +12,8 @@ use lowbit::train::{
     MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, OuterSharding, ParamOwner,
     Precision, Sharding, StepLog, TrainConfig, TrainReport,
 };
+use lowbit::train::{LlamaRun, ModelChoice};
+use lowbit_llama::LlamaConfig;
 
 use crate::error::CliError;
 use crate::report;
@@ -96,16 +98,34 @@ pub struct TrainArgs {
     /// Bucket size in elements, with --overlap-grad-reduce on [default: 40000].
     #[arg(long)]
     pub bucket_size: Option<usize>,
+    /// The model: `reference` (the MoE toy on a Markov source or a file's bytes) or a Llama
+    /// decoder preset (llama-tiny, llama-125m, llama-1b, llama-8b-layers) on token data
+    /// (--data DIR from `lowbit data prepare`; without it, the embedded text sample,
+    /// byte-tokenized); a --config file's [model] table changes any of the preset's shapes.
+    #[arg(long, value_name = "NAME", default_value = "reference")]
+    pub model: String,
+    /// Tokens per sample of a decoder [default: 64 for llama-tiny, 1024 for llama-125m, 2048 for
+    /// llama-1b, 4096 for llama-8b-layers, at most the model's max_seq].
+    #[arg(long, value_name = "N")]
+    pub seq: Option<usize>,
+    /// Decoder layers (llama-8b-layers: Llama-3-8B's layer shapes, 4 by default).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Eval samples (a decoder's: validation windows) [default: 4096 for the reference model, 64
+    /// for a decoder].
+    #[arg(long, value_name = "N")]
+    pub eval_samples: Option<usize>,
     /// Microbatches per step (gradient accumulation).
     #[arg(long, default_value_t = TrainConfig::default().microbatches)]
     pub microbatches: usize,
-    /// Samples per step over all ranks (split over ranks x microbatches).
-    #[arg(long, default_value_t = TrainConfig::default().batch)]
-    pub batch: usize,
+    /// Samples per step over all ranks (split over ranks x microbatches; a decoder's samples are
+    /// sequences) [default: 512 for the reference model, 16 for a decoder].
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Peak AdamW learning rate: linear warmup over the first 5% of the steps, then cosine
-    /// decay to a tenth of it.
-    #[arg(long, default_value_t = TrainConfig::default().lr)]
-    pub lr: f32,
+    /// decay to a tenth of it [default: 0.01 for the reference model, 0.003 for a decoder].
+    #[arg(long)]
+    pub lr: Option<f32>,
     /// Optimizer steps.
     #[arg(long, default_value_t = TrainConfig::default().steps)]
     pub steps: usize,
@@ -279,6 +299,64 @@ impl TrainArgs {
         }))
     }
 
+    /// The model `--model`, `--seq`, `--layers` and the `--config` file's `[model]` table ask for.
+    fn model_choice(&self) -> Result<ModelChoice, CliError> {
+        let table = match &self.config {
+            Some(path) => crate::config_file::read_table(path)?
+                .get("model")
+                .cloned()
+                .map(|m| (path, m)),
+            None => None,
+        };
+        if self.model == "reference" {
+            let given = [
+                ("--seq", self.seq.is_some()),
+                ("--layers", self.layers.is_some()),
+                ("a [model] table in --config", table.is_some()),
+            ];
+            if let Some((what, _)) = given.iter().find(|(_, g)| *g) {
+                return Err(CliError::Msg(format!(
+                    "invalid configuration: {what} applies only to a decoder (--model llama-*)"
+                )));
+            }
+            return Ok(ModelChoice::Reference);
+        }
+        let bad = |m: String| CliError::Msg(format!("invalid configuration: {m}"));
+        let mut config = match &table {
+            Some((path, m)) => {
+                let Some(t) = m.as_table() else {
+                    return Err(bad(format!("{}: `model` must be a table", path.display())));
+                };
+                let mut t = t.clone();
+                // The table's fields apply over --model's preset unless it names its own.
+                t.entry("preset")
+                    .or_insert_with(|| toml::Value::String(self.model.clone()));
+                LlamaConfig::from_toml_table(&t, &path.display().to_string())
+                    .map_err(|e| bad(e.to_string()))?
+            }
+            None => LlamaConfig::preset(&self.model)
+                .map_err(|e| bad(format!("--model {}: {e} (or `reference`)", self.model)))?,
+        };
+        if let Some(n) = self.layers {
+            config.layers = n;
+        }
+        // A given --seq is checked against max_seq; the default fits it.
+        let seq = self.seq.unwrap_or_else(|| {
+            let d = match self.model.as_str() {
+                "llama-125m" => 1024,
+                "llama-1b" => 2048,
+                "llama-8b-layers" => 4096,
+                _ => 64,
+            };
+            d.min(config.max_seq)
+        });
+        Ok(ModelChoice::Llama(LlamaRun {
+            preset: self.model.clone(),
+            seq,
+            config,
+        }))
+    }
+
     /// The mixed-precision policy, or the refusal of both `--main-grads-dtype` and its alias
     /// `--grad-dtype` (which one would win is not obvious).
     fn mixed_precision(&self) -> Result<MixedPrecisionPolicy, CliError> {
@@ -308,6 +386,7 @@ impl TrainArgs {
     pub fn config(&self) -> Result<TrainConfig, CliError> {
         let (precision, sharding) = (self.precision, self.sharding);
         let d = TrainConfig::default();
+        let model = self.model_choice()?;
         let mut shape = d.shape;
         shape.grouped = !self.discrete_experts;
         Ok(TrainConfig {
@@ -342,18 +421,28 @@ impl TrainArgs {
                 None => None,
             },
             microbatches: self.microbatches,
-            batch: self.batch,
+            batch: self.batch.unwrap_or(match model {
+                ModelChoice::Reference => d.batch,
+                ModelChoice::Llama(_) => 16,
+            }),
+            eval_samples: self.eval_samples.unwrap_or(match model {
+                ModelChoice::Reference => d.eval_samples,
+                ModelChoice::Llama(_) => 64,
+            }),
             steps: self.steps,
             eval_every: self.eval_every,
             seed: self.seed,
             device: self.device,
             data: self.data.clone(),
-            lr: self.lr,
+            lr: self.lr.unwrap_or(match model {
+                ModelChoice::Reference => d.lr,
+                ModelChoice::Llama(_) => 3e-3,
+            }),
             allow_non_finite: self.allow_non_finite,
             optimizer: self.optimizer()?,
             compute: self.compute,
             shape,
-            ..d
+            model,
         })
     }
 }
@@ -591,23 +680,44 @@ pub fn render(r: &TrainReport) -> String {
     let s = &c.shape;
     let mut o = String::new();
     o += &format!("lowbit train: {}\n", describe(c));
-    o += &format!(
-        "model: {} parameters; vocab {}, context {}, {} dense blocks, MoE {} experts top-{} \
+    if let ModelChoice::Llama(run) = &c.model {
+        let m = &run.config;
+        o += &format!(
+            "model: {} ({} parameters; vocab {}, dim {}, {} layers, {} heads / {} kv heads of \
+             {}, ffn {}, {} head); batch {} x {} tokens x {} steps\n\n",
+            run.preset,
+            r.params,
+            m.vocab,
+            m.dim,
+            m.layers,
+            m.heads,
+            m.kv_heads,
+            m.head_dim,
+            m.ffn,
+            if m.tied { "tied" } else { "untied" },
+            c.batch,
+            run.seq,
+            c.steps
+        );
+    } else {
+        o += &format!(
+            "model: {} parameters; vocab {}, context {}, {} dense blocks, MoE {} experts top-{} \
          ({}); batch {} x {} steps\n\n",
-        r.params,
-        s.vocab,
-        s.context,
-        s.blocks,
-        s.experts,
-        s.top_k,
-        if s.grouped {
-            "grouped weights"
-        } else {
-            "per-expert weights"
-        },
-        c.batch,
-        c.steps
-    );
+            r.params,
+            s.vocab,
+            s.context,
+            s.blocks,
+            s.experts,
+            s.top_k,
+            if s.grouped {
+                "grouped weights"
+            } else {
+                "per-expert weights"
+            },
+            c.batch,
+            c.steps
+        );
+    }
     if let Some(dir) = &r.resumed_from {
         o += &format!(
             "resumed from {} (step {}): {} steps run\n",

@@ -112,6 +112,11 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         .zip(values)
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+    if let super::ModelChoice::Llama(run) = &cfg.model {
+        // The decoder's shape instead of the reference model's.
+        m.retain(|k, _| !k.starts_with("model."));
+        m.extend(run.config_map());
+    }
     // Under the key `--grad-dtype` always had (its alias); `compute` is kept as such.
     let grad = cfg.mixed_precision.main_grads_dtype.name();
     let device = cfg.device.name();
@@ -341,6 +346,17 @@ pub fn apply_model_settings(
     cfg: &mut TrainConfig,
     config: &BTreeMap<String, String>,
 ) -> Result<(), TrainError> {
+    if let Some(run) = super::llama::LlamaRun::from_config_map(config) {
+        cfg.model = super::ModelChoice::Llama(run);
+        return Ok(());
+    }
+    if config.contains_key("model") {
+        return Err(TrainError::Checkpoint(format!(
+            "the checkpoint's model {:?} is not one this build knows or its settings are \
+             incomplete",
+            config.get("model")
+        )));
+    }
     let grouped = config.get("experts_layout").is_none_or(|l| l != "discrete");
     match shape_of(config, grouped) {
         Some(shape) => {

@@ -214,6 +214,18 @@ pub struct TrainConfig {
     pub shape: LmShape,
     /// How the model's GEMMs compute.
     pub compute: Compute,
+    /// The model (the reference model has the shape `shape`).
+    pub model: ModelChoice,
+}
+
+/// Which model a run trains (`--model`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ModelChoice {
+    /// The reference MoE language model of shape [`TrainConfig::shape`].
+    #[default]
+    Reference,
+    /// A Llama decoder on token data.
+    Llama(super::llama::LlamaRun),
 }
 
 /// How the model's GEMMs compute (`--compute`).
@@ -285,6 +297,7 @@ impl Default for TrainConfig {
                 grouped: true,
             },
             compute: Compute::Exact,
+            model: ModelChoice::Reference,
         }
     }
 }
@@ -464,7 +477,9 @@ impl TrainConfig {
         if self.eval_samples == 0 {
             return bad("the eval set needs at least one sample".into());
         }
-        if self.shape.context < 2 {
+        if let ModelChoice::Llama(run) = &self.model {
+            run.check(self).map_err(TrainError::Invalid)?;
+        } else if self.shape.context < 2 {
             return bad(format!(
                 "a context of {} tokens cannot see the order-2 source's state",
                 self.shape.context
@@ -504,13 +519,14 @@ impl TrainConfig {
             }
         }
         let s = &self.shape;
-        if s.top_k == 0 || s.top_k > s.experts {
+        let reference = self.model == ModelChoice::Reference;
+        if reference && (s.top_k == 0 || s.top_k > s.experts) {
             return bad(format!(
                 "top-{} routing over {} experts",
                 s.top_k, s.experts
             ));
         }
-        if self.precision != Precision::Bf16 {
+        if reference && self.precision != Precision::Bf16 {
             let dims = [s.hidden, s.ffn, s.expert_ffn, s.context * s.embed];
             if let Some(d) = dims.iter().find(|d| !d.is_multiple_of(32)) {
                 return bad(format!(
@@ -536,7 +552,7 @@ impl TrainConfig {
     /// checks of flags that only the command line has.
     fn check_fsdp(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Invalid(m));
-        let specs = self.specs(&self.shape.params());
+        let specs = self.specs(&self.model_params());
         let fsdp = self.fsdp();
         let layer_wise: &[OptimizerId] = match self.optimizer {
             OptimizerChoice::Muon(_) => &[owners::MUON],
@@ -613,6 +629,10 @@ impl TrainConfig {
     /// The model's parameter count and per-microbatch activation sizes, computed with checked
     /// arithmetic and bounded ([`limits`]).
     fn check_model_size(&self) -> Result<(), String> {
+        if matches!(self.model, ModelChoice::Llama(_)) {
+            // The decoder's own checks (`LlamaRun::check`).
+            return Ok(());
+        }
         let s = &self.shape;
         // --data sets a vocabulary of 256 later; count with the larger one.
         let vocab = s.vocab.max(256);
@@ -719,7 +739,15 @@ impl TrainConfig {
 
     /// Whether fine-grained gathers are on for this run, and why (the library's rule).
     pub fn fine_grained_on(&self) -> (bool, &'static str) {
-        self.fsdp().fine_grained(&self.specs(&self.shape.params()))
+        self.fsdp().fine_grained(&self.specs(&self.model_params()))
+    }
+
+    /// Every parameter of the model, in forward order.
+    pub fn model_params(&self) -> Vec<ParamInfo> {
+        match &self.model {
+            ModelChoice::Reference => self.shape.params(),
+            ModelChoice::Llama(run) => run.params(),
+        }
     }
 
     /// The gradient buffers' dtype of a parameter stored as `storage`.

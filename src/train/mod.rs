@@ -26,6 +26,7 @@ mod ckpt;
 mod config;
 pub mod data;
 pub mod json;
+mod llama;
 pub mod lm;
 mod models;
 
@@ -48,9 +49,10 @@ pub use ckpt::{
     Checkpointing, MAY_CHANGE, apply_model_settings, config_map, layout_options, shape_of,
 };
 pub use config::{
-    Compute, DeviceChoice, HAS_CUDA, MuonSettings, OptimizerChoice, Precision, TrainConfig,
-    TrainError, gpu_count, owners,
+    Compute, DeviceChoice, HAS_CUDA, ModelChoice, MuonSettings, OptimizerChoice, Precision,
+    TrainConfig, TrainError, gpu_count, owners,
 };
+pub use llama::{LlamaRun, tokenizer_of};
 use lm::ParamInfo;
 pub use lowbit_buffers::NanCheck;
 pub use lowbit_train::fsdp::{
@@ -304,7 +306,10 @@ fn execute(
         ck,
         data_id: &data_id,
         resume: resume.as_ref().map(|(c, _)| c),
-        load: ckpt::layout_options(&cfg.shape),
+        load: match cfg.model {
+            ModelChoice::Reference => ckpt::layout_options(&cfg.shape),
+            ModelChoice::Llama(_) => LoadOptions::default(),
+        },
         start: resume.as_ref().map_or(0, |(_, s)| *s),
         mode,
     };

@@ -1,5 +1,6 @@
 //! The models `lowbit train` trains, behind the one training loop: the reference MoE language
-//! model ([`super::lm`]) on its sources, and the Llama decoder of `lowbit-llama` on token data.
+//! model ([`super::lm`]) on its sources, and the Llama decoder of `lowbit-llama` on token data
+//! ([`super::llama`]).
 //!
 //! The loop needs of a model only what is here: its parameters and initial values, its data's
 //! fingerprint and eval set, and per rank a forward and backward of a microbatch of samples
@@ -11,8 +12,9 @@ use std::ops::Range;
 use lowbit_device::Device;
 
 use super::data::{EvalItem, MarkovSource, Source, Target, TextSource};
+use super::llama::{LlamaJob, LlamaRank};
 use super::lm::{Lm, ParamInfo};
-use super::{TrainConfig, TrainError};
+use super::{ModelChoice, TrainConfig, TrainError};
 use crate::model::Hooks;
 
 /// The model and data of a run, shared by every rank.
@@ -26,11 +28,16 @@ pub(crate) enum JobModel {
         /// Items of the eval set before padding, and whether it is exhaustive.
         eval_set: (usize, bool),
     },
+    /// A Llama decoder on token data.
+    Llama(Box<LlamaJob>),
 }
 
 impl JobModel {
     /// The model and data `cfg` describes; sets the vocabulary from the data.
     pub(crate) fn build(cfg: &mut TrainConfig) -> Result<JobModel, TrainError> {
+        if let ModelChoice::Llama(run) = &cfg.model {
+            return Ok(JobModel::Llama(Box::new(LlamaJob::build(cfg, run)?)));
+        }
         let source = match &cfg.data {
             Some(path) => {
                 Source::Text(TextSource::open(path, cfg.shape.context).map_err(TrainError::Data)?)
@@ -55,15 +62,15 @@ impl JobModel {
 
     /// Every parameter, in forward order.
     pub(crate) fn params(&self, cfg: &TrainConfig) -> Vec<ParamInfo> {
-        match self {
-            JobModel::Reference { .. } => cfg.shape.params(),
-        }
+        let _ = self;
+        cfg.model_params()
     }
 
     /// The initial values of every parameter (the fp32 masters start from these).
     pub(crate) fn init(&self, cfg: &TrainConfig) -> Vec<Vec<f32>> {
         match self {
             JobModel::Reference { .. } => cfg.shape.init(cfg.seed),
+            JobModel::Llama(j) => lowbit_llama::params::init(&j.run.config, cfg.seed),
         }
     }
 
@@ -71,6 +78,7 @@ impl JobModel {
     pub(crate) fn fingerprint(&self) -> String {
         match self {
             JobModel::Reference { source, .. } => source.fingerprint(),
+            JobModel::Llama(j) => j.fingerprint(),
         }
     }
 
@@ -78,6 +86,7 @@ impl JobModel {
     pub(crate) fn floor(&self) -> Option<f64> {
         match self {
             JobModel::Reference { source, .. } => source.floor(),
+            JobModel::Llama(_) => None,
         }
     }
 
@@ -85,6 +94,7 @@ impl JobModel {
     pub(crate) fn eval_set(&self) -> (usize, bool) {
         match self {
             JobModel::Reference { eval_set, .. } => *eval_set,
+            JobModel::Llama(j) => (j.eval_items(), false),
         }
     }
 
@@ -92,6 +102,7 @@ impl JobModel {
     pub(crate) fn eval_items(&self) -> usize {
         match self {
             JobModel::Reference { eval, .. } => eval.len(),
+            JobModel::Llama(j) => j.eval_items(),
         }
     }
 
@@ -99,6 +110,7 @@ impl JobModel {
     pub(crate) fn tokens_per_sample(&self) -> usize {
         match self {
             JobModel::Reference { .. } => 1,
+            JobModel::Llama(j) => j.run.seq,
         }
     }
 
@@ -111,9 +123,11 @@ impl JobModel {
     ) -> Result<RankModel<'a>, String> {
         match self {
             JobModel::Reference { source, eval, .. } => {
-                let lm = Lm::new(dev, cfg.shape, rows)
-                    .with_recompute(dev, cfg.recompute)
-                    .map_err(|e| e.to_string())?;
+                let lm = Box::new(
+                    Lm::new(dev, cfg.shape, rows)
+                        .with_recompute(dev, cfg.recompute)
+                        .map_err(|e| e.to_string())?,
+                );
                 Ok(RankModel::Reference {
                     lm,
                     source,
@@ -122,6 +136,7 @@ impl JobModel {
                     rows,
                 })
             }
+            JobModel::Llama(j) => Ok(RankModel::Llama(Box::new(j.rank(dev, rows)?))),
         }
     }
 }
@@ -130,12 +145,14 @@ impl JobModel {
 pub(crate) enum RankModel<'a> {
     /// The reference model.
     Reference {
-        lm: Lm,
+        lm: Box<Lm>,
         source: &'a Source,
         eval: &'a [EvalItem],
         cfg: &'a TrainConfig,
         rows: usize,
     },
+    /// A decoder.
+    Llama(Box<LlamaRank<'a>>),
 }
 
 impl RankModel<'_> {
@@ -170,6 +187,7 @@ impl RankModel<'_> {
                 lm.step(dev, hooks, &t, &y, Some(scale))
                     .map_err(|e| e.to_string())
             }
+            RankModel::Llama(l) => l.train(dev, hooks, first, scale),
         }
     }
 
@@ -200,6 +218,7 @@ impl RankModel<'_> {
                 }
                 Ok(total)
             }
+            RankModel::Llama(l) => l.eval(dev, hooks, range),
         }
     }
 }
@@ -208,11 +227,12 @@ impl RankModel<'_> {
     /// Samples `sampling.max_new` tokens after the prompt with the hooks' weights.
     pub(crate) fn generate(
         &mut self,
-        _dev: &mut Device,
-        _hooks: &mut dyn Hooks,
-        _sampling: &super::Sampling,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        sampling: &super::Sampling,
     ) -> Result<Vec<u32>, String> {
         match self {
+            RankModel::Llama(l) => l.generate(dev, hooks, sampling),
             RankModel::Reference { .. } => Err(
                 "generation needs a decoder (--model llama-*); the reference model predicts one \
                  token from a fixed context"
