@@ -36,13 +36,14 @@ __device__ __forceinline__ float attn_dot(const float* a, const float* b, u64 hd
     return s;
 }
 
-// Copies `n` rows of `hd` floats (row r at src + r·stride) into dst[r·hd + d], rows past
-// `limit` left as they are (never read).
+// Copies the TILE rows first.. of `hd` floats (row r at src + r·stride) into dst[r·hd + d],
+// rows from `limit` on left as they are (never read). Row by row, the threads across a row:
+// coalesced loads and no 64-bit division per element.
 __device__ __forceinline__ void attn_stage(float* dst, const float* __restrict__ src, u64 first,
                                            u64 limit, u64 stride, u64 hd) {
-    for (u64 e = threadIdx.x; e < TILE * hd; e += blockDim.x) {
-        u64 r = e / hd, d = e % hd;
-        if (first + r < limit) dst[e] = src[(first + r) * stride + d];
+    for (u64 r = 0; r < TILE && first + r < limit; ++r) {
+        const float* row = src + (first + r) * stride;
+        for (u64 d = threadIdx.x; d < hd; d += blockDim.x) dst[r * hd + d] = row[d];
     }
 }
 
