@@ -13,6 +13,7 @@
 
 mod ckpt_cmd;
 mod cli;
+mod data_cmd;
 mod demo;
 mod error;
 mod report;
