@@ -352,7 +352,8 @@ fn bad_manifests_are_refused_naming_the_key() {
     let tmp = TempDir::new("data-manifest");
     let (_, out, _) = prepared(&tmp, 16);
     let original = fs::read_to_string(out.join(MANIFEST_FILE)).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut lowbit_io::json::Object)>)> = vec![
+    type Edit = Box<dyn Fn(&mut lowbit_io::json::Object)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "unknown key \"extra\"",
             Box::new(|o| {
