@@ -274,7 +274,15 @@ fn the_sample_order_is_a_deterministic_permutation_per_epoch() {
     );
     assert_eq!(o.epoch_of(2499), 2);
     // Pinned: the order is part of what a checkpoint's sample index means.
-    assert_eq!(SampleOrder::new(0, 5).unwrap().permutation(0).len(), 5);
+    // (Values from an independent Python transcription of the documented shuffle.)
+    assert_eq!(
+        SampleOrder::new(0, 5).unwrap().permutation(0),
+        [2, 1, 4, 3, 0]
+    );
+    assert_eq!(
+        SampleOrder::new(42, 8).unwrap().permutation(1),
+        [6, 7, 2, 4, 5, 0, 3, 1]
+    );
     assert!(SampleOrder::new(1, 0).is_err());
     assert_eq!(SampleOrder::new(7, 1).unwrap().window_of(12), 0);
 }
