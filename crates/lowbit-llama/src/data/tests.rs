@@ -536,3 +536,22 @@ fn fraction_zero_makes_no_validation_split() {
     assert_eq!(data.validation().windows(4), 0);
     assert_eq!(data.train().tokens(), 2 + 3 + 3);
 }
+
+#[test]
+fn text_without_a_cut_point_is_refused_at_the_memory_bound() {
+    let tmp = TempDir::new("data-bound");
+    let long = write(&tmp, "oneword.txt", &"x".repeat(100));
+    let mut o = opts(Tokenizer::Gpt2, 0.0, 100);
+    o.max_pending_bytes = 16;
+    let e = prepare(&[&long], &tmp.path("out"), &o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("oneword.txt") && e.contains("no word boundary"),
+        "{e}"
+    );
+    // With room for the whole word it is one document.
+    o.max_pending_bytes = 128;
+    let m = prepare(&[&long], &tmp.path("out"), &o).unwrap();
+    assert_eq!(m.train.documents, 1);
+}
