@@ -1,5 +1,5 @@
 //! Command-line arguments (clap derive) and dispatch. Each subcommand is a variant of
-//! [`Command`] (`quantize`, `dequantize`, `train`, `ckpt`); a new one (`bench`) adds a variant,
+//! [`Command`] (`quantize`, `dequantize`, `train`, `ckpt`, `data`); a new one (`bench`) adds a variant,
 //! an args struct and a match arm in [`run`].
 
 use std::path::PathBuf;
@@ -31,7 +31,8 @@ use crate::report;
         lowbit train --precision nvfp4 --ranks 2 --json\n  \
         lowbit train --optimizer muon   (Muon layer-wise on the matrices, AdamW on the rest)\n  \
         lowbit train --save ckpt --save-every 50; lowbit train --resume ckpt --save ckpt   (continue)\n  \
-        lowbit ckpt export ckpt model.safetensors --dtype bf16"
+        lowbit ckpt export ckpt model.safetensors --dtype bf16\n  \
+        lowbit data prepare texts/*.txt --out tokens --tokenizer gpt2 --validation 0.1"
 )]
 pub struct Cli {
     /// The subcommand to run.
@@ -72,6 +73,12 @@ pub enum Command {
     /// fp32 masters and optimizer state per rank) and a `latest` pointer; every command takes
     /// the root (its latest) or a `step-N` directory.
     Ckpt(crate::ckpt_cmd::CkptArgs),
+    /// Prepare text files into token shards for the Llama models, or inspect prepared ones.
+    ///
+    /// `lowbit data prepare INPUT... --out DIR` tokenizes (GPT-2 BPE or bytes) into
+    /// train/validation shards with a manifest of counts and hashes; `lowbit data inspect DIR`
+    /// verifies them and prints their counts and first tokens.
+    Data(crate::data_cmd::DataArgs),
     /// Evaluate a checkpoint's weights on held-out data: the mean validation loss.
     ///
     /// The run is rebuilt from the checkpoint's manifest (model, precision, optimizer), so the
@@ -182,6 +189,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Train(args) => crate::train_cmd::run(&args),
         Command::Ckpt(args) => crate::ckpt_cmd::run(&args),
+        Command::Data(args) => crate::data_cmd::run(&args),
         Command::Eval(args) => crate::eval_cmd::run_eval(&args),
         Command::Generate(args) => crate::eval_cmd::run_generate(&args),
     }

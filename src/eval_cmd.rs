@@ -170,9 +170,7 @@ pub fn run_generate(a: &GenerateArgs) -> Result<(), CliError> {
             a.temperature
         )));
     }
-    let prompt = tokenizer
-        .encode(&a.prompt)
-        .map_err(|e| CliError::Msg(format!("--prompt: {e}")))?;
+    let prompt = tokenizer.encode(&a.prompt);
     let sampling = Sampling {
         prompt: prompt.clone(),
         max_new: a.max_new_tokens,

@@ -14,6 +14,7 @@
 mod ckpt_cmd;
 mod cli;
 mod config_file;
+mod data_cmd;
 mod demo;
 mod error;
 mod eval_cmd;

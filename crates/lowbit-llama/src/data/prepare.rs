@@ -197,7 +197,7 @@ impl<'a> DocTokenizer<'a> {
         if cut == 0 {
             return Ok(());
         }
-        let ids = self.tok.encode(&self.pending[..cut])?;
+        let ids = self.tok.encode(&self.pending[..cut]);
         self.sink(first, second).push(&ids)?;
         self.pending.drain(..cut);
         self.start += cut as u64;
