@@ -469,6 +469,8 @@ pub struct Device {
     peak: usize,
     /// How [`Device::matmul`] computes.
     matmul_mode: MatmulMode,
+    /// [`MatmulMode::Bf16`]'s grow-only buffer of bf16 operand casts.
+    matmul_scratch: Option<View>,
 }
 
 #[derive(Debug)]
@@ -488,6 +490,7 @@ impl Device {
             calls: counters::OpCalls::default(),
             peak: 0,
             matmul_mode: MatmulMode::Exact,
+            matmul_scratch: None,
         }
     }
 
@@ -503,6 +506,7 @@ impl Device {
             calls: counters::OpCalls::default(),
             peak: 0,
             matmul_mode: MatmulMode::Exact,
+            matmul_scratch: None,
         })
     }
 

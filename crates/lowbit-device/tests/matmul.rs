@@ -76,7 +76,15 @@ proptest! {
         let spec = MatmulSpec { m, n, k, trans_a, trans_b, accumulate };
         let live = dev.allocated_bytes();
         dev.matmul(a, b, c, &spec).unwrap();
-        prop_assert_eq!(dev.allocated_bytes(), live, "temporaries freed");
+        // The cast buffer is kept for the next product: a second one allocates nothing.
+        let with_buffer = dev.allocated_bytes();
+        let (c2, _) = upload(&mut dev, DType::F32, &c0);
+        let live2 = dev.allocated_bytes();
+        dev.matmul(a, b, c2, &spec).unwrap();
+        prop_assert_eq!(dev.allocated_bytes(), live2);
+        prop_assert_eq!(with_buffer - live, 2 * (m * k + k * n));
+        dev.release_matmul_scratch().unwrap();
+        prop_assert_eq!(dev.allocated_bytes(), live2 - (with_buffer - live));
         let got = dev.download::<f32>(c).unwrap();
         let mut exact = Device::cpu();
         let (ar, _) = upload(&mut exact, DType::Bf16, &seed[..m * k]);

@@ -135,17 +135,33 @@ impl Device {
         self.matmul_mode
     }
 
-    /// [`MatmulMode::Bf16`]'s product: operands cast to bf16 temporaries (unless bf16 already),
-    /// then one [`Device::matmul_tc`] into `c`.
+    /// [`MatmulMode::Bf16`]'s product: operands cast to bf16 (unless bf16 already) into the
+    /// device's grow-only cast buffer, then one [`Device::matmul_tc`] into `c`. The buffer is
+    /// kept (a model's GEMMs repeat the same shapes every step), so steady state allocates
+    /// nothing.
     fn matmul_bf16(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
-        let mut temps = Vec::new();
+        let need = |x: View| if x.dtype() == DType::Bf16 { 0 } else { x.len() };
+        let total = need(a) + need(b);
+        if self.matmul_scratch.is_none_or(|s| s.len() < total) {
+            if let Some(old) = self.matmul_scratch.take() {
+                self.free(old)?;
+            }
+            self.matmul_scratch = Some(self.try_alloc(DType::Bf16, total)?);
+        }
+        let scratch = self
+            .matmul_scratch
+            .map_or(Ok(None), |s| s.slice(0..total).map(Some))?;
+        let mut at = 0;
         let mut bf16 = |dev: &mut Device, x: View| -> Result<View> {
             if x.dtype() == DType::Bf16 {
                 return Ok(x);
             }
-            let t = dev.try_alloc(DType::Bf16, x.len())?;
+            let t = match scratch {
+                Some(s) => s.slice(at..at + x.len())?,
+                None => return Err(invalid("matmul", "no cast buffer")),
+            };
+            at += x.len();
             dev.cast(x, t)?;
-            temps.push(t);
             Ok(t)
         };
         let (ab, bb) = (bf16(self, a)?, bf16(self, b)?);
@@ -156,11 +172,15 @@ impl Device {
             ..MatmulTcSpec::new(spec.m, spec.n, spec.k)
         };
         let cin = spec.accumulate.then_some(c);
-        let out = self.matmul_tc(ab, bb, cin, c, &tc);
-        for t in temps {
-            self.free(t)?;
+        self.matmul_tc(ab, bb, cin, c, &tc)
+    }
+
+    /// Frees [`MatmulMode::Bf16`]'s cast buffer (it is kept between products otherwise).
+    pub fn release_matmul_scratch(&mut self) -> Result<()> {
+        match self.matmul_scratch.take() {
+            Some(s) => self.free(s),
+            None => Ok(()),
         }
-        out
     }
 
     /// The tensor-core matrix product: `D[m, n] = alpha·op(A)[m, k]·op(B)[k, n] + beta·C[m, n]`
