@@ -697,7 +697,16 @@ fn rank_main(
         // Muon's rate follows AdamW's warmup and decay at its own peak.
         let ratio = f64::from(m.lr) / f64::from(cfg.lr);
         let optim = OptimConfig::new(m.lr).with_lr_ratio(ratio);
-        let muon = Muon::new(dev, &bufs, owners::MUON, m.config(), optim, &mut pieces)
+        // The fast GEMMs extend to Newton-Schulz where its iterate is bf16 (cuBLASLt's GEMMs
+        // round each result to bf16 as torch.optim.Muon does).
+        let fast = cfg.compute == Compute::Bf16 && m.ns_dtype == lowbit_optim::NsDtype::Bf16;
+        let mode = if fast {
+            lowbit_optim::NsMode::Fast
+        } else {
+            lowbit_optim::NsMode::Exact
+        };
+        let muon_config = m.config().with_ns_mode(mode);
+        let muon = Muon::new(dev, &bufs, owners::MUON, muon_config, optim, &mut pieces)
             .map_err(|x| e(&x))?;
         parts.push(Box::new(muon));
     }
