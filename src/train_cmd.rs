@@ -580,6 +580,29 @@ fn describe(cfg: &TrainConfig) -> String {
     )
 }
 
+/// The model as the `--json` object's `"model"`: its name, and a decoder's shape and sequence
+/// length.
+fn model_json(c: &TrainConfig) -> Json {
+    match &c.model {
+        ModelChoice::Reference => Json::obj([("name", Json::str("reference"))]),
+        ModelChoice::Llama(run) => {
+            let m = &run.config;
+            Json::obj([
+                ("name", Json::str(run.preset.clone())),
+                ("seq", Json::uint(run.seq)),
+                ("vocab", Json::uint(m.vocab)),
+                ("dim", Json::uint(m.dim)),
+                ("layers", Json::uint(m.layers)),
+                ("heads", Json::uint(m.heads)),
+                ("kv_heads", Json::uint(m.kv_heads)),
+                ("head_dim", Json::uint(m.head_dim)),
+                ("ffn", Json::uint(m.ffn)),
+                ("tied", Json::Bool(m.tied)),
+            ])
+        }
+    }
+}
+
 /// The sharding strategy and precision policy as the `--json` object's `"fsdp"`.
 fn fsdp_json(cfg: &TrainConfig) -> Json {
     let mp = &cfg.mixed_precision;
@@ -931,6 +954,8 @@ pub fn to_json(r: &TrainReport) -> Json {
         ("ranks", Json::uint(c.ranks)),
         ("precision", Json::str(c.precision.name())),
         ("compute", Json::str(c.compute.name())),
+        ("batch", Json::uint(c.batch)),
+        ("model", model_json(c)),
         ("param_gather", Json::Bool(c.param_gather)),
         ("sharding", Json::str(c.sharding.as_str())),
         ("fsdp", fsdp_json(c)),
