@@ -18,7 +18,7 @@ use lowbit_io::quantize;
 use lowbit_io::schema::{Recipe, Settings};
 
 use crate::report::{self, escape};
-use crate::train_cmd::shape_text;
+use crate::train_report::shape_text;
 
 /// Arguments of `lowbit ckpt`.
 #[derive(Debug, Args)]

@@ -20,6 +20,7 @@ mod error;
 mod eval_cmd;
 mod report;
 mod train_cmd;
+mod train_report;
 
 use std::process::ExitCode;
 
