@@ -61,6 +61,7 @@
 
 mod async_save;
 mod bytes;
+mod check;
 mod convert;
 mod error;
 mod load;
