@@ -5,8 +5,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand, ValueEnum};
-use lowbit::ckpt::{Checkpoint, LoadOptions, Manifest};
 use lowbit::ckpt::MANIFEST;
+use lowbit::ckpt::{Checkpoint, LoadOptions, Manifest};
 use lowbit::train::{ModelChoice, TrainConfig, apply_model_settings, layout_options, shape_of};
 use lowbit_io::json::Json;
 use safetensors::Dtype;
@@ -136,9 +136,12 @@ pub fn run(args: &CkptArgs) -> Result<(), CliError> {
 /// The parameters (name, shape) of the `lowbit train` model the manifest's config records, in
 /// the expert layout it was saved in; `None` when it records none (a checkpoint of another
 /// tool: its tensors are checked against the manifest only).
-fn recorded_model(c: &Checkpoint) -> Result<Option<(String, Vec<(String, Vec<u64>)>)>, CliError> {
+fn recorded_model(c: &Checkpoint) -> Result<Option<(String, Vec<Target>)>, CliError> {
     let config = &c.manifest().meta.config;
-    if !config.keys().any(|k| k == "model" || k.starts_with("model.")) {
+    if !config
+        .keys()
+        .any(|k| k == "model" || k.starts_with("model."))
+    {
         return Ok(None);
     }
     let mut cfg = TrainConfig::default();
@@ -396,7 +399,9 @@ fn refuse_output_inside(c: &Checkpoint, output: &Path) -> Result<(), CliError> {
     let resolved = name.as_ref().map_or(parent.clone(), |n| parent.join(n));
     let resolved = fs::canonicalize(&resolved).unwrap_or(resolved);
     let root = dir.parent().map(Path::to_path_buf);
-    let in_root = root.as_ref().is_some_and(|r| resolved.parent() == Some(r.as_path()))
+    let in_root = root
+        .as_ref()
+        .is_some_and(|r| resolved.parent() == Some(r.as_path()))
         && name
             .as_deref()
             .is_some_and(|n| n == lowbit::ckpt::LATEST || n.starts_with("step-"));

@@ -114,7 +114,10 @@ fn verify_refuses_what_does_not_load_and_export_refuses_the_checkpoint_itself() 
     if let Json::Obj(o) = &mut mj
         && let Some(Json::Arr(ts)) = o.get_mut("tensors")
     {
-        let t = ts.iter_mut().find(|t| t.key("name").text() == name).unwrap();
+        let t = ts
+            .iter_mut()
+            .find(|t| t.key("name").text() == name)
+            .unwrap();
         if let Json::Obj(t) = t {
             t.insert("shape", Json::Arr(vec![Json::UInt(c), Json::UInt(r)]));
         }
@@ -158,9 +161,18 @@ fn verify_refuses_what_does_not_load_and_export_refuses_the_checkpoint_itself() 
     let dotted = root.join("step-2/../step-2/manifest.json");
     let e = refused(&["ckpt", "export", p(&step), p(&dotted), "--force"]);
     assert!(e.contains("inside the checkpoint"), "{e}");
-    let e = refused(&["ckpt", "export", p(&root), p(&root.join("latest")), "--force"]);
+    let e = refused(&[
+        "ckpt",
+        "export",
+        p(&root),
+        p(&root.join("latest")),
+        "--force",
+    ]);
     assert!(e.contains("inside the checkpoint"), "{e}");
-    assert!(std::fs::read(&rank0).unwrap() == before, "the rank file changed");
+    assert!(
+        std::fs::read(&rank0).unwrap() == before,
+        "the rank file changed"
+    );
     assert!(!new_file.exists());
     stdout_ok(&["ckpt", "verify", p(&root)]);
     // Beside the checkpoint is fine.
@@ -185,4 +197,61 @@ fn verify_refuses_what_does_not_load_and_export_refuses_the_checkpoint_itself() 
         let ok = stdout_ok(&["ckpt", "verify", p(&root)]);
         assert!(ok.contains("step 2"), "{ok}");
     }
+}
+
+/// A decoder's checkpoint (`model = llama`) is checked against the decoder its config records:
+/// a swapped shape of one of its matrices is refused naming the parameter and the decoder.
+#[test]
+fn verify_checks_a_decoder_checkpoint_against_its_recorded_decoder() {
+    let tmp = TempDir::new("ckpt-verify-llama");
+    let root = tmp.path("c");
+    stdout_ok(&[
+        "train",
+        "--model",
+        "llama-tiny",
+        "--ranks",
+        "2",
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--steps",
+        "1",
+        "--save",
+        p(&root),
+    ]);
+    let ok = stdout_ok(&["ckpt", "verify", p(&root)]);
+    assert!(
+        ok.contains("parameters of the decoder (llama-tiny)"),
+        "{ok}"
+    );
+    let step = root.join("step-1");
+    let mut m = Json::parse(&std::fs::read_to_string(step.join("manifest.json")).unwrap()).unwrap();
+    let mut swapped = None;
+    if let Json::Obj(o) = &mut m
+        && let Some(Json::Arr(ts)) = o.get_mut("tensors")
+    {
+        for t in ts.iter_mut() {
+            let s: Vec<u64> = t
+                .key("shape")
+                .arr()
+                .iter()
+                .map(|d| d.number() as u64)
+                .collect();
+            if s.len() == 2 && s[0] != s[1] && t.key("state").text() == "master" {
+                swapped = Some(t.key("param").text().to_string());
+                if let Json::Obj(t) = t {
+                    t.insert("shape", Json::Arr(vec![Json::UInt(s[1]), Json::UInt(s[0])]));
+                }
+                break;
+            }
+        }
+    }
+    let param = swapped.expect("a non-square matrix");
+    std::fs::write(step.join("manifest.json"), m.to_text()).unwrap();
+    let e = refused(&["ckpt", "verify", p(&root)]);
+    assert!(
+        e.contains(&param) && e.contains("the decoder (llama-tiny)") && e.contains("has shape"),
+        "{e}"
+    );
 }

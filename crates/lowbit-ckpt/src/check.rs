@@ -31,8 +31,7 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// # Errors
 /// [`CkptError::Header`] naming the file; I/O errors.
 pub(crate) fn check_headers(dir: &Path, m: &Manifest) -> Result<()> {
-    // file -> key -> (start element, end element, absolute byte offset, tensor name)
-    let mut wanted: HashMap<&str, HashMap<&str, (u64, u64, u64, &str)>> = HashMap::new();
+    let mut wanted: HashMap<&str, FilePieces<'_>> = HashMap::new();
     for t in &m.tensors {
         for p in &t.pieces {
             wanted
@@ -50,6 +49,9 @@ pub(crate) fn check_headers(dir: &Path, m: &Manifest) -> Result<()> {
     Ok(())
 }
 
+/// A file's pieces by key: (start element, end element, absolute byte offset, tensor name).
+type FilePieces<'m> = HashMap<&'m str, (u64, u64, u64, &'m str)>;
+
 /// One entry of a header: its key, dtype, shape and data offsets.
 struct Entry<'j> {
     key: &'j str,
@@ -59,7 +61,7 @@ struct Entry<'j> {
     end: u64,
 }
 
-fn check_file(path: &Path, pieces: &HashMap<&str, (u64, u64, u64, &str)>) -> Result<()> {
+fn check_file(path: &Path, pieces: &FilePieces<'_>) -> Result<()> {
     let bad = |msg: String| CkptError::Header {
         file: path.to_path_buf(),
         msg,
@@ -67,8 +69,11 @@ fn check_file(path: &Path, pieces: &HashMap<&str, (u64, u64, u64, &str)>) -> Res
     let mut f = File::open(path).map_err(io("open", path))?;
     let len = f.metadata().map_err(io("stat", path))?.len();
     let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| bad(format!("{len} bytes, shorter than the 8-byte header length")))?;
+    f.read_exact(&mut n).map_err(|_| {
+        bad(format!(
+            "{len} bytes, shorter than the 8-byte header length"
+        ))
+    })?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER_BYTES {
         return Err(bad(format!(

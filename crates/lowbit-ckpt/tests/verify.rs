@@ -114,7 +114,10 @@ fn a_garbled_rank_file_header_is_refused() {
     // Not JSON any more (safetensors and every other reader refuse the file).
     patch(&file, 8, b"x");
     let e = header_error(&dir);
-    assert!(e.contains("rank-00001.safetensors") && e.contains("not"), "{e}");
+    assert!(
+        e.contains("rank-00001.safetensors") && e.contains("not"),
+        "{e}"
+    );
     // Valid JSON, but an entry's dtype no longer fits its bytes.
     std::fs::write(&file, &original).unwrap();
     patch(&file, header_find(&file, b"\"F32\""), b"\"F16\"");
@@ -219,7 +222,11 @@ impl<C: Communicator> Communicator for FailingWrite<C> {
     fn size(&self) -> usize {
         self.inner.size()
     }
-    fn start_coalesced(&mut self, dev: &mut Device, ops: &[Op]) -> lowbit_comm::Result<lowbit_comm::Work> {
+    fn start_coalesced(
+        &mut self,
+        dev: &mut Device,
+        ops: &[Op],
+    ) -> lowbit_comm::Result<lowbit_comm::Work> {
         self.inner.start_coalesced(dev, ops)
     }
     fn barrier(&mut self) -> lowbit_comm::Result<()> {

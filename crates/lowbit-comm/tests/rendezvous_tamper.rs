@@ -120,10 +120,17 @@ fn the_client_refuses_a_server_proof_wrong_in_its_last_byte_only() {
     let (addr, relay) = middle(real, None, Some(CHALLENGE - 1));
     let e = fetch_with(&addr, 1, 2, &secret(), Duration::from_secs(10)).unwrap_err();
     assert!(matches!(e, RendezvousError::Auth { .. }), "{e}");
-    assert!(e.to_string().contains("did not prove the job secret"), "{e}");
+    assert!(
+        e.to_string().contains("did not prove the job secret"),
+        "{e}"
+    );
     let r = relay.join().unwrap();
     // The client stopped before proving anything: only its hello went up.
-    assert_eq!(r.up.len(), HELLO, "the client sent its proof to an impostor");
+    assert_eq!(
+        r.up.len(),
+        HELLO,
+        "the client sent its proof to an impostor"
+    );
     assert!(matches!(
         serving.join().unwrap(),
         Err(RendezvousError::Timeout { .. })
@@ -137,7 +144,11 @@ fn the_server_refuses_a_client_proof_wrong_in_its_last_byte_only() {
     let e = fetch_with(&addr, 1, 2, &secret(), Duration::from_secs(10)).unwrap_err();
     let r = relay.join().unwrap();
     // Nothing after the challenge came back: no payload frame.
-    assert_eq!(r.down.len(), CHALLENGE, "rank 0 answered a wrong proof ({e})");
+    assert_eq!(
+        r.down.len(),
+        CHALLENGE,
+        "rank 0 answered a wrong proof ({e})"
+    );
     match serving.join().unwrap() {
         // The one rank never checked in: its connection was dropped (the server logs "wrong
         // proof of the job secret").
@@ -162,7 +173,10 @@ fn the_client_refuses_a_payload_changed_by_one_byte_in_transit() {
         let got = fetch_with(&addr, 1, 2, &secret(), Duration::from_secs(10));
         match got {
             Err(e @ RendezvousError::Auth { .. }) => {
-                assert!(e.to_string().contains("altered in transit"), "byte {at}: {e}");
+                assert!(
+                    e.to_string().contains("altered in transit"),
+                    "byte {at}: {e}"
+                );
             }
             other => panic!("byte {at}: a tampered payload was accepted: {other:?}"),
         }

@@ -354,8 +354,7 @@ fn a_nan_on_one_rank_only_fails_every_rank() {
                     .with_overlap(overlap)
                     .with_nan_check(lowbit_buffers::NanCheck::FirstParam);
                 let specs = specs(GradDType::F32);
-                let mut bufs =
-                    DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
+                let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
                 bufs.zero_grad_buffer(dev).unwrap();
                 bufs.set_last_microbatch(true);
                 bufs.begin_microbatch(dev, &mut comm).unwrap();
