@@ -35,9 +35,11 @@ pub enum CkptCommand {
     /// Print a checkpoint's step, configuration, data position, RNG state, optimizers, files
     /// and tensors (shape, pieces, bytes). DIR is a checkpoint root (its latest) or DIR/step-N.
     Inspect(InspectArgs),
-    /// Check a checkpoint: the manifest, every file's size, every piece's hash, and that the
-    /// pieces of every tensor cover it exactly once. Exit status 1 with the file and tensor on
-    /// the first failure.
+    /// Check that a checkpoint loads: the manifest, every file's size, every rank file's
+    /// safetensors header (readable by other tools, agreeing with the manifest), every piece's
+    /// hash, that the pieces of every tensor cover it exactly once, that a `step-N` directory
+    /// holds step N, and that every parameter of the `lowbit train` model its config records
+    /// is stored with its shape. Exit status 1 with the file and tensor on the first failure.
     Verify(VerifyArgs),
     /// Write the full fp32 masters as one safetensors file (names are the model's parameter
     /// names), loadable by Python's safetensors and PyTorch. Expert weights are written grouped
@@ -70,7 +72,8 @@ pub struct ExportArgs {
     /// A checkpoint root or a `step-N` directory.
     #[arg(value_name = "DIR")]
     pub dir: PathBuf,
-    /// The safetensors file to write (through a temporary file and a rename).
+    /// The safetensors file to write (through a temporary file and a rename); never inside
+    /// the checkpoint.
     #[arg(value_name = "OUT")]
     pub output: PathBuf,
     /// Element type of the weights (bf16: round to nearest even).

@@ -31,10 +31,12 @@ pub fn committed_steps(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(steps)
 }
 
-/// The step `root/latest` names, if the pointer exists.
+/// The step `root/latest` names, if the pointer exists. A symbolic link is followed only to a
+/// `step-N` directory of `root` (never read through), and refusals do not quote the pointer's
+/// contents.
 ///
 /// # Errors
-/// A `latest` that does not hold `step-N` ([`CkptError::Manifest`]); I/O errors.
+/// A `latest` that does not hold `step-N` ([`crate::CkptError::Manifest`]); I/O errors.
 pub fn latest_step(root: &Path) -> Result<Option<u64>> {
     Ok(crate::check::read_latest(root)?.and_then(|n| parse_step_name(&n)))
 }
