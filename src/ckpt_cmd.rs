@@ -5,8 +5,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand, ValueEnum};
+use lowbit::ckpt::MANIFEST;
 use lowbit::ckpt::{Checkpoint, LoadOptions, Manifest};
-use lowbit::train::{layout_options, shape_of};
+use lowbit::train::{ModelChoice, TrainConfig, apply_model_settings, layout_options, shape_of};
 use lowbit_io::json::Json;
 use safetensors::Dtype;
 
@@ -34,9 +35,11 @@ pub enum CkptCommand {
     /// Print a checkpoint's step, configuration, data position, RNG state, optimizers, files
     /// and tensors (shape, pieces, bytes). DIR is a checkpoint root (its latest) or DIR/step-N.
     Inspect(InspectArgs),
-    /// Check a checkpoint: the manifest, every file's size, every piece's hash, and that the
-    /// pieces of every tensor cover it exactly once. Exit status 1 with the file and tensor on
-    /// the first failure.
+    /// Check that a checkpoint loads: the manifest, every file's size, every rank file's
+    /// safetensors header (readable by other tools, agreeing with the manifest), every piece's
+    /// hash, that the pieces of every tensor cover it exactly once, that a `step-N` directory
+    /// holds step N, and that every parameter of the `lowbit train` model its config records
+    /// is stored with its shape. Exit status 1 with the file and tensor on the first failure.
     Verify(VerifyArgs),
     /// Write the full fp32 masters as one safetensors file (names are the model's parameter
     /// names), loadable by Python's safetensors and PyTorch. Expert weights are written grouped
@@ -69,7 +72,8 @@ pub struct ExportArgs {
     /// A checkpoint root or a `step-N` directory.
     #[arg(value_name = "DIR")]
     pub dir: PathBuf,
-    /// The safetensors file to write (through a temporary file and a rename).
+    /// The safetensors file to write (through a temporary file and a rename); never inside
+    /// the checkpoint.
     #[arg(value_name = "OUT")]
     pub output: PathBuf,
     /// Element type of the weights (bf16: round to nearest even).
@@ -113,20 +117,98 @@ pub fn run(args: &CkptArgs) -> Result<(), CliError> {
         CkptCommand::Verify(a) => {
             let c = open(&a.dir)?;
             c.verify().map_err(ckpt_err)?;
+            let model = check_model(&c)?;
             let m = c.manifest();
             report::print(&format!(
                 "ok: {} (step {}): {} tensors, {} pieces, {} bytes in {} files; every hash \
-                 matches and every tensor is covered exactly once\n",
+                 matches, every tensor is covered exactly once, every rank file's safetensors \
+                 header agrees with the manifest{}\n",
                 escape(&c.dir().display().to_string()),
                 m.meta.step,
                 m.tensors.len(),
                 pieces(m),
                 report::bytes_str(file_bytes(m) as usize),
-                m.files.len()
+                m.files.len(),
+                model
             ))
         }
         CkptCommand::Export(a) => export(a),
     }
+}
+
+/// The parameters (name, shape) of the `lowbit train` model the manifest's config records, in
+/// the expert layout it was saved in; `None` when it records none (a checkpoint of another
+/// tool: its tensors are checked against the manifest only).
+fn recorded_model(c: &Checkpoint) -> Result<Option<(String, Vec<Target>)>, CliError> {
+    let config = &c.manifest().meta.config;
+    if !config
+        .keys()
+        .any(|k| k == "model" || k.starts_with("model."))
+    {
+        return Ok(None);
+    }
+    let mut cfg = TrainConfig::default();
+    apply_model_settings(&mut cfg, config).map_err(|e| {
+        CliError::Msg(format!(
+            "{}: {e}",
+            escape(&c.dir().join(MANIFEST).display().to_string())
+        ))
+    })?;
+    let u64s = |s: &[usize]| s.iter().map(|&d| d as u64).collect::<Vec<u64>>();
+    Ok(Some(match &cfg.model {
+        ModelChoice::Llama(run) => (
+            format!("the decoder ({})", run.preset),
+            lowbit_llama::params::params(&run.config)
+                .into_iter()
+                .map(|p| (p.name, u64s(&p.shape)))
+                .collect(),
+        ),
+        ModelChoice::Reference => (
+            "the reference model".to_string(),
+            cfg.shape
+                .params()
+                .into_iter()
+                .map(|p| (p.name, u64s(&p.shape)))
+                .collect(),
+        ),
+    }))
+}
+
+/// Every parameter of the recorded model has its master, and every tensor stored for it (master
+/// or optimizer state) has its shape: what a resume or an export reads. The text added to the
+/// `ok` line.
+fn check_model(c: &Checkpoint) -> Result<String, CliError> {
+    let Some((what, params)) = recorded_model(c)? else {
+        return Ok(String::new());
+    };
+    let m = c.manifest();
+    let dir = c.dir().display().to_string();
+    let dir = escape(&dir);
+    for (name, shape) in &params {
+        let master = format!("{name}/master");
+        if m.tensor(&master).is_none() {
+            return Err(CliError::Msg(format!(
+                "{dir}: the manifest has no `{}`, a parameter of {what} its config records",
+                escape(&master)
+            )));
+        }
+        for t in m.tensors.iter().filter(|t| &t.param == name) {
+            if &t.shape != shape {
+                return Err(CliError::Msg(format!(
+                    "{dir}: `{}` has shape {} in the manifest; {what} its config records has \
+                     `{}` of shape {}",
+                    escape(&t.name),
+                    shape_text(&t.shape),
+                    escape(name),
+                    shape_text(shape)
+                )));
+            }
+        }
+    }
+    Ok(format!(
+        ", and it holds all {} parameters of {what} with their shapes",
+        params.len()
+    ))
 }
 
 fn ckpt_err(e: lowbit::ckpt::CkptError) -> CliError {
@@ -303,8 +385,42 @@ fn export_targets(c: &Checkpoint, discrete: bool) -> Result<(Vec<Target>, LoadOp
     Ok((params, LoadOptions::default()))
 }
 
+/// Refuses an output inside the checkpoint directory (a rank file, the manifest, or a new file
+/// there) or one that is the root's `latest` or a `step-N` of it: `--force` would destroy what
+/// the export reads, and a stray file in a committed checkpoint changes what it is. Checked on
+/// the resolved paths (symlinks, `..`) before anything is written.
+fn refuse_output_inside(c: &Checkpoint, output: &Path) -> Result<(), CliError> {
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    // The parent must exist for the write anyway; an unresolvable one is left to it.
+    let (Ok(parent), Ok(dir)) = (fs::canonicalize(&parent), fs::canonicalize(c.dir())) else {
+        return Ok(());
+    };
+    let name = output.file_name().map(|n| n.to_string_lossy().into_owned());
+    let resolved = name.as_ref().map_or(parent.clone(), |n| parent.join(n));
+    let resolved = fs::canonicalize(&resolved).unwrap_or(resolved);
+    let root = dir.parent().map(Path::to_path_buf);
+    let in_root = root
+        .as_ref()
+        .is_some_and(|r| resolved.parent() == Some(r.as_path()))
+        && name
+            .as_deref()
+            .is_some_and(|n| n == lowbit::ckpt::LATEST || n.starts_with("step-"));
+    if resolved.starts_with(&dir) || in_root {
+        return Err(CliError::Msg(format!(
+            "output {} is inside the checkpoint {} it exports from; write it elsewhere",
+            escape(&output.display().to_string()),
+            escape(&c.dir().display().to_string())
+        )));
+    }
+    Ok(())
+}
+
 fn export(a: &ExportArgs) -> Result<(), CliError> {
     let c = open(&a.dir)?;
+    refuse_output_inside(&c, &a.output)?;
     if let Ok(meta) = fs::symlink_metadata(&a.output) {
         if !a.force {
             return Err(CliError::Msg(format!(

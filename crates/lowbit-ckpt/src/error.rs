@@ -68,6 +68,26 @@ pub enum CkptError {
         /// The first mismatch.
         msg: String,
     },
+    /// A data file is not a safetensors file other tools can read, or its header disagrees
+    /// with the manifest (an entry the manifest does not list, a piece without its entry, a
+    /// dtype, shape or offset that differs).
+    #[error("`{}`: safetensors header: {msg}", file.display())]
+    Header {
+        /// The data file.
+        file: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A `step-N` directory holds the manifest of another step.
+    #[error("`{}` is named step-{named} but its manifest is of step {step}", dir.display())]
+    StepName {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The step of its name.
+        named: u64,
+        /// The step of its manifest.
+        step: u64,
+    },
     /// `step-N` exists already; a committed checkpoint is never overwritten.
     #[error("checkpoint `{}` exists already", .0.display())]
     Exists(PathBuf),

@@ -32,7 +32,9 @@
 //! `step-N`, fsyncs the root, then replaces `latest` by writing `.latest.tmp`, fsyncing and
 //! renaming it. A crash before the directory rename leaves only a `.tmp-…` directory that no
 //! loader opens; a crash before the `latest` rename leaves `latest` naming the previous
-//! checkpoint. Committed checkpoints are never overwritten or modified; pruning renames a
+//! checkpoint. A save that fails (a rank's write, the commit) removes its `.tmp-step-N` on rank
+//! 0 after the last barrier, so a full disk is not kept full by it. Committed checkpoints are
+//! never overwritten or modified; pruning renames a
 //! directory out of the `step-*` namespace before removing it.
 //!
 //! [`save`] streams the state from the optimizer's device views ([`lowbit_optim::Optimizer::
@@ -57,10 +59,14 @@
 //! template filled, then imported). Names, shapes, rules and coverage are checked before
 //! anything is written; a corrupt piece found while streaming is an error after part of the
 //! state was written, so the optimizer must not be used after it ([`Checkpoint::verify`]
-//! first refuses a corrupt checkpoint before anything is written).
+//! first refuses a corrupt checkpoint before anything is written: every rank file's
+//! safetensors header by the `safetensors` crate's rules and against the manifest, every
+//! piece's hash, a `step-N` directory's name against its manifest's step). A `latest` that is a
+//! symbolic link is followed only to a `step-N` directory of its own root.
 
 mod async_save;
 mod bytes;
+mod check;
 mod convert;
 mod error;
 mod load;

@@ -16,7 +16,7 @@ use crate::json::{Json, Limits};
 use crate::manifest::{Manifest, Meta, OptimizerEntry, TensorEntry};
 use crate::read::{Parts, Request};
 use crate::read_views::ViewRequest;
-use crate::save::{LATEST, MANIFEST, parse_step_name};
+use crate::save::MANIFEST;
 
 /// Bytes of a manifest at most (a hostile file cannot make the loader read gigabytes).
 const MAX_MANIFEST_BYTES: u64 = 256 << 20;
@@ -42,17 +42,7 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let dir = if path.join(MANIFEST).is_file() {
             path.to_path_buf()
-        } else if path.join(LATEST).is_file() {
-            let lp = path.join(LATEST);
-            let text = read_bounded(&lp, 4096)?;
-            let name = String::from_utf8(text).unwrap_or_default();
-            let name = name.trim();
-            if parse_step_name(name).is_none() {
-                return Err(CkptError::Manifest {
-                    file: lp,
-                    msg: format!("`latest` holds `{name:.64}`, not `step-N`"),
-                });
-            }
+        } else if let Some(name) = crate::check::read_latest(path)? {
             let dir = path.join(name);
             if !dir.join(MANIFEST).is_file() {
                 return Err(CkptError::NotACheckpoint(dir));
@@ -108,12 +98,18 @@ impl Checkpoint {
         &self.manifest.meta
     }
 
-    /// Reads every piece and checks its hash.
+    /// Proves the checkpoint loadable as far as it can without a model: every data file is a
+    /// safetensors file whose header agrees with the manifest (every entry a listed piece, every
+    /// piece an entry of its dtype, shape and offset), every piece hashes to the manifest's
+    /// value, and a directory named `step-N` holds the manifest of step N. Whether the tensors
+    /// are the ones a model needs is the caller's check (names and shapes against it).
     ///
     /// # Errors
-    /// [`CkptError::Hash`], I/O errors.
+    /// [`CkptError::Header`], [`CkptError::Hash`], [`CkptError::StepName`], I/O errors.
     pub fn verify(&self) -> Result<()> {
-        crate::read::verify(&self.dir, &self.manifest.tensors)
+        crate::check::check_headers(&self.dir, &self.manifest)?;
+        crate::read::verify(&self.dir, &self.manifest.tensors)?;
+        crate::check::check_step_name(&self.dir, &self.manifest)
     }
 
     /// Elements `range` of the logical tensor `name` (`{parameter}/{state}`), read from the

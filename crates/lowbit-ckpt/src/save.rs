@@ -241,6 +241,13 @@ impl Target {
             Ok(())
         };
         comm.barrier()?;
+        // A failed save leaves nothing behind: its temp directory would hold the disk's space
+        // (on a full disk no later save, with `--keep 1` no resume, could make progress). After
+        // the second barrier no rank writes into it any more; a commit that got as far as the
+        // rename has no temp directory left, so this removes nothing committed.
+        if self.rank == 0 && (written.is_err() || committed.is_err()) && self.tmp.exists() {
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
         written?;
         committed?;
         if self.rank != 0 {

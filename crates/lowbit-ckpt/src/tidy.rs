@@ -9,7 +9,7 @@
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
-use crate::error::{CkptError, Result, io};
+use crate::error::{Result, io};
 use crate::save::{LATEST, parse_step_name};
 
 /// The committed `step-N` directories under `root`, ascending by step (an absent root: none).
@@ -31,23 +31,14 @@ pub fn committed_steps(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(steps)
 }
 
-/// The step `root/latest` names, if the pointer exists.
+/// The step `root/latest` names, if the pointer exists. A symbolic link is followed only to a
+/// `step-N` directory of `root` (never read through), and refusals do not quote the pointer's
+/// contents.
 ///
 /// # Errors
-/// A `latest` that does not hold `step-N` ([`CkptError::Manifest`]); I/O errors.
+/// A `latest` that does not hold `step-N` ([`crate::CkptError::Manifest`]); I/O errors.
 pub fn latest_step(root: &Path) -> Result<Option<u64>> {
-    let p = root.join(LATEST);
-    if !p.is_file() {
-        return Ok(None);
-    }
-    let text = fs::read(&p).map_err(io("read", &p))?;
-    let name = String::from_utf8_lossy(&text);
-    parse_step_name(name.trim())
-        .map(Some)
-        .ok_or_else(|| CkptError::Manifest {
-            file: p,
-            msg: format!("`latest` holds `{:.64}`, not `step-N`", name.trim()),
-        })
+    Ok(crate::check::read_latest(root)?.and_then(|n| parse_step_name(&n)))
 }
 
 /// What [`tidy`] removed.
@@ -126,6 +117,7 @@ pub fn tidy(root: &Path) -> Result<Tidied> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CkptError;
 
     #[test]
     fn tidy_removes_leftovers_and_keeps_published_checkpoints() {

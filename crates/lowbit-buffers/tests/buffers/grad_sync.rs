@@ -331,3 +331,73 @@ fn a_refused_launch_leaves_no_transient_bucket_behind() {
         assert_eq!(dev.allocated_bytes(), base);
     });
 }
+
+/// The non-finite verdict is global: a NaN in one rank's gradient (rank 1 of 3, the last
+/// parameter, the first the backward reports) fails the reduction on every rank, the finding
+/// rank naming the parameter and the others "a parameter of another rank". With NaN on every
+/// rank (the test above) a verdict each rank took on its own gradient alone would pass; here
+/// ranks 0 and 2 would finish their sync (or hang in a reduction rank 1 never starts).
+#[test]
+fn a_nan_on_one_rank_only_fails_every_rank() {
+    let dp = 3;
+    for sharding in [
+        ShardingStrategy::Replicated,
+        ShardingStrategy::Distributed,
+        ShardingStrategy::OptimGrads,
+    ] {
+        for overlap in [Overlap::None, Overlap::GradReduce] {
+            let verdicts = run(dp, |mut comm, mut dev| {
+                let rank = lowbit_comm::Communicator::rank(&comm);
+                let dev = &mut dev;
+                let cfg = DdpConfig::default()
+                    .with_sharding(sharding)
+                    .with_overlap(overlap)
+                    .with_nan_check(lowbit_buffers::NanCheck::FirstParam);
+                let specs = specs(GradDType::F32);
+                let mut bufs = DataParallelBuffers::new(dev, dp, rank, specs.clone(), cfg).unwrap();
+                bufs.zero_grad_buffer(dev).unwrap();
+                bufs.set_last_microbatch(true);
+                bufs.begin_microbatch(dev, &mut comm).unwrap();
+                let mut err = None;
+                for p in (0..specs.len()).rev() {
+                    let dst = bufs.accumulation_view(dev, p).unwrap();
+                    let mut g = grad_values(0, rank, p, specs[p].numel);
+                    if rank == 1 && p == specs.len() - 1 {
+                        g[5] = f32::NAN;
+                    }
+                    add_into(dev, &g, dst);
+                    if !overlap.grad_reduce() {
+                        continue;
+                    }
+                    if let Err(e) = bufs.register_grad_ready(dev, &mut comm, p) {
+                        err = Some(e);
+                        break;
+                    }
+                }
+                let err = match err {
+                    Some(e) => Some(e),
+                    None => bufs.finish_grad_sync(dev, &mut comm).err(),
+                };
+                match err.as_ref().and_then(|e| e.protocol()) {
+                    Some(lowbit_buffers::ProtocolError::NonFiniteGrad { rank: r, names }) => {
+                        assert_eq!(*r, rank);
+                        Ok(names.clone())
+                    }
+                    _ => Err(err.map(|e| e.to_string())),
+                }
+            });
+            let what = format!("{sharding:?}, {overlap:?}");
+            for (rank, v) in verdicts.iter().enumerate() {
+                let names = v
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{what}: rank {rank} did not refuse: {e:?}"));
+                let want = if rank == 1 {
+                    "p6"
+                } else {
+                    "a parameter of another rank"
+                };
+                assert_eq!(names, &[want.to_string()], "{what}: rank {rank}");
+            }
+        }
+    }
+}
