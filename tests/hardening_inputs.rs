@@ -206,3 +206,39 @@ fn a_newline_in_a_path_is_escaped_in_errors() {
     std::fs::create_dir(&odd).unwrap();
     assert_refused(&lowbit(&["quantize", odd_s, o]), &[&shown]);
 }
+
+/// Errors of commands outside `lowbit_io` too: the whole message is escaped once, when it is
+/// printed, so it stays one line whatever a path holds.
+#[test]
+fn a_newline_in_a_path_is_escaped_in_every_command() {
+    let dir = TempDir::new("inputs-newline-cmds");
+    let odd = dir.path("c\nerror: forged");
+    let odd_s = odd.to_str().unwrap();
+    let shown = format!("{}\\nerror: forged", dir.path("c").to_str().unwrap());
+    assert_refused(&lowbit(&["ckpt", "verify", odd_s]), &[&shown]);
+    assert_refused(&lowbit(&["data", "inspect", odd_s]), &[&shown]);
+    std::fs::create_dir(&odd).unwrap();
+    assert_refused(&lowbit(&["ckpt", "verify", odd_s]), &[&shown]);
+}
+
+/// A learning rate this large sends the weights to infinity after the first step, so the
+/// second step's gradients are not finite: the `--nan-check` error names that step.
+#[test]
+fn nan_check_errors_name_the_step() {
+    let o = lowbit(&[
+        "train",
+        "--ranks",
+        "2",
+        "--batch",
+        "64",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--lr",
+        "1e30",
+        "--nan-check",
+        "grad",
+    ]);
+    assert_refused(&o, &["step 2/3: ", "non-finite (NaN or Inf) gradient in "]);
+}
