@@ -9,7 +9,8 @@
 //! [`cli::Command`].
 //!
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
-//! status 2. Control characters in error text (tensor names from a file) are escaped.
+//! status 2. Control characters in error text (tensor names from a file, newlines in paths)
+//! are escaped, so an error is always one line.
 
 mod ckpt_cmd;
 mod cli;
@@ -38,11 +39,12 @@ fn main() -> ExitCode {
     }
 }
 
-/// Prints `e` as one `error: …` line (control characters from file contents, such as tensor
-/// names, escaped line by line) and gives the failure status.
+/// Prints `e` as one `error: …` line and gives the failure status. Every control character is
+/// escaped, a newline included: no message is meant to span lines, and a newline in a path or
+/// a tensor name would otherwise print as a line of its own (a forged `error:` line, say).
+/// Libraries that escape their paths already (`lowbit_io`) lose nothing: `escape` leaves the
+/// backslash of an escape sequence alone.
 fn fail(e: &error::CliError) -> ExitCode {
-    let text = e.to_string();
-    let lines: Vec<_> = text.split('\n').map(report::escape).collect();
-    eprintln!("error: {}", lines.join("\n"));
+    eprintln!("error: {}", report::escape(&e.to_string()));
     ExitCode::FAILURE
 }

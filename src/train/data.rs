@@ -161,6 +161,10 @@ pub struct EvalItem {
 /// Largest number of contexts the Markov eval set enumerates exhaustively.
 const EXACT_EVAL_LIMIT: usize = 1 << 16;
 
+/// The largest `--data` text file, 1 GiB: the file is held in memory whole (a byte-level
+/// model's corpus; token corpora of any size are memory-mapped shards, `lowbit data`).
+pub const MAX_TEXT_BYTES: u64 = 1 << 30;
+
 /// Windows of a byte string; the last tenth is held out for evaluation.
 #[derive(Clone, Debug)]
 pub struct TextSource {
@@ -170,16 +174,36 @@ pub struct TextSource {
 }
 
 impl TextSource {
-    /// Reads `path`; it needs enough bytes for contexts in both the training and eval parts.
+    /// Reads `path`, a regular file of at most [`MAX_TEXT_BYTES`]; it needs enough bytes for
+    /// contexts in both the training and eval parts. A FIFO, device, socket or directory is
+    /// refused before it is read ([`lowbit_io::files::open_regular`]: it can neither block
+    /// nor stream without end), and so is a larger file, before anything is allocated; the
+    /// read itself stops one byte past the limit, so a file growing meanwhile stays bounded.
     pub fn open(path: &Path, context: usize) -> Result<TextSource, String> {
-        let bytes =
-            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        use std::io::Read;
+        let shown = lowbit_io::report::shown(path);
+        let (file, meta) = lowbit_io::files::open_regular(path).map_err(|e| e.to_string())?;
+        let too_big = |n: u64| {
+            format!(
+                "{shown} has {n} bytes; --data takes text files of at most {MAX_TEXT_BYTES} \
+                 bytes (1 GiB)"
+            )
+        };
+        if meta.len() > MAX_TEXT_BYTES {
+            return Err(too_big(meta.len()));
+        }
+        let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+        file.take(MAX_TEXT_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| format!("cannot read {shown}: {e}"))?;
+        if bytes.len() as u64 > MAX_TEXT_BYTES {
+            return Err(too_big(bytes.len() as u64));
+        }
         let windows = bytes.len().saturating_sub(context);
         if windows < 20 {
             return Err(format!(
-                "{} has {} bytes; training on text needs at least {} (context {context} plus 20 \
+                "{shown} has {} bytes; training on text needs at least {} (context {context} plus 20 \
                  windows)",
-                path.display(),
                 bytes.len(),
                 context + 20
             ));

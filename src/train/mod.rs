@@ -650,6 +650,12 @@ fn rank_main(
     }
     let start = Instant::now();
     for step in job.start..cfg.steps {
+        // Errors of the step itself (a non-finite gradient found by `--nan-check`, a failed
+        // reduction) name the step, from 1, as the divergence check does.
+        let e = |x: &dyn std::fmt::Display| TrainError::Rank {
+            rank,
+            message: format!("step {}/{}: {x}", step + 1, cfg.steps),
+        };
         trainer
             .optimizer_mut()
             .set_lr(cfg.lr_at(step))

@@ -872,4 +872,29 @@ mod tests {
         };
         assert!(quantize_nvfp4_piece(&whole_m, &sr, 1.0).is_err());
     }
+
+    /// `--nan-policy te` on NaN, as Transformer Engine does it: block amaxes start at 0 and
+    /// fold with `fmaxf`/`__hmax`, which drop NaN (`quantize_nvfp4.cuh`, `block_amax =
+    /// fmaxf(block_amax, fabsf(elt))`), and E2M1's `cvt.rn.satfinite` turns NaN into +6. An
+    /// all-NaN block thus gets scale byte 0 and codes 0x7: it decodes to +0, as in TE; a NaN
+    /// beside finite values decodes to +6 times its block's scale (its block amax, rounded).
+    #[test]
+    fn nan_follows_transformer_engine() {
+        let x = vec![f32::NAN; 32 * 32];
+        let m = Matrix::new("w", 32, 32, Source::F32(&x)).unwrap();
+        let t = quantize_nvfp4(&m, &Nvfp4Config::default()).unwrap();
+        assert_eq!(t.amax_rowwise.to_bits(), 0);
+        let r = t.rowwise.as_ref().unwrap();
+        assert!(r.scales.iter().all(|&b| b == 0), "{:?}", r.scales);
+        assert!(r.data.iter().all(|&b| b == 0x77), "{:?}", r.data);
+        assert!(t.dequantize().iter().all(|v| v.to_bits() == 0));
+        let mut x = vec![0.5f32; 16 * 16];
+        x[0] = f32::NAN;
+        x[1] = -3.0;
+        let m = Matrix::new("w", 16, 16, Source::F32(&x)).unwrap();
+        let y = quantize_nvfp4(&m, &Nvfp4Config::default())
+            .unwrap()
+            .dequantize();
+        assert_eq!((y[0], y[1]), (3.0, -3.0));
+    }
 }

@@ -47,7 +47,7 @@ pub fn run(
 ) -> Result<Table, Error> {
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
-    let ctx = |m: String| Error::Invalid(format!("{}: {m}", input.display()));
+    let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
     if !src.metadata.contains_key(schema::KEY_VERSION) {
         return Err(ctx(format!(
             "not a lowbit-quantized file (its __metadata__ has no {} key); dequantize reads \
@@ -96,6 +96,30 @@ pub fn run(
         .iter()
         .filter(|e| !consumed.contains(&e.name))
         .collect();
+    // Components without their `lowbit.tensor.*` key (stripped by a tool that rewrote the
+    // metadata) would pass through as raw codes and scales; a data tensor whose scale tensor
+    // sits beside it is a quantized tensor, and it cannot be rebuilt without its key.
+    for e in &copied {
+        for (data, scale) in [
+            (schema::ROWWISE_DATA, schema::ROWWISE_SCALE_INV),
+            (schema::COLUMNWISE_DATA, schema::COLUMNWISE_SCALE_INV),
+        ] {
+            if let Some(base) = e.name.strip_suffix(data).and_then(|b| b.strip_suffix('.'))
+                && src.get(&schema::component(base, scale)).is_some()
+            {
+                return Err(ctx(format!(
+                    "tensor {} has quantized components ({}, {}) but no metadata key {}{}: \
+                     its original dtype and shape are unknown, so it cannot be dequantized \
+                     (was the __metadata__ stripped?)",
+                    report::escape(base),
+                    report::escape(&e.name),
+                    report::escape(&schema::component(base, scale)),
+                    schema::TENSOR_KEY_PREFIX,
+                    report::escape(base),
+                )));
+            }
+        }
+    }
     let specs: Vec<Spec> = jobs
         .iter()
         .map(|j| j.out.clone())
@@ -128,8 +152,8 @@ pub fn run(
     ]);
     table.title.push(format!(
         "dequantize {} -> {}: recipe {}, {} scale layout",
-        input.display(),
-        output.display(),
+        crate::report::shown(input),
+        crate::report::shown(output),
         s.recipe.as_str(),
         schema::layout_str(s.layout),
     ));

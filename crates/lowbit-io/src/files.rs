@@ -16,8 +16,10 @@ use crate::error::Error;
 
 mod header;
 pub mod pipeline;
+mod regular;
 
 pub use header::{MAX_HEADER, Spec};
+pub use regular::open_regular;
 
 /// A tensor to be written: borrowed from the input (pass-through) or freshly computed.
 #[derive(Clone, Debug)]
@@ -138,36 +140,38 @@ fn json_string(json: &str, start: usize) -> Option<(String, usize)> {
     }
 }
 
-/// Checks the input/output pair before any work: the input must exist, the output must not be
+/// Checks the input/output pair before any work: the input must be a regular file, the output must not be
 /// the input (not even with `--force`), and an existing output needs `force` and must be a
 /// regular file (a device node, FIFO, socket, directory or symlink is never replaced).
 pub fn check_paths(input: &Path, output: &Path, force: bool) -> Result<(), Error> {
     let input_real = fs::canonicalize(input).map_err(|e| Error::io("read", input, e))?;
-    if fs::metadata(&input_real).is_ok_and(|m| m.is_dir()) {
-        return Err(Error::Invalid(format!(
-            "cannot read {}: is a directory",
-            input.display()
-        )));
+    // `stat` only: a FIFO is refused here before anything could block opening it.
+    let meta = fs::metadata(&input_real).map_err(|e| Error::io("read", input, e))?;
+    if !meta.file_type().is_file() {
+        return Err(Error::NotRegularFile {
+            path: input.to_owned(),
+            kind: file_kind(&meta.file_type()),
+        });
     }
     // canonicalize fails when the output does not exist yet; then it cannot be the input.
     if fs::canonicalize(output).is_ok_and(|o| o == input_real) {
         return Err(Error::Invalid(format!(
             "output path {} is the input path; choose another output file",
-            output.display()
+            crate::report::shown(output)
         )));
     }
     if let Ok(m) = fs::symlink_metadata(output) {
         if !force {
             return Err(Error::Invalid(format!(
                 "output {} already exists (pass --force to overwrite it)",
-                output.display()
+                crate::report::shown(output)
             )));
         }
         if !m.file_type().is_file() {
             return Err(Error::Invalid(format!(
                 "output {} exists and is not a regular file ({}); --force replaces only \
                  regular files",
-                output.display(),
+                crate::report::shown(output),
                 file_kind(&m.file_type())
             )));
         }
@@ -364,7 +368,7 @@ impl Output {
         if path.file_name().is_none() {
             return Err(Error::Invalid(format!(
                 "output {} is not a file path",
-                path.display()
+                crate::report::shown(path)
             )));
         }
         let dir = match path.parent() {
@@ -420,7 +424,7 @@ pub fn commit_reported(
 ) -> Result<crate::report::Table, Error> {
     let line = format!(
         "wrote {} ({})",
-        out.path.display(),
+        crate::report::shown(&out.path),
         crate::report::human_bytes(len)
     );
     out.commit()?;
@@ -509,22 +513,15 @@ impl Input {
     /// safetensors' limit and by the file's size), UTF-8, JSON, no duplicate names, dtypes,
     /// shapes and offsets that tile the data region exactly to the end of the file. Only the
     /// header's bytes are read. Inputs must be regular files (a FIFO or device has no size to
-    /// check against, and could block or never end).
+    /// check against, and could block or never end): [`open_regular`] refuses anything else
+    /// without blocking on it.
     pub fn open(path: &Path) -> Result<Self, Error> {
         let io = |e| Error::io("read", path, e);
         let parse_err = |source| Error::Parse {
             path: path.to_owned(),
             source,
         };
-        let file = fs::File::open(path).map_err(io)?;
-        let meta = file.metadata().map_err(io)?;
-        if !meta.file_type().is_file() {
-            return Err(Error::Invalid(format!(
-                "cannot read {}: not a regular file ({})",
-                path.display(),
-                file_kind(&meta.file_type())
-            )));
-        }
+        let (file, meta) = open_regular(path)?;
         let size = meta.len();
         use safetensors::SafeTensorError as E;
         let mut prefix = [0u8; 8];
@@ -547,7 +544,7 @@ impl Input {
         if let Some(dup) = std::str::from_utf8(&buf[8..]).ok().and_then(duplicate_key) {
             return Err(Error::Invalid(format!(
                 "cannot parse {}: the header names `{}` more than once",
-                path.display(),
+                crate::report::shown(path),
                 crate::report::escape(&dup)
             )));
         }
@@ -560,8 +557,9 @@ impl Input {
             Err(E::MetadataIncompleteBuffer) => {
                 let text =
                     std::str::from_utf8(&buf[8..]).map_err(|e| parse_err(E::InvalidHeader(e)))?;
-                let (mut infos, metadata) = header::tensors(text)
-                    .map_err(|e| Error::Invalid(format!("cannot parse {}: {e}", path.display())))?;
+                let (mut infos, metadata) = header::tensors(text).map_err(|e| {
+                    Error::Invalid(format!("cannot parse {}: {e}", crate::report::shown(path)))
+                })?;
                 infos.sort_by_key(|(_, i)| i.data_offsets);
                 let md = safetensors::tensor::Metadata::new(metadata, infos.clone())
                     .map_err(parse_err)?;

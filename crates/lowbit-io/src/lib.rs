@@ -22,8 +22,12 @@
 //!   destination holds its old contents or the whole new file. An uncommitted output's
 //!   temporary is removed on drop and on SIGINT, SIGTERM and SIGHUP (Linux and macOS);
 //!   temporaries of killed runs are removed by the next write to that directory.
+//! - Inputs are regular files: [`files::open_regular`] refuses a FIFO, device, socket or
+//!   directory after a `stat` and again on the handle (opened `O_NONBLOCK`), so no input can
+//!   block the open or stream without end.
 //! - Errors are typed ([`Error`], [`json::ParseError`]) and name the file, and the tensor
-//!   where one is concerned.
+//!   where one is concerned; paths print with control characters escaped
+//!   ([`report::shown`]).
 //! - [`hash::fnv1a64`] and [`rng::SplitMix64`] never change their bits: checkpoint manifests
 //!   store the hash and tests pin the generator's streams.
 //!

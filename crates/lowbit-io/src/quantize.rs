@@ -76,7 +76,7 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
     let s = &opts.settings;
-    let ctx = |m: String| Error::Invalid(format!("{}: {m}", input.display()));
+    let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
 
     // Validate every tensor and lay out the output before any data is read, so a bad tensor
     // late in a large file fails fast.
@@ -163,8 +163,8 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
     ]);
     table.title.push(format!(
         "quantize {} -> {}: recipe {}, copies {}, {} scales, {} scale layout, nan policy {}",
-        input.display(),
-        output.display(),
+        crate::report::shown(input),
+        crate::report::shown(output),
         s.recipe.as_str(),
         schema::copies_str(s.copies),
         if s.two_d { "2D" } else { "1D" },
@@ -583,7 +583,7 @@ impl Job<'_> {
     fn internal(&self, msg: String) -> Error {
         Error::Invalid(format!(
             "{}: tensor {}: internal error: {msg}",
-            self.src.path().display(),
+            crate::report::shown(self.src.path()),
             self.e.name
         ))
     }
@@ -630,7 +630,7 @@ fn format_error(input: &Path, shape: &[usize], source: lowbit_formats::FormatErr
         }
         return Error::Invalid(format!(
             "{}: {source}, i.e. element {} of the {} tensor (--nan-policy error)",
-            input.display(),
+            crate::report::shown(input),
             schema::shape_str(&index),
             schema::shape_str(shape)
         ));

@@ -256,6 +256,12 @@ pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// A path for a message: lossily decoded, its control characters (a newline, an escape)
+/// escaped as [`escape`] does.
+pub fn shown(path: &std::path::Path) -> String {
+    escape(&path.to_string_lossy()).into_owned()
+}
+
 /// A byte count with thousands separators: `1,572,864`.
 pub fn bytes_str(n: usize) -> String {
     let digits = n.to_string();
