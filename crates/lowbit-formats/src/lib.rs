@@ -107,14 +107,16 @@ pub enum FormatError {
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum NanPolicy {
     /// TE's behaviour: the block amax ignores NaN (TE takes it with `fmaxf` / `__hmax`, which
-    /// return the other operand when one is NaN), a NaN element encodes as NaN (E2M1, which has
-    /// no NaN: +6), an Inf amax saturates the scale.
+    /// return the other operand when one is NaN), a NaN element encodes as NaN in FP8 and as +6
+    /// in E2M1 (which has no NaN) — so an NVFP4 block of NaN only, whose amax is 0, decodes to
+    /// zeros, as in TE (`quantize_nvfp4.cuh`) — and an Inf amax saturates the scale.
     #[default]
     #[cfg_attr(
         feature = "clap",
         value(
             name = "te",
-            help = "Transformer Engine's behaviour: NaN encodes as NaN, Inf saturates its block"
+            help = "Transformer Engine's behaviour: NaN encodes as NaN in FP8 (NVFP4: +6 times \
+                    its block's scale; an all-NaN block is zeros), Inf saturates its block"
         )
     )]
     Te,
