@@ -38,6 +38,14 @@ pub enum CkptError {
         /// The version supported.
         supported: u64,
     },
+    /// A data file the manifest lists is not a regular file (a directory, a FIFO, a device).
+    #[error("`{}` is not a regular file ({kind}); the manifest lists it as a rank's data", file.display())]
+    NotAFile {
+        /// The path.
+        file: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
     /// A data file is shorter or longer than the manifest says (a torn or truncated write).
     #[error("`{}` is {actual} bytes, the manifest says {expected}", file.display())]
     FileSize {

@@ -73,7 +73,14 @@ impl Checkpoint {
         };
         for f in &manifest.files {
             let p = dir.join(&f.name);
-            let actual = fs::metadata(&p).map_err(io("stat", &p))?.len();
+            let meta = fs::metadata(&p).map_err(io("stat", &p))?;
+            if !meta.is_file() {
+                return Err(CkptError::NotAFile {
+                    file: p,
+                    kind: file_kind(&meta),
+                });
+            }
+            let actual = meta.len();
             if actual != f.bytes {
                 return Err(CkptError::FileSize {
                     file: p,
@@ -371,4 +378,27 @@ fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
         });
     }
     Ok(out)
+}
+
+/// What a path that is not a regular file is, for messages.
+fn file_kind(meta: &fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() || t.is_block_device() {
+            return "a device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a file"
+    }
 }

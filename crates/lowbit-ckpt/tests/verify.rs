@@ -158,6 +158,32 @@ fn a_step_directory_holding_another_steps_manifest_is_refused() {
     Checkpoint::open(&other).unwrap().verify().unwrap();
 }
 
+#[test]
+fn a_rank_file_that_is_a_directory_is_refused_as_such() {
+    let root = TempDir::new("verify-rank-dir");
+    let dir = saved(root.dir(), 3);
+    let rank = dir.join("rank-00000.safetensors");
+    std::fs::remove_file(&rank).unwrap();
+    std::fs::create_dir(&rank).unwrap();
+    let e = Checkpoint::open(&dir).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CkptError::NotAFile {
+                kind: "a directory",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("rank-00000.safetensors") && text.contains("a directory"),
+        "{text}"
+    );
+    assert!(!text.contains("bytes"), "not reported by its size: {text}");
+}
+
 #[cfg(unix)]
 #[test]
 fn a_latest_symlink_is_resolved_inside_the_root_or_refused_without_its_contents() {
