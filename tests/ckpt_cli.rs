@@ -15,7 +15,7 @@
 
 use lowbit_testkit::harness;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lowbit::ckpt::{Checkpoint, LoadOptions, fnv1a64};
@@ -25,6 +25,10 @@ use lowbit::train::{
 use lowbit_dev_support::json::Json;
 
 use lowbit_dev_support::tempdir::TempDir;
+
+mod lowbit_cli;
+
+use lowbit_cli::{refused, stdout_ok};
 use lowbit_testkit::harness::{
     CkptHook, Run, assert_same_from, assert_same_trajectory, ddp, variant,
 };
@@ -377,29 +381,6 @@ fn the_harness_resumes_bit_for_bit_on_the_other_paths() {
 
 // ---------------------------------------------------------------------------------------------
 // The command line
-
-fn lowbit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .args(args)
-        .output()
-        .expect("run lowbit")
-}
-
-fn stdout_ok(args: &[&str]) -> String {
-    let out = lowbit(args);
-    assert!(
-        out.status.success(),
-        "lowbit {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
-
-fn refused(args: &[&str]) -> String {
-    let out = lowbit(args);
-    assert!(!out.status.success(), "lowbit {args:?} should fail");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 fn train_json(args: &[&str]) -> Json {
     let all = [&["train"][..], args, &["--json"]].concat();

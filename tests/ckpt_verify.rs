@@ -6,33 +6,13 @@
 //! secret text is refused without the text.
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use lowbit_dev_support::json::Json;
 use lowbit_dev_support::tempdir::TempDir;
 
-fn lowbit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .args(args)
-        .output()
-        .expect("run lowbit")
-}
+mod lowbit_cli;
 
-fn stdout_ok(args: &[&str]) -> String {
-    let out = lowbit(args);
-    assert!(
-        out.status.success(),
-        "lowbit {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
-
-fn refused(args: &[&str]) -> String {
-    let out = lowbit(args);
-    assert!(!out.status.success(), "lowbit {args:?} should fail");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use lowbit_cli::{refused, stdout_ok};
 
 fn p(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")

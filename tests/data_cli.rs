@@ -2,16 +2,12 @@
 //! prepared and inspected, and inputs that must be refused (named, exit status 1, no manifest).
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use lowbit_dev_support::tempdir::TempDir;
 
-fn lowbit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .args(args)
-        .output()
-        .expect("run lowbit")
-}
+mod lowbit_cli;
+
+use lowbit_cli::lowbit;
 
 fn p(path: &Path) -> &str {
     path.to_str().expect("UTF-8 temp path")

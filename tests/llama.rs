@@ -3,13 +3,15 @@
 //! NVFP4 primary weights, AdamW and Muon), save/resume bit for bit, eval and generation from a
 //! checkpoint, and refusals.
 
-use std::process::Command;
-
 use lowbit::train::{
     self, Checkpointing, LlamaRun, ModelChoice, OptimizerChoice, Precision, Sharding, TrainConfig,
     TrainReport,
 };
 use lowbit_llama::config::presets;
+
+mod lowbit_cli;
+
+use lowbit_cli::lowbit;
 
 /// llama-tiny, 2 CPU ranks, 4 sequences of 32 tokens per step, 3 steps.
 fn tiny(precision: Precision) -> TrainConfig {
@@ -206,13 +208,6 @@ fn tempdir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("lowbit-llama-{name}-{}", std::process::id()));
     std::fs::remove_dir_all(&d).ok();
     d
-}
-
-fn lowbit(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .args(args)
-        .output()
-        .expect("run lowbit")
 }
 
 #[test]

@@ -4,10 +4,36 @@
 
 #![allow(dead_code)] // each test file uses part of it
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 // The workspace's small JSON reader, with strict accessors for the assertions.
 pub use lowbit_dev_support::json::Json;
+
+/// Runs `lowbit ARGS` (any subcommand).
+pub fn lowbit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lowbit"))
+        .args(args)
+        .output()
+        .expect("run lowbit")
+}
+
+/// Runs `lowbit ARGS` expecting success; returns stdout.
+pub fn stdout_ok(args: &[&str]) -> String {
+    let out = lowbit(args);
+    assert!(
+        out.status.success(),
+        "lowbit {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// Runs `lowbit ARGS` expecting a failure; returns stderr.
+pub fn refused(args: &[&str]) -> String {
+    let out = lowbit(args);
+    assert!(!out.status.success(), "lowbit {args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
 
 /// Runs `lowbit train ARGS --json` and parses its stdout (one JSON object on one line).
 pub fn run_json(args: &[&str]) -> Json {
