@@ -151,7 +151,7 @@ fn execute(
         // this function).
         ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
     }
-    let info = model.params(&cfg);
+    let info = cfg.model_params();
     let specs = cfg.specs(&info);
     // The plan is pure: make it once here for the report (and to refuse a bad one up front);
     // every rank makes the same one.

@@ -13,7 +13,7 @@ use lowbit_device::Device;
 
 use super::data::{EvalItem, MarkovSource, Source, Target, TextSource};
 use super::llama::{LlamaJob, LlamaRank};
-use super::lm::{Lm, ParamInfo};
+use super::lm::Lm;
 use super::{ModelChoice, TrainConfig, TrainError};
 use crate::model::Hooks;
 
@@ -58,12 +58,6 @@ impl JobModel {
             eval,
             eval_set: (len, exact),
         })
-    }
-
-    /// Every parameter, in forward order.
-    pub(crate) fn params(&self, cfg: &TrainConfig) -> Vec<ParamInfo> {
-        let _ = self;
-        cfg.model_params()
     }
 
     /// The initial values of every parameter (the fp32 masters start from these).
