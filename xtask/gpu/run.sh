@@ -50,6 +50,11 @@ STEPS+=(
   # Kernels against the device copy of the same run, then the PyTorch baselines (eager and
   # torch.compile reference quantizers, fused AdamW + bf16 copy) on the same card.
   "bench-cuda-kernels|300|set -o pipefail; bin/bench-lowbit-device-cuda_bench | tee \$STEP_SUMMARY"
+  # The flash attention (fast mode): against the CPU, then its TFLOP/s beside torch SDPA's at the
+  # same shapes on the same card (scripts/bench/sdpa_attention.py).
+  "test-lowbit-device-cuda_flash|600|bin/test-lowbit-device-cuda_flash"
+  "bench-flash-attention|300|set -o pipefail; bin/test-lowbit-device-cuda_flash --ignored --nocapture flash_timing | tee \$STEP_SUMMARY"
+  "bench-torch-sdpa|300|set -o pipefail; python3 gpu/sdpa_attention.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
   # library path) against the CPU, then the muon_bench benchmark: fast vs exact Newton-Schulz,

@@ -9,8 +9,8 @@
 //!   arguments in `tests.list` unless run.sh's step list runs them itself);
 //! - their unit-test binaries, when a source file under `src/` with tests is about CUDA (its
 //!   path mentions `cuda` or `nccl`, or it mentions `feature = "cuda"`);
-//! - `xtask/gpu/*` (run.sh, helper scripts) and each package's `benches/*.py` (torch baselines)
-//!   into `gpu/`, run.sh at the top;
+//! - `xtask/gpu/*` (run.sh, helper scripts), `scripts/bench/*.py` and each package's
+//!   `benches/*.py` (torch baselines) into `gpu/`, run.sh at the top;
 //! - the `*.whl` files of the git-ignored `gpu-wheels/`, if there is one, into `wheels/`: Python
 //!   packages the GPU machine lacks and cannot download (torchao for `torch_fsdp2_step.py`),
 //!   installed by the run.sh steps that need them.
@@ -334,8 +334,14 @@ pub fn gpu_bundle(root: &Path, allow_partial: bool) -> Result<(), String> {
         .map_err(|e| format!("COMMIT: {e}"))?;
     let mut scripts = Vec::new();
     let gpu_dir = root.join("xtask/gpu");
-    for p in std::iter::once(&gpu_dir).chain(pkgs.iter().map(|p| &p.manifest_dir)) {
-        let dir = if *p == gpu_dir {
+    // Benchmark baselines that belong to no package (torch SDPA for the flash attention).
+    let bench_dir = root.join("scripts/bench");
+    let roots = [&gpu_dir, &bench_dir];
+    for p in roots
+        .into_iter()
+        .chain(pkgs.iter().map(|p| &p.manifest_dir))
+    {
+        let dir = if roots.contains(&p) {
             p.clone()
         } else {
             p.join("benches")

@@ -163,7 +163,7 @@ pub mod codec {
 pub use counters::CountedOp;
 pub use half::{bf16, f16};
 pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
-pub use ops::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
+pub use ops::{ATTENTION_MAX_HEAD_DIM, AttentionSpec, FLASH_HEAD_DIMS};
 pub use ops::{
     AdamW, Format2d, MatmulMode, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views,
     PendingAmaxes, PendingNvfp4Amax, Piece2d, RopeSpec, SUM_BLOCK, SUM_GROUP, SgdMomentum,

@@ -39,6 +39,7 @@ macro_rules! on_cuda {
 
 mod attention;
 mod elementwise;
+mod flash;
 mod llm;
 mod matmul;
 mod model;
@@ -46,6 +47,7 @@ mod optim;
 mod quant;
 
 pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
+pub use flash::FLASH_HEAD_DIMS;
 pub use llm::RopeSpec;
 #[cfg(feature = "cuda")]
 pub(crate) use llm::id_groups;

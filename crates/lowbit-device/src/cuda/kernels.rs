@@ -11,6 +11,7 @@ use crate::{DType, Result, View};
 
 mod attention;
 mod elementwise;
+mod flash;
 mod llm;
 mod model;
 mod optim;

@@ -77,7 +77,7 @@ impl AttentionSpec {
     }
 
     /// Checks dtypes (all f32) and lengths of the views, in `(view, expected length, name)`.
-    fn check(&self, what: &'static str, views: &[(View, Which, &str)]) -> Result<()> {
+    pub(crate) fn check(&self, what: &'static str, views: &[(View, Which, &str)]) -> Result<()> {
         let (qn, kn, ln) = self.lens(what)?;
         for &(v, which, name) in views {
             check_dtype(what, v, DType::F32)?;
@@ -102,7 +102,7 @@ impl AttentionSpec {
 
 /// Which shape a view has.
 #[derive(Clone, Copy)]
-enum Which {
+pub(crate) enum Which {
     /// `[batch, seq, heads, head_dim]`.
     Q,
     /// `[batch, seq, kv_heads, head_dim]`.
@@ -271,7 +271,7 @@ fn backward_one(g: Geo, x: &BwdIn<'_>, dq: &mut [f32], dk: &mut [f32], dv: &mut 
 
 /// Runs `f(b, part)` for every batch element `b` over the threads, each element's parts of
 /// the outputs handed to exactly one call.
-fn per_batch<const N: usize>(
+pub(crate) fn per_batch<const N: usize>(
     batch: usize,
     outs: [(&mut [f32], usize); N],
     f: impl Fn(usize, [&mut [f32]; N]) + Sync,

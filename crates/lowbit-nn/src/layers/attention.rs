@@ -1,8 +1,9 @@
 //! Causal grouped-query self-attention over projected heads (the core of Llama's `self_attn`,
 //! between the q/k/v projections with rotary embedding and the output projection): no
-//! parameters, on [`Device::attention`] and [`Device::attention_backward`].
+//! parameters, on [`Device::attention`] and [`Device::attention_backward`] in the exact mode,
+//! and on [`Device::flash_attention`] and [`Device::flash_attention_backward`] in the fast mode.
 
-use lowbit_device::{AttentionSpec, Device, View};
+use lowbit_device::{AttentionSpec, Device, FLASH_HEAD_DIMS, MatmulMode, View};
 
 use crate::Result;
 
@@ -13,7 +14,14 @@ use crate::Result;
 /// `q`, `out`, `dout`, `dq` are `[batch, seq, heads, head_dim]` f32, `k`, `v`, `dk`, `dv`
 /// `[batch, seq, kv_heads, head_dim]`, `lse` `[batch, heads, seq]` (the per-row log-sum-exp the
 /// forward saves for the backward), each row-major and head-major as `x·Wᵀ` of the projections
-/// gives it. The arithmetic is the device ops' exact order.
+/// gives it.
+///
+/// Which op runs follows the device's matmul mode ([`Device::matmul_mode`]): in the exact mode
+/// ([`MatmulMode::Exact`]) the exact attention, in the device ops' exact order and bit-equal
+/// across backends; in the fast mode ([`MatmulMode::Bf16`], `lowbit train --compute bf16`) the
+/// flash attention with bf16 tensor-core products where `head_dim` is 64 or 128
+/// ([`FLASH_HEAD_DIMS`]), the exact attention for other head sizes. Forward and backward decide
+/// alike, so a backward always matches the forward that made its `lse`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Attention {
     /// Query heads.
@@ -37,6 +45,11 @@ impl Attention {
         }
     }
 
+    /// Whether `dev` runs this attention as the flash attention (see the type's documentation).
+    pub fn uses_flash(&self, dev: &Device) -> bool {
+        dev.matmul_mode() == MatmulMode::Bf16 && FLASH_HEAD_DIMS.contains(&self.head_dim)
+    }
+
     /// `out` (and `lse`) of `batch` sequences of `seq` tokens; `out` and `lse` must overlap
     /// neither each other nor an input.
     #[allow(clippy::too_many_arguments)] // three inputs, two outputs, the shape
@@ -51,7 +64,11 @@ impl Attention {
         batch: usize,
         seq: usize,
     ) -> Result<()> {
-        Ok(dev.attention(q, k, v, out, lse, &self.spec(batch, seq))?)
+        let spec = self.spec(batch, seq);
+        if self.uses_flash(dev) {
+            return Ok(dev.flash_attention(q, k, v, out, lse, &spec)?);
+        }
+        Ok(dev.attention(q, k, v, out, lse, &spec)?)
     }
 
     /// `dq`, `dk`, `dv` (overwritten) from the forward's inputs, its `out` and `lse`, and the
@@ -73,6 +90,9 @@ impl Attention {
         seq: usize,
     ) -> Result<()> {
         let spec = self.spec(batch, seq);
+        if self.uses_flash(dev) {
+            return Ok(dev.flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, &spec)?);
+        }
         Ok(dev.attention_backward(q, k, v, out, lse, dout, dq, dk, dv, &spec)?)
     }
 }
@@ -255,6 +275,82 @@ mod tests {
         }
         eprintln!("attention gradient check: worst relative error {worst:e}");
         assert!(worst < 1e-5, "worst error {worst:e}");
+    }
+
+    /// The fast mode runs the flash attention for head sizes 64 and 128 (its bf16 rounding
+    /// shows in the bits: different from the exact op's, equal to the flash op's), the exact
+    /// attention for any other head size; the exact mode always the exact attention.
+    #[test]
+    fn the_fast_mode_selects_the_flash_attention() {
+        for (head_dim, flash) in [(64, true), (128, true), (16, false)] {
+            let a = Attention {
+                heads: 2,
+                kv_heads: 1,
+                head_dim,
+            };
+            let (batch, seq) = (1, 9);
+            let (qn, kn) = (seq * 2 * head_dim, seq * head_dim);
+            let mut dev = Device::cpu();
+            let (q, k, v, dout) = (values(1, qn), values(2, kn), values(3, kn), values(4, qn));
+            let [qv, kv, vv, dov] = [&q, &k, &v, &dout].map(|x| upload(&mut dev, x));
+            let spec = a.spec(batch, seq);
+            // [out, lse, dq, dk, dv] of the layer (exact or fast mode), the exact op, the flash op.
+            let mut outs = Vec::new();
+            for run in 0..4 {
+                let [out, dq] = [qn, qn].map(|n| dev.alloc(DType::F32, n));
+                let [dk, dv] = [kn, kn].map(|n| dev.alloc(DType::F32, n));
+                let lse = dev.alloc(DType::F32, 2 * seq);
+                match run {
+                    0 | 1 => {
+                        dev.set_matmul_mode(if run == 0 {
+                            MatmulMode::Exact
+                        } else {
+                            MatmulMode::Bf16
+                        });
+                        assert_eq!(a.uses_flash(&dev), run == 1 && flash);
+                        a.forward(&mut dev, qv, kv, vv, out, lse, batch, seq)
+                            .unwrap();
+                        a.backward(&mut dev, qv, kv, vv, out, lse, dov, dq, dk, dv, batch, seq)
+                            .unwrap();
+                    }
+                    2 => {
+                        dev.attention(qv, kv, vv, out, lse, &spec).unwrap();
+                        dev.attention_backward(qv, kv, vv, out, lse, dov, dq, dk, dv, &spec)
+                            .unwrap();
+                    }
+                    _ if flash => {
+                        dev.flash_attention(qv, kv, vv, out, lse, &spec).unwrap();
+                        dev.flash_attention_backward(qv, kv, vv, out, lse, dov, dq, dk, dv, &spec)
+                            .unwrap();
+                    }
+                    _ => continue,
+                }
+                let bytes: Vec<Vec<u8>> = [out, lse, dq, dk, dv]
+                    .iter()
+                    .map(|w| dev.read_bytes(*w).unwrap())
+                    .collect();
+                outs.push(bytes);
+            }
+            assert_eq!(
+                outs[0], outs[2],
+                "head_dim {head_dim}: exact mode is the exact op"
+            );
+            if flash {
+                assert_eq!(
+                    outs[1], outs[3],
+                    "head_dim {head_dim}: fast mode is the flash op"
+                );
+                assert_ne!(
+                    outs[1], outs[2],
+                    "head_dim {head_dim}: flash rounds to bf16"
+                );
+            } else {
+                assert_eq!(
+                    outs[1], outs[2],
+                    "head_dim {head_dim}: fast mode keeps the exact op"
+                );
+            }
+        }
     }
 
     #[test]

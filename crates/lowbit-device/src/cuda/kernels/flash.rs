@@ -1,0 +1,162 @@
+//! Launches of the flash attention (`crates/lowbit-kernels/flash_attention.cu`): the forward,
+//! and the backward as a D pass, a dQ pass (one CTA per query block) and a dK/dV pass (one CTA
+//! per key block). The caller ([`crate::Device::flash_attention`]) has checked dtypes, lengths,
+//! the spec and the head size (64 or 128); the views are validated here before anything is
+//! launched. The tiles live in dynamic shared memory (up to 68 KiB, past the 48 KiB a launch
+//! gets without asking), so these launches set the kernel's dynamic shared memory limit first.
+
+use cudarc::driver::{result, sys};
+
+use super::blocks;
+use crate::cuda::{Arg, CudaDevice, arg_ptrs};
+use crate::{AttentionSpec, DeviceError, Result, View};
+
+/// Threads per CTA (`FA_THREADS`: 4 warps).
+const THREADS: u32 = 128;
+/// Query and key rows per block (`FA_BM`, `FA_BN`).
+const BLOCK: usize = 64;
+
+/// The kernel names of one head size, each with its dynamic shared memory bytes, from the tile
+/// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the dK/dV pass also
+/// keeps the query block's lse and D as f32).
+struct Kernels {
+    fwd: (&'static str, u32),
+    dq: (&'static str, u32),
+    dkv: (&'static str, u32),
+}
+
+fn kernels(head_dim: usize) -> Result<Kernels> {
+    // Bytes of `rows` bf16 tile rows of `d` values, padded by 8.
+    let tile = |rows: usize, d: usize| (rows * (d + 8) * 2) as u32;
+    match head_dim {
+        64 => Ok(Kernels {
+            fwd: ("flash_fwd_hd64", tile(3 * BLOCK, 64)),
+            dq: ("flash_bwd_dq_hd64", tile(4 * BLOCK, 64)),
+            // Query blocks of 64 rows.
+            dkv: ("flash_bwd_dkv_hd64", tile(4 * BLOCK, 64) + 2 * 64 * 4),
+        }),
+        128 => Ok(Kernels {
+            fwd: ("flash_fwd_hd128", tile(3 * BLOCK, 128)),
+            dq: ("flash_bwd_dq_hd128", tile(4 * BLOCK, 128)),
+            // Query blocks of 32 rows.
+            dkv: (
+                "flash_bwd_dkv_hd128",
+                tile(2 * BLOCK + 2 * 32, 128) + 2 * 32 * 4,
+            ),
+        }),
+        d => Err(DeviceError::Unsupported(format!(
+            "flash attention: head_dim {d} has no kernel (64 and 128 have)"
+        ))),
+    }
+}
+
+/// The grid of `seq` rows in blocks of 64, over `pairs` (batch, head) pairs.
+fn grid(what: &str, seq: usize, pairs: usize) -> Result<(u32, u32, u32)> {
+    let gx = u32::try_from(seq.div_ceil(BLOCK))
+        .map_err(|_| DeviceError::Unsupported(format!("{what}: seq = {seq} is too large")))?;
+    match u32::try_from(pairs) {
+        Ok(gy) if gy <= 65535 => Ok((gx, gy, 1)),
+        _ => Err(DeviceError::Unsupported(format!(
+            "{what}: {pairs} (batch, head) pairs exceed the grid's 65535"
+        ))),
+    }
+}
+
+impl CudaDevice {
+    /// Launches `name` with `smem` bytes of dynamic shared memory (raising the kernel's limit
+    /// to it first).
+    ///
+    /// # Safety
+    /// As [`CudaDevice::launch`]; `smem` is at most the device's opt-in shared memory per block
+    /// (227 KiB on sm_90; the driver refuses more) and what the kernel indexes.
+    unsafe fn launch_smem(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        self.bind()?;
+        let limit = i32::try_from(smem)
+            .map_err(|_| DeviceError::Unsupported(format!("{name}: {smem} bytes of smem")))?;
+        // SAFETY: `f` is a function of this device's context, bound above.
+        unsafe {
+            result::function::set_function_attribute(
+                f.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                limit,
+            )
+        }
+        .map_err(|e| DeviceError::Cuda(format!("setting the shared memory of {name}: {e}")))?;
+        let mut vals: Vec<Arg> = args.to_vec();
+        let mut params = arg_ptrs(&mut vals);
+        let stream = self.stream.cu_stream();
+        // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
+        // arguments match the kernel and `smem` its shared memory.
+        unsafe { result::launch_kernel(f.0, grid, (THREADS, 1, 1), smem, stream, &mut params) }
+            .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
+    }
+
+    /// The forward of `[q, k, v]` into `[out, lse]`.
+    pub(crate) fn flash_attention(
+        &mut self,
+        ins: [View; 3],
+        outs: [View; 2],
+        spec: &AttentionSpec,
+    ) -> Result<()> {
+        const WHAT: &str = "flash_attention";
+        let ([q, k, v], [out, lse]) = self.ptrs(WHAT, ins, outs)?;
+        let s = *spec;
+        let kn = kernels(s.head_dim)?;
+        if s.batch == 0 || s.seq == 0 {
+            return Ok(());
+        }
+        let grid = grid(WHAT, s.seq, s.batch * s.heads)?;
+        let args = args![q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale];
+        // SAFETY: views validated above with the spec's lengths (q, out b·s·h·hd; k, v
+        // b·s·kvh·hd; lse b·h·s); head_dim is the kernel's (64 or 128), heads a multiple of
+        // kv_heads (checked by the caller); the grid covers ceil(seq / 64) query blocks of
+        // batch·heads pairs, rows past seq neither read nor written; smem is the kernel's.
+        unsafe { self.launch_smem(kn.fwd.0, grid, kn.fwd.1, &args) }
+    }
+
+    /// The backward of `[q, k, v, out, lse, dout]` into `[dq, dk, dv]`.
+    pub(crate) fn flash_attention_backward(
+        &mut self,
+        ins: [View; 6],
+        outs: [View; 3],
+        spec: &AttentionSpec,
+    ) -> Result<()> {
+        const WHAT: &str = "flash_attention_backward";
+        let ([q, k, v, out, lse, dout], [dq, dk, dv]) = self.ptrs(WHAT, ins, outs)?;
+        let s = *spec;
+        let kn = kernels(s.head_dim)?;
+        if s.batch == 0 || s.seq == 0 {
+            return Ok(());
+        }
+        let grid_q = grid(WHAT, s.seq, s.batch * s.heads)?;
+        let grid_kv = grid(WHAT, s.seq, s.batch * s.kv_heads)?;
+        let rows = s.batch * s.seq * s.heads;
+        let dd = self.scratch(rows)?;
+        let d = dd.ptr;
+        // One warp per row, 8 rows per block of 256 threads.
+        let gd = blocks(rows, 8).ok_or_else(|| {
+            DeviceError::Unsupported(format!("{WHAT}: {rows} rows exceed the grid"))
+        })?;
+        let args = args![out, dout, d, rows, s.seq, s.heads, s.head_dim];
+        // SAFETY: views validated above (out, dout b·s·h·hd); `d` holds b·h·s words; a warp per
+        // row, rows past `rows` return at once; head_dim is even (64 or 128: float2 loads).
+        unsafe { self.launch("flash_bwd_d", (gd, 1, 1), (256, 1, 1), &args)? };
+        let (kvh, sc) = (s.kv_heads, s.scale);
+        let args = args![q, k, v, lse, dout, d, dq, s.seq, s.heads, kvh, sc];
+        // SAFETY: as the forward; dq has q's length, `d` the lse's.
+        unsafe { self.launch_smem(kn.dq.0, grid_q, kn.dq.1, &args)? };
+        let args = args![q, k, v, lse, dout, d, dk, dv, s.seq, s.heads, kvh, sc];
+        // SAFETY: as above; dk, dv have k's length; the grid covers the key blocks of
+        // batch·kv_heads pairs.
+        unsafe { self.launch_smem(kn.dkv.0, grid_kv, kn.dkv.1, &args)? };
+        drop(dd);
+        Ok(())
+    }
+}

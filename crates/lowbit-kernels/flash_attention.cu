@@ -1,0 +1,534 @@
+// Causal grouped-query flash attention on the tensor cores (fast mode), forward and backward:
+// FlashAttention-2 (Dao 2023, "FlashAttention-2", Algorithm 1 forward, Algorithm 2 backward),
+// with bf16 operands through `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` and f32
+// accumulation. Host side crates/lowbit-device/src/cuda/kernels/flash.rs; the semantics and the
+// CPU reference are in crates/lowbit-device/src/ops/flash.rs.
+//
+// Layouts (the exact op's, crates/lowbit-kernels/attention.cu): q, out, dout, dq [batch, seq,
+// heads, D]; k, v, dk, dv [batch, seq, kv_heads, D]; lse, dd [batch, heads, seq]; all f32 in
+// global memory. Query head h reads kv head h / (heads / kv_heads). D is 64 or 128 (one template
+// instance each; the host refuses other head sizes).
+//
+// Tiling (the simple FA2 tiling; csrc/flash_attn/src/kernel_traits.h names the same shapes):
+// 4 warps per CTA; blocks of 64 query rows and 64 key rows, each warp owning 16 rows of the
+// CTA's own side. Tiles are staged global (f32) → registers → shared (bf16, RNE through
+// cvt.rn.bf16x2.f32) rather than with cp.async, because the conversion happens on the way; rows
+// are padded by 8 bf16 (16 bytes) so that the 8 row addresses of every ldmatrix phase fall into
+// distinct 16-byte bank groups (row strides of 144 or 272 bytes: 16·r mod 128). Rows past `seq`
+// are staged as zeros, so masked products never meet NaN garbage.
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16): with g = lane / 4 and
+// t = lane % 4, A (16×16, row) holds {a0a1: (g, 2t..2t+1), a2a3: (g+8, 2t..), a4a5: (g, 2t+8..),
+// a6a7: (g+8, 2t+8..)}, B (16×8, col) {b0b1: (k 2t..2t+1, n g), b2b3: (k 2t+8.., n g)}, C/D
+// (16×8) {c0c1: (g, 2t..2t+1), c2c3: (g+8, 2t..)}. A C fragment pair of two n8 blocks is
+// therefore the A fragment of a k16 step (FA2's convert of the P accumulator into an operand,
+// csrc/flash_attn/src/utils.h convert_layout_acc_Aregs): P and dS never leave the registers.
+// `ldmatrix.x4` gives A fragments from row-major smem and B fragments from smem whose rows are
+// the n index ("col" B, e.g. K for Q·Kᵀ); `ldmatrix.x4.trans` gives B fragments from smem
+// whose rows are the k index (V for P·V).
+//
+// Softmax: scores stay raw q·k in f32; the scale is folded into the exponent,
+// p = exp2(s·scale·log2 e − m·scale·log2 e) (ex2.approx), lse = m·scale + ln l per row.
+// Masking only on blocks that touch the diagonal or the sequence's end; fully masked key blocks
+// are never visited (the loops stop at the diagonal). Every valid query row i sees key 0, so the
+// running maximum is finite after the first block.
+//
+// Backward, deterministic (no atomics, every sum in a fixed order): flash_bwd_d computes
+// dd = rowsum(bf16(dO) ∘ bf16(O)); flash_bwd_dq_* runs one CTA per (query block, b, h) over the
+// key blocks 0..diagonal in order; flash_bwd_dkv_* one CTA per (key block, b, kv head) over the
+// group's query heads in increasing order, then the query blocks from the diagonal on, in
+// order. Both recompute P = exp2(s·scale·log2 e − lse·log2 e) and dS = P ∘ (dP − dd) (rounded to
+// bf16 as an operand); dQ and dK are multiplied by the scale once at the end.
+
+#include <stdint.h>
+
+typedef unsigned long long u64;
+
+#define FA_WARPS 4
+#define FA_THREADS (FA_WARPS * 32)
+#define FA_BM 64
+#define FA_BN 64
+#define FA_LOG2E 1.4426950408889634f
+
+extern __shared__ __align__(16) uint16_t fa_smem[];
+
+// {lo, hi} as bf16x2 (lo in the low half), each rounded to nearest even.
+__device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float fa_lo(uint32_t x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float fa_hi(uint32_t x) { return __uint_as_float(x & 0xFFFF0000u); }
+
+// c += a · b on the tensor cores (16×8×16, bf16 in, f32 accumulate).
+__device__ __forceinline__ void fa_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void fa_ldsm(uint32_t r[4], const uint16_t* p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fa_ldsm_t(uint32_t r[4], const uint16_t* p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The A fragment (16 rows from `row0`, k16 step `kk`) of a row-major tile with row stride LD:
+// lane l addresses row l % 16, columns (l / 16)·8 of the step (matrices rows 0-7 / 8-15 × k
+// 0-7 / 8-15 in the order a0a1, a2a3, a4a5, a6a7).
+template <int LD>
+__device__ __forceinline__ void fa_a_frag(uint32_t r[4], const uint16_t* s, int row0, int kk) {
+    const int lane = threadIdx.x & 31;
+    fa_ldsm(r, s + (row0 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+}
+
+// The B fragments of n8 blocks nb and nb+1 at k16 step kk from a tile whose rows are n
+// (Q·Kᵀ's K): {r0, r1} for nb, {r2, r3} for nb + 1.
+template <int LD>
+__device__ __forceinline__ void fa_b_frag(uint32_t r[4], const uint16_t* s, int nb, int kk) {
+    const int lane = threadIdx.x & 31;
+    fa_ldsm(r, s + (nb * 8 + (lane >> 4) * 8 + (lane & 7)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+}
+
+// The B fragments of n8 blocks nd and nd+1 at k16 step kk from a tile whose rows are k
+// (P·V's V), through the transposing ldmatrix: {r0, r1} for nd, {r2, r3} for nd + 1.
+template <int LD>
+__device__ __forceinline__ void fa_bt_frag(uint32_t r[4], const uint16_t* s, int kk, int nd) {
+    const int lane = threadIdx.x & 31;
+    fa_ldsm_t(r, s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + nd * 8 + (lane >> 4) * 8);
+}
+
+// Stages rows row0..row0+R of a [seq, ·, D] f32 tensor (row r at src + r·stride) into a bf16
+// tile of row stride D + 8; rows at or past `seq` become zeros.
+template <int D, int R>
+__device__ __forceinline__ void fa_stage(uint16_t* dst, const float* __restrict__ src, u64 row0,
+                                         u64 seq, u64 stride) {
+    constexpr int C4 = D / 4, LD = D + 8;
+    for (int idx = threadIdx.x; idx < R * C4; idx += FA_THREADS) {
+        const int r = idx / C4, c = (idx % C4) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (row0 + r < seq) x = *reinterpret_cast<const float4*>(src + (row0 + r) * stride + c);
+        uint2 w;
+        w.x = fa_pack(x.x, x.y);
+        w.y = fa_pack(x.z, x.w);
+        *reinterpret_cast<uint2*>(dst + r * LD + c) = w;
+    }
+}
+
+__device__ __forceinline__ float fa_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float fa_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---- forward ----
+
+// Grid (ceil(seq / 64), batch·heads), 128 threads, dynamic smem 3 · 64 · (D + 8) bf16.
+template <int D>
+__device__ __forceinline__ void fa_fwd(const float* __restrict__ q, const float* __restrict__ k,
+                                       const float* __restrict__ v, float* __restrict__ out,
+                                       float* __restrict__ lse, u64 seq, u64 heads, u64 kv_heads,
+                                       float scale) {
+    constexpr int LD = D + 8;
+    uint16_t* qs = fa_smem;
+    uint16_t* ks = qs + FA_BM * LD;
+    uint16_t* vs = ks + FA_BN * LD;
+    const u64 qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    const u64 g = h / (heads / kv_heads);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+    const u64 q0 = qb * FA_BM;
+    const float* kbase = k + (b * seq * kv_heads + g) * D;
+    const float* vbase = v + (b * seq * kv_heads + g) * D;
+    fa_stage<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    const float sl2 = scale * FA_LOG2E;
+    // The two query rows of this thread's fragments.
+    const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (u64 kb = 0; kb <= qb; ++kb) {
+        __syncthreads();  // the previous block's K, V reads are done
+        fa_stage<D, FA_BN>(ks, kbase, kb * FA_BN, seq, kv_heads * D);
+        fa_stage<D, FA_BN>(vs, vbase, kb * FA_BN, seq, kv_heads * D);
+        __syncthreads();
+        float s[FA_BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            fa_a_frag<LD>(a, qs, warp * 16, kk);
+#pragma unroll
+            for (int nb = 0; nb < FA_BN / 8; nb += 2) {
+                uint32_t bb[4];
+                fa_b_frag<LD>(bb, ks, nb, kk);
+                fa_mma(s[nb], a, bb[0], bb[1]);
+                fa_mma(s[nb + 1], a, bb[2], bb[3]);
+            }
+        }
+        const u64 k0 = kb * FA_BN;
+        if (kb == qb || k0 + FA_BN > seq) {
+#pragma unroll
+            for (int nb = 0; nb < FA_BN / 8; ++nb)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = c < 2 ? ia : ib;
+                    if (j > i || j >= seq) s[nb][c] = -INFINITY;
+                }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nb = 0; nb < FA_BN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            mx = fa_quad_max(mx);
+            const float mn = fmaxf(m[r], mx);
+            const float ms = mn == -INFINITY ? 0.f : mn * sl2;
+            const float alpha = exp2f(m[r] * sl2 - ms);
+            m[r] = mn;
+            float sum = 0.f;
+#pragma unroll
+            for (int nb = 0; nb < FA_BN / 8; ++nb) {
+                s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -ms));
+                s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -ms));
+                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+            }
+            l[r] = l[r] * alpha + sum;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][2 * r] *= alpha;
+                o[n][2 * r + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; ++kk) {
+            uint32_t a[4];
+            a[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                uint32_t bb[4];
+                fa_bt_frag<LD>(bb, vs, kk, nd);
+                fa_mma(o[nd], a, bb[0], bb[1]);
+                fa_mma(o[nd + 1], a, bb[2], bb[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 i = r == 0 ? ia : ib;
+        const float lt = fa_quad_sum(l[r]);
+        if (i >= seq) continue;
+        const float inv = 1.f / lt;
+        float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(orow + n * 8) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        if (tq == 0) lse[(b * heads + h) * seq + i] = m[r] * scale + logf(lt);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_fwd_hd64(const float* __restrict__ q, const float* __restrict__ k,
+                   const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
+                   u64 seq, u64 heads, u64 kv_heads, float scale) {
+    fa_fwd<64>(q, k, v, out, lse, seq, heads, kv_heads, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_fwd_hd128(const float* __restrict__ q, const float* __restrict__ k,
+                    const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
+                    u64 seq, u64 heads, u64 kv_heads, float scale) {
+    fa_fwd<128>(q, k, v, out, lse, seq, heads, kv_heads, scale);
+}
+
+// ---- backward ----
+
+// dd[b, h, i] = Σ_d bf16(dout[b,i,h,d]) · bf16(out[b,i,h,d]) in f32, d in index order. One warp
+// per row (b, i, h) in memory order, each lane 2 of every 64 values, then a fixed-shape tree.
+extern "C" __global__ void __launch_bounds__(256)
+    flash_bwd_d(const float* __restrict__ out, const float* __restrict__ dout,
+                float* __restrict__ dd, u64 rows, u64 seq, u64 heads, u64 hd) {
+    const u64 row = (u64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float* o = out + row * hd;
+    const float* g = dout + row * hd;
+    float s = 0.f;
+    for (u64 d = (u64)lane * 2; d < hd; d += 64) {
+        const float2 a = *reinterpret_cast<const float2*>(o + d);
+        const float2 c = *reinterpret_cast<const float2*>(g + d);
+        const uint32_t pa = fa_pack(a.x, a.y), pc = fa_pack(c.x, c.y);
+        s = fmaf(fa_lo(pa), fa_lo(pc), s);
+        s = fmaf(fa_hi(pa), fa_hi(pc), s);
+    }
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1) s += __shfl_xor_sync(0xffffffffu, s, w);
+    if (lane == 0) {
+        const u64 h = row % heads, bi = row / heads, i = bi % seq, b = bi / seq;
+        dd[(b * heads + h) * seq + i] = s;
+    }
+}
+
+// dQ: grid (ceil(seq / 64), batch·heads), 128 threads, dynamic smem 4 · 64 · (D + 8) bf16.
+template <int D>
+__device__ __forceinline__ void fa_bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, const float* __restrict__ lse,
+                                          const float* __restrict__ dout, const float* __restrict__ dd,
+                                          float* __restrict__ dq, u64 seq, u64 heads, u64 kv_heads,
+                                          float scale) {
+    constexpr int LD = D + 8;
+    uint16_t* qs = fa_smem;
+    uint16_t* dos = qs + FA_BM * LD;
+    uint16_t* ks = dos + FA_BM * LD;
+    uint16_t* vs = ks + FA_BN * LD;
+    const u64 qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    const u64 g = h / (heads / kv_heads);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+    const u64 q0 = qb * FA_BM;
+    const float* kbase = k + (b * seq * kv_heads + g) * D;
+    const float* vbase = v + (b * seq * kv_heads + g) * D;
+    fa_stage<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    fa_stage<D, FA_BM>(dos, dout + (b * seq * heads + h) * D, q0, seq, heads * D);
+    const float sl2 = scale * FA_LOG2E;
+    const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
+    const u64 rowbase = (b * heads + h) * seq;
+    float lr[2], dr[2];
+    lr[0] = ia < seq ? lse[rowbase + ia] * FA_LOG2E : 0.f;
+    lr[1] = ib < seq ? lse[rowbase + ib] * FA_LOG2E : 0.f;
+    dr[0] = ia < seq ? dd[rowbase + ia] : 0.f;
+    dr[1] = ib < seq ? dd[rowbase + ib] : 0.f;
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (u64 kb = 0; kb <= qb; ++kb) {
+        __syncthreads();
+        fa_stage<D, FA_BN>(ks, kbase, kb * FA_BN, seq, kv_heads * D);
+        fa_stage<D, FA_BN>(vs, vbase, kb * FA_BN, seq, kv_heads * D);
+        __syncthreads();
+        float s[FA_BN / 8][4], dp[FA_BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_BN / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[n][c] = dp[n][c] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4], ad[4];
+            fa_a_frag<LD>(a, qs, warp * 16, kk);
+            fa_a_frag<LD>(ad, dos, warp * 16, kk);
+#pragma unroll
+            for (int nb = 0; nb < FA_BN / 8; nb += 2) {
+                uint32_t bb[4];
+                fa_b_frag<LD>(bb, ks, nb, kk);
+                fa_mma(s[nb], a, bb[0], bb[1]);
+                fa_mma(s[nb + 1], a, bb[2], bb[3]);
+                fa_b_frag<LD>(bb, vs, nb, kk);
+                fa_mma(dp[nb], ad, bb[0], bb[1]);
+                fa_mma(dp[nb + 1], ad, bb[2], bb[3]);
+            }
+        }
+        const u64 k0 = kb * FA_BN;
+        const bool edge = kb == qb || k0 + FA_BN > seq;
+#pragma unroll
+        for (int nb = 0; nb < FA_BN / 8; ++nb)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int r = c >> 1;
+                float p = exp2f(fmaf(s[nb][c], sl2, -lr[r]));
+                if (edge) {
+                    const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = r == 0 ? ia : ib;
+                    if (j > i || j >= seq || i >= seq) p = 0.f;
+                }
+                s[nb][c] = p * (dp[nb][c] - dr[r]);  // dS (unscaled)
+            }
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; ++kk) {
+            uint32_t a[4];
+            a[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                uint32_t bb[4];
+                fa_bt_frag<LD>(bb, ks, kk, nd);
+                fa_mma(acc[nd], a, bb[0], bb[1]);
+                fa_mma(acc[nd + 1], a, bb[2], bb[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 i = r == 0 ? ia : ib;
+        if (i >= seq) continue;
+        float* row = dq + ((b * seq + i) * heads + h) * D + tq * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(row + n * 8) =
+                make_float2(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+    }
+}
+
+// dK, dV: grid (ceil(seq / 64), batch·kv_heads), 128 threads, each warp 16 key rows; query
+// blocks of BQ rows; dynamic smem (2 · 64 + 2 · BQ) · (D + 8) bf16 + 2 · BQ f32.
+template <int D, int BQ>
+__device__ __forceinline__ void fa_bwd_dkv(const float* __restrict__ q, const float* __restrict__ k,
+                                           const float* __restrict__ v, const float* __restrict__ lse,
+                                           const float* __restrict__ dout,
+                                           const float* __restrict__ dd, float* __restrict__ dk,
+                                           float* __restrict__ dv, u64 seq, u64 heads, u64 kv_heads,
+                                           float scale) {
+    constexpr int LD = D + 8;
+    uint16_t* ks = fa_smem;
+    uint16_t* vs = ks + FA_BN * LD;
+    uint16_t* qs = vs + FA_BN * LD;
+    uint16_t* dos = qs + BQ * LD;
+    float* ls = reinterpret_cast<float*>(dos + BQ * LD);
+    float* ds_ = ls + BQ;
+    const u64 kb = blockIdx.x, bg = blockIdx.y, b = bg / kv_heads, g = bg % kv_heads;
+    const u64 group = heads / kv_heads;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+    const u64 k0 = kb * FA_BN;
+    fa_stage<D, FA_BN>(ks, k + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
+    fa_stage<D, FA_BN>(vs, v + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
+    const float sl2 = scale * FA_LOG2E;
+    // The two key rows of this thread's fragments.
+    const u64 ja = k0 + warp * 16 + gr, jb = ja + 8;
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) dka[n][c] = dva[n][c] = 0.f;
+    for (u64 h = g * group; h < (g + 1) * group; ++h) {
+        const float* qbase = q + (b * seq * heads + h) * D;
+        const float* dobase = dout + (b * seq * heads + h) * D;
+        const u64 rowbase = (b * heads + h) * seq;
+        for (u64 i0 = (k0 / BQ) * BQ; i0 < seq; i0 += BQ) {
+            __syncthreads();
+            fa_stage<D, BQ>(qs, qbase, i0, seq, heads * D);
+            fa_stage<D, BQ>(dos, dobase, i0, seq, heads * D);
+            for (int r = threadIdx.x; r < BQ; r += FA_THREADS) {
+                const bool ok = i0 + r < seq;
+                ls[r] = ok ? lse[rowbase + i0 + r] * FA_LOG2E : 0.f;
+                ds_[r] = ok ? dd[rowbase + i0 + r] : 0.f;
+            }
+            __syncthreads();
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: rows keys (this warp's 16), columns the BQ queries.
+            float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) st[n][c] = dpt[n][c] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4], av[4];
+                fa_a_frag<LD>(a, ks, warp * 16, kk);
+                fa_a_frag<LD>(av, vs, warp * 16, kk);
+#pragma unroll
+                for (int nb = 0; nb < BQ / 8; nb += 2) {
+                    uint32_t bb[4];
+                    fa_b_frag<LD>(bb, qs, nb, kk);
+                    fa_mma(st[nb], a, bb[0], bb[1]);
+                    fa_mma(st[nb + 1], a, bb[2], bb[3]);
+                    fa_b_frag<LD>(bb, dos, nb, kk);
+                    fa_mma(dpt[nb], av, bb[0], bb[1]);
+                    fa_mma(dpt[nb + 1], av, bb[2], bb[3]);
+                }
+            }
+            const bool edge = i0 < k0 + FA_BN || i0 + BQ > seq || k0 + FA_BN > seq;
+#pragma unroll
+            for (int nb = 0; nb < BQ / 8; ++nb)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int il = nb * 8 + tq * 2 + (c & 1);
+                    float p = exp2f(fmaf(st[nb][c], sl2, -ls[il]));
+                    if (edge) {
+                        const u64 i = i0 + il, j = c < 2 ? ja : jb;
+                        if (i < j || i >= seq || j >= seq) p = 0.f;
+                    }
+                    st[nb][c] = p;
+                    dpt[nb][c] = p * (dpt[nb][c] - ds_[il]);  // dSᵀ (unscaled)
+                }
+            // dV += Pᵀ·dO and dK += dSᵀ·Q: k over the BQ queries.
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                uint32_t ap[4], as[4];
+                ap[0] = fa_pack(st[2 * kk][0], st[2 * kk][1]);
+                ap[1] = fa_pack(st[2 * kk][2], st[2 * kk][3]);
+                ap[2] = fa_pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+                ap[3] = fa_pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+                as[0] = fa_pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+                as[1] = fa_pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+                as[2] = fa_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+                as[3] = fa_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+                for (int nd = 0; nd < D / 8; nd += 2) {
+                    uint32_t bb[4];
+                    fa_bt_frag<LD>(bb, dos, kk, nd);
+                    fa_mma(dva[nd], ap, bb[0], bb[1]);
+                    fa_mma(dva[nd + 1], ap, bb[2], bb[3]);
+                    fa_bt_frag<LD>(bb, qs, kk, nd);
+                    fa_mma(dka[nd], as, bb[0], bb[1]);
+                    fa_mma(dka[nd + 1], as, bb[2], bb[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 j = r == 0 ? ja : jb;
+        if (j >= seq) continue;
+        const u64 off = ((b * seq + j) * kv_heads + g) * D + tq * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<float2*>(dk + off + n * 8) =
+                make_float2(dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale);
+            *reinterpret_cast<float2*>(dv + off + n * 8) = make_float2(dva[n][2 * r], dva[n][2 * r + 1]);
+        }
+    }
+}
+
+#define FA_BWD_DQ(NAME, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
+        NAME(const float* __restrict__ q, const float* __restrict__ k,                           \
+             const float* __restrict__ v, const float* __restrict__ lse,                         \
+             const float* __restrict__ dout, const float* __restrict__ dd, float* __restrict__ dq, \
+             u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
+        fa_bwd_dq<D>(q, k, v, lse, dout, dd, dq, seq, heads, kv_heads, scale);                   \
+    }
+
+FA_BWD_DQ(flash_bwd_dq_hd64, 64)
+FA_BWD_DQ(flash_bwd_dq_hd128, 128)
+
+#define FA_BWD_DKV(NAME, D, BQ)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
+        NAME(const float* __restrict__ q, const float* __restrict__ k,                           \
+             const float* __restrict__ v, const float* __restrict__ lse,                         \
+             const float* __restrict__ dout, const float* __restrict__ dd, float* __restrict__ dk, \
+             float* __restrict__ dv, u64 seq, u64 heads, u64 kv_heads, float scale) {            \
+        fa_bwd_dkv<D, BQ>(q, k, v, lse, dout, dd, dk, dv, seq, heads, kv_heads, scale);          \
+    }
+
+// dim 128 takes 32 query rows per step so that dK, dV (64 + 64 registers) and the 32-column
+// Sᵀ, dPᵀ fit the 255 registers without spilling.
+FA_BWD_DKV(flash_bwd_dkv_hd64, 64, 64)
+FA_BWD_DKV(flash_bwd_dkv_hd128, 128, 32)
