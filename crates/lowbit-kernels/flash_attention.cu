@@ -110,20 +110,31 @@ __device__ __forceinline__ void fa_bt_frag(uint32_t r[4], const uint16_t* s, int
     fa_ldsm_t(r, s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + nd * 8 + (lane >> 4) * 8);
 }
 
-// Stages rows row0..row0+R of a [seq, ·, D] f32 tensor (row r at src + r·stride) into a bf16
-// tile of row stride D + 8; rows at or past `seq` become zeros.
+// 16 bytes global → shared without the registers (cp.async, L2 only); `valid == false` fills
+// the 16 bytes with zeros (src-size 0) and reads nothing.
+__device__ __forceinline__ void fa_cp16(uint16_t* dst, const uint16_t* src, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fa_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Starts copying rows row0..row0+R of a [seq, ·, D] bf16 tensor (row r at src + r·stride) into a
+// tile of row stride D + 8; rows at or past `seq` become zeros (and their addresses clamp to
+// row 0, never read).
 template <int D, int R>
-__device__ __forceinline__ void fa_stage(uint16_t* dst, const float* __restrict__ src, u64 row0,
-                                         u64 seq, u64 stride) {
-    constexpr int C4 = D / 4, LD = D + 8;
-    for (int idx = threadIdx.x; idx < R * C4; idx += FA_THREADS) {
-        const int r = idx / C4, c = (idx % C4) * 4;
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (row0 + r < seq) x = *reinterpret_cast<const float4*>(src + (row0 + r) * stride + c);
-        uint2 w;
-        w.x = fa_pack(x.x, x.y);
-        w.y = fa_pack(x.z, x.w);
-        *reinterpret_cast<uint2*>(dst + r * LD + c) = w;
+__device__ __forceinline__ void fa_load(uint16_t* dst, const uint16_t* __restrict__ src, u64 row0,
+                                        u64 seq, u64 stride) {
+    constexpr int C = D / 8, LD = D + 8;
+#pragma unroll
+    for (int idx = threadIdx.x; idx < R * C; idx += FA_THREADS) {
+        const int r = idx / C, c = (idx % C) * 8;
+        const bool ok = row0 + r < seq;
+        fa_cp16(dst + r * LD + c, src + (ok ? row0 + r : 0) * stride + c, ok);
     }
 }
 
@@ -139,23 +150,37 @@ __device__ __forceinline__ float fa_quad_sum(float x) {
 
 // ---- forward ----
 
-// Grid (ceil(seq / 64), batch·heads), 128 threads, dynamic smem 3 · 64 · (D + 8) bf16.
+// x (n f32, n a multiple of 4) rounded to bf16 (RNE) into y: the operand copies the kernels
+// stream through cp.async. A thread per 4 values.
+extern "C" __global__ void __launch_bounds__(256)
+    flash_to_bf16(const float* __restrict__ x, uint2* __restrict__ y, u64 n4) {
+    const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
+    if (i >= n4) return;
+    const float4 a = reinterpret_cast<const float4*>(x)[i];
+    y[i] = make_uint2(fa_pack(a.x, a.y), fa_pack(a.z, a.w));
+}
+
+// Grid (ceil(seq / 64), batch·heads), the query blocks from the last (the longest, causal) to
+// the first; 128 threads; dynamic smem 5 · 64 · (D + 8) bf16 (Q, and K, V double-buffered: the
+// next block's copies run while this one computes). q, k, v are bf16 copies.
 template <int D>
-__device__ __forceinline__ void fa_fwd(const float* __restrict__ q, const float* __restrict__ k,
-                                       const float* __restrict__ v, float* __restrict__ out,
+__device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                                       const uint16_t* __restrict__ v, float* __restrict__ out,
                                        float* __restrict__ lse, u64 seq, u64 heads, u64 kv_heads,
                                        float scale) {
-    constexpr int LD = D + 8;
+    constexpr int LD = D + 8, TILE = FA_BN * LD;
     uint16_t* qs = fa_smem;
-    uint16_t* ks = qs + FA_BM * LD;
-    uint16_t* vs = ks + FA_BN * LD;
-    const u64 qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    uint16_t* kvs = qs + FA_BM * LD;  // [buffer][K, V]
+    const u64 qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 g = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
     const u64 q0 = qb * FA_BM;
-    const float* kbase = k + (b * seq * kv_heads + g) * D;
-    const float* vbase = v + (b * seq * kv_heads + g) * D;
-    fa_stage<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    const uint16_t* kbase = k + (b * seq * kv_heads + g) * D;
+    const uint16_t* vbase = v + (b * seq * kv_heads + g) * D;
+    fa_load<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    fa_load<D, FA_BN>(kvs, kbase, 0, seq, kv_heads * D);
+    fa_load<D, FA_BN>(kvs + TILE, vbase, 0, seq, kv_heads * D);
+    fa_commit();
     const float sl2 = scale * FA_LOG2E;
     // The two query rows of this thread's fragments.
     const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
@@ -164,10 +189,18 @@ __device__ __forceinline__ void fa_fwd(const float* __restrict__ q, const float*
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (u64 kb = 0; kb <= qb; ++kb) {
-        __syncthreads();  // the previous block's K, V reads are done
-        fa_stage<D, FA_BN>(ks, kbase, kb * FA_BN, seq, kv_heads * D);
-        fa_stage<D, FA_BN>(vs, vbase, kb * FA_BN, seq, kv_heads * D);
+        if (kb < qb) {
+            uint16_t* nxt = kvs + ((kb + 1) & 1) * 2 * TILE;
+            fa_load<D, FA_BN>(nxt, kbase, (kb + 1) * FA_BN, seq, kv_heads * D);
+            fa_load<D, FA_BN>(nxt + TILE, vbase, (kb + 1) * FA_BN, seq, kv_heads * D);
+            fa_commit();
+            fa_wait<1>();
+        } else {
+            fa_wait<0>();
+        }
         __syncthreads();
+        const uint16_t* ks = kvs + (kb & 1) * 2 * TILE;
+        const uint16_t* vs = ks + TILE;
         float s[FA_BN / 8][4];
 #pragma unroll
         for (int n = 0; n < FA_BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -232,6 +265,7 @@ __device__ __forceinline__ void fa_fwd(const float* __restrict__ q, const float*
                 fa_mma(o[nd + 1], a, bb[2], bb[3]);
             }
         }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -247,19 +281,16 @@ __device__ __forceinline__ void fa_fwd(const float* __restrict__ q, const float*
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_fwd_hd64(const float* __restrict__ q, const float* __restrict__ k,
-                   const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
-                   u64 seq, u64 heads, u64 kv_heads, float scale) {
-    fa_fwd<64>(q, k, v, out, lse, seq, heads, kv_heads, scale);
-}
+#define FA_FWD(NAME, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
+        NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
+             const uint16_t* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,   \
+             u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
+        fa_fwd<D>(q, k, v, out, lse, seq, heads, kv_heads, scale);                               \
+    }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_fwd_hd128(const float* __restrict__ q, const float* __restrict__ k,
-                    const float* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
-                    u64 seq, u64 heads, u64 kv_heads, float scale) {
-    fa_fwd<128>(q, k, v, out, lse, seq, heads, kv_heads, scale);
-}
+FA_FWD(flash_fwd_hd64, 64)
+FA_FWD(flash_fwd_hd128, 128)
 
 // ---- backward ----
 
@@ -289,26 +320,29 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// dQ: grid (ceil(seq / 64), batch·heads), 128 threads, dynamic smem 4 · 64 · (D + 8) bf16.
+// dQ: grid (ceil(seq / 64), batch·heads), the query blocks from the last to the first; 128
+// threads; dynamic smem 6 · 64 · (D + 8) bf16 (Q, dO, and K, V double-buffered).
 template <int D>
-__device__ __forceinline__ void fa_bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
-                                          const float* __restrict__ v, const float* __restrict__ lse,
-                                          const float* __restrict__ dout, const float* __restrict__ dd,
+__device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                                          const uint16_t* __restrict__ v, const float* __restrict__ lse,
+                                          const uint16_t* __restrict__ dout, const float* __restrict__ dd,
                                           float* __restrict__ dq, u64 seq, u64 heads, u64 kv_heads,
                                           float scale) {
-    constexpr int LD = D + 8;
+    constexpr int LD = D + 8, TILE = FA_BN * LD;
     uint16_t* qs = fa_smem;
     uint16_t* dos = qs + FA_BM * LD;
-    uint16_t* ks = dos + FA_BM * LD;
-    uint16_t* vs = ks + FA_BN * LD;
-    const u64 qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    uint16_t* kvs = dos + FA_BM * LD;  // [buffer][K, V]
+    const u64 qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 g = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
     const u64 q0 = qb * FA_BM;
-    const float* kbase = k + (b * seq * kv_heads + g) * D;
-    const float* vbase = v + (b * seq * kv_heads + g) * D;
-    fa_stage<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
-    fa_stage<D, FA_BM>(dos, dout + (b * seq * heads + h) * D, q0, seq, heads * D);
+    const uint16_t* kbase = k + (b * seq * kv_heads + g) * D;
+    const uint16_t* vbase = v + (b * seq * kv_heads + g) * D;
+    fa_load<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    fa_load<D, FA_BM>(dos, dout + (b * seq * heads + h) * D, q0, seq, heads * D);
+    fa_load<D, FA_BN>(kvs, kbase, 0, seq, kv_heads * D);
+    fa_load<D, FA_BN>(kvs + TILE, vbase, 0, seq, kv_heads * D);
+    fa_commit();
     const float sl2 = scale * FA_LOG2E;
     const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
     const u64 rowbase = (b * heads + h) * seq;
@@ -321,10 +355,18 @@ __device__ __forceinline__ void fa_bwd_dq(const float* __restrict__ q, const flo
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     for (u64 kb = 0; kb <= qb; ++kb) {
+        if (kb < qb) {
+            uint16_t* nxt = kvs + ((kb + 1) & 1) * 2 * TILE;
+            fa_load<D, FA_BN>(nxt, kbase, (kb + 1) * FA_BN, seq, kv_heads * D);
+            fa_load<D, FA_BN>(nxt + TILE, vbase, (kb + 1) * FA_BN, seq, kv_heads * D);
+            fa_commit();
+            fa_wait<1>();
+        } else {
+            fa_wait<0>();
+        }
         __syncthreads();
-        fa_stage<D, FA_BN>(ks, kbase, kb * FA_BN, seq, kv_heads * D);
-        fa_stage<D, FA_BN>(vs, vbase, kb * FA_BN, seq, kv_heads * D);
-        __syncthreads();
+        const uint16_t* ks = kvs + (kb & 1) * 2 * TILE;
+        const uint16_t* vs = ks + TILE;
         float s[FA_BN / 8][4], dp[FA_BN / 8][4];
 #pragma unroll
         for (int n = 0; n < FA_BN / 8; ++n)
@@ -375,6 +417,7 @@ __device__ __forceinline__ void fa_bwd_dq(const float* __restrict__ q, const flo
                 fa_mma(acc[nd + 1], a, bb[2], bb[3]);
             }
         }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -389,27 +432,46 @@ __device__ __forceinline__ void fa_bwd_dq(const float* __restrict__ q, const flo
 }
 
 // dK, dV: grid (ceil(seq / 64), batch·kv_heads), 128 threads, each warp 16 key rows; query
-// blocks of BQ rows; dynamic smem (2 · 64 + 2 · BQ) · (D + 8) bf16 + 2 · BQ f32.
+// blocks of BQ rows; dynamic smem (2 · 64 + 4 · BQ) · (D + 8) bf16 + 4 · BQ f32 (K, V, and Q,
+// dO, lse, D double-buffered).
 template <int D, int BQ>
-__device__ __forceinline__ void fa_bwd_dkv(const float* __restrict__ q, const float* __restrict__ k,
-                                           const float* __restrict__ v, const float* __restrict__ lse,
-                                           const float* __restrict__ dout,
+__device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                                           const uint16_t* __restrict__ v, const float* __restrict__ lse,
+                                           const uint16_t* __restrict__ dout,
                                            const float* __restrict__ dd, float* __restrict__ dk,
                                            float* __restrict__ dv, u64 seq, u64 heads, u64 kv_heads,
                                            float scale) {
-    constexpr int LD = D + 8;
+    constexpr int LD = D + 8, QT = BQ * LD;
     uint16_t* ks = fa_smem;
     uint16_t* vs = ks + FA_BN * LD;
-    uint16_t* qs = vs + FA_BN * LD;
-    uint16_t* dos = qs + BQ * LD;
-    float* ls = reinterpret_cast<float*>(dos + BQ * LD);
-    float* ds_ = ls + BQ;
+    uint16_t* qds = vs + FA_BN * LD;  // [buffer][Q, dO]
+    float* lds = reinterpret_cast<float*>(qds + 4 * QT);  // [buffer][lse·log2 e, D]
     const u64 kb = blockIdx.x, bg = blockIdx.y, b = bg / kv_heads, g = bg % kv_heads;
     const u64 group = heads / kv_heads;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
     const u64 k0 = kb * FA_BN;
-    fa_stage<D, FA_BN>(ks, k + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
-    fa_stage<D, FA_BN>(vs, v + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
+    // The (head, query block) steps in order: the group's heads, then the query blocks from
+    // the one holding key k0 to the end.
+    const u64 first = k0 / BQ, per_head = (seq + BQ - 1) / BQ - first;
+    const u64 steps = group * per_head;
+    // Starts the copies of step t into buffer t & 1 (the lse and D rows through registers).
+    auto issue = [&](u64 t) {
+        const u64 h = g * group + t / per_head, i0 = (first + t % per_head) * BQ;
+        uint16_t* buf = qds + (t & 1) * 2 * QT;
+        fa_load<D, BQ>(buf, q + (b * seq * heads + h) * D, i0, seq, heads * D);
+        fa_load<D, BQ>(buf + QT, dout + (b * seq * heads + h) * D, i0, seq, heads * D);
+        float* lb = lds + (t & 1) * 2 * BQ;
+        const u64 rowbase = (b * heads + h) * seq;
+        for (int r = threadIdx.x; r < BQ; r += FA_THREADS) {
+            const bool ok = i0 + r < seq;
+            lb[r] = ok ? lse[rowbase + i0 + r] * FA_LOG2E : 0.f;
+            lb[BQ + r] = ok ? dd[rowbase + i0 + r] : 0.f;
+        }
+    };
+    fa_load<D, FA_BN>(ks, k + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
+    fa_load<D, FA_BN>(vs, v + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
+    issue(0);
+    fa_commit();
     const float sl2 = scale * FA_LOG2E;
     // The two key rows of this thread's fragments.
     const u64 ja = k0 + warp * 16 + gr, jb = ja + 8;
@@ -418,20 +480,21 @@ __device__ __forceinline__ void fa_bwd_dkv(const float* __restrict__ q, const fl
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) dka[n][c] = dva[n][c] = 0.f;
-    for (u64 h = g * group; h < (g + 1) * group; ++h) {
-        const float* qbase = q + (b * seq * heads + h) * D;
-        const float* dobase = dout + (b * seq * heads + h) * D;
-        const u64 rowbase = (b * heads + h) * seq;
-        for (u64 i0 = (k0 / BQ) * BQ; i0 < seq; i0 += BQ) {
-            __syncthreads();
-            fa_stage<D, BQ>(qs, qbase, i0, seq, heads * D);
-            fa_stage<D, BQ>(dos, dobase, i0, seq, heads * D);
-            for (int r = threadIdx.x; r < BQ; r += FA_THREADS) {
-                const bool ok = i0 + r < seq;
-                ls[r] = ok ? lse[rowbase + i0 + r] * FA_LOG2E : 0.f;
-                ds_[r] = ok ? dd[rowbase + i0 + r] : 0.f;
+    for (u64 t = 0; t < steps; ++t) {
+        {
+            if (t + 1 < steps) {
+                issue(t + 1);
+                fa_commit();
+                fa_wait<1>();
+            } else {
+                fa_wait<0>();
             }
             __syncthreads();
+            const u64 i0 = (first + t % per_head) * BQ;
+            const uint16_t* qs = qds + (t & 1) * 2 * QT;
+            const uint16_t* dos = qs + QT;
+            const float* ls = lds + (t & 1) * 2 * BQ;
+            const float* ds_ = ls + BQ;
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: rows keys (this warp's 16), columns the BQ queries.
             float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
@@ -491,6 +554,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const float* __restrict__ q, const fl
                     fa_mma(dka[nd + 1], as, bb[2], bb[3]);
                 }
             }
+            __syncthreads();  // every warp is done with this buffer before it is refilled
         }
     }
 #pragma unroll
@@ -509,9 +573,10 @@ __device__ __forceinline__ void fa_bwd_dkv(const float* __restrict__ q, const fl
 
 #define FA_BWD_DQ(NAME, D)                                                                       \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
-        NAME(const float* __restrict__ q, const float* __restrict__ k,                           \
-             const float* __restrict__ v, const float* __restrict__ lse,                         \
-             const float* __restrict__ dout, const float* __restrict__ dd, float* __restrict__ dq, \
+        NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
+             const uint16_t* __restrict__ v, const float* __restrict__ lse,                      \
+             const uint16_t* __restrict__ dout, const float* __restrict__ dd,                    \
+             float* __restrict__ dq,                                                             \
              u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
         fa_bwd_dq<D>(q, k, v, lse, dout, dd, dq, seq, heads, kv_heads, scale);                   \
     }
@@ -521,9 +586,10 @@ FA_BWD_DQ(flash_bwd_dq_hd128, 128)
 
 #define FA_BWD_DKV(NAME, D, BQ)                                                                  \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
-        NAME(const float* __restrict__ q, const float* __restrict__ k,                           \
-             const float* __restrict__ v, const float* __restrict__ lse,                         \
-             const float* __restrict__ dout, const float* __restrict__ dd, float* __restrict__ dk, \
+        NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
+             const uint16_t* __restrict__ v, const float* __restrict__ lse,                      \
+             const uint16_t* __restrict__ dout, const float* __restrict__ dd,                    \
+             float* __restrict__ dk,                                                             \
              float* __restrict__ dv, u64 seq, u64 heads, u64 kv_heads, float scale) {            \
         fa_bwd_dkv<D, BQ>(q, k, v, lse, dout, dd, dk, dv, seq, heads, kv_heads, scale);          \
     }

@@ -17,8 +17,8 @@ const THREADS: u32 = 128;
 const BLOCK: usize = 64;
 
 /// The kernel names of one head size, each with its dynamic shared memory bytes, from the tile
-/// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the dK/dV pass also
-/// keeps the query block's lse and D as f32).
+/// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the streamed side
+/// double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
 struct Kernels {
     fwd: (&'static str, u32),
     dq: (&'static str, u32),
@@ -29,19 +29,19 @@ fn kernels(head_dim: usize) -> Result<Kernels> {
     // Bytes of `rows` bf16 tile rows of `d` values, padded by 8.
     let tile = |rows: usize, d: usize| (rows * (d + 8) * 2) as u32;
     match head_dim {
+        // Q + 2·(K, V); Q, dO + 2·(K, V); K, V + 2·(Q, dO) of 64 query rows.
         64 => Ok(Kernels {
-            fwd: ("flash_fwd_hd64", tile(3 * BLOCK, 64)),
-            dq: ("flash_bwd_dq_hd64", tile(4 * BLOCK, 64)),
-            // Query blocks of 64 rows.
-            dkv: ("flash_bwd_dkv_hd64", tile(4 * BLOCK, 64) + 2 * 64 * 4),
+            fwd: ("flash_fwd_hd64", tile(5 * BLOCK, 64)),
+            dq: ("flash_bwd_dq_hd64", tile(6 * BLOCK, 64)),
+            dkv: ("flash_bwd_dkv_hd64", tile(6 * BLOCK, 64) + 4 * 64 * 4),
         }),
+        // As above; the dK/dV pass takes query blocks of 32 rows.
         128 => Ok(Kernels {
-            fwd: ("flash_fwd_hd128", tile(3 * BLOCK, 128)),
-            dq: ("flash_bwd_dq_hd128", tile(4 * BLOCK, 128)),
-            // Query blocks of 32 rows.
+            fwd: ("flash_fwd_hd128", tile(5 * BLOCK, 128)),
+            dq: ("flash_bwd_dq_hd128", tile(6 * BLOCK, 128)),
             dkv: (
                 "flash_bwd_dkv_hd128",
-                tile(2 * BLOCK + 2 * 32, 128) + 2 * 32 * 4,
+                tile(2 * BLOCK + 4 * 32, 128) + 4 * 32 * 4,
             ),
         }),
         d => Err(DeviceError::Unsupported(format!(
@@ -98,6 +98,34 @@ impl CudaDevice {
             .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
     }
 
+    /// Rounds the f32 views `xs` to bf16 copies in one scratch buffer (the operands the kernels
+    /// stream through cp.async); returns it and each copy's device address, in order.
+    fn bf16_copies<const N: usize>(
+        &mut self,
+        what: &'static str,
+        xs: [(u64, usize); N],
+    ) -> Result<(super::Scratch, [u64; N])> {
+        // Every length is a multiple of head_dim (64 or 128), so of 8: each copy starts
+        // 16-byte aligned in the u32 words of the scratch.
+        let words: usize = xs.iter().map(|&(_, n)| n / 2).sum();
+        let buf = self.scratch(words)?;
+        let mut at = [0u64; N];
+        let mut off = buf.ptr;
+        for (i, &(x, n)) in xs.iter().enumerate() {
+            at[i] = off;
+            let n4 = n / 4;
+            let grid = blocks(n4, 256).ok_or_else(|| {
+                DeviceError::Unsupported(format!("{what}: {n} values exceed the grid"))
+            })?;
+            let args = args![x, off, n4];
+            // SAFETY: `x` holds n f32 (a validated view), `off` n / 2 words of `buf` (the
+            // lengths sum to its size); a thread per 4 values, those past n4 return.
+            unsafe { self.launch("flash_to_bf16", (grid, 1, 1), (256, 1, 1), &args)? };
+            off += (n * 2) as u64;
+        }
+        Ok((buf, at))
+    }
+
     /// The forward of `[q, k, v]` into `[out, lse]`.
     pub(crate) fn flash_attention(
         &mut self,
@@ -108,17 +136,21 @@ impl CudaDevice {
         const WHAT: &str = "flash_attention";
         let ([q, k, v], [out, lse]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
-        let kn = kernels(s.head_dim)?;
+        let ks = kernels(s.head_dim)?;
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
         }
         let grid = grid(WHAT, s.seq, s.batch * s.heads)?;
+        let (qn, kn) = (ins[0].len(), ins[1].len());
+        let (copies, [q, k, v]) = self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn)])?;
         let args = args![q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale];
         // SAFETY: views validated above with the spec's lengths (q, out b·s·h·hd; k, v
-        // b·s·kvh·hd; lse b·h·s); head_dim is the kernel's (64 or 128), heads a multiple of
+        // b·s·kvh·hd; lse b·h·s), q, k, v read through bf16 copies of those lengths; head_dim is the kernel's (64 or 128), heads a multiple of
         // kv_heads (checked by the caller); the grid covers ceil(seq / 64) query blocks of
         // batch·heads pairs, rows past seq neither read nor written; smem is the kernel's.
-        unsafe { self.launch_smem(kn.fwd.0, grid, kn.fwd.1, &args) }
+        unsafe { self.launch_smem(ks.fwd.0, grid, ks.fwd.1, &args)? };
+        drop(copies);
+        Ok(())
     }
 
     /// The backward of `[q, k, v, out, lse, dout]` into `[dq, dk, dv]`.
@@ -131,7 +163,7 @@ impl CudaDevice {
         const WHAT: &str = "flash_attention_backward";
         let ([q, k, v, out, lse, dout], [dq, dk, dv]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
-        let kn = kernels(s.head_dim)?;
+        let ks = kernels(s.head_dim)?;
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
         }
@@ -148,14 +180,19 @@ impl CudaDevice {
         // SAFETY: views validated above (out, dout b·s·h·hd); `d` holds b·h·s words; a warp per
         // row, rows past `rows` return at once; head_dim is even (64 or 128: float2 loads).
         unsafe { self.launch("flash_bwd_d", (gd, 1, 1), (256, 1, 1), &args)? };
+        let (qn, kn) = (ins[0].len(), ins[1].len());
+        let (copies, [q, k, v, dout]) =
+            self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn), (dout, qn)])?;
         let (kvh, sc) = (s.kv_heads, s.scale);
         let args = args![q, k, v, lse, dout, d, dq, s.seq, s.heads, kvh, sc];
-        // SAFETY: as the forward; dq has q's length, `d` the lse's.
-        unsafe { self.launch_smem(kn.dq.0, grid_q, kn.dq.1, &args)? };
+        // SAFETY: as the forward (q, k, v, dout now their bf16 copies of the same lengths); dq
+        // has q's length, `d` the lse's.
+        unsafe { self.launch_smem(ks.dq.0, grid_q, ks.dq.1, &args)? };
         let args = args![q, k, v, lse, dout, d, dk, dv, s.seq, s.heads, kvh, sc];
         // SAFETY: as above; dk, dv have k's length; the grid covers the key blocks of
         // batch·kv_heads pairs.
-        unsafe { self.launch_smem(kn.dkv.0, grid_kv, kn.dkv.1, &args)? };
+        unsafe { self.launch_smem(ks.dkv.0, grid_kv, ks.dkv.1, &args)? };
+        drop(copies);
         drop(dd);
         Ok(())
     }
