@@ -6,7 +6,8 @@
 //
 // Layouts (the exact op's, crates/lowbit-kernels/attention.cu): q, out, dout, dq [batch, seq,
 // heads, D]; k, v, dk, dv [batch, seq, kv_heads, D]; lse, dd [batch, heads, seq]; all f32 in
-// global memory. Query head h reads kv head h / (heads / kv_heads). D is 64 or 128 (one template
+// global memory, read and written element by element (a view may start at any element: no
+// vector access of them assumes alignment; the bf16 copies are the kernels' own, aligned). Query head h reads kv head h / (heads / kv_heads). D is 64 or 128 (one template
 // instance each; the host refuses other head sizes).
 //
 // Tiling (the simple FA2 tiling; csrc/flash_attn/src/kernel_traits.h names the same shapes):
@@ -159,8 +160,9 @@ extern "C" __global__ void __launch_bounds__(256)
     flash_to_bf16(const float* __restrict__ x, uint2* __restrict__ y, u64 n4) {
     const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
     if (i >= n4) return;
-    const float4 a = reinterpret_cast<const float4*>(x)[i];
-    y[i] = make_uint2(fa_pack(a.x, a.y), fa_pack(a.z, a.w));
+    // Scalar loads: a view may start at any element (no 16-byte alignment to rely on).
+    const float* a = x + 4 * i;
+    y[i] = make_uint2(fa_pack(a[0], a[1]), fa_pack(a[2], a[3]));
 }
 
 // Grid (ceil(seq / 64), batch·heads), the query blocks from the last (the longest, causal) to
@@ -280,8 +282,10 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
         const float inv = 1.f / lt;
         float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<float2*>(orow + n * 8) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        for (int n = 0; n < D / 8; ++n) {
+            orow[n * 8] = o[n][2 * r] * inv;
+            orow[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        }
         if (tq == 0) lse[(b * heads + h) * seq + i] = m[r] * scale + logf(lt);
     }
 }
@@ -311,9 +315,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* g = dout + row * hd;
     float s = 0.f;
     for (u64 d = (u64)lane * 2; d < hd; d += 64) {
-        const float2 a = *reinterpret_cast<const float2*>(o + d);
-        const float2 c = *reinterpret_cast<const float2*>(g + d);
-        const uint32_t pa = fa_pack(a.x, a.y), pc = fa_pack(c.x, c.y);
+        const uint32_t pa = fa_pack(o[d], o[d + 1]), pc = fa_pack(g[d], g[d + 1]);
         s = fmaf(fa_lo(pa), fa_lo(pc), s);
         s = fmaf(fa_hi(pa), fa_hi(pc), s);
     }
@@ -430,9 +432,10 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
         if (i >= seq) continue;
         float* row = dq + ((b * seq + i) * heads + h) * D + tq * 2;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<float2*>(row + n * 8) =
-                make_float2(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+        for (int n = 0; n < D / 8; ++n) {
+            row[n * 8] = acc[n][2 * r] * scale;
+            row[n * 8 + 1] = acc[n][2 * r + 1] * scale;
+        }
     }
 }
 
@@ -569,9 +572,10 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
         const u64 off = ((b * seq + j) * kv_heads + g) * D + tq * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<float2*>(dk + off + n * 8) =
-                make_float2(dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale);
-            *reinterpret_cast<float2*>(dv + off + n * 8) = make_float2(dva[n][2 * r], dva[n][2 * r + 1]);
+            dk[off + n * 8] = dka[n][2 * r] * scale;
+            dk[off + n * 8 + 1] = dka[n][2 * r + 1] * scale;
+            dv[off + n * 8] = dva[n][2 * r];
+            dv[off + n * 8 + 1] = dva[n][2 * r + 1];
         }
     }
 }
