@@ -47,6 +47,11 @@ pub static MODULES: &[Module] = &[
         ptx: include_str!("../ptx/attention.sm_90.ptx"),
     },
     Module {
+        name: "fast",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/fast.sm_90.ptx"),
+    },
+    Module {
         name: "llm",
         arch: "sm_90",
         ptx: include_str!("../ptx/llm.sm_90.ptx"),
