@@ -70,6 +70,29 @@ pub fn shared_input(dev: &mut Device, x: View, free: View) -> Result<View> {
     Ok(t)
 }
 
+/// A weight for one product right away (nothing may call the hooks in between): under
+/// [`MatmulMode::Bf16`] a bf16 parameter view as the hooks give it, since the product would
+/// round its f32 copy back to the same bf16 values (bf16 → f32 is exact), which saves two casts
+/// of the weight per product; otherwise its f32 copy in `scratch` ([`load_f32`]).
+fn weight_operand(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    usage: Usage,
+    scratch: View,
+) -> Result<View> {
+    if dev.matmul_mode() != MatmulMode::Bf16 {
+        return load_f32(dev, hooks, p, usage, scratch);
+    }
+    let v = hooks.param(dev, p, usage)?;
+    if v.dtype() == DType::Bf16 {
+        return Ok(v);
+    }
+    let w = scratch.slice(0..v.len())?;
+    dev.cast(v, w)?;
+    Ok(w)
+}
+
 impl Linear {
     /// A layer without bias.
     pub fn new(weight: usize, in_features: usize, out_features: usize) -> Linear {
@@ -90,7 +113,8 @@ impl Linear {
     }
 
     /// `y[rows, out] = x[rows, in]·Wᵀ`, then `+ b` per row. Ops: the weight cast into
-    /// `scratch.param`, one matmul, then the bias cast into the same scratch and `add_bias`.
+    /// `scratch.param` (in the bf16 mode a bf16 weight is used as the hooks give it), one
+    /// matmul, then the bias cast into the same scratch and `add_bias`.
     pub fn forward(
         &self,
         dev: &mut Device,
@@ -103,7 +127,7 @@ impl Linear {
         let (i, o) = (self.in_features, self.out_features);
         check_len("linear input", x.len(), rows * i)?;
         check_len("linear output", y.len(), rows * o)?;
-        let w = load_f32(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+        let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
         check_len("linear weight", w.len(), o * i)?;
         dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
         if let Some(pb) = self.bias {
@@ -147,7 +171,7 @@ impl Linear {
             InputGrad::Add(v) => (v, true),
         };
         check_len("linear input gradient", dx.len(), rows * i)?;
-        let w = load_f32(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
+        let w = weight_operand(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
         check_len("linear weight", w.len(), o * i)?;
         dev.matmul(dy, w, dx, &spec(rows, i, o, false, false, add))?;
         Ok(())
