@@ -138,8 +138,9 @@ pub struct TrainArgs {
     pub device: DeviceChoice,
     /// How the model's GEMMs compute: exact (the reference f32 products, the same bits on the
     /// CPU and CUDA) or bf16 (bf16 operands on the tensor cores, f32 accumulation: the fast
-    /// mode; with --optimizer muon and --muon-ns-dtype bf16, Newton-Schulz on the tensor cores
-    /// too).
+    /// mode; on CUDA also the fast deterministic kernels of the loss, RMSNorm, RoPE, SwiGLU and
+    /// embedding; with --optimizer muon and --muon-ns-dtype bf16, Newton-Schulz on the tensor
+    /// cores too).
     #[arg(long, value_enum, default_value_t = Compute::Exact)]
     pub compute: Compute,
     /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the

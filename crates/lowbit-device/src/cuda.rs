@@ -208,6 +208,8 @@ pub(crate) struct CudaDevice {
     scales2d_prepared: prepared::Cache<crate::ops::Scales2dItem>,
     /// Calls that launched prepared graphs (`Device::prepared_calls`).
     prepared_calls: u64,
+    /// The fast kernels' id-error words and scratch (`kernels/fast.rs`).
+    fast: kernels::FastState,
 }
 
 /// Lets the device's default memory pool (where stream-ordered allocations come from) keep
@@ -314,6 +316,7 @@ impl CudaDevice {
             prepare: true,
             scales2d_prepared: prepared::Cache::default(),
             prepared_calls: 0,
+            fast: kernels::FastState::default(),
         };
         for m in crate::ptx::MODULES {
             dev.load_module(m)?;
@@ -476,7 +479,8 @@ impl CudaDevice {
             .map_err(cuda_err("copying to the host"))?;
         self.stream
             .synchronize()
-            .map_err(cuda_err("waiting for the stream"))
+            .map_err(cuda_err("waiting for the stream"))?;
+        self.check_fast_errors()
     }
 
     pub(crate) fn zero(&mut self, view: View) -> Result<()> {
@@ -520,7 +524,8 @@ impl CudaDevice {
         self.bind()?;
         self.stream
             .synchronize()
-            .map_err(cuda_err("waiting for the stream"))
+            .map_err(cuda_err("waiting for the stream"))?;
+        self.check_fast_errors()
     }
 
     /// Selects a kernel version (for benchmarks and tests of alternatives).
@@ -535,6 +540,10 @@ impl CudaDevice {
             ("adamw", 1 | 2) => self.adamw_version = version,
             ("mxfp8x", 2 | 3) => self.mxfp8x_version = version,
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
+            ("fast_xent_exp", 0 | 1) => self.fast.xent_fast_exp = version,
+            ("fast_xent_threads", 64..=1024) if version.is_multiple_of(32) => {
+                self.fast.xent_threads = version;
+            }
             ("prepared", 0 | 1) => {
                 self.prepare = version == 1;
                 // Bound: dropping the entries destroys their graphs.

@@ -790,8 +790,11 @@ impl Device {
     /// no cap; by default a quarter of the multiprocessors (NCCL's CTAs keep the rest);
     /// `("prepared", 0 | 1)`: 1 by default, a batched call with the items of earlier ones
     /// launches the CUDA graphs prepared for them ([`Device::prepared_calls`]); 0 makes every
-    /// call fresh (and drops the prepared graphs).
-    /// Every version gives the same bytes (and the same sums).
+    /// call fresh (and drops the prepared graphs); `("fast_xent_exp", 0 | 1)` and
+    /// `("fast_xent_threads", 64..=1024)`: the fast cross-entropy of [`MatmulMode::Bf16`]
+    /// (its gradient's exp through double, 0, the default, or `expf`, 1; threads per row, a
+    /// multiple of 32, 512 by default).
+    /// Every version gives the same bytes (and the same sums), but for `fast_xent_exp`.
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     pub fn set_cuda_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {

@@ -37,6 +37,22 @@ macro_rules! on_cuda {
     };
 }
 
+/// [`MatmulMode::Bf16`]'s fast kernels on CUDA (`cuda/kernels/fast.rs`): the body returns
+/// `Result<bool>`, `true` when it did the op (the op then returns `Ok(())`), `false` when the
+/// shape or the views have no fast kernel (the op goes on to the exact path).
+macro_rules! on_fast_cuda {
+    ($dev:expr, $g:ident => $body:expr) => {
+        #[cfg(feature = "cuda")]
+        if $dev.matmul_mode == crate::MatmulMode::Bf16 {
+            if let Some($g) = $dev.cuda_mut() {
+                if $body? {
+                    return Ok(());
+                }
+            }
+        }
+    };
+}
+
 mod attention;
 mod elementwise;
 mod flash;

@@ -47,6 +47,11 @@ pub static MODULES: &[Module] = &[
         ptx: include_str!("../ptx/attention.sm_90.ptx"),
     },
     Module {
+        name: "fast",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/fast.sm_90.ptx"),
+    },
+    Module {
         name: "flash_attention",
         arch: "sm_90",
         ptx: include_str!("../ptx/flash_attention.sm_90.ptx"),

@@ -17,7 +17,7 @@ use lowbit_device::{DType, Device, View};
 use lowbit_nn::Hooks;
 use lowbit_nn::layers::{
     Attention, ChunkedCrossEntropy, Embedding, GradStart, HeadGrad, InputGrad, Linear, LossScratch,
-    RmsNorm, Rope, Scratch, SwiGlu, SwiGluActs, rope_tables,
+    RmsNorm, Rope, Scratch, SwiGlu, SwiGluActs, rope_tables, shared_input,
 };
 
 use crate::config::LlamaConfig;
@@ -392,9 +392,12 @@ impl Llama {
             let [wq, wk, wv, wo] = self.projections(&p);
             self.norm(p.input_norm)
                 .forward(dev, hooks, x, n1, head(a.rstd1, 1)?, s)?;
-            wq.forward(dev, hooks, n1, q, rows, s)?;
-            wk.forward(dev, hooks, n1, k, rows, s)?;
-            wv.forward(dev, hooks, n1, v, rows, s)?;
+            // `att` is written only by the attention below: it holds q, k, v's shared bf16
+            // input (the bf16 mode; the exact mode keeps n1).
+            let n1s = shared_input(dev, n1, att)?;
+            wq.forward(dev, hooks, n1s, q, rows, s)?;
+            wk.forward(dev, hooks, n1s, k, rows, s)?;
+            wv.forward(dev, hooks, n1s, v, rows, s)?;
             rq.forward(dev, q, q, seq, self.cos, self.sin)?;
             rk.forward(dev, k, k, seq, self.cos, self.sin)?;
             let lse = head(a.lse, self.cfg.heads)?;
@@ -499,17 +502,11 @@ impl Llama {
             )?;
             rq.backward(dev, self.dq, self.dq, seq, self.cos, self.sin)?;
             rk.backward(dev, self.dk, self.dk, seq, self.cos, self.sin)?;
-            wv.backward(
-                dev,
-                hooks,
-                a.n1,
-                self.dv,
-                InputGrad::Write(self.dn),
-                rows,
-                s,
-            )?;
-            wk.backward(dev, hooks, a.n1, self.dk, InputGrad::Add(self.dn), rows, s)?;
-            wq.backward(dev, hooks, a.n1, self.dq, InputGrad::Add(self.dn), rows, s)?;
+            // `datt` is consumed: it holds the three weight gradients' shared bf16 input.
+            let n1s = shared_input(dev, a.n1, self.datt)?;
+            wv.backward(dev, hooks, n1s, self.dv, InputGrad::Write(self.dn), rows, s)?;
+            wk.backward(dev, hooks, n1s, self.dk, InputGrad::Add(self.dn), rows, s)?;
+            wq.backward(dev, hooks, n1s, self.dq, InputGrad::Add(self.dn), rows, s)?;
             self.norm(p.input_norm)
                 .backward(dev, hooks, self.x[l], a.rstd1, self.dn, self.dtmp, s)?;
             dev.add(self.dtmp, self.dres)?;

@@ -1,5 +1,5 @@
 //! Host side of the kernels of `crates/lowbit-kernels/ops.cu` and `crates/lowbit-kernels/mxfp8.cu`, by op family
-//! ([`elementwise`], [`optim`], [`model`], [`llm`], [`quant`]), and the launch helpers every host side
+//! ([`elementwise`], [`optim`], [`model`], [`llm`], [`quant`], and [`fast`], the fast mode's), and the launch helpers every host side
 //! shares: grid shapes, dtype codes, view checks, scratch buffers. Callers have validated
 //! dtypes, lengths and shapes; each method validates its views (liveness, bounds, overlap)
 //! before launching anything.
@@ -11,12 +11,14 @@ use crate::{DType, Result, View};
 
 mod attention;
 mod elementwise;
+mod fast;
 mod flash;
 mod llm;
 mod model;
 mod optim;
 mod quant;
 
+pub(super) use fast::FastState;
 pub(super) use quant::NVFP4_FACTOR_INV;
 pub(crate) use quant::{Mxfp8Quantize, Nvfp4Quantize, Quantize, Range2d};
 

@@ -204,12 +204,15 @@ impl Device {
     /// Token embedding: `out[r, :] = f32(table[ids[r], :])`. `table` is any float dtype,
     /// `[vocab, dim]`; `ids` f32 `[rows]` (integers in `0..vocab`); `out` f32 `[rows, dim]`
     /// with `dim = out.len() / ids.len()` and `vocab = table.len() / dim`. `out` must overlap
-    /// neither input.
+    /// neither input. Fast mode (CUDA, [`crate::MatmulMode::Bf16`]): the same bytes, with the
+    /// ids checked on the device as [`Device::cross_entropy_rows`]' targets are (a bad id's row
+    /// NaN, the error reported by the next host read).
     pub fn embedding(&mut self, table: View, ids: View, out: View) -> Result<()> {
         const WHAT: &str = "embedding";
         check_float(WHAT, table)?;
         all_f32(WHAT, &[ids, out])?;
         let (dim, vocab) = embedding_shape(WHAT, ids, out, table)?;
+        on_fast_cuda!(self, g => g.fast_embedding(table, ids, out, (dim, vocab)).map(|()| true));
         let id = int_ids(WHAT, "id", &self.read_f32(ids)?, vocab)?;
         on_cuda!(self, g => g.embedding(table, ids, out, dim));
         self.host_op(WHAT, [table, ids], [out], |[tb, _], [ob]| {
@@ -262,10 +265,13 @@ impl Device {
     ///   `y[i + half] = b·c − a·s`.
     ///
     /// `cos`, `sin` f32 `[max_seq, half]` with `seq ≤ max_seq`. `y` is `x` itself (the same
-    /// view: in place) or disjoint from it.
+    /// view: in place) or disjoint from it. Fast mode (CUDA, [`crate::MatmulMode::Bf16`]):
+    /// four pairs a thread where `half % 4 == 0` and the views are 16-byte aligned; the same
+    /// bits.
     pub fn rope(&mut self, x: View, y: View, cos: View, sin: View, spec: &RopeSpec) -> Result<()> {
         const WHAT: &str = "rope";
         rope_shape(WHAT, x, y, cos, sin, spec)?;
+        on_fast_cuda!(self, g => g.fast_rope([x, y, cos, sin], spec));
         on_cuda!(self, g => g.rope([x, y, cos, sin], spec));
         let spec = *spec;
         if x == y {
@@ -291,12 +297,14 @@ impl Device {
 
     /// SwiGLU's gate, `out = silu(gate) · up` per element in f32: `e = exp32(−g)`,
     /// `sg = 1 / (1 + e)`, `out = (g · sg) · u`. All f32 views of one length; `out` must
-    /// overlap neither input.
+    /// overlap neither input. Fast mode (CUDA, [`crate::MatmulMode::Bf16`]): float4 loads
+    /// where the views are 16-byte aligned (also the backward); the same bits.
     pub fn swiglu(&mut self, gate: View, up: View, out: View) -> Result<()> {
         const WHAT: &str = "swiglu";
         all_f32(WHAT, &[gate, up, out])?;
         check_len(WHAT, gate.len(), up.len())?;
         check_len(WHAT, gate.len(), out.len())?;
+        on_fast_cuda!(self, g => g.fast_swiglu(gate, up, None, [out, out]));
         on_cuda!(self, g => g.swiglu(gate, up, out));
         self.host_op(WHAT, [gate, up], [out], |[gb, ub], [ob]| {
             super::zip_into(
@@ -325,6 +333,7 @@ impl Device {
         for v in [up, dout, dgate, dup] {
             check_len(WHAT, gate.len(), v.len())?;
         }
+        on_fast_cuda!(self, g => g.fast_swiglu(gate, up, Some(dout), [dgate, dup]));
         on_cuda!(self, g => g.swiglu_backward([gate, up, dout], [dgate, dup]));
         self.host_op(
             WHAT,
@@ -350,6 +359,18 @@ impl Device {
     /// overwritten in place with `c · (e_j / s − [j = t])` (their gradient, so a chunk of logits
     /// needs no second buffer). `losses` (f32 `[rows]`) overlaps neither `logits` nor `targets`;
     /// with `grad` the logits must not overlap the targets either.
+    ///
+    /// **Fast mode** (CUDA with [`crate::MatmulMode::Bf16`]; the CPU runs the above in both
+    /// modes): a CTA (a warp below 4096 classes) per row, deterministic, differing from the CPU
+    /// in the sum `s` only: an online `(max, Σ expf(x − max))` per thread over float4 loads,
+    /// rescaled when its max grows, combined in a fixed tree. `mx`, `e_j`, the division and the
+    /// gradient's formula are the exact ones. Tolerances (checked against f64 in
+    /// `tests/cuda_fast.rs`): loss within `1e-5·(1 + |x_t − mx| + ln s)`, gradient elements
+    /// within `|c|·(1e-5·p_j + 2e-7)` (`p_j` the softmax probability). NaN exactly where the
+    /// exact op gives NaN (a NaN or +Inf logit, a row of −Inf). Targets are checked on the
+    /// device, not read back: a bad one does not fail this call but writes NaN for its row's
+    /// loss (and gradient) and is reported as [`crate::DeviceError::Invalid`] by the next host
+    /// read of the device (a download, [`Device::synchronize`]).
     pub fn cross_entropy_rows(
         &mut self,
         logits: View,
@@ -362,6 +383,9 @@ impl Device {
         let rows = targets.len();
         check_len(WHAT, losses.len(), rows)?;
         let classes = rows_of(WHAT, logits.len(), rows)?;
+        on_fast_cuda!(self, g => g
+            .fast_cross_entropy_rows([logits, targets, losses], classes, grad)
+            .map(|()| true));
         let t = int_ids(WHAT, "target", &self.read_f32(targets)?, classes)?;
         on_cuda!(self, g => g.cross_entropy_rows([logits, targets, losses], classes, grad));
         let body = |x: &mut [f32], ls: &mut [u8]| {

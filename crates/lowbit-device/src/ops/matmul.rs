@@ -59,7 +59,11 @@ pub enum MatmulMode {
     /// Operands rounded to bf16 (RNE; a bf16 operand as it is) and multiplied by
     /// [`Device::matmul_tc`] into the f32 C (`accumulate`: `C ← op(A)·op(B) + C`): cuBLASLt on
     /// the tensor cores on CUDA, the same rounded operands summed in index order on the CPU. The
-    /// fast mode of a model's GEMMs, as bf16 autocast computes them.
+    /// fast mode of a model's GEMMs, as bf16 autocast computes them. On CUDA it also selects the
+    /// fast kernels of the memory-bound model ops (`cross_entropy_rows`, `rms_norm` and its
+    /// backward: deterministic, their sums in another association, within the tolerances their
+    /// docs state; `rope`, `swiglu`, `embedding`: the same bits, faster), and ids and targets
+    /// are then checked on the device (reported by the next host read).
     Bf16,
 }
 

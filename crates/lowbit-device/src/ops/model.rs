@@ -147,6 +147,11 @@ impl Device {
     /// `rstd.len()`): per row, in f32, `ss = Σ x²` (index order), `rstd = 1 / sqrt(ss / cols +
     /// eps)`, `y = (x · rstd) · weight`; `rstd` is saved for the backward. `y` and `rstd` must be
     /// disjoint and overlap neither `x` nor `weight`. A non-empty `x` needs `cols > 0`.
+    ///
+    /// Fast mode (CUDA with [`crate::MatmulMode::Bf16`], up to 8192 columns; the CPU runs the
+    /// above in both modes): a CTA per row, `ss` summed per thread then in a fixed tree, every
+    /// other operation the exact one; `y` and `rstd` within `1e-5` relative of f64
+    /// (`tests/cuda_fast.rs`), deterministic, NaN where the exact op gives NaN.
     pub fn rms_norm(&mut self, x: View, weight: View, y: View, rstd: View, eps: f32) -> Result<()> {
         const WHAT: &str = "rms_norm";
         all_f32(WHAT, &[x, weight, y, rstd])?;
@@ -156,6 +161,7 @@ impl Device {
         if cols == 0 && !rstd.is_empty() {
             return Err(invalid(WHAT, "rows of zero columns have no RMS"));
         }
+        on_fast_cuda!(self, g => g.fast_rms_norm([x, weight], [y, rstd], eps));
         on_cuda!(self, g => g.rms_norm([x, weight], [y, rstd], eps));
         self.host_op(WHAT, [x, weight], [y, rstd], |[xb, wb], [yb, rb]| {
             let (xs, w) = (decode_f32(DType::F32, xb), decode_f32(DType::F32, wb));
@@ -183,6 +189,12 @@ impl Device {
     /// The weight gradient is accumulated: `dweight[c] ← dweight[c] + Σ_r dy[r, c]·x̂[r, c]` (the
     /// sum from 0, rows in order; zero `dweight` first to overwrite). `dx` and `dweight` must be
     /// disjoint and overlap no input.
+    ///
+    /// Fast mode (CUDA with [`crate::MatmulMode::Bf16`], up to 8192 columns): a CTA per block of
+    /// consecutive rows (at most 1024 blocks), `dot` in a fixed tree per row, the weight
+    /// gradient as per-block column sums (rows in order) then the blocks added in a fixed tree
+    /// before the one add into `dweight`; deterministic. Tolerances against f64: `dx` within
+    /// `1e-5·rstd·(|g| + |x̂|·Σ|g·x̂|/cols)`, `dweight` within `1e-5·(|dweight₀| + Σ_r|dy·x̂|)`.
     pub fn rms_norm_backward(
         &mut self,
         x: View,
@@ -199,6 +211,7 @@ impl Device {
         check_len(WHAT, x.len(), dy.len())?;
         check_len(WHAT, x.len(), dx.len())?;
         check_len(WHAT, cols, dweight.len())?;
+        on_fast_cuda!(self, g => g.fast_rms_norm_backward([x, weight, rstd, dy], [dx, dweight]));
         on_cuda!(self, g => g.rms_norm_backward([x, weight, rstd, dy], [dx, dweight]));
         self.host_op(
             WHAT,

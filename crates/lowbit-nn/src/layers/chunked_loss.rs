@@ -3,7 +3,7 @@
 //! would outweigh the model): per chunk the logits are computed, turned into their gradient in
 //! place ([`Device::cross_entropy_rows`]), and consumed by the two products of the backward.
 
-use lowbit_device::{Device, MatmulSpec, View};
+use lowbit_device::{DType, Device, MatmulMode, MatmulSpec, View};
 
 use super::{Linear, Scratch, accumulate, load_f32};
 use crate::error::check_len;
@@ -51,6 +51,30 @@ fn spec(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, acc: bool) -
         trans_b,
         accumulate: acc,
     }
+}
+
+/// The head's weight for every chunk's products, fetched once with `usage` into `work`: in the
+/// bf16 mode cast once to bf16 (RNE) in the head of `work` seen as bf16 — each chunk's product
+/// would round an f32 copy to the same bf16 values, once per chunk — else its f32 copy
+/// ([`load_f32`]). The same bits either way.
+fn head_weight(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    usage: Usage,
+    work: View,
+) -> Result<View> {
+    if dev.matmul_mode() != MatmulMode::Bf16 {
+        return load_f32(dev, hooks, p, usage, work);
+    }
+    let v = hooks.param(dev, p, usage)?;
+    let n = v.len();
+    let t = work
+        .slice(0..n.div_ceil(2))?
+        .reinterpret(DType::Bf16)?
+        .slice(0..n)?;
+    dev.cast(v, t)?;
+    Ok(t)
 }
 
 impl ChunkedCrossEntropy {
@@ -155,7 +179,7 @@ impl ChunkedCrossEntropy {
             }
         };
         let c = (f64::from(scale) / rows as f64) as f32;
-        let wf = load_f32(
+        let wf = head_weight(
             dev,
             hooks,
             self.head.weight,
@@ -174,7 +198,7 @@ impl ChunkedCrossEntropy {
             let w = match wb {
                 Some(w) => w,
                 None => {
-                    let w = load_f32(
+                    let w = head_weight(
                         dev,
                         hooks,
                         self.head.weight,
@@ -207,7 +231,7 @@ impl ChunkedCrossEntropy {
         work: LossScratch,
     ) -> Result<f32> {
         let (v, d) = self.check(x, targets, rows, &work)?;
-        let wf = load_f32(
+        let wf = head_weight(
             dev,
             hooks,
             self.head.weight,

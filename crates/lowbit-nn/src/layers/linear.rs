@@ -1,6 +1,6 @@
 //! The linear layer `y = x·Wᵀ (+ b)`, `W: [out, in]` (PyTorch's `nn.Linear` layout).
 
-use lowbit_device::{Device, MatmulSpec, View};
+use lowbit_device::{DType, Device, MatmulMode, MatmulSpec, View};
 
 use super::{Scratch, accumulate, load_f32};
 use crate::error::check_len;
@@ -46,6 +46,53 @@ fn spec(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, acc: bool) -
     }
 }
 
+/// The input several linear layers share (q, k, v of one norm's output; gate and up), cast
+/// to bf16 once: under [`MatmulMode::Bf16`], with `x` f32 and `free` an f32 view of at least
+/// `x.len() / 2` words that overlaps `x` in no byte and holds nothing needed until the layers
+/// have run, `bf16(x)` (RNE, [`Device::cast`]) in the head of `free` seen as bf16; otherwise
+/// `x` itself. The products then take it as it is instead of casting `x` once each, and their
+/// bits do not change: the bf16 mode rounds an f32 operand to bf16 the same way
+/// ([`Device::matmul`]). In the exact mode the layers keep the f32 input (nothing is cast).
+pub fn shared_input(dev: &mut Device, x: View, free: View) -> Result<View> {
+    let fits = x.dtype() == DType::F32
+        && free.dtype() == DType::F32
+        && 2 * free.len() >= x.len()
+        && !free.overlaps(&x);
+    if dev.matmul_mode() != MatmulMode::Bf16 || !fits || x.is_empty() {
+        return Ok(x);
+    }
+    let words = x.len().div_ceil(2);
+    let t = free
+        .slice(0..words)?
+        .reinterpret(DType::Bf16)?
+        .slice(0..x.len())?;
+    dev.cast(x, t)?;
+    Ok(t)
+}
+
+/// A weight for one product right away (nothing may call the hooks in between): under
+/// [`MatmulMode::Bf16`] a bf16 parameter view as the hooks give it, since the product would
+/// round its f32 copy back to the same bf16 values (bf16 → f32 is exact), which saves two casts
+/// of the weight per product; otherwise its f32 copy in `scratch` ([`load_f32`]).
+fn weight_operand(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    usage: Usage,
+    scratch: View,
+) -> Result<View> {
+    if dev.matmul_mode() != MatmulMode::Bf16 {
+        return load_f32(dev, hooks, p, usage, scratch);
+    }
+    let v = hooks.param(dev, p, usage)?;
+    if v.dtype() == DType::Bf16 {
+        return Ok(v);
+    }
+    let w = scratch.slice(0..v.len())?;
+    dev.cast(v, w)?;
+    Ok(w)
+}
+
 impl Linear {
     /// A layer without bias.
     pub fn new(weight: usize, in_features: usize, out_features: usize) -> Linear {
@@ -66,7 +113,8 @@ impl Linear {
     }
 
     /// `y[rows, out] = x[rows, in]·Wᵀ`, then `+ b` per row. Ops: the weight cast into
-    /// `scratch.param`, one matmul, then the bias cast into the same scratch and `add_bias`.
+    /// `scratch.param` (in the bf16 mode a bf16 weight is used as the hooks give it), one
+    /// matmul, then the bias cast into the same scratch and `add_bias`.
     pub fn forward(
         &self,
         dev: &mut Device,
@@ -79,7 +127,7 @@ impl Linear {
         let (i, o) = (self.in_features, self.out_features);
         check_len("linear input", x.len(), rows * i)?;
         check_len("linear output", y.len(), rows * o)?;
-        let w = load_f32(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+        let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
         check_len("linear weight", w.len(), o * i)?;
         dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
         if let Some(pb) = self.bias {
@@ -123,7 +171,7 @@ impl Linear {
             InputGrad::Add(v) => (v, true),
         };
         check_len("linear input gradient", dx.len(), rows * i)?;
-        let w = load_f32(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
+        let w = weight_operand(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
         check_len("linear weight", w.len(), o * i)?;
         dev.matmul(dy, w, dx, &spec(rows, i, o, false, false, add))?;
         Ok(())
@@ -157,6 +205,48 @@ mod tests {
         );
         layer().forward(dev, &mut hooks, xv, y, ROWS, s).unwrap();
         dot(&dev.download::<f32>(y).unwrap(), c)
+    }
+
+    /// The bf16 mode's shared input changes no bit of the forward or the weight gradient, and
+    /// the exact mode keeps the f32 input untouched.
+    #[test]
+    fn a_shared_bf16_input_gives_the_same_bits() {
+        let (w, b, x, dy) = (
+            values(1, OUT * IN),
+            values(2, OUT),
+            values(3, ROWS * IN),
+            values(4, ROWS * OUT),
+        );
+        let run = |shared: bool| {
+            let mut dev = Device::cpu();
+            dev.set_matmul_mode(MatmulMode::Bf16);
+            let mut hooks = TestHooks::new(&mut dev, &[w.clone(), b.clone()]);
+            let (xv, y) = (upload(&mut dev, &x), dev.alloc(DType::F32, ROWS * OUT));
+            let (dyv, s) = (upload(&mut dev, &dy), scratch(&mut dev, OUT * IN));
+            let free = dev.alloc(DType::F32, ROWS * IN / 2);
+            let xs = if shared {
+                let t = shared_input(&mut dev, xv, free).unwrap();
+                assert_eq!((t.dtype(), t.len()), (DType::Bf16, ROWS * IN));
+                t
+            } else {
+                xv
+            };
+            layer()
+                .forward(&mut dev, &mut hooks, xs, y, ROWS, s)
+                .unwrap();
+            layer()
+                .backward(&mut dev, &mut hooks, xs, dyv, InputGrad::Skip, ROWS, s)
+                .unwrap();
+            let bits = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (bits(dev.download(y).unwrap()), bits(hooks.grad_of(&dev, 0)))
+        };
+        assert_eq!(run(true), run(false));
+        let mut dev = Device::cpu();
+        let (xv, free) = (upload(&mut dev, &x), dev.alloc(DType::F32, ROWS * IN));
+        assert_eq!(shared_input(&mut dev, xv, free).unwrap(), xv, "exact mode");
+        dev.set_matmul_mode(MatmulMode::Bf16);
+        let small = free.slice(0..ROWS * IN / 2 - 1).unwrap();
+        assert_eq!(shared_input(&mut dev, xv, small).unwrap(), xv, "too small");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub use activation::Gelu;
 pub use attention::Attention;
 pub use chunked_loss::{ChunkedCrossEntropy, HeadGrad, LossScratch};
 pub use embedding::{Embedding, GradStart};
-pub use linear::{InputGrad, Linear};
+pub use linear::{InputGrad, Linear, shared_input};
 pub use loss::{Mse, SoftmaxCrossEntropy};
 pub use norm::RmsNorm;
 pub use rope::{Llama3RopeScaling, Rope, rope_tables};

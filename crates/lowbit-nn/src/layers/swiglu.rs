@@ -3,7 +3,7 @@
 
 use lowbit_device::{Device, View};
 
-use super::{InputGrad, Linear, Scratch};
+use super::{InputGrad, Linear, Scratch, shared_input};
 use crate::error::check_len;
 use crate::{Hooks, Result};
 
@@ -61,8 +61,11 @@ impl SwiGlu {
         scratch: Scratch,
     ) -> Result<()> {
         self.check_acts(rows, &acts)?;
-        self.gate.forward(dev, hooks, x, acts.gate, rows, scratch)?;
-        self.up.forward(dev, hooks, x, acts.up, rows, scratch)?;
+        // `act` is written only after both products: it holds their shared bf16 input.
+        let xs = shared_input(dev, x, acts.act)?;
+        self.gate
+            .forward(dev, hooks, xs, acts.gate, rows, scratch)?;
+        self.up.forward(dev, hooks, xs, acts.up, rows, scratch)?;
         dev.swiglu(acts.gate, acts.up, acts.act)?;
         self.down.forward(dev, hooks, acts.act, out, rows, scratch)
     }
@@ -103,6 +106,8 @@ impl SwiGlu {
         )?;
         let dup = acts.act;
         dev.swiglu_backward(acts.gate, acts.up, dact, dgate, dup)?;
+        // `dact` is consumed: it holds the weight gradients' shared bf16 input.
+        let x = shared_input(dev, x, dact)?;
         self.up.backward(dev, hooks, x, dup, dx, rows, scratch)?;
         let rest = match dx {
             InputGrad::Skip => InputGrad::Skip,
