@@ -53,7 +53,7 @@ pub struct PlotArgs {
 
 /// `--metric`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-#[allow(clippy::enum_variant_names)]
+#[value(rename_all = "snake_case")]
 pub enum Metric {
     /// Training loss, with the eval losses as markers.
     Loss,
@@ -68,6 +68,16 @@ pub enum Metric {
 }
 
 impl Metric {
+    fn short(self) -> &'static str {
+        match self {
+            Metric::Loss => "loss",
+            Metric::EvalLoss => "eval loss",
+            Metric::GradNorm => "gradient norm",
+            Metric::Lr => "learning rate",
+            Metric::TokensPerS => "tokens/s",
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Metric::Loss => "loss (lines: training, circles: eval)",
@@ -232,7 +242,7 @@ struct Curve {
 
 /// The curves of `runs` for `args`.
 fn curves(runs: &[Run], args: &PlotArgs) -> Vec<Curve> {
-    let mut out = Vec::new();
+    let mut out: Vec<Curve> = Vec::new();
     for (c, run) in runs.iter().enumerate() {
         let x_of = |step: u64, tokens: Option<f64>| match args.x {
             XAxis::Step => Some(step as f64),
@@ -287,6 +297,12 @@ fn curves(runs: &[Run], args: &PlotArgs) -> Vec<Curve> {
             }
         }
     }
+    if args.metric == Metric::Lr {
+        // A colour per run and optimizer group (every lr curve is a line of its own).
+        for (i, c) in out.iter_mut().enumerate() {
+            c.colour = i;
+        }
+    }
     for c in &mut out {
         if args.log_y {
             c.points = c
@@ -331,12 +347,29 @@ fn range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> {
     Some(lo - pad..hi + pad)
 }
 
-/// A tick label: plain decimals in the usual ranges, scientific notation outside them.
+/// A y tick label: the shortest of four significant decimals in the usual ranges, scientific
+/// notation outside them.
 fn tick(v: f64) -> String {
     if v != 0.0 && !(1e-2..1e5).contains(&v.abs()) {
-        format!("{v:.2e}")
+        return format!("{v:.2e}");
+    }
+    let s = format!("{v:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" { "0".into() } else { s.into() }
+}
+
+/// An x tick label: steps as integers (a fractional tick keeps one decimal), token counts in
+/// thousands (k) or millions (M).
+fn xtick(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1e6 {
+        format!("{}M", tick(v / 1e6))
+    } else if a >= 1e4 {
+        format!("{}k", tick(v / 1e3))
+    } else if (v - v.round()).abs() < 1e-9 {
+        format!("{v:.0}")
     } else {
-        format!("{v:.3}")
+        format!("{v:.1}")
     }
 }
 
@@ -365,12 +398,14 @@ fn render(curves: &[Curve], args: &PlotArgs) -> Result<String, String> {
                 XAxis::Tokens => "training tokens",
             })
             .y_desc(if log_y {
-                format!("{} (log scale)", args.metric.label())
+                format!("{} (log scale)", args.metric.short())
             } else {
-                args.metric.label().to_string()
+                args.metric.short().to_string()
             })
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 15))
             .y_label_formatter(&y_fmt)
-            .x_label_formatter(&|v| format!("{v:.0}"))
+            .x_label_formatter(&|v| xtick(*v))
             .draw()
             .map_err(|e| e.to_string())?;
         for c in curves {
@@ -400,6 +435,7 @@ fn render(curves: &[Curve], args: &PlotArgs) -> Result<String, String> {
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
+            .label_font(("sans-serif", 15))
             .border_style(BLACK)
             .position(SeriesLabelPosition::UpperRight)
             .draw()
@@ -440,6 +476,17 @@ mod tests {
         let s = smooth(&p, 2);
         assert_eq!(s, vec![(1.0, 1.0), (2.0, 2.0), (3.0, 4.0), (4.0, 6.0)]);
         assert_eq!(smooth(&p, 1), p.to_vec());
+    }
+
+    #[test]
+    fn tick_labels_are_short() {
+        assert_eq!(tick(5.6), "5.6");
+        assert_eq!(tick(0.003), "3.00e-3");
+        assert_eq!(tick(-0.0), "0");
+        assert_eq!(xtick(3.0), "3");
+        assert_eq!(xtick(2.5), "2.5");
+        assert_eq!(xtick(204_800.0), "204.8k");
+        assert_eq!(xtick(2_500_000.0), "2.5M");
     }
 
     #[test]
