@@ -347,6 +347,21 @@ fn range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> {
     Some(lo - pad..hi + pad)
 }
 
+/// Curve colours, in order: the Tableau 10 palette (matplotlib's default cycle), distinct on
+/// white and familiar to readers of PyTorch-world plots.
+const PALETTE: [(u8, u8, u8); 10] = [
+    (0x1f, 0x77, 0xb4),
+    (0xff, 0x7f, 0x0e),
+    (0x2c, 0xa0, 0x2c),
+    (0xd6, 0x27, 0x28),
+    (0x94, 0x67, 0xbd),
+    (0x8c, 0x56, 0x4b),
+    (0xe3, 0x77, 0xc2),
+    (0x7f, 0x7f, 0x7f),
+    (0xbc, 0xbd, 0x22),
+    (0x17, 0xbe, 0xcf),
+];
+
 /// A y tick label: the shortest of four significant decimals in the usual ranges, scientific
 /// notation outside them.
 fn tick(v: f64) -> String {
@@ -409,7 +424,8 @@ fn render(curves: &[Curve], args: &PlotArgs) -> Result<String, String> {
             .draw()
             .map_err(|e| e.to_string())?;
         for c in curves {
-            let colour = Palette99::pick(c.colour).to_rgba();
+            let (r, g, b) = PALETTE[c.colour % PALETTE.len()];
+            let colour = RGBColor(r, g, b).to_rgba();
             if c.markers {
                 chart
                     .draw_series(
