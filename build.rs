@@ -18,7 +18,17 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    let commit = git(&["rev-parse", "--short", "HEAD"]);
+    // Only a checkout of this package counts: a crate unpacked inside some other repository
+    // must not report that repository's commit.
+    let own = git(&["rev-parse", "--show-toplevel"]).is_some_and(|top| {
+        let here = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
+        std::fs::canonicalize(top).ok() == std::fs::canonicalize(here).ok()
+    });
+    let commit = if own {
+        git(&["rev-parse", "--short", "HEAD"])
+    } else {
+        None
+    };
     if commit.is_some() {
         // HEAD itself, the branch it names and packed refs: what moves on a commit or checkout;
         // the index: what changes on `git add` or a commit. Only existing paths, since a
@@ -42,11 +52,16 @@ fn main() {
     }
     let value = match commit {
         Some(c) if !c.is_empty() => {
-            // `diff-index --quiet` exits 1 when a tracked file differs from HEAD.
-            let dirty = Command::new("git")
-                .args(["diff-index", "--quiet", "HEAD", "--"])
-                .status()
-                .is_ok_and(|s| s.code() == Some(1));
+            // Tracked files that differ from HEAD, by content (`status` refreshes stale stat
+            // data in memory, where `diff-index` would count a touched file; no optional locks,
+            // so the build never writes the index).
+            let dirty = git(&[
+                "--no-optional-locks",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+            ])
+            .is_some_and(|s| !s.is_empty());
             if dirty { format!("{c}-dirty") } else { c }
         }
         _ => "unknown".to_string(),
