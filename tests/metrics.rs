@@ -402,3 +402,35 @@ fn version_names_the_crate_version_and_the_commit() {
         "{v}"
     );
 }
+
+#[test]
+fn muon_runs_record_both_optimizer_groups_learning_rates() {
+    let tmp = TempDir::new("metrics-muon");
+    let file = tmp.path("muon.jsonl");
+    stdout_ok(&args(&[
+        "--steps",
+        "2",
+        "--optimizer",
+        "muon",
+        "--muon-lr",
+        "0.02",
+        "--lr",
+        "0.004",
+        "--metrics",
+        file.to_str().unwrap(),
+    ]));
+    let recs = jsonl(&file);
+    assert_eq!(
+        recs[0].key("config").key("muon_lr").number() as f32,
+        0.02f32
+    );
+    let steps = of_kind(&recs, "step");
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        let lr = s.key("lr");
+        assert_eq!(lr.keys(), ["adamw", "muon"]);
+        // Muon's rate is the schedule's at its own peak: AdamW's times 0.02 / 0.004.
+        let ratio = lr.key("muon").number() / lr.key("adamw").number();
+        assert!((ratio - 5.0).abs() < 1e-5, "{ratio}");
+    }
+}
