@@ -18,7 +18,7 @@ use crate::report;
 #[derive(Debug, Parser)]
 #[command(
     name = "lowbit",
-    version,
+    version = crate::metrics::VERSION,
     propagate_version = true,
     // A flag given twice keeps its last value, so the command line overrides `--config`'s.
     args_override_self = true,
@@ -84,6 +84,12 @@ pub enum Command {
     /// The run is rebuilt from the checkpoint's manifest (model, precision, optimizer), so the
     /// weights are exactly those the training run evaluated after that step.
     Eval(crate::eval_cmd::EvalArgs),
+    /// Draw the curves of `lowbit train --metrics` files into one SVG picture.
+    ///
+    /// One colour per file (legend: the run's name, its file stem by default): training loss
+    /// with the evals as circles, or the eval loss, gradient norm, learning rates or tokens/s,
+    /// over steps or training tokens.
+    Plot(crate::plot_cmd::PlotArgs),
     /// Continue a prompt with a decoder checkpoint's weights (greedy or sampled), so a person
     /// can see what the model learned.
     Generate(crate::eval_cmd::GenerateArgs),
@@ -192,5 +198,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Data(args) => crate::data_cmd::run(&args),
         Command::Eval(args) => crate::eval_cmd::run_eval(&args),
         Command::Generate(args) => crate::eval_cmd::run_generate(&args),
+        Command::Plot(args) => crate::plot_cmd::run(&args),
     }
 }

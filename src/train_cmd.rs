@@ -1,8 +1,9 @@
-//! `lowbit train`: arguments and the progress line (the closing table and the `--json` object
-//! are `train_report`'s).
+//! `lowbit train`: arguments and the run (the progress display and `--metrics` records are
+//! `progress`'s and `metrics`', the closing table and the `--json` object `train_report`'s).
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use lowbit::optim::{MuonLrScale, NsDtype};
@@ -15,6 +16,8 @@ use lowbit::train::{LlamaRun, ModelChoice};
 use lowbit_llama::LlamaConfig;
 
 use crate::error::CliError;
+use crate::metrics::Metrics;
+use crate::progress::Progress;
 
 /// Arguments of `lowbit train`. Defaults: the embedded CPU run (4 ranks, MXFP8 primary weights
 /// with staged gathers, overlapped reduction and gathers, distributed AdamW, 200 steps).
@@ -183,6 +186,21 @@ pub struct TrainArgs {
     /// of the object is byte-identical between runs with the same flags.
     #[arg(long)]
     pub json: bool,
+    /// Stream the run into FILE.jsonl as it goes: a `run` header, then one JSON line per step
+    /// (loss, grad norm, learning rates, tokens/s, MFU, peak memory, skipped, wall time) and per
+    /// evaluation, each written and flushed as its step completes; with --resume, appended
+    /// (docs/metrics.md has the schema).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub metrics: Option<PathBuf>,
+    /// Peak throughput of one rank's device in TFLOP/s, the denominator of the metrics' MFU
+    /// (times --ranks) [default: 989, an H100/H200's dense bf16, with --device cuda; none on
+    /// the CPU: MFU null].
+    #[arg(long, value_name = "X")]
+    pub peak_tflops: Option<f64>,
+    /// When stderr is not a terminal, print a progress line (step, loss, lr, tok/s, ETA) every
+    /// SECS seconds, and one at every evaluation (0: only at evaluations).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub log_every: f64,
     /// Keep going when the training or eval loss is not finite (a diverged run); without it the
     /// run stops at the first NaN or infinite loss with an error and exit status 1.
     #[arg(long)]
@@ -467,29 +485,13 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         // way out, over the liveness channel (`lowbit_comm::liveness`).
         lowbit::comm::liveness::install_signal_goodbye();
     }
-    let tty = std::io::stderr().is_terminal();
-    let progress = |s: &StepLog| {
-        let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
-        let line = format!(
-            "step {:>4}/{}  loss {:.4}{eval}  {:.0} tok/s",
-            s.step, s.steps, s.loss, s.tokens_per_s
-        );
-        let mut err = std::io::stderr().lock();
-        if tty {
-            let width = 30;
-            let done = width * s.step / s.steps.max(1);
-            let bar = format!("[{}{}]", "#".repeat(done), ".".repeat(width - done));
-            let _ = write!(err, "\r{bar} {line}\x1b[K");
-            if s.step == s.steps {
-                let _ = writeln!(err);
-            }
-        } else if s.eval.is_some() {
-            // Not a terminal: one line per evaluation.
-            let _ = writeln!(err, "{line}");
-        }
-    };
-    let report = train::train_with(&cfg, &args.checkpointing(), &progress)
-        .map_err(|e| CliError::Msg(e.to_string()))?;
+    let progress = progress(args, &cfg)?;
+    let report = train::train_with(&cfg, &args.checkpointing(), &|s: &StepLog| progress.step(s))
+        .map_err(|e| CliError::Msg(e.to_string()));
+    // A failed metrics write is the run's error only if the run itself succeeded.
+    let finished = progress.finish();
+    let report = report?;
+    finished?;
     if cfg.device == train::DeviceChoice::Cuda
         && train::launched_rank().map_err(|e| CliError::Msg(e.to_string()))? != 0
     {
@@ -504,4 +506,40 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::Msg(format!("cannot write to stdout: {e}")))
+}
+
+/// The progress display and the `--metrics` file (opened, its header written, before step 1;
+/// under a launcher only by rank 0, which alone reports steps).
+fn progress(args: &TrainArgs, cfg: &TrainConfig) -> Result<Progress, CliError> {
+    if !(args.log_every.is_finite() && args.log_every >= 0.0) {
+        return Err(CliError::Msg(format!(
+            "invalid configuration: --log-every {}: seconds must be finite and >= 0",
+            args.log_every
+        )));
+    }
+    if let Some(t) = args.peak_tflops
+        && !(t.is_finite() && t > 0.0)
+    {
+        return Err(CliError::Msg(format!(
+            "invalid configuration: --peak-tflops {t}: must be finite and > 0"
+        )));
+    }
+    let metrics = match &args.metrics {
+        Some(path) if train::launched_rank().map_err(|e| CliError::Msg(e.to_string()))? == 0 => {
+            // Refuse a bad configuration before the file is touched.
+            cfg.validate().map_err(|e| CliError::Msg(e.to_string()))?;
+            Some(Metrics::create(
+                path,
+                args.resume.is_some(),
+                cfg,
+                args.peak_tflops,
+            )?)
+        }
+        _ => None,
+    };
+    Ok(Progress::new(
+        std::io::stderr().is_terminal(),
+        Duration::from_secs_f64(args.log_every),
+        metrics,
+    ))
 }

@@ -57,7 +57,7 @@ fn describe_optimizer(cfg: &TrainConfig) -> String {
     }
 }
 
-fn describe(cfg: &TrainConfig) -> String {
+pub(crate) fn describe(cfg: &TrainConfig) -> String {
     let on = |b: bool| if b { "on" } else { "off" };
     let mp = &cfg.mixed_precision;
     format!(
@@ -83,7 +83,7 @@ fn describe(cfg: &TrainConfig) -> String {
 
 /// The model as the `--json` object's `"model"`: its name, and a decoder's shape and sequence
 /// length.
-fn model_json(c: &TrainConfig) -> Json {
+pub(crate) fn model_json(c: &TrainConfig) -> Json {
     match &c.model {
         ModelChoice::Reference => Json::obj([("name", Json::str("reference"))]),
         ModelChoice::Llama(run) => {
@@ -105,7 +105,7 @@ fn model_json(c: &TrainConfig) -> Json {
 }
 
 /// The sharding strategy and precision policy as the `--json` object's `"fsdp"`.
-fn fsdp_json(cfg: &TrainConfig) -> Json {
+pub(crate) fn fsdp_json(cfg: &TrainConfig) -> Json {
     let mp = &cfg.mixed_precision;
     Json::obj([
         ("sharding", Json::str(cfg.sharding.as_str())),

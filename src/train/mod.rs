@@ -442,6 +442,18 @@ fn decode_shards(bytes: &[u8]) -> Vec<MasterShard> {
     shards
 }
 
+/// A decoder's training FLOPs per token, `6·N + 12·L·T·d` (N parameters, L layers, T the
+/// sequence, d the model width): the estimate of PaLM (Chowdhery et al. 2022, appendix B), the
+/// attention scores' FLOPs added to the dense `6N`. `None` for the reference model.
+fn flops_per_token(cfg: &TrainConfig, info: &[ParamInfo]) -> Option<f64> {
+    let ModelChoice::Llama(run) = &cfg.model else {
+        return None;
+    };
+    let params: usize = info.iter().map(|p| p.shape.iter().product::<usize>()).sum();
+    let attention = 12.0 * run.config.layers as f64 * run.seq as f64 * run.config.dim as f64;
+    Some(6.0 * params as f64 + attention)
+}
+
 /// FNV-1a 64 over every parameter's fp32 master values in element order.
 fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [MasterShard]>) -> u64 {
     let mut full: Vec<Vec<f32>> = info
@@ -751,15 +763,26 @@ fn rank_main(
             phases.checkpoint += t.elapsed();
         }
         if rank == 0 {
-            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            let elapsed = start.elapsed();
+            let secs = elapsed.as_secs_f64().max(1e-9);
+            let tokens_per_step = cfg.batch * model.tokens_per_sample();
+            let (lr, muon_lr) = StepLog::scheduled_lrs(cfg, step);
             progress(&StepLog {
                 step: step + 1,
                 steps: cfg.steps,
+                first_step: job.start,
                 loss,
+                grad_norm: report.grad_norm,
+                skipped: report.skipped,
+                lr,
+                muon_lr,
                 eval,
-                tokens_per_s: ((step + 1 - job.start) * cfg.batch * model.tokens_per_sample())
-                    as f64
-                    / secs,
+                eval_tokens: model.eval_items() * model.tokens_per_sample(),
+                tokens_per_step,
+                tokens_per_s: ((step + 1 - job.start) * tokens_per_step) as f64 / secs,
+                elapsed,
+                device_peak_bytes: dev.peak_allocated_bytes(),
+                flops_per_token: flops_per_token(cfg, info),
             });
         }
     }

@@ -10,19 +10,57 @@ use lowbit_optim::RankMemory;
 
 use super::TrainConfig;
 
-/// Progress of one step, as rank 0 reports it.
+/// Progress of one step, as rank 0 reports it after the step (its eval and save included):
+/// the values the run computed, for progress lines and `--metrics` records.
 #[derive(Clone, Copy, Debug)]
 pub struct StepLog {
     /// Step number, from 1.
     pub step: usize,
     /// Of how many.
     pub steps: usize,
+    /// The step this run started after (a resumed checkpoint's step; 0 for a fresh run).
+    pub first_step: usize,
     /// Mean training loss over the global batch.
     pub loss: f32,
+    /// Global gradient norm (before clipping).
+    pub grad_norm: f32,
+    /// Whether the optimizer skipped the step (a non-finite gradient norm).
+    pub skipped: bool,
+    /// The learning rate of the AdamW groups at this step.
+    pub lr: f32,
+    /// Muon's learning rate at this step (`None` without `--optimizer muon`).
+    pub muon_lr: Option<f32>,
     /// Eval loss, on steps that evaluated.
     pub eval: Option<f32>,
+    /// Tokens the eval set predicts (items × tokens per item).
+    pub eval_tokens: usize,
+    /// Predicted tokens per step over all ranks.
+    pub tokens_per_step: usize,
     /// Predicted tokens per second so far.
     pub tokens_per_s: f64,
+    /// Wall time since this run's first step began.
+    pub elapsed: Duration,
+    /// Rank 0's peak device allocation so far, bytes ([`lowbit_device::Device::peak_allocated_bytes`]).
+    pub device_peak_bytes: usize,
+    /// Training FLOPs per token of a decoder, `6·params + 12·layers·seq·dim` (PaLM's estimate,
+    /// attention included); `None` for the reference model.
+    pub flops_per_token: Option<f64>,
+}
+
+impl StepLog {
+    /// The learning rates of step `step` (from 0) under `cfg`: AdamW's, and Muon's (its peak over
+    /// AdamW's times the schedule, rounded once, as `OptimConfig::scheduled` sets it).
+    pub(super) fn scheduled_lrs(cfg: &TrainConfig, step: usize) -> (f32, Option<f32>) {
+        let lr = cfg.lr_at(step);
+        let muon = cfg.optimizer.muon().map(|m| {
+            let ratio = f64::from(m.lr) / f64::from(cfg.lr);
+            lowbit_optim::OptimConfig::new(m.lr)
+                .with_lr_ratio(ratio)
+                .scheduled(lr)
+                .map_or(f32::NAN, |c| c.lr)
+        });
+        (lr, muon)
+    }
 }
 
 /// Wall time per phase on rank 0.

@@ -81,3 +81,28 @@ pub fn trajectory(j: &Json) -> (Vec<String>, Vec<String>, Vec<String>, String) {
         j.key("master_checksum").text().to_string(),
     )
 }
+
+/// Every line of a JSON-lines file (`--metrics`), parsed; panics naming the line that is not
+/// JSON.
+pub fn jsonl(path: &std::path::Path) -> Vec<Json> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(
+        text.is_empty() || text.ends_with('\n'),
+        "{}: every record is a whole line",
+        path.display()
+    );
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            Json::parse(l).unwrap_or_else(|e| panic!("{}:{}: {e}: {l}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// The records of `kind` among `records`.
+pub fn of_kind<'a>(records: &'a [Json], kind: &str) -> Vec<&'a Json> {
+    records
+        .iter()
+        .filter(|r| r.key("kind").text() == kind)
+        .collect()
+}
