@@ -97,6 +97,41 @@ fn config_json_round_trips_every_field() {
     }
 }
 
+#[test]
+fn transformers_5_rope_parameters_are_read() {
+    // What transformers 5.24's `save_pretrained` writes for an exported config: rope_theta and
+    // the scaling inside `rope_parameters`, `dtype` for `torch_dtype`.
+    let mut cfg = presets::llama_8b_layers(1);
+    cfg.vocab = 288;
+    for (scaling, params) in [
+        (
+            cfg.rope_scaling,
+            r#"{"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0,
+               "rope_type": "llama3"}"#,
+        ),
+        (None, r#"{"rope_theta": 500000.0, "rope_type": "default"}"#),
+    ] {
+        let t = TempDir::new("hf-config-v5");
+        let text = format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
+               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+               "vocab_size": 288, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+               "rope_parameters": {params}, "tie_word_embeddings": false, "pad_token_id": null}}"#
+        );
+        fs::write(t.path("config.json"), text).unwrap();
+        let back = hf::read_config(t.dir()).unwrap();
+        assert_eq!(
+            back.model,
+            LlamaConfig {
+                rope_scaling: scaling,
+                ..cfg.clone()
+            }
+        );
+    }
+}
+
 /// `config.json` of llama-tiny with `edit` applied, read back: the error's text.
 fn config_refusal(edit: impl FnOnce(&mut lowbit_io::json::Object)) -> String {
     let t = TempDir::new("hf-config-bad");

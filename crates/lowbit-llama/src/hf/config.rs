@@ -187,7 +187,7 @@ pub fn first_difference(
 /// Required: `model_type` `"llama"` (and `architectures`, when present, exactly
 /// `["LlamaForCausalLM"]`), `hidden_size`, `intermediate_size`, `num_hidden_layers`,
 /// `num_attention_heads`, `vocab_size`, `max_position_embeddings`, `rms_norm_eps`,
-/// `rope_theta`. Defaulted as `LlamaConfig` defaults them: `num_key_value_heads` (the query
+/// `rope_theta` (or transformers 5's `rope_parameters`, holding it and the scaling). Defaulted as `LlamaConfig` defaults them: `num_key_value_heads` (the query
 /// heads), `head_dim` (`hidden_size / num_attention_heads`, which must divide),
 /// `tie_word_embeddings` (false), `rope_scaling` (none), `initializer_range` (0.02). Refused:
 /// `hidden_act` other than `silu`, `attention_bias` or `mlp_bias` true, a `rope_scaling` other
@@ -275,49 +275,69 @@ pub fn read_config(dir: &Path) -> Result<HfConfig> {
             )));
         }
     };
-    let rope_scaling = match json.member("rope_scaling") {
-        None | Some(Json::Null) => None,
-        Some(s @ Json::Obj(_)) => {
-            let kind = s
-                .member("rope_type")
-                .or_else(|| s.member("type"))
-                .and_then(Json::as_str);
-            if kind != Some("llama3") {
-                return Err(bad(format!(
-                    "rope_scaling: type {} is not \"llama3\" (the only scaling this decoder \
-                     computes)",
-                    s.member("rope_type")
-                        .or_else(|| s.member("type"))
-                        .unwrap_or(&Json::Null)
-                )));
-            }
-            let f = |key: &str| {
-                s.member(key)
-                    .and_then(Json::as_f64)
-                    .ok_or_else(|| bad(format!("rope_scaling.{key}: missing or not a number")))
-            };
-            let orig = s
-                .member("original_max_position_embeddings")
-                .and_then(Json::as_u64)
-                .and_then(|n| usize::try_from(n).ok())
-                .ok_or_else(|| {
-                    bad(
-                        "rope_scaling.original_max_position_embeddings: missing or not a \
-                         non-negative integer"
-                            .into(),
-                    )
-                })?;
-            Some(Llama3RopeScaling {
-                factor: f("factor")?,
-                low_freq_factor: f("low_freq_factor")?,
-                high_freq_factor: f("high_freq_factor")?,
-                original_max_position: orig,
-            })
-        }
+    // transformers 5 writes `rope_parameters` (`rope_type`, `rope_theta` and the scaling's
+    // keys) instead of `rope_theta` + `rope_scaling`; either form is read.
+    let params = json
+        .member("rope_parameters")
+        .filter(|p| matches!(p, Json::Obj(_)));
+    let rope_theta = match json.member("rope_theta") {
+        None | Some(Json::Null) => params
+            .and_then(|p| p.member("rope_theta"))
+            .and_then(Json::as_f64)
+            .ok_or_else(|| bad("rope_theta: missing (a Llama config needs it)".into()))?,
+        Some(_) => num("rope_theta")?,
+    };
+    let scaling = match json.member("rope_scaling") {
+        None | Some(Json::Null) => params.map(|p| ("rope_parameters", p)),
+        Some(s @ Json::Obj(_)) => Some(("rope_scaling", s)),
         Some(v) => {
             return Err(bad(format!(
                 "rope_scaling: {v} is neither null nor an object"
             )));
+        }
+    };
+    let rope_scaling = match scaling {
+        None => None,
+        Some((key, s)) => {
+            let kind = s
+                .member("rope_type")
+                .or_else(|| s.member("type"))
+                .and_then(Json::as_str);
+            match kind {
+                Some("default") if key == "rope_parameters" => None,
+                Some("llama3") => {
+                    let f = |k: &str| {
+                        s.member(k)
+                            .and_then(Json::as_f64)
+                            .ok_or_else(|| bad(format!("{key}.{k}: missing or not a number")))
+                    };
+                    let orig = s
+                        .member("original_max_position_embeddings")
+                        .and_then(Json::as_u64)
+                        .and_then(|n| usize::try_from(n).ok())
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "{key}.original_max_position_embeddings: missing or not a \
+                                 non-negative integer"
+                            ))
+                        })?;
+                    Some(Llama3RopeScaling {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position: orig,
+                    })
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "{key}: type {} is not \"llama3\" (the only scaling this decoder \
+                         computes)",
+                        s.member("rope_type")
+                            .or_else(|| s.member("type"))
+                            .unwrap_or(&Json::Null)
+                    )));
+                }
+            }
         }
     };
     let init_std = match json.member("initializer_range") {
@@ -335,7 +355,7 @@ pub fn read_config(dir: &Path) -> Result<HfConfig> {
         kv_heads: uint("num_key_value_heads")?.unwrap_or(heads),
         head_dim,
         ffn: need("intermediate_size")?,
-        rope_theta: num("rope_theta")?,
+        rope_theta,
         rope_scaling,
         rms_eps: num("rms_norm_eps")? as f32,
         tied: flag("tie_word_embeddings")?.unwrap_or(false),
