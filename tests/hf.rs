@@ -197,20 +197,20 @@ fn export_import_round_trip_and_the_reference() {
         (&hf16, "bf16", &["--max-shard-size", "30000"][..]),
     ] {
         let ck2 = t.path(&format!("ck-{dtype}"));
-        let out = stdout_ok(&[
-            "train",
-            "--init-from",
-            s(hf),
-            "--data",
-            s(&data),
-            "--ranks",
-            "2",
-            "--steps",
-            "0",
-            "--save",
-            s(&ck2),
-        ]);
+        // The run's own flags, --model included (it agrees with config.json).
+        let mut args = train_args(s(&data), &["--steps", "0", "--save", s(&ck2)]);
+        args.extend_from_slice(&["--init-from", s(hf)]);
+        let out = stdout_ok(&args);
         assert!(out.contains("checksum"), "{out}");
+        let e2 = Json::parse(&stdout_ok(&["eval", s(&ck2), "--json"])).unwrap();
+        assert_eq!(e2.key("step").number(), 0.0);
+        if dtype == "f32" {
+            // The same masters and precision: the imported model evaluates to the same bits.
+            assert_eq!(
+                e2.key("eval_loss_bits").text(),
+                eval.key("eval_loss_bits").text()
+            );
+        }
         let again = t.path(&format!("again-{dtype}"));
         let mut args = vec!["ckpt", "export", s(&ck2), s(&again), "--format", "hf"];
         args.extend_from_slice(&["--dtype", dtype]);

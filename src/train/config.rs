@@ -414,14 +414,14 @@ impl TrainConfig {
             limits::BATCH,
             " (and --batch must split into them)",
         )?;
-        if let Some(dir) = &self.init_from {
-            if !matches!(self.model, ModelChoice::Llama(_)) {
-                return bad(format!(
-                    "--init-from {} starts a decoder (--model llama-* or the directory's \
-                     config.json); the reference model has no Hugging Face form",
-                    dir.display()
-                ));
-            }
+        if let Some(dir) = &self.init_from
+            && !matches!(self.model, ModelChoice::Llama(_))
+        {
+            return bad(format!(
+                "--init-from {} starts a decoder (--model llama-* or the directory's \
+                 config.json); the reference model has no Hugging Face form",
+                dir.display()
+            ));
         }
         // `--steps 0` with `--init-from`: the imported masters saved as step 0, nothing run.
         if !(self.steps == 0 && self.init_from.is_some()) {
