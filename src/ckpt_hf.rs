@@ -69,6 +69,30 @@ impl Drop for TempDir {
     }
 }
 
+/// `--force` replaces a directory only if it is empty or an earlier export (it has a
+/// `config.json`), and never one that holds the checkpoint: a mistyped OUT must not delete a
+/// directory of other files.
+fn refuse_replacing(out: &Path, c: &Checkpoint) -> Result<(), CliError> {
+    let shown = escape(&out.display().to_string()).into_owned();
+    if let (Ok(o), Ok(d)) = (fs::canonicalize(out), fs::canonicalize(c.dir()))
+        && d.starts_with(&o)
+    {
+        return Err(msg(format!(
+            "output {shown} holds the checkpoint {}; --force would delete it",
+            escape(&c.dir().display().to_string())
+        )));
+    }
+    let mut entries = fs::read_dir(out).map_err(|e| CliError::io("read", out, e))?;
+    if entries.next().is_some() && !out.join(hf::CONFIG_FILE).is_file() {
+        return Err(msg(format!(
+            "output {shown} is a directory with files but no {}: --force replaces only an \
+             earlier export or an empty directory",
+            hf::CONFIG_FILE
+        )));
+    }
+    Ok(())
+}
+
 /// Runs the export (the caller refused outputs inside the checkpoint).
 pub fn export(a: &ExportArgs, c: &Checkpoint) -> Result<(), CliError> {
     let dtype = match a.dtype {
@@ -115,6 +139,7 @@ pub fn export(a: &ExportArgs, c: &Checkpoint) -> Result<(), CliError> {
                 escape(&out.display().to_string())
             )));
         }
+        refuse_replacing(out, c)?;
     }
     let mut values = Vec::new();
     for p in lowbit_llama::params::params(&run.config) {

@@ -262,7 +262,29 @@ fn export_import_round_trip_and_the_reference() {
         "mxfp8",
     ]);
     assert!(e.contains("f32 or bf16"), "{e}");
-    // --force replaces the directory with the same bytes.
+    // --force replaces an earlier export, never a directory of other files or one holding
+    // the checkpoint.
+    let e = refused(&[
+        "ckpt",
+        "export",
+        s(&ck),
+        s(&data),
+        "--format",
+        "hf",
+        "--force",
+    ]);
+    assert!(e.contains("no config.json"), "{e}");
+    let e = refused(&[
+        "ckpt",
+        "export",
+        s(&ck),
+        t.dir().to_str().unwrap(),
+        "--format",
+        "hf",
+        "--force",
+    ]);
+    assert!(e.contains("holds the checkpoint"), "{e}");
+    assert!(data.join("manifest.json").is_file() && ck.join("latest").is_file());
     stdout_ok(&[
         "ckpt",
         "export",

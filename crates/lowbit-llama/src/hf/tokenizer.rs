@@ -255,7 +255,7 @@ mod tests {
         assert_eq!(m[b' ' as usize], 'Ġ');
         assert_eq!(m[b'\n' as usize], 'Ċ');
         assert_eq!(m[0], 'Ā');
-        assert_eq!(m[0xAD], 'ń');
+        assert_eq!(m[0xAD], 'Ń');
         let mut all: Vec<char> = m.to_vec();
         all.sort_unstable();
         all.dedup();
