@@ -234,6 +234,28 @@ fn export_import_round_trip_and_the_reference() {
         e.contains("config.json has vocab_size = 288") && e.contains("llama-125m"),
         "{e}"
     );
+    // The bytes model cannot read GPT-2's ids: its vocabulary of 288 does not hold them.
+    let text = t.path("words.txt");
+    fs::write(
+        &text,
+        "A few words of text.\nAnd a second line of them.\n".repeat(20),
+    )
+    .unwrap();
+    let g2 = t.path("gpt2-data");
+    stdout_ok(&["data", "prepare", "--out", s(&g2), s(&text)]);
+    let e = refused(&[
+        "train",
+        "--init-from",
+        s(&hf32),
+        "--data",
+        s(&g2),
+        "--steps",
+        "0",
+    ]);
+    assert!(
+        e.contains("vocab 288 is smaller than the gpt2 tokenizer's 50257"),
+        "{e}"
+    );
     let e = refused(&["train", "--init-from", s(&hf32), "--resume", s(&ck)]);
     assert!(e.contains("--resume"), "{e}");
     let e = refused(&[
