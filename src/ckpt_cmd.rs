@@ -43,7 +43,9 @@ pub enum CkptCommand {
     Verify(VerifyArgs),
     /// Write the full fp32 masters as one safetensors file (names are the model's parameter
     /// names), loadable by Python's safetensors and PyTorch. Expert weights are written grouped
-    /// (`[experts, out, in]`) unless --discrete-experts, whatever layout the run used.
+    /// (`[experts, out, in]`) unless --discrete-experts, whatever layout the run used. With
+    /// `--format hf`, a decoder checkpoint as a Hugging Face directory (config.json, tokenizer
+    /// files, safetensors) that transformers loads offline.
     Export(ExportArgs),
 }
 
@@ -72,19 +74,37 @@ pub struct ExportArgs {
     /// A checkpoint root or a `step-N` directory.
     #[arg(value_name = "DIR")]
     pub dir: PathBuf,
-    /// The safetensors file to write (through a temporary file and a rename); never inside
-    /// the checkpoint.
+    /// The safetensors file to write (through a temporary file and a rename), or with `--format
+    /// hf` the directory (through a temporary directory and a rename); never inside the
+    /// checkpoint.
     #[arg(value_name = "OUT")]
     pub output: PathBuf,
+    /// What to write: one safetensors file of the masters under the model's names, or `hf`, a
+    /// Hugging Face directory of a decoder checkpoint (--dtype f32 or bf16).
+    #[arg(long, value_enum, default_value_t = ExportFormat::Safetensors)]
+    pub format: ExportFormat,
+    /// With --format hf: shard the weights above this many bytes per file, with
+    /// model.safetensors.index.json [default: 5000000000, transformers' 5GB].
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_shard_size: Option<u64>,
     /// Element type of the weights (bf16: round to nearest even).
     #[arg(long, value_enum, default_value_t = ExportDtype::F32)]
     pub dtype: ExportDtype,
     /// One tensor per expert (`moe.experts.E.fc1.weight`) instead of grouped tensors.
     #[arg(long)]
     pub discrete_experts: bool,
-    /// Overwrite OUT if it is an existing regular file.
+    /// Overwrite OUT if it is an existing regular file (with --format hf: directory).
     #[arg(long)]
     pub force: bool,
+}
+
+/// `--format` of an export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// One safetensors file.
+    Safetensors,
+    /// A Hugging Face directory (`lowbit_llama::hf`).
+    Hf,
 }
 
 /// `--dtype` of an export.
@@ -389,7 +409,7 @@ fn export_targets(c: &Checkpoint, discrete: bool) -> Result<(Vec<Target>, LoadOp
 /// there) or one that is the root's `latest` or a `step-N` of it: `--force` would destroy what
 /// the export reads, and a stray file in a committed checkpoint changes what it is. Checked on
 /// the resolved paths (symlinks, `..`) before anything is written.
-fn refuse_output_inside(c: &Checkpoint, output: &Path) -> Result<(), CliError> {
+pub(crate) fn refuse_output_inside(c: &Checkpoint, output: &Path) -> Result<(), CliError> {
     let parent = match output.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -421,6 +441,14 @@ fn refuse_output_inside(c: &Checkpoint, output: &Path) -> Result<(), CliError> {
 fn export(a: &ExportArgs) -> Result<(), CliError> {
     let c = open(&a.dir)?;
     refuse_output_inside(&c, &a.output)?;
+    if a.format == ExportFormat::Hf {
+        return crate::ckpt_hf::export(a, &c);
+    }
+    if a.max_shard_size.is_some() {
+        return Err(CliError::Msg(
+            "--max-shard-size applies only with --format hf".into(),
+        ));
+    }
     if let Ok(meta) = fs::symlink_metadata(&a.output) {
         if !a.force {
             return Err(CliError::Msg(format!(

@@ -68,8 +68,9 @@ pub struct GenerateArgs {
 }
 
 /// Settings of a manifest that are not `lowbit train` flags of the same name, or that an eval
-/// sets itself.
-const NOT_FLAGS: [&str; 7] = [
+/// sets itself (`steps`: the checkpoint's step, which may be 0 for an `--init-from` import).
+const NOT_FLAGS: [&str; 8] = [
+    "steps",
     "data",
     "device",
     "ranks",

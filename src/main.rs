@@ -13,6 +13,7 @@
 //! are escaped, so an error is always one line.
 
 mod ckpt_cmd;
+mod ckpt_hf;
 mod cli;
 mod config_file;
 mod data_cmd;

@@ -112,6 +112,12 @@ pub struct TrainArgs {
     /// Decoder layers (llama-8b-layers: Llama-3-8B's layer shapes, 4 by default).
     #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
+    /// Start a decoder from a Hugging Face directory (config.json + model.safetensors or its
+    /// sharded index; f32, bf16 or f16): the masters are its values, the shape its config.json's
+    /// (a --model given too must agree). With --steps 0 and --save, only writes them as a step-0
+    /// checkpoint. Not with --resume.
+    #[arg(long, value_name = "HF_DIR", conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
     /// Eval samples (a decoder's: validation windows) [default: 4096 for the reference model, 64
     /// for a decoder].
     #[arg(long, value_name = "N")]
@@ -326,6 +332,25 @@ impl TrainArgs {
                 .map(|m| (path, m)),
             None => None,
         };
+        if let Some(dir) = &self.init_from
+            && self.model == "reference"
+            && table.is_none()
+            && self.layers.is_none()
+        {
+            // The shape is config.json's.
+            let hf = lowbit_llama::hf::read_config(dir).map_err(|e| {
+                CliError::Msg(format!(
+                    "invalid configuration: --init-from {}: {e}",
+                    dir.display()
+                ))
+            })?;
+            let seq = self.seq.unwrap_or(1024.min(hf.model.max_seq));
+            return Ok(ModelChoice::Llama(LlamaRun {
+                preset: "hf".into(),
+                config: hf.model,
+                seq,
+            }));
+        }
         if self.model == "reference" {
             let given = [
                 ("--seq", self.seq.is_some()),
@@ -461,6 +486,7 @@ impl TrainArgs {
             compute: self.compute,
             shape,
             model,
+            init_from: self.init_from.clone(),
         })
     }
 }

@@ -216,6 +216,9 @@ pub struct TrainConfig {
     pub compute: Compute,
     /// The model (the reference model has the shape `shape`).
     pub model: ModelChoice,
+    /// A decoder's initial masters from this Hugging Face directory (`--init-from`:
+    /// `config.json` and safetensors, `lowbit_llama::hf`) instead of the seeded initialization.
+    pub init_from: Option<PathBuf>,
 }
 
 /// Which model a run trains (`--model`).
@@ -298,6 +301,7 @@ impl Default for TrainConfig {
             },
             compute: Compute::Exact,
             model: ModelChoice::Reference,
+            init_from: None,
         }
     }
 }
@@ -410,7 +414,19 @@ impl TrainConfig {
             limits::BATCH,
             " (and --batch must split into them)",
         )?;
-        check_count("steps", self.steps, limits::STEPS, " steps")?;
+        if let Some(dir) = &self.init_from
+            && !matches!(self.model, ModelChoice::Llama(_))
+        {
+            return bad(format!(
+                "--init-from {} starts a decoder (--model llama-* or the directory's \
+                 config.json); the reference model has no Hugging Face form",
+                dir.display()
+            ));
+        }
+        // `--steps 0` with `--init-from`: the imported masters saved as step 0, nothing run.
+        if !(self.steps == 0 && self.init_from.is_some()) {
+            check_count("steps", self.steps, limits::STEPS, " steps")?;
+        }
         if self.batch > limits::BATCH {
             return bad(format!(
                 "--batch {} exceeds the limit of {} samples per step",

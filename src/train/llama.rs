@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::path::Path;
 
 use lowbit_device::Device;
 use lowbit_llama::data::{SampleOrder, SplitKind as Split, TokenShards, Tokenizer};
@@ -196,6 +197,46 @@ pub fn tokenizer_of(cfg: &TrainConfig) -> Result<Tokenizer, TrainError> {
     }
 }
 
+/// The masters of the Hugging Face directory `dir` for `run` (`--init-from`): its
+/// `config.json` must describe `run`'s model (the first differing key is named), its
+/// `eos_token_id`, when given, must be the data tokenizer's end-of-text (another tokenizer's
+/// ids would be read as this one's), and every weight must be there with its shape and finite.
+/// The values are the file's high-precision ones (f32, or bf16/f16 widened exactly); the run
+/// quantizes its primary weights from them as from any initial masters.
+fn init_from(dir: &Path, run: &LlamaRun, tok: Tokenizer) -> Result<Vec<Vec<f32>>, TrainError> {
+    let bad = |m: String| TrainError::Invalid(format!("--init-from {}: {m}", dir.display()));
+    let hf = lowbit_llama::hf::read_config(dir).map_err(|e| bad(e.to_string()))?;
+    if let Some((key, theirs, ours)) =
+        lowbit_llama::hf::config::first_difference(&hf.model, &run.config)
+    {
+        return Err(bad(format!(
+            "config.json has {key} = {theirs}, but the run's model ({}) has {ours}; give no \
+             --model (the shape is config.json's) or one that agrees",
+            run.preset
+        )));
+    }
+    if !hf.eos_token_ids.is_empty() && !hf.eos_token_ids.contains(&u64::from(tok.eot())) {
+        return Err(bad(format!(
+            "config.json's eos_token_id {:?} is not the {} tokenizer's end-of-text {} of the \
+             data: the model was trained with another tokenizer",
+            hf.eos_token_ids,
+            tok.name(),
+            tok.eot()
+        )));
+    }
+    let values =
+        lowbit_llama::hf::read_weights(dir, &run.config).map_err(|e| bad(e.to_string()))?;
+    for (p, v) in lowbit_llama::params::params(&run.config)
+        .iter()
+        .zip(&values)
+    {
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(bad(format!("`{}` holds {} at element {i}", p.name, v[i])));
+        }
+    }
+    Ok(values)
+}
+
 /// The decoder's job: the model, its data, the order and the eval set.
 pub(crate) struct LlamaJob {
     pub(super) run: LlamaRun,
@@ -203,6 +244,8 @@ pub(crate) struct LlamaJob {
     order: SampleOrder,
     /// Validation window of each eval item (a whole number of batches per rank).
     eval: Vec<u64>,
+    /// The initial masters read from `--init-from` (else the seeded initialization).
+    init: Option<Vec<Vec<f32>>>,
 }
 
 impl LlamaJob {
@@ -225,6 +268,10 @@ impl LlamaJob {
                 vocab.next_multiple_of(64)
             )));
         }
+        let init = match &cfg.init_from {
+            Some(dir) => Some(init_from(dir, run, data.tokenizer())?),
+            None => None,
+        };
         let train = data.split(Split::Train).windows(run.seq);
         let val = data.split(Split::Validation).windows(run.seq);
         if train == 0 || val == 0 {
@@ -243,7 +290,16 @@ impl LlamaJob {
                 .map_err(|e| TrainError::Data(e.to_string()))?,
             data,
             eval,
+            init,
         })
+    }
+
+    /// Every parameter's initial master values: `--init-from`'s, else the seeded ones.
+    pub(super) fn initial_values(&self, seed: u64) -> Vec<Vec<f32>> {
+        match &self.init {
+            Some(v) => v.clone(),
+            None => lowbit_llama::params::init(&self.run.config, seed),
+        }
     }
 
     /// What identifies the data.

@@ -127,6 +127,13 @@ fn execute(
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
+    if let (Some(dir), Some(_)) = (&cfg.init_from, &ck.resume) {
+        return Err(TrainError::Invalid(format!(
+            "--init-from {} with --resume: a resumed run's masters are the checkpoint's; start \
+             from one or the other",
+            dir.display()
+        )));
+    }
     let mut cfg = cfg.clone();
     let model = JobModel::build(&mut cfg)?;
     let data_id = model.fingerprint();
@@ -658,6 +665,22 @@ fn rank_main(
                 .eval(dev, tcomm(&mut shard, comm))
                 .map_err(|x| e(&x))?;
             generated = lm.generate(dev, &mut hooks, sampling).map_err(|x| e(&x))?;
+        }
+    }
+    if cfg.steps == 0 && writes_checkpoints && *job.mode == RunMode::Train {
+        // `--init-from DIR --steps 0 --save ROOT`: the imported masters as a step-0 checkpoint.
+        if let Some(root) = &job.ck.save {
+            let meta = ckpt::meta(cfg, job.data_id, 0);
+            let specs = trainer.buffers().specs().to_vec();
+            let save_comm: &mut dyn Communicator = match shard.as_mut() {
+                Some(s) if !split_state => s.as_mut(),
+                _ => &mut *comm,
+            };
+            let opt = trainer.optimizer();
+            let options = job.ck.options();
+            let dir = lowbit_ckpt::save(dev, save_comm, root, &meta, &specs, opt, options)
+                .map_err(|x| e(&x))?;
+            saved.push(dir);
         }
     }
     let start = Instant::now();

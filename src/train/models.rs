@@ -64,7 +64,7 @@ impl JobModel {
     pub(crate) fn init(&self, cfg: &TrainConfig) -> Vec<Vec<f32>> {
         match self {
             JobModel::Reference { .. } => cfg.shape.init(cfg.seed),
-            JobModel::Llama(j) => lowbit_llama::params::init(&j.run.config, cfg.seed),
+            JobModel::Llama(j) => j.initial_values(cfg.seed),
         }
     }
 

@@ -13,6 +13,8 @@
 //!   generator, and the generation loop over any next-logits function.
 //! - [`data`]: tokenizers (GPT-2 BPE, bytes), token shards on disk with a manifest, memory-mapped
 //!   reading and a deterministic sample order.
+//! - [`hf`]: the Hugging Face directory (`config.json`, `generation_config.json`, tokenizer
+//!   files, safetensors under HF Llama names, sharded with an index) written and read back.
 //!
 //! # Invariants
 //! - The model owns activations and scratch only; parameters and gradients are the hooks'. Its
@@ -35,6 +37,7 @@
 pub mod config;
 pub mod data;
 pub mod generate;
+pub mod hf;
 pub mod model;
 pub mod params;
 
