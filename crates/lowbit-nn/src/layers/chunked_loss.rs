@@ -378,7 +378,7 @@ mod tests {
         let chunk = 3;
         let mut dev = Device::cpu();
         dev.set_matmul_mode(MatmulMode::Bf16);
-        let mut hooks = TestHooks::new(&mut dev, &[w.clone()]);
+        let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&w));
         let loss = ChunkedCrossEntropy {
             head: Linear::new(0, D, V),
             chunk_rows: chunk,
