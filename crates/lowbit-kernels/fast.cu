@@ -223,9 +223,10 @@ extern "C" __global__ void fast_xent_warp(float* x, const float* __restrict__ ta
 
 // ---- RMSNorm ----
 //
-// A CTA of RMS_T threads per row, the row in registers: slot i of thread t covers W elements
-// starting at W (t + i RMS_T) (W = 4: float4, for rows whose length is a multiple of 4 and
-// 16-byte aligned views; W = 1 otherwise), NV slots a thread, NV W RMS_T >= cols. Per element
+// A CTA of T threads per row (RMS_T = 256, or 128 for the `_t128` float4 entries), the row in
+// registers: slot i of thread t covers W elements starting at W (t + i T) (W = 4: float4, for
+// rows whose length is a multiple of 4 and 16-byte aligned views; W = 1 otherwise), NV slots a
+// thread, NV W T >= cols. Per element
 // the exact formulas (_rn, no contraction); only the association of the row sums (ss, dot)
 // changes: each thread sums its slots in order, then block_sum.
 
@@ -251,7 +252,7 @@ __device__ __forceinline__ void st(float* p, const float* v) {
 }
 
 // y = (x rstd) w, rstd = 1 / sqrt(ss / cols + eps), rows strided over the grid.
-template <int NV, int W>
+template <int NV, int W, int T>
 __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ y, float* __restrict__ rstd, u64 rows,
                                         u64 cols, float eps) {
@@ -259,7 +260,7 @@ __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float
     float wr[NV * W];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-        u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+        u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
         if (c0 < cols) ld<W>(w + c0, wr + i * W);
     }
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -268,7 +269,7 @@ __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float
         float ss = 0.0f;
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-            u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+            u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
             if (c0 < cols) {
                 ld<W>(xr + c0, v + i * W);
 #pragma unroll
@@ -280,7 +281,7 @@ __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float
         if (threadIdx.x == 0) rstd[r] = rs;
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-            u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+            u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
             if (c0 < cols) {
                 float o[W];
 #pragma unroll
@@ -295,7 +296,7 @@ __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float
 // xh = x rstd, g = dy w, dot = sum g xh (block_sum), mean = dot / cols, dx = rstd (g - xh mean)
 // (the exact formulas), and per column a register partial p += dy xh from +0 in row order,
 // written to part[b, :] at the end.
-template <int NV, int W>
+template <int NV, int W, int T>
 __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float* __restrict__ w,
                                         const float* __restrict__ rstd,
                                         const float* __restrict__ dy, float* __restrict__ dx,
@@ -304,7 +305,7 @@ __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float
     float wr[NV * W], p[NV * W];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-        u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+        u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
 #pragma unroll
         for (int k = 0; k < W; ++k) p[i * W + k] = 0.0f;
         if (c0 < cols) ld<W>(w + c0, wr + i * W);
@@ -317,7 +318,7 @@ __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-            u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+            u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
             if (c0 < cols) {
                 ld<W>(x + r * cols + c0, xh + i * W);
                 ld<W>(dy + r * cols + c0, d + i * W);
@@ -335,7 +336,7 @@ __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float
         float mean = __fdiv_rn(dot, (float)cols);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
-            u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+            u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
             if (c0 < cols) {
                 float o[W];
 #pragma unroll
@@ -349,33 +350,37 @@ __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float
     }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-        u64 c0 = (u64)W * (threadIdx.x + (u64)i * RMS_T);
+        u64 c0 = (u64)W * (threadIdx.x + (u64)i * T);
         if (c0 < cols) st<W>(part + (u64)blockIdx.x * cols + c0, p + i * W);
     }
 }
 
-#define RMS_ENTRY(NV, W, SUF)                                                                  \
-    extern "C" __global__ void __launch_bounds__(RMS_T) fast_rms_fwd_##SUF(                    \
+#define RMS_ENTRY(NV, W, T, SUF)                                                               \
+    extern "C" __global__ void __launch_bounds__(T) fast_rms_fwd_##SUF(                        \
         const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,       \
         float* __restrict__ rstd, u64 rows, u64 cols, float eps) {                             \
-        rms_fwd<NV, W>(x, w, y, rstd, rows, cols, eps);                                        \
+        rms_fwd<NV, W, T>(x, w, y, rstd, rows, cols, eps);                                     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RMS_T) fast_rms_bwd_##SUF(                    \
+    extern "C" __global__ void __launch_bounds__(T) fast_rms_bwd_##SUF(                        \
         const float* __restrict__ x, const float* __restrict__ w,                              \
         const float* __restrict__ rstd, const float* __restrict__ dy, float* __restrict__ dx,  \
         float* __restrict__ part, u64 rows, u64 cols, u64 rb) {                                \
-        rms_bwd<NV, W>(x, w, rstd, dy, dx, part, rows, cols, rb);                              \
+        rms_bwd<NV, W, T>(x, w, rstd, dy, dx, part, rows, cols, rb);                           \
     }
 
-// float4 slots: cols <= 1024 NV; scalar slots: cols <= 256 NV.
-RMS_ENTRY(1, 4, v1)
-RMS_ENTRY(2, 4, v2)
-RMS_ENTRY(4, 4, v4)
-RMS_ENTRY(8, 4, v8)
-RMS_ENTRY(4, 1, s4)
-RMS_ENTRY(8, 1, s8)
-RMS_ENTRY(16, 1, s16)
-RMS_ENTRY(32, 1, s32)
+// float4 slots: cols <= 4 T NV; scalar slots: cols <= T NV.
+RMS_ENTRY(1, 4, RMS_T, v1)
+RMS_ENTRY(2, 4, RMS_T, v2)
+RMS_ENTRY(4, 4, RMS_T, v4)
+RMS_ENTRY(8, 4, RMS_T, v8)
+RMS_ENTRY(4, 1, RMS_T, s4)
+RMS_ENTRY(8, 1, RMS_T, s8)
+RMS_ENTRY(16, 1, RMS_T, s16)
+RMS_ENTRY(32, 1, RMS_T, s32)
+// 128-thread CTAs (twice the rows in flight per SM for short rows): `fast_rms_threads` 128.
+RMS_ENTRY(1, 4, 128, v1_t128)
+RMS_ENTRY(2, 4, 128, v2_t128)
+RMS_ENTRY(4, 4, 128, v4_t128)
 
 // Backward, stage 2: dw[c] = dw[c] + total, total the sum of part[0..blocks, c] in a fixed
 // tree: a CTA of 32 x 32 threads takes 32 columns; thread (cx, by) sums the blocks by, by + 32,

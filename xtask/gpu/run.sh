@@ -61,6 +61,8 @@ STEPS+=(
   # one Llama-3-8B layer (exact extrapolated, fast, torch.optim.Muon on the same card in the
   # same run) and layer-wise over 1 and 2 GPUs.
   "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
+  # The decoder in the fast mode (tensor-core GEMMs through cuBLASLt, fast.cu's kernels).
+  "test-lowbit-llama-cuda_fast_model|300|gpu/with_cublas.sh bin/test-lowbit-llama-cuda_fast_model --test-threads=1 --nocapture"
   "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/bench-lowbit-optim-muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # The data-parallel step at real scale: lowbit's step per phase against bounds of
   # the same run (plain NCCL collectives, device copies of the same bytes) on 2 GPUs, every

@@ -793,8 +793,10 @@ impl Device {
     /// call fresh (and drops the prepared graphs); `("fast_xent_exp", 0 | 1)` and
     /// `("fast_xent_threads", 64..=1024)`: the fast cross-entropy of [`MatmulMode::Bf16`]
     /// (its gradient's exp through double, 0, the default, or `expf`, 1; threads per row, a
-    /// multiple of 32, 512 by default).
-    /// Every version gives the same bytes (and the same sums), but for `fast_xent_exp`.
+    /// multiple of 32, 512 by default); `("fast_rms_threads", 0 | 128)`: the fast RMSNorm's
+    /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128.
+    /// Every version gives the same bytes (and the same sums), but for the `fast_*` ones (each
+    /// deterministic, with its own fixed summation tree).
     #[cfg(feature = "cuda")]
     #[doc(hidden)]
     pub fn set_cuda_kernel_variant(&mut self, kernel: &str, version: u32) -> Result<()> {

@@ -183,7 +183,13 @@ static void rms(unsigned rows, unsigned cols, unsigned off, bool vec, int nv) {
     });
     unsigned rb = (rows + 6) / 7, nb = (rows + rb - 1) / rb;
     std::vector<float> part((size_t)nb * cols, NAN);
-    if (vec) {
+    if (vec && nv < 0) {
+#undef RMS_T
+#define RMS_T 128
+        if (nv == -1) { RMS_CALL(v1_t128) } else if (nv == -2) { RMS_CALL(v2_t128) } else { RMS_CALL(v4_t128) }
+#undef RMS_T
+#define RMS_T 256
+    } else if (vec) {
         if (nv == 1) { RMS_CALL(v1) } else if (nv == 2) { RMS_CALL(v2) } else if (nv == 4) { RMS_CALL(v4) } else { RMS_CALL(v8) }
     } else {
         if (nv == 4) { RMS_CALL(s4) } else if (nv == 8) { RMS_CALL(s8) } else if (nv == 16) { RMS_CALL(s16) } else { RMS_CALL(s32) }
@@ -287,6 +293,9 @@ int main() {
     rms(3, 3000, 0, false, 16);
     rms(2, 8192, 1, false, 32);
     rms(40, 64, 0, true, 1);
+    rms(9, 512, 0, true, -1);  // the 128-thread entries
+    rms(5, 768, 0, true, -2);
+    rms(11, 2048, 0, true, -4);
     elementwise();
     printf(failures ? "FAILURES: %d\n" : "ALL OK\n", failures);
     return failures != 0;

@@ -369,6 +369,80 @@ mod tests {
         );
     }
 
+    /// The bf16 mode's head weight, cast to bf16 once, gives the bits of the products on its
+    /// f32 copy (which round it to bf16 each): the loss, dx and dW of a reference built from
+    /// the device ops.
+    #[test]
+    fn the_bf16_mode_head_weight_cast_once_changes_no_bit() {
+        let (x, w) = inputs();
+        let chunk = 3;
+        let mut dev = Device::cpu();
+        dev.set_matmul_mode(MatmulMode::Bf16);
+        let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&w));
+        let loss = ChunkedCrossEntropy {
+            head: Linear::new(0, D, V),
+            chunk_rows: chunk,
+        };
+        let (xv, t) = (upload(&mut dev, &x), upload(&mut dev, &T));
+        let dx = dev.alloc(DType::F32, ROWS * D);
+        let (wk, s) = (work(&mut dev, chunk), scratch(&mut dev, V * D));
+        let l = loss
+            .forward_backward(
+                &mut dev,
+                &mut hooks,
+                xv,
+                t,
+                dx,
+                ROWS,
+                SCALE,
+                wk,
+                s,
+                HeadGrad::Report,
+            )
+            .unwrap();
+        // The reference: every product on the f32 weight.
+        let wf = upload(&mut dev, &w);
+        let (logits, losses) = (
+            dev.alloc(DType::F32, chunk * V),
+            dev.alloc(DType::F32, ROWS),
+        );
+        let (dx_ref, dw_ref) = (
+            dev.alloc(DType::F32, ROWS * D),
+            dev.alloc(DType::F32, V * D),
+        );
+        let c = (f64::from(SCALE) / ROWS as f64) as f32;
+        for r0 in (0..ROWS).step_by(chunk) {
+            let n = chunk.min(ROWS - r0);
+            let xc = xv.slice(r0 * D..(r0 + n) * D).unwrap();
+            let lg = logits.slice(0..n * V).unwrap();
+            dev.matmul(xc, wf, lg, &spec(n, V, D, false, true, false))
+                .unwrap();
+            let (tc, lc) = (
+                t.slice(r0..r0 + n).unwrap(),
+                losses.slice(r0..r0 + n).unwrap(),
+            );
+            dev.cross_entropy_rows(lg, tc, lc, Some(c)).unwrap();
+            let dxc = dx_ref.slice(r0 * D..(r0 + n) * D).unwrap();
+            dev.matmul(lg, wf, dxc, &spec(n, D, V, false, false, false))
+                .unwrap();
+            dev.matmul(lg, xc, dw_ref, &spec(V, D, n, true, false, r0 > 0))
+                .unwrap();
+        }
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = ChunkedCrossEntropy::mean(&mut dev, losses).unwrap();
+        assert_eq!(l.to_bits(), want.to_bits(), "loss");
+        assert_eq!(
+            bits(dev.download(dx).unwrap()),
+            bits(dev.download(dx_ref).unwrap()),
+            "dx"
+        );
+        assert_eq!(
+            bits(hooks.grad_of(&dev, 0)),
+            bits(dev.download(dw_ref).unwrap()),
+            "dW"
+        );
+    }
+
     #[test]
     fn chunks_change_no_bit_of_the_loss_or_dx() {
         let (x, w) = inputs();

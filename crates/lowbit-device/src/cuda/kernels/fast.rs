@@ -16,7 +16,7 @@ use super::{blocks, capped, dt};
 use crate::cuda::{CudaDevice, cuda_err};
 use crate::{DType, DeviceError, Result, RopeSpec, View};
 
-/// Threads of an RMSNorm CTA (`RMS_T` in fast.cu).
+/// Threads of an RMSNorm CTA (`RMS_T` in fast.cu; 128 for its `_t128` entries).
 const RMS_T: usize = 256;
 /// The row blocks of the RMSNorm weight gradient's first stage: at most this many, so the
 /// partial sums are `[blocks, cols]` (a function of the shape only: the same blocks, the same
@@ -52,6 +52,9 @@ pub(crate) struct FastState {
     /// Threads of a cross-entropy CTA (`set_cuda_kernel_variant("fast_xent_threads", N)`,
     /// a multiple of 32 in 64..=1024; default 512).
     pub(crate) xent_threads: u32,
+    /// Threads of an RMSNorm CTA for float4 rows of at most 2048 columns: 0 (the default) 256,
+    /// or 128 (`set_cuda_kernel_variant("fast_rms_threads", 0 | 128)`).
+    pub(crate) rms_threads: u32,
 }
 
 impl CudaDevice {
@@ -194,9 +197,23 @@ impl CudaDevice {
         }
     }
 
-    /// Which RMSNorm entry fits `cols` (`v1`..`v8` with float4 slots, `s4`..`s32` scalar),
-    /// or `None` past 8192 columns (the exact kernels then run).
-    fn rms_entry(cols: usize, vec: bool) -> Option<(&'static str, &'static str)> {
+    /// Which RMSNorm entry fits `cols` (`v1`..`v8` with float4 slots, `s4`..`s32` scalar; the
+    /// `_t128` float4 entries with `fast_rms_threads` 128) and its threads, or `None` past 8192
+    /// columns (the exact kernels then run).
+    fn rms_entry(&self, cols: usize, vec: bool) -> Option<(&'static str, &'static str, u32)> {
+        if vec && self.fast.rms_threads == 128 && cols <= 4 * 128 * 4 {
+            let (f, b) = match cols.div_ceil(4 * 128) {
+                0..=1 => ("fast_rms_fwd_v1_t128", "fast_rms_bwd_v1_t128"),
+                2 => ("fast_rms_fwd_v2_t128", "fast_rms_bwd_v2_t128"),
+                _ => ("fast_rms_fwd_v4_t128", "fast_rms_bwd_v4_t128"),
+            };
+            return Some((f, b, 128));
+        }
+        Self::rms_entry_256(cols, vec).map(|(f, b)| (f, b, RMS_T as u32))
+    }
+
+    /// The 256-thread entries of [`Self::rms_entry`].
+    fn rms_entry_256(cols: usize, vec: bool) -> Option<(&'static str, &'static str)> {
         let per = if vec { 4 * RMS_T } else { RMS_T };
         let nv = cols.div_ceil(per);
         Some(match (vec, nv) {
@@ -228,7 +245,7 @@ impl CudaDevice {
         let ([xp, wp], [yp, rp]) = self.ptrs("rms_norm", ins, outs)?;
         let (rows, cols) = (outs[1].len(), ins[1].len());
         let vec = Self::vec4(cols, &[xp, wp, yp]);
-        let Some((fwd, _)) = Self::rms_entry(cols, vec) else {
+        let Some((fwd, _, threads)) = self.rms_entry(cols, vec) else {
             return Ok(false);
         };
         if rows == 0 {
@@ -238,7 +255,7 @@ impl CudaDevice {
         let args = args![xp, wp, yp, rp, rows, cols, eps];
         // SAFETY: views validated above (x, y rows·cols, weight cols, rstd rows); the entry's
         // slots cover cols (rms_entry), float4 slots only on aligned views with cols % 4 == 0.
-        unsafe { self.launch(fwd, (grid, 1, 1), (RMS_T as u32, 1, 1), &args)? };
+        unsafe { self.launch(fwd, (grid, 1, 1), (threads, 1, 1), &args)? };
         Ok(true)
     }
 
@@ -252,7 +269,7 @@ impl CudaDevice {
         let ([xp, wp, rp, dyp], [dxp, dwp]) = self.ptrs("rms_norm_backward", ins, outs)?;
         let (rows, cols) = (ins[2].len(), ins[1].len());
         let vec = Self::vec4(cols, &[xp, wp, dyp, dxp]);
-        let Some((_, bwd)) = Self::rms_entry(cols, vec) else {
+        let Some((_, bwd, threads)) = self.rms_entry(cols, vec) else {
             return Ok(false);
         };
         if rows == 0 || cols == 0 {
@@ -265,7 +282,7 @@ impl CudaDevice {
         let args = args![xp, wp, rp, dyp, dxp, part, rows, cols, rb];
         // SAFETY: views validated above; `part` holds nb·cols words, block b < nb writes row
         // b of it; rows [b·rb, min(rows, (b+1)·rb)) are in bounds.
-        unsafe { self.launch(bwd, (grid, 1, 1), (RMS_T as u32, 1, 1), &args)? };
+        unsafe { self.launch(bwd, (grid, 1, 1), (threads, 1, 1), &args)? };
         let gx = blocks(cols, 32)
             .ok_or_else(|| DeviceError::Unsupported(format!("rms_norm: {cols} columns")))?;
         // SAFETY: `part` holds nb·cols words written by the launch before; dweight cols.
