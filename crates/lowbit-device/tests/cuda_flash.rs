@@ -6,8 +6,8 @@
 //! prints TFLOP/s. Needs a GPU; fails, never skips, without one.
 //!
 //! Bounds: `max |cuda − cpu| / max |cpu|` (floor 1e-3) ≤ 2e-2 for `out`, `dq`, `dk`, `dv`
-//! against the exact op (bf16 operands: measured 1e-3 to 5e-3), and `lse` within 1e-2
-//! absolute (its magnitude is about 1 to 10).
+//! against the exact op (bf16 operands: the CPU reference of the same rounding measures 2e-3 to
+//! 6e-3), and ≤ 1e-2 for `lse` (measured about 1e-3).
 #![cfg(feature = "cuda")]
 
 use lowbit_device::{AttentionSpec, DType, Device, View};
@@ -142,15 +142,7 @@ fn flash_on_cuda_matches_the_cpu_within_bf16_error() {
                 "{s:?}: {} has non-finite values",
                 names[w]
             );
-            let e = if w == 1 {
-                // lse: absolute.
-                rel(&cuda[w], &exact[w])
-                    * exact[w]
-                        .iter()
-                        .fold(1e-3f64, |m, &v| m.max(f64::from(v).abs()))
-            } else {
-                rel(&cuda[w], &exact[w])
-            };
+            let e = rel(&cuda[w], &exact[w]);
             let bound = if w == 1 { 1e-2 } else { BOUND };
             line += &format!(" {} {e:.2e}", names[w]);
             assert!(e <= bound, "{s:?}: {} {e:e} (bound {bound})", names[w]);

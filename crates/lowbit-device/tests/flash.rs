@@ -4,10 +4,10 @@
 //! head-size and shape errors.
 //!
 //! Bounds: every error is the largest absolute difference over the largest magnitude of the
-//! compared quantity (`max |a − b| / max |b|`). Rounding `q`, `k`, `v` (and `dout`, `out`, `P`,
-//! `dS`) to bf16 moves each by at most 2⁻⁹ relative; over sums of many such terms the measured
-//! errors are 1e-3 to 5e-3, so the asserted bound is 2e-2 (the forward's `lse`, an f32 quantity
-//! of order 1 computed from the same rounded scores: 1e-2 absolute).
+//! compared quantity (`max |a − b| / max |b|`, floor 1e-3). Rounding `q`, `k`, `v` (and `dout`,
+//! `out`, `P`, `dS`) to bf16 moves each by at most 2⁻⁹ relative; over sums of many such terms the
+//! measured errors against the exact op are 2e-3 to 6e-3 (out, dq, dk, dv) and about 1e-3 (lse),
+//! so the asserted bounds are 2e-2 and 1e-2 (lse).
 
 mod common;
 
@@ -140,16 +140,19 @@ fn flash_matches_the_exact_attention_within_bf16_error() {
         let [flash, exact] = both(&s, &x);
         let (ho, hl) = host_f64(&s, &x[0], &x[1], &x[2]);
         let names = ["out", "lse", "dq", "dk", "dv"];
+        let mut line = format!("cpu flash {s:?} vs exact:");
         for (w, name) in names.iter().enumerate() {
             // Gradients of a single token vanish (dq = dk = 0 at seq 1): a floor of 1e-3 of
             // the unit-scale inputs keeps the ratio meaningful there.
             let e = rel(&flash[w], &widen(&exact[w]), 1e-3);
             let bound = if w == 1 { 1e-2 } else { BOUND };
+            line += &format!(" {name} {e:.1e}");
             assert!(
                 e <= bound,
                 "{s:?}: {name} {e:e} from the exact op (bound {bound})"
             );
         }
+        eprintln!("{line}");
         let (eo, el) = (rel(&flash[0], &ho, 1e-3), rel(&flash[1], &hl, 1.0));
         assert!(
             eo <= BOUND && el <= 1e-2,
