@@ -99,6 +99,21 @@ pub enum CkptError {
     /// `step-N` exists already; a committed checkpoint is never overwritten.
     #[error("checkpoint `{}` exists already", .0.display())]
     Exists(PathBuf),
+    /// Another process holds the directory's lock ([`crate::DirLock`]): two runs saving into
+    /// one directory would collide.
+    #[error(
+        "`{}` is locked by another run{} (its lock file `{}`); wait for it to end or save \
+         elsewhere",
+        dir.display(),
+        holder.map_or(String::new(), |p| format!(" (pid {p})")),
+        crate::lock::LOCK_FILE
+    )]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// The pid the holder wrote into the lock file, if it could be read.
+        holder: Option<u32>,
+    },
     /// A safetensors serialization error.
     #[error("safetensors: {0}")]
     Safetensors(#[from] safetensors::SafeTensorError),
