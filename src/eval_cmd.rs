@@ -69,7 +69,7 @@ pub struct GenerateArgs {
 
 /// Settings of a manifest that are not `lowbit train` flags of the same name, or that an eval
 /// sets itself.
-const NOT_FLAGS: [&str; 7] = [
+const NOT_FLAGS: [&str; 8] = [
     "data",
     "device",
     "ranks",
@@ -77,6 +77,8 @@ const NOT_FLAGS: [&str; 7] = [
     "experts_layout",
     "grad_dtype",
     "outer_dp",
+    // An extended learning-rate schedule: nothing an eval uses.
+    "schedule",
 ];
 
 /// The run that saved `ckpt`, on `ranks` ranks of `device`, evaluating `data` if given.

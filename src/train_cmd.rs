@@ -208,6 +208,11 @@ pub struct TrainArgs {
     /// --discrete-experts, --recompute, --nan-check and --device may change.
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+    /// With --resume and a --steps beyond the checkpoint's: how the learning-rate schedule
+    /// continues. constant: the old schedule to its end, then its final rate held; cosine: the
+    /// decay left at the resume step stretched to the new end (docs/training.md).
+    #[arg(long, value_enum, value_name = "KIND", requires = "resume")]
+    pub extend_schedule: Option<train::Extend>,
 }
 
 /// The flags of `lowbit train` as a parser of their own: to check a config file's flags, and to
@@ -264,6 +269,7 @@ impl TrainArgs {
             keep: self.keep.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
             resume: self.resume.clone(),
             asynchronous: self.async_save,
+            extend_schedule: self.extend_schedule,
         }
     }
 
@@ -442,6 +448,7 @@ impl TrainArgs {
             compute: self.compute,
             shape,
             model,
+            schedule: train::Schedule::default(),
         })
     }
 }
@@ -466,6 +473,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         // way out, over the liveness channel (`lowbit_comm::liveness`).
         lowbit::comm::liveness::install_signal_goodbye();
     }
+    // The first SIGINT/SIGTERM stops after the current step (saved with --save), a second one
+    // hands the signal to the goodbye above or dies of it (`lowbit::train::stop`).
+    let stop = train::stop::signals();
     let tty = std::io::stderr().is_terminal();
     let progress = |s: &StepLog| {
         let eval = s.eval.map(|v| format!("  eval {v:.4}")).unwrap_or_default();
@@ -487,8 +497,19 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             let _ = writeln!(err, "{line}");
         }
     };
-    let report = train::train_with(&cfg, &args.checkpointing(), &progress)
-        .map_err(|e| CliError::Msg(e.to_string()))?;
+    let report = train::train_until(&cfg, &args.checkpointing(), stop, &progress).map_err(|e| {
+        let status = match e {
+            train::TrainError::Stopped { signal, .. } => Some(train::stop::exit_status(signal)),
+            _ => None,
+        };
+        match status {
+            Some(status) => CliError::Stopped {
+                message: e.to_string(),
+                status,
+            },
+            None => CliError::Msg(e.to_string()),
+        }
+    })?;
     if cfg.device == train::DeviceChoice::Cuda
         && train::launched_rank().map_err(|e| CliError::Msg(e.to_string()))? != 0
     {

@@ -216,6 +216,9 @@ pub struct TrainConfig {
     pub compute: Compute,
     /// The model (the reference model has the shape `shape`).
     pub model: ModelChoice,
+    /// The learning-rate schedule's extensions (default: none, warmup-cosine over `steps`); a
+    /// resume sets it from the checkpoint and `--extend-schedule`.
+    pub schedule: super::schedule::Schedule,
 }
 
 /// Which model a run trains (`--model`).
@@ -298,6 +301,7 @@ impl Default for TrainConfig {
             },
             compute: Compute::Exact,
             model: ModelChoice::Reference,
+            schedule: super::schedule::Schedule::default(),
         }
     }
 }
@@ -374,6 +378,26 @@ pub enum TrainError {
     /// both values), or the save directory would collide with the run's saves.
     #[error("{0}")]
     Checkpoint(String),
+    /// A stop was requested ([`super::stop::StopRequest`], SIGINT or SIGTERM): every rank
+    /// stopped after step `step`, which was saved to `saved` when the run saves.
+    #[error(
+        "stopped by {} after step {step}/{steps}; {}",
+        super::stop::signal_name(*signal),
+        match saved {
+            Some(p) => format!("saved {} (continue with --resume and the same flags)", p.display()),
+            None => "nothing was saved (no --save)".into(),
+        }
+    )]
+    Stopped {
+        /// The signal's number.
+        signal: i32,
+        /// The last step done, from 1.
+        step: usize,
+        /// Of how many.
+        steps: usize,
+        /// The checkpoint of that step.
+        saved: Option<PathBuf>,
+    },
     /// A rank failed.
     #[error("rank {rank}: {message}")]
     Rank {
@@ -411,6 +435,9 @@ impl TrainConfig {
             " (and --batch must split into them)",
         )?;
         check_count("steps", self.steps, limits::STEPS, " steps")?;
+        if let Err(m) = self.schedule.check(self.steps) {
+            return bad(format!("learning-rate schedule: {m}"));
+        }
         if self.batch > limits::BATCH {
             return bad(format!(
                 "--batch {} exceeds the limit of {} samples per step",
@@ -699,9 +726,10 @@ impl TrainConfig {
 
     /// The learning rate of `step` (from 0): linear warmup over the first 5% of the steps,
     /// then cosine decay to a tenth. Computed in f64, rounded once.
-    /// (`lowbit_train::schedule::WarmupCosine` over the run's steps.)
+    /// (`lowbit_train::schedule::WarmupCosine` over the run's steps, unless `schedule` extends
+    /// it: [`super::Schedule`].)
     pub fn lr_at(&self, step: usize) -> f32 {
-        lowbit_train::schedule::WarmupCosine::new(self.lr, self.steps).lr_at(step)
+        self.schedule.lr_at(self.lr, self.steps, step)
     }
 
     /// The FSDP configuration: strategy, precision policy, overlap and buckets (today's
