@@ -7,6 +7,7 @@
 #![cfg(unix)]
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -113,7 +114,7 @@ fn strs(v: &[String]) -> Vec<&str> {
 fn sigterm_saves_the_step_and_resumes_to_the_straight_runs_bits() {
     let dir = tempdir("term");
     let d = dir.to_str().unwrap();
-    let base = tiny("60");
+    let base = tiny("40");
     let straight = run_json(&strs(&base));
     let (child, rest) = start(&args(&base, &["--save", d]));
     let other = run_refused(&strs(&args(&base, &["--save", d])));
@@ -135,7 +136,7 @@ fn sigterm_saves_the_step_and_resumes_to_the_straight_runs_bits() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!((1..60).contains(&step), "{line}");
+    assert!((1..40).contains(&step), "{line}");
     let saved = dir.join(format!("step-{step}"));
     assert!(
         line.contains(&format!("saved {} (", saved.display())),
@@ -151,7 +152,7 @@ fn sigterm_saves_the_step_and_resumes_to_the_straight_runs_bits() {
         straight.key("master_checksum"),
         "resumed after the stop at step {step}"
     );
-    assert!(dir.join("step-60").is_dir());
+    assert!(dir.join("step-40").is_dir());
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -204,9 +205,16 @@ fn unwritable_save_directories_are_refused_before_step_one() {
         (file.clone(), "not a directory"),
         (under.clone(), "cannot create the directory"),
     ];
-    // A directory nobody may create files in, root included.
+    // A read-only directory (root may write into it anyway: then it is not a case here) and
+    // one nobody may create files in, root included.
+    let ro = dir.join("read-only");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::write(ro.join("probe"), b"").is_err() {
+        cases.push((ro.clone(), "the directory cannot be written"));
+    }
     if Path::new("/proc/self").is_dir() {
-        cases.push((PathBuf::from("/proc"), "cannot be written"));
+        cases.push((PathBuf::from("/proc"), "the directory cannot be written"));
     }
     let base = tiny("3");
     for (path, why) in cases {
@@ -216,6 +224,7 @@ fn unwritable_save_directories_are_refused_before_step_one() {
         assert!(!err.contains("step "), "{p}: a step ran: {err}");
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -286,8 +295,8 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
     };
     let no_flag = refusal(run(&resuming(a.join("step-4"), None, None)));
     assert!(
-        no_flag.contains("--steps 8 is beyond the checkpoint's schedule of 4 steps")
-            && no_flag.contains("--extend-schedule"),
+        no_flag.contains("--steps is 8 here but 4 in the checkpoint: a larger --steps needs \
+             --extend-schedule"),
         "{no_flag}"
     );
     let same = refusal(train::train_with(
@@ -307,4 +316,42 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
     assert_eq!(out.status.code(), Some(2));
     std::fs::remove_dir_all(&a).ok();
     std::fs::remove_dir_all(&b).ok();
+}
+
+/// Through the library: a request set before the run stops every rank after its first step;
+/// under --async-save that step's checkpoint is committed before the run returns, and it
+/// resumes to the straight run's masters. A run without a request is not disturbed by one
+/// that was never set.
+#[test]
+fn a_stop_request_stops_after_the_step_and_commits_its_async_save() {
+    let dir = tempdir("request");
+    let cfg = tiny_cfg(3);
+    let straight = train::train(&cfg, &|_| {}).unwrap();
+    let stop = train::stop::StopRequest::new();
+    assert!(stop.request(SIGTERM));
+    let ck = Checkpointing {
+        save: Some(dir.clone()),
+        asynchronous: true,
+        ..Checkpointing::default()
+    };
+    let steps = std::sync::Mutex::new(Vec::new());
+    let r = train::train_until(&cfg, &ck, &stop, &|s| steps.lock().unwrap().push(s.step));
+    match r {
+        Err(TrainError::Stopped {
+            signal,
+            step,
+            steps,
+            saved,
+        }) => {
+            assert_eq!((signal, step, steps), (SIGTERM, 1, 3));
+            assert_eq!(saved, Some(dir.join("step-1")));
+        }
+        other => panic!("expected a stop, got {:?}", other.map(|r| r.master_checksum)),
+    }
+    assert_eq!(*steps.lock().unwrap(), [1]);
+    assert_eq!(lowbit::ckpt::latest_step(&dir).unwrap(), Some(1));
+    assert!(!dir.join(".lowbit.lock").exists(), "the lock is released");
+    let resumed = train::train_with(&cfg, &resuming(dir.clone(), None, None), &|_| {}).unwrap();
+    assert_eq!(resumed.master_checksum, straight.master_checksum);
+    std::fs::remove_dir_all(&dir).ok();
 }

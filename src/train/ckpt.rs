@@ -362,9 +362,9 @@ fn resumed_schedule(
         None if cfg.steps == step => Ok(None),
         None if cfg.steps == end => Ok(Some(old)),
         None if cfg.steps > end => Err(format!(
-            "--steps {} is beyond the checkpoint's schedule of {end} steps: pass \
-             --extend-schedule constant (hold its final learning rate) or cosine (stretch its \
-             remaining decay to the new end) to say how it continues",
+            "--steps is {} here but {end} in the checkpoint: a larger --steps needs \
+             --extend-schedule constant (hold the final learning rate) or cosine (stretch the \
+             remaining decay to the new end) to say how the schedule continues",
             cfg.steps
         )),
         None => Err(format!(

@@ -2,13 +2,16 @@
 //! directory at the same time (their `step-N` commits, `latest` updates and tidying would
 //! collide).
 //!
-//! The lock is `flock(LOCK_EX | LOCK_NB)` on `DIR/.lowbit.lock` (created if absent, never
-//! removed): the kernel releases it when the holder's descriptor closes, the process dying
-//! included (SIGKILL, a crash), so a lock is never stale. The file is kept rather than removed
-//! on release: unlinking it while another process has it open would let two processes lock two
-//! different files of the same name. The holder writes its pid into the file, so a refusal can
-//! name it. `flock` locks belong to an open file description, so a second [`DirLock::acquire`]
-//! in the same process is refused too.
+//! The lock is `flock(LOCK_EX | LOCK_NB)` on `DIR/.lowbit.lock` (created if absent): the kernel
+//! releases it when the holder's descriptor closes, the process dying included (SIGKILL, a
+//! crash), so a lock is never stale; a file left by a killed holder is simply locked again. A
+//! holder that ends normally removes the file while it still holds the lock, so a finished run
+//! leaves its directory as it found it. Removal is safe because a new holder, once locked,
+//! checks that the path still names the file it locked (same device and inode) and starts over
+//! if not: whoever opened the old file before its removal ends up locking a file nobody else
+//! can reach, notices, and retries on the new one. The holder writes its pid into the file, so
+//! a refusal can name it. `flock` locks belong to an open file description, so a second
+//! [`DirLock::acquire`] in the same process is refused too.
 //!
 //! `flock` is advisory: it stops cooperating runs (every `lowbit` run that saves), not other
 //! programs writing into the directory. On network file systems it may be emulated or absent
@@ -29,7 +32,14 @@ pub const LOCK_FILE: &str = ".lowbit.lock";
 pub struct DirLock {
     dir: PathBuf,
     // Held open: closing it releases the lock.
-    _file: File,
+    file: File,
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Removed while still locked (see the module docs); the descriptor closes after this.
+        let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
+    }
 }
 
 impl DirLock {
@@ -41,23 +51,20 @@ impl DirLock {
     /// has it; [`CkptError::Io`] when the lock file cannot be created or locked.
     pub fn acquire(dir: &Path) -> Result<DirLock> {
         let path = dir.join(LOCK_FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io("create the lock file", &path))?;
-        match sys::try_lock(&file) {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(CkptError::Locked {
-                    dir: dir.to_path_buf(),
-                    holder: read_pid(&mut file),
-                });
+        // A holder removing the file between our open and our lock makes us start over; a
+        // handful of rounds is plenty (each needs another run to finish in that instant).
+        let mut rounds = 0;
+        let mut file = loop {
+            let (file, same) = Self::lock_once(dir, &path)?;
+            if same {
+                break file;
             }
-            Err(e) => return Err(io("lock", &path)(e)),
-        }
+            rounds += 1;
+            if rounds == 16 {
+                let e = std::io::Error::other("the lock file was replaced 16 times while locking");
+                return Err(io("lock", &path)(e));
+            }
+        };
         // Ours now: record who holds it (a failure here only loses the pid of a refusal).
         let record = |f: &mut File| -> std::io::Result<()> {
             f.set_len(0)?;
@@ -68,14 +75,38 @@ impl DirLock {
         record(&mut file).map_err(io("write the lock file", &path))?;
         Ok(DirLock {
             dir: dir.to_path_buf(),
-            _file: file,
+            file,
         })
+    }
+
+    /// Opens and locks `path`; the file, and whether `path` still names it.
+    fn lock_once(dir: &Path, path: &Path) -> Result<(File, bool)> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io("create the lock file", path))?;
+        match sys::try_lock(&file) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(CkptError::Locked {
+                    dir: dir.to_path_buf(),
+                    holder: read_pid(&mut file),
+                });
+            }
+            Err(e) => return Err(io("lock", path)(e)),
+        }
+        let same = sys::same_file(&file, path);
+        Ok((file, same))
     }
 
     /// The locked directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
 }
 
 /// The pid in a lock file, if it holds one (at most 32 bytes are read).
@@ -102,6 +133,15 @@ mod sys {
         fn flock(fd: c_int, operation: c_int) -> c_int;
     }
 
+    /// Whether `path` names the open `file` (same device and inode).
+    pub(super) fn same_file(file: &File, path: &std::path::Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (file.metadata(), std::fs::metadata(path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+
     /// `Ok(false)` when another open file description holds the lock.
     pub(super) fn try_lock(file: &File) -> std::io::Result<bool> {
         loop {
@@ -125,6 +165,11 @@ mod sys {
     /// No advisory locks without Unix: always granted.
     pub(super) fn try_lock(_: &std::fs::File) -> std::io::Result<bool> {
         Ok(true)
+    }
+
+    /// Nothing to compare without Unix.
+    pub(super) fn same_file(_: &std::fs::File, _: &std::path::Path) -> bool {
+        true
     }
 }
 
@@ -159,9 +204,37 @@ mod tests {
         assert!(msg.contains(&d.display().to_string()), "{msg}");
         assert!(msg.contains(&format!("pid {}", std::process::id())), "{msg}");
         drop(first);
+        assert!(!d.join(LOCK_FILE).exists(), "released: the file is removed");
         let again = DirLock::acquire(&d).unwrap();
         assert!(d.join(LOCK_FILE).is_file());
         drop(again);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A lock held on a lock file that was removed (a holder's release) does not block: the
+    /// path no longer names it, so the next holder locks a fresh file, which a third holder then
+    /// cannot take.
+    #[test]
+    fn a_lock_on_a_removed_file_does_not_block() {
+        let d = scratch("removed");
+        let path = d.join(LOCK_FILE);
+        let stale = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .unwrap();
+        assert!(sys::try_lock(&stale).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        assert!(!sys::same_file(&stale, &path));
+        let l = DirLock::acquire(&d).unwrap();
+        assert!(sys::same_file(&l.file, &path));
+        assert!(matches!(
+            DirLock::acquire(&d),
+            Err(CkptError::Locked { .. })
+        ));
+        drop((l, stale));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
