@@ -295,8 +295,10 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
     };
     let no_flag = refusal(run(&resuming(a.join("step-4"), None, None)));
     assert!(
-        no_flag.contains("--steps is 8 here but 4 in the checkpoint: a larger --steps needs \
-             --extend-schedule"),
+        no_flag.contains(
+            "--steps is 8 here but 4 in the checkpoint: a larger --steps needs \
+             --extend-schedule"
+        ),
         "{no_flag}"
     );
     let same = refusal(train::train_with(
@@ -304,13 +306,19 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
         &resuming(a.join("step-2"), Some(Extend::Constant), None),
         &|_| {},
     ));
-    assert!(same.contains("--extend-schedule constant needs --steps beyond"), "{same}");
+    assert!(
+        same.contains("--extend-schedule constant needs --steps beyond"),
+        "{same}"
+    );
     let alone = Checkpointing {
         extend_schedule: Some(Extend::Cosine),
         ..Checkpointing::default()
     };
     let alone = refusal(run(&alone));
-    assert!(alone.contains("--extend-schedule applies only with --resume"), "{alone}");
+    assert!(
+        alone.contains("--extend-schedule applies only with --resume"),
+        "{alone}"
+    );
     // The command line's flag needs --resume.
     let out = lowbit(&["train", "--extend-schedule", "cosine"]);
     assert_eq!(out.status.code(), Some(2));
@@ -346,7 +354,10 @@ fn a_stop_request_stops_after_the_step_and_commits_its_async_save() {
             assert_eq!((signal, step, steps), (SIGTERM, 1, 3));
             assert_eq!(saved, Some(dir.join("step-1")));
         }
-        other => panic!("expected a stop, got {:?}", other.map(|r| r.master_checksum)),
+        other => panic!(
+            "expected a stop, got {:?}",
+            other.map(|r| r.master_checksum)
+        ),
     }
     assert_eq!(*steps.lock().unwrap(), [1]);
     assert_eq!(lowbit::ckpt::latest_step(&dir).unwrap(), Some(1));

@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 use lowbit_ckpt::{Alias, Checkpoint, LoadOptions, Meta, SaveOptions};
 
 use super::config::{TrainConfig, TrainError};
-use super::schedule::Schedule;
 use super::lm::LmShape;
+use super::schedule::Schedule;
 
 /// Checkpointing of a run: where to save, how often, how many to keep, where to resume from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

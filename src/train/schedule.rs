@@ -232,7 +232,11 @@ mod tests {
         for kind in [Extend::Constant, Extend::Cosine] {
             let x = plain.extended(100, kind, 40, 300);
             for s in 0..40 {
-                assert_eq!(x.lr_at(PEAK, 300, s).to_bits(), wc.lr_at(s).to_bits(), "{s}");
+                assert_eq!(
+                    x.lr_at(PEAK, 300, s).to_bits(),
+                    wc.lr_at(s).to_bits(),
+                    "{s}"
+                );
             }
         }
     }
@@ -243,7 +247,11 @@ mod tests {
         let x = Schedule::default().extended(100, Extend::Constant, 40, 300);
         let wc = WarmupCosine::new(PEAK, 100);
         for s in [40, 50, 99, 100] {
-            assert_eq!(x.lr_at(PEAK, 300, s).to_bits(), wc.lr_at(s).to_bits(), "{s}");
+            assert_eq!(
+                x.lr_at(PEAK, 300, s).to_bits(),
+                wc.lr_at(s).to_bits(),
+                "{s}"
+            );
         }
         let floor = PEAK / 10.0;
         for s in [100, 101, 200, 299, 300] {
@@ -320,7 +328,10 @@ mod tests {
             ("100 cosine@50->100", 100),
             ("0 constant@0->10", 10),
         ] {
-            assert!(Schedule::parse(text).unwrap().check(steps).is_err(), "{text}");
+            assert!(
+                Schedule::parse(text).unwrap().check(steps).is_err(),
+                "{text}"
+            );
         }
     }
 }

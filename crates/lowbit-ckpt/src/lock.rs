@@ -32,7 +32,7 @@ pub const LOCK_FILE: &str = ".lowbit.lock";
 pub struct DirLock {
     dir: PathBuf,
     // Held open: closing it releases the lock.
-    file: File,
+    _file: File,
 }
 
 impl Drop for DirLock {
@@ -75,7 +75,7 @@ impl DirLock {
         record(&mut file).map_err(io("write the lock file", &path))?;
         Ok(DirLock {
             dir: dir.to_path_buf(),
-            file,
+            _file: file,
         })
     }
 
@@ -106,7 +106,6 @@ impl DirLock {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
-
 }
 
 /// The pid in a lock file, if it holds one (at most 32 bytes are read).
@@ -202,7 +201,10 @@ mod tests {
         }
         let msg = DirLock::acquire(&d).unwrap_err().to_string();
         assert!(msg.contains(&d.display().to_string()), "{msg}");
-        assert!(msg.contains(&format!("pid {}", std::process::id())), "{msg}");
+        assert!(
+            msg.contains(&format!("pid {}", std::process::id())),
+            "{msg}"
+        );
         drop(first);
         assert!(!d.join(LOCK_FILE).exists(), "released: the file is removed");
         let again = DirLock::acquire(&d).unwrap();
@@ -229,7 +231,7 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(!sys::same_file(&stale, &path));
         let l = DirLock::acquire(&d).unwrap();
-        assert!(sys::same_file(&l.file, &path));
+        assert!(sys::same_file(&l._file, &path));
         assert!(matches!(
             DirLock::acquire(&d),
             Err(CkptError::Locked { .. })
@@ -243,8 +245,11 @@ mod tests {
     #[test]
     fn junk_is_rewritten_and_a_missing_directory_is_an_io_error() {
         let d = scratch("junk");
-        std::fs::write(d.join(LOCK_FILE), b"not a pid at all, and long enough to truncate\n")
-            .unwrap();
+        std::fs::write(
+            d.join(LOCK_FILE),
+            b"not a pid at all, and long enough to truncate\n",
+        )
+        .unwrap();
         let l = DirLock::acquire(&d).unwrap();
         let text = std::fs::read_to_string(d.join(LOCK_FILE)).unwrap();
         assert_eq!(text, format!("{}\n", std::process::id()));
