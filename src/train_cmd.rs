@@ -201,7 +201,8 @@ pub struct TrainArgs {
     /// steps run (committed at the next save or at the end) [needs --save].
     #[arg(long, requires = "save")]
     pub async_save: bool,
-    /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total;
+    /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total
+    /// (a larger one needs --extend-schedule);
     /// flags that change the model, the data or the arithmetic must match the checkpoint's
     /// (refused otherwise, naming the flag; --main-grads-dtype and --grad-comm-dtype among them);
     /// --ranks, --sharding, --param-gather, the overlap flags, --bucket-size,

@@ -125,6 +125,37 @@ mod handler {
         }
     }
 
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::sync::atomic::AtomicI32;
+
+        static SEEN: AtomicI32 = AtomicI32::new(0);
+
+        extern "C" fn earlier(sig: c_int) {
+            SEEN.store(sig, Ordering::SeqCst);
+        }
+
+        /// The first signal only sets the request; the second goes to the handler installed
+        /// before ours (the liveness goodbye of a launched rank). Called directly, with
+        /// `earlier` as SIGTERM's previous handler, so no disposition of the test process
+        /// changes.
+        #[test]
+        fn the_second_signal_goes_to_the_earlier_handler() {
+            PREVIOUS[1].store(earlier as extern "C" fn(c_int) as usize, Ordering::SeqCst);
+            on_signal(SIGTERM);
+            assert_eq!(SIGNALLED.requested(), Some(SIGTERM));
+            assert_eq!(
+                SEEN.load(Ordering::SeqCst),
+                0,
+                "the first signal was handed on"
+            );
+            on_signal(SIGTERM);
+            PREVIOUS[1].store(SIG_DFL, Ordering::SeqCst);
+            assert_eq!(SEEN.load(Ordering::SeqCst), SIGTERM, "the second was not");
+        }
+    }
+
     pub(super) fn install() {
         static INSTALL: Once = Once::new();
         INSTALL.call_once(|| {
