@@ -119,7 +119,10 @@ fn sigterm_saves_the_step_and_resumes_to_the_straight_runs_bits() {
     let (child, rest) = start(&args(&base, &["--save", d]));
     let other = run_refused(&strs(&args(&base, &["--save", d])));
     assert!(other.contains(&format!("--save {d}")), "{other}");
-    assert!(other.contains("locked by another run"), "{other}");
+    assert!(
+        other.contains(": locked by another run saving into it"),
+        "{other}"
+    );
     assert!(other.contains(&format!("pid {}", child.id())), "{other}");
     signal(&child, SIGTERM);
     let mut child = child;
@@ -281,6 +284,13 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
     assert_eq!(
         manifest.meta().config.get("schedule").map(String::as_str),
         Some("4 cosine@2->8")
+    );
+    // `lowbit eval` reads an extended checkpoint (the schedule is no flag of its own).
+    let eval = lowbit(&["eval", b.join("step-6").to_str().unwrap(), "--json"]);
+    assert!(
+        eval.status.success(),
+        "{}",
+        String::from_utf8_lossy(&eval.stderr)
     );
     let again = run(&resuming(b.join("step-6"), None, None)).unwrap();
     assert_eq!(again.master_checksum, extended.master_checksum);

@@ -454,8 +454,18 @@ pub(super) fn prepare_save(
         return Ok(None);
     };
     probe_writable(root)?;
-    let lock = lowbit_ckpt::DirLock::acquire(root)
-        .map_err(|e| TrainError::Checkpoint(format!("--save {}: {e}", root.display())))?;
+    let lock = lowbit_ckpt::DirLock::acquire(root).map_err(|e| {
+        TrainError::Checkpoint(match e {
+            lowbit_ckpt::CkptError::Locked { holder, .. } => format!(
+                "--save {}: locked by another run saving into it{} ({}); wait for it to end or \
+                 save elsewhere",
+                root.display(),
+                holder.map_or(String::new(), |p| format!(" (pid {p})")),
+                root.join(lowbit_ckpt::lock::LOCK_FILE).display()
+            ),
+            e => format!("--save {}: {e}", root.display()),
+        })
+    })?;
     let err = |e: lowbit_ckpt::CkptError| TrainError::Checkpoint(e.to_string());
     if let Some((c, _)) = resumed
         && let Some(step) = unpublished_in(root, c.dir()).map_err(err)?

@@ -102,11 +102,10 @@ pub enum CkptError {
     /// Another process holds the directory's lock ([`crate::DirLock`]): two runs saving into
     /// one directory would collide.
     #[error(
-        "`{}` is locked by another run{} (its lock file `{}`); wait for it to end or save \
-         elsewhere",
+        "`{}` is locked by another run{} (`{}`)",
         dir.display(),
         holder.map_or(String::new(), |p| format!(" (pid {p})")),
-        crate::lock::LOCK_FILE
+        dir.join(crate::lock::LOCK_FILE).display()
     )]
     Locked {
         /// The directory.
