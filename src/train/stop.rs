@@ -125,6 +125,23 @@ mod handler {
         }
     }
 
+    pub(super) fn install() {
+        static INSTALL: Once = Once::new();
+        INSTALL.call_once(|| {
+            for (slot, &sig) in PREVIOUS.iter().zip(&SIGNALS) {
+                // SAFETY: `on_signal` is an `extern "C" fn(c_int)` that only touches atomics
+                // and calls async-signal-safe functions.
+                match unsafe { signal(sig, on_signal as extern "C" fn(c_int) as usize) } {
+                    // SAFETY: an ignored signal (`nohup`, a parent's choice) stays ignored.
+                    SIG_IGN => unsafe {
+                        signal(sig, SIG_IGN);
+                    },
+                    previous => slot.store(previous, Ordering::SeqCst),
+                }
+            }
+        });
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -154,23 +171,6 @@ mod handler {
             PREVIOUS[1].store(SIG_DFL, Ordering::SeqCst);
             assert_eq!(SEEN.load(Ordering::SeqCst), SIGTERM, "the second was not");
         }
-    }
-
-    pub(super) fn install() {
-        static INSTALL: Once = Once::new();
-        INSTALL.call_once(|| {
-            for (slot, &sig) in PREVIOUS.iter().zip(&SIGNALS) {
-                // SAFETY: `on_signal` is an `extern "C" fn(c_int)` that only touches atomics
-                // and calls async-signal-safe functions.
-                match unsafe { signal(sig, on_signal as extern "C" fn(c_int) as usize) } {
-                    // SAFETY: an ignored signal (`nohup`, a parent's choice) stays ignored.
-                    SIG_IGN => unsafe {
-                        signal(sig, SIG_IGN);
-                    },
-                    previous => slot.store(previous, Ordering::SeqCst),
-                }
-            }
-        });
     }
 }
 
