@@ -296,6 +296,21 @@ fn an_extended_schedule_is_recorded_and_resumes_bit_for_bit() {
     assert_eq!(again.master_checksum, extended.master_checksum);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&again.losses), bits(&extended.losses[4..]));
+    // Extended again: the recorded schedule gains a second extension.
+    let c = tempdir("extend-c");
+    let longer = train::train_with(
+        &tiny_cfg(10),
+        &resuming(b.join("step-8"), Some(Extend::Constant), Some(&c)),
+        &|_| {},
+    )
+    .unwrap();
+    assert_eq!(longer.first_step, 8);
+    let manifest = lowbit::ckpt::Checkpoint::open(&c.join("step-10")).unwrap();
+    assert_eq!(
+        manifest.meta().config.get("schedule").map(String::as_str),
+        Some("4 cosine@2->8 constant@8->10")
+    );
+    std::fs::remove_dir_all(&c).ok();
     // The same resume with a constant tail is another schedule, so other masters.
     let constant = run(&resuming(a.join("step-2"), Some(Extend::Constant), None)).unwrap();
     assert_ne!(constant.master_checksum, extended.master_checksum);

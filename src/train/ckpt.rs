@@ -357,7 +357,13 @@ fn resumed_schedule(
              steps (--steps is {})",
             cfg.steps
         )),
-        Some(k) => Ok(Some(old.extended(end, k, step, cfg.steps))),
+        Some(k) => {
+            let new = old.extended(end, k, step, cfg.steps);
+            // A manifest whose step lies beyond its own schedule cannot be extended.
+            new.check(cfg.steps)
+                .map_err(|m| format!("--extend-schedule {kind}: {m}"))?;
+            Ok(Some(new))
+        }
         // Nothing runs: the schedule does not matter.
         None if cfg.steps == step => Ok(None),
         None if cfg.steps == end => Ok(Some(old)),
