@@ -13,6 +13,15 @@ pub enum CliError {
     /// Any other problem; the message carries its own context.
     #[error("{0}")]
     Msg(String),
+    /// `lowbit train` stopped early on a signal: not an error of the input, so `main` prints
+    /// the message as it is and exits with `status` (128 + the signal's number).
+    #[error("{message}")]
+    Stopped {
+        /// What stopped and what was saved.
+        message: String,
+        /// The exit status.
+        status: u8,
+    },
 }
 
 impl CliError {

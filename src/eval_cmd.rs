@@ -69,7 +69,7 @@ pub struct GenerateArgs {
 
 /// Settings of a manifest that are not `lowbit train` flags of the same name, or that an eval
 /// sets itself (`steps`: the checkpoint's step, which may be 0 for an `--init-from` import).
-const NOT_FLAGS: [&str; 8] = [
+const NOT_FLAGS: [&str; 9] = [
     "steps",
     "data",
     "device",
@@ -78,6 +78,8 @@ const NOT_FLAGS: [&str; 8] = [
     "experts_layout",
     "grad_dtype",
     "outer_dp",
+    // An extended learning-rate schedule: nothing an eval uses.
+    "schedule",
 ];
 
 /// The run that saved `ckpt`, on `ranks` ranks of `device`, evaluating `data` if given.

@@ -9,7 +9,8 @@
 //! [`cli::Command`].
 //!
 //! Errors print as one `error: …` line on stderr with exit status 1; usage errors keep clap's
-//! status 2. Control characters in error text (tensor names from a file, newlines in paths)
+//! status 2. A `lowbit train` stopped by SIGINT or SIGTERM prints one `lowbit train: stopped …`
+//! line naming the checkpoint it saved and exits with 128 + the signal's number (130, 143). Control characters in error text (tensor names from a file, newlines in paths)
 //! are escaped, so an error is always one line.
 
 mod ckpt_cmd;
@@ -49,6 +50,10 @@ fn main() -> ExitCode {
 /// Libraries that escape their paths already (`lowbit_io`) lose nothing: `escape` leaves the
 /// backslash of an escape sequence alone.
 fn fail(e: &error::CliError) -> ExitCode {
+    if let error::CliError::Stopped { message, status } = e {
+        eprintln!("lowbit train: {}", report::escape(message));
+        return ExitCode::from(*status);
+    }
     eprintln!("error: {}", report::escape(&e.to_string()));
     ExitCode::FAILURE
 }

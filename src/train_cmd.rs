@@ -226,13 +226,19 @@ pub struct TrainArgs {
     /// steps run (committed at the next save or at the end) [needs --save].
     #[arg(long, requires = "save")]
     pub async_save: bool,
-    /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total;
+    /// Resume from a checkpoint: DIR (its latest) or DIR/step-N. --steps stays the run's total
+    /// (a larger one needs --extend-schedule);
     /// flags that change the model, the data or the arithmetic must match the checkpoint's
     /// (refused otherwise, naming the flag; --main-grads-dtype and --grad-comm-dtype among them);
     /// --ranks, --sharding, --param-gather, the overlap flags, --bucket-size,
     /// --discrete-experts, --recompute, --nan-check and --device may change.
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+    /// With --resume and a --steps beyond the checkpoint's: how the learning-rate schedule
+    /// continues. constant: the old schedule to its end, then its final rate held; cosine: the
+    /// decay left at the resume step stretched to the new end (docs/training.md).
+    #[arg(long, value_enum, value_name = "KIND", requires = "resume")]
+    pub extend_schedule: Option<train::Extend>,
 }
 
 /// The flags of `lowbit train` as a parser of their own: to check a config file's flags, and to
@@ -289,6 +295,7 @@ impl TrainArgs {
             keep: self.keep.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
             resume: self.resume.clone(),
             asynchronous: self.async_save,
+            extend_schedule: self.extend_schedule,
         }
     }
 
@@ -487,6 +494,7 @@ impl TrainArgs {
             shape,
             model,
             init_from: self.init_from.clone(),
+            schedule: train::Schedule::default(),
         })
     }
 }
@@ -511,9 +519,26 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         // way out, over the liveness channel (`lowbit_comm::liveness`).
         lowbit::comm::liveness::install_signal_goodbye();
     }
+    // The first SIGINT/SIGTERM stops after the current step (saved with --save), a second one
+    // hands the signal to the goodbye above or dies of it (`lowbit::train::stop`).
+    let stop = train::stop::signals();
     let progress = progress(args, &cfg)?;
-    let report = train::train_with(&cfg, &args.checkpointing(), &|s: &StepLog| progress.step(s))
-        .map_err(|e| CliError::Msg(e.to_string()));
+    let report = train::train_until(&cfg, &args.checkpointing(), stop, &|s: &StepLog| {
+        progress.step(s)
+    })
+    .map_err(|e| {
+        let status = match e {
+            train::TrainError::Stopped { signal, .. } => Some(train::stop::exit_status(signal)),
+            _ => None,
+        };
+        match status {
+            Some(status) => CliError::Stopped {
+                message: e.to_string(),
+                status,
+            },
+            None => CliError::Msg(e.to_string()),
+        }
+    });
     // A failed metrics write is the run's error only if the run itself succeeded.
     let finished = progress.finish();
     let report = report?;

@@ -9,7 +9,12 @@
 //!   and the backend (same bits), and the expert layout (converted on load).
 //! - `--steps` is the run's total, and the learning-rate schedule spans it, so it must match —
 //!   except that a resume with `--steps` equal to the checkpoint's step runs nothing and only
-//!   reports the saved masters.
+//!   reports the saved masters, and that a larger `--steps` is taken with `--extend-schedule`,
+//!   which says how the schedule continues ([`super::Schedule`]); an extended schedule is
+//!   recorded under `schedule`, so a resume of an extended run follows it.
+//! - A saving run first probes the save root (creating and removing a file in it), then holds
+//!   its lock ([`lowbit_ckpt::DirLock`]) until it returns: a root that cannot be written, or
+//!   that another run saves into, is refused before step 1, naming `--save` and the path.
 //! - The data are a pure function of (seed, sample index) and there is no other random state,
 //!   so the data position (`data.next_sample`) and the seed (`rng.seed`) are all a resumed run
 //!   needs to draw exactly the straight run's batches; both are checked on resume.
@@ -21,6 +26,7 @@ use lowbit_ckpt::{Alias, Checkpoint, LoadOptions, Meta, SaveOptions};
 
 use super::config::{TrainConfig, TrainError};
 use super::lm::LmShape;
+use super::schedule::Schedule;
 
 /// Checkpointing of a run: where to save, how often, how many to keep, where to resume from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -37,6 +43,9 @@ pub struct Checkpointing {
     /// step and written while the next steps run; a save commits at the next save or at the
     /// end of the run. The files are the same bytes as a synchronous save's.
     pub asynchronous: bool,
+    /// With `resume` and a `--steps` beyond the checkpoint's: how the learning-rate schedule
+    /// continues (`--extend-schedule`; refused without `resume`).
+    pub extend_schedule: Option<super::Extend>,
 }
 
 impl Checkpointing {
@@ -169,6 +178,10 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ];
         m.extend(keys.iter().map(|k| k.to_string()).zip(values));
     }
+    if cfg.schedule.is_extended() {
+        // Only extended schedules are recorded: other runs' maps are as they always were.
+        m.insert("schedule".into(), cfg.schedule.to_text());
+    }
     m
 }
 
@@ -224,14 +237,16 @@ pub(super) fn checkpoint_step(ckpt: &Checkpoint) -> Result<usize, TrainError> {
         })
 }
 
-/// Checks that `ckpt` can resume `cfg` (see the module docs); returns its step.
+/// Checks that `ckpt` can resume `cfg` (see the module docs), sets `cfg.schedule` (the
+/// checkpoint's, extended as `extend` says); returns its step.
 ///
 /// # Errors
 /// [`TrainError::Checkpoint`] naming the flag and both values, or what else does not fit.
 pub(super) fn check_resume(
-    cfg: &TrainConfig,
+    cfg: &mut TrainConfig,
     data: &str,
     ckpt: &Checkpoint,
+    extend: Option<super::Extend>,
 ) -> Result<usize, TrainError> {
     let meta = ckpt.meta();
     let refuse = |msg: String| {
@@ -247,6 +262,10 @@ pub(super) fn check_resume(
             cfg.steps
         )));
     }
+    let schedule = resumed_schedule(cfg, ckpt, step, extend).map_err(refuse)?;
+    if let Some(s) = schedule {
+        cfg.schedule = s;
+    }
     let here = config_map(cfg, data);
     let mut keys: Vec<&String> = here.keys().chain(meta.config.keys()).collect();
     // `--optimizer` before the settings of one optimizer; the communication dtype after the
@@ -254,8 +273,8 @@ pub(super) fn check_resume(
     keys.sort_by_key(|k| (k.starts_with("muon_"), *k == "grad_comm_dtype", *k));
     keys.dedup();
     for k in keys {
-        // With --steps at the checkpoint's step nothing runs: the schedule does not matter.
-        if MAY_CHANGE.contains(&k.as_str()) || (k == "steps" && cfg.steps == step) {
+        // `resumed_schedule` checked the steps and the schedule.
+        if MAY_CHANGE.contains(&k.as_str()) || k == "steps" || k == "schedule" {
             continue;
         }
         let (a, mut b) = (here.get(k), meta.config.get(k));
@@ -275,13 +294,8 @@ pub(super) fn check_resume(
         }
         if a != b {
             let show = |v: Option<&String>| v.map_or("(not set)".into(), |v| v.clone());
-            let note = if k == "steps" {
-                " (--steps is the run's total; the learning-rate schedule spans it)"
-            } else {
-                ""
-            };
             return Err(refuse(format!(
-                "{} is {} here but {} in the checkpoint{note}",
+                "{} is {} here but {} in the checkpoint",
                 flag(k),
                 show(a),
                 show(b)
@@ -303,6 +317,68 @@ pub(super) fn check_resume(
         )));
     }
     Ok(step)
+}
+
+/// The schedule a resume of `ckpt` at `step` follows: the checkpoint's (recorded under
+/// `schedule`, else warmup-cosine over its `steps`), extended to `cfg.steps` when `extend` says
+/// how; `None` when the resume runs nothing (`--steps` at the checkpoint's step).
+///
+/// # Errors
+/// The refusal's text: a different `--steps` without `--extend-schedule` (naming the flag), an
+/// `--extend-schedule` without a larger `--steps`, a malformed recorded schedule.
+fn resumed_schedule(
+    cfg: &TrainConfig,
+    ckpt: &Checkpoint,
+    step: usize,
+    extend: Option<super::Extend>,
+) -> Result<Option<Schedule>, String> {
+    let config = &ckpt.meta().config;
+    let recorded = config.get("steps");
+    let Some(end) = recorded.and_then(|v| v.parse::<usize>().ok()) else {
+        return Err(format!(
+            "--steps is {} here but {} in the checkpoint",
+            cfg.steps,
+            recorded.map_or("(not set)", |v| v.as_str())
+        ));
+    };
+    let old = match config.get("schedule") {
+        Some(text) => {
+            let s = Schedule::parse(text)?;
+            s.check(end)
+                .map_err(|m| format!("its learning-rate schedule: {m}"))?;
+            s
+        }
+        None => Schedule::default(),
+    };
+    let kind = extend.map(|k| k.name()).unwrap_or_default();
+    match extend {
+        Some(_) if cfg.steps <= end => Err(format!(
+            "--extend-schedule {kind} needs --steps beyond the checkpoint's schedule of {end} \
+             steps (--steps is {})",
+            cfg.steps
+        )),
+        Some(k) => {
+            let new = old.extended(end, k, step, cfg.steps);
+            // A manifest whose step lies beyond its own schedule cannot be extended.
+            new.check(cfg.steps)
+                .map_err(|m| format!("--extend-schedule {kind}: {m}"))?;
+            Ok(Some(new))
+        }
+        // Nothing runs: the schedule does not matter.
+        None if cfg.steps == step => Ok(None),
+        None if cfg.steps == end => Ok(Some(old)),
+        None if cfg.steps > end => Err(format!(
+            "--steps is {} here but {end} in the checkpoint: a larger --steps needs \
+             --extend-schedule constant (hold the final learning rate) or cosine (stretch the \
+             remaining decay to the new end) to say how the schedule continues",
+            cfg.steps
+        )),
+        None => Err(format!(
+            "--steps is {} here but {end} in the checkpoint (--steps is the run's total; the \
+             learning-rate schedule spans it)",
+            cfg.steps
+        )),
+    }
 }
 
 /// Load options that assemble `shape`'s expert parameters from a checkpoint saved in the other
@@ -369,19 +445,33 @@ pub fn apply_model_settings(
     }
 }
 
-/// Before a saving run: removes what killed saves left in the save root
+/// Before a saving run: checks that the save root can be written ([`probe_writable`]), takes
+/// its lock (held by the returned guard), removes what killed saves left in it
 /// ([`lowbit_ckpt::tidy`]) and refuses a root whose published checkpoints the run would
 /// collide with: any checkpoint without `--resume`, one newer than the resumed step with it.
 ///
 /// # Errors
-/// [`TrainError::Checkpoint`].
+/// [`TrainError::Checkpoint`], naming `--save` and the root.
 pub(super) fn prepare_save(
     ck: &Checkpointing,
     resumed: Option<(&Checkpoint, usize)>,
-) -> Result<(), TrainError> {
+) -> Result<Option<lowbit_ckpt::DirLock>, TrainError> {
     let Some(root) = &ck.save else {
-        return Ok(());
+        return Ok(None);
     };
+    probe_writable(root)?;
+    let lock = lowbit_ckpt::DirLock::acquire(root).map_err(|e| {
+        TrainError::Checkpoint(match e {
+            lowbit_ckpt::CkptError::Locked { holder, .. } => format!(
+                "--save {}: locked by another run saving into it{} ({}); wait for it to end or \
+                 save elsewhere",
+                root.display(),
+                holder.map_or(String::new(), |p| format!(" (pid {p})")),
+                root.join(lowbit_ckpt::lock::LOCK_FILE).display()
+            ),
+            e => format!("--save {}: {e}", root.display()),
+        })
+    })?;
     let err = |e: lowbit_ckpt::CkptError| TrainError::Checkpoint(e.to_string());
     if let Some((c, _)) = resumed
         && let Some(step) = unpublished_in(root, c.dir()).map_err(err)?
@@ -416,6 +506,39 @@ pub(super) fn prepare_save(
             ),
         }));
     }
+    Ok(Some(lock))
+}
+
+/// Creates the save root if absent, then creates and removes a file in it, so that a root that
+/// is read-only, a file, or under a non-directory fails before step 1 rather than at the first
+/// save.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] naming `--save`, the path and the cause.
+fn probe_writable(root: &Path) -> Result<(), TrainError> {
+    let refuse = |what: &str, e: &dyn std::fmt::Display| {
+        TrainError::Checkpoint(format!("--save {}: {what}: {e}", root.display()))
+    };
+    if let Ok(m) = std::fs::metadata(root)
+        && !m.is_dir()
+    {
+        return Err(TrainError::Checkpoint(format!(
+            "--save {}: not a directory (it exists, as a file)",
+            root.display()
+        )));
+    }
+    std::fs::create_dir_all(root).map_err(|e| refuse("cannot create the directory", &e))?;
+    // Unique to this process and instant: a probe left by a killed run never blocks this one.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let probe = root.join(format!(".lowbit-probe-{}-{nanos}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| refuse("the directory cannot be written", &e))?;
+    std::fs::remove_file(&probe).map_err(|e| refuse("cannot remove the probe file", &e))?;
     Ok(())
 }
 

@@ -219,6 +219,9 @@ pub struct TrainConfig {
     /// A decoder's initial masters from this Hugging Face directory (`--init-from`:
     /// `config.json` and safetensors, `lowbit_llama::hf`) instead of the seeded initialization.
     pub init_from: Option<PathBuf>,
+    /// The learning-rate schedule's extensions (default: none, warmup-cosine over `steps`); a
+    /// resume sets it from the checkpoint and `--extend-schedule`.
+    pub schedule: super::schedule::Schedule,
 }
 
 /// Which model a run trains (`--model`).
@@ -302,6 +305,7 @@ impl Default for TrainConfig {
             compute: Compute::Exact,
             model: ModelChoice::Reference,
             init_from: None,
+            schedule: super::schedule::Schedule::default(),
         }
     }
 }
@@ -378,6 +382,26 @@ pub enum TrainError {
     /// both values), or the save directory would collide with the run's saves.
     #[error("{0}")]
     Checkpoint(String),
+    /// A stop was requested ([`super::stop::StopRequest`], SIGINT or SIGTERM): every rank
+    /// stopped after step `step`, which was saved to `saved` when the run saves.
+    #[error(
+        "stopped by {} after step {step}/{steps}; {}",
+        super::stop::signal_name(*signal),
+        match saved {
+            Some(p) => format!("saved {} (continue with --resume and the same flags)", p.display()),
+            None => "nothing was saved (no --save)".into(),
+        }
+    )]
+    Stopped {
+        /// The signal's number.
+        signal: i32,
+        /// The last step done, from 1.
+        step: usize,
+        /// Of how many.
+        steps: usize,
+        /// The checkpoint of that step.
+        saved: Option<PathBuf>,
+    },
     /// A rank failed.
     #[error("rank {rank}: {message}")]
     Rank {
@@ -426,6 +450,9 @@ impl TrainConfig {
         // `--steps 0` with `--init-from`: the imported masters saved as step 0, nothing run.
         if !(self.steps == 0 && self.init_from.is_some()) {
             check_count("steps", self.steps, limits::STEPS, " steps")?;
+        }
+        if let Err(m) = self.schedule.check(self.steps) {
+            return bad(format!("learning-rate schedule: {m}"));
         }
         if self.batch > limits::BATCH {
             return bad(format!(
@@ -715,9 +742,10 @@ impl TrainConfig {
 
     /// The learning rate of `step` (from 0): linear warmup over the first 5% of the steps,
     /// then cosine decay to a tenth. Computed in f64, rounded once.
-    /// (`lowbit_train::schedule::WarmupCosine` over the run's steps.)
+    /// (`lowbit_train::schedule::WarmupCosine` over the run's steps, unless `schedule` extends
+    /// it: [`super::Schedule`].)
     pub fn lr_at(&self, step: usize) -> f32 {
-        lowbit_train::schedule::WarmupCosine::new(self.lr, self.steps).lr_at(step)
+        self.schedule.lr_at(self.lr, self.steps, step)
     }
 
     /// The FSDP configuration: strategy, precision policy, overlap and buckets (today's

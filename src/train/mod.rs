@@ -30,6 +30,8 @@ mod llama;
 pub mod lm;
 mod models;
 mod report;
+mod schedule;
+pub mod stop;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -62,6 +64,7 @@ pub use lowbit_train::fsdp::{
 };
 use models::{JobModel, RankModel};
 pub use report::{MuonRankLoad, ParamOwner, Phases, RunMode, Sampling, StepLog, TrainReport};
+pub use schedule::{Extend, Extension, Schedule};
 
 /// What each rank returns.
 struct RankOutcome {
@@ -75,6 +78,8 @@ struct RankOutcome {
     wall: Duration,
     saved: Vec<PathBuf>,
     generated: Vec<u32>,
+    /// The signal and the step (from 1) of an agreed stop.
+    stopped: Option<(i32, usize)>,
 }
 
 /// Runs `cfg` and reports; `progress` is called by rank 0 after every step.
@@ -94,7 +99,23 @@ pub fn train_with(
     ck: &Checkpointing,
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
-    execute(cfg, ck, &RunMode::Train, progress)
+    execute(cfg, ck, &RunMode::Train, &stop::NEVER, progress)
+}
+
+/// [`train_with`] that stops early when `stop` is requested (e.g. [`stop::signals`]): every
+/// rank finishes the current step, agrees on it through the step's loss all-gather, saves it
+/// when `ck.save` is set, and the run returns [`TrainError::Stopped`]. A request during the
+/// last step changes nothing.
+///
+/// # Errors
+/// As [`train_with`], and [`TrainError::Stopped`].
+pub fn train_until(
+    cfg: &TrainConfig,
+    ck: &Checkpointing,
+    stop: &stop::StopRequest,
+    progress: &(dyn Fn(&StepLog) + Sync),
+) -> Result<TrainReport, TrainError> {
+    execute(cfg, ck, &RunMode::Train, stop, progress)
 }
 
 /// Evaluates, or samples from, the weights of checkpoint `ckpt` under `cfg` (which must describe
@@ -117,13 +138,14 @@ pub fn from_checkpoint(
         resume: Some(ckpt.to_path_buf()),
         ..Checkpointing::default()
     };
-    execute(cfg, &ck, mode, &|_| {})
+    execute(cfg, &ck, mode, &stop::NEVER, &|_| {})
 }
 
 fn execute(
     cfg: &TrainConfig,
     ck: &Checkpointing,
     mode: &RunMode,
+    stop: &stop::StopRequest,
     progress: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainReport, TrainError> {
     cfg.validate()?;
@@ -141,7 +163,7 @@ fn execute(
         Some(path) => {
             let c = Checkpoint::open(path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
             let step = if *mode == RunMode::Train {
-                ckpt::check_resume(&cfg, &data_id, &c)?
+                ckpt::check_resume(&mut cfg, &data_id, &c, ck.extend_schedule)?
             } else {
                 ckpt::checkpoint_step(&c)?
             };
@@ -151,13 +173,22 @@ fn execute(
             }
             Some((c, step))
         }
+        None if ck.extend_schedule.is_some() => {
+            return Err(TrainError::Invalid(
+                "--extend-schedule applies only with --resume (it says how a resumed run's \
+                 schedule continues)"
+                    .into(),
+            ));
+        }
         None => None,
     };
-    if launched_rank()? == 0 && *mode == RunMode::Train {
-        // One process tidies and checks the save root (under a launcher every process runs
-        // this function).
-        ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?;
-    }
+    // One process probes, locks, tidies and checks the save root (under a launcher every
+    // process runs this function); the lock is held until the run returns.
+    let _lock = if launched_rank()? == 0 && *mode == RunMode::Train {
+        ckpt::prepare_save(ck, resume.as_ref().map(|(c, s)| (c, *s)))?
+    } else {
+        None
+    };
     let info = cfg.model_params();
     let specs = cfg.specs(&info);
     // The plan is pure: make it once here for the report (and to refuse a bad one up front);
@@ -180,9 +211,18 @@ fn execute(
         },
         start: resume.as_ref().map_or(0, |(_, s)| *s),
         mode,
+        stop,
     };
     let outcomes = run(&job)?;
     let o0 = &outcomes[0];
+    if let Some((signal, step)) = o0.stopped {
+        return Err(TrainError::Stopped {
+            signal,
+            step,
+            steps: cfg.steps,
+            saved: o0.saved.last().cloned(),
+        });
+    }
     let checksum = master_checksum(&info, outcomes.iter().map(|o| &o.masters[..]));
     let baseline_specs: Vec<ParamSpec> = specs
         .iter()
@@ -316,6 +356,8 @@ struct Job<'a> {
     start: usize,
     /// Train, or only evaluate or generate.
     mode: &'a RunMode,
+    /// Read after every step: stop there when asked.
+    stop: &'a stop::StopRequest,
 }
 
 fn run(job: &Job) -> Result<Vec<RankOutcome>, TrainError> {
@@ -683,6 +725,20 @@ fn rank_main(
             saved.push(dir);
         }
     }
+    // The step's loss gathered with each rank's stop request beside it (a second f32 per rank:
+    // the loss's sum is the one above, over the first values in rank order, so no bit
+    // changes); the request is the largest signal number asked for on any rank, 0 for none.
+    let pair = dev.alloc(DType::F32, 2);
+    let pairs = dev.alloc(DType::F32, 2 * comm.size());
+    let mean_and_stop = |dev: &mut Device, comm: &mut dyn Communicator, v: f32, asked: i32| {
+        dev.upload(pair, &[v, asked as f32]).map_err(|x| e(&x))?;
+        comm.all_gather(dev, pair, pairs).map_err(|x| e(&x))?;
+        let all = dev.download::<f32>(pairs).map_err(|x| e(&x))?;
+        let sum = all[2..].iter().step_by(2).fold(all[0], |a, &b| a + b);
+        let signal = all.iter().skip(1).step_by(2).fold(0f32, |a, &b| a.max(b));
+        Ok::<(f32, i32), TrainError>((sum / comm.size() as f32, signal as i32))
+    };
+    let mut stopped = None;
     let start = Instant::now();
     for step in job.start..cfg.steps {
         // Errors of the step itself (a non-finite gradient found by `--nan-check`, a failed
@@ -720,13 +776,17 @@ fn rank_main(
             .step(dev, tcomm(&mut shard, comm))
             .map_err(|x| e(&x))?;
         phases.optimizer += t.elapsed();
-        let loss = all_reduce_mean(dev, comm, loss / cfg.microbatches as f32)?;
+        let asked = job.stop.requested().unwrap_or(0);
+        let (loss, signal) = mean_and_stop(dev, comm, loss / cfg.microbatches as f32, asked)?;
         diverged(cfg, "training loss", loss, step)?;
         losses.push(loss);
         norms.push(report.grad_norm);
         let last = step + 1 == cfg.steps;
+        // Every rank saw the same gathered values: all stop after this step, or none.
+        let stopping = signal > 0 && !last;
         let mut eval = None;
-        if last || (cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every)) {
+        let evals_now = cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every);
+        if last || (evals_now && !stopping) {
             let v = evaluate(
                 dev,
                 comm,
@@ -740,7 +800,7 @@ fn rank_main(
             eval = Some(v);
         }
         if let Some(root) = &job.ck.save
-            && job.ck.saves_after(step + 1, cfg.steps)
+            && (job.ck.saves_after(step + 1, cfg.steps) || stopping)
             && writes_checkpoints
         {
             // A save right after the step under overlapped gathers: sync first (Megatron-LM PR #4994), so
@@ -808,6 +868,10 @@ fn rank_main(
                 flops_per_token: flops_per_token(cfg, info),
             });
         }
+        if stopping {
+            stopped = Some((signal, step + 1));
+            break;
+        }
     }
     if writes_checkpoints {
         // The last asynchronous save commits before the run reports.
@@ -834,6 +898,7 @@ fn rank_main(
         wall,
         saved,
         generated,
+        stopped,
     })
 }
 

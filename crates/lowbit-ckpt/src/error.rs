@@ -99,6 +99,20 @@ pub enum CkptError {
     /// `step-N` exists already; a committed checkpoint is never overwritten.
     #[error("checkpoint `{}` exists already", .0.display())]
     Exists(PathBuf),
+    /// Another process holds the directory's lock ([`crate::DirLock`]): two runs saving into
+    /// one directory would collide.
+    #[error(
+        "`{}` is locked by another run{} (`{}`)",
+        dir.display(),
+        holder.map_or(String::new(), |p| format!(" (pid {p})")),
+        dir.join(crate::lock::LOCK_FILE).display()
+    )]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// The pid the holder wrote into the lock file, if it could be read.
+        holder: Option<u32>,
+    },
     /// A safetensors serialization error.
     #[error("safetensors: {0}")]
     Safetensors(#[from] safetensors::SafeTensorError),

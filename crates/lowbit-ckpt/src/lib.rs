@@ -63,6 +63,12 @@
 //! safetensors header by the `safetensors` crate's rules and against the manifest, every
 //! piece's hash, a `step-N` directory's name against its manifest's step). A `latest` that is a
 //! symbolic link is followed only to a `step-N` directory of its own root.
+//!
+//! # Lock
+//!
+//! [`DirLock`] is an exclusive advisory lock on a root (`flock` on `.lowbit.lock`, released by
+//! the kernel when the holder ends): a trainer holds it for the whole run, so that two runs
+//! never save into one directory. Loading takes no lock.
 
 mod async_save;
 mod bytes;
@@ -70,6 +76,7 @@ mod check;
 mod convert;
 mod error;
 mod load;
+pub mod lock;
 pub mod manifest;
 mod read;
 mod read_views;
@@ -85,6 +92,7 @@ pub use async_save::AsyncSaver;
 pub use convert::{Alias, LoadOptions, Segment};
 pub use error::{CkptError, Result};
 pub use load::Checkpoint;
+pub use lock::DirLock;
 pub use manifest::{
     FORMAT_VERSION, FileEntry, Manifest, Meta, OptimizerEntry, Piece, SCALARS_HASH, TensorEntry,
     fnv1a64,
