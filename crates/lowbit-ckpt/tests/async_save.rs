@@ -115,7 +115,10 @@ fn async_save_writes_what_save_writes() {
 /// buffers, or one tensor not copied again, differs).
 #[test]
 fn later_async_saves_write_what_save_writes() {
-    let (sync, asynch) = (TempDir::new("ckpt-sync-later"), TempDir::new("ckpt-async-later"));
+    let (sync, asynch) = (
+        TempDir::new("ckpt-sync-later"),
+        TempDir::new("ckpt-async-later"),
+    );
     with_ranks(|comm, dev, r| {
         let (specs, opts) = (r.specs.clone(), SaveOptions::default());
         let mut saver = AsyncSaver::new();
@@ -136,7 +139,10 @@ fn later_async_saves_write_what_save_writes() {
         let (a, b) = (files(&sync.path(step)), files(&asynch.path(step)));
         assert_eq!(a.len(), 3, "{step}: {:?}", a.keys());
         for (name, bytes) in &a {
-            assert!(b.get(name) == Some(bytes), "{step}/{name}: the async save wrote other bytes");
+            assert!(
+                b.get(name) == Some(bytes),
+                "{step}/{name}: the async save wrote other bytes"
+            );
         }
     }
     // And they differ from the first save's: the steps between moved the state.

@@ -277,7 +277,10 @@ fn check(file: &Path, text: &str) -> Result<bool, String> {
     // text whatever the text declares.
     let bound = 16 * text.len() + (256 << 10);
     if peak > bound {
-        return Err(format!("allocated {peak} bytes for {} bytes of text", text.len()));
+        return Err(format!(
+            "allocated {peak} bytes for {} bytes of text",
+            text.len()
+        ));
     }
     match parsed {
         Ok(m) => {
@@ -300,7 +303,10 @@ fn mutated_manifests_parse_or_are_refused_with_bounded_allocation() {
     let m = manifest();
     let diffable = m.to_json().to_text();
     let compact = m.to_json().to_string();
-    assert_eq!(Manifest::parse(file, &diffable).expect("the base parses"), m);
+    assert_eq!(
+        Manifest::parse(file, &diffable).expect("the base parses"),
+        m
+    );
     assert_eq!(Manifest::parse(file, &compact).expect("the base parses"), m);
     let cases = lowbit_dev_support::fuzz_cases(3000);
     let mut rng = SplitMix64(0x6d61_6e69_6665_7374);
@@ -317,7 +323,10 @@ fn mutated_manifests_parse_or_are_refused_with_bounded_allocation() {
             Ok(Ok(true)) => parsed += 1,
             Ok(Ok(false)) => refused += 1,
             Ok(Err(why)) => panic!("case {case} ({how}): {why}\n{:.400}", text.escape_debug()),
-            Err(_) => panic!("case {case} ({how}) panicked on\n{:.400}", text.escape_debug()),
+            Err(_) => panic!(
+                "case {case} ({how}) panicked on\n{:.400}",
+                text.escape_debug()
+            ),
         }
     }
     println!(
@@ -325,7 +334,10 @@ fn mutated_manifests_parse_or_are_refused_with_bounded_allocation() {
         start.elapsed()
     );
     // Not vacuous: both outcomes occur (whitespace keeps a manifest; most mutations break it).
-    assert!(parsed > 0 && refused > parsed, "{parsed} parsed, {refused} refused");
+    assert!(
+        parsed > 0 && refused > parsed,
+        "{parsed} parsed, {refused} refused"
+    );
 }
 
 /// Declared sizes far beyond the text are refused by the rules before anything of their size

@@ -126,7 +126,12 @@ fn sync_save_and_load_of_a_small_state_at_many_ranks_take_little_memory() {
     ];
     let specs = specs(&params);
     // Masters and two moments, f32: the whole state, over all ranks.
-    let state_bytes: usize = 3 * 4 * params.iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
+    let state_bytes: usize = 3
+        * 4
+        * params
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum::<usize>();
     let root = TempDir::new("ckpt-save-memory");
     let peaks = run(RANKS, |mut comm, mut dev| {
         let mut r = Rank::new(&mut dev, RANKS, comm.rank(), &specs);
@@ -137,17 +142,29 @@ fn sync_save_and_load_of_a_small_state_at_many_ranks_take_little_memory() {
             ..Meta::default()
         };
         let saved = peak_during(&mut comm, |comm| {
-            save(&dev, comm, root.dir(), &meta, &specs, &r.opt, SaveOptions::default())
-                .expect("save");
+            save(
+                &dev,
+                comm,
+                root.dir(),
+                &meta,
+                &specs,
+                &r.opt,
+                SaveOptions::default(),
+            )
+            .expect("save");
         });
         let loaded = peak_during(&mut comm, |_| {
             let ck = Checkpoint::open(root.dir()).expect("open");
-            ck.load_optimizer(&mut dev, &specs, &mut r.opt).expect("load");
+            ck.load_optimizer(&mut dev, &specs, &mut r.opt)
+                .expect("load");
         });
         (saved, loaded)
     });
     let (saved, loaded) = peaks[0];
-    let (saved, loaded) = (saved.expect("rank 0 measures"), loaded.expect("rank 0 measures"));
+    let (saved, loaded) = (
+        saved.expect("rank 0 measures"),
+        loaded.expect("rank 0 measures"),
+    );
     println!(
         "{RANKS} ranks, {state_bytes} bytes of state: save peak +{saved} bytes, load peak +{loaded} bytes"
     );
@@ -155,8 +172,14 @@ fn sync_save_and_load_of_a_small_state_at_many_ranks_take_little_memory() {
     // rank's share here) and a few small texts. 1 MiB a rank is generous; full-size pool
     // buffers are 48 MiB a rank or more.
     let bound = RANKS << 20;
-    assert!(saved < bound, "a save of {state_bytes} bytes at {RANKS} ranks took +{saved} bytes");
-    assert!(loaded < bound, "a load of {state_bytes} bytes at {RANKS} ranks took +{loaded} bytes");
+    assert!(
+        saved < bound,
+        "a save of {state_bytes} bytes at {RANKS} ranks took +{saved} bytes"
+    );
+    assert!(
+        loaded < bound,
+        "a load of {state_bytes} bytes at {RANKS} ranks took +{loaded} bytes"
+    );
 }
 
 /// A manifest as 64 ranks write it: `tensors` tensors of 64 pieces each, one per rank file.
@@ -257,5 +280,8 @@ fn a_large_manifest_opens_in_a_small_multiple_of_its_size() {
         text.len()
     );
     // Linear time: a debug build parses well over 1 MB/s (a quadratic step would not).
-    assert!(took.as_secs_f64() < 5.0 + text.len() as f64 / 1e6, "{took:?}");
+    assert!(
+        took.as_secs_f64() < 5.0 + text.len() as f64 / 1e6,
+        "{took:?}"
+    );
 }

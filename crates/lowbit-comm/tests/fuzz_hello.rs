@@ -171,7 +171,10 @@ fn check_replies(bytes: &[u8]) -> Result<(), String> {
     while at < bytes.len() {
         let rest = &bytes[at..];
         if rest.len() < HEADER || rest[..8] != MAGIC {
-            return Err(format!("not a frame at byte {at}: {:02x?}", &rest[..rest.len().min(20)]));
+            return Err(format!(
+                "not a frame at byte {at}: {:02x?}",
+                &rest[..rest.len().min(20)]
+            ));
         }
         let (status, len) = (word(rest, 12), word(rest, 16) as usize);
         if status == 0 {
@@ -240,10 +243,19 @@ fn thousands_of_mutated_hellos_are_dropped_and_real_ranks_complete() {
     });
     let fuzzed = start.elapsed();
     for rank in 1..WORLD {
-        let got = fetch_with(&addr.to_string(), rank, WORLD, &secret(), Duration::from_secs(20));
+        let got = fetch_with(
+            &addr.to_string(),
+            rank,
+            WORLD,
+            &secret(),
+            Duration::from_secs(20),
+        );
         assert_eq!(got.expect("a real rank after the fuzz"), payload());
     }
-    serving.join().expect("the server panicked").expect("served");
+    serving
+        .join()
+        .expect("the server panicked")
+        .expect("served");
     println!("{cases} mutated hellos in {fuzzed:.1?}");
 }
 
@@ -311,14 +323,24 @@ fn mutated_replies_fail_the_rank_with_bounded_allocation() {
         let t = Instant::now();
         let base = LIVE.with(Cell::get);
         PEAK.with(|p| p.set(base));
-        let got = fetch_with(&addr.to_string(), 1, WORLD, &secret(), Duration::from_millis(500));
+        let got = fetch_with(
+            &addr.to_string(),
+            1,
+            WORLD,
+            &secret(),
+            Duration::from_millis(500),
+        );
         let peak = PEAK.with(Cell::get).saturating_sub(base);
         let e = match got {
             Ok(p) => panic!("case {case}: a fake rank 0 delivered {p:02x?} with {reply:02x?}"),
             Err(e) => e,
         };
         assert!(!e.to_string().is_empty(), "case {case}");
-        assert!(t.elapsed() < Duration::from_secs(10), "case {case}: {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "case {case}: {:?}",
+            t.elapsed()
+        );
         // A body is read only once its announced length passed the bound.
         assert!(
             peak < 4 * MAX_BODY + (64 << 10),

@@ -485,7 +485,10 @@ pub fn push_string(out: &mut String, s: &str) {
 /// every key collide), confirmed by a scan only on a hash match. An object of n members is
 /// checked in O(n), not O(n²).
 #[derive(Default)]
-struct KeySet(Option<std::collections::HashSet<u64>>, std::hash::RandomState);
+struct KeySet(
+    Option<std::collections::HashSet<u64>>,
+    std::hash::RandomState,
+);
 
 impl KeySet {
     const SCAN: usize = 16;

@@ -229,7 +229,12 @@ fn the_pull_reader_agrees_with_the_tree_reader() {
         max_depth: 3,
         max_len: 1 << 20,
     };
-    for text in ["[[[[]]]]", "[[[]]]", r#"{"a": {"b": [[]]}}"#, r#"{"a": {"b": [1]}}"#] {
+    for text in [
+        "[[[[]]]]",
+        "[[[]]]",
+        r#"{"a": {"b": [[]]}}"#,
+        r#"{"a": {"b": [1]}}"#,
+    ] {
         assert_eq!(
             streamed(text, limits),
             Json::parse_with(text, limits),

@@ -125,8 +125,19 @@ fn hybrid_sharding_resumes_bit_for_bit() {
         let straight = train_with(&s, Some(Ckpt::SaveAfter(dir.dir(), 2))).0;
         assert_eq!(straight, train(&s).0, "{what}: saving changed the run");
         let resumed = train_with(&s, Some(Ckpt::Resume(dir.dir()))).0;
-        assert_eq!(resumed.losses, straight.losses[2..], "{what}: losses after the resume");
-        assert_eq!(resumed.norms, straight.norms[2..], "{what}: grad norms after the resume");
-        assert!(resumed.masters == straight.masters, "{what}: masters after the resume");
+        assert_eq!(
+            resumed.losses,
+            straight.losses[2..],
+            "{what}: losses after the resume"
+        );
+        assert_eq!(
+            resumed.norms,
+            straight.norms[2..],
+            "{what}: grad norms after the resume"
+        );
+        assert!(
+            resumed.masters == straight.masters,
+            "{what}: masters after the resume"
+        );
     }
 }

@@ -120,7 +120,10 @@ fn no_gathered_unit_is_live_during_the_optimizer_step() {
             let mut s = Setup::new(2, Sharding::OptimGradsParams);
             s.cfg = s.cfg.with_overlap(overlap);
             (s.mxfp8_storage, s.nvfp4, s.steps) = (true, nvfp4, 2);
-            runs.push((s, format!("low-precision units (nvfp4 {nvfp4}), {overlap:?}")));
+            runs.push((
+                s,
+                format!("low-precision units (nvfp4 {nvfp4}), {overlap:?}"),
+            ));
         }
     }
     for (s, what) in runs {
@@ -129,13 +132,23 @@ fn no_gathered_unit_is_live_during_the_optimizer_step() {
             "{what}: live before a step +{} B, the step's own peak +{} B, units at once {}",
             m.live_at_step, m.step_only_peak, m.units_seen
         );
-        assert_eq!(m.live_at_step, 0, "{what}: bytes live before the optimizer step");
-        assert_eq!(m.units_after_step, 0, "{what}: units gathered after the step");
+        assert_eq!(
+            m.live_at_step, 0,
+            "{what}: bytes live before the optimizer step"
+        );
+        assert_eq!(
+            m.units_after_step, 0,
+            "{what}: units gathered after the step"
+        );
         // The step's own allocations: the gradient norm; with low-precision storage also the
         // bf16 copy of one owned piece that the staging quantizes from (a rank owns half of
         // a matrix here), freed before the next: less than a gathered unit of that matrix.
         let largest = DIMS.windows(2).map(|w| w[0] * w[1]).max().unwrap_or(0);
-        let staging = if s.mxfp8_storage { 2 * largest / s.dp } else { 0 };
+        let staging = if s.mxfp8_storage {
+            2 * largest / s.dp
+        } else {
+            0
+        };
         assert!(
             m.step_only_peak <= NORM_BYTES * 2 + staging,
             "{what}: the optimizer step allocated {} bytes",

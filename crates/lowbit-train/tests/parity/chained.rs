@@ -88,12 +88,20 @@ fn each_owner_of_the_chain_stages_only_its_own_groups() {
                     .collect();
                 let low = |g: usize| lows[g];
                 let of = |o: u32| -> Vec<usize> {
-                    (0..groups).filter(|&g| owners[g] == OptimizerId(o)).collect()
+                    (0..groups)
+                        .filter(|&g| owners[g] == OptimizerId(o))
+                        .collect()
                 };
                 let (adamw, sgd) = (of(0), of(1));
                 assert!(!adamw.is_empty() && !sgd.is_empty(), "{what}");
-                assert!(adamw.iter().all(|&g| low(g)), "{what}: AdamW's groups are low-precision");
-                assert!(sgd.iter().all(|&g| !low(g)), "{what}: SGD's groups are persistent");
+                assert!(
+                    adamw.iter().all(|&g| low(g)),
+                    "{what}: AdamW's groups are low-precision"
+                );
+                assert!(
+                    sgd.iter().all(|&g| !low(g)),
+                    "{what}: SGD's groups are persistent"
+                );
                 opt.begin_step();
                 opt.update(dev, 1.0, UpdateScope::All).unwrap();
                 for o in opt.owners() {
@@ -103,7 +111,8 @@ fn each_owner_of_the_chain_stages_only_its_own_groups() {
                     assert_eq!(bufs.weight_state(g), WeightState::Stale, "{what}: {g}");
                 }
                 let gathers = comm.stats().all_gather.calls;
-                let (adamw_bytes, sgd_bytes) = (bytes_of(dev, &bufs, &adamw), bytes_of(dev, &bufs, &sgd));
+                let (adamw_bytes, sgd_bytes) =
+                    (bytes_of(dev, &bufs, &adamw), bytes_of(dev, &bufs, &sgd));
                 let parts = opt.parts();
                 let (first, second) = if sgd_first { (1, 0) } else { (0, 1) };
                 protocol::stage(dev, &mut comm, &mut bufs, parts[first].as_ref(), false).unwrap();
@@ -151,7 +160,11 @@ fn each_owner_of_the_chain_stages_only_its_own_groups() {
                 bufs.sync_params(dev, &mut comm).unwrap();
                 let gathered = comm.stats().all_gather.calls - before;
                 for g in 0..groups {
-                    assert_eq!(bufs.param_sync_state(g), ParamSyncState::Done, "{what}: {g}");
+                    assert_eq!(
+                        bufs.param_sync_state(g),
+                        ParamSyncState::Done,
+                        "{what}: {g}"
+                    );
                     if low(g) {
                         assert_eq!(bufs.weight_state(g), WeightState::Current, "{what}: {g}");
                     }
@@ -165,7 +178,10 @@ fn each_owner_of_the_chain_stages_only_its_own_groups() {
                 let (gathered, groups) = r.unwrap();
                 // At most one all-gather per group (early gathers under overlap started before
                 // the counted sync).
-                assert!(gathered as usize <= groups, "{precision:?} dp={dp} op={op}: {gathered}");
+                assert!(
+                    gathered as usize <= groups,
+                    "{precision:?} dp={dp} op={op}: {gathered}"
+                );
             }
         }
     }
