@@ -354,17 +354,27 @@ impl Checkpoint {
     }
 }
 
+/// The bytes of `path`, refused when over `max`: by its size before reading (nothing is
+/// allocated for a file too large), and by what was read (a file that grew meanwhile).
 fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let too_large = || CkptError::Manifest {
+        file: path.to_path_buf(),
+        msg: format!(
+            "larger than {} MiB ({max} bytes), the most a manifest may hold; not read",
+            max >> 20
+        ),
+    };
     let f = File::open(path).map_err(io("open", path))?;
-    let mut out = Vec::new();
+    let len = f.metadata().map_err(io("stat", path))?.len();
+    if len > max {
+        return Err(too_large());
+    }
+    let mut out = Vec::with_capacity(len as usize);
     f.take(max + 1)
         .read_to_end(&mut out)
         .map_err(io("read", path))?;
     if out.len() as u64 > max {
-        return Err(CkptError::Manifest {
-            file: path.to_path_buf(),
-            msg: format!("larger than {max} bytes"),
-        });
+        return Err(too_large());
     }
     Ok(out)
 }

@@ -23,7 +23,8 @@ use std::time::Instant;
 
 use lowbit_ckpt::json::Json;
 use lowbit_ckpt::{
-    Checkpoint, FileEntry, Manifest, Meta, OptimizerEntry, Piece, SaveOptions, TensorEntry, save,
+    Checkpoint, CkptError, FileEntry, Manifest, Meta, OptimizerEntry, Piece, SaveOptions,
+    TensorEntry, save,
 };
 use lowbit_comm::Communicator;
 use lowbit_dev_support::tempdir::TempDir;
@@ -284,4 +285,23 @@ fn a_large_manifest_opens_in_a_small_multiple_of_its_size() {
         took.as_secs_f64() < 5.0 + text.len() as f64 / 1e6,
         "{took:?}"
     );
+}
+
+/// A manifest over the cap (256 MiB) is refused by its size, before anything is read or
+/// allocated for it, with the cap in the message.
+#[test]
+fn an_oversized_manifest_is_refused_before_reading() {
+    let _one = serial();
+    let dir = TempDir::new("ckpt-huge-manifest");
+    let f = std::fs::File::create(dir.path("manifest.json")).expect("create");
+    f.set_len((256 << 20) + 1).expect("sparse file");
+    let (r, peak) = peak_of(|| Checkpoint::open(dir.dir()));
+    match r {
+        Err(CkptError::Manifest { file, msg }) => {
+            assert!(file.ends_with("manifest.json"), "{}", file.display());
+            assert!(msg.contains("larger than 256 MiB"), "{msg}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(peak < 1 << 20, "{peak} bytes allocated");
 }
