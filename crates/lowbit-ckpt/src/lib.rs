@@ -40,7 +40,10 @@
 //! [`save`] streams the state from the optimizer's device views ([`lowbit_optim::Optimizer::
 //! state_views`]): chunks are downloaded into a few reused buffers while worker threads hash
 //! them and write them at their offsets, so the save runs at the disk's speed and never holds
-//! the whole state in host memory (an optimizer without views is snapshotted first).
+//! the whole state in host memory (an optimizer without views is snapshotted first). Per rank
+//! it holds at most `2·workers + 2` buffers (at most 18), never more than it has chunks, none
+//! larger than its chunk (8 MiB, or the piece when smaller): a small state takes a few KiB
+//! however many thread ranks save at once. A load streams through the same kind of pool.
 //!
 //! [`AsyncSaver`] is the same save with the files written by a background thread: the training
 //! step pays for the snapshot (a host copy of the state) only, and the commit happens at the
@@ -49,7 +52,9 @@
 //! # Load
 //!
 //! [`Checkpoint::open`] validates the manifest (hostile input is a typed error, never a panic)
-//! and data file sizes; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
+//! and data file sizes; the manifest is parsed streaming ([`Manifest::parse`]: the tensor list
+//! entry by entry, never one JSON tree), so it takes its text and the manifest built from it,
+//! about 1.6 times the text, and at most 256 MiB of text is read; [`Checkpoint::load_optimizer`] fills a freshly built optimizer's own
 //! export template from the overlapping pieces (resharding to any dp and to either sharded
 //! strategy), checking every piece's hash; the step driver adds the forced parameter sync
 //! (`lowbit-train`'s `Trainer::load_checkpoint`: this crate sits below the driver).

@@ -12,7 +12,6 @@ use lowbit_optim::{Optimizer, StateViews};
 
 use crate::convert::LoadOptions;
 use crate::error::{CkptError, Result, io};
-use crate::json::{Json, Limits};
 use crate::manifest::{Manifest, Meta, OptimizerEntry, TensorEntry};
 use crate::read::{Parts, Request};
 use crate::read_views::ViewRequest;
@@ -58,19 +57,9 @@ impl Checkpoint {
             msg,
         };
         let text = String::from_utf8(bytes).map_err(|_| bad("not UTF-8".into()))?;
-        // The message is the parser's: the problem and its byte offset.
-        let json = Json::parse_with(&text, Limits::default()).map_err(|e| bad(e.to_string()))?;
-        let manifest = match Manifest::from_json(&json) {
-            Ok(m) => m,
-            Err(Ok(found)) => {
-                return Err(CkptError::Version {
-                    file: mpath,
-                    found,
-                    supported: crate::manifest::FORMAT_VERSION,
-                });
-            }
-            Err(Err(msg)) => return Err(bad(msg)),
-        };
+        // Streamed: the tensor list never becomes one JSON tree.
+        let manifest = Manifest::parse(&mpath, &text)?;
+        drop(text);
         for f in &manifest.files {
             let p = dir.join(&f.name);
             let meta = fs::metadata(&p).map_err(io("stat", &p))?;
@@ -365,17 +354,27 @@ impl Checkpoint {
     }
 }
 
+/// The bytes of `path`, refused when over `max`: by its size before reading (nothing is
+/// allocated for a file too large), and by what was read (a file that grew meanwhile).
 fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let too_large = || CkptError::Manifest {
+        file: path.to_path_buf(),
+        msg: format!(
+            "larger than {} MiB ({max} bytes), the most a manifest may hold; not read",
+            max >> 20
+        ),
+    };
     let f = File::open(path).map_err(io("open", path))?;
-    let mut out = Vec::new();
+    let len = f.metadata().map_err(io("stat", path))?.len();
+    if len > max {
+        return Err(too_large());
+    }
+    let mut out = Vec::with_capacity(len as usize);
     f.take(max + 1)
         .read_to_end(&mut out)
         .map_err(io("read", path))?;
     if out.len() as u64 > max {
-        return Err(CkptError::Manifest {
-            file: path.to_path_buf(),
-            msg: format!("larger than {max} bytes"),
-        });
+        return Err(too_large());
     }
     Ok(out)
 }

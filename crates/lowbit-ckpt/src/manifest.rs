@@ -2,8 +2,11 @@
 //! the format.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 
-use lowbit_io::json::{Json, Object};
+use lowbit_io::json::{Json, Limits, Object, ParseError, Reader};
+
+use crate::error::CkptError;
 
 /// The format version this build writes and reads.
 pub const FORMAT_VERSION: u64 = 1;
@@ -245,20 +248,70 @@ impl Manifest {
         v
     }
 
-    /// Parses and validates a manifest. `Err(Ok(version))` is a well-formed manifest of another
-    /// format version; `Err(Err(msg))` anything else wrong.
+    /// Parses and validates the manifest `text` read from `file` (streaming: the tensor list
+    /// is read entry by entry, never held as one JSON tree, so the memory is the text and the
+    /// manifest built from it, a small multiple of the text).
+    ///
+    /// # Errors
+    /// [`CkptError::Manifest`] (JSON or a rule of the format, with the byte offset of a JSON
+    /// error), [`CkptError::Version`] (a well-formed manifest of another format version).
+    pub fn parse(file: &Path, text: &str) -> crate::Result<Manifest> {
+        Self::from_text(text).map_err(|e| match e {
+            Ok(found) => CkptError::Version {
+                file: file.to_path_buf(),
+                found,
+                supported: FORMAT_VERSION,
+            },
+            Err(msg) => CkptError::Manifest {
+                file: file.to_path_buf(),
+                msg,
+            },
+        })
+    }
+
+    /// [`Manifest::parse`] without a file to name. `Err(Ok(version))` is a well-formed
+    /// manifest of another format version; `Err(Err(msg))` anything else wrong.
+    pub(crate) fn from_text(text: &str) -> Result<Manifest, Result<u64, String>> {
+        let (head, tensors) = read_streaming(text).map_err(|e| Err(e.to_string()))?;
+        Self::assemble(&head, tensors)
+    }
+
+    /// Validates a manifest already parsed as one JSON tree (the unit tests' way in). `Err(Ok(version))` is a
+    /// well-formed manifest of another format version; `Err(Err(msg))` anything else wrong.
+    #[cfg(test)]
     pub(crate) fn from_json(v: &Json) -> Result<Manifest, Result<u64, String>> {
-        if v.member("format") != Some(&Json::Str(FORMAT_NAME.into())) {
+        let tensors = match v.member("tensors") {
+            Some(Json::Arr(list)) => {
+                let mut names = BTreeSet::new();
+                Some(list.iter().map(|t| tensor_entry(t, &mut names)).collect())
+            }
+            _ => None,
+        };
+        Self::assemble(v, tensors)
+    }
+
+    /// The manifest from its members other than `tensors` (`head`; a `tensors` member there is
+    /// one that is not an array) and its tensor entries as read (`None`: missing or not an
+    /// array; an error: the first entry that broke a rule of its own). The rules are checked in
+    /// the order of the format: format and version, the scalars, every tensor, the hash last.
+    fn assemble(
+        head: &Json,
+        tensors: Option<Result<Vec<TensorEntry>, String>>,
+    ) -> Result<Manifest, Result<u64, String>> {
+        if head.member("format") != Some(&Json::Str(FORMAT_NAME.into())) {
             return Err(Err(format!("`format` is not \"{FORMAT_NAME}\"")));
         }
-        let version = uint(v, "version").map_err(Err)?;
+        let version = uint(head, "version").map_err(Err)?;
         if version != FORMAT_VERSION {
             return Err(Ok(version));
         }
-        Self::parse_v1(v).map_err(Err)
+        Self::assemble_v1(head, tensors).map_err(Err)
     }
 
-    fn parse_v1(v: &Json) -> Result<Manifest, String> {
+    fn assemble_v1(
+        v: &Json,
+        tensors: Option<Result<Vec<TensorEntry>, String>>,
+    ) -> Result<Manifest, String> {
         if v.member("hash") != Some(&Json::Str("fnv1a64".into())) {
             return Err("`hash` is not \"fnv1a64\"".into());
         }
@@ -294,118 +347,9 @@ impl Manifest {
             }
             files.push(FileEntry { name, bytes });
         }
-        let mut tensors = Vec::new();
-        let mut names = BTreeSet::new();
-        for t in array(v, "tensors")? {
-            let name = string(t, "name")?;
-            let param = string(t, "param")?;
-            let state = string(t, "state")?;
-            if name != format!("{param}/{state}") {
-                return Err(format!("tensor `{name}` is not named `{param}/{state}`"));
-            }
-            if !names.insert(name.clone()) {
-                return Err(format!("tensor `{name}` listed twice"));
-            }
-            let owner = owner(t)?;
-            if !owners.contains(&owner) {
-                return Err(format!(
-                    "tensor `{name}`: owner {owner} has no optimizer entry"
-                ));
-            }
-            let shape: Vec<u64> = array(t, "shape")?
-                .iter()
-                .map(|d| match d {
-                    Json::UInt(n) => Ok(*n),
-                    _ => Err(format!("tensor `{name}`: shape holds a non-integer")),
-                })
-                .collect::<Result<_, _>>()?;
-            if shape.len() > MAX_RANK {
-                return Err(format!("tensor `{name}`: {} dimensions", shape.len()));
-            }
-            let numel = shape
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .filter(|&n| n <= MAX_NUMEL)
-                .ok_or_else(|| format!("tensor `{name}`: shape {shape:?} is absurdly large"))?;
-            let dtype = string(t, "dtype")?;
-            if dtype != DTYPE_F32 {
-                return Err(format!(
-                    "tensor `{name}`: dtype `{dtype}` (only F32 is stored)"
-                ));
-            }
-            let mut pieces = Vec::new();
-            for p in array(t, "pieces")? {
-                let piece = Piece {
-                    file: string(p, "file")?,
-                    key: string(p, "key")?,
-                    start: uint(p, "start")?,
-                    end: uint(p, "end")?,
-                    offset: uint(p, "offset")?,
-                    hash: {
-                        let h = string(p, "fnv1a64")?;
-                        parse_hex(&h).ok_or_else(|| {
-                            format!("tensor `{name}`: hash `{h}` is not 16 hex digits")
-                        })?
-                    },
-                };
-                let Some(&fbytes) = sizes.get(&piece.file) else {
-                    return Err(format!(
-                        "tensor `{name}`: piece in `{}`, which is not a listed file",
-                        piece.file
-                    ));
-                };
-                if piece.start >= piece.end || piece.end > numel {
-                    return Err(format!(
-                        "tensor `{name}`: piece [{}, {}) out of range of {numel} elements",
-                        piece.start, piece.end
-                    ));
-                }
-                let fits = (piece.end - piece.start)
-                    .checked_mul(4)
-                    .and_then(|b| b.checked_add(piece.offset))
-                    .is_some_and(|e| e <= fbytes);
-                if !fits {
-                    return Err(format!(
-                        "tensor `{name}`: piece [{}, {}) at byte {} runs past the end of `{}` \
-                         ({fbytes} bytes)",
-                        piece.start, piece.end, piece.offset, piece.file
-                    ));
-                }
-                pieces.push(piece);
-            }
-            pieces.sort_by_key(|p| p.start);
-            // Exactly once: sorted by start, each piece begins where the previous ended.
-            let mut at = 0;
-            for p in &pieces {
-                if p.start < at {
-                    return Err(format!(
-                        "tensor `{name}`: pieces overlap at element {} (duplicate or overlapping \
-                         piece)",
-                        p.start
-                    ));
-                }
-                if p.start > at {
-                    return Err(format!(
-                        "tensor `{name}`: elements [{at}, {}) are in no piece (missing piece)",
-                        p.start
-                    ));
-                }
-                at = p.end;
-            }
-            if at != numel {
-                return Err(format!(
-                    "tensor `{name}`: elements [{at}, {numel}) are in no piece (missing piece)"
-                ));
-            }
-            tensors.push(TensorEntry {
-                name,
-                param,
-                state,
-                owner,
-                shape,
-                dtype,
-                pieces,
-            });
+        let tensors = tensors.ok_or_else(|| "`tensors` missing or not an array".to_string())??;
+        for t in &tensors {
+            check_refs(t, &owners, &sizes)?;
         }
         // Last, so that a manifest that breaks a rule is refused for that rule.
         let h = string(v, SCALARS_HASH)?;
@@ -427,6 +371,180 @@ impl Manifest {
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
     }
+}
+
+/// Reads a manifest's text: its members other than `tensors` as one (small) JSON object, and
+/// `tensors`, when it is an array, entry by entry into [`TensorEntry`]s (each entry's JSON
+/// dropped once converted; after the first entry that breaks a rule the rest are only
+/// parsed). A JSON error anywhere is the error, as for a whole-tree parse.
+#[allow(clippy::type_complexity)]
+fn read_streaming(
+    text: &str,
+) -> Result<(Json, Option<Result<Vec<TensorEntry>, String>>), ParseError> {
+    let mut r = Reader::new(text, Limits::default())?;
+    r.begin_object()?;
+    let mut head = Object::new();
+    let mut keys = BTreeSet::new();
+    let mut tensors = None;
+    while let Some((key, at)) = r.next_key()? {
+        if !keys.insert(key.clone()) {
+            return Err(ParseError {
+                what: format!("duplicate key `{key}`"),
+                at,
+            });
+        }
+        if key == "tensors" && r.peek() == Some(b'[') {
+            r.begin_array()?;
+            let mut names = BTreeSet::new();
+            let mut list: Result<Vec<TensorEntry>, String> = Ok(Vec::new());
+            while r.next_element()? {
+                let t = r.value()?;
+                if let Ok(done) = &mut list {
+                    match tensor_entry(&t, &mut names) {
+                        Ok(e) => done.push(e),
+                        Err(msg) => list = Err(msg),
+                    }
+                }
+            }
+            if let Ok(done) = &mut list {
+                done.shrink_to_fit();
+            }
+            tensors = Some(list);
+        } else {
+            head.insert(key, r.value()?);
+        }
+    }
+    r.finish()?;
+    Ok((Json::Obj(head), tensors))
+}
+
+/// One tensor entry, checked by the rules that need nothing else of the manifest: its name is
+/// `{param}/{state}` and not listed before (`names`), its shape and dtype, its pieces in
+/// range of its elements and tiling them exactly once.
+fn tensor_entry(t: &Json, names: &mut BTreeSet<String>) -> Result<TensorEntry, String> {
+    let name = string(t, "name")?;
+    let param = string(t, "param")?;
+    let state = string(t, "state")?;
+    if name != format!("{param}/{state}") {
+        return Err(format!("tensor `{name}` is not named `{param}/{state}`"));
+    }
+    if !names.insert(name.clone()) {
+        return Err(format!("tensor `{name}` listed twice"));
+    }
+    let owner = owner(t)?;
+    let shape: Vec<u64> = array(t, "shape")?
+        .iter()
+        .map(|d| match d {
+            Json::UInt(n) => Ok(*n),
+            _ => Err(format!("tensor `{name}`: shape holds a non-integer")),
+        })
+        .collect::<Result<_, _>>()?;
+    if shape.len() > MAX_RANK {
+        return Err(format!("tensor `{name}`: {} dimensions", shape.len()));
+    }
+    let numel = shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .filter(|&n| n <= MAX_NUMEL)
+        .ok_or_else(|| format!("tensor `{name}`: shape {shape:?} is absurdly large"))?;
+    let dtype = string(t, "dtype")?;
+    if dtype != DTYPE_F32 {
+        return Err(format!(
+            "tensor `{name}`: dtype `{dtype}` (only F32 is stored)"
+        ));
+    }
+    let list = array(t, "pieces")?;
+    let mut pieces = Vec::with_capacity(list.len());
+    for p in list {
+        let piece = Piece {
+            file: string(p, "file")?,
+            key: string(p, "key")?,
+            start: uint(p, "start")?,
+            end: uint(p, "end")?,
+            offset: uint(p, "offset")?,
+            hash: {
+                let h = string(p, "fnv1a64")?;
+                parse_hex(&h)
+                    .ok_or_else(|| format!("tensor `{name}`: hash `{h}` is not 16 hex digits"))?
+            },
+        };
+        if piece.start >= piece.end || piece.end > numel {
+            return Err(format!(
+                "tensor `{name}`: piece [{}, {}) out of range of {numel} elements",
+                piece.start, piece.end
+            ));
+        }
+        pieces.push(piece);
+    }
+    pieces.sort_by_key(|p| p.start);
+    // Exactly once: sorted by start, each piece begins where the previous ended.
+    let mut at = 0;
+    for p in &pieces {
+        if p.start < at {
+            return Err(format!(
+                "tensor `{name}`: pieces overlap at element {} (duplicate or overlapping \
+                 piece)",
+                p.start
+            ));
+        }
+        if p.start > at {
+            return Err(format!(
+                "tensor `{name}`: elements [{at}, {}) are in no piece (missing piece)",
+                p.start
+            ));
+        }
+        at = p.end;
+    }
+    if at != numel {
+        return Err(format!(
+            "tensor `{name}`: elements [{at}, {numel}) are in no piece (missing piece)"
+        ));
+    }
+    Ok(TensorEntry {
+        name,
+        param,
+        state,
+        owner,
+        shape,
+        dtype,
+        pieces,
+    })
+}
+
+/// The rules of a tensor entry that need the rest of the manifest: its owner has an optimizer
+/// entry, every piece lies in a listed file and within its size.
+fn check_refs(
+    t: &TensorEntry,
+    owners: &BTreeSet<u32>,
+    sizes: &BTreeMap<String, u64>,
+) -> Result<(), String> {
+    let name = &t.name;
+    if !owners.contains(&t.owner) {
+        return Err(format!(
+            "tensor `{name}`: owner {} has no optimizer entry",
+            t.owner
+        ));
+    }
+    for piece in &t.pieces {
+        let Some(&fbytes) = sizes.get(&piece.file) else {
+            return Err(format!(
+                "tensor `{name}`: piece in `{}`, which is not a listed file",
+                piece.file
+            ));
+        };
+        let fits = (piece.end - piece.start)
+            .checked_mul(4)
+            .and_then(|b| b.checked_add(piece.offset))
+            .is_some_and(|e| e <= fbytes);
+        if !fits {
+            return Err(format!(
+                "tensor `{name}`: piece [{}, {}) at byte {} runs past the end of `{}` \
+                 ({fbytes} bytes)",
+                piece.start, piece.end, piece.offset, piece.file
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn uint(v: &Json, key: &str) -> Result<u64, String> {

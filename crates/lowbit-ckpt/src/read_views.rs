@@ -221,7 +221,9 @@ fn worker(
                     Err(_) => return,
                 },
             };
-            buf.resize(CHUNK_ELEMS, 0.0);
+            // Only as large as this chunk: a small piece takes a small buffer (at many ranks
+            // per process, full-size buffers for small states add up).
+            buf.resize(n, 0.0);
             if let Err(e) = read_at(file, &mut buf[..n], job.piece.offset + 4 * at as u64) {
                 spare.push(buf);
                 let error = io("read", &path)(e);

@@ -596,8 +596,7 @@ fn commit(
     let text = manifest.to_json().to_text();
     let mpath = tmp.join(MANIFEST);
     // What is written must be what a loader accepts: coverage, ranges, names.
-    let check = Json::parse(&text).map_err(|e| bad(&mpath, e.to_string()))?;
-    Manifest::from_json(&check).map_err(|e| {
+    Manifest::from_text(&text).map_err(|e| {
         bad(
             &mpath,
             match e {

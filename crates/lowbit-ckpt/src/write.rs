@@ -7,8 +7,9 @@
 //! the piece's own offset) the pieces of its slot, and the producer (the thread that owns the
 //! device) hands out the chunks of one piece per slot in turn. Each written chunk is handed to
 //! the disk at once (`sync_file_range`), so the final fsync finds little left to do. Nothing
-//! holds the whole state in host memory: a save from device views needs `2·workers + 2` chunks
-//! of [`CHUNK_BYTES`].
+//! holds the whole state in host memory: a save from device views needs at most `2·workers + 2`
+//! buffers (never more than its chunks), each of at most `min(CHUNK_BYTES, largest piece)`, so
+//! per rank at most `(2·8 + 2)·8 MiB` = 144 MiB, and a few KiB for a small state.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -75,6 +76,11 @@ pub(crate) fn workers(pieces: usize) -> usize {
         .clamp(1, 8)
         .min(pieces)
         .max(1)
+}
+
+/// Buffers in the pool of a streaming write with `workers` workers.
+pub(crate) fn pool_buffers(workers: usize) -> usize {
+    2 * workers + 2
 }
 
 /// A chunk on its way to a worker: bytes `at..` of piece `piece` (in file order).
@@ -167,11 +173,18 @@ fn stream(
 ) -> Result<Vec<u64>> {
     let nworkers = workers(pieces.len());
     let (free_tx, free_rx) = mpsc::channel::<Vec<f32>>();
-    let needs_pool = pieces.iter().any(|p| matches!(p.0, Source::Device(_)));
-    if needs_pool {
-        for _ in 0..2 * nworkers + 2 {
-            let _ = free_tx.send(Vec::new());
-        }
+    // The pool: at most `2·workers + 2` buffers (one being filled, two queued per worker, one
+    // being written per worker), never more than the device chunks there are, each grown only
+    // to the chunks it carries (at most `min(CHUNK_BYTES, largest piece)`). So a save of a
+    // small state takes little memory however many ranks save at once; a pool of full-size
+    // buffers took `(2·workers + 2)·CHUNK_BYTES` per rank whatever the state.
+    let device_chunks: usize = pieces
+        .iter()
+        .filter(|p| matches!(p.0, Source::Device(_)))
+        .map(|p| p.0.len().div_ceil(CHUNK_ELEMS).max(1))
+        .sum();
+    for _ in 0..device_chunks.min(pool_buffers(nworkers)) {
+        let _ = free_tx.send(Vec::new());
     }
     std::thread::scope(|s| {
         let mut senders = Vec::with_capacity(nworkers);
@@ -239,8 +252,9 @@ fn produce<'a>(
                         source: std::io::Error::other("a device piece without its device"),
                     })?;
                     let mut buf = free.recv().map_err(|_| hung_up())?;
-                    buf.resize(CHUNK_ELEMS, 0.0);
-                    download(dev, view.slice(at..end)?, &mut buf[..end - at])?;
+                    // Only as large as this chunk (a small piece needs a small buffer).
+                    buf.resize(end - at, 0.0);
+                    download(dev, view.slice(at..end)?, &mut buf)?;
                     ChunkData::Pooled(buf, end - at)
                 }
             };

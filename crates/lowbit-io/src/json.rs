@@ -10,7 +10,10 @@
 //!   the shortest decimal that reads back to the same f32 and is never produced by the reader.
 //!   Non-finite numbers are written as `null` (JSON has none).
 //! - The reader never panics and is bounded ([`Limits`]: nesting depth and text length); every
-//!   failure is a [`ParseError`] with the byte offset.
+//!   failure is a [`ParseError`] with the byte offset. Its time is linear in the text (duplicate
+//!   keys are found through a hash set beyond a few members) and a tree takes a few times the
+//!   text's bytes (strings and containers at their exact sizes); [`Reader`] walks a document
+//!   whose large parts must not be one tree at once (a checkpoint manifest's tensor list).
 //! - Two writers: compact ([`std::fmt::Display`]) and a diffable one ([`Json::to_text`]: an
 //!   object's members and an array's nested containers one per line).
 //!
@@ -20,6 +23,9 @@
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
+
+mod reader;
+pub use reader::Reader;
 
 /// A JSON value.
 #[derive(Clone, Debug, PartialEq)]
@@ -474,6 +480,33 @@ pub fn push_string(out: &mut String, s: &str) {
     let _ = write_string(out, s);
 }
 
+/// The keys of one object being read, for the duplicate check: a linear scan while the object
+/// is small, then a set of key hashes (std's randomly keyed SipHash, so no input can make
+/// every key collide), confirmed by a scan only on a hash match. An object of n members is
+/// checked in O(n), not O(n²).
+#[derive(Default)]
+struct KeySet(
+    Option<std::collections::HashSet<u64>>,
+    std::hash::RandomState,
+);
+
+impl KeySet {
+    const SCAN: usize = 16;
+
+    /// Records `k` as the next member of `m`; false if `m` has it already.
+    fn insert(&mut self, m: &Object, k: &str) -> bool {
+        use std::hash::BuildHasher;
+        if m.len() < Self::SCAN {
+            return m.get(k).is_none();
+        }
+        let hasher = &self.1;
+        let set = self
+            .0
+            .get_or_insert_with(|| m.keys().map(|key| hasher.hash_one(key.as_str())).collect());
+        set.insert(hasher.hash_one(k)) || m.get(k).is_none()
+    }
+}
+
 struct Parser<'a> {
     b: &'a [u8],
     i: usize,
@@ -521,6 +554,7 @@ impl Parser<'_> {
             Some(b'{') => {
                 self.i += 1;
                 let mut m = Object::new();
+                let mut keys = KeySet::default();
                 self.ws();
                 if self.eat("}") {
                     return Ok(Json::Obj(m));
@@ -537,7 +571,7 @@ impl Parser<'_> {
                         return self.err("expected `:`");
                     }
                     let v = self.value(depth + 1)?;
-                    if m.get(k.as_str()).is_some() {
+                    if !keys.insert(&m, &k) {
                         return self.err_at(&format!("duplicate key `{k}`"), at);
                     }
                     m.0.push((k, v));
@@ -546,6 +580,7 @@ impl Parser<'_> {
                         continue;
                     }
                     if self.eat("}") {
+                        m.0.shrink_to_fit();
                         return Ok(Json::Obj(m));
                     }
                     return self.err("expected `,` or `}`");
@@ -565,6 +600,7 @@ impl Parser<'_> {
                         continue;
                     }
                     if self.eat("]") {
+                        v.shrink_to_fit();
                         return Ok(Json::Arr(v));
                     }
                     return self.err("expected `,` or `]`");
@@ -646,6 +682,21 @@ impl Parser<'_> {
 
     fn string(&mut self) -> Result<String, ParseError> {
         self.i += 1; // the opening quote
+        // Most strings hold no escape: one slice, copied at its exact size.
+        let plain = self.b[self.i..]
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\' || c < 0x20);
+        if let Some(n) = plain
+            && self.b[self.i + n] == b'"'
+        {
+            let at = self.i;
+            let text = std::str::from_utf8(&self.b[at..at + n]).map_err(|_| ParseError {
+                what: "invalid UTF-8 in string".into(),
+                at: at + n + 1,
+            })?;
+            self.i += n + 1;
+            return Ok(text.to_owned());
+        }
         let mut out = Vec::new();
         loop {
             let Some(&c) = self.b.get(self.i) else {

@@ -1,6 +1,6 @@
 //! The JSON codec: what it writes, what it reads, what it refuses.
 
-use lowbit_io::json::{Json, Limits, Object};
+use lowbit_io::json::{Json, Limits, Object, ParseError, Reader};
 
 #[test]
 fn prints_compact_json() {
@@ -153,4 +153,118 @@ fn sorted_keys_are_canonical() {
         a.to_text(),
         "{\n  \"a\": null,\n  \"b\": {\n    \"x\": null,\n    \"y\": null\n  }\n}\n"
     );
+}
+
+/// Every container walked through [`Reader`] (keys checked for duplicates by the walker, as a
+/// streaming caller does), every scalar taken whole.
+fn walk(r: &mut Reader<'_>) -> Result<Json, ParseError> {
+    match r.peek() {
+        Some(b'{') => {
+            r.begin_object()?;
+            let mut m = Object::new();
+            while let Some((k, at)) = r.next_key()? {
+                let v = walk(r)?;
+                if m.get(k.as_str()).is_some() {
+                    return Err(ParseError {
+                        what: format!("duplicate key `{k}`"),
+                        at,
+                    });
+                }
+                m.insert(k, v);
+            }
+            Ok(Json::Obj(m))
+        }
+        Some(b'[') => {
+            r.begin_array()?;
+            let mut v = Vec::new();
+            while r.next_element()? {
+                v.push(walk(r)?);
+            }
+            Ok(Json::Arr(v))
+        }
+        _ => r.value(),
+    }
+}
+
+fn streamed(text: &str, limits: Limits) -> Result<Json, ParseError> {
+    let mut r = Reader::new(text, limits)?;
+    let v = walk(&mut r)?;
+    r.finish()?;
+    Ok(v)
+}
+
+/// The pull reader reads what the tree reader reads and refuses what it refuses, with the same
+/// error at the same byte: valid documents, every prefix of them, and classic bad input.
+#[test]
+fn the_pull_reader_agrees_with_the_tree_reader() {
+    let docs = [
+        r#"{"a": [1, {"b": null, "c": [true, false]}, "x"], "d": {}, "e": [], "f": -2.5e3}"#,
+        r#"[[], [[]], {"k": "\u00e9\ud83d\ude00\n"}, 18446744073709551615, -9223372036854775808]"#,
+        r#"{"a": 1, "a": 2}"#,
+        r#"{"a": [1, 2,], "b": 1}"#,
+        r#"[1 2]"#,
+        r#"{"a" 1}"#,
+        r#"{1: 2}"#,
+        r#"[01]"#,
+        r#"["\ud800"]"#,
+        "[\"a\u{1}\"]",
+        r#"{"a": 1} x"#,
+        "  [ 1 , [ 2 , { \"z\" : [ ] } ] ]  ",
+    ];
+    let mut compared = 0;
+    for doc in docs {
+        for end in (0..=doc.len()).filter(|&e| doc.is_char_boundary(e)) {
+            let text = &doc[..end];
+            assert_eq!(
+                streamed(text, Limits::default()),
+                Json::parse(text),
+                "{text:?}"
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared > 250, "{compared}");
+    // Nesting counts the same: depth 3 passes a limit of 3, depth 4 does not.
+    let limits = Limits {
+        max_depth: 3,
+        max_len: 1 << 20,
+    };
+    for text in [
+        "[[[[]]]]",
+        "[[[]]]",
+        r#"{"a": {"b": [[]]}}"#,
+        r#"{"a": {"b": [1]}}"#,
+    ] {
+        assert_eq!(
+            streamed(text, limits),
+            Json::parse_with(text, limits),
+            "{text}"
+        );
+    }
+    let long = Limits {
+        max_depth: 64,
+        max_len: 4,
+    };
+    assert_eq!(streamed("[1, 2]", long), Json::parse_with("[1, 2]", long));
+    assert!(streamed("[1, 2]", long).is_err());
+}
+
+/// Large objects are checked for duplicate keys in linear time (a hash set beyond a few
+/// members): 200,000 members parse in well under a second, and a duplicate far in is found.
+#[test]
+fn large_objects_are_checked_for_duplicates_in_linear_time() {
+    let members: Vec<String> = (0..200_000).map(|i| format!("\"k{i}\": {i}")).collect();
+    let text = format!("{{{}}}", members.join(", "));
+    let start = std::time::Instant::now();
+    let v = Json::parse(&text).expect("parses");
+    assert!(start.elapsed().as_secs_f64() < 5.0, "{:?}", start.elapsed());
+    let Json::Obj(m) = &v else {
+        panic!("an object")
+    };
+    assert_eq!(m.len(), 200_000);
+    assert_eq!(v.get("k199999").as_u64(), Some(199_999));
+    let dup = format!("{{{}, \"k123456\": 0}}", members.join(", "));
+    let e = Json::parse(&dup).unwrap_err();
+    assert_eq!(e.what, "duplicate key `k123456`");
+    assert_eq!(e.at, dup.rfind("\"k123456\"").unwrap());
 }

@@ -7,7 +7,7 @@
 
 use crate::common;
 
-use common::{Setup, overlaps, train};
+use common::{DIMS, Setup, overlaps, train};
 use lowbit_buffers::Overlap;
 use lowbit_train::fsdp::{CommDtype, FineGrainedGather, MixedPrecisionPolicy, Sharding};
 
@@ -98,4 +98,64 @@ fn sharding_shrinks_the_persistent_buffers() {
     assert_eq!(sum(&grads, |b| b.weights), sum(&optim, |b| b.weights));
     assert_eq!(sum(&params, |b| b.weights) * dp, sum(&optim, |b| b.weights));
     assert_eq!(sum(&params, |b| b.grads), sum(&grads, |b| b.grads));
+}
+
+/// No gathered unit is live during an optimizer step (the units are released when the
+/// gradients are synced, so none holds weights the step makes stale): right before every step
+/// the live bytes are those before the first step, and the step itself allocates only its
+/// gradient norm. Every strategy and overlap, bf16 and MXFP8/NVFP4 units; `optim_grads_params`
+/// gathers units in every step, so a unit kept alive through the step shows here.
+#[test]
+fn no_gathered_unit_is_live_during_the_optimizer_step() {
+    let mut runs = Vec::new();
+    for sharding in Sharding::ALL {
+        for overlap in overlaps(sharding) {
+            let mut s = Setup::new(2, sharding);
+            s.cfg = s.cfg.with_overlap(overlap);
+            runs.push((s, format!("{sharding}, {overlap:?}")));
+        }
+    }
+    for overlap in overlaps(Sharding::OptimGradsParams) {
+        for nvfp4 in [false, true] {
+            let mut s = Setup::new(2, Sharding::OptimGradsParams);
+            s.cfg = s.cfg.with_overlap(overlap);
+            (s.mxfp8_storage, s.nvfp4, s.steps) = (true, nvfp4, 2);
+            runs.push((
+                s,
+                format!("low-precision units (nvfp4 {nvfp4}), {overlap:?}"),
+            ));
+        }
+    }
+    for (s, what) in runs {
+        let (_, m) = train(&s);
+        eprintln!(
+            "{what}: live before a step +{} B, the step's own peak +{} B, units at once {}",
+            m.live_at_step, m.step_only_peak, m.units_seen
+        );
+        assert_eq!(
+            m.live_at_step, 0,
+            "{what}: bytes live before the optimizer step"
+        );
+        assert_eq!(
+            m.units_after_step, 0,
+            "{what}: units gathered after the step"
+        );
+        // The step's own allocations: the gradient norm; with low-precision storage also the
+        // bf16 copy of one owned piece that the staging quantizes from (a rank owns half of
+        // a matrix here), freed before the next: less than a gathered unit of that matrix.
+        let largest = DIMS.windows(2).map(|w| w[0] * w[1]).max().unwrap_or(0);
+        let staging = if s.mxfp8_storage {
+            2 * largest / s.dp
+        } else {
+            0
+        };
+        assert!(
+            m.step_only_peak <= NORM_BYTES * 2 + staging,
+            "{what}: the optimizer step allocated {} bytes",
+            m.step_only_peak
+        );
+        if s.cfg.sharding == Sharding::OptimGradsParams {
+            assert!(m.units_seen > 0, "{what}: no unit was ever gathered");
+        }
+    }
 }

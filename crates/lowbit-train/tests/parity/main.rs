@@ -9,6 +9,7 @@
 //! driver stays in that crate. One binary with a module per suite links once instead of four
 //! times.
 
+mod chained;
 mod ddp;
 mod muon;
 mod muon_refusals;

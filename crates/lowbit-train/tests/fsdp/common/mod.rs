@@ -5,6 +5,8 @@
 
 pub use lowbit_testkit::{bits, run, seed, values};
 
+use std::path::Path;
+
 use lowbit_buffers::layout::{
     GradDType, OptimizerId, ParamSpec, ParamStorage, QuantKind, ShardingPlan,
 };
@@ -77,6 +79,14 @@ pub struct Memory {
     pub estimate: FsdpMemory,
     pub step_peak: usize,
     pub units_seen: usize,
+    /// Bytes live right before an optimizer step above those before the first step, the most
+    /// of any step: gathered units (released when the gradients are synced) are not.
+    pub live_at_step: usize,
+    /// The peak during an optimizer step above the bytes live before it, the most of any
+    /// step: the step allocates its gradient norm, never a unit.
+    pub step_only_peak: usize,
+    /// Units gathered right after an optimizer step, the most of any step.
+    pub units_after_step: usize,
 }
 
 /// The run's parameter specs: matrices in MXFP8 or NVFP4 primary storage when
@@ -110,8 +120,25 @@ fn init(specs: &[ParamSpec]) -> Vec<Vec<f32>> {
     harness::init_values(specs, 77)
 }
 
+/// What a run does with a checkpoint under a root directory.
+#[derive(Clone, Copy, Debug)]
+pub enum Ckpt<'a> {
+    /// Saves after this many steps (after a forced sync, as `lowbit train` does).
+    SaveAfter(&'a Path, usize),
+    /// Starts from the latest checkpoint (`Trainer::load_checkpoint`), at its step.
+    Resume(&'a Path),
+}
+
 /// Trains `s` and returns the trace and rank 0's memory figures.
 pub fn train(s: &Setup) -> (Trace, Memory) {
+    train_with(s, None)
+}
+
+/// [`train`], saving or resuming as `ck` says (a resumed trace holds the steps it ran). Under
+/// hybrid sharding every replica group holds the same shards and the first writes the
+/// checkpoint; under HFSDP (the optimizer state split across the groups) every rank writes its
+/// pieces over the world; every rank loads.
+pub fn train_with(s: &Setup, ck: Option<Ckpt<'_>>) -> (Trace, Memory) {
     let specs = specs(s);
     s.cfg.validate(&specs, s.dp).expect("a supported setup");
     let shard = s.cfg.shard_ranks(s.dp);
@@ -120,9 +147,12 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         // The world rank picks the data; the shard group is the buffers' group.
         let rank = world.rank();
         let groups = s.cfg.split_groups(&mut world).unwrap();
-        let (mut inner, outer): (Box<dyn Communicator>, _) = match groups {
-            Some(g) => (g.shard, Some(g.replicas)),
-            None => (Box::new(world), None),
+        let split_state = s.cfg.outer_dp > 1 && s.cfg.replica_mode() == ReplicaMode::ShardOptimizer;
+        let first_group = groups.as_ref().is_none_or(|g| g.replicas.rank() == 0);
+        // The world stays apart only under hybrid sharding (HFSDP saves over it).
+        let (mut inner, outer, mut world) = match groups {
+            Some(g) => (g.shard, Some(g.replicas), Some(world)),
+            None => (Box::new(world) as Box<dyn Communicator>, None, None),
         };
         let comm: &mut dyn Communicator = inner.as_mut();
         let init = init(&specs);
@@ -151,12 +181,22 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
         .unwrap();
         let pol = policy(&specs, s.mxfp8_compute || s.mxfp8_storage, s.nvfp4);
         let mut trainer = Trainer::new(dev, bufs, Box::new(opt), pol).unwrap();
+        let mut first = 0;
+        if let Some(Ckpt::Resume(root)) = ck {
+            let c = lowbit_ckpt::Checkpoint::open(root).unwrap();
+            trainer
+                .load_checkpoint(dev, comm, &c, &lowbit_ckpt::LoadOptions::default())
+                .unwrap();
+            first = c.meta().step as usize;
+        }
         let mlp = Mlp::new(dev, &DIMS, BATCH);
         dev.reset_peak();
         let base = dev.allocated_bytes();
         let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
         let mut units_seen = 0;
-        for step in 0..s.steps {
+        let (mut peak, mut live_at_step, mut step_only_peak) = (base, 0, 0);
+        let mut units_after_step = 0;
+        for step in first..s.steps {
             let mut it = trainer.begin(dev, comm).unwrap();
             let mut loss = 0.0f32;
             for m in 0..s.microbatches {
@@ -167,13 +207,43 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
                     .unwrap();
                 units_seen = units_seen.max(hooks.buffers().gathered_units().len());
             }
-            let report = it
-                .finish_grad_sync(dev, comm)
-                .unwrap()
-                .step(dev, comm)
-                .unwrap();
+            let ready = it.finish_grad_sync(dev, comm).unwrap();
+            // Around the optimizer step alone: what is live before it, what it allocates.
+            let before = dev.allocated_bytes();
+            live_at_step = live_at_step.max(before.saturating_sub(base));
+            peak = peak.max(dev.peak_allocated_bytes());
+            dev.reset_peak();
+            let report = ready.step(dev, comm).unwrap();
+            step_only_peak = step_only_peak.max(dev.peak_allocated_bytes() - before);
+            units_after_step = units_after_step.max(trainer.buffers().gathered_units().len());
             losses.push(loss.to_bits());
             norms.push(report.grad_norm.to_bits());
+            if let Some(Ckpt::SaveAfter(root, n)) = ck
+                && n == step + 1
+            {
+                trainer.force_param_sync(dev, comm).unwrap();
+                let meta = lowbit_ckpt::Meta {
+                    step: n as u64,
+                    ..Default::default()
+                };
+                let specs = trainer.buffers().specs().to_vec();
+                let opts = lowbit_ckpt::SaveOptions::default();
+                let opt = trainer.optimizer();
+                match world.as_mut() {
+                    Some(w) if split_state => {
+                        lowbit_ckpt::save(dev, w, root, &meta, &specs, opt, opts).unwrap();
+                    }
+                    _ if first_group => {
+                        lowbit_ckpt::save(dev, comm, root, &meta, &specs, opt, opts).unwrap();
+                    }
+                    _ => {}
+                }
+                // Nobody resumes before the checkpoint is committed.
+                match world.as_mut() {
+                    Some(w) => w.barrier().unwrap(),
+                    None => comm.barrier().unwrap(),
+                }
+            }
             if s.eval_after == Some(step) {
                 let (x, y) = mlp.sample(rank, 1000 + step, 0);
                 let mut hooks = trainer.eval(dev, comm).unwrap();
@@ -181,7 +251,7 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
                 evals.push(l.to_bits());
             }
         }
-        let step_peak = dev.peak_allocated_bytes() - base;
+        let step_peak = peak.max(dev.peak_allocated_bytes()) - base;
         let masters = trainer.optimizer().masters(dev).unwrap();
         (
             losses,
@@ -191,6 +261,9 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
             live_persistent,
             step_peak,
             units_seen,
+            live_at_step,
+            step_only_peak,
+            units_after_step,
         )
     });
     let sizes: Vec<usize> = specs.iter().map(|s| s.numel).collect();
@@ -221,6 +294,9 @@ pub fn train(s: &Setup) -> (Trace, Memory) {
             estimate: estimate_memory(&raw, s.dp, &s.cfg).unwrap(),
             step_peak: o.5,
             units_seen: o.6,
+            live_at_step: o.7,
+            step_only_peak: o.8,
+            units_after_step: o.9,
         },
     )
 }
