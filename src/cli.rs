@@ -10,6 +10,7 @@ use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
 use lowbit_io::dequantize::{self, OutDtype};
 use lowbit_io::quantize::{self, Options};
 use lowbit_io::schema::{Recipe, Settings};
+use lowbit_io::select::{Glob, Select};
 
 use crate::error::CliError;
 use crate::report;
@@ -124,6 +125,25 @@ pub struct QuantizeArgs {
     /// socket, directory or symlink), and it keeps its permissions.
     #[arg(long)]
     pub force: bool,
+    /// Quantize the float tensors whose names match GLOB (`*`, `?`, `[a-z]`, `[!a-z]`; over the
+    /// whole name, dots included). Repeatable; replaces the default rule: a tensor matching no
+    /// --include is kept. `--include '*'` is --all.
+    #[arg(long, value_name = "GLOB", value_parser = parse_glob)]
+    pub include: Vec<Glob>,
+    /// Keep the float tensors whose names match GLOB in their dtype (wins over --include and
+    /// --all). Repeatable.
+    #[arg(long, value_name = "GLOB", value_parser = parse_glob)]
+    pub exclude: Vec<Glob>,
+    /// Quantize every BF16/F16/F32 tensor (but --exclude'd ones). Without it or --include, only
+    /// GEMM weights are: tensors of 2 or more dimensions whose names (lower-cased) contain
+    /// neither `norm`, `embed` nor `lm_head` and do not end in `.bias`; the others are copied
+    /// bit for bit, as `ckpt export --dtype mxfp8` does.
+    #[arg(long, conflicts_with = "include")]
+    pub all: bool,
+    /// Print the report as one JSON object (every tensor quantized, kept or copied, with the
+    /// reason) instead of the table.
+    #[arg(long)]
+    pub json: bool,
     /// Instead of IN and OUT: write an example file under target/lowbit-demo/ (or
     /// $CARGO_TARGET_DIR/lowbit-demo/), quantize it, print the report and dequantize the result.
     /// Overwrites earlier demo files.
@@ -162,8 +182,18 @@ impl QuantizeArgs {
             },
             threads: usize::from(self.threads),
             only: None,
+            select: Select {
+                all: self.all,
+                include: self.include.clone(),
+                exclude: self.exclude.clone(),
+            },
         }
     }
+}
+
+/// A `--include`/`--exclude` pattern (clap shows the error with the flag).
+fn parse_glob(s: &str) -> Result<Glob, String> {
+    Glob::new(s).map_err(|e| e.to_string())
 }
 
 /// Runs a parsed command line.
@@ -180,8 +210,12 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                     "quantize needs IN and OUT (or --demo)".into(),
                 ));
             };
-            let table = quantize::run(input, output, &opts, args.force)?;
-            report::print(&table.render())
+            let r = quantize::run_report(input, output, &opts, args.force)?;
+            if args.json {
+                report::print(&r.to_json().to_text())
+            } else {
+                report::print(&r.table.render())
+            }
         }
         Command::Dequantize(args) => {
             let table = dequantize::run(&args.input, &args.output, args.dtype, args.force)?;

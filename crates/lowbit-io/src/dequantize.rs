@@ -18,6 +18,7 @@ use crate::error::Error;
 use crate::files::{self, Entry, Input, Output, Spec, pipeline};
 use crate::report::{self, Align, Progress, Table, bytes_str};
 use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
+use crate::wide::{self, Wide};
 
 /// Element type of dequantized tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -293,6 +294,9 @@ impl<'a> Job<'a> {
             Some(e) => Some(amax_value(name, &read(e)?)?),
             None => None,
         };
+        if let Some(w) = Wide::new(rows, cols) {
+            return self.run_wide(src, out, offset, w, amax);
+        }
         let stored = read(self.scales)?;
         check_scales(name, s, &self.parts.scales.name, &stored)?;
         if rows * cols == 0 {
@@ -360,6 +364,79 @@ impl<'a> Job<'a> {
     }
 }
 
+impl Job<'_> {
+    /// [`Job::run`] in column chunks: each block's data and scales are read from where they
+    /// lie (nothing whole), checked, dequantized and written.
+    fn run_wide(
+        &self,
+        src: &Input,
+        out: &Output,
+        offset: u64,
+        wide: Wide,
+        amax: Option<f32>,
+    ) -> Result<(), String> {
+        let (s, name, which) = (self.s, self.out.name.as_str(), self.which);
+        let whole = (self.rows, self.cols);
+        let size = self.out.dtype.bitsize() / 8;
+        let workers = pipeline::threads(0);
+        let gather = |e: &Entry, reg: &wide::Region| -> Result<Vec<u8>, String> {
+            let mut buf = vec![0u8; reg.len()];
+            for (g, l, len) in reg.pieces() {
+                let piece = src
+                    .read_vec(e.offset + g as u64, len)
+                    .map_err(|e| e.to_string())?;
+                buf[l..l + len].copy_from_slice(&piece);
+            }
+            Ok(buf)
+        };
+        pipeline::ordered(
+            wide.len(),
+            workers,
+            workers + 1,
+            |k| {
+                let (rows, cols) = wide.range(k);
+                let cp = schema::copy_parts(name, s, which, rows.len(), cols.len());
+                let dreg = wide::region(s, which, false, whole, &rows, &cols);
+                let sreg = wide::region(s, which, true, whole, &rows, &cols);
+                let stored = gather(self.scales, &sreg)?;
+                if let Err(i) = scales_ok(s, &stored) {
+                    return Err(bad_scale(
+                        name,
+                        s,
+                        &self.parts.scales.name,
+                        sreg.global(i),
+                        stored[i],
+                    ));
+                }
+                let data = gather(self.data, &dreg)?;
+                let plane = QuantPlane {
+                    data,
+                    data_shape: [cp.data.shape[0], cp.data.shape[1]],
+                    scales: schema::load_scales(s, which, &stored, cp.compact_scales),
+                    scale_shape: [cp.compact_scales.0, cp.compact_scales.1],
+                };
+                let values = dequantize_chunk(name, s, which, rows.len(), cols.len(), plane, amax)?;
+                if values.len() != rows.len() * cols.len() {
+                    return Err(format!(
+                        "tensor {name}: internal error: {} values dequantized, {} expected",
+                        values.len(),
+                        rows.len() * cols.len()
+                    ));
+                }
+                let bytes = encode(&values, self.out.dtype);
+                let row_bytes = cols.len() * size;
+                for (i, r) in rows.clone().enumerate() {
+                    let at = offset + ((r * self.cols + cols.start) * size) as u64;
+                    out.write_at(at, &bytes[i * row_bytes..(i + 1) * row_bytes])
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            },
+            |()| Ok(()),
+        )
+    }
+}
+
 /// The NVFP4 global amax from its stored bytes, refused when no quantizer writes it.
 fn amax_value(name: &str, bytes: &[u8]) -> Result<f32, String> {
     let amax = files::f32s(bytes)
@@ -408,22 +485,29 @@ fn dequantize_chunk(
 /// Refuses scale bytes no quantizer writes: MXFP8's E8M0 0xFF (NaN); NVFP4's E4M3 block scales
 /// with the sign bit set (negative, flipping the block's values) or NaN (0x7F).
 fn check_scales(name: &str, s: &Settings, part: &str, scales: &[u8]) -> Result<(), String> {
+    scales_ok(s, scales).map_err(|i| bad_scale(name, s, part, i, scales[i]))
+}
+
+/// The index of the first scale byte no quantizer writes ([`check_scales`]).
+fn scales_ok(s: &Settings, scales: &[u8]) -> Result<(), usize> {
     let bad = |b: u8| match s.recipe.fp8_kind() {
         Some(_) => b == 0xFF,
         None => b & 0x80 != 0 || b == 0x7F,
     };
-    if let Some(i) = scales.iter().position(|&b| bad(b)) {
-        let what = match s.recipe.fp8_kind() {
-            Some(_) => "an E8M0 scale of 0xFF (NaN)",
-            None if scales[i] & 0x7F == 0x7F => "an E4M3 block scale that is NaN",
-            None => "an E4M3 block scale with the sign bit set",
-        };
-        return Err(format!(
-            "tensor {name}: {part} byte {i} is 0x{:02x}, {what}; the file is corrupt",
-            scales[i]
-        ));
+    match scales.iter().position(|&b| bad(b)) {
+        Some(i) => Err(i),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The message for scale byte `b` at index `i` of component `part`.
+fn bad_scale(name: &str, s: &Settings, part: &str, i: usize, b: u8) -> String {
+    let what = match s.recipe.fp8_kind() {
+        Some(_) => "an E8M0 scale of 0xFF (NaN)",
+        None if b & 0x7F == 0x7F => "an E4M3 block scale that is NaN",
+        None => "an E4M3 block scale with the sign bit set",
+    };
+    format!("tensor {name}: {part} byte {i} is 0x{b:02x}, {what}; the file is corrupt")
 }
 
 /// fp32 values → little-endian bytes of `dtype` (F32, BF16 or F16).

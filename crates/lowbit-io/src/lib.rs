@@ -57,6 +57,10 @@ pub mod quantize;
 pub mod report;
 #[cfg(feature = "files")]
 pub mod schema;
+#[cfg(feature = "files")]
+pub mod select;
+#[cfg(feature = "files")]
+pub(crate) mod wide;
 
 #[cfg(feature = "files")]
 pub use error::Error;

@@ -1,0 +1,508 @@
+//! The chunked quantization of one tensor: row chunks of whole 32-row bands, or, when one band
+//! is larger than a chunk, column chunks (see [`super`]).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
+
+use half::slice::HalfBitsSliceExt;
+use lowbit_formats::{
+    FormatError, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane, Source,
+    f16, nvfp4_amax, quantize_mxfp8, quantize_nvfp4_piece,
+};
+use safetensors::Dtype;
+
+use crate::error::Error;
+use crate::files::{Entry, Input, Output, pipeline};
+use crate::report::Stats;
+use crate::schema::{self, CopyParts, Placement, Settings, Which};
+use crate::wide::{self, Wide};
+
+/// High-precision elements of one chunk (16-bit ones as their bits).
+enum Elements {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+    F16(Vec<u16>),
+}
+
+impl Elements {
+    /// `n` elements of `dtype` at `offset`; `None` for a dtype that is not quantized.
+    fn read(src: &Input, dtype: Dtype, offset: u64, n: usize) -> Option<Result<Self, Error>> {
+        Some(match dtype {
+            Dtype::F32 => src.read_elems(offset, n).map(Elements::F32),
+            Dtype::BF16 => src.read_elems(offset, n).map(Elements::Bf16),
+            Dtype::F16 => src.read_elems(offset, n).map(Elements::F16),
+            _ => return None,
+        })
+    }
+
+    /// Rows `rows`, columns `cols` of the `· × cols_all` tensor `e`, row after row.
+    fn read_block(
+        src: &Input,
+        e: &Entry,
+        cols_all: usize,
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+    ) -> Option<Result<Self, Error>> {
+        let size = e.dtype.bitsize() / 8;
+        let at = |r: usize| e.offset + ((r * cols_all + cols.start) * size) as u64;
+        let mut all = match Elements::read(src, e.dtype, at(rows.start), cols.len())? {
+            Ok(x) => x,
+            Err(err) => return Some(Err(err)),
+        };
+        for r in rows.start + 1..rows.end {
+            let next = match Elements::read(src, e.dtype, at(r), cols.len())? {
+                Ok(x) => x,
+                Err(err) => return Some(Err(err)),
+            };
+            match (&mut all, next) {
+                (Elements::F32(a), Elements::F32(b)) => a.extend(b),
+                (Elements::Bf16(a), Elements::Bf16(b)) | (Elements::F16(a), Elements::F16(b)) => {
+                    a.extend(b)
+                }
+                _ => return None,
+            }
+        }
+        Some(Ok(all))
+    }
+
+    fn source(&self) -> Source<'_> {
+        match self {
+            Elements::F32(v) => Source::F32(v),
+            Elements::Bf16(v) => Source::Bf16(v.reinterpret_cast()),
+            Elements::F16(v) => Source::F16(v.reinterpret_cast()),
+        }
+    }
+
+    /// This chunk's amax and max |err| against its reconstruction (any thread, any order).
+    fn extrema(&self, xhat: &[f32]) -> Stats {
+        match self.source() {
+            Source::F32(v) => Stats::extrema(v, |x| x, xhat),
+            Source::Bf16(v) => Stats::extrema(v, |x| bf16_value(&x), xhat),
+            Source::F16(v) => Stats::extrema(v, f16::to_f32, xhat),
+        }
+    }
+
+    /// Adds this chunk's sums of squares (chunk after chunk, in order).
+    fn add_sums(&self, stats: &mut Stats, xhat: &[f32]) {
+        match self.source() {
+            Source::F32(v) => stats.add_sums(v.iter().copied(), xhat),
+            Source::Bf16(v) => stats.add_sums(v.iter().map(bf16_value), xhat),
+            Source::F16(v) => stats.add_sums(v.iter().map(|x| x.to_f32()), xhat),
+        }
+    }
+}
+
+/// A bf16 is the top half of an f32 (`to_f32` also quiets NaNs, which the statistics skip
+/// either way).
+fn bf16_value(x: &lowbit_formats::bf16) -> f32 {
+    f32::from_bits(u32::from(x.to_bits()) << 16)
+}
+
+/// A quantized chunk.
+enum Quantized {
+    Mxfp8(Mxfp8Tensor),
+    Nvfp4(Nvfp4Tensor),
+}
+
+impl Quantized {
+    fn plane(&self, which: Which) -> Option<&QuantPlane> {
+        match (self, which) {
+            (Quantized::Mxfp8(t), Which::Rowwise) => t.rowwise.as_ref(),
+            (Quantized::Mxfp8(t), Which::Columnwise) => t.columnwise.as_ref(),
+            (Quantized::Nvfp4(t), Which::Rowwise) => t.rowwise.as_ref(),
+            (Quantized::Nvfp4(t), Which::Columnwise) => t.columnwise.as_ref(),
+        }
+    }
+
+    /// The rowwise (else columnwise) copy dequantized, for the report.
+    fn dequantize(&self) -> Vec<f32> {
+        match self {
+            Quantized::Mxfp8(t) => t.dequantize(),
+            Quantized::Nvfp4(t) => t.dequantize(),
+        }
+    }
+}
+
+/// One copy's outputs: data chunks go straight to the file unless the plane is transposed
+/// (NVFP4 columnwise: a chunk is a segment of every row), which is gathered here like the
+/// scales (compact, converted to the file's layout at the end).
+pub(super) struct CopyOut {
+    which: Which,
+    parts: CopyParts,
+    data_offset: u64,
+    scales_offset: u64,
+    transposed: bool,
+    data: Option<Mutex<Vec<u8>>>,
+    scales: Mutex<Vec<u8>>,
+}
+
+impl CopyOut {
+    pub(super) fn new(
+        which: Which,
+        cp: &CopyParts,
+        s: &Settings,
+        offset_of: &HashMap<&str, u64>,
+    ) -> Self {
+        let transposed = Placement::of(s, which, false).transposed;
+        CopyOut {
+            which,
+            data_offset: offset_of[cp.data.name.as_str()],
+            scales_offset: offset_of[cp.scales.name.as_str()],
+            transposed,
+            data: None,
+            scales: Mutex::new(Vec::new()),
+            parts: cp.clone(),
+        }
+    }
+
+    /// The whole-tensor buffers of row chunks (column chunks write every piece in place).
+    fn gather(&mut self) {
+        if self.transposed {
+            self.data = Some(Mutex::new(vec![0; self.parts.data.spec().len]));
+        }
+        let (r, c) = self.parts.compact_scales;
+        self.scales = Mutex::new(vec![0; r * c]);
+    }
+}
+
+/// The streaming quantization of one tensor.
+pub(super) struct Job<'a> {
+    pub(super) src: &'a Input,
+    pub(super) out: &'a Output,
+    pub(super) e: &'a Entry,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) s: &'a Settings,
+    pub(super) copies: Vec<CopyOut>,
+    pub(super) amax_offset: Option<u64>,
+}
+
+impl Job<'_> {
+    /// Quantizes, writes and measures the tensor; returns its round-trip statistics.
+    pub(super) fn run(mut self, threads: usize) -> Result<Stats, Error> {
+        let (rows, cols) = (self.rows, self.cols);
+        let workers = pipeline::threads(threads);
+        if let Some(w) = Wide::new(rows, cols) {
+            return self.run_wide(w, workers);
+        }
+        for c in &mut self.copies {
+            c.gather();
+        }
+        let chunks = pipeline::Chunks::new(rows, cols, workers);
+        let n = chunks.len();
+        // Few chunks (a small tensor): the library's own threads split each one.
+        let lib_threads = (workers / n).max(1);
+        let ahead = workers + 1;
+        // Chunk k: its first row, its row count and its elements.
+        let read = |k: usize| -> Result<(usize, usize, Elements), Error> {
+            let (r0, r1) = chunks.range(k);
+            let size = self.e.dtype.bitsize() / 8;
+            let offset = self.e.offset + (r0 * cols * size) as u64;
+            let x = Elements::read(self.src, self.e.dtype, offset, (r1 - r0) * cols)
+                .ok_or_else(|| self.internal(format!("cannot decode {}", self.e.dtype)))??;
+            Ok((r0, r1 - r0, x))
+        };
+        let amax = match self.s.recipe.fp8_kind() {
+            Some(_) => None,
+            None => {
+                let mut bits = 0u32;
+                pipeline::ordered(
+                    n,
+                    workers,
+                    ahead,
+                    |k| {
+                        let (_, rows, x) = read(k)?;
+                        Ok(nvfp4_amax(&self.matrix(rows, &x)?, lib_threads))
+                    },
+                    // Non-negative floats order as their bits.
+                    |a| {
+                        bits = bits.max(a.to_bits());
+                        Ok(())
+                    },
+                )?;
+                Some(f32::from_bits(bits))
+            }
+        };
+
+        let mut stats = Stats::default();
+        pipeline::ordered(
+            n,
+            workers,
+            ahead,
+            |k| {
+                let (r0, rows, x) = read(k)?;
+                let m = self.matrix(rows, &x)?;
+                let t = self.quantize(&m, lib_threads, amax).map_err(|f| {
+                    // The library reports the chunk's coordinates.
+                    let f = match f {
+                        FormatError::NonFinite {
+                            name,
+                            row,
+                            col,
+                            flat,
+                            value,
+                        } => FormatError::NonFinite {
+                            name,
+                            row: row + r0,
+                            col,
+                            flat: flat + r0 * cols,
+                            value,
+                        },
+                        other => other,
+                    };
+                    self.format_error(f)
+                })?;
+                self.store(&t, r0, m.rows())?;
+                let xhat = t.dequantize();
+                let extrema = x.extrema(&xhat);
+                Ok((x, xhat, extrema))
+            },
+            |(x, xhat, extrema)| {
+                x.add_sums(&mut stats, &xhat);
+                stats.add(&extrema);
+                Ok(())
+            },
+        )?;
+
+        for c in self.copies {
+            if let Some(data) = c.data {
+                let data = data.into_inner().unwrap_or_else(PoisonError::into_inner);
+                self.out.write_at(c.data_offset, &data)?;
+            }
+            let compact = c
+                .scales
+                .into_inner()
+                .unwrap_or_else(PoisonError::into_inner);
+            let stored = schema::store_scales(self.s, c.which, compact, c.parts.compact_scales);
+            self.out.write_at(c.scales_offset, &stored)?;
+        }
+        if let (Some(offset), Some(a)) = (self.amax_offset, amax) {
+            self.out.write_at(offset, &a.to_le_bytes())?;
+        }
+        Ok(stats)
+    }
+
+    /// Quantizes, writes and measures the tensor in column chunks, each piece written where it
+    /// belongs at once; the report's sums are taken chunk after chunk.
+    fn run_wide(self, wide: Wide, workers: usize) -> Result<Stats, Error> {
+        let n = wide.len();
+        let lib_threads = (workers / n).max(1);
+        let ahead = workers + 1;
+        let read = |k: usize| -> Result<(Range<usize>, Range<usize>, Elements), Error> {
+            let (rows, cols) = wide.range(k);
+            let x = Elements::read_block(self.src, self.e, self.cols, &rows, &cols)
+                .ok_or_else(|| self.internal(format!("cannot decode {}", self.e.dtype)))??;
+            Ok((rows, cols, x))
+        };
+        let amax = match self.s.recipe.fp8_kind() {
+            Some(_) => None,
+            None => {
+                let mut bits = 0u32;
+                pipeline::ordered(
+                    n,
+                    workers,
+                    ahead,
+                    |k| {
+                        let (rows, cols, x) = read(k)?;
+                        Ok(nvfp4_amax(
+                            &self.block(rows.len(), cols.len(), &x)?,
+                            lib_threads,
+                        ))
+                    },
+                    |a| {
+                        bits = bits.max(a.to_bits());
+                        Ok(())
+                    },
+                )?;
+                Some(f32::from_bits(bits))
+            }
+        };
+        let mut stats = Stats::default();
+        pipeline::ordered(
+            n,
+            workers,
+            ahead,
+            |k| {
+                let (rows, cols, x) = read(k)?;
+                let m = self.block(rows.len(), cols.len(), &x)?;
+                let t = self.quantize(&m, lib_threads, amax).map_err(|f| {
+                    // The library reports the block's coordinates.
+                    let f = match f {
+                        FormatError::NonFinite {
+                            name,
+                            row,
+                            col,
+                            value,
+                            ..
+                        } => FormatError::NonFinite {
+                            name,
+                            row: row + rows.start,
+                            col: col + cols.start,
+                            flat: (row + rows.start) * self.cols + col + cols.start,
+                            value,
+                        },
+                        other => other,
+                    };
+                    self.format_error(f)
+                })?;
+                self.store_wide(&t, &rows, &cols)?;
+                let xhat = t.dequantize();
+                let extrema = x.extrema(&xhat);
+                Ok((x, xhat, extrema))
+            },
+            |(x, xhat, extrema)| {
+                x.add_sums(&mut stats, &xhat);
+                stats.add(&extrema);
+                Ok(())
+            },
+        )?;
+        if let (Some(offset), Some(a)) = (self.amax_offset, amax) {
+            self.out.write_at(offset, &a.to_le_bytes())?;
+        }
+        Ok(stats)
+    }
+
+    /// Writes block `t` (rows `rows`, columns `cols`) of every copy where it belongs.
+    fn store_wide(
+        &self,
+        t: &Quantized,
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+    ) -> Result<(), Error> {
+        let whole = (self.rows, self.cols);
+        for c in &self.copies {
+            let p = t
+                .plane(c.which)
+                .ok_or_else(|| self.internal(format!("no {} copy", c.which.as_str())))?;
+            let cp = schema::copy_parts(&self.e.name, self.s, c.which, rows.len(), cols.len());
+            let stored = schema::store_scales(self.s, c.which, p.scales.clone(), cp.compact_scales);
+            for (bytes, offset, scales) in [
+                (&p.data, c.data_offset, false),
+                (&stored, c.scales_offset, true),
+            ] {
+                let reg = wide::region(self.s, c.which, scales, whole, rows, cols);
+                if reg.len() != bytes.len() {
+                    return Err(self.internal(format!(
+                        "{} block at row {}, column {} has {} bytes, its region {}",
+                        c.which.as_str(),
+                        rows.start,
+                        cols.start,
+                        bytes.len(),
+                        reg.len()
+                    )));
+                }
+                for (g, l, len) in reg.pieces() {
+                    self.out.write_at(offset + g as u64, &bytes[l..l + len])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Block `x` of `rows × cols` as the library's input.
+    fn block<'x>(&'x self, rows: usize, cols: usize, x: &'x Elements) -> Result<Matrix<'x>, Error> {
+        Matrix::new(&self.e.name, rows, cols, x.source()).map_err(|f| self.format_error(f))
+    }
+
+    /// Chunk `x` of `rows` rows as the library's input.
+    fn matrix<'x>(&'x self, rows: usize, x: &'x Elements) -> Result<Matrix<'x>, Error> {
+        Matrix::new(&self.e.name, rows, self.cols, x.source()).map_err(|f| self.format_error(f))
+    }
+
+    /// Quantizes one chunk with the library.
+    fn quantize(
+        &self,
+        m: &Matrix<'_>,
+        threads: usize,
+        amax: Option<f32>,
+    ) -> Result<Quantized, FormatError> {
+        let s = self.s;
+        Ok(match (s.recipe.fp8_kind(), amax) {
+            (Some(kind), _) => {
+                let cfg = Mxfp8Config {
+                    kind,
+                    copies: s.copies,
+                    two_d: s.two_d,
+                    nan_policy: s.nan_policy,
+                    threads,
+                };
+                Quantized::Mxfp8(quantize_mxfp8(m, &cfg)?)
+            }
+            (None, amax) => {
+                let cfg = Nvfp4Config {
+                    copies: s.copies,
+                    two_d: s.two_d,
+                    nan_policy: s.nan_policy,
+                    threads,
+                    ..Nvfp4Config::default()
+                };
+                Quantized::Nvfp4(quantize_nvfp4_piece(m, &cfg, amax.unwrap_or(0.0))?)
+            }
+        })
+    }
+
+    /// Writes (or gathers) chunk `t` of `rows` rows starting at row `r0`.
+    fn store(&self, t: &Quantized, r0: usize, rows: usize) -> Result<(), Error> {
+        for c in &self.copies {
+            let p = t
+                .plane(c.which)
+                .ok_or_else(|| self.internal(format!("no {} copy", c.which.as_str())))?;
+            // The schema's shapes for this chunk; the library's must agree.
+            let cp = schema::copy_parts(&self.e.name, self.s, c.which, rows, self.cols);
+            let compact = [cp.compact_scales.0, cp.compact_scales.1];
+            if cp.data.shape != p.data_shape || p.scale_shape != compact {
+                return Err(self.internal(format!(
+                    "{} copy has data {:?} and scales {:?}, the schema expects {:?} and {:?}",
+                    c.which.as_str(),
+                    p.data_shape,
+                    p.scale_shape,
+                    cp.data.shape,
+                    compact
+                )));
+            }
+            let misfit = || {
+                self.internal(format!(
+                    "{} chunk at row {r0} does not fit",
+                    c.which.as_str()
+                ))
+            };
+            let dp = Placement::of(self.s, c.which, false);
+            let width = p.data_shape[1];
+            match &c.data {
+                Some(whole) => {
+                    let mut whole = whole.lock().unwrap_or_else(PoisonError::into_inner);
+                    dp.put(&mut whole, c.parts.data.shape[1], &p.data, width, r0)
+                        .ok_or_else(misfit)?;
+                }
+                None => {
+                    let offset = c.data_offset + dp.stacked_offset(r0, width) as u64;
+                    self.out.write_at(offset, &p.data)?;
+                }
+            }
+            let sp = Placement::of(self.s, c.which, true);
+            let mut scales = c.scales.lock().unwrap_or_else(PoisonError::into_inner);
+            sp.put(
+                &mut scales,
+                c.parts.compact_scales.1,
+                &p.scales,
+                p.scale_shape[1],
+                r0,
+            )
+            .ok_or_else(misfit)?;
+        }
+        Ok(())
+    }
+
+    fn internal(&self, msg: String) -> Error {
+        Error::Invalid(format!(
+            "{}: tensor {}: internal error: {msg}",
+            crate::report::shown(self.src.path()),
+            self.e.name
+        ))
+    }
+
+    fn format_error(&self, f: FormatError) -> Error {
+        super::format_error(self.src.path(), &self.e.shape, f)
+    }
+}
