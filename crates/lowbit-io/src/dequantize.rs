@@ -17,7 +17,7 @@ use safetensors::Dtype;
 use crate::error::Error;
 use crate::files::{self, Entry, Input, Output, Spec, pipeline};
 use crate::report::{self, Align, Progress, Table, bytes_str};
-use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
+use crate::schema::{self, CopyParts, Part, Settings, Which};
 use crate::wide::{self, Wide};
 
 /// Element type of dequantized tensors.
@@ -287,87 +287,27 @@ impl<'a> Job<'a> {
 
     /// Reads, checks and dequantizes the tensor chunk by chunk into `out` at `offset`.
     fn run(&self, src: &Input, out: &Output, offset: u64) -> Result<(), String> {
-        let (s, name, which) = (self.s, self.out.name.as_str(), self.which);
+        let (s, name) = (self.s, self.out.name.as_str());
         let (rows, cols) = (self.rows, self.cols);
         let read = |e: &Entry| src.read_vec(e.offset, e.len).map_err(|e| e.to_string());
         let amax = match self.amax {
             Some(e) => Some(amax_value(name, &read(e)?)?),
             None => None,
         };
-        if let Some(w) = Wide::new(rows, cols) {
-            return self.run_wide(src, out, offset, w, amax);
-        }
-        let stored = read(self.scales)?;
-        check_scales(name, s, &self.parts.scales.name, &stored)?;
         if rows * cols == 0 {
-            // Nothing to reconstruct; also spares the library loops over a zero-sized dimension.
-            return Ok(());
+            // Nothing to reconstruct (the scale tensors are empty too, but checked all the same).
+            let (stored, part) = (read(self.scales)?, &self.parts.scales.name);
+            return check_scales(name, s, part, &stored);
         }
-        let compact = schema::load_scales(s, which, &stored, self.parts.compact_scales);
-        drop(stored);
-        let (dp, sp) = (
-            Placement::of(s, which, false),
-            Placement::of(s, which, true),
-        );
-        // A transposed plane (NVFP4 columnwise) has every chunk spread over all of its rows:
-        // it is read whole (half a byte per element) rather than a piece per row and chunk.
-        let whole = if dp.transposed {
-            Some(read(self.data)?)
-        } else {
-            None
-        };
         let workers = pipeline::threads(0);
-        let chunks = pipeline::Chunks::new(rows, cols, workers);
-        let size = self.out.dtype.bitsize() / 8;
-        let misfit = |r0| format!("tensor {name}: internal error: chunk at row {r0} does not fit");
-        pipeline::ordered(
-            chunks.len(),
-            workers,
-            workers + 1,
-            |k| {
-                let (r0, r1) = chunks.range(k);
-                let cp = schema::copy_parts(name, s, which, r1 - r0, cols);
-                let [dr, dw] = [cp.data.shape[0], cp.data.shape[1]];
-                let data = match &whole {
-                    Some(w) => dp
-                        .take(w, self.parts.data.shape[1], dr * dw, dw, r0)
-                        .ok_or_else(|| misfit(r0))?,
-                    None => {
-                        let at = self.data.offset + dp.stacked_offset(r0, dw) as u64;
-                        src.read_vec(at, dr * dw).map_err(|e| e.to_string())?
-                    }
-                };
-                let (sr, sw) = cp.compact_scales;
-                let scales = sp
-                    .take(&compact, self.parts.compact_scales.1, sr * sw, sw, r0)
-                    .ok_or_else(|| misfit(r0))?;
-                let plane = QuantPlane {
-                    data,
-                    data_shape: [dr, dw],
-                    scales,
-                    scale_shape: [sr, sw],
-                };
-                let values = dequantize_chunk(name, s, which, r1 - r0, cols, plane, amax)?;
-                if values.len() != (r1 - r0) * cols {
-                    return Err(format!(
-                        "tensor {name}: internal error: {} values dequantized, {} expected",
-                        values.len(),
-                        (r1 - r0) * cols
-                    ));
-                }
-                let bytes = encode(&values, self.out.dtype);
-                out.write_at(offset + (r0 * cols * size) as u64, &bytes)
-                    .map_err(|e| e.to_string())
-            },
-            |()| Ok(()),
-        )
+        self.run_blocks(src, out, offset, Wide::new(rows, cols, workers), amax)
     }
 }
 
 impl Job<'_> {
-    /// [`Job::run`] in column chunks: each block's data and scales are read from where they
-    /// lie (nothing whole), checked, dequantized and written.
-    fn run_wide(
+    /// [`Job::run`] block by block ([`Wide`]): each block's data and scales are read from where
+    /// they lie (nothing whole), checked, dequantized and written.
+    fn run_blocks(
         &self,
         src: &Input,
         out: &Output,
@@ -425,6 +365,11 @@ impl Job<'_> {
                 }
                 let bytes = encode(&values, self.out.dtype);
                 let row_bytes = cols.len() * size;
+                if cols.len() == self.cols {
+                    // Whole rows: one write.
+                    let at = offset + (rows.start * self.cols * size) as u64;
+                    return out.write_at(at, &bytes).map_err(|e| e.to_string());
+                }
                 for (i, r) in rows.clone().enumerate() {
                     let at = offset + ((r * self.cols + cols.start) * size) as u64;
                     out.write_at(at, &bytes[i * row_bytes..(i + 1) * row_bytes])

@@ -5,16 +5,13 @@
 //!
 //! The file is streamed, never held whole: its header is read and validated first
 //! ([`files::Input`]), then every tensor is checked against the recipe and the output's header
-//! is computed from the shapes, and only then is data read, in chunks (`stream`): whole 32-row
-//! bands, or, for a tensor whose 32-row band is larger than a chunk (1-D and wide tensors),
-//! 128-row bands cut into runs of whole 128-column blocks. Each chunk is quantized by the
-//! library (chunks on block boundaries give the whole matrix's bytes), written at its place in
-//! the output, and dequantized for the report, whose sums are taken chunk after chunk: in
-//! element order for row chunks (the figures of one pass over the tensor), chunk by chunk for
-//! column chunks. NVFP4 needs the tensor's global amax first, so its tensors are read twice.
-//! With row chunks, scales (a byte per 16 or 32 elements) and NVFP4's transposed columnwise
-//! data are gathered in memory and written when their tensor is done; with column chunks every
-//! piece is written where it belongs at once, so memory does not grow with the tensor.
+//! is computed from the shapes, and only then is data read, block by block ([`crate::wide`]:
+//! full-width bands of whole 128-row tiles, or, for 1-D and wide tensors, 128-row bands cut
+//! into multiples of 128 columns). Each block is quantized by the library (blocks on tile
+//! boundaries give the whole matrix's bytes), its pieces written where they belong in the
+//! output (nothing is gathered), and dequantized for the report, whose sums are taken block
+//! after block: in element order for full-width bands (the figures of one pass over the
+//! tensor). NVFP4 needs the tensor's global amax first, so its tensors are read twice.
 
 mod stream;
 
@@ -362,7 +359,7 @@ pub fn run_report(
             s,
             copies: copies
                 .iter()
-                .map(|(which, cp)| stream::CopyOut::new(*which, cp, s, &offset_of))
+                .map(|(which, cp)| stream::CopyOut::new(*which, cp, &offset_of))
                 .collect(),
             amax_offset: amax.as_ref().map(|p| offset_of[p.name.as_str()]),
         };

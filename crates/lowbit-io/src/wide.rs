@@ -1,6 +1,7 @@
-//! Column chunks for tensors whose 32-row band is larger than a chunk (1-D tensors, wide
-//! matrices): quantize and dequantize cut them into blocks of up to [`BAND`] rows by a multiple
-//! of [`STEP`] columns, so memory is bounded by the chunk size whatever the tensor's.
+//! The blocks quantize and dequantize stream a tensor in: bands of whole 128-row tiles over all
+//! columns, and, for tensors whose 32-row band is larger than a chunk (1-D tensors, wide
+//! matrices), bands of [`BAND`] rows cut into multiples of [`STEP`] columns — so memory is
+//! bounded by the chunk size whatever the tensor's.
 //!
 //! A block starting at row `r0` (a multiple of 128) and column `c0` (a multiple of 128) holds
 //! whole MXFP8 blocks and 32x32 tiles, whole NVFP4 blocks and 16x16 tiles, and whole 128x4
@@ -31,53 +32,63 @@ pub const WIDE_BAND_ELEMS: usize = 4 << 20;
 /// not scaled by the thread count, so the chunks (and the report's sums) do not depend on it.
 pub const WIDE_CHUNK_ELEMS: usize = 256 << 10;
 
-/// The column chunks of a `rows × cols` matrix, when row chunks would exceed the budget.
+/// The blocks of a `rows × cols` matrix: bands of whole 128-row tiles over all columns, or,
+/// when one 32-row band holds more than [`WIDE_BAND_ELEMS`] elements, 128-row bands cut into
+/// column chunks. Either way blocks come band after band, columns in order within a band.
 #[derive(Clone, Copy, Debug)]
 pub struct Wide {
     rows: usize,
     cols: usize,
+    band: usize,
     width: usize,
     per_band: usize,
 }
 
 impl Wide {
-    /// `Some` when one 32-row band (or the whole of a thinner matrix) holds more than
-    /// [`WIDE_BAND_ELEMS`] elements; `LOWBIT_CHUNK_COLS=N` forces column chunks of `N` columns rounded up to
-    /// [`STEP`] (tests cross block boundaries on small files with it).
-    pub fn new(rows: usize, cols: usize) -> Option<Self> {
-        let forced: Option<usize> = std::env::var("LOWBIT_CHUNK_COLS")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        let width = match forced {
-            Some(w) => w.max(1).div_ceil(STEP) * STEP,
-            None if rows.min(32).saturating_mul(cols) > WIDE_BAND_ELEMS => {
-                (WIDE_CHUNK_ELEMS / rows.clamp(1, BAND) / STEP * STEP).max(STEP)
+    /// The blocks for `workers` threads. Full-width bands hold about `12 Mi / (2 · workers + 1)`
+    /// elements (`LOWBIT_CHUNK_ELEMS` overrides that, so tests cross many bands on small
+    /// files) rounded to whole 128-row bands; column chunks hold [`WIDE_CHUNK_ELEMS`];
+    /// `LOWBIT_CHUNK_COLS=N` forces column chunks of `N` columns rounded up to [`STEP`]. Blocks
+    /// of full-width bands are in element order, so the report's sums are one pass's.
+    pub fn new(rows: usize, cols: usize, workers: usize) -> Self {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        let (band, width) = match env("LOWBIT_CHUNK_COLS") {
+            Some(w) => (BAND, w.max(1).div_ceil(STEP) * STEP),
+            None if rows.min(32).saturating_mul(cols) > WIDE_BAND_ELEMS => (
+                BAND,
+                (WIDE_CHUNK_ELEMS / rows.clamp(1, BAND) / STEP * STEP).max(STEP),
+            ),
+            None => {
+                let elems = env("LOWBIT_CHUNK_ELEMS").unwrap_or((12 << 20) / (2 * workers + 1));
+                ((elems / cols.max(1) / BAND * BAND).max(BAND), cols)
             }
-            None => return None,
         };
-        if rows == 0 || cols <= width {
-            return None;
-        }
-        Some(Wide {
+        let width = width.min(cols).max(1);
+        Wide {
             rows,
             cols,
+            band,
             width,
-            per_band: cols.div_ceil(width),
-        })
+            per_band: if rows == 0 || cols == 0 {
+                0
+            } else {
+                cols.div_ceil(width)
+            },
+        }
     }
 
-    /// How many blocks.
+    /// How many blocks (none for an empty matrix).
     pub fn len(&self) -> usize {
-        self.rows.div_ceil(BAND) * self.per_band
+        self.rows.div_ceil(self.band) * self.per_band
     }
 
-    /// Rows and columns of block `k` (bands in order, columns in order within a band).
+    /// Rows and columns of block `k`.
     pub fn range(&self, k: usize) -> (Range<usize>, Range<usize>) {
         let (b, c) = (k / self.per_band, k % self.per_band);
-        let r0 = b * BAND;
+        let r0 = b * self.band;
         let c0 = c * self.width;
         (
-            r0..(r0 + BAND).min(self.rows),
+            r0..(r0 + self.band).min(self.rows),
             c0..(c0 + self.width).min(self.cols),
         )
     }
@@ -210,7 +221,7 @@ mod tests {
         let stored = schema::store_scales(s, which, compact.clone(), (sr, sc));
         let mut rebuilt = vec![0u8; stored.len()];
         let mut hits = vec![0u8; stored.len()];
-        let widths = [128, 256];
+        let widths = [128, 256, n];
         for w in widths {
             rebuilt.fill(0);
             hits.fill(0);
@@ -218,8 +229,9 @@ mod tests {
             let wide = Wide {
                 rows: m,
                 cols: n,
-                width: w,
-                per_band: n.div_ceil(w),
+                band: if w == 128 { BAND } else { 2 * BAND },
+                width: w.min(n),
+                per_band: n.div_ceil(w.min(n)),
             };
             for k in 0..wide.len() {
                 let (rows, cols) = wide.range(k);

@@ -103,6 +103,8 @@ fn model() -> Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)> {
             bf16s(192, 5),
         ),
         ("lm_head.weight", Dtype::BF16, vec![8, 64], bf16s(512, 6)),
+        // Empty: quantized into empty components.
+        ("model.layers.0.mlp.gate_proj.weight", Dtype::BF16, vec![0, 64], Vec::new()),
         ("step", Dtype::I64, vec![1], 7i64.to_le_bytes().to_vec()),
     ]
 }
@@ -180,6 +182,7 @@ fn default_selection_keeps_norms_embeddings_biases_head_and_1d() {
         "q",
         "bias",
         "output head",
+        "q",
         "copied",
     ];
     assert_eq!(
@@ -198,7 +201,7 @@ fn include_exclude_and_all() {
     };
     // --all: every float tensor (the behaviour before filters).
     let all = names(outcomes("all", Select::all()));
-    assert_eq!(all.len(), 6);
+    assert_eq!(all.len(), 7);
     // --include: exactly the matches, 1-D and embedding included when named.
     let inc = Select {
         include: vec![g("*.mlp.*"), g("*layernorm*")],
@@ -209,7 +212,8 @@ fn include_exclude_and_all() {
         [
             "model.layers.0.input_layernorm.weight",
             "model.layers.0.mlp.down_proj.weight",
-            "model.layers.0.mlp.up_proj.bias"
+            "model.layers.0.mlp.up_proj.bias",
+            "model.layers.0.mlp.gate_proj.weight"
         ]
     );
     // --exclude wins over --all.
@@ -234,7 +238,7 @@ fn include_exclude_and_all() {
         ..Select::default()
     };
     assert!(
-        outcomes("none", none)[..6]
+        outcomes("none", none)[..7]
             .iter()
             .all(|(_, w)| *w == Keep::NotIncluded.to_string())
     );

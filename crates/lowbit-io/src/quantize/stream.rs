@@ -1,9 +1,7 @@
-//! The chunked quantization of one tensor: row chunks of whole 32-row bands, or, when one band
-//! is larger than a chunk, column chunks (see [`super`]).
+//! The streaming quantization of one tensor, block by block ([`crate::wide`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Mutex, PoisonError};
 
 use half::slice::HalfBitsSliceExt;
 use lowbit_formats::{
@@ -15,7 +13,7 @@ use safetensors::Dtype;
 use crate::error::Error;
 use crate::files::{Entry, Input, Output, pipeline};
 use crate::report::Stats;
-use crate::schema::{self, CopyParts, Placement, Settings, Which};
+use crate::schema::{self, CopyParts, Settings, Which};
 use crate::wide::{self, Wide};
 
 /// High-precision elements of one chunk (16-bit ones as their bits).
@@ -46,6 +44,10 @@ impl Elements {
     ) -> Option<Result<Self, Error>> {
         let size = e.dtype.bitsize() / 8;
         let at = |r: usize| e.offset + ((r * cols_all + cols.start) * size) as u64;
+        if cols.len() == cols_all {
+            // Whole rows: one read.
+            return Elements::read(src, e.dtype, at(rows.start), rows.len() * cols_all);
+        }
         let mut all = match Elements::read(src, e.dtype, at(rows.start), cols.len())? {
             Ok(x) => x,
             Err(err) => return Some(Err(err)),
@@ -124,45 +126,20 @@ impl Quantized {
     }
 }
 
-/// One copy's outputs: data chunks go straight to the file unless the plane is transposed
-/// (NVFP4 columnwise: a chunk is a segment of every row), which is gathered here like the
-/// scales (compact, converted to the file's layout at the end).
+/// One copy's outputs: where its data and scale components start in the output.
 pub(super) struct CopyOut {
     which: Which,
-    parts: CopyParts,
     data_offset: u64,
     scales_offset: u64,
-    transposed: bool,
-    data: Option<Mutex<Vec<u8>>>,
-    scales: Mutex<Vec<u8>>,
 }
 
 impl CopyOut {
-    pub(super) fn new(
-        which: Which,
-        cp: &CopyParts,
-        s: &Settings,
-        offset_of: &HashMap<&str, u64>,
-    ) -> Self {
-        let transposed = Placement::of(s, which, false).transposed;
+    pub(super) fn new(which: Which, cp: &CopyParts, offset_of: &HashMap<&str, u64>) -> Self {
         CopyOut {
             which,
             data_offset: offset_of[cp.data.name.as_str()],
             scales_offset: offset_of[cp.scales.name.as_str()],
-            transposed,
-            data: None,
-            scales: Mutex::new(Vec::new()),
-            parts: cp.clone(),
         }
-    }
-
-    /// The whole-tensor buffers of row chunks (column chunks write every piece in place).
-    fn gather(&mut self) {
-        if self.transposed {
-            self.data = Some(Mutex::new(vec![0; self.parts.data.spec().len]));
-        }
-        let (r, c) = self.parts.compact_scales;
-        self.scales = Mutex::new(vec![0; r * c]);
     }
 }
 
@@ -180,114 +157,17 @@ pub(super) struct Job<'a> {
 
 impl Job<'_> {
     /// Quantizes, writes and measures the tensor; returns its round-trip statistics.
-    pub(super) fn run(mut self, threads: usize) -> Result<Stats, Error> {
-        let (rows, cols) = (self.rows, self.cols);
+    pub(super) fn run(self, threads: usize) -> Result<Stats, Error> {
         let workers = pipeline::threads(threads);
-        if let Some(w) = Wide::new(rows, cols) {
-            return self.run_wide(w, workers);
-        }
-        for c in &mut self.copies {
-            c.gather();
-        }
-        let chunks = pipeline::Chunks::new(rows, cols, workers);
-        let n = chunks.len();
-        // Few chunks (a small tensor): the library's own threads split each one.
-        let lib_threads = (workers / n).max(1);
-        let ahead = workers + 1;
-        // Chunk k: its first row, its row count and its elements.
-        let read = |k: usize| -> Result<(usize, usize, Elements), Error> {
-            let (r0, r1) = chunks.range(k);
-            let size = self.e.dtype.bitsize() / 8;
-            let offset = self.e.offset + (r0 * cols * size) as u64;
-            let x = Elements::read(self.src, self.e.dtype, offset, (r1 - r0) * cols)
-                .ok_or_else(|| self.internal(format!("cannot decode {}", self.e.dtype)))??;
-            Ok((r0, r1 - r0, x))
-        };
-        let amax = match self.s.recipe.fp8_kind() {
-            Some(_) => None,
-            None => {
-                let mut bits = 0u32;
-                pipeline::ordered(
-                    n,
-                    workers,
-                    ahead,
-                    |k| {
-                        let (_, rows, x) = read(k)?;
-                        Ok(nvfp4_amax(&self.matrix(rows, &x)?, lib_threads))
-                    },
-                    // Non-negative floats order as their bits.
-                    |a| {
-                        bits = bits.max(a.to_bits());
-                        Ok(())
-                    },
-                )?;
-                Some(f32::from_bits(bits))
-            }
-        };
-
-        let mut stats = Stats::default();
-        pipeline::ordered(
-            n,
-            workers,
-            ahead,
-            |k| {
-                let (r0, rows, x) = read(k)?;
-                let m = self.matrix(rows, &x)?;
-                let t = self.quantize(&m, lib_threads, amax).map_err(|f| {
-                    // The library reports the chunk's coordinates.
-                    let f = match f {
-                        FormatError::NonFinite {
-                            name,
-                            row,
-                            col,
-                            flat,
-                            value,
-                        } => FormatError::NonFinite {
-                            name,
-                            row: row + r0,
-                            col,
-                            flat: flat + r0 * cols,
-                            value,
-                        },
-                        other => other,
-                    };
-                    self.format_error(f)
-                })?;
-                self.store(&t, r0, m.rows())?;
-                let xhat = t.dequantize();
-                let extrema = x.extrema(&xhat);
-                Ok((x, xhat, extrema))
-            },
-            |(x, xhat, extrema)| {
-                x.add_sums(&mut stats, &xhat);
-                stats.add(&extrema);
-                Ok(())
-            },
-        )?;
-
-        for c in self.copies {
-            if let Some(data) = c.data {
-                let data = data.into_inner().unwrap_or_else(PoisonError::into_inner);
-                self.out.write_at(c.data_offset, &data)?;
-            }
-            let compact = c
-                .scales
-                .into_inner()
-                .unwrap_or_else(PoisonError::into_inner);
-            let stored = schema::store_scales(self.s, c.which, compact, c.parts.compact_scales);
-            self.out.write_at(c.scales_offset, &stored)?;
-        }
-        if let (Some(offset), Some(a)) = (self.amax_offset, amax) {
-            self.out.write_at(offset, &a.to_le_bytes())?;
-        }
-        Ok(stats)
+        let wide = Wide::new(self.rows, self.cols, workers);
+        self.run_blocks(wide, workers)
     }
 
-    /// Quantizes, writes and measures the tensor in column chunks, each piece written where it
-    /// belongs at once; the report's sums are taken chunk after chunk.
-    fn run_wide(self, wide: Wide, workers: usize) -> Result<Stats, Error> {
+    /// Quantizes, writes and measures the tensor block by block ([`Wide`]), each piece written
+    /// where it belongs at once; the report's sums are taken block after block.
+    fn run_blocks(self, wide: Wide, workers: usize) -> Result<Stats, Error> {
         let n = wide.len();
-        let lib_threads = (workers / n).max(1);
+        let lib_threads = (workers / n.max(1)).max(1);
         let ahead = workers + 1;
         let read = |k: usize| -> Result<(Range<usize>, Range<usize>, Elements), Error> {
             let (rows, cols) = wide.range(k);
@@ -405,11 +285,6 @@ impl Job<'_> {
         Matrix::new(&self.e.name, rows, cols, x.source()).map_err(|f| self.format_error(f))
     }
 
-    /// Chunk `x` of `rows` rows as the library's input.
-    fn matrix<'x>(&'x self, rows: usize, x: &'x Elements) -> Result<Matrix<'x>, Error> {
-        Matrix::new(&self.e.name, rows, self.cols, x.source()).map_err(|f| self.format_error(f))
-    }
-
     /// Quantizes one chunk with the library.
     fn quantize(
         &self,
@@ -440,58 +315,6 @@ impl Job<'_> {
                 Quantized::Nvfp4(quantize_nvfp4_piece(m, &cfg, amax.unwrap_or(0.0))?)
             }
         })
-    }
-
-    /// Writes (or gathers) chunk `t` of `rows` rows starting at row `r0`.
-    fn store(&self, t: &Quantized, r0: usize, rows: usize) -> Result<(), Error> {
-        for c in &self.copies {
-            let p = t
-                .plane(c.which)
-                .ok_or_else(|| self.internal(format!("no {} copy", c.which.as_str())))?;
-            // The schema's shapes for this chunk; the library's must agree.
-            let cp = schema::copy_parts(&self.e.name, self.s, c.which, rows, self.cols);
-            let compact = [cp.compact_scales.0, cp.compact_scales.1];
-            if cp.data.shape != p.data_shape || p.scale_shape != compact {
-                return Err(self.internal(format!(
-                    "{} copy has data {:?} and scales {:?}, the schema expects {:?} and {:?}",
-                    c.which.as_str(),
-                    p.data_shape,
-                    p.scale_shape,
-                    cp.data.shape,
-                    compact
-                )));
-            }
-            let misfit = || {
-                self.internal(format!(
-                    "{} chunk at row {r0} does not fit",
-                    c.which.as_str()
-                ))
-            };
-            let dp = Placement::of(self.s, c.which, false);
-            let width = p.data_shape[1];
-            match &c.data {
-                Some(whole) => {
-                    let mut whole = whole.lock().unwrap_or_else(PoisonError::into_inner);
-                    dp.put(&mut whole, c.parts.data.shape[1], &p.data, width, r0)
-                        .ok_or_else(misfit)?;
-                }
-                None => {
-                    let offset = c.data_offset + dp.stacked_offset(r0, width) as u64;
-                    self.out.write_at(offset, &p.data)?;
-                }
-            }
-            let sp = Placement::of(self.s, c.which, true);
-            let mut scales = c.scales.lock().unwrap_or_else(PoisonError::into_inner);
-            sp.put(
-                &mut scales,
-                c.parts.compact_scales.1,
-                &p.scales,
-                p.scale_shape[1],
-                r0,
-            )
-            .ok_or_else(misfit)?;
-        }
-        Ok(())
     }
 
     fn internal(&self, msg: String) -> Error {
