@@ -44,13 +44,15 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Quantize the BF16/F16/F32 tensors of a safetensors file to MXFP8 or NVFP4.
+    /// Quantize the GEMM weights (or the tensors chosen) of a safetensors file to MXFP8 or NVFP4.
     ///
-    /// Each float tensor W of shape [d0, …, N] is viewed as an M×N matrix (M = d0·…; 1D is one
-    /// row, a scalar is 1×1) and written as W.rowwise_data / W.rowwise_scale_inv /
-    /// W.columnwise_data / W.columnwise_scale_inv (NVFP4 adds W.amax), bit-identical to
-    /// Transformer Engine. Integer and bool tensors are copied unchanged; other float dtypes are
-    /// refused. The recipe and each tensor's original dtype and shape go into __metadata__
+    /// By default only tensors of 2+ dimensions whose names do not look like norms, embeddings,
+    /// biases or the output head are quantized (--include, --exclude, --all choose otherwise);
+    /// the others are copied bit for bit. Each quantized tensor W of shape [d0, …, N] is viewed
+    /// as an M×N matrix (M = d0·…; 1D is one row, a scalar is 1×1) and written as
+    /// W.rowwise_data / W.rowwise_scale_inv / W.columnwise_data / W.columnwise_scale_inv (NVFP4
+    /// adds W.amax), bit-identical to Transformer Engine (layout: docs/format.md). Integer and
+    /// bool tensors are copied unchanged; other float dtypes are refused when selected. The recipe and each tensor's original dtype and shape go into __metadata__
     /// (lowbit.* keys), so `lowbit dequantize` can restore them. Prints a per-tensor table of
     /// round-trip errors (SQNR, max |err|) and sizes.
     Quantize(QuantizeArgs),

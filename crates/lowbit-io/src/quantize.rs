@@ -5,7 +5,7 @@
 //!
 //! The file is streamed, never held whole: its header is read and validated first
 //! ([`files::Input`]), then every tensor is checked against the recipe and the output's header
-//! is computed from the shapes, and only then is data read, block by block ([`crate::wide`]:
+//! is computed from the shapes, and only then is data read, block by block (`wide`:
 //! full-width bands of whole 128-row tiles, or, for 1-D and wide tensors, 128-row bands cut
 //! into multiples of 128 columns). Each block is quantized by the library (blocks on tile
 //! boundaries give the whole matrix's bytes), its pieces written where they belong in the

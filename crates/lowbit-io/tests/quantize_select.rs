@@ -104,7 +104,12 @@ fn model() -> Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)> {
         ),
         ("lm_head.weight", Dtype::BF16, vec![8, 64], bf16s(512, 6)),
         // Empty: quantized into empty components.
-        ("model.layers.0.mlp.gate_proj.weight", Dtype::BF16, vec![0, 64], Vec::new()),
+        (
+            "model.layers.0.mlp.gate_proj.weight",
+            Dtype::BF16,
+            vec![0, 64],
+            Vec::new(),
+        ),
         ("step", Dtype::I64, vec![1], 7i64.to_le_bytes().to_vec()),
     ]
 }
