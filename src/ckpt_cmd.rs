@@ -520,6 +520,7 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
             None => lowbit_io::select::Select::default(),
         },
         only: matrices,
+        naming: lowbit_io::schema::Naming::Lowbit,
     };
     let r = quantize::run(&tmp, &a.output, &opts, true);
     let _ = fs::remove_file(&tmp);

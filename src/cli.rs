@@ -9,7 +9,7 @@ use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
 
 use lowbit_io::dequantize::{self, OutDtype};
 use lowbit_io::quantize::{self, Options};
-use lowbit_io::schema::{Recipe, Settings};
+use lowbit_io::schema::{Naming, Recipe, Settings};
 use lowbit_io::select::{Glob, Select};
 
 use crate::error::CliError;
@@ -142,6 +142,11 @@ pub struct QuantizeArgs {
     /// bit for bit, as `ckpt export --dtype mxfp8` does.
     #[arg(long, conflicts_with = "include")]
     pub all: bool,
+    /// How components are named: lowbit's (`W.rowwise_data`, …; what `lowbit dequantize`
+    /// reads) or compressed-tensors' nvfp4-pack-quantized (`X.weight_packed`, `X.weight_scale`,
+    /// `X.weight_global_scale`; needs --recipe nvfp4 --copies rowwise; see docs/format.md).
+    #[arg(long, value_enum, default_value_t = Naming::Lowbit)]
+    pub naming: Naming,
     /// Print the report as one JSON object (every tensor quantized, kept or copied, with the
     /// reason) instead of the table.
     #[arg(long)]
@@ -189,6 +194,7 @@ impl QuantizeArgs {
                 include: self.include.clone(),
                 exclude: self.exclude.clone(),
             },
+            naming: self.naming,
         }
     }
 }

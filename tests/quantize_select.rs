@@ -266,3 +266,43 @@ fn column_chunks_refuse_tampered_scales() {
         assert!(!b.exists());
     }
 }
+
+/// `--naming compressed-tensors` through the binary: the three tensors per `X.weight`, and its
+/// refusal of other recipes naming the flags.
+#[test]
+fn compressed_tensors_naming_through_the_binary() {
+    let dir = TempDir::new("qsel-ct");
+    let (i, o) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    write(
+        &i,
+        vec![
+            ("m.q_proj.weight", Dtype::BF16, vec![32, 64], bf16s(2048, 1)),
+            ("m.norm.weight", Dtype::BF16, vec![64], bf16s(64, 2)),
+        ],
+    );
+    let base = ["quantize", s(&i), s(&o), "--naming", "compressed-tensors"];
+    let err = refused(&base);
+    assert!(
+        err.contains("--recipe nvfp4 --copies rowwise --scale-layout compact"),
+        "{err}"
+    );
+    stdout_ok(&[&base[..], &["--recipe", "nvfp4", "--copies", "rowwise"]].concat());
+    let bytes = std::fs::read(&o).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "m.norm.weight",
+            "m.q_proj.weight_global_scale",
+            "m.q_proj.weight_packed",
+            "m.q_proj.weight_scale"
+        ]
+    );
+    assert_eq!(
+        st.tensor("m.q_proj.weight_packed").unwrap().shape(),
+        [32, 32]
+    );
+    assert_eq!(st.tensor("m.q_proj.weight_scale").unwrap().shape(), [32, 4]);
+}

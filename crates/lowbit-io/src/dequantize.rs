@@ -49,6 +49,14 @@ pub fn run(
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
     let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
+    if let Some(n) = src.metadata.get(schema::KEY_NAMING) {
+        return Err(ctx(format!(
+            "its components are named for {} (metadata key {}), which lowbit dequantize does \
+             not read; quantize with the default --naming lowbit to round-trip",
+            report::escape(n),
+            schema::KEY_NAMING
+        )));
+    }
     if !src.metadata.contains_key(schema::KEY_VERSION) {
         return Err(ctx(format!(
             "not a lowbit-quantized file (its __metadata__ has no {} key); dequantize reads \

@@ -24,7 +24,7 @@ use crate::error::Error;
 use crate::files::{self, Entry, Input, Output};
 use crate::json::Json;
 use crate::report::{self, Align, Progress, Stats, Table, bytes_str, human_bytes, sci};
-use crate::schema::{self, CopyParts, Part, Settings, Which};
+use crate::schema::{self, CopyParts, Naming, Part, Settings, Which};
 use crate::select::{Keep, Select};
 
 /// Everything `quantize` needs besides the paths.
@@ -41,6 +41,9 @@ pub struct Options {
     /// Which float tensors are quantized ([`Select::default`]: the GEMM weights by the default
     /// rule; [`Select::all`]: every one).
     pub select: Select,
+    /// How the components are named (compressed-tensors: NVFP4 rowwise compact only, every
+    /// quantized tensor named `*.weight` with an even last dimension).
+    pub naming: Naming,
 }
 
 /// What happened to one input tensor.
@@ -205,6 +208,18 @@ pub fn run_report(
     let s = &opts.settings;
     let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
 
+    let ct = opts.naming == Naming::CompressedTensors;
+    if ct
+        && (s.recipe != schema::Recipe::Nvfp4
+            || s.copies != lowbit_formats::Copies::Rowwise
+            || s.layout != lowbit_formats::ScaleLayout::Compact)
+    {
+        return Err(Error::Invalid(
+            "--naming compressed-tensors writes NVFP4 rowwise weights with compact scales: \
+             pass --recipe nvfp4 --copies rowwise --scale-layout compact"
+                .into(),
+        ));
+    }
     // Validate every tensor and lay out the output before any data is read, so a bad tensor
     // late in a large file fails fast.
     let mut plans = Vec::with_capacity(src.tensors.len());
@@ -224,7 +239,7 @@ pub fn run_report(
                     let shape = schema::shape_str(&e.shape);
                     ctx(format!("tensor {name}: shape {shape} is too large"))
                 })?;
-                let copies = [Which::Rowwise, Which::Columnwise]
+                let mut copies: Vec<(Which, CopyParts)> = [Which::Rowwise, Which::Columnwise]
                     .into_iter()
                     .filter(|w| match w {
                         Which::Rowwise => s.copies.rowwise(),
@@ -232,11 +247,14 @@ pub fn run_report(
                     })
                     .map(|w| (w, schema::copy_parts(name, s, w, rows, cols)))
                     .collect();
-                let amax = s
+                let mut amax = s
                     .recipe
                     .fp8_kind()
                     .is_none()
                     .then(|| schema::amax_part(name));
+                if ct {
+                    compressed_tensors_names(name, cols, &mut copies, &mut amax).map_err(ctx)?;
+                }
                 Plan::Quantized {
                     rows,
                     cols,
@@ -264,9 +282,14 @@ pub fn run_report(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     s.write_metadata(&mut metadata);
+    if ct {
+        // Not lowbit's naming: `lowbit dequantize` refuses the file rather than copying
+        // components through.
+        metadata.insert(schema::KEY_NAMING.into(), "compressed-tensors".into());
+    }
     let mut specs = Vec::new();
     for (e, plan) in src.tensors.iter().zip(&plans) {
-        if matches!(plan, Plan::Quantized { .. }) {
+        if matches!(plan, Plan::Quantized { .. }) && !ct {
             metadata.insert(
                 schema::tensor_key(&e.name),
                 schema::encode_original(e.dtype, &e.shape),
@@ -362,6 +385,7 @@ pub fn run_report(
                 .map(|(which, cp)| stream::CopyOut::new(*which, cp, &offset_of))
                 .collect(),
             amax_offset: amax.as_ref().map(|p| offset_of[p.name.as_str()]),
+            global_scale: ct,
         };
         let stats = job.run(opts.threads)?;
         totals.add(&stats);
@@ -448,6 +472,36 @@ pub fn run_report(
         tensors: records,
         settings: *s,
     })
+}
+
+/// Renames tensor `name`'s components as compressed-tensors' `nvfp4-pack-quantized` does
+/// (`X.weight` → `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`).
+fn compressed_tensors_names(
+    name: &str,
+    cols: usize,
+    copies: &mut [(Which, CopyParts)],
+    amax: &mut Option<Part>,
+) -> Result<(), String> {
+    let Some(base) = name.strip_suffix(".weight") else {
+        return Err(format!(
+            "tensor {name}: --naming compressed-tensors names a Linear's X.weight; \
+             --exclude this tensor"
+        ));
+    };
+    if !cols.is_multiple_of(2) {
+        return Err(format!(
+            "tensor {name}: --naming compressed-tensors packs pairs of columns, and this tensor \
+             has {cols}; --exclude it"
+        ));
+    }
+    for (_, cp) in copies.iter_mut() {
+        cp.data.name = format!("{base}.weight_packed");
+        cp.scales.name = format!("{base}.weight_scale");
+    }
+    if let Some(a) = amax {
+        a.name = format!("{base}.weight_global_scale");
+    }
+    Ok(())
 }
 
 /// Whether a dtype is a float (quantized when selected; an unsupported one is then refused).

@@ -99,6 +99,24 @@ impl Recipe {
     }
 }
 
+/// How a quantized tensor's components are named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Naming {
+    /// `W.rowwise_data`, `W.rowwise_scale_inv`, … with `lowbit.tensor.*` keys (what `lowbit
+    /// dequantize` reads).
+    #[default]
+    Lowbit,
+    /// compressed-tensors' `nvfp4-pack-quantized` (vLLM): for `X.weight`, `X.weight_packed`
+    /// (the rowwise data), `X.weight_scale` (compact rowwise scales) and
+    /// `X.weight_global_scale` (NVFP4's `S_enc = 448 · 6 / amax`, a divisor). NVFP4 rowwise
+    /// compact only.
+    CompressedTensors,
+}
+
+/// Metadata key naming a file's [`Naming`] when it is not lowbit's own.
+pub const KEY_NAMING: &str = "lowbit.naming";
+
 /// `rowwise`, `columnwise` or `both`.
 pub fn copies_str(c: Copies) -> &'static str {
     match c {

@@ -12,7 +12,7 @@ use lowbit_formats::{
 };
 use lowbit_io::files::{self, OutTensor};
 use lowbit_io::quantize::{self, Options, Outcome};
-use lowbit_io::schema::{Recipe, Settings};
+use lowbit_io::schema::{Naming, Recipe, Settings};
 use lowbit_io::select::{Glob, Keep, Select};
 use safetensors::{Dtype, SafeTensors};
 
@@ -67,6 +67,7 @@ fn opts(recipe: Recipe, layout: ScaleLayout, select: Select) -> Options {
         threads: 2,
         only: None,
         select,
+        naming: Naming::Lowbit,
     }
 }
 
@@ -315,4 +316,90 @@ fn one_dimensional_tensor_in_column_chunks_is_the_whole_tensors_bytes() {
             assert!(got.data() == want, "{recipe:?} {lay:?} dequantized");
         }
     }
+}
+
+/// `--naming compressed-tensors`: the rowwise NVFP4 components under compressed-tensors' names,
+/// byte for byte lowbit's own, with the global scale `448 · 6 / amax`; `lowbit dequantize`
+/// refuses the file; settings and tensors it cannot name are refused before writing.
+#[test]
+fn compressed_tensors_naming() {
+    let d = Dir::new("ct");
+    let (i, a, b) = (
+        d.path("in.safetensors"),
+        d.path("lowbit.safetensors"),
+        d.path("ct.safetensors"),
+    );
+    write(&i, &model());
+    let mut o = opts(Recipe::Nvfp4, ScaleLayout::Compact, Select::default());
+    o.settings.copies = Copies::Rowwise;
+    quantize::run(&i, &a, &o, false).unwrap();
+    o.naming = Naming::CompressedTensors;
+    // The default selection's GEMM weights are named X.weight with even columns.
+    quantize::run(&i, &b, &o, false).unwrap();
+    let (fa, fb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let (sa, sb) = (
+        SafeTensors::deserialize(&fa).unwrap(),
+        SafeTensors::deserialize(&fb).unwrap(),
+    );
+    for base in [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+    ] {
+        let w = format!("{base}.weight");
+        for (ours, theirs) in [
+            ("rowwise_data", "weight_packed"),
+            ("rowwise_scale_inv", "weight_scale"),
+        ] {
+            let x = sa.tensor(&format!("{w}.{ours}")).unwrap();
+            let y = sb.tensor(&format!("{base}.{theirs}")).unwrap();
+            assert_eq!(
+                (x.dtype(), x.shape(), x.data()),
+                (y.dtype(), y.shape(), y.data()),
+                "{w}"
+            );
+        }
+        let amax = f32::from_le_bytes(
+            sa.tensor(&format!("{w}.amax"))
+                .unwrap()
+                .data()
+                .try_into()
+                .unwrap(),
+        );
+        let g = sb.tensor(&format!("{base}.weight_global_scale")).unwrap();
+        assert_eq!((g.dtype(), g.shape()), (Dtype::F32, &[1][..]));
+        let g = f32::from_le_bytes(g.data().try_into().unwrap());
+        assert!(amax > 0.0);
+        assert_eq!(g.to_bits(), (448.0f32 * 6.0 / amax).to_bits(), "{w}");
+        assert!(sb.tensor(&format!("{w}.rowwise_data")).is_err());
+    }
+    // Kept tensors are still copied under their own names.
+    assert!(sb.tensor("model.embed_tokens.weight").is_ok());
+    let err = lowbit_io::dequantize::run(&b, &d.path("back.safetensors"), None, false).unwrap_err();
+    assert!(
+        err.to_string().contains("named for compressed-tensors"),
+        "{err}"
+    );
+    // Refusals: other settings, a name that is not X.weight, an odd last dimension.
+    let mut bad = o.clone();
+    bad.settings.copies = Copies::Both;
+    let err = quantize::run(&i, &d.path("x.safetensors"), &bad, false).unwrap_err();
+    assert!(
+        err.to_string().contains("--recipe nvfp4 --copies rowwise"),
+        "{err}"
+    );
+    let mut bias = o.clone();
+    bias.select = Select::all();
+    let err = quantize::run(&i, &d.path("x.safetensors"), &bias, false).unwrap_err();
+    assert!(
+        err.to_string().contains("names a Linear's X.weight"),
+        "{err}"
+    );
+    let odd = d.path("odd.safetensors");
+    write(
+        &odd,
+        &[("l.weight", Dtype::BF16, vec![4, 33], bf16s(132, 9))],
+    );
+    let err = quantize::run(&odd, &d.path("x.safetensors"), &o, false).unwrap_err();
+    assert!(err.to_string().contains("has 33"), "{err}");
+    assert!(!d.path("x.safetensors").exists());
 }

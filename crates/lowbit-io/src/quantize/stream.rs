@@ -153,6 +153,8 @@ pub(super) struct Job<'a> {
     pub(super) s: &'a Settings,
     pub(super) copies: Vec<CopyOut>,
     pub(super) amax_offset: Option<u64>,
+    /// Store NVFP4's `S_enc` (compressed-tensors' `weight_global_scale`) instead of the amax.
+    pub(super) global_scale: bool,
 }
 
 impl Job<'_> {
@@ -238,7 +240,8 @@ impl Job<'_> {
             },
         )?;
         if let (Some(offset), Some(a)) = (self.amax_offset, amax) {
-            self.out.write_at(offset, &a.to_le_bytes())?;
+            let v = if self.global_scale { s_enc(a) } else { a };
+            self.out.write_at(offset, &v.to_le_bytes())?;
         }
         Ok(stats)
     }
@@ -328,4 +331,12 @@ impl Job<'_> {
     fn format_error(&self, f: FormatError) -> Error {
         super::format_error(self.src.path(), &self.e.shape, f)
     }
+}
+
+/// NVFP4's tensor encode scale from the global amax, as `lowbit_formats::nvfp4` computes it
+/// (TE's `compute_global_encode_scaling_factor_FP4`): `min(448 · 6 / amax, FLT_MAX)`, or 1 when
+/// amax is 0 or that is 0.
+fn s_enc(amax: f32) -> f32 {
+    let s = (448.0f32 * 6.0 / amax).min(f32::MAX);
+    if amax == 0.0 || s == 0.0 { 1.0 } else { s }
 }
