@@ -472,21 +472,17 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
         ));
     }
     let (params, options) = export_targets(&c, a.discrete_experts)?;
-    // The GEMM weights (what training stores in low precision): the model's matrices, or every
-    // tensor of two or more dimensions in a checkpoint without the model's shape.
-    let matrices: HashSet<String> = match shape_of(&c.manifest().meta.config, !a.discrete_experts) {
-        Some(shape) => shape
-            .params()
-            .into_iter()
-            .filter(|p| p.matrix)
-            .map(|p| p.name)
-            .collect(),
-        None => params
-            .iter()
-            .filter(|(_, s)| s.len() >= 2)
-            .map(|(n, _)| n.clone())
-            .collect(),
-    };
+    // The GEMM weights (what training stores in low precision): the model's matrices, or, in a
+    // checkpoint without the model's shape, those of quantize's default rule.
+    let matrices: Option<HashSet<String>> =
+        shape_of(&c.manifest().meta.config, !a.discrete_experts).map(|shape| {
+            shape
+                .params()
+                .into_iter()
+                .filter(|p| p.matrix)
+                .map(|p| p.name)
+                .collect()
+        });
     let mut tensors = Vec::with_capacity(params.len());
     for (name, shape) in params {
         let values = c
@@ -547,7 +543,12 @@ fn export(a: &ExportArgs) -> Result<(), CliError> {
             nan_policy: NanPolicy::Te,
         },
         threads: 0,
-        only: Some(matrices),
+        select: match matrices {
+            Some(_) => lowbit_io::select::Select::all(),
+            None => lowbit_io::select::Select::default(),
+        },
+        only: matrices,
+        naming: lowbit_io::schema::Naming::Lowbit,
     };
     let r = quantize::run(&tmp, &a.output, &opts, true);
     let _ = fs::remove_file(&tmp);

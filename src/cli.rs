@@ -9,7 +9,8 @@ use lowbit_formats::{Copies, NanPolicy, ScaleLayout};
 
 use lowbit_io::dequantize::{self, OutDtype};
 use lowbit_io::quantize::{self, Options};
-use lowbit_io::schema::{Recipe, Settings};
+use lowbit_io::schema::{Naming, Recipe, Settings};
+use lowbit_io::select::{Glob, Select};
 
 use crate::error::CliError;
 use crate::report;
@@ -43,13 +44,15 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Quantize the BF16/F16/F32 tensors of a safetensors file to MXFP8 or NVFP4.
+    /// Quantize the GEMM weights (or the tensors chosen) of a safetensors file to MXFP8 or NVFP4.
     ///
-    /// Each float tensor W of shape [d0, …, N] is viewed as an M×N matrix (M = d0·…; 1D is one
-    /// row, a scalar is 1×1) and written as W.rowwise_data / W.rowwise_scale_inv /
-    /// W.columnwise_data / W.columnwise_scale_inv (NVFP4 adds W.amax), bit-identical to
-    /// Transformer Engine. Integer and bool tensors are copied unchanged; other float dtypes are
-    /// refused. The recipe and each tensor's original dtype and shape go into __metadata__
+    /// By default only tensors of 2+ dimensions whose names do not look like norms, embeddings,
+    /// biases or the output head are quantized (--include, --exclude, --all choose otherwise);
+    /// the others are copied bit for bit. Each quantized tensor W of shape [d0, …, N] is viewed
+    /// as an M×N matrix (M = d0·…; 1D is one row, a scalar is 1×1) and written as
+    /// W.rowwise_data / W.rowwise_scale_inv / W.columnwise_data / W.columnwise_scale_inv (NVFP4
+    /// adds W.amax), bit-identical to Transformer Engine (layout: docs/format.md). Integer and
+    /// bool tensors are copied unchanged; other float dtypes are refused when selected. The recipe and each tensor's original dtype and shape go into __metadata__
     /// (lowbit.* keys), so `lowbit dequantize` can restore them. Prints a per-tensor table of
     /// round-trip errors (SQNR, max |err|) and sizes.
     Quantize(QuantizeArgs),
@@ -130,6 +133,30 @@ pub struct QuantizeArgs {
     /// socket, directory or symlink), and it keeps its permissions.
     #[arg(long)]
     pub force: bool,
+    /// Quantize the float tensors whose names match GLOB (`*`, `?`, `[a-z]`, `[!a-z]`; over the
+    /// whole name, dots included). Repeatable; replaces the default rule: a tensor matching no
+    /// --include is kept. `--include '*'` is --all.
+    #[arg(long, value_name = "GLOB", value_parser = parse_glob)]
+    pub include: Vec<Glob>,
+    /// Keep the float tensors whose names match GLOB in their dtype (wins over --include and
+    /// --all). Repeatable.
+    #[arg(long, value_name = "GLOB", value_parser = parse_glob)]
+    pub exclude: Vec<Glob>,
+    /// Quantize every BF16/F16/F32 tensor (but --exclude'd ones). Without it or --include, only
+    /// GEMM weights are: tensors of 2 or more dimensions whose names (lower-cased) contain
+    /// neither `norm`, `embed` nor `lm_head` and do not end in `.bias`; the others are copied
+    /// bit for bit, as `ckpt export --dtype mxfp8` does.
+    #[arg(long, conflicts_with = "include")]
+    pub all: bool,
+    /// How components are named: lowbit's (`W.rowwise_data`, …; what `lowbit dequantize`
+    /// reads) or compressed-tensors' nvfp4-pack-quantized (`X.weight_packed`, `X.weight_scale`,
+    /// `X.weight_global_scale`; needs --recipe nvfp4 --copies rowwise; see docs/format.md).
+    #[arg(long, value_enum, default_value_t = Naming::Lowbit)]
+    pub naming: Naming,
+    /// Print the report as one JSON object (every tensor quantized, kept or copied, with the
+    /// reason) instead of the table.
+    #[arg(long)]
+    pub json: bool,
     /// Instead of IN and OUT: write an example file under target/lowbit-demo/ (or
     /// $CARGO_TARGET_DIR/lowbit-demo/), quantize it, print the report and dequantize the result.
     /// Overwrites earlier demo files.
@@ -168,8 +195,19 @@ impl QuantizeArgs {
             },
             threads: usize::from(self.threads),
             only: None,
+            select: Select {
+                all: self.all,
+                include: self.include.clone(),
+                exclude: self.exclude.clone(),
+            },
+            naming: self.naming,
         }
     }
+}
+
+/// A `--include`/`--exclude` pattern (clap shows the error with the flag).
+fn parse_glob(s: &str) -> Result<Glob, String> {
+    Glob::new(s).map_err(|e| e.to_string())
 }
 
 /// Runs a parsed command line.
@@ -186,8 +224,12 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                     "quantize needs IN and OUT (or --demo)".into(),
                 ));
             };
-            let table = quantize::run(input, output, &opts, args.force)?;
-            report::print(&table.render())
+            let r = quantize::run_report(input, output, &opts, args.force)?;
+            if args.json {
+                report::print(&r.to_json().to_text())
+            } else {
+                report::print(&r.table.render())
+            }
         }
         Command::Dequantize(args) => {
             let table = dequantize::run(&args.input, &args.output, args.dtype, args.force)?;

@@ -41,9 +41,19 @@ fn path_args(pre: &[&str], paths: &[&Path], post: &[&str]) -> Vec<std::ffi::OsSt
         .collect()
 }
 
+/// `flags` with `--all` for quantize: these tests pin quantizing every float tensor (the
+/// behaviour before the default selection, which tests/quantize_select.rs covers).
+fn all<'a>(sub: &str, flags: &[&'a str]) -> Vec<&'a str> {
+    let mut f = flags.to_vec();
+    if sub == "quantize" {
+        f.push("--all");
+    }
+    f
+}
+
 /// Runs `lowbit SUB IN OUT FLAGS…`, asserting success; returns stdout.
 fn run_ok(sub: &str, input: &Path, output: &Path, flags: &[&str]) -> String {
-    let out = lowbit(&path_args(&[sub], &[input, output], flags));
+    let out = lowbit(&path_args(&[sub], &[input, output], &all(sub, flags)));
     assert!(
         out.status.success(),
         "lowbit {sub} {flags:?} failed: {}",
@@ -81,7 +91,7 @@ fn refused(sub: &str, input: &Path, output: &Path, flags: &[&str], needles: &[&s
 /// Runs `lowbit SUB IN OUT FLAGS…`, asserting exit status 1 with a single `error: ` line on stderr
 /// and nothing on stdout; returns that line.
 fn run_err(sub: &str, input: &Path, output: &Path, flags: &[&str]) -> String {
-    let out = lowbit(&path_args(&[sub], &[input, output], flags));
+    let out = lowbit(&path_args(&[sub], &[input, output], &all(sub, flags)));
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(
         out.status.code(),

@@ -209,7 +209,7 @@ fn quantized(recipe: &str) -> Vec<u8> {
         input.to_str().expect("utf-8"),
         output.to_str().expect("utf-8"),
     );
-    let (code, err) = run_bounded(&["quantize", i, o, "--recipe", recipe], "base");
+    let (code, err) = run_bounded(&["quantize", i, o, "--all", "--recipe", recipe], "base");
     assert_eq!(code, 0, "the valid base input must quantize: {err}");
     std::fs::read(&output).expect("read output")
 }
@@ -220,7 +220,7 @@ fn quantize_survives_mutated_inputs() {
         "quantize",
         &valid_input(),
         "quantize",
-        &["--recipe", "mxfp8"],
+        &["--all", "--recipe", "mxfp8"],
     );
 }
 

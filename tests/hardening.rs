@@ -89,7 +89,13 @@ fn with_input(tag: &str) -> (TempDir, PathBuf) {
 }
 
 fn quantize(input: &Path, output: &Path, flags: &[&str]) -> Output {
-    let mut args: Vec<std::ffi::OsString> = vec!["quantize".into(), input.into(), output.into()];
+    // `--all`: these cases quantize every float tensor, as quantize did before filters.
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "quantize".into(),
+        input.into(),
+        output.into(),
+        "--all".into(),
+    ];
     args.extend(flags.iter().map(Into::into));
     lowbit(&args)
 }

@@ -236,7 +236,8 @@ fn hashes(dir: &TempDir, flags: &str, env: &[(&str, &str)]) -> [u64; 5] {
     for f in ["q.safetensors", "back.safetensors", "back32.safetensors"] {
         let _ = std::fs::remove_file(d.join(f));
     }
-    let mut args = vec!["quantize", "in.safetensors", "q.safetensors"];
+    // `--all`: these hashes pin quantizing every float tensor, 1-D ones included.
+    let mut args = vec!["quantize", "in.safetensors", "q.safetensors", "--all"];
     args.extend(flags.split(' '));
     let (code, q_report, err) = run_in(d, &args, env);
     assert_eq!(code, 0, "{flags}: {err}");
@@ -375,7 +376,12 @@ fn bad_headers_are_refused_before_any_data_is_read() {
         let input = dir.path(&format!("in{i}.safetensors"));
         sparse(&input, header, *data);
         for sub in ["quantize", "dequantize"] {
-            let args = [sub.as_ref(), input.as_os_str(), out.as_os_str()];
+            // `--all`: the 1-D F64 tensor of case 3 is selected, so refused (the default
+            // selection would keep it and copy its 8 GiB).
+            let mut args = vec![sub.as_ref(), input.as_os_str(), out.as_os_str()];
+            if sub == "quantize" {
+                args.push("--all".as_ref());
+            }
             let (code, err, took, rss_kib) = run_measured(&args);
             assert_eq!(code, 1, "{sub} case {i}: {err}");
             // dequantize refuses a file without lowbit metadata, also before reading data.
@@ -456,6 +462,7 @@ fn a_non_finite_element_in_a_later_chunk_is_named_as_before() {
             "quantize",
             "in.safetensors",
             "q.safetensors",
+            "--all",
             "--recipe",
             recipe,
             "--nan-policy",

@@ -17,7 +17,8 @@ use safetensors::Dtype;
 use crate::error::Error;
 use crate::files::{self, Entry, Input, Output, Spec, pipeline};
 use crate::report::{self, Align, Progress, Table, bytes_str};
-use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
+use crate::schema::{self, CopyParts, Part, Settings, Which};
+use crate::wide::{self, Wide};
 
 /// Element type of dequantized tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +49,14 @@ pub fn run(
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
     let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
+    if let Some(n) = src.metadata.get(schema::KEY_NAMING) {
+        return Err(ctx(format!(
+            "its components are named for {} (metadata key {}), which lowbit dequantize does \
+             not read; quantize with the default --naming lowbit to round-trip",
+            report::escape(n),
+            schema::KEY_NAMING
+        )));
+    }
     if !src.metadata.contains_key(schema::KEY_VERSION) {
         return Err(ctx(format!(
             "not a lowbit-quantized file (its __metadata__ has no {} key); dequantize reads \
@@ -286,74 +295,95 @@ impl<'a> Job<'a> {
 
     /// Reads, checks and dequantizes the tensor chunk by chunk into `out` at `offset`.
     fn run(&self, src: &Input, out: &Output, offset: u64) -> Result<(), String> {
-        let (s, name, which) = (self.s, self.out.name.as_str(), self.which);
+        let (s, name) = (self.s, self.out.name.as_str());
         let (rows, cols) = (self.rows, self.cols);
         let read = |e: &Entry| src.read_vec(e.offset, e.len).map_err(|e| e.to_string());
         let amax = match self.amax {
             Some(e) => Some(amax_value(name, &read(e)?)?),
             None => None,
         };
-        let stored = read(self.scales)?;
-        check_scales(name, s, &self.parts.scales.name, &stored)?;
         if rows * cols == 0 {
-            // Nothing to reconstruct; also spares the library loops over a zero-sized dimension.
-            return Ok(());
+            // Nothing to reconstruct (the scale tensors are empty too, but checked all the same).
+            let (stored, part) = (read(self.scales)?, &self.parts.scales.name);
+            return check_scales(name, s, part, &stored);
         }
-        let compact = schema::load_scales(s, which, &stored, self.parts.compact_scales);
-        drop(stored);
-        let (dp, sp) = (
-            Placement::of(s, which, false),
-            Placement::of(s, which, true),
-        );
-        // A transposed plane (NVFP4 columnwise) has every chunk spread over all of its rows:
-        // it is read whole (half a byte per element) rather than a piece per row and chunk.
-        let whole = if dp.transposed {
-            Some(read(self.data)?)
-        } else {
-            None
-        };
         let workers = pipeline::threads(0);
-        let chunks = pipeline::Chunks::new(rows, cols, workers);
+        self.run_blocks(src, out, offset, Wide::new(rows, cols, workers), amax)
+    }
+}
+
+impl Job<'_> {
+    /// [`Job::run`] block by block ([`Wide`]): each block's data and scales are read from where
+    /// they lie (nothing whole), checked, dequantized and written.
+    fn run_blocks(
+        &self,
+        src: &Input,
+        out: &Output,
+        offset: u64,
+        wide: Wide,
+        amax: Option<f32>,
+    ) -> Result<(), String> {
+        let (s, name, which) = (self.s, self.out.name.as_str(), self.which);
+        let whole = (self.rows, self.cols);
         let size = self.out.dtype.bitsize() / 8;
-        let misfit = |r0| format!("tensor {name}: internal error: chunk at row {r0} does not fit");
+        let workers = pipeline::threads(0);
+        let gather = |e: &Entry, reg: &wide::Region| -> Result<Vec<u8>, String> {
+            let mut buf = vec![0u8; reg.len()];
+            for (g, l, len) in reg.pieces() {
+                let piece = src
+                    .read_vec(e.offset + g as u64, len)
+                    .map_err(|e| e.to_string())?;
+                buf[l..l + len].copy_from_slice(&piece);
+            }
+            Ok(buf)
+        };
         pipeline::ordered(
-            chunks.len(),
+            wide.len(),
             workers,
             workers + 1,
             |k| {
-                let (r0, r1) = chunks.range(k);
-                let cp = schema::copy_parts(name, s, which, r1 - r0, cols);
-                let [dr, dw] = [cp.data.shape[0], cp.data.shape[1]];
-                let data = match &whole {
-                    Some(w) => dp
-                        .take(w, self.parts.data.shape[1], dr * dw, dw, r0)
-                        .ok_or_else(|| misfit(r0))?,
-                    None => {
-                        let at = self.data.offset + dp.stacked_offset(r0, dw) as u64;
-                        src.read_vec(at, dr * dw).map_err(|e| e.to_string())?
-                    }
-                };
-                let (sr, sw) = cp.compact_scales;
-                let scales = sp
-                    .take(&compact, self.parts.compact_scales.1, sr * sw, sw, r0)
-                    .ok_or_else(|| misfit(r0))?;
+                let (rows, cols) = wide.range(k);
+                let cp = schema::copy_parts(name, s, which, rows.len(), cols.len());
+                let dreg = wide::region(s, which, false, whole, &rows, &cols);
+                let sreg = wide::region(s, which, true, whole, &rows, &cols);
+                let stored = gather(self.scales, &sreg)?;
+                if let Err(i) = scales_ok(s, &stored) {
+                    return Err(bad_scale(
+                        name,
+                        s,
+                        &self.parts.scales.name,
+                        sreg.global(i),
+                        stored[i],
+                    ));
+                }
+                let data = gather(self.data, &dreg)?;
                 let plane = QuantPlane {
                     data,
-                    data_shape: [dr, dw],
-                    scales,
-                    scale_shape: [sr, sw],
+                    data_shape: [cp.data.shape[0], cp.data.shape[1]],
+                    scales: schema::load_scales(s, which, &stored, cp.compact_scales),
+                    scale_shape: [cp.compact_scales.0, cp.compact_scales.1],
                 };
-                let values = dequantize_chunk(name, s, which, r1 - r0, cols, plane, amax)?;
-                if values.len() != (r1 - r0) * cols {
+                let values = dequantize_chunk(name, s, which, rows.len(), cols.len(), plane, amax)?;
+                if values.len() != rows.len() * cols.len() {
                     return Err(format!(
                         "tensor {name}: internal error: {} values dequantized, {} expected",
                         values.len(),
-                        (r1 - r0) * cols
+                        rows.len() * cols.len()
                     ));
                 }
                 let bytes = encode(&values, self.out.dtype);
-                out.write_at(offset + (r0 * cols * size) as u64, &bytes)
-                    .map_err(|e| e.to_string())
+                let row_bytes = cols.len() * size;
+                if cols.len() == self.cols {
+                    // Whole rows: one write.
+                    let at = offset + (rows.start * self.cols * size) as u64;
+                    return out.write_at(at, &bytes).map_err(|e| e.to_string());
+                }
+                for (i, r) in rows.clone().enumerate() {
+                    let at = offset + ((r * self.cols + cols.start) * size) as u64;
+                    out.write_at(at, &bytes[i * row_bytes..(i + 1) * row_bytes])
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
             },
             |()| Ok(()),
         )
@@ -408,22 +438,29 @@ fn dequantize_chunk(
 /// Refuses scale bytes no quantizer writes: MXFP8's E8M0 0xFF (NaN); NVFP4's E4M3 block scales
 /// with the sign bit set (negative, flipping the block's values) or NaN (0x7F).
 fn check_scales(name: &str, s: &Settings, part: &str, scales: &[u8]) -> Result<(), String> {
+    scales_ok(s, scales).map_err(|i| bad_scale(name, s, part, i, scales[i]))
+}
+
+/// The index of the first scale byte no quantizer writes ([`check_scales`]).
+fn scales_ok(s: &Settings, scales: &[u8]) -> Result<(), usize> {
     let bad = |b: u8| match s.recipe.fp8_kind() {
         Some(_) => b == 0xFF,
         None => b & 0x80 != 0 || b == 0x7F,
     };
-    if let Some(i) = scales.iter().position(|&b| bad(b)) {
-        let what = match s.recipe.fp8_kind() {
-            Some(_) => "an E8M0 scale of 0xFF (NaN)",
-            None if scales[i] & 0x7F == 0x7F => "an E4M3 block scale that is NaN",
-            None => "an E4M3 block scale with the sign bit set",
-        };
-        return Err(format!(
-            "tensor {name}: {part} byte {i} is 0x{:02x}, {what}; the file is corrupt",
-            scales[i]
-        ));
+    match scales.iter().position(|&b| bad(b)) {
+        Some(i) => Err(i),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The message for scale byte `b` at index `i` of component `part`.
+fn bad_scale(name: &str, s: &Settings, part: &str, i: usize, b: u8) -> String {
+    let what = match s.recipe.fp8_kind() {
+        Some(_) => "an E8M0 scale of 0xFF (NaN)",
+        None if b & 0x7F == 0x7F => "an E4M3 block scale that is NaN",
+        None => "an E4M3 block scale with the sign bit set",
+    };
+    format!("tensor {name}: {part} byte {i} is 0x{b:02x}, {what}; the file is corrupt")
 }
 
 /// fp32 values → little-endian bytes of `dtype` (F32, BF16 or F16).

@@ -8,6 +8,8 @@
 //! - [`schema`], [`quantize`], [`dequantize`]: the quantized-file format (each tensor's MXFP8 or
 //!   NVFP4 components plus `lowbit.tensor.*` metadata recording its original dtype and shape)
 //!   and whole-file conversions to and from it, bit-identical to `lowbit_formats`.
+//! - [`select`]: which tensors `quantize` quantizes (glob filters and the default rule that
+//!   keeps norms, biases, embeddings, the head and 1-D tensors).
 //! - [`report`]: what a conversion returns to print (an aligned table of round-trip errors).
 //! - [`json`]: the one JSON value type, reader and writers (manifests, `--json` output, cargo's
 //!   messages); [`hash`]: FNV-1a 64; [`rng`]: SplitMix64.
@@ -15,7 +17,8 @@
 //! # Invariants
 //! - Bounded reading: a safetensors header longer than [`files::MAX_HEADER`] bytes is refused
 //!   before it is read, every tensor's offsets are checked against the file's length before
-//!   any data is read, and tensor data is read in chunks, never whole; the JSON reader refuses
+//!   any data is read, and tensor data is read in chunks, never whole (quantize and dequantize
+//!   hold a bounded number of blocks, whatever a tensor's size); the JSON reader refuses
 //!   nesting deeper and text longer than its [`json::Limits`] and never panics.
 //! - Atomic writing: an output is written into an exclusively created temporary in its
 //!   directory and renamed over the destination only when complete and synced, so the
@@ -57,6 +60,10 @@ pub mod quantize;
 pub mod report;
 #[cfg(feature = "files")]
 pub mod schema;
+#[cfg(feature = "files")]
+pub mod select;
+#[cfg(feature = "files")]
+pub(crate) mod wide;
 
 #[cfg(feature = "files")]
 pub use error::Error;

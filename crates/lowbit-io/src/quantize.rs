@@ -1,32 +1,31 @@
-//! `lowbit quantize`: every BF16/F16/F32 tensor of a safetensors file becomes the component
-//! tensors of [`crate::schema`] (bit-identical to `lowbit_formats::quantize_*`), integer and
-//! bool tensors are copied, and a table of round-trip errors is produced.
+//! `lowbit quantize`: the selected BF16/F16/F32 tensors of a safetensors file become the
+//! component tensors of [`crate::schema`] (bit-identical to `lowbit_formats::quantize_*`); the
+//! other tensors (integers, bools, and floats the selection keeps, see [`crate::select`]) are
+//! copied bit for bit, and a report of round-trip errors is produced.
 //!
 //! The file is streamed, never held whole: its header is read and validated first
 //! ([`files::Input`]), then every tensor is checked against the recipe and the output's header
-//! is computed from the shapes, and only then is data read, in chunks of whole 32-row bands.
-//! Each chunk is quantized by the library (chunks split at multiples of 32 rows give the whole
-//! matrix's bytes), written at its place in the output, and dequantized for the report, whose
-//! sums are taken chunk after chunk in element order: the figures are those of one pass over
-//! the tensor. NVFP4 needs the tensor's global amax first, so its tensors are read twice. Scales
-//! (a byte per 16 or 32 elements) and NVFP4's transposed columnwise data (half a byte per
-//! element) are gathered in memory and written when their tensor is done.
+//! is computed from the shapes, and only then is data read, block by block (`wide`:
+//! full-width bands of whole 128-row tiles, or, for 1-D and wide tensors, 128-row bands cut
+//! into multiples of 128 columns). Each block is quantized by the library (blocks on tile
+//! boundaries give the whole matrix's bytes), its pieces written where they belong in the
+//! output (nothing is gathered), and dequantized for the report, whose sums are taken block
+//! after block: in element order for full-width bands (the figures of one pass over the
+//! tensor). NVFP4 needs the tensor's global amax first, so its tensors are read twice.
+
+mod stream;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Mutex, PoisonError};
 
-use half::slice::HalfBitsSliceExt;
-use lowbit_formats::{
-    FormatError, Matrix, Mxfp8Config, Mxfp8Tensor, Nvfp4Config, Nvfp4Tensor, QuantPlane, Source,
-    f16, nvfp4_amax, quantize_mxfp8, quantize_nvfp4_piece,
-};
 use safetensors::Dtype;
 
 use crate::error::Error;
-use crate::files::{self, Entry, Input, Output, pipeline};
+use crate::files::{self, Entry, Input, Output};
+use crate::json::Json;
 use crate::report::{self, Align, Progress, Stats, Table, bytes_str, human_bytes, sci};
-use crate::schema::{self, CopyParts, Part, Placement, Settings, Which};
+use crate::schema::{self, CopyParts, Naming, Part, Settings, Which};
+use crate::select::{Keep, Select};
 
 /// Everything `quantize` needs besides the paths.
 #[derive(Clone, Debug)]
@@ -36,14 +35,135 @@ pub struct Options {
     /// Worker threads (0 = all cores); the bytes do not depend on it.
     pub threads: usize,
     /// Quantize only the float tensors with these names and copy the others (`None`: every
-    /// float tensor). `lowbit ckpt export` quantizes a model's GEMM weights this way.
+    /// float tensor the selection chooses). `lowbit ckpt export` quantizes a model's GEMM
+    /// weights this way.
     pub only: Option<std::collections::HashSet<String>>,
+    /// Which float tensors are quantized ([`Select::default`]: the GEMM weights by the default
+    /// rule; [`Select::all`]: every one).
+    pub select: Select,
+    /// How the components are named (compressed-tensors: NVFP4 rowwise compact only, every
+    /// quantized tensor named `*.weight` with an even last dimension).
+    pub naming: Naming,
+}
+
+/// What happened to one input tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Quantized, with its round-trip statistics.
+    Quantized(Stats),
+    /// A float tensor kept in its dtype (copied bit for bit), and why.
+    Kept(Keep),
+    /// An integer or bool tensor, copied bit for bit.
+    Copied,
+}
+
+/// One input tensor of a [`Report`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorRecord {
+    /// Its name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype in the input.
+    pub dtype: Dtype,
+    /// What it became.
+    pub outcome: Outcome,
+    /// Its bytes in the input.
+    pub bytes_in: usize,
+    /// The bytes of what it became in the output.
+    pub bytes_out: usize,
+}
+
+/// What a quantization returns: the table to print and the same facts as records (for
+/// `--json`).
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// The aligned table.
+    pub table: Table,
+    /// Every input tensor, in file order.
+    pub tensors: Vec<TensorRecord>,
+    /// The settings written.
+    pub settings: Settings,
+}
+
+impl Report {
+    /// The report as one JSON object: the settings, and per tensor `action` (`quantized`,
+    /// `kept`, `copied`), `reason` (for kept tensors), the statistics of quantized ones (a
+    /// non-finite figure as the string `inf` or `NaN`) and the byte counts.
+    pub fn to_json(&self) -> Json {
+        let s = &self.settings;
+        let num = |v: f64| {
+            if v.is_finite() {
+                Json::Num(v)
+            } else {
+                Json::str(format!("{v}"))
+            }
+        };
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let mut o = crate::json::Object::new();
+                o.insert("name", Json::str(&t.name));
+                o.insert(
+                    "shape",
+                    Json::Arr(t.shape.iter().map(|&d| Json::uint(d)).collect()),
+                );
+                o.insert("dtype", Json::str(t.dtype.to_string()));
+                let (action, reason) = match &t.outcome {
+                    Outcome::Quantized(_) => ("quantized", Json::Null),
+                    Outcome::Kept(k) => ("kept", Json::str(k.to_string())),
+                    Outcome::Copied => ("copied", Json::str("not a float tensor")),
+                };
+                o.insert("action", Json::str(action));
+                o.insert("reason", reason);
+                if let Outcome::Quantized(st) = &t.outcome {
+                    o.insert("amax", num(f64::from(st.amax)));
+                    let sqnr = if st.noise == 0.0 {
+                        f64::INFINITY
+                    } else {
+                        10.0 * (st.signal / st.noise).log10()
+                    };
+                    o.insert("sqnr_db", num(sqnr));
+                    o.insert("max_err", num(st.max_err));
+                }
+                o.insert("bytes_in", Json::uint(t.bytes_in));
+                o.insert("bytes_out", Json::uint(t.bytes_out));
+                Json::Obj(o)
+            })
+            .collect();
+        let count = |f: fn(&Outcome) -> bool| {
+            Json::uint(self.tensors.iter().filter(|t| f(&t.outcome)).count())
+        };
+        Json::obj([
+            ("recipe", Json::str(s.recipe.as_str())),
+            ("copies", Json::str(schema::copies_str(s.copies))),
+            ("2d", Json::Bool(s.two_d)),
+            ("scale_layout", Json::str(schema::layout_str(s.layout))),
+            (
+                "nan_policy",
+                Json::str(schema::nan_policy_str(s.nan_policy)),
+            ),
+            ("quantized", count(|o| matches!(o, Outcome::Quantized(_)))),
+            ("kept", count(|o| matches!(o, Outcome::Kept(_)))),
+            ("copied", count(|o| matches!(o, Outcome::Copied))),
+            (
+                "bytes_in",
+                Json::uint(self.tensors.iter().map(|t| t.bytes_in).sum::<usize>()),
+            ),
+            (
+                "bytes_out",
+                Json::uint(self.tensors.iter().map(|t| t.bytes_out).sum::<usize>()),
+            ),
+            ("tensors", Json::Arr(tensors)),
+        ])
+    }
 }
 
 /// What one input tensor becomes.
 enum Plan {
-    /// Copied through.
-    Copied,
+    /// Copied through: an integer/bool tensor (`None`) or a kept float tensor.
+    Copied(Option<Keep>),
     /// Quantized as a `rows × cols` matrix into these copies (and an NVFP4 amax).
     Quantized {
         rows: usize,
@@ -57,7 +177,7 @@ impl Plan {
     /// The output tensors, in the order the file's header lists a tensor's components.
     fn parts(&self, e: &Entry) -> Vec<Part> {
         match self {
-            Plan::Copied => vec![Part {
+            Plan::Copied(_) => vec![Part {
                 name: e.name.clone(),
                 dtype: e.dtype,
                 shape: e.shape.clone(),
@@ -71,46 +191,77 @@ impl Plan {
     }
 }
 
-/// Quantizes `input` into `output` and returns the report to print.
+/// Quantizes `input` into `output` and returns the table to print ([`run_report`]'s).
 pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<Table, Error> {
+    run_report(input, output, opts, force).map(|r| r.table)
+}
+
+/// Quantizes `input` into `output` and returns the report.
+pub fn run_report(
+    input: &Path,
+    output: &Path,
+    opts: &Options,
+    force: bool,
+) -> Result<Report, Error> {
     files::check_paths(input, output, force)?;
     let src = Input::open(input)?;
     let s = &opts.settings;
     let ctx = |m: String| Error::Invalid(format!("{}: {m}", crate::report::shown(input)));
 
+    let ct = opts.naming == Naming::CompressedTensors;
+    if ct
+        && (s.recipe != schema::Recipe::Nvfp4
+            || s.copies != lowbit_formats::Copies::Rowwise
+            || s.layout != lowbit_formats::ScaleLayout::Compact)
+    {
+        return Err(Error::Invalid(
+            "--naming compressed-tensors writes NVFP4 rowwise weights with compact scales: \
+             pass --recipe nvfp4 --copies rowwise --scale-layout compact"
+                .into(),
+        ));
+    }
     // Validate every tensor and lay out the output before any data is read, so a bad tensor
     // late in a large file fails fast.
     let mut plans = Vec::with_capacity(src.tensors.len());
     let mut produced: HashMap<String, &str> = HashMap::new();
     for e in &src.tensors {
         let name = &e.name;
-        let chosen = opts.only.as_ref().is_none_or(|o| o.contains(name));
-        let plan = if is_quantized(name, e.dtype).map_err(ctx)? && chosen {
-            let (rows, cols) = schema::matrix_dims(&e.shape).ok_or_else(|| {
-                let shape = schema::shape_str(&e.shape);
-                ctx(format!("tensor {name}: shape {shape} is too large"))
-            })?;
-            let copies = [Which::Rowwise, Which::Columnwise]
-                .into_iter()
-                .filter(|w| match w {
-                    Which::Rowwise => s.copies.rowwise(),
-                    Which::Columnwise => s.copies.columnwise(),
-                })
-                .map(|w| (w, schema::copy_parts(name, s, w, rows, cols)))
-                .collect();
-            let amax = s
-                .recipe
-                .fp8_kind()
-                .is_none()
-                .then(|| schema::amax_part(name));
-            Plan::Quantized {
-                rows,
-                cols,
-                copies,
-                amax,
+        let keep = match opts.only.as_ref() {
+            Some(o) if !o.contains(name) => Some(Keep::NotListed),
+            _ => opts.select.keep(name, &e.shape),
+        };
+        let plan = match (is_float(e.dtype), keep) {
+            (false, _) => Plan::Copied(None),
+            (true, Some(k)) => Plan::Copied(Some(k)),
+            (true, None) => {
+                check_dtype(name, e.dtype).map_err(ctx)?;
+                let (rows, cols) = schema::matrix_dims(&e.shape).ok_or_else(|| {
+                    let shape = schema::shape_str(&e.shape);
+                    ctx(format!("tensor {name}: shape {shape} is too large"))
+                })?;
+                let mut copies: Vec<(Which, CopyParts)> = [Which::Rowwise, Which::Columnwise]
+                    .into_iter()
+                    .filter(|w| match w {
+                        Which::Rowwise => s.copies.rowwise(),
+                        Which::Columnwise => s.copies.columnwise(),
+                    })
+                    .map(|w| (w, schema::copy_parts(name, s, w, rows, cols)))
+                    .collect();
+                let mut amax = s
+                    .recipe
+                    .fp8_kind()
+                    .is_none()
+                    .then(|| schema::amax_part(name));
+                if ct {
+                    compressed_tensors_names(name, cols, &mut copies, &mut amax).map_err(ctx)?;
+                }
+                Plan::Quantized {
+                    rows,
+                    cols,
+                    copies,
+                    amax,
+                }
             }
-        } else {
-            Plan::Copied
         };
         for out in plan.parts(e) {
             if let Some(prev) = produced.insert(out.name.clone(), name) {
@@ -131,9 +282,14 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     s.write_metadata(&mut metadata);
+    if ct {
+        // Not lowbit's naming: `lowbit dequantize` refuses the file rather than copying
+        // components through.
+        metadata.insert(schema::KEY_NAMING.into(), "compressed-tensors".into());
+    }
     let mut specs = Vec::new();
     for (e, plan) in src.tensors.iter().zip(&plans) {
-        if matches!(plan, Plan::Quantized { .. }) {
+        if matches!(plan, Plan::Quantized { .. }) && !ct {
             metadata.insert(
                 schema::tensor_key(&e.name),
                 schema::encode_original(e.dtype, &e.shape),
@@ -175,7 +331,8 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
     let total_in: usize = src.tensors.iter().map(|e| e.len).sum();
     let progress = Progress::new(src.tensors.len(), total_in);
     let mut totals = Stats::default();
-    let (mut bytes_in, mut bytes_out, mut n_quantized) = (0usize, 0usize, 0usize);
+    let mut records = Vec::with_capacity(src.tensors.len());
+    let (mut bytes_in, mut bytes_out, mut n_quantized, mut n_kept) = (0usize, 0, 0, 0);
     for (i, (e, plan)) in src.tensors.iter().zip(&plans).enumerate() {
         progress.tick("quantizing", i, &e.name);
         let shape = schema::shape_str(&e.shape);
@@ -189,19 +346,34 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
         else {
             src.copy_to(e.offset, e.len, &out, offset_of[e.name.as_str()])?;
             bytes_out += e.len;
+            let (cell, outcome) = match plan {
+                Plan::Copied(Some(k)) => {
+                    n_kept += 1;
+                    (format!("{} (kept: {k})", e.dtype), Outcome::Kept(k.clone()))
+                }
+                _ => (format!("{} (copied)", e.dtype), Outcome::Copied),
+            };
             table.row(vec![
                 e.name.clone(),
                 shape,
-                format!("{} (copied)", e.dtype),
+                cell,
                 "-".into(),
                 "-".into(),
                 "-".into(),
                 bytes_str(e.len),
                 bytes_str(e.len),
             ]);
+            records.push(TensorRecord {
+                name: e.name.clone(),
+                shape: e.shape.clone(),
+                dtype: e.dtype,
+                outcome,
+                bytes_in: e.len,
+                bytes_out: e.len,
+            });
             continue;
         };
-        let job = Job {
+        let job = stream::Job {
             src: &src,
             out: &out,
             e,
@@ -210,9 +382,10 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
             s,
             copies: copies
                 .iter()
-                .map(|(which, cp)| CopyOut::new(*which, cp, s, &offset_of))
+                .map(|(which, cp)| stream::CopyOut::new(*which, cp, &offset_of))
                 .collect(),
             amax_offset: amax.as_ref().map(|p| offset_of[p.name.as_str()]),
+            global_scale: ct,
         };
         let stats = job.run(opts.threads)?;
         totals.add(&stats);
@@ -229,6 +402,14 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
             bytes_str(e.len),
             bytes_str(size),
         ]);
+        records.push(TensorRecord {
+            name: e.name.clone(),
+            shape: e.shape.clone(),
+            dtype: e.dtype,
+            outcome: Outcome::Quantized(stats),
+            bytes_in: e.len,
+            bytes_out: size,
+        });
     }
     progress.finish();
 
@@ -263,8 +444,18 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
     } else {
         String::new()
     };
+    // Said only when the selection kept something, so a run of every tensor prints as before.
+    let kept = if n_kept > 0 {
+        format!(
+            " ({} kept in {} dtype by the selection)",
+            n_kept,
+            if n_kept == 1 { "its" } else { "their" }
+        )
+    } else {
+        String::new()
+    };
     table.footer.push(format!(
-        "{} quantized, {n_copied} copied; tensor data {} -> {}{ratio}; \
+        "{} quantized, {n_copied} copied{kept}; tensor data {} -> {}{ratio}; \
          SQNR and max |err| compare the input with the dequantized {} copy over finite elements",
         report::count(n_quantized, "tensor"),
         human_bytes(bytes_in),
@@ -275,348 +466,78 @@ pub fn run(input: &Path, output: &Path, opts: &Options, force: bool) -> Result<T
             "columnwise"
         },
     ));
-    files::commit_reported(out, file_len, table)
+    let table = files::commit_reported(out, file_len, table)?;
+    Ok(Report {
+        table,
+        tensors: records,
+        settings: *s,
+    })
 }
 
-/// High-precision elements of one chunk (16-bit ones as their bits).
-enum Elements {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
-    F16(Vec<u16>),
-}
-
-impl Elements {
-    /// `n` elements of `dtype` at `offset`; `None` for a dtype that is not quantized.
-    fn read(src: &Input, dtype: Dtype, offset: u64, n: usize) -> Option<Result<Self, Error>> {
-        Some(match dtype {
-            Dtype::F32 => src.read_elems(offset, n).map(Elements::F32),
-            Dtype::BF16 => src.read_elems(offset, n).map(Elements::Bf16),
-            Dtype::F16 => src.read_elems(offset, n).map(Elements::F16),
-            _ => return None,
-        })
-    }
-
-    fn source(&self) -> Source<'_> {
-        match self {
-            Elements::F32(v) => Source::F32(v),
-            Elements::Bf16(v) => Source::Bf16(v.reinterpret_cast()),
-            Elements::F16(v) => Source::F16(v.reinterpret_cast()),
-        }
-    }
-
-    /// This chunk's amax and max |err| against its reconstruction (any thread, any order).
-    fn extrema(&self, xhat: &[f32]) -> Stats {
-        match self.source() {
-            Source::F32(v) => Stats::extrema(v, |x| x, xhat),
-            Source::Bf16(v) => Stats::extrema(v, |x| bf16_value(&x), xhat),
-            Source::F16(v) => Stats::extrema(v, f16::to_f32, xhat),
-        }
-    }
-
-    /// Adds this chunk's sums of squares (chunk after chunk, in order).
-    fn add_sums(&self, stats: &mut Stats, xhat: &[f32]) {
-        match self.source() {
-            Source::F32(v) => stats.add_sums(v.iter().copied(), xhat),
-            Source::Bf16(v) => stats.add_sums(v.iter().map(bf16_value), xhat),
-            Source::F16(v) => stats.add_sums(v.iter().map(|x| x.to_f32()), xhat),
-        }
-    }
-}
-
-/// A bf16 is the top half of an f32 (`to_f32` also quiets NaNs, which the statistics skip
-/// either way).
-fn bf16_value(x: &lowbit_formats::bf16) -> f32 {
-    f32::from_bits(u32::from(x.to_bits()) << 16)
-}
-
-/// A quantized chunk.
-enum Quantized {
-    Mxfp8(Mxfp8Tensor),
-    Nvfp4(Nvfp4Tensor),
-}
-
-impl Quantized {
-    fn plane(&self, which: Which) -> Option<&QuantPlane> {
-        match (self, which) {
-            (Quantized::Mxfp8(t), Which::Rowwise) => t.rowwise.as_ref(),
-            (Quantized::Mxfp8(t), Which::Columnwise) => t.columnwise.as_ref(),
-            (Quantized::Nvfp4(t), Which::Rowwise) => t.rowwise.as_ref(),
-            (Quantized::Nvfp4(t), Which::Columnwise) => t.columnwise.as_ref(),
-        }
-    }
-
-    /// The rowwise (else columnwise) copy dequantized, for the report.
-    fn dequantize(&self) -> Vec<f32> {
-        match self {
-            Quantized::Mxfp8(t) => t.dequantize(),
-            Quantized::Nvfp4(t) => t.dequantize(),
-        }
-    }
-}
-
-/// One copy's outputs: data chunks go straight to the file unless the plane is transposed
-/// (NVFP4 columnwise: a chunk is a segment of every row), which is gathered here like the
-/// scales (compact, converted to the file's layout at the end).
-struct CopyOut {
-    which: Which,
-    parts: CopyParts,
-    data_offset: u64,
-    scales_offset: u64,
-    data: Option<Mutex<Vec<u8>>>,
-    scales: Mutex<Vec<u8>>,
-}
-
-impl CopyOut {
-    fn new(which: Which, cp: &CopyParts, s: &Settings, offset_of: &HashMap<&str, u64>) -> Self {
-        let transposed = Placement::of(s, which, false).transposed;
-        CopyOut {
-            which,
-            data_offset: offset_of[cp.data.name.as_str()],
-            scales_offset: offset_of[cp.scales.name.as_str()],
-            data: transposed.then(|| Mutex::new(vec![0; cp.data.spec().len])),
-            scales: Mutex::new(vec![0; cp.compact_scales.0 * cp.compact_scales.1]),
-            parts: cp.clone(),
-        }
-    }
-}
-
-/// The streaming quantization of one tensor.
-struct Job<'a> {
-    src: &'a Input,
-    out: &'a Output,
-    e: &'a Entry,
-    rows: usize,
+/// Renames tensor `name`'s components as compressed-tensors' `nvfp4-pack-quantized` does
+/// (`X.weight` → `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`).
+fn compressed_tensors_names(
+    name: &str,
     cols: usize,
-    s: &'a Settings,
-    copies: Vec<CopyOut>,
-    amax_offset: Option<u64>,
+    copies: &mut [(Which, CopyParts)],
+    amax: &mut Option<Part>,
+) -> Result<(), String> {
+    let Some(base) = name.strip_suffix(".weight") else {
+        return Err(format!(
+            "tensor {name}: --naming compressed-tensors names a Linear's X.weight; \
+             --exclude this tensor"
+        ));
+    };
+    if !cols.is_multiple_of(2) {
+        return Err(format!(
+            "tensor {name}: --naming compressed-tensors packs pairs of columns, and this tensor \
+             has {cols}; --exclude it"
+        ));
+    }
+    for (_, cp) in copies.iter_mut() {
+        cp.data.name = format!("{base}.weight_packed");
+        cp.scales.name = format!("{base}.weight_scale");
+    }
+    if let Some(a) = amax {
+        a.name = format!("{base}.weight_global_scale");
+    }
+    Ok(())
 }
 
-impl Job<'_> {
-    /// Quantizes, writes and measures the tensor; returns its round-trip statistics.
-    fn run(self, threads: usize) -> Result<Stats, Error> {
-        let (rows, cols) = (self.rows, self.cols);
-        let workers = pipeline::threads(threads);
-        let chunks = pipeline::Chunks::new(rows, cols, workers);
-        let n = chunks.len();
-        // Few chunks (a small tensor): the library's own threads split each one.
-        let lib_threads = (workers / n).max(1);
-        let ahead = workers + 1;
-        // Chunk k: its first row, its row count and its elements.
-        let read = |k: usize| -> Result<(usize, usize, Elements), Error> {
-            let (r0, r1) = chunks.range(k);
-            let size = self.e.dtype.bitsize() / 8;
-            let offset = self.e.offset + (r0 * cols * size) as u64;
-            let x = Elements::read(self.src, self.e.dtype, offset, (r1 - r0) * cols)
-                .ok_or_else(|| self.internal(format!("cannot decode {}", self.e.dtype)))??;
-            Ok((r0, r1 - r0, x))
-        };
-        let amax = match self.s.recipe.fp8_kind() {
-            Some(_) => None,
-            None => {
-                let mut bits = 0u32;
-                pipeline::ordered(
-                    n,
-                    workers,
-                    ahead,
-                    |k| {
-                        let (_, rows, x) = read(k)?;
-                        Ok(nvfp4_amax(&self.matrix(rows, &x)?, lib_threads))
-                    },
-                    // Non-negative floats order as their bits.
-                    |a| {
-                        bits = bits.max(a.to_bits());
-                        Ok(())
-                    },
-                )?;
-                Some(f32::from_bits(bits))
-            }
-        };
-
-        let mut stats = Stats::default();
-        pipeline::ordered(
-            n,
-            workers,
-            ahead,
-            |k| {
-                let (r0, rows, x) = read(k)?;
-                let m = self.matrix(rows, &x)?;
-                let t = self.quantize(&m, lib_threads, amax).map_err(|f| {
-                    // The library reports the chunk's coordinates.
-                    let f = match f {
-                        FormatError::NonFinite {
-                            name,
-                            row,
-                            col,
-                            flat,
-                            value,
-                        } => FormatError::NonFinite {
-                            name,
-                            row: row + r0,
-                            col,
-                            flat: flat + r0 * cols,
-                            value,
-                        },
-                        other => other,
-                    };
-                    self.format_error(f)
-                })?;
-                self.store(&t, r0, m.rows())?;
-                let xhat = t.dequantize();
-                let extrema = x.extrema(&xhat);
-                Ok((x, xhat, extrema))
-            },
-            |(x, xhat, extrema)| {
-                x.add_sums(&mut stats, &xhat);
-                stats.add(&extrema);
-                Ok(())
-            },
-        )?;
-
-        for c in self.copies {
-            if let Some(data) = c.data {
-                let data = data.into_inner().unwrap_or_else(PoisonError::into_inner);
-                self.out.write_at(c.data_offset, &data)?;
-            }
-            let compact = c
-                .scales
-                .into_inner()
-                .unwrap_or_else(PoisonError::into_inner);
-            let stored = schema::store_scales(self.s, c.which, compact, c.parts.compact_scales);
-            self.out.write_at(c.scales_offset, &stored)?;
-        }
-        if let (Some(offset), Some(a)) = (self.amax_offset, amax) {
-            self.out.write_at(offset, &a.to_le_bytes())?;
-        }
-        Ok(stats)
-    }
-
-    /// Chunk `x` of `rows` rows as the library's input.
-    fn matrix<'x>(&'x self, rows: usize, x: &'x Elements) -> Result<Matrix<'x>, Error> {
-        Matrix::new(&self.e.name, rows, self.cols, x.source()).map_err(|f| self.format_error(f))
-    }
-
-    /// Quantizes one chunk with the library.
-    fn quantize(
-        &self,
-        m: &Matrix<'_>,
-        threads: usize,
-        amax: Option<f32>,
-    ) -> Result<Quantized, FormatError> {
-        let s = self.s;
-        Ok(match (s.recipe.fp8_kind(), amax) {
-            (Some(kind), _) => {
-                let cfg = Mxfp8Config {
-                    kind,
-                    copies: s.copies,
-                    two_d: s.two_d,
-                    nan_policy: s.nan_policy,
-                    threads,
-                };
-                Quantized::Mxfp8(quantize_mxfp8(m, &cfg)?)
-            }
-            (None, amax) => {
-                let cfg = Nvfp4Config {
-                    copies: s.copies,
-                    two_d: s.two_d,
-                    nan_policy: s.nan_policy,
-                    threads,
-                    ..Nvfp4Config::default()
-                };
-                Quantized::Nvfp4(quantize_nvfp4_piece(m, &cfg, amax.unwrap_or(0.0))?)
-            }
-        })
-    }
-
-    /// Writes (or gathers) chunk `t` of `rows` rows starting at row `r0`.
-    fn store(&self, t: &Quantized, r0: usize, rows: usize) -> Result<(), Error> {
-        for c in &self.copies {
-            let p = t
-                .plane(c.which)
-                .ok_or_else(|| self.internal(format!("no {} copy", c.which.as_str())))?;
-            // The schema's shapes for this chunk; the library's must agree.
-            let cp = schema::copy_parts(&self.e.name, self.s, c.which, rows, self.cols);
-            let compact = [cp.compact_scales.0, cp.compact_scales.1];
-            if cp.data.shape != p.data_shape || p.scale_shape != compact {
-                return Err(self.internal(format!(
-                    "{} copy has data {:?} and scales {:?}, the schema expects {:?} and {:?}",
-                    c.which.as_str(),
-                    p.data_shape,
-                    p.scale_shape,
-                    cp.data.shape,
-                    compact
-                )));
-            }
-            let misfit = || {
-                self.internal(format!(
-                    "{} chunk at row {r0} does not fit",
-                    c.which.as_str()
-                ))
-            };
-            let dp = Placement::of(self.s, c.which, false);
-            let width = p.data_shape[1];
-            match &c.data {
-                Some(whole) => {
-                    let mut whole = whole.lock().unwrap_or_else(PoisonError::into_inner);
-                    dp.put(&mut whole, c.parts.data.shape[1], &p.data, width, r0)
-                        .ok_or_else(misfit)?;
-                }
-                None => {
-                    let offset = c.data_offset + dp.stacked_offset(r0, width) as u64;
-                    self.out.write_at(offset, &p.data)?;
-                }
-            }
-            let sp = Placement::of(self.s, c.which, true);
-            let mut scales = c.scales.lock().unwrap_or_else(PoisonError::into_inner);
-            sp.put(
-                &mut scales,
-                c.parts.compact_scales.1,
-                &p.scales,
-                p.scale_shape[1],
-                r0,
-            )
-            .ok_or_else(misfit)?;
-        }
-        Ok(())
-    }
-
-    fn internal(&self, msg: String) -> Error {
-        Error::Invalid(format!(
-            "{}: tensor {}: internal error: {msg}",
-            crate::report::shown(self.src.path()),
-            self.e.name
-        ))
-    }
-
-    fn format_error(&self, f: FormatError) -> Error {
-        format_error(self.src.path(), &self.e.shape, f)
-    }
-}
-
-/// Whether a tensor of this dtype is quantized (`Ok(true)`), copied (`Ok(false)`) or refused.
-fn is_quantized(name: &str, dtype: Dtype) -> Result<bool, String> {
-    match dtype {
-        Dtype::BF16 | Dtype::F16 | Dtype::F32 => Ok(true),
+/// Whether a dtype is a float (quantized when selected; an unsupported one is then refused).
+fn is_float(dtype: Dtype) -> bool {
+    !matches!(
+        dtype,
         Dtype::BOOL
-        | Dtype::U8
-        | Dtype::I8
-        | Dtype::I16
-        | Dtype::U16
-        | Dtype::I32
-        | Dtype::U32
-        | Dtype::I64
-        | Dtype::U64 => Ok(false),
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::I16
+            | Dtype::U16
+            | Dtype::I32
+            | Dtype::U32
+            | Dtype::I64
+            | Dtype::U64
+    )
+}
+
+/// Refuses a selected float tensor the library cannot quantize.
+fn check_dtype(name: &str, dtype: Dtype) -> Result<(), String> {
+    match dtype {
+        Dtype::BF16 | Dtype::F16 | Dtype::F32 => Ok(()),
         // Other floats (F64, fp8, fp6, fp4, complex, future ones) would silently lose meaning
-        // if copied or narrowed, so they are refused.
+        // if narrowed, so they are refused unless the selection keeps them.
         other => Err(format!(
             "tensor {name}: unsupported dtype {other} (quantize accepts BF16, F16, F32)"
         )),
     }
 }
-
 /// A library error with the file as context; a non-finite element of a tensor that is not 2D
 /// also gets its index in the original shape (the library reports matrix coordinates).
-fn format_error(input: &Path, shape: &[usize], source: lowbit_formats::FormatError) -> Error {
+pub(crate) fn format_error(
+    input: &Path,
+    shape: &[usize],
+    source: lowbit_formats::FormatError,
+) -> Error {
     if let lowbit_formats::FormatError::NonFinite { flat, .. } = source
         && shape.len() != 2
     {

@@ -99,6 +99,24 @@ impl Recipe {
     }
 }
 
+/// How a quantized tensor's components are named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Naming {
+    /// `W.rowwise_data`, `W.rowwise_scale_inv`, … with `lowbit.tensor.*` keys (what `lowbit
+    /// dequantize` reads).
+    #[default]
+    Lowbit,
+    /// compressed-tensors' `nvfp4-pack-quantized` (vLLM): for `X.weight`, `X.weight_packed`
+    /// (the rowwise data), `X.weight_scale` (compact rowwise scales) and
+    /// `X.weight_global_scale` (NVFP4's `S_enc = 448 · 6 / amax`, a divisor). NVFP4 rowwise
+    /// compact only.
+    CompressedTensors,
+}
+
+/// Metadata key naming a file's [`Naming`] when it is not lowbit's own.
+pub const KEY_NAMING: &str = "lowbit.naming";
+
 /// `rowwise`, `columnwise` or `both`.
 pub fn copies_str(c: Copies) -> &'static str {
     match c {
@@ -420,100 +438,6 @@ pub fn load_scales(
             layout::unswizzle_mxfp8_columnwise(stored, rows, cols)
         }
         ScaleLayout::Swizzled => layout::unswizzle(stored, rows, cols),
-    }
-}
-
-/// Where a chunk of matrix rows `r0..` sits in a stored (compact) plane of a copy. Chunks start
-/// at multiples of 32 rows, so they hold whole MXFP8 and NVFP4 blocks and tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Placement {
-    /// One plane row per matrix column (NVFP4's columnwise copy): a chunk is a segment of every
-    /// plane row. Otherwise a chunk is a run of whole plane rows.
-    pub transposed: bool,
-    /// Matrix rows per plane row (or per byte of a transposed row): 1 for rowwise planes and
-    /// MXFP8 columnwise data, 32 for MXFP8 columnwise scales, 2 for NVFP4 columnwise data (two
-    /// codes a byte), 16 for its scales.
-    pub per: usize,
-}
-
-impl Placement {
-    /// The placement of copy `which`'s data (`scales` false) or scales under `s`.
-    pub fn of(s: &Settings, which: Which, scales: bool) -> Self {
-        let (transposed, per) = match (s.recipe.fp8_kind(), which, scales) {
-            (_, Which::Rowwise, _) => (false, 1),
-            (Some(_), Which::Columnwise, false) => (false, 1),
-            (Some(_), Which::Columnwise, true) => (false, lowbit_formats::mxfp8::BLOCK),
-            (None, Which::Columnwise, false) => (true, 2),
-            (None, Which::Columnwise, true) => (true, lowbit_formats::nvfp4::BLOCK),
-        };
-        Placement { transposed, per }
-    }
-
-    /// Byte offset, in a whole stacked plane of rows of `width` bytes, of the chunk at `r0`.
-    pub fn stacked_offset(&self, r0: usize, width: usize) -> usize {
-        r0 / self.per * width
-    }
-
-    /// Copies a chunk's plane `part` (rows of `w` bytes) into the whole plane `whole` (rows of
-    /// `whole_w` bytes). `None` if it does not fit (the caller checked both shapes).
-    pub fn put(
-        &self,
-        whole: &mut [u8],
-        whole_w: usize,
-        part: &[u8],
-        w: usize,
-        r0: usize,
-    ) -> Option<()> {
-        self.pieces(whole_w, part.len(), w, r0, |at, range| {
-            whole
-                .get_mut(at..at + range.len())?
-                .copy_from_slice(part.get(range)?);
-            Some(())
-        })
-    }
-
-    /// The inverse of [`Placement::put`]: the chunk's plane of `len` bytes in rows of `w` bytes.
-    pub fn take(
-        &self,
-        whole: &[u8],
-        whole_w: usize,
-        len: usize,
-        w: usize,
-        r0: usize,
-    ) -> Option<Vec<u8>> {
-        let mut part = vec![0u8; len];
-        self.pieces(whole_w, len, w, r0, |at, range| {
-            let n = range.len();
-            part.get_mut(range)?.copy_from_slice(whole.get(at..at + n)?);
-            Some(())
-        })?;
-        Some(part)
-    }
-
-    /// Calls `f(offset in the whole plane, range in the part)` for every piece of `w` bytes
-    /// (a transposed plane) or once for all `len` bytes (a stacked one).
-    fn pieces(
-        &self,
-        whole_w: usize,
-        len: usize,
-        w: usize,
-        r0: usize,
-        mut f: impl FnMut(usize, std::ops::Range<usize>) -> Option<()>,
-    ) -> Option<()> {
-        if len == 0 || w == 0 {
-            return Some(());
-        }
-        if !self.transposed {
-            return if w == whole_w {
-                f(self.stacked_offset(r0, w), 0..len)
-            } else {
-                None
-            };
-        }
-        for c in 0..len / w {
-            f(c * whole_w + r0 / self.per, c * w..(c + 1) * w)?;
-        }
-        Some(())
     }
 }
 

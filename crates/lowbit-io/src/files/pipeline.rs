@@ -1,7 +1,7 @@
 //! Chunked work over threads, consumed in order: workers compute chunk results in parallel and
 //! the calling thread takes them in chunk order (for sums whose rounding depends on the order,
 //! and for the first error in file order), with a bounded number of results waiting, so memory
-//! stays bounded by the chunk size times the thread count ([`Chunks`]).
+//! stays bounded by the chunk size times the thread count (the chunks are `crate::wide`'s).
 
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, PoisonError};
@@ -12,59 +12,6 @@ pub fn threads(requested: usize) -> usize {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
         requested
-    }
-}
-
-/// Elements in flight over all threads: a chunk holds its input, its f32 values and its
-/// quantized planes (under 10 bytes an element), and at most twice the thread count plus one
-/// chunks are in flight.
-const FLIGHT_ELEMS: usize = 12 << 20;
-
-/// Chunks are whole bands of this many rows: an MXFP8 block or tile, two NVFP4 ones.
-pub const BAND: usize = 32;
-
-/// The row chunks of a `rows × cols` matrix for `workers` threads: whole bands, about
-/// `FLIGHT_ELEMS` / (2 · workers + 1) elements each (`LOWBIT_CHUNK_ELEMS` overrides that, so
-/// tests cross many chunk boundaries on small files); one chunk when the matrix is empty.
-#[derive(Clone, Copy, Debug)]
-pub struct Chunks {
-    rows: usize,
-    chunk: usize,
-    empty: bool,
-}
-
-impl Chunks {
-    /// The chunks of a `rows × cols` matrix.
-    pub fn new(rows: usize, cols: usize, workers: usize) -> Self {
-        let elems = std::env::var("LOWBIT_CHUNK_ELEMS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(FLIGHT_ELEMS / (2 * workers + 1));
-        let chunk = ((elems / cols.max(1)) / BAND * BAND).max(BAND);
-        Chunks {
-            rows,
-            chunk,
-            empty: rows == 0 || cols == 0,
-        }
-    }
-
-    /// How many (never zero: an empty tensor is one empty chunk, so there is no `is_empty`).
-    #[allow(clippy::len_without_is_empty)]
-    pub fn len(&self) -> usize {
-        if self.empty {
-            1
-        } else {
-            self.rows.div_ceil(self.chunk)
-        }
-    }
-
-    /// Rows `r0..r1` of chunk `k`.
-    pub fn range(&self, k: usize) -> (usize, usize) {
-        if self.empty {
-            (0, self.rows)
-        } else {
-            (k * self.chunk, ((k + 1) * self.chunk).min(self.rows))
-        }
     }
 }
 
@@ -196,18 +143,5 @@ mod tests {
                 Ok(())
             );
         }
-    }
-
-    #[test]
-    fn chunks_are_whole_bands() {
-        let c = Chunks::new(8192, 8192, 2);
-        assert_eq!(
-            (c.len(), c.range(0), c.range(c.len() - 1).1),
-            (29, (0, 288), 8192)
-        );
-        let c = Chunks::new(40, 1 << 22, 1);
-        assert_eq!((c.len(), c.range(1)), (2, (32, 40)));
-        let c = Chunks::new(5, 0, 1);
-        assert_eq!((c.len(), c.range(0)), (1, (0, 5)));
     }
 }
