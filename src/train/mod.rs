@@ -491,18 +491,6 @@ fn decode_shards(bytes: &[u8]) -> Vec<MasterShard> {
     shards
 }
 
-/// A decoder's training FLOPs per token, `6·N + 12·L·T·d` (N parameters, L layers, T the
-/// sequence, d the model width): the estimate of PaLM (Chowdhery et al. 2022, appendix B), the
-/// attention scores' FLOPs added to the dense `6N`. `None` for the reference model.
-fn flops_per_token(cfg: &TrainConfig, info: &[ParamInfo]) -> Option<f64> {
-    let ModelChoice::Llama(run) = &cfg.model else {
-        return None;
-    };
-    let params: usize = info.iter().map(|p| p.shape.iter().product::<usize>()).sum();
-    let attention = 12.0 * run.config.layers as f64 * run.seq as f64 * run.config.dim as f64;
-    Some(6.0 * params as f64 + attention)
-}
-
 /// FNV-1a 64 over every parameter's fp32 master values in element order.
 fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [MasterShard]>) -> u64 {
     let mut full: Vec<Vec<f32>> = info
@@ -865,7 +853,7 @@ fn rank_main(
                 tokens_per_s: ((step + 1 - job.start) * tokens_per_step) as f64 / secs,
                 elapsed,
                 device_peak_bytes: dev.peak_allocated_bytes(),
-                flops_per_token: flops_per_token(cfg, info),
+                flops_per_token: StepLog::flops_per_token(cfg, info),
             });
         }
         if stopping {

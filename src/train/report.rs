@@ -8,7 +8,8 @@ use lowbit_buffers::layout::OptimizerId;
 use lowbit_comm::CommStats;
 use lowbit_optim::RankMemory;
 
-use super::TrainConfig;
+use super::lm::ParamInfo;
+use super::{ModelChoice, TrainConfig};
 
 /// Progress of one step, as rank 0 reports it after the step (its eval and save included):
 /// the values the run computed, for progress lines and `--metrics` records.
@@ -60,6 +61,18 @@ impl StepLog {
                 .map_or(f32::NAN, |c| c.lr)
         });
         (lr, muon)
+    }
+
+    /// A decoder's training FLOPs per token, `6·N + 12·L·T·d` (N parameters, L layers, T the
+    /// sequence, d the model width): the estimate of PaLM (Chowdhery et al. 2022, appendix B),
+    /// the attention scores' FLOPs added to the dense `6N`. `None` for the reference model.
+    pub(super) fn flops_per_token(cfg: &TrainConfig, info: &[ParamInfo]) -> Option<f64> {
+        let ModelChoice::Llama(run) = &cfg.model else {
+            return None;
+        };
+        let params: usize = info.iter().map(|p| p.shape.iter().product::<usize>()).sum();
+        let attention = 12.0 * run.config.layers as f64 * run.seq as f64 * run.config.dim as f64;
+        Some(6.0 * params as f64 + attention)
     }
 }
 
