@@ -55,6 +55,11 @@ STEPS+=(
   "test-lowbit-device-cuda_flash|600|bin/test-lowbit-device-cuda_flash"
   "bench-flash-attention|300|set -o pipefail; bin/test-lowbit-device-cuda_flash --ignored --nocapture flash_timing | tee \$STEP_SUMMARY"
   "bench-torch-sdpa|300|set -o pipefail; python3 gpu/sdpa_attention.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  # The Llama training step on one GPU (fast mode, the flash attention and the fast kernels)
+  # beside the PyTorch peer (HF LlamaForCausalLM, bf16 autocast, torch.compile) at the same
+  # shapes in the same lease: scripts/bench/{lowbit,torch}_llama_train.py.
+  "bench-llama-step|600|set -o pipefail; python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-torch-llama-step|900|set -o pipefail; python3 gpu/torch_llama_train.py --mode eager compile --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the
   # library path) against the CPU, then the muon_bench benchmark: fast vs exact Newton-Schulz,
