@@ -11,83 +11,16 @@
 //! `LOWBIT_FUZZ_CASES` sets the number of cases (default 3000); the cases come from a fixed
 //! seed, so a failure reproduces (its case number and input are printed).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
 use lowbit_ckpt::{CkptError, FileEntry, Manifest, Meta, OptimizerEntry, Piece, TensorEntry};
+use lowbit_dev_support::alloc::{ThreadCounting, thread_peak_of as peak_of};
 use lowbit_io::rng::SplitMix64;
 
-thread_local! {
-    static LIVE: Cell<usize> = const { Cell::new(0) };
-    static PEAK: Cell<usize> = const { Cell::new(0) };
-}
-
-/// Counts this thread's live heap bytes and their peak (a free on another thread than the
-/// allocation's only makes the count an over-estimate).
-struct PerThread;
-
-fn grew(n: usize) {
-    let _ = LIVE.try_with(|l| {
-        let now = l.get().saturating_add(n);
-        l.set(now);
-        let _ = PEAK.try_with(|p| p.set(p.get().max(now)));
-    });
-}
-
-fn shrank(n: usize) {
-    let _ = LIVE.try_with(|l| l.set(l.get().saturating_sub(n)));
-}
-
-// SAFETY: every call is forwarded to `System` with the caller's layout and pointer unchanged;
-// the thread-local counters (const-initialised, no destructor) are only bookkeeping.
-unsafe impl GlobalAlloc for PerThread {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        shrank(layout.size());
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: the caller's contract for `realloc`, passed on.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            shrank(layout.size());
-            grew(new_size);
-        }
-        p
-    }
-}
-
+// Each test's own thread counts its allocations, so tests running side by side do not mix.
 #[global_allocator]
-static PER_THREAD: PerThread = PerThread;
-
-/// Peak bytes this thread allocated above its live bytes while `f` ran.
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let base = LIVE.with(Cell::get);
-    PEAK.with(|p| p.set(base));
-    let out = f();
-    (out, PEAK.with(Cell::get).saturating_sub(base))
-}
+static PER_THREAD: ThreadCounting = ThreadCounting;
 
 /// A valid manifest of two rank files: three tensors in several pieces, a few scalars.
 fn manifest() -> Manifest {

@@ -16,9 +16,7 @@
 #[path = "../benches/support/mod.rs"]
 mod support;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use lowbit_ckpt::json::Json;
@@ -27,61 +25,14 @@ use lowbit_ckpt::{
     TensorEntry, save,
 };
 use lowbit_comm::Communicator;
+use lowbit_dev_support::alloc::{self, GlobalCounting, global_peak_of as peak_of};
 use lowbit_dev_support::tempdir::TempDir;
 use lowbit_testkit::run;
 use support::{Rank, specs};
 
-/// Counts live heap bytes and their peak.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Ordering::SeqCst) + n;
-    PEAK.fetch_max(now, Ordering::SeqCst);
-}
-
-// SAFETY: every call is forwarded to `System` with the caller's layout and pointer unchanged;
-// the counters are only bookkeeping.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: the caller's contract for `realloc`, passed on.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-            grew(new_size);
-        }
-        p
-    }
-}
-
+// Every thread's allocations: the ranks are threads.
 #[global_allocator]
-static COUNTING: Counting = Counting;
+static COUNTING: GlobalCounting = GlobalCounting;
 
 const RANKS: usize = 16;
 
@@ -91,14 +42,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Peak live bytes above those live at the start, while `f` runs (on this thread).
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let base = LIVE.load(Ordering::SeqCst);
-    PEAK.store(base, Ordering::SeqCst);
-    let out = f();
-    (out, PEAK.load(Ordering::SeqCst).saturating_sub(base))
-}
-
 /// Peak live bytes above the live bytes at the start, while `f` runs on every rank between
 /// barriers (so every rank's part is inside the window).
 fn peak_during(
@@ -106,15 +49,11 @@ fn peak_during(
     f: impl FnOnce(&mut dyn Communicator),
 ) -> Option<usize> {
     comm.barrier().expect("barrier");
-    let base = (comm.rank() == 0).then(|| {
-        let base = LIVE.load(Ordering::SeqCst);
-        PEAK.store(base, Ordering::SeqCst);
-        base
-    });
+    let base = (comm.rank() == 0).then(|| alloc::reset_global_peak());
     comm.barrier().expect("barrier");
     f(comm);
     comm.barrier().expect("barrier");
-    base.map(|b| PEAK.load(Ordering::SeqCst).saturating_sub(b))
+    base.map(|b| alloc::global_peak().saturating_sub(b))
 }
 
 #[test]

@@ -14,8 +14,6 @@
 //! their number (default 2000 hellos; a tenth as many replies: a reply closed before its
 //! challenge makes the rank retry until its deadline, half a second here).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -26,67 +24,11 @@ use std::time::{Duration, Instant};
 use lowbit_comm::rendezvous::{
     MAGIC, MAX_PAYLOAD, RendezvousSecret, RendezvousServer, ServeOptions, VERSION, fetch_with,
 };
+use lowbit_dev_support::alloc::{ThreadCounting, thread_peak_of};
 
-thread_local! {
-    static LIVE: Cell<usize> = const { Cell::new(0) };
-    static PEAK: Cell<usize> = const { Cell::new(0) };
-}
-
-/// Counts this thread's live heap bytes and their peak.
-struct PerThread;
-
-fn grew(n: usize) {
-    let _ = LIVE.try_with(|l| {
-        let now = l.get().saturating_add(n);
-        l.set(now);
-        let _ = PEAK.try_with(|p| p.set(p.get().max(now)));
-    });
-}
-
-fn shrank(n: usize) {
-    let _ = LIVE.try_with(|l| l.set(l.get().saturating_sub(n)));
-}
-
-// SAFETY: every call is forwarded to `System` with the caller's layout and pointer unchanged;
-// the thread-local counters (const-initialised, no destructor) are only bookkeeping.
-unsafe impl GlobalAlloc for PerThread {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        shrank(layout.size());
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: the caller's contract for `realloc`, passed on.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            shrank(layout.size());
-            grew(new_size);
-        }
-        p
-    }
-}
-
+// Each test's own thread counts its allocations, so tests running side by side do not mix.
 #[global_allocator]
-static PER_THREAD: PerThread = PerThread;
+static PER_THREAD: ThreadCounting = ThreadCounting;
 
 const WORLD: usize = 3;
 const HANDSHAKE: Duration = Duration::from_millis(500);
@@ -321,16 +263,15 @@ fn mutated_replies_fail_the_rank_with_bounded_allocation() {
         let stop = Arc::new(AtomicBool::new(false));
         let (addr, fake) = fake_rank0(reply.clone(), Arc::clone(&stop));
         let t = Instant::now();
-        let base = LIVE.with(Cell::get);
-        PEAK.with(|p| p.set(base));
-        let got = fetch_with(
-            &addr.to_string(),
-            1,
-            WORLD,
-            &secret(),
-            Duration::from_millis(500),
-        );
-        let peak = PEAK.with(Cell::get).saturating_sub(base);
+        let (got, peak) = thread_peak_of(|| {
+            fetch_with(
+                &addr.to_string(),
+                1,
+                WORLD,
+                &secret(),
+                Duration::from_millis(500),
+            )
+        });
         let e = match got {
             Ok(p) => panic!("case {case}: a fake rank 0 delivered {p:02x?} with {reply:02x?}"),
             Err(e) => e,

@@ -15,6 +15,7 @@
 //!   `lowbit train --json` (the root package's `tests/train.rs`);
 //! - [`rng`]: the deterministic generators behind test inputs and benchmark data (xorshift
 //!   here, splitmix64 re-exported from `lowbit_io`);
+//! - [`alloc`]: counting global allocators for tests that bound heap memory;
 //! - [`fuzz_cases`]: the case count of the byte-mutation fuzz tests (`LOWBIT_FUZZ_CASES`).
 //!
 //! # Invariants
@@ -29,6 +30,7 @@
 //! Code of its own for what `lowbit-io` holds (JSON, SplitMix64); anything a library crate
 //! needs at run time; publication (`publish = false`).
 
+pub mod alloc;
 pub mod cli;
 pub mod cpu_load;
 pub mod criterion_estimates;
