@@ -49,7 +49,7 @@ fn peak_during(
     f: impl FnOnce(&mut dyn Communicator),
 ) -> Option<usize> {
     comm.barrier().expect("barrier");
-    let base = (comm.rank() == 0).then(|| alloc::reset_global_peak());
+    let base = (comm.rank() == 0).then(alloc::reset_global_peak);
     comm.barrier().expect("barrier");
     f(comm);
     comm.barrier().expect("barrier");
