@@ -149,7 +149,10 @@ pub struct TrainArgs {
     /// CPU and CUDA) or bf16 (bf16 operands on the tensor cores, f32 accumulation: the fast
     /// mode; on CUDA also the fast deterministic kernels of the loss, RMSNorm, RoPE, SwiGLU and
     /// embedding; with --optimizer muon and --muon-ns-dtype bf16, Newton-Schulz on the tensor
-    /// cores too).
+    /// cores too), or mxfp8 (bf16 as above, with the linear layers' GEMMs in MXFP8: E4M3
+    /// operands with 1x32 E8M0 scales along each contraction, forward, data and weight
+    /// gradients, as Transformer Engine's MXFP8 recipe; MXFP8 primary weights feed their stored
+    /// copies).
     #[arg(long, value_enum, default_value_t = Compute::Exact)]
     pub compute: Compute,
     /// Train on the bytes of this file (vocabulary 256, last tenth held out) instead of the

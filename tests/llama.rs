@@ -1,11 +1,11 @@
 //! `lowbit train --model llama-tiny` on the embedded text sample: the parity matrix on the
 //! decoder (every path that must compute the same thing gives the same bits, for bf16, MXFP8 and
 //! NVFP4 primary weights, AdamW and Muon), save/resume bit for bit, eval and generation from a
-//! checkpoint, and refusals.
+//! checkpoint, refusals, and the MXFP8 GEMMs of `--compute mxfp8`.
 
 use lowbit::train::{
-    self, Checkpointing, LlamaRun, ModelChoice, OptimizerChoice, Precision, Sharding, TrainConfig,
-    TrainReport,
+    self, Checkpointing, Compute, LlamaRun, ModelChoice, OptimizerChoice, Precision, Sharding,
+    TrainConfig, TrainReport,
 };
 use lowbit_llama::config::presets;
 
@@ -308,5 +308,72 @@ fn decoder_settings_are_refused_with_the_flag() {
         assert!(!out.status.success(), "{args:?} succeeded");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+/// `--compute mxfp8` (the linear layers' GEMMs in MXFP8) trains llama-tiny as the bf16 GEMMs
+/// do, within MXFP8's error, under every primary-weight precision, and is not the bf16 path.
+#[test]
+fn llama_mxfp8_gemms_train_close_to_bf16_gemms() {
+    for p in PRECISIONS {
+        let mut bf = tiny(p);
+        bf.steps = 12;
+        bf.compute = Compute::Bf16;
+        let mx = TrainConfig {
+            compute: Compute::Mxfp8,
+            ..bf.clone()
+        };
+        let (rb, rm) = (run(&bf), run(&mx));
+        assert_ne!(
+            bits(&rb).0,
+            bits(&rm).0,
+            "{p:?}: the MXFP8 GEMMs were not used"
+        );
+        assert!(rm.losses.iter().all(|l| l.is_finite()), "{p:?}");
+        assert!(rm.losses[11] < rm.losses[0] - 0.5, "{p:?}: {:?}", rm.losses);
+        let rel = (rm.losses[11] - rb.losses[11]).abs() / rb.losses[11];
+        assert!(
+            rel < 0.03,
+            "{p:?}: final loss {} vs bf16 GEMMs {}",
+            rm.losses[11],
+            rb.losses[11]
+        );
+    }
+}
+
+/// Under `--compute mxfp8` too, param gather, overlap and every sharded strategy change no bit.
+#[test]
+fn llama_mxfp8_gemms_param_gather_and_strategies_change_no_bit() {
+    for p in PRECISIONS {
+        let base = TrainConfig {
+            compute: Compute::Mxfp8,
+            ..tiny(p)
+        };
+        let want = bits(&run(&base));
+        let mut variants = vec![
+            TrainConfig {
+                overlap_grad_reduce: false,
+                overlap_param_gather: false,
+                bucket_size: None,
+                ..base.clone()
+            },
+            TrainConfig {
+                sharding: Sharding::OptimGrads,
+                ..base.clone()
+            },
+            TrainConfig {
+                sharding: Sharding::OptimGradsParams,
+                ..base.clone()
+            },
+        ];
+        if p != Precision::Bf16 {
+            variants.push(TrainConfig {
+                param_gather: false,
+                ..base.clone()
+            });
+        }
+        for v in &variants {
+            assert_eq!(bits(&run(v)), want, "{p:?}: {v:?}");
+        }
     }
 }

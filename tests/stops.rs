@@ -8,7 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -25,9 +25,12 @@ use lowbit_cli::{lowbit, run_json, run_refused, stdout_ok};
 const SIGINT: i32 = 2;
 const SIGTERM: i32 = 15;
 
-// SAFETY: the C library's `kill(2)` (std links the C library on every Unix).
+// SAFETY: the C library's `kill(2)` and `signal(2)` (std links the C library on every Unix;
+// a handler is passed as its address, `sighandler_t`).
 unsafe extern "C" {
     fn kill(pid: i32, sig: i32) -> i32;
+    #[link_name = "signal"]
+    fn set_signal(signum: i32, handler: usize) -> usize;
 }
 
 /// Sends `sig` to `child`.
@@ -69,13 +72,24 @@ fn tiny(steps: &str) -> Vec<String> {
 /// `lowbit train ARGS` as a child with stderr piped; returns it once its first progress line
 /// arrived, with the rest of stderr collected by a thread.
 fn start(args: &[String]) -> (Child, std::thread::JoinHandle<String>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lowbit"))
-        .arg("train")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lowbit"));
+    cmd.arg("train")
         .args(args)
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start lowbit");
+        .stderr(Stdio::piped());
+    // A test run from a background job of a non-interactive shell inherits SIGINT ignored
+    // (POSIX), and lowbit keeps an ignored signal ignored: the child gets the default actions
+    // back, as a run started from a terminal has them.
+    // SAFETY: `signal` is async-signal-safe, the only call made between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in [SIGINT, SIGTERM] {
+                set_signal(sig, 0);
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("start lowbit");
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut first = String::new();
     loop {

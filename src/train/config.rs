@@ -243,6 +243,11 @@ pub enum Compute {
     /// bf16 operands on the tensor cores, f32 accumulation (`lowbit_device::MatmulMode::Bf16`):
     /// the fast mode, as bf16 autocast computes.
     Bf16,
+    /// The fast mode with the linear layers' GEMMs in MXFP8 (`lowbit_device::MatmulMode::Mxfp8`):
+    /// forward, data and weight gradients as Transformer Engine's MXFP8 recipe computes them
+    /// (E4M3, 1x32 E8M0 scales along each contraction; MXFP8 primary weights feed their stored
+    /// copies). Attention, norms and the output head stay bf16.
+    Mxfp8,
 }
 
 impl Compute {
@@ -251,6 +256,7 @@ impl Compute {
         match self {
             Compute::Exact => "exact",
             Compute::Bf16 => "bf16",
+            Compute::Mxfp8 => "mxfp8",
         }
     }
 
@@ -259,6 +265,7 @@ impl Compute {
         match self {
             Compute::Exact => lowbit_device::MatmulMode::Exact,
             Compute::Bf16 => lowbit_device::MatmulMode::Bf16,
+            Compute::Mxfp8 => lowbit_device::MatmulMode::Mxfp8,
         }
     }
 }

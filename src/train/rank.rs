@@ -111,7 +111,7 @@ pub(super) fn rank_main(
         let optim = OptimConfig::new(m.lr).with_lr_ratio(ratio);
         // The fast GEMMs extend to Newton-Schulz where its iterate is bf16 (cuBLASLt's GEMMs
         // round each result to bf16 as torch.optim.Muon does).
-        let fast = cfg.compute == Compute::Bf16 && m.ns_dtype == lowbit_optim::NsDtype::Bf16;
+        let fast = cfg.compute != Compute::Exact && m.ns_dtype == lowbit_optim::NsDtype::Bf16;
         let mode = if fast {
             lowbit_optim::NsMode::Fast
         } else {

@@ -4,11 +4,13 @@
 //! bucket reductions. In eval mode gradients go to scratch and nothing is reported.
 
 use lowbit_comm::Communicator;
-use lowbit_device::{DType, Device, Mxfp8Config, Mxfp8Views, View};
+use lowbit_device::{DType, Device, MxOperand, Mxfp8Config, Mxfp8Views, View};
 
 use crate::config::GradAccumulation;
 use crate::error::Result;
-use crate::policy::{ComputeFormat, ParamCompute, PrecisionPolicy, dequant_mxfp8, dequant_nvfp4};
+use crate::policy::{
+    ComputeFormat, ParamCompute, PrecisionPolicy, dequant_mxfp8, dequant_nvfp4, mxfp8_plane,
+};
 use crate::storage::{
     LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, mxfp8_weight_config, nvfp4_weight_config,
 };
@@ -225,6 +227,29 @@ impl Hooks for DpHooks<'_> {
             _ => self.quantize_on_the_fly(dev, p, compute, usage, out)?,
         }
         Ok(out)
+    }
+
+    fn param_mxfp8(
+        &mut self,
+        dev: &mut Device,
+        p: usize,
+        usage: Usage,
+    ) -> Result<Option<MxOperand>> {
+        if self.mode == HookMode::Train {
+            self.bufs.begin_microbatch(dev, self.comm)?;
+        }
+        let g = self.bufs.group_of(p);
+        self.bufs.prepare_params(dev, self.comm, g, usage)?;
+        if self.policy.get(p).format == ComputeFormat::AsStored {
+            return Ok(None);
+        }
+        if let Some(w) = self.bufs.unit_mxfp8_weights(p, usage)? {
+            return Ok(Some(mxfp8_plane(&w, usage)));
+        }
+        Ok(match self.bufs.low_precision_weights(p) {
+            Some(LowPrecisionWeights::Mxfp8(w)) => Some(mxfp8_plane(&w, usage)),
+            _ => None,
+        })
     }
 
     fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View> {

@@ -2,7 +2,7 @@
 //! parameter it reads and every gradient it writes. A model written against this trait never
 //! owns parameter or gradient memory, so the buffers can gather, quantize and reduce around it.
 
-use lowbit_device::{Device, View};
+use lowbit_device::{Device, MxOperand, View};
 
 use crate::error::Result;
 
@@ -33,6 +33,21 @@ pub trait Hooks {
     fn grad(&mut self, dev: &mut Device, p: usize) -> Result<View>;
     /// Gradient `p` is complete for this microbatch.
     fn grad_ready(&mut self, dev: &mut Device, p: usize) -> Result<()>;
+
+    /// The stored MXFP8 plane of parameter `p` for `usage` (the rowwise copy for the forward,
+    /// the columnwise copy for the backward, as [`Hooks::param`] would dequantize it), for a
+    /// GEMM that consumes MXFP8 directly (`lowbit_device::Device::matmul_mx`); valid until the
+    /// next call. `None` (the default) when `p`'s primary weights are not MXFP8: the caller
+    /// then quantizes [`Hooks::param`]'s values itself. It runs the same pre-hook as `param`.
+    fn param_mxfp8(
+        &mut self,
+        dev: &mut Device,
+        p: usize,
+        usage: Usage,
+    ) -> Result<Option<MxOperand>> {
+        let _ = (dev, p, usage);
+        Ok(None)
+    }
 
     /// Adds the f32 gradient `g` into gradient `p` and reports it ready: the three calls a
     /// backward makes per parameter.

@@ -82,7 +82,9 @@ pub use dp_hooks::{DpHooks, HookMode, HookScratch};
 pub use error::{BufferError, ConfigError, ProtocolError, Result};
 pub use hooks::{Hooks, Usage};
 pub use memory::{BufferMemory, estimate_buffer_memory, plan_buffer_memory, transient_bound};
-pub use policy::{ComputeFormat, ParamCompute, PrecisionPolicy, dequant_mxfp8, dequant_nvfp4};
+pub use policy::{
+    ComputeFormat, ParamCompute, PrecisionPolicy, dequant_mxfp8, dequant_nvfp4, mxfp8_plane,
+};
 pub use stage::StagePiece;
 pub use storage::{
     LowPrecisionWeights, Mxfp8Weights, Nvfp4Weights, StorageKind, matrix_dims, mxfp8_weight_config,

@@ -5,7 +5,7 @@
 //! quantized on the fly with the same recipe, so both paths compute with the same bits.
 //! Grouped expert tensors (`[experts, out, in]`) are quantized expert by expert.
 
-use lowbit_device::{Device, Fp8Kind, View};
+use lowbit_device::{Device, Fp8Kind, MxLayout, MxOperand, View};
 use lowbit_layout::{ParamSpec, ParamStorage, QuantKind, expert_slices, matrix_dims};
 
 use crate::Usage;
@@ -168,6 +168,22 @@ pub fn dequant_mxfp8(dev: &mut Device, w: &Mxfp8Weights, usage: Usage, out: View
         }
     }
     Ok(())
+}
+
+/// The plane of `w` that [`dequant_mxfp8`] reads for `usage`, as a GEMM operand blocked along
+/// the contraction: rowwise for the forward (`X·Wᵀ` contracts along W's rows), columnwise for
+/// the backward (`dY·W` contracts down its columns).
+pub fn mxfp8_plane(w: &Mxfp8Weights, usage: Usage) -> MxOperand {
+    let ((data, scales), layout) = match usage {
+        Usage::Forward => (w.rowwise, MxLayout::Rowwise),
+        Usage::Backward => (w.columnwise, MxLayout::Columnwise),
+    };
+    MxOperand {
+        data,
+        scales,
+        kind: Fp8Kind::E4M3,
+        layout,
+    }
 }
 
 /// `out ← dequantize(w)`, expert by expert with each expert's global amax: the rowwise copy

@@ -162,11 +162,12 @@ pub mod codec {
 
 pub use counters::CountedOp;
 pub use half::{bf16, f16};
-pub use lowbit_formats::{Fp8Kind, Mxfp8Config, Nvfp4Config};
+pub use lowbit_formats::{Copies, Fp8Kind, Mxfp8Config, Nvfp4Config};
 pub use ops::{ATTENTION_MAX_HEAD_DIM, AttentionSpec, FLASH_HEAD_DIMS};
 pub use ops::{
-    AdamW, Format2d, MatmulMode, MatmulSpec, MatmulTcSpec, Mxfp8Views, Nvfp4Amax, Nvfp4Views,
-    PendingAmaxes, PendingNvfp4Amax, Piece2d, RopeSpec, SUM_BLOCK, SUM_GROUP, SgdMomentum,
+    AdamW, Format2d, MatmulMode, MatmulMxSpec, MatmulSpec, MatmulTcSpec, MxArg, MxLayout,
+    MxOperand, Mxfp8Views, Nvfp4Amax, Nvfp4Views, PendingAmaxes, PendingNvfp4Amax, Piece2d,
+    RopeSpec, SUM_BLOCK, SUM_GROUP, SgdMomentum,
 };
 
 use std::ops::Range;
@@ -471,6 +472,8 @@ pub struct Device {
     matmul_mode: MatmulMode,
     /// [`MatmulMode::Bf16`]'s grow-only buffer of bf16 operand casts.
     matmul_scratch: Option<View>,
+    /// [`Device::matmul_mx`]'s grow-only buffer of quantized float operands.
+    mx_scratch: Option<View>,
 }
 
 #[derive(Debug)]
@@ -491,6 +494,7 @@ impl Device {
             peak: 0,
             matmul_mode: MatmulMode::Exact,
             matmul_scratch: None,
+            mx_scratch: None,
         }
     }
 
@@ -507,6 +511,7 @@ impl Device {
             peak: 0,
             matmul_mode: MatmulMode::Exact,
             matmul_scratch: None,
+            mx_scratch: None,
         })
     }
 
@@ -840,6 +845,15 @@ impl Device {
                 self.write_bytes(v, &bytes)
             }
         }
+    }
+
+    /// Whether this is a CUDA device.
+    pub(crate) fn is_cuda(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if matches!(self.backend, Backend::Cuda(_)) {
+            return true;
+        }
+        false
     }
 
     /// The CUDA backend, when this is one.

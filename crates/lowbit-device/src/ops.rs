@@ -43,7 +43,7 @@ macro_rules! on_cuda {
 macro_rules! on_fast_cuda {
     ($dev:expr, $g:ident => $body:expr) => {
         #[cfg(feature = "cuda")]
-        if $dev.matmul_mode == crate::MatmulMode::Bf16 {
+        if $dev.matmul_mode.is_fast() {
             if let Some($g) = $dev.cuda_mut() {
                 if $body? {
                     return Ok(());
@@ -58,6 +58,7 @@ mod elementwise;
 mod flash;
 mod llm;
 mod matmul;
+mod matmul_mx;
 mod model;
 mod optim;
 mod quant;
@@ -68,6 +69,7 @@ pub use llm::RopeSpec;
 #[cfg(feature = "cuda")]
 pub(crate) use llm::id_groups;
 pub use matmul::{MatmulMode, MatmulTcSpec};
+pub use matmul_mx::{MatmulMxSpec, MxArg, MxLayout, MxOperand};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]

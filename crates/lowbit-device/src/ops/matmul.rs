@@ -65,6 +65,19 @@ pub enum MatmulMode {
     /// docs state; `rope`, `swiglu`, `embedding`: the same bits, faster), and ids and targets
     /// are then checked on the device (reported by the next host read).
     Bf16,
+    /// [`MatmulMode::Bf16`] for [`Device::matmul`] and every fast kernel, and the mode in which
+    /// a model's linear layers run their GEMMs in MXFP8 through [`Device::matmul_mx`] (the
+    /// forward, data-gradient and weight-gradient products of TE's MXFP8 recipe; `lowbit_nn`'s
+    /// `Linear` reads it). Attention, norms and the output head stay in bf16, as in TE.
+    Mxfp8,
+}
+
+impl MatmulMode {
+    /// Whether this is a fast mode ([`MatmulMode::Bf16`] or [`MatmulMode::Mxfp8`]): bf16
+    /// tensor-core products and the fast kernels of the memory-bound ops.
+    pub fn is_fast(self) -> bool {
+        self != MatmulMode::Exact
+    }
 }
 
 /// `op(X)` as a row-major `[rows, cols]` f32 matrix, from `x` stored `[rows, cols]`, or
@@ -100,7 +113,7 @@ impl Device {
         check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
         check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
         check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
-        if self.matmul_mode == MatmulMode::Bf16 && k > 0 && m > 0 && n > 0 {
+        if self.matmul_mode.is_fast() && k > 0 && m > 0 && n > 0 {
             return self.matmul_bf16(a, b, c, spec);
         }
         on_cuda!(self, g => g.matmul(a, b, c, spec));
@@ -146,15 +159,11 @@ impl Device {
     fn matmul_bf16(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
         let need = |x: View| if x.dtype() == DType::Bf16 { 0 } else { x.len() };
         let total = need(a) + need(b);
-        if self.matmul_scratch.is_none_or(|s| s.len() < total) {
-            if let Some(old) = self.matmul_scratch.take() {
-                self.free(old)?;
-            }
-            self.matmul_scratch = Some(self.try_alloc(DType::Bf16, total)?);
-        }
-        let scratch = self
-            .matmul_scratch
-            .map_or(Ok(None), |s| s.slice(0..total).map(Some))?;
+        let scratch = if total == 0 {
+            None
+        } else {
+            Some(self.bf16_scratch(total)?)
+        };
         let mut at = 0;
         let mut bf16 = |dev: &mut Device, x: View| -> Result<View> {
             if x.dtype() == DType::Bf16 {
@@ -177,6 +186,20 @@ impl Device {
         };
         let cin = spec.accumulate.then_some(c);
         self.matmul_tc(ab, bb, cin, c, &tc)
+    }
+
+    /// The first `len` elements of the grow-only bf16 cast buffer, grown to fit first.
+    pub(crate) fn bf16_scratch(&mut self, len: usize) -> Result<View> {
+        if self.matmul_scratch.is_none_or(|s| s.len() < len) {
+            if let Some(old) = self.matmul_scratch.take() {
+                self.free(old)?;
+            }
+            self.matmul_scratch = Some(self.try_alloc(DType::Bf16, len)?);
+        }
+        match self.matmul_scratch {
+            Some(s) => s.slice(0..len),
+            None => Err(invalid("matmul", "no cast buffer")),
+        }
     }
 
     /// Frees [`MatmulMode::Bf16`]'s cast buffer (it is kept between products otherwise).

@@ -3,7 +3,7 @@
 //! parameters, on [`Device::attention`] and [`Device::attention_backward`] in the exact mode,
 //! and on [`Device::flash_attention`] and [`Device::flash_attention_backward`] in the fast mode.
 
-use lowbit_device::{AttentionSpec, Device, FLASH_HEAD_DIMS, MatmulMode, View};
+use lowbit_device::{AttentionSpec, Device, FLASH_HEAD_DIMS, View};
 
 use crate::Result;
 
@@ -47,7 +47,7 @@ impl Attention {
 
     /// Whether `dev` runs this attention as the flash attention (see the type's documentation).
     pub fn uses_flash(&self, dev: &Device) -> bool {
-        dev.matmul_mode() == MatmulMode::Bf16 && FLASH_HEAD_DIMS.contains(&self.head_dim)
+        dev.matmul_mode().is_fast() && FLASH_HEAD_DIMS.contains(&self.head_dim)
     }
 
     /// `out` (and `lse`) of `batch` sequences of `seq` tokens; `out` and `lse` must overlap
@@ -99,7 +99,7 @@ impl Attention {
 
 #[cfg(test)]
 mod tests {
-    use lowbit_device::DType;
+    use lowbit_device::{DType, MatmulMode};
 
     use super::*;
     use crate::testing::{upload, values};

@@ -3,7 +3,7 @@
 //! would outweigh the model): per chunk the logits are computed, turned into their gradient in
 //! place ([`Device::cross_entropy_rows`]), and consumed by the two products of the backward.
 
-use lowbit_device::{DType, Device, MatmulMode, MatmulSpec, View};
+use lowbit_device::{DType, Device, MatmulSpec, View};
 
 use super::{Linear, Scratch, accumulate, load_f32};
 use crate::error::check_len;
@@ -64,7 +64,7 @@ fn head_weight(
     usage: Usage,
     work: View,
 ) -> Result<View> {
-    if dev.matmul_mode() != MatmulMode::Bf16 {
+    if !dev.matmul_mode().is_fast() {
         return load_f32(dev, hooks, p, usage, work);
     }
     let v = hooks.param(dev, p, usage)?;
@@ -253,7 +253,7 @@ impl ChunkedCrossEntropy {
 
 #[cfg(test)]
 mod tests {
-    use lowbit_device::DType;
+    use lowbit_device::{DType, MatmulMode};
 
     use super::*;
     use crate::layers::f64check::{central_diff, f64s, worst_rel};

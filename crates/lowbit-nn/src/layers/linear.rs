@@ -1,6 +1,8 @@
 //! The linear layer `y = x·Wᵀ (+ b)`, `W: [out, in]` (PyTorch's `nn.Linear` layout).
 
-use lowbit_device::{DType, Device, MatmulMode, MatmulSpec, View};
+use lowbit_device::{
+    DType, Device, Fp8Kind, MatmulMode, MatmulMxSpec, MatmulSpec, MxArg, MxLayout, View,
+};
 
 use super::{Scratch, accumulate, load_f32};
 use crate::error::check_len;
@@ -58,7 +60,7 @@ pub fn shared_input(dev: &mut Device, x: View, free: View) -> Result<View> {
         && free.dtype() == DType::F32
         && 2 * free.len() >= x.len()
         && !free.overlaps(&x);
-    if dev.matmul_mode() != MatmulMode::Bf16 || !fits || x.is_empty() {
+    if !dev.matmul_mode().is_fast() || !fits || x.is_empty() {
         return Ok(x);
     }
     let words = x.len().div_ceil(2);
@@ -81,7 +83,7 @@ fn weight_operand(
     usage: Usage,
     scratch: View,
 ) -> Result<View> {
-    if dev.matmul_mode() != MatmulMode::Bf16 {
+    if !dev.matmul_mode().is_fast() {
         return load_f32(dev, hooks, p, usage, scratch);
     }
     let v = hooks.param(dev, p, usage)?;
@@ -91,6 +93,50 @@ fn weight_operand(
     let w = scratch.slice(0..v.len())?;
     dev.cast(v, w)?;
     Ok(w)
+}
+
+/// The element type of every operand of [`MatmulMode::Mxfp8`]'s GEMMs: E4M3 for activations,
+/// weights and gradients alike, Transformer Engine's default for its MXFP8 recipe
+/// (`MXFP8BlockScaling(fp8_format=Format.E4M3)`; per-32 scales leave E5M2's range unneeded).
+pub const MXFP8_KIND: Fp8Kind = Fp8Kind::E4M3;
+
+/// A float matrix as an MXFP8 operand, quantized along the product's contraction.
+fn float_arg(values: View, layout: MxLayout) -> MxArg {
+    MxArg::Float {
+        values,
+        layout,
+        kind: MXFP8_KIND,
+    }
+}
+
+/// The weight as an MXFP8 operand for `usage`: the stored plane when the primary weights are
+/// MXFP8 (no dequantize pass), else the hooks' values quantized by the product (rowwise for the
+/// forward, columnwise for the backward).
+fn weight_mx(
+    dev: &mut Device,
+    hooks: &mut dyn Hooks,
+    p: usize,
+    usage: Usage,
+    scratch: View,
+) -> Result<MxArg> {
+    if let Some(op) = hooks.param_mxfp8(dev, p, usage)? {
+        return Ok(MxArg::Quantized(op));
+    }
+    let w = weight_operand(dev, hooks, p, usage, scratch)?;
+    let layout = match usage {
+        Usage::Forward => MxLayout::Rowwise,
+        Usage::Backward => MxLayout::Columnwise,
+    };
+    Ok(float_arg(w, layout))
+}
+
+fn mx_spec(m: usize, n: usize, k: usize, accumulate: bool) -> MatmulMxSpec {
+    MatmulMxSpec {
+        m,
+        n,
+        k,
+        accumulate,
+    }
 }
 
 impl Linear {
@@ -127,9 +173,16 @@ impl Linear {
         let (i, o) = (self.in_features, self.out_features);
         check_len("linear input", x.len(), rows * i)?;
         check_len("linear output", y.len(), rows * o)?;
-        let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
-        check_len("linear weight", w.len(), o * i)?;
-        dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
+        if dev.matmul_mode() == MatmulMode::Mxfp8 {
+            // Y = X·Wᵀ: the rowwise copies of X and W.
+            let w = weight_mx(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+            let xa = float_arg(x, MxLayout::Rowwise);
+            dev.matmul_mx(xa, w, y, &mx_spec(rows, o, i, false))?;
+        } else {
+            let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+            check_len("linear weight", w.len(), o * i)?;
+            dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
+        }
         if let Some(pb) = self.bias {
             let b = load_f32(dev, hooks, pb, Usage::Forward, scratch.param)?;
             check_len("linear bias", b.len(), o)?;
@@ -162,8 +215,18 @@ impl Linear {
             dev.bias_grad(dy, db, false)?;
             accumulate(dev, hooks, pb, db)?;
         }
+        let mx = dev.matmul_mode() == MatmulMode::Mxfp8;
         let dw = scratch.grad.slice(0..o * i)?;
-        dev.matmul(dy, x, dw, &spec(o, i, rows, true, false, false))?;
+        if mx {
+            // dW = dYᵀ·X contracts over the rows (tokens): the columnwise copies of dY and X.
+            let (a, b) = (
+                float_arg(dy, MxLayout::Columnwise),
+                float_arg(x, MxLayout::Columnwise),
+            );
+            dev.matmul_mx(a, b, dw, &mx_spec(o, i, rows, false))?;
+        } else {
+            dev.matmul(dy, x, dw, &spec(o, i, rows, true, false, false))?;
+        }
         accumulate(dev, hooks, self.weight, dw)?;
         let (dx, add) = match dx {
             InputGrad::Skip => return Ok(()),
@@ -171,6 +234,13 @@ impl Linear {
             InputGrad::Add(v) => (v, true),
         };
         check_len("linear input gradient", dx.len(), rows * i)?;
+        if mx {
+            // dX = dY·W contracts over the outputs: dY's rowwise copy, W's columnwise one.
+            let w = weight_mx(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
+            let a = float_arg(dy, MxLayout::Rowwise);
+            dev.matmul_mx(a, w, dx, &mx_spec(rows, i, o, add))?;
+            return Ok(());
+        }
         let w = weight_operand(dev, hooks, self.weight, Usage::Backward, scratch.param)?;
         check_len("linear weight", w.len(), o * i)?;
         dev.matmul(dy, w, dx, &spec(rows, i, o, false, false, add))?;
@@ -360,5 +430,175 @@ mod tests {
             "{e}"
         );
         assert!(hooks.calls.is_empty());
+    }
+
+    /// `v` (`rows × cols`) through one MXFP8 copy and back to f32 (the device's quantizer and
+    /// dequantizer): the values a product contracting along that copy's blocks multiplies.
+    fn through_mxfp8(
+        dev: &mut Device,
+        v: &[f32],
+        rows: usize,
+        cols: usize,
+        rowwise: bool,
+    ) -> Vec<f64> {
+        use lowbit_device::{Mxfp8Config, Mxfp8Views};
+        let src = upload(dev, v);
+        let data = dev.alloc(DType::U8, rows * cols);
+        let (n_scales, copies) = if rowwise {
+            (rows * cols.div_ceil(32), lowbit_device::Copies::Rowwise)
+        } else {
+            (rows.div_ceil(32) * cols, lowbit_device::Copies::Columnwise)
+        };
+        let scales = dev.alloc(DType::U8, n_scales);
+        let cfg = Mxfp8Config {
+            copies,
+            ..Mxfp8Config::default()
+        };
+        let out = if rowwise {
+            Mxfp8Views {
+                rowwise: Some((data, scales)),
+                columnwise: None,
+            }
+        } else {
+            Mxfp8Views {
+                rowwise: None,
+                columnwise: Some((data, scales)),
+            }
+        };
+        dev.quantize_mxfp8(src, rows, cols, &cfg, &out).unwrap();
+        let dst = dev.alloc(DType::F32, rows * cols);
+        let kind = MXFP8_KIND;
+        if rowwise {
+            dev.dequantize_mxfp8_rowwise(data, scales, rows, cols, kind, dst)
+                .unwrap();
+        } else {
+            dev.dequantize_mxfp8_columnwise(data, scales, rows, cols, kind, dst)
+                .unwrap();
+        }
+        dev.download::<f32>(dst)
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    }
+
+    /// `Σₜ a[i, t]·b[j, t]` over logical `[m, k]` and `[n, k]` given as closures, in f64, and
+    /// `Σ |terms|` (the scale of f32 summation error).
+    fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: impl Fn(usize, usize) -> f64,
+        b: impl Fn(usize, usize) -> f64,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut out = (vec![0.0; m * n], vec![0.0; m * n]);
+        for i in 0..m {
+            for j in 0..n {
+                for t in 0..k {
+                    out.0[i * n + j] += a(i, t) * b(j, t);
+                    out.1[i * n + j] += (a(i, t) * b(j, t)).abs();
+                }
+            }
+        }
+        out
+    }
+
+    /// Under [`MatmulMode::Mxfp8`] every product multiplies the MXFP8 copies its contraction
+    /// needs, TE's recipe: `Y = X·Wᵀ` the rowwise copies of X and W, `dW = dYᵀ·X` the
+    /// columnwise copies of dY and X (blocks of 32 tokens), `dX = dY·W` dY's rowwise and W's
+    /// columnwise copy; each equals the exact product of those dequantized values up to f32
+    /// summation error, and differs from the unquantized product by MXFP8's rounding.
+    #[test]
+    fn mxfp8_mode_multiplies_the_copies_each_contraction_needs() {
+        let (rows, inp, out) = (64, 96, 48);
+        let layer = Linear::new(0, inp, out);
+        let (w, x, dy) = (
+            values(11, out * inp),
+            values(12, rows * inp),
+            values(13, rows * out),
+        );
+        let mut dev = Device::cpu();
+        dev.set_matmul_mode(MatmulMode::Mxfp8);
+        let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&w));
+        let (xv, dyv) = (upload(&mut dev, &x), upload(&mut dev, &dy));
+        let (y, dx) = (
+            dev.alloc(DType::F32, rows * out),
+            dev.alloc(DType::F32, rows * inp),
+        );
+        let s = scratch(&mut dev, out * inp);
+        layer.forward(&mut dev, &mut hooks, xv, y, rows, s).unwrap();
+        layer
+            .backward(&mut dev, &mut hooks, xv, dyv, InputGrad::Write(dx), rows, s)
+            .unwrap();
+        let got_y = dev.download::<f32>(y).unwrap();
+        let got_dx = dev.download::<f32>(dx).unwrap();
+        let got_dw = hooks.grad_of(&dev, 0);
+
+        let mut r = Device::cpu();
+        let (xr, wr) = (
+            through_mxfp8(&mut r, &x, rows, inp, true),
+            through_mxfp8(&mut r, &w, out, inp, true),
+        );
+        let (xc, wc) = (
+            through_mxfp8(&mut r, &x, rows, inp, false),
+            through_mxfp8(&mut r, &w, out, inp, false),
+        );
+        let (dyr, dyc) = (
+            through_mxfp8(&mut r, &dy, rows, out, true),
+            through_mxfp8(&mut r, &dy, rows, out, false),
+        );
+        let want_y = product(
+            rows,
+            out,
+            inp,
+            |i, t| xr[i * inp + t],
+            |j, t| wr[j * inp + t],
+        );
+        let want_dw = product(
+            out,
+            inp,
+            rows,
+            |i, t| dyc[t * out + i],
+            |j, t| xc[t * inp + j],
+        );
+        let want_dx = product(
+            rows,
+            inp,
+            out,
+            |i, t| dyr[i * out + t],
+            |j, t| wc[t * inp + j],
+        );
+        let plain_y = product(
+            rows,
+            out,
+            inp,
+            |i, t| f64::from(x[i * inp + t]),
+            |j, t| f64::from(w[j * inp + t]),
+        );
+        for (what, got, (want, scale), k) in [
+            ("y", &got_y, want_y, inp),
+            ("dW", &got_dw, want_dw, rows),
+            ("dX", &got_dx, want_dx, out),
+        ] {
+            for (e, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                let err = (f64::from(*g) - w).abs();
+                assert!(
+                    err <= (k as f64) * 2f64.powi(-23) * s,
+                    "{what}[{e}]: {g} vs {w}"
+                );
+            }
+        }
+        // The forward differs from the unquantized product by MXFP8's rounding, not more.
+        let num: f64 = got_y
+            .iter()
+            .zip(&plain_y.0)
+            .map(|(g, p)| (f64::from(*g) - p).powi(2))
+            .sum();
+        let den: f64 = plain_y.0.iter().map(|p| p * p).sum();
+        let rel = (num / den).sqrt();
+        assert!(
+            (1e-3..0.1).contains(&rel),
+            "MXFP8 forward vs unquantized: {rel:e}"
+        );
     }
 }
