@@ -196,13 +196,21 @@ impl DpHooks<'_> {
     }
 }
 
-impl Hooks for DpHooks<'_> {
-    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View> {
+impl DpHooks<'_> {
+    /// The forward pre-hook of a parameter fetch: a training microbatch begins (its first
+    /// fetch), then `p`'s bucket group is made ready for `usage` (a lazy gather awaited).
+    fn pre_hook(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<()> {
         if self.mode == HookMode::Train {
             self.bufs.begin_microbatch(dev, self.comm)?;
         }
         let g = self.bufs.group_of(p);
-        self.bufs.prepare_params(dev, self.comm, g, usage)?;
+        self.bufs.prepare_params(dev, self.comm, g, usage)
+    }
+}
+
+impl Hooks for DpHooks<'_> {
+    fn param(&mut self, dev: &mut Device, p: usize, usage: Usage) -> Result<View> {
+        self.pre_hook(dev, p, usage)?;
         let compute = self.policy.get(p);
         if compute.format == ComputeFormat::AsStored {
             return self.bufs.param_view(p);
@@ -235,11 +243,7 @@ impl Hooks for DpHooks<'_> {
         p: usize,
         usage: Usage,
     ) -> Result<Option<MxOperand>> {
-        if self.mode == HookMode::Train {
-            self.bufs.begin_microbatch(dev, self.comm)?;
-        }
-        let g = self.bufs.group_of(p);
-        self.bufs.prepare_params(dev, self.comm, g, usage)?;
+        self.pre_hook(dev, p, usage)?;
         if self.policy.get(p).format == ComputeFormat::AsStored {
             return Ok(None);
         }
