@@ -12,7 +12,7 @@ use lowbit::train::{
     MixedPrecisionPolicy, MuonSettings, NanCheck, OptimizerChoice, OuterSharding, Precision,
     Sharding, StepLog, TrainConfig,
 };
-use lowbit::train::{LlamaRun, ModelChoice};
+use lowbit::train::{LlamaRun, ModelChoice, Recompute};
 use lowbit_llama::LlamaConfig;
 
 use crate::error::CliError;
@@ -92,10 +92,12 @@ pub struct TrainArgs {
     /// 1].
     #[arg(long, value_enum)]
     pub outer_sharding: Option<OuterSharding>,
-    /// Recompute the dense blocks' activations in the backward instead of keeping them (same
-    /// bits, less activation memory).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
-    pub recompute: OnOff,
+    /// Recompute activations in the backward instead of keeping them (the same bits, less
+    /// memory): a decoder's norms and SwiGLU product (selective), also its gate/up projections
+    /// (mlp), or its whole layers from their inputs (full, or on); the reference model's dense
+    /// blocks (on, full).
+    #[arg(long, value_enum, default_value_t = RecomputeArg::Off)]
+    pub recompute: RecomputeArg,
     /// Bucket size in elements, with --overlap-grad-reduce on [default: 40000].
     #[arg(long)]
     pub bucket_size: Option<usize>,
@@ -266,6 +268,32 @@ pub enum OnOff {
 impl OnOff {
     fn on(self) -> bool {
         self == OnOff::On
+    }
+}
+
+/// `--recompute`: the levels of [`Recompute`], with `on` the older spelling of `full`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RecomputeArg {
+    /// Keep every activation.
+    Off,
+    /// Full recompute (the reference model's only level).
+    On,
+    /// A decoder's norm outputs and SwiGLU product: elementwise recompute only.
+    Selective,
+    /// Also a decoder's gate and up projections.
+    Mlp,
+    /// Whole layers from their inputs.
+    Full,
+}
+
+impl RecomputeArg {
+    fn level(self) -> Recompute {
+        match self {
+            RecomputeArg::Off => Recompute::Off,
+            RecomputeArg::Selective => Recompute::Selective,
+            RecomputeArg::Mlp => Recompute::Mlp,
+            RecomputeArg::On | RecomputeArg::Full => Recompute::Full,
+        }
     }
 }
 
@@ -467,7 +495,7 @@ impl TrainArgs {
             fine_grained: self.fine_grained_param_gather,
             outer_dp: self.outer_dp,
             outer_sharding: self.outer_sharding,
-            recompute: self.recompute.on(),
+            recompute: self.recompute.level(),
             bucket_size: match self.bucket_size {
                 Some(b) => Some(b),
                 None if self.overlap_grad_reduce.on() => d.bucket_size,

@@ -74,7 +74,7 @@ pub(crate) fn describe(cfg: &TrainConfig) -> String {
         cfg.comm_dtype_name(),
         on(cfg.overlap_grad_reduce),
         on(cfg.overlap_param_gather),
-        on(cfg.recompute),
+        cfg.recompute.name(),
         cfg.nan_check.name(),
         describe_optimizer(cfg),
         cfg.compute.name(),
@@ -132,7 +132,8 @@ pub(crate) fn fsdp_json(cfg: &TrainConfig) -> Json {
             cfg.outer_sharding
                 .map_or(Json::Null, |s| Json::str(s.name())),
         ),
-        ("recompute", Json::Bool(cfg.recompute)),
+        ("recompute", Json::Bool(cfg.recompute.is_on())),
+        ("recompute_level", Json::str(cfg.recompute.name())),
     ])
 }
 
@@ -493,6 +494,17 @@ pub fn to_json(r: &TrainReport) -> Json {
             Json::obj([
                 ("per_rank", memory_json(&r.memory)),
                 ("bf16_unsharded", memory_json(&r.baseline)),
+                // A decoder's activations and scratch per rank (closed form); null for the
+                // reference model.
+                (
+                    "activations_per_rank",
+                    match &r.config.model {
+                        ModelChoice::Llama(run) => run
+                            .activation_bytes(&r.config)
+                            .map_or(Json::Null, Json::uint),
+                        ModelChoice::Reference => Json::Null,
+                    },
+                ),
             ]),
         ),
         ("comm", comm),

@@ -1,11 +1,11 @@
 //! `lowbit train --model llama-tiny` on the embedded text sample: the parity matrix on the
 //! decoder (every path that must compute the same thing gives the same bits, for bf16, MXFP8 and
 //! NVFP4 primary weights, AdamW and Muon), save/resume bit for bit, eval and generation from a
-//! checkpoint, refusals, and the MXFP8 GEMMs of `--compute mxfp8`.
+//! checkpoint, refusals, activation recompute, and the MXFP8 GEMMs of `--compute mxfp8`.
 
 use lowbit::train::{
-    self, Checkpointing, Compute, LlamaRun, ModelChoice, OptimizerChoice, Precision, Sharding,
-    TrainConfig, TrainReport,
+    self, Checkpointing, Compute, LlamaRun, ModelChoice, OptimizerChoice, Precision, Recompute,
+    Sharding, TrainConfig, TrainReport,
 };
 use lowbit_llama::config::presets;
 
@@ -282,7 +282,11 @@ fn eval_and_generate_read_a_decoder_checkpoint() {
 
 #[test]
 fn decoder_settings_are_refused_with_the_flag() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["train", "--recompute", "selective"],
+            "--recompute selective: the reference model",
+        ),
         (&["train", "--model", "llama-huge"], "--model llama-huge"),
         (&["train", "--seq", "8"], "--seq applies only to a decoder"),
         (
@@ -375,5 +379,56 @@ fn llama_mxfp8_gemms_param_gather_and_strategies_change_no_bit() {
         for v in &variants {
             assert_eq!(bits(&run(v)), want, "{p:?}: {v:?}");
         }
+    }
+}
+
+/// Every recompute level trains the same bits as keeping every activation, for each primary
+/// weight precision, with parameters gathered per use (fully sharded: the recomputation fetches
+/// them again in the backward; MXFP8 units then gather one copy per use) and with MXFP8 GEMMs.
+#[test]
+fn llama_recompute_levels_change_no_bit() {
+    for p in PRECISIONS {
+        for compute in [Compute::Exact, Compute::Mxfp8] {
+            let base = TrainConfig {
+                sharding: Sharding::OptimGradsParams,
+                compute,
+                ..tiny(p)
+            };
+            let want = bits(&run(&base));
+            for r in [Recompute::Selective, Recompute::Mlp, Recompute::Full] {
+                let v = TrainConfig {
+                    recompute: r,
+                    ..base.clone()
+                };
+                assert_eq!(bits(&run(&v)), want, "{p:?} {compute:?} --recompute {r}");
+            }
+        }
+    }
+}
+
+/// Rank 0's peak device memory falls by exactly what the closed form says each recompute level
+/// stops keeping (bf16 weights: no other allocation depends on the level).
+#[test]
+fn llama_recompute_saves_the_closed_form_bytes() {
+    use std::sync::Mutex;
+    let peak = |r: Recompute| {
+        let cfg = TrainConfig {
+            recompute: r,
+            ..tiny(Precision::Bf16)
+        };
+        let seen = Mutex::new(0);
+        train::train(&cfg, &|log| {
+            let mut p = seen.lock().unwrap();
+            *p = (*p).max(log.device_peak_bytes)
+        })
+        .unwrap();
+        seen.into_inner().unwrap()
+    };
+    let c = presets::llama_tiny();
+    // 4 sequences over 2 ranks, one microbatch: 2 sequences of 32 tokens per rank.
+    let bytes = |r| lowbit_llama::Llama::activation_bytes_with(&c, 2, 32, r).unwrap();
+    let off = peak(Recompute::Off);
+    for r in [Recompute::Selective, Recompute::Mlp, Recompute::Full] {
+        assert_eq!(off - peak(r), bytes(Recompute::Off) - bytes(r), "{r}");
     }
 }

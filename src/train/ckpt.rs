@@ -155,7 +155,7 @@ pub fn config_map(cfg: &TrainConfig, data: &str) -> BTreeMap<String, String> {
         ("device", device.into()),
         ("sharding", cfg.sharding.to_string()),
         ("outer_dp", cfg.outer_dp.to_string()),
-        ("recompute", on(cfg.recompute)),
+        ("recompute", cfg.recompute.name().into()),
         ("nan_check", cfg.nan_check.name().into()),
     ];
     m.extend(texts.into_iter().map(|(k, v)| (k.to_string(), v)));

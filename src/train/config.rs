@@ -9,6 +9,7 @@ use lowbit_buffers::layout::{
     ShardingPlan, ShardingStrategy,
 };
 use lowbit_buffers::{ComputeFormat, DdpConfig, NanCheck, Overlap, PrecisionPolicy};
+use lowbit_llama::Recompute;
 use lowbit_optim::{AdamW, MuonConfig, MuonLrScale, NsDtype};
 use lowbit_train::fsdp::{
     CommDtype, Conflict, FineGrainedGather, FsdpConfig, MainParamsDtype, MixedPrecisionPolicy,
@@ -183,8 +184,10 @@ pub struct TrainConfig {
     /// What the replica groups shard (`--outer-sharding`; only meaningful with `outer_dp > 1`;
     /// `None`: not asked for).
     pub outer_sharding: Option<OuterSharding>,
-    /// Activation recompute of the dense blocks in the backward (`--recompute`; same bits).
-    pub recompute: bool,
+    /// What the backward recomputes instead of keeping (`--recompute`; the same bits): a
+    /// decoder's [`Recompute`] level; the reference model recomputes its dense blocks whole
+    /// under [`Recompute::Full`] and has no other level.
+    pub recompute: Recompute,
     /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
     pub bucket_size: Option<usize>,
     /// Microbatches per step (gradient accumulation).
@@ -284,7 +287,7 @@ impl Default for TrainConfig {
             fine_grained: FineGrainedGather::Auto,
             outer_dp: 1,
             outer_sharding: None,
-            recompute: false,
+            recompute: Recompute::Off,
             bucket_size: Some(40_000),
             microbatches: 2,
             batch: 512,
@@ -445,6 +448,15 @@ impl TrainConfig {
             limits::BATCH,
             " (and --batch must split into them)",
         )?;
+        if self.model == ModelChoice::Reference
+            && matches!(self.recompute, Recompute::Selective | Recompute::Mlp)
+        {
+            return bad(format!(
+                "--recompute {}: the reference model recomputes its dense blocks whole (--recompute \
+                 on or full); selective and mlp are levels of the decoders (--model llama-*)",
+                self.recompute
+            ));
+        }
         if let Some(dir) = &self.init_from
             && !matches!(self.model, ModelChoice::Llama(_))
         {
@@ -772,7 +784,7 @@ impl TrainConfig {
             .with_fine_grained(self.fine_grained)
             .with_outer_dp(self.outer_dp)
             .with_outer_sharding(self.outer_sharding.unwrap_or_default())
-            .with_recompute(self.recompute)
+            .with_recompute(self.recompute.is_on())
     }
 
     pub(super) fn ddp(&self) -> DdpConfig {

@@ -22,7 +22,7 @@ use std::path::Path;
 use lowbit_device::Device;
 use lowbit_llama::data::{SampleOrder, SplitKind as Split, TokenShards, Tokenizer};
 use lowbit_llama::generate::{Sampler, Sampling as Rule, generate};
-use lowbit_llama::{Llama, LlamaConfig};
+use lowbit_llama::{Llama, LlamaConfig, Recompute};
 
 use super::lm::ParamInfo;
 use super::{Sampling, TrainConfig, TrainError};
@@ -75,7 +75,7 @@ impl LlamaRun {
             }
         }
         let rows = cfg.rows().max(1);
-        let bytes = Llama::activation_bytes(&self.config, rows, self.seq);
+        let bytes = Llama::activation_bytes_with(&self.config, rows, self.seq, cfg.recompute);
         if bytes.as_ref().map_or(true, |&b| b > 1 << 40) {
             return Err(format!(
                 "{rows} sequences of {} tokens per microbatch need more than 1 TiB of \
@@ -84,6 +84,13 @@ impl LlamaRun {
             ));
         }
         Ok(())
+    }
+
+    /// One rank's activation memory under `cfg` (its microbatch rows and recompute level), the
+    /// closed form of [`Llama::activation_bytes_with`]; `None` where it overflows.
+    pub fn activation_bytes(&self, cfg: &TrainConfig) -> Option<usize> {
+        let rows = cfg.rows().max(1);
+        Llama::activation_bytes_with(&self.config, rows, self.seq, cfg.recompute).ok()
     }
 
     /// Every parameter, in forward order, as the loop describes them.
@@ -342,9 +349,11 @@ impl LlamaJob {
         &'a self,
         dev: &mut Device,
         rows: usize,
+        recompute: Recompute,
     ) -> Result<LlamaRank<'a>, String> {
+        let (cfg, seq) = (&self.run.config, self.run.seq);
         let model =
-            Llama::new(dev, &self.run.config, rows, self.run.seq).map_err(|e| e.to_string())?;
+            Llama::with_recompute(dev, cfg, rows, seq, recompute).map_err(|e| e.to_string())?;
         Ok(LlamaRank {
             job: self,
             order: self.order.clone(),

@@ -54,6 +54,7 @@ pub use config::{
 pub use llama::{LlamaRun, tokenizer_of};
 use lm::ParamInfo;
 pub use lowbit_buffers::NanCheck;
+pub use lowbit_llama::Recompute;
 pub use lowbit_train::fsdp::{
     CommDtype, FineGrainedGather, FsdpConfig, MainGradsDtype, MainParamsDtype,
     MixedPrecisionPolicy, OuterSharding, Sharding,

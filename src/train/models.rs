@@ -119,7 +119,7 @@ impl JobModel {
             JobModel::Reference { source, eval, .. } => {
                 let lm = Box::new(
                     Lm::new(dev, cfg.shape, rows)
-                        .with_recompute(dev, cfg.recompute)
+                        .with_recompute(dev, cfg.recompute.is_on())
                         .map_err(|e| e.to_string())?,
                 );
                 Ok(RankModel::Reference {
@@ -130,7 +130,11 @@ impl JobModel {
                     rows,
                 })
             }
-            JobModel::Llama(j) => Ok(RankModel::Llama(Box::new(j.rank(dev, rows)?))),
+            JobModel::Llama(j) => Ok(RankModel::Llama(Box::new(j.rank(
+                dev,
+                rows,
+                cfg.recompute,
+            )?))),
         }
     }
 }

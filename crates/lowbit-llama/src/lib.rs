@@ -9,6 +9,9 @@
 //! - [`model`]: [`Llama`], the forward and hand-written backward of the decoder over a batch of
 //!   token sequences (embedding, RMSNorm, RoPE, causal GQA attention, SwiGLU, a tied or untied
 //!   head with a chunked cross-entropy), eval losses and next-token logits.
+//! - [`recompute`]: which activations the backward recomputes instead of keeping
+//!   ([`Recompute`]: off, selective, mlp, full; the same bits), and the activation memory's closed
+//!   form ([`ActivationBytes`]).
 //! - [`generate`]: greedy and temperature (top-k) sampling from next-token logits with a seeded
 //!   generator, and the generation loop over any next-logits function.
 //! - [`data`]: tokenizers (GPT-2 BPE, bytes), token shards on disk with a manifest, memory-mapped
@@ -31,8 +34,7 @@
 //!
 //! # Non-goals
 //! Training loops, optimizers, ranks and checkpoints (those are `lowbit-train` and below, and the
-//! command line); fast kernels (the exact ops here are the reference); activation recomputation
-//! (every activation of a microbatch is kept); KV caches (generation reruns the window).
+//! command line); fast kernels (the exact ops here are the reference); KV caches (generation reruns the window).
 
 pub mod config;
 pub mod data;
@@ -40,9 +42,11 @@ pub mod generate;
 pub mod hf;
 pub mod model;
 pub mod params;
+pub mod recompute;
 
 mod error;
 
 pub use config::{Llama3RopeScaling, LlamaConfig, presets};
 pub use error::{LlamaError, Result};
 pub use model::Llama;
+pub use recompute::{ActivationBytes, Recompute};

@@ -22,6 +22,7 @@ use lowbit_nn::layers::{
 
 use crate::config::LlamaConfig;
 use crate::params::{self, EMBEDDING, LayerIds};
+use crate::recompute::{Act, ActivationBytes, Recompute, row_widths};
 use crate::{LlamaError, Result};
 
 /// The f32 logits of one chunk of the chunked cross-entropy stay within this many bytes.
@@ -50,6 +51,49 @@ struct LayerActs {
     act: View,
 }
 
+impl LayerActs {
+    /// The views in [`Act::ALL`]'s order.
+    fn from_views(v: [View; 13]) -> LayerActs {
+        let [n1, rstd1, q, k, v, att, lse, h, n2, rstd2, gate, up, act] = v;
+        LayerActs {
+            n1,
+            rstd1,
+            q,
+            k,
+            v,
+            att,
+            lse,
+            h,
+            n2,
+            rstd2,
+            gate,
+            up,
+            act,
+        }
+    }
+
+    /// The first `rows` token rows of each view.
+    fn head(&self, cfg: &LlamaConfig, rows: usize) -> Result<LayerActs> {
+        let v = [
+            self.n1, self.rstd1, self.q, self.k, self.v, self.att, self.lse, self.h, self.n2,
+            self.rstd2, self.gate, self.up, self.act,
+        ];
+        let mut out = v;
+        for ((o, v), a) in out.iter_mut().zip(v).zip(Act::ALL) {
+            *o = v.slice(0..rows * a.width(cfg))?;
+        }
+        Ok(LayerActs::from_views(out))
+    }
+
+    fn swiglu(&self) -> SwiGluActs {
+        SwiGluActs {
+            gate: self.gate,
+            up: self.up,
+            act: self.act,
+        }
+    }
+}
+
 /// Views carved from one buffer in order.
 struct Arena {
     buf: View,
@@ -65,7 +109,7 @@ impl Arena {
 }
 
 /// The element counts [`Llama::new`] carves, in its order; `None` on overflow.
-fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize) -> Option<Vec<usize>> {
+fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize, r: Recompute) -> Option<Vec<usize>> {
     let rows = batch.checked_mul(seq)?;
     let (d, f, v) = (cfg.dim, cfg.ffn, cfg.vocab);
     let (qw, kw) = cfg.qkv_widths();
@@ -79,9 +123,15 @@ fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize) -> Option<Vec<usize>
     for _ in 0..=cfg.layers {
         s.push(rd);
     }
-    let lse = rows.checked_mul(cfg.heads)?;
+    // The shared slot, then each layer's kept activations.
+    let act = |a: Act| rows.checked_mul(a.width(cfg));
+    for a in Act::ALL.into_iter().filter(|&a| r.shares(a)) {
+        s.push(act(a)?);
+    }
     for _ in 0..cfg.layers {
-        s.extend([rd, rows, rq, rk, rk, rq, lse, rd, rd, rows, rf, rf, rf]);
+        for a in Act::ALL.into_iter().filter(|&a| !r.shares(a)) {
+            s.push(act(a)?);
+        }
     }
     // Final norm; backward buffers; the loss's; the layers' scratch; the tied head's gradient.
     s.extend([rd, rows, rd, rd, rd, rq, rq, rk, rk, rf, rf]);
@@ -113,6 +163,8 @@ pub struct Llama {
     targets: View,
     cos: View,
     sin: View,
+    /// What the backward recomputes.
+    recompute: Recompute,
     /// The residual stream entering each layer; `x[layers]` enters the final norm.
     x: Vec<View>,
     acts: Vec<LayerActs>,
@@ -138,8 +190,18 @@ impl Llama {
     /// loss's buffers, two f32 copies of the head's weight), or [`LlamaError::Config`] for an
     /// invalid config or a count that overflows. For a memory check before building.
     pub fn activation_bytes(cfg: &LlamaConfig, batch: usize, seq: usize) -> Result<usize> {
+        Self::activation_bytes_with(cfg, batch, seq, Recompute::Off)
+    }
+
+    /// [`Llama::activation_bytes`] of [`Llama::with_recompute`]`(.., r)`.
+    pub fn activation_bytes_with(
+        cfg: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        r: Recompute,
+    ) -> Result<usize> {
         cfg.validate()?;
-        arena_sizes(cfg, batch, seq)
+        arena_sizes(cfg, batch, seq, r)
             .and_then(|s| s.iter().try_fold(0usize, |a, &n| a.checked_add(n)))
             .and_then(|n| n.checked_mul(4))
             .ok_or_else(|| {
@@ -149,10 +211,44 @@ impl Llama {
             })
     }
 
+    /// The same bytes split into what each layer keeps and what is allocated once
+    /// ([`ActivationBytes`]): per layer `4 · batch · seq` times the widths of the layer's input
+    /// and of its kept activations (`dim` for x, n₁, h, n₂; `heads·head_dim` for q and the
+    /// attention output; `kv_heads·head_dim` for k and v; `heads` log-sum-exps; `ffn` for gate,
+    /// up and their product; 1 for each norm's inverse RMS).
+    pub fn activation_breakdown(
+        cfg: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        r: Recompute,
+    ) -> Result<ActivationBytes> {
+        let total = Self::activation_bytes_with(cfg, batch, seq, r)?;
+        // `total` did not overflow, so neither does any part of it.
+        let per_layer = 4 * batch * seq * row_widths(cfg, r).0;
+        Ok(ActivationBytes {
+            per_layer,
+            fixed: total - cfg.layers * per_layer,
+        })
+    }
+
     /// Validates `cfg` and the batch shape (`batch, seq > 0`, `seq ≤ max_seq`), allocates every
     /// activation and scratch buffer once, and uploads the RoPE tables for positions
-    /// `0..seq`.
+    /// `0..seq`. Every activation is kept ([`Recompute::Off`]).
     pub fn new(dev: &mut Device, cfg: &LlamaConfig, batch: usize, seq: usize) -> Result<Llama> {
+        Self::with_recompute(dev, cfg, batch, seq, Recompute::Off)
+    }
+
+    /// [`Llama::new`] with the activations `r` names recomputed in the backward: they live in one
+    /// slot all layers share ([`Llama::activation_bytes_with`]), and the backward reruns their
+    /// forward ops on the weights fetched again through the hooks, so losses and gradients are
+    /// bit-identical to [`Recompute::Off`].
+    pub fn with_recompute(
+        dev: &mut Device,
+        cfg: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        r: Recompute,
+    ) -> Result<Llama> {
         cfg.validate()?;
         if batch == 0 || seq == 0 {
             return Err(LlamaError::Input(format!(
@@ -165,7 +261,7 @@ impl Llama {
                 cfg.max_seq
             )));
         }
-        let total = Self::activation_bytes(cfg, batch, seq)? / 4;
+        let total = Self::activation_bytes_with(cfg, batch, seq, r)? / 4;
         let buf = dev.try_alloc(DType::F32, total)?;
         let mut a = Arena { buf, next: 0 };
         let rows = batch * seq;
@@ -177,23 +273,22 @@ impl Llama {
         let x = (0..=cfg.layers)
             .map(|_| a.take(rows * d))
             .collect::<Result<Vec<_>>>()?;
+        let mut shared = [None; 13];
+        for (s, act) in shared.iter_mut().zip(Act::ALL) {
+            if r.shares(act) {
+                *s = Some(a.take(rows * act.width(cfg))?);
+            }
+        }
         let mut acts = Vec::with_capacity(cfg.layers);
         for _ in 0..cfg.layers {
-            acts.push(LayerActs {
-                n1: a.take(rows * d)?,
-                rstd1: a.take(rows)?,
-                q: a.take(rows * qw)?,
-                k: a.take(rows * kw)?,
-                v: a.take(rows * kw)?,
-                att: a.take(rows * qw)?,
-                lse: a.take(rows * cfg.heads)?,
-                h: a.take(rows * d)?,
-                n2: a.take(rows * d)?,
-                rstd2: a.take(rows)?,
-                gate: a.take(rows * f)?,
-                up: a.take(rows * f)?,
-                act: a.take(rows * f)?,
-            });
+            let mut views = [buf; 13];
+            for ((view, s), act) in views.iter_mut().zip(shared).zip(Act::ALL) {
+                *view = match s {
+                    Some(s) => s,
+                    None => a.take(rows * act.width(cfg))?,
+                };
+            }
+            acts.push(LayerActs::from_views(views));
         }
         let (nf, rstdf) = (a.take(rows * d)?, a.take(rows)?);
         let (dres, dn, dtmp) = (a.take(rows * d)?, a.take(rows * d)?, a.take(rows * d)?);
@@ -221,6 +316,7 @@ impl Llama {
             cfg: cfg.clone(),
             batch,
             seq,
+            recompute: r,
             chunk_rows: chunk,
             arena: buf,
             ids,
@@ -263,6 +359,11 @@ impl Llama {
     /// Tokens per sequence.
     pub fn seq(&self) -> usize {
         self.seq
+    }
+
+    /// What the backward recomputes.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// Rows per chunk of the cross-entropy.
@@ -362,6 +463,41 @@ impl Llama {
         self.upload_ids(dev, "targets", targets, self.targets)
     }
 
+    /// Layer `l`'s attention half over `rows = batch·seq` token rows (`a` sliced to them): from
+    /// its input `x`, `n₁ = RMSNorm(x)`, the rotated q, k and v, the attention with its
+    /// log-sum-exps, and `h = o_proj(att) + x`. The forward and the full recompute both run this.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_half(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        l: usize,
+        x: View,
+        a: &LayerActs,
+        batch: usize,
+        seq: usize,
+    ) -> Result<()> {
+        let rows = batch * seq;
+        let s = self.scratch;
+        let p = params::layer_ids(l);
+        let (rq, rk) = self.ropes();
+        let [wq, wk, wv, wo] = self.projections(&p);
+        self.norm(p.input_norm)
+            .forward(dev, hooks, x, a.n1, a.rstd1, s)?;
+        // `att` is written only by the attention below: it holds q, k, v's shared bf16
+        // input (the bf16 mode; the exact mode keeps n1).
+        let n1s = shared_input(dev, a.n1, a.att)?;
+        wq.forward(dev, hooks, n1s, a.q, rows, s)?;
+        wk.forward(dev, hooks, n1s, a.k, rows, s)?;
+        wv.forward(dev, hooks, n1s, a.v, rows, s)?;
+        rq.forward(dev, a.q, a.q, seq, self.cos, self.sin)?;
+        rk.forward(dev, a.k, a.k, seq, self.cos, self.sin)?;
+        self.attention()
+            .forward(dev, a.q, a.k, a.v, a.att, a.lse, batch, seq)?;
+        wo.forward(dev, hooks, a.att, a.h, rows, s)?;
+        Ok(dev.add(x, a.h)?)
+    }
+
     /// The forward up to the final norm's output (`nf`) over the first `batch·seq` rows.
     fn trunk(
         &self,
@@ -372,49 +508,21 @@ impl Llama {
     ) -> Result<()> {
         let rows = batch * seq;
         let head = |v: View, width: usize| v.slice(0..rows * width);
-        let (d, f) = (self.cfg.dim, self.cfg.ffn);
-        let (qw, kw) = self.cfg.qkv_widths();
+        let d = self.cfg.dim;
         let s = self.scratch;
-        let (rq, rk) = self.ropes();
         let ids = head(self.ids, 1)?;
         self.embedding()
             .forward(dev, hooks, ids, head(self.x[0], d)?, rows)?;
         for (l, a) in self.acts.iter().enumerate() {
             let p = params::layer_ids(l);
+            let a = a.head(&self.cfg, rows)?;
             let (x, x_next) = (head(self.x[l], d)?, head(self.x[l + 1], d)?);
-            let (n1, q, k, v) = (
-                head(a.n1, d)?,
-                head(a.q, qw)?,
-                head(a.k, kw)?,
-                head(a.v, kw)?,
-            );
-            let (att, h, n2) = (head(a.att, qw)?, head(a.h, d)?, head(a.n2, d)?);
-            let [wq, wk, wv, wo] = self.projections(&p);
-            self.norm(p.input_norm)
-                .forward(dev, hooks, x, n1, head(a.rstd1, 1)?, s)?;
-            // `att` is written only by the attention below: it holds q, k, v's shared bf16
-            // input (the bf16 mode; the exact mode keeps n1).
-            let n1s = shared_input(dev, n1, att)?;
-            wq.forward(dev, hooks, n1s, q, rows, s)?;
-            wk.forward(dev, hooks, n1s, k, rows, s)?;
-            wv.forward(dev, hooks, n1s, v, rows, s)?;
-            rq.forward(dev, q, q, seq, self.cos, self.sin)?;
-            rk.forward(dev, k, k, seq, self.cos, self.sin)?;
-            let lse = head(a.lse, self.cfg.heads)?;
-            self.attention()
-                .forward(dev, q, k, v, att, lse, batch, seq)?;
-            wo.forward(dev, hooks, att, h, rows, s)?;
-            dev.add(x, h)?;
+            self.attention_half(dev, hooks, l, x, &a, batch, seq)?;
             self.norm(p.post_norm)
-                .forward(dev, hooks, h, n2, head(a.rstd2, 1)?, s)?;
-            let acts = SwiGluActs {
-                gate: head(a.gate, f)?,
-                up: head(a.up, f)?,
-                act: head(a.act, f)?,
-            };
+                .forward(dev, hooks, a.h, a.n2, a.rstd2, s)?;
             self.mlp(&p)
-                .forward(dev, hooks, n2, x_next, rows, acts, s)?;
-            dev.add(h, x_next)?;
+                .forward(dev, hooks, a.n2, x_next, rows, a.swiglu(), s)?;
+            dev.add(a.h, x_next)?;
         }
         let last = head(self.x[self.cfg.layers], d)?;
         self.norm(params::final_norm_id(&self.cfg)).forward(
@@ -426,6 +534,29 @@ impl Llama {
             s,
         )?;
         Ok(())
+    }
+
+    /// Before layer `l`'s MLP backward: what [`Recompute`] dropped of the MLP half (and with
+    /// [`Recompute::Full`] of the attention half first), rerun from the layer's input `x[l]`
+    /// with the forward's ops, into the shared slot.
+    fn recompute_mlp_half(&self, dev: &mut Device, hooks: &mut dyn Hooks, l: usize) -> Result<()> {
+        let (a, s, p) = (&self.acts[l], self.scratch, params::layer_ids(l));
+        let rows = self.rows();
+        if self.recompute == Recompute::Full {
+            self.attention_half(dev, hooks, l, self.x[l], a, self.batch, self.seq)?;
+        }
+        if self.recompute.is_on() {
+            self.norm(p.post_norm)
+                .forward(dev, hooks, a.h, a.n2, a.rstd2, s)?;
+        }
+        match self.recompute {
+            Recompute::Off => Ok(()),
+            Recompute::Selective => Ok(dev.swiglu(a.gate, a.up, a.act)?),
+            Recompute::Mlp | Recompute::Full => self
+                .mlp(&p)
+                .activations(dev, hooks, a.n2, rows, a.swiglu(), s)
+                .map_err(Into::into),
+        }
     }
 
     /// One microbatch: the mean cross-entropy of predicting `targets` from `tokens` (each
@@ -467,12 +598,9 @@ impl Llama {
         for (l, a) in self.acts.iter().enumerate().rev() {
             let p = params::layer_ids(l);
             let [wq, wk, wv, wo] = self.projections(&p);
+            self.recompute_mlp_half(dev, hooks, l)?;
             // MLP branch: dres holds dL/dx'; dh = dres + n₂'s backward of the MLP's dx.
-            let acts = SwiGluActs {
-                gate: a.gate,
-                up: a.up,
-                act: a.act,
-            };
+            let acts = a.swiglu();
             self.mlp(&p).backward(
                 dev,
                 hooks,
@@ -502,6 +630,11 @@ impl Llama {
             )?;
             rq.backward(dev, self.dq, self.dq, seq, self.cos, self.sin)?;
             rk.backward(dev, self.dk, self.dk, seq, self.cos, self.sin)?;
+            if matches!(self.recompute, Recompute::Selective | Recompute::Mlp) {
+                // n₁ (shared) holds another layer's: the input norm again, from x[l].
+                self.norm(p.input_norm)
+                    .forward(dev, hooks, self.x[l], a.n1, a.rstd1, s)?;
+            }
             // `datt` is consumed: it holds the three weight gradients' shared bf16 input.
             let n1s = shared_input(dev, a.n1, self.datt)?;
             wv.backward(dev, hooks, n1s, self.dv, InputGrad::Write(self.dn), rows, s)?;

@@ -4,9 +4,9 @@
 
 mod support;
 
-use lowbit_device::Device;
+use lowbit_device::{Device, MatmulMode};
 use lowbit_llama::generate::{Sampler, Sampling, generate};
-use lowbit_llama::{Llama, LlamaConfig, LlamaError, params, presets};
+use lowbit_llama::{Llama, LlamaConfig, LlamaError, Recompute, params, presets};
 use support::{TestHooks, ref_logits, test_params, test_tokens, to_f64};
 
 fn small() -> LlamaConfig {
@@ -109,6 +109,110 @@ fn activation_bytes_is_what_new_allocates() {
     let bytes = Llama::activation_bytes(&c, 1, 2048).unwrap();
     assert!(bytes > 0);
     assert!(Llama::activation_bytes(&c, usize::MAX, 2).is_err());
+}
+
+/// Loss, gradients (two microbatches accumulated) and ready order of one model build.
+fn step_bits(
+    cfg: &LlamaConfig,
+    mode: MatmulMode,
+    r: Recompute,
+) -> (Vec<u32>, Vec<Vec<u32>>, Vec<usize>, usize) {
+    let (batch, seq) = (2, 5);
+    let mut dev = Device::cpu();
+    dev.set_matmul_mode(mode);
+    let mut hooks = TestHooks::new(&mut dev, &test_params(cfg, 4, 0.5));
+    let before = dev.allocated_bytes();
+    let model = Llama::with_recompute(&mut dev, cfg, batch, seq, r).unwrap();
+    let bytes = dev.allocated_bytes() - before;
+    assert_eq!(model.recompute(), r);
+    let mut losses = Vec::new();
+    for mb in 0..2 {
+        let tokens = test_tokens(10 + mb, batch * seq, cfg.vocab);
+        let targets = test_tokens(20 + mb, batch * seq, cfg.vocab);
+        let loss = model
+            .forward_backward(&mut dev, &mut hooks, &tokens, &targets, 0.5)
+            .unwrap();
+        losses.push(loss.to_bits());
+    }
+    let grads = hooks.grads(&dev);
+    let bits = grads
+        .iter()
+        .map(|g| g.iter().map(|v| v.to_bits()).collect())
+        .collect();
+    (losses, bits, hooks.ready(), bytes)
+}
+
+#[test]
+fn recompute_changes_no_bit_and_keeps_less() {
+    let base = LlamaConfig {
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        ..small()
+    };
+    let untied = LlamaConfig {
+        tied: false,
+        ..base.clone()
+    };
+    for cfg in [base, untied] {
+        for mode in [MatmulMode::Exact, MatmulMode::Bf16] {
+            let off = step_bits(&cfg, mode, Recompute::Off);
+            let mut last = off.3;
+            for r in &Recompute::ALL[1..] {
+                let got = step_bits(&cfg, mode, *r);
+                assert_eq!(got.0, off.0, "{r} {mode:?}: losses");
+                let differs = (0..off.1.len()).find(|&p| got.1[p] != off.1[p]);
+                assert_eq!(
+                    differs, None,
+                    "{r} {mode:?}: the first parameter whose gradient differs"
+                );
+                assert_eq!(got.2, off.2, "{r} {mode:?}: ready order");
+                assert!(got.3 < last, "{r}: {} bytes, the level below {last}", got.3);
+                assert_eq!(got.3, Llama::activation_bytes_with(&cfg, 2, 5, *r).unwrap());
+                last = got.3;
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_memory_follows_the_closed_form() {
+    // Llama-3.2-1B at 8 × 2048: per layer 4 bytes × rows × the kept widths (x, n₁, h, n₂: 2048;
+    // q, attention output: 32 × 64; k, v: 8 × 64; 32 log-sum-exps; gate, up, product: 8192; two
+    // inverse RMS).
+    let c = presets::llama_1b();
+    let rows = 8 * 2048;
+    let widths = [
+        (
+            Recompute::Off,
+            2048 * 4 + 2048 * 2 + 512 * 2 + 32 + 8192 * 3 + 2,
+        ),
+        (
+            Recompute::Selective,
+            2048 * 2 + 2048 * 2 + 512 * 2 + 32 + 8192 * 2,
+        ),
+        (Recompute::Mlp, 2048 * 2 + 2048 * 2 + 512 * 2 + 32),
+        (Recompute::Full, 2048),
+    ];
+    let fixed = Llama::activation_breakdown(&c, 8, 2048, Recompute::Off)
+        .unwrap()
+        .fixed;
+    for (r, w) in widths {
+        let b = Llama::activation_breakdown(&c, 8, 2048, r).unwrap();
+        assert_eq!(b.per_layer, 4 * rows * w, "{r}");
+        assert_eq!(
+            b.total(c.layers),
+            Some(Llama::activation_bytes_with(&c, 8, 2048, r).unwrap())
+        );
+        // What the layers no longer keep comes back once, in the shared slot.
+        let shared = 4 * rows * (widths[0].1 - w);
+        assert_eq!(b.fixed, fixed + shared, "{r}");
+        eprintln!(
+            "llama-1b 8x2048 recompute {r}: {:.2} GiB per layer, {:.2} GiB in all",
+            b.per_layer as f64 / (1u64 << 30) as f64,
+            b.total(c.layers).unwrap() as f64 / (1u64 << 30) as f64
+        );
+    }
 }
 
 #[test]

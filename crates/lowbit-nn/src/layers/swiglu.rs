@@ -60,14 +60,29 @@ impl SwiGlu {
         acts: SwiGluActs,
         scratch: Scratch,
     ) -> Result<()> {
+        self.activations(dev, hooks, x, rows, acts, scratch)?;
+        self.down.forward(dev, hooks, acts.act, out, rows, scratch)
+    }
+
+    /// The forward's first three ops alone: `acts` from `x [rows, dim]` (gate's and up's weights
+    /// fetched in that order), the same bits [`SwiGlu::forward`] keeps. For a model that
+    /// recomputes the MLP's activations in its backward instead of keeping them.
+    pub fn activations(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        rows: usize,
+        acts: SwiGluActs,
+        scratch: Scratch,
+    ) -> Result<()> {
         self.check_acts(rows, &acts)?;
         // `act` is written only after both products: it holds their shared bf16 input.
         let xs = shared_input(dev, x, acts.act)?;
         self.gate
             .forward(dev, hooks, xs, acts.gate, rows, scratch)?;
         self.up.forward(dev, hooks, xs, acts.up, rows, scratch)?;
-        dev.swiglu(acts.gate, acts.up, acts.act)?;
-        self.down.forward(dev, hooks, acts.act, out, rows, scratch)
+        Ok(dev.swiglu(acts.gate, acts.up, acts.act)?)
     }
 
     /// The backward given `dout [rows, dim]`, the forward's input `x` and its `acts`, in reverse
