@@ -121,6 +121,10 @@ impl Metrics {
                     ("lr", Json::F32(cfg.lr)),
                     ("muon_lr", muon_lr),
                     ("fsdp", crate::train_report::fsdp_json(cfg)),
+                    (
+                        "activations_per_rank",
+                        crate::train_report::activations_json(cfg),
+                    ),
                 ]),
             ),
             (

@@ -57,6 +57,15 @@ fn describe_optimizer(cfg: &TrainConfig) -> String {
     }
 }
 
+/// A decoder's activation and scratch bytes per rank (the closed form); null for the reference
+/// model.
+pub(crate) fn activations_json(cfg: &TrainConfig) -> Json {
+    match &cfg.model {
+        ModelChoice::Llama(run) => run.activation_bytes(cfg).map_or(Json::Null, Json::uint),
+        ModelChoice::Reference => Json::Null,
+    }
+}
+
 pub(crate) fn describe(cfg: &TrainConfig) -> String {
     let on = |b: bool| if b { "on" } else { "off" };
     let mp = &cfg.mixed_precision;
@@ -494,17 +503,7 @@ pub fn to_json(r: &TrainReport) -> Json {
             Json::obj([
                 ("per_rank", memory_json(&r.memory)),
                 ("bf16_unsharded", memory_json(&r.baseline)),
-                // A decoder's activations and scratch per rank (closed form); null for the
-                // reference model.
-                (
-                    "activations_per_rank",
-                    match &r.config.model {
-                        ModelChoice::Llama(run) => run
-                            .activation_bytes(&r.config)
-                            .map_or(Json::Null, Json::uint),
-                        ModelChoice::Reference => Json::Null,
-                    },
-                ),
+                ("activations_per_rank", activations_json(&r.config)),
             ]),
         ),
         ("comm", comm),

@@ -11,7 +11,7 @@ use lowbit_llama::config::presets;
 
 mod lowbit_cli;
 
-use lowbit_cli::lowbit;
+use lowbit_cli::{lowbit, run_json};
 
 /// llama-tiny, 2 CPU ranks, 4 sequences of 32 tokens per step, 3 steps.
 fn tiny(precision: Precision) -> TrainConfig {
@@ -430,5 +430,31 @@ fn llama_recompute_saves_the_closed_form_bytes() {
     let off = peak(Recompute::Off);
     for r in [Recompute::Selective, Recompute::Mlp, Recompute::Full] {
         assert_eq!(off - peak(r), bytes(Recompute::Off) - bytes(r), "{r}");
+    }
+}
+
+/// The report names the level and gives the activations' closed form for the rank's microbatch;
+/// `on` is `full`.
+#[test]
+fn the_report_gives_the_recompute_level_and_the_activation_bytes() {
+    let c = presets::llama_tiny();
+    for (flag, r) in [("selective", Recompute::Selective), ("on", Recompute::Full)] {
+        let args = [
+            "--model",
+            "llama-tiny",
+            "--steps",
+            "1",
+            "--ranks",
+            "2",
+            "--batch",
+            "4",
+        ];
+        let j = run_json(&[&args[..], &["--microbatches", "1", "--recompute", flag]].concat());
+        assert_eq!(j.key("fsdp").key("recompute_level").text(), r.name());
+        assert!(j.key("fsdp").key("recompute").flag());
+        // 4 sequences over 2 ranks, one microbatch, the preset's 64 tokens.
+        let want = lowbit_llama::Llama::activation_bytes_with(&c, 2, 64, r).unwrap();
+        let got = j.key("memory").key("activations_per_rank").number();
+        assert_eq!(got, want as f64, "--recompute {flag}");
     }
 }

@@ -4,12 +4,14 @@ train --device cuda --compute bf16 --metrics FILE` per (shape, precision) and re
 records (docs/metrics.md).
 
     python3 lowbit_llama_train.py --lowbit PATH [--shape 125m 1b 8b-layers]
-        [--precision bf16 mxfp8 nvfp4] [--steps 8] [--warmup 3] [--json OUT]
+        [--precision bf16 mxfp8 nvfp4] [--recompute off ...] [--steps 8] [--warmup 3]
+        [--json OUT]
 
 Per run: tokens/s as the timed steps' tokens over their summed wall time (steps after
 `--warmup`, whose records carry `tokens_per_s` of that step alone), MFU with the same formula and
 peak as the torch script (tokens/s × (6·params + 12·layers·seq·d) / 989e12), the device peak
-(lowbit's allocator high-water mark, `device_peak_bytes`) and the final loss. A run that fails
+(lowbit's allocator high-water mark, `device_peak_bytes`) beside the closed form of the model's
+activations (`activations_per_rank`), and the final loss; per `--recompute` level given. A run that fails
 is reported with its stderr's last line, never skipped.
 """
 import argparse
@@ -27,20 +29,22 @@ SHAPES = {
 }
 
 
-def run(lowbit, shape, precision, steps, warmup, extra):
+def run(lowbit, shape, precision, recompute, steps, warmup, extra):
     preset, flags, batch, seq = SHAPES[shape]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         cmd = [lowbit, "train", "--model", preset, *flags, "--seq", str(seq),
                "--batch", str(batch), "--precision", precision, "--device", "cuda",
                "--compute", "bf16", "--steps", str(steps), "--eval-every", "0",
-               "--eval-samples", "1", "--metrics", metrics, "--log-every", "0", *extra]
+               "--eval-samples", "1", "--metrics", metrics, "--log-every", "0",
+               "--recompute", recompute, *extra]
         p = subprocess.run(cmd, capture_output=True, text=True)
         recs = []
         if os.path.exists(metrics):
             recs = [json.loads(line) for line in open(metrics)]
     steps_ = [r for r in recs if r.get("kind") == "step"]
-    out = {"shape": shape, "precision": precision, "batch": batch, "seq": seq,
+    out = {"shape": shape, "precision": precision, "recompute": recompute,
+           "batch": batch, "seq": seq,
            "cmd": " ".join(cmd[1:])}
     if p.returncode != 0 or len(steps_) <= warmup:
         tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
@@ -63,6 +67,7 @@ def run(lowbit, shape, precision, steps, warmup, extra):
         "tokens_per_s": tok_s,
         "mfu": tok_s * fpt / PEAK if fpt else None,
         "device_peak_gib": max(r["device_peak_bytes"] or 0 for r in steps_) / 2**30,
+        "activations_gib": (head["config"].get("activations_per_rank") or 0) / 2**30,
         "final_loss": steps_[-1]["loss"],
     })
     return out
@@ -73,6 +78,8 @@ def main():
     ap.add_argument("--lowbit", required=True)
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precision", nargs="+", default=["bf16", "mxfp8", "nvfp4"])
+    ap.add_argument("--recompute", nargs="+", default=["off"],
+                    choices=["off", "selective", "mlp", "full"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--extra", nargs="*", default=[], help="more `lowbit train` flags")
@@ -81,9 +88,10 @@ def main():
     res = {"runs": []}
     for s in a.shape:
         for pr in a.precision:
-            r = run(a.lowbit, s, pr, a.steps, a.warmup, a.extra)
-            print(json.dumps(r), flush=True)
-            res["runs"].append(r)
+            for rc in a.recompute:
+                r = run(a.lowbit, s, pr, rc, a.steps, a.warmup, a.extra)
+                print(json.dumps(r), flush=True)
+                res["runs"].append(r)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

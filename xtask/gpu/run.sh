@@ -59,6 +59,7 @@ STEPS+=(
   # beside the PyTorch peer (HF LlamaForCausalLM, bf16 autocast, torch.compile) at the same
   # shapes in the same lease: scripts/bench/{lowbit,torch}_llama_train.py.
   "bench-llama-step|600|set -o pipefail; python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-llama-recompute|600|set -o pipefail; python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --shape 1b --precision bf16 --recompute off selective mlp full --steps 5 --warmup 2 --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-llama-step|900|set -o pipefail; python3 gpu/torch_llama_train.py --mode eager compile --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the

@@ -110,7 +110,10 @@ impl Recompute {
         match self {
             Recompute::Off => false,
             Recompute::Selective => {
-                matches!(a, Act::N1 | Act::Rstd1 | Act::N2 | Act::Rstd2 | Act::Product)
+                matches!(
+                    a,
+                    Act::N1 | Act::Rstd1 | Act::N2 | Act::Rstd2 | Act::Product
+                )
             }
             Recompute::Mlp => matches!(
                 a,
