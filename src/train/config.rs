@@ -184,9 +184,8 @@ pub struct TrainConfig {
     /// What the replica groups shard (`--outer-sharding`; only meaningful with `outer_dp > 1`;
     /// `None`: not asked for).
     pub outer_sharding: Option<OuterSharding>,
-    /// What the backward recomputes instead of keeping (`--recompute`; the same bits): a
-    /// decoder's [`Recompute`] level; the reference model recomputes its dense blocks whole
-    /// under [`Recompute::Full`] and has no other level.
+    /// What the backward recomputes (`--recompute`; the same bits): a decoder's [`Recompute`]
+    /// level; the reference model's only level is [`Recompute::Full`] (its dense blocks whole).
     pub recompute: Recompute,
     /// Bucket size in elements (with overlapped reduction); `None`: one bucket per buffer.
     pub bucket_size: Option<usize>,

@@ -74,12 +74,11 @@ impl LlamaRun {
                 ));
             }
         }
-        let rows = cfg.rows().max(1);
-        let bytes = Llama::activation_bytes_with(&self.config, rows, self.seq, cfg.recompute);
-        if bytes.as_ref().map_or(true, |&b| b > 1 << 40) {
+        if self.activation_bytes(cfg).is_none_or(|b| b > 1 << 40) {
             return Err(format!(
-                "{rows} sequences of {} tokens per microbatch need more than 1 TiB of \
+                "{} sequences of {} tokens per microbatch need more than 1 TiB of \
                  activations (lower --batch or raise --microbatches)",
+                cfg.rows().max(1),
                 self.seq
             ));
         }

@@ -34,7 +34,8 @@
 //!
 //! # Non-goals
 //! Training loops, optimizers, ranks and checkpoints (those are `lowbit-train` and below, and the
-//! command line); fast kernels (the exact ops here are the reference); KV caches (generation reruns the window).
+//! command line); fast kernels (the exact ops here are the reference); KV caches (generation
+//! reruns the window).
 
 pub mod config;
 pub mod data;

@@ -536,27 +536,54 @@ impl Llama {
         Ok(())
     }
 
-    /// Before layer `l`'s MLP backward: what [`Recompute`] dropped of the MLP half (and with
-    /// [`Recompute::Full`] of the attention half first), rerun from the layer's input `x[l]`
-    /// with the forward's ops, into the shared slot.
+    /// Before layer `l`'s MLP backward: the activations in the shared slot
+    /// ([`Recompute::shares`], the same rule that carved it) rerun from the layer's input `x[l]`
+    /// with the forward's ops, the attention half first when it is shared too. Only n₁ (and its
+    /// inverse RMS) is left for [`Llama::recompute_input_norm`] when the attention half is kept.
     fn recompute_mlp_half(&self, dev: &mut Device, hooks: &mut dyn Hooks, l: usize) -> Result<()> {
-        let (a, s, p) = (&self.acts[l], self.scratch, params::layer_ids(l));
-        let rows = self.rows();
-        if self.recompute == Recompute::Full {
+        let (a, s, p, r) = (
+            &self.acts[l],
+            self.scratch,
+            params::layer_ids(l),
+            self.recompute,
+        );
+        if r.shares(Act::Att) {
             self.attention_half(dev, hooks, l, self.x[l], a, self.batch, self.seq)?;
         }
-        if self.recompute.is_on() {
+        if r.shares(Act::N2) {
             self.norm(p.post_norm)
                 .forward(dev, hooks, a.h, a.n2, a.rstd2, s)?;
         }
-        match self.recompute {
-            Recompute::Off => Ok(()),
-            Recompute::Selective => Ok(dev.swiglu(a.gate, a.up, a.act)?),
-            Recompute::Mlp | Recompute::Full => self
-                .mlp(&p)
-                .activations(dev, hooks, a.n2, rows, a.swiglu(), s)
-                .map_err(Into::into),
+        if r.shares(Act::Gate) {
+            self.mlp(&p)
+                .activations(dev, hooks, a.n2, self.rows(), a.swiglu(), s)?;
+        } else if r.shares(Act::Product) {
+            dev.swiglu(a.gate, a.up, a.act)?;
         }
+        Ok(())
+    }
+
+    /// Before layer `l`'s q/k/v backward: n₁ again from `x[l]` where it is shared but the
+    /// attention half was kept (which [`Llama::recompute_mlp_half`] would have rerun).
+    fn recompute_input_norm(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        l: usize,
+    ) -> Result<()> {
+        let r = self.recompute;
+        if r.shares(Act::N1) && !r.shares(Act::Att) {
+            let a = &self.acts[l];
+            self.norm(params::layer_ids(l).input_norm).forward(
+                dev,
+                hooks,
+                self.x[l],
+                a.n1,
+                a.rstd1,
+                self.scratch,
+            )?;
+        }
+        Ok(())
     }
 
     /// One microbatch: the mean cross-entropy of predicting `targets` from `tokens` (each
@@ -630,11 +657,7 @@ impl Llama {
             )?;
             rq.backward(dev, self.dq, self.dq, seq, self.cos, self.sin)?;
             rk.backward(dev, self.dk, self.dk, seq, self.cos, self.sin)?;
-            if matches!(self.recompute, Recompute::Selective | Recompute::Mlp) {
-                // n₁ (shared) holds another layer's: the input norm again, from x[l].
-                self.norm(p.input_norm)
-                    .forward(dev, hooks, self.x[l], a.n1, a.rstd1, s)?;
-            }
+            self.recompute_input_norm(dev, hooks, l)?;
             // `datt` is consumed: it holds the three weight gradients' shared bf16 input.
             let n1s = shared_input(dev, a.n1, self.datt)?;
             wv.backward(dev, hooks, n1s, self.dv, InputGrad::Write(self.dn), rows, s)?;

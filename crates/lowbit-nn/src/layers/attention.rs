@@ -17,11 +17,14 @@ use crate::Result;
 /// gives it.
 ///
 /// Which op runs follows the device's matmul mode ([`Device::matmul_mode`]): in the exact mode
-/// ([`MatmulMode::Exact`](lowbit_device::MatmulMode::Exact)) the exact attention, in the device ops' exact order and bit-equal
-/// across backends; in the fast mode ([`MatmulMode::Bf16`](lowbit_device::MatmulMode::Bf16), `lowbit train --compute bf16`) the
+/// ([`MatmulMode::Exact`]) the exact attention, in the device ops' exact order and bit-equal
+/// across backends; in the fast mode ([`MatmulMode::Bf16`], `lowbit train --compute bf16`) the
 /// flash attention with bf16 tensor-core products where `head_dim` is 64 or 128
 /// ([`FLASH_HEAD_DIMS`]), the exact attention for other head sizes. Forward and backward decide
 /// alike, so a backward always matches the forward that made its `lse`.
+///
+/// [`MatmulMode::Exact`]: lowbit_device::MatmulMode::Exact
+/// [`MatmulMode::Bf16`]: lowbit_device::MatmulMode::Bf16
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Attention {
     /// Query heads.
