@@ -29,7 +29,7 @@ SHAPES = {
 }
 
 
-def run(lowbit, shape, precision, recompute, steps, warmup, extra):
+def run(lowbit, shape, precision, recompute, steps, warmup, extra, timeout):
     preset, flags, batch, seq = SHAPES[shape]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
@@ -38,7 +38,11 @@ def run(lowbit, shape, precision, recompute, steps, warmup, extra):
                "--compute", "bf16", "--steps", str(steps), "--eval-every", "0",
                "--eval-samples", "1", "--metrics", metrics, "--log-every", "0",
                "--recompute", recompute, *extra]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"shape": shape, "precision": precision, "recompute": recompute,
+                    "cmd": " ".join(cmd[1:]), "error": f"timed out after {timeout} s"}
         recs = []
         if os.path.exists(metrics):
             recs = [json.loads(line) for line in open(metrics)]
@@ -83,13 +87,14 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--extra", nargs="*", default=[], help="more `lowbit train` flags")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per run")
     ap.add_argument("--json")
     a = ap.parse_args()
     res = {"runs": []}
     for s in a.shape:
         for pr in a.precision:
             for rc in a.recompute:
-                r = run(a.lowbit, s, pr, rc, a.steps, a.warmup, a.extra)
+                r = run(a.lowbit, s, pr, rc, a.steps, a.warmup, a.extra, a.timeout)
                 print(json.dumps(r), flush=True)
                 res["runs"].append(r)
     if a.json:
