@@ -58,8 +58,11 @@ STEPS+=(
   # The Llama training step on one GPU (fast mode, the flash attention and the fast kernels)
   # beside the PyTorch peer (HF LlamaForCausalLM, bf16 autocast, torch.compile) at the same
   # shapes in the same lease: scripts/bench/{lowbit,torch}_llama_train.py.
-  "bench-llama-step|600|set -o pipefail; python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --json \$STEP_JSON | tee \$STEP_SUMMARY"
-  "bench-llama-recompute|600|set -o pipefail; python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --shape 1b --precision bf16 --recompute off selective mlp full --steps 5 --warmup 2 --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-llama-step|600|set -o pipefail; gpu/with_cublas.sh python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  "bench-llama-recompute|600|set -o pipefail; gpu/with_cublas.sh python3 gpu/lowbit_llama_train.py --lowbit bin/lowbit --shape 1b --precision bf16 --recompute off selective mlp full --steps 5 --warmup 2 --json \$STEP_JSON | tee \$STEP_SUMMARY"
+  # The step per phase at the 1B shape (bf16): ncu's duration of every kernel launch of two
+  # steps, sorted into attention, GEMMs, elementwise, loss, optimizer and quantization.
+  "profile-llama-phases|300|set -o pipefail; gpu/with_cublas.sh ncu --clock-control none --csv --metrics gpu__time_duration.sum bin/lowbit train --model llama-1b --seq 2048 --batch 8 --precision bf16 --device cuda --compute bf16 --steps 2 --eval-every 0 --eval-samples 1 --log-every 0 > \$WORK/ncu-llama-1b.csv && python3 gpu/ncu_phases.py \$WORK/ncu-llama-1b.csv --steps 2 --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-llama-step|900|set -o pipefail; python3 gpu/torch_llama_train.py --mode eager compile --json \$STEP_JSON | tee \$STEP_SUMMARY"
   "bench-torch-quant|900|set -o pipefail; python3 gpu/torch_baselines.py --json \$STEP_JSON | tee \$STEP_SUMMARY"
   # Muon on the GPU: matmul_tc (cuBLASLt; gpu/with_cublas.sh puts it on the

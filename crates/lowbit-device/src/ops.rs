@@ -17,7 +17,7 @@
 //! calling thread.
 //!
 //! The ops live in submodules by family: [`elementwise`] (fill, cast, scale, axpy, add and the
-//! reductions), [`quant`] (MXFP8 and NVFP4), [`optim`] (AdamW, SGD with momentum), [`matmul`],
+//! reductions), [`quant`] (MXFP8 and NVFP4), [`quant2d`] (their 16x16-tile sharded form), [`optim`] (AdamW, SGD with momentum), [`matmul`],
 //! [`model`] (bias, RMSNorm, GELU, losses) and [`llm`] (embedding, RoPE, SwiGLU, per-row
 //! cross-entropy).
 
@@ -62,6 +62,7 @@ mod matmul_mx;
 mod model;
 mod optim;
 mod quant;
+mod quant2d;
 
 pub use attention::{ATTENTION_MAX_HEAD_DIM, AttentionSpec};
 pub use flash::FLASH_HEAD_DIMS;
@@ -73,8 +74,11 @@ pub use matmul_mx::{MatmulMxSpec, MxArg, MxLayout, MxOperand};
 #[cfg(feature = "cuda")]
 pub(crate) use optim::AdamWScalars;
 #[cfg(feature = "cuda")]
-pub(crate) use quant::{Dequant, Scales2dItem, scales_2d_lens};
-pub use quant::{Format2d, PendingAmaxes, PendingNvfp4Amax, Piece2d};
+pub(crate) use quant::Dequant;
+pub use quant::{PendingAmaxes, PendingNvfp4Amax};
+pub use quant2d::{Format2d, Piece2d};
+#[cfg(feature = "cuda")]
+pub(crate) use quant2d::{Scales2dItem, scales_2d_lens};
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
 #[derive(Clone, Copy, Debug, PartialEq)]
