@@ -165,36 +165,47 @@ extern "C" __global__ void __launch_bounds__(256)
     y[i] = make_uint2(fa_pack(a[0], a[1]), fa_pack(a[2], a[3]));
 }
 
-// Grid (ceil(seq / 64), batch·heads), the query blocks from the last (the longest, causal) to
-// the first; 128 threads; dynamic smem 5 · 64 · (D + 8) bf16 (Q, and K, V double-buffered: the
-// next block's copies run while this one computes). q, k, v are bf16 copies.
-template <int D>
+// Grid (ceil(seq / (64·MT)), batch·heads), the query blocks from the last (the longest, causal)
+// to the first; 128 threads; dynamic smem (64·MT + 4·64) · (D + 8) bf16 (Q, and K, V
+// double-buffered: the next block's copies run while this one computes). q, k, v are bf16
+// copies. Each warp owns MT m16 tiles of query rows (tile t: rows 64·t + 16·warp ..), so every
+// K and V fragment read from shared memory feeds MT products (FA2's 128-row blocks,
+// csrc/flash_attn/src/kernel_traits.h: kBlockM 128, 4 warps). A row's arithmetic does not
+// depend on MT: it meets the same 64-key blocks in the same order (a block wholly above the
+// diagonal for a tile is skipped, which a fully masked block would leave unchanged anyway:
+// alpha = 1, p = 0).
+template <int D, int MT>
 __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                                        const uint16_t* __restrict__ v, float* __restrict__ out,
                                        float* __restrict__ lse, u64 seq, u64 heads, u64 kv_heads,
                                        float scale) {
-    constexpr int LD = D + 8, TILE = FA_BN * LD;
+    constexpr int LD = D + 8, TILE = FA_BN * LD, BM = FA_BM * MT;
     uint16_t* qs = fa_smem;
-    uint16_t* kvs = qs + FA_BM * LD;  // [buffer][K, V]
+    uint16_t* kvs = qs + BM * LD;  // [buffer][K, V]
     const u64 qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 g = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-    const u64 q0 = qb * FA_BM;
+    const u64 q0 = qb * BM;
+    // The last key block any row of this query block sees (causal, and inside the sequence).
+    const u64 last_row = q0 + BM - 1 < seq ? q0 + BM - 1 : seq - 1;
+    const u64 kb_end = last_row / FA_BN;
     const uint16_t* kbase = k + (b * seq * kv_heads + g) * D;
     const uint16_t* vbase = v + (b * seq * kv_heads + g) * D;
-    fa_load<D, FA_BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
+    fa_load<D, BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
     fa_load<D, FA_BN>(kvs, kbase, 0, seq, kv_heads * D);
     fa_load<D, FA_BN>(kvs + TILE, vbase, 0, seq, kv_heads * D);
     fa_commit();
     const float sl2 = scale * FA_LOG2E;
-    // The two query rows of this thread's fragments.
-    const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    for (u64 kb = 0; kb <= qb; ++kb) {
-        if (kb < qb) {
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[t][n][0] = o[t][n][1] = o[t][n][2] = o[t][n][3] = 0.f;
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) m[t][0] = m[t][1] = -INFINITY, l[t][0] = l[t][1] = 0.f;
+    for (u64 kb = 0; kb <= kb_end; ++kb) {
+        if (kb < kb_end) {
             uint16_t* nxt = kvs + ((kb + 1) & 1) * 2 * TILE;
             fa_load<D, FA_BN>(nxt, kbase, (kb + 1) * FA_BN, seq, kv_heads * D);
             fa_load<D, FA_BN>(nxt + TILE, vbase, (kb + 1) * FA_BN, seq, kv_heads * D);
@@ -206,100 +217,135 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
         __syncthreads();
         const uint16_t* ks = kvs + (kb & 1) * 2 * TILE;
         const uint16_t* vs = ks + TILE;
-        float s[FA_BN / 8][4];
+        const u64 k0 = kb * FA_BN;
+        // Tile t's rows start at r0; it skips key blocks that start past its last row (warp-
+        // uniform), and masks those that reach past its first row or the sequence's end.
+        bool live[MT], edge[MT];
 #pragma unroll
-        for (int n = 0; n < FA_BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int t = 0; t < MT; ++t) {
+            const u64 r0 = q0 + t * 64 + warp * 16;
+            live[t] = k0 <= r0 + 15;
+            edge[t] = k0 + FA_BN > r0 || k0 + FA_BN > seq;
+        }
+        float s[MT][FA_BN / 8][4];
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int n = 0; n < FA_BN / 8; ++n) s[t][n][0] = s[t][n][1] = s[t][n][2] = s[t][n][3] = 0.f;
         // Q's fragments come from shared memory at every block: keeping them in registers
         // (32 more at dim 128) measured slower (212 -> 184 TFLOP/s at 2x4096, dim 128).
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4];
-            fa_a_frag<LD>(a, qs, warp * 16, kk);
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+                if (live[t]) fa_a_frag<LD>(a[t], qs, t * 64 + warp * 16, kk);
 #pragma unroll
             for (int nb = 0; nb < FA_BN / 8; nb += 2) {
                 uint32_t bb[4];
                 fa_b_frag<LD>(bb, ks, nb, kk);
-                fa_mma(s[nb], a, bb[0], bb[1]);
-                fa_mma(s[nb + 1], a, bb[2], bb[3]);
+#pragma unroll
+                for (int t = 0; t < MT; ++t)
+                    if (live[t]) {
+                        fa_mma(s[t][nb], a[t], bb[0], bb[1]);
+                        fa_mma(s[t][nb + 1], a[t], bb[2], bb[3]);
+                    }
             }
         }
-        const u64 k0 = kb * FA_BN;
-        if (kb == qb || k0 + FA_BN > seq) {
 #pragma unroll
-            for (int nb = 0; nb < FA_BN / 8; ++nb)
+        for (int t = 0; t < MT; ++t) {
+            if (!live[t]) continue;
+            const u64 ia = q0 + t * 64 + warp * 16 + gr, ib = ia + 8;
+            if (edge[t]) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = c < 2 ? ia : ib;
-                    if (j > i || j >= seq) s[nb][c] = -INFINITY;
+                for (int nb = 0; nb < FA_BN / 8; ++nb)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = c < 2 ? ia : ib;
+                        if (j > i || j >= seq) s[t][nb][c] = -INFINITY;
+                    }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nb = 0; nb < FA_BN / 8; ++nb)
+                    mx = fmaxf(mx, fmaxf(s[t][nb][2 * r], s[t][nb][2 * r + 1]));
+                mx = fa_quad_max(mx);
+                const float mn = fmaxf(m[t][r], mx);
+                const float ms = mn == -INFINITY ? 0.f : mn * sl2;
+                const float alpha = exp2f(m[t][r] * sl2 - ms);
+                m[t][r] = mn;
+                float sum = 0.f;
+#pragma unroll
+                for (int nb = 0; nb < FA_BN / 8; ++nb) {
+                    s[t][nb][2 * r] = exp2f(fmaf(s[t][nb][2 * r], sl2, -ms));
+                    s[t][nb][2 * r + 1] = exp2f(fmaf(s[t][nb][2 * r + 1], sl2, -ms));
+                    sum += s[t][nb][2 * r] + s[t][nb][2 * r + 1];
                 }
-        }
+                l[t][r] = l[t][r] * alpha + sum;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nb = 0; nb < FA_BN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-            mx = fa_quad_max(mx);
-            const float mn = fmaxf(m[r], mx);
-            const float ms = mn == -INFINITY ? 0.f : mn * sl2;
-            const float alpha = exp2f(m[r] * sl2 - ms);
-            m[r] = mn;
-            float sum = 0.f;
-#pragma unroll
-            for (int nb = 0; nb < FA_BN / 8; ++nb) {
-                s[nb][2 * r] = exp2f(fmaf(s[nb][2 * r], sl2, -ms));
-                s[nb][2 * r + 1] = exp2f(fmaf(s[nb][2 * r + 1], sl2, -ms));
-                sum += s[nb][2 * r] + s[nb][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + sum;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][2 * r] *= alpha;
-                o[n][2 * r + 1] *= alpha;
+                for (int n = 0; n < D / 8; ++n) {
+                    o[t][n][2 * r] *= alpha;
+                    o[t][n][2 * r + 1] *= alpha;
+                }
             }
         }
 #pragma unroll
         for (int kk = 0; kk < FA_BN / 16; ++kk) {
-            uint32_t a[4];
-            a[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                a[t][0] = fa_pack(s[t][2 * kk][0], s[t][2 * kk][1]);
+                a[t][1] = fa_pack(s[t][2 * kk][2], s[t][2 * kk][3]);
+                a[t][2] = fa_pack(s[t][2 * kk + 1][0], s[t][2 * kk + 1][1]);
+                a[t][3] = fa_pack(s[t][2 * kk + 1][2], s[t][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int nd = 0; nd < D / 8; nd += 2) {
                 uint32_t bb[4];
                 fa_bt_frag<LD>(bb, vs, kk, nd);
-                fa_mma(o[nd], a, bb[0], bb[1]);
-                fa_mma(o[nd + 1], a, bb[2], bb[3]);
+#pragma unroll
+                for (int t = 0; t < MT; ++t)
+                    if (live[t]) {
+                        fa_mma(o[t][nd], a[t], bb[0], bb[1]);
+                        fa_mma(o[t][nd + 1], a[t], bb[2], bb[3]);
+                    }
             }
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u64 i = r == 0 ? ia : ib;
-        const float lt = fa_quad_sum(l[r]);
-        if (i >= seq) continue;
-        const float inv = 1.f / lt;
-        float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            orow[n * 8] = o[n][2 * r] * inv;
-            orow[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        for (int r = 0; r < 2; ++r) {
+            const u64 i = q0 + t * 64 + warp * 16 + gr + 8 * r;
+            const float lt = fa_quad_sum(l[t][r]);
+            if (i >= seq) continue;
+            const float inv = 1.f / lt;
+            float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                orow[n * 8] = o[t][n][2 * r] * inv;
+                orow[n * 8 + 1] = o[t][n][2 * r + 1] * inv;
+            }
+            if (tq == 0) lse[(b * heads + h) * seq + i] = m[t][r] * scale + logf(lt);
         }
-        if (tq == 0) lse[(b * heads + h) * seq + i] = m[r] * scale + logf(lt);
-    }
 }
 
-#define FA_FWD(NAME, D)                                                                          \
+#define FA_FWD(NAME, D, MT)                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
         NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
              const uint16_t* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,   \
              u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
-        fa_fwd<D>(q, k, v, out, lse, seq, heads, kv_heads, scale);                               \
+        fa_fwd<D, MT>(q, k, v, out, lse, seq, heads, kv_heads, scale);                           \
     }
 
-FA_FWD(flash_fwd_hd64, 64)
-FA_FWD(flash_fwd_hd128, 128)
+// 64-row blocks (one m16 tile per warp) and 128-row blocks (two); the host picks per head size.
+FA_FWD(flash_fwd_hd64, 64, 1)
+FA_FWD(flash_fwd_hd128, 128, 1)
+FA_FWD(flash_fwd_hd64_m2, 64, 2)
+FA_FWD(flash_fwd_hd128_m2, 128, 2)
 
 // ---- backward ----
 

@@ -542,6 +542,7 @@ impl CudaDevice {
             ("matmul_tc_symmetric", 0..=2) => self.tc_symmetric = version,
             ("fast_xent_exp", 0 | 1) => self.fast.xent_fast_exp = version,
             ("fast_rms_threads", 0 | 128) => self.fast.rms_threads = version,
+            ("flash_fwd_tiles", 0..=2) => self.fast.flash_fwd_tiles = version,
             ("fast_xent_threads", 64..=1024) if version.is_multiple_of(32) => {
                 self.fast.xent_threads = version;
             }

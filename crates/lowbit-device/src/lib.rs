@@ -799,7 +799,9 @@ impl Device {
     /// `("fast_xent_threads", 64..=1024)`: the fast cross-entropy of [`MatmulMode::Bf16`]
     /// (its gradient's exp through double, 0, the default, or `expf`, 1; threads per row, a
     /// multiple of 32, 512 by default); `("fast_rms_threads", 0 | 128)`: the fast RMSNorm's
-    /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128.
+    /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128;
+    /// `("flash_fwd_tiles", 0..=2)`: the flash attention forward's m16 tiles of query rows per
+    /// warp, one at head dim 64 and two at 128 (0, the default), one (1) or two (2).
     /// Every version gives the same bytes (and the same sums), but for the `fast_*` ones (each
     /// deterministic, with its own fixed summation tree).
     #[cfg(feature = "cuda")]

@@ -179,6 +179,38 @@ fn flash_on_cuda_is_deterministic() {
     }
 }
 
+/// The forward's one-tile (64-row) and two-tile (128-row) blocks give the same bits: a row meets
+/// the same key blocks in the same order either way (the blocks past a tile's diagonal that the
+/// two-tile kernel skips would change nothing).
+#[test]
+fn flash_forward_tilings_agree_bit_for_bit() {
+    let mut g = gpu();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (b, sq, h, kvh, hd) in [
+        (1, 1, 1, 1, 64),
+        (2, 63, 4, 2, 128),
+        (1, 129, 32, 8, 64),
+        (2, 191, 4, 2, 128),
+        (1, 1000, 8, 2, 64),
+        (1, 1000, 4, 4, 128),
+    ] {
+        let s = spec(b, sq, h, kvh, hd);
+        let x = inputs(&s, 11);
+        g.set_cuda_kernel_variant("flash_fwd_tiles", 1).unwrap();
+        let one = run(&mut g, &s, &x, true);
+        g.set_cuda_kernel_variant("flash_fwd_tiles", 2).unwrap();
+        let two = run(&mut g, &s, &x, true);
+        g.set_cuda_kernel_variant("flash_fwd_tiles", 0).unwrap();
+        for (w, name) in ["out", "lse"].iter().enumerate() {
+            assert_eq!(
+                bits(&one[w]),
+                bits(&two[w]),
+                "{s:?}: {name} differs between tilings"
+            );
+        }
+    }
+}
+
 #[test]
 fn flash_on_cuda_refuses_other_head_sizes() {
     let mut g = gpu();
@@ -214,6 +246,21 @@ fn flash_timing() {
         let [q, dout, out, dq] = [1, 2, 3, 4].map(|sd| buf(qn, sd));
         let [k, v, dk, dv] = [5, 6, 7, 8].map(|sd| buf(kn, sd));
         let lse = buf(b * h * sq, 9);
+        // The forward of each tiling (query rows per warp), then the default's.
+        for tiles in [1, 2] {
+            g.set_cuda_kernel_variant("flash_fwd_tiles", tiles).unwrap();
+            let t = time(&mut g, 10, |g| {
+                g.flash_attention(q, k, v, out, lse, &s).unwrap()
+            });
+            let flops = 2.0 * (b * h) as f64 * (sq * sq) as f64 * hd as f64;
+            println!(
+                "flash b{b} s{sq} h{h}/{kvh} d{hd}: forward, {tiles} tile(s) per warp {:.3} ms \
+                 {:.1} TFLOP/s",
+                t / 1e3,
+                flops / t / 1e6
+            );
+        }
+        g.set_cuda_kernel_variant("flash_fwd_tiles", 0).unwrap();
         let fwd = time(&mut g, 10, |g| {
             g.flash_attention(q, k, v, out, lse, &s).unwrap()
         });

@@ -55,6 +55,10 @@ pub(crate) struct FastState {
     /// Threads of an RMSNorm CTA for float4 rows of at most 2048 columns: 0 (the default) 256,
     /// or 128 (`set_cuda_kernel_variant("fast_rms_threads", 0 | 128)`).
     pub(crate) rms_threads: u32,
+    /// m16 tiles of query rows per warp of the flash attention's forward: 0 (the default) one
+    /// at head dim 64 and two at 128, the faster of each on an H200; 1, one (64-row blocks);
+    /// 2, two (128-row blocks) (`set_cuda_kernel_variant("flash_fwd_tiles", 0..=2)`). Same bits.
+    pub(crate) flash_fwd_tiles: u32,
 }
 
 impl CudaDevice {

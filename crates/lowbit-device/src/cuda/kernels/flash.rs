@@ -16,28 +16,38 @@ const THREADS: u32 = 128;
 /// Query and key rows per block (`FA_BM`, `FA_BN`).
 const BLOCK: usize = 64;
 
-/// The kernel names of one head size, each with its dynamic shared memory bytes, from the tile
+/// The backward's kernel names of one head size, each with its dynamic shared memory bytes, from the tile
 /// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the streamed side
 /// double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
 struct Kernels {
-    fwd: (&'static str, u32),
     dq: (&'static str, u32),
     dkv: (&'static str, u32),
+}
+
+/// The forward of `head_dim` with `tiles` m16 tiles of query rows per warp (1 or 2: 64- or
+/// 128-row blocks) and its dynamic shared memory: Q's block + 2·(K, V).
+fn forward(head_dim: usize, tiles: usize) -> (&'static str, u32) {
+    let name = match (head_dim, tiles) {
+        (64, 1) => "flash_fwd_hd64",
+        (64, _) => "flash_fwd_hd64_m2",
+        (_, 1) => "flash_fwd_hd128",
+        _ => "flash_fwd_hd128_m2",
+    };
+    let rows = tiles * BLOCK + 4 * BLOCK;
+    (name, (rows * (head_dim + 8) * 2) as u32)
 }
 
 fn kernels(head_dim: usize) -> Result<Kernels> {
     // Bytes of `rows` bf16 tile rows of `d` values, padded by 8.
     let tile = |rows: usize, d: usize| (rows * (d + 8) * 2) as u32;
     match head_dim {
-        // Q + 2·(K, V); Q, dO + 2·(K, V); K, V + 2·(Q, dO) of 64 query rows.
+        // Q, dO + 2·(K, V); K, V + 2·(Q, dO) of 64 query rows.
         64 => Ok(Kernels {
-            fwd: ("flash_fwd_hd64", tile(5 * BLOCK, 64)),
             dq: ("flash_bwd_dq_hd64", tile(6 * BLOCK, 64)),
             dkv: ("flash_bwd_dkv_hd64", tile(6 * BLOCK, 64) + 4 * 64 * 4),
         }),
         // As above; the dK/dV pass takes query blocks of 32 rows.
         128 => Ok(Kernels {
-            fwd: ("flash_fwd_hd128", tile(5 * BLOCK, 128)),
             dq: ("flash_bwd_dq_hd128", tile(6 * BLOCK, 128)),
             dkv: (
                 "flash_bwd_dkv_hd128",
@@ -136,19 +146,28 @@ impl CudaDevice {
         const WHAT: &str = "flash_attention";
         let ([q, k, v], [out, lse]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
-        let ks = kernels(s.head_dim)?;
+        // Refuses a head size with no kernel.
+        kernels(s.head_dim)?;
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
         }
-        let grid = grid(WHAT, s.seq, s.batch * s.heads)?;
+        // Measured on one H200 (crates/lowbit-kernels/NOTES.md): two tiles pay at d128
+        // (183 vs 141 TFLOP/s at 2×4096) but not at d64 (142 vs 147 at 8×2048).
+        let tiles = match (self.fast.flash_fwd_tiles, s.head_dim) {
+            (1, _) | (0, 64) => 1,
+            _ => 2,
+        };
+        let (fwd, smem) = forward(s.head_dim, tiles);
+        let mut grid = grid(WHAT, s.seq, s.batch * s.heads)?;
+        grid.0 = grid.0.div_ceil(tiles as u32);
         let (qn, kn) = (ins[0].len(), ins[1].len());
         let (copies, [q, k, v]) = self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn)])?;
         let args = args![q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale];
         // SAFETY: views validated above with the spec's lengths (q, out b·s·h·hd; k, v
         // b·s·kvh·hd; lse b·h·s), q, k, v read through bf16 copies of those lengths; head_dim is the kernel's (64 or 128), heads a multiple of
-        // kv_heads (checked by the caller); the grid covers ceil(seq / 64) query blocks of
-        // batch·heads pairs, rows past seq neither read nor written; smem is the kernel's.
-        unsafe { self.launch_smem(ks.fwd.0, grid, ks.fwd.1, &args)? };
+        // kv_heads (checked by the caller); the grid covers ceil(seq / (64·tiles)) query blocks
+        // of batch·heads pairs, rows past seq neither read nor written; smem is the kernel's.
+        unsafe { self.launch_smem(fwd, grid, smem, &args)? };
         drop(copies);
         Ok(())
     }
