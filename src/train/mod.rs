@@ -500,12 +500,15 @@ fn master_checksum<'a>(info: &[ParamInfo], ranks: impl Iterator<Item = &'a [Mast
             full[m.param][m.range.clone()].copy_from_slice(&m.values);
         }
     }
-    let bytes: Vec<u8> = full
-        .iter()
-        .flatten()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-    lowbit_io::fnv1a64(&bytes)
+    // Hashed a piece at a time (the bytes of a 1B model's masters are 5 GB).
+    let mut bytes = Vec::with_capacity(4 << 12);
+    full.iter()
+        .flat_map(|p| p.chunks(1 << 12))
+        .fold(lowbit_io::fnv1a64(&[]), |h, piece| {
+            bytes.clear();
+            bytes.extend(piece.iter().flat_map(|v| v.to_le_bytes()));
+            lowbit_io::hash::fnv1a64_continue(h, &bytes)
+        })
 }
 
 fn err(rank: usize) -> impl Fn(&dyn std::fmt::Display) -> TrainError {

@@ -28,6 +28,13 @@ impl SplitMix64 {
         out
     }
 
+    /// The generator after `draws` more outputs, in O(1): the state only ever moves by
+    /// [`GOLDEN_GAMMA`], so a stream can be cut into pieces generated in parallel.
+    #[must_use]
+    pub fn advanced(self, draws: u64) -> SplitMix64 {
+        SplitMix64(self.0.wrapping_add(draws.wrapping_mul(GOLDEN_GAMMA)))
+    }
+
     /// Uniform in `[0, 1)` from the top 24 bits (exact: every such value is an f32).
     pub fn unit_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
@@ -47,6 +54,21 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn advanced_is_that_many_draws() {
+        let mut g = SplitMix64(0x1234_5678_9ABC_DEF0);
+        let start = g;
+        for n in 0..1000u64 {
+            assert_eq!(start.advanced(n), g, "after {n} draws");
+            g.next_u64();
+        }
+        assert_eq!(
+            g.advanced(u64::MAX).advanced(1),
+            g,
+            "the state wraps modulo 2^64"
+        );
+    }
 
     #[test]
     fn splitmix64_matches_the_reference_stream() {

@@ -248,17 +248,44 @@ pub fn init_param(cfg: &LlamaConfig, seed: u64, p: usize) -> Vec<f32> {
     match info.role {
         Role::InputNorm(_) | Role::PostNorm(_) | Role::FinalNorm => vec![1.0; n],
         _ => {
-            let mut rng = param_rng(seed, p);
-            let std = f64::from(cfg.init_std);
-            (0..n)
-                .map(|_| {
-                    let (u1, u2) = (rng.unit_open_f64(), rng.unit_open_f64());
-                    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-                    (std * z) as f32
-                })
-                .collect()
+            let mut out = vec![0f32; n];
+            let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+            fill_normal(
+                &mut out,
+                param_rng(seed, p),
+                f64::from(cfg.init_std),
+                threads,
+            );
+            out
         }
     }
+}
+
+/// Elements per thread below which [`fill_normal`] stays on the calling thread.
+const NORMAL_CHUNK: usize = 1 << 20;
+
+/// `out[i] = fl32(std · z_i)` with `z_i` the Box–Muller normal of draws `2i` and `2i + 1` of
+/// `rng`, on up to `threads` threads: each piece starts its generator where the stream would be
+/// ([`SplitMix64::advanced`]), so the values are the sequential ones at any thread count (a
+/// 1.24B-parameter model takes ~35 ns an element, 43 s, on one core).
+fn fill_normal(out: &mut [f32], rng: SplitMix64, std: f64, threads: usize) {
+    let run = |out: &mut [f32], mut rng: SplitMix64| {
+        for v in out {
+            let (u1, u2) = (rng.unit_open_f64(), rng.unit_open_f64());
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+            *v = (std * z) as f32;
+        }
+    };
+    let per = out.len().div_ceil(threads.max(1)).max(NORMAL_CHUNK);
+    if per >= out.len() {
+        return run(out, rng);
+    }
+    std::thread::scope(|s| {
+        for (i, piece) in out.chunks_mut(per).enumerate() {
+            let at = rng.advanced(2 * (i * per) as u64);
+            s.spawn(move || run(piece, at));
+        }
+    });
 }
 
 /// Every parameter's initial values ([`init_param`]), in id order.
@@ -272,6 +299,31 @@ pub fn init(cfg: &LlamaConfig, seed: u64) -> Vec<Vec<f32>> {
 mod tests {
     use super::*;
     use crate::config::presets;
+
+    #[test]
+    fn normals_are_the_sequential_stream_at_any_thread_count() {
+        let n = 2 * NORMAL_CHUNK + 12_345;
+        let rng = param_rng(7, 3);
+        let mut one = vec![0f32; n];
+        fill_normal(&mut one, rng, 0.02, 1);
+        // The sequential definition, written out.
+        let mut g = rng;
+        for (i, &v) in one.iter().enumerate() {
+            let (u1, u2) = (g.unit_open_f64(), g.unit_open_f64());
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+            assert_eq!(v.to_bits(), ((0.02 * z) as f32).to_bits(), "element {i}");
+        }
+        for threads in [2, 3, 7] {
+            let mut many = vec![0f32; n];
+            fill_normal(&mut many, rng, 0.02, threads);
+            assert!(
+                one.iter()
+                    .zip(&many)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{threads} threads"
+            );
+        }
+    }
 
     #[test]
     fn llama_1b_has_the_real_count() {
