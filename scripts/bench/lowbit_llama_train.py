@@ -4,7 +4,8 @@ train --device cuda --compute bf16 --metrics FILE` per (shape, precision) and re
 records (docs/metrics.md).
 
     python3 lowbit_llama_train.py --lowbit PATH [--shape 125m 1b 8b-layers]
-        [--precision bf16 mxfp8 nvfp4] [--recompute off ...] [--steps 8] [--warmup 3]
+        [--precision bf16 mxfp8 nvfp4] [--recompute off ...] [--microbatches 1 ...]
+        [--steps 8] [--warmup 3]
         [--json OUT]
 
 Per run: tokens/s as the timed steps' tokens over their summed wall time (steps after
@@ -29,7 +30,7 @@ SHAPES = {
 }
 
 
-def run(lowbit, shape, precision, recompute, steps, warmup, extra, timeout):
+def run(lowbit, shape, precision, recompute, micro, steps, warmup, extra, timeout):
     preset, flags, batch, seq = SHAPES[shape]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
@@ -37,18 +38,18 @@ def run(lowbit, shape, precision, recompute, steps, warmup, extra, timeout):
                "--batch", str(batch), "--precision", precision, "--device", "cuda",
                "--compute", "bf16", "--steps", str(steps), "--eval-every", "0",
                "--eval-samples", "1", "--metrics", metrics, "--log-every", "0",
-               "--recompute", recompute, *extra]
+               "--recompute", recompute, "--microbatches", str(micro), *extra]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"shape": shape, "precision": precision, "recompute": recompute,
-                    "cmd": " ".join(cmd[1:]), "error": f"timed out after {timeout} s"}
+                    "microbatches": micro, "cmd": " ".join(cmd[1:]), "error": f"timed out after {timeout} s"}
         recs = []
         if os.path.exists(metrics):
             recs = [json.loads(line) for line in open(metrics)]
     steps_ = [r for r in recs if r.get("kind") == "step"]
     out = {"shape": shape, "precision": precision, "recompute": recompute,
-           "batch": batch, "seq": seq,
+           "microbatches": micro, "batch": batch, "seq": seq,
            "cmd": " ".join(cmd[1:])}
     if p.returncode != 0 or len(steps_) <= warmup:
         tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
@@ -84,6 +85,9 @@ def main():
     ap.add_argument("--precision", nargs="+", default=["bf16", "mxfp8", "nvfp4"])
     ap.add_argument("--recompute", nargs="+", default=["off"],
                     choices=["off", "selective", "mlp", "full"])
+    ap.add_argument("--microbatches", nargs="+", type=int, default=[1],
+                    help="gradient-accumulation steps per optimizer step (1: the whole batch "
+                         "at once, as the torch script runs it)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--extra", nargs="*", default=[], help="more `lowbit train` flags")
@@ -94,9 +98,10 @@ def main():
     for s in a.shape:
         for pr in a.precision:
             for rc in a.recompute:
-                r = run(a.lowbit, s, pr, rc, a.steps, a.warmup, a.extra, a.timeout)
-                print(json.dumps(r), flush=True)
-                res["runs"].append(r)
+                for mb in a.microbatches:
+                    r = run(a.lowbit, s, pr, rc, mb, a.steps, a.warmup, a.extra, a.timeout)
+                    print(json.dumps(r), flush=True)
+                    res["runs"].append(r)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -217,6 +217,24 @@ impl Linear {
         }
         let mx = dev.matmul_mode() == MatmulMode::Mxfp8;
         let dw = scratch.grad.slice(0..o * i)?;
+        // The bf16 mode: dY cast to bf16 once for both products (each would round it the same
+        // way) where the gradient scratch has room past dW that nothing else of the backward
+        // touches; otherwise each product casts it.
+        let free = scratch.grad.slice(o * i..scratch.grad.len().max(o * i))?;
+        let clear = |v: &View| !free.overlaps(v);
+        let dx_view = match dx {
+            InputGrad::Write(v) | InputGrad::Add(v) => Some(v),
+            InputGrad::Skip => None,
+        };
+        let dy = if dev.matmul_mode() == MatmulMode::Bf16
+            && clear(&x)
+            && clear(&scratch.param)
+            && dx_view.as_ref().is_none_or(clear)
+        {
+            shared_input(dev, dy, free)?
+        } else {
+            dy
+        };
         if mx {
             // dW = dYᵀ·X contracts over the rows (tokens): the columnwise copies of dY and X.
             let (a, b) = (
@@ -405,6 +423,49 @@ mod tests {
             .unwrap();
         assert_eq!(hooks.calls, order);
         assert!(!hooks.calls.contains(&Call::Param(0, fwd)));
+    }
+
+    /// The bf16 mode's backward casts dY once into the gradient scratch past dW when there is
+    /// room: the same bits of dX and dW as casting it in each product.
+    #[test]
+    fn the_bf16_backward_casting_dy_once_changes_no_bit() {
+        let (w, b, x, dy) = (
+            values(1, OUT * IN),
+            values(2, OUT),
+            values(3, ROWS * IN),
+            values(4, ROWS * OUT),
+        );
+        let run = |room: usize| {
+            let mut dev = Device::cpu();
+            dev.set_matmul_mode(MatmulMode::Bf16);
+            let mut hooks = TestHooks::new(&mut dev, &[w.clone(), b.clone()]);
+            let (xv, dyv) = (upload(&mut dev, &x), upload(&mut dev, &dy));
+            let dx = dev.alloc(DType::F32, ROWS * IN);
+            let s = Scratch {
+                param: dev.alloc(DType::F32, OUT * IN),
+                grad: dev.alloc(DType::F32, OUT * IN + room),
+            };
+            layer()
+                .backward(&mut dev, &mut hooks, xv, dyv, InputGrad::Write(dx), ROWS, s)
+                .unwrap();
+            assert_eq!(
+                dev.download::<f32>(dyv).unwrap(),
+                dy,
+                "dY is left as it was"
+            );
+            let tail = dev.download::<f32>(s.grad).unwrap()[OUT * IN..].to_vec();
+            let bits = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let used = tail.iter().any(|v| v.to_bits() != 0);
+            (
+                bits(dev.download(dx).unwrap()),
+                bits(hooks.grad_of(&dev, 0)),
+                used,
+            )
+        };
+        let (dx0, dw0, used0) = run(0);
+        let (dx1, dw1, used1) = run(ROWS * OUT);
+        assert!(!used0 && used1, "the copy is made only where there is room");
+        assert_eq!((dx0, dw0), (dx1, dw1));
     }
 
     #[test]
