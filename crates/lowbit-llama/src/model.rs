@@ -497,8 +497,8 @@ impl Llama {
         rk.forward(dev, a.k, a.k, seq, self.cos, self.sin)?;
         self.attention()
             .forward(dev, a.q, a.k, a.v, a.att, a.lse, batch, seq)?;
-        wo.forward(dev, hooks, a.att, a.h, rows, s)?;
-        Ok(dev.add(x, a.h)?)
+        // h = x + att·Woᵀ, the residual added in the GEMM where the mode can.
+        Ok(wo.forward_add(dev, hooks, a.att, x, a.h, rows, s)?)
     }
 
     /// The forward up to the final norm's output (`nf`) over the first `batch·seq` rows.
@@ -524,8 +524,7 @@ impl Llama {
             self.norm(p.post_norm)
                 .forward(dev, hooks, a.h, a.n2, a.rstd2, s)?;
             self.mlp(&p)
-                .forward(dev, hooks, a.n2, x_next, rows, a.swiglu(), s)?;
-            dev.add(a.h, x_next)?;
+                .forward_add(dev, hooks, a.n2, a.h, x_next, rows, a.swiglu(), s)?;
         }
         let last = head(self.x[self.cfg.layers], d)?;
         self.norm(params::final_norm_id(&self.cfg)).forward(

@@ -114,7 +114,8 @@ impl Device {
         check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
         check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
         if self.matmul_mode.is_fast() && k > 0 && m > 0 && n > 0 {
-            return self.matmul_bf16(a, b, c, spec);
+            let cin = spec.accumulate.then_some(c);
+            return self.matmul_bf16(a, b, cin, c, spec);
         }
         on_cuda!(self, g => g.matmul(a, b, c, spec));
         self.host_op(WHAT, [a, b], [c], |[ab, bb], [cb]| {
@@ -142,6 +143,45 @@ impl Device {
         })
     }
 
+    /// `D = op(A)·op(B) + C`, a product with a residual added (`spec.accumulate` must be
+    /// false; `c` and `d` f32 of `m·n`, `d` overlapping none of `a`, `b`, `c`). The bits of
+    /// [`Device::matmul`] into `d` followed by [`Device::add`] of `c`: the exact mode does exactly
+    /// that; [`MatmulMode::Bf16`] adds `c` in the GEMM's f32 epilogue (one rounding of `s + c`,
+    /// as the add rounds it), which saves the add's pass over `d`.
+    pub fn matmul_add(
+        &mut self,
+        a: View,
+        b: View,
+        c: View,
+        d: View,
+        spec: &MatmulSpec,
+    ) -> Result<()> {
+        const WHAT: &str = "matmul_add";
+        let MatmulSpec { m, n, k, .. } = *spec;
+        if spec.accumulate {
+            return Err(invalid(
+                WHAT,
+                "the residual form does not accumulate into D",
+            ));
+        }
+        check_dtype(WHAT, c, DType::F32)?;
+        check_len("matmul_add C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
+        if d.overlaps(&c) {
+            return Err(invalid(WHAT, "D overlaps the residual C"));
+        }
+        if self.matmul_mode == MatmulMode::Bf16 && k > 0 && m > 0 && n > 0 {
+            check_float(WHAT, a)?;
+            check_float(WHAT, b)?;
+            check_dtype(WHAT, d, DType::F32)?;
+            check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
+            check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
+            check_len("matmul C (m·n)", d.len(), shape_len(WHAT, m, n)?)?;
+            return self.matmul_bf16(a, b, Some(c), d, spec);
+        }
+        self.matmul(a, b, d, spec)?;
+        self.add(c, d)
+    }
+
     /// Sets how [`Device::matmul`] computes from now on ([`MatmulMode`]).
     pub fn set_matmul_mode(&mut self, mode: MatmulMode) {
         self.matmul_mode = mode;
@@ -156,7 +196,14 @@ impl Device {
     /// device's grow-only cast buffer, then one [`Device::matmul_tc`] into `c`. The buffer is
     /// kept (a model's GEMMs repeat the same shapes every step), so steady state allocates
     /// nothing.
-    fn matmul_bf16(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
+    fn matmul_bf16(
+        &mut self,
+        a: View,
+        b: View,
+        cin: Option<View>,
+        c: View,
+        spec: &MatmulSpec,
+    ) -> Result<()> {
         let need = |x: View| if x.dtype() == DType::Bf16 { 0 } else { x.len() };
         let total = need(a) + need(b);
         let scratch = if total == 0 {
@@ -181,10 +228,9 @@ impl Device {
         let tc = MatmulTcSpec {
             trans_a: spec.trans_a,
             trans_b: spec.trans_b,
-            beta: if spec.accumulate { 1.0 } else { 0.0 },
+            beta: if cin.is_some() { 1.0 } else { 0.0 },
             ..MatmulTcSpec::new(spec.m, spec.n, spec.k)
         };
-        let cin = spec.accumulate.then_some(c);
         self.matmul_tc(ab, bb, cin, c, &tc)
     }
 

@@ -191,6 +191,34 @@ impl Linear {
         Ok(())
     }
 
+    /// `y = x·Wᵀ (+ b) + residual` (`residual` f32 `rows·out`, disjoint from `y`): the bits of
+    /// [`Linear::forward`] followed by `Device::add(residual, y)`. Without a bias under
+    /// [`MatmulMode::Bf16`] the residual is added in the GEMM's epilogue
+    /// ([`Device::matmul_add`]), which saves a pass over `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_add(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        residual: View,
+        y: View,
+        rows: usize,
+        scratch: Scratch,
+    ) -> Result<()> {
+        let (i, o) = (self.in_features, self.out_features);
+        check_len("linear residual", residual.len(), rows * o)?;
+        if dev.matmul_mode() != MatmulMode::Bf16 || self.bias.is_some() {
+            self.forward(dev, hooks, x, y, rows, scratch)?;
+            return Ok(dev.add(residual, y)?);
+        }
+        check_len("linear input", x.len(), rows * i)?;
+        check_len("linear output", y.len(), rows * o)?;
+        let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+        check_len("linear weight", w.len(), o * i)?;
+        Ok(dev.matmul_add(x, w, residual, y, &spec(rows, o, i, false, true, false))?)
+    }
+
     /// The backward of [`Linear::forward`] given `dy[rows, out]` and the forward's input `x`:
     /// the bias gradient (column sums of `dy`) accumulated and reported ready, then the weight
     /// gradient `dYᵀ·x` accumulated and reported ready, then the input gradient `dY·W` as `dx`
@@ -466,6 +494,39 @@ mod tests {
         let (dx1, dw1, used1) = run(ROWS * OUT);
         assert!(!used0 && used1, "the copy is made only where there is room");
         assert_eq!((dx0, dw0), (dx1, dw1));
+    }
+
+    /// The forward with a residual gives the bits of the forward and an add, in both modes.
+    #[test]
+    fn forward_add_is_forward_then_add() {
+        let (w, x, r) = (
+            values(1, OUT * IN),
+            values(3, ROWS * IN),
+            values(5, ROWS * OUT),
+        );
+        for mode in [MatmulMode::Exact, MatmulMode::Bf16] {
+            let l = Linear::new(0, IN, OUT);
+            let mut dev = Device::cpu();
+            dev.set_matmul_mode(mode);
+            let mut hooks = TestHooks::new(&mut dev, std::slice::from_ref(&w));
+            let (xv, rv) = (upload(&mut dev, &x), upload(&mut dev, &r));
+            let (y0, y1) = (
+                dev.alloc(DType::F32, ROWS * OUT),
+                dev.alloc(DType::F32, ROWS * OUT),
+            );
+            let s = scratch(&mut dev, OUT * IN);
+            l.forward(&mut dev, &mut hooks, xv, y0, ROWS, s).unwrap();
+            dev.add(rv, y0).unwrap();
+            l.forward_add(&mut dev, &mut hooks, xv, rv, y1, ROWS, s)
+                .unwrap();
+            let bits = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let want = bits(dev.download(y0).unwrap());
+            assert_eq!(bits(dev.download(y1).unwrap()), want, "{mode:?}");
+            assert!(
+                l.forward_add(&mut dev, &mut hooks, xv, y1, y1, ROWS, s)
+                    .is_err()
+            );
+        }
     }
 
     #[test]

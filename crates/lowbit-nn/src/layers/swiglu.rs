@@ -64,6 +64,26 @@ impl SwiGlu {
         self.down.forward(dev, hooks, acts.act, out, rows, scratch)
     }
 
+    /// `out = down(silu(gate(x)) · up(x)) + residual`: the bits of [`SwiGlu::forward`] and an
+    /// add of `residual` (f32 `rows·dim`, disjoint from `out`), the add in down's GEMM where
+    /// [`Linear::forward_add`] can.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_add(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        residual: View,
+        out: View,
+        rows: usize,
+        acts: SwiGluActs,
+        scratch: Scratch,
+    ) -> Result<()> {
+        self.activations(dev, hooks, x, rows, acts, scratch)?;
+        self.down
+            .forward_add(dev, hooks, acts.act, residual, out, rows, scratch)
+    }
+
     /// The forward's first three ops alone: `acts` from `x [rows, dim]` (gate's and up's weights
     /// fetched in that order), the same bits [`SwiGlu::forward`] keeps. For a model that
     /// recomputes the MLP's activations in its backward instead of keeping them.
