@@ -70,6 +70,10 @@ STEPS+=(
   # one Llama-3-8B layer (exact extrapolated, fast, torch.optim.Muon on the same card in the
   # same run) and layer-wise over 1 and 2 GPUs.
   "test-lowbit-device-cuda_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_gemm"
+  # The MXFP8 block-scaled GEMM (mx_gemm.cu) against the CPU semantics, then its TFLOP/s beside
+  # the bf16-dequantize path on the same planes.
+  "test-lowbit-device-cuda_mx_gemm|300|gpu/with_cublas.sh bin/test-lowbit-device-cuda_mx_gemm --nocapture"
+  "bench-mx-gemm|300|set -o pipefail; gpu/with_cublas.sh bin/test-lowbit-device-cuda_mx_gemm --ignored --nocapture mx_gemm_timing | tee \$STEP_SUMMARY"
   # The decoder in the fast mode (tensor-core GEMMs through cuBLASLt, fast.cu's kernels).
   "test-lowbit-llama-cuda_fast_model|300|gpu/with_cublas.sh bin/test-lowbit-llama-cuda_fast_model --test-threads=1 --nocapture"
   "bench-muon|900|set -o pipefail; gpu/with_cublas.sh bin/bench-lowbit-optim-muon_bench --torch gpu/torch_muon.py --json \$STEP_JSON | tee \$STEP_SUMMARY"

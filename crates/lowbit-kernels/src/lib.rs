@@ -62,6 +62,11 @@ pub static MODULES: &[Module] = &[
         ptx: include_str!("../ptx/llm.sm_90.ptx"),
     },
     Module {
+        name: "mx_gemm",
+        arch: "sm_90",
+        ptx: include_str!("../ptx/mx_gemm.sm_90.ptx"),
+    },
+    Module {
         name: "mxfp8",
         arch: "sm_90",
         ptx: include_str!("../ptx/mxfp8.sm_90.ptx"),

@@ -15,6 +15,7 @@ mod fast;
 mod flash;
 mod llm;
 mod model;
+mod mx_gemm;
 mod optim;
 mod quant;
 

@@ -20,9 +20,11 @@
 //! linear.py`). A float operand ([`MxArg::Float`]) is quantized first, into the device's
 //! grow-only scratch, with TE's scale rule.
 //!
-//! The CUDA backend today dequantizes both operands to bf16 (exact: an fp8 value times a power
-//! of two is a bf16 value in every range a tensor's scale can produce) and runs one cuBLASLt
-//! bf16 GEMM, which is the MXFP8 product's arithmetic at bf16's speed.
+//! The CUDA backend by default dequantizes both operands to bf16 (exact: an fp8 value times a
+//! power of two is a bf16 value in every range a tensor's scale can produce) and runs one
+//! cuBLASLt bf16 GEMM, which is the MXFP8 product's arithmetic at bf16's speed. With the
+//! kernel variant `("matmul_mx_kernel", 1)` two rowwise planes (the forward's `X·Wᵀ`) run
+//! `mx_gemm.cu` instead: FP8 `mma.sync` per 32-block, promoted with both scales into f32.
 
 use super::{invalid, shape_len};
 use crate::cpu::{decode_into, encode_f32};
@@ -199,6 +201,12 @@ impl Device {
         let qa = self.quantize_arg(a, m, k, &mut at)?;
         let qb = self.quantize_arg(b, n, k, &mut at)?;
         if self.is_cuda() && m > 0 && n > 0 && k > 0 {
+            #[cfg(feature = "cuda")]
+            if let Some(g) = self.cuda_mut()
+                && g.mx_gemm_takes(&qa, &qb, spec)
+            {
+                return g.matmul_mx_rowwise(&qa, &qb, c, spec);
+            }
             return self.matmul_mx_via_bf16(qa, qb, c, spec);
         }
         self.host_op(

@@ -59,6 +59,10 @@ pub(crate) struct FastState {
     /// at head dim 64 and two at 128, the faster of each on an H200; 1, one (64-row blocks);
     /// 2, two (128-row blocks) (`set_cuda_kernel_variant("flash_fwd_tiles", 0..=2)`). Same bits.
     pub(crate) flash_fwd_tiles: u32,
+    /// How [`crate::Device::matmul_mx`] multiplies two rowwise planes: 0 (the default) their
+    /// exact bf16 dequantization and cuBLASLt, 1 the block-scaled FP8 kernel (`mx_gemm.cu`)
+    /// (`set_cuda_kernel_variant("matmul_mx_kernel", 0 | 1)`).
+    pub(crate) mx_gemm: u32,
 }
 
 impl CudaDevice {

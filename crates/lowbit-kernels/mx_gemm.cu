@@ -1,0 +1,170 @@
+// The MXFP8 block-scaled GEMM on Hopper's FP8 tensor cores: C[m, n] (+)= A[m, k] · B[n, k]^T
+// with A and B rowwise MXFP8 planes (fp8 bytes [outer, k], one E8M0 scale per 32 bytes along k:
+// scales [outer, ceil(k / 32)]), f32 accumulation and an f32 C. This is the forward GEMM of
+// Transformer Engine's MXFP8 recipe (activations and weights both blocked along k), which
+// cuBLASLt runs only on sm_100 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0).
+//
+// Arithmetic (lowbit_device::Device::matmul_mx's): every 32-block of the contraction is one
+// `mma.sync.m16n8k32` FP8 instruction started from zero, so its partial sum is the block's dot
+// product (the fp8 products exact, summed in the tensor core's f32); it is multiplied by
+// 2^(ea - 127) · 2^(eb - 127) in one rounding (a power of two: exact unless the result leaves
+// f32's normal range) and added to the f32 accumulator, which starts at C with `accumulate`,
+// in block order. The CPU reference sums each block exactly in f64 and rounds it once, so the
+// two agree to the f32 summation error of the block sums. A tail block (k not a multiple of 32)
+// is read with zeros past k. Scale byte 255 (E8M0 NaN) gives NaN.
+//
+// v0: 64 x 64 tiles, 4 warps of 32 x 32 (2 m16 x 4 n8 fragments), one k32 block a stage
+// through padded shared memory. The promotion per block costs 4 FMAs per instruction; the
+// wgmma/TMA pipeline (DeepGEMM's per-128 promotion, at 32) is the next version.
+
+#include <cstdint>
+
+#define MXG_BM 64
+#define MXG_BN 64
+#define MXG_WORDS 8  // 32 fp8 bytes of a row as u32 words
+#define MXG_PAD 9    // shared row stride in words
+
+// The 4 bytes of row `row` at columns kk..kk+3 as one little-endian word, zeros past k or
+// past the last row; byte loads where the address is not 4-byte aligned.
+__device__ __forceinline__ uint32_t mxg_word(const uint8_t* __restrict__ p, int row, int rows,
+                                             int k, int kk) {
+  if (row >= rows || kk >= k) return 0u;
+  const uint8_t* q = p + (size_t)row * (size_t)k + kk;
+  if (kk + 4 <= k && ((uintptr_t)q & 3u) == 0) return __ldg(reinterpret_cast<const uint32_t*>(q));
+  uint32_t w = 0;
+  for (int i = 0; i < 4 && kk + i < k; ++i) w |= (uint32_t)__ldg(q + i) << (8 * i);
+  return w;
+}
+
+// x · 2^(ea + eb - 254) in one rounding; NaN for a NaN scale.
+__device__ __forceinline__ float mxg_scale(float x, uint32_t ea, uint32_t eb) {
+  if (ea == 255u || eb == 255u) return __int_as_float(0x7fc00000);
+  int e = (int)ea + (int)eb - 254;
+  if (e >= -126 && e <= 127) return x * __int_as_float((e + 127) << 23);
+  return ldexpf(x, e);
+}
+
+template <bool A5, bool B5>
+__device__ __forceinline__ void mxg_mma(float (&d)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+#define MXG_MMA(TA, TB)                                                                        \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." TA "." TB                              \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"              \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f))
+  if constexpr (!A5 && !B5) {
+    MXG_MMA("e4m3", "e4m3");
+  } else if constexpr (!A5 && B5) {
+    MXG_MMA("e4m3", "e5m2");
+  } else if constexpr (A5 && !B5) {
+    MXG_MMA("e5m2", "e4m3");
+  } else {
+    MXG_MMA("e5m2", "e5m2");
+  }
+#undef MXG_MMA
+}
+
+template <bool A5, bool B5>
+__device__ __forceinline__ void mx_gemm_rr(const uint8_t* __restrict__ A,
+                                           const uint8_t* __restrict__ SA,
+                                           const uint8_t* __restrict__ B,
+                                           const uint8_t* __restrict__ SB, float* __restrict__ C,
+                                           int m, int n, int k, int accumulate) {
+  __shared__ uint32_t sA[MXG_BM * MXG_PAD];
+  __shared__ uint32_t sB[MXG_BN * MXG_PAD];
+  __shared__ uint8_t sSA[MXG_BM];
+  __shared__ uint8_t sSB[MXG_BN];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.y * MXG_BM, n0 = blockIdx.x * MXG_BN;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  const int blocks = (k + 31) >> 5;
+
+  float acc[2][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + wm + mi * 16 + g + (e >> 1) * 8;
+        const int c = n0 + wn + ni * 8 + t * 2 + (e & 1);
+        acc[mi][ni][e] = (accumulate && r < m && c < n) ? C[(size_t)r * n + c] : 0.0f;
+      }
+
+  for (int kb = 0; kb < blocks; ++kb) {
+    for (int i = tid; i < MXG_BM * MXG_WORDS; i += blockDim.x) {
+      const int r = i >> 3, w = i & 7, kk = kb * 32 + w * 4;
+      sA[r * MXG_PAD + w] = mxg_word(A, m0 + r, m, k, kk);
+      sB[r * MXG_PAD + w] = mxg_word(B, n0 + r, n, k, kk);
+    }
+    if (tid < MXG_BM) {
+      sSA[tid] = (m0 + tid < m) ? SA[(size_t)(m0 + tid) * blocks + kb] : 127;
+    } else if (tid < MXG_BM + MXG_BN) {
+      const int r = tid - MXG_BM;
+      sSB[r] = (n0 + r < n) ? SB[(size_t)(n0 + r) * blocks + kb] : 127;
+    }
+    __syncthreads();
+    uint32_t af[2][4], bf[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int r = wm + mi * 16 + g;
+      af[mi][0] = sA[r * MXG_PAD + t];
+      af[mi][1] = sA[(r + 8) * MXG_PAD + t];
+      af[mi][2] = sA[r * MXG_PAD + 4 + t];
+      af[mi][3] = sA[(r + 8) * MXG_PAD + 4 + t];
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int c = wn + ni * 8 + g;
+      bf[ni][0] = sB[c * MXG_PAD + t];
+      bf[ni][1] = sB[c * MXG_PAD + 4 + t];
+    }
+    uint32_t ea[2][2], eb[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      ea[mi][0] = sSA[wm + mi * 16 + g];
+      ea[mi][1] = sSA[wm + mi * 16 + g + 8];
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      eb[ni][0] = sSB[wn + ni * 8 + t * 2];
+      eb[ni][1] = sSB[wn + ni * 8 + t * 2 + 1];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        float d[4];
+        mxg_mma<A5, B5>(d, af[mi], bf[ni]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[mi][ni][e] += mxg_scale(d[e], ea[mi][e >> 1], eb[ni][e & 1]);
+      }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + wm + mi * 16 + g + (e >> 1) * 8;
+        const int c = n0 + wn + ni * 8 + t * 2 + (e & 1);
+        if (r < m && c < n) C[(size_t)r * n + c] = acc[mi][ni][e];
+      }
+}
+
+#define MXG_KERNEL(NAME, A5, B5)                                                               \
+  extern "C" __global__ void __launch_bounds__(128)                                            \
+      NAME(const uint8_t* __restrict__ A, const uint8_t* __restrict__ SA,                      \
+           const uint8_t* __restrict__ B, const uint8_t* __restrict__ SB, float* __restrict__ C, \
+           int m, int n, int k, int accumulate) {                                              \
+    mx_gemm_rr<A5, B5>(A, SA, B, SB, C, m, n, k, accumulate);                                  \
+  }
+
+MXG_KERNEL(mx_gemm_rr_e4m3_e4m3, false, false)
+MXG_KERNEL(mx_gemm_rr_e4m3_e5m2, false, true)
+MXG_KERNEL(mx_gemm_rr_e5m2_e4m3, true, false)
+MXG_KERNEL(mx_gemm_rr_e5m2_e5m2, true, true)
