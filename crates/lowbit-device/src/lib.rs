@@ -802,9 +802,9 @@ impl Device {
     /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128;
     /// `("flash_fwd_tiles", 0..=2)`: the flash attention forward's m16 tiles of query rows per
     /// warp, one at head dim 64 and two at 128 (0, the default), one (1) or two (2);
-    /// `("matmul_mx_kernel", 0 | 1)`: [`Device::matmul_mx`] of two rowwise planes through their
-    /// exact bf16 dequantization and cuBLASLt (0, the default) or the block-scaled FP8 kernel
-    /// (1; f32 summation of each block on the tensor cores, so not the same bits).
+    /// `("matmul_mx_kernel", 0..=2)`: [`Device::matmul_mx`] of two rowwise planes through their
+    /// exact bf16 dequantization and cuBLASLt (0, the default) or the block-scaled FP8 kernel,
+    /// v0 (1) or v1 (2) (each block summed on the FP8 tensor cores, so not the same bits).
     /// Every version gives the same bytes (and the same sums), but for the `fast_*` ones (each
     /// deterministic, with its own fixed summation tree).
     #[cfg(feature = "cuda")]

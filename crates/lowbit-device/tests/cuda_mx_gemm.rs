@@ -142,8 +142,8 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
         let planes = [(ad, asc), (bd, bsc)];
         let c0 = spread(c.m * c.n, 7);
         let want = product(&mut cpu, c, &planes, &c0);
-        let mut worst = [0f64; 2];
-        for variant in [1, 0] {
+        let mut worst = [0f64; 3];
+        for variant in [1, 2, 0] {
             g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
                 .unwrap();
             let got = product(&mut g, c, &planes, &c0);
@@ -160,7 +160,7 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
                         abs += f64::from(c0[i * c.n + j]).abs();
                     }
                     let (gv, wv) = (got[i * c.n + j], want[i * c.n + j]);
-                    let beta = if variant == 1 { -11 } else { -20 };
+                    let beta = if variant == 0 { -20 } else { -11 };
                     let bound = abs * 2f64.powi(beta) + f64::from(f32::MIN_POSITIVE);
                     assert!(
                         (f64::from(gv) - f64::from(wv)).abs() <= bound,
@@ -178,8 +178,9 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
             }
         }
         println!(
-            "{}x{}x{} {:?} acc {}: max |c − f64| / Σ|ab|: kernel {:.2e}, bf16 path {:.2e}",
-            c.m, c.n, c.k, c.kinds, c.accumulate, worst[1], worst[0]
+            "{}x{}x{} {:?} acc {}: max |c − f64| / Σ|ab|: kernel v0 {:.2e}, v1 {:.2e}, bf16 \
+             path {:.2e}",
+            c.m, c.n, c.k, c.kinds, c.accumulate, worst[1], worst[2], worst[0]
         );
     }
     g.set_cuda_kernel_variant("matmul_mx_kernel", 0).unwrap();
@@ -201,10 +202,13 @@ fn a_nan_scale_gives_nan() {
     asc[2 * 2 + 1] = 255;
     let planes = [(ad, asc), (bd, bsc)];
     let mut g = gpu();
-    g.set_cuda_kernel_variant("matmul_mx_kernel", 1).unwrap();
-    let got = product(&mut g, &c, &planes, &[0.0; 32]);
-    for (i, v) in got.iter().enumerate() {
-        assert_eq!(v.is_nan(), i / 8 == 2, "element {i}: {v}");
+    for variant in [1, 2] {
+        g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
+            .unwrap();
+        let got = product(&mut g, &c, &planes, &[0.0; 32]);
+        for (i, v) in got.iter().enumerate() {
+            assert_eq!(v.is_nan(), i / 8 == 2, "v{variant} element {i}: {v}");
+        }
     }
 }
 
@@ -246,7 +250,7 @@ fn mx_gemm_timing() {
                     .unwrap()
             });
             let tf = 2.0 * (m * n * k) as f64 / t / 1e6;
-            let what = if variant == 1 { "kernel" } else { "bf16 path" };
+            let what = ["bf16 path", "kernel v0", "kernel v1"][variant as usize];
             line += &format!(" {what} {:.3} ms {tf:.1} TFLOP/s;", t / 1e3);
         }
         println!("{line}");

@@ -60,8 +60,8 @@ pub(crate) struct FastState {
     /// 2, two (128-row blocks) (`set_cuda_kernel_variant("flash_fwd_tiles", 0..=2)`). Same bits.
     pub(crate) flash_fwd_tiles: u32,
     /// How [`crate::Device::matmul_mx`] multiplies two rowwise planes: 0 (the default) their
-    /// exact bf16 dequantization and cuBLASLt, 1 the block-scaled FP8 kernel (`mx_gemm.cu`)
-    /// (`set_cuda_kernel_variant("matmul_mx_kernel", 0 | 1)`).
+    /// exact bf16 dequantization and cuBLASLt, 1 and 2 the block-scaled FP8 kernels v0 and v1
+    /// (`mx_gemm.cu`) (`set_cuda_kernel_variant("matmul_mx_kernel", 0..=2)`).
     pub(crate) mx_gemm: u32,
 }
 
