@@ -8,7 +8,8 @@
 //! β = 2⁻¹¹, since Hopper's FP8 tensor cores add a block's products in an accumulator of about
 //! 14 mantissa bits (DeepSeek-V3 technical report, §3.3.2: the reason DeepGEMM promotes to f32
 //! every 128 elements; here every 32); the bf16-dequantize path (variant 0, cuBLASLt's f32
-//! accumulation) β = 2⁻²⁰. Both errors against an f64 product are printed. An ignored test
+//! accumulation) β = 2⁻²⁰. Both errors against an f64 product are printed (H200: ≤ 1.6e-7 for
+//! the kernels, ≤ 5.6e-7 for the bf16 path, relative to Σ|ab|). An ignored test
 //! prints TFLOP/s. Needs a GPU and cuBLASLt (`gpu/with_cublas.sh`); fails, never skips.
 #![cfg(feature = "cuda")]
 
@@ -242,7 +243,7 @@ fn mx_gemm_timing() {
             accumulate: false,
         };
         let mut line = format!("mx_gemm {m}x{n}x{k}:");
-        for variant in [1, 0] {
+        for variant in [1, 2, 0] {
             g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
                 .unwrap();
             let t = time(&mut g, 10, |g| {
