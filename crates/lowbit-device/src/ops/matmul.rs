@@ -80,6 +80,17 @@ impl MatmulMode {
     }
 }
 
+/// The float operands `a` (`m·k`), `b` (`k·n`) and the f32 output `c` (`m·n`) of a product.
+fn check_operands(what: &'static str, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
+    let MatmulSpec { m, n, k, .. } = *spec;
+    check_float(what, a)?;
+    check_float(what, b)?;
+    check_dtype(what, c, DType::F32)?;
+    check_len("matmul A (m·k)", a.len(), shape_len(what, m, k)?)?;
+    check_len("matmul B (k·n)", b.len(), shape_len(what, k, n)?)?;
+    check_len("matmul C (m·n)", c.len(), shape_len(what, m, n)?)
+}
+
 /// `op(X)` as a row-major `[rows, cols]` f32 matrix, from `x` stored `[rows, cols]`, or
 /// `[cols, rows]` when `trans`.
 fn op_matrix(x: Vec<f32>, rows: usize, cols: usize, trans: bool) -> Vec<f32> {
@@ -107,12 +118,7 @@ impl Device {
     pub fn matmul(&mut self, a: View, b: View, c: View, spec: &MatmulSpec) -> Result<()> {
         const WHAT: &str = "matmul";
         let MatmulSpec { m, n, k, .. } = *spec;
-        check_float(WHAT, a)?;
-        check_float(WHAT, b)?;
-        check_dtype(WHAT, c, DType::F32)?;
-        check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
-        check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
-        check_len("matmul C (m·n)", c.len(), shape_len(WHAT, m, n)?)?;
+        check_operands(WHAT, a, b, c, spec)?;
         if self.matmul_mode.is_fast() && k > 0 && m > 0 && n > 0 {
             let cin = spec.accumulate.then_some(c);
             return self.matmul_bf16(a, b, cin, c, spec);
@@ -146,8 +152,9 @@ impl Device {
     /// `D = op(A)·op(B) + C`, a product with a residual added (`spec.accumulate` must be
     /// false; `c` and `d` f32 of `m·n`, `d` overlapping none of `a`, `b`, `c`). The bits of
     /// [`Device::matmul`] into `d` followed by [`Device::add`] of `c`: the exact mode does exactly
-    /// that; [`MatmulMode::Bf16`] adds `c` in the GEMM's f32 epilogue (one rounding of `s + c`,
-    /// as the add rounds it), which saves the add's pass over `d`.
+    /// that; the fast modes, whose products are [`Device::matmul`]'s bf16 GEMM, add `c` in its
+    /// f32 epilogue (one rounding of `s + c`, as the add rounds it), which saves the add's pass
+    /// over `d`.
     pub fn matmul_add(
         &mut self,
         a: View,
@@ -169,13 +176,8 @@ impl Device {
         if d.overlaps(&c) {
             return Err(invalid(WHAT, "D overlaps the residual C"));
         }
-        if self.matmul_mode == MatmulMode::Bf16 && k > 0 && m > 0 && n > 0 {
-            check_float(WHAT, a)?;
-            check_float(WHAT, b)?;
-            check_dtype(WHAT, d, DType::F32)?;
-            check_len("matmul A (m·k)", a.len(), shape_len(WHAT, m, k)?)?;
-            check_len("matmul B (k·n)", b.len(), shape_len(WHAT, k, n)?)?;
-            check_len("matmul C (m·n)", d.len(), shape_len(WHAT, m, n)?)?;
+        check_operands(WHAT, a, b, d, spec)?;
+        if self.matmul_mode.is_fast() && k > 0 && m > 0 && n > 0 {
             return self.matmul_bf16(a, b, Some(c), d, spec);
         }
         self.matmul(a, b, d, spec)?;

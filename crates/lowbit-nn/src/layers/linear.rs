@@ -170,31 +170,13 @@ impl Linear {
         rows: usize,
         scratch: Scratch,
     ) -> Result<()> {
-        let (i, o) = (self.in_features, self.out_features);
-        check_len("linear input", x.len(), rows * i)?;
-        check_len("linear output", y.len(), rows * o)?;
-        if dev.matmul_mode() == MatmulMode::Mxfp8 {
-            // Y = X·Wᵀ: the rowwise copies of X and W.
-            let w = weight_mx(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
-            let xa = float_arg(x, MxLayout::Rowwise);
-            dev.matmul_mx(xa, w, y, &mx_spec(rows, o, i, false))?;
-        } else {
-            let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
-            check_len("linear weight", w.len(), o * i)?;
-            dev.matmul(x, w, y, &spec(rows, o, i, false, true, false))?;
-        }
-        if let Some(pb) = self.bias {
-            let b = load_f32(dev, hooks, pb, Usage::Forward, scratch.param)?;
-            check_len("linear bias", b.len(), o)?;
-            dev.add_bias(y, b)?;
-        }
-        Ok(())
+        self.forward_with(dev, hooks, x, None, y, rows, scratch)
     }
 
     /// `y = x·Wᵀ (+ b) + residual` (`residual` f32 `rows·out`, disjoint from `y`): the bits of
-    /// [`Linear::forward`] followed by `Device::add(residual, y)`. Without a bias under
-    /// [`MatmulMode::Bf16`] the residual is added in the GEMM's epilogue
-    /// ([`Device::matmul_add`]), which saves a pass over `y`.
+    /// [`Linear::forward`] followed by `Device::add(residual, y)`. Without a bias and outside
+    /// [`MatmulMode::Mxfp8`] the product and the add are one [`Device::matmul_add`], which in
+    /// the bf16 mode adds the residual in the GEMM's epilogue (no pass over `y`).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_add(
         &self,
@@ -206,17 +188,55 @@ impl Linear {
         rows: usize,
         scratch: Scratch,
     ) -> Result<()> {
+        self.forward_with(dev, hooks, x, Some(residual), y, rows, scratch)
+    }
+
+    /// [`Linear::forward`], then `+ residual` where one is given ([`Linear::forward_add`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_with(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        residual: Option<View>,
+        y: View,
+        rows: usize,
+        scratch: Scratch,
+    ) -> Result<()> {
         let (i, o) = (self.in_features, self.out_features);
-        check_len("linear residual", residual.len(), rows * o)?;
-        if dev.matmul_mode() != MatmulMode::Bf16 || self.bias.is_some() {
-            self.forward(dev, hooks, x, y, rows, scratch)?;
-            return Ok(dev.add(residual, y)?);
-        }
         check_len("linear input", x.len(), rows * i)?;
         check_len("linear output", y.len(), rows * o)?;
-        let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
-        check_len("linear weight", w.len(), o * i)?;
-        Ok(dev.matmul_add(x, w, residual, y, &spec(rows, o, i, false, true, false))?)
+        if let Some(r) = residual {
+            check_len("linear residual", r.len(), rows * o)?;
+        }
+        // The residual still to add after the product (and the bias).
+        let mut pending = residual;
+        if dev.matmul_mode() == MatmulMode::Mxfp8 {
+            // Y = X·Wᵀ: the rowwise copies of X and W.
+            let w = weight_mx(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+            let xa = float_arg(x, MxLayout::Rowwise);
+            dev.matmul_mx(xa, w, y, &mx_spec(rows, o, i, false))?;
+        } else {
+            let w = weight_operand(dev, hooks, self.weight, Usage::Forward, scratch.param)?;
+            check_len("linear weight", w.len(), o * i)?;
+            let sp = spec(rows, o, i, false, true, false);
+            match residual {
+                Some(r) if self.bias.is_none() => {
+                    dev.matmul_add(x, w, r, y, &sp)?;
+                    pending = None;
+                }
+                _ => dev.matmul(x, w, y, &sp)?,
+            }
+        }
+        if let Some(pb) = self.bias {
+            let b = load_f32(dev, hooks, pb, Usage::Forward, scratch.param)?;
+            check_len("linear bias", b.len(), o)?;
+            dev.add_bias(y, b)?;
+        }
+        if let Some(r) = pending {
+            dev.add(r, y)?;
+        }
+        Ok(())
     }
 
     /// The backward of [`Linear::forward`] given `dy[rows, out]` and the forward's input `x`:

@@ -60,8 +60,7 @@ impl SwiGlu {
         acts: SwiGluActs,
         scratch: Scratch,
     ) -> Result<()> {
-        self.activations(dev, hooks, x, rows, acts, scratch)?;
-        self.down.forward(dev, hooks, acts.act, out, rows, scratch)
+        self.forward_with(dev, hooks, x, None, out, rows, acts, scratch)
     }
 
     /// `out = down(silu(gate(x)) · up(x)) + residual`: the bits of [`SwiGlu::forward`] and an
@@ -79,9 +78,25 @@ impl SwiGlu {
         acts: SwiGluActs,
         scratch: Scratch,
     ) -> Result<()> {
+        self.forward_with(dev, hooks, x, Some(residual), out, rows, acts, scratch)
+    }
+
+    /// The forward, `+ residual` where one is given.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_with(
+        &self,
+        dev: &mut Device,
+        hooks: &mut dyn Hooks,
+        x: View,
+        residual: Option<View>,
+        out: View,
+        rows: usize,
+        acts: SwiGluActs,
+        scratch: Scratch,
+    ) -> Result<()> {
         self.activations(dev, hooks, x, rows, acts, scratch)?;
         self.down
-            .forward_add(dev, hooks, acts.act, residual, out, rows, scratch)
+            .forward_with(dev, hooks, acts.act, residual, out, rows, scratch)
     }
 
     /// The forward's first three ops alone: `acts` from `x [rows, dim]` (gate's and up's weights

@@ -16,9 +16,9 @@ const THREADS: u32 = 128;
 /// Query and key rows per block (`FA_BM`, `FA_BN`).
 const BLOCK: usize = 64;
 
-/// The backward's kernel names of one head size, each with its dynamic shared memory bytes, from the tile
-/// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the streamed side
-/// double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
+/// The backward's kernel names of one head size, each with its dynamic shared memory bytes,
+/// from the tile shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the
+/// streamed side double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
 struct Kernels {
     dq: (&'static str, u32),
     dkv: (&'static str, u32),
@@ -26,15 +26,22 @@ struct Kernels {
 
 /// The forward of `head_dim` with `tiles` m16 tiles of query rows per warp (1 or 2: 64- or
 /// 128-row blocks) and its dynamic shared memory: Q's block + 2·(K, V).
-fn forward(head_dim: usize, tiles: usize) -> (&'static str, u32) {
+fn forward(head_dim: usize, tiles: usize) -> Result<(&'static str, u32)> {
     let name = match (head_dim, tiles) {
         (64, 1) => "flash_fwd_hd64",
         (64, _) => "flash_fwd_hd64_m2",
-        (_, 1) => "flash_fwd_hd128",
-        _ => "flash_fwd_hd128_m2",
+        (128, 1) => "flash_fwd_hd128",
+        (128, _) => "flash_fwd_hd128_m2",
+        (d, _) => return Err(no_kernel(d)),
     };
     let rows = tiles * BLOCK + 4 * BLOCK;
-    (name, (rows * (head_dim + 8) * 2) as u32)
+    Ok((name, (rows * (head_dim + 8) * 2) as u32))
+}
+
+fn no_kernel(head_dim: usize) -> DeviceError {
+    DeviceError::Unsupported(format!(
+        "flash attention: head_dim {head_dim} has no kernel (64 and 128 have)"
+    ))
 }
 
 fn kernels(head_dim: usize) -> Result<Kernels> {
@@ -54,9 +61,7 @@ fn kernels(head_dim: usize) -> Result<Kernels> {
                 tile(2 * BLOCK + 4 * 32, 128) + 4 * 32 * 4,
             ),
         }),
-        d => Err(DeviceError::Unsupported(format!(
-            "flash attention: head_dim {d} has no kernel (64 and 128 have)"
-        ))),
+        d => Err(no_kernel(d)),
     }
 }
 
@@ -146,18 +151,17 @@ impl CudaDevice {
         const WHAT: &str = "flash_attention";
         let ([q, k, v], [out, lse]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
-        // Refuses a head size with no kernel.
-        kernels(s.head_dim)?;
-        if s.batch == 0 || s.seq == 0 {
-            return Ok(());
-        }
         // Measured on one H200 (crates/lowbit-kernels/NOTES.md): two tiles pay at d128
         // (183 vs 141 TFLOP/s at 2×4096) but not at d64 (142 vs 147 at 8×2048).
         let tiles = match (self.fast.flash_fwd_tiles, s.head_dim) {
             (1, _) | (0, 64) => 1,
             _ => 2,
         };
-        let (fwd, smem) = forward(s.head_dim, tiles);
+        // Refuses a head size with no kernel, even for an empty batch.
+        let (fwd, smem) = forward(s.head_dim, tiles)?;
+        if s.batch == 0 || s.seq == 0 {
+            return Ok(());
+        }
         let mut grid = grid(WHAT, s.seq, s.batch * s.heads)?;
         grid.0 = grid.0.div_ceil(tiles as u32);
         let (qn, kn) = (ins[0].len(), ins[1].len());
