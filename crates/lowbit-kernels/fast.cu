@@ -98,10 +98,13 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // The loss is -((x_t - mx) - ln32(s)). With `grad`, pass 2 reads the row again and writes
 // c (e_j / s - [j = t]) with the exact e_j = exp32(x_j - mx) (`fast_exp`: expf instead) and
 // the exact division. Bad target: loss NaN, the gradient row NaN, the error word set.
+// With `y` (a bf16 row), the gradient goes there, each element rounded once as `cast` rounds it
+// (RNE, NaN quieted), and x is left as it is: the operand the head's backward products read,
+// without a pass of its own.
 template <bool CTA>
-__device__ __forceinline__ void xent_row(float* x, float t_f, float* loss, u64 r, u64 classes,
-                                         float c, bool grad, bool fast_exp, u64* err,
-                                         float* red_m, float* red_s, u64 g, u64 G) {
+__device__ __forceinline__ void xent_row(float* x, uint16_t* y, float t_f, float* loss, u64 r,
+                                         u64 classes, float c, bool grad, bool fast_exp,
+                                         u64* err, float* red_m, float* red_s, u64 g, u64 G) {
     bool ok = valid_id(t_f, classes);
     u64 t = ok ? (u64)t_f : 0;
     float xt = ok ? x[t] : 0.0f;  // read before pass 2 overwrites the row
@@ -171,15 +174,34 @@ __device__ __forceinline__ void xent_row(float* x, float t_f, float* loss, u64 r
     float4* yv = (float4*)(x + head);
     float nanv = qnan();
 #define XENT_G(v, j) (ok ? __fmul_rn(c, __fsub_rn(__fdiv_rn(fast_exp ? expf(__fsub_rn((v), m)) : exp32(__fsub_rn((v), m)), s), (j) == t ? 1.0f : 0.0f)) : nanv)
-    for (u64 j = g; j < head; j += G) x[j] = XENT_G(x[j], j);
-#define XENT_G4(q, k)                      \
-    {                                      \
-        u64 j = head + 4 * (k);            \
-        q.x = XENT_G(q.x, j);              \
-        q.y = XENT_G(q.y, j + 1);          \
-        q.z = XENT_G(q.z, j + 2);          \
-        q.w = XENT_G(q.w, j + 3);          \
-        yv[k] = q;                         \
+    // bf16 out: four elements as one 8-byte store where the row's body is 8-byte aligned there.
+    bool y8 = y != nullptr && (((u64)(y + head)) & 7) == 0;
+#define XENT_PUT(j, v)                                   \
+    {                                                    \
+        float gv = (v);                                  \
+        if (y) y[j] = f32_to_bf16_bits(gv); else x[j] = gv; \
+    }
+    for (u64 j = g; j < head; j += G) XENT_PUT(j, XENT_G(x[j], j));
+#define XENT_G4(q, k)                                                              \
+    {                                                                              \
+        u64 j = head + 4 * (k);                                                    \
+        q.x = XENT_G(q.x, j);                                                      \
+        q.y = XENT_G(q.y, j + 1);                                                  \
+        q.z = XENT_G(q.z, j + 2);                                                  \
+        q.w = XENT_G(q.w, j + 3);                                                  \
+        if (y8) {                                                                  \
+            uint2 o;                                                               \
+            o.x = (uint32_t)f32_to_bf16_bits(q.x) | ((uint32_t)f32_to_bf16_bits(q.y) << 16); \
+            o.y = (uint32_t)f32_to_bf16_bits(q.z) | ((uint32_t)f32_to_bf16_bits(q.w) << 16); \
+            reinterpret_cast<uint2*>(y + j)[0] = o;                                \
+        } else if (y) {                                                            \
+            y[j] = f32_to_bf16_bits(q.x);                                          \
+            y[j + 1] = f32_to_bf16_bits(q.y);                                      \
+            y[j + 2] = f32_to_bf16_bits(q.z);                                      \
+            y[j + 3] = f32_to_bf16_bits(q.w);                                      \
+        } else {                                                                   \
+            yv[k] = q;                                                             \
+        }                                                                          \
     }
     k = g;
     for (; k + 3 * G < body; k += 4 * G) {
@@ -191,20 +213,23 @@ __device__ __forceinline__ void xent_row(float* x, float t_f, float* loss, u64 r
         XENT_G4(q, k)
     }
 #undef XENT_G4
-    for (u64 j = tail0 + g; j < classes; j += G) x[j] = XENT_G(x[j], j);
+    for (u64 j = tail0 + g; j < classes; j += G) XENT_PUT(j, XENT_G(x[j], j));
+#undef XENT_PUT
 #undef XENT_G
 }
 
 // A CTA per row (rows strided over the grid). `grad` set: the logits are overwritten with
-// their gradient times c. Launch with a whole number of warps, at most 1024 threads.
+// their gradient times c, or it is written into the bf16 `y` (rows·classes) when y is not
+// null. Launch with a whole number of warps, at most 1024 threads.
 extern "C" __global__ void fast_xent_cta(float* x, const float* __restrict__ targets,
                                          float* __restrict__ loss, u64* err, u64 rows,
                                          u64 classes, float c, uint32_t grad,
-                                         uint32_t fast_exp) {
+                                         uint32_t fast_exp, uint16_t* y) {
     __shared__ float red_m[33], red_s[33];
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        xent_row<true>(x + r * classes, targets[r], loss, r, classes, c, grad != 0,
-                       fast_exp != 0, err, red_m, red_s, threadIdx.x, blockDim.x);
+        xent_row<true>(x + r * classes, y ? y + r * classes : nullptr, targets[r], loss, r,
+                       classes, c, grad != 0, fast_exp != 0, err, red_m, red_s, threadIdx.x,
+                       blockDim.x);
         __syncthreads();
     }
 }
@@ -213,11 +238,12 @@ extern "C" __global__ void fast_xent_cta(float* x, const float* __restrict__ tar
 extern "C" __global__ void fast_xent_warp(float* x, const float* __restrict__ targets,
                                           float* __restrict__ loss, u64* err, u64 rows,
                                           u64 classes, float c, uint32_t grad,
-                                          uint32_t fast_exp) {
+                                          uint32_t fast_exp, uint16_t* y) {
     u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     for (u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        xent_row<false>(x + r * classes, targets[r], loss, r, classes, c, grad != 0,
-                        fast_exp != 0, err, nullptr, nullptr, threadIdx.x & 31, 32);
+        xent_row<false>(x + r * classes, y ? y + r * classes : nullptr, targets[r], loss, r,
+                        classes, c, grad != 0, fast_exp != 0, err, nullptr, nullptr,
+                        threadIdx.x & 31, 32);
     }
 }
 

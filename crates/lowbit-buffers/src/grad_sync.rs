@@ -407,7 +407,8 @@ impl DataParallelBuffers {
         } else {
             (src, bucket)
         };
-        if let Some(f) = factor {
+        // A factor of exactly 1 (one rank) changes no bit: its pass over the bucket is skipped.
+        if let Some(f) = factor.filter(|&f| f != 1.0) {
             dev.scale(src, f)?;
         }
         let buf = &self.buffers[b];

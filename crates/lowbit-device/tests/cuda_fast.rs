@@ -163,6 +163,61 @@ fn cross_entropy_rows_within_tolerance_of_f64() {
     assert!(worst_all.0 <= 1.0 && worst_all.1 <= 1.0, "{worst_all:?}");
 }
 
+/// `cross_entropy_rows_bf16_grad`: the losses and the bf16 gradient are exactly the in-place
+/// op's followed by a cast (rows of both kernels, edge rows, unaligned starts), on the fast and
+/// the exact CUDA paths, and the fast kernel leaves the logits as they were.
+#[test]
+fn the_bf16_logits_gradient_is_the_in_place_one_cast() {
+    for mode in [MatmulMode::Bf16, MatmulMode::Exact] {
+        let mut g = gpu();
+        g.set_matmul_mode(mode);
+        for (rows, classes, off) in [(9, 50_304, 0), (5, 50_305, 1), (7, 300, 3), (6, 4099, 2)] {
+            let x = logits(rows, classes, 8.0, 7, true);
+            let t: Vec<f32> = (0..rows)
+                .map(|r| ((r * 7919 + 13) % classes) as f32)
+                .collect();
+            let (want_l, want_g) = fast_xent(&mut g, &x, &t, Some(0.37));
+            let buf = g.alloc(DType::F32, x.len() + off);
+            let xv = buf.slice(off..off + x.len()).unwrap();
+            g.upload(xv, &x).unwrap();
+            let (tv, lv) = (up(&mut g, &t), g.alloc(DType::F32, rows));
+            let yb = g.alloc(DType::Bf16, x.len() + off);
+            let yv = yb.slice(off..off + x.len()).unwrap();
+            g.cross_entropy_rows_bf16_grad(xv, tv, lv, 0.37, yv)
+                .unwrap();
+            let want_bf: Vec<u16> = want_g
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let got_bf: Vec<u16> = g
+                .download::<half::bf16>(yv)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let what = format!("{mode:?} {rows}x{classes} +{off}");
+            assert_eq!(bits(&down(&g, lv)), bits(&want_l), "losses {what}");
+            assert_eq!(got_bf, want_bf, "bf16 gradient {what}");
+            if mode == MatmulMode::Bf16 {
+                assert_eq!(bits(&down(&g, xv)), bits(&x), "logits kept {what}");
+            }
+            for v in [buf, tv, lv, yb] {
+                g.free(v).unwrap();
+            }
+        }
+        let (x, t, l, y) = (
+            g.alloc(DType::F32, 8),
+            g.alloc(DType::F32, 2),
+            g.alloc(DType::F32, 2),
+            g.alloc(DType::F32, 8),
+        );
+        assert!(
+            g.cross_entropy_rows_bf16_grad(x, t, l, 1.0, y).is_err(),
+            "f32 dlogits"
+        );
+    }
+}
+
 #[test]
 fn cross_entropy_and_embedding_report_bad_ids_at_the_next_read() {
     let mut g = fast_gpu();
@@ -572,6 +627,19 @@ fn bandwidth() {
                     g.cross_entropy_rows(lg, tv, lv, Some(1e-4)).unwrap()
                 });
                 report(&mut g, &format!("xent+grad {m}"), &shape, 8 * xr * vocab, t);
+                let yb = g.alloc(DType::Bf16, xr * vocab);
+                let t = us(&mut g, |g| {
+                    g.cross_entropy_rows_bf16_grad(lg, tv, lv, 1e-4, yb)
+                        .unwrap()
+                });
+                report(
+                    &mut g,
+                    &format!("xent+bf16 grad {m}"),
+                    &shape,
+                    6 * xr * vocab,
+                    t,
+                );
+                g.free(yb).unwrap();
                 if mode == MatmulMode::Bf16 {
                     // The variants (`Device::set_cuda_kernel_variant`), then the defaults again.
                     for (exp, threads) in [(1, 512), (0, 1024), (0, 256), (1, 1024)] {

@@ -36,6 +36,9 @@ float shfl_buf[32][32];
 struct float4 {
     float x, y, z, w;
 };
+struct uint2 {
+    uint32_t x, y;
+};
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline void __syncthreads() { pthread_barrier_wait(&bar); }
 static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
@@ -116,12 +119,40 @@ static void xent(unsigned rows, unsigned classes, unsigned off, bool cta, unsign
     float c = 0.37f;
     if (cta)
         launch(rows < 3 ? rows : 3, {threads, 1, 1}, [&] {
-            fast_xent_cta(x, t.data(), loss.data(), &err, rows, classes, c, grad, 0);
+            fast_xent_cta(x, t.data(), loss.data(), &err, rows, classes, c, grad, 0, nullptr);
         });
     else
         launch(1, {64, 1, 1}, [&] {
-            fast_xent_warp(x, t.data(), loss.data(), &err, rows, classes, c, grad, 0);
+            fast_xent_warp(x, t.data(), loss.data(), &err, rows, classes, c, grad, 0, nullptr);
         });
+    // The bf16 gradient output (at an offset `off` of 2-byte elements, so also misaligned for
+    // the 8-byte stores): each element the in-place gradient rounded as `cast` rounds it, the
+    // logits untouched, the losses the same bits.
+    if (grad) {
+        // The logits at the same float offset as above: the row heads, so the sums, are the same.
+        std::vector<float> xbuf(rows * classes + off + 4), loss2(rows, -7.0f);
+        float* xb = xbuf.data() + off;
+        std::copy(x0.begin(), x0.end(), xb);
+        std::vector<uint16_t> yb(rows * classes + off + 4, 0xABCD);
+        uint16_t* y = yb.data() + off;
+        unsigned long long err2 = ~0ull;
+        if (cta)
+            launch(rows < 3 ? rows : 3, {threads, 1, 1}, [&] {
+                fast_xent_cta(xb, t.data(), loss2.data(), &err2, rows, classes, c, 1, 0, y);
+            });
+        else
+            launch(1, {64, 1, 1}, [&] {
+                fast_xent_warp(xb, t.data(), loss2.data(), &err2, rows, classes, c, 1, 0, y);
+            });
+        for (size_t i = 0; i < (size_t)rows * classes; ++i) {
+            check(y[i] == f32_to_bf16_bits(x[i]), "xent bf16 grad", (long)i, y[i], f32_to_bf16_bits(x[i]));
+            check(memcmp(&xb[i], &x0[i], 4) == 0, "xent bf16: logits untouched", (long)i, xb[i], x0[i]);
+        }
+        for (unsigned r = 0; r < rows; ++r)
+            check(memcmp(&loss2[r], &loss[r], 4) == 0, "xent bf16: same losses", r, loss2[r], loss[r]);
+        for (unsigned i = 0; i < off; ++i) check(yb[i] == 0xABCD, "xent bf16 before the view", i, yb[i], 0);
+        check(err2 == err, "xent bf16 error word", 0, (double)(err2 >> 32), (double)(err >> 32));
+    }
     for (unsigned r = 0; r < rows; ++r) {
         const float* xr = x0.data() + (size_t)r * classes;
         unsigned ti = (unsigned)t[r];

@@ -136,11 +136,13 @@ fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize, r: Recompute) -> Opt
             s.push(act(a)?);
         }
     }
-    // Final norm; backward buffers; the loss's; the layers' scratch; the tied head's gradient.
+    // Final norm; backward buffers; the loss's (logits, losses, two head copies, the bf16
+    // logits gradient); the layers' scratch; the tied head's gradient.
     s.extend([rd, rows, rd, rd, rd, rq, rq, rk, rk, rf, rf]);
     let chunk = chunk_rows(cfg, rows);
     let biggest = params::params_max_numel(cfg);
-    s.extend([chunk.checked_mul(v)?, rows, vd, vd, biggest, biggest]);
+    let cv = chunk.checked_mul(v)?;
+    s.extend([cv, rows, vd, vd, cv.div_ceil(2), biggest, biggest]);
     if cfg.tied {
         s.push(vd);
     }
@@ -304,6 +306,12 @@ impl Llama {
             losses: a.take(rows)?,
             weight_fwd: a.take(v * d)?,
             weight_bwd: a.take(v * d)?,
+            // One chunk's logits gradient in bf16, in f32 words.
+            dlogits: Some(
+                a.take((chunk * v).div_ceil(2))?
+                    .reinterpret(DType::Bf16)?
+                    .slice(0..chunk * v)?,
+            ),
         };
         let biggest = params::params_max_numel(cfg);
         let scratch = Scratch {

@@ -104,7 +104,7 @@ fn activation_bytes_is_what_new_allocates() {
         model.free(&mut dev).unwrap();
         assert_eq!(dev.allocated_bytes(), before);
     }
-    // The 1B preset's chunk keeps its logits within 64 MiB.
+    // The 1B preset's size is computed; an absurd batch overflows into an error.
     let c = presets::llama_1b();
     let bytes = Llama::activation_bytes(&c, 1, 2048).unwrap();
     assert!(bytes > 0);

@@ -384,7 +384,7 @@ impl Device {
         check_len(WHAT, losses.len(), rows)?;
         let classes = rows_of(WHAT, logits.len(), rows)?;
         on_fast_cuda!(self, g => g
-            .fast_cross_entropy_rows([logits, targets, losses], classes, grad)
+            .fast_cross_entropy_rows([logits, targets, losses], classes, grad, None)
             .map(|()| true));
         let t = int_ids(WHAT, "target", &self.read_f32(targets)?, classes)?;
         on_cuda!(self, g => g.cross_entropy_rows([logits, targets, losses], classes, grad));
@@ -409,6 +409,43 @@ impl Device {
                 Ok(())
             }),
         }
+    }
+}
+
+impl Device {
+    /// [`Device::cross_entropy_rows`] with `grad = Some(c)`, the gradient rounded once to bf16
+    /// (RNE, as [`Device::cast`] rounds) into `dlogits` (bf16, `rows·classes`, overlapping no
+    /// other view) instead of over the logits: the operand a bf16 product of the head's backward
+    /// reads, which would round the f32 gradient the same way. The losses and `dlogits` are
+    /// exactly those of `cross_entropy_rows` followed by a cast. The logits are consumed: the
+    /// fast CUDA kernel leaves them as they were, every other path computes the f32 gradient
+    /// over them first (so their contents afterwards are not part of the contract).
+    pub fn cross_entropy_rows_bf16_grad(
+        &mut self,
+        logits: View,
+        targets: View,
+        losses: View,
+        c: f32,
+        dlogits: View,
+    ) -> Result<()> {
+        const WHAT: &str = "cross_entropy_rows_bf16_grad";
+        all_f32(WHAT, &[logits, targets, losses])?;
+        check_dtype(WHAT, dlogits, DType::Bf16)?;
+        check_len(WHAT, dlogits.len(), logits.len())?;
+        let rows = targets.len();
+        check_len(WHAT, losses.len(), rows)?;
+        let classes = rows_of(WHAT, logits.len(), rows)?;
+        if [logits, targets, losses]
+            .iter()
+            .any(|v| v.overlaps(&dlogits))
+        {
+            return Err(invalid(WHAT, "dlogits overlaps an input or the losses"));
+        }
+        on_fast_cuda!(self, g => g
+            .fast_cross_entropy_rows([logits, targets, losses], classes, Some(c), Some(dlogits))
+            .map(|()| true));
+        self.cross_entropy_rows(logits, targets, losses, Some(c))?;
+        self.cast(logits, dlogits)
     }
 }
 

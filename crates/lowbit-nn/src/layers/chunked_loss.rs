@@ -40,6 +40,11 @@ pub struct LossScratch {
     pub weight_fwd: View,
     /// At least `vocab·dim`: the weight fetched with [`Usage::Backward`], as f32.
     pub weight_bwd: View,
+    /// bf16, at least `chunk_rows·vocab` (optional): in a fast mode each chunk's logits
+    /// gradient is written here rounded once to bf16 ([`Device::cross_entropy_rows_bf16_grad`]),
+    /// the operand both backward products would round it to, which saves their two casts of
+    /// the f32 gradient. The same bits as without it.
+    pub dlogits: Option<View>,
 }
 
 fn spec(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, acc: bool) -> MatmulSpec {
@@ -194,7 +199,17 @@ impl ChunkedCrossEntropy {
             let logits = work.logits.slice(0..n * v)?;
             dev.matmul(xc, wf, logits, &spec(n, v, d, false, true, false))?;
             let (t, l) = (targets.slice(r0..r0 + n)?, work.losses.slice(r0..r0 + n)?);
-            dev.cross_entropy_rows(logits, t, l, Some(c))?;
+            let g = match work.dlogits {
+                Some(b) if dev.matmul_mode().is_fast() && b.len() >= n * v => {
+                    let b = b.slice(0..n * v)?;
+                    dev.cross_entropy_rows_bf16_grad(logits, t, l, c, b)?;
+                    b
+                }
+                _ => {
+                    dev.cross_entropy_rows(logits, t, l, Some(c))?;
+                    logits
+                }
+            };
             let w = match wb {
                 Some(w) => w,
                 None => {
@@ -210,8 +225,8 @@ impl ChunkedCrossEntropy {
                 }
             };
             let dxc = dx.slice(r0 * d..(r0 + n) * d)?;
-            dev.matmul(logits, w, dxc, &spec(n, d, v, false, false, false))?;
-            dev.matmul(logits, xc, dw, &spec(v, d, n, true, false, r0 > 0))?;
+            dev.matmul(g, w, dxc, &spec(n, d, v, false, false, false))?;
+            dev.matmul(g, xc, dw, &spec(v, d, n, true, false, r0 > 0))?;
         }
         if head_grad == HeadGrad::Report {
             accumulate(dev, hooks, self.head.weight, dw)?;
@@ -295,6 +310,7 @@ mod tests {
             losses: dev.alloc(DType::F32, ROWS),
             weight_fwd: dev.alloc(DType::F32, V * D),
             weight_bwd: dev.alloc(DType::F32, V * D),
+            dlogits: None,
         }
     }
 
@@ -374,6 +390,13 @@ mod tests {
     /// the device ops.
     #[test]
     fn the_bf16_mode_head_weight_cast_once_changes_no_bit() {
+        for bf16_grad in [false, true] {
+            bf16_mode_case(bf16_grad);
+        }
+    }
+
+    /// The case of the test above, the logits gradient in place or into a bf16 buffer.
+    fn bf16_mode_case(bf16_grad: bool) {
         let (x, w) = inputs();
         let chunk = 3;
         let mut dev = Device::cpu();
@@ -385,7 +408,10 @@ mod tests {
         };
         let (xv, t) = (upload(&mut dev, &x), upload(&mut dev, &T));
         let dx = dev.alloc(DType::F32, ROWS * D);
-        let (wk, s) = (work(&mut dev, chunk), scratch(&mut dev, V * D));
+        let (mut wk, s) = (work(&mut dev, chunk), scratch(&mut dev, V * D));
+        if bf16_grad {
+            wk.dlogits = Some(dev.alloc(DType::Bf16, chunk * V));
+        }
         let l = loss
             .forward_backward(
                 &mut dev,
@@ -400,7 +426,7 @@ mod tests {
                 HeadGrad::Report,
             )
             .unwrap();
-        // The reference: every product on the f32 weight.
+        // The reference: every product on the f32 weight and the f32 gradient.
         let wf = upload(&mut dev, &w);
         let (logits, losses) = (
             dev.alloc(DType::F32, chunk * V),

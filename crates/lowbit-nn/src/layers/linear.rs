@@ -242,8 +242,9 @@ impl Linear {
     /// The backward of [`Linear::forward`] given `dy[rows, out]` and the forward's input `x`:
     /// the bias gradient (column sums of `dy`) accumulated and reported ready, then the weight
     /// gradient `dYᵀ·x` accumulated and reported ready, then the input gradient `dY·W` as `dx`
-    /// asks (the weight fetched again, for the backward). Both gradients pass through
-    /// `scratch.grad`.
+    /// asks (the weight fetched again, for the backward). The bias gradient passes through
+    /// `scratch.grad`; the weight gradient too unless the hooks' gradient is f32, which the
+    /// product then accumulates into directly (same bits), and in [`MatmulMode::Mxfp8`].
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -290,10 +291,21 @@ impl Linear {
                 float_arg(x, MxLayout::Columnwise),
             );
             dev.matmul_mx(a, b, dw, &mx_spec(o, i, rows, false))?;
+            accumulate(dev, hooks, self.weight, dw)?;
         } else {
-            dev.matmul(dy, x, dw, &spec(o, i, rows, true, false, false))?;
+            // dW = dYᵀ·X added straight into an f32 gradient (the product's `C ← C + s` is one
+            // rounding of `old + s`, the bits of `s` into scratch then the add): Megatron's
+            // gradient-accumulation fusion, which saves a pass over dW. Other gradient dtypes
+            // take the scratch and the add.
+            let g = hooks.grad(dev, self.weight)?;
+            if g.dtype() == DType::F32 && g.len() == o * i {
+                dev.matmul(dy, x, g, &spec(o, i, rows, true, false, true))?;
+            } else {
+                dev.matmul(dy, x, dw, &spec(o, i, rows, true, false, false))?;
+                dev.add(dw, g)?;
+            }
+            hooks.grad_ready(dev, self.weight)?;
         }
-        accumulate(dev, hooks, self.weight, dw)?;
         let (dx, add) = match dx {
             InputGrad::Skip => return Ok(()),
             InputGrad::Write(v) => (v, false),

@@ -56,6 +56,10 @@ impl CudaDevice {
     pub(crate) fn scale(&mut self, view: View, alpha: f32) -> Result<()> {
         let ([], [y]) = self.ptrs("scale", [], [view])?;
         let n = view.len();
+        if view.dtype() == DType::F32 && y.is_multiple_of(16) {
+            // SAFETY: the view was validated above: n f32 elements at a 16-byte aligned address.
+            return unsafe { self.launch_n("scale_f32x4", n.div_ceil(4), &args![y, n, alpha]) };
+        }
         // SAFETY: the view was validated above.
         unsafe { self.launch_n("scale", n, &args![y, dt(view.dtype()), n, alpha]) }
     }
@@ -71,6 +75,15 @@ impl CudaDevice {
         let ([xp], [yp]) = self.ptrs(what, [x], [y])?;
         let n = y.len();
         let (a, add) = (alpha.unwrap_or(1.0), u32::from(alpha.is_none()));
+        let f32x4 = [x, y].iter().all(|v| v.dtype() == DType::F32)
+            && xp.is_multiple_of(16)
+            && yp.is_multiple_of(16);
+        if f32x4 {
+            let args = args![xp, yp, n, a, add];
+            // SAFETY: views validated above (n f32 elements each, disjoint), both 16-byte
+            // aligned.
+            return unsafe { self.launch_n("axpy_f32x4", n.div_ceil(4), &args) };
+        }
         let args = args![xp, dt(x.dtype()), yp, dt(y.dtype()), n, a, add];
         // SAFETY: views validated above (same length, float dtypes, disjoint).
         unsafe { self.launch_n("axpy", n, &args) }

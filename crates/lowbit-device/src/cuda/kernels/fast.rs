@@ -159,17 +159,22 @@ impl CudaDevice {
         [logits, targets, losses]: [View; 3],
         classes: usize,
         grad: Option<f32>,
+        dlogits: Option<View>,
     ) -> Result<()> {
         const WHAT: &str = "cross_entropy_rows";
         let rows = targets.len();
-        let (xp, tp, lp) = match grad {
-            Some(_) => {
-                let ([tp], [xp, lp]) = self.ptrs(WHAT, [targets], [logits, losses])?;
-                (xp, tp, lp)
+        let (xp, tp, lp, yp) = match (grad, dlogits) {
+            (Some(_), Some(y)) => {
+                let ([xp, tp], [lp, yp]) = self.ptrs(WHAT, [logits, targets], [losses, y])?;
+                (xp, tp, lp, yp)
             }
-            None => {
+            (Some(_), None) => {
+                let ([tp], [xp, lp]) = self.ptrs(WHAT, [targets], [logits, losses])?;
+                (xp, tp, lp, 0)
+            }
+            (None, _) => {
                 let ([xp, tp], [lp]) = self.ptrs(WHAT, [logits, targets], [losses])?;
-                (xp, tp, lp)
+                (xp, tp, lp, 0)
             }
         };
         if rows == 0 {
@@ -187,12 +192,14 @@ impl CudaDevice {
             classes,
             c,
             u32::from(grad.is_some()),
-            self.fast.xent_fast_exp
+            self.fast.xent_fast_exp,
+            yp
         ];
         if classes < XENT_WARP_BELOW {
             let grid = capped(rows.div_ceil(8), 1 << 16);
-            // SAFETY: views validated above (logits rows·classes, targets and losses rows);
-            // `err` is the live error word; targets are checked in the kernel before use.
+            // SAFETY: views validated above (logits rows·classes, targets and losses rows,
+            // the bf16 gradient, if any, rows·classes and disjoint from them); `err` is the
+            // live error word; targets are checked in the kernel before use.
             unsafe { self.launch("fast_xent_warp", (grid, 1, 1), (256, 1, 1), &args) }
         } else {
             let t = match self.fast.xent_threads {
