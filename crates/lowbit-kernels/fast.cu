@@ -277,11 +277,25 @@ __device__ __forceinline__ void st(float* p, const float* v) {
     }
 }
 
-// y = (x rstd) w, rstd = 1 / sqrt(ss / cols + eps), rows strided over the grid.
+// W values as bf16 (RNE, as `cast` rounds): one 8-byte store for W = 4.
+template <int W>
+__device__ __forceinline__ void st_bf16(uint16_t* p, const float* v) {
+    if (W == 4) {
+        uint2 o;
+        o.x = (uint32_t)f32_to_bf16_bits(v[0]) | ((uint32_t)f32_to_bf16_bits(v[1]) << 16);
+        o.y = (uint32_t)f32_to_bf16_bits(v[2]) | ((uint32_t)f32_to_bf16_bits(v[3]) << 16);
+        *(uint2*)p = o;
+    } else {
+        p[0] = f32_to_bf16_bits(v[0]);
+    }
+}
+
+// y = (x rstd) w, rstd = 1 / sqrt(ss / cols + eps), rows strided over the grid; y f32, or bf16
+// (`ybf16`: each value rounded once, the operand a bf16 GEMM would cast it to).
 template <int NV, int W, int T>
 __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ y, float* __restrict__ rstd, u64 rows,
-                                        u64 cols, float eps) {
+                                        void* __restrict__ y, float* __restrict__ rstd, u64 rows,
+                                        u64 cols, float eps, bool ybf16) {
     __shared__ float red[32];
     float wr[NV * W];
 #pragma unroll
@@ -312,7 +326,10 @@ __device__ __forceinline__ void rms_fwd(const float* __restrict__ x, const float
                 float o[W];
 #pragma unroll
                 for (int k = 0; k < W; ++k) o[k] = __fmul_rn(__fmul_rn(v[i * W + k], rs), wr[i * W + k]);
-                st<W>(y + r * cols + c0, o);
+                if (ybf16)
+                    st_bf16<W>((uint16_t*)y + r * cols + c0, o);
+                else
+                    st<W>((float*)y + r * cols + c0, o);
             }
         }
     }
@@ -383,9 +400,9 @@ __device__ __forceinline__ void rms_bwd(const float* __restrict__ x, const float
 
 #define RMS_ENTRY(NV, W, T, SUF)                                                               \
     extern "C" __global__ void __launch_bounds__(T) fast_rms_fwd_##SUF(                        \
-        const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,       \
-        float* __restrict__ rstd, u64 rows, u64 cols, float eps) {                             \
-        rms_fwd<NV, W, T>(x, w, y, rstd, rows, cols, eps);                                     \
+        const float* __restrict__ x, const float* __restrict__ w, void* __restrict__ y,        \
+        float* __restrict__ rstd, u64 rows, u64 cols, float eps, uint32_t ybf16) {             \
+        rms_fwd<NV, W, T>(x, w, y, rstd, rows, cols, eps, ybf16 != 0);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(T) fast_rms_bwd_##SUF(                        \
         const float* __restrict__ x, const float* __restrict__ w,                              \
@@ -470,18 +487,28 @@ __device__ __forceinline__ float swiglu1(float g, float u) {
     return __fmul_rn(__fmul_rn(g, sigmoid32(g)), u);
 }
 
-// llm_swiglu with float4 loads: n elements, 16-byte aligned views; the n % 4 tail scalar.
+// llm_swiglu with float4 loads: n elements, 16-byte aligned views; the n % 4 tail scalar. `out`
+// f32, or bf16 (`obf16`: each value rounded once, as `cast` rounds).
 extern "C" __global__ void fast_swiglu4(const float* __restrict__ gate,
-                                        const float* __restrict__ up, float* __restrict__ out,
-                                        u64 n) {
+                                        const float* __restrict__ up, void* __restrict__ out,
+                                        u64 n, uint32_t obf16) {
     u64 n4 = n / 4;
     GRID_STRIDE(k, n4) {
         float4 g = ((const float4*)gate)[k], u = ((const float4*)up)[k];
-        ((float4*)out)[k] =
-            make_float4(swiglu1(g.x, u.x), swiglu1(g.y, u.y), swiglu1(g.z, u.z), swiglu1(g.w, u.w));
+        float o[4] = {swiglu1(g.x, u.x), swiglu1(g.y, u.y), swiglu1(g.z, u.z), swiglu1(g.w, u.w)};
+        if (obf16)
+            st_bf16<4>((uint16_t*)out + 4 * k, o);
+        else
+            st<4>((float*)out + 4 * k, o);
     }
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < n - 4 * n4) out[4 * n4 + t] = swiglu1(gate[4 * n4 + t], up[4 * n4 + t]);
+    if (t < n - 4 * n4) {
+        float o = swiglu1(gate[4 * n4 + t], up[4 * n4 + t]);
+        if (obf16)
+            ((uint16_t*)out)[4 * n4 + t] = f32_to_bf16_bits(o);
+        else
+            ((float*)out)[4 * n4 + t] = o;
+    }
 }
 
 // llm_swiglu_backward with float4 loads (as fast_swiglu4).
@@ -492,27 +519,38 @@ __device__ __forceinline__ void swiglu_bwd1(float g, float u, float d, float& dg
     dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), sg), slope);
 }
 
+// `dup` f32, or bf16 (`dbf16`: each value rounded once, as `cast` rounds: up's backward
+// products read it as bf16).
 extern "C" __global__ void fast_swiglu_bwd4(const float* __restrict__ gate,
                                             const float* __restrict__ up,
                                             const float* __restrict__ dout,
-                                            float* __restrict__ dgate, float* __restrict__ dup,
-                                            u64 n) {
+                                            float* __restrict__ dgate, void* __restrict__ dup,
+                                            u64 n, uint32_t dbf16) {
     u64 n4 = n / 4;
     GRID_STRIDE(k, n4) {
         float4 g = ((const float4*)gate)[k], u = ((const float4*)up)[k];
         float4 d = ((const float4*)dout)[k];
-        float4 dg, du;
-        swiglu_bwd1(g.x, u.x, d.x, dg.x, du.x);
-        swiglu_bwd1(g.y, u.y, d.y, dg.y, du.y);
-        swiglu_bwd1(g.z, u.z, d.z, dg.z, du.z);
-        swiglu_bwd1(g.w, u.w, d.w, dg.w, du.w);
+        float4 dg;
+        float du[4];
+        swiglu_bwd1(g.x, u.x, d.x, dg.x, du[0]);
+        swiglu_bwd1(g.y, u.y, d.y, dg.y, du[1]);
+        swiglu_bwd1(g.z, u.z, d.z, dg.z, du[2]);
+        swiglu_bwd1(g.w, u.w, d.w, dg.w, du[3]);
         ((float4*)dgate)[k] = dg;
-        ((float4*)dup)[k] = du;
+        if (dbf16)
+            st_bf16<4>((uint16_t*)dup + 4 * k, du);
+        else
+            st<4>((float*)dup + 4 * k, du);
     }
     u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n - 4 * n4) {
         u64 i = 4 * n4 + t;
-        swiglu_bwd1(gate[i], up[i], dout[i], dgate[i], dup[i]);
+        float du;
+        swiglu_bwd1(gate[i], up[i], dout[i], dgate[i], du);
+        if (dbf16)
+            ((uint16_t*)dup)[i] = f32_to_bf16_bits(du);
+        else
+            ((float*)dup)[i] = du;
     }
 }
 

@@ -89,24 +89,26 @@ __device__ __forceinline__ float sigmoid32(float g) {
 }
 
 // out = (g sg) u.
+// out of dtype code od (f32 or bf16: the f32 value rounded once).
 extern "C" __global__ void llm_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                      float* __restrict__ out, u64 n) {
+                                      uint8_t* __restrict__ out, u64 n, uint32_t od) {
     GRID_STRIDE(i, n) {
         float g = gate[i];
-        out[i] = __fmul_rn(__fmul_rn(g, sigmoid32(g)), up[i]);
+        store(out, od, i, __fmul_rn(__fmul_rn(g, sigmoid32(g)), up[i]));
     }
 }
 
 // dup = d (g sg); dgate = ((d u) sg) (1 + g (1 - sg)).
+// dup of dtype code dud (f32 or bf16: the f32 value rounded once).
 extern "C" __global__ void llm_swiglu_backward(const float* __restrict__ gate,
                                                const float* __restrict__ up,
                                                const float* __restrict__ dout,
-                                               float* __restrict__ dgate, float* __restrict__ dup,
-                                               u64 n) {
+                                               float* __restrict__ dgate, uint8_t* __restrict__ dup,
+                                               u64 n, uint32_t dud) {
     GRID_STRIDE(i, n) {
         float g = gate[i], u = up[i], d = dout[i];
         float sg = sigmoid32(g);
-        dup[i] = __fmul_rn(d, __fmul_rn(g, sg));
+        store(dup, dud, i, __fmul_rn(d, __fmul_rn(g, sg)));
         float slope = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg)));
         dgate[i] = __fmul_rn(__fmul_rn(__fmul_rn(d, u), sg), slope);
     }

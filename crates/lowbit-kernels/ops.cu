@@ -745,10 +745,11 @@ extern "C" __global__ void rms_norm_rstd(const float* __restrict__ x, float* __r
 }
 
 // y = (x * rstd[row]) * weight[col].
+// y of dtype code yd (f32 or bf16: the f32 value rounded once).
 extern "C" __global__ void rms_norm_apply(const float* __restrict__ x, const float* __restrict__ w,
-                                          const float* __restrict__ rstd, float* __restrict__ y,
-                                          u64 n, u64 cols) {
-    GRID_STRIDE(i, n) y[i] = __fmul_rn(__fmul_rn(x[i], rstd[i / cols]), w[i % cols]);
+                                          const float* __restrict__ rstd, uint8_t* __restrict__ y,
+                                          u64 n, u64 cols, uint32_t yd) {
+    GRID_STRIDE(i, n) store(y, yd, i, __fmul_rn(__fmul_rn(x[i], rstd[i / cols]), w[i % cols]));
 }
 
 // mean[r] = (sum_j g_j * xhat_j in index order) / cols, g = dy * w, xhat = x * rstd.

@@ -86,10 +86,12 @@ impl LlamaRun {
     }
 
     /// One rank's activation memory under `cfg` (its microbatch rows and recompute level), the
-    /// closed form of [`Llama::activation_bytes_with`]; `None` where it overflows.
+    /// closed form of [`Llama::activation_bytes_in`] in its compute mode; `None` where it
+    /// overflows.
     pub fn activation_bytes(&self, cfg: &TrainConfig) -> Option<usize> {
         let rows = cfg.rows().max(1);
-        Llama::activation_bytes_with(&self.config, rows, self.seq, cfg.recompute).ok()
+        let mode = cfg.compute.matmul_mode();
+        Llama::activation_bytes_in(&self.config, rows, self.seq, cfg.recompute, mode).ok()
     }
 
     /// Every parameter, in forward order, as the loop describes them.

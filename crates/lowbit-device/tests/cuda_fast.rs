@@ -386,6 +386,46 @@ fn rms_norm_non_finite_rows_as_the_exact_op() {
     }
 }
 
+/// RMSNorm into a bf16 `y` is the f32 `y` rounded once (the same rstd), on the fast and the
+/// exact CUDA paths, aligned (float4 entries) and not.
+#[test]
+fn rms_norm_into_bf16_is_the_f32_output_rounded() {
+    for mode in [MatmulMode::Bf16, MatmulMode::Exact] {
+        let mut g = gpu();
+        g.set_matmul_mode(mode);
+        for (rows, cols, pad) in [(37usize, 2048usize, 0usize), (5, 768, 1), (3, 1001, 0)] {
+            let n = rows * cols;
+            let xb = g.alloc(DType::F32, n + pad);
+            let x = xb.slice(pad..pad + n).unwrap();
+            g.upload(x, &logits(rows, cols, 3.0, 9, false)).unwrap();
+            let w = up(&mut g, &logits(1, cols, 1.5, 10, false));
+            let (y, r1, r2) = (
+                g.alloc(DType::F32, n),
+                g.alloc(DType::F32, rows),
+                g.alloc(DType::F32, rows),
+            );
+            let yh = g.alloc(DType::Bf16, n);
+            g.rms_norm(x, w, y, r1, 1e-5).unwrap();
+            g.rms_norm(x, w, yh, r2, 1e-5).unwrap();
+            let want: Vec<u16> = down(&g, y)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let got: Vec<u16> = g
+                .download::<half::bf16>(yh)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            assert_eq!(got, want, "{mode:?} {rows}x{cols}+{pad}: y");
+            assert_eq!(bits(&down(&g, r1)), bits(&down(&g, r2)), "rstd");
+            for v in [xb, w, y, r1, r2, yh] {
+                g.free(v).unwrap();
+            }
+        }
+    }
+}
+
 /// Runs `f` on the CPU and on the fast GPU (twice) and asserts identical bytes of `outs(f)`
 /// (NaN matches NaN).
 fn same_bytes(name: &str, f: impl Fn(&mut Device) -> Vec<Vec<f32>>) {
@@ -455,7 +495,23 @@ fn rope_swiglu_and_embedding_give_the_exact_bytes() {
             let (o, dg, du) = (buf(dev, 4), buf(dev, 5), buf(dev, 6));
             dev.swiglu(gt, u, o).unwrap();
             dev.swiglu_backward(gt, u, d, dg, du).unwrap();
-            vec![down(dev, o), down(dev, dg), down(dev, du)]
+            // The bf16 outputs (the product, dup): the same values rounded once.
+            let half = |dev: &mut Device| dev.alloc(DType::Bf16, n + pad).slice(pad..pad + n);
+            let (ob, dgb, dub) = (half(dev).unwrap(), buf(dev, 7), half(dev).unwrap());
+            dev.swiglu(gt, u, ob).unwrap();
+            dev.swiglu_backward(gt, u, d, dgb, dub).unwrap();
+            let wide = |dev: &Device, v: View| -> Vec<f32> {
+                let h = dev.download::<half::bf16>(v).unwrap();
+                h.iter().map(|x| x.to_f32()).collect()
+            };
+            vec![
+                down(dev, o),
+                down(dev, dg),
+                down(dev, du),
+                wide(dev, ob),
+                down(dev, dgb),
+                wide(dev, dub),
+            ]
         });
     }
     for (rows, vocab, dim, dtype) in [

@@ -208,12 +208,14 @@ static void rms(unsigned rows, unsigned cols, unsigned off, bool vec, int nv) {
     float eps = 1e-5f;
     unsigned grid = rows < 5 ? rows : 5;
 #define RMS_CALL(SUF)                                                                      \
-    launch(grid, {RMS_T, 1, 1}, [&] { fast_rms_fwd_##SUF(x, w.data(), y.data(), rs.data(), rows, cols, eps); }); \
+    launch(grid, {RMS_T, 1, 1}, [&] { fast_rms_fwd_##SUF(x, w.data(), y.data(), rs.data(), rows, cols, eps, 0); }); \
+    launch(grid, {RMS_T, 1, 1}, [&] { fast_rms_fwd_##SUF(x, w.data(), yh.data(), rs2.data(), rows, cols, eps, 1); }); \
     launch(nb, {RMS_T, 1, 1}, [&] {                                                        \
         fast_rms_bwd_##SUF(x, w.data(), rs.data(), dy, dx.data(), part.data(), rows, cols, rb); \
     });
     unsigned rb = (rows + 6) / 7, nb = (rows + rb - 1) / rb;
-    std::vector<float> part((size_t)nb * cols, NAN);
+    std::vector<float> part((size_t)nb * cols, NAN), rs2(rows);
+    std::vector<uint16_t> yh(rows * cols, 0xABCD);  // the bf16 output
     if (vec && nv < 0) {
 #undef RMS_T
 #define RMS_T 128
@@ -250,6 +252,10 @@ static void rms(unsigned rows, unsigned cols, unsigned off, bool vec, int nv) {
         }
     }
     for (unsigned j = 0; j < cols; ++j) check(fabs(dw[j] - dw64[j]) <= 1e-5 * mag[j] + 1e-30, "rms dw", j, dw[j], dw64[j]);
+    // The bf16 output is the f32 one rounded (as `cast` rounds it), the same rstd.
+    for (size_t i = 0; i < (size_t)rows * cols; ++i)
+        check(yh[i] == f32_to_bf16_bits(y[i]), "rms bf16 y", (long)i, yh[i], f32_to_bf16_bits(y[i]));
+    for (unsigned r = 0; r < rows; ++r) check(memcmp(&rs[r], &rs2[r], 4) == 0, "rms bf16 rstd", r, rs2[r], rs[r]);
     printf("rms rows %u cols %u off %u %s%d (blocks %u of %u rows): %s\n", rows, cols, off, vec ? "v" : "s", nv, nb, rb,
            failures > before ? "FAILED" : "ok");
 }
@@ -277,8 +283,16 @@ static void elementwise() {
     std::vector<float> g(m), u(m), d(m), o(m), dg(m), du(m);
     for (unsigned i = 0; i < m; ++i) g[i] = unit() * 10, u[i] = unit(), d[i] = unit();
     g[5] = NAN, g[6] = INFINITY, g[7] = -INFINITY;
-    launch(2, {64, 1, 1}, [&] { fast_swiglu4(g.data(), u.data(), o.data(), m); });
-    launch(2, {64, 1, 1}, [&] { fast_swiglu_bwd4(g.data(), u.data(), d.data(), dg.data(), du.data(), m); });
+    std::vector<uint16_t> oh(m, 0xABCD);
+    launch(2, {64, 1, 1}, [&] { fast_swiglu4(g.data(), u.data(), o.data(), m, 0); });
+    launch(2, {64, 1, 1}, [&] { fast_swiglu4(g.data(), u.data(), oh.data(), m, 1); });
+    for (unsigned i = 0; i < m; ++i) check(oh[i] == f32_to_bf16_bits(o[i]), "swiglu bf16", i, oh[i], f32_to_bf16_bits(o[i]));
+    launch(2, {64, 1, 1}, [&] { fast_swiglu_bwd4(g.data(), u.data(), d.data(), dg.data(), du.data(), m, 0); });
+    std::vector<float> dg2(m);
+    std::vector<uint16_t> duh(m, 0xABCD);
+    launch(2, {64, 1, 1}, [&] { fast_swiglu_bwd4(g.data(), u.data(), d.data(), dg2.data(), duh.data(), m, 1); });
+    for (unsigned i = 0; i < m; ++i)
+        check(duh[i] == f32_to_bf16_bits(du[i]) && same(dg2[i], dg[i]), "swiglu bwd bf16", i, duh[i], f32_to_bf16_bits(du[i]));
     for (unsigned i = 0; i < m; ++i) {
         float sg = 1.0f / (1.0f + (float)exp((double)-g[i]));
         float want = (g[i] * sg) * u[i];

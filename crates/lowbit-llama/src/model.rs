@@ -13,7 +13,7 @@
 //! All activations and scratch live in one f32 device buffer carved once by [`Llama::new`]
 //! ([`Llama::activation_bytes`] is its size), so a step allocates nothing.
 
-use lowbit_device::{DType, Device, View};
+use lowbit_device::{DType, Device, MatmulMode, View};
 use lowbit_nn::Hooks;
 use lowbit_nn::layers::{
     Attention, ChunkedCrossEntropy, Embedding, GradStart, HeadGrad, InputGrad, Linear, LossScratch,
@@ -22,7 +22,7 @@ use lowbit_nn::layers::{
 
 use crate::config::LlamaConfig;
 use crate::params::{self, EMBEDDING, LayerIds};
-use crate::recompute::{Act, ActivationBytes, Recompute, row_widths};
+use crate::recompute::{Act, ActivationBytes, Recompute, row_bytes};
 use crate::{LlamaError, Result};
 
 /// The f32 logits of one chunk of the chunked cross-entropy stay within this many bytes: 1 GiB
@@ -111,8 +111,15 @@ impl Arena {
     }
 }
 
-/// The element counts [`Llama::new`] carves, in its order; `None` on overflow.
-fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize, r: Recompute) -> Option<Vec<usize>> {
+/// The f32 word counts [`Llama::new`] carves, in its order (the [`Act::bf16_when_fast`]
+/// activations in bf16 when `bf16`); `None` on overflow.
+fn arena_sizes(
+    cfg: &LlamaConfig,
+    batch: usize,
+    seq: usize,
+    r: Recompute,
+    bf16: bool,
+) -> Option<Vec<usize>> {
     let rows = batch.checked_mul(seq)?;
     let (d, f, v) = (cfg.dim, cfg.ffn, cfg.vocab);
     let (qw, kw) = cfg.qkv_widths();
@@ -127,7 +134,7 @@ fn arena_sizes(cfg: &LlamaConfig, batch: usize, seq: usize, r: Recompute) -> Opt
         s.push(rd);
     }
     // The shared slot, then each layer's kept activations.
-    let act = |a: Act| rows.checked_mul(a.width(cfg));
+    let act = |a: Act| a.words(cfg, rows, bf16);
     for a in Act::ALL.into_iter().filter(|&a| r.shares(a)) {
         s.push(act(a)?);
     }
@@ -198,15 +205,29 @@ impl Llama {
         Self::activation_bytes_with(cfg, batch, seq, Recompute::Off)
     }
 
-    /// [`Llama::activation_bytes`] of [`Llama::with_recompute`]`(.., r)`.
+    /// [`Llama::activation_bytes`] of [`Llama::with_recompute`]`(.., r)` on a device in the
+    /// exact mode.
     pub fn activation_bytes_with(
         cfg: &LlamaConfig,
         batch: usize,
         seq: usize,
         r: Recompute,
     ) -> Result<usize> {
+        Self::activation_bytes_in(cfg, batch, seq, r, MatmulMode::Exact)
+    }
+
+    /// [`Llama::activation_bytes_with`] on a device in `mode`: under [`MatmulMode::Bf16`] the
+    /// norms' outputs and SwiGLU's product are kept in bf16 (their only readers are bf16
+    /// products), half their bytes.
+    pub fn activation_bytes_in(
+        cfg: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        r: Recompute,
+        mode: MatmulMode,
+    ) -> Result<usize> {
         cfg.validate()?;
-        arena_sizes(cfg, batch, seq, r)
+        arena_sizes(cfg, batch, seq, r, mode == MatmulMode::Bf16)
             .and_then(|s| s.iter().try_fold(0usize, |a, &n| a.checked_add(n)))
             .and_then(|n| n.checked_mul(4))
             .ok_or_else(|| {
@@ -220,16 +241,19 @@ impl Llama {
     /// ([`ActivationBytes`]): per layer `4 · batch · seq` times the widths of the layer's input
     /// and of its kept activations (`dim` for x, n₁, h, n₂; `heads·head_dim` for q and the
     /// attention output; `kv_heads·head_dim` for k and v; `heads` log-sum-exps; `ffn` for gate,
-    /// up and their product; 1 for each norm's inverse RMS).
+    /// up and their product; 1 for each norm's inverse RMS), in `mode`
+    /// ([`Llama::activation_bytes_in`]: 2 bytes instead of 4 for n₁, n₂ and the product under
+    /// [`MatmulMode::Bf16`]).
     pub fn activation_breakdown(
         cfg: &LlamaConfig,
         batch: usize,
         seq: usize,
         r: Recompute,
+        mode: MatmulMode,
     ) -> Result<ActivationBytes> {
-        let total = Self::activation_bytes_with(cfg, batch, seq, r)?;
+        let total = Self::activation_bytes_in(cfg, batch, seq, r, mode)?;
         // `total` did not overflow, so neither does any part of it.
-        let per_layer = 4 * batch * seq * row_widths(cfg, r).0;
+        let per_layer = batch * seq * row_bytes(cfg, r, mode == MatmulMode::Bf16).0;
         Ok(ActivationBytes {
             per_layer,
             fixed: total - cfg.layers * per_layer,
@@ -246,7 +270,10 @@ impl Llama {
     /// [`Llama::new`] with the activations `r` names recomputed in the backward: they live in one
     /// slot all layers share ([`Llama::activation_bytes_with`]), and the backward reruns their
     /// forward ops on the weights fetched again through the hooks, so losses and gradients are
-    /// bit-identical to [`Recompute::Off`].
+    /// bit-identical to [`Recompute::Off`]. The device's matmul mode at this call fixes the
+    /// activations' storage ([`Llama::activation_bytes_in`]): built under
+    /// [`MatmulMode::Bf16`], the model is for that mode (in another its norms' outputs and
+    /// SwiGLU's product would still be rounded to bf16).
     pub fn with_recompute(
         dev: &mut Device,
         cfg: &LlamaConfig,
@@ -266,7 +293,8 @@ impl Llama {
                 cfg.max_seq
             )));
         }
-        let total = Self::activation_bytes_with(cfg, batch, seq, r)? / 4;
+        let bf16 = dev.matmul_mode() == MatmulMode::Bf16;
+        let total = Self::activation_bytes_in(cfg, batch, seq, r, dev.matmul_mode())? / 4;
         let buf = dev.try_alloc(DType::F32, total)?;
         let mut a = Arena { buf, next: 0 };
         let rows = batch * seq;
@@ -278,10 +306,21 @@ impl Llama {
         let x = (0..=cfg.layers)
             .map(|_| a.take(rows * d))
             .collect::<Result<Vec<_>>>()?;
+        // An activation's view: f32, or bf16 in the f32 words it takes.
+        let take_act = |a: &mut Arena, act: Act| -> Result<View> {
+            let n = rows * act.width(cfg);
+            if bf16 && act.bf16_when_fast() {
+                Ok(a.take(n.div_ceil(2))?
+                    .reinterpret(DType::Bf16)?
+                    .slice(0..n)?)
+            } else {
+                a.take(n)
+            }
+        };
         let mut shared = [None; 13];
         for (s, act) in shared.iter_mut().zip(Act::ALL) {
             if r.shares(act) {
-                *s = Some(a.take(rows * act.width(cfg))?);
+                *s = Some(take_act(&mut a, act)?);
             }
         }
         let mut acts = Vec::with_capacity(cfg.layers);
@@ -290,7 +329,7 @@ impl Llama {
             for ((view, s), act) in views.iter_mut().zip(shared).zip(Act::ALL) {
                 *view = match s {
                     Some(s) => s,
-                    None => a.take(rows * act.width(cfg))?,
+                    None => take_act(&mut a, act)?,
                 };
             }
             acts.push(LayerActs::from_views(views));

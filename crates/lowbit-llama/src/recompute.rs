@@ -76,6 +76,26 @@ impl Act {
     }
 }
 
+impl Act {
+    /// Whether the model keeps this activation in bf16 when its products run in bf16
+    /// ([`lowbit_device::MatmulMode::Bf16`]): the norms' outputs and SwiGLU's product, whose
+    /// only readers are GEMMs, which would round them to bf16 anyway (the same bits, half the
+    /// bytes, no cast pass).
+    pub(crate) fn bf16_when_fast(self) -> bool {
+        matches!(self, Act::N1 | Act::N2 | Act::Product)
+    }
+
+    /// f32 words of this activation over `rows` token rows.
+    pub(crate) fn words(self, cfg: &LlamaConfig, rows: usize, bf16: bool) -> Option<usize> {
+        let n = rows.checked_mul(self.width(cfg))?;
+        Some(if bf16 && self.bf16_when_fast() {
+            n.div_ceil(2)
+        } else {
+            n
+        })
+    }
+}
+
 impl Recompute {
     /// Every level, from keeping all to recomputing most.
     pub const ALL: [Recompute; 4] = [
@@ -165,6 +185,7 @@ impl ActivationBytes {
 
 /// Values per token row that each layer keeps (`per_layer`) and that the shared slot holds
 /// (`shared`) under `r`: the closed form's two sums of [`Act::width`].
+#[cfg(test)]
 pub(crate) fn row_widths(cfg: &LlamaConfig, r: Recompute) -> (usize, usize) {
     let (mut kept, mut shared) = (cfg.dim, 0); // `kept` starts with the layer's input
     for a in Act::ALL {
@@ -172,6 +193,21 @@ pub(crate) fn row_widths(cfg: &LlamaConfig, r: Recompute) -> (usize, usize) {
             shared += a.width(cfg);
         } else {
             kept += a.width(cfg);
+        }
+    }
+    (kept, shared)
+}
+
+/// Bytes per token row that each layer keeps and that the shared slot holds under `r`, with the
+/// [`Act::bf16_when_fast`] activations in bf16 when `bf16`.
+pub(crate) fn row_bytes(cfg: &LlamaConfig, r: Recompute, bf16: bool) -> (usize, usize) {
+    let (mut kept, mut shared) = (4 * cfg.dim, 0); // `kept` starts with the layer's input
+    for a in Act::ALL {
+        let b = if bf16 && a.bf16_when_fast() { 2 } else { 4 } * a.width(cfg);
+        if r.shares(a) {
+            shared += b;
+        } else {
+            kept += b;
         }
     }
     (kept, shared)

@@ -117,13 +117,24 @@ fn step_bits(
     mode: MatmulMode,
     r: Recompute,
 ) -> (Vec<u32>, Vec<Vec<u32>>, Vec<usize>, usize) {
+    step_bits_built(cfg, mode, mode, r)
+}
+
+/// [`step_bits`] of a model built with the device in mode `built` and run in `mode`.
+fn step_bits_built(
+    cfg: &LlamaConfig,
+    built: MatmulMode,
+    mode: MatmulMode,
+    r: Recompute,
+) -> (Vec<u32>, Vec<Vec<u32>>, Vec<usize>, usize) {
     let (batch, seq) = (2, 5);
     let mut dev = Device::cpu();
-    dev.set_matmul_mode(mode);
+    dev.set_matmul_mode(built);
     let mut hooks = TestHooks::new(&mut dev, &test_params(cfg, 4, 0.5));
     let before = dev.allocated_bytes();
     let model = Llama::with_recompute(&mut dev, cfg, batch, seq, r).unwrap();
     let bytes = dev.allocated_bytes() - before;
+    dev.set_matmul_mode(mode);
     assert_eq!(model.recompute(), r);
     let mut losses = Vec::new();
     for mb in 0..2 {
@@ -168,9 +179,33 @@ fn recompute_changes_no_bit_and_keeps_less() {
                 );
                 assert_eq!(got.2, off.2, "{r} {mode:?}: ready order");
                 assert!(got.3 < last, "{r}: {} bytes, the level below {last}", got.3);
-                assert_eq!(got.3, Llama::activation_bytes_with(&cfg, 2, 5, *r).unwrap());
+                let want = Llama::activation_bytes_in(&cfg, 2, 5, *r, mode).unwrap();
+                assert_eq!(got.3, want);
                 last = got.3;
             }
+        }
+    }
+}
+
+/// Built in the bf16 mode, the model keeps n₁, n₂ and SwiGLU's product in bf16: the same bits
+/// as the f32 copies the bf16 products would round (a model built in the exact mode, run in the
+/// bf16 mode), at every recompute level, in fewer bytes.
+#[test]
+fn bf16_activations_change_no_bit_of_the_bf16_mode() {
+    let cfg = LlamaConfig {
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        ..small()
+    };
+    for r in Recompute::ALL {
+        let f32_acts = step_bits_built(&cfg, MatmulMode::Exact, MatmulMode::Bf16, r);
+        let bf16_acts = step_bits(&cfg, MatmulMode::Bf16, r);
+        assert_eq!(bf16_acts.0, f32_acts.0, "{r}: losses");
+        assert_eq!(bf16_acts.1, f32_acts.1, "{r}: gradients");
+        assert_eq!(bf16_acts.2, f32_acts.2, "{r}: ready order");
+        if r != Recompute::Full {
+            assert!(bf16_acts.3 < f32_acts.3, "{r}: {} bytes", bf16_acts.3);
         }
     }
 }
@@ -194,11 +229,11 @@ fn activation_memory_follows_the_closed_form() {
         (Recompute::Mlp, 2048 * 2 + 2048 * 2 + 512 * 2 + 32),
         (Recompute::Full, 2048),
     ];
-    let fixed = Llama::activation_breakdown(&c, 8, 2048, Recompute::Off)
+    let fixed = Llama::activation_breakdown(&c, 8, 2048, Recompute::Off, MatmulMode::Exact)
         .unwrap()
         .fixed;
     for (r, w) in widths {
-        let b = Llama::activation_breakdown(&c, 8, 2048, r).unwrap();
+        let b = Llama::activation_breakdown(&c, 8, 2048, r, MatmulMode::Exact).unwrap();
         assert_eq!(b.per_layer, 4 * rows * w, "{r}");
         assert_eq!(
             b.total(c.layers),

@@ -297,11 +297,14 @@ impl Device {
 
     /// SwiGLU's gate, `out = silu(gate) · up` per element in f32: `e = exp32(−g)`,
     /// `sg = 1 / (1 + e)`, `out = (g · sg) · u`. All f32 views of one length; `out` must
-    /// overlap neither input. Fast mode (CUDA, [`crate::MatmulMode::Bf16`]): float4 loads
-    /// where the views are 16-byte aligned (also the backward); the same bits.
+    /// overlap neither input; `out` may be bf16 instead (each value the f32 one rounded once,
+    /// as [`Device::cast`] rounds: the operand a bf16 product would cast it to). Fast mode
+    /// (CUDA, [`crate::MatmulMode::Bf16`]): float4 loads where the views are 16-byte aligned
+    /// (also the backward); the same bits.
     pub fn swiglu(&mut self, gate: View, up: View, out: View) -> Result<()> {
         const WHAT: &str = "swiglu";
-        all_f32(WHAT, &[gate, up, out])?;
+        all_f32(WHAT, &[gate, up])?;
+        super::model::f32_or_bf16(WHAT, out)?;
         check_len(WHAT, gate.len(), up.len())?;
         check_len(WHAT, gate.len(), out.len())?;
         on_fast_cuda!(self, g => g.fast_swiglu(gate, up, None, [out, out]));
@@ -310,7 +313,7 @@ impl Device {
             super::zip_into(
                 (DType::F32, gb),
                 (DType::F32, ub),
-                (DType::F32, ob),
+                (out.dtype(), ob),
                 swiglu32,
             );
             Ok(())
@@ -319,7 +322,8 @@ impl Device {
 
     /// The backward of [`Device::swiglu`]: with `e`, `sg` as in the forward, per element in f32,
     /// `dup = dout · (g · sg)` and `dgate = ((dout · u) · sg) · (1 + g · (1 − sg))`. All f32
-    /// views of one length; `dgate` and `dup` are disjoint and overlap no input.
+    /// views of one length (`dup` may be bf16: each value rounded once, as [`Device::cast`]
+    /// rounds); `dgate` and `dup` are disjoint and overlap no input.
     pub fn swiglu_backward(
         &mut self,
         gate: View,
@@ -329,7 +333,8 @@ impl Device {
         dup: View,
     ) -> Result<()> {
         const WHAT: &str = "swiglu_backward";
-        all_f32(WHAT, &[gate, up, dout, dgate, dup])?;
+        all_f32(WHAT, &[gate, up, dout, dgate])?;
+        super::model::f32_or_bf16(WHAT, dup)?;
         for v in [up, dout, dgate, dup] {
             check_len(WHAT, gate.len(), v.len())?;
         }
@@ -346,7 +351,7 @@ impl Device {
                     (dg[i], du[i]) = swiglu_grad32(g[i], u[i], d[i]);
                 }
                 encode_f32(DType::F32, &dg, dgb);
-                encode_f32(DType::F32, &du, dub);
+                encode_f32(dup.dtype(), &du, dub);
                 Ok(())
             },
         )
@@ -435,6 +440,8 @@ impl Device {
         let rows = targets.len();
         check_len(WHAT, losses.len(), rows)?;
         let classes = rows_of(WHAT, logits.len(), rows)?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = classes;
         if [logits, targets, losses]
             .iter()
             .any(|v| v.overlaps(&dlogits))

@@ -49,6 +49,18 @@ fn gelu_grad32(x: f32, dy: f32) -> f32 {
 }
 
 /// Checks that every view is f32.
+/// An output that may be f32 or bf16 (rounded once from the f32 result).
+pub(crate) fn f32_or_bf16(what: &'static str, v: View) -> Result<()> {
+    match v.dtype() {
+        DType::F32 | DType::Bf16 => Ok(()),
+        got => Err(crate::DeviceError::DType {
+            what,
+            expected: "f32 or bf16",
+            got,
+        }),
+    }
+}
+
 fn all_f32(what: &'static str, views: &[View]) -> Result<()> {
     views
         .iter()
@@ -146,7 +158,9 @@ impl Device {
     /// RMSNorm over the rows of `x` (`rows·cols`, `cols` = `weight.len()`, `rows` =
     /// `rstd.len()`): per row, in f32, `ss = Σ x²` (index order), `rstd = 1 / sqrt(ss / cols +
     /// eps)`, `y = (x · rstd) · weight`; `rstd` is saved for the backward. `y` and `rstd` must be
-    /// disjoint and overlap neither `x` nor `weight`. A non-empty `x` needs `cols > 0`.
+    /// disjoint and overlap neither `x` nor `weight`. A non-empty `x` needs `cols > 0`. `y` is
+    /// f32, or bf16: then each value is the f32 one rounded once (RNE, as [`Device::cast`]
+    /// rounds), the operand a bf16 product would cast it to, without that pass.
     ///
     /// Fast mode (CUDA with [`crate::MatmulMode::Bf16`], up to 8192 columns; the CPU runs the
     /// above in both modes): a CTA per row, `ss` summed per thread then in a fixed tree, every
@@ -154,7 +168,8 @@ impl Device {
     /// (`tests/cuda_fast.rs`), deterministic, NaN where the exact op gives NaN.
     pub fn rms_norm(&mut self, x: View, weight: View, y: View, rstd: View, eps: f32) -> Result<()> {
         const WHAT: &str = "rms_norm";
-        all_f32(WHAT, &[x, weight, y, rstd])?;
+        all_f32(WHAT, &[x, weight, rstd])?;
+        f32_or_bf16(WHAT, y)?;
         let cols = weight.len();
         check_len(WHAT, rows_of(WHAT, x.len(), cols)?, rstd.len())?;
         check_len(WHAT, x.len(), y.len())?;
@@ -178,7 +193,7 @@ impl Device {
                     *y = (x * *r) * w;
                 }
             }
-            encode_f32(DType::F32, &ys, yb);
+            encode_f32(y.dtype(), &ys, yb);
             encode_f32(DType::F32, &rs, rb);
             Ok(())
         })

@@ -267,7 +267,8 @@ impl CudaDevice {
             return Ok(true);
         }
         let grid = capped(rows, 4096);
-        let args = args![xp, wp, yp, rp, rows, cols, eps];
+        let ybf16 = u32::from(outs[0].dtype() == DType::Bf16);
+        let args = args![xp, wp, yp, rp, rows, cols, eps, ybf16];
         // SAFETY: views validated above (x, y rows·cols, weight cols, rstd rows); the entry's
         // slots cover cols (rms_entry), float4 slots only on aligned views with cols % 4 == 0.
         unsafe { self.launch(fwd, (grid, 1, 1), (threads, 1, 1), &args)? };
@@ -363,16 +364,19 @@ impl CudaDevice {
                 if !Self::vec4(0, &[g, u, o]) {
                     return Ok(false);
                 }
-                // SAFETY: views validated above (n elements each, 16-byte aligned, out
-                // disjoint); items n / 4 (the tail by the first threads).
-                unsafe { self.launch_n("fast_swiglu4", n.div_ceil(4), &args![g, u, o, n])? };
+                let obf16 = u32::from(outs[0].dtype() == DType::Bf16);
+                let args = args![g, u, o, n, obf16];
+                // SAFETY: views validated above (n elements each, 16-byte aligned, out f32 or
+                // bf16 and disjoint); items n / 4 (the tail by the first threads).
+                unsafe { self.launch_n("fast_swiglu4", n.div_ceil(4), &args)? };
             }
             Some(d) => {
                 let ([g, u, dp], [dg, du]) = self.ptrs("swiglu_backward", [gate, up, d], outs)?;
                 if !Self::vec4(0, &[g, u, dp, dg, du]) {
                     return Ok(false);
                 }
-                let args = args![g, u, dp, dg, du, n];
+                let dbf16 = u32::from(outs[1].dtype() == DType::Bf16);
+                let args = args![g, u, dp, dg, du, n, dbf16];
                 // SAFETY: as above, outputs disjoint.
                 unsafe { self.launch_n("fast_swiglu_bwd4", n.div_ceil(4), &args)? };
             }
@@ -393,7 +397,9 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
-        let err = self.fast_err()?;
+        // The embedding's own error word (the second): a bad id is then reported under its
+        // name, not the cross-entropy's.
+        let err = self.fast_err()? + 8 * Checked::Embedding as u64;
         self.arm(Checked::Embedding, vocab);
         let vec = table.dtype() == DType::F32 && Self::vec4(dim, &[tp, op]);
         let grid = capped(rows, 1 << 16);
@@ -409,8 +415,9 @@ impl CudaDevice {
             vocab,
             u32::from(vec)
         ];
-        // SAFETY: views validated above (out rows·dim, table vocab·dim of its dtype); the
-        // kernel checks each id against vocab before reading the table.
+        // SAFETY: views validated above (out rows·dim, table vocab·dim of its dtype); `err` is
+        // the second of the two live error words; the kernel checks each id against vocab
+        // before reading the table.
         unsafe { self.launch("fast_embedding", (grid, 1, 1), (threads, 1, 1), &args) }
     }
 }

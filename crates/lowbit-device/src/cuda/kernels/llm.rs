@@ -103,16 +103,19 @@ impl CudaDevice {
     pub(crate) fn swiglu(&mut self, gate: View, up: View, out: View) -> Result<()> {
         let ([g, u], [o]) = self.ptrs("swiglu", [gate, up], [out])?;
         let n = out.len();
-        // SAFETY: views validated above (same lengths, out disjoint from the inputs).
-        unsafe { self.launch_n("llm_swiglu", n, &args![g, u, o, n]) }
+        let od = dt(out.dtype());
+        // SAFETY: as above; out is f32 or bf16 (checked by the caller), stored by its code.
+        unsafe { self.launch_n("llm_swiglu", n, &args![g, u, o, n, od]) }
     }
 
     /// `[dgate, dup]` from `[gate, up, dout]`.
     pub(crate) fn swiglu_backward(&mut self, ins: [View; 3], outs: [View; 2]) -> Result<()> {
         let ([g, u, d], [dg, du]) = self.ptrs("swiglu_backward", ins, outs)?;
         let n = ins[0].len();
-        // SAFETY: views validated above (same lengths, outputs disjoint).
-        unsafe { self.launch_n("llm_swiglu_backward", n, &args![g, u, d, dg, du, n]) }
+        let args = args![g, u, d, dg, du, n, dt(outs[1].dtype())];
+        // SAFETY: views validated above (same lengths, outputs disjoint; dup f32 or bf16,
+        // checked by the caller, stored by its dtype code).
+        unsafe { self.launch_n("llm_swiglu_backward", n, &args) }
     }
 
     /// Per-row cross-entropy losses, and with `grad = Some(c)` the logits overwritten with their

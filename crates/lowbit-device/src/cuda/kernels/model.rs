@@ -55,12 +55,13 @@ impl CudaDevice {
     /// RMSNorm of `[x, weight]` into `[y, rstd]` (the reciprocal RMS of each row).
     pub(crate) fn rms_norm(&mut self, ins: [View; 2], outs: [View; 2], eps: f32) -> Result<()> {
         let ([xp, wp], [yp, rp]) = self.ptrs("rms_norm", ins, outs)?;
-        let ([x, weight], [_, rstd]) = (ins, outs);
+        let ([x, weight], [y, rstd]) = (ins, outs);
         let (rows, cols, n) = (rstd.len(), weight.len(), x.len());
         // SAFETY: views validated above (x and y rows·cols, rstd rows).
         unsafe { self.launch_n("rms_norm_rstd", rows, &args![xp, rp, rows, cols, eps])? };
-        // SAFETY: as above.
-        unsafe { self.launch_n("rms_norm_apply", n, &args![xp, wp, rp, yp, n, cols]) }
+        let args = args![xp, wp, rp, yp, n, cols, dt(y.dtype())];
+        // SAFETY: as above; y is f32 or bf16 (checked by the caller), stored by its dtype code.
+        unsafe { self.launch_n("rms_norm_apply", n, &args) }
     }
 
     /// RMSNorm backward from `[x, weight, rstd, dy]` into `[dx, dweight]`.
