@@ -308,13 +308,14 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         // An activation's view: f32, or bf16 in the f32 words it takes.
         let take_act = |a: &mut Arena, act: Act| -> Result<View> {
-            let n = rows * act.width(cfg);
+            let (n, words) = (
+                rows * act.width(cfg),
+                act.words(cfg, rows, bf16).unwrap_or(0),
+            );
             if bf16 && act.bf16_when_fast() {
-                Ok(a.take(n.div_ceil(2))?
-                    .reinterpret(DType::Bf16)?
-                    .slice(0..n)?)
+                Ok(a.take(words)?.reinterpret(DType::Bf16)?.slice(0..n)?)
             } else {
-                a.take(n)
+                a.take(words)
             }
         };
         let mut shared = [None; 13];

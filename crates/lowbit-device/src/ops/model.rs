@@ -48,7 +48,6 @@ fn gelu_grad32(x: f32, dy: f32) -> f32 {
     dy * (left_derivative + right_derivative)
 }
 
-/// Checks that every view is f32.
 /// An output that may be f32 or bf16 (rounded once from the f32 result).
 pub(crate) fn f32_or_bf16(what: &'static str, v: View) -> Result<()> {
     match v.dtype() {
@@ -61,6 +60,7 @@ pub(crate) fn f32_or_bf16(what: &'static str, v: View) -> Result<()> {
     }
 }
 
+/// Checks that every view is f32.
 fn all_f32(what: &'static str, views: &[View]) -> Result<()> {
     views
         .iter()
