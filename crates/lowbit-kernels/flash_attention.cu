@@ -31,7 +31,7 @@
 // whose rows are the k index (V for P·V).
 //
 // Softmax: scores stay raw q·k in f32; the scale is folded into the exponent,
-// p = exp2(s·scale·log2 e − m·scale·log2 e) (ex2.approx), lse = m·scale + ln l per row.
+// p = exp2(s·scale·log2 e − m·scale·log2 e) (ex2.approx.ftz), lse = m·scale + ln l per row.
 // Masking only on blocks that touch the diagonal or the sequence's end; fully masked key blocks
 // are never visited (the loops stop at the diagonal). Every valid query row i sees key 0, so the
 // running maximum is finite after the first block.
@@ -128,18 +128,31 @@ __device__ __forceinline__ void fa_wait() {
 }
 
 // Starts copying rows row0..row0+R of a [seq, ·, D] bf16 tensor (row r at src + r·stride) into a
-// tile of row stride D + 8; rows at or past `seq` become zeros (and their addresses clamp to
-// row 0, never read).
+// tile of row stride D + 8; rows at or past `seq` become zeros (and read nothing). Thread t
+// copies unit t % (D/8) of rows t / (D/8) + k·128/(D/8): a fixed column, so the loop is pointer
+// increments, and the bounds test only runs on a block that reaches past the sequence (the
+// per-unit index arithmetic and 64-bit products of a plain loop kept the integer pipe busiest).
 template <int D, int R>
 __device__ __forceinline__ void fa_load(uint16_t* dst, const uint16_t* __restrict__ src, u64 row0,
                                         u64 seq, u64 stride) {
-    constexpr int C = D / 8, LD = D + 8;
+    constexpr int C = D / 8, LD = D + 8, RS = FA_THREADS / C;
+    static_assert(FA_THREADS % C == 0 && R % RS == 0, "tile shape");
+    const int c = threadIdx.x % C, r0 = threadIdx.x / C;
+    uint16_t* d0 = dst + r0 * LD + c * 8;
+    const uint16_t* p = src + (row0 + r0) * stride + c * 8;
+    const bool full = row0 + R <= seq;
 #pragma unroll
-    for (int idx = threadIdx.x; idx < R * C; idx += FA_THREADS) {
-        const int r = idx / C, c = (idx % C) * 8;
-        const bool ok = row0 + r < seq;
-        fa_cp16(dst + r * LD + c, src + (ok ? row0 + r : 0) * stride + c, ok);
+    for (int i = 0; i < R / RS; ++i) {
+        const bool ok = full || row0 + r0 + i * RS < seq;
+        fa_cp16(d0 + i * RS * LD, ok ? p + (u64)(i * RS) * stride : src, ok);
     }
+}
+
+// 2^x (ex2.approx.ftz: results below the normal range flush to zero).
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ float fa_quad_max(float x) {
@@ -274,13 +287,13 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
                 mx = fa_quad_max(mx);
                 const float mn = fmaxf(m[t][r], mx);
                 const float ms = mn == -INFINITY ? 0.f : mn * sl2;
-                const float alpha = exp2f(m[t][r] * sl2 - ms);
+                const float alpha = fa_exp2(m[t][r] * sl2 - ms);
                 m[t][r] = mn;
                 float sum = 0.f;
 #pragma unroll
                 for (int nb = 0; nb < FA_BN / 8; ++nb) {
-                    s[t][nb][2 * r] = exp2f(fmaf(s[t][nb][2 * r], sl2, -ms));
-                    s[t][nb][2 * r + 1] = exp2f(fmaf(s[t][nb][2 * r + 1], sl2, -ms));
+                    s[t][nb][2 * r] = fa_exp2(fmaf(s[t][nb][2 * r], sl2, -ms));
+                    s[t][nb][2 * r + 1] = fa_exp2(fmaf(s[t][nb][2 * r + 1], sl2, -ms));
                     sum += s[t][nb][2 * r] + s[t][nb][2 * r + 1];
                 }
                 l[t][r] = l[t][r] * alpha + sum;
@@ -448,7 +461,7 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int r = c >> 1;
-                float p = exp2f(fmaf(s[nb][c], sl2, -lr[r]));
+                float p = fa_exp2(fmaf(s[nb][c], sl2, -lr[r]));
                 if (edge) {
                     const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = r == 0 ? ia : ib;
                     if (j > i || j >= seq || i >= seq) p = 0.f;
@@ -577,7 +590,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int il = nb * 8 + tq * 2 + (c & 1);
-                    float p = exp2f(fmaf(st[nb][c], sl2, -ls[il]));
+                    float p = fa_exp2(fmaf(st[nb][c], sl2, -ls[il]));
                     if (edge) {
                         const u64 i = i0 + il, j = c < 2 ? ja : jb;
                         if (i < j || i >= seq || j >= seq) p = 0.f;

@@ -31,7 +31,8 @@ const CUDA_WHEELS: &[&str] = &[
     "nvidia-cuda-cccl==13.0.85",
     "nvidia-cuda-runtime==13.0.96",
 ];
-/// The architecture the PTX targets (Hopper; the driver JIT-compiles it for newer GPUs).
+/// The architecture the PTX targets (Hopper; the driver JIT-compiles it for newer GPUs), unless
+/// a module's entry in `lowbit_kernels::MODULES` names another (`sm_90a`).
 const ARCH: &str = "sm_90";
 
 /// The README's test command; `.ci/run` runs the same one (checked by a test below).
@@ -173,9 +174,21 @@ fn build_ptx() -> Result<(), String> {
         // Hashed before compiling, so a source edited while nvcc runs reads as stale.
         let hash =
             lowbit_kernels::module_hash(&cuda, stem).map_err(|e| format!("{e}: {}", e.source))?;
+        // The module's own target (sm_90a for wgmma), named by its entry in MODULES.
+        let arch = lowbit_kernels::MODULES
+            .iter()
+            .find(|m| m.name == stem)
+            .map_or(ARCH, |m| m.arch);
+        // The virtual-architecture form for sm_90a: `-arch=sm_90a` also runs a plain sm_90 pass
+        // that rejects wgmma in some nvcc versions.
+        let flag = if arch == ARCH {
+            format!("-arch={ARCH}")
+        } else {
+            format!("-arch={}", arch.replace("sm_", "compute_"))
+        };
         let tmp = out_dir.join(format!(".{stem}.ptx.tmp"));
         let status = Command::new(&nvcc)
-            .args(["-ptx", "-O3", &format!("-arch={ARCH}")])
+            .args(["-ptx", "-O3", &flag])
             .arg(&src)
             .arg("-o")
             .arg(&tmp)
@@ -187,7 +200,7 @@ fn build_ptx() -> Result<(), String> {
         let ptx = std::fs::read_to_string(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
         std::fs::remove_file(&tmp).ok();
         let header = format!("{}{hash:016x}\n", lowbit_kernels::HASH_HEADER);
-        let out = out_dir.join(format!("{stem}.{ARCH}.ptx"));
+        let out = out_dir.join(format!("{stem}.{arch}.ptx"));
         std::fs::write(&out, header + &ptx).map_err(|e| format!("{}: {e}", out.display()))?;
         eprintln!("wrote {}", out.display());
     }

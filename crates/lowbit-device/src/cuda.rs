@@ -293,6 +293,12 @@ impl CudaDevice {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let major = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let minor = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
         let mut dev = CudaDevice {
             ctx,
             stream,
@@ -318,9 +324,16 @@ impl CudaDevice {
             prepared_calls: 0,
             fast: kernels::FastState::default(),
         };
+        // sm_90a PTX (wgmma) loads on compute capability 9.0 only; elsewhere its work runs
+        // on the sm_90 kernels (`FastState::wgmma` stays false).
+        let hopper = (major, minor) == (9, 0);
         for m in crate::ptx::MODULES {
+            if m.arch == "sm_90a" && !hopper {
+                continue;
+            }
             dev.load_module(m)?;
         }
+        dev.fast.wgmma = hopper;
         // The table `launch_words` checks against, read from the PTX (~10 ms, once per
         // process): here, beside the modules' load, not in the first launch of a table.
         let _ = crate::ptx::struct_param_bytes("");
@@ -543,6 +556,7 @@ impl CudaDevice {
             ("fast_xent_exp", 0 | 1) => self.fast.xent_fast_exp = version,
             ("fast_rms_threads", 0 | 128) => self.fast.rms_threads = version,
             ("flash_fwd_tiles", 0..=2) => self.fast.flash_fwd_tiles = version,
+            ("flash_wgmma", 0 | 1) => self.fast.flash_mma_sync = version == 1,
             ("matmul_mx_kernel", 0..=2) => self.fast.mx_gemm = version,
             ("fast_xent_threads", 64..=1024) if version.is_multiple_of(32) => {
                 self.fast.xent_threads = version;

@@ -801,7 +801,11 @@ impl Device {
     /// multiple of 32, 512 by default); `("fast_rms_threads", 0 | 128)`: the fast RMSNorm's
     /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128;
     /// `("flash_fwd_tiles", 0..=2)`: the flash attention forward's m16 tiles of query rows per
-    /// warp, one at head dim 64 and two at 128 (0, the default), one (1) or two (2);
+    /// warp, one at head dim 64 and two at 128 (0, the default), one (1) or two (2), of the
+    /// mma.sync kernels; `("flash_wgmma", 0 | 1)`: the forward, the dK/dV pass and (at dim 128)
+    /// the dQ pass on Hopper's wgmma kernels where the GPU is compute capability 9.0 (0, the
+    /// default), or the mma.sync ones everywhere (1) (not the same bits: another order of the
+    /// f32 additions);
     /// `("matmul_mx_kernel", 0..=2)`: [`Device::matmul_mx`] of two rowwise planes through their
     /// exact bf16 dequantization and cuBLASLt (0, the default) or the block-scaled FP8 kernel,
     /// v0 (1) or v1 (2) (each block summed on the FP8 tensor cores, so not the same bits).

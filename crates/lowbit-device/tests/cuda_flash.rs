@@ -130,12 +130,17 @@ fn flash_on_cuda_matches_the_cpu_within_bf16_error() {
     let mut cpu = Device::cpu();
     let mut g = gpu();
     let names = ["out", "lse", "dq", "dk", "dv"];
-    for (n, &(b, sq, h, kvh, hd)) in shapes.iter().enumerate() {
+    // Both kernel families: wgmma (0, where the GPU loads it) and mma.sync (1).
+    for (variant, (n, &(b, sq, h, kvh, hd))) in [0, 1]
+        .into_iter()
+        .flat_map(|v| shapes.iter().enumerate().map(move |x| (v, x)))
+    {
+        g.set_cuda_kernel_variant("flash_wgmma", variant).unwrap();
         let s = spec(b, sq, h, kvh, hd);
         let x = inputs(&s, 1000 + n as u64);
         let cuda = run(&mut g, &s, &x, true);
         let exact = run(&mut cpu, &s, &x, false);
-        let mut line = format!("flash b{b} s{sq} h{h}/{kvh} d{hd} vs exact:");
+        let mut line = format!("flash (variant {variant}) b{b} s{sq} h{h}/{kvh} d{hd} vs exact:");
         for w in 0..5 {
             assert!(
                 cuda[w].iter().all(|v| v.is_finite()),
@@ -167,7 +172,11 @@ fn flash_on_cuda_matches_the_cpu_within_bf16_error() {
 #[test]
 fn flash_on_cuda_is_deterministic() {
     let mut g = gpu();
-    for (b, sq, h, kvh, hd) in [(2, 1000, 32, 8, 64), (1, 333, 8, 2, 128)] {
+    for (variant, (b, sq, h, kvh, hd)) in [0, 1]
+        .into_iter()
+        .flat_map(|v| [(2, 1000, 32, 8, 64), (1, 333, 8, 2, 128)].map(|x| (v, x)))
+    {
+        g.set_cuda_kernel_variant("flash_wgmma", variant).unwrap();
         let s = spec(b, sq, h, kvh, hd);
         let x = inputs(&s, 7);
         let first = run(&mut g, &s, &x, true);
@@ -179,12 +188,13 @@ fn flash_on_cuda_is_deterministic() {
     }
 }
 
-/// The forward's one-tile (64-row) and two-tile (128-row) blocks give the same bits: a row meets
-/// the same key blocks in the same order either way (the blocks past a tile's diagonal that the
-/// two-tile kernel skips would change nothing).
+/// The mma.sync forward's one-tile (64-row) and two-tile (128-row) blocks give the same bits: a
+/// row meets the same key blocks in the same order either way (the blocks past a tile's
+/// diagonal that the two-tile kernel skips would change nothing).
 #[test]
 fn flash_forward_tilings_agree_bit_for_bit() {
     let mut g = gpu();
+    g.set_cuda_kernel_variant("flash_wgmma", 1).unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (b, sq, h, kvh, hd) in [
         (1, 1, 1, 1, 64),
@@ -246,7 +256,9 @@ fn flash_timing() {
         let [q, dout, out, dq] = [1, 2, 3, 4].map(|sd| buf(qn, sd));
         let [k, v, dk, dv] = [5, 6, 7, 8].map(|sd| buf(kn, sd));
         let lse = buf(b * h * sq, 9);
-        // The forward of each tiling (query rows per warp), then the default's.
+        // The forward of each mma.sync tiling (query rows per warp), then the default's, and
+        // forward + backward of both kernel families.
+        g.set_cuda_kernel_variant("flash_wgmma", 1).unwrap();
         for tiles in [1, 2] {
             g.set_cuda_kernel_variant("flash_fwd_tiles", tiles).unwrap();
             let t = time(&mut g, 10, |g| {
@@ -261,28 +273,32 @@ fn flash_timing() {
             );
         }
         g.set_cuda_kernel_variant("flash_fwd_tiles", 0).unwrap();
-        let fwd = time(&mut g, 10, |g| {
-            g.flash_attention(q, k, v, out, lse, &s).unwrap()
-        });
-        let both = time(&mut g, 10, |g| {
-            g.flash_attention(q, k, v, out, lse, &s).unwrap();
-            g.flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, &s)
-                .unwrap()
-        });
-        let flops = 4.0 * (b * h) as f64 * (sq * sq) as f64 * hd as f64 / 2.0;
-        let (tf, tb) = (flops / fwd / 1e6, 3.5 * flops / both / 1e6);
-        println!(
-            "flash b{b} s{sq} h{h}/{kvh} d{hd}: forward {:.3} ms {tf:.1} TFLOP/s, forward+backward \
-             {:.3} ms {tb:.1} TFLOP/s",
-            fwd / 1e3,
-            both / 1e3
-        );
-        println!(
-            "{{\"op\": \"lowbit_flash\", \"batch\": {b}, \"seq\": {sq}, \"heads\": {h}, \
-             \"kv_heads\": {kvh}, \"head_dim\": {hd}, \"fwd_ms\": {:.4}, \"fwd_tflops\": {tf:.1}, \
-             \"fwd_bwd_ms\": {:.4}, \"fwd_bwd_tflops\": {tb:.1}}}",
-            fwd / 1e3,
-            both / 1e3
-        );
+        for variant in [1, 0] {
+            g.set_cuda_kernel_variant("flash_wgmma", variant).unwrap();
+            let fwd = time(&mut g, 10, |g| {
+                g.flash_attention(q, k, v, out, lse, &s).unwrap()
+            });
+            let both = time(&mut g, 10, |g| {
+                g.flash_attention(q, k, v, out, lse, &s).unwrap();
+                g.flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, &s)
+                    .unwrap()
+            });
+            let flops = 4.0 * (b * h) as f64 * (sq * sq) as f64 * hd as f64 / 2.0;
+            let (tf, tb) = (flops / fwd / 1e6, 3.5 * flops / both / 1e6);
+            let kind = if variant == 0 { "wgmma" } else { "mma_sync" };
+            println!(
+                "flash ({kind}) b{b} s{sq} h{h}/{kvh} d{hd}: forward {:.3} ms {tf:.1} TFLOP/s, \
+             forward+backward {:.3} ms {tb:.1} TFLOP/s",
+                fwd / 1e3,
+                both / 1e3
+            );
+            println!(
+                "{{\"op\": \"lowbit_flash\", \"kernels\": \"{kind}\", \"batch\": {b}, \"seq\": {sq}, \
+             \"heads\": {h}, \"kv_heads\": {kvh}, \"head_dim\": {hd}, \"fwd_ms\": {:.4}, \
+             \"fwd_tflops\": {tf:.1}, \"fwd_bwd_ms\": {:.4}, \"fwd_bwd_tflops\": {tb:.1}}}",
+                fwd / 1e3,
+                both / 1e3
+            );
+        }
     }
 }

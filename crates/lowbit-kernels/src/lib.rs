@@ -25,7 +25,9 @@
 //! # Non-goals
 //! Compiling CUDA at build time (no `build.rs`, no `nvcc` on the build machine); loading or
 //! launching anything (that is `lowbit-device`, behind its `cuda` feature); architectures other
-//! than sm_90 (the driver JIT-compiles sm_90 PTX for newer GPUs).
+//! than sm_90 (the driver JIT-compiles sm_90 PTX for newer GPUs), but for the modules built for
+//! `sm_90a` (Hopper's `wgmma`), which load on compute capability 9.0 only, beside an sm_90
+//! kernel of the same work that every other GPU runs.
 
 /// One embedded PTX module.
 #[derive(Clone, Copy, Debug)]
@@ -33,7 +35,9 @@ pub struct Module {
     /// The kernel file's stem (`<name>.cu` in this package, `crates/lowbit-kernels/` in the
     /// repository).
     pub name: &'static str,
-    /// The target architecture the PTX was built for.
+    /// The target architecture the PTX was built for: `sm_90`, or `sm_90a` for kernels that use
+    /// Hopper's architecture-specific instructions (`wgmma`), which only a compute capability 9.0
+    /// device can load.
     pub arch: &'static str,
     /// The PTX text.
     pub ptx: &'static str,
@@ -55,6 +59,11 @@ pub static MODULES: &[Module] = &[
         name: "flash_attention",
         arch: "sm_90",
         ptx: include_str!("../ptx/flash_attention.sm_90.ptx"),
+    },
+    Module {
+        name: "flash_wgmma",
+        arch: "sm_90a",
+        ptx: include_str!("../ptx/flash_wgmma.sm_90a.ptx"),
     },
     Module {
         name: "llm",

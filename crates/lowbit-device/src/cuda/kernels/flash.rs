@@ -1,8 +1,8 @@
-//! Launches of the flash attention (`crates/lowbit-kernels/flash_attention.cu`): the forward,
-//! and the backward as a D pass, a dQ pass (one CTA per query block) and a dK/dV pass (one CTA
-//! per key block). The caller ([`crate::Device::flash_attention`]) has checked dtypes, lengths,
+//! Launches of the flash attention (`crates/lowbit-kernels/flash_attention.cu`, and on a compute
+//! capability 9.0 GPU `flash_wgmma.cu`'s forward and dK/dV pass): the forward, and the backward
+//! as a D pass, a dQ pass (one CTA per query block) and a dK/dV pass (one CTA per key block). The caller ([`crate::Device::flash_attention`]) has checked dtypes, lengths,
 //! the spec and the head size (64 or 128); the views are validated here before anything is
-//! launched. The tiles live in dynamic shared memory (up to 68 KiB, past the 48 KiB a launch
+//! launched. The tiles live in dynamic shared memory (up to 161 KiB, past the 48 KiB a launch
 //! gets without asking), so these launches set the kernel's dynamic shared memory limit first.
 
 use cudarc::driver::{result, sys};
@@ -11,8 +11,64 @@ use super::blocks;
 use crate::cuda::{Arg, CudaDevice, arg_ptrs};
 use crate::{AttentionSpec, DeviceError, Result, View};
 
-/// Threads per CTA (`FA_THREADS`: 4 warps).
+/// Threads per CTA of the mma.sync kernels (`FA_THREADS`: 4 warps) and per warpgroup of the
+/// wgmma ones.
 const THREADS: u32 = 128;
+
+/// A kernel launch shape: name, rows of its own side per CTA, threads, dynamic shared memory.
+#[derive(Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    rows: usize,
+    threads: u32,
+    smem: u32,
+}
+
+/// `flash_wgmma.cu`'s forward of `head_dim`: one warpgroup of 64 query rows per CTA at dim 64,
+/// two at 128; smem 1024 (alignment) + (query rows + 4·128 key rows)·D·2 bytes.
+fn forward_wgmma(head_dim: usize) -> Result<Shape> {
+    let (name, wgs) = match head_dim {
+        64 => ("flash_fwd_wg_hd64", 1),
+        128 => ("flash_fwd_wg_hd128", 2),
+        d => return Err(no_kernel(d)),
+    };
+    let smem = 1024 + (64 * wgs + 4 * 128) * head_dim * 2;
+    Ok(Shape {
+        name,
+        rows: 64 * wgs,
+        threads: THREADS * wgs as u32,
+        smem: smem as u32,
+    })
+}
+
+/// `flash_wgmma.cu`'s dQ pass at dim 128 (at 64 the mma.sync one measured faster): a
+/// warpgroup of 64 query rows per CTA, key blocks of 64; smem 1024 + (2·64 + 4·64)·D·2 bytes
+/// (Q, dO; K, V double-buffered).
+fn dq_wgmma(head_dim: usize) -> Option<Shape> {
+    (head_dim == 128).then(|| Shape {
+        name: "flash_bwd_dq_wg_hd128",
+        rows: 64,
+        threads: THREADS,
+        smem: (1024 + (2 * 64 + 4 * 64) * head_dim * 2) as u32,
+    })
+}
+
+/// `flash_wgmma.cu`'s dK/dV pass: a warpgroup of 64 keys per CTA, steps of 64 query rows;
+/// smem 1024 + (2·64 + 4·64)·D·2 + 16·64 bytes (K, V; Q, dO, lse, D double-buffered).
+fn dkv_wgmma(head_dim: usize) -> Result<Shape> {
+    let name = match head_dim {
+        64 => "flash_bwd_dkv_wg_hd64",
+        128 => "flash_bwd_dkv_wg_hd128",
+        d => return Err(no_kernel(d)),
+    };
+    let smem = 1024 + (2 * 64 + 4 * 64) * head_dim * 2 + 16 * 64;
+    Ok(Shape {
+        name,
+        rows: 64,
+        threads: THREADS,
+        smem: smem as u32,
+    })
+}
 /// Query and key rows per block (`FA_BM`, `FA_BN`).
 const BLOCK: usize = 64;
 
@@ -65,9 +121,9 @@ fn kernels(head_dim: usize) -> Result<Kernels> {
     }
 }
 
-/// The grid of `seq` rows in blocks of 64, over `pairs` (batch, head) pairs.
-fn grid(what: &str, seq: usize, pairs: usize) -> Result<(u32, u32, u32)> {
-    let gx = u32::try_from(seq.div_ceil(BLOCK))
+/// The grid of `seq` rows in blocks of `rows`, over `pairs` (batch, head) pairs.
+fn grid(what: &str, seq: usize, rows: usize, pairs: usize) -> Result<(u32, u32, u32)> {
+    let gx = u32::try_from(seq.div_ceil(rows))
         .map_err(|_| DeviceError::Unsupported(format!("{what}: seq = {seq} is too large")))?;
     match u32::try_from(pairs) {
         Ok(gy) if gy <= 65535 => Ok((gx, gy, 1)),
@@ -78,8 +134,16 @@ fn grid(what: &str, seq: usize, pairs: usize) -> Result<(u32, u32, u32)> {
 }
 
 impl CudaDevice {
-    /// Launches `name` with `smem` bytes of dynamic shared memory (raising the kernel's limit
-    /// to it first).
+    /// Whether the forward, the dK/dV pass and (at dim 128) the dQ pass take `flash_wgmma.cu`'s
+    /// kernels (loaded, and not turned off by `set_cuda_kernel_variant("flash_wgmma", 1)`).
+    /// Measured on one H200 (crates/lowbit-kernels/NOTES.md): forward 1.4–1.5×, dK/dV
+    /// 1.1–1.6×, dQ at dim 128 1.27× the speed of the mma.sync kernels.
+    fn wgmma_flash(&self) -> bool {
+        self.fast.wgmma && !self.fast.flash_mma_sync
+    }
+
+    /// Launches `name` with `threads` threads per CTA and `smem` bytes of dynamic shared memory
+    /// (raising the kernel's limit to it first).
     ///
     /// # Safety
     /// As [`CudaDevice::launch`]; `smem` is at most the device's opt-in shared memory per block
@@ -88,6 +152,7 @@ impl CudaDevice {
         &mut self,
         name: &'static str,
         grid: (u32, u32, u32),
+        threads: u32,
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
@@ -109,7 +174,7 @@ impl CudaDevice {
         let stream = self.stream.cu_stream();
         // SAFETY: `params` points at `vals`, which outlive the call; the caller guarantees the
         // arguments match the kernel and `smem` its shared memory.
-        unsafe { result::launch_kernel(f.0, grid, (THREADS, 1, 1), smem, stream, &mut params) }
+        unsafe { result::launch_kernel(f.0, grid, (threads, 1, 1), smem, stream, &mut params) }
             .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
     }
 
@@ -158,20 +223,30 @@ impl CudaDevice {
             _ => 2,
         };
         // Refuses a head size with no kernel, even for an empty batch.
-        let (fwd, smem) = forward(s.head_dim, tiles)?;
+        let fwd = if self.wgmma_flash() {
+            forward_wgmma(s.head_dim)?
+        } else {
+            let (name, smem) = forward(s.head_dim, tiles)?;
+            Shape {
+                name,
+                rows: BLOCK * tiles,
+                threads: THREADS,
+                smem,
+            }
+        };
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
         }
-        let mut grid = grid(WHAT, s.seq, s.batch * s.heads)?;
-        grid.0 = grid.0.div_ceil(tiles as u32);
+        let grid = grid(WHAT, s.seq, fwd.rows, s.batch * s.heads)?;
         let (qn, kn) = (ins[0].len(), ins[1].len());
         let (copies, [q, k, v]) = self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn)])?;
         let args = args![q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale];
         // SAFETY: views validated above with the spec's lengths (q, out b·s·h·hd; k, v
         // b·s·kvh·hd; lse b·h·s), q, k, v read through bf16 copies of those lengths; head_dim is the kernel's (64 or 128), heads a multiple of
-        // kv_heads (checked by the caller); the grid covers ceil(seq / (64·tiles)) query blocks
-        // of batch·heads pairs, rows past seq neither read nor written; smem is the kernel's.
-        unsafe { self.launch_smem(fwd, grid, smem, &args)? };
+        // kv_heads (checked by the caller); the grid covers ceil(seq / rows) query blocks of
+        // batch·heads pairs, rows past seq neither read nor written; threads and smem are the
+        // kernel's.
+        unsafe { self.launch_smem(fwd.name, grid, fwd.threads, fwd.smem, &args)? };
         drop(copies);
         Ok(())
     }
@@ -187,11 +262,31 @@ impl CudaDevice {
         let ([q, k, v, out, lse, dout], [dq, dk, dv]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
         let ks = kernels(s.head_dim)?;
+        let mma_dq = Shape {
+            name: ks.dq.0,
+            rows: BLOCK,
+            threads: THREADS,
+            smem: ks.dq.1,
+        };
+        let dq_k = match self.wgmma_flash() {
+            true => dq_wgmma(s.head_dim).unwrap_or(mma_dq),
+            false => mma_dq,
+        };
+        let dkv = if self.wgmma_flash() {
+            dkv_wgmma(s.head_dim)?
+        } else {
+            Shape {
+                name: ks.dkv.0,
+                rows: BLOCK,
+                threads: THREADS,
+                smem: ks.dkv.1,
+            }
+        };
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
         }
-        let grid_q = grid(WHAT, s.seq, s.batch * s.heads)?;
-        let grid_kv = grid(WHAT, s.seq, s.batch * s.kv_heads)?;
+        let grid_q = grid(WHAT, s.seq, dq_k.rows, s.batch * s.heads)?;
+        let grid_kv = grid(WHAT, s.seq, dkv.rows, s.batch * s.kv_heads)?;
         let rows = s.batch * s.seq * s.heads;
         let dd = self.scratch(rows)?;
         let d = dd.ptr;
@@ -210,11 +305,11 @@ impl CudaDevice {
         let args = args![q, k, v, lse, dout, d, dq, s.seq, s.heads, kvh, sc];
         // SAFETY: as the forward (q, k, v, dout now their bf16 copies of the same lengths); dq
         // has q's length, `d` the lse's.
-        unsafe { self.launch_smem(ks.dq.0, grid_q, ks.dq.1, &args)? };
+        unsafe { self.launch_smem(dq_k.name, grid_q, dq_k.threads, dq_k.smem, &args)? };
         let args = args![q, k, v, lse, dout, d, dk, dv, s.seq, s.heads, kvh, sc];
         // SAFETY: as above; dk, dv have k's length; the grid covers the key blocks of
         // batch·kv_heads pairs.
-        unsafe { self.launch_smem(ks.dkv.0, grid_kv, ks.dkv.1, &args)? };
+        unsafe { self.launch_smem(dkv.name, grid_kv, dkv.threads, dkv.smem, &args)? };
         drop(copies);
         drop(dd);
         Ok(())
