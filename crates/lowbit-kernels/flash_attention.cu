@@ -45,6 +45,8 @@
 
 #include <stdint.h>
 
+#include "include/flash_common.cuh"
+
 typedef unsigned long long u64;
 
 #define FA_WARPS 4
@@ -55,13 +57,6 @@ typedef unsigned long long u64;
 
 
 extern __shared__ __align__(16) uint16_t fa_smem[];
-
-// {lo, hi} as bf16x2 (lo in the low half), each rounded to nearest even.
-__device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 
 __device__ __forceinline__ float fa_lo(uint32_t x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float fa_hi(uint32_t x) { return __uint_as_float(x & 0xFFFF0000u); }
@@ -114,24 +109,13 @@ __device__ __forceinline__ void fa_bt_frag(uint32_t r[4], const uint16_t* s, int
     fa_ldsm_t(r, s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + nd * 8 + (lane >> 4) * 8);
 }
 
-// 16 bytes global → shared without the registers (cp.async, L2 only); `valid == false` fills
-// the 16 bytes with zeros (src-size 0) and reads nothing.
-__device__ __forceinline__ void fa_cp16(uint16_t* dst, const uint16_t* src, bool valid) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void fa_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Starts copying rows row0..row0+R of a [seq, ·, D] bf16 tensor (row r at src + r·stride) into a
 // tile of row stride D + 8; rows at or past `seq` become zeros (and read nothing). Thread t
 // copies unit t % (D/8) of rows t / (D/8) + k·128/(D/8): a fixed column, so the loop is pointer
 // increments, and the bounds test only runs on a block that reaches past the sequence (the
 // per-unit index arithmetic and 64-bit products of a plain loop kept the integer pipe busiest).
+// flash_wgmma.cu's fw_load is the same loop over a swizzled tile; one shared copy loop taking a
+// shared address made ptxas spill flash_fwd_hd64 (96 registers, 20 bytes), so each keeps its own.
 template <int D, int R>
 __device__ __forceinline__ void fa_load(uint16_t* dst, const uint16_t* __restrict__ src, u64 row0,
                                         u64 seq, u64 stride) {
@@ -144,25 +128,9 @@ __device__ __forceinline__ void fa_load(uint16_t* dst, const uint16_t* __restric
 #pragma unroll
     for (int i = 0; i < R / RS; ++i) {
         const bool ok = full || row0 + r0 + i * RS < seq;
-        fa_cp16(d0 + i * RS * LD, ok ? p + (u64)(i * RS) * stride : src, ok);
+        flash_cp16((uint32_t)__cvta_generic_to_shared(d0 + i * RS * LD),
+                   ok ? p + (u64)(i * RS) * stride : src, ok);
     }
-}
-
-// 2^x (ex2.approx.ftz: results below the normal range flush to zero).
-__device__ __forceinline__ float fa_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float fa_quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float fa_quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // ---- forward ----
@@ -175,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (i >= n4) return;
     // Scalar loads: a view may start at any element (no 16-byte alignment to rely on).
     const float* a = x + 4 * i;
-    y[i] = make_uint2(fa_pack(a[0], a[1]), fa_pack(a[2], a[3]));
+    y[i] = make_uint2(flash_pack(a[0], a[1]), flash_pack(a[2], a[3]));
 }
 
 // Grid (ceil(seq / (64·MT)), batch·heads), the query blocks from the last (the longest, causal)
@@ -207,7 +175,7 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
     fa_load<D, BM>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
     fa_load<D, FA_BN>(kvs, kbase, 0, seq, kv_heads * D);
     fa_load<D, FA_BN>(kvs + TILE, vbase, 0, seq, kv_heads * D);
-    fa_commit();
+    flash_cp_commit();
     const float sl2 = scale * FA_LOG2E;
     float o[MT][D / 8][4];
 #pragma unroll
@@ -222,10 +190,10 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
             uint16_t* nxt = kvs + ((kb + 1) & 1) * 2 * TILE;
             fa_load<D, FA_BN>(nxt, kbase, (kb + 1) * FA_BN, seq, kv_heads * D);
             fa_load<D, FA_BN>(nxt + TILE, vbase, (kb + 1) * FA_BN, seq, kv_heads * D);
-            fa_commit();
-            fa_wait<1>();
+            flash_cp_commit();
+            flash_cp_wait<1>();
         } else {
-            fa_wait<0>();
+            flash_cp_wait<0>();
         }
         __syncthreads();
         const uint16_t* ks = kvs + (kb & 1) * 2 * TILE;
@@ -284,16 +252,16 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
 #pragma unroll
                 for (int nb = 0; nb < FA_BN / 8; ++nb)
                     mx = fmaxf(mx, fmaxf(s[t][nb][2 * r], s[t][nb][2 * r + 1]));
-                mx = fa_quad_max(mx);
+                mx = flash_quad_max(mx);
                 const float mn = fmaxf(m[t][r], mx);
                 const float ms = mn == -INFINITY ? 0.f : mn * sl2;
-                const float alpha = fa_exp2(m[t][r] * sl2 - ms);
+                const float alpha = flash_exp2(m[t][r] * sl2 - ms);
                 m[t][r] = mn;
                 float sum = 0.f;
 #pragma unroll
                 for (int nb = 0; nb < FA_BN / 8; ++nb) {
-                    s[t][nb][2 * r] = fa_exp2(fmaf(s[t][nb][2 * r], sl2, -ms));
-                    s[t][nb][2 * r + 1] = fa_exp2(fmaf(s[t][nb][2 * r + 1], sl2, -ms));
+                    s[t][nb][2 * r] = flash_exp2(fmaf(s[t][nb][2 * r], sl2, -ms));
+                    s[t][nb][2 * r + 1] = flash_exp2(fmaf(s[t][nb][2 * r + 1], sl2, -ms));
                     sum += s[t][nb][2 * r] + s[t][nb][2 * r + 1];
                 }
                 l[t][r] = l[t][r] * alpha + sum;
@@ -309,10 +277,10 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
             uint32_t a[MT][4];
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
-                a[t][0] = fa_pack(s[t][2 * kk][0], s[t][2 * kk][1]);
-                a[t][1] = fa_pack(s[t][2 * kk][2], s[t][2 * kk][3]);
-                a[t][2] = fa_pack(s[t][2 * kk + 1][0], s[t][2 * kk + 1][1]);
-                a[t][3] = fa_pack(s[t][2 * kk + 1][2], s[t][2 * kk + 1][3]);
+                a[t][0] = flash_pack(s[t][2 * kk][0], s[t][2 * kk][1]);
+                a[t][1] = flash_pack(s[t][2 * kk][2], s[t][2 * kk][3]);
+                a[t][2] = flash_pack(s[t][2 * kk + 1][0], s[t][2 * kk + 1][1]);
+                a[t][3] = flash_pack(s[t][2 * kk + 1][2], s[t][2 * kk + 1][3]);
             }
 #pragma unroll
             for (int nd = 0; nd < D / 8; nd += 2) {
@@ -333,7 +301,7 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const u64 i = q0 + t * 64 + warp * 16 + gr + 8 * r;
-            const float lt = fa_quad_sum(l[t][r]);
+            const float lt = flash_quad_sum(l[t][r]);
             if (i >= seq) continue;
             const float inv = 1.f / lt;
             float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
@@ -374,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* g = dout + row * hd;
     float s = 0.f;
     for (u64 d = (u64)lane * 2; d < hd; d += 64) {
-        const uint32_t pa = fa_pack(o[d], o[d + 1]), pc = fa_pack(g[d], g[d + 1]);
+        const uint32_t pa = flash_pack(o[d], o[d + 1]), pc = flash_pack(g[d], g[d + 1]);
         s = fmaf(fa_lo(pa), fa_lo(pc), s);
         s = fmaf(fa_hi(pa), fa_hi(pc), s);
     }
@@ -408,7 +376,7 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
     fa_load<D, FA_BM>(dos, dout + (b * seq * heads + h) * D, q0, seq, heads * D);
     fa_load<D, FA_BN>(kvs, kbase, 0, seq, kv_heads * D);
     fa_load<D, FA_BN>(kvs + TILE, vbase, 0, seq, kv_heads * D);
-    fa_commit();
+    flash_cp_commit();
     const float sl2 = scale * FA_LOG2E;
     const u64 ia = q0 + warp * 16 + gr, ib = ia + 8;
     const u64 rowbase = (b * heads + h) * seq;
@@ -425,10 +393,10 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
             uint16_t* nxt = kvs + ((kb + 1) & 1) * 2 * TILE;
             fa_load<D, FA_BN>(nxt, kbase, (kb + 1) * FA_BN, seq, kv_heads * D);
             fa_load<D, FA_BN>(nxt + TILE, vbase, (kb + 1) * FA_BN, seq, kv_heads * D);
-            fa_commit();
-            fa_wait<1>();
+            flash_cp_commit();
+            flash_cp_wait<1>();
         } else {
-            fa_wait<0>();
+            flash_cp_wait<0>();
         }
         __syncthreads();
         const uint16_t* ks = kvs + (kb & 1) * 2 * TILE;
@@ -461,7 +429,7 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int r = c >> 1;
-                float p = fa_exp2(fmaf(s[nb][c], sl2, -lr[r]));
+                float p = flash_exp2(fmaf(s[nb][c], sl2, -lr[r]));
                 if (edge) {
                     const u64 j = k0 + nb * 8 + tq * 2 + (c & 1), i = r == 0 ? ia : ib;
                     if (j > i || j >= seq || i >= seq) p = 0.f;
@@ -471,10 +439,10 @@ __device__ __forceinline__ void fa_bwd_dq(const uint16_t* __restrict__ q, const 
 #pragma unroll
         for (int kk = 0; kk < FA_BN / 16; ++kk) {
             uint32_t a[4];
-            a[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = flash_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = flash_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = flash_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = flash_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int nd = 0; nd < D / 8; nd += 2) {
                 uint32_t bb[4];
@@ -538,7 +506,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
     fa_load<D, FA_BN>(ks, k + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
     fa_load<D, FA_BN>(vs, v + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
     issue(0);
-    fa_commit();
+    flash_cp_commit();
     const float sl2 = scale * FA_LOG2E;
     // The two key rows of this thread's fragments.
     const u64 ja = k0 + warp * 16 + gr, jb = ja + 8;
@@ -551,10 +519,10 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
         {
             if (t + 1 < steps) {
                 issue(t + 1);
-                fa_commit();
-                fa_wait<1>();
+                flash_cp_commit();
+                flash_cp_wait<1>();
             } else {
-                fa_wait<0>();
+                flash_cp_wait<0>();
             }
             __syncthreads();
             const u64 i0 = (first + t % per_head) * BQ;
@@ -590,7 +558,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int il = nb * 8 + tq * 2 + (c & 1);
-                    float p = fa_exp2(fmaf(st[nb][c], sl2, -ls[il]));
+                    float p = flash_exp2(fmaf(st[nb][c], sl2, -ls[il]));
                     if (edge) {
                         const u64 i = i0 + il, j = c < 2 ? ja : jb;
                         if (i < j || i >= seq || j >= seq) p = 0.f;
@@ -602,14 +570,14 @@ __device__ __forceinline__ void fa_bwd_dkv(const uint16_t* __restrict__ q, const
 #pragma unroll
             for (int kk = 0; kk < BQ / 16; ++kk) {
                 uint32_t ap[4], as[4];
-                ap[0] = fa_pack(st[2 * kk][0], st[2 * kk][1]);
-                ap[1] = fa_pack(st[2 * kk][2], st[2 * kk][3]);
-                ap[2] = fa_pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-                ap[3] = fa_pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-                as[0] = fa_pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-                as[1] = fa_pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-                as[2] = fa_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-                as[3] = fa_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+                ap[0] = flash_pack(st[2 * kk][0], st[2 * kk][1]);
+                ap[1] = flash_pack(st[2 * kk][2], st[2 * kk][3]);
+                ap[2] = flash_pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+                ap[3] = flash_pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+                as[0] = flash_pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+                as[1] = flash_pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+                as[2] = flash_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+                as[3] = flash_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
 #pragma unroll
                 for (int nd = 0; nd < D / 8; nd += 2) {
                     uint32_t bb[4];

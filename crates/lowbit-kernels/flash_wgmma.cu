@@ -26,18 +26,13 @@
 
 #include <stdint.h>
 
+#include "include/flash_common.cuh"
+
 typedef unsigned long long u64;
 
 #define FW_LOG2E 1.4426950408889634f
 
 extern __shared__ __align__(1024) uint8_t fw_smem[];
-
-// {lo, hi} as bf16x2 (lo in the low half), each rounded to nearest even.
-__device__ __forceinline__ uint32_t fw_pack(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 
 // A shared memory matrix descriptor with the 128-byte swizzle (PTX ISA, "Matrix Descriptor
 // Format"): start address, leading and stride byte offsets, each in 16-byte units.
@@ -62,17 +57,6 @@ __device__ __forceinline__ void fw_reg_fence(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// 16 bytes global → shared (cp.async, L2 only); `valid == false` writes zeros, reads nothing.
-__device__ __forceinline__ void fw_cp16(uint32_t dst, const uint16_t* src, bool valid) {
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void fw_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void fw_cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Starts copying rows row0..row0+R of a [seq, ·, D] bf16 tensor (row r at src + r·stride) into
 // the swizzled tile at shared address `dst`; rows at or past `seq` become zeros. Thread t copies
 // the 16-byte unit t % (D/8) of rows t / (D/8) + k·NT/(D/8): its column and swizzle are fixed
@@ -90,25 +74,8 @@ __device__ __forceinline__ void fw_load(uint32_t dst, const uint16_t* __restrict
 #pragma unroll
     for (int i = 0; i < R / RS; ++i) {
         const bool ok = full || row0 + r0 + i * RS < seq;
-        fw_cp16(at0 + i * RS * 128, ok ? p + (u64)(i * RS) * stride : src, ok);
+        flash_cp16(at0 + i * RS * 128, ok ? p + (u64)(i * RS) * stride : src, ok);
     }
-}
-
-// 2^x (ex2.approx.ftz: results below the normal range flush to zero, as FA3's exp2f under
-// --use_fast_math).
-__device__ __forceinline__ float fw_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float fw_quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float fw_quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // d (+)= A·B, m64n128k16: A (64×16, K-major) and B (128×16, K-major) in shared memory.
@@ -166,6 +133,51 @@ __device__ __forceinline__ void fw_pv(float (&o)[64], const uint32_t (&a)[4], u6
     fw_mma_rs128(o, a, db, 1);
 }
 
+// d (N = 2·NH columns) = rows 64·w.. of the R-row tile `a` times the N-row tile `b`ᵀ, k = D
+// (both K-major swizzled tiles); issued and committed, not awaited.
+template <int D, int R, int N, int NH>
+__device__ __forceinline__ void fw_gemm_nt(float (&d)[NH], uint32_t a, int w, uint32_t b) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t kofs = (kk & 3) * 32;
+        const u64 da = fw_desc(a + (kk >> 2) * (R * 128) + w * 64 * 128 + kofs, 16, 1024);
+        const u64 db = fw_desc(b + (kk >> 2) * (N * 128) + kofs, 16, 1024);
+        fw_ss(d, da, db, kk > 0);
+    }
+}
+
+// acc += P·T for P (64 × K) in registers as bf16 pairs of an accumulator's layout and T the
+// K-row tile at `t` read N-major (n = D); issued and committed, not awaited.
+template <int K, int DH>
+__device__ __forceinline__ void fw_gemm_pt(float (&acc)[DH], const float* p, uint32_t t) {
+    uint32_t pa[K / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        pa[kk][0] = flash_pack(p[8 * kk + 0], p[8 * kk + 1]);
+        pa[kk][1] = flash_pack(p[8 * kk + 2], p[8 * kk + 3]);
+        pa[kk][2] = flash_pack(p[8 * kk + 4], p[8 * kk + 5]);
+        pa[kk][3] = flash_pack(p[8 * kk + 6], p[8 * kk + 7]);
+    }
+    fw_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) fw_pv(acc, pa[kk], fw_desc(t + kk * 2048, K * 128, 1024));
+}
+
+// Ends a stage of the double-buffered cp.async pipeline: with `more`, the next tile's copies
+// (just issued) form their own group and the stage's tiles (the group before) are awaited;
+// without, everything in flight is. The tiles were written through the generic proxy and wgmma
+// reads through the async one, hence the proxy fence before the CTA barrier.
+__device__ __forceinline__ void fw_stage_ready(bool more) {
+    if (more) {
+        flash_cp_commit();
+        flash_cp_wait<1>();
+    } else {
+        flash_cp_wait<0>();
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+}
+
 // Grid (ceil(seq / (64·NWG)), batch·heads), the query blocks from the last (the longest, causal)
 // to the first; NWG warpgroups, warpgroup w owning query rows 64·w.. of the block; key blocks of
 // BN rows; dynamic smem 1024 (alignment) + (64·NWG + 4·BN)·D·2 bytes: Q, and K, V double-buffered (the next block's
@@ -192,7 +204,7 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
     fw_load<D, BM, NT>(qs, q + (b * seq * heads + h) * D, q0, seq, heads * D);
     fw_load<D, BN, NT>(kv0, kbase, 0, seq, kv_heads * D);
     fw_load<D, BN, NT>(kv0 + KB, vbase, 0, seq, kv_heads * D);
-    fw_cp_commit();
+    flash_cp_commit();
     const float sl2 = scale * FW_LOG2E;
     const u64 r0 = q0 + wg * 64;  // this warpgroup's first row
     const u64 ia = r0 + warp * 16 + gr, ib = ia + 8;
@@ -205,14 +217,8 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
             const uint32_t nxt = kv0 + ((kb + 1) & 1) * 2 * KB;
             fw_load<D, BN, NT>(nxt, kbase, (kb + 1) * BN, seq, kv_heads * D);
             fw_load<D, BN, NT>(nxt + KB, vbase, (kb + 1) * BN, seq, kv_heads * D);
-            fw_cp_commit();
-            fw_cp_wait<1>();
-        } else {
-            fw_cp_wait<0>();
         }
-        // The tiles were written through the generic proxy; wgmma reads through the async one.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
+        fw_stage_ready(kb < kb_end);
         const uint32_t ks = kv0 + (kb & 1) * 2 * KB, vs = ks + KB;
         const u64 k0 = kb * BN;
         if (k0 <= r0 + 63 && r0 < seq) {  // warpgroup-uniform
@@ -220,13 +226,7 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
             fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t kofs = (kk >> 2) * 0 + (kk & 3) * 32;
-                const u64 da = fw_desc(qs + (kk >> 2) * (BM * 128) + wg * 64 * 128 + kofs, 16, 1024);
-                const u64 db = fw_desc(ks + (kk >> 2) * (BN * 128) + kofs, 16, 1024);
-                fw_ss(s, da, db, kk > 0);
-            }
+            fw_gemm_nt<D, BM, BN>(s, qs, wg, ks);
             fw_commit();
             fw_wait<0>();
             fw_reg_fence(s);
@@ -245,16 +245,16 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; ++jj)
                     mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * r], s[4 * jj + 2 * r + 1]));
-                mx = fw_quad_max(mx);
+                mx = flash_quad_max(mx);
                 const float mn = fmaxf(m[r], mx);
                 const float ms = mn == -INFINITY ? 0.f : mn * sl2;
-                const float alpha = fw_exp2(m[r] * sl2 - ms);
+                const float alpha = flash_exp2(m[r] * sl2 - ms);
                 m[r] = mn;
                 float sum = 0.f;
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; ++jj) {
-                    s[4 * jj + 2 * r] = fw_exp2(fmaf(s[4 * jj + 2 * r], sl2, -ms));
-                    s[4 * jj + 2 * r + 1] = fw_exp2(fmaf(s[4 * jj + 2 * r + 1], sl2, -ms));
+                    s[4 * jj + 2 * r] = flash_exp2(fmaf(s[4 * jj + 2 * r], sl2, -ms));
+                    s[4 * jj + 2 * r + 1] = flash_exp2(fmaf(s[4 * jj + 2 * r + 1], sl2, -ms));
                     sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
                 }
                 l[r] = l[r] * alpha + sum;
@@ -264,18 +264,7 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
                     o[4 * n + 2 * r + 1] *= alpha;
                 }
             }
-            uint32_t pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pa[kk][0] = fw_pack(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = fw_pack(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = fw_pack(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = fw_pack(s[8 * kk + 6], s[8 * kk + 7]);
-            }
-            fw_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                fw_pv(o, pa[kk], fw_desc(vs + kk * 2048, BN * 128, 1024));
+            fw_gemm_pt<BN>(o, s, vs);
             fw_commit();
             fw_wait<0>();
             fw_reg_fence(o);
@@ -285,7 +274,7 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u64 i = r ? ib : ia;
-        const float lt = fw_quad_sum(l[r]);
+        const float lt = flash_quad_sum(l[r]);
         if (i >= seq) continue;
         const float inv = 1.f / lt;
         float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
@@ -316,36 +305,6 @@ FW_FWD(flash_fwd_wg_hd128, 128, 2, 128, 1)
 // atomics, every sum in a fixed order; the same recomputation of P from lse and
 // dS = P ∘ (dP − D), dS rounded to bf16 as an operand), on wgmma; its D pass stays there.
 
-// d (N = 2·NH columns) = rows 64·w.. of the R-row tile `a` times the N-row tile `b`ᵀ, k = D
-// (both K-major swizzled tiles); issued and committed, not awaited.
-template <int D, int R, int N, int NH>
-__device__ __forceinline__ void fw_gemm_nt(float (&d)[NH], uint32_t a, int w, uint32_t b) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t kofs = (kk & 3) * 32;
-        const u64 da = fw_desc(a + (kk >> 2) * (R * 128) + w * 64 * 128 + kofs, 16, 1024);
-        const u64 db = fw_desc(b + (kk >> 2) * (N * 128) + kofs, 16, 1024);
-        fw_ss(d, da, db, kk > 0);
-    }
-}
-
-// acc += P·T for P (64 × K) in registers as bf16 pairs of an accumulator's layout and T the
-// K-row tile at `t` read N-major (n = D); issued and committed, not awaited.
-template <int K, int DH>
-__device__ __forceinline__ void fw_gemm_pt(float (&acc)[DH], const float* p, uint32_t t) {
-    uint32_t pa[K / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        pa[kk][0] = fw_pack(p[8 * kk + 0], p[8 * kk + 1]);
-        pa[kk][1] = fw_pack(p[8 * kk + 2], p[8 * kk + 3]);
-        pa[kk][2] = fw_pack(p[8 * kk + 4], p[8 * kk + 5]);
-        pa[kk][3] = fw_pack(p[8 * kk + 6], p[8 * kk + 7]);
-    }
-    fw_fence();
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) fw_pv(acc, pa[kk], fw_desc(t + kk * 2048, K * 128, 1024));
-}
-
 // dQ: grid (ceil(seq / (64·NWG)), batch·heads), the query blocks from the last to the first;
 // NWG warpgroups of 64 query rows; key blocks of BN rows up to the diagonal. Dynamic smem 1024
 // + (2·64·NWG + 4·BN)·D·2 bytes (Q, dO, and K, V double-buffered).
@@ -373,7 +332,7 @@ __device__ __forceinline__ void fw_bwd_dq(const uint16_t* __restrict__ q, const 
     fw_load<D, BM, NT>(dos, dout + (b * seq * heads + h) * D, q0, seq, heads * D);
     fw_load<D, BN, NT>(kv0, kbase, 0, seq, kvs);
     fw_load<D, BN, NT>(kv0 + KB, vbase, 0, seq, kvs);
-    fw_cp_commit();
+    flash_cp_commit();
     const float sl2 = scale * FW_LOG2E;
     const u64 r0 = q0 + wg * 64;
     const u64 ia = r0 + warp * 16 + gr, ib = ia + 8;
@@ -391,13 +350,8 @@ __device__ __forceinline__ void fw_bwd_dq(const uint16_t* __restrict__ q, const 
             const uint32_t nxt = kv0 + ((kb + 1) & 1) * 2 * KB;
             fw_load<D, BN, NT>(nxt, kbase, (kb + 1) * BN, seq, kvs);
             fw_load<D, BN, NT>(nxt + KB, vbase, (kb + 1) * BN, seq, kvs);
-            fw_cp_commit();
-            fw_cp_wait<1>();
-        } else {
-            fw_cp_wait<0>();
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
+        fw_stage_ready(kb < kb_end);
         const uint32_t ks = kv0 + (kb & 1) * 2 * KB, vs = ks + KB;
         const u64 k0 = kb * BN;
         if (k0 <= r0 + 63 && r0 < seq) {  // warpgroup-uniform
@@ -417,7 +371,7 @@ __device__ __forceinline__ void fw_bwd_dq(const uint16_t* __restrict__ q, const 
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int r = c >> 1;
-                    float p = fw_exp2(fmaf(s[4 * jj + c], sl2, -lr[r]));
+                    float p = flash_exp2(fmaf(s[4 * jj + c], sl2, -lr[r]));
                     if (edge) {
                         const u64 j = k0 + jj * 8 + tq * 2 + (c & 1), i = r == 0 ? ia : ib;
                         if (j > i || j >= seq || i >= seq) p = 0.f;
@@ -483,22 +437,15 @@ __device__ __forceinline__ void fw_bwd_dkv(const uint16_t* __restrict__ q, const
     fw_load<D, BK, NT>(ks, k + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
     fw_load<D, BK, NT>(vs, v + (b * seq * kv_heads + g) * D, k0, seq, kv_heads * D);
     issue(0);
-    fw_cp_commit();
+    flash_cp_commit();
     const float sl2 = scale * FW_LOG2E;
     const u64 ja = kw + warp * 16 + gr, jb = ja + 8;
     float dka[D / 2], dva[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.f;
     for (u64 t = 0; t < steps; ++t) {
-        if (t + 1 < steps) {
-            issue(t + 1);
-            fw_cp_commit();
-            fw_cp_wait<1>();
-        } else {
-            fw_cp_wait<0>();
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
+        if (t + 1 < steps) issue(t + 1);
+        fw_stage_ready(t + 1 < steps);
         const u64 i0 = (first + t % per_head) * BQ;
         const uint32_t qs = qd0 + (t & 1) * 2 * QT, dos = qs + QT;
         const float* ls = lds + (t & 1) * 2 * BQ;
@@ -521,7 +468,7 @@ __device__ __forceinline__ void fw_bwd_dkv(const uint16_t* __restrict__ q, const
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int il = jj * 8 + tq * 2 + (c & 1);
-                    float p = fw_exp2(fmaf(st[4 * jj + c], sl2, -ls[il]));
+                    float p = flash_exp2(fmaf(st[4 * jj + c], sl2, -ls[il]));
                     if (edge) {
                         const u64 i = i0 + il, j = c < 2 ? ja : jb;
                         if (i < j || i >= seq || j >= seq) p = 0.f;

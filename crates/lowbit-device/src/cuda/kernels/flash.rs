@@ -14,6 +14,8 @@ use crate::{AttentionSpec, DeviceError, Result, View};
 /// Threads per CTA of the mma.sync kernels (`FA_THREADS`: 4 warps) and per warpgroup of the
 /// wgmma ones.
 const THREADS: u32 = 128;
+/// Query and key rows per block of the mma.sync kernels (`FA_BM`, `FA_BN`).
+const BLOCK: usize = 64;
 
 /// A kernel launch shape: name, rows of its own side per CTA, threads, dynamic shared memory.
 #[derive(Clone, Copy)]
@@ -69,20 +71,28 @@ fn dkv_wgmma(head_dim: usize) -> Result<Shape> {
         smem: smem as u32,
     })
 }
-/// Query and key rows per block (`FA_BM`, `FA_BN`).
-const BLOCK: usize = 64;
 
-/// The backward's kernel names of one head size, each with its dynamic shared memory bytes,
-/// from the tile shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the
-/// streamed side double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
+/// The backward's mma.sync kernels of one head size, their dynamic shared memory from the tile
+/// shapes of `flash_attention.cu` (bf16 tiles of rows padded by 8 elements; the streamed side
+/// double-buffered; the dK/dV pass also keeps two query blocks' lse and D as f32).
 struct Kernels {
-    dq: (&'static str, u32),
-    dkv: (&'static str, u32),
+    dq: Shape,
+    dkv: Shape,
 }
 
-/// The forward of `head_dim` with `tiles` m16 tiles of query rows per warp (1 or 2: 64- or
-/// 128-row blocks) and its dynamic shared memory: Q's block + 2·(K, V).
-fn forward(head_dim: usize, tiles: usize) -> Result<(&'static str, u32)> {
+/// An mma.sync kernel of `flash_attention.cu`: blocks of 64 rows, 4 warps.
+fn mma_sync(name: &'static str, smem: u32) -> Shape {
+    Shape {
+        name,
+        rows: BLOCK,
+        threads: THREADS,
+        smem,
+    }
+}
+
+/// The mma.sync forward of `head_dim` with `tiles` m16 tiles of query rows per warp (1 or 2:
+/// 64- or 128-row blocks) and its dynamic shared memory: Q's block + 2·(K, V).
+fn forward(head_dim: usize, tiles: usize) -> Result<Shape> {
     let name = match (head_dim, tiles) {
         (64, 1) => "flash_fwd_hd64",
         (64, _) => "flash_fwd_hd64_m2",
@@ -91,7 +101,10 @@ fn forward(head_dim: usize, tiles: usize) -> Result<(&'static str, u32)> {
         (d, _) => return Err(no_kernel(d)),
     };
     let rows = tiles * BLOCK + 4 * BLOCK;
-    Ok((name, (rows * (head_dim + 8) * 2) as u32))
+    Ok(Shape {
+        rows: tiles * BLOCK,
+        ..mma_sync(name, (rows * (head_dim + 8) * 2) as u32)
+    })
 }
 
 fn no_kernel(head_dim: usize) -> DeviceError {
@@ -106,13 +119,13 @@ fn kernels(head_dim: usize) -> Result<Kernels> {
     match head_dim {
         // Q, dO + 2·(K, V); K, V + 2·(Q, dO) of 64 query rows.
         64 => Ok(Kernels {
-            dq: ("flash_bwd_dq_hd64", tile(6 * BLOCK, 64)),
-            dkv: ("flash_bwd_dkv_hd64", tile(6 * BLOCK, 64) + 4 * 64 * 4),
+            dq: mma_sync("flash_bwd_dq_hd64", tile(6 * BLOCK, 64)),
+            dkv: mma_sync("flash_bwd_dkv_hd64", tile(6 * BLOCK, 64) + 4 * 64 * 4),
         }),
         // As above; the dK/dV pass takes query blocks of 32 rows.
         128 => Ok(Kernels {
-            dq: ("flash_bwd_dq_hd128", tile(6 * BLOCK, 128)),
-            dkv: (
+            dq: mma_sync("flash_bwd_dq_hd128", tile(6 * BLOCK, 128)),
+            dkv: mma_sync(
                 "flash_bwd_dkv_hd128",
                 tile(2 * BLOCK + 4 * 32, 128) + 4 * 32 * 4,
             ),
@@ -226,13 +239,7 @@ impl CudaDevice {
         let fwd = if self.wgmma_flash() {
             forward_wgmma(s.head_dim)?
         } else {
-            let (name, smem) = forward(s.head_dim, tiles)?;
-            Shape {
-                name,
-                rows: BLOCK * tiles,
-                threads: THREADS,
-                smem,
-            }
+            forward(s.head_dim, tiles)?
         };
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
@@ -262,25 +269,13 @@ impl CudaDevice {
         let ([q, k, v, out, lse, dout], [dq, dk, dv]) = self.ptrs(WHAT, ins, outs)?;
         let s = *spec;
         let ks = kernels(s.head_dim)?;
-        let mma_dq = Shape {
-            name: ks.dq.0,
-            rows: BLOCK,
-            threads: THREADS,
-            smem: ks.dq.1,
-        };
-        let dq_k = match self.wgmma_flash() {
-            true => dq_wgmma(s.head_dim).unwrap_or(mma_dq),
-            false => mma_dq,
-        };
-        let dkv = if self.wgmma_flash() {
-            dkv_wgmma(s.head_dim)?
+        let (dq_k, dkv) = if self.wgmma_flash() {
+            (
+                dq_wgmma(s.head_dim).unwrap_or(ks.dq),
+                dkv_wgmma(s.head_dim)?,
+            )
         } else {
-            Shape {
-                name: ks.dkv.0,
-                rows: BLOCK,
-                threads: THREADS,
-                smem: ks.dkv.1,
-            }
+            (ks.dq, ks.dkv)
         };
         if s.batch == 0 || s.seq == 0 {
             return Ok(());
