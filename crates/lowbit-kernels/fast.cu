@@ -96,8 +96,10 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // thread k % G), then the group's tree combines them. The max is order-free and equals the
 // exact max; the sum s differs from the exact sum by its association, expf and the rescales.
 // The loss is -((x_t - mx) - ln32(s)). With `grad`, pass 2 reads the row again and writes
-// c (e_j / s - [j = t]) with the exact e_j = exp32(x_j - mx) (`fast_exp`: expf instead) and
-// the exact division. Bad target: loss NaN, the gradient row NaN, the error word set.
+// c (e_j / s - [j = t]) with the exact e_j = exp32(x_j - mx) and the exact division
+// (`fast_exp`, the default: __expf(x_j - mx) · fl(1 / s), a few ulp from the exact e_j / s, far
+// below the bf16 rounding of the gradient the bf16 mode stores; the double-precision exp32 made
+// this pass compute-bound: 0.47x of a copy against 0.61x at 4096 × 50,304 on an H200). Bad target: loss NaN, the gradient row NaN, the error word set.
 // With `y` (a bf16 row), the gradient goes there, each element rounded once as `cast` rounds it
 // (RNE, NaN quieted), and x is left as it is: the operand the head's backward products read,
 // without a pass of its own.
@@ -173,7 +175,9 @@ __device__ __forceinline__ void xent_row(float* x, uint16_t* y, float t_f, float
     if (!grad) return;
     float4* yv = (float4*)(x + head);
     float nanv = qnan();
-#define XENT_G(v, j) (ok ? __fmul_rn(c, __fsub_rn(__fdiv_rn(fast_exp ? expf(__fsub_rn((v), m)) : exp32(__fsub_rn((v), m)), s), (j) == t ? 1.0f : 0.0f)) : nanv)
+    const float inv = __frcp_rn(s);
+#define XENT_E(v) (fast_exp ? __fmul_rn(__expf(__fsub_rn((v), m)), inv) : __fdiv_rn(exp32(__fsub_rn((v), m)), s))
+#define XENT_G(v, j) (ok ? __fmul_rn(c, __fsub_rn(XENT_E(v), (j) == t ? 1.0f : 0.0f)) : nanv)
     // bf16 out: four elements as one 8-byte store where the row's body is 8-byte aligned there.
     bool y8 = y != nullptr && (((u64)(y + head)) & 7) == 0;
 #define XENT_PUT(j, v)                                   \
@@ -216,6 +220,7 @@ __device__ __forceinline__ void xent_row(float* x, uint16_t* y, float t_f, float
     for (u64 j = tail0 + g; j < classes; j += G) XENT_PUT(j, XENT_G(x[j], j));
 #undef XENT_PUT
 #undef XENT_G
+#undef XENT_E
 }
 
 // A CTA per row (rows strided over the grid). `grad` set: the logits are overwritten with
@@ -451,10 +456,11 @@ extern "C" __global__ void __launch_bounds__(1024) fast_rms_dw_reduce(
 
 // llm_rope over 4 pairs an item: n4 = rows heads half / 4 items, half % 4 == 0 and every view
 // 16-byte aligned (the host checks). x and y are the same address (in place: an item reads
-// its pairs before writing them) or disjoint.
-extern "C" __global__ void fast_rope4(const float* x, float* y, const float* __restrict__ cos_t,
+// its pairs before writing them) or disjoint; `ybf16`: y is bf16 (disjoint), four values an
+// 8-byte store, each rounded once as `cast` rounds.
+extern "C" __global__ void fast_rope4(const float* x, void* y, const float* __restrict__ cos_t,
                                       const float* __restrict__ sin_t, u64 n4, u64 heads,
-                                      u64 half, u64 seq, uint32_t inverse) {
+                                      u64 half, u64 seq, uint32_t inverse, uint32_t ybf16) {
     u64 q = half / 4;
     GRID_STRIDE(k, n4) {
         u64 i = (k % q) * 4;
@@ -474,8 +480,14 @@ extern "C" __global__ void fast_rope4(const float* x, float* y, const float* __r
     }
         ROT(x) ROT(y) ROT(z) ROT(w)
 #undef ROT
-        *(float4*)(y + base + i) = lo;
-        *(float4*)(y + base + i + half) = hi;
+        if (ybf16) {
+            const float l4[4] = {lo.x, lo.y, lo.z, lo.w}, h4[4] = {hi.x, hi.y, hi.z, hi.w};
+            st_bf16<4>((uint16_t*)y + base + i, l4);
+            st_bf16<4>((uint16_t*)y + base + i + half, h4);
+        } else {
+            *(float4*)((float*)y + base + i) = lo;
+            *(float4*)((float*)y + base + i + half) = hi;
+        }
     }
 }
 

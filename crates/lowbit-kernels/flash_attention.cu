@@ -13,7 +13,8 @@
 // Tiling (the simple FA2 tiling; csrc/flash_attn/src/kernel_traits.h names the same shapes):
 // 4 warps per CTA; blocks of 64 query rows and 64 key rows, each warp owning 16 rows of the
 // CTA's own side. The f32 inputs are first rounded to bf16 copies (flash_to_bf16, RNE through
-// cvt.rn.bf16x2.f32; a few percent of the time), which the kernels stream global → shared with
+// cvt.rn.bf16x2.f32; a few percent of the time; bf16 inputs are used as they are), and `out` is
+// written as f32 or bf16 (`out_bf16`). The kernels stream the bf16 operands global → shared with
 // cp.async into double-buffered tiles (the next block's copies run while this one computes);
 // rows are padded by 8 bf16 (16 bytes) so that the 8 row addresses of every ldmatrix phase fall
 // into distinct 16-byte bank groups (row strides of 144 or 272 bytes: 16·r mod 128). Rows past
@@ -157,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(256)
 // alpha = 1, p = 0).
 template <int D, int MT>
 __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
-                                       const uint16_t* __restrict__ v, float* __restrict__ out,
+                                       const uint16_t* __restrict__ v, void* __restrict__ out,
                                        float* __restrict__ lse, u64 seq, u64 heads, u64 kv_heads,
-                                       float scale) {
+                                       float scale, uint32_t out_bf16) {
     constexpr int LD = D + 8, TILE = FA_BN * LD, BM = FA_BM * MT;
     uint16_t* qs = fa_smem;
     uint16_t* kvs = qs + BM * LD;  // [buffer][K, V]
@@ -304,12 +305,11 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
             const float lt = flash_quad_sum(l[t][r]);
             if (i >= seq) continue;
             const float inv = 1.f / lt;
-            float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
+            const u64 at = ((b * seq + i) * heads + h) * D + tq * 2;
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                orow[n * 8] = o[t][n][2 * r] * inv;
-                orow[n * 8 + 1] = o[t][n][2 * r + 1] * inv;
-            }
+            for (int n = 0; n < D / 8; ++n)
+                flash_put_pair(out, out_bf16, at + n * 8, o[t][n][2 * r] * inv,
+                               o[t][n][2 * r + 1] * inv);
             if (tq == 0) lse[(b * heads + h) * seq + i] = m[t][r] * scale + logf(lt);
         }
 }
@@ -317,9 +317,9 @@ __device__ __forceinline__ void fa_fwd(const uint16_t* __restrict__ q, const uin
 #define FA_FWD(NAME, D, MT)                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                     \
         NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
-             const uint16_t* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,   \
-             u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
-        fa_fwd<D, MT>(q, k, v, out, lse, seq, heads, kv_heads, scale);                           \
+             const uint16_t* __restrict__ v, void* __restrict__ out, float* __restrict__ lse,    \
+             u64 seq, u64 heads, u64 kv_heads, float scale, uint32_t out_bf16) {                 \
+        fa_fwd<D, MT>(q, k, v, out, lse, seq, heads, kv_heads, scale, out_bf16);                           \
     }
 
 // 64-row blocks (one m16 tile per warp) and 128-row blocks (two); the host picks per head size.
@@ -332,17 +332,18 @@ FA_FWD(flash_fwd_hd128_m2, 128, 2)
 
 // dd[b, h, i] = Σ_d bf16(dout[b,i,h,d]) · bf16(out[b,i,h,d]) in f32, d in index order. One warp
 // per row (b, i, h) in memory order, each lane 2 of every 64 values, then a fixed-shape tree.
+// out and dout are f32 or bf16 (their flags), rounded to bf16 alike.
 extern "C" __global__ void __launch_bounds__(256)
-    flash_bwd_d(const float* __restrict__ out, const float* __restrict__ dout,
-                float* __restrict__ dd, u64 rows, u64 seq, u64 heads, u64 hd) {
+    flash_bwd_d(const void* __restrict__ out, const void* __restrict__ dout,
+                float* __restrict__ dd, u64 rows, u64 seq, u64 heads, u64 hd, uint32_t out_bf16,
+                uint32_t dout_bf16) {
     const u64 row = (u64)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
-    const float* o = out + row * hd;
-    const float* g = dout + row * hd;
     float s = 0.f;
     for (u64 d = (u64)lane * 2; d < hd; d += 64) {
-        const uint32_t pa = flash_pack(o[d], o[d + 1]), pc = flash_pack(g[d], g[d + 1]);
+        const uint32_t pa = flash_get_pair(out, out_bf16, row * hd + d);
+        const uint32_t pc = flash_get_pair(dout, dout_bf16, row * hd + d);
         s = fmaf(fa_lo(pa), fa_lo(pc), s);
         s = fmaf(fa_hi(pa), fa_hi(pc), s);
     }

@@ -4,7 +4,7 @@
 // `wgmma.mma_async` for S = Q·Kᵀ (A and B from shared memory) and O += P·V (P from registers, V
 // from shared memory read N-major), with the online softmax of FlashAttention-2 (Dao 2023,
 // Algorithm 1) between them. Same inputs, outputs and arithmetic rules as flash_attention.cu's
-// forward (whose header gives the layouts and the softmax): bf16 q, k, v copies in, f32 out
+// forward (whose header gives the layouts and the softmax): bf16 q, k, v in, f32 or bf16 out
 // and lse; only the order of the f32 additions inside the tensor cores differs.
 //
 // Shared tiles use the 128-byte swizzle that wgmma reads (PTX ISA, "Shared Memory Matrix
@@ -185,9 +185,9 @@ __device__ __forceinline__ void fw_stage_ready(bool more) {
 // row and masks those that reach past its first row or the sequence's end.
 template <int D, int NWG, int BN>
 __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
-                                       const uint16_t* __restrict__ v, float* __restrict__ out,
+                                       const uint16_t* __restrict__ v, void* __restrict__ out,
                                        float* __restrict__ lse, u64 seq, u64 heads, u64 kv_heads,
-                                       float scale) {
+                                       float scale, uint32_t out_bf16) {
     constexpr int NT = NWG * 128, BM = NWG * 64;
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     const uint32_t base = ((uint32_t)__cvta_generic_to_shared(fw_smem) + 1023u) & ~1023u;
@@ -277,12 +277,11 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
         const float lt = flash_quad_sum(l[r]);
         if (i >= seq) continue;
         const float inv = 1.f / lt;
-        float* orow = out + ((b * seq + i) * heads + h) * D + tq * 2;
+        const u64 at = ((b * seq + i) * heads + h) * D + tq * 2;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            orow[n * 8] = o[4 * n + 2 * r] * inv;
-            orow[n * 8 + 1] = o[4 * n + 2 * r + 1] * inv;
-        }
+        for (int n = 0; n < D / 8; ++n)
+            flash_put_pair(out, out_bf16, at + n * 8, o[4 * n + 2 * r] * inv,
+                           o[4 * n + 2 * r + 1] * inv);
         if (tq == 0) lse[(b * heads + h) * seq + i] = m[r] * scale + logf(lt);
     }
 }
@@ -290,9 +289,9 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
 #define FW_FWD(NAME, D, NWG, BN, MINB)                                                          \
     extern "C" __global__ void __launch_bounds__(NWG * 128, MINB)                                \
         NAME(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,                     \
-             const uint16_t* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,   \
-             u64 seq, u64 heads, u64 kv_heads, float scale) {                                    \
-        fw_fwd<D, NWG, BN>(q, k, v, out, lse, seq, heads, kv_heads, scale);                      \
+             const uint16_t* __restrict__ v, void* __restrict__ out, float* __restrict__ lse,    \
+             u64 seq, u64 heads, u64 kv_heads, float scale, uint32_t out_bf16) {                 \
+        fw_fwd<D, NWG, BN>(q, k, v, out, lse, seq, heads, kv_heads, scale, out_bf16);                      \
     }
 
 // Measured on one H200 (NOTES.md): at dim 64 one warpgroup per CTA and three CTAs per SM (the

@@ -58,10 +58,11 @@ extern "C" __global__ void llm_embedding_backward(const float* __restrict__ dy,
 // c, s of its position (row % seq); forward y[i] = a c - b s, y[i + half] = b c + a s; inverse
 // y[i] = a c + b s, y[i + half] = b c - a s (products rounded, then the sum). x and y are the
 // same address (in place: each item reads its pair before writing it) or disjoint, hence no
-// __restrict__ on them.
-extern "C" __global__ void llm_rope(const float* x, float* y, const float* __restrict__ cos_t,
+// __restrict__ on them. y is stored by its dtype code `yd` (f32, or bf16 when disjoint: each
+// value the f32 one rounded once).
+extern "C" __global__ void llm_rope(const float* x, uint8_t* y, const float* __restrict__ cos_t,
                                     const float* __restrict__ sin_t, u64 n, u64 heads, u64 half,
-                                    u64 seq, uint32_t inverse) {
+                                    u64 seq, uint32_t inverse, uint32_t yd) {
     GRID_STRIDE(k, n) {
         u64 i = k % half;
         u64 head = k / half;  // row * heads + h
@@ -72,11 +73,11 @@ extern "C" __global__ void llm_rope(const float* x, float* y, const float* __res
         float ac = __fmul_rn(a, c), bs = __fmul_rn(b, s);
         float bc = __fmul_rn(b, c), as = __fmul_rn(a, s);
         if (inverse) {
-            y[base + i] = __fadd_rn(ac, bs);
-            y[base + i + half] = __fsub_rn(bc, as);
+            store(y, yd, base + i, __fadd_rn(ac, bs));
+            store(y, yd, base + i + half, __fsub_rn(bc, as));
         } else {
-            y[base + i] = __fsub_rn(ac, bs);
-            y[base + i + half] = __fadd_rn(bc, as);
+            store(y, yd, base + i, __fsub_rn(ac, bs));
+            store(y, yd, base + i + half, __fadd_rn(bc, as));
         }
     }
 }

@@ -5,7 +5,7 @@ torch SDPA, in one process on one GPU (no Rust build needed on the GPU machine).
 Loads each module through the CUDA driver (ctypes on libcuda) and launches kernels with the
 signatures of `crates/lowbit-kernels/flash_attention.cu` (bf16 q, k, v, dout in [b, s, h, d] /
 [b, s, kvh, d]; f32 out, dq [b, s, h, d], dk, dv [b, s, kvh, d], lse and D [b, h, s]; seq, heads,
-kv_heads as u64; scale as f32):
+kv_heads as u64; scale as f32; the forward's out_bf16 flag as u32, 0 here):
   fwd (q, k, v, out, lse, ...), dq (q, k, v, lse, dout, D, dq, ...),
   dkv (q, k, v, lse, dout, D, dk, dv, ...).
 Checks every output against float64 autograd of the same bf16 inputs on many shapes (outputs
@@ -74,6 +74,8 @@ class Kernel:
     def __call__(self, tensors, b, s, h, kvh, scale):
         args = [ctypes.c_uint64(t.data_ptr()) for t in tensors]
         args += [ctypes.c_uint64(s), ctypes.c_uint64(h), ctypes.c_uint64(kvh), ctypes.c_float(scale)]
+        if self.kind == "fwd":
+            args.append(ctypes.c_uint32(0))  # out_bf16: f32 out
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         gx = (s + self.rows - 1) // self.rows
         gy = b * (kvh if self.kind == "dkv" else h)

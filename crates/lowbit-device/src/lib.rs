@@ -796,10 +796,11 @@ impl Device {
     /// `("prepared", 0 | 1)`: 1 by default, a batched call with the items of earlier ones
     /// launches the CUDA graphs prepared for them ([`Device::prepared_calls`]); 0 makes every
     /// call fresh (and drops the prepared graphs); `("fast_xent_exp", 0 | 1)` and
-    /// `("fast_xent_threads", 64..=1024)`: the fast cross-entropy of [`MatmulMode::Bf16`]
-    /// (its gradient's exp through double, 0, the default, or `expf`, 1; threads per row, a
-    /// multiple of 32, 512 by default); `("fast_rms_threads", 0 | 128)`: the fast RMSNorm's
-    /// CTAs for float4 rows up to 2048 columns, 256 threads (0, the default) or 128;
+    /// `("fast_xent_threads", 0 | 64..=1024)`: the fast cross-entropy of [`MatmulMode::Bf16`]
+    /// (its gradient's `__expf` times the reciprocal of the sum, 0, the default, or the exact
+    /// kernels' exp through double and division, 1; threads per row, a multiple of 32, or 0,
+    /// the default, for 1024); `("fast_rms_threads", 0 | 128)`: the fast RMSNorm's CTAs for
+    /// float4 rows up to 2048 columns, 256 threads (0, the default) or 128;
     /// `("flash_fwd_tiles", 0..=2)`: the flash attention forward's m16 tiles of query rows per
     /// warp, one at head dim 64 and two at 128 (0, the default), one (1) or two (2), of the
     /// mma.sync kernels; `("flash_wgmma", 0 | 1)`: the forward, the dK/dV pass and (at dim 128)

@@ -188,6 +188,24 @@ fn flash_on_cuda_is_deterministic() {
     }
 }
 
+#[path = "common/flash_bf16.rs"]
+mod flash_bf16;
+
+/// q, k, v, out and dout as bf16 views (no conversion pass) give the f32 views' bits, `out`
+/// rounded once, for both kernel families.
+#[test]
+fn flash_on_cuda_bf16_views_give_the_f32_views_bits() {
+    let mut g = gpu();
+    for variant in [0, 1] {
+        g.set_cuda_kernel_variant("flash_wgmma", variant).unwrap();
+        for (b, sq, h, kvh, hd) in [(2, 300, 8, 2, 64), (1, 333, 8, 2, 128)] {
+            let s = spec(b, sq, h, kvh, hd);
+            flash_bf16::assert_bf16_views_match(&mut g, &s, &inputs(&s, 11));
+        }
+    }
+    g.set_cuda_kernel_variant("flash_wgmma", 0).unwrap();
+}
+
 /// The mma.sync forward's one-tile (64-row) and two-tile (128-row) blocks give the same bits: a
 /// row meets the same key blocks in the same order either way (the blocks past a tile's
 /// diagonal that the two-tile kernel skips would change nothing).

@@ -223,3 +223,15 @@ fn flash_refuses_other_head_sizes_and_bad_shapes() {
         assert!(matches!(err, DeviceError::Invalid { .. }), "{bad:?}: {err}");
     }
 }
+
+#[path = "common/flash_bf16.rs"]
+mod flash_bf16;
+
+#[test]
+fn flash_on_bf16_views_gives_the_f32_views_bits() {
+    let mut dev = Device::cpu();
+    for (n, &(b, sq, h, g, hd)) in [(1, 17, 4, 2, 64), (2, 70, 2, 1, 128)].iter().enumerate() {
+        let s = spec(b, sq, h, g, hd);
+        flash_bf16::assert_bf16_views_match(&mut dev, &s, &inputs(&s, 50 + n as u32));
+    }
+}

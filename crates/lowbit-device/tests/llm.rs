@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{download, upload, upload_as};
+use common::{download, round_to, upload, upload_as};
 use lowbit_dev_support::rng::xorshift32_signed;
 use lowbit_device::{DType, Device, DeviceError, RopeSpec};
 
@@ -162,6 +162,11 @@ fn rope_rotates_halves_in_place_or_not() {
         let (x, y) = (upload(&mut dev, &xv), dev.alloc(DType::F32, xv.len()));
         dev.rope(x, y, cos, sin, &spec).unwrap();
         assert_eq!(bits(&download(&dev, y)), bits(&want), "inverse {inverse}");
+        // Into bf16: each value rounded once (RNE).
+        let yb = dev.alloc(DType::Bf16, xv.len());
+        dev.rope(x, yb, cos, sin, &spec).unwrap();
+        let rounded: Vec<f32> = want.iter().map(|&w| round_to(DType::Bf16, w)).collect();
+        assert_eq!(bits(&download(&dev, yb)), bits(&rounded), "bf16 y");
         dev.rope(x, x, cos, sin, &spec).unwrap();
         assert_eq!(bits(&download(&dev, x)), bits(&want), "in place");
     }

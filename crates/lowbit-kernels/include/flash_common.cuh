@@ -14,6 +14,27 @@ __device__ __forceinline__ uint32_t flash_pack(float lo, float hi) {
     return r;
 }
 
+// Elements `at`, `at + 1` of an f32 or (`bf16`) bf16 output: the pair as two f32 or one
+// packed word (`at` even, so 4-byte aligned), each value rounded once.
+__device__ __forceinline__ void flash_put_pair(void* out, uint32_t bf16, unsigned long long at,
+                                               float lo, float hi) {
+    if (bf16) {
+        reinterpret_cast<uint32_t*>(out)[at / 2] = flash_pack(lo, hi);
+    } else {
+        float* o = reinterpret_cast<float*>(out) + at;
+        o[0] = lo;
+        o[1] = hi;
+    }
+}
+
+// Element pair `at`, `at + 1` (`at` even) of an f32 or (`bf16`) bf16 input, rounded to bf16x2.
+__device__ __forceinline__ uint32_t flash_get_pair(const void* x, uint32_t bf16,
+                                                   unsigned long long at) {
+    if (bf16) return reinterpret_cast<const uint32_t*>(x)[at / 2];
+    const float* p = reinterpret_cast<const float*>(x) + at;
+    return flash_pack(p[0], p[1]);
+}
+
 // 2^x (ex2.approx.ftz: results below the normal range flush to zero, as FlashAttention-3's
 // exp2f under --use_fast_math).
 __device__ __forceinline__ float flash_exp2(float x) {

@@ -312,7 +312,7 @@ impl Llama {
                 rows * act.width(cfg),
                 act.words(cfg, rows, bf16).unwrap_or(0),
             );
-            if bf16 && act.bf16_when_fast() {
+            if bf16 && act.bf16_when_fast(cfg) {
                 Ok(a.take(words)?.reinterpret(DType::Bf16)?.slice(0..n)?)
             } else {
                 a.take(words)
@@ -538,11 +538,19 @@ impl Llama {
         // `att` is written only by the attention below: it holds q, k, v's shared bf16
         // input (the bf16 mode; the exact mode keeps n1).
         let n1s = shared_input(dev, a.n1, a.att)?;
-        wq.forward(dev, hooks, n1s, a.q, rows, s)?;
-        wk.forward(dev, hooks, n1s, a.k, rows, s)?;
+        // The projections' f32 outputs, rotated in place; where q and k are kept in bf16 the
+        // products land in the backward's dq and dk buffers instead (free in the forward and
+        // before a layer's recompute) and the rotation writes the bf16 activations.
+        let (q32, k32) = if a.q.dtype() == DType::F32 {
+            (a.q, a.k)
+        } else {
+            (self.dq.slice(0..a.q.len())?, self.dk.slice(0..a.k.len())?)
+        };
+        wq.forward(dev, hooks, n1s, q32, rows, s)?;
+        wk.forward(dev, hooks, n1s, k32, rows, s)?;
         wv.forward(dev, hooks, n1s, a.v, rows, s)?;
-        rq.forward(dev, a.q, a.q, seq, self.cos, self.sin)?;
-        rk.forward(dev, a.k, a.k, seq, self.cos, self.sin)?;
+        rq.forward(dev, q32, a.q, seq, self.cos, self.sin)?;
+        rk.forward(dev, k32, a.k, seq, self.cos, self.sin)?;
         self.attention()
             .forward(dev, a.q, a.k, a.v, a.att, a.lse, batch, seq)?;
         // h = x + att·Woᵀ, the residual added in the GEMM where the mode can.

@@ -10,6 +10,8 @@
 
 use std::fmt;
 
+use lowbit_device::FLASH_HEAD_DIMS;
+
 use crate::config::LlamaConfig;
 
 /// What the backward recomputes. Each level recomputes what the one before it does, and more.
@@ -79,16 +81,22 @@ impl Act {
 impl Act {
     /// Whether the model keeps this activation in bf16 when its products run in bf16
     /// ([`lowbit_device::MatmulMode::Bf16`]): the norms' outputs and SwiGLU's product, whose
-    /// only readers are GEMMs, which would round them to bf16 anyway (the same bits, half the
-    /// bytes, no cast pass).
-    pub(crate) fn bf16_when_fast(self) -> bool {
-        matches!(self, Act::N1 | Act::N2 | Act::Product)
+    /// only readers are GEMMs, and, where the flash attention serves the head size, the rotated
+    /// queries and keys and the attention's output, whose readers (the flash attention, the
+    /// output projection's GEMMs) round them to bf16 as well. Each reader would round them to
+    /// bf16 anyway: the same bits, half the bytes, no cast or copy pass.
+    pub(crate) fn bf16_when_fast(self, cfg: &LlamaConfig) -> bool {
+        match self {
+            Act::N1 | Act::N2 | Act::Product => true,
+            Act::Q | Act::K | Act::Att => FLASH_HEAD_DIMS.contains(&cfg.head_dim),
+            _ => false,
+        }
     }
 
     /// f32 words of this activation over `rows` token rows.
     pub(crate) fn words(self, cfg: &LlamaConfig, rows: usize, bf16: bool) -> Option<usize> {
         let n = rows.checked_mul(self.width(cfg))?;
-        Some(if bf16 && self.bf16_when_fast() {
+        Some(if bf16 && self.bf16_when_fast(cfg) {
             n.div_ceil(2)
         } else {
             n
@@ -203,7 +211,7 @@ pub(crate) fn row_widths(cfg: &LlamaConfig, r: Recompute) -> (usize, usize) {
 pub(crate) fn row_bytes(cfg: &LlamaConfig, r: Recompute, bf16: bool) -> (usize, usize) {
     let (mut kept, mut shared) = (4 * cfg.dim, 0); // `kept` starts with the layer's input
     for a in Act::ALL {
-        let b = if bf16 && a.bf16_when_fast() { 2 } else { 4 } * a.width(cfg);
+        let b = if bf16 && a.bf16_when_fast(cfg) { 2 } else { 4 } * a.width(cfg);
         if r.shares(a) {
             shared += b;
         } else {

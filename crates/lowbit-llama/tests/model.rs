@@ -187,22 +187,36 @@ fn recompute_changes_no_bit_and_keeps_less() {
     }
 }
 
-/// Built in the bf16 mode, the model keeps n₁, n₂ and SwiGLU's product in bf16: the same bits
-/// as the f32 copies the bf16 products would round (a model built in the exact mode, run in the
-/// bf16 mode), at every recompute level, in fewer bytes.
+/// Built in the bf16 mode, the model keeps n₁, n₂ and SwiGLU's product in bf16 (and, at a head
+/// size the flash attention serves, the rotated q and k and the attention's output): the same
+/// bits as the f32 copies the bf16 products and the flash attention would round (a model built
+/// in the exact mode, run in the bf16 mode), at every recompute level, in fewer bytes.
 #[test]
 fn bf16_activations_change_no_bit_of_the_bf16_mode() {
-    let cfg = LlamaConfig {
+    let heads4 = LlamaConfig {
         layers: 2,
         heads: 4,
         kv_heads: 2,
         ..small()
     };
-    for r in Recompute::ALL {
-        let f32_acts = step_bits_built(&cfg, MatmulMode::Exact, MatmulMode::Bf16, r);
-        let bf16_acts = step_bits(&cfg, MatmulMode::Bf16, r);
-        assert_eq!(bf16_acts.0, f32_acts.0, "{r}: losses");
-        assert_eq!(bf16_acts.1, f32_acts.1, "{r}: gradients");
+    let flash = LlamaConfig {
+        head_dim: 64,
+        heads: 2,
+        kv_heads: 1,
+        ..heads4.clone()
+    };
+    for (cfg, r) in [heads4, flash]
+        .iter()
+        .flat_map(|c| Recompute::ALL.map(|r| (c, r)))
+    {
+        let f32_acts = step_bits_built(cfg, MatmulMode::Exact, MatmulMode::Bf16, r);
+        let bf16_acts = step_bits(cfg, MatmulMode::Bf16, r);
+        assert_eq!(bf16_acts.0, f32_acts.0, "{r} hd {}: losses", cfg.head_dim);
+        assert_eq!(
+            bf16_acts.1, f32_acts.1,
+            "{r} hd {}: gradients",
+            cfg.head_dim
+        );
         assert_eq!(bf16_acts.2, f32_acts.2, "{r}: ready order");
         if r != Recompute::Full {
             assert!(bf16_acts.3 < f32_acts.3, "{r}: {} bytes", bf16_acts.3);

@@ -78,9 +78,19 @@ impl AttentionSpec {
 
     /// Checks dtypes (all f32) and lengths of the views, in `(view, expected length, name)`.
     pub(crate) fn check(&self, what: &'static str, views: &[(View, Which, &str)]) -> Result<()> {
+        self.check_lens(what, views, |v| check_dtype(what, v, DType::F32))
+    }
+
+    /// The lengths of [`AttentionSpec::check`], each view's dtype checked by `dtype`.
+    pub(crate) fn check_lens(
+        &self,
+        what: &'static str,
+        views: &[(View, Which, &str)],
+        dtype: impl Fn(View) -> Result<()>,
+    ) -> Result<()> {
         let (qn, kn, ln) = self.lens(what)?;
         for &(v, which, name) in views {
-            check_dtype(what, v, DType::F32)?;
+            dtype(v)?;
             let want = match which {
                 Which::Q => qn,
                 Which::Kv => kn,

@@ -20,6 +20,7 @@
 
 use super::attention::{Which, per_batch};
 use super::invalid;
+use super::model::f32_or_bf16;
 use crate::cpu::{decode_f32, encode_f32};
 use crate::{AttentionSpec, DType, Device, Result, View, bf16};
 
@@ -193,9 +194,9 @@ fn backward_one(g: Geo, x: &BwdIn<'_>, dq: &mut [f32], dk: &mut [f32], dv: &mut 
     }
 }
 
-/// Decodes f32 bytes and rounds every value to bf16.
-fn rounded(b: &[u8]) -> Vec<f32> {
-    let mut v = decode_f32(DType::F32, b);
+/// Decodes f32 or bf16 bytes and rounds every value to bf16 (bf16 ones are already).
+fn rounded(b: &[u8], dtype: DType) -> Vec<f32> {
+    let mut v = decode_f32(dtype, b);
     v.iter_mut().for_each(|x| *x = rb(*x));
     v
 }
@@ -207,6 +208,11 @@ impl Device {
     /// rounding). `head_dim` must be 64 or 128 ([`FLASH_HEAD_DIMS`]); the exact op serves every
     /// other size. The CPU backend runs a reference of the same rounding, not bit-equal to the
     /// CUDA kernels.
+    ///
+    /// `q`, `k`, `v` and `out` may each be f32 or bf16 (`lse` is f32): a bf16 input is the
+    /// operand the op would round an f32 one to, taken as it is (no conversion pass on CUDA),
+    /// and a bf16 `out` holds the f32 output rounded once (RNE), the operand a bf16 product of
+    /// it would take.
     pub fn flash_attention(
         &mut self,
         q: View,
@@ -217,21 +223,22 @@ impl Device {
         spec: &AttentionSpec,
     ) -> Result<()> {
         const WHAT: &str = "flash_attention";
-        spec.check(
+        spec.check_lens(
             WHAT,
             &[
                 (q, Which::Q, "q"),
                 (k, Which::Kv, "k"),
                 (v, Which::Kv, "v"),
                 (out, Which::Q, "out"),
-                (lse, Which::Lse, "lse"),
             ],
+            |v| f32_or_bf16(WHAT, v),
         )?;
+        spec.check(WHAT, &[(lse, Which::Lse, "lse")])?;
         check_dim(WHAT, spec)?;
         on_cuda!(self, g => g.flash_attention([q, k, v], [out, lse], spec));
         let sp = *spec;
         self.host_op(WHAT, [q, k, v], [out, lse], |[qb, kb, vb], [ob, lb]| {
-            let [qs, ks, vs] = [qb, kb, vb].map(rounded);
+            let [qs, ks, vs] = [(qb, q), (kb, k), (vb, v)].map(|(b, x)| rounded(b, x.dtype()));
             let (mut os, mut ls) = (vec![0f32; out.len()], vec![0f32; lse.len()]);
             let g = Geo::new(&sp);
             let (qn, kn) = (g.seq * g.heads * g.hd, g.seq * g.kvh * g.hd);
@@ -244,7 +251,7 @@ impl Device {
                     forward_one(g, x, o, l);
                 },
             );
-            encode_f32(DType::F32, &os, ob);
+            encode_f32(out.dtype(), &os, ob);
             encode_f32(DType::F32, &ls, lb);
             Ok(())
         })
@@ -255,7 +262,9 @@ impl Device {
     /// rounded to bf16: `D_i = Σ_d dout[i,d]·out[i,d]` (f32); `p_ij = exp(s_ij·scale − lse_i)`;
     /// `dp_ij = dout_i · v_j`; `ds_ij = p_ij·(dp_ij − D_i)`; `dq_i = scale · Σ_j bf16(ds_ij)·k_j`,
     /// `dk_j = scale · Σ_{h, i} bf16(ds_ij)·q_i`, `dv_j = Σ_{h, i} bf16(p_ij)·dout_i` (the query
-    /// heads of `j`'s group, `i ≥ j`). Deterministic on both backends (no atomics).
+    /// heads of `j`'s group, `i ≥ j`). Deterministic on both backends (no atomics). `q`, `k`,
+    /// `v`, `out` and `dout` may each be f32 or bf16, as in the forward; `lse` and the
+    /// gradients are f32.
     #[allow(clippy::too_many_arguments)] // the exact op's signature: five inputs, three gradients
     pub fn flash_attention_backward(
         &mut self,
@@ -271,15 +280,21 @@ impl Device {
         spec: &AttentionSpec,
     ) -> Result<()> {
         const WHAT: &str = "flash_attention_backward";
-        spec.check(
+        spec.check_lens(
             WHAT,
             &[
                 (q, Which::Q, "q"),
                 (k, Which::Kv, "k"),
                 (v, Which::Kv, "v"),
                 (out, Which::Q, "out"),
-                (lse, Which::Lse, "lse"),
                 (dout, Which::Q, "dout"),
+            ],
+            |v| f32_or_bf16(WHAT, v),
+        )?;
+        spec.check(
+            WHAT,
+            &[
+                (lse, Which::Lse, "lse"),
                 (dq, Which::Q, "dq"),
                 (dk, Which::Kv, "dk"),
                 (dv, Which::Kv, "dv"),
@@ -294,7 +309,8 @@ impl Device {
             [q, k, v, out, lse, dout],
             [dq, dk, dv],
             |[qb, kb, vb, ob, lb, dob], [dqb, dkb, dvb]| {
-                let [qs, ks, vs, os, dos] = [qb, kb, vb, ob, dob].map(rounded);
+                let [qs, ks, vs, os, dos] = [(qb, q), (kb, k), (vb, v), (ob, out), (dob, dout)]
+                    .map(|(b, x)| rounded(b, x.dtype()));
                 let ls = decode_f32(DType::F32, lb);
                 let g = Geo::new(&sp);
                 let (qn, kn, ln) = (

@@ -95,7 +95,8 @@ fn rope_shape(
     sin: View,
     spec: &RopeSpec,
 ) -> Result<(usize, usize, usize)> {
-    all_f32(what, &[x, y, cos, sin])?;
+    all_f32(what, &[x, cos, sin])?;
+    super::model::f32_or_bf16(what, y)?;
     check_len(what, x.len(), y.len())?;
     check_len(what, cos.len(), sin.len())?;
     let RopeSpec {
@@ -265,7 +266,8 @@ impl Device {
     ///   `y[i + half] = b·c − a·s`.
     ///
     /// `cos`, `sin` f32 `[max_seq, half]` with `seq ≤ max_seq`. `y` is `x` itself (the same
-    /// view: in place) or disjoint from it. Fast mode (CUDA, [`crate::MatmulMode::Bf16`]):
+    /// view: in place) or disjoint from it; a disjoint `y` may be bf16 (each value the f32 one
+    /// rounded once, as [`Device::cast`] rounds: the operand a bf16 product would take). Fast mode (CUDA, [`crate::MatmulMode::Bf16`]):
     /// four pairs a thread where `half % 4 == 0` and the views are 16-byte aligned; the same
     /// bits.
     pub fn rope(&mut self, x: View, y: View, cos: View, sin: View, spec: &RopeSpec) -> Result<()> {
@@ -289,7 +291,7 @@ impl Device {
                 let xs = decode_f32(DType::F32, xb);
                 let mut ys = vec![0f32; xs.len()];
                 rope_host(&xs, &mut ys, &c, &s, &spec);
-                encode_f32(DType::F32, &ys, yb);
+                encode_f32(y.dtype(), &ys, yb);
                 Ok(())
             })
         }

@@ -46,11 +46,14 @@ pub(crate) struct FastState {
     armed: [Cell<(u64, u64)>; 2],
     /// RMSNorm's `[blocks, cols]` partial sums (not zeroed: every word read is written first).
     part: Option<CudaSlice<f32>>,
-    /// Cross-entropy's gradient pass: 0 (the default) `exp` through double, as the exact
-    /// kernels; 1 `expf` (`set_cuda_kernel_variant("fast_xent_exp", 0 | 1)`).
-    pub(crate) xent_fast_exp: u32,
+    /// Cross-entropy's gradient pass: 0 (the default) `__expf` times `1 / s`; 1 `exp` through
+    /// double and the division, as the exact kernels (`set_cuda_kernel_variant("fast_xent_exp",
+    /// 0 | 1)`). Measured on an H200 (crates/lowbit-kernels/NOTES.md): 0.61x of a copy against
+    /// 0.47x at 4096 × 50,304.
+    pub(crate) xent_exact_exp: u32,
     /// Threads of a cross-entropy CTA (`set_cuda_kernel_variant("fast_xent_threads", N)`,
-    /// a multiple of 32 in 64..=1024; default 512).
+    /// a multiple of 32 in 64..=1024; 0, the default, 1024: the fastest on an H200 at both
+    /// vocabularies).
     pub(crate) xent_threads: u32,
     /// Threads of an RMSNorm CTA for float4 rows of at most 2048 columns: 0 (the default) 256,
     /// or 128 (`set_cuda_kernel_variant("fast_rms_threads", 0 | 128)`).
@@ -199,7 +202,7 @@ impl CudaDevice {
             classes,
             c,
             u32::from(grad.is_some()),
-            self.fast.xent_fast_exp,
+            1 - self.fast.xent_exact_exp,
             yp
         ];
         if classes < XENT_WARP_BELOW {
@@ -210,7 +213,7 @@ impl CudaDevice {
             unsafe { self.launch("fast_xent_warp", (grid, 1, 1), (256, 1, 1), &args) }
         } else {
             let t = match self.fast.xent_threads {
-                0 => 512,
+                0 => 1024,
                 t => t,
             };
             let grid = capped(rows, 1 << 16);
@@ -347,10 +350,12 @@ impl CudaDevice {
             spec.heads,
             half,
             spec.seq,
-            u32::from(spec.inverse)
+            u32::from(spec.inverse),
+            u32::from(y.dtype() == DType::Bf16)
         ];
-        // SAFETY: views validated above (x, y rows·heads·head_dim; cos, sin max_seq·half with
-        // seq ≤ max_seq); half % 4 == 0 and 16-byte aligned addresses; x, y same or disjoint.
+        // SAFETY: views validated above (x, y rows·heads·head_dim, y f32 or bf16 as the flag
+        // says; cos, sin max_seq·half with seq ≤ max_seq); half % 4 == 0 and 16-byte aligned
+        // addresses; x, y same or disjoint.
         unsafe { self.launch_n("fast_rope4", n4, &args)? };
         Ok(true)
     }

@@ -9,7 +9,7 @@ use cudarc::driver::{result, sys};
 
 use super::blocks;
 use crate::cuda::{Arg, CudaDevice, arg_ptrs};
-use crate::{AttentionSpec, DeviceError, Result, View};
+use crate::{AttentionSpec, DType, DeviceError, Result, View};
 
 /// Threads per CTA of the mma.sync kernels (`FA_THREADS`: 4 warps) and per warpgroup of the
 /// wgmma ones.
@@ -191,20 +191,27 @@ impl CudaDevice {
             .map_err(|e| DeviceError::Cuda(format!("launching {name}: {e}")))
     }
 
-    /// Rounds the f32 views `xs` to bf16 copies in one scratch buffer (the operands the kernels
-    /// stream through cp.async); returns it and each copy's device address, in order.
+    /// The bf16 operands the kernels stream through cp.async: each bf16 view of `xs` (address,
+    /// view) as it is, each f32 one rounded to a bf16 copy in one scratch buffer; returns the
+    /// buffer and each operand's device address, in order.
     fn bf16_copies<const N: usize>(
         &mut self,
         what: &'static str,
-        xs: [(u64, usize); N],
+        xs: [(u64, View); N],
     ) -> Result<(super::Scratch, [u64; N])> {
         // Every length is a multiple of head_dim (64 or 128), so of 8: each copy starts
         // 16-byte aligned in the u32 words of the scratch.
-        let words: usize = xs.iter().map(|&(_, n)| n / 2).sum();
+        let f32s = |&&(_, v): &&(u64, View)| v.dtype() == DType::F32;
+        let words: usize = xs.iter().filter(f32s).map(|&(_, v)| v.len() / 2).sum();
         let buf = self.scratch(words)?;
         let mut at = [0u64; N];
         let mut off = buf.ptr;
-        for (i, &(x, n)) in xs.iter().enumerate() {
+        for (i, &(x, v)) in xs.iter().enumerate() {
+            if v.dtype() != DType::F32 {
+                at[i] = x;
+                continue;
+            }
+            let n = v.len();
             at[i] = off;
             let n4 = n / 4;
             let grid = blocks(n4, 256).ok_or_else(|| {
@@ -245,14 +252,18 @@ impl CudaDevice {
             return Ok(());
         }
         let grid = grid(WHAT, s.seq, fwd.rows, s.batch * s.heads)?;
-        let (qn, kn) = (ins[0].len(), ins[1].len());
-        let (copies, [q, k, v]) = self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn)])?;
-        let args = args![q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale];
+        let [qv, kv, vv] = ins;
+        let (copies, [q, k, v]) = self.bf16_copies(WHAT, [(q, qv), (k, kv), (v, vv)])?;
+        let out_bf16 = u32::from(outs[0].dtype() == DType::Bf16);
+        let args = args![
+            q, k, v, out, lse, s.seq, s.heads, s.kv_heads, s.scale, out_bf16
+        ];
         // SAFETY: views validated above with the spec's lengths (q, out b·s·h·hd; k, v
-        // b·s·kvh·hd; lse b·h·s), q, k, v read through bf16 copies of those lengths; head_dim is the kernel's (64 or 128), heads a multiple of
-        // kv_heads (checked by the caller); the grid covers ceil(seq / rows) query blocks of
-        // batch·heads pairs, rows past seq neither read nor written; threads and smem are the
-        // kernel's.
+        // b·s·kvh·hd; lse b·h·s), q, k, v read as bf16 (the views or copies of those lengths),
+        // out written as f32 or bf16 as `out_bf16` says; head_dim is the kernel's (64 or 128),
+        // heads a multiple of kv_heads (checked by the caller); the grid covers
+        // ceil(seq / rows) query blocks of batch·heads pairs, rows past seq neither read nor
+        // written; threads and smem are the kernel's.
         unsafe { self.launch_smem(fwd.name, grid, fwd.threads, fwd.smem, &args)? };
         drop(copies);
         Ok(())
@@ -289,13 +300,16 @@ impl CudaDevice {
         let gd = blocks(rows, 8).ok_or_else(|| {
             DeviceError::Unsupported(format!("{WHAT}: {rows} rows exceed the grid"))
         })?;
-        let args = args![out, dout, d, rows, s.seq, s.heads, s.head_dim];
-        // SAFETY: views validated above (out, dout b·s·h·hd); `d` holds b·h·s words; a warp per
-        // row, rows past `rows` return at once; head_dim is even (64 or 128: float2 loads).
+        let bf = |v: View| u32::from(v.dtype() == DType::Bf16);
+        let (ob, gb) = (bf(ins[3]), bf(ins[5]));
+        let args = args![out, dout, d, rows, s.seq, s.heads, s.head_dim, ob, gb];
+        // SAFETY: views validated above (out, dout b·s·h·hd, each f32 or bf16 as its flag
+        // says); `d` holds b·h·s words; a warp per row, rows past `rows` return at once;
+        // head_dim is even (64 or 128: pairs).
         unsafe { self.launch("flash_bwd_d", (gd, 1, 1), (256, 1, 1), &args)? };
-        let (qn, kn) = (ins[0].len(), ins[1].len());
+        let [qv, kv, vv, _, _, gv] = ins;
         let (copies, [q, k, v, dout]) =
-            self.bf16_copies(WHAT, [(q, qn), (k, kn), (v, kn), (dout, qn)])?;
+            self.bf16_copies(WHAT, [(q, qv), (k, kv), (v, vv), (dout, gv)])?;
         let (kvh, sc) = (s.kv_heads, s.scale);
         let args = args![q, k, v, lse, dout, d, dq, s.seq, s.heads, kvh, sc];
         // SAFETY: as the forward (q, k, v, dout now their bf16 copies of the same lengths); dq

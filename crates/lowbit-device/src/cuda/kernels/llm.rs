@@ -92,10 +92,11 @@ impl CudaDevice {
             spec.heads,
             half,
             spec.seq,
-            u32::from(spec.inverse)
+            u32::from(spec.inverse),
+            dt(y.dtype())
         ];
-        // SAFETY: views validated above (x, y rows·heads·head_dim; cos, sin max_seq·half with
-        // seq ≤ max_seq); x and y identical or disjoint.
+        // SAFETY: views validated above (x, y rows·heads·head_dim, y f32 or bf16 stored by its
+        // code; cos, sin max_seq·half with seq ≤ max_seq); x and y identical or disjoint.
         unsafe { self.launch_n("llm_rope", n, &args) }
     }
 
