@@ -644,6 +644,23 @@ impl Llama {
         Ok(())
     }
 
+    /// Where the backward's inverse RoPE puts the q and k gradients: in place in the f32 `dq`,
+    /// `dk`, or, where the layer keeps q and k in bf16 (the bf16 mode), as bf16 in the first
+    /// MLP work buffer (free once the layer's MLP backward has run): the operands the q and k
+    /// projections' backward GEMMs would round them to, so the same bits without a cast pass.
+    fn rotated_grads(&self, a: &LayerActs) -> Result<(View, View)> {
+        let (nq, nk) = (self.dq.len(), self.dk.len());
+        let free = self.work[0];
+        if a.q.dtype() != DType::Bf16 || 2 * free.len() < nq + nk + 1 {
+            return Ok((self.dq, self.dk));
+        }
+        let half = |r: std::ops::Range<usize>, n: usize| -> Result<View> {
+            Ok(free.slice(r)?.reinterpret(DType::Bf16)?.slice(0..n)?)
+        };
+        let wq = nq.div_ceil(2);
+        Ok((half(0..wq, nq)?, half(wq..wq + nk.div_ceil(2), nk)?))
+    }
+
     /// One microbatch: the mean cross-entropy of predicting `targets` from `tokens` (each
     /// `batch·seq` ids, sequence-major), returned, and the gradients of `scale · loss`
     /// accumulated through the hooks, each parameter reported ready once, in the reverse of the
@@ -713,14 +730,15 @@ impl Llama {
             self.attention().backward(
                 dev, a.q, a.k, a.v, a.att, a.lse, self.datt, self.dq, self.dk, self.dv, batch, seq,
             )?;
-            rq.backward(dev, self.dq, self.dq, seq, self.cos, self.sin)?;
-            rk.backward(dev, self.dk, self.dk, seq, self.cos, self.sin)?;
+            let (dq, dk) = self.rotated_grads(a)?;
+            rq.backward(dev, self.dq, dq, seq, self.cos, self.sin)?;
+            rk.backward(dev, self.dk, dk, seq, self.cos, self.sin)?;
             self.recompute_input_norm(dev, hooks, l)?;
             // `datt` is consumed: it holds the three weight gradients' shared bf16 input.
             let n1s = shared_input(dev, a.n1, self.datt)?;
             wv.backward(dev, hooks, n1s, self.dv, InputGrad::Write(self.dn), rows, s)?;
-            wk.backward(dev, hooks, n1s, self.dk, InputGrad::Add(self.dn), rows, s)?;
-            wq.backward(dev, hooks, n1s, self.dq, InputGrad::Add(self.dn), rows, s)?;
+            wk.backward(dev, hooks, n1s, dk, InputGrad::Add(self.dn), rows, s)?;
+            wq.backward(dev, hooks, n1s, dq, InputGrad::Add(self.dn), rows, s)?;
             self.norm(p.input_norm)
                 .backward(dev, hooks, self.x[l], a.rstd1, self.dn, self.dtmp, s)?;
             dev.add(self.dtmp, self.dres)?;

@@ -199,10 +199,12 @@ fn bf16_activations_change_no_bit_of_the_bf16_mode() {
         kv_heads: 2,
         ..small()
     };
+    // ffn ≥ (q + k widths) / 2: the q and k gradients go to the MLP work buffer in bf16.
     let flash = LlamaConfig {
         head_dim: 64,
         heads: 2,
         kv_heads: 1,
+        ffn: 128,
         ..heads4.clone()
     };
     for (cfg, r) in [heads4, flash]
