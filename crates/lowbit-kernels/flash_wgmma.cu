@@ -4,8 +4,8 @@
 // `wgmma.mma_async` for S = Q·Kᵀ (A and B from shared memory) and O += P·V (P from registers, V
 // from shared memory read N-major), with the online softmax of FlashAttention-2 (Dao 2023,
 // Algorithm 1) between them. Same inputs, outputs and arithmetic rules as flash_attention.cu's
-// forward (whose header gives the layouts and the softmax): bf16 q, k, v in, f32 or bf16 out
-// and lse; only the order of the f32 additions inside the tensor cores differs.
+// forward (whose header gives the layouts and the softmax): bf16 q, k, v in, out (f32 or bf16)
+// and lse out; only the order of the f32 additions inside the tensor cores differs.
 //
 // Shared tiles use the 128-byte swizzle that wgmma reads (PTX ISA, "Shared Memory Matrix
 // Layout", and CUTLASS cute/atom/mma_traits_sm90_gmma.hpp): a tile of R rows × D bf16 is D/64

@@ -14,7 +14,9 @@ use crate::Result;
 /// `q`, `out`, `dout`, `dq` are `[batch, seq, heads, head_dim]` f32, `k`, `v`, `dk`, `dv`
 /// `[batch, seq, kv_heads, head_dim]`, `lse` `[batch, heads, seq]` (the per-row log-sum-exp the
 /// forward saves for the backward), each row-major and head-major as `x·Wᵀ` of the projections
-/// gives it.
+/// gives it. Where the flash attention runs, `q`, `k`, `v`, `out` and `dout` may also be bf16
+/// (the operands it rounds to anyway: no conversion pass; a bf16 `out` is the f32 one rounded
+/// once).
 ///
 /// Which op runs follows the device's matmul mode ([`Device::matmul_mode`]): in the exact mode
 /// ([`MatmulMode::Exact`]) the exact attention, in the device ops' exact order and bit-equal
