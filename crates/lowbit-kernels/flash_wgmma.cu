@@ -27,35 +27,11 @@
 #include <stdint.h>
 
 #include "include/flash_common.cuh"
-
-typedef unsigned long long u64;
+#include "include/wgmma_common.cuh"
 
 #define FW_LOG2E 1.4426950408889634f
 
 extern __shared__ __align__(1024) uint8_t fw_smem[];
-
-// A shared memory matrix descriptor with the 128-byte swizzle (PTX ISA, "Matrix Descriptor
-// Format"): start address, leading and stride byte offsets, each in 16-byte units.
-__device__ __forceinline__ u64 fw_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
-           (1ull << 62);
-}
-
-__device__ __forceinline__ void fw_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void fw_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void fw_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accesses of accumulator registers across a wgmma wait
-// (CUTLASS's warpgroup_fence_operand).
-template <int N>
-__device__ __forceinline__ void fw_reg_fence(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 // Starts copying rows row0..row0+R of a [seq, ·, D] bf16 tensor (row r at src + r·stride) into
 // the swizzled tile at shared address `dst`; rows at or past `seq` become zeros. Thread t copies
@@ -140,8 +116,8 @@ __device__ __forceinline__ void fw_gemm_nt(float (&d)[NH], uint32_t a, int w, ui
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t kofs = (kk & 3) * 32;
-        const u64 da = fw_desc(a + (kk >> 2) * (R * 128) + w * 64 * 128 + kofs, 16, 1024);
-        const u64 db = fw_desc(b + (kk >> 2) * (N * 128) + kofs, 16, 1024);
+        const u64 da = wg_desc(a + (kk >> 2) * (R * 128) + w * 64 * 128 + kofs, 16, 1024);
+        const u64 db = wg_desc(b + (kk >> 2) * (N * 128) + kofs, 16, 1024);
         fw_ss(d, da, db, kk > 0);
     }
 }
@@ -158,9 +134,9 @@ __device__ __forceinline__ void fw_gemm_pt(float (&acc)[DH], const float* p, uin
         pa[kk][2] = flash_pack(p[8 * kk + 4], p[8 * kk + 5]);
         pa[kk][3] = flash_pack(p[8 * kk + 6], p[8 * kk + 7]);
     }
-    fw_fence();
+    wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) fw_pv(acc, pa[kk], fw_desc(t + kk * 2048, K * 128, 1024));
+    for (int kk = 0; kk < K / 16; ++kk) fw_pv(acc, pa[kk], wg_desc(t + kk * 2048, K * 128, 1024));
 }
 
 // Ends a stage of the double-buffered cp.async pipeline: with `more`, the next tile's copies
@@ -225,11 +201,11 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
             float s[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-            fw_fence();
+            wg_fence();
             fw_gemm_nt<D, BM, BN>(s, qs, wg, ks);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(s);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(s);
             if (k0 + BN > r0 || k0 + BN > seq) {
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; ++jj)
@@ -265,9 +241,9 @@ __device__ __forceinline__ void fw_fwd(const uint16_t* __restrict__ q, const uin
                 }
             }
             fw_gemm_pt<BN>(o, s, vs);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(o);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(o);
         }
         __syncthreads();  // every warpgroup is done with this buffer before it is refilled
     }
@@ -357,13 +333,13 @@ __device__ __forceinline__ void fw_bwd_dq(const uint16_t* __restrict__ q, const 
             float s[BN / 2], dp[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
-            fw_fence();
+            wg_fence();
             fw_gemm_nt<D, BM, BN>(s, qs, wg, ks);
             fw_gemm_nt<D, BM, BN>(dp, dos, wg, vs);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(s);
-            fw_reg_fence(dp);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(s);
+            wg_reg_fence(dp);
             const bool edge = k0 + BN > r0 || k0 + BN > seq;
 #pragma unroll
             for (int jj = 0; jj < BN / 8; ++jj)
@@ -378,9 +354,9 @@ __device__ __forceinline__ void fw_bwd_dq(const uint16_t* __restrict__ q, const 
                     s[4 * jj + c] = p * (dp[4 * jj + c] - dr[r]);  // dS (unscaled)
                 }
             fw_gemm_pt<BN>(acc, s, ks);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(acc);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(acc);
         }
         __syncthreads();  // every warpgroup is done with this buffer before it is refilled
     }
@@ -454,13 +430,13 @@ __device__ __forceinline__ void fw_bwd_dkv(const uint16_t* __restrict__ q, const
             float st[BQ / 2], dpt[BQ / 2];
 #pragma unroll
             for (int i = 0; i < BQ / 2; ++i) st[i] = dpt[i] = 0.f;
-            fw_fence();
+            wg_fence();
             fw_gemm_nt<D, BK, BQ>(st, ks, wg, qs);
             fw_gemm_nt<D, BK, BQ>(dpt, vs, wg, dos);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(st);
-            fw_reg_fence(dpt);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(st);
+            wg_reg_fence(dpt);
             const bool edge = i0 < kw + 64 || i0 + BQ > seq || kw + 64 > seq;
 #pragma unroll
             for (int jj = 0; jj < BQ / 8; ++jj)
@@ -477,10 +453,10 @@ __device__ __forceinline__ void fw_bwd_dkv(const uint16_t* __restrict__ q, const
                 }
             fw_gemm_pt<BQ>(dva, st, dos);
             fw_gemm_pt<BQ>(dka, dpt, qs);
-            fw_commit();
-            fw_wait<0>();
-            fw_reg_fence(dva);
-            fw_reg_fence(dka);
+            wg_commit();
+            wg_wait<0>();
+            wg_reg_fence(dva);
+            wg_reg_fence(dka);
         }
         __syncthreads();  // every warpgroup is done with this buffer before it is refilled
     }

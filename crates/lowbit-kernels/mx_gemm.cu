@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "include/mx_scale.cuh"
+
 #define MXG_BM 64
 #define MXG_BN 64
 #define MXG_WORDS 8  // 32 fp8 bytes of a row as u32 words
@@ -34,14 +36,6 @@ __device__ __forceinline__ uint32_t mxg_word(const uint8_t* __restrict__ p, int 
   uint32_t w = 0;
   for (int i = 0; i < 4 && kk + i < k; ++i) w |= (uint32_t)__ldg(q + i) << (8 * i);
   return w;
-}
-
-// x · 2^(ea + eb - 254) in one rounding; NaN for a NaN scale.
-__device__ __forceinline__ float mxg_scale(float x, uint32_t ea, uint32_t eb) {
-  if (ea == 255u || eb == 255u) return __int_as_float(0x7fc00000);
-  int e = (int)ea + (int)eb - 254;
-  if (e >= -126 && e <= 127) return x * __int_as_float((e + 127) << 23);
-  return ldexpf(x, e);
 }
 
 template <bool A5, bool B5>

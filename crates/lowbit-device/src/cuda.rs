@@ -557,7 +557,7 @@ impl CudaDevice {
             ("fast_rms_threads", 0 | 128) => self.fast.rms_threads = version,
             ("flash_fwd_tiles", 0..=2) => self.fast.flash_fwd_tiles = version,
             ("flash_wgmma", 0 | 1) => self.fast.flash_mma_sync = version == 1,
-            ("matmul_mx_kernel", 0..=2) => self.fast.mx_gemm = version,
+            ("matmul_mx_kernel", 0..=3) => self.fast.mx_gemm = version,
             ("fast_xent_threads", 0) => self.fast.xent_threads = 0,
             ("fast_xent_threads", 64..=1024) if version.is_multiple_of(32) => {
                 self.fast.xent_threads = version;

@@ -807,9 +807,10 @@ impl Device {
     /// the dQ pass on Hopper's wgmma kernels where the GPU is compute capability 9.0 (0, the
     /// default), or the mma.sync ones everywhere (1) (not the same bits: another order of the
     /// f32 additions);
-    /// `("matmul_mx_kernel", 0..=2)`: [`Device::matmul_mx`] of two rowwise planes through their
+    /// `("matmul_mx_kernel", 0..=3)`: [`Device::matmul_mx`] of two rowwise planes through their
     /// exact bf16 dequantization and cuBLASLt (0, the default) or the block-scaled FP8 kernel,
-    /// v0 (1) or v1 (2) (each block summed on the FP8 tensor cores, so not the same bits).
+    /// v0 (1), v1 (2) or on Hopper's wgmma (3; v1 where k % 16 != 0 or a plane is not 16-byte
+    /// aligned) (each block summed on the FP8 tensor cores, so not the same bits).
     /// Every version gives the same bytes (and the same sums), but for the `fast_*` ones (each
     /// deterministic, with its own fixed summation tree).
     #[cfg(feature = "cuda")]

@@ -1,9 +1,12 @@
-//! The MXFP8 block-scaled GEMM on CUDA (`crates/lowbit-kernels/mx_gemm.cu`, kernel variant
-//! `("matmul_mx_kernel", 1)`) against the CPU's `Device::matmul_mx`, which computes the
-//! semantics exactly (each 32-block's dot product exact, scaled by both E8M0 scales, rounded
-//! once, added in block order; `tests/matmul_mx.rs` checks it against an integer reference).
-//! Shapes with K below, at and past a block, not a multiple of 32 or 128, M/N tails of the 64 x
-//! 64 tiles; both fp8 kinds on either side; accumulate; planes starting at odd byte offsets.
+//! The MXFP8 block-scaled GEMMs on CUDA (`crates/lowbit-kernels/mx_gemm.cu`, kernel variants
+//! `("matmul_mx_kernel", 1 | 2)`, and `mx_gemm_wgmma.cu`, variant 3) against the CPU's
+//! `Device::matmul_mx`, which computes the semantics exactly (each 32-block's dot product exact,
+//! scaled by both E8M0 scales, rounded once, added in block order; `tests/matmul_mx.rs` checks
+//! it against an integer reference). Shapes with K below, at and past a block, not a multiple of
+//! 16, 32 or 128 (the wgmma kernel's 16-byte copies and 128-byte stages), M/N tails of the 64 x
+//! 64 and 128 x 128 tiles; both fp8 kinds on either side; accumulate; planes starting at odd
+//! byte offsets (where variant 3 runs v1); scales outside the wgmma kernel's fast window (its
+//! exact promotion).
 //! Bounds per element, `|cuda − cpu| ≤ β · Σₖ|aₖ·bₖ|` (dequantized values): the kernel
 //! β = 2⁻¹¹, since Hopper's FP8 tensor cores add a block's products in an accumulator of about
 //! 14 mantissa bits (DeepSeek-V3 technical report, §3.3.2: the reason DeepGEMM promotes to f32
@@ -66,6 +69,8 @@ struct Case {
     kinds: (Fp8Kind, Fp8Kind),
     accumulate: bool,
     offset: usize,
+    /// Binades the values of A and B are moved by (their scales with them).
+    shift: (i32, i32),
 }
 
 /// C from `dev` (variant `variant` on CUDA) for the case's operands.
@@ -106,6 +111,12 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
         (257, 129, 300),
         (512, 384, 1024),
         (96, 200, 2048),
+        (5, 9, 16),
+        (129, 131, 48),
+        (130, 70, 144),
+        (257, 129, 400),
+        (300, 260, 528),
+        (256, 384, 4096),
     ] {
         cases.push(Case {
             m,
@@ -114,37 +125,58 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
             kinds: (E4M3, E4M3),
             accumulate: false,
             offset: 0,
+            shift: (0, 0),
         });
     }
-    for (kinds, accumulate, offset) in [
-        ((E4M3, E5M2), false, 1),
-        ((E5M2, E4M3), true, 3),
-        ((E5M2, E5M2), true, 2),
-        ((E4M3, E4M3), true, 1),
+    for (kinds, accumulate, offset, k) in [
+        ((E4M3, E5M2), false, 1, 129),
+        ((E5M2, E4M3), true, 3, 129),
+        ((E5M2, E5M2), true, 2, 129),
+        ((E4M3, E4M3), true, 1, 129),
+        ((E4M3, E5M2), false, 0, 272),
+        ((E5M2, E4M3), true, 0, 272),
+        ((E5M2, E5M2), true, 0, 272),
+        ((E4M3, E4M3), true, 0, 272),
     ] {
         cases.push(Case {
             m: 97,
             n: 75,
-            k: 129,
+            k,
             kinds,
             accumulate,
             offset,
+            shift: (0, 0),
+        });
+    }
+    // Scale bytes below and above the wgmma kernel's window [80, 172], in every stage or in
+    // some (one operand moved by 2^-70 or 2^60; the other, spread over 9 binades, not).
+    for shift in [(-70, 0), (0, 60), (-40, -40)] {
+        cases.push(Case {
+            m: 140,
+            n: 130,
+            k: 512,
+            kinds: (E4M3, E4M3),
+            accumulate: true,
+            offset: 0,
+            shift,
         });
     }
     let mut g = gpu();
     let mut cpu = Device::cpu();
     for (s, c) in cases.iter().enumerate() {
+        let moved =
+            |v: Vec<f32>, e: i32| -> Vec<f32> { v.into_iter().map(|x| x * 2f32.powi(e)).collect() };
         let (x, y) = (
-            spread(c.m * c.k, s as u64),
-            spread(c.n * c.k, 100 + s as u64),
+            moved(spread(c.m * c.k, s as u64), c.shift.0),
+            moved(spread(c.n * c.k, 100 + s as u64), c.shift.1),
         );
         let (ad, asc, adq) = plane(&x, c.m, c.k, c.kinds.0);
         let (bd, bsc, bdq) = plane(&y, c.n, c.k, c.kinds.1);
         let planes = [(ad, asc), (bd, bsc)];
         let c0 = spread(c.m * c.n, 7);
         let want = product(&mut cpu, c, &planes, &c0);
-        let mut worst = [0f64; 3];
-        for variant in [1, 2, 0] {
+        let mut worst = [0f64; 4];
+        for variant in [1, 2, 3, 0] {
             g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
                 .unwrap();
             let got = product(&mut g, c, &planes, &c0);
@@ -179,9 +211,19 @@ fn the_block_scaled_kernel_matches_the_cpu_semantics() {
             }
         }
         println!(
-            "{}x{}x{} {:?} acc {}: max |c − f64| / Σ|ab|: kernel v0 {:.2e}, v1 {:.2e}, bf16 \
-             path {:.2e}",
-            c.m, c.n, c.k, c.kinds, c.accumulate, worst[1], worst[2], worst[0]
+            "{}x{}x{} {:?} acc {} offset {} shift {:?}: max |c − f64| / Σ|ab|: kernel v0 {:.2e}, \
+             v1 {:.2e}, wgmma {:.2e}, bf16 path {:.2e}",
+            c.m,
+            c.n,
+            c.k,
+            c.kinds,
+            c.accumulate,
+            c.offset,
+            c.shift,
+            worst[1],
+            worst[2],
+            worst[3],
+            worst[0]
         );
     }
     g.set_cuda_kernel_variant("matmul_mx_kernel", 0).unwrap();
@@ -197,13 +239,14 @@ fn a_nan_scale_gives_nan() {
         kinds: (Fp8Kind::E4M3, Fp8Kind::E4M3),
         accumulate: false,
         offset: 0,
+        shift: (0, 0),
     };
     let (ad, mut asc, _) = plane(&spread(4 * 64, 1), 4, 64, Fp8Kind::E4M3);
     let (bd, bsc, _) = plane(&spread(8 * 64, 2), 8, 64, Fp8Kind::E4M3);
     asc[2 * 2 + 1] = 255;
     let planes = [(ad, asc), (bd, bsc)];
     let mut g = gpu();
-    for variant in [1, 2] {
+    for variant in [1, 2, 3] {
         g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
             .unwrap();
         let got = product(&mut g, &c, &planes, &[0.0; 32]);
@@ -243,7 +286,7 @@ fn mx_gemm_timing() {
             accumulate: false,
         };
         let mut line = format!("mx_gemm {m}x{n}x{k}:");
-        for variant in [1, 2, 0] {
+        for variant in [1, 2, 3, 0] {
             g.set_cuda_kernel_variant("matmul_mx_kernel", variant)
                 .unwrap();
             let t = time(&mut g, 10, |g| {
@@ -251,7 +294,7 @@ fn mx_gemm_timing() {
                     .unwrap()
             });
             let tf = 2.0 * (m * n * k) as f64 / t / 1e6;
-            let what = ["bf16 path", "kernel v0", "kernel v1"][variant as usize];
+            let what = ["bf16 path", "kernel v0", "kernel v1", "kernel wgmma"][variant as usize];
             line += &format!(" {what} {:.3} ms {tf:.1} TFLOP/s;", t / 1e3);
         }
         println!("{line}");

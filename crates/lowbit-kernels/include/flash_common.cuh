@@ -45,7 +45,7 @@ __device__ __forceinline__ float flash_exp2(float x) {
 
 // 16 bytes global → the shared address `dst` without the registers (cp.async, L2 only);
 // `valid == false` fills the 16 bytes with zeros (src-size 0) and reads nothing.
-__device__ __forceinline__ void flash_cp16(uint32_t dst, const uint16_t* src, bool valid) {
+__device__ __forceinline__ void flash_cp16(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
 }

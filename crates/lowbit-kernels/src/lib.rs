@@ -76,6 +76,11 @@ pub static MODULES: &[Module] = &[
         ptx: include_str!("../ptx/mx_gemm.sm_90.ptx"),
     },
     Module {
+        name: "mx_gemm_wgmma",
+        arch: "sm_90a",
+        ptx: include_str!("../ptx/mx_gemm_wgmma.sm_90a.ptx"),
+    },
+    Module {
         name: "mxfp8",
         arch: "sm_90",
         ptx: include_str!("../ptx/mxfp8.sm_90.ptx"),

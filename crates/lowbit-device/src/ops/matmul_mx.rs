@@ -23,8 +23,9 @@
 //! The CUDA backend by default dequantizes both operands to bf16 (exact: an fp8 value times a
 //! power of two is a bf16 value in every range a tensor's scale can produce) and runs one
 //! cuBLASLt bf16 GEMM, which is the MXFP8 product's arithmetic at bf16's speed. With the
-//! kernel variant `("matmul_mx_kernel", 1)` two rowwise planes (the forward's `X·Wᵀ`) run
-//! `mx_gemm.cu` instead: FP8 `mma.sync` per 32-block, promoted with both scales into f32.
+//! kernel variants `("matmul_mx_kernel", 1..=3)` two rowwise planes (the forward's `X·Wᵀ`) run
+//! `mx_gemm.cu` (FP8 `mma.sync`) or `mx_gemm_wgmma.cu` (FP8 `wgmma`) instead: one instruction
+//! per 32-block, its product promoted with both scales into f32.
 
 use super::{invalid, shape_len};
 use crate::cpu::{decode_into, encode_f32};

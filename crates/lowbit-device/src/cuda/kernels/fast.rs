@@ -62,7 +62,8 @@ pub(crate) struct FastState {
     /// at head dim 64 and two at 128, the faster of each on an H200; 1, one (64-row blocks);
     /// 2, two (128-row blocks) (`set_cuda_kernel_variant("flash_fwd_tiles", 0..=2)`). Same bits.
     pub(crate) flash_fwd_tiles: u32,
-    /// Whether the sm_90a module (`flash_wgmma.cu`) is loaded: a compute capability 9.0 GPU.
+    /// Whether the sm_90a modules (`flash_wgmma.cu`, `mx_gemm_wgmma.cu`) are loaded: a compute
+    /// capability 9.0 GPU.
     pub(crate) wgmma: bool,
     /// The flash attention's forward and backward on `flash_attention.cu`'s mma.sync kernels
     /// even where the wgmma ones are loaded (`set_cuda_kernel_variant("flash_wgmma", 1)`; 0,
@@ -71,7 +72,8 @@ pub(crate) struct FastState {
     pub(crate) flash_mma_sync: bool,
     /// How [`crate::Device::matmul_mx`] multiplies two rowwise planes: 0 (the default) their
     /// exact bf16 dequantization and cuBLASLt, 1 and 2 the block-scaled FP8 kernels v0 and v1
-    /// (`mx_gemm.cu`) (`set_cuda_kernel_variant("matmul_mx_kernel", 0..=2)`).
+    /// (`mx_gemm.cu`), 3 the wgmma one (`mx_gemm_wgmma.cu`, v1 where it cannot run)
+    /// (`set_cuda_kernel_variant("matmul_mx_kernel", 0..=3)`).
     pub(crate) mx_gemm: u32,
 }
 

@@ -161,7 +161,7 @@ impl CudaDevice {
     /// # Safety
     /// As [`CudaDevice::launch`]; `smem` is at most the device's opt-in shared memory per block
     /// (227 KiB on sm_90; the driver refuses more) and what the kernel indexes.
-    unsafe fn launch_smem(
+    pub(super) unsafe fn launch_smem(
         &mut self,
         name: &'static str,
         grid: (u32, u32, u32),
